@@ -1,0 +1,31 @@
+#!/bin/sh
+# Installs every build, test, benchmark and data dependency of rumor from
+# Debian's packages. Run as root on Debian 12 (bookworm) or later.
+# CUDA is not installed here: when nvcc is on PATH (or in /usr/local/cuda)
+# the build picks it up, otherwise rumor builds for the CPU only.
+set -eu
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install-deps.sh: must run as root (it calls apt-get)" >&2
+  exit 1
+fi
+
+packages="
+  build-essential cmake pkg-config git
+  libuv1-dev libmsgpack-dev libsodium-dev zlib1g-dev libdnnl-dev
+  libcriterion-dev
+  dataset-fashion-mnist
+  python3 python3-numpy python3-torch
+"
+
+export DEBIAN_FRONTEND=noninteractive
+# Skip the index refresh when everything is already present (repeat runs).
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  apt-get update -q
+  # shellcheck disable=SC2086
+  apt-get install -y -q --no-install-recommends $missing
+fi

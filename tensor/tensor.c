@@ -1,0 +1,354 @@
+/* Backend selection, tensor bookkeeping and op dispatch with shape checks. */
+#include "tensor/tensor_impl.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+size_t tensor_dtype_size(enum tensor_dtype dt) {
+  switch (dt) {
+  case TENSOR_F32: return 4;
+  case TENSOR_I32: return 4;
+  case TENSOR_F16: return 2;
+  case TENSOR_BF16: return 2;
+  }
+  return 0;
+}
+
+const char *tensor_dtype_name(enum tensor_dtype dt) {
+  switch (dt) {
+  case TENSOR_F32: return "F32";
+  case TENSOR_I32: return "I32";
+  case TENSOR_F16: return "F16";
+  case TENSOR_BF16: return "BF16";
+  }
+  return "?";
+}
+
+/* ---- backends ---- */
+
+bool tensor_cuda_compiled(void) {
+#ifdef RUMOR_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int tensor_cuda_device_count(void) {
+#ifdef RUMOR_HAVE_CUDA
+  return tensor_cuda_count();
+#else
+  return 0;
+#endif
+}
+
+/* Set once the "no GPU, using the CPU" notice has been logged (process-wide
+ * so that several backends opened with "auto" say it once). */
+static atomic_bool g_fallback_logged;
+
+int tensor_backend_open(const char *spec, tensor_backend_t *out, struct rumor_err *e) {
+  *out = NULL;
+  if (!spec || strcmp(spec, "auto") == 0) {
+    if (tensor_cuda_device_count() > 0) {
+#ifdef RUMOR_HAVE_CUDA
+      return tensor_cuda_open(0, out, e);
+#endif
+    }
+    if (!atomic_exchange(&g_fallback_logged, true)) {
+      if (tensor_cuda_compiled())
+        log_info("no usable CUDA GPU found; using the CPU backend");
+      else
+        log_info("built without CUDA; using the CPU backend");
+    }
+    return tensor_cpu_open(out, e);
+  }
+  if (strcmp(spec, "cpu") == 0) return tensor_cpu_open(out, e);
+  if (strncmp(spec, "cuda", 4) == 0) {
+    int64_t dev = 0;
+    if (spec[4] == ':') {
+      if (parse_i64(spec + 5, 0, 1023, &dev) != 0)
+        return rumor_err_set(e, RUMOR_EFORMAT, "unknown device '%s': expected cuda:N with N a device number", spec);
+    } else if (spec[4] != '\0') {
+      return rumor_err_set(e, RUMOR_EFORMAT, "unknown device '%s' (expected cpu, cuda, cuda:N or auto)", spec);
+    }
+    if (!tensor_cuda_compiled())
+      return rumor_err_set(e, RUMOR_EDEVICE, "device '%s' requested but this rumor was built without CUDA", spec);
+    int count = tensor_cuda_device_count();
+    if (dev >= count)
+      return rumor_err_set(e, RUMOR_EDEVICE, "device '%s' requested but %d CUDA device%s usable", spec, count,
+                           count == 1 ? " is" : "s are");
+#ifdef RUMOR_HAVE_CUDA
+    return tensor_cuda_open((int)dev, out, e);
+#endif
+  }
+  return rumor_err_set(e, RUMOR_EFORMAT, "unknown device '%s' (expected cpu, cuda, cuda:N or auto)", spec);
+}
+
+void tensor_backend_close(tensor_backend_t be) {
+  if (be) be->ops->close(be);
+}
+enum tensor_device tensor_backend_device(tensor_backend_t be) { return be->device; }
+const char *tensor_backend_name(tensor_backend_t be) { return be->name; }
+void tensor_backend_set_threads(tensor_backend_t be, int threads) {
+  if (be->ops->set_threads) be->ops->set_threads(be, threads < 1 ? 1 : threads);
+}
+void tensor_backend_sync(tensor_backend_t be) { be->ops->sync(be); }
+
+/* ---- memory ---- */
+
+int64_t tensor_numel(const struct tensor *t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+  return n;
+}
+
+size_t tensor_nbytes(const struct tensor *t) { return (size_t)tensor_numel(t) * tensor_dtype_size(t->dtype); }
+
+static void set_shape(struct tensor *t, int ndim, const int64_t *shape) {
+  RUMOR_ASSERT(ndim >= 1 && ndim <= TENSOR_MAX_DIMS);
+  t->ndim = ndim;
+  for (int i = 0; i < TENSOR_MAX_DIMS; i++) {
+    t->shape[i] = i < ndim ? shape[i] : 1;
+    RUMOR_ASSERT(t->shape[i] >= 0);
+  }
+}
+
+int tensor_alloc(struct tensor *t, tensor_backend_t be, enum tensor_dtype dt, int ndim,
+                 const int64_t *shape, struct rumor_err *e) {
+  memset(t, 0, sizeof *t);
+  set_shape(t, ndim, shape);
+  t->dtype = dt;
+  t->be = be;
+  size_t bytes = tensor_nbytes(t);
+  t->data = be->ops->mem_alloc(be, bytes);
+  if (!t->data) {
+    memset(t, 0, sizeof *t);
+    return rumor_err_set(e, be->device == TENSOR_DEVICE_CPU ? -ENOMEM : RUMOR_EDEVICE,
+                         "cannot allocate %.1f MiB on %s", (double)bytes / (1 << 20), be->name);
+  }
+  t->owner = true;
+  return 0;
+}
+
+void tensor_free(struct tensor *t) {
+  if (t->owner && t->data) t->be->ops->mem_free(t->be, t->data);
+  memset(t, 0, sizeof *t);
+}
+
+struct tensor tensor_view(const struct tensor *base, int64_t offset, int ndim, const int64_t *shape) {
+  struct tensor v;
+  memset(&v, 0, sizeof v);
+  set_shape(&v, ndim, shape);
+  v.dtype = base->dtype;
+  v.be = base->be;
+  RUMOR_ASSERT(offset >= 0 && offset + tensor_numel(&v) <= tensor_numel(base));
+  v.data = (char *)base->data + (size_t)offset * tensor_dtype_size(base->dtype);
+  v.owner = false;
+  return v;
+}
+
+struct tensor tensor_flat(const struct tensor *t) {
+  int64_t n = tensor_numel(t);
+  return tensor_view(t, 0, 1, &n);
+}
+
+void *tensor_host_alloc(tensor_backend_t be, size_t bytes) { return be->ops->host_alloc(be, bytes); }
+void tensor_host_free(tensor_backend_t be, void *p) {
+  if (p) be->ops->host_free(be, p);
+}
+
+static char *elem_ptr(const struct tensor *t, int64_t offset, size_t bytes) {
+  RUMOR_ASSERT(offset >= 0);
+  size_t start = (size_t)offset * tensor_dtype_size(t->dtype);
+  RUMOR_ASSERT(start + bytes <= tensor_nbytes(t));
+  return (char *)t->data + start;
+}
+
+void tensor_copy_from_host(struct tensor *dst, int64_t offset, const void *host, size_t bytes) {
+  dst->be->ops->copy_h2d(dst->be, elem_ptr(dst, offset, bytes), host, bytes, false);
+}
+void tensor_copy_to_host(const struct tensor *src, int64_t offset, void *host, size_t bytes) {
+  src->be->ops->copy_d2h(src->be, host, elem_ptr(src, offset, bytes), bytes, false);
+}
+void tensor_copy_from_host_async(struct tensor *dst, int64_t offset, const void *host, size_t bytes) {
+  dst->be->ops->copy_h2d(dst->be, elem_ptr(dst, offset, bytes), host, bytes, true);
+}
+void tensor_copy_to_host_async(const struct tensor *src, int64_t offset, void *host, size_t bytes) {
+  src->be->ops->copy_d2h(src->be, host, elem_ptr(src, offset, bytes), bytes, true);
+}
+void tensor_copy(struct tensor *dst, const struct tensor *src) {
+  RUMOR_ASSERT(dst->be == src->be && dst->dtype == src->dtype);
+  RUMOR_ASSERT(tensor_numel(dst) == tensor_numel(src));
+  dst->be->ops->copy_d2d(dst->be, dst->data, src->data, tensor_nbytes(src));
+}
+
+/* ---- events ---- */
+
+struct tensor_event {
+  tensor_backend_t be;
+  void *impl;
+};
+
+tensor_event_t tensor_event_create(tensor_backend_t be) {
+  void *impl = be->ops->ev_create(be);
+  if (!impl) return NULL;
+  struct tensor_event *ev = xmalloc(sizeof *ev);
+  ev->be = be;
+  ev->impl = impl;
+  return ev;
+}
+void tensor_event_destroy(tensor_event_t ev) {
+  if (!ev) return;
+  ev->be->ops->ev_destroy(ev->be, ev->impl);
+  free(ev);
+}
+void tensor_event_record(tensor_event_t ev) { ev->be->ops->ev_record(ev->be, ev->impl); }
+bool tensor_event_query(tensor_event_t ev) { return ev->be->ops->ev_query(ev->be, ev->impl); }
+void tensor_event_wait(tensor_event_t ev) { ev->be->ops->ev_wait(ev->be, ev->impl); }
+
+/* ---- ops ---- */
+
+static void check_f32(const struct tensor *t) { RUMOR_ASSERT(t->dtype == TENSOR_F32 && t->data); }
+
+static void check_same(const struct tensor *a, const struct tensor *b) {
+  check_f32(a);
+  check_f32(b);
+  RUMOR_ASSERT(a->be == b->be);
+  RUMOR_ASSERT(tensor_numel(a) == tensor_numel(b));
+}
+
+static int64_t rows_of(const struct tensor *t) { return t->ndim == 1 ? 1 : tensor_numel(t) / t->shape[t->ndim - 1]; }
+static int64_t cols_of(const struct tensor *t) { return t->shape[t->ndim - 1]; }
+
+void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,
+                 const struct tensor *b, float beta, struct tensor *c) {
+  check_f32(a);
+  check_f32(b);
+  check_f32(c);
+  RUMOR_ASSERT(a->ndim == 2 && b->ndim == 2 && c->ndim == 2);
+  RUMOR_ASSERT(a->be == c->be && b->be == c->be);
+  int64_t m = trans_a ? a->shape[1] : a->shape[0];
+  int64_t k = trans_a ? a->shape[0] : a->shape[1];
+  int64_t kb = trans_b ? b->shape[1] : b->shape[0];
+  int64_t n = trans_b ? b->shape[0] : b->shape[1];
+  RUMOR_ASSERT(k == kb && c->shape[0] == m && c->shape[1] == n);
+  RUMOR_ASSERT(m < INT32_MAX && n < INT32_MAX && k < INT32_MAX);
+  if (m == 0 || n == 0) return;
+  c->be->ops->gemm(c->be, trans_a, trans_b, (int)m, (int)n, (int)k, alpha, a->data, (int)a->shape[1],
+                   b->data, (int)b->shape[1], beta, c->data, (int)c->shape[1]);
+}
+
+void tensor_bias_add(struct tensor *y, const struct tensor *bias) {
+  check_f32(y);
+  check_f32(bias);
+  RUMOR_ASSERT(tensor_numel(bias) == cols_of(y));
+  y->be->ops->bias_add(y->be, y->data, bias->data, rows_of(y), cols_of(y));
+}
+
+void tensor_bias_grad(const struct tensor *dy, struct tensor *db, float beta) {
+  check_f32(dy);
+  check_f32(db);
+  RUMOR_ASSERT(tensor_numel(db) == cols_of(dy));
+  dy->be->ops->bias_grad(dy->be, dy->data, db->data, rows_of(dy), cols_of(dy), beta);
+}
+
+void tensor_relu_fwd(const struct tensor *x, struct tensor *y) {
+  check_same(x, y);
+  x->be->ops->relu_fwd(x->be, x->data, y->data, tensor_numel(x));
+}
+
+void tensor_relu_bwd(const struct tensor *y, const struct tensor *dy, struct tensor *dx) {
+  check_same(y, dy);
+  check_same(dy, dx);
+  y->be->ops->relu_bwd(y->be, y->data, dy->data, dx->data, tensor_numel(y));
+}
+
+void tensor_gelu_fwd(const struct tensor *x, struct tensor *y) {
+  check_same(x, y);
+  x->be->ops->gelu_fwd(x->be, x->data, y->data, tensor_numel(x));
+}
+
+void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct tensor *dx) {
+  check_same(x, dy);
+  check_same(dy, dx);
+  x->be->ops->gelu_bwd(x->be, x->data, dy->data, dx->data, tensor_numel(x));
+}
+
+void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
+                         struct tensor *dlogits, struct tensor *losses, float grad_scale) {
+  check_same(logits, dlogits);
+  check_f32(losses);
+  RUMOR_ASSERT(labels->dtype == TENSOR_I32 && labels->be == logits->be);
+  int64_t rows = rows_of(logits), cols = cols_of(logits);
+  RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(losses) == rows);
+  logits->be->ops->softmax_xent(logits->be, logits->data, labels->data, dlogits->data, losses->data,
+                                rows, cols, grad_scale);
+}
+
+void tensor_sgd_step(struct tensor *params, const struct tensor *grads, struct tensor *mom,
+                     const struct tensor_sgd *hp) {
+  check_same(params, grads);
+  if (mom) check_same(params, mom);
+  RUMOR_ASSERT(mom || hp->momentum == 0.0f);
+  params->be->ops->sgd_step(params->be, params->data, grads->data, mom ? mom->data : NULL,
+                            tensor_numel(params), hp);
+}
+
+void tensor_adamw_step(struct tensor *params, const struct tensor *grads, struct tensor *m,
+                       struct tensor *v, const struct tensor_adamw *hp) {
+  check_same(params, grads);
+  check_same(params, m);
+  check_same(params, v);
+  RUMOR_ASSERT(hp->step >= 1);
+  params->be->ops->adamw_step(params->be, params->data, grads->data, m->data, v->data,
+                              tensor_numel(params), hp);
+}
+
+void tensor_axpby(float a, const struct tensor *x, float b, struct tensor *y) {
+  check_same(x, y);
+  x->be->ops->axpby(x->be, a, x->data, b, y->data, tensor_numel(x));
+}
+
+void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha) {
+  check_same(x, y);
+  x->be->ops->lerp(x->be, x->data, y->data, alpha, tensor_numel(x));
+}
+
+void tensor_scale(struct tensor *x, float a) {
+  check_f32(x);
+  x->be->ops->scale(x->be, x->data, a, tensor_numel(x));
+}
+
+void tensor_fill(struct tensor *x, float v) {
+  check_f32(x);
+  x->be->ops->fill(x->be, x->data, v, tensor_numel(x));
+}
+
+double tensor_sum(const struct tensor *x) {
+  check_f32(x);
+  return x->be->ops->sum(x->be, x->data, tensor_numel(x));
+}
+
+double tensor_sq_norm(const struct tensor *x) {
+  check_f32(x);
+  return x->be->ops->sq_norm(x->be, x->data, tensor_numel(x));
+}
+
+double tensor_sq_dist(const struct tensor *x, const struct tensor *y) {
+  check_same(x, y);
+  return x->be->ops->sq_dist(x->be, x->data, y->data, tensor_numel(x));
+}
+
+int64_t tensor_count_nonfinite(const struct tensor *x) {
+  check_f32(x);
+  return x->be->ops->count_nonfinite(x->be, x->data, tensor_numel(x));
+}
+
+void tensor_count_sketch(const struct tensor *x, uint64_t seed, int k, double *out_host) {
+  check_f32(x);
+  RUMOR_ASSERT(k >= 1 && k <= (1 << 20) && (k & (k - 1)) == 0);
+  x->be->ops->count_sketch(x->be, x->data, tensor_numel(x), seed, k, out_host);
+}

@@ -1,0 +1,220 @@
+/*
+ * tensor — tensors and the compute backends behind one interface.
+ *
+ * A backend (tensor_backend_t) is one device: the CPU (oneDNN GEMM + plain C)
+ * or one CUDA GPU (cuBLAS + kernels/). Tensors are descriptors over memory of
+ * one backend. All ops are enqueued in order on the backend's single stream;
+ * on the CPU they run at once. Functions returning a value to the host
+ * (tensor_sum, tensor_sq_norm, ...) wait for the stream first.
+ *
+ * Threads: a backend and its tensors belong to one thread at a time (the
+ * training thread). Host buffers from tensor_host_alloc may be read by any
+ * thread once the copy into them is known complete (tensor_event_query).
+ *
+ * Errors: set-up calls (open, alloc) return a negative code with a message.
+ * Ops on valid tensors cannot fail at run time; a CUDA or cuBLAS failure
+ * inside an op is reported with the failing call, file and line, and aborts
+ * (the device state is unknown after it). Shape mismatches between operands
+ * are bugs in the caller and hit RUMOR_ASSERT.
+ */
+#ifndef RUMOR_TENSOR_H
+#define RUMOR_TENSOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/util.h"
+
+#define TENSOR_MAX_DIMS 4
+
+enum tensor_dtype {
+  TENSOR_F32 = 0,
+  TENSOR_I32 = 1,  /* class labels */
+  TENSOR_F16 = 2,  /* storage and wire only; no compute ops */
+  TENSOR_BF16 = 3, /* storage and wire only; no compute ops */
+};
+size_t tensor_dtype_size(enum tensor_dtype dt);
+const char *tensor_dtype_name(enum tensor_dtype dt); /* "F32", "I32", "F16", "BF16" */
+
+enum tensor_device { TENSOR_DEVICE_CPU = 0, TENSOR_DEVICE_CUDA = 1 };
+
+typedef struct tensor_backend *tensor_backend_t;
+typedef struct tensor_event *tensor_event_t;
+
+/* A tensor: `data` points into memory of backend `be` (device memory for
+ * CUDA). Row-major; `shape[0..ndim)` are the extents; unused extents are 1. */
+struct tensor {
+  void *data;
+  int64_t shape[TENSOR_MAX_DIMS];
+  int ndim;
+  enum tensor_dtype dtype;
+  tensor_backend_t be;
+  bool owner; /* allocated by tensor_alloc; tensor_free releases it */
+};
+
+/* ---- backends ---------------------------------------------------------------- */
+
+/* Opens a backend from a device spec: "cpu", "cuda", "cuda:N", or "auto"
+ * (CUDA device 0 when one is usable, else the CPU, logging the fall-back once
+ * per process). An explicit "cuda" without a usable GPU is an error.
+ * Returns 0, or RUMOR_EDEVICE / RUMOR_EFORMAT with a message naming the spec. */
+int tensor_backend_open(const char *spec, tensor_backend_t *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+void tensor_backend_close(tensor_backend_t be);
+enum tensor_device tensor_backend_device(tensor_backend_t be);
+/* "cpu" or "cuda:0"; a longer description (GPU model, memory) goes to the log
+ * at open. The string lives as long as the backend. */
+const char *tensor_backend_name(tensor_backend_t be);
+/* CPU: the number of threads oneDNN and the plain loops may use (>= 1).
+ * Ignored by CUDA. */
+void tensor_backend_set_threads(tensor_backend_t be, int threads);
+/* Waits until every op enqueued on `be` has finished. */
+void tensor_backend_sync(tensor_backend_t be);
+/* Number of usable CUDA devices: 0 when built without CUDA or with no GPU. */
+int tensor_cuda_device_count(void);
+/* True when this binary contains the CUDA backend. */
+bool tensor_cuda_compiled(void);
+
+/* ---- memory -------------------------------------------------------------------- */
+
+/* Allocates a tensor of `ndim` extents on `be`, contents undefined.
+ * Returns 0, or -ENOMEM / RUMOR_EDEVICE with the size in the message. */
+int tensor_alloc(struct tensor *t, tensor_backend_t be, enum tensor_dtype dt, int ndim,
+                 const int64_t *shape, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Frees an owning tensor (no-op for views); leaves `t` zeroed. */
+void tensor_free(struct tensor *t);
+/* A non-owning view of `ndim`/`shape` starting `offset` elements into `base`.
+ * The view must fit inside base (asserted). */
+struct tensor tensor_view(const struct tensor *base, int64_t offset, int ndim, const int64_t *shape);
+/* A 1-D view of the whole tensor. */
+struct tensor tensor_flat(const struct tensor *t);
+int64_t tensor_numel(const struct tensor *t);
+size_t tensor_nbytes(const struct tensor *t);
+
+/* Host memory suited to fast and asynchronous copies with `be`: pinned
+ * (page-locked) for CUDA, 64-byte aligned for the CPU. NULL on failure. */
+void *tensor_host_alloc(tensor_backend_t be, size_t bytes);
+void tensor_host_free(tensor_backend_t be, void *p);
+
+/* Copies between host memory and a tensor, `bytes` from element `offset`
+ * (counted in the tensor's dtype). The synchronous forms return when the
+ * data has arrived. The async forms only enqueue: `host` must be from
+ * tensor_host_alloc and must stay untouched until an event recorded after
+ * the copy completes. */
+void tensor_copy_from_host(struct tensor *dst, int64_t offset, const void *host, size_t bytes);
+void tensor_copy_to_host(const struct tensor *src, int64_t offset, void *host, size_t bytes);
+void tensor_copy_from_host_async(struct tensor *dst, int64_t offset, const void *host, size_t bytes);
+void tensor_copy_to_host_async(const struct tensor *src, int64_t offset, void *host, size_t bytes);
+/* dst ← src, same numel and dtype, same backend. */
+void tensor_copy(struct tensor *dst, const struct tensor *src);
+
+/* Events mark a point in the backend's stream (CPU events are complete as
+ * soon as they are recorded). */
+tensor_event_t tensor_event_create(tensor_backend_t be);
+void tensor_event_destroy(tensor_event_t ev);
+void tensor_event_record(tensor_event_t ev);
+/* True when all work before the last record has finished; never blocks. */
+bool tensor_event_query(tensor_event_t ev);
+void tensor_event_wait(tensor_event_t ev);
+
+/* ---- ops (F32 unless stated; all tensors on one backend) ------------------------- */
+
+/* C ← alpha·op(A)·op(B) + beta·C, row-major 2-D. op(A) is [M,K] (A is [K,M]
+ * when trans_a), op(B) is [K,N] (B is [N,K] when trans_b), C is [M,N]. */
+void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,
+                 const struct tensor *b, float beta, struct tensor *c);
+/* y[r,c] += bias[c] for y [R,C], bias [C]. */
+void tensor_bias_add(struct tensor *y, const struct tensor *bias);
+/* db[c] ← beta·db[c] + Σ_r dy[r,c]. */
+void tensor_bias_grad(const struct tensor *dy, struct tensor *db, float beta);
+/* y ← max(x, 0); y may alias x. */
+void tensor_relu_fwd(const struct tensor *x, struct tensor *y);
+/* dx ← dy · [y > 0], where y is the ReLU output; dx may alias dy. */
+void tensor_relu_bwd(const struct tensor *y, const struct tensor *dy, struct tensor *dx);
+/* Exact GELU: y ← x·Φ(x) (erf form, as PyTorch's default); y may alias x. */
+void tensor_gelu_fwd(const struct tensor *x, struct tensor *y);
+/* dx ← dy · GELU'(x), where x is the GELU input; dx may alias dy. */
+void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct tensor *dx);
+/* Softmax cross-entropy over rows of logits [R,C] with I32 labels [R]
+ * (0 <= label < C, checked by the caller when data is loaded).
+ * losses [R] ← −log softmax(logits)[label]; dlogits [R,C] ←
+ * grad_scale·(softmax − onehot). dlogits may alias logits. */
+void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
+                         struct tensor *dlogits, struct tensor *losses, float grad_scale);
+
+/* SGD with momentum, PyTorch semantics: g ← g + wd·p; m ← μ·m + g;
+ * p ← p − lr·(nesterov ? g + μ·m : m). `mom` may be NULL when μ = 0. */
+struct tensor_sgd {
+  float lr, momentum, weight_decay;
+  bool nesterov;
+};
+void tensor_sgd_step(struct tensor *params, const struct tensor *grads, struct tensor *mom,
+                     const struct tensor_sgd *hp);
+
+/* AdamW, PyTorch semantics: p ← p·(1 − lr·wd); m ← β1·m + (1−β1)·g;
+ * v ← β2·v + (1−β2)·g²; p ← p − lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + eps).
+ * `step` is t, counted from 1. */
+struct tensor_adamw {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;
+};
+void tensor_adamw_step(struct tensor *params, const struct tensor *grads, struct tensor *m,
+                       struct tensor *v, const struct tensor_adamw *hp);
+
+/* y ← a·x + b·y. */
+void tensor_axpby(float a, const struct tensor *x, float b, struct tensor *y);
+/* x ← (1 − alpha)·x + alpha·y (gossip averaging). */
+void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha);
+void tensor_scale(struct tensor *x, float a);
+void tensor_fill(struct tensor *x, float v);
+/* Reductions, accumulated in double (CPU) or float partials summed in double
+ * (CUDA); they wait for the stream. */
+double tensor_sum(const struct tensor *x);
+double tensor_sq_norm(const struct tensor *x);
+double tensor_sq_dist(const struct tensor *x, const struct tensor *y); /* ‖x − y‖² */
+/* Number of NaN or ±Inf elements. */
+int64_t tensor_count_nonfinite(const struct tensor *x);
+
+/* Count-sketch of x into k buckets (k a power of two, 1 <= k <= 2^20):
+ * out[b(i)] += s(i)·x[i] with b and s from tensor_sketch_hash(seed, i). Linear
+ * in x and distance-preserving in expectation: E‖S(x) − S(y)‖² = ‖x − y‖².
+ * `out_host` has k doubles and is overwritten. Waits for the stream. */
+void tensor_count_sketch(const struct tensor *x, uint64_t seed, int k, double *out_host);
+
+/* The hash every backend's count-sketch uses, so that sketches made on
+ * different devices of one cluster agree: bucket b = (h >> 1) & (k − 1) and
+ * sign s = (h & 1) ? −1 : +1 for h = tensor_sketch_hash(seed, i). Built from
+ * 32-bit multiplies (murmur3's finaliser) so that it vectorises on AVX2 and is
+ * cheap on GPUs. */
+static inline uint32_t tensor_sketch_mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+static inline uint32_t tensor_sketch_hash(uint64_t seed, uint64_t i) {
+  uint32_t key = tensor_sketch_mix32((uint32_t)(i >> 32) ^ (uint32_t)seed) ^ (uint32_t)(seed >> 32);
+  return tensor_sketch_mix32(((uint32_t)i * 0x9e3779b1u) ^ key);
+}
+
+/* ---- plain reference ops ---------------------------------------------------------
+ * Obviously-correct host loops (double accumulation) that tests compare every
+ * backend against. Raw host pointers, row-major. Not used in training. */
+void tensor_ref_gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float *a,
+                     const float *b, float beta, float *c);
+void tensor_ref_bias_add(float *y, const float *bias, int64_t rows, int64_t cols);
+void tensor_ref_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta);
+void tensor_ref_relu_fwd(const float *x, float *y, int64_t n);
+void tensor_ref_relu_bwd(const float *y, const float *dy, float *dx, int64_t n);
+void tensor_ref_gelu_fwd(const float *x, float *y, int64_t n);
+void tensor_ref_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n);
+void tensor_ref_softmax_xent(const float *logits, const int32_t *labels, float *dlogits,
+                             float *losses, int64_t rows, int64_t cols, float grad_scale);
+void tensor_ref_sgd_step(float *p, const float *g, float *m, int64_t n, const struct tensor_sgd *hp);
+void tensor_ref_adamw_step(float *p, const float *g, float *m, float *v, int64_t n,
+                           const struct tensor_adamw *hp);
+void tensor_ref_count_sketch(const float *x, int64_t n, uint64_t seed, int k, double *out);
+
+#endif /* RUMOR_TENSOR_H */

@@ -1,0 +1,83 @@
+/*
+ * tensor_impl.h — the private interface between tensor.c (dispatch, shape
+ * checks) and the backends (tensor_cpu.c, tensor_cuda.c). Not for use
+ * outside tensor/.
+ *
+ * Every entry takes raw device pointers and element counts that tensor.c has
+ * already checked against the tensors' shapes. Entries run in stream order on
+ * the backend; those returning host values synchronise first. An entry left
+ * NULL is not supported by that backend (tensor.c asserts before calling).
+ */
+#ifndef RUMOR_TENSOR_IMPL_H
+#define RUMOR_TENSOR_IMPL_H
+
+#include "tensor/tensor.h"
+
+struct tensor_backend_ops {
+  void (*close)(tensor_backend_t be);
+  void (*set_threads)(tensor_backend_t be, int threads); /* optional */
+  void (*sync)(tensor_backend_t be);
+
+  /* Device memory: NULL on failure (the caller reports it). */
+  void *(*mem_alloc)(tensor_backend_t be, size_t bytes);
+  void (*mem_free)(tensor_backend_t be, void *p);
+  /* Host memory for fast/async copies: NULL on failure. */
+  void *(*host_alloc)(tensor_backend_t be, size_t bytes);
+  void (*host_free)(tensor_backend_t be, void *p);
+  void (*copy_h2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
+  void (*copy_d2h)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
+  void (*copy_d2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes);
+
+  /* Events. `ev_create` returns backend-private state (NULL on failure). */
+  void *(*ev_create)(tensor_backend_t be);
+  void (*ev_destroy)(tensor_backend_t be, void *ev);
+  void (*ev_record)(tensor_backend_t be, void *ev);
+  bool (*ev_query)(tensor_backend_t be, void *ev);
+  void (*ev_wait)(tensor_backend_t be, void *ev);
+
+  /* Row-major C[m,n] ← alpha·op(A)·op(B) + beta·C with leading dimensions
+   * lda/ldb/ldc (row strides in elements). */
+  void (*gemm)(tensor_backend_t be, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+               const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc);
+  void (*bias_add)(tensor_backend_t be, float *y, const float *bias, int64_t rows, int64_t cols);
+  void (*bias_grad)(tensor_backend_t be, const float *dy, float *db, int64_t rows, int64_t cols,
+                    float beta);
+  void (*relu_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
+  void (*relu_bwd)(tensor_backend_t be, const float *y, const float *dy, float *dx, int64_t n);
+  void (*gelu_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
+  void (*gelu_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
+  void (*softmax_xent)(tensor_backend_t be, const float *logits, const int32_t *labels,
+                       float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale);
+  void (*sgd_step)(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
+                   const struct tensor_sgd *hp);
+  void (*adamw_step)(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,
+                     const struct tensor_adamw *hp);
+  void (*axpby)(tensor_backend_t be, float a, const float *x, float b, float *y, int64_t n);
+  void (*lerp)(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n);
+  void (*scale)(tensor_backend_t be, float *x, float a, int64_t n);
+  void (*fill)(tensor_backend_t be, float *x, float v, int64_t n);
+  double (*sum)(tensor_backend_t be, const float *x, int64_t n);
+  double (*sq_norm)(tensor_backend_t be, const float *x, int64_t n);
+  double (*sq_dist)(tensor_backend_t be, const float *x, const float *y, int64_t n);
+  int64_t (*count_nonfinite)(tensor_backend_t be, const float *x, int64_t n);
+  void (*count_sketch)(tensor_backend_t be, const float *x, int64_t n, uint64_t seed, int k,
+                       double *out_host);
+};
+
+/* The common head of every backend; each backend embeds it first in its own
+ * struct and casts. */
+struct tensor_backend {
+  const struct tensor_backend_ops *ops;
+  enum tensor_device device;
+  char name[64];
+};
+
+/* Backend constructors, called by tensor_backend_open. Each returns 0 or a
+ * negative code with a message. */
+int tensor_cpu_open(tensor_backend_t *out, struct rumor_err *e);
+#ifdef RUMOR_HAVE_CUDA
+int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e);
+int tensor_cuda_count(void);
+#endif
+
+#endif /* RUMOR_TENSOR_IMPL_H */

@@ -1,0 +1,167 @@
+/*
+ * util — the small shared base of rumor: error codes and messages, logging,
+ * clocks, checked allocation, always-on asserts and a seeded random
+ * generator. Every other module may include this header; it includes
+ * nothing of rumor's.
+ */
+#ifndef RUMOR_UTIL_H
+#define RUMOR_UTIL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define RUMOR_PRINTF(fmt_idx, arg_idx) __attribute__((format(printf, fmt_idx, arg_idx)))
+#define RUMOR_MUST_CHECK __attribute__((warn_unused_result))
+#define RUMOR_NORETURN __attribute__((noreturn))
+#else
+#define RUMOR_PRINTF(a, b)
+#define RUMOR_MUST_CHECK
+#define RUMOR_NORETURN
+#endif
+
+/* ---- error codes -----------------------------------------------------------
+ * Functions that can fail at run time return 0 on success and a negative code
+ * on failure. Codes are negative errno values (-ENOENT, -EINVAL, ...) or one of
+ * the rumor-specific codes below, which sit far below any errno.
+ */
+enum {
+  RUMOR_OK = 0,
+  RUMOR_ECORRUPT = -10001,  /* a file or message failed validation */
+  RUMOR_EFORMAT = -10002,   /* malformed input (bad flag value, spec, syntax) */
+  RUMOR_EAUTH = -10003,     /* authentication or admission failed */
+  RUMOR_EPROTO = -10004,    /* protocol violation by the remote side */
+  RUMOR_ETOOBIG = -10005,   /* a declared size exceeds its cap */
+  RUMOR_EDEVICE = -10006,   /* device unavailable or a device call failed */
+  RUMOR_ESHAPE = -10007,    /* tensor shape or dtype mismatch */
+  RUMOR_ECANCELED = -10008, /* the operation was abandoned */
+  RUMOR_ETIMEDOUT = -10009, /* a deadline passed */
+  RUMOR_ENOTFOUND = -10010, /* a named thing does not exist */
+};
+
+/* Returns a static, human-readable description of `code` (never NULL). */
+const char *rumor_strerror(int code);
+
+/* An error record: a code and a message that names the problem and the input.
+ * Functions that report detail take a `struct rumor_err *` (which may be NULL
+ * when the caller does not want the text). */
+struct rumor_err {
+  int code;
+  char msg[512];
+};
+
+/* Records `code` and a formatted message in `e` (if not NULL) and returns
+ * `code`, so callers can write `return rumor_err_set(e, -EINVAL, "...")`. */
+int rumor_err_set(struct rumor_err *e, int code, const char *fmt, ...) RUMOR_PRINTF(3, 4);
+/* Prepends "prefix: " to an existing message in `e`; returns e->code. */
+int rumor_err_prefix(struct rumor_err *e, const char *fmt, ...) RUMOR_PRINTF(2, 3);
+
+/* ---- logging ---------------------------------------------------------------
+ * Human lines on stderr by default ("12:03:04.123 INFO  [name] message");
+ * with log_set_json(true) one JSON object per line. Thread-safe: each line is
+ * formatted in a local buffer and written with one write(2).
+ */
+enum log_level { LOG_DEBUG = 0, LOG_INFO = 1, LOG_WARN = 2, LOG_ERROR = 3 };
+
+void log_set_level(enum log_level level);
+void log_set_json(bool on);
+/* A short name for this process ("peer-3", "bootstrap") shown on each line.
+ * The string is copied. Call before other threads log. */
+void log_set_name(const char *name);
+void log_msg(enum log_level level, const char *fmt, ...) RUMOR_PRINTF(2, 3);
+void log_vmsg(enum log_level level, const char *fmt, va_list ap);
+bool log_enabled(enum log_level level);
+
+#define log_debug(...) log_msg(LOG_DEBUG, __VA_ARGS__)
+#define log_info(...) log_msg(LOG_INFO, __VA_ARGS__)
+#define log_warn(...) log_msg(LOG_WARN, __VA_ARGS__)
+#define log_error(...) log_msg(LOG_ERROR, __VA_ARGS__)
+
+/* ---- asserts and checked allocation ------------------------------------------
+ * RUMOR_ASSERT is for broken invariants of our own code only, never for input
+ * from files or the network. It is always on (also in release builds).
+ */
+RUMOR_NORETURN void rumor_panic(const char *file, int line, const char *fmt, ...) RUMOR_PRINTF(3, 4);
+#define RUMOR_ASSERT(cond)                                                   \
+  do {                                                                       \
+    if (!(cond)) rumor_panic(__FILE__, __LINE__, "assertion failed: %s", #cond); \
+  } while (0)
+
+/* Allocation that cannot fail: on out-of-memory it reports the call site and
+ * size and aborts. Use only for sizes we chose; sizes read from a file or the
+ * network are capped and allocated with plain malloc and checked. */
+void *rumor_xmalloc_at(size_t n, const char *file, int line);
+void *rumor_xcalloc_at(size_t count, size_t size, const char *file, int line);
+void *rumor_xrealloc_at(void *p, size_t n, const char *file, int line);
+char *rumor_xstrdup_at(const char *s, const char *file, int line);
+#define xmalloc(n) rumor_xmalloc_at((n), __FILE__, __LINE__)
+#define xcalloc(c, s) rumor_xcalloc_at((c), (s), __FILE__, __LINE__)
+#define xrealloc(p, n) rumor_xrealloc_at((p), (n), __FILE__, __LINE__)
+#define xstrdup(s) rumor_xstrdup_at((s), __FILE__, __LINE__)
+
+/* ---- clocks ----------------------------------------------------------------- */
+/* Monotonic time in nanoseconds (for durations and deadlines). */
+uint64_t clock_now_ns(void);
+/* Monotonic time in seconds, as a double (for rates and progress lines). */
+double clock_now_s(void);
+/* Wall-clock time in milliseconds since the Unix epoch (for logs and files). */
+int64_t clock_wall_ms(void);
+
+/* ---- random numbers -----------------------------------------------------------
+ * xoshiro256** seeded through splitmix64: fast, reproducible across platforms,
+ * and independent streams from (seed, stream) pairs. Not for cryptography
+ * (keys come from libsodium).
+ */
+struct rng {
+  uint64_t s[4];
+};
+void rng_seed(struct rng *r, uint64_t seed, uint64_t stream);
+uint64_t rng_next_u64(struct rng *r);
+/* Uniform integer in [0, bound), bound > 0, without modulo bias. */
+uint64_t rng_below(struct rng *r, uint64_t bound);
+/* Uniform float in [0, 1) with 24 random bits. */
+float rng_uniform(struct rng *r);
+/* Standard normal (Box-Muller). */
+float rng_normal(struct rng *r);
+
+/* ---- small parsing helpers for command lines and files ------------------------
+ * Each returns 0 and stores the value, or RUMOR_EFORMAT (the output untouched)
+ * when `s` is not entirely a number in range. */
+int parse_i64(const char *s, int64_t min, int64_t max, int64_t *out) RUMOR_MUST_CHECK;
+int parse_f64(const char *s, double min, double max, double *out) RUMOR_MUST_CHECK;
+
+/* ---- files ----------------------------------------------------------------------
+ * Writes `n` bytes to `path` atomically: a temporary file in the same
+ * directory, fsync, rename over `path`, fsync of the directory. On failure the
+ * previous file at `path` (if any) is untouched, the temporary is removed and
+ * a negative errno is returned with a message in `e`. `mode` is the new file's
+ * permission bits (e.g. 0600 for secrets). The data is given as `nparts`
+ * pieces written in order, so callers need not concatenate large buffers. */
+struct file_part {
+  const void *data;
+  size_t len;
+};
+int file_write_atomic(const char *path, const struct file_part *parts, size_t nparts,
+                      unsigned mode, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Reads a whole file of at most `max_len` bytes into a new buffer (caller
+ * frees). Returns 0, or a negative errno / RUMOR_ETOOBIG with a message. */
+int file_read_all(const char *path, size_t max_len, uint8_t **out, size_t *out_len,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- half precision ---------------------------------------------------------------
+ * IEEE binary16 and bfloat16 conversion for storage and the wire.
+ * Round-to-nearest-even; NaN stays NaN (quiet), overflow becomes ±Inf. */
+uint16_t half_from_f32(float f);
+float half_to_f32(uint16_t h);
+uint16_t bf16_from_f32(float f);
+float bf16_to_f32(uint16_t h);
+/* Bulk forms over n elements. */
+void half_from_f32_n(uint16_t *dst, const float *src, size_t n);
+void half_to_f32_n(float *dst, const uint16_t *src, size_t n);
+void bf16_from_f32_n(uint16_t *dst, const float *src, size_t n);
+void bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
+
+#endif /* RUMOR_UTIL_H */
