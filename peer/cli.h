@@ -1,0 +1,13 @@
+/*
+ * cli — the `rumor` command's subcommands. Each takes the arguments after
+ * its own name (argv[0] is the subcommand name) and returns the process exit
+ * status: 0 on success, 1 on a runtime failure, 2 on a usage error. Each
+ * prints its own --help.
+ */
+#ifndef RUMOR_PEER_CLI_H
+#define RUMOR_PEER_CLI_H
+
+int cmd_train(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+
+#endif /* RUMOR_PEER_CLI_H */

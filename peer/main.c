@@ -1,0 +1,45 @@
+/* The `rumor` command: dispatches to a subcommand. */
+#include <stdio.h>
+#include <string.h>
+
+#include "peer/cli.h"
+#include "util/util.h"
+
+struct subcommand {
+  const char *name;
+  int (*run)(int argc, char **argv);
+  const char *summary;
+};
+
+static const struct subcommand commands[] = {
+    /* name, function, one-line summary; kept in the order of --help */
+    {NULL, NULL, NULL},
+};
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: rumor <command> [options]\n\n"
+             "rumor trains one model on many machines by gossip averaging.\n\ncommands:\n");
+  for (size_t i = 0; commands[i].name; i++)
+    fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+  fprintf(f, "\nRun 'rumor <command> --help' for the options of one command.\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    usage(stdout);
+    return 0;
+  }
+  if (strcmp(argv[1], "--version") == 0) {
+    printf("rumor 0.1.0\n");
+    return 0;
+  }
+  for (size_t i = 0; commands[i].name; i++)
+    if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
+  fprintf(stderr, "rumor: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
