@@ -13,6 +13,8 @@ struct subcommand {
 
 static const struct subcommand commands[] = {
     /* name, function, one-line summary; kept in the order of --help */
+    {"train", cmd_train, "train one peer on its own (no network)"},
+    {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
     {NULL, NULL, NULL},
 };
 
