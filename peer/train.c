@@ -111,8 +111,11 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   }
 
   t->steps_per_epoch = batcher_steps_per_epoch(&t->batcher, t->cfg.batch);
+  /* The schedule spans the configured epochs even when max_steps stops the
+   * run earlier, so a run cut short and resumed follows the same rates. */
   t->total_steps = t->cfg.epochs * t->steps_per_epoch;
-  if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->total_steps) t->total_steps = t->cfg.max_steps;
+  t->stop_step = t->total_steps;
+  if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->stop_step) t->stop_step = t->cfg.max_steps;
   if (t->st.step_in_epoch >= t->steps_per_epoch) {
     rc = rumor_err_set(e, RUMOR_ECORRUPT, "checkpoint position (batch %lld of epoch %lld) is past the epoch's %lld batches",
                        (long long)t->st.step_in_epoch, (long long)t->st.epoch, (long long)t->steps_per_epoch);
@@ -163,7 +166,7 @@ void trainer_free(struct trainer *t) {
   memset(t, 0, sizeof *t);
 }
 
-bool trainer_done(const struct trainer *t) { return t->st.step >= t->total_steps; }
+bool trainer_done(const struct trainer *t) { return t->st.step >= t->stop_step; }
 
 static void stage(struct trainer *t, int buf) {
   t->rows[buf] = batcher_fill(&t->batcher, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
@@ -181,7 +184,7 @@ static void progress(struct trainer *t, double lr) {
   double now = clock_now_s();
   double el = now - t->t_start;
   double rate = el > 0 ? (double)(t->st.samples - t->samples_at_start) / el : 0;
-  double remaining = rate > 0 ? (double)(t->total_steps - t->st.step) * (double)t->cfg.batch / rate : 0;
+  double remaining = rate > 0 ? (double)(t->stop_step - t->st.step) * (double)t->cfg.batch / rate : 0;
   char eta[32];
   format_duration(remaining, eta, sizeof eta);
   log_info("epoch %lld/%lld  step %lld/%lld  loss %.4f  lr %.4g  %.0f samples/s  ETA %s",

@@ -46,7 +46,9 @@ struct trainer {
   struct batcher batcher;
   double norm_mean, norm_std;
   float lut[256];
-  int64_t steps_per_epoch, total_steps;
+  int64_t steps_per_epoch;
+  int64_t total_steps; /* epochs × steps_per_epoch: the schedule's length */
+  int64_t stop_step;   /* total_steps, or max_steps when that is smaller */
   struct train_state st;
 
   /* Double-buffered host batches (pinned on CUDA): the next batch is

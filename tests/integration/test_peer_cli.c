@@ -1,0 +1,215 @@
+/* The `rumor` command as a user runs it: one epoch of Fashion-MNIST reaches
+ * the target accuracy; checkpoints evaluate and resume bit for bit; bad
+ * flags, bad data, bad checkpoints and unknown devices give a clear message
+ * and a non-zero exit, never a crash. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../support/proc.h"
+
+static char dir[64];
+
+static void setup(void) {
+  snprintf(dir, sizeof dir, "/tmp/rumor-test-cli-XXXXXX");
+  cr_assert_not_null(mkdtemp(dir));
+}
+static void teardown(void) {
+  proc_kill_all();
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_assert_eq(system(cmd), 0);
+}
+TestSuite(cli, .init = setup, .fini = teardown, .timeout = 300);
+
+static bool have_fmnist(void) {
+  struct stat st;
+  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
+}
+
+#define SKIP_WITHOUT_DATA()                                                                  \
+  do {                                                                                       \
+    if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR      \
+                                     " (apt-get install dataset-fashion-mnist)");            \
+  } while (0)
+
+static double json_number(const char *json, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = json ? strstr(json, pat) : NULL;
+  return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+/* Runs rumor with the given arguments; returns the wait status. */
+static int rumor(char **out, char **err, double secs, ...) {
+  char *argv[64];
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  va_list ap;
+  va_start(ap, secs);
+  for (char *a; n < 63 && (a = va_arg(ap, char *)) != NULL;) argv[n++] = a;
+  va_end(ap);
+  argv[n] = NULL;
+  return proc_run(argv, secs, dir, out, err);
+}
+
+/* Asserts a clean failure: a normal exit with `code`, and stderr containing
+ * `needle`. */
+static void expect_fail(int st, int code, char *err, const char *needle, const char *what) {
+  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", what, st, err);
+  cr_assert_eq(WEXITSTATUS(st), code, "%s: exit %d, want %d: %s", what, WEXITSTATUS(st), code, err);
+  cr_assert(strstr(err, needle) != NULL, "%s: stderr should mention '%s': %s", what, needle, err);
+  free(err);
+}
+
+Test(cli, one_epoch_reaches_084_and_eval_agrees) {
+  SKIP_WITHOUT_DATA();
+  char ck[256], *out, *err;
+  snprintf(ck, sizeof ck, "%s/one.safetensors", dir);
+  int st = rumor(&out, &err, 240, "train", "--model", "mlp:784-512-256-10", "--epochs", "1", "--threads", "2",
+                 "--log-every", "0", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "train failed: %s", err);
+  double acc = json_number(out, "test_accuracy");
+  cr_assert(acc >= 0.84, "one epoch reached test accuracy %.4f < 0.84 (%s)", acc, out);
+  free(out), free(err);
+  st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "eval failed: %s", err);
+  double eacc = json_number(out, "accuracy");
+  cr_assert(fabs(eacc - acc) < 1e-6, "eval says %.6f, train said %.6f", eacc, acc);
+  free(out), free(err);
+}
+
+static char *read_file(const char *p, size_t *n) {
+  FILE *f = fopen(p, "rb");
+  cr_assert_not_null(f, "cannot open %s", p);
+  fseek(f, 0, SEEK_END);
+  *n = (size_t)ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *b = malloc(*n);
+  cr_assert_eq(fread(b, 1, *n, f), *n);
+  fclose(f);
+  return b;
+}
+
+Test(cli, resume_continues_bit_for_bit) {
+  SKIP_WITHOUT_DATA();
+  /* 120 steps straight vs 60 steps, stop, resume for 60 more: identical
+   * parameters and optimizer state. */
+  char a[256], b[256], *out, *err;
+  snprintf(a, sizeof a, "%s/straight.safetensors", dir);
+  snprintf(b, sizeof b, "%s/halves.safetensors", dir);
+  int st = rumor(&out, &err, 120, "train", "--model", "mlp:784-64-10", "--epochs", "1", "--threads", "1",
+                 "--log-every", "0", "--no-eval", "--shard", "1/4", "--max-steps", "100", "--checkpoint", a, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  st = rumor(&out, &err, 120, "train", "--model", "mlp:784-64-10", "--epochs", "1", "--threads", "1",
+             "--log-every", "0", "--no-eval", "--shard", "1/4", "--max-steps", "50", "--checkpoint", b, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  st = rumor(&out, &err, 120, "train", "--resume", b, "--epochs", "1", "--threads", "1", "--log-every", "0",
+             "--no-eval", "--max-steps", "100", "--checkpoint", b, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  cr_assert(strstr(err, "resumed from") != NULL, "%s", err);
+  free(out), free(err);
+  size_t na, nb;
+  char *fa = read_file(a, &na), *fb = read_file(b, &nb);
+  cr_assert_eq(na, nb, "checkpoint sizes differ");
+  cr_assert_eq(memcmp(fa, fb, na), 0, "a resumed run differs from the straight run");
+  free(fa), free(fb);
+}
+
+Test(cli, bad_flags_are_usage_errors) {
+  char *err;
+  struct {
+    const char *a, *b, *needle;
+  } cases[] = {
+      {"--bogus", NULL, "unknown option '--bogus'"},
+      {"--epochs", "0", "--epochs"},
+      {"--epochs", "ten", "'ten'"},
+      {"--lr", "abc", "--lr"},
+      {"--lr", "nan", "--lr"},
+      {"--batch", "-3", "--batch"},
+      {"--shard", "5/4", "bad shard '5/4'"},
+      {"--model", "mlp:784-x-10", "mlp:784-x-10"},
+      {"--optimizer", "rmsprop", "--optimizer"},
+      {"--epochs", NULL, "needs a value"},
+      {"stray", NULL, "unexpected argument 'stray'"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int st = rumor(NULL, &err, 30, "train", cases[i].a, cases[i].b, NULL);
+    int want = strstr(cases[i].needle, "mlp:") ? 1 : 2; /* a bad spec is found when the model is built */
+    expect_fail(st, want, err, cases[i].needle, cases[i].a);
+  }
+  int st = rumor(NULL, &err, 30, "frobnicate", NULL);
+  expect_fail(st, 2, err, "unknown command 'frobnicate'", "unknown command");
+  st = rumor(NULL, &err, 30, "eval", NULL);
+  expect_fail(st, 2, err, "--checkpoint", "eval without checkpoint");
+}
+
+static void copy_dataset(const char *to) {
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "mkdir -p %s && cp " RUMOR_FMNIST_DIR "/*.gz %s/ && gunzip -f %s/*.gz", to, to, to);
+  cr_assert_eq(system(cmd), 0);
+}
+
+Test(cli, bad_data_is_reported_not_crashed_on) {
+  SKIP_WITHOUT_DATA();
+  char *err, d[256], cmd[1024];
+  int st = rumor(NULL, &err, 30, "train", "--data", "/nonexistent/data", NULL);
+  expect_fail(st, 1, err, "/nonexistent/data", "missing data dir");
+
+  snprintf(d, sizeof d, "%s/data", dir);
+  copy_dataset(d);
+  /* wrong magic */
+  snprintf(cmd, sizeof cmd, "printf '\\000\\000\\010\\007' | dd of=%s/train-images-idx3-ubyte bs=1 count=4 conv=notrunc 2>/dev/null", d);
+  cr_assert_eq(system(cmd), 0);
+  st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
+  expect_fail(st, 1, err, "wrong IDX magic", "wrong magic");
+  copy_dataset(d);
+  /* truncated */
+  snprintf(cmd, sizeof cmd, "truncate -s 1000000 %s/train-images-idx3-ubyte", d);
+  cr_assert_eq(system(cmd), 0);
+  st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
+  expect_fail(st, 1, err, "truncated", "truncated images");
+  copy_dataset(d);
+  /* labels for fewer images than there are */
+  snprintf(cmd, sizeof cmd, "printf '\\000\\000\\352\\137' | dd of=%s/train-labels-idx1-ubyte bs=1 seek=4 count=4 conv=notrunc 2>/dev/null && truncate -s 60007 %s/train-labels-idx1-ubyte", d, d);
+  cr_assert_eq(system(cmd), 0);
+  st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
+  expect_fail(st, 1, err, "60000 images but", "label count");
+  /* a model that does not fit the data */
+  copy_dataset(d);
+  st = rumor(NULL, &err, 60, "train", "--data", d, "--model", "mlp:100-10", NULL);
+  expect_fail(st, 1, err, "takes 100 inputs", "input width");
+  st = rumor(NULL, &err, 60, "train", "--data", d, "--model", "mlp:784-5", NULL);
+  expect_fail(st, 1, err, "5 outputs", "output width");
+}
+
+Test(cli, bad_checkpoints_and_devices_are_reported) {
+  SKIP_WITHOUT_DATA();
+  char *err, ck[256], cmd[512];
+  snprintf(ck, sizeof ck, "%s/c.safetensors", dir);
+  int st = rumor(NULL, &err, 120, "train", "--model", "mlp:784-16-10", "--max-steps", "5", "--no-eval",
+                 "--log-every", "0", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  snprintf(cmd, sizeof cmd, "printf 'X' | dd of=%s bs=1 seek=5000 count=1 conv=notrunc 2>/dev/null", ck);
+  cr_assert_eq(system(cmd), 0);
+  st = rumor(NULL, &err, 60, "eval", "--checkpoint", ck, NULL);
+  expect_fail(st, 1, err, "digest mismatch", "bit-flipped checkpoint");
+  st = rumor(NULL, &err, 60, "train", "--resume", ck, NULL);
+  expect_fail(st, 1, err, "digest mismatch", "resume from a corrupt checkpoint");
+  snprintf(cmd, sizeof cmd, "truncate -s 100 %s", ck);
+  cr_assert_eq(system(cmd), 0);
+  st = rumor(NULL, &err, 60, "eval", "--checkpoint", ck, NULL);
+  expect_fail(st, 1, err, ck, "truncated checkpoint");
+  st = rumor(NULL, &err, 60, "eval", "--checkpoint", "/nonexistent.safetensors", NULL);
+  expect_fail(st, 1, err, "/nonexistent.safetensors", "missing checkpoint");
+  st = rumor(NULL, &err, 60, "train", "--device", "tpu:0", "--max-steps", "1", NULL);
+  expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
+  st = rumor(NULL, &err, 60, "train", "--device", "cuda:7", "--max-steps", "1", NULL);
+  expect_fail(st, 1, err, "cuda:7", "absent GPU");
+}

@@ -1,0 +1,199 @@
+/* Finite-difference gradient checks of every layer (weights, biases, inputs)
+ * and of the loss, for ReLU and GELU networks, and the equivalence of a
+ * backward pass split into layer ranges (as pipeline stages run it) with the
+ * whole one. Seeds are fixed so that no pre-activation sits on a ReLU kink. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/model.h"
+
+#define BATCH 4
+#define EPS 1e-3f
+
+static tensor_backend_t be;
+
+static void setup(void) {
+  struct rumor_err e;
+  cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0, "%s", e.msg);
+}
+static void teardown(void) { tensor_backend_close(be); }
+TestSuite(gradcheck, .init = setup, .fini = teardown);
+
+static void make_model(struct model *m, const char *spec_str, uint64_t seed, float *x, int32_t *y) {
+  struct model_spec spec;
+  struct rumor_err e;
+  cr_assert_eq(model_spec_parse(spec_str, &spec, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_init(m, &spec, be, BATCH, &e), 0, "%s", e.msg);
+  model_init_params(m, seed);
+  struct rng r;
+  rng_seed(&r, seed, 99);
+  int64_t in = spec.widths[0], C = spec.widths[spec.nlayers];
+  for (int64_t i = 0; i < BATCH * in; i++) x[i] = rng_normal(&r);
+  for (int64_t b = 0; b < BATCH; b++) y[b] = (int32_t)rng_below(&r, (uint64_t)C);
+  tensor_copy_from_host(&m->acts[0], 0, x, (size_t)(BATCH * in) * sizeof(float));
+  tensor_copy_from_host(&m->labels, 0, y, BATCH * sizeof(int32_t));
+}
+
+static float loss_now(struct model *m, const float *x) {
+  tensor_copy_from_host(&m->acts[0], 0, x, (size_t)(BATCH * m->spec.widths[0]) * sizeof(float));
+  model_forward_range(m, 0, m->spec.nlayers, BATCH);
+  model_loss(m, BATCH, &m->dbuf[0], 1.0f / BATCH);
+  return model_mean_loss(m, BATCH);
+}
+
+static void check_close(const char *what, int64_t i, double ana, double num) {
+  cr_assert(fabs(ana - num) <= 2e-3 + 2e-2 * fabs(num), "%s[%lld]: analytic %.6g vs numeric %.6g", what,
+            (long long)i, ana, num);
+}
+
+static void gradcheck_spec(const char *spec_str, uint64_t seed) {
+  struct model m;
+  float x[BATCH * 16];
+  int32_t y[BATCH];
+  make_model(&m, spec_str, seed, x, y);
+  int64_t P = m.nparams, in = m.spec.widths[0];
+
+  /* Analytic gradients, including dL/dx through din. */
+  struct tensor din;
+  struct rumor_err e;
+  int64_t ds[2] = {BATCH, in};
+  cr_assert_eq(tensor_alloc(&din, be, TENSOR_F32, 2, ds, &e), 0);
+  model_forward_range(&m, 0, m.spec.nlayers, BATCH);
+  model_loss(&m, BATCH, &m.dbuf[0], 1.0f / BATCH);
+  model_backward_range(&m, 0, m.spec.nlayers, BATCH, &m.dbuf[0], &din, false);
+  float *grad = xmalloc((size_t)P * sizeof(float)), *params = xmalloc((size_t)P * sizeof(float));
+  float dx[BATCH * 16];
+  tensor_copy_to_host(&m.grads, 0, grad, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&m.params, 0, params, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&din, 0, dx, (size_t)(BATCH * in) * sizeof(float));
+
+  /* Every parameter of every layer. */
+  for (int l = 0; l < m.spec.nlayers; l++) {
+    int64_t off = model_spec_layer_offset(&m.spec, l);
+    int64_t n = m.spec.widths[l + 1] * (m.spec.widths[l] + 1);
+    for (int64_t i = off; i < off + n; i++) {
+      float saved = params[i];
+      params[i] = saved + EPS;
+      tensor_copy_from_host(&m.params, i, &params[i], sizeof(float));
+      float lp = loss_now(&m, x);
+      params[i] = saved - EPS;
+      tensor_copy_from_host(&m.params, i, &params[i], sizeof(float));
+      float lm = loss_now(&m, x);
+      params[i] = saved;
+      tensor_copy_from_host(&m.params, i, &params[i], sizeof(float));
+      char what[64];
+      snprintf(what, sizeof what, "%s layer %d %s", spec_str, l,
+               i - off < m.spec.widths[l + 1] * m.spec.widths[l] ? "weight" : "bias");
+      check_close(what, i - off, grad[i], ((double)lp - lm) / (2.0 * EPS));
+    }
+  }
+  /* The input gradient. */
+  for (int64_t i = 0; i < BATCH * in; i++) {
+    float saved = x[i];
+    x[i] = saved + EPS;
+    float lp = loss_now(&m, x);
+    x[i] = saved - EPS;
+    float lm = loss_now(&m, x);
+    x[i] = saved;
+    check_close("input", i, dx[i], ((double)lp - lm) / (2.0 * EPS));
+  }
+  free(grad);
+  free(params);
+  tensor_free(&din);
+  model_free(&m);
+}
+
+Test(gradcheck, relu_mlp_every_layer_and_input) { gradcheck_spec("mlp:6-5-4-3", 3); }
+Test(gradcheck, gelu_mlp_every_layer_and_input) { gradcheck_spec("mlp:6-5-4-3:gelu", 5); }
+Test(gradcheck, single_layer_softmax_regression) { gradcheck_spec("mlp:7-4", 11); }
+
+Test(gradcheck, loss_gradient_wrt_logits) {
+  /* d(mean loss)/d logits by finite differences against the op's output. */
+  int64_t R = 5, C = 7;
+  float logits[35], dl[35], losses[5];
+  int32_t labels[5];
+  struct rng r;
+  rng_seed(&r, 21, 0);
+  for (int i = 0; i < R * C; i++) logits[i] = 3.0f * rng_normal(&r);
+  for (int i = 0; i < R; i++) labels[i] = (int32_t)rng_below(&r, (uint64_t)C);
+  tensor_ref_softmax_xent(logits, labels, dl, losses, R, C, 1.0f / (float)R);
+  for (int i = 0; i < R * C; i++) {
+    double lp = 0, lm = 0;
+    float scratch[35], ls[5];
+    float saved = logits[i];
+    logits[i] = saved + 1e-2f;
+    tensor_ref_softmax_xent(logits, labels, scratch, ls, R, C, 1.0f);
+    for (int k = 0; k < R; k++) lp += ls[k];
+    logits[i] = saved - 1e-2f;
+    tensor_ref_softmax_xent(logits, labels, scratch, ls, R, C, 1.0f);
+    for (int k = 0; k < R; k++) lm += ls[k];
+    logits[i] = saved;
+    check_close("dlogits", i, dl[i], (lp - lm) / (2e-2 * (double)R));
+  }
+}
+
+Test(gradcheck, backward_split_into_ranges_equals_whole) {
+  /* What a 2-stage pipeline does: stage 1 runs layers [1, 3) and hands
+   * dL/d acts[1] to stage 0, which runs [0, 1). */
+  struct model m;
+  float x[BATCH * 16];
+  int32_t y[BATCH];
+  make_model(&m, "mlp:6-5-4-3", 8, x, y);
+  int64_t P = m.nparams;
+  model_forward_backward(&m, BATCH);
+  float *whole = xmalloc((size_t)P * 4), *split = xmalloc((size_t)P * 4);
+  tensor_copy_to_host(&m.grads, 0, whole, (size_t)P * 4);
+
+  struct tensor dmid, dout;
+  struct rumor_err e;
+  int64_t ms[2] = {BATCH, 5}, os[2] = {BATCH, 3};
+  cr_assert_eq(tensor_alloc(&dmid, be, TENSOR_F32, 2, ms, &e), 0);
+  cr_assert_eq(tensor_alloc(&dout, be, TENSOR_F32, 2, os, &e), 0);
+  tensor_fill(&m.grads, NAN);
+  model_forward_range(&m, 0, 1, BATCH);
+  model_forward_range(&m, 1, 3, BATCH);
+  model_loss(&m, BATCH, &dout, 1.0f / BATCH);
+  model_backward_range(&m, 1, 3, BATCH, &dout, &dmid, false);
+  model_backward_range(&m, 0, 1, BATCH, &dmid, NULL, false);
+  tensor_copy_to_host(&m.grads, 0, split, (size_t)P * 4);
+  for (int64_t i = 0; i < P; i++)
+    cr_assert(fabs(whole[i] - split[i]) <= 1e-6f * (1 + fabsf(whole[i])), "grad %lld: whole %g split %g",
+              (long long)i, whole[i], split[i]);
+
+  /* accumulate=true adds: two micro-batch passes of the same rows give 2×. */
+  model_forward_backward(&m, BATCH);
+  model_forward_range(&m, 0, 3, BATCH);
+  model_loss(&m, BATCH, &dout, 1.0f / BATCH);
+  model_backward_range(&m, 0, 3, BATCH, &dout, NULL, true);
+  tensor_copy_to_host(&m.grads, 0, split, (size_t)P * 4);
+  for (int64_t i = 0; i < P; i++)
+    cr_assert(fabs(2 * whole[i] - split[i]) <= 1e-6f * (1 + fabsf(whole[i])), "accumulated grad %lld", (long long)i);
+  free(whole);
+  free(split);
+  tensor_free(&dmid);
+  tensor_free(&dout);
+  model_free(&m);
+}
+
+Test(gradcheck, spec_parse_format_and_errors) {
+  struct model_spec s;
+  struct rumor_err e;
+  char buf[MODEL_SPEC_MAX];
+  cr_assert_eq(model_spec_parse("mlp:784-512-256-10", &s, &e), 0);
+  cr_assert_eq(s.nlayers, 3);
+  cr_assert_eq(model_spec_param_count(&s), 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10);
+  model_spec_format(&s, buf, sizeof buf);
+  cr_assert_str_eq(buf, "mlp:784-512-256-10");
+  cr_assert_eq(model_spec_parse("mlp:10-3:gelu", &s, &e), 0);
+  model_spec_format(&s, buf, sizeof buf);
+  cr_assert_str_eq(buf, "mlp:10-3:gelu");
+  const char *bad[] = {"", "cnn:1-2", "mlp:", "mlp:10", "mlp:10-0", "mlp:10--3", "mlp:10-3:tanh", "mlp:10-3x",
+                       "mlp:-5-3", "mlp:1-2-3-4-5-6-7-8-9-10-11-12-13-14-15-16-17-18"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    cr_assert_eq(model_spec_parse(bad[i], &s, &e), RUMOR_EFORMAT, "'%s' should be rejected", bad[i]);
+    cr_assert(strstr(e.msg, bad[i]) != NULL, "message should quote the spec: %s", e.msg);
+  }
+}
