@@ -63,66 +63,128 @@ static void cpu_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k,
                 tb ? 'T' : 'N', m, n, k, (int)st);
 }
 
+/* ---- element-wise ops ----
+ * Each op is a plain loop over a range (a "kernel", compiled for AVX2 and
+ * for baseline x86-64 and picked at load time) and a dispatcher that splits
+ * [0, n) into one contiguous chunk per thread when n is large enough. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define CPU_KERNEL __attribute__((target_clones("avx2", "default")))
+#else
+#define CPU_KERNEL
+#endif
+
+#define CPU_FOR(be, n, lo, hi, ...)                                                        \
+  do {                                                                                      \
+    int64_t n_ = (n);                                                                       \
+    int t_ = nthreads(be);                                                                  \
+    if (t_ <= 1 || n_ < CPU_PAR_MIN) {                                                      \
+      int64_t lo = 0, hi = n_;                                                              \
+      __VA_ARGS__;                                                                                 \
+    } else {                                                                                \
+      _Pragma("omp parallel num_threads(t_)") {                                             \
+        int nt_ = omp_get_num_threads();                                                    \
+        int64_t chunk_ = (((n_ + nt_ - 1) / nt_) + 15) & ~(int64_t)15;                      \
+        int64_t lo = (int64_t)omp_get_thread_num() * chunk_;                                \
+        int64_t hi = lo + chunk_ < n_ ? lo + chunk_ : n_;                                   \
+        if (lo < hi) { __VA_ARGS__; }                                                              \
+      }                                                                                     \
+    }                                                                                       \
+  } while (0)
+
+CPU_KERNEL static void k_bias_add(float *restrict y, const float *restrict bias, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; r++) {
+    float *restrict yr = y + r * cols;
+    for (int64_t c = 0; c < cols; c++) yr[c] += bias[c];
+  }
+}
+
 static void cpu_bias_add(tensor_backend_t be, float *y, const float *bias, int64_t rows, int64_t cols) {
   int t = nthreads(be);
-#pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
+  if (t <= 1 || rows * cols < CPU_PAR_MIN || rows < 2) {
+    k_bias_add(y, bias, rows, cols);
+    return;
+  }
+#pragma omp parallel num_threads(t)
+  {
+    int nt = omp_get_num_threads();
+    int64_t chunk = (rows + nt - 1) / nt;
+    int64_t r0 = (int64_t)omp_get_thread_num() * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    if (r0 < r1) k_bias_add(y + r0 * cols, bias, r1 - r0, cols);
+  }
+}
+
+/* Column sums of dy[rows, c0..c1) into acc. */
+CPU_KERNEL static void k_colsum(const float *restrict dy, float *restrict acc, int64_t rows, int64_t cols,
+                                int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c++) acc[c - c0] = 0.0f;
   for (int64_t r = 0; r < rows; r++) {
-    float *yr = y + r * cols;
-#pragma omp simd
-    for (int64_t c = 0; c < cols; c++) yr[c] += bias[c];
+    const float *restrict dr = dy + r * cols;
+    for (int64_t c = c0; c < c1; c++) acc[c - c0] += dr[c];
   }
 }
 
 static void cpu_bias_grad(tensor_backend_t be, const float *dy, float *db, int64_t rows, int64_t cols,
                           float beta) {
-  /* Column sums: walk rows in order (unit stride) accumulating into a
-   * per-thread column block. */
+  /* Blocks of 256 columns walked row by row (unit stride); blocks in parallel. */
   int t = nthreads(be);
   const int64_t block = 256;
-#pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
-  for (int64_t c0 = 0; c0 < cols; c0 += block) {
-    int64_t c1 = c0 + block < cols ? c0 + block : cols;
+  int64_t nblocks = (cols + block - 1) / block;
+#pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN && nblocks > 1)
+  for (int64_t bi = 0; bi < nblocks; bi++) {
+    int64_t c0 = bi * block, c1 = c0 + block < cols ? c0 + block : cols;
     float acc[256];
-    for (int64_t c = c0; c < c1; c++) acc[c - c0] = 0.0f;
-    for (int64_t r = 0; r < rows; r++) {
-      const float *dr = dy + r * cols;
-#pragma omp simd
-      for (int64_t c = c0; c < c1; c++) acc[c - c0] += dr[c];
-    }
+    k_colsum(dy, acc, rows, cols, c0, c1);
     for (int64_t c = c0; c < c1; c++) db[c] = acc[c - c0] + (beta == 0.0f ? 0.0f : beta * db[c]);
   }
 }
 
+/* In the kernels below, inputs and outputs may alias exactly (in-place ops)
+ * as the public contract allows, so no restrict; GCC versions the loops for
+ * overlap at run time. */
+CPU_KERNEL static void k_relu_fwd(const float *x, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float v = x[i];
+    y[i] = v > 0.0f ? v : 0.0f;
+  }
+}
+
 static void cpu_relu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  CPU_FOR(be, n, lo, hi, k_relu_fwd(x + lo, y + lo, hi - lo));
+}
+
+CPU_KERNEL static void k_relu_bwd(const float *y, const float *dy, float *dx, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float g = dy[i]; /* loaded unconditionally so the select vectorises */
+    dx[i] = y[i] > 0.0f ? g : 0.0f;
+  }
 }
 
 static void cpu_relu_bwd(tensor_backend_t be, const float *y, const float *dy, float *dx, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+  CPU_FOR(be, n, lo, hi, k_relu_bwd(y + lo, dy + lo, dx + lo, hi - lo));
 }
 
 #define INV_SQRT2 0.70710678118654752440f
 #define INV_SQRT_2PI 0.39894228040143267794f
 
-static void cpu_gelu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for num_threads(t) if (n >= CPU_PAR_MIN / 8)
+static void k_gelu_fwd(const float *x, float *y, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * INV_SQRT2));
 }
 
-static void cpu_gelu_bwd(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for num_threads(t) if (n >= CPU_PAR_MIN / 8)
+static void cpu_gelu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
+  CPU_FOR(be, n * 8, lo, hi, k_gelu_fwd(x + lo / 8, y + lo / 8, hi / 8 - lo / 8));
+}
+
+static void k_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     float v = x[i];
     float cdf = 0.5f * (1.0f + erff(v * INV_SQRT2));
     float pdf = expf(-0.5f * v * v) * INV_SQRT_2PI;
     dx[i] = dy[i] * (cdf + v * pdf);
   }
+}
+
+static void cpu_gelu_bwd(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n) {
+  CPU_FOR(be, n * 8, lo, hi, k_gelu_bwd(x + lo / 8, dy + lo / 8, dx + lo / 8, hi / 8 - lo / 8));
 }
 
 static void cpu_softmax_xent(tensor_backend_t be, const float *logits, const int32_t *labels,
@@ -149,38 +211,36 @@ static void cpu_softmax_xent(tensor_backend_t be, const float *logits, const int
   }
 }
 
-static void cpu_sgd_step(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
-                         const struct tensor_sgd *hp) {
-  int t = nthreads(be);
-  const float lr = hp->lr, mu = hp->momentum, wd = hp->weight_decay;
-  if (mu == 0.0f) {
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-    for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
-  } else if (hp->nesterov) {
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-    for (int64_t i = 0; i < n; i++) {
-      float grad = g[i] + wd * p[i];
-      m[i] = mu * m[i] + grad;
-      p[i] -= lr * (grad + mu * m[i]);
-    }
-  } else {
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-    for (int64_t i = 0; i < n; i++) {
-      float grad = g[i] + wd * p[i];
-      m[i] = mu * m[i] + grad;
-      p[i] -= lr * m[i];
-    }
+CPU_KERNEL static void k_sgd_plain(float *restrict p, const float *restrict g, int64_t n, float lr, float wd) {
+  for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
+}
+
+CPU_KERNEL static void k_sgd_momentum(float *restrict p, const float *restrict g, float *restrict m, int64_t n,
+                                      float lr, float mu, float wd, float nesterov) {
+  for (int64_t i = 0; i < n; i++) {
+    float grad = g[i] + wd * p[i];
+    float mi = mu * m[i] + grad;
+    m[i] = mi;
+    p[i] -= lr * (nesterov * grad + (1.0f + nesterov * (mu - 1.0f)) * mi);
   }
 }
 
-static void cpu_adamw_step(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,
-                           const struct tensor_adamw *hp) {
-  int t = nthreads(be);
-  const float b1 = hp->beta1, b2 = hp->beta2, eps = hp->eps;
-  const float decay = 1.0f - hp->lr * hp->weight_decay;
-  const float step_size = (float)(hp->lr / (1.0 - pow(b1, (double)hp->step)));
-  const float inv_sqrt_bc2 = (float)(1.0 / sqrt(1.0 - pow(b2, (double)hp->step)));
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
+static void cpu_sgd_step(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
+                         const struct tensor_sgd *hp) {
+  const float lr = hp->lr, mu = hp->momentum, wd = hp->weight_decay;
+  if (mu == 0.0f) {
+    CPU_FOR(be, n, lo, hi, k_sgd_plain(p + lo, g + lo, hi - lo, lr, wd));
+  } else {
+    /* step = m (plain) or grad + μ·m (Nesterov), written as one expression
+     * with nesterov ∈ {0, 1} so both share a vectorised loop. */
+    float nest = hp->nesterov ? 1.0f : 0.0f;
+    CPU_FOR(be, n, lo, hi, k_sgd_momentum(p + lo, g + lo, m + lo, hi - lo, lr, mu, wd, nest));
+  }
+}
+
+CPU_KERNEL static void k_adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                               int64_t n, float b1, float b2, float eps, float decay, float step_size,
+                               float inv_sqrt_bc2) {
   for (int64_t i = 0; i < n; i++) {
     float gi = g[i];
     float mi = b1 * m[i] + (1.0f - b1) * gi;
@@ -191,87 +251,113 @@ static void cpu_adamw_step(tensor_backend_t be, float *p, const float *g, float 
   }
 }
 
-static void cpu_axpby(tensor_backend_t be, float a, const float *x, float b, float *y, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
+static void cpu_adamw_step(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,
+                           const struct tensor_adamw *hp) {
+  const float decay = 1.0f - hp->lr * hp->weight_decay;
+  const float step_size = (float)(hp->lr / (1.0 - pow(hp->beta1, (double)hp->step)));
+  const float inv_sqrt_bc2 = (float)(1.0 / sqrt(1.0 - pow(hp->beta2, (double)hp->step)));
+  CPU_FOR(be, n, lo, hi,
+          k_adamw(p + lo, g + lo, m + lo, v + lo, hi - lo, hp->beta1, hp->beta2, hp->eps, decay, step_size,
+                  inv_sqrt_bc2));
+}
+
+CPU_KERNEL static void k_axpby(float a, const float *x, float b, float *y, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] = a * x[i] + b * y[i];
 }
+static void cpu_axpby(tensor_backend_t be, float a, const float *x, float b, float *y, int64_t n) {
+  CPU_FOR(be, n, lo, hi, k_axpby(a, x + lo, b, y + lo, hi - lo));
+}
 
-static void cpu_lerp(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
+CPU_KERNEL static void k_lerp(float *x, const float *y, float alpha, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] += alpha * (y[i] - x[i]);
 }
-
-static void cpu_scale(tensor_backend_t be, float *x, float a, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) x[i] *= a;
+static void cpu_lerp(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n) {
+  CPU_FOR(be, n, lo, hi, k_lerp(x + lo, y + lo, alpha, hi - lo));
 }
 
-static void cpu_fill(tensor_backend_t be, float *x, float v, int64_t n) {
-  int t = nthreads(be);
-#pragma omp parallel for simd num_threads(t) if (n >= CPU_PAR_MIN)
+CPU_KERNEL static void k_scale(float *x, float a, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] *= a;
+}
+static void cpu_scale(tensor_backend_t be, float *x, float a, int64_t n) {
+  CPU_FOR(be, n, lo, hi, k_scale(x + lo, a, hi - lo));
+}
+
+CPU_KERNEL static void k_fill(float *x, float v, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] = v;
+}
+static void cpu_fill(tensor_backend_t be, float *x, float v, int64_t n) {
+  CPU_FOR(be, n, lo, hi, k_fill(x + lo, v, hi - lo));
 }
 
 /* Reductions: float partial sums over blocks of 1024 (vectorised, and short
  * enough that float rounding stays small), blocks summed in double. */
 #define RED_BLOCK 1024
 
-static double cpu_sum(tensor_backend_t be, const float *x, int64_t n) {
-  int t = nthreads(be);
-  double total = 0.0;
-#pragma omp parallel for reduction(+ : total) num_threads(t) if (n >= CPU_PAR_MIN)
-  for (int64_t b = 0; b < n; b += RED_BLOCK) {
-    int64_t e = b + RED_BLOCK < n ? b + RED_BLOCK : n;
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = b; i < e; i++) acc += x[i];
-    total += acc;
-  }
-  return total;
-}
+enum red_kind { RED_SUM, RED_SQ, RED_DIST };
 
-static double cpu_sq_norm(tensor_backend_t be, const float *x, int64_t n) {
-  int t = nthreads(be);
+CPU_KERNEL static double k_reduce(enum red_kind kind, const float *x, const float *y, int64_t n) {
   double total = 0.0;
-#pragma omp parallel for reduction(+ : total) num_threads(t) if (n >= CPU_PAR_MIN)
   for (int64_t b = 0; b < n; b += RED_BLOCK) {
     int64_t e = b + RED_BLOCK < n ? b + RED_BLOCK : n;
     float acc = 0.0f;
+    if (kind == RED_SUM) {
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = b; i < e; i++) acc += x[i] * x[i];
-    total += acc;
-  }
-  return total;
-}
-
-static double cpu_sq_dist(tensor_backend_t be, const float *x, const float *y, int64_t n) {
-  int t = nthreads(be);
-  double total = 0.0;
-#pragma omp parallel for reduction(+ : total) num_threads(t) if (n >= CPU_PAR_MIN)
-  for (int64_t b = 0; b < n; b += RED_BLOCK) {
-    int64_t e = b + RED_BLOCK < n ? b + RED_BLOCK : n;
-    float acc = 0.0f;
+      for (int64_t i = b; i < e; i++) acc += x[i];
+    } else if (kind == RED_SQ) {
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = b; i < e; i++) {
-      float d = x[i] - y[i];
-      acc += d * d;
+      for (int64_t i = b; i < e; i++) acc += x[i] * x[i];
+    } else {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = b; i < e; i++) {
+        float d = x[i] - y[i];
+        acc += d * d;
+      }
     }
     total += acc;
   }
   return total;
 }
 
-static int64_t cpu_count_nonfinite(tensor_backend_t be, const float *x, int64_t n) {
+static double reduce(tensor_backend_t be, enum red_kind kind, const float *x, const float *y, int64_t n) {
+  double total = 0.0;
   int t = nthreads(be);
+  if (t <= 1 || n < CPU_PAR_MIN) return k_reduce(kind, x, y, n);
+#pragma omp parallel num_threads(t) reduction(+ : total)
+  {
+    int nt = omp_get_num_threads();
+    int64_t chunk = (((n + nt - 1) / nt) + RED_BLOCK - 1) / RED_BLOCK * RED_BLOCK;
+    int64_t lo = (int64_t)omp_get_thread_num() * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    if (lo < hi) total += k_reduce(kind, x + lo, y ? y + lo : NULL, hi - lo);
+  }
+  return total;
+}
+
+static double cpu_sum(tensor_backend_t be, const float *x, int64_t n) { return reduce(be, RED_SUM, x, NULL, n); }
+static double cpu_sq_norm(tensor_backend_t be, const float *x, int64_t n) { return reduce(be, RED_SQ, x, NULL, n); }
+static double cpu_sq_dist(tensor_backend_t be, const float *x, const float *y, int64_t n) {
+  return reduce(be, RED_DIST, x, y, n);
+}
+
+/* Exponent bits all ones ⇔ NaN or Inf: an integer test, so it vectorises and
+ * is immune to any finite-math assumptions. */
+CPU_KERNEL static int64_t k_nonfinite(const uint32_t *u, int64_t n) {
   int64_t bad = 0;
-  /* Exponent bits all ones ⇔ NaN or Inf; integer test so it vectorises and
-   * is immune to -ffinite-math style optimisations. */
-  const uint32_t *u = (const uint32_t *)x;
-#pragma omp parallel for simd reduction(+ : bad) num_threads(t) if (n >= CPU_PAR_MIN)
   for (int64_t i = 0; i < n; i++) bad += (u[i] & 0x7f800000u) == 0x7f800000u;
+  return bad;
+}
+
+static int64_t cpu_count_nonfinite(tensor_backend_t be, const float *x, int64_t n) {
+  const uint32_t *u = (const uint32_t *)x;
+  int64_t bad = 0;
+  int t = nthreads(be);
+  if (t <= 1 || n < CPU_PAR_MIN) return k_nonfinite(u, n);
+#pragma omp parallel num_threads(t) reduction(+ : bad)
+  {
+    int nt = omp_get_num_threads();
+    int64_t chunk = (n + nt - 1) / nt;
+    int64_t lo = (int64_t)omp_get_thread_num() * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    if (lo < hi) bad += k_nonfinite(u + lo, hi - lo);
+  }
   return bad;
 }
 
