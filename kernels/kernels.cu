@@ -141,7 +141,8 @@ constexpr int kGradRows = 32;  // row lanes per tile (blockDim.y)
 // tiles of 32 columns: thread (tx, ty) sums rows ty, ty+32, ... of column
 // c0+tx in float, then warp ty = 0 adds the 32 row-lane sums from shared
 // memory in a fixed order, so results do not vary between runs.
-__global__ void bias_grad_kernel(const float *dy, float *db, int64_t rows, int64_t cols, float beta) {
+__global__ void __launch_bounds__(kGradCols * kGradRows)
+    bias_grad_kernel(const float *dy, float *db, int64_t rows, int64_t cols, float beta) {
   __shared__ float part[kGradRows][kGradCols + 1];  // +1: no bank conflicts reading columns
   const int tx = threadIdx.x, ty = threadIdx.y;
   for (int64_t c0 = (int64_t)blockIdx.x * kGradCols; c0 < cols; c0 += (int64_t)gridDim.x * kGradCols) {

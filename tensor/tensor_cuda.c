@@ -97,8 +97,9 @@ int tensor_cuda_count(void) {
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     /* No driver, no device, a driver older than the runtime, ...: no GPU. */
-    log_debug("cuda: cudaGetDeviceCount failed (%s: %s); no CUDA device will be used",
-              cudaGetErrorName(err), cudaGetErrorString(err));
+    log_debug("cuda: cudaGetDeviceCount failed (%s: %s): no NVIDIA driver, no device, or a driver "
+              "too old for CUDA runtime %d; no CUDA device will be used",
+              cudaGetErrorName(err), cudaGetErrorString(err), CUDART_VERSION);
     (void)cudaGetLastError();
     count = 0;
   }
@@ -245,7 +246,9 @@ static bool cuda_ev_query(tensor_backend_t be, void *ev) {
     (void)cudaGetLastError(); /* a status, not an error: keep it out of launch checks */
     return false;
   }
-  CUDA_CHECK(err);
+  if (err != cudaSuccess)
+    rumor_panic(__FILE__, __LINE__, "cudaEventQuery(ev) failed: %s: %s", cudaGetErrorName(err),
+                cudaGetErrorString(err));
   return true;
 }
 
