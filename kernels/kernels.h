@@ -1,0 +1,123 @@
+/*
+ * kernels — the CUDA kernels of rumor behind a plain C header.
+ *
+ * This header includes no CUDA header, so C code (tensor/tensor_cuda.c) can
+ * call the launchers below. Streams are passed as `void *` holding a
+ * cudaStream_t; every launcher enqueues its work on that stream and returns
+ * at once (stream order, no host synchronisation).
+ *
+ * Conventions for every launcher:
+ *  - Pointers are device pointers; counts are elements, 64-bit, and may be
+ *    0 (then nothing is launched). Element-wise kernels use grid-stride
+ *    loops, so any n works with a bounded grid.
+ *  - Two arguments may alias only where the contract says so.
+ *  - The return value is 0 when everything was enqueued, or the CUDA error
+ *    code (a cudaError_t value) of the first failed launch or call; then
+ *    kern_last_error() describes it (kernel name, file and line).
+ *  - The calling thread must have the stream's device current
+ *    (cudaSetDevice).
+ */
+#ifndef RUMOR_KERNELS_H
+#define RUMOR_KERNELS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The most partial sums a reduction launcher writes (one per block). */
+#define KERN_REDUCE_MAX_BLOCKS 1024
+/* Count-sketch bucket counts up to this accumulate in shared memory per block;
+ * larger ones go straight to global double atomics. */
+#define KERN_SKETCH_SHARED_MAX 8192
+
+/* The message for the calling thread's last failed launcher call:
+ * "<kernel> (<file>:<line>): <CUDA error name>: <description>".
+ * "no error" when none failed yet. The string is thread-local and valid until
+ * the next failure in this thread. */
+const char *kern_last_error(void);
+
+/* 0 when this binary holds kernel code runnable on the current device, else
+ * the CUDA error (typically cudaErrorNoKernelImageForDevice) with
+ * kern_last_error() set. Creates the device's context if needed. */
+int kern_check_device(void);
+
+/* ---- element-wise ------------------------------------------------------------- */
+
+/* y[r,c] += bias[c] for y [rows, cols] row-major, bias [cols]. */
+int kern_bias_add(float *y, const float *bias, int64_t rows, int64_t cols, void *stream);
+/* db[c] ← Σ_r dy[r,c] + beta·db[c] for dy [rows, cols]; when beta is 0, db is
+ * not read (it may hold NaN). rows may be 0. Deterministic: one block owns
+ * each column; float partial sums. db must not overlap dy. */
+int kern_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta, void *stream);
+/* y ← max(x, 0) (NaN gives 0); y may alias x. */
+int kern_relu_fwd(const float *x, float *y, int64_t n, void *stream);
+/* dx ← y > 0 ? dy : 0 where y is the ReLU output; dx may alias dy or y. */
+int kern_relu_bwd(const float *y, const float *dy, float *dx, int64_t n, void *stream);
+/* Exact GELU, y ← x·Φ(x) = ½x(1 + erf(x/√2)); y may alias x. */
+int kern_gelu_fwd(const float *x, float *y, int64_t n, void *stream);
+/* dx ← dy·(Φ(x) + x·φ(x)) where x is the GELU input; dx may alias dy or x. */
+int kern_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n, void *stream);
+/* Softmax cross-entropy over the rows of logits [rows, cols] with labels
+ * [rows] in [0, cols) (not checked here): losses[r] ← −log softmax(x_r)[label],
+ * dlogits[r,:] ← grad_scale·(softmax(x_r) − onehot(label)). dlogits may alias
+ * logits (every logit of a row is read before any of the row is written);
+ * losses must not overlap either. One warp per row. */
+int kern_softmax_xent(const float *logits, const int32_t *labels, float *dlogits, float *losses,
+                      int64_t rows, int64_t cols, float grad_scale, void *stream);
+
+/* SGD with momentum, PyTorch semantics: g' = g + wd·p; m ← μ·m + g';
+ * p ← p − lr·(nesterov ? g' + μ·m : m). With μ = 0 the momentum buffer is
+ * neither read nor written and `m` may be NULL: p ← p − lr·g'. */
+int kern_sgd_step(float *p, const float *g, float *m, int64_t n, float lr, float momentum,
+                  float weight_decay, bool nesterov, void *stream);
+/* AdamW, PyTorch semantics, step t >= 1: p ← p·(1 − lr·wd);
+ * m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²;
+ * p ← p − lr/(1−β1^t) · m / (√v / √(1−β2^t) + eps). The bias corrections are
+ * computed on the host in double. */
+int kern_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, float lr, float beta1,
+                    float beta2, float eps, float weight_decay, int64_t step, void *stream);
+
+/* y ← a·x + b·y; y may alias x. */
+int kern_axpby(float a, const float *x, float b, float *y, int64_t n, void *stream);
+/* x ← x + alpha·(y − x), i.e. (1 − alpha)·x + alpha·y; x may alias y. */
+int kern_lerp(float *x, const float *y, float alpha, int64_t n, void *stream);
+/* x ← a·x. */
+int kern_scale(float *x, float a, int64_t n, void *stream);
+/* x ← v. */
+int kern_fill(float *x, float v, int64_t n, void *stream);
+
+/* ---- reductions ----------------------------------------------------------------
+ * Each writes one float partial per block to partials[0 .. *nparts) with
+ * *nparts <= KERN_REDUCE_MAX_BLOCKS (0 when n is 0); the caller copies them to
+ * the host after the stream reaches this point and sums them in double.
+ * Within a block, values are accumulated in float. */
+int kern_sum_partials(const float *x, int64_t n, float *partials, int *nparts, void *stream);
+int kern_sq_norm_partials(const float *x, int64_t n, float *partials, int *nparts, void *stream);
+/* Partials of ‖x − y‖². */
+int kern_sq_dist_partials(const float *x, const float *y, int64_t n, float *partials, int *nparts,
+                          void *stream);
+/* *count ← number of NaN or ±Inf among x[0..n) (a device uint64 counter,
+ * zeroed by the launcher on the stream first). */
+int kern_count_nonfinite(const float *x, int64_t n, uint64_t *count, void *stream);
+
+/* ---- count-sketch ----------------------------------------------------------------
+ * out[k] (device doubles) ← the count-sketch of x: zeroed on the stream, then
+ * out[b(i)] += s(i)·x[i] with b, s from tensor_sketch_hash (tensor/tensor.h),
+ * reproduced bit for bit in device code. k is a power of two in [1, 2^20].
+ * Buckets accumulate in float per block (shared memory) when
+ * k <= KERN_SKETCH_SHARED_MAX and are then added to `out` with double atomics;
+ * the order of additions, hence the last bits, varies from run to run. */
+int kern_count_sketch(const float *x, int64_t n, uint64_t seed, int k, double *out, void *stream);
+
+/* The device hash compiled for the host, so that tests can prove it equals
+ * tensor_sketch_hash without a GPU. */
+uint32_t kern_sketch_hash_host(uint64_t seed, uint64_t i);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RUMOR_KERNELS_H */

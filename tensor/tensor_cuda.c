@@ -1,0 +1,511 @@
+/*
+ * The CUDA backend: one GPU, one stream, one cuBLAS handle.
+ *
+ * Ordering: every op, copy and event record is enqueued on the backend's
+ * single non-blocking stream, so ops run on the GPU in the order they were
+ * called. Entries that hand a value to the host (reductions, count-sketch,
+ * synchronous copies) wait for the stream first; the rest return at once.
+ *
+ * Threads: a backend belongs to one thread at a time (see tensor.h). Every
+ * entry makes the backend's device current in the calling thread first, so
+ * a backend may move between threads at step boundaries and several
+ * backends (GPUs) may be used from one thread.
+ *
+ * Errors: tensor_cuda_open and the allocators return errors (NULL from the
+ * allocators, after clearing CUDA's last-error state so that a later launch
+ * check does not report it). Inside ops, a failing CUDA or cuBLAS call or
+ * kernel launch is a panic naming the call, file and line: the device state
+ * is unknown after it.
+ *
+ * Numerics: cuBLAS runs in its default FP32 math mode (no TF32), so GEMMs
+ * match the CPU to FP32 rounding. Reductions are float partials per block,
+ * summed in double on the host.
+ */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/kernels.h" /* kern_*: the kernel launchers */
+#include "tensor/tensor_impl.h"
+
+#ifndef RUMOR_CUDA_ARCHS
+#define RUMOR_CUDA_ARCHS "unknown"
+#endif
+
+/* A failing CUDA runtime call inside an op: panic with the call text. */
+#define CUDA_CHECK(call)                                                                    \
+  do {                                                                                      \
+    cudaError_t cerr_ = (call);                                                             \
+    if (cerr_ != cudaSuccess)                                                               \
+      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, cudaGetErrorName(cerr_),  \
+                  cudaGetErrorString(cerr_));                                               \
+  } while (0)
+
+/* A failing cuBLAS call inside an op. */
+#define CUBLAS_CHECK(call)                                                                  \
+  do {                                                                                      \
+    cublasStatus_t berr_ = (call);                                                          \
+    if (berr_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, cublasGetStatusName(berr_), \
+                  cublasGetStatusString(berr_));                                            \
+  } while (0)
+
+/* A kernel launcher from kernels/kernels.h that returned an error. */
+#define KERN_CHECK(call)                                                                    \
+  do {                                                                                      \
+    if ((call) != 0) rumor_panic(__FILE__, __LINE__, "%s failed: %s", #call, kern_last_error()); \
+  } while (0)
+
+struct cuda_backend {
+  struct tensor_backend base; /* first: the tensor layer casts */
+  int device;                 /* CUDA device ordinal */
+  cudaStream_t stream;        /* every op is enqueued here */
+  cublasHandle_t blas;        /* bound to `stream` */
+  float *d_partials;          /* device [KERN_REDUCE_MAX_BLOCKS]: reduction partials */
+  float *h_partials;          /* pinned host [KERN_REDUCE_MAX_BLOCKS]: their copy */
+  uint64_t *d_count;          /* device counter for count_nonfinite */
+  uint64_t *h_count;          /* pinned host copy of it */
+  double *d_sketch;           /* device [sketch_cap] buckets, grown on demand */
+  int sketch_cap;
+};
+
+static struct cuda_backend *cuda_of(tensor_backend_t be) { return (struct cuda_backend *)be; }
+
+static void *stream_of(struct cuda_backend *b) { return (void *)b->stream; }
+
+/* Makes the backend's device current in the calling thread; returns the
+ * backend for chaining. */
+static struct cuda_backend *enter(tensor_backend_t be) {
+  struct cuda_backend *b = cuda_of(be);
+  CUDA_CHECK(cudaSetDevice(b->device));
+  return b;
+}
+
+/* ---- device count -------------------------------------------------------------- */
+
+/* The device count, asked once per process: it cannot change while the
+ * process runs, and without a driver each query is a failed dlopen.
+ * -1 until the first call. */
+static atomic_int g_device_count = -1;
+
+int tensor_cuda_count(void) {
+  int cached = atomic_load(&g_device_count);
+  if (cached >= 0) return cached;
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    /* No driver, no device, a driver older than the runtime, ...: no GPU. */
+    log_debug("cuda: cudaGetDeviceCount failed (%s: %s): no NVIDIA driver, no device, or a driver "
+              "too old for CUDA runtime %d; no CUDA device will be used",
+              cudaGetErrorName(err), cudaGetErrorString(err), CUDART_VERSION);
+    (void)cudaGetLastError();
+    count = 0;
+  }
+  if (count < 0) count = 0;
+  atomic_store(&g_device_count, count);
+  return count;
+}
+
+/* ---- backend lifetime ---------------------------------------------------------- */
+
+/* Releases whatever `b` holds (a partly opened backend too). Runs with the
+ * device current. */
+static void cuda_release(struct cuda_backend *b) {
+  if (b->stream) (void)cudaStreamSynchronize(b->stream);
+  if (b->blas) (void)cublasDestroy(b->blas);
+  if (b->d_sketch) (void)cudaFree(b->d_sketch);
+  if (b->d_partials) (void)cudaFree(b->d_partials);
+  if (b->d_count) (void)cudaFree(b->d_count);
+  if (b->h_partials) (void)cudaFreeHost(b->h_partials);
+  if (b->h_count) (void)cudaFreeHost(b->h_count);
+  if (b->stream) (void)cudaStreamDestroy(b->stream);
+  (void)cudaGetLastError();
+  free(b);
+}
+
+static void cuda_close(tensor_backend_t be) {
+  struct cuda_backend *b = enter(be);
+  CUDA_CHECK(cudaStreamSynchronize(b->stream));
+  cuda_release(b);
+}
+
+static void cuda_sync(tensor_backend_t be) {
+  struct cuda_backend *b = enter(be);
+  CUDA_CHECK(cudaStreamSynchronize(b->stream));
+}
+
+/* ---- memory ---------------------------------------------------------------------- */
+
+/* Device memory; NULL (never a panic) when it cannot be had. A request for 0
+ * bytes still returns a distinct valid pointer, as tensor_alloc expects. */
+static void *cuda_mem_alloc(tensor_backend_t be, size_t bytes) {
+  struct cuda_backend *b = enter(be);
+  void *p = NULL;
+  cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1);
+  if (err != cudaSuccess) {
+    log_debug("%s: cudaMalloc(%zu) failed: %s", b->base.name, bytes, cudaGetErrorString(err));
+    (void)cudaGetLastError(); /* not sticky; keep it out of later launch checks */
+    return NULL;
+  }
+  return p;
+}
+
+/* cudaFree waits for the device, so no op still in flight can touch p. */
+static void cuda_mem_free(tensor_backend_t be, void *p) {
+  enter(be);
+  CUDA_CHECK(cudaFree(p));
+}
+
+/* Pinned host memory, so that async copies really overlap; NULL on failure. */
+static void *cuda_host_alloc(tensor_backend_t be, size_t bytes) {
+  struct cuda_backend *b = enter(be);
+  void *p = NULL;
+  cudaError_t err = cudaMallocHost(&p, bytes ? bytes : 1);
+  if (err != cudaSuccess) {
+    log_debug("%s: cudaMallocHost(%zu) failed: %s", b->base.name, bytes, cudaGetErrorString(err));
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  return p;
+}
+
+static void cuda_host_free(tensor_backend_t be, void *p) {
+  enter(be);
+  CUDA_CHECK(cudaFreeHost(p));
+}
+
+/* Copies are enqueued on the stream; the synchronous forms then wait for it
+ * (and so for every op before them). */
+static void cuda_copy(struct cuda_backend *b, void *dst, const void *src, size_t bytes,
+                      enum cudaMemcpyKind kind, bool async) {
+  if (bytes == 0) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, b->stream));
+  if (!async) CUDA_CHECK(cudaStreamSynchronize(b->stream));
+}
+
+static void cuda_copy_h2d(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async) {
+  cuda_copy(enter(be), dst, src, bytes, cudaMemcpyHostToDevice, async);
+}
+
+static void cuda_copy_d2h(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async) {
+  cuda_copy(enter(be), dst, src, bytes, cudaMemcpyDeviceToHost, async);
+}
+
+/* dst ← src on the device, stream-ordered. Overlapping ranges (views of one
+ * buffer) go through a stream-ordered temporary, since cudaMemcpy does not
+ * promise memmove semantics. */
+static void cuda_copy_d2d(tensor_backend_t be, void *dst, const void *src, size_t bytes) {
+  struct cuda_backend *b = enter(be);
+  if (bytes == 0 || dst == src) return;
+  const char *d = dst, *s = src;
+  if (d < s + bytes && s < d + bytes) {
+    void *tmp = NULL;
+    CUDA_CHECK(cudaMallocAsync(&tmp, bytes, b->stream));
+    CUDA_CHECK(cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, b->stream));
+    CUDA_CHECK(cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, b->stream));
+    CUDA_CHECK(cudaFreeAsync(tmp, b->stream));
+    return;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b->stream));
+}
+
+/* ---- events ------------------------------------------------------------------------ */
+
+/* A cudaEvent_t without timing (cheaper to record and query); NULL on
+ * failure. */
+static void *cuda_ev_create(tensor_backend_t be) {
+  struct cuda_backend *b = enter(be);
+  cudaEvent_t ev = NULL;
+  cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    log_debug("%s: cudaEventCreateWithFlags failed: %s", b->base.name, cudaGetErrorString(err));
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  return (void *)ev;
+}
+
+static void cuda_ev_destroy(tensor_backend_t be, void *ev) {
+  enter(be);
+  CUDA_CHECK(cudaEventDestroy((cudaEvent_t)ev));
+}
+
+static void cuda_ev_record(tensor_backend_t be, void *ev) {
+  struct cuda_backend *b = enter(be);
+  CUDA_CHECK(cudaEventRecord((cudaEvent_t)ev, b->stream));
+}
+
+/* Never blocks: cudaErrorNotReady means the work is still in flight. An
+ * event never recorded counts as complete. */
+static bool cuda_ev_query(tensor_backend_t be, void *ev) {
+  enter(be);
+  cudaError_t err = cudaEventQuery((cudaEvent_t)ev);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError(); /* a status, not an error: keep it out of launch checks */
+    return false;
+  }
+  if (err != cudaSuccess)
+    rumor_panic(__FILE__, __LINE__, "cudaEventQuery(ev) failed: %s: %s", cudaGetErrorName(err),
+                cudaGetErrorString(err));
+  return true;
+}
+
+static void cuda_ev_wait(tensor_backend_t be, void *ev) {
+  enter(be);
+  CUDA_CHECK(cudaEventSynchronize((cudaEvent_t)ev));
+}
+
+/* ---- GEMM ------------------------------------------------------------------------- */
+
+/* Row-major C[m,n] ← alpha·op(A)·op(B) + beta·C through column-major cuBLAS.
+ * A row-major matrix with row stride ld is, read column-major, its transpose
+ * with leading dimension ld. So C = op(A)·op(B) is computed as the
+ * column-major product Cᵀ[n,m] = op(B)ᵀ·op(A)ᵀ: B goes first with B's
+ * transpose flag, A second with A's, and m and n swap places. */
+static void cuda_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k, float alpha,
+                      const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+  struct cuda_backend *cb = enter(be);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    /* An empty product: C ← beta·C (C not read when beta is 0, as BLAS). Done
+     * here because cuBLAS rejects the zero leading dimensions of [m,0]. */
+    RUMOR_ASSERT(ldc == n);
+    int64_t cn = (int64_t)m * n;
+    if (beta == 0.0f)
+      KERN_CHECK(kern_fill(c, 0.0f, cn, stream_of(cb)));
+    else if (beta != 1.0f)
+      KERN_CHECK(kern_scale(c, beta, cn, stream_of(cb)));
+    return;
+  }
+  CUBLAS_CHECK(cublasSgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
+                           k, &alpha, b, ldb, a, lda, &beta, c, ldc));
+}
+
+/* ---- element-wise ops ------------------------------------------------------------ */
+
+static void cuda_bias_add(tensor_backend_t be, float *y, const float *bias, int64_t rows, int64_t cols) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_bias_add(y, bias, rows, cols, stream_of(b)));
+}
+
+static void cuda_bias_grad(tensor_backend_t be, const float *dy, float *db, int64_t rows, int64_t cols,
+                           float beta) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_bias_grad(dy, db, rows, cols, beta, stream_of(b)));
+}
+
+static void cuda_relu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_relu_fwd(x, y, n, stream_of(b)));
+}
+
+static void cuda_relu_bwd(tensor_backend_t be, const float *y, const float *dy, float *dx, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_relu_bwd(y, dy, dx, n, stream_of(b)));
+}
+
+static void cuda_gelu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_gelu_fwd(x, y, n, stream_of(b)));
+}
+
+static void cuda_gelu_bwd(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_gelu_bwd(x, dy, dx, n, stream_of(b)));
+}
+
+static void cuda_softmax_xent(tensor_backend_t be, const float *logits, const int32_t *labels,
+                              float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_softmax_xent(logits, labels, dlogits, losses, rows, cols, grad_scale, stream_of(b)));
+}
+
+static void cuda_sgd_step(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
+                          const struct tensor_sgd *hp) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_sgd_step(p, g, m, n, hp->lr, hp->momentum, hp->weight_decay, hp->nesterov, stream_of(b)));
+}
+
+static void cuda_adamw_step(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,
+                            const struct tensor_adamw *hp) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_adamw_step(p, g, m, v, n, hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, hp->step,
+                             stream_of(b)));
+}
+
+static void cuda_axpby(tensor_backend_t be, float a, const float *x, float bb, float *y, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_axpby(a, x, bb, y, n, stream_of(b)));
+}
+
+static void cuda_lerp(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_lerp(x, y, alpha, n, stream_of(b)));
+}
+
+static void cuda_scale(tensor_backend_t be, float *x, float a, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_scale(x, a, n, stream_of(b)));
+}
+
+static void cuda_fill(tensor_backend_t be, float *x, float v, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_fill(x, v, n, stream_of(b)));
+}
+
+/* ---- reductions ------------------------------------------------------------------- */
+
+/* Waits for the `nparts` partials just enqueued and sums them in double. */
+static double sum_partials(struct cuda_backend *b, int nparts) {
+  if (nparts == 0) return 0.0;
+  cuda_copy(b, b->h_partials, b->d_partials, (size_t)nparts * sizeof(float), cudaMemcpyDeviceToHost, false);
+  double total = 0.0;
+  for (int i = 0; i < nparts; i++) total += (double)b->h_partials[i];
+  return total;
+}
+
+static double cuda_sum(tensor_backend_t be, const float *x, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  int nparts = 0;
+  KERN_CHECK(kern_sum_partials(x, n, b->d_partials, &nparts, stream_of(b)));
+  return sum_partials(b, nparts);
+}
+
+static double cuda_sq_norm(tensor_backend_t be, const float *x, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  int nparts = 0;
+  KERN_CHECK(kern_sq_norm_partials(x, n, b->d_partials, &nparts, stream_of(b)));
+  return sum_partials(b, nparts);
+}
+
+static double cuda_sq_dist(tensor_backend_t be, const float *x, const float *y, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  int nparts = 0;
+  KERN_CHECK(kern_sq_dist_partials(x, y, n, b->d_partials, &nparts, stream_of(b)));
+  return sum_partials(b, nparts);
+}
+
+static int64_t cuda_count_nonfinite(tensor_backend_t be, const float *x, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_count_nonfinite(x, n, b->d_count, stream_of(b)));
+  cuda_copy(b, b->h_count, b->d_count, sizeof *b->h_count, cudaMemcpyDeviceToHost, false);
+  return (int64_t)*b->h_count;
+}
+
+/* Count-sketch into device buckets (kept between calls, grown to the largest
+ * k seen), then copied to `out_host` after the stream drains. */
+static void cuda_count_sketch(tensor_backend_t be, const float *x, int64_t n, uint64_t seed, int k,
+                              double *out_host) {
+  struct cuda_backend *b = enter(be);
+  if (k > b->sketch_cap) {
+    if (b->d_sketch) CUDA_CHECK(cudaFree(b->d_sketch));
+    b->d_sketch = NULL;
+    b->sketch_cap = 0;
+    CUDA_CHECK(cudaMalloc((void **)&b->d_sketch, (size_t)k * sizeof(double)));
+    b->sketch_cap = k;
+  }
+  KERN_CHECK(kern_count_sketch(x, n, seed, k, b->d_sketch, stream_of(b)));
+  cuda_copy(b, out_host, b->d_sketch, (size_t)k * sizeof(double), cudaMemcpyDeviceToHost, false);
+}
+
+static const struct tensor_backend_ops cuda_ops = {
+    .close = cuda_close,
+    .set_threads = NULL,
+    .sync = cuda_sync,
+    .mem_alloc = cuda_mem_alloc,
+    .mem_free = cuda_mem_free,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy_h2d = cuda_copy_h2d,
+    .copy_d2h = cuda_copy_d2h,
+    .copy_d2d = cuda_copy_d2d,
+    .ev_create = cuda_ev_create,
+    .ev_destroy = cuda_ev_destroy,
+    .ev_record = cuda_ev_record,
+    .ev_query = cuda_ev_query,
+    .ev_wait = cuda_ev_wait,
+    .gemm = cuda_gemm,
+    .bias_add = cuda_bias_add,
+    .bias_grad = cuda_bias_grad,
+    .relu_fwd = cuda_relu_fwd,
+    .relu_bwd = cuda_relu_bwd,
+    .gelu_fwd = cuda_gelu_fwd,
+    .gelu_bwd = cuda_gelu_bwd,
+    .softmax_xent = cuda_softmax_xent,
+    .sgd_step = cuda_sgd_step,
+    .adamw_step = cuda_adamw_step,
+    .axpby = cuda_axpby,
+    .lerp = cuda_lerp,
+    .scale = cuda_scale,
+    .fill = cuda_fill,
+    .sum = cuda_sum,
+    .sq_norm = cuda_sq_norm,
+    .sq_dist = cuda_sq_dist,
+    .count_nonfinite = cuda_count_nonfinite,
+    .count_sketch = cuda_count_sketch,
+};
+
+/* ---- open ---------------------------------------------------------------------------- */
+
+/* In tensor_cuda_open: a failing CUDA call becomes an error return. */
+#define OPEN_CUDA(call)                                                                        \
+  do {                                                                                         \
+    cudaError_t oerr_ = (call);                                                                \
+    if (oerr_ != cudaSuccess) {                                                                \
+      (void)cudaGetLastError();                                                                \
+      rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: %s failed: %s", device, #call,            \
+                         cudaGetErrorString(oerr_));                                           \
+      goto fail;                                                                               \
+    }                                                                                          \
+  } while (0)
+
+int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
+  *out = NULL;
+  int count = tensor_cuda_count();
+  if (device < 0 || device >= count)
+    return rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: no such CUDA device (%d usable)", device, count);
+
+  int rc = 0;
+  struct cuda_backend *b = xcalloc(1, sizeof *b);
+  b->base.ops = &cuda_ops;
+  b->base.device = TENSOR_DEVICE_CUDA;
+  b->device = device;
+  snprintf(b->base.name, sizeof b->base.name, "cuda:%d", device);
+
+  OPEN_CUDA(cudaSetDevice(device));
+  struct cudaDeviceProp prop;
+  OPEN_CUDA(cudaGetDeviceProperties(&prop, device));
+  if (kern_check_device() != 0) {
+    rc = rumor_err_set(e, RUMOR_EDEVICE,
+                       "cuda:%d: %s (compute capability %d.%d) cannot run this build's kernels, built for "
+                       "CUDA architectures %s: %s",
+                       device, prop.name, prop.major, prop.minor, RUMOR_CUDA_ARCHS, kern_last_error());
+    goto fail;
+  }
+  OPEN_CUDA(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking));
+  cublasStatus_t st = cublasCreate(&b->blas);
+  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(b->blas, b->stream);
+  /* Default math: true FP32, no TF32 tensor cores (tests hold GEMMs to FP32
+   * tolerance against the CPU). */
+  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetMathMode(b->blas, CUBLAS_DEFAULT_MATH);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    (void)cudaGetLastError();
+    rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: cuBLAS set-up failed: %s", device, cublasGetStatusString(st));
+    goto fail;
+  }
+  OPEN_CUDA(cudaMalloc((void **)&b->d_partials, KERN_REDUCE_MAX_BLOCKS * sizeof(float)));
+  OPEN_CUDA(cudaMalloc((void **)&b->d_count, sizeof(uint64_t)));
+  OPEN_CUDA(cudaMallocHost((void **)&b->h_partials, KERN_REDUCE_MAX_BLOCKS * sizeof(float)));
+  OPEN_CUDA(cudaMallocHost((void **)&b->h_count, sizeof(uint64_t)));
+
+  log_info("%s: %s, %.1f GiB, %d SMs, compute capability %d.%d", b->base.name, prop.name,
+           (double)prop.totalGlobalMem / (double)(1ull << 30), prop.multiProcessorCount, prop.major, prop.minor);
+  *out = &b->base;
+  return 0;
+
+fail:
+  cuda_release(b);
+  return rc;
+}

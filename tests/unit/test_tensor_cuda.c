@@ -1,0 +1,1019 @@
+/*
+ * The CUDA backend against the plain reference ops (tensor_ref_* and host
+ * loops), op by op, on fresh random inputs of several sizes.
+ *
+ * - Sizes include 1, sizes that are not multiples of any block size, and
+ *   sizes past the kernels' grid caps, so grid-stride loops take a second
+ *   lap (kernels/kernels.cu: 8192 blocks of 256 threads for element-wise
+ *   kernels, 8192·8 rows for softmax, 8192·32 columns for bias_grad,
+ *   1024·256 for reductions, 512·256 for the shared-memory sketch).
+ * - Every device tensor is a view with GUARD sentinel elements on each
+ *   side (checked after each op: nothing written out of bounds) and starts
+ *   filled with NaN (an output element the op forgot to write fails).
+ * - Comparisons are element-wise, |got − ref| <= atol + rtol·|ref|, with
+ *   NaN/Inf in `got` allowed only where `ref` has the same; a failure names
+ *   the worst element (index, got, ref) and the random seed.
+ * - Each numeric op also runs on small integers, where FP32 results are
+ *   exact: any element missed or counted twice shows as a wrong value.
+ *
+ * Every GPU test skips with "no CUDA GPU: ..." when
+ * tensor_cuda_device_count() is 0. The tests of backend selection and of
+ * the device sketch hash (compiled for the host) run everywhere.
+ *
+ * RUMOR_TEST_SEED=<n> in the environment repeats a run's random inputs.
+ */
+#include <criterion/criterion.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernels.h" /* kern_sketch_hash_host: the device hash, host build */
+#include "tensor/tensor.h"
+
+/* Present only in CUDA builds; weak so that the CPU-only build links. */
+#pragma weak kern_sketch_hash_host
+
+/* AddressSanitizer's shadow gap sits where CUDA maps device memory; with it
+ * protected, CUDA initialisation fails and the GPU tests would skip. Read
+ * only by ASan builds. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "protect_shadow_gap=0"; }
+
+/* ---- test state (one test per process) ----------------------------------------- */
+
+static tensor_backend_t g_be;
+static uint64_t g_seed;
+static struct rng g_rng;
+
+static void seed_rng(void) {
+  const char *s = getenv("RUMOR_TEST_SEED");
+  g_seed = (s && *s) ? strtoull(s, NULL, 0) : clock_now_ns();
+  rng_seed(&g_rng, g_seed, 0);
+}
+
+/* Skips the test unless a GPU is usable; opens cuda:0 into g_be. */
+static void open_gpu(void) {
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no CUDA GPU: tensor_cuda_device_count() is 0 (%s); CUDA backend test skipped",
+                 tensor_cuda_compiled() ? "built with CUDA, but no usable device or driver"
+                                        : "built without CUDA");
+  struct rumor_err e = {0};
+  int rc = tensor_backend_open("cuda:0", &g_be, &e);
+  cr_assert_eq(rc, 0, "tensor_backend_open(\"cuda:0\") failed: %s", e.msg);
+  cr_assert_eq(tensor_backend_device(g_be), TENSOR_DEVICE_CUDA);
+  seed_rng();
+}
+
+/* Everything a test allocates goes into this arena; arena_release(mark)
+ * frees what came after `mark`. */
+#define ARENA_MAX 128
+struct arena_item {
+  struct tensor t; /* owning device tensor, or unused */
+  void *host;      /* malloc'ed host buffer, or NULL */
+};
+static struct arena_item g_arena[ARENA_MAX];
+static int g_arena_n;
+
+static int arena_mark(void) { return g_arena_n; }
+
+static void arena_release(int mark) {
+  while (g_arena_n > mark) {
+    struct arena_item *it = &g_arena[--g_arena_n];
+    tensor_free(&it->t);
+    free(it->host);
+    it->host = NULL;
+  }
+}
+
+static struct arena_item *arena_push(void) {
+  cr_assert(g_arena_n < ARENA_MAX, "test arena full");
+  struct arena_item *it = &g_arena[g_arena_n++];
+  memset(it, 0, sizeof *it);
+  return it;
+}
+
+static void close_gpu(void) {
+  arena_release(0);
+  tensor_backend_close(g_be);
+  g_be = NULL;
+}
+
+/* ---- host buffers and random data ------------------------------------------------ */
+
+static void *hbuf_bytes(size_t bytes) {
+  struct arena_item *it = arena_push();
+  it->host = xmalloc(bytes ? bytes : 1);
+  return it->host;
+}
+static float *hbuf(int64_t n) { return hbuf_bytes((size_t)n * sizeof(float)); }
+
+static void fill_normal(float *p, int64_t n, float mean, float scale) {
+  for (int64_t i = 0; i < n; i++) p[i] = mean + scale * rng_normal(&g_rng);
+}
+
+/* Integers in [−lim, lim]: their sums and products stay exact in FP32. */
+static void fill_ints(float *p, int64_t n, int lim) {
+  for (int64_t i = 0; i < n; i++) p[i] = (float)((int64_t)rng_below(&g_rng, (uint64_t)(2 * lim + 1)) - lim);
+}
+
+static void fill_value(float *p, int64_t n, float v) {
+  for (int64_t i = 0; i < n; i++) p[i] = v;
+}
+
+/* ---- guarded device tensors ------------------------------------------------------- */
+
+#define GUARD 37                    /* sentinel elements each side; odd, so views are not 16-byte aligned */
+#define GUARD_ALIGNED 64            /* 256 bytes: keeps views as aligned as cudaMalloc's */
+#define SENTINEL_BITS 0xc640e6b7u   /* −12345.678f */
+#define POISON_BITS 0x7fc00000u     /* quiet NaN */
+
+struct dev {
+  struct tensor *whole; /* [guard + n + guard], owned by the arena */
+  struct tensor t;      /* the view an op sees */
+  int64_t n, guard;
+};
+
+static struct dev dev_new_g(enum tensor_dtype dt, int ndim, const int64_t *shape, int64_t guard) {
+  RUMOR_ASSERT(tensor_dtype_size(dt) == 4);
+  struct dev d;
+  d.n = 1;
+  for (int i = 0; i < ndim; i++) d.n *= shape[i];
+  d.guard = guard;
+  int64_t total = d.n + 2 * guard;
+  struct arena_item *it = arena_push();
+  struct rumor_err e = {0};
+  int rc = tensor_alloc(&it->t, g_be, dt, 1, &total, &e);
+  cr_assert_eq(rc, 0, "tensor_alloc(%" PRId64 " elements) failed: %s", total, e.msg);
+  d.whole = &it->t;
+  uint32_t *init = xmalloc((size_t)total * 4);
+  for (int64_t i = 0; i < total; i++) init[i] = (i < guard || i >= guard + d.n) ? SENTINEL_BITS : POISON_BITS;
+  tensor_copy_from_host(d.whole, 0, init, (size_t)total * 4);
+  free(init);
+  d.t = tensor_view(d.whole, guard, ndim, shape);
+  return d;
+}
+
+static struct dev dev_new(int ndim, const int64_t *shape) { return dev_new_g(TENSOR_F32, ndim, shape, GUARD); }
+
+static struct dev dev_vec(int64_t n) { return dev_new(1, &n); }
+
+static void dev_upload(struct dev *d, const void *host) { tensor_copy_from_host(&d->t, 0, host, (size_t)d->n * 4); }
+
+static void dev_download(const struct dev *d, void *host) { tensor_copy_to_host(&d->t, 0, host, (size_t)d->n * 4); }
+
+static struct dev dev_from(int ndim, const int64_t *shape, const float *host) {
+  struct dev d = dev_new(ndim, shape);
+  dev_upload(&d, host);
+  return d;
+}
+
+/* Fails the test if anything was written into the guard bands of `d`. */
+static void dev_check_guards(const struct dev *d, const char *what) {
+  int64_t total = d->n + 2 * d->guard;
+  uint32_t *all = xmalloc((size_t)total * 4);
+  tensor_copy_to_host(d->whole, 0, all, (size_t)total * 4);
+  for (int64_t i = 0; i < total; i++) {
+    if (i >= d->guard && i < d->guard + d->n) continue;
+    if (all[i] != SENTINEL_BITS) {
+      uint32_t bits = all[i];
+      free(all);
+      cr_assert_fail("%s: out-of-bounds write: guard element %" PRId64 " %s the tensor (n=%" PRId64
+                     ") holds 0x%08x (seed %" PRIu64 ")",
+                     what, i < d->guard ? i - d->guard : i - d->guard - d->n, i < d->guard ? "before" : "after",
+                     d->n, bits, g_seed);
+    }
+  }
+  free(all);
+}
+
+/* ---- comparison -------------------------------------------------------------------- */
+
+/* Fails unless |got[i] − ref[i]| <= atol + rtol·|ref[i]| for every i, and NaN
+ * or ±Inf appear in got exactly where ref has the same. Names the worst
+ * element. atol = rtol = 0 demands exact equality. */
+static void check_close(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
+  int64_t worst = -1;
+  double worst_ratio = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    double g = got[i], r = ref[i];
+    if (!isfinite(r) || !isfinite(g)) {
+      bool same = isnan(r) ? isnan(g) : g == r;
+      cr_assert(same,
+                "%s: element %" PRId64 " of %" PRId64 " is %.9g where the reference is %.9g "
+                "(NaN/Inf mismatch; seed %" PRIu64 ")",
+                what, i, n, g, r, g_seed);
+      continue;
+    }
+    double tol = atol + rtol * fabs(r), diff = fabs(g - r);
+    double ratio = tol > 0.0 ? diff / tol : (diff > 0.0 ? INFINITY : 0.0);
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  if (worst >= 0)
+    cr_assert(worst_ratio <= 1.0,
+              "%s: worst element %" PRId64 " of %" PRId64 ": got %.9g, ref %.9g, |diff| %.3g > %.3g + %.3g·|ref| "
+              "(seed %" PRIu64 ")",
+              what, worst, n, (double)got[worst], (double)ref[worst], fabs((double)got[worst] - ref[worst]), atol,
+              rtol, g_seed);
+}
+
+static void check_exact(const char *what, const float *got, const float *ref, int64_t n) {
+  check_close(what, got, ref, n, 0.0, 0.0);
+}
+
+/* Element counts for element-wise ops: 1, odd sizes, one block exactly, and
+ * one past 8192·256 (a second grid-stride lap). */
+static const int64_t kSizes[] = {1, 31, 256, 1000, 65537, (1 << 21) + 3};
+#define NSIZES ((int)(sizeof kSizes / sizeof kSizes[0]))
+
+/* [rows, cols] shapes for row-wise ops: tiny, odd, a row count past the
+ * softmax and bias_add grid caps (65536 rows), and a column count past the
+ * bias_grad and bias_add caps (262144 columns). */
+static const int64_t kMatShapes[][2] = {{1, 1},     {3, 5},    {37, 33},   {1000, 10},
+                                        {129, 1025}, {70001, 3}, {3, 300007}};
+#define NMATSHAPES ((int)(sizeof kMatShapes / sizeof kMatShapes[0]))
+
+/* ==== tests that run everywhere ==================================================== */
+
+Test(cuda_select, auto_opens_cuda_when_a_gpu_is_usable_else_the_cpu) {
+  tensor_backend_t be = NULL;
+  struct rumor_err e = {0};
+  int rc = tensor_backend_open("auto", &be, &e);
+  cr_assert_eq(rc, 0, "tensor_backend_open(\"auto\") failed: %s", e.msg);
+  if (tensor_cuda_device_count() > 0) {
+    cr_assert_eq(tensor_backend_device(be), TENSOR_DEVICE_CUDA);
+    cr_assert_str_eq(tensor_backend_name(be), "cuda:0");
+  } else {
+    cr_assert_eq(tensor_backend_device(be), TENSOR_DEVICE_CPU, "auto without a GPU must fall back to the CPU");
+    cr_assert_str_eq(tensor_backend_name(be), "cpu");
+  }
+  tensor_backend_close(be);
+}
+
+Test(cuda_select, cuda_without_a_usable_gpu_is_an_error_naming_the_spec) {
+  int count = tensor_cuda_device_count();
+  cr_assert_geq(count, 0);
+  cr_assert_eq(tensor_cuda_device_count(), count, "the device count must be stable");
+  if (!tensor_cuda_compiled()) cr_assert_eq(count, 0);
+
+  /* One past the last device is never usable, with or without a GPU. */
+  char spec[32];
+  snprintf(spec, sizeof spec, "cuda:%d", count);
+  const char *specs[] = {spec, count == 0 ? "cuda" : spec};
+  for (int i = 0; i < 2; i++) {
+    tensor_backend_t be = (tensor_backend_t)1;
+    struct rumor_err e = {0};
+    int rc = tensor_backend_open(specs[i], &be, &e);
+    cr_assert_eq(rc, RUMOR_EDEVICE, "tensor_backend_open(\"%s\") returned %d, want RUMOR_EDEVICE (%s)", specs[i],
+                 rc, e.msg);
+    cr_assert_null(be, "a failed open must leave *out NULL");
+    cr_assert_eq(e.code, RUMOR_EDEVICE);
+    cr_assert(strstr(e.msg, specs[i]) != NULL, "the message must name the device spec '%s': %s", specs[i], e.msg);
+    cr_assert(strstr(e.msg, "usable") || strstr(e.msg, "without CUDA"),
+              "the message must say why (no usable device / built without CUDA): %s", e.msg);
+  }
+
+  tensor_backend_t be = NULL;
+  struct rumor_err e = {0};
+  cr_assert_eq(tensor_backend_open("cuda:x", &be, &e), RUMOR_EFORMAT, "%s", e.msg);
+  cr_assert_eq(tensor_backend_open("cudax", &be, &e), RUMOR_EFORMAT, "%s", e.msg);
+}
+
+Test(cuda_hash, device_sketch_hash_agrees_with_tensor_sketch_hash) {
+  if (!kern_sketch_hash_host) cr_skip_test("no CUDA kernels in this build (built without CUDA)");
+  /* Edge values of both 64-bit inputs (each 32-bit half matters), then
+   * random pairs. */
+  static const uint64_t edges[] = {0,           1,           2,           0x7fffffffu,        0x80000000u,
+                                   0xffffffffu, 1ull << 32,  (1ull << 32) + 1, 0x123456789abcdef0ull,
+                                   ~0ull - 1,   ~0ull,       0xdeadbeefcafebabeull};
+  const int ne = (int)(sizeof edges / sizeof edges[0]);
+  for (int a = 0; a < ne; a++)
+    for (int b = 0; b < ne; b++)
+      cr_assert_eq(kern_sketch_hash_host(edges[a], edges[b]), tensor_sketch_hash(edges[a], edges[b]),
+                   "hash(seed=0x%" PRIx64 ", i=0x%" PRIx64 ")", edges[a], edges[b]);
+  seed_rng();
+  for (int t = 0; t < 200000; t++) {
+    uint64_t seed = rng_next_u64(&g_rng), i = rng_next_u64(&g_rng);
+    if (t & 1) i >>= 20; /* indices of realistic size too */
+    cr_assert_eq(kern_sketch_hash_host(seed, i), tensor_sketch_hash(seed, i),
+                 "hash(seed=0x%" PRIx64 ", i=0x%" PRIx64 ")", seed, i);
+  }
+}
+
+/* ==== GPU tests ========================================================================= */
+
+Test(cuda, backend_is_named_cuda_n_and_supports_every_entry) {
+  open_gpu();
+  cr_assert_str_eq(tensor_backend_name(g_be), "cuda:0");
+  tensor_backend_set_threads(g_be, 4); /* ignored by CUDA; must not crash */
+  tensor_backend_sync(g_be);
+  close_gpu();
+}
+
+Test(cuda, failed_allocation_is_an_error_and_leaves_the_backend_usable) {
+  open_gpu();
+  struct tensor huge;
+  struct rumor_err e = {0};
+  int64_t n = (int64_t)1 << 50; /* 4 PiB */
+  int rc = tensor_alloc(&huge, g_be, TENSOR_F32, 1, &n, &e);
+  cr_assert_eq(rc, RUMOR_EDEVICE, "allocating 4 PiB returned %d (%s)", rc, e.msg);
+  cr_assert_null(huge.data);
+  cr_assert(strstr(e.msg, "cuda:0") != NULL, "message should name the backend: %s", e.msg);
+  cr_assert_null(tensor_host_alloc(g_be, (size_t)1 << 52), "pinned 4 PiB must fail with NULL");
+
+  /* The failure must not leak into later launch checks. */
+  struct dev x = dev_vec(1000);
+  tensor_fill(&x.t, 2.0f);
+  cr_assert_eq(tensor_sum(&x.t), 2000.0);
+  close_gpu();
+}
+
+Test(cuda, zero_sized_tensors_are_valid_and_ops_on_them_do_nothing) {
+  open_gpu();
+  struct dev z = dev_vec(0), z2 = dev_vec(0);
+  cr_assert_not_null(z.whole->data);
+  tensor_fill(&z.t, 1.0f);
+  tensor_relu_fwd(&z.t, &z2.t);
+  tensor_axpby(1.0f, &z.t, 1.0f, &z2.t);
+  cr_assert_eq(tensor_sum(&z.t), 0.0);
+  cr_assert_eq(tensor_sq_norm(&z.t), 0.0);
+  cr_assert_eq(tensor_sq_dist(&z.t, &z2.t), 0.0);
+  cr_assert_eq(tensor_count_nonfinite(&z.t), 0);
+  double sk[4] = {1, 1, 1, 1};
+  tensor_count_sketch(&z.t, 7, 4, sk);
+  for (int j = 0; j < 4; j++) cr_assert_eq(sk[j], 0.0, "bucket %d of an empty sketch is %g", j, sk[j]);
+
+  int64_t s0[2] = {0, 5}, s1[1] = {0};
+  struct dev logits = dev_new(2, s0), dl = dev_new(2, s0), losses = dev_new(1, s1);
+  struct dev labels = dev_new_g(TENSOR_I32, 1, s1, GUARD);
+  tensor_softmax_xent(&logits.t, &labels.t, &dl.t, &losses.t, 1.0f);
+  tensor_backend_sync(g_be);
+  dev_check_guards(&z, "ops on empty tensors");
+  dev_check_guards(&z2, "ops on empty tensors");
+  dev_check_guards(&dl, "softmax_xent with 0 rows");
+  dev_check_guards(&losses, "softmax_xent with 0 rows");
+  close_gpu();
+}
+
+/* ---- GEMM ---- */
+
+struct gemm_case {
+  int m, n, k;
+};
+static const struct gemm_case kGemmCases[] = {{1, 1, 1},     {7, 5, 3},       {5, 7, 1},     {33, 17, 65},
+                                              {64, 64, 64},  {130, 67, 257},  {257, 129, 63}, {1, 300, 2},
+                                              {300, 1, 17},  {512, 384, 256}, {3, 4, 0}};
+#define NGEMM ((int)(sizeof kGemmCases / sizeof kGemmCases[0]))
+
+/* One GEMM on the GPU against tensor_ref_gemm. With beta = 0, C starts as
+ * NaN (BLAS must not read it). `ints`: small-integer inputs, exact result. */
+static void run_gemm(bool ta, bool tb, struct gemm_case gc, float alpha, float beta, bool ints, int64_t guard) {
+  const int m = gc.m, n = gc.n, k = gc.k;
+  int mark = arena_mark();
+  int64_t sa[2] = {ta ? k : m, ta ? m : k};
+  int64_t sb[2] = {tb ? n : k, tb ? k : n};
+  int64_t sc[2] = {m, n};
+  int64_t na = (int64_t)m * k, nb = (int64_t)k * n, nc = (int64_t)m * n;
+  float *ha = hbuf(na), *hb = hbuf(nb), *ref = hbuf(nc), *got = hbuf(nc);
+  if (ints) {
+    fill_ints(ha, na, 3);
+    fill_ints(hb, nb, 3);
+  } else {
+    fill_normal(ha, na, 0.0f, 1.0f);
+    fill_normal(hb, nb, 0.0f, 1.0f);
+  }
+  struct dev a = dev_new_g(TENSOR_F32, 2, sa, guard), b = dev_new_g(TENSOR_F32, 2, sb, guard),
+             c = dev_new_g(TENSOR_F32, 2, sc, guard);
+  dev_upload(&a, ha);
+  dev_upload(&b, hb);
+  if (beta == 0.0f) {
+    fill_value(ref, nc, NAN); /* c stays poisoned on the device as well */
+  } else {
+    if (ints)
+      fill_ints(ref, nc, 5);
+    else
+      fill_normal(ref, nc, 0.0f, 1.0f);
+    dev_upload(&c, ref);
+  }
+  tensor_ref_gemm(ta, tb, m, n, k, alpha, ha, hb, beta, ref);
+  tensor_gemm(ta, tb, alpha, &a.t, &b.t, beta, &c.t);
+  dev_download(&c, got);
+
+  char what[160];
+  snprintf(what, sizeof what, "gemm(%c%c, m=%d n=%d k=%d, alpha=%g beta=%g, %s, guard %" PRId64 ")", ta ? 'T' : 'N',
+           tb ? 'T' : 'N', m, n, k, alpha, beta, ints ? "integers" : "normal", guard);
+  if (ints)
+    check_exact(what, got, ref, nc);
+  else /* FP32 accumulation over k terms of size ~1; TF32 would be ~10x over */
+    check_close(what, got, ref, nc, 2e-6 * (k + 1), 1e-5);
+  dev_check_guards(&c, what);
+  arena_release(mark);
+}
+
+Test(cuda, gemm_matches_reference_for_every_transpose_and_shape) {
+  open_gpu();
+  for (int i = 0; i < NGEMM; i++)
+    for (int t = 0; t < 4; t++) {
+      bool ta = t & 1, tb = t & 2;
+      int64_t guard = ((i + t) & 1) ? GUARD : GUARD_ALIGNED;
+      run_gemm(ta, tb, kGemmCases[i], 1.0f, 0.0f, false, guard);
+      run_gemm(ta, tb, kGemmCases[i], -1.25f, 0.5f, false, guard);
+    }
+  close_gpu();
+}
+
+Test(cuda, gemm_is_exact_on_small_integers) {
+  open_gpu();
+  for (int i = 0; i < NGEMM; i++)
+    for (int t = 0; t < 4; t++) {
+      bool ta = t & 1, tb = t & 2;
+      run_gemm(ta, tb, kGemmCases[i], 2.0f, 0.0f, true, GUARD);
+      run_gemm(ta, tb, kGemmCases[i], 1.0f, 0.5f, true, GUARD_ALIGNED);
+    }
+  close_gpu();
+}
+
+/* ---- bias ---- */
+
+Test(cuda, bias_add_matches_reference) {
+  open_gpu();
+  for (int s = 0; s <= NMATSHAPES; s++) {
+    /* The last round is a 1-D y (one row). */
+    int64_t rows = s < NMATSHAPES ? kMatShapes[s][0] : 1, cols = s < NMATSHAPES ? kMatShapes[s][1] : 4097;
+    int ndim = s < NMATSHAPES ? 2 : 1;
+    int64_t shape[2] = {rows, cols}, n = rows * cols;
+    const int64_t *yshape = ndim == 2 ? shape : &shape[1];
+    int mark = arena_mark();
+    float *y = hbuf(n), *bias = hbuf(cols), *got = hbuf(n);
+    fill_normal(y, n, 0.0f, 1.0f);
+    fill_normal(bias, cols, 0.0f, 1.0f);
+    struct dev dy = dev_from(ndim, yshape, y), db = dev_from(1, &cols, bias);
+    tensor_bias_add(&dy.t, &db.t);
+    tensor_ref_bias_add(y, bias, rows, cols);
+    dev_download(&dy, got);
+    char what[96];
+    snprintf(what, sizeof what, "bias_add [%" PRId64 ", %" PRId64 "] (ndim %d)", rows, cols, ndim);
+    check_exact(what, got, y, n); /* one float add per element */
+    dev_check_guards(&dy, what);
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+Test(cuda, bias_grad_matches_reference_with_and_without_beta) {
+  open_gpu();
+  static const int64_t shapes[][2] = {{1, 1}, {0, 7}, {5, 3}, {33, 65}, {1000, 10}, {4099, 33}, {3, 300007}};
+  for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
+    for (int v = 0; v < 4; v++) {
+      bool ints = v & 1;
+      float beta = (v & 2) ? 0.5f : 0.0f;
+      int64_t rows = shapes[s][0], cols = shapes[s][1], n = rows * cols, shape[2] = {rows, cols};
+      int mark = arena_mark();
+      float *dy = hbuf(n), *db = hbuf(cols), *got = hbuf(cols);
+      if (ints)
+        fill_ints(dy, n, 3);
+      else
+        fill_normal(dy, n, 0.0f, 1.0f);
+      struct dev ddy = dev_from(2, shape, dy), ddb = dev_vec(cols);
+      if (beta == 0.0f) {
+        fill_value(db, cols, NAN); /* must not be read */
+      } else {
+        if (ints)
+          fill_ints(db, cols, 5);
+        else
+          fill_normal(db, cols, 0.0f, 1.0f);
+        dev_upload(&ddb, db);
+      }
+      tensor_bias_grad(&ddy.t, &ddb.t, beta);
+      tensor_ref_bias_grad(dy, db, rows, cols, beta);
+      dev_download(&ddb, got);
+      char what[128];
+      snprintf(what, sizeof what, "bias_grad [%" PRId64 ", %" PRId64 "] beta=%g %s", rows, cols, beta,
+               ints ? "integers" : "normal");
+      if (ints)
+        check_exact(what, got, db, cols);
+      else /* float column sums of `rows` N(0,1) terms, plus beta·db */
+        check_close(what, got, db, cols, 2e-6 + 2e-8 * (double)rows, 1e-6);
+      dev_check_guards(&ddb, what);
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+/* ---- activations ---- */
+
+/* Puts NaN, ±Inf, zeros and extremes at fixed places of x (n > 12). */
+static void add_specials(float *x, int64_t n) {
+  if (n <= 12) return;
+  x[1] = NAN;
+  x[3] = INFINITY;
+  x[5] = -INFINITY;
+  x[7] = 0.0f;
+  x[9] = -0.0f;
+  x[11] = FLT_MAX;
+  x[n - 1] = -FLT_MAX;
+}
+
+Test(cuda, relu_fwd_and_bwd_match_reference_in_and_out_of_place) {
+  open_gpu();
+  for (int s = 0; s < NSIZES; s++) {
+    int64_t n = kSizes[s];
+    int mark = arena_mark();
+    float *x = hbuf(n), *y = hbuf(n), *dy = hbuf(n), *dx = hbuf(n), *got = hbuf(n);
+    fill_normal(x, n, 0.0f, 1.0f);
+    add_specials(x, n);
+    fill_normal(dy, n, 0.0f, 1.0f);
+    tensor_ref_relu_fwd(x, y, n);
+    tensor_ref_relu_bwd(y, dy, dx, n);
+    char what[64];
+
+    struct dev dxs = dev_from(1, &n, x), dys = dev_vec(n);
+    tensor_relu_fwd(&dxs.t, &dys.t);
+    dev_download(&dys, got);
+    snprintf(what, sizeof what, "relu_fwd n=%" PRId64, n);
+    check_exact(what, got, y, n);
+    dev_check_guards(&dys, what);
+
+    tensor_relu_fwd(&dxs.t, &dxs.t); /* in place */
+    dev_download(&dxs, got);
+    snprintf(what, sizeof what, "relu_fwd in place n=%" PRId64, n);
+    check_exact(what, got, y, n);
+    dev_check_guards(&dxs, what);
+
+    struct dev ddy = dev_from(1, &n, dy), ddx = dev_vec(n);
+    tensor_relu_bwd(&dys.t, &ddy.t, &ddx.t);
+    dev_download(&ddx, got);
+    snprintf(what, sizeof what, "relu_bwd n=%" PRId64, n);
+    check_exact(what, got, dx, n);
+    dev_check_guards(&ddx, what);
+
+    tensor_relu_bwd(&dys.t, &ddy.t, &ddy.t); /* dx aliases dy */
+    dev_download(&ddy, got);
+    snprintf(what, sizeof what, "relu_bwd in place n=%" PRId64, n);
+    check_exact(what, got, dx, n);
+    dev_check_guards(&ddy, what);
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+Test(cuda, gelu_fwd_and_bwd_match_reference_in_and_out_of_place) {
+  open_gpu();
+  /* erff and expf are within 2 ulp on the GPU; near x = −10 the ½x(1+erf)
+   * form loses a few 1e-7 absolute to cancellation, as the CPU does. */
+  const double atol = 3e-6, rtol = 2e-6;
+  for (int s = 0; s < NSIZES; s++) {
+    int64_t n = kSizes[s];
+    int mark = arena_mark();
+    float *x = hbuf(n), *y = hbuf(n), *dy = hbuf(n), *dx = hbuf(n), *got = hbuf(n);
+    fill_normal(x, n, 0.0f, 2.0f);
+    fill_normal(dy, n, 0.0f, 1.0f);
+    tensor_ref_gelu_fwd(x, y, n);
+    tensor_ref_gelu_bwd(x, dy, dx, n);
+    char what[64];
+
+    struct dev dxs = dev_from(1, &n, x), dys = dev_vec(n);
+    tensor_gelu_fwd(&dxs.t, &dys.t);
+    dev_download(&dys, got);
+    snprintf(what, sizeof what, "gelu_fwd n=%" PRId64, n);
+    check_close(what, got, y, n, atol, rtol);
+    dev_check_guards(&dys, what);
+
+    struct dev ddy = dev_from(1, &n, dy), ddx = dev_vec(n);
+    tensor_gelu_bwd(&dxs.t, &ddy.t, &ddx.t);
+    dev_download(&ddx, got);
+    snprintf(what, sizeof what, "gelu_bwd n=%" PRId64, n);
+    check_close(what, got, dx, n, atol, rtol);
+    dev_check_guards(&ddx, what);
+
+    tensor_gelu_bwd(&dxs.t, &ddy.t, &ddy.t); /* dx aliases dy */
+    dev_download(&ddy, got);
+    snprintf(what, sizeof what, "gelu_bwd in place n=%" PRId64, n);
+    check_close(what, got, dx, n, atol, rtol);
+    dev_check_guards(&ddy, what);
+
+    tensor_gelu_fwd(&dxs.t, &dxs.t); /* in place, last: x is consumed */
+    dev_download(&dxs, got);
+    snprintf(what, sizeof what, "gelu_fwd in place n=%" PRId64, n);
+    check_close(what, got, y, n, atol, rtol);
+    dev_check_guards(&dxs, what);
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+/* ---- softmax cross-entropy ---- */
+
+Test(cuda, softmax_xent_matches_reference_with_and_without_aliasing) {
+  open_gpu();
+  static const int64_t shapes[][2] = {{1, 1}, {4, 10}, {33, 97}, {128, 1000}, {7, 5000}, {70001, 3}, {2, 31}};
+  for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
+    for (int alias = 0; alias < 2; alias++) {
+      int64_t rows = shapes[s][0], cols = shapes[s][1], n = rows * cols, shape[2] = {rows, cols};
+      float gs = s % 2 ? 1.0f : 1.0f / (float)rows;
+      int mark = arena_mark();
+      float *x = hbuf(n), *d = hbuf(n), *loss = hbuf(rows), *got_d = hbuf(n), *got_l = hbuf(rows);
+      int32_t *lab = hbuf_bytes((size_t)rows * sizeof(int32_t));
+      fill_normal(x, n, 0.0f, 4.0f);
+      for (int64_t r = 0; r < rows; r++) lab[r] = (int32_t)rng_below(&g_rng, (uint64_t)cols);
+      if (rows > 1) lab[rows - 1] = (int32_t)(cols - 1); /* the last column as a label too */
+      struct dev dx = dev_from(2, shape, x), dl = dev_vec(rows);
+      struct dev dlab = dev_new_g(TENSOR_I32, 1, &rows, GUARD);
+      dev_upload(&dlab, lab);
+      struct dev dd = alias ? dx : dev_new(2, shape);
+      tensor_softmax_xent(&dx.t, &dlab.t, &dd.t, &dl.t, gs);
+      tensor_ref_softmax_xent(x, lab, d, loss, rows, cols, gs);
+      dev_download(&dd, got_d);
+      dev_download(&dl, got_l);
+      char what[128];
+      snprintf(what, sizeof what, "softmax_xent [%" PRId64 ", %" PRId64 "] grad_scale=%g%s: losses", rows, cols, gs,
+               alias ? " (dlogits aliases logits)" : "");
+      check_close(what, got_l, loss, rows, 1e-5, 1e-5);
+      dev_check_guards(&dl, what);
+      snprintf(what, sizeof what, "softmax_xent [%" PRId64 ", %" PRId64 "] grad_scale=%g%s: dlogits", rows, cols, gs,
+               alias ? " (dlogits aliases logits)" : "");
+      check_close(what, got_d, d, n, 2e-6 * gs, 1e-5);
+      dev_check_guards(&dd, what);
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+/* ---- optimisers ---- */
+
+Test(cuda, sgd_step_matches_reference_for_each_variant) {
+  open_gpu();
+  struct {
+    struct tensor_sgd hp;
+    bool pass_mom; /* with μ = 0: a buffer is passed but must stay untouched */
+  } cases[] = {
+      {{0.1f, 0.0f, 0.0f, false}, false},  {{0.1f, 0.0f, 1e-2f, false}, false},
+      {{0.05f, 0.9f, 0.0f, false}, true},  {{0.05f, 0.9f, 5e-4f, true}, true},
+      {{0.1f, 0.0f, 1e-2f, false}, true},  {{0.05f, 0.9f, 1e-2f, false}, true},
+  };
+  for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++)
+    for (int s = 0; s < NSIZES; s++) {
+      const struct tensor_sgd *hp = &cases[c].hp;
+      int64_t n = kSizes[s];
+      int mark = arena_mark();
+      float *p = hbuf(n), *g = hbuf(n), *m = hbuf(n), *m0 = hbuf(n), *got = hbuf(n);
+      fill_normal(p, n, 0.0f, 1.0f);
+      fill_normal(m, n, 0.0f, 0.5f);
+      memcpy(m0, m, (size_t)n * sizeof *m);
+      struct dev dp = dev_from(1, &n, p), dg = dev_vec(n), dm = dev_from(1, &n, m);
+      bool use_mom = cases[c].pass_mom;
+      for (int step = 0; step < 2; step++) {
+        fill_normal(g, n, 0.0f, 1.0f);
+        dev_upload(&dg, g);
+        tensor_sgd_step(&dp.t, &dg.t, use_mom ? &dm.t : NULL, hp);
+        tensor_ref_sgd_step(p, g, use_mom ? m : NULL, n, hp);
+      }
+      char what[128];
+      snprintf(what, sizeof what, "sgd lr=%g mu=%g wd=%g nesterov=%d mom=%s n=%" PRId64 ": params", hp->lr,
+               hp->momentum, hp->weight_decay, hp->nesterov, use_mom ? "yes" : "NULL", n);
+      dev_download(&dp, got);
+      check_close(what, got, p, n, 1e-6, 1e-6);
+      dev_check_guards(&dp, what);
+      if (use_mom) {
+        snprintf(what, sizeof what, "sgd lr=%g mu=%g wd=%g nesterov=%d n=%" PRId64 ": momentum", hp->lr,
+                 hp->momentum, hp->weight_decay, hp->nesterov, n);
+        dev_download(&dm, got);
+        if (hp->momentum == 0.0f)
+          check_exact(what, got, m0, n); /* untouched */
+        else
+          check_close(what, got, m, n, 1e-6, 1e-6);
+        dev_check_guards(&dm, what);
+      }
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+Test(cuda, adamw_step_matches_reference) {
+  open_gpu();
+  static const int64_t steps[] = {1, 10, 1000};
+  for (int t = 0; t < 3; t++)
+    for (int s = 0; s < NSIZES; s++) {
+      struct tensor_adamw hp = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, steps[t]};
+      int64_t n = kSizes[s];
+      int mark = arena_mark();
+      float *p = hbuf(n), *g = hbuf(n), *m = hbuf(n), *v = hbuf(n), *got = hbuf(n);
+      fill_normal(p, n, 0.0f, 1.0f);
+      fill_normal(m, n, 0.0f, 0.1f);
+      fill_normal(v, n, 0.0f, 0.1f);
+      for (int64_t i = 0; i < n; i++) v[i] *= v[i];
+      struct dev dp = dev_from(1, &n, p), dg = dev_vec(n), dm = dev_from(1, &n, m), dv = dev_from(1, &n, v);
+      for (int k = 0; k < 2; k++, hp.step++) {
+        fill_normal(g, n, 0.0f, 1.0f);
+        dev_upload(&dg, g);
+        tensor_adamw_step(&dp.t, &dg.t, &dm.t, &dv.t, &hp);
+        tensor_ref_adamw_step(p, g, m, v, n, &hp);
+      }
+      char what[96];
+      const struct dev *outs[3] = {&dp, &dm, &dv};
+      const float *refs[3] = {p, m, v};
+      const char *names[3] = {"params", "m", "v"};
+      for (int o = 0; o < 3; o++) {
+        snprintf(what, sizeof what, "adamw steps %" PRId64 "-%" PRId64 " n=%" PRId64 ": %s", steps[t], steps[t] + 1, n,
+                 names[o]);
+        dev_download(outs[o], got);
+        check_close(what, got, refs[o], n, 1e-6, 1e-5);
+        dev_check_guards(outs[o], what);
+      }
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+/* ---- axpby, lerp, scale, fill ---- */
+
+Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
+  open_gpu();
+  for (int s = 0; s < NSIZES; s++) {
+    int64_t n = kSizes[s];
+    int mark = arena_mark();
+    float *x = hbuf(n), *y = hbuf(n), *ref = hbuf(n), *got = hbuf(n);
+    fill_normal(x, n, 0.0f, 1.0f);
+    fill_normal(y, n, 0.0f, 1.0f);
+    char what[64];
+
+    const float a = 0.7f, b = -1.3f;
+    struct dev dx = dev_from(1, &n, x), dy = dev_from(1, &n, y);
+    tensor_axpby(a, &dx.t, b, &dy.t);
+    for (int64_t i = 0; i < n; i++) ref[i] = a * x[i] + b * y[i];
+    dev_download(&dy, got);
+    snprintf(what, sizeof what, "axpby n=%" PRId64, n);
+    check_close(what, got, ref, n, 1e-6, 1e-6);
+    dev_check_guards(&dy, what);
+
+    tensor_axpby(a, &dx.t, b, &dx.t); /* y aliases x */
+    for (int64_t i = 0; i < n; i++) ref[i] = a * x[i] + b * x[i];
+    dev_download(&dx, got);
+    snprintf(what, sizeof what, "axpby in place n=%" PRId64, n);
+    check_close(what, got, ref, n, 1e-6, 1e-6);
+    dev_check_guards(&dx, what);
+
+    const float alphas[] = {0.5f, 0.3f, 1.0f};
+    for (int k = 0; k < 3; k++) {
+      struct dev lx = dev_from(1, &n, x), ly = dev_from(1, &n, y);
+      tensor_lerp(&lx.t, &ly.t, alphas[k]);
+      for (int64_t i = 0; i < n; i++) ref[i] = x[i] + alphas[k] * (y[i] - x[i]);
+      dev_download(&lx, got);
+      snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64, alphas[k], n);
+      check_close(what, got, ref, n, 1e-6, 1e-6);
+      dev_check_guards(&lx, what);
+      dev_download(&ly, got);
+      snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64 ": y is input only", alphas[k], n);
+      check_exact(what, got, y, n);
+    }
+
+    struct dev sx = dev_from(1, &n, x);
+    tensor_scale(&sx.t, -2.5f);
+    for (int64_t i = 0; i < n; i++) ref[i] = x[i] * -2.5f;
+    dev_download(&sx, got);
+    snprintf(what, sizeof what, "scale n=%" PRId64, n);
+    check_exact(what, got, ref, n);
+    dev_check_guards(&sx, what);
+
+    struct dev fx = dev_vec(n);
+    tensor_fill(&fx.t, 3.25f);
+    fill_value(ref, n, 3.25f);
+    dev_download(&fx, got);
+    snprintf(what, sizeof what, "fill n=%" PRId64, n);
+    check_exact(what, got, ref, n);
+    dev_check_guards(&fx, what);
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+/* ---- reductions ---- */
+
+/* Sizes around one block (256) and past 1024 blocks of 256 (a second lap). */
+static const int64_t kRedSizes[] = {1, 255, 256, 257, 100003, (1 << 20) + 17};
+#define NREDSIZES ((int)(sizeof kRedSizes / sizeof kRedSizes[0]))
+
+static void check_scalar(const char *what, int64_t n, double got, double ref, double tol) {
+  cr_assert(fabs(got - ref) <= tol, "%s n=%" PRId64 ": got %.17g, ref %.17g, |diff| %.3g > %.3g (seed %" PRIu64 ")",
+            what, n, got, ref, fabs(got - ref), tol, g_seed);
+}
+
+Test(cuda, sum_sq_norm_sq_dist_match_double_reference) {
+  open_gpu();
+  for (int ints = 0; ints < 2; ints++)
+    for (int s = 0; s < NREDSIZES; s++) {
+      int64_t n = kRedSizes[s];
+      int mark = arena_mark();
+      float *x = hbuf(n), *y = hbuf(n);
+      if (ints) {
+        fill_ints(x, n, 3);
+        fill_ints(y, n, 3);
+      } else {
+        fill_normal(x, n, 0.25f, 1.0f);
+        fill_normal(y, n, 0.0f, 1.0f);
+      }
+      double sum = 0, abs_sum = 0, sq = 0, dist = 0;
+      for (int64_t i = 0; i < n; i++) {
+        double d = (double)x[i] - (double)y[i];
+        sum += x[i];
+        abs_sum += fabs((double)x[i]);
+        sq += (double)x[i] * x[i];
+        dist += d * d;
+      }
+      struct dev dx = dev_from(1, &n, x), dy = dev_from(1, &n, y);
+      /* Integers: every float partial is an exact integer below 2^24. Normal
+       * data: float partials, a relative error of a few 1e-7 at most. */
+      check_scalar(ints ? "sum (integers)" : "sum", n, tensor_sum(&dx.t), sum, ints ? 0.0 : 1e-6 * abs_sum);
+      check_scalar(ints ? "sq_norm (integers)" : "sq_norm", n, tensor_sq_norm(&dx.t), sq, ints ? 0.0 : 2e-6 * sq);
+      check_scalar(ints ? "sq_dist (integers)" : "sq_dist", n, tensor_sq_dist(&dx.t, &dy.t), dist,
+                   ints ? 0.0 : 2e-6 * dist);
+      check_scalar("sq_dist(x, x)", n, tensor_sq_dist(&dx.t, &dx.t), 0.0, 0.0);
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+Test(cuda, count_nonfinite_counts_exactly_the_nan_and_inf_elements) {
+  open_gpu();
+  static const int64_t sizes[] = {1, 2, 1000, 65537, (1 << 21) + 3};
+  for (int s = 0; s < (int)(sizeof sizes / sizeof sizes[0]); s++)
+    for (int density = 0; density < 3; density++) {
+      int64_t n = sizes[s];
+      int mark = arena_mark();
+      float *x = hbuf(n);
+      fill_normal(x, n, 0.0f, 1.0f);
+      static const float specials[] = {NAN, INFINITY, -INFINITY};
+      if (density > 0) {
+        x[0] = specials[density % 3];
+        x[n - 1] = specials[(density + 1) % 3];
+        int64_t extra = density == 1 ? 10 : n / 3;
+        for (int64_t j = 0; j < extra; j++) x[rng_below(&g_rng, (uint64_t)n)] = specials[j % 3];
+      }
+      if (n > 4) {
+        x[1 + (density == 0)] = FLT_MAX; /* finite extremes do not count */
+        x[2 - (density == 0)] = 1e-40f;  /* denormal */
+      }
+      int64_t want = 0;
+      for (int64_t i = 0; i < n; i++) want += !isfinite(x[i]);
+      struct dev dx = dev_from(1, &n, x);
+      int64_t got = tensor_count_nonfinite(&dx.t);
+      cr_assert_eq(got, want, "count_nonfinite n=%" PRId64 " density %d: got %" PRId64 ", want %" PRId64 " (seed %" PRIu64 ")",
+                   n, density, got, want, g_seed);
+      arena_release(mark);
+    }
+  close_gpu();
+}
+
+/* ---- count-sketch ---- */
+
+Test(cuda, count_sketch_equals_cpu_reference_sketch) {
+  open_gpu();
+  tensor_backend_t cpu = NULL;
+  struct rumor_err e = {0};
+  cr_assert_eq(tensor_backend_open("cpu", &cpu, &e), 0, "%s", e.msg);
+  /* (n, k): k = 1 and 2 (all contention on one or two buckets), the shared
+   * path at its limit (8192), the global-atomics path beyond it, and sizes
+   * past both grid caps. */
+  static const struct {
+    int64_t n;
+    int k;
+  } cases[] = {{1, 1},         {1000, 2},          {100003, 1024}, {100003, 8192},
+               {100003, 16384}, {(1 << 21) + 5, 1024}, {(1 << 21) + 5, 1 << 20}, {5, 1 << 20}};
+  const uint64_t seeds[] = {0, 0x123456789abcdef0ull, rng_next_u64(&g_rng)};
+  for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++)
+    for (int sd = 0; sd < 3; sd++)
+      for (int ints = 0; ints < 2; ints++) {
+        int64_t n = cases[c].n;
+        int k = cases[c].k;
+        uint64_t seed = seeds[sd];
+        int mark = arena_mark();
+        float *x = hbuf(n);
+        double *ref = hbuf_bytes((size_t)k * sizeof(double)), *got = hbuf_bytes((size_t)k * sizeof(double));
+        double *cpu_got = hbuf_bytes((size_t)k * sizeof(double)), *mag = hbuf_bytes((size_t)k * sizeof(double));
+        if (ints)
+          fill_ints(x, n, 3);
+        else
+          fill_normal(x, n, 0.0f, 1.0f);
+        tensor_ref_count_sketch(x, n, seed, k, ref);
+        /* Per-bucket Σ|x|: the scale of float rounding in that bucket. */
+        for (int j = 0; j < k; j++) mag[j] = 0.0;
+        for (int64_t i = 0; i < n; i++) mag[(tensor_sketch_hash(seed, (uint64_t)i) >> 1) & (uint32_t)(k - 1)] += fabs(x[i]);
+
+        struct dev dx = dev_from(1, &n, x);
+        for (int j = 0; j < k; j++) got[j] = NAN;
+        tensor_count_sketch(&dx.t, seed, k, got);
+
+        struct tensor cx;
+        cr_assert_eq(tensor_alloc(&cx, cpu, TENSOR_F32, 1, &n, &e), 0, "%s", e.msg);
+        tensor_copy_from_host(&cx, 0, x, (size_t)n * sizeof(float));
+        tensor_count_sketch(&cx, seed, k, cpu_got);
+        tensor_free(&cx);
+
+        for (int j = 0; j < k; j++) {
+          double tol = ints ? 0.0 : 1e-6 * mag[j] + 1e-12;
+          cr_assert(fabs(got[j] - ref[j]) <= tol,
+                    "count_sketch n=%" PRId64 " k=%d seed=0x%" PRIx64 " %s: bucket %d: got %.17g, ref %.17g, "
+                    "|diff| %.3g > %.3g (seed %" PRIu64 ")",
+                    n, k, seed, ints ? "integers" : "normal", j, got[j], ref[j], fabs(got[j] - ref[j]), tol, g_seed);
+          cr_assert(fabs(cpu_got[j] - ref[j]) <= 1e-6 * mag[j] + 1e-12,
+                    "CPU count_sketch n=%" PRId64 " k=%d: bucket %d: got %.17g, ref %.17g", n, k, j, cpu_got[j], ref[j]);
+        }
+        arena_release(mark);
+      }
+  tensor_backend_close(cpu);
+  close_gpu();
+}
+
+/* ---- copies and events ---- */
+
+/* Polls ev until complete; fails after 30 s. */
+static void poll_event(tensor_event_t ev, const char *what) {
+  uint64_t deadline = clock_now_ns() + 30ull * 1000000000ull;
+  while (!tensor_event_query(ev))
+    cr_assert(clock_now_ns() < deadline, "%s: event not complete after 30 s", what);
+}
+
+Test(cuda, async_copies_and_events_round_trip_through_pinned_memory) {
+  open_gpu();
+  const int64_t n = (1 << 22) + 3;
+  const size_t bytes = (size_t)n * sizeof(float);
+  float *src = tensor_host_alloc(g_be, bytes), *dst = tensor_host_alloc(g_be, bytes);
+  cr_assert_not_null(src);
+  cr_assert_not_null(dst);
+  for (int64_t i = 0; i < n; i++) src[i] = (float)(i % 100003) - 50000.0f;
+  fill_value(dst, n, NAN);
+
+  tensor_event_t ev = tensor_event_create(g_be);
+  cr_assert_not_null(ev);
+  cr_assert(tensor_event_query(ev), "an event never recorded counts as complete");
+
+  /* Host → device → op → host, all enqueued, then polled. */
+  struct dev t = dev_vec(n);
+  tensor_copy_from_host_async(&t.t, 0, src, bytes);
+  tensor_scale(&t.t, 2.0f);
+  tensor_copy_to_host_async(&t.t, 0, dst, bytes);
+  tensor_event_record(ev);
+  poll_event(ev, "async round trip");
+  for (int64_t i = 0; i < n; i++)
+    cr_assert_eq(dst[i], 2.0f * src[i], "async round trip: element %" PRId64 ": got %g, want %g", i, dst[i],
+                 2.0f * src[i]);
+
+  /* The same with a blocking wait, at an element offset. */
+  const int64_t off = 12345, cnt = 1000;
+  fill_value(dst, n, NAN);
+  tensor_scale(&t.t, 0.5f);
+  tensor_copy_to_host_async(&t.t, off, dst, (size_t)cnt * sizeof(float));
+  tensor_event_record(ev);
+  tensor_event_wait(ev);
+  cr_assert(tensor_event_query(ev), "query after wait must be true");
+  for (int64_t i = 0; i < cnt; i++)
+    cr_assert_eq(dst[i], src[off + i], "offset copy: element %" PRId64 ": got %g, want %g", i, dst[i], src[off + i]);
+  cr_assert(isnan(dst[cnt]), "the copy wrote past its byte count");
+
+  /* Synchronous copies at an offset. */
+  float small[7] = {1, 2, 3, 4, 5, 6, 7}, back[7] = {0};
+  tensor_copy_from_host(&t.t, n - 7, small, sizeof small);
+  tensor_copy_to_host(&t.t, n - 7, back, sizeof back);
+  cr_assert_arr_eq(back, small, sizeof small, "synchronous copy at the end of the tensor");
+  dev_check_guards(&t, "copies");
+
+  tensor_event_destroy(ev);
+  tensor_host_free(g_be, src);
+  tensor_host_free(g_be, dst);
+  close_gpu();
+}
+
+Test(cuda, device_copy_handles_disjoint_and_overlapping_views) {
+  open_gpu();
+  const int64_t n = 100003;
+  float *x = hbuf(n), *want = hbuf(n), *got = hbuf(n);
+  fill_normal(x, n, 0.0f, 1.0f);
+  struct dev a = dev_from(1, &n, x), b = dev_vec(n);
+  tensor_copy(&b.t, &a.t);
+  dev_download(&b, got);
+  check_exact("tensor_copy", got, x, n);
+  dev_check_guards(&b, "tensor_copy");
+
+  /* Overlapping views of one buffer, shifted both ways (memmove semantics). */
+  static const int64_t shifts[] = {1, -1, 4097, -4097};
+  for (int s = 0; s < 4; s++) {
+    int64_t sh = shifts[s], len = n - (sh > 0 ? sh : -sh);
+    int64_t src_off = sh > 0 ? 0 : -sh, dst_off = sh > 0 ? sh : 0;
+    dev_upload(&a, x);
+    struct tensor vs = tensor_view(&a.t, src_off, 1, &len), vd = tensor_view(&a.t, dst_off, 1, &len);
+    tensor_copy(&vd, &vs);
+    memcpy(want, x, (size_t)n * sizeof *x);
+    memmove(want + dst_off, want + src_off, (size_t)len * sizeof *x);
+    dev_download(&a, got);
+    char what[64];
+    snprintf(what, sizeof what, "overlapping tensor_copy shift %" PRId64, sh);
+    check_exact(what, got, want, n);
+    dev_check_guards(&a, what);
+  }
+  close_gpu();
+}
