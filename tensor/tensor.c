@@ -52,11 +52,17 @@ static atomic_bool g_fallback_logged;
 int tensor_backend_open(const char *spec, tensor_backend_t *out, struct rumor_err *e) {
   *out = NULL;
   if (!spec || strcmp(spec, "auto") == 0) {
-    if (tensor_cuda_device_count() > 0) {
 #ifdef RUMOR_HAVE_CUDA
-      return tensor_cuda_open(0, out, e);
-#endif
+    if (tensor_cuda_device_count() > 0) {
+      struct rumor_err ce;
+      if (tensor_cuda_open(0, out, &ce) == 0) return 0;
+      /* A GPU is there but unusable (no kernels for its architecture, no
+       * memory left, ...): say why, then train on the CPU. */
+      log_warn("cannot use CUDA device 0 (%s); using the CPU backend", ce.msg);
+      atomic_store(&g_fallback_logged, true);
+      return tensor_cpu_open(out, e);
     }
+#endif
     if (!atomic_exchange(&g_fallback_logged, true)) {
       if (tensor_cuda_compiled())
         log_info("no usable CUDA GPU found; using the CPU backend");
