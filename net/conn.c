@@ -1,0 +1,906 @@
+/*
+ * One connection on libuv: the pre-authentication handshake I/O, the
+ * authenticated session's reads (straight into bulk buffers when possible),
+ * the outbound queue with its byte cap (control frames ahead of bulk chunks,
+ * bulk chunks produced only as the socket drains), timeouts and closing.
+ *
+ * Everything here runs on the loop thread.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "net/transport_impl.h"
+
+static const struct net_sess_ops sess_ops;
+static void pump(struct net_conn *c);
+static void check_close_done(struct net_conn *c);
+
+void *net_alloc_aligned(size_t n) {
+  const size_t a = 64; /* crypto_generichash_state asks for 64-byte alignment */
+  n = (n + a - 1) / a * a;
+  void *p = aligned_alloc(a, n);
+  if (!p) rumor_panic(__FILE__, __LINE__, "out of memory allocating %zu bytes", n);
+  memset(p, 0, n);
+  return p;
+}
+
+/* ---- frames -------------------------------------------------------------------- */
+
+static struct net_txframe *frame_alloc(size_t cap) {
+  struct net_txframe *f = xmalloc(sizeof *f + cap);
+  memset(f, 0, sizeof *f);
+  f->cap = cap;
+  f->data = (uint8_t *)(f + 1);
+  return f;
+}
+
+static void frame_release(struct net_conn *c, struct net_txframe *f) {
+  if (f->pooled && c->state != CONN_CLOSED && c->pool_n < NET_BULK_WINDOW_CHUNKS + 1) {
+    f->next = c->pool;
+    c->pool = f;
+    c->pool_n++;
+    return;
+  }
+  free(f);
+}
+
+/* A frame buffer for a bulk frame of `size` bytes. */
+static struct net_txframe *chunk_frame_get(struct net_conn *c, size_t size) {
+  struct net_txframe *f;
+  size_t cap = c->net->chunk_frame_cap;
+  if (size <= cap && c->pool) {
+    f = c->pool;
+    c->pool = f->next;
+    c->pool_n--;
+    f->next = NULL;
+  } else if (size <= cap) {
+    f = frame_alloc(cap);
+    f->pooled = true;
+  } else {
+    f = frame_alloc(size);
+  }
+  f->sealed = true;
+  f->transport = true;
+  f->is_bye = false;
+  return f;
+}
+
+/* ---- naming and logging ------------------------------------------------------------- */
+
+void net_conn_set_name(struct net_conn *c) {
+  if (c->surfaced || c->state == CONN_OPEN || c->sess.tx.suite) {
+    char k[NET_PUBKEY_STR_LEN + 1];
+    net_pubkey_format(k, c->peer_pk);
+    snprintf(c->name, sizeof c->name, "%s key=%.12s", c->addr, k);
+  } else {
+    snprintf(c->name, sizeof c->name, "%s", c->addr);
+  }
+}
+
+static void set_peer_addr(struct net_conn *c) {
+  struct sockaddr_storage ss;
+  int len = sizeof ss;
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) != 0) return;
+  if (ss.ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&ss;
+    uv_ip6_name(a, ip, sizeof ip);
+    snprintf(c->addr, sizeof c->addr, "[%s]:%u", ip, ntohs(a->sin6_port));
+  } else {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)&ss;
+    uv_ip4_name(a, ip, sizeof ip);
+    snprintf(c->addr, sizeof c->addr, "%s:%u", ip, ntohs(a->sin_port));
+  }
+  net_conn_set_name(c);
+}
+
+/* ---- creation and destruction ----------------------------------------------------- */
+
+static void on_timer(uv_timer_t *t);
+
+struct net_conn *net_conn_new(net_t *n, bool inbound) {
+  struct net_conn *c = net_alloc_aligned(sizeof *c);
+  c->net = n;
+  c->inbound = inbound;
+  c->state = inbound ? CONN_HANDSHAKE : CONN_RESOLVING;
+  RUMOR_ASSERT(uv_tcp_init(n->loop, &c->tcp) == 0);
+  c->tcp.data = c;
+  RUMOR_ASSERT(uv_timer_init(n->loop, &c->timer) == 0);
+  c->timer.data = c;
+  c->refs = 2;
+  c->next = n->conns;
+  if (n->conns) n->conns->prev = c;
+  n->conns = c;
+  n->n_conns++;
+  c->last_activity = uv_now(n->loop);
+  snprintf(c->addr, sizeof c->addr, "?");
+  snprintf(c->name, sizeof c->name, "?");
+  /* The handshake deadline covers resolving, connecting and the handshake. */
+  uv_timer_start(&c->timer, on_timer, n->cfg.handshake_timeout_ms, 0);
+  return c;
+}
+
+static void stats_add(struct net_conn_stats *to, const struct net_conn_stats *s) {
+  to->bytes_in += s->bytes_in;
+  to->bytes_out += s->bytes_out;
+  to->frames_in += s->frames_in;
+  to->frames_out += s->frames_out;
+  to->msgs_in += s->msgs_in;
+  to->msgs_out += s->msgs_out;
+  to->bulk_in_ok += s->bulk_in_ok;
+  to->bulk_in_failed += s->bulk_in_failed;
+  to->bulk_out_ok += s->bulk_out_ok;
+  to->bulk_out_failed += s->bulk_out_failed;
+}
+
+static void finish(struct net_conn *c) {
+  net_t *n = c->net;
+  struct net_conn_stats s;
+  net_conn_stats_get(c, &s);
+  stats_add(&n->stats.total, &s);
+  if (c->surfaced) {
+    if (n->cbs.on_close) n->cbs.on_close(c, c->close_status, c->close_detail, n->ud);
+  } else if (c->dial_cb) {
+    net_dial_cb cb = c->dial_cb;
+    c->dial_cb = NULL;
+    cb(n, NULL, c->close_status ? c->close_status : RUMOR_ECANCELED, c->close_detail, c->dial_arg);
+  }
+  while (c->pool) {
+    struct net_txframe *f = c->pool;
+    c->pool = f->next;
+    free(f);
+  }
+  free(c->stage);
+  net_sess_free(&c->sess);
+  net_hs_wipe(&c->hs);
+  if (c->ai) uv_freeaddrinfo(c->ai);
+  net_conn_unlink(c); /* may free the net: nothing after this */
+  free(c);
+}
+
+void net_conn_unref(struct net_conn *c) {
+  RUMOR_ASSERT(c->refs > 0);
+  if (--c->refs == 0) finish(c);
+}
+
+void net_conn_on_handle_closed(uv_handle_t *h) { net_conn_unref(h->data); }
+
+/* Detaches and fails every outbound transfer (their callbacks run here). */
+static void cancel_outbound(struct net_conn *c, int status) {
+  struct net_tx_bulk *lists[2] = {c->tx_head, c->wait_head};
+  c->tx_head = c->tx_tail = c->wait_head = NULL;
+  for (int i = 0; i < 2; i++) {
+    for (struct net_tx_bulk *t = lists[i], *next; t; t = next) {
+      next = t->next;
+      c->st.bulk_out_failed++;
+      t->done(c, t->id, status, t->arg);
+      free(t->meta);
+      free(t);
+    }
+  }
+}
+
+static void free_ctl_queue(struct net_conn *c) {
+  while (c->ctl_head) {
+    struct net_txframe *f = c->ctl_head;
+    c->ctl_head = f->next;
+    free(f);
+  }
+  c->ctl_tail = NULL;
+  c->ctl_bytes = 0;
+}
+
+void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt, ...) {
+  if (c->state == CONN_CLOSED) return;
+  net_t *n = c->net;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->close_detail, sizeof c->close_detail, fmt, ap);
+  va_end(ap);
+  enum conn_state was = c->state;
+  c->state = CONN_CLOSED;
+  c->close_status = status;
+  if (hs_fail >= 0 && hs_fail < NET_HS_FAIL__COUNT) {
+    n->stats.hs_failed++;
+    n->stats.hs_fail[hs_fail]++;
+    log_warn("net: handshake with %s failed (%s): %s", c->name, net_hs_fail_name((enum net_hs_fail)hs_fail),
+             c->close_detail);
+  } else if (was < CONN_OPEN && status != RUMOR_ECANCELED) {
+    log_warn("net: connection to %s failed: %s", c->name, c->close_detail);
+  } else if (status != 0 && status != RUMOR_ECANCELED) {
+    log_warn("net: dropping %s: %s", c->name, c->close_detail);
+  } else {
+    log_debug("net: closed %s: %s", c->name, c->close_detail);
+  }
+  if (c->counted_pending) {
+    n->n_pending--;
+    c->counted_pending = false;
+  }
+  c->sess.stop = true;
+  uv_timer_stop(&c->timer);
+  free_ctl_queue(c);
+  int st = status ? status : RUMOR_ECANCELED;
+  cancel_outbound(c, st);
+  net_sess_fail_inbound(&c->sess, st);
+  if (c->resolving) uv_cancel((uv_req_t *)&c->gai);
+  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, net_conn_on_handle_closed);
+  if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, net_conn_on_handle_closed);
+}
+
+/* ---- writing ------------------------------------------------------------------------ */
+
+static void on_write(uv_write_t *req, int status) {
+  struct net_txframe *f = req->data;
+  struct net_conn *c = f->conn;
+  c->inflight_bytes -= f->len;
+  bool bye = f->is_bye;
+  if (status == 0) {
+    c->st.bytes_out += f->len;
+    if (f->transport) c->st.frames_out++;
+    c->last_activity = uv_now(c->net->loop);
+  }
+  frame_release(c, f);
+  if (c->state == CONN_CLOSED) return;
+  if (status < 0) {
+    net_conn_abort(c, status, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
+                   uv_strerror(status));
+    return;
+  }
+  if (c->reject_then_close && c->state == CONN_HANDSHAKE) {
+    char d[NET_DETAIL_STR];
+    snprintf(d, sizeof d, "%s", c->close_detail);
+    net_conn_abort(c, c->close_status, (int)c->hs.fail, "%s", d);
+    return;
+  }
+  if (bye) {
+    log_debug("net: BYE to %s written", c->name);
+    c->bye_written = true;
+    check_close_done(c);
+    return;
+  }
+  pump(c);
+}
+
+/* Hands a complete frame to libuv. On failure the connection is aborted. */
+static void conn_write(struct net_conn *c, struct net_txframe *f) {
+  uv_buf_t b = uv_buf_init((char *)f->data, (unsigned)f->len);
+  f->conn = c;
+  f->req.data = f;
+  c->inflight_bytes += f->len;
+  int rc = uv_write(&f->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
+  if (rc < 0) {
+    c->inflight_bytes -= f->len;
+    frame_release(c, f);
+    net_conn_abort(c, rc, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s", uv_strerror(rc));
+  }
+}
+
+static void send_hs(struct net_conn *c, const uint8_t *body, size_t len) {
+  struct net_txframe *f = frame_alloc(NET_HS_LEN_BYTES + len);
+  net_be16_put(f->data, (uint16_t)len);
+  memcpy(f->data + NET_HS_LEN_BYTES, body, len);
+  f->len = NET_HS_LEN_BYTES + len;
+  f->sealed = true;
+  conn_write(c, f);
+}
+
+/* Queues a control frame if the queue stays within `limit` bytes. */
+static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
+                     size_t limit) {
+  size_t fl = NET_FRAME_OVERHEAD + len;
+  if (c->ctl_bytes + c->inflight_bytes + fl > limit) return -ENOBUFS;
+  struct net_txframe *f = frame_alloc(fl);
+  net_frame_hdr_write(f->data, type, len, a, b);
+  if (len) memcpy(f->data + NET_FRAME_HDR, pt, len);
+  f->len = fl;
+  f->transport = true;
+  if (c->ctl_tail) c->ctl_tail->next = f;
+  else c->ctl_head = f;
+  c->ctl_tail = f;
+  c->ctl_bytes += fl;
+  return 0;
+}
+
+/* Our own small frames (RESULT, ABORT) may use the reserve; a peer that makes
+ * us exceed even that is not reading, and is dropped. */
+static int queue_proto(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b) {
+  int rc = queue_ctl(c, type, a, b, NULL, 0, c->net->cfg.max_queued_bytes);
+  if (rc < 0) {
+    net_conn_abort(c, -ENOBUFS, -1, "outbound queue full (%zu bytes): the peer is not reading",
+                   c->ctl_bytes + c->inflight_bytes);
+    return rc;
+  }
+  return 0;
+}
+
+static void move_to_wait(struct net_conn *c) {
+  struct net_tx_bulk *t = c->tx_head;
+  c->tx_head = t->next;
+  if (!c->tx_head) c->tx_tail = NULL;
+  t->next = c->wait_head;
+  c->wait_head = t;
+}
+
+/* Sends what may be sent now: queued control frames first (sealed here, so
+ * nonces follow the wire order), then BYE when closing, then bulk frames while
+ * the queue stays under the bulk window. */
+static void pump(struct net_conn *c) {
+  if ((c->state != CONN_OPEN && c->state != CONN_CLOSING) || c->pumping) return;
+  c->pumping = true;
+  net_t *n = c->net;
+  while (c->ctl_head && c->state != CONN_CLOSED) {
+    struct net_txframe *f = c->ctl_head;
+    c->ctl_head = f->next;
+    if (!c->ctl_head) c->ctl_tail = NULL;
+    c->ctl_bytes -= f->len;
+    f->next = NULL;
+    if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, f->len - NET_FRAME_OVERHEAD) < 0) {
+      free(f);
+      net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
+      break;
+    }
+    f->sealed = true;
+    conn_write(c, f);
+  }
+  if (c->state == CONN_CLOSING && c->bye_queued && !c->ctl_head) {
+    c->bye_queued = false;
+    struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
+    net_frame_hdr_write(f->data, NET_FRAME_BYE, 0, 0, 0);
+    if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0) < 0) {
+      free(f);
+      net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
+    } else {
+      f->len = NET_FRAME_OVERHEAD;
+      f->sealed = f->transport = f->is_bye = true;
+      conn_write(c, f);
+    }
+  }
+  while (c->state == CONN_OPEN && c->tx_head && !c->ctl_head) {
+    struct net_tx_bulk *t = c->tx_head;
+    size_t size = net_bulk_tx_next_size(t);
+    if (size == 0) {
+      move_to_wait(c);
+      continue;
+    }
+    if (c->ctl_bytes + c->inflight_bytes + size > n->bulk_window) break;
+    struct net_txframe *f = chunk_frame_get(c, size);
+    int rc = net_bulk_tx_produce(&c->sess.tx, t, f->data, &f->len);
+    if (rc < 0) {
+      frame_release(c, f);
+      net_conn_abort(c, rc, -1, "cannot produce a bulk frame: %s", rumor_strerror(rc));
+      break;
+    }
+    if (t->phase == NET_TX_WAIT_RESULT) move_to_wait(c);
+    conn_write(c, f);
+  }
+  c->pumping = false;
+}
+
+/* ---- the close sequence --------------------------------------------------------------- */
+
+static void on_shutdown(uv_shutdown_t *req, int status) {
+  struct net_conn *c = req->data;
+  if (c->state == CONN_CLOSED) return;
+  (void)status; /* a failed shutdown only means the peer is already gone */
+  check_close_done(c);
+}
+
+/* In CLOSING: once our BYE is out, half-close; once the peer's end of the
+ * stream has arrived too, close. Waiting for the peer's EOF avoids a reset
+ * that could discard our BYE in the peer's receive buffer. */
+static void check_close_done(struct net_conn *c) {
+  if (c->state != CONN_CLOSING || !c->bye_written) return;
+  if (!c->shutdown_started) {
+    c->shutdown_started = true;
+    c->sreq.data = c;
+    if (uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shutdown) == 0) return;
+  }
+  if (c->eof) net_conn_abort(c, 0, -1, "%s", c->local_close ? "closed" : "closed by the peer");
+}
+
+/* Starts the graceful close (BYE after the queued control frames). */
+static void begin_closing(struct net_conn *c, bool local) {
+  c->state = CONN_CLOSING;
+  c->local_close = local;
+  c->bye_queued = true;
+  uv_timer_start(&c->timer, on_timer, c->net->cfg.close_linger_ms, 0);
+  cancel_outbound(c, RUMOR_ECANCELED);
+  pump(c);
+}
+
+void net_conn_close(net_conn_t *c) {
+  if (c->state != CONN_OPEN) return;
+  /* Our inbound transfer can no longer complete: tell the app now and
+   * discard the rest of it (the peer stops when it sees our BYE). */
+  if (c->sess.ib.accepted) {
+    c->sess.ib.accepted = false;
+    c->sess.bulk_in_failed++;
+    if (c->net->cbs.on_bulk_done)
+      c->net->cbs.on_bulk_done(c, c->sess.ib.id, RUMOR_ECANCELED, c->sess.ib.dst, c->sess.ib.dst_arg, c->net->ud);
+  }
+  if (c->state == CONN_OPEN) begin_closing(c, true);
+}
+
+/* ---- timers ------------------------------------------------------------------------------ */
+
+static void on_timer(uv_timer_t *t) {
+  struct net_conn *c = t->data;
+  const struct net_config *cfg = &c->net->cfg;
+  switch (c->state) {
+  case CONN_RESOLVING:
+  case CONN_CONNECTING:
+    net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "no connection within %u ms", cfg->handshake_timeout_ms);
+    break;
+  case CONN_HANDSHAKE:
+    net_conn_abort(c, RUMOR_ETIMEDOUT, NET_HS_FAIL_TIMEOUT, "handshake not completed within %u ms",
+                   cfg->handshake_timeout_ms);
+    break;
+  case CONN_OPEN: {
+    if (!cfg->idle_timeout_ms) break;
+    uint64_t now = uv_now(c->net->loop), idle = now - c->last_activity;
+    if (idle >= cfg->idle_timeout_ms) {
+      net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "idle for %llu ms (limit %u ms)", (unsigned long long)idle,
+                     cfg->idle_timeout_ms);
+      break;
+    }
+    uv_timer_start(&c->timer, on_timer, cfg->idle_timeout_ms - idle, 0);
+    break;
+  }
+  case CONN_CLOSING:
+    net_conn_abort(c, 0, -1, "the peer did not finish the close within %u ms", cfg->close_linger_ms);
+    break;
+  case CONN_CLOSED: break;
+  }
+}
+
+/* ---- session ops (called from inside net_sess_rx_feed) ------------------------------------ */
+
+static void arm_idle(struct net_conn *c) {
+  uv_timer_stop(&c->timer);
+  if (c->net->cfg.idle_timeout_ms) uv_timer_start(&c->timer, on_timer, c->net->cfg.idle_timeout_ms, 0);
+}
+
+static void became_open(struct net_conn *c) {
+  net_t *n = c->net;
+  c->state = CONN_OPEN;
+  c->surfaced = true;
+  if (c->counted_pending) {
+    n->n_pending--;
+    c->counted_pending = false;
+  }
+  n->stats.hs_ok++;
+  net_conn_set_name(c);
+  arm_idle(c);
+  log_info("net: %s %s (%s)", c->inbound ? "accepted" : "connected to", c->name,
+           c->suite == NET_SUITE_AES256GCM ? "aes256gcm" : "chacha20poly1305");
+}
+
+static void op_ready(void *ctx) {
+  struct net_conn *c = ctx;
+  if (c->state != CONN_HANDSHAKE) return;
+  became_open(c);
+  net_dial_cb cb = c->dial_cb;
+  c->dial_cb = NULL;
+  if (cb) cb(c->net, c, 0, "", c->dial_arg);
+}
+
+static void op_msg(void *ctx, const struct net_msg *m) {
+  struct net_conn *c = ctx;
+  if (c->net->cbs.on_message && (c->state == CONN_OPEN || c->state == CONN_CLOSING))
+    c->net->cbs.on_message(c, m, c->net->ud);
+}
+
+static int op_bulk_begin(void *ctx, const struct net_bulk_info *info, float **dst, void **dst_arg) {
+  struct net_conn *c = ctx;
+  net_t *n = c->net;
+  if (c->state != CONN_OPEN || !n->cbs.on_bulk_begin) return -ECONNREFUSED;
+  return n->cbs.on_bulk_begin(c, info, dst, dst_arg, n->ud);
+}
+
+static void op_bulk_done(void *ctx, uint64_t id, int status, float *dst, void *dst_arg) {
+  struct net_conn *c = ctx;
+  if (c->net->cbs.on_bulk_done) c->net->cbs.on_bulk_done(c, id, status, dst, dst_arg, c->net->ud);
+}
+
+static struct net_tx_bulk *unlink_tx(struct net_conn *c, uint64_t id, bool *in_wait) {
+  struct net_tx_bulk **pp, *prev = NULL;
+  for (pp = &c->tx_head; *pp; prev = *pp, pp = &(*pp)->next) {
+    if ((*pp)->id == id) {
+      struct net_tx_bulk *t = *pp;
+      *pp = t->next;
+      if (c->tx_tail == t) c->tx_tail = prev;
+      *in_wait = false;
+      return t;
+    }
+  }
+  for (pp = &c->wait_head; *pp; pp = &(*pp)->next) {
+    if ((*pp)->id == id) {
+      struct net_tx_bulk *t = *pp;
+      *pp = t->next;
+      *in_wait = true;
+      return t;
+    }
+  }
+  return NULL;
+}
+
+static void op_bulk_result(void *ctx, uint64_t id, enum net_bulk_result r) {
+  struct net_conn *c = ctx;
+  bool in_wait = false;
+  struct net_tx_bulk *t = unlink_tx(c, id, &in_wait);
+  if (!t) return; /* canceled here already */
+  /* A verdict before the end (success) or before the start (anything) of a
+   * transfer is a protocol violation. */
+  if ((r == NET_BULK_OK && t->phase != NET_TX_WAIT_RESULT) || t->phase == NET_TX_BEGIN) {
+    c->st.bulk_out_failed++;
+    t->done(c, id, RUMOR_EPROTO, t->arg);
+    free(t->meta);
+    free(t);
+    c->net->stats.dropped_violation++;
+    net_conn_abort(c, RUMOR_EPROTO, -1, "BULK_RESULT %d for transfer %llu at a point where none is due", (int)r,
+                   (unsigned long long)id);
+    return;
+  }
+  int status = 0;
+  switch (r) {
+  case NET_BULK_OK: status = 0; break;
+  case NET_BULK_REFUSED: status = -ECONNREFUSED; break;
+  case NET_BULK_CORRUPT: status = RUMOR_ECORRUPT; break;
+  case NET_BULK_CANCELED: status = RUMOR_ECANCELED; break;
+  }
+  /* Stopped half-way: tell the receiver the stream of this id is over. */
+  if (!in_wait && (t->phase == NET_TX_DATA || t->phase == NET_TX_END))
+    (void)queue_proto(c, NET_FRAME_BULK_ABORT, id, 0);
+  if (status == 0) c->st.bulk_out_ok++;
+  else c->st.bulk_out_failed++;
+  t->done(c, id, status, t->arg);
+  free(t->meta);
+  free(t);
+  pump(c);
+}
+
+static void op_bye(void *ctx) {
+  struct net_conn *c = ctx;
+  log_debug("net: %s said BYE", c->name);
+  if (c->state == CONN_OPEN) {
+    net_sess_fail_inbound(&c->sess, RUMOR_ECANCELED);
+    begin_closing(c, false);
+  }
+  check_close_done(c);
+}
+
+static int op_send_result(void *ctx, uint64_t id, enum net_bulk_result r) {
+  struct net_conn *c = ctx;
+  if (c->state != CONN_OPEN && c->state != CONN_CLOSING) return -ENOTCONN;
+  int rc = queue_proto(c, NET_FRAME_BULK_RESULT, id, (uint64_t)r);
+  if (rc == 0) pump(c);
+  return rc;
+}
+
+static const struct net_sess_ops sess_ops = {
+    .on_ready = op_ready,
+    .on_msg = op_msg,
+    .on_bulk_begin = op_bulk_begin,
+    .on_bulk_done = op_bulk_done,
+    .on_bulk_result = op_bulk_result,
+    .on_bye = op_bye,
+    .send_result = op_send_result,
+};
+
+/* ---- reading ---------------------------------------------------------------------------- */
+
+static bool hs_mode(const struct net_conn *c) { return c->sess.ops == NULL; }
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  struct net_conn *c = h->data;
+  if (hs_mode(c)) {
+    buf->base = (char *)c->hs_buf + c->hs_got;
+    buf->len = c->hs_want - c->hs_got;
+    return;
+  }
+  uint8_t *p;
+  size_t n;
+  net_sess_rx_direct(&c->sess, &p, &n);
+  if (n) {
+    buf->base = (char *)p;
+    buf->len = n > (1u << 30) ? (1u << 30) : n;
+    return;
+  }
+  buf->base = (char *)c->stage;
+  buf->len = NET_RX_STAGE_BYTES;
+}
+
+/* Keys are ready on this side: switch reading to the encrypted session. */
+static void start_session(struct net_conn *c) {
+  net_t *n = c->net;
+  c->suite = c->hs.suite;
+  memcpy(c->peer_pk, c->hs.peer_pk, NET_PUBKEY_BYTES);
+  net_sess_init(&c->sess, !c->inbound, &n->cfg, &sess_ops, c);
+  if (c->inbound) net_sess_set_keys(&c->sess, c->suite, c->hs.k_s2c, c->hs.k_c2s);
+  else net_sess_set_keys(&c->sess, c->suite, c->hs.k_c2s, c->hs.k_s2c);
+  net_hs_wipe(&c->hs);
+  c->stage = xmalloc(NET_RX_STAGE_BYTES);
+  net_conn_set_name(c);
+}
+
+/* A whole handshake message is in hs_buf. */
+static void on_hs_message(struct net_conn *c) {
+  const uint8_t *body = c->hs_buf + NET_HS_LEN_BYTES;
+  size_t len = c->hs_want - NET_HS_LEN_BYTES;
+  c->hs_got = 0;
+  c->hs_want = NET_HS_LEN_BYTES;
+  struct rumor_err e = {0};
+  int rc;
+  if (!c->inbound) {
+    uint8_t out[NET_HS_AUTH_LEN];
+    rc = net_hs_client_on_welcome(&c->hs, body, len, out, &e);
+    if (rc < 0) {
+      net_conn_abort(c, rc, (int)c->hs.fail, "%s", e.msg);
+      return;
+    }
+    send_hs(c, out, sizeof out);
+    if (c->state == CONN_CLOSED) return;
+    start_session(c); /* READY comes as the first encrypted frame */
+    return;
+  }
+  if (c->hs.state == NET_HS_S_SERVER_WAIT_HELLO) {
+    uint8_t out[NET_HS_FRAME_MAX];
+    size_t out_len = 0;
+    rc = net_hs_server_on_hello(&c->hs, body, len, out, &out_len, &e);
+    if (rc < 0 && out_len) {
+      /* Tell the client why (version, cluster key), then close. */
+      c->reject_then_close = true;
+      c->close_status = rc;
+      snprintf(c->close_detail, sizeof c->close_detail, "%s", e.msg);
+      uv_read_stop((uv_stream_t *)&c->tcp);
+      send_hs(c, out, out_len);
+      return;
+    }
+    if (rc < 0) {
+      net_conn_abort(c, rc, (int)c->hs.fail, "%s", e.msg);
+      return;
+    }
+    send_hs(c, out, out_len);
+    return;
+  }
+  rc = net_hs_server_on_auth(&c->hs, body, len, &e);
+  if (rc < 0) {
+    net_conn_abort(c, rc, (int)c->hs.fail, "%s", e.msg);
+    return;
+  }
+  start_session(c);
+  /* READY: the first frame under the new keys confirms them to the client. */
+  struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
+  net_frame_hdr_write(f->data, NET_FRAME_READY, 0, 0, 0);
+  if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0) < 0) {
+    free(f);
+    net_conn_abort(c, -EOVERFLOW, NET_HS_FAIL_AUTH, "cannot seal READY");
+    return;
+  }
+  f->len = NET_FRAME_OVERHEAD;
+  f->sealed = f->transport = true;
+  conn_write(c, f);
+  if (c->state == CONN_CLOSED) return;
+  became_open(c);
+  if (c->net->cbs.on_accept) c->net->cbs.on_accept(c, c->net->ud);
+}
+
+static void on_hs_bytes(struct net_conn *c) {
+  if (c->hs_got < c->hs_want) return;
+  if (c->hs_want == NET_HS_LEN_BYTES) {
+    uint16_t len = net_be16_get(c->hs_buf);
+    if (len == 0 || len > NET_HS_FRAME_MAX) {
+      net_conn_abort(c, RUMOR_EPROTO, NET_HS_FAIL_MALFORMED,
+                     "handshake message of %u bytes (limit %d before authentication)", len, NET_HS_FRAME_MAX);
+      return;
+    }
+    c->hs_want = NET_HS_LEN_BYTES + len;
+    return;
+  }
+  on_hs_message(c);
+}
+
+/* The session stopped on a violation: log one line and drop. */
+static void session_violation(struct net_conn *c) {
+  if (c->state == CONN_CLOSED) return;
+  const struct rumor_err *e = &c->sess.err;
+  if (c->state == CONN_HANDSHAKE) {
+    net_conn_abort(c, RUMOR_EAUTH, NET_HS_FAIL_AUTH, "key confirmation failed: %s", e->msg);
+    return;
+  }
+  c->net->stats.dropped_violation++;
+  net_conn_abort(c, e->code ? e->code : RUMOR_EPROTO, -1, "%s", e->msg);
+}
+
+static void on_eof(struct net_conn *c) {
+  log_debug("net: end of stream from %s", c->name);
+  c->eof = true;
+  switch (c->state) {
+  case CONN_HANDSHAKE:
+    if (!c->inbound && !hs_mode(c))
+      net_conn_abort(c, RUMOR_EAUTH, NET_HS_FAIL_REJECTED,
+                     "the peer closed the connection after our authentication "
+                     "(is our key on its allow-list? does it hold our cluster key?)");
+    else
+      net_conn_abort(c, -ECONNRESET, NET_HS_FAIL_CLOSED, "connection closed during the handshake");
+    break;
+  case CONN_OPEN:
+    net_conn_abort(c, -ECONNRESET, -1, "connection closed without BYE (cut or truncated)");
+    break;
+  case CONN_CLOSING: check_close_done(c); break;
+  default: break;
+  }
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
+  struct net_conn *c = s->data;
+  if (c->state == CONN_CLOSED || nread == 0) return;
+  if (nread < 0) {
+    if (nread == UV_EOF) {
+      on_eof(c);
+      return;
+    }
+    net_conn_abort(c, (int)nread, c->state == CONN_HANDSHAKE ? NET_HS_FAIL_CLOSED : -1, "read failed: %s",
+                   uv_strerror((int)nread));
+    return;
+  }
+  c->st.bytes_in += (uint64_t)nread;
+  c->last_activity = uv_now(c->net->loop);
+  if (hs_mode(c)) {
+    c->hs_got += (size_t)nread;
+    on_hs_bytes(c);
+    return;
+  }
+  int rc;
+  if (buf->base == (char *)c->stage) rc = net_sess_rx_feed(&c->sess, c->stage, (size_t)nread);
+  else rc = net_sess_rx_commit(&c->sess, (size_t)nread);
+  if (rc < 0) session_violation(c);
+}
+
+void net_conn_start_handshake(struct net_conn *c) {
+  net_t *n = c->net;
+  c->state = CONN_HANDSHAKE;
+  uv_tcp_nodelay(&c->tcp, 1);
+  if (n->cfg.sock_buf_bytes > 0) {
+    int v = n->cfg.sock_buf_bytes;
+    uv_send_buffer_size((uv_handle_t *)&c->tcp, &v);
+    v = n->cfg.sock_buf_bytes;
+    uv_recv_buffer_size((uv_handle_t *)&c->tcp, &v);
+  }
+  set_peer_addr(c);
+  c->hs_got = 0;
+  c->hs_want = NET_HS_LEN_BYTES;
+  int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  if (rc < 0) {
+    net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
+    return;
+  }
+  c->reading = true;
+  if (c->inbound) {
+    net_hs_server_start(&c->hs, &n->kr);
+  } else {
+    uint8_t hello[NET_HS_HELLO_LEN];
+    if (net_hs_client_start(&c->hs, &n->kr, hello) < 0) {
+      net_conn_abort(c, -EIO, -1, "cannot start the handshake");
+      return;
+    }
+    send_hs(c, hello, sizeof hello);
+  }
+}
+
+/* ---- the public per-connection API ---------------------------------------------------------- */
+
+static size_t app_limit(const struct net_conn *c) { return c->net->cfg.max_queued_bytes - NET_CTRL_RESERVE; }
+
+int net_conn_send_raw_msg(net_conn_t *c, const uint8_t *data, size_t len) {
+  if (c->state != CONN_OPEN) return -ENOTCONN;
+  if (len > c->net->cfg.max_msg_bytes) return RUMOR_ETOOBIG;
+  if (net_mp_validate(data, len, &c->net->cfg.msg_limits, NULL, NULL) < 0) return RUMOR_EPROTO;
+  int rc = queue_ctl(c, NET_FRAME_MSG, 0, 0, data, len, app_limit(c));
+  if (rc < 0) return rc;
+  c->st.msgs_out++;
+  pump(c);
+  return 0;
+}
+
+int net_conn_send_msg(net_conn_t *c, struct net_msgbuf *b) {
+  if (b->failed) return -ENOMEM;
+  size_t len;
+  const uint8_t *p = net_msgbuf_data(b, &len);
+  return net_conn_send_raw_msg(c, p, len);
+}
+
+int net_conn_send_bulk(net_conn_t *c, const struct net_bulk_send *s, uint64_t *id_out) {
+  if (c->state != CONN_OPEN) return -ENOTCONN;
+  size_t ws = net_dtype_size(s->wire);
+  if (!s->done || !ws || (s->count && !s->src) || (s->meta_len && !s->meta)) return -EINVAL;
+  if (s->meta_len > NET_BULK_META_MAX || s->count > UINT64_MAX / 4) return RUMOR_ETOOBIG;
+  struct net_tx_bulk *t = net_alloc_aligned(sizeof *t);
+  t->id = ++c->next_tx_id;
+  c->sess.last_out_id = t->id;
+  t->src = s->src;
+  t->count = s->count;
+  t->wire = s->wire;
+  t->digest = !s->no_digest;
+  t->chunk_elems = (uint32_t)(c->net->cfg.bulk_chunk_bytes / ws);
+  t->phase = NET_TX_BEGIN;
+  if (s->meta_len) {
+    t->meta = xmalloc(s->meta_len);
+    memcpy(t->meta, s->meta, s->meta_len);
+    t->meta_len = s->meta_len;
+  }
+  t->done = s->done;
+  t->arg = s->arg;
+  if (c->tx_tail) c->tx_tail->next = t;
+  else c->tx_head = t;
+  c->tx_tail = t;
+  if (id_out) *id_out = t->id;
+  pump(c);
+  return 0;
+}
+
+int net_conn_cancel_send(net_conn_t *c, uint64_t id) {
+  bool in_wait = false;
+  struct net_tx_bulk *t = unlink_tx(c, id, &in_wait);
+  if (!t) return RUMOR_ENOTFOUND;
+  if (!in_wait && (t->phase == NET_TX_DATA || t->phase == NET_TX_END) &&
+      (c->state == CONN_OPEN || c->state == CONN_CLOSING))
+    (void)queue_proto(c, NET_FRAME_BULK_ABORT, id, 0);
+  c->st.bulk_out_failed++;
+  t->done(c, id, RUMOR_ECANCELED, t->arg);
+  free(t->meta);
+  free(t);
+  pump(c);
+  return 0;
+}
+
+int net_conn_cancel_recv(net_conn_t *c, uint64_t id) {
+  struct net_rx_bulk *ib = &c->sess.ib;
+  if (!ib->active || ib->id != id || !ib->accepted) return RUMOR_ENOTFOUND;
+  ib->accepted = false; /* the rest of the stream is read and discarded */
+  c->sess.bulk_in_failed++;
+  if (c->net->cbs.on_bulk_done) c->net->cbs.on_bulk_done(c, id, RUMOR_ECANCELED, ib->dst, ib->dst_arg, c->net->ud);
+  if (!ib->result_sent && (c->state == CONN_OPEN || c->state == CONN_CLOSING)) {
+    ib->result_sent = true;
+    if (queue_proto(c, NET_FRAME_BULK_RESULT, id, NET_BULK_CANCELED) == 0) pump(c);
+  }
+  return 0;
+}
+
+const uint8_t *net_conn_peer_key(const net_conn_t *c) { return c->peer_pk; }
+const char *net_conn_peer_addr(const net_conn_t *c) { return c->addr; }
+const char *net_conn_peer_name(const net_conn_t *c) { return c->name; }
+bool net_conn_inbound(const net_conn_t *c) { return c->inbound; }
+void net_conn_set_data(net_conn_t *c, void *data) { c->data = data; }
+void *net_conn_data(const net_conn_t *c) { return c->data; }
+net_t *net_conn_net(const net_conn_t *c) { return c->net; }
+size_t net_conn_queued_bytes(const net_conn_t *c) { return c->ctl_bytes + c->inflight_bytes; }
+unsigned net_conn_suite(const net_conn_t *c) { return c->suite; }
+
+void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s) {
+  *s = c->st;
+  s->frames_in += c->sess.frames_in;
+  s->msgs_in += c->sess.msgs_in;
+  s->bulk_in_ok += c->sess.bulk_in_ok;
+  s->bulk_in_failed += c->sess.bulk_in_failed;
+}
+
+/* ---- test hooks -------------------------------------------------------------------------------- */
+
+int net_test_conn_pause_read(net_conn_t *c, bool pause) {
+  if (c->state == CONN_CLOSED) return -ENOTCONN;
+  if (pause == c->paused) return 0;
+  c->paused = pause;
+  if (pause) return uv_read_stop((uv_stream_t *)&c->tcp);
+  return uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len) {
+  if (c->state != CONN_OPEN) return -ENOTCONN;
+  int rc = queue_ctl(c, type, a, b, pt, len, SIZE_MAX);
+  if (rc == 0) pump(c);
+  return rc;
+}

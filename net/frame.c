@@ -1,0 +1,401 @@
+/*
+ * Transport frames: AEAD sealing with counter nonces, and the receive state
+ * machine of an authenticated session (header checks before any allocation,
+ * authentication, dispatch of control messages and bulk transfer frames).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "net/net_impl.h"
+
+/* ---- AEAD ------------------------------------------------------------------ */
+
+void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]) {
+  memset(a, 0, sizeof *a);
+  a->suite = suite;
+  memcpy(a->key, key, NET_AEAD_KEY_BYTES);
+  if (suite == NET_SUITE_AES256GCM) crypto_aead_aes256gcm_beforenm(&a->aes, key);
+}
+
+void net_aead_wipe(struct net_aead *a) { sodium_memzero(a, sizeof *a); }
+
+static void nonce_of(uint8_t nonce[NET_AEAD_NONCE_BYTES], uint64_t ctr) {
+  memset(nonce, 0, 4);
+  net_be64_put(nonce + 4, ctr);
+}
+
+void net_frame_hdr_write(uint8_t *frame, uint8_t type, size_t pt_len, uint64_t a, uint64_t b) {
+  net_be32_put(frame, (uint32_t)(NET_FRAME_HDR - NET_FRAME_LEN_BYTES + pt_len + NET_TAG_BYTES));
+  frame[4] = type;
+  frame[5] = 0;
+  frame[6] = frame[7] = 0;
+  net_be64_put(frame + 8, a);
+  net_be64_put(frame + 16, b);
+}
+
+int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
+  if (a->ctr == UINT64_MAX) return -EOVERFLOW;
+  uint8_t nonce[NET_AEAD_NONCE_BYTES];
+  nonce_of(nonce, a->ctr++);
+  uint8_t *ct = frame + NET_FRAME_HDR, *tag = ct + pt_len;
+  if (a->suite == NET_SUITE_AES256GCM)
+    crypto_aead_aes256gcm_encrypt_detached_afternm(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
+                                                   &a->aes);
+  else
+    crypto_aead_chacha20poly1305_ietf_encrypt_detached(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
+                                                       a->key);
+  return 0;
+}
+
+int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct, size_t len,
+                  const uint8_t tag[NET_TAG_BYTES]) {
+  if (a->ctr == UINT64_MAX) return RUMOR_EAUTH;
+  uint8_t nonce[NET_AEAD_NONCE_BYTES];
+  nonce_of(nonce, a->ctr++);
+  int rc;
+  if (a->suite == NET_SUITE_AES256GCM)
+    rc = crypto_aead_aes256gcm_decrypt_detached_afternm(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, &a->aes);
+  else
+    rc = crypto_aead_chacha20poly1305_ietf_decrypt_detached(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, a->key);
+  return rc == 0 ? 0 : RUMOR_EAUTH;
+}
+
+/* ---- the session ------------------------------------------------------------ */
+
+void net_sess_init(struct net_sess *s, bool client, const struct net_config *cfg, const struct net_sess_ops *ops,
+                   void *ctx) {
+  memset(s, 0, sizeof *s);
+  s->client = client;
+  s->ready = !client; /* the server has sent READY before it reads a frame */
+  s->max_msg_bytes = cfg->max_msg_bytes;
+  s->max_bulk_bytes = cfg->max_bulk_bytes;
+  s->msg_limits = cfg->msg_limits;
+  s->ops = ops;
+  s->ctx = ctx;
+  s->rx_state = NET_RX_HDR;
+}
+
+void net_sess_set_keys(struct net_sess *s, unsigned suite, const uint8_t tx_key[32], const uint8_t rx_key[32]) {
+  net_aead_init(&s->tx, suite, tx_key);
+  net_aead_init(&s->rx, suite, rx_key);
+}
+
+void net_sess_fail_inbound(struct net_sess *s, int status) {
+  if (s->ib.accepted) {
+    s->ib.accepted = false;
+    s->bulk_in_failed++;
+    if (s->ops->on_bulk_done) s->ops->on_bulk_done(s->ctx, s->ib.id, status, s->ib.dst, s->ib.dst_arg);
+  }
+  s->ib.active = false;
+}
+
+void net_sess_free(struct net_sess *s) {
+  free(s->rxbuf);
+  s->rxbuf = NULL;
+  s->rxbuf_cap = 0;
+  net_aead_wipe(&s->tx);
+  net_aead_wipe(&s->rx);
+}
+
+static int violation(struct net_sess *s, int code, const char *fmt, ...) RUMOR_PRINTF(3, 4);
+static int violation(struct net_sess *s, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  s->err.code = code;
+  vsnprintf(s->err.msg, sizeof s->err.msg, fmt, ap);
+  va_end(ap);
+  s->stop = true;
+  return code;
+}
+
+static const char *frame_name(uint8_t t) {
+  switch (t) {
+  case NET_FRAME_READY: return "READY";
+  case NET_FRAME_MSG: return "MSG";
+  case NET_FRAME_BULK_BEGIN: return "BULK_BEGIN";
+  case NET_FRAME_BULK_DATA: return "BULK_DATA";
+  case NET_FRAME_BULK_END: return "BULK_END";
+  case NET_FRAME_BULK_ABORT: return "BULK_ABORT";
+  case NET_FRAME_BULK_RESULT: return "BULK_RESULT";
+  case NET_FRAME_BYE: return "BYE";
+  default: return "unknown";
+  }
+}
+
+static int rxbuf_reserve(struct net_sess *s, size_t n) {
+  if (n <= s->rxbuf_cap) return 0;
+  free(s->rxbuf);
+  s->rxbuf = malloc(n);
+  s->rxbuf_cap = s->rxbuf ? n : 0;
+  return s->rxbuf ? 0 : violation(s, -ENOMEM, "cannot allocate %zu bytes for a frame", n);
+}
+
+/* The payload size of the next DATA frame of the inbound transfer. */
+static uint64_t expected_chunk_bytes(const struct net_sess *s) {
+  uint64_t left = s->ib.count - s->ib.next_elem;
+  uint64_t n = left < s->ib.chunk_elems ? left : s->ib.chunk_elems;
+  return n * net_dtype_size(s->ib.wire);
+}
+
+/* Checks a complete header and decides where the body goes. Every length is
+ * bounded here, before anything is allocated or read. */
+static int on_header(struct net_sess *s) {
+  struct net_frame_hdr *h = &s->h;
+  const uint8_t *p = s->hdr;
+  h->len = net_be32_get(p);
+  h->type = p[4];
+  h->flags = p[5];
+  h->reserved = net_be16_get(p + 6);
+  h->a = net_be64_get(p + 8);
+  h->b = net_be64_get(p + 16);
+  const uint32_t min_len = NET_FRAME_HDR - NET_FRAME_LEN_BYTES + NET_TAG_BYTES;
+  if (h->len < min_len) return violation(s, RUMOR_EPROTO, "frame length %u is below the minimum %u", h->len, min_len);
+  h->ct_len = h->len - min_len;
+  if (h->flags || h->reserved)
+    return violation(s, RUMOR_EPROTO, "%s frame with non-zero reserved bits", frame_name(h->type));
+  if (s->bye) return violation(s, RUMOR_EPROTO, "%s frame after BYE", frame_name(h->type));
+  if (!s->ready && h->type != NET_FRAME_READY)
+    return violation(s, RUMOR_EPROTO, "first frame is %s, expected READY", frame_name(h->type));
+
+  bool direct = false;
+  switch (h->type) {
+  case NET_FRAME_READY:
+    if (!s->client || s->ready) return violation(s, RUMOR_EPROTO, "unexpected READY frame");
+    /* fall through */
+  case NET_FRAME_BULK_ABORT:
+  case NET_FRAME_BULK_RESULT:
+  case NET_FRAME_BYE:
+    if (h->ct_len != 0)
+      return violation(s, RUMOR_EPROTO, "%s frame carries %zu bytes, expected none", frame_name(h->type), h->ct_len);
+    break;
+  case NET_FRAME_MSG:
+    if (h->ct_len == 0 || h->ct_len > s->max_msg_bytes)
+      return violation(s, RUMOR_ETOOBIG, "control message of %zu bytes (limit %zu)", h->ct_len, s->max_msg_bytes);
+    break;
+  case NET_FRAME_BULK_BEGIN:
+    if (h->ct_len < NET_BULK_BEGIN_FIXED || h->ct_len > NET_BULK_BEGIN_FIXED + NET_BULK_META_MAX)
+      return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN of %zu bytes (limit %d)", h->ct_len,
+                       NET_BULK_BEGIN_FIXED + NET_BULK_META_MAX);
+    break;
+  case NET_FRAME_BULK_DATA: {
+    if (!s->ib.active) return violation(s, RUMOR_EPROTO, "BULK_DATA without a transfer in progress");
+    if (h->a != s->ib.id || h->b != s->ib.next_elem)
+      return violation(s, RUMOR_EPROTO, "BULK_DATA for transfer %llu at element %llu; expected %llu at %llu",
+                       (unsigned long long)h->a, (unsigned long long)h->b, (unsigned long long)s->ib.id,
+                       (unsigned long long)s->ib.next_elem);
+    uint64_t want = expected_chunk_bytes(s);
+    if (want == 0 || h->ct_len != want)
+      return violation(s, RUMOR_EPROTO, "BULK_DATA of %zu bytes where %llu were due", h->ct_len,
+                       (unsigned long long)want);
+    direct = s->ib.accepted && s->ib.wire == NET_DTYPE_F32;
+    break;
+  }
+  case NET_FRAME_BULK_END:
+    if (!s->ib.active || h->a != s->ib.id || h->b != s->ib.count || s->ib.next_elem != s->ib.count)
+      return violation(s, RUMOR_EPROTO, "BULK_END for transfer %llu does not close the transfer in progress",
+                       (unsigned long long)h->a);
+    if (h->ct_len != (s->ib.digest ? NET_DIGEST_BYTES : 0))
+      return violation(s, RUMOR_EPROTO, "BULK_END of %zu bytes", h->ct_len);
+    break;
+  default:
+    return violation(s, RUMOR_EPROTO, "unknown frame type %u", h->type);
+  }
+  if (direct) {
+    s->body = (uint8_t *)(s->ib.dst + h->b);
+  } else {
+    int rc = rxbuf_reserve(s, h->ct_len ? h->ct_len : 1);
+    if (rc < 0) return rc;
+    s->body = s->rxbuf;
+  }
+  s->body_got = 0;
+  s->tag_got = 0;
+  s->rx_state = h->ct_len ? NET_RX_BODY : NET_RX_TAG;
+  return 0;
+}
+
+/* Tells the sender our verdict. A failure to queue it (the connection is
+ * closing) is the owner's business, not a protocol violation. */
+static int send_result(struct net_sess *s, uint64_t id, enum net_bulk_result r) {
+  s->ib.result_sent = true;
+  if (s->ops->send_result) (void)s->ops->send_result(s->ctx, id, r);
+  return 0;
+}
+
+static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
+  const struct net_frame_hdr *h = &s->h;
+  if (s->ib.active) return violation(s, RUMOR_EPROTO, "BULK_BEGIN while transfer %llu is in progress",
+                                     (unsigned long long)s->ib.id);
+  if (h->a <= s->last_in_id)
+    return violation(s, RUMOR_EPROTO, "BULK_BEGIN reuses transfer id %llu", (unsigned long long)h->a);
+  enum net_dtype wire = (enum net_dtype)pt[0];
+  size_t ws = net_dtype_size(wire);
+  uint8_t flags = pt[1];
+  uint32_t chunk = net_be32_get(pt + 4);
+  if (!ws) return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown dtype %u", pt[0]);
+  if ((flags & ~NET_BULK_FLAG_DIGEST) || pt[2] || pt[3])
+    return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown flags");
+  if (chunk == 0 || (uint64_t)chunk * ws > NET_BULK_CHUNK_MAX)
+    return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN with a chunk of %u elements", chunk);
+  if (h->b > s->max_bulk_bytes / ws)
+    return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN of %llu elements (%s) exceeds the limit of %llu bytes",
+                     (unsigned long long)h->b, net_dtype_name(wire), (unsigned long long)s->max_bulk_bytes);
+  memset(&s->ib, 0, sizeof s->ib);
+  s->last_in_id = h->a;
+  s->ib.active = true;
+  s->ib.id = h->a;
+  s->ib.count = h->b;
+  s->ib.wire = wire;
+  s->ib.chunk_elems = chunk;
+  s->ib.digest = flags & NET_BULK_FLAG_DIGEST;
+  if (s->ib.digest) net_digest_root_init(&s->ib.root, s->ib.count, wire, chunk);
+
+  struct net_bulk_info info = {.id = h->a, .count = h->b, .wire = wire, .digest = s->ib.digest,
+                               .meta = pt + NET_BULK_BEGIN_FIXED, .meta_len = len - NET_BULK_BEGIN_FIXED};
+  float *dst = NULL;
+  void *dst_arg = NULL;
+  int rc = s->ops->on_bulk_begin ? s->ops->on_bulk_begin(s->ctx, &info, &dst, &dst_arg) : -ECONNREFUSED;
+  if (rc == 0 && (dst || info.count == 0)) {
+    s->ib.accepted = true;
+    s->ib.dst = dst;
+    s->ib.dst_arg = dst_arg;
+    return 0;
+  }
+  return send_result(s, h->a, NET_BULK_REFUSED);
+}
+
+static void on_data(struct net_sess *s, const uint8_t *pt, size_t len) {
+  struct net_rx_bulk *ib = &s->ib;
+  size_t n = len / net_dtype_size(ib->wire);
+  if (ib->accepted) {
+    if (ib->wire != NET_DTYPE_F32) net_dtype_decode(ib->wire, ib->dst + ib->next_elem, pt, n);
+    if (ib->digest) net_digest_add_chunk(&ib->root, ib->chunk_index, pt, len);
+  }
+  ib->next_elem += n;
+  ib->chunk_index++;
+}
+
+static int on_end(struct net_sess *s, const uint8_t *pt) {
+  struct net_rx_bulk *ib = &s->ib;
+  ib->active = false;
+  if (!ib->accepted) return 0; /* refused or canceled: our RESULT is already out */
+  int status = 0;
+  if (ib->digest) {
+    uint8_t want[NET_DIGEST_BYTES];
+    net_digest_final(&ib->root, want);
+    if (crypto_verify_32(want, pt) != 0) status = RUMOR_ECORRUPT;
+  }
+  ib->accepted = false;
+  if (status == 0) s->bulk_in_ok++;
+  else s->bulk_in_failed++;
+  if (s->ops->on_bulk_done) s->ops->on_bulk_done(s->ctx, ib->id, status, ib->dst, ib->dst_arg);
+  if (!ib->result_sent) return send_result(s, ib->id, status == 0 ? NET_BULK_OK : NET_BULK_CORRUPT);
+  return 0;
+}
+
+/* A complete frame: authenticate, then act on it. */
+static int on_frame(struct net_sess *s) {
+  const struct net_frame_hdr *h = &s->h;
+  uint64_t pos = s->rx.ctr;
+  if (net_aead_open(&s->rx, s->hdr, s->body, h->ct_len, s->tag) != 0)
+    return violation(s, RUMOR_EAUTH,
+                     "%s frame #%llu failed authentication (modified, reordered, replayed or forged)",
+                     frame_name(h->type), (unsigned long long)pos);
+  s->frames_in++;
+  const uint8_t *pt = s->body;
+  switch (h->type) {
+  case NET_FRAME_READY:
+    s->ready = true;
+    if (s->ops->on_ready) s->ops->on_ready(s->ctx);
+    return 0;
+  case NET_FRAME_MSG: {
+    struct net_msg m;
+    struct rumor_err e = {0};
+    int rc = net_msg_decode(pt, h->ct_len, &s->msg_limits, &m, &e);
+    if (rc < 0) return violation(s, rc, "invalid control message: %s", e.msg);
+    s->msgs_in++;
+    if (s->ops->on_msg) s->ops->on_msg(s->ctx, &m);
+    net_msg_free(&m);
+    return 0;
+  }
+  case NET_FRAME_BULK_BEGIN: return on_begin(s, pt, h->ct_len);
+  case NET_FRAME_BULK_DATA: on_data(s, pt, h->ct_len); return 0;
+  case NET_FRAME_BULK_END: return on_end(s, pt);
+  case NET_FRAME_BULK_ABORT:
+    if (!s->ib.active || h->a != s->ib.id)
+      return violation(s, RUMOR_EPROTO, "BULK_ABORT for transfer %llu, which is not in progress",
+                       (unsigned long long)h->a);
+    net_sess_fail_inbound(s, RUMOR_ECANCELED);
+    return 0;
+  case NET_FRAME_BULK_RESULT:
+    if (h->a == 0 || h->a > s->last_out_id || h->b > NET_BULK_CANCELED)
+      return violation(s, RUMOR_EPROTO, "BULK_RESULT %llu for transfer %llu, which we never sent",
+                       (unsigned long long)h->b, (unsigned long long)h->a);
+    if (s->ops->on_bulk_result) s->ops->on_bulk_result(s->ctx, h->a, (enum net_bulk_result)h->b);
+    return 0;
+  case NET_FRAME_BYE:
+    s->bye = true;
+    if (s->ops->on_bye) s->ops->on_bye(s->ctx);
+    return 0;
+  default: return violation(s, RUMOR_EPROTO, "unknown frame type %u", h->type); /* checked in on_header */
+  }
+}
+
+void net_sess_rx_direct(struct net_sess *s, uint8_t **p, size_t *n) {
+  *n = 0;
+  if (s->rx_state != NET_RX_BODY || s->stop) return;
+  size_t left = s->h.ct_len - s->body_got;
+  if (left < NET_RX_DIRECT_MIN) return;
+  *p = s->body + s->body_got;
+  *n = left;
+}
+
+int net_sess_rx_commit(struct net_sess *s, size_t n) {
+  if (s->rx_state != NET_RX_BODY || n > s->h.ct_len - s->body_got)
+    return violation(s, -EINVAL, "internal: direct read past the frame body");
+  s->body_got += n;
+  if (s->body_got == s->h.ct_len) s->rx_state = NET_RX_TAG;
+  return 0;
+}
+
+int net_sess_rx_feed(struct net_sess *s, const uint8_t *data, size_t n) {
+  while (n > 0 && !s->stop) {
+    size_t take;
+    switch (s->rx_state) {
+    case NET_RX_HDR:
+      take = NET_FRAME_HDR - s->hdr_got;
+      if (take > n) take = n;
+      memcpy(s->hdr + s->hdr_got, data, take);
+      s->hdr_got += take;
+      if (s->hdr_got == NET_FRAME_HDR) {
+        s->hdr_got = 0;
+        int rc = on_header(s);
+        if (rc < 0) return rc;
+      }
+      break;
+    case NET_RX_BODY:
+      take = s->h.ct_len - s->body_got;
+      if (take > n) take = n;
+      memcpy(s->body + s->body_got, data, take);
+      s->body_got += take;
+      if (s->body_got == s->h.ct_len) s->rx_state = NET_RX_TAG;
+      break;
+    case NET_RX_TAG:
+    default:
+      take = NET_TAG_BYTES - s->tag_got;
+      if (take > n) take = n;
+      memcpy(s->tag + s->tag_got, data, take);
+      s->tag_got += take;
+      if (s->tag_got == NET_TAG_BYTES) {
+        s->rx_state = NET_RX_HDR;
+        int rc = on_frame(s);
+        if (rc < 0) return rc;
+      }
+      break;
+    }
+    data += take;
+    n -= take;
+  }
+  return 0;
+}

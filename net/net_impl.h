@@ -1,0 +1,324 @@
+/*
+ * net_impl — net's private pieces shared between its files, the tests and
+ * the fuzz harnesses: wire constants, the handshake state machine, AEAD
+ * framing, the receive state machine of an authenticated session, bulk
+ * transfer state and msgpack validation. Nothing here touches libuv except
+ * the test hooks at the end; see docs/net.md for the wire format.
+ */
+#ifndef RUMOR_NET_IMPL_H
+#define RUMOR_NET_IMPL_H
+
+#include <sodium.h>
+
+#include "net/net.h"
+
+/* ---- handshake wire format (all integers big-endian) ---------------------- */
+#define NET_MAGIC "rumr"
+#define NET_MAGIC_BYTES 4
+#define NET_PROTO_MIN 1 /* protocol versions this build speaks */
+#define NET_PROTO_MAX 1
+#define NET_HS_LEN_BYTES 2     /* each handshake message: u16 length, then body */
+#define NET_HS_FRAME_MAX 512   /* cap on a pre-authentication message body */
+#define NET_X25519_BYTES 32
+#define NET_SIG_BYTES 64
+#define NET_HS_TAG_BYTES 16    /* cluster tag on HELLO */
+#define NET_HS_AEAD_BYTES 16   /* Poly1305 tag of the encrypted handshake parts */
+#define NET_HS_SEALED_ID_BYTES (NET_PUBKEY_BYTES + NET_SIG_BYTES + NET_HS_AEAD_BYTES)
+#define NET_HS_HELLO_LEN (8 + NET_X25519_BYTES + NET_HS_TAG_BYTES)        /* 56 */
+#define NET_HS_WELCOME_LEN (8 + NET_X25519_BYTES + NET_HS_SEALED_ID_BYTES) /* 152 */
+#define NET_HS_AUTH_LEN (4 + NET_HS_SEALED_ID_BYTES)                       /* 116 */
+#define NET_HS_REJECT_LEN 8
+#define NET_HS_WELCOME_CLEAR (8 + NET_X25519_BYTES) /* the unencrypted prefix */
+
+enum net_hs_type { NET_HS_HELLO = 1, NET_HS_WELCOME = 2, NET_HS_AUTH = 3, NET_HS_REJECT = 0x7f };
+enum net_reject_reason { NET_REJECT_VERSION = 1, NET_REJECT_CLUSTER = 2 };
+_Static_assert(NET_HS_HELLO == 1 && NET_HS_WELCOME == 2 && NET_HS_AUTH == 3 && NET_HS_REJECT == 0x7f,
+               "handshake message types are wire values");
+_Static_assert(NET_HS_HELLO_LEN == 56 && NET_HS_WELCOME_LEN == 152 && NET_HS_AUTH_LEN == 116,
+               "handshake message sizes are part of protocol version 1");
+_Static_assert(NET_HS_WELCOME_LEN <= NET_HS_FRAME_MAX, "handshake frames fit the pre-auth cap");
+
+/* ---- transport frames ----------------------------------------------------- */
+/* u32 len | u8 type | u8 flags | u16 reserved | u64 a | u64 b | ct | tag.
+ * len counts the bytes after itself. The 24-byte header is the AEAD's
+ * associated data; the nonce is the frame's position in its direction. */
+#define NET_FRAME_HDR 24
+#define NET_FRAME_LEN_BYTES 4
+#define NET_TAG_BYTES 16
+#define NET_FRAME_OVERHEAD (NET_FRAME_HDR + NET_TAG_BYTES)
+#define NET_AEAD_KEY_BYTES 32
+#define NET_AEAD_NONCE_BYTES 12
+
+enum net_frame_type {
+  NET_FRAME_READY = 1,       /* server -> client, first frame: key confirmation */
+  NET_FRAME_MSG = 2,         /* a control message (msgpack map) */
+  NET_FRAME_BULK_BEGIN = 3,  /* a = id, b = count; dtype, flags, chunk, metadata */
+  NET_FRAME_BULK_DATA = 4,   /* a = id, b = first element; the payload */
+  NET_FRAME_BULK_END = 5,    /* a = id, b = count; the digest (or nothing) */
+  NET_FRAME_BULK_ABORT = 6,  /* a = id: the sender gave up on this transfer */
+  NET_FRAME_BULK_RESULT = 7, /* a = id, b = enum net_bulk_result: the receiver's verdict */
+  NET_FRAME_BYE = 8,         /* graceful close */
+};
+_Static_assert(NET_FRAME_READY == 1 && NET_FRAME_MSG == 2 && NET_FRAME_BULK_BEGIN == 3 &&
+                   NET_FRAME_BULK_DATA == 4 && NET_FRAME_BULK_END == 5 && NET_FRAME_BULK_ABORT == 6 &&
+                   NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8,
+               "frame types are wire values");
+
+enum net_bulk_result {
+  NET_BULK_OK = 0,
+  NET_BULK_REFUSED = 1,
+  NET_BULK_CORRUPT = 2,
+  NET_BULK_CANCELED = 3,
+};
+
+#define NET_BULK_BEGIN_FIXED 8     /* u8 dtype | u8 flags | u16 0 | u32 chunk_elems */
+#define NET_BULK_FLAG_DIGEST 0x01
+#define NET_DIGEST_BYTES 32
+#define NET_BULK_CHUNK_MAX (16u << 20) /* receiver's cap on one chunk's payload */
+#define NET_BULK_CHUNK_MIN 4096
+#define NET_BULK_WINDOW_CHUNKS 4   /* outbound chunk frames in flight per connection */
+#define NET_RX_STAGE_BYTES (64u << 10)
+#define NET_RX_DIRECT_MIN (16u << 10) /* body bytes read straight into place */
+
+/* ---- keys derived from the configuration ---------------------------------- */
+struct net_keyring {
+  struct net_identity id;
+  uint8_t tag_key[32]; /* keys the HELLO's cluster tag */
+  uint8_t mix_key[32]; /* keys every session-key derivation */
+  struct net_allowlist allow;
+  bool have_allow;
+  unsigned suites; /* enum net_suite, limited to what this CPU can do */
+};
+int net_keyring_init(struct net_keyring *kr, const struct net_config *cfg, struct rumor_err *e);
+void net_keyring_wipe(struct net_keyring *kr);
+
+/* ---- the handshake (pure: bytes in, bytes out) ---------------------------- */
+enum net_hs_state {
+  NET_HS_S_CLIENT_WAIT_WELCOME,
+  NET_HS_S_CLIENT_WAIT_READY,
+  NET_HS_S_SERVER_WAIT_HELLO,
+  NET_HS_S_SERVER_WAIT_AUTH,
+  NET_HS_S_DONE,
+  NET_HS_S_FAILED,
+};
+
+struct net_hs {
+  const struct net_keyring *kr;
+  enum net_hs_state state;
+  bool client;
+  uint8_t e_pk[NET_X25519_BYTES], e_sk[NET_X25519_BYTES];
+  uint8_t peer_e[NET_X25519_BYTES];
+  uint8_t dh[NET_X25519_BYTES];
+  uint8_t k_hs_s2c[32], k_hs_c2s[32];
+  crypto_generichash_state th; /* running transcript hash */
+  uint8_t version;
+  unsigned suite;
+  uint8_t peer_pk[NET_PUBKEY_BYTES];
+  uint8_t k_c2s[NET_AEAD_KEY_BYTES], k_s2c[NET_AEAD_KEY_BYTES]; /* transport keys when done */
+  enum net_hs_fail fail; /* why, when a step failed */
+};
+
+/* Client: starts a handshake; writes the HELLO body (NET_HS_HELLO_LEN). */
+int net_hs_client_start(struct net_hs *hs, const struct net_keyring *kr, uint8_t *out) RUMOR_MUST_CHECK;
+/* Server: starts waiting for a HELLO. */
+void net_hs_server_start(struct net_hs *hs, const struct net_keyring *kr);
+/* Server: takes the HELLO body. On success writes the WELCOME into out
+ * (*out_len bytes). On failure returns a negative code and hs->fail; when
+ * *out_len > 0 the caller sends out (a REJECT) before closing. */
+int net_hs_server_on_hello(struct net_hs *hs, const uint8_t *in, size_t len, uint8_t *out,
+                           size_t *out_len, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Client: takes the WELCOME (or REJECT) body; writes the AUTH body. */
+int net_hs_client_on_welcome(struct net_hs *hs, const uint8_t *in, size_t len, uint8_t *out,
+                             struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Server: takes the AUTH body; on success the transport keys are ready. */
+int net_hs_server_on_auth(struct net_hs *hs, const uint8_t *in, size_t len, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Wipes every secret (ephemeral keys, DH output, handshake and transport keys). */
+void net_hs_wipe(struct net_hs *hs);
+
+/* ---- AEAD framing ---------------------------------------------------------- */
+struct net_aead {
+  crypto_aead_aes256gcm_state aes; /* expanded key when suite is AES-256-GCM */
+  uint8_t key[NET_AEAD_KEY_BYTES];
+  unsigned suite;
+  uint64_t ctr; /* the next frame's position: the nonce */
+};
+void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]);
+void net_aead_wipe(struct net_aead *a);
+/* Fills the 24-byte header at frame[0..24) for a payload of pt_len bytes. */
+void net_frame_hdr_write(uint8_t *frame, uint8_t type, size_t pt_len, uint64_t a, uint64_t b);
+/* Encrypts pt (pt_len bytes; may be frame + NET_FRAME_HDR for in place) to
+ * frame + NET_FRAME_HDR and appends the tag; the header must be written.
+ * Returns 0, or -EOVERFLOW when the nonce space is exhausted. */
+int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) RUMOR_MUST_CHECK;
+/* Decrypts ct in place after checking the tag against hdr and the expected
+ * position. Returns 0 or RUMOR_EAUTH (ct then holds garbage). */
+int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct, size_t len,
+                  const uint8_t tag[NET_TAG_BYTES]) RUMOR_MUST_CHECK;
+
+struct net_frame_hdr {
+  uint32_t len; /* bytes after the length field */
+  uint8_t type, flags;
+  uint16_t reserved;
+  uint64_t a, b;
+  size_t ct_len;
+};
+
+/* ---- bulk transfer state -------------------------------------------------- */
+/* Outbound: produced lazily, one frame at a time, by the connection. */
+enum net_tx_phase { NET_TX_BEGIN, NET_TX_DATA, NET_TX_END, NET_TX_WAIT_RESULT };
+struct net_tx_bulk {
+  struct net_tx_bulk *next;
+  uint64_t id;
+  const float *src;
+  uint64_t count, next_elem, chunk_index;
+  uint32_t chunk_elems;
+  enum net_dtype wire;
+  bool digest;
+  enum net_tx_phase phase;
+  uint8_t *meta;
+  size_t meta_len;
+  crypto_generichash_state root;
+  net_bulk_sent_cb done;
+  void *arg;
+};
+
+/* Inbound: at most one at a time per connection. */
+struct net_rx_bulk {
+  bool active;       /* between BEGIN and END/ABORT */
+  bool accepted;     /* the app gave a buffer and has not been told the end */
+  bool result_sent;  /* our RESULT for this id is out */
+  uint64_t id, count, next_elem, chunk_index;
+  uint32_t chunk_elems;
+  enum net_dtype wire;
+  bool digest;
+  float *dst;
+  void *dst_arg;
+  crypto_generichash_state root;
+};
+
+size_t net_dtype_size(enum net_dtype d); /* 0 for an unknown value */
+const char *net_dtype_name(enum net_dtype d);
+/* Conversions between float32 buffers and wire encodings (fast paths when the
+ * CPU has F16C). For F32 they copy. */
+void net_dtype_encode(enum net_dtype d, uint8_t *dst, const float *src, size_t n);
+void net_dtype_decode(enum net_dtype d, float *dst, const uint8_t *src, size_t n);
+/* True when the F16C fast path is used on this CPU. */
+bool net_dtype_fast_path(void);
+/* Outbound producer: the size of t's next frame (0 when it waits for the
+ * receiver's RESULT), and writing that frame, sealed, into `frame`. */
+size_t net_bulk_tx_next_size(const struct net_tx_bulk *t);
+int net_bulk_tx_produce(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *frame, size_t *len) RUMOR_MUST_CHECK;
+/* The transfer digest: root = BLAKE2b-256 over a parameter block and one
+ * BLAKE2b-256 leaf per chunk (see docs/net.md). */
+void net_digest_root_init(crypto_generichash_state *root, uint64_t count, enum net_dtype wire,
+                          uint32_t chunk_elems);
+void net_digest_add_chunk(crypto_generichash_state *root, uint64_t chunk_index, const uint8_t *p, size_t n);
+void net_digest_final(crypto_generichash_state *root, uint8_t out[NET_DIGEST_BYTES]);
+
+/* ---- the authenticated session: receive state machine and frame dispatch -- */
+/* What the session asks of its owner (the libuv connection, or a fuzz
+ * harness). Each may be NULL. */
+struct net_sess_ops {
+  void (*on_ready)(void *ctx);
+  void (*on_msg)(void *ctx, const struct net_msg *m);
+  int (*on_bulk_begin)(void *ctx, const struct net_bulk_info *info, float **dst, void **dst_arg);
+  void (*on_bulk_done)(void *ctx, uint64_t id, int status, float *dst, void *dst_arg);
+  void (*on_bulk_result)(void *ctx, uint64_t id, enum net_bulk_result r);
+  void (*on_bye)(void *ctx);
+  /* Queue a small frame (RESULT) to the peer; returns 0 or a negative code. */
+  int (*send_result)(void *ctx, uint64_t id, enum net_bulk_result r);
+};
+
+enum net_rx_state { NET_RX_HDR, NET_RX_BODY, NET_RX_TAG };
+
+struct net_sess {
+  struct net_aead tx, rx;
+  bool client;       /* the client's first frame must be READY */
+  bool ready;        /* READY seen (client) or sent (server) */
+  bool bye;          /* the peer said BYE: nothing may follow */
+  bool stop;         /* set by the owner to stop processing input (closing) */
+  /* receive machine */
+  enum net_rx_state rx_state;
+  uint8_t hdr[NET_FRAME_HDR];
+  size_t hdr_got;
+  struct net_frame_hdr h;
+  uint8_t *body;     /* where the current frame's ciphertext goes */
+  size_t body_got;
+  uint8_t tag[NET_TAG_BYTES];
+  size_t tag_got;
+  uint8_t *rxbuf;    /* owned scratch for bodies that do not go straight to a bulk buffer */
+  size_t rxbuf_cap;
+  /* inbound bulk */
+  struct net_rx_bulk ib;
+  uint64_t last_in_id;
+  uint64_t last_out_id; /* for checking RESULT ids: set by the owner */
+  /* limits */
+  size_t max_msg_bytes;
+  uint64_t max_bulk_bytes;
+  struct net_msg_limits msg_limits;
+  /* owner */
+  const struct net_sess_ops *ops;
+  void *ctx;
+  /* counters */
+  uint64_t frames_in, msgs_in, bulk_in_ok, bulk_in_failed;
+  struct rumor_err err; /* the violation that stopped the session */
+};
+
+void net_sess_init(struct net_sess *s, bool client, const struct net_config *cfg,
+                   const struct net_sess_ops *ops, void *ctx);
+/* Keys: tx_key for frames we send, rx_key for frames we receive. */
+void net_sess_set_keys(struct net_sess *s, unsigned suite, const uint8_t tx_key[32], const uint8_t rx_key[32]);
+/* Ends an inbound transfer that is in progress (the connection is going
+ * away): on_bulk_done(status) when the app holds a buffer. */
+void net_sess_fail_inbound(struct net_sess *s, int status);
+void net_sess_free(struct net_sess *s);
+/* Where the next received bytes may be written directly, and how many (the
+ * rest of the current frame body); *n is 0 when a staging buffer should be
+ * used. */
+void net_sess_rx_direct(struct net_sess *s, uint8_t **p, size_t *n);
+/* After a direct read of n bytes into the pointer from net_sess_rx_direct. */
+int net_sess_rx_commit(struct net_sess *s, size_t n) RUMOR_MUST_CHECK;
+/* Feeds n received bytes (copied as needed). Returns 0, or a negative code
+ * with s->err set when the peer broke the protocol or a frame failed
+ * authentication; the session must then be dropped. Stops early (returning
+ * 0) when s->stop is set by a callback. */
+int net_sess_rx_feed(struct net_sess *s, const uint8_t *data, size_t n) RUMOR_MUST_CHECK;
+
+/* ---- msgpack validation --------------------------------------------------- */
+/* The non-allocating pass run before msgpack-c sees any bytes. On success
+ * *zone_bytes is an upper bound of what msgpack_unpack allocates. */
+int net_mp_validate(const uint8_t *p, size_t n, const struct net_msg_limits *lim, size_t *zone_bytes,
+                    struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- internal helpers ------------------------------------------------------- */
+static inline void net_be16_put(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)(v >> 8);
+  p[1] = (uint8_t)v;
+}
+static inline void net_be32_put(uint8_t *p, uint32_t v) {
+  for (int i = 3; i >= 0; i--, v >>= 8) p[i] = (uint8_t)v;
+}
+static inline void net_be64_put(uint8_t *p, uint64_t v) {
+  for (int i = 7; i >= 0; i--, v >>= 8) p[i] = (uint8_t)v;
+}
+static inline uint16_t net_be16_get(const uint8_t *p) { return (uint16_t)((p[0] << 8) | p[1]); }
+static inline uint32_t net_be32_get(const uint8_t *p) {
+  return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+static inline uint64_t net_be64_get(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+  return v;
+}
+
+/* ---- test hooks (tests and fuzzers only) ----------------------------------- */
+/* How many times msgpack-c's decoder has been called in this process. */
+uint64_t net_test_msgpack_decoder_calls(void);
+/* Stops or resumes reading from a connection (simulates a stalled receiver). */
+int net_test_conn_pause_read(net_conn_t *c, bool pause);
+/* Sends an arbitrary frame (type, a, b, payload) through the connection's
+ * encryption, bypassing every sender-side check. */
+int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b, const void *pt,
+                             size_t len) RUMOR_MUST_CHECK;
+
+#endif /* RUMOR_NET_IMPL_H */

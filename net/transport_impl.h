@@ -1,0 +1,141 @@
+/*
+ * transport_impl — the libuv objects behind net_t and net_conn_t, shared by
+ * net.c (the net: listening, dialing, hand-off, closing) and conn.c (one
+ * connection: handshake I/O, the outbound queue, reading, closing).
+ *
+ * Ownership: a net owns its connections (a list); a connection owns its
+ * handles (tcp, timer) and requests. A connection is freed in the close
+ * callback of its last handle once no request is pending (refs == 0); the
+ * net is freed once it has no connection and no handle left.
+ */
+#ifndef RUMOR_NET_TRANSPORT_IMPL_H
+#define RUMOR_NET_TRANSPORT_IMPL_H
+
+#include <pthread.h>
+
+#include "net/net_impl.h"
+
+#define NET_ADDR_STR 64
+#define NET_NAME_STR 112
+#define NET_DETAIL_STR 512 /* as struct rumor_err.msg */
+#define NET_CTRL_RESERVE 4096 /* queue bytes kept for our own small frames (RESULT, ABORT, BYE) */
+#define NET_LISTEN_BACKLOG 128
+
+enum conn_state {
+  CONN_RESOLVING,  /* dial: waiting for getaddrinfo */
+  CONN_CONNECTING, /* dial: TCP connect in progress */
+  CONN_HANDSHAKE,  /* TCP up, not yet authenticated */
+  CONN_OPEN,       /* authenticated and reported to the app */
+  CONN_CLOSING,    /* BYE sent or received; flushing */
+  CONN_CLOSED,     /* handles closing; waiting to be freed */
+};
+
+/* One outbound frame. A write owns its frame until the write callback. */
+struct net_txframe {
+  uv_write_t req;
+  struct net_txframe *next;
+  struct net_conn *conn;
+  size_t len;    /* bytes to write */
+  size_t cap;    /* bytes available at data */
+  bool pooled;   /* a bulk chunk buffer that goes back to the pool */
+  bool sealed;   /* false: a control frame sealed when it leaves the queue */
+  bool is_bye;
+  bool transport;/* counts as a frame in the stats (handshake messages do not) */
+  uint8_t *data;
+};
+
+struct net_conn {
+  net_t *net;
+  struct net_conn *prev, *next;
+  uv_tcp_t tcp;
+  uv_timer_t timer;
+  uv_getaddrinfo_t gai;
+  uv_connect_t creq;
+  uv_shutdown_t sreq;
+  unsigned refs; /* open handles and pending requests */
+  enum conn_state state;
+  bool inbound, surfaced, counted_pending, reading, paused, local_close;
+  bool bye_queued, bye_written, shutdown_started, eof;
+  bool pumping;
+  /* dialing */
+  net_dial_cb dial_cb;
+  void *dial_arg;
+  struct addrinfo *ai, *ai_next;
+  bool retrying;  /* tcp handle closed to try the next address */
+  bool resolving; /* the getaddrinfo request is pending (holds a ref) */
+  /* who */
+  char addr[NET_ADDR_STR];
+  char name[NET_NAME_STR];
+  uint8_t peer_pk[NET_PUBKEY_BYTES];
+  void *data;
+  /* handshake (pre-authentication framing: u16 length + body) */
+  struct net_hs hs;
+  uint8_t hs_buf[NET_HS_LEN_BYTES + NET_HS_FRAME_MAX];
+  size_t hs_got, hs_want;
+  bool reject_then_close;
+  /* authenticated session */
+  struct net_sess sess;
+  unsigned suite;
+  uint8_t *stage; /* NET_RX_STAGE_BYTES, allocated when the session opens */
+  /* outbound */
+  struct net_txframe *ctl_head, *ctl_tail;
+  size_t ctl_bytes;      /* control frames waiting in the queue */
+  size_t inflight_bytes; /* frames handed to uv_write, not yet completed */
+  struct net_tx_bulk *tx_head, *tx_tail; /* transfers to send; the head is current */
+  struct net_tx_bulk *wait_head;         /* sent completely, waiting for the RESULT */
+  struct net_txframe *pool;
+  unsigned pool_n;
+  uint64_t next_tx_id;
+  /* closing */
+  int close_status;
+  char close_detail[NET_DETAIL_STR];
+  uint64_t last_activity; /* uv_now, ms */
+  struct net_conn_stats st;
+};
+
+struct net_call_item {
+  struct net_call_item *next;
+  net_call_fn fn;
+  void *arg;
+};
+
+struct net {
+  uv_loop_t *loop;
+  struct net_config cfg;
+  struct net_callbacks cbs;
+  void *ud;
+  struct net_keyring kr;
+  uv_tcp_t listener;
+  bool listening;
+  int port;
+  uv_async_t async;
+  pthread_mutex_t call_mu;
+  struct net_call_item *call_head, *call_tail; /* guarded by call_mu */
+  bool call_closed;                             /* guarded by call_mu */
+  unsigned handles; /* listener + async while open */
+  struct net_conn *conns;
+  uint32_t n_conns, n_pending;
+  bool closing;
+  void (*close_cb)(void *arg);
+  void *close_arg;
+  size_t chunk_frame_cap; /* frame bytes of one full outbound bulk chunk */
+  size_t bulk_window;     /* outbound bytes a bulk transfer may have queued */
+  struct net_stats stats; /* closed connections folded in; live ones added on read */
+};
+
+/* conn.c */
+struct net_conn *net_conn_new(net_t *n, bool inbound);
+/* The TCP connection is up: start the handshake (client or server side). */
+void net_conn_start_handshake(struct net_conn *c);
+/* Hard close: log, count, cancel everything with `status`, close handles. */
+void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt, ...) RUMOR_PRINTF(4, 5);
+void net_conn_on_handle_closed(uv_handle_t *h);
+/* Drops one reference (a handle closed, a request finished); frees at zero. */
+void net_conn_unref(struct net_conn *c);
+void net_conn_set_name(struct net_conn *c);
+void *net_alloc_aligned(size_t n);
+/* net.c */
+void net_conn_unlink(struct net_conn *c);
+void net_try_connect(struct net_conn *c);
+
+#endif /* RUMOR_NET_TRANSPORT_IMPL_H */
