@@ -9,5 +9,7 @@
 
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_peer(int argc, char **argv);
+int cmd_bootstrap(int argc, char **argv);
 
 #endif /* RUMOR_PEER_CLI_H */

@@ -15,6 +15,8 @@ static const struct subcommand commands[] = {
     /* name, function, one-line summary; kept in the order of --help */
     {"train", cmd_train, "train one peer on its own (no network)"},
     {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
+    {"peer", cmd_peer, "train as a member of a gossip cluster"},
+    {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},
     {NULL, NULL, NULL},
 };
 

@@ -209,6 +209,28 @@ static struct ckpt_info make_info(const struct trainer *t) {
   return info;
 }
 
+int64_t trainer_state_floats(const struct trainer *t) {
+  return t->model.nparams * (1 + optim_state_per_param(t->optim.cfg.kind));
+}
+
+void trainer_copy_state(struct trainer *t, float *out) {
+  int64_t P = t->model.nparams;
+  tensor_copy_to_host(&t->model.params, 0, out, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&t->optim.state, 0, out + P, tensor_nbytes(&t->optim.state));
+}
+
+void trainer_load_state(struct trainer *t, const float *state, int64_t step, int64_t epoch) {
+  int64_t P = t->model.nparams;
+  tensor_copy_from_host(&t->model.params, 0, state, (size_t)P * sizeof(float));
+  tensor_copy_from_host(&t->optim.state, 0, state + P, tensor_nbytes(&t->optim.state));
+  t->optim.step = step;
+  t->st.step = step;
+  t->st.epoch = epoch;
+  t->st.step_in_epoch = 0;
+  t->staged = false;
+  batcher_start_epoch(&t->batcher, epoch);
+}
+
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   struct ckpt_info info = make_info(t);
   int rc = checkpoint_save(path, &t->model, &t->optim, &info, e);
@@ -218,6 +240,13 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
 
 int trainer_step(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(!trainer_done(t));
+  if (!t->started) {
+    /* Rates and ETA count from the first step, not from start-up (a peer
+     * may wait to join in between). */
+    t->started = true;
+    t->t_start = t->t_last_log = clock_now_s();
+    t->samples_at_start = t->st.samples;
+  }
   int buf = t->cur;
   if (!t->staged) stage(t, buf);
   int64_t rows = t->rows[buf];

@@ -62,6 +62,7 @@ struct trainer {
   double loss_avg;       /* exponential moving average of the training loss */
   double last_loss;
   double t_start, t_last_log;
+  bool started; /* the first step ran */
   int64_t samples_at_start;
 };
 
@@ -80,6 +81,15 @@ bool trainer_done(const struct trainer *t);
 int trainer_step(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Accuracy and mean loss of the current parameters on the test set. */
 void trainer_evaluate(struct trainer *t, const struct dataset *ds, double *accuracy, double *loss);
+/* Floats in the full state: parameters, then optimizer state. */
+int64_t trainer_state_floats(const struct trainer *t);
+/* Copies parameters and optimizer state to host memory (state_floats). */
+void trainer_copy_state(struct trainer *t, float *out);
+/* Replaces parameters and optimizer state with `state` (state_floats) and
+ * continues from optimizer step `step` in epoch `epoch`, at the start of
+ * this shard's epoch (a newcomer taking a live peer's state). */
+void trainer_load_state(struct trainer *t, const float *state, int64_t step, int64_t epoch);
+
 /* Saves a checkpoint of the current state to `path`. */
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;
 

@@ -1,0 +1,673 @@
+/*
+ * The averaging exchange, state donations and the newcomer's state pull.
+ *
+ * Exchange (A initiates, B responds), on one connection:
+ *   A: XCH_REQ{x, model, n} ─▶ B            B: slot IDLE → WANT, or XCH_REJECT
+ *   B's training thread snapshots at its next step boundary
+ *   B: XCH_ACCEPT{x} + bulk(B's params) ─▶ A; A: bulk(A's params) ─▶ B
+ *   each side: when its own send is confirmed by the receiver AND the
+ *   partner's buffer arrived digest-checked, the slot goes to APPLY.
+ * Anything else (a reject, a cut, a timeout, the partner failing or
+ * leaving) abandons the exchange: nothing is applied on that side.
+ *
+ * Donation: a newcomer sends STATE_REQ to a random live peer; the donor
+ * (one newcomer at a time) answers with its whole state as a bulk transfer
+ * or STATE_BUSY, and the newcomer tries another donor after a backoff.
+ *
+ * Loop thread, except the functions marked "training thread".
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, NET_PUBKEY_BYTES) == 0; }
+
+static void key_prefix(const uint8_t *id, char out[16]) {
+  char k[NET_PUBKEY_STR_LEN + 1];
+  net_pubkey_format(k, id);
+  snprintf(out, 16, "%.8s", k);
+}
+
+static void partner_label(struct gossip *g, const uint8_t *id, char *buf, size_t n) {
+  char k[16];
+  key_prefix(id, k);
+  struct swim_member *m = swim_find(&g->swim, id);
+  snprintf(buf, n, "%s (%s)", m ? m->info.addr : "?", k);
+}
+
+/* Lock-protected flags that the training thread waits on. */
+static void set_pull_result(struct gossip *g, bool first) {
+  pthread_mutex_lock(&g->lock);
+  g->first_peer = first;
+  g->pull_done = true;
+  pthread_cond_broadcast(&g->cond);
+  pthread_mutex_unlock(&g->lock);
+}
+
+/* ==== the exchange slot: training thread ==== */
+
+enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
+  int st = atomic_load(&g->xch_state);
+  if (st == SLOT_IDLE && want && atomic_load(&g->ready)) {
+    int expected = SLOT_IDLE;
+    if (atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_WANT)) {
+      g->xch_initiator = true; /* read by the loop only after snapshot_done */
+      return GOSSIP_XCH_SNAPSHOT;
+    }
+    st = expected;
+  }
+  if (st == SLOT_WANT) return GOSSIP_XCH_SNAPSHOT;
+  if (st == SLOT_APPLY) return GOSSIP_XCH_APPLY;
+  return GOSSIP_XCH_NONE;
+}
+
+float *gossip_xch_mine(gossip_t *g) { return g->mine; }
+float *gossip_xch_theirs(gossip_t *g) { return g->theirs; }
+float gossip_xch_alpha(const gossip_t *g) { return g->alpha; }
+
+void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
+  int expected = SLOT_WANT;
+  g->snap_step = step; /* the loop reads it after the net_call below */
+  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_BUSY)) return; /* abandoned meanwhile */
+  if (net_call(g->net, gossip_xch_on_snapshot_ready, g) != 0) atomic_store(&g->xch_state, SLOT_IDLE);
+}
+
+struct applied {
+  struct gossip *g;
+  int status;
+  uint8_t partner[NET_PUBKEY_BYTES];
+  char why[128];
+};
+
+void gossip_xch_apply_done(gossip_t *g, int status, const char *why) {
+  struct applied *a = xcalloc(1, sizeof *a);
+  a->g = g;
+  a->status = status;
+  memcpy(a->partner, g->xch.partner, NET_PUBKEY_BYTES); /* stable while the slot is APPLY */
+  snprintf(a->why, sizeof a->why, "%s", why ? why : "");
+  pthread_mutex_lock(&g->lock);
+  if (status == 0) {
+    g->stats.exchanges_ok++;
+    g->last_exchange_ms = clock_now_ns() / 1000000;
+  } else {
+    g->stats.exchanges_rejected++;
+    snprintf(g->stats.last_failure, sizeof g->stats.last_failure, "rejected: %.100s", a->why);
+  }
+  pthread_mutex_unlock(&g->lock);
+  atomic_store(&g->xch_state, SLOT_IDLE);
+  if (net_call(g->net, gossip_xch_on_applied, a) != 0) free(a);
+}
+
+void gossip_ready(gossip_t *g) { atomic_store(&g->ready, true); }
+
+/* ==== the donation slot: training thread ==== */
+
+bool gossip_donor_poll(gossip_t *g) { return atomic_load(&g->donor_state) == SLOT_WANT; }
+float *gossip_donor_buf(gossip_t *g) { return g->donor_buf; }
+
+void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {
+  g->donor_pos = *pos;
+  int expected = SLOT_WANT;
+  if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_BUSY)) return;
+  if (net_call(g->net, gossip_donor_on_ready, g) != 0) atomic_store(&g->donor_state, SLOT_IDLE);
+}
+
+/* ==== the exchange: loop thread ==== */
+
+static void send_reject(struct gossip *g, net_conn_t *c, uint64_t xid, const char *why) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_XCH_REJECT, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "x", xid);
+  net_msgbuf_put_str(&b, "why", why, strlen(why));
+  if (net_conn_send_msg(c, &b)) log_debug("cannot send an exchange reject to %s", net_conn_peer_name(c));
+  net_msgbuf_free(&b);
+}
+
+/* Returns the slot to IDLE from whatever the loop may own (WANT or BUSY). */
+static void slot_release(struct gossip *g) {
+  int expected = SLOT_WANT;
+  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_IDLE) && expected == SLOT_BUSY)
+    atomic_store(&g->xch_state, SLOT_IDLE);
+}
+
+/* Ends the exchange without applying anything. `why` NULL: a quiet end (no
+ * partner was free) that is not a failure. */
+static void xch_end(struct gossip *g, const char *why, bool tell_partner) {
+  struct gossip_xch *x = &g->xch;
+  if (!x->active) return;
+  x->active = false;
+  if (x->sending) {
+    x->sending = false;
+    (void)net_conn_cancel_send(x->conn, x->send_id);
+  }
+  if (x->receiving) {
+    x->receiving = false;
+    if (x->recv_conn) (void)net_conn_cancel_recv(x->recv_conn, x->recv_id);
+  }
+  if (tell_partner && x->conn) send_reject(g, x->conn, x->xid, why ? why : "abandoned");
+  slot_release(g);
+  if (why) {
+    char who[200];
+    partner_label(g, x->partner, who, sizeof who);
+    log_info("exchange with %s abandoned: %s (nothing applied)", who, why);
+    char msg[128];
+    snprintf(msg, sizeof msg, "%s", why);
+    gossip_fail_stat(g, msg);
+  }
+}
+
+void gossip_xch_abandon(struct gossip *g, const char *why) { xch_end(g, why, true); }
+
+static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg);
+
+static void start_send(struct gossip *g) {
+  struct gossip_xch *x = &g->xch;
+  struct net_msgbuf meta;
+  net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&meta, "k", GBULK_EXCHANGE);
+  net_msgbuf_put_uint(&meta, "x", x->xid);
+  net_msgbuf_put_uint(&meta, "step", x->snapshot_step);
+  size_t mlen;
+  const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
+  struct net_bulk_send s = {.src = g->mine, .count = g->cfg.nparams, .wire = g->cfg.wire, .meta = mdata,
+                            .meta_len = mlen, .done = on_xch_sent, .arg = g};
+  int rc = net_conn_send_bulk(x->conn, &s, &x->send_id);
+  net_msgbuf_free(&meta);
+  if (rc) {
+    char why[96];
+    snprintf(why, sizeof why, "cannot send our parameters: %s", rumor_strerror(rc));
+    xch_end(g, why, true);
+    return;
+  }
+  x->sending = true;
+}
+
+static void maybe_complete(struct gossip *g) {
+  struct gossip_xch *x = &g->xch;
+  if (!x->active || !x->sent_ok || !x->recv_ok) return;
+  x->active = false;
+  /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
+  atomic_store(&g->xch_state, SLOT_APPLY);
+}
+
+static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
+  struct gossip *g = arg;
+  struct gossip_xch *x = &g->xch;
+  if (!x->active || !x->sending || c != x->conn || id != x->send_id) return;
+  x->sending = false;
+  if (status) {
+    char why[96];
+    snprintf(why, sizeof why, "sending our parameters failed: %s", rumor_strerror(status));
+    xch_end(g, why, true);
+    return;
+  }
+  x->sent_ok = true;
+  maybe_complete(g);
+}
+
+static void ask_partner(struct gossip *g) {
+  struct gossip_xch *x = &g->xch;
+  uint8_t prev[NET_PUBKEY_BYTES];
+  bool had = x->attempts > 0;
+  memcpy(prev, x->partner, sizeof prev);
+  if (x->attempts >= 3 || !gossip_pick_peer(g, x->partner, had ? prev : NULL, true)) {
+    xch_end(g, NULL, false); /* nobody free: try again at the next scheduled exchange */
+    return;
+  }
+  x->attempts++;
+  x->xid = rng_next_u64(&g->rng);
+  x->accepted = false;
+  x->conn = NULL;
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_XCH_REQ, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "x", x->xid);
+  net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
+  net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
+  net_msgbuf_put_uint(&b, "step", x->snapshot_step);
+  int rc = gossip_send(g, x->partner, &b);
+  net_msgbuf_free(&b);
+  if (rc) ask_partner(g); /* cannot even queue it: try someone else */
+}
+
+void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
+  struct gossip *g = arg;
+  if (status) return;
+  struct gossip_xch *x = &g->xch;
+  if (g->stopping) {
+    x->active = false;
+    slot_release(g);
+    return;
+  }
+  x->snapshot_step = g->snap_step;
+  if (g->xch_initiator) {
+    uint64_t step = x->snapshot_step;
+    memset(x, 0, sizeof *x);
+    x->active = true;
+    x->initiator = true;
+    x->snapshot_step = step;
+    x->started_ms = gossip_now_ms(g);
+    x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+    ask_partner(g);
+    return;
+  }
+  /* Responder: our snapshot is ready; accept and send. */
+  if (!x->active || !x->conn) {
+    slot_release(g); /* the initiator went away while we were snapshotting */
+    return;
+  }
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_XCH_ACCEPT, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "x", x->xid);
+  int rc = net_conn_send_msg(x->conn, &b); /* the same connection as the bulk: it arrives first */
+  net_msgbuf_free(&b);
+  if (rc) {
+    xch_end(g, "cannot accept", false);
+    return;
+  }
+  x->accepted = true;
+  start_send(g);
+}
+
+void gossip_xch_on_applied(net_t *n, void *arg, int status) {
+  struct applied *a = arg;
+  struct gossip *g = a->g;
+  if (status == 0) {
+    char who[200];
+    partner_label(g, a->partner, who, sizeof who);
+    if (a->status == 0) {
+      log_debug("exchange with %s applied", who);
+    } else {
+      /* Poisoned or broken parameters: back the sender off, longer each time. */
+      struct gossip_link *l = gossip_link_get(g, a->partner, true);
+      l->strikes++;
+      uint64_t backoff = 1000ull << (l->strikes < 8 ? l->strikes : 8);
+      l->backoff_until_ms = gossip_now_ms(g) + backoff;
+      log_warn("rejected parameters from %s: %s; no exchanges with it for %llu s", who, a->why,
+               (unsigned long long)(backoff / 1000));
+    }
+  }
+  free(a);
+}
+
+static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  uint64_t xid, n;
+  const char *model;
+  size_t mlen;
+  if (net_msg_get_uint(m, "x", &xid) || net_msg_get_uint(m, "n", &n) || net_msg_get_str(m, "model", &model, &mlen)) {
+    log_warn("malformed exchange request from %s; dropping the connection", net_conn_peer_name(c));
+    net_conn_close(c);
+    return;
+  }
+  const uint8_t *from = net_conn_peer_key(c);
+  if (g->cfg.role != GOSSIP_ROLE_PEER || !atomic_load(&g->ready) || g->stopping) {
+    send_reject(g, c, xid, "not ready");
+    return;
+  }
+  if (n != g->cfg.nparams || mlen != strlen(g->model) || memcmp(model, g->model, mlen) != 0) {
+    log_warn("exchange request from %s for another model (%.*s, %llu parameters); refused", net_conn_peer_name(c),
+             (int)mlen, model, (unsigned long long)n);
+    send_reject(g, c, xid, "model mismatch");
+    return;
+  }
+  struct gossip_link *l = gossip_link_get(g, from, true);
+  if (l->backoff_until_ms > gossip_now_ms(g)) {
+    send_reject(g, c, xid, "backed off");
+    return;
+  }
+  struct gossip_xch *x = &g->xch;
+  int expected = SLOT_IDLE;
+  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_WANT)) {
+    /* Busy. But if we are an initiator whose request nobody has accepted
+     * yet, our snapshot is ready: answer this request with it instead of
+     * both sides waiting for someone free. When two peers ask each other
+     * at once, the one with the smaller key stays the initiator. */
+    bool pending = expected == SLOT_BUSY && x->active && x->initiator && !x->accepted;
+    bool collision = pending && same_id(from, x->partner);
+    if (!pending || (collision && memcmp(g->identity.pk, from, NET_PUBKEY_BYTES) < 0)) {
+      send_reject(g, c, xid, "busy");
+      return;
+    }
+    if (!collision) {
+      struct net_msgbuf b;
+      net_msgbuf_init(&b, GMSG_XCH_REJECT, GOSSIP_PROTO_VERSION);
+      net_msgbuf_put_uint(&b, "x", x->xid);
+      net_msgbuf_put_str(&b, "why", "withdrawn", 9);
+      (void)gossip_send(g, x->partner, &b); /* best effort: it times out otherwise */
+      net_msgbuf_free(&b);
+    }
+    uint64_t step = x->snapshot_step;
+    memset(x, 0, sizeof *x);
+    x->active = true;
+    x->initiator = false;
+    x->snapshot_step = step;
+    x->xid = xid;
+    memcpy(x->partner, from, NET_PUBKEY_BYTES);
+    x->conn = c;
+    x->started_ms = gossip_now_ms(g);
+    x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+    g->xch_initiator = false;
+    gossip_xch_on_snapshot_ready(g->net, g, 0); /* the slot is BUSY: accept and send now */
+    return;
+  }
+  memset(x, 0, sizeof *x);
+  g->xch_initiator = false;
+  x->active = true;
+  x->initiator = false;
+  x->xid = xid;
+  memcpy(x->partner, from, NET_PUBKEY_BYTES);
+  x->conn = c;
+  x->started_ms = gossip_now_ms(g);
+  x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+}
+
+void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  struct gossip_xch *x = &g->xch;
+  const uint8_t *from = net_conn_peer_key(c);
+  uint64_t xid;
+  switch (m->type) {
+  case GMSG_XCH_REQ: handle_req(g, c, m); return;
+  case GMSG_XCH_ACCEPT:
+    if (net_msg_get_uint(m, "x", &xid)) break;
+    if (x->active && x->initiator && !x->accepted && xid == x->xid && same_id(from, x->partner)) {
+      x->accepted = true;
+      x->conn = c;
+      start_send(g);
+    }
+    return;
+  case GMSG_XCH_REJECT:
+    if (net_msg_get_uint(m, "x", &xid)) break;
+    if (!x->active || xid != x->xid || !same_id(from, x->partner)) return;
+    if (x->initiator && !x->accepted) {
+      ask_partner(g); /* busy or not ready: ask someone else */
+    } else {
+      const char *why;
+      size_t n;
+      char msg[100];
+      if (net_msg_get_str(m, "why", &why, &n)) why = "?", n = 1;
+      snprintf(msg, sizeof msg, "partner gave up: %.*s", (int)(n < 60 ? n : 60), why);
+      /* A request withdrawn (the initiator took another partner's request
+       * instead) or given up before any transfer is not a failure. */
+      bool quiet = (n == 9 && memcmp(why, "withdrawn", 9) == 0) ||
+                   (!x->sending && !x->receiving && !x->sent_ok && !x->recv_ok);
+      xch_end(g, quiet ? NULL : msg, false);
+    }
+    return;
+  default: return;
+  }
+  log_warn("malformed exchange message from %s; dropping the connection", net_conn_peer_name(c));
+  net_conn_close(c);
+}
+
+int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t kind,
+                             uint64_t xid, float **dst) {
+  const uint8_t *from = net_conn_peer_key(c);
+  if (kind == GBULK_EXCHANGE) {
+    struct gossip_xch *x = &g->xch;
+    if (!x->active || xid != x->xid || !same_id(from, x->partner) || x->receiving || x->recv_ok ||
+        info->count != g->cfg.nparams || atomic_load(&g->xch_state) != SLOT_BUSY)
+      return -ECONNREFUSED;
+    x->receiving = true;
+    x->recv_id = info->id;
+    x->recv_conn = c;
+    *dst = g->theirs;
+    return 0;
+  }
+  if (kind == GBULK_STATE) {
+    if (!g->pulling || !same_id(from, g->donor) || info->count != g->cfg.state_floats || !g->pull_buf)
+      return -ECONNREFUSED;
+    g->pull_recv_id = info->id;
+    g->pull_conn = c;
+    *dst = g->pull_buf;
+    return 0;
+  }
+  return RUMOR_EPROTO;
+}
+
+void gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status) {
+  struct gossip_xch *x = &g->xch;
+  if (g->pulling && c == g->pull_conn && id == g->pull_recv_id) {
+    g->pulling = false;
+    g->pull_conn = NULL;
+    char who[200];
+    partner_label(g, g->donor, who, sizeof who);
+    if (status == 0) {
+      log_info("received the state of %s (step %llu, epoch %llu)", who, (unsigned long long)g->pull_pos.step,
+               (unsigned long long)g->pull_pos.epoch);
+      set_pull_result(g, false);
+    } else {
+      log_warn("state transfer from %s failed: %s; trying another peer", who, rumor_strerror(status));
+      g->pull_retry_ms = gossip_now_ms(g) + 200;
+    }
+    return;
+  }
+  if (!x->active || !x->receiving || id != x->recv_id || c != x->recv_conn) return;
+  x->receiving = false;
+  if (status) {
+    char why[96];
+    snprintf(why, sizeof why, "receiving the partner's parameters failed: %s", rumor_strerror(status));
+    xch_end(g, why, true);
+    return;
+  }
+  x->recv_ok = true;
+  maybe_complete(g);
+}
+
+void gossip_xch_tick(struct gossip *g, uint64_t now) {
+  struct gossip_xch *x = &g->xch;
+  if (x->active && now >= x->deadline_ms) {
+    char why[64];
+    snprintf(why, sizeof why, "timed out after %u ms", g->cfg.exchange_timeout_ms);
+    xch_end(g, why, true);
+  }
+}
+
+void gossip_xch_on_close(struct gossip *g, net_conn_t *c) {
+  struct gossip_xch *x = &g->xch;
+  if (x->active && (x->conn == c || x->recv_conn == c)) {
+    /* Closed: nothing left to cancel or tell on it. */
+    if (x->conn == c) x->conn = NULL, x->sending = false;
+    if (x->recv_conn == c) x->recv_conn = NULL, x->receiving = false;
+    xch_end(g, "connection to the partner lost", false);
+  }
+  if (g->pulling && g->pull_conn == c) {
+    g->pulling = false;
+    g->pull_conn = NULL;
+    g->pull_retry_ms = gossip_now_ms(g) + 200;
+  }
+  if (g->donor_conn == c) {
+    g->donor_conn = NULL;
+    int expected = SLOT_WANT;
+    atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_IDLE);
+  }
+}
+
+/* ==== donations: loop thread ==== */
+
+static void send_busy(net_conn_t *c, const char *why, bool fatal) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_STATE_BUSY, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_str(&b, "why", why, strlen(why));
+  net_msgbuf_put_bool(&b, "fatal", fatal);
+  if (net_conn_send_msg(c, &b)) log_debug("cannot answer a state request from %s", net_conn_peer_name(c));
+  net_msgbuf_free(&b);
+}
+
+static void on_donor_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
+  struct gossip *g = arg;
+  if (status == 0) {
+    pthread_mutex_lock(&g->lock);
+    g->stats.donations++;
+    pthread_mutex_unlock(&g->lock);
+    log_info("donated our state to %s", net_conn_peer_name(c));
+  } else {
+    log_warn("state donation to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
+  }
+  g->donor_conn = NULL;
+  atomic_store(&g->donor_state, SLOT_IDLE);
+}
+
+void gossip_donor_on_ready(net_t *n, void *arg, int status) {
+  struct gossip *g = arg;
+  if (status) return;
+  if (!g->donor_conn || g->stopping) {
+    g->donor_conn = NULL;
+    atomic_store(&g->donor_state, SLOT_IDLE);
+    return;
+  }
+  struct net_msgbuf meta;
+  net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&meta, "k", GBULK_STATE);
+  net_msgbuf_put_uint(&meta, "x", 0);
+  net_msgbuf_put_uint(&meta, "step", g->donor_pos.step);
+  net_msgbuf_put_uint(&meta, "epoch", g->donor_pos.epoch);
+  net_msgbuf_put_uint(&meta, "samples", g->donor_pos.samples);
+  size_t mlen;
+  const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
+  /* A state travels exactly (f32): it seeds a replica. */
+  struct net_bulk_send s = {.src = g->donor_buf, .count = g->cfg.state_floats, .wire = NET_DTYPE_F32,
+                            .meta = mdata, .meta_len = mlen, .done = on_donor_sent, .arg = g};
+  int rc = net_conn_send_bulk(g->donor_conn, &s, &g->donor_send_id);
+  net_msgbuf_free(&meta);
+  if (rc) {
+    log_warn("cannot donate our state to %s: %s", net_conn_peer_name(g->donor_conn), rumor_strerror(rc));
+    g->donor_conn = NULL;
+    atomic_store(&g->donor_state, SLOT_IDLE);
+  }
+}
+
+static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  const char *model, *opt;
+  size_t mlen, olen;
+  uint64_t n, sf;
+  if (net_msg_get_str(m, "model", &model, &mlen) || net_msg_get_uint(m, "n", &n) || net_msg_get_uint(m, "sf", &sf) ||
+      net_msg_get_str(m, "opt", &opt, &olen)) {
+    log_warn("malformed state request from %s; dropping the connection", net_conn_peer_name(c));
+    net_conn_close(c);
+    return;
+  }
+  if (g->cfg.role != GOSSIP_ROLE_PEER || !atomic_load(&g->ready) || g->stopping) {
+    send_busy(c, g->cfg.role == GOSSIP_ROLE_PEER && !g->stopping ? "joining" : "not ready", false);
+    return;
+  }
+  if (mlen != strlen(g->model) || memcmp(model, g->model, mlen) != 0 || n != g->cfg.nparams ||
+      sf != g->cfg.state_floats || olen != strlen(g->optimizer) || memcmp(opt, g->optimizer, olen) != 0) {
+    char why[600];
+    snprintf(why, sizeof why, "state mismatch: this peer trains %s with %s, the newcomer %.*s with %.*s", g->model,
+             g->optimizer, (int)mlen, model, (int)olen, opt);
+    send_busy(c, why, true);
+    return;
+  }
+  int expected = SLOT_IDLE;
+  if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_WANT)) {
+    send_busy(c, "already donating", false);
+    return;
+  }
+  g->donor_conn = c;
+  memcpy(g->donor_to, net_conn_peer_key(c), NET_PUBKEY_BYTES);
+}
+
+/* ==== the newcomer's state pull: loop thread ==== */
+
+void gossip_pull_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  if (m->type == GMSG_STATE_REQ) {
+    handle_state_req(g, c, m);
+    return;
+  }
+  /* STATE_BUSY */
+  if (!g->pulling || !same_id(net_conn_peer_key(c), g->donor)) return;
+  const char *why;
+  size_t n;
+  bool fatal = false;
+  if (net_msg_get_str(m, "why", &why, &n)) why = "?", n = 1;
+  if (net_msg_get_bool(m, "fatal", &fatal)) fatal = false;
+  g->pulling = false;
+  if (fatal) {
+    pthread_mutex_lock(&g->lock);
+    snprintf(g->join_error, sizeof g->join_error, "%s: %.*s", net_conn_peer_addr(c), (int)n, why);
+    g->join_failed = true;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
+    log_error("cannot take a state from this cluster: %s", g->join_error);
+    return;
+  }
+  g->pull_attempts++;
+  uint64_t now = gossip_now_ms(g);
+  uint64_t backoff = 50ull << (g->pull_attempts < 5 ? g->pull_attempts : 5);
+  g->pull_retry_ms = now + backoff + rng_below(&g->rng, 100);
+  struct gossip_link *l = gossip_link_get(g, g->donor, true);
+  if (n == 7 && memcmp(why, "joining", 7) == 0) l->joining_until_ms = now + 1000; /* it cannot donate yet */
+  else l->backoff_until_ms = now + 500;                                          /* prefer another donor next */
+  log_debug("donor %s busy (%.*s); retrying", net_conn_peer_name(c), (int)n, why);
+}
+
+void gossip_pull_tick(struct gossip *g, uint64_t now) {
+  pthread_mutex_lock(&g->lock);
+  bool wanted = g->pull_wanted && !g->pull_done && !g->join_failed;
+  pthread_mutex_unlock(&g->lock);
+  if (!wanted || !g->joined) return;
+  if (g->pulling) {
+    if (now < g->pull_retry_ms) return;
+    log_warn("the donor did not deliver its state in time; trying another peer");
+    gossip_link_get(g, g->donor, true)->backoff_until_ms = now + 5000;
+    if (g->pull_conn) (void)net_conn_cancel_recv(g->pull_conn, g->pull_recv_id);
+    g->pulling = false;
+    g->pull_conn = NULL;
+    g->pull_retry_ms = now;
+  }
+  if (now < g->pull_retry_ms) return;
+  if (swim_count_live(&g->swim, SWIM_ROLE_PEER) == 0) {
+    log_info("no other peer in the cluster: starting from our own initialisation");
+    set_pull_result(g, true);
+    return;
+  }
+  if (!g->pull_attempts) g->pull_retry_ms = now; /* first try */
+  if (now - g->join_started_ms > (uint64_t)g->cfg.join_timeout_ms * 2) {
+    pthread_mutex_lock(&g->lock);
+    snprintf(g->join_error, sizeof g->join_error, "joined, but no peer donated its state within %u ms",
+             g->cfg.join_timeout_ms * 2);
+    g->join_failed = true;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
+    log_error("%s", g->join_error);
+    return;
+  }
+  uint8_t donor[NET_PUBKEY_BYTES];
+  if (!gossip_pick_peer(g, donor, NULL, true)) {
+    /* Every live peer is backed off, or joining as we are. If they are all
+     * joining, someone must start from its own initialisation: the smallest
+     * key among us. Everyone else waits for it and pulls from it. */
+    bool all_joining = true, smallest = true;
+    for (size_t i = 0; i < g->swim.nmembers; i++) {
+      const struct swim_member *m = &g->swim.members[i];
+      if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
+      struct gossip_link *l = gossip_link_get(g, m->info.id, false);
+      if (!l || l->joining_until_ms <= now) all_joining = false;
+      if (memcmp(m->info.id, g->identity.pk, NET_PUBKEY_BYTES) < 0) smallest = false;
+    }
+    if (all_joining && smallest) {
+      log_info("every other peer is joining too; the smallest key starts from its own initialisation: ours");
+      set_pull_result(g, true);
+      return;
+    }
+    g->pull_retry_ms = now + 200;
+    return;
+  }
+  memcpy(g->donor, donor, sizeof donor);
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_STATE_REQ, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
+  net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
+  net_msgbuf_put_uint(&b, "sf", g->cfg.state_floats);
+  net_msgbuf_put_str(&b, "opt", g->optimizer, strlen(g->optimizer));
+  int rc = gossip_send(g, donor, &b);
+  net_msgbuf_free(&b);
+  if (rc) {
+    g->pull_retry_ms = now + 200;
+    return;
+  }
+  g->pulling = true;
+  g->pull_retry_ms = now + g->cfg.exchange_timeout_ms; /* deadline for this donor */
+}

@@ -1,0 +1,165 @@
+/*
+ * gossip — cluster membership and gossip averaging over net/.
+ *
+ * A gossip_t runs its own libuv loop on its own thread ("the loop thread"):
+ * the transport, SWIM membership (probes, suspicion, refutation, LEAVE), the
+ * join protocol, the exchange protocol and state donations. It knows nothing
+ * of models or datasets: parameters are flat float32 host buffers of
+ * `nparams` elements, a peer's full state `state_floats` elements.
+ *
+ * The training thread meets it only at step boundaries, through two slots
+ * (one exchange, one donation), by polling:
+ *
+ *   exchange slot   IDLE ──(training: time to gossip, or loop: a partner
+ *                          asked)──▶ WANT_SNAPSHOT ──(training filled `mine`)──▶
+ *                   BUSY (the loop sends `mine`, receives `theirs`) ──(both
+ *                   transfers confirmed)──▶ APPLY ──(training applied or
+ *                   rejected `theirs`)──▶ IDLE; the loop abandons a failed
+ *                   exchange from BUSY back to IDLE, nothing applied.
+ *
+ * Whoever holds a slot state owns its buffers: the training thread writes
+ * `mine` only in WANT_SNAPSHOT and reads `theirs` only in APPLY; the loop
+ * thread touches them only in BUSY. Training never waits on the network, and
+ * the network never touches live parameters.
+ *
+ * Threads: gossip_start / gossip_stop and the gossip_train_* / gossip_xch_* /
+ * gossip_donor_* functions are for the training (main) thread; everything
+ * else happens on the loop thread.
+ */
+#ifndef RUMOR_GOSSIP_H
+#define RUMOR_GOSSIP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "net/net.h"
+#include "util/util.h"
+
+typedef struct gossip gossip_t;
+
+enum gossip_role { GOSSIP_ROLE_PEER = 0, GOSSIP_ROLE_BOOTSTRAP = 1 };
+
+struct gossip_config {
+  /* Identity and admission (required); copied. */
+  const struct net_identity *identity;
+  const uint8_t *cluster_key;
+  const struct net_allowlist *allow; /* optional */
+  struct net_config net;             /* transport tuning; identity fields are set from above */
+
+  const char *listen;    /* "host:port" (port 0: any free port) */
+  const char *advertise; /* address others dial us at; NULL: the listen host and bound port */
+  const char *bootstrap; /* comma-separated addresses; NULL or "": we are the first member */
+  enum gossip_role role;
+  const char *name;      /* short label for logs ("peer-2"); optional */
+
+  /* Membership timing (SWIM). */
+  uint32_t period_ms, ping_timeout_ms, suspect_timeout_ms;
+  /* Joining: how long to keep trying the bootstrap list and donors. */
+  uint32_t join_timeout_ms;
+
+  /* Peers only: what one replica is. Peers with another model are refused. */
+  const char *model;     /* model spec string */
+  uint64_t nparams;      /* floats in a parameter snapshot */
+  uint64_t state_floats; /* floats in a donated state (parameters first) */
+  const char *optimizer; /* must match for donations */
+  enum net_dtype wire;   /* encoding of exchanged parameters on the wire */
+  float alpha;           /* averaging weight: x ← (1−α)·x + α·x_partner */
+  /* Host buffers owned by the caller (pinned memory for GPU peers), kept
+   * until gossip_stop: our snapshot and the partner's parameters (nparams
+   * floats each) and a donated state (state_floats floats). */
+  float *xch_mine, *xch_theirs, *donor_buf;
+  uint32_t exchange_timeout_ms; /* an exchange not done by then is abandoned */
+  uint64_t seed;         /* neighbour choice */
+};
+void gossip_config_default(struct gossip_config *c);
+
+/* Starts the loop thread: listens, joins through the bootstrap list (in the
+ * background) and begins membership. Returns 0, or a negative code with a
+ * message (bad address, cannot listen). */
+int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Leaves gracefully: gossips LEAVE to the members (waiting up to
+ * `linger_ms` for it to be sent), closes every connection, stops the loop
+ * thread and frees everything. */
+void gossip_stop(gossip_t *g, uint32_t linger_ms);
+
+/* The address others dial us at ("127.0.0.1:40123"); valid after start. */
+const char *gossip_advertised(const gossip_t *g);
+/* Our public key in text form. */
+const char *gossip_self_id(const gossip_t *g);
+
+/* Where a donated state stands in training. */
+struct gossip_train_pos {
+  uint64_t step, epoch, samples;
+};
+
+/* Blocks until the node has joined and, for a peer, holds an initial state.
+ * Returns 0 when a live peer donated its state into `state_buf`
+ * (state_floats floats) and *pos, 1 when there is no other peer to take it
+ * from (start from the seed), or a negative code with a message naming every
+ * address tried when joining failed for join_timeout_ms. `stop` (may be
+ * NULL) is polled; when it becomes non-zero the wait ends with
+ * RUMOR_ECANCELED. */
+int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, volatile const int *stop,
+                     struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* The training thread holds a state (after gossip_join_wait and building
+ * its model): from now on it may exchange and donate. */
+void gossip_ready(gossip_t *g);
+
+/* ---- the exchange slot (training thread) ---- */
+
+enum gossip_xch_work {
+  GOSSIP_XCH_NONE = 0,
+  GOSSIP_XCH_SNAPSHOT, /* copy the current parameters into gossip_xch_mine() */
+  GOSSIP_XCH_APPLY,    /* validate and average in gossip_xch_theirs() */
+};
+
+/* Called at each step boundary. `want` asks to start an exchange (every k
+ * steps or t seconds: the caller's schedule); it is ignored unless the slot
+ * is idle. Returns what the training thread should do now. */
+enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
+float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
+float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
+float gossip_xch_alpha(const gossip_t *g);
+/* The snapshot asked for by GOSSIP_XCH_SNAPSHOT is complete in `mine`
+ * (taken at `step`). */
+void gossip_xch_snapshot_done(gossip_t *g, uint64_t step);
+/* The partner's parameters were applied (status 0) or rejected (negative,
+ * with `why`); the slot returns to idle and the outcome is counted and
+ * logged (a rejection backs the sender off). */
+void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
+
+/* ---- the donation slot (training thread) ---- */
+
+/* True when a newcomer asked for our state: fill gossip_donor_buf() with
+ * state_floats floats and call gossip_donor_done. */
+bool gossip_donor_poll(gossip_t *g);
+float *gossip_donor_buf(gossip_t *g);
+void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos);
+
+/* ---- figures (any thread) ---- */
+
+struct gossip_stats {
+  uint64_t exchanges_ok, exchanges_failed, exchanges_rejected;
+  char last_failure[128];
+  double last_exchange_age_s; /* -1 before the first */
+  uint64_t members_alive, members_suspect, members_failed, members_left;
+  uint64_t bytes_in, bytes_out;
+  uint64_t donations;
+};
+void gossip_stats_get(gossip_t *g, struct gossip_stats *s);
+
+/* A member as seen from here (for monitoring and tests). */
+struct gossip_member_view {
+  char id[NET_PUBKEY_STR_LEN + 1];
+  char addr[128];
+  const char *role;  /* "peer" or "bootstrap" */
+  const char *state; /* "alive", "suspect", "failed", "left" */
+  uint64_t incarnation;
+  bool self;
+};
+/* Copies up to `max` members (self first); returns how many there are. */
+size_t gossip_members(gossip_t *g, struct gossip_member_view *out, size_t max);
+
+#endif /* RUMOR_GOSSIP_H */

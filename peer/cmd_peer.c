@@ -1,0 +1,188 @@
+/* `rumor peer`: train one replica as a member of a gossip cluster. */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "gossip/gossip.h"
+#include "peer/cli.h"
+#include "peer/net_flags.h"
+#include "peer/peer_sync.h"
+#include "peer/train_flags.h"
+
+static volatile sig_atomic_t g_stop; /* SIGINT/SIGTERM: leave gracefully */
+static void on_signal(int sig) { g_stop = sig; }
+
+struct gossip_flags {
+  int64_t every, exchange_timeout_ms, linger_ms;
+  double interval, alpha, max_distance;
+  const char *wire, *name;
+  bool no_state_pull;
+};
+
+static int parse_wire(const char *s, enum net_dtype *out) {
+  if (strcmp(s, "f32") == 0) *out = NET_DTYPE_F32;
+  else if (strcmp(s, "f16") == 0) *out = NET_DTYPE_F16;
+  else if (strcmp(s, "bf16") == 0) *out = NET_DTYPE_BF16;
+  else return RUMOR_EFORMAT;
+  return 0;
+}
+
+static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0) {
+  double acc = -1, loss = -1;
+  if (t->have_test) trainer_evaluate(t, &t->test, &acc, &loss);
+  struct gossip_stats gs;
+  gossip_stats_get(g, &gs);
+  log_info("final test accuracy %.4f, test loss %.4f after %lld steps; %llu exchanges applied, %llu failed, %llu rejected",
+           acc, loss, (long long)t->st.step, (unsigned long long)gs.exchanges_ok,
+           (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected);
+  printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
+         "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"id\":\"%s\"}\n",
+         acc, loss, (long long)t->st.step, (long long)t->st.epoch,
+         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs.exchanges_ok,
+         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected, gossip_self_id(g));
+  fflush(stdout);
+}
+
+int cmd_peer(int argc, char **argv) {
+  struct train_flags tf;
+  struct net_flags nf;
+  train_flags_default(&tf);
+  net_flags_default(&nf);
+  struct gossip_flags gf = {.every = 1, .exchange_timeout_ms = 60000, .linger_ms = 500, .interval = 0,
+                            .alpha = 0.5, .max_distance = 10.0, .wire = "f32"};
+  struct arg_spec specs[80];
+  size_t n = 0;
+  train_flags_specs(&tf, specs, &n, 70);
+  net_flags_specs(&nf, true, specs, &n, 70);
+  const struct arg_spec own[] = {
+      {"gossip-every", ARG_INT, &gf.every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
+      {"gossip-interval", ARG_FLOAT, &gf.interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
+      {"alpha", ARG_FLOAT, &gf.alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
+      {"wire", ARG_STR, &gf.wire, "DTYPE", "parameters on the wire: f32, f16 or bf16"},
+      {"max-distance", ARG_FLOAT, &gf.max_distance, "R", "reject a partner farther than R times our norm", 1e-6, 1e12},
+      {"exchange-timeout-ms", ARG_INT, &gf.exchange_timeout_ms, "MS", "abandon an exchange after this long", 10,
+       86400000},
+      {"no-state-pull", ARG_FLAG, &gf.no_state_pull, NULL, "start from our own seed instead of a live peer's state"},
+      {"linger-ms", ARG_INT, &gf.linger_ms, "MS", "time to spread LEAVE on exit", 0, 60000},
+      {"name", ARG_STR, &gf.name, "NAME", "label for log lines"},
+  };
+  for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
+  specs[n] = (struct arg_spec){0};
+  int ar = args_parse(specs, argc, argv,
+                      "rumor peer --bootstrap A,B --cluster-key FILE --identity FILE [options]",
+                      "Trains one replica as a member of a cluster: joins through the bootstrap list\n"
+                      "(none: the first member), starts from a live peer's state, trains on its shard\n"
+                      "and averages its parameters with a random neighbour every few steps. Prints the\n"
+                      "final test accuracy as JSON on stdout; SIGINT/SIGTERM leave the cluster cleanly.");
+  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  log_set_json(tf.log_json);
+  if (gf.name) log_set_name(gf.name);
+
+  struct rumor_err e = {0};
+  struct train_config tc;
+  enum net_dtype wire;
+  if (train_flags_config(&tf, specs, &tc, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
+  if (parse_wire(gf.wire, &wire)) {
+    fprintf(stderr, "rumor peer: --wire must be f32, f16 or bf16, not '%s'\n", gf.wire);
+    return 2;
+  }
+  struct net_keys keys;
+  if (net_flags_load_keys(&nf, &keys, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return e.code == RUMOR_EFORMAT ? 2 : 1;
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  int status = 1;
+  struct trainer t;
+  gossip_t *g = NULL;
+  struct peer_sync ps;
+  memset(&ps, 0, sizeof ps);
+  float *mine = NULL, *theirs = NULL, *donor = NULL;
+  if (trainer_init(&t, &tc, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    net_keys_free(&keys);
+    return 1;
+  }
+  int64_t P = t.model.nparams, S = trainer_state_floats(&t);
+  mine = tensor_host_alloc(t.be, (size_t)P * sizeof(float));
+  theirs = tensor_host_alloc(t.be, (size_t)P * sizeof(float));
+  donor = tensor_host_alloc(t.be, (size_t)S * sizeof(float));
+  if (!mine || !theirs || !donor) {
+    rumor_err_set(&e, -ENOMEM, "cannot allocate %.1f MiB of host buffers for gossip", (double)(2 * P + S) * 4 / (1 << 20));
+    goto out;
+  }
+  char spec[MODEL_SPEC_MAX];
+  model_spec_format(&t.model.spec, spec, sizeof spec);
+  struct gossip_config gc;
+  gossip_config_default(&gc);
+  net_flags_gossip_config(&nf, &keys, &gc);
+  gc.role = GOSSIP_ROLE_PEER;
+  gc.model = spec;
+  gc.nparams = (uint64_t)P;
+  gc.state_floats = (uint64_t)S;
+  gc.optimizer = optim_kind_name(t.optim.cfg.kind);
+  gc.wire = wire;
+  gc.alpha = (float)gf.alpha;
+  gc.exchange_timeout_ms = (uint32_t)gf.exchange_timeout_ms;
+  gc.seed = tc.seed;
+  gc.xch_mine = mine;
+  gc.xch_theirs = theirs;
+  gc.donor_buf = donor;
+  if (gossip_start(&g, &gc, &e)) goto out;
+  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"peer\"}\n", gossip_advertised(g), gossip_self_id(g));
+  fflush(stdout);
+
+  struct gossip_train_pos pos;
+  int jr = gossip_join_wait(g, gf.no_state_pull || tc.resume ? NULL : donor, &pos, (volatile const int *)&g_stop, &e);
+  if (jr < 0) goto out;
+  if (jr == 0) {
+    trainer_load_state(&t, donor, (int64_t)pos.step, (int64_t)pos.epoch);
+    log_info("starting from the cluster's state at step %llu (epoch %llu)", (unsigned long long)pos.step,
+             (unsigned long long)pos.epoch + 1);
+  } else {
+    log_info("starting from %s", tc.resume ? "the checkpoint" : "our own initialisation");
+  }
+  struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance};
+  if (peer_sync_init(&ps, g, &t, &sc, &e)) goto out;
+  gossip_ready(g);
+
+  double t0 = clock_now_s();
+  int64_t s0 = t.st.samples;
+  bool first = true;
+  while (!trainer_done(&t) && !g_stop) {
+    if (trainer_step(&t, &e)) goto out;
+    if (first) {
+      log_info("first step: loss %.4f at step %lld", t.last_loss, (long long)t.st.step);
+      first = false;
+    }
+    peer_sync_boundary(&ps);
+  }
+  if (g_stop) {
+    log_info("signal %d: leaving the cluster at step %lld", (int)g_stop, (long long)t.st.step);
+    if (tc.checkpoint && trainer_save(&t, tc.checkpoint, &e)) fprintf(stderr, "rumor peer: %s\n", e.msg);
+  } else {
+    print_result(&t, g, clock_now_s() - t0, s0);
+  }
+  status = 0;
+out:
+  if (status) fprintf(stderr, "rumor peer: %s\n", e.msg);
+  if (g) gossip_stop(g, (uint32_t)gf.linger_ms);
+  peer_sync_free(&ps);
+  if (t.be) {
+    tensor_host_free(t.be, mine);
+    tensor_host_free(t.be, theirs);
+    tensor_host_free(t.be, donor);
+  }
+  trainer_free(&t);
+  net_keys_free(&keys);
+  return status;
+}

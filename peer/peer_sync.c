@@ -1,0 +1,97 @@
+/* The training thread's side of gossip averaging. */
+#include "peer/peer_sync.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const struct peer_sync_config *cfg,
+                   struct rumor_err *e) {
+  memset(ps, 0, sizeof *ps);
+  ps->cfg = *cfg;
+  ps->g = g;
+  ps->t = t;
+  int64_t P = t->model.nparams;
+  int rc = tensor_alloc(&ps->staging, t->be, TENSOR_F32, 1, &P, e);
+  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  ps->snap_ev = tensor_event_create(t->be);
+  if (!ps->snap_ev) {
+    tensor_free(&ps->staging);
+    return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
+  }
+  ps->last_start_s = clock_now_s();
+  return 0;
+}
+
+void peer_sync_free(struct peer_sync *ps) {
+  if (ps->snap_ev) tensor_event_destroy(ps->snap_ev);
+  tensor_free(&ps->staging);
+  memset(ps, 0, sizeof *ps);
+}
+
+/* Validates the partner's parameters (in staging) against ours. Returns 0
+ * or a negative code with the reason in `why`. */
+static int validate(struct peer_sync *ps, char *why, size_t n) {
+  int64_t bad = tensor_count_nonfinite(&ps->staging);
+  if (bad) {
+    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)bad, (long long)tensor_numel(&ps->staging));
+    return RUMOR_ECORRUPT;
+  }
+  double dist = sqrt(tensor_sq_dist(&ps->staging, &ps->t->model.params));
+  double norm = sqrt(tensor_sq_norm(&ps->t->model.params));
+  double limit = ps->cfg.max_distance * (norm > 1e-12 ? norm : 1e-12);
+  if (!(dist <= limit)) {
+    snprintf(why, n, "distance %.4g from our parameters is %.3g times our norm %.4g (limit %g)", dist,
+             dist / (norm > 1e-12 ? norm : 1e-12), norm, ps->cfg.max_distance);
+    return RUMOR_ECORRUPT;
+  }
+  return 0;
+}
+
+static void exchange(struct peer_sync *ps) {
+  struct trainer *t = ps->t;
+  double now = clock_now_s();
+  bool want = (ps->cfg.every_steps > 0 && t->st.step % ps->cfg.every_steps == 0) ||
+              (ps->cfg.every_s > 0 && now - ps->last_start_s >= ps->cfg.every_s);
+  switch (gossip_xch_poll(ps->g, want)) {
+  case GOSSIP_XCH_NONE: return;
+  case GOSSIP_XCH_SNAPSHOT:
+    if (!ps->snap_pending) {
+      /* Asynchronous on a GPU (pinned host buffer); done at once on the CPU. */
+      tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(ps->g),
+                                (size_t)t->model.nparams * sizeof(float));
+      tensor_event_record(ps->snap_ev);
+      ps->snap_pending = true;
+      ps->snap_step = t->st.step;
+      ps->last_start_s = now;
+    }
+    if (tensor_event_query(ps->snap_ev)) {
+      ps->snap_pending = false;
+      gossip_xch_snapshot_done(ps->g, (uint64_t)ps->snap_step);
+    }
+    return;
+  case GOSSIP_XCH_APPLY: {
+    tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
+    char why[200] = "";
+    int rc = validate(ps, why, sizeof why);
+    if (rc == 0) {
+      tensor_lerp(&t->model.params, &ps->staging, gossip_xch_alpha(ps->g));
+      ps->applied++;
+    } else {
+      ps->rejected++;
+    }
+    gossip_xch_apply_done(ps->g, rc, rc ? why : NULL);
+    return;
+  }
+  }
+}
+
+void peer_sync_boundary(struct peer_sync *ps) {
+  exchange(ps);
+  if (gossip_donor_poll(ps->g)) {
+    struct trainer *t = ps->t;
+    trainer_copy_state(t, gossip_donor_buf(ps->g));
+    struct gossip_train_pos pos = {(uint64_t)t->st.step, (uint64_t)t->st.epoch, (uint64_t)t->st.samples};
+    gossip_donor_done(ps->g, &pos);
+  }
+}

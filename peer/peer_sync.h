@@ -1,0 +1,43 @@
+/*
+ * peer_sync — the training thread's side of gossip: at each step boundary it
+ * starts exchanges on schedule, takes snapshots (asynchronously on a GPU),
+ * validates and applies a partner's parameters, and fills state donations.
+ *
+ * Applying: the partner's parameters must be finite and within
+ * `max_distance` × ‖ours‖ of ours (‖θ_partner − θ‖ ≤ R·‖θ‖), else they are
+ * rejected with a log line and the sender is backed off; accepted ones are
+ * averaged in one op: θ ← (1−α)·θ + α·θ_partner.
+ *
+ * Threads: the training thread only.
+ */
+#ifndef RUMOR_PEER_SYNC_H
+#define RUMOR_PEER_SYNC_H
+
+#include "gossip/gossip.h"
+#include "peer/train.h"
+
+struct peer_sync_config {
+  int64_t every_steps;  /* start an exchange every N steps (0: off) */
+  double every_s;       /* ... or every T seconds (0: off) */
+  double max_distance;  /* R, relative to our parameter norm */
+};
+
+struct peer_sync {
+  struct peer_sync_config cfg;
+  gossip_t *g;
+  struct trainer *t;
+  struct tensor staging; /* (P): the partner's parameters on our device */
+  tensor_event_t snap_ev;
+  bool snap_pending;
+  int64_t snap_step;
+  double last_start_s;
+  uint64_t applied, rejected;
+};
+
+int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const struct peer_sync_config *cfg,
+                   struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Does whatever gossip needs at this step boundary; never waits on the network. */
+void peer_sync_boundary(struct peer_sync *ps);
+void peer_sync_free(struct peer_sync *ps);
+
+#endif /* RUMOR_PEER_SYNC_H */
