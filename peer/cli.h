@@ -9,5 +9,6 @@
 
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
 
 #endif /* RUMOR_PEER_CLI_H */

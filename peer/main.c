@@ -13,6 +13,7 @@ struct subcommand {
 
 static const struct subcommand commands[] = {
     /* name, function, one-line summary; kept in the order of --help */
+    {"keygen", cmd_keygen, "write an identity or a cluster key"},
     {NULL, NULL, NULL},
 };
 
