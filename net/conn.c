@@ -290,6 +290,7 @@ static void send_hs(struct net_conn *c, const uint8_t *body, size_t len) {
 /* Queues a control frame if the queue stays within `limit` bytes. */
 static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
                      size_t limit) {
+  if (c->bye_sealed) return -ENOTCONN; /* nothing may follow our BYE */
   size_t fl = NET_FRAME_OVERHEAD + len;
   if (c->ctl_bytes + c->inflight_bytes + fl > limit) return -ENOBUFS;
   struct net_txframe *f = frame_alloc(fl);
@@ -308,11 +309,12 @@ static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, c
  * us exceed even that is not reading, and is dropped. */
 static int queue_proto(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b) {
   int rc = queue_ctl(c, type, a, b, NULL, 0, c->net->cfg.max_queued_bytes);
-  if (rc < 0) {
+  if (rc == -ENOBUFS) {
     net_conn_abort(c, -ENOBUFS, -1, "outbound queue full (%zu bytes): the peer is not reading",
                    c->ctl_bytes + c->inflight_bytes);
     return rc;
   }
+  if (rc < 0) return rc;
   return 0;
 }
 
@@ -347,6 +349,7 @@ static void pump(struct net_conn *c) {
   }
   if (c->state == CONN_CLOSING && c->bye_queued && !c->ctl_head) {
     c->bye_queued = false;
+    c->bye_sealed = true;
     struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
     net_frame_hdr_write(f->data, NET_FRAME_BYE, 0, 0, 0);
     if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0) < 0) {
@@ -903,4 +906,14 @@ int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b
   int rc = queue_ctl(c, type, a, b, pt, len, SIZE_MAX);
   if (rc == 0) pump(c);
   return rc;
+}
+
+int net_test_conn_write_raw(net_conn_t *c, const void *p, size_t len) {
+  if (c->state != CONN_OPEN) return -ENOTCONN;
+  struct net_txframe *f = frame_alloc(len);
+  memcpy(f->data, p, len);
+  f->len = len;
+  f->sealed = true;
+  conn_write(c, f);
+  return 0;
 }

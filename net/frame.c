@@ -238,9 +238,6 @@ static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
     return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown flags");
   if (chunk == 0 || (uint64_t)chunk * ws > NET_BULK_CHUNK_MAX)
     return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN with a chunk of %u elements", chunk);
-  if (h->b > s->max_bulk_bytes / ws)
-    return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN of %llu elements (%s) exceeds the limit of %llu bytes",
-                     (unsigned long long)h->b, net_dtype_name(wire), (unsigned long long)s->max_bulk_bytes);
   memset(&s->ib, 0, sizeof s->ib);
   s->last_in_id = h->a;
   s->ib.active = true;
@@ -251,6 +248,13 @@ static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
   s->ib.digest = flags & NET_BULK_FLAG_DIGEST;
   if (s->ib.digest) net_digest_root_init(&s->ib.root, s->ib.count, wire, chunk);
 
+  if (h->b > s->max_bulk_bytes / ws) {
+    /* Too big for us, but not an attack: refuse it and read past it. */
+    log_warn("net: refusing transfer %llu of %llu elements (%s): above the limit of %llu bytes",
+             (unsigned long long)h->a, (unsigned long long)h->b, net_dtype_name(wire),
+             (unsigned long long)s->max_bulk_bytes);
+    return send_result(s, h->a, NET_BULK_REFUSED);
+  }
   struct net_bulk_info info = {.id = h->a, .count = h->b, .wire = wire, .digest = s->ib.digest,
                                .meta = pt + NET_BULK_BEGIN_FIXED, .meta_len = len - NET_BULK_BEGIN_FIXED};
   float *dst = NULL;

@@ -81,7 +81,7 @@ static int secret_file_write(const char *path, const void *data, size_t len, boo
   }
   fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) {
-    rc = rumor_err_set(e, -errno, "cannot create %s: %s", tmp, strerror(errno));
+    rc = rumor_err_set(e, -errno, "cannot write %s: %s", path, strerror(errno));
     goto out;
   }
   if (fchmod(fd, 0600) < 0) { /* the umask could only have removed bits; be explicit */

@@ -321,4 +321,8 @@ int net_test_conn_pause_read(net_conn_t *c, bool pause);
 int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b, const void *pt,
                              size_t len) RUMOR_MUST_CHECK;
 
+/* Writes raw bytes to the connection's socket, bypassing framing and
+ * encryption (to send what no honest peer would). */
+int net_test_conn_write_raw(net_conn_t *c, const void *p, size_t len) RUMOR_MUST_CHECK;
+
 #endif /* RUMOR_NET_IMPL_H */

@@ -55,7 +55,7 @@ struct net_conn {
   unsigned refs; /* open handles and pending requests */
   enum conn_state state;
   bool inbound, surfaced, counted_pending, reading, paused, local_close;
-  bool bye_queued, bye_written, shutdown_started, eof;
+  bool bye_queued, bye_sealed, bye_written, shutdown_started, eof;
   bool pumping;
   /* dialing */
   net_dial_cb dial_cb;

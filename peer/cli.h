@@ -11,5 +11,6 @@ int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
 
 #endif /* RUMOR_PEER_CLI_H */

@@ -21,6 +21,20 @@
 
 #include "net/net.h"
 #include "net/net_impl.h"
+#include "test_net_lsan.h"
+
+/* AddressSanitizer keeps freed memory in quarantine, so process-wide memory
+ * figures only mean something without it. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TN_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TN_ASAN 1
+#endif
+#endif
+#ifndef TN_ASAN
+#define TN_ASAN 0
+#endif
 
 /* Helpers a given test file may not use. */
 #define TN_FN static __attribute__((unused))
@@ -357,6 +371,7 @@ TN_FN void px_send(struct tproxy *px, int dir, const uint8_t *p, size_t n) {
 
 /* c2s after the handshake, frame by frame, with the configured surgery. */
 TN_FN void px_frames(struct tproxy *px, const uint8_t *p, size_t n) {
+  if (n == 0) return;
   if (px->fbuf_len + n > px->fbuf_cap) {
     px->fbuf_cap = (px->fbuf_len + n) * 2;
     px->fbuf = realloc(px->fbuf, px->fbuf_cap);
@@ -388,7 +403,7 @@ TN_FN void px_frames(struct tproxy *px, const uint8_t *p, size_t n) {
     }
     off += fl;
   }
-  memmove(px->fbuf, px->fbuf + off, px->fbuf_len - off);
+  if (off) memmove(px->fbuf, px->fbuf + off, px->fbuf_len - off);
   px->fbuf_len -= off;
 }
 
