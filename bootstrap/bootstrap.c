@@ -3,7 +3,7 @@
 
 #include <time.h>
 
-int bootstrap_run(const struct gossip_config *cfg, volatile sig_atomic_t *stop, uint32_t linger_ms,
+int bootstrap_run(const struct gossip_config *cfg, const atomic_int *stop, uint32_t linger_ms,
                   void (*on_ready)(gossip_t *g, void *arg), void *arg, struct rumor_err *e) {
   struct gossip_config c = *cfg;
   c.role = GOSSIP_ROLE_BOOTSTRAP;

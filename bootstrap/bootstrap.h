@@ -8,8 +8,6 @@
 #ifndef RUMOR_BOOTSTRAP_H
 #define RUMOR_BOOTSTRAP_H
 
-#include <signal.h>
-
 #include "gossip/gossip.h"
 
 /* Runs a bootstrap node until *stop becomes non-zero, then leaves the
@@ -17,7 +15,7 @@
  * configuration whose role is forced to GOSSIP_ROLE_BOOTSTRAP. `on_ready`
  * (may be NULL) is called once listening, with the advertised address.
  * Returns 0, or a negative code with a message when it cannot start. */
-int bootstrap_run(const struct gossip_config *cfg, volatile sig_atomic_t *stop, uint32_t linger_ms,
+int bootstrap_run(const struct gossip_config *cfg, const atomic_int *stop, uint32_t linger_ms,
                   void (*on_ready)(gossip_t *g, void *arg), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_BOOTSTRAP_H */

@@ -25,6 +25,21 @@
 
 static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, NET_PUBKEY_BYTES) == 0; }
 
+/* ---- the exchange slot's word: round << 3 | state ---- */
+static int ws_state(uint64_t w) { return (int)(w & 7); }
+static uint64_t ws_round(uint64_t w) { return w >> 3; }
+static uint64_t ws_make(uint64_t round, int state) { return round << 3 | (uint64_t)state; }
+static bool ws_wanting(uint64_t w) { return ws_state(w) == SLOT_WANT || ws_state(w) == SLOT_WANT_RESP; }
+
+/* Moves the slot from `from_state` (any round) to `to_state` in the same
+ * round. Returns false (and changes nothing) when it is not in from_state. */
+static bool slot_move(struct gossip *g, int from_state, int to_state) {
+  uint64_t w = atomic_load(&g->xch_word);
+  while (ws_state(w) == from_state)
+    if (atomic_compare_exchange_weak(&g->xch_word, &w, ws_make(ws_round(w), to_state))) return true;
+  return false;
+}
+
 static void key_prefix(const uint8_t *id, char out[16]) {
   char k[NET_PUBKEY_STR_LEN + 1];
   net_pubkey_format(k, id);
@@ -50,17 +65,13 @@ static void set_pull_result(struct gossip *g, bool first) {
 /* ==== the exchange slot: training thread ==== */
 
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
-  int st = atomic_load(&g->xch_state);
-  if (st == SLOT_IDLE && want && atomic_load(&g->ready)) {
-    int expected = SLOT_IDLE;
-    if (atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_WANT)) {
-      g->xch_initiator = true; /* read by the loop only after snapshot_done */
+  uint64_t w = atomic_load(&g->xch_word);
+  if (ws_state(w) == SLOT_IDLE && want && atomic_load(&g->ready)) {
+    if (atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
       return GOSSIP_XCH_SNAPSHOT;
-    }
-    st = expected;
   }
-  if (st == SLOT_WANT) return GOSSIP_XCH_SNAPSHOT;
-  if (st == SLOT_APPLY) return GOSSIP_XCH_APPLY;
+  if (ws_wanting(w)) return GOSSIP_XCH_SNAPSHOT;
+  if (ws_state(w) == SLOT_APPLY) return GOSSIP_XCH_APPLY;
   return GOSSIP_XCH_NONE;
 }
 
@@ -68,11 +79,23 @@ float *gossip_xch_mine(gossip_t *g) { return g->mine; }
 float *gossip_xch_theirs(gossip_t *g) { return g->theirs; }
 float gossip_xch_alpha(const gossip_t *g) { return g->alpha; }
 
+/* What the training thread tells the loop when a snapshot is ready. */
+struct snap_ready {
+  struct gossip *g;
+  uint64_t round, step;
+  bool initiator;
+};
+
 void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
-  int expected = SLOT_WANT;
-  g->snap_step = step; /* the loop reads it after the net_call below */
-  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_BUSY)) return; /* abandoned meanwhile */
-  if (net_call(g->net, gossip_xch_on_snapshot_ready, g) != 0) atomic_store(&g->xch_state, SLOT_IDLE);
+  uint64_t w = atomic_load(&g->xch_word);
+  if (!ws_wanting(w)) return; /* abandoned meanwhile */
+  if (!atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w), SLOT_BUSY))) return;
+  struct snap_ready *r = xmalloc(sizeof *r);
+  *r = (struct snap_ready){g, ws_round(w), step, ws_state(w) == SLOT_WANT};
+  if (net_call(g->net, gossip_xch_on_snapshot_ready, r) != 0) {
+    free(r);
+    slot_move(g, SLOT_BUSY, SLOT_IDLE);
+  }
 }
 
 struct applied {
@@ -97,7 +120,7 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why) {
     snprintf(g->stats.last_failure, sizeof g->stats.last_failure, "rejected: %.100s", a->why);
   }
   pthread_mutex_unlock(&g->lock);
-  atomic_store(&g->xch_state, SLOT_IDLE);
+  slot_move(g, SLOT_APPLY, SLOT_IDLE);
   if (net_call(g->net, gossip_xch_on_applied, a) != 0) free(a);
 }
 
@@ -126,11 +149,12 @@ static void send_reject(struct gossip *g, net_conn_t *c, uint64_t xid, const cha
   net_msgbuf_free(&b);
 }
 
-/* Returns the slot to IDLE from whatever the loop may own (WANT or BUSY). */
+/* Returns the slot to IDLE from whatever the loop may own (WANT or BUSY);
+ * never from APPLY, which the training thread owns. */
 static void slot_release(struct gossip *g) {
-  int expected = SLOT_WANT;
-  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_IDLE) && expected == SLOT_BUSY)
-    atomic_store(&g->xch_state, SLOT_IDLE);
+  uint64_t w = atomic_load(&g->xch_word);
+  while (ws_wanting(w) || ws_state(w) == SLOT_BUSY)
+    if (atomic_compare_exchange_weak(&g->xch_word, &w, ws_make(ws_round(w), SLOT_IDLE))) return;
 }
 
 /* Ends the exchange without applying anything. `why` NULL: a quiet end (no
@@ -172,8 +196,11 @@ static void start_send(struct gossip *g) {
   net_msgbuf_put_uint(&meta, "step", x->snapshot_step);
   size_t mlen;
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
-  struct net_bulk_send s = {.src = g->mine, .count = g->cfg.nparams, .wire = g->cfg.wire, .meta = mdata,
-                            .meta_len = mlen, .done = on_xch_sent, .arg = g};
+  /* No end-to-end digest: every chunk is already an authenticated frame of
+   * one session, in order (net.md), and hashing each exchange twice costs
+   * more CPU than the AEAD itself. State donations keep the digest. */
+  struct net_bulk_send s = {.src = g->mine, .count = g->cfg.nparams, .wire = g->cfg.wire, .no_digest = true,
+                            .meta = mdata, .meta_len = mlen, .done = on_xch_sent, .arg = g};
   int rc = net_conn_send_bulk(x->conn, &s, &x->send_id);
   net_msgbuf_free(&meta);
   if (rc) {
@@ -190,7 +217,7 @@ static void maybe_complete(struct gossip *g) {
   if (!x->active || !x->sent_ok || !x->recv_ok) return;
   x->active = false;
   /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
-  atomic_store(&g->xch_state, SLOT_APPLY);
+  slot_move(g, SLOT_BUSY, SLOT_APPLY);
 }
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
@@ -232,18 +259,16 @@ static void ask_partner(struct gossip *g) {
   if (rc) ask_partner(g); /* cannot even queue it: try someone else */
 }
 
-void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
-  struct gossip *g = arg;
-  if (status) return;
+/* Our snapshot is in `mine` and the slot is BUSY: start asking (initiator)
+ * or accept and send (responder). */
+static void snapshot_ready(struct gossip *g, bool initiator, uint64_t step) {
   struct gossip_xch *x = &g->xch;
   if (g->stopping) {
     x->active = false;
     slot_release(g);
     return;
   }
-  x->snapshot_step = g->snap_step;
-  if (g->xch_initiator) {
-    uint64_t step = x->snapshot_step;
+  if (initiator) {
     memset(x, 0, sizeof *x);
     x->active = true;
     x->initiator = true;
@@ -254,6 +279,7 @@ void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
     return;
   }
   /* Responder: our snapshot is ready; accept and send. */
+  x->snapshot_step = step;
   if (!x->active || !x->conn) {
     slot_release(g); /* the initiator went away while we were snapshotting */
     return;
@@ -269,6 +295,16 @@ void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
   }
   x->accepted = true;
   start_send(g);
+}
+
+void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
+  struct snap_ready *r = arg;
+  struct gossip *g = r->g;
+  bool current = status == 0 && atomic_load(&g->xch_word) == ws_make(r->round, SLOT_BUSY);
+  bool initiator = r->initiator;
+  uint64_t step = r->step;
+  free(r);
+  if (current) snapshot_ready(g, initiator, step); /* else a stale round: ignore it */
 }
 
 void gossip_xch_on_applied(net_t *n, void *arg, int status) {
@@ -318,13 +354,14 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     return;
   }
   struct gossip_xch *x = &g->xch;
-  int expected = SLOT_IDLE;
-  if (!atomic_compare_exchange_strong(&g->xch_state, &expected, SLOT_WANT)) {
+  uint64_t w = atomic_load(&g->xch_word);
+  if (ws_state(w) != SLOT_IDLE ||
+      !atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w) + 1, SLOT_WANT_RESP))) {
     /* Busy. But if we are an initiator whose request nobody has accepted
      * yet, our snapshot is ready: answer this request with it instead of
      * both sides waiting for someone free. When two peers ask each other
      * at once, the one with the smaller key stays the initiator. */
-    bool pending = expected == SLOT_BUSY && x->active && x->initiator && !x->accepted;
+    bool pending = ws_state(w) == SLOT_BUSY && x->active && x->initiator && !x->accepted;
     bool collision = pending && same_id(from, x->partner);
     if (!pending || (collision && memcmp(g->identity.pk, from, NET_PUBKEY_BYTES) < 0)) {
       send_reject(g, c, xid, "busy");
@@ -348,12 +385,10 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     x->conn = c;
     x->started_ms = gossip_now_ms(g);
     x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
-    g->xch_initiator = false;
-    gossip_xch_on_snapshot_ready(g->net, g, 0); /* the slot is BUSY: accept and send now */
+    snapshot_ready(g, false, step); /* the slot is BUSY with our snapshot: accept and send now */
     return;
   }
   memset(x, 0, sizeof *x);
-  g->xch_initiator = false;
   x->active = true;
   x->initiator = false;
   x->xid = xid;
@@ -407,7 +442,7 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
   if (kind == GBULK_EXCHANGE) {
     struct gossip_xch *x = &g->xch;
     if (!x->active || xid != x->xid || !same_id(from, x->partner) || x->receiving || x->recv_ok ||
-        info->count != g->cfg.nparams || atomic_load(&g->xch_state) != SLOT_BUSY)
+        info->count != g->cfg.nparams || ws_state(atomic_load(&g->xch_word)) != SLOT_BUSY)
       return -ECONNREFUSED;
     x->receiving = true;
     x->recv_id = info->id;

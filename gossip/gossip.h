@@ -29,6 +29,7 @@
 #ifndef RUMOR_GOSSIP_H
 #define RUMOR_GOSSIP_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -100,8 +101,14 @@ struct gossip_train_pos {
  * address tried when joining failed for join_timeout_ms. `stop` (may be
  * NULL) is polled; when it becomes non-zero the wait ends with
  * RUMOR_ECANCELED. */
-int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, volatile const int *stop,
+int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Blocks until at least `n` peers (ourselves included) are alive in our
+ * member table, `timeout_ms` passes (RUMOR_ETIMEDOUT) or *stop becomes
+ * non-zero (RUMOR_ECANCELED). */
+int gossip_wait_peers(gossip_t *g, uint32_t n, uint32_t timeout_ms, const atomic_int *stop,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* The training thread holds a state (after gossip_join_wait and building
  * its model): from now on it may exchange and donate. */

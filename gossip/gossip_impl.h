@@ -39,8 +39,11 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2 };
 #define GOSSIP_LINK_QUEUE 32      /* control messages held while dialing */
 #define GOSSIP_TICK_MS 20
 
-/* Slot states (see gossip.h). */
-enum { SLOT_IDLE = 0, SLOT_WANT = 1, SLOT_BUSY = 2, SLOT_APPLY = 3 };
+/* Slot states (see gossip.h). The exchange slot's word also counts rounds:
+ * word = round << 3 | state, and every IDLE → WANT starts a new round, so a
+ * message about an earlier round (a queued snapshot_ready) is recognised as
+ * stale. WANT records who asked: we (INIT) or a partner (RESP). */
+enum { SLOT_IDLE = 0, SLOT_WANT = 1, SLOT_BUSY = 2, SLOT_APPLY = 3, SLOT_WANT_RESP = 4 };
 
 /* A connection to one member, by identity. */
 struct gossip_link {
@@ -113,10 +116,8 @@ struct gossip {
   struct gossip_train_pos pull_pos;
   net_conn_t *pull_conn;
 
-  /* The exchange slot. */
-  _Atomic int xch_state;
-  bool xch_initiator;       /* who moved IDLE → WANT; read after the snapshot */
-  uint64_t snap_step;       /* step of the snapshot (training writes, loop reads after net_call) */
+  /* The exchange slot: round << 3 | state (see above). */
+  _Atomic uint64_t xch_word;
   float *mine, *theirs;
   struct gossip_xch xch;
   float alpha;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <sodium.h>
 
@@ -837,7 +838,7 @@ void gossip_stop(gossip_t *g, uint32_t linger_ms) {
 
 /* ---- joining, seen from the training thread ---- */
 
-int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, volatile const int *stop,
+int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
                      struct rumor_err *e) {
   pthread_mutex_lock(&g->lock);
   g->pull_buf = state_buf;
@@ -873,4 +874,21 @@ int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos
   }
   pthread_mutex_unlock(&g->lock);
   return rc;
+}
+
+int gossip_wait_peers(gossip_t *g, uint32_t n, uint32_t timeout_ms, const atomic_int *stop, struct rumor_err *e) {
+  uint64_t deadline = clock_now_ns() / 1000000 + timeout_ms;
+  for (;;) {
+    size_t peers = 1; /* ourselves */
+    pthread_mutex_lock(&g->lock);
+    for (size_t i = 1; i < g->npub; i++)
+      if (strcmp(g->pub[i].role, "peer") == 0 && strcmp(g->pub[i].state, "alive") == 0) peers++;
+    pthread_mutex_unlock(&g->lock);
+    if (peers >= n) return 0;
+    if (stop && *stop) return rumor_err_set(e, RUMOR_ECANCELED, "interrupted while waiting for peers");
+    if (clock_now_ns() / 1000000 >= deadline)
+      return rumor_err_set(e, RUMOR_ETIMEDOUT, "only %zu of %u peers present after %u ms", peers, n, timeout_ms);
+    const struct timespec tick = {0, 20 * 1000000};
+    nanosleep(&tick, NULL);
+  }
 }

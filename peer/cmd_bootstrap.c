@@ -7,8 +7,6 @@
 #include "peer/cli.h"
 #include "peer/net_flags.h"
 
-static volatile sig_atomic_t g_stop;
-static void on_signal(int sig) { g_stop = sig; }
 
 /* Announces where we listen, as one JSON line on stdout, for scripts. */
 static void announce(gossip_t *g, void *arg) {
@@ -44,13 +42,7 @@ int cmd_bootstrap(int argc, char **argv) {
   struct gossip_config gc;
   gossip_config_default(&gc);
   net_flags_gossip_config(&nf, &keys, &gc);
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
-  int rc = bootstrap_run(&gc, &g_stop, (uint32_t)linger, announce, NULL, &e);
+  int rc = bootstrap_run(&gc, signals_stop_flag(), (uint32_t)linger, announce, NULL, &e);
   net_keys_free(&keys);
   if (rc) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);

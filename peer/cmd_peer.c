@@ -9,11 +9,9 @@
 #include "peer/peer_sync.h"
 #include "peer/train_flags.h"
 
-static volatile sig_atomic_t g_stop; /* SIGINT/SIGTERM: leave gracefully */
-static void on_signal(int sig) { g_stop = sig; }
 
 struct gossip_flags {
-  int64_t every, exchange_timeout_ms, linger_ms;
+  int64_t every, exchange_timeout_ms, linger_ms, wait_peers, wait_peers_ms;
   double interval, alpha, max_distance;
   const char *wire, *name;
   bool no_state_pull;
@@ -49,7 +47,7 @@ int cmd_peer(int argc, char **argv) {
   train_flags_default(&tf);
   net_flags_default(&nf);
   struct gossip_flags gf = {.every = 1, .exchange_timeout_ms = 60000, .linger_ms = 500, .interval = 0,
-                            .alpha = 0.5, .max_distance = 10.0, .wire = "f32"};
+                            .alpha = 0.5, .max_distance = 10.0, .wire = "f32", .wait_peers_ms = 60000};
   struct arg_spec specs[80];
   size_t n = 0;
   train_flags_specs(&tf, specs, &n, 70);
@@ -65,6 +63,8 @@ int cmd_peer(int argc, char **argv) {
       {"no-state-pull", ARG_FLAG, &gf.no_state_pull, NULL, "start from our own seed instead of a live peer's state"},
       {"linger-ms", ARG_INT, &gf.linger_ms, "MS", "time to spread LEAVE on exit", 0, 60000},
       {"name", ARG_STR, &gf.name, "NAME", "label for log lines"},
+      {"wait-peers", ARG_INT, &gf.wait_peers, "N", "start training once N peers (us included) are present", 0, 65536},
+      {"wait-peers-ms", ARG_INT, &gf.wait_peers_ms, "MS", "... waiting at most this long", 0, 86400000},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -94,12 +94,6 @@ int cmd_peer(int argc, char **argv) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return e.code == RUMOR_EFORMAT ? 2 : 1;
   }
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
 
   int status = 1;
   struct trainer t;
@@ -142,14 +136,20 @@ int cmd_peer(int argc, char **argv) {
   fflush(stdout);
 
   struct gossip_train_pos pos;
-  int jr = gossip_join_wait(g, gf.no_state_pull || tc.resume ? NULL : donor, &pos, (volatile const int *)&g_stop, &e);
+  int jr = gossip_join_wait(g, gf.no_state_pull || tc.resume ? NULL : donor, &pos, signals_stop_flag(), &e);
   if (jr < 0) goto out;
   if (jr == 0) {
     trainer_load_state(&t, donor, (int64_t)pos.step, (int64_t)pos.epoch);
-    log_info("starting from the cluster's state at step %llu (epoch %llu)", (unsigned long long)pos.step,
-             (unsigned long long)pos.epoch + 1);
+    log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %d training samples",
+             (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1,
+             trainer_check_loss(&t, PEER_SYNC_CHECK_SAMPLES), PEER_SYNC_CHECK_SAMPLES);
   } else {
     log_info("starting from %s", tc.resume ? "the checkpoint" : "our own initialisation");
+  }
+  if (gf.wait_peers > 1) {
+    if (gossip_wait_peers(g, (uint32_t)gf.wait_peers, (uint32_t)gf.wait_peers_ms, signals_stop_flag(), &e))
+      goto out;
+    log_info("%lld peers present: starting", (long long)gf.wait_peers);
   }
   struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance};
   if (peer_sync_init(&ps, g, &t, &sc, &e)) goto out;
@@ -158,7 +158,7 @@ int cmd_peer(int argc, char **argv) {
   double t0 = clock_now_s();
   int64_t s0 = t.st.samples;
   bool first = true;
-  while (!trainer_done(&t) && !g_stop) {
+  while (!trainer_done(&t) && !signals_stop_requested()) {
     if (trainer_step(&t, &e)) goto out;
     if (first) {
       log_info("first step: loss %.4f at step %lld", t.last_loss, (long long)t.st.step);
@@ -166,8 +166,8 @@ int cmd_peer(int argc, char **argv) {
     }
     peer_sync_boundary(&ps);
   }
-  if (g_stop) {
-    log_info("signal %d: leaving the cluster at step %lld", (int)g_stop, (long long)t.st.step);
+  if (signals_stop_requested()) {
+    log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t.st.step);
     if (tc.checkpoint && trainer_save(&t, tc.checkpoint, &e)) fprintf(stderr, "rumor peer: %s\n", e.msg);
   } else {
     print_result(&t, g, clock_now_s() - t0, s0);

@@ -7,9 +7,6 @@
 #include "peer/cli.h"
 #include "peer/train_flags.h"
 
-static volatile sig_atomic_t g_stop; /* set by SIGINT/SIGTERM; read between steps */
-
-static void on_signal(int sig) { g_stop = sig; }
 
 int cmd_train(int argc, char **argv) {
   struct train_flags f;
@@ -36,16 +33,11 @@ int cmd_train(int argc, char **argv) {
     fprintf(stderr, "rumor train: %s\n", e.msg);
     return 1;
   }
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
 
   int status = 0;
   double t0 = clock_now_s();
   int64_t s0 = t.st.samples;
-  while (!trainer_done(&t) && !g_stop) {
+  while (!trainer_done(&t) && !signals_stop_requested()) {
     if (trainer_step(&t, &e)) {
       fprintf(stderr, "rumor train: %s\n", e.msg);
       status = 1;
@@ -53,8 +45,8 @@ int cmd_train(int argc, char **argv) {
     }
   }
   double secs = clock_now_s() - t0;
-  if (g_stop) {
-    log_warn("interrupted by signal %d at step %lld", (int)g_stop, (long long)t.st.step);
+  if (signals_stop_requested()) {
+    log_warn("interrupted by signal %d at step %lld", signals_stop_requested(), (long long)t.st.step);
     if (cfg.checkpoint && trainer_save(&t, cfg.checkpoint, &e)) fprintf(stderr, "rumor train: %s\n", e.msg);
     status = 130;
   }

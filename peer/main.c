@@ -30,6 +30,12 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+  /* Before any thread exists: every later thread inherits the blocked stop
+   * signals, which only the signal thread receives (see util.h). */
+  if (signals_init() != 0) {
+    fprintf(stderr, "rumor: cannot set up signal handling\n");
+    return 1;
+  }
   if (argc < 2) {
     usage(stderr);
     return 2;

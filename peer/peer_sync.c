@@ -90,6 +90,8 @@ void peer_sync_boundary(struct peer_sync *ps) {
   exchange(ps);
   if (gossip_donor_poll(ps->g)) {
     struct trainer *t = ps->t;
+    log_info("donating our state at step %lld: loss %.4f on %d training samples", (long long)t->st.step,
+             trainer_check_loss(t, PEER_SYNC_CHECK_SAMPLES), PEER_SYNC_CHECK_SAMPLES);
     trainer_copy_state(t, gossip_donor_buf(ps->g));
     struct gossip_train_pos pos = {(uint64_t)t->st.step, (uint64_t)t->st.epoch, (uint64_t)t->st.samples};
     gossip_donor_done(ps->g, &pos);

@@ -16,6 +16,9 @@
 #include "gossip/gossip.h"
 #include "peer/train.h"
 
+/* Samples used to check a donated or received state's loss. */
+#define PEER_SYNC_CHECK_SAMPLES 8192
+
 struct peer_sync_config {
   int64_t every_steps;  /* start an exchange every N steps (0: off) */
   double every_s;       /* ... or every T seconds (0: off) */

@@ -209,6 +209,26 @@ static struct ckpt_info make_info(const struct trainer *t) {
   return info;
 }
 
+double trainer_check_loss(struct trainer *t, int64_t n) {
+  if (n > t->train.count) n = t->train.count;
+  int64_t bs = t->cfg.batch, F = t->train.features;
+  float *x = tensor_host_alloc(t->be, (size_t)(bs * F) * sizeof(float));
+  int32_t *y = tensor_host_alloc(t->be, (size_t)bs * sizeof(int32_t));
+  RUMOR_ASSERT(x && y);
+  double loss = 0;
+  int64_t correct = 0;
+  for (int64_t first = 0; first < n; first += bs) {
+    int64_t rows = n - first < bs ? n - first : bs;
+    dataset_gather_range(&t->train, t->lut, first, rows, x, y);
+    tensor_copy_from_host(&t->model.acts[0], 0, x, (size_t)(rows * F) * sizeof(float));
+    tensor_copy_from_host(&t->model.labels, 0, y, (size_t)rows * sizeof(int32_t));
+    model_evaluate_batch(&t->model, rows, y, &correct, &loss);
+  }
+  tensor_host_free(t->be, x);
+  tensor_host_free(t->be, y);
+  return n > 0 ? loss / (double)n : 0.0;
+}
+
 int64_t trainer_state_floats(const struct trainer *t) {
   return t->model.nparams * (1 + optim_state_per_param(t->optim.cfg.kind));
 }

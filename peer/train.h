@@ -81,6 +81,11 @@ bool trainer_done(const struct trainer *t);
 int trainer_step(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Accuracy and mean loss of the current parameters on the test set. */
 void trainer_evaluate(struct trainer *t, const struct dataset *ds, double *accuracy, double *loss);
+/* Mean loss of the current parameters on the first `n` samples of the
+ * training set in file order: the same data on every peer, so a donor and
+ * the newcomer that received its state must report the same figure. */
+double trainer_check_loss(struct trainer *t, int64_t n);
+
 /* Floats in the full state: parameters, then optimizer state. */
 int64_t trainer_state_floats(const struct trainer *t);
 /* Copies parameters and optimizer state to host memory (state_floats). */

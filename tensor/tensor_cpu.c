@@ -67,7 +67,8 @@ static void cpu_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k,
  * Each op is a plain loop over a range (a "kernel", compiled for AVX2 and
  * for baseline x86-64 and picked at load time) and a dispatcher that splits
  * [0, n) into one contiguous chunk per thread when n is large enough. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(RUMOR_NO_TARGET_CLONES)
 #define CPU_KERNEL __attribute__((target_clones("avx2", "default")))
 #else
 #define CPU_KERNEL

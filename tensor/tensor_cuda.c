@@ -23,6 +23,7 @@
  */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,10 +91,28 @@ static struct cuda_backend *enter(tensor_backend_t be) {
  * -1 until the first call. */
 static atomic_int g_device_count = -1;
 
+/* True when the NVIDIA driver library can be loaded. The statically linked
+ * CUDA runtime must not be initialised without it: on machines with no
+ * driver, cudart's failed start-up leaves state behind that corrupted the
+ * heap of multi-threaded processes later (seen with glibc's malloc checks in
+ * gossip peers). The handle is kept open for cudart's own dlopen. */
+static bool driver_present(void) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    log_debug("cuda: no NVIDIA driver (libcuda.so.1: %s); no CUDA device will be used", dlerror());
+    return false;
+  }
+  return true;
+}
+
 int tensor_cuda_count(void) {
   int cached = atomic_load(&g_device_count);
   if (cached >= 0) return cached;
   int count = 0;
+  if (!driver_present()) {
+    atomic_store(&g_device_count, 0);
+    return 0;
+  }
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     /* No driver, no device, a driver older than the runtime, ...: no GPU. */

@@ -8,6 +8,7 @@
 #define RUMOR_UTIL_H
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -150,6 +151,21 @@ int file_write_atomic(const char *path, const struct file_part *parts, size_t np
  * frees). Returns 0, or a negative errno / RUMOR_ETOOBIG with a message. */
 int file_read_all(const char *path, size_t max_len, uint8_t **out, size_t *out_len,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- stop signals ------------------------------------------------------------------
+ * SIGINT, SIGTERM and SIGHUP are never delivered to a computing thread: a
+ * handler running on the thread that executes oneDNN's JIT GEMM corrupted the
+ * heap (the kernel's signal frame landed on memory the kernel was using; 14
+ * of 30 `rumor train` runs killed by SIGTERM mid-step aborted). Instead,
+ * signals_init() blocks them in the calling thread (call it first in main,
+ * before any thread exists, so that every later thread inherits the mask)
+ * and starts a small thread that waits for them with sigwait. It also
+ * ignores SIGPIPE (a closed socket is an error code, not a death). */
+int signals_init(void) RUMOR_MUST_CHECK;
+/* The first stop signal received (SIGINT, SIGTERM, SIGHUP), or 0. Any thread. */
+int signals_stop_requested(void);
+/* Address of the flag, for APIs that poll a `const atomic_int *`. */
+const atomic_int *signals_stop_flag(void);
 
 /* ---- half precision ---------------------------------------------------------------
  * IEEE binary16 and bfloat16 conversion for storage and the wire.

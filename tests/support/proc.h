@@ -4,7 +4,7 @@
  * every process it started even when an assertion fails half-way (call
  * proc_kill_all from the suite's .fini).
  *
- * Header-only (static functions) so each test binary gets its own copy.
+ * Header-only (static inline functions) so each test binary gets its own copy.
  */
 #ifndef RUMOR_TESTS_PROC_H
 #define RUMOR_TESTS_PROC_H
@@ -25,7 +25,7 @@
 
 static pid_t proc_pids[PROC_MAX];
 
-static void proc_register(pid_t pid) {
+static inline void proc_register(pid_t pid) {
   for (int i = 0; i < PROC_MAX; i++)
     if (proc_pids[i] == 0) {
       proc_pids[i] = pid;
@@ -33,14 +33,14 @@ static void proc_register(pid_t pid) {
     }
 }
 
-static void proc_forget(pid_t pid) {
+static inline void proc_forget(pid_t pid) {
   for (int i = 0; i < PROC_MAX; i++)
     if (proc_pids[i] == pid) proc_pids[i] = 0;
 }
 
 /* Starts argv[0] with stdout and stderr appended to the given files (NULL:
  * /dev/null) in its own process group. Returns the PID (> 0) or -1. */
-static pid_t proc_spawn(char *const argv[], const char *out_path, const char *err_path) {
+static inline pid_t proc_spawn(char *const argv[], const char *out_path, const char *err_path) {
   pid_t pid = fork();
   if (pid < 0) return -1;
   if (pid == 0) {
@@ -61,7 +61,7 @@ static pid_t proc_spawn(char *const argv[], const char *out_path, const char *er
 
 /* Waits up to `secs` for pid. Returns its wait status, or -1 on timeout (the
  * process is then killed with SIGKILL and reaped). */
-static int proc_wait(pid_t pid, double secs) {
+static inline int proc_wait(pid_t pid, double secs) {
   struct timespec t0, now;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (;;) {
@@ -88,7 +88,7 @@ static int proc_wait(pid_t pid, double secs) {
 
 /* Sends `sig` to every registered process, then SIGKILLs and reaps any still
  * alive after a grace period. */
-static void proc_kill_all(void) {
+static inline void proc_kill_all(void) {
   for (int i = 0; i < PROC_MAX; i++)
     if (proc_pids[i] > 0) kill(proc_pids[i], SIGTERM);
   for (int i = 0; i < PROC_MAX; i++)
@@ -99,7 +99,7 @@ static void proc_kill_all(void) {
 }
 
 /* Reads a whole small file into a static-lifetime buffer the caller frees. */
-static char *proc_slurp(const char *path) {
+static inline char *proc_slurp(const char *path) {
   FILE *f = fopen(path, "rb");
   if (!f) return strdup("");
   fseek(f, 0, SEEK_END);
@@ -115,7 +115,7 @@ static char *proc_slurp(const char *path) {
 /* Runs a command to completion (at most `secs`) capturing stdout and stderr
  * into *out and *err (malloc'd; either may be NULL). Returns the wait status
  * or -1 on timeout. `scratch` is a directory for the capture files. */
-static int proc_run(char *const argv[], double secs, const char *scratch, char **out, char **err) {
+static inline int proc_run(char *const argv[], double secs, const char *scratch, char **out, char **err) {
   char op[512], ep[512];
   static int seq;
   snprintf(op, sizeof op, "%s/run-%d-%d.out", scratch, (int)getpid(), seq);
@@ -133,7 +133,7 @@ static int proc_run(char *const argv[], double secs, const char *scratch, char *
 }
 
 /* True when the wait status is a normal exit with `code`. */
-static bool proc_exited_with(int status, int code) {
+static inline bool proc_exited_with(int status, int code) {
   return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == code;
 }
 

@@ -1,0 +1,331 @@
+/* Gossip training as users run it: a bootstrap node and peers as separate
+ * `rumor` processes on 127.0.0.1. Replicas reach consensus, a cluster trains
+ * Fashion-MNIST to the target accuracy, a newcomer starts from the cluster's
+ * state, crashed / stopped / leaving peers get the right verdicts, and a dead
+ * bootstrap address does not prevent joining. */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "../support/cluster.h"
+#include "peer/checkpoint.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(gossip, .init = setup, .fini = teardown, .timeout = 240);
+
+static bool have_fmnist(void) {
+  struct stat st;
+  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
+}
+#define SKIP_WITHOUT_DATA()                                                                                    \
+  do {                                                                                                         \
+    if (!have_fmnist())                                                                                        \
+      cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)"); \
+  } while (0)
+
+/* Reads the parameters of a checkpoint into a new host array. */
+static float *load_params(const char *path, int64_t *n) {
+  struct checkpoint ck;
+  struct rumor_err e;
+  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
+  *n = model_spec_param_count(&ck.info.spec);
+  float *p = xmalloc((size_t)*n * sizeof(float));
+  int64_t off = 0;
+  for (int l = 0; l < ck.info.spec.nlayers; l++) {
+    char name[64];
+    for (int wb = 0; wb < 2; wb++) {
+      snprintf(name, sizeof name, "layers.%d.%s", l, wb ? "bias" : "weight");
+      const struct st_tensor *t = safetensors_find(&ck.file, name);
+      memcpy(p + off, t->data, t->nbytes);
+      off += (int64_t)(t->nbytes / sizeof(float));
+    }
+  }
+  checkpoint_close(&ck);
+  return p;
+}
+
+/* Ξ = sqrt((1/n) Σ‖θᵢ − θ̄‖²), and ‖θ̄‖. */
+static double consensus_distance(float **theta, int n, int64_t P, double *mean_norm) {
+  double xi2 = 0, mn2 = 0;
+  for (int64_t j = 0; j < P; j++) {
+    double mean = 0;
+    for (int i = 0; i < n; i++) mean += theta[i][j];
+    mean /= n;
+    mn2 += mean * mean;
+    for (int i = 0; i < n; i++) xi2 += ((double)theta[i][j] - mean) * ((double)theta[i][j] - mean);
+  }
+  if (mean_norm) *mean_norm = sqrt(mn2);
+  return sqrt(xi2 / n);
+}
+
+static void expect_clean_exit(int i) {
+  int st = cluster_wait(&C, i, 180);
+  cr_assert(proc_exited_with(st, 0), "peer %d did not finish cleanly (status %d): %s", i, st,
+            proc_slurp(C.node[i].log));
+}
+
+Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  const int n = 4;
+  int peer[4];
+  char seed[4][8];
+  for (int i = 0; i < n; i++) {
+    snprintf(seed[i], sizeof seed[i], "%d", i + 1);
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--lr", "0", "--no-state-pull", "--seed", seed[i],
+                                 "--max-steps", "1500", "--epochs", "1000", "--wait-peers", "4", "--no-eval",
+                                 "--gossip-every", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
+  }
+  for (int i = 0; i < n; i++) expect_clean_exit(peer[i]);
+
+  /* The initial replicas, rebuilt from their seeds. */
+  tensor_backend_t be;
+  struct rumor_err e;
+  cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0);
+  struct model_spec spec;
+  cr_assert_eq(model_spec_parse("mlp:784-64-10", &spec, &e), 0);
+  float *init[4], *final[4];
+  int64_t P = 0;
+  double exchanges = 0;
+  for (int i = 0; i < n; i++) {
+    struct model m;
+    cr_assert_eq(model_init(&m, &spec, be, 1, &e), 0);
+    model_init_params(&m, (uint64_t)i + 1);
+    P = m.nparams;
+    init[i] = xmalloc((size_t)P * sizeof(float));
+    memcpy(init[i], m.params.data, (size_t)P * sizeof(float));
+    model_free(&m);
+    int64_t np;
+    final[i] = load_params(C.node[peer[i]].ckpt, &np);
+    cr_assert_eq(np, P);
+    exchanges += cluster_result(&C, peer[i], "exchanges");
+  }
+  double xi0 = consensus_distance(init, n, P, NULL), xi1 = consensus_distance(final, n, P, NULL);
+  fprintf(stderr, "consensus: Xi %.6g -> %.6g (%.0f-fold) after %.0f exchanges counted by the peers\n", xi0, xi1,
+          xi0 / xi1, exchanges);
+  cr_assert_gt(xi0, 0.1, "the initial replicas should differ");
+  cr_assert(xi1 <= xi0 / 100.0, "Xi fell only from %g to %g (%.1f-fold, want >= 100)", xi0, xi1, xi0 / xi1);
+  cr_assert(exchanges > 0 && exchanges <= 4.0 * 1500, "exchanges %.0f out of bounds", exchanges);
+  for (int i = 0; i < n; i++) free(init[i]), free(final[i]);
+  tensor_backend_close(be);
+}
+
+Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  const int n = 4;
+  int peer[4];
+  char shard[4][8];
+  for (int i = 0; i < n; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/4", i);
+    peer[i] = cluster_start_peer(&C, "--shard", shard[i], "--epochs", "2", "--batch", "64", "--lr", "0.1",
+                                 "--wait-peers", "4", "--gossip-every", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
+  }
+  float *final[4];
+  int64_t P = 0;
+  for (int i = 0; i < n; i++) {
+    expect_clean_exit(peer[i]);
+    double acc = cluster_result(&C, peer[i], "test_accuracy");
+    fprintf(stderr, "peer %d: test accuracy %.4f, %.0f exchanges\n", i, acc, cluster_result(&C, peer[i], "exchanges"));
+    cr_assert(acc >= 0.85, "peer %d reached test accuracy %.4f < 0.85 after 2 epochs of its quarter", i, acc);
+    final[i] = load_params(C.node[peer[i]].ckpt, &P);
+  }
+  double norm, xi = consensus_distance(final, n, P, &norm);
+  fprintf(stderr, "final drift: Xi %.4g, relative %.4g\n", xi, xi / norm);
+  cr_assert(xi / norm < 0.05, "relative drift Xi/|mean| = %.4f is not bounded by 0.05", xi / norm);
+  for (int i = 0; i < n; i++) free(final[i]);
+}
+
+Test(gossip, newcomer_starts_from_the_cluster_state_not_random_weights) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int old[3];
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    /* The cluster covers the whole training set, so the newcomer's batches
+     * are data the cluster has trained on, like the check set. */
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    /* Many epochs: the cluster is still training when the newcomer arrives
+     * (the suite's teardown ends it). */
+    old[i] = cluster_start_peer(&C, "--model", "mlp:784-256-10", "--shard", shard[i], "--epochs", "50", "--wait-peers",
+                                "3", NULL);
+  }
+  cr_assert(cluster_wait_file(C.node[old[0]].log, "epoch 1/50 done", 120), "the cluster did not finish an epoch");
+  /* A larger batch keeps the newcomer's one-batch loss close to its mean. */
+  int nw = cluster_start_peer(&C, "--model", "mlp:784-256-10", "--shard", "3/4", "--epochs", "100000", "--batch", "8192",
+                              NULL);
+  cr_assert(cluster_wait_file(C.node[nw].log, "first step: loss", 60), "the newcomer did not start: %s",
+            proc_slurp(C.node[nw].log));
+  /* "starting from the cluster's state at step S (epoch E): loss L on the
+   * first 2048 training samples" — find the donation of step S. */
+  char *log = proc_slurp(C.node[nw].log);
+  const char *p = strstr(log, "starting from the cluster's state at step ");
+  cr_assert_not_null(p, "the newcomer did not take the cluster's state: %s", log);
+  long step = strtol(p + strlen("starting from the cluster's state at step "), NULL, 10);
+  double received = strtod(strstr(p, ": loss ") + 7, NULL);
+  double first = strtod(strstr(log, "first step: loss ") + 17, NULL);
+  free(log);
+  char want[96];
+  snprintf(want, sizeof want, "donating our state at step %ld: loss ", step);
+  double donated = NAN;
+  for (int i = 0; i < 3 && isnan(donated); i++) {
+    char *s = proc_slurp(C.node[old[i]].log);
+    const char *q = strstr(s, want);
+    if (q) donated = strtod(q + strlen(want), NULL);
+    free(s);
+  }
+  fprintf(stderr, "state of step %ld: donor's check loss %.4f, newcomer's %.4f; newcomer's first-step loss %.4f\n", step,
+          donated, received, first);
+  cr_assert(!isnan(donated), "no peer logged the donation of step %ld", step);
+  cr_assert(fabs(received - donated) < 1e-3, "the received state differs from the donated one (%.5f vs %.5f)",
+            received, donated);
+  cr_assert(fabs(first - donated) <= 0.10 * donated, "first-step loss %.4f is not within 10%% of the cluster's %.4f",
+            first, donated);
+  cr_assert(first < 1.0, "first-step loss %.4f looks like random weights (about 2.3)", first);
+}
+
+static void start_four(int *peer, const char *max_steps, const char *extra_flag, const char *extra_val) {
+  /* The bootstrap takes part in membership: it gets the same timing. */
+  char *boot_args[] = {extra_flag ? (char *)extra_flag : NULL, (char *)extra_val, NULL};
+  cluster_start_bootstrap(&C, strcmp(extra_flag, "--suspect-ms") == 0 ? boot_args : NULL);
+  char shard[4][8];
+  for (int i = 0; i < 4; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/4", i);
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-128-10", "--shard", shard[i], "--epochs", "1000",
+                                 "--max-steps", max_steps, "--no-eval", "--wait-peers", "4", "--checkpoint",
+                                 C.node[C.n].ckpt, extra_flag, extra_val, NULL);
+  }
+  for (int i = 0; i < 4; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+}
+
+/* Lines of node i's log that mention `addr` and `what`. */
+static int count_lines(int i, const char *addr, const char *what) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  char pat[96];
+  snprintf(pat, sizeof pat, "%s (", addr);
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (strstr(line, pat) && strstr(line, what)) n++;
+  free(s);
+  return n;
+}
+
+Test(gossip, sigkill_mid_exchange_is_failed_within_the_timeout_and_nothing_goes_nan) {
+  SKIP_WITHOUT_DATA();
+  int peer[4];
+  start_four(peer, "6000", "--gossip-every", "1");
+  usleep(1500000); /* exchanges are under way (every step, ~1 ms each) */
+  long killed_at = cluster_wall_ms_of_day();
+  kill(C.node[peer[2]].pid, SIGKILL);
+  cluster_wait(&C, peer[2], 5);
+  const char *victim = C.node[peer[2]].addr;
+  for (int k = 0; k < 4; k++) {
+    if (k == 2) continue;
+    char pat[96];
+    snprintf(pat, sizeof pat, "%s (", victim);
+    cr_assert(cluster_wait_file(C.node[peer[k]].log, "is now failed", 15), "peer %d never declared the victim failed", k);
+    long at = cluster_log_first(&C, peer[k], pat, "is now failed");
+    long took = at - killed_at;
+    fprintf(stderr, "peer %d declared the killed peer failed after %ld ms\n", k, took);
+    /* Suspicion timeout plus a few probe periods to notice, with slack for
+     * a loaded 2-core machine. */
+    cr_assert(took >= 0 && took <= CLUSTER_SUSPECT_MS + 10 * CLUSTER_PERIOD_MS + 2000,
+              "failure detected after %ld ms", took);
+  }
+  for (int k = 0; k < 4; k++) {
+    if (k == 2) continue;
+    expect_clean_exit(peer[k]);
+    int64_t P;
+    float *p = load_params(C.node[peer[k]].ckpt, &P);
+    for (int64_t j = 0; j < P; j++) cr_assert(isfinite(p[j]), "peer %d parameter %lld is %f", k, (long long)j, p[j]);
+    free(p);
+    cr_assert_eq(cluster_result(&C, peer[k], "steps"), 6000, "peer %d stopped early", k);
+  }
+}
+
+Test(gossip, sigterm_peer_is_recorded_as_left_never_suspected) {
+  SKIP_WITHOUT_DATA();
+  int peer[4];
+  start_four(peer, "6000", "--gossip-every", "1");
+  usleep(1000000);
+  kill(C.node[peer[1]].pid, SIGTERM);
+  int st = cluster_wait(&C, peer[1], 20);
+  cr_assert(proc_exited_with(st, 0), "the peer did not leave cleanly on SIGTERM (status %d)", st);
+  cr_assert(cluster_log_has(&C, peer[1], "leaving: told"), "%s", proc_slurp(C.node[peer[1]].log));
+  usleep(2 * CLUSTER_SUSPECT_MS * 1000);
+  const char *leaver = C.node[peer[1]].addr;
+  for (int k = 0; k < 4; k++) {
+    if (k == 1) continue;
+    cr_assert_gt(count_lines(peer[k], leaver, "is now left"), 0, "peer %d did not record the leave", k);
+    cr_assert_eq(count_lines(peer[k], leaver, "is now suspect"), 0, "peer %d suspected a peer that left", k);
+    cr_assert_eq(count_lines(peer[k], leaver, "is now failed"), 0, "peer %d declared a peer that left failed", k);
+  }
+}
+
+Test(gossip, sigstop_shorter_than_suspicion_refutes_and_stays_a_member) {
+  SKIP_WITHOUT_DATA();
+  int peer[4];
+  start_four(peer, "6000", "--suspect-ms", "4000");
+  usleep(1000000);
+  kill(C.node[peer[3]].pid, SIGSTOP);
+  usleep(1500000);
+  kill(C.node[peer[3]].pid, SIGCONT);
+  usleep(3000000);
+  const char *paused = C.node[peer[3]].addr;
+  int suspected = 0;
+  for (int k = 0; k < 3; k++) {
+    cr_assert_eq(count_lines(peer[k], paused, "is now failed"), 0, "peer %d declared the paused peer failed", k);
+    int s = count_lines(peer[k], paused, "is now suspect");
+    suspected += s;
+    /* A suspicion must have been refuted: the member is alive again. */
+    if (s > 0)
+      cr_assert_gt(count_lines(peer[k], paused, "is now alive"), 0, "peer %d never saw the refutation", k);
+  }
+  fprintf(stderr, "the paused peer was suspected %d times and refuted\n", suspected);
+  for (int k = 0; k < 4; k++) expect_clean_exit(peer[k]);
+  cr_assert_gt(cluster_result(&C, peer[3], "exchanges"), 0);
+}
+
+static int dead_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t len = sizeof a;
+  getsockname(fd, (struct sockaddr *)&a, &len);
+  close(fd); /* nothing listens there now */
+  return ntohs(a.sin_port);
+}
+
+Test(gossip, dead_first_bootstrap_address_still_joins_and_all_dead_is_a_clear_error) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  char list[160];
+  snprintf(list, sizeof list, "127.0.0.1:%d,%s", dead_port(), C.boot);
+  char *args[] = {"--bootstrap", list, "--threads", "1", "--max-steps", "20", "--no-eval", "--model", "mlp:784-32-10", NULL};
+  int p = cluster_spawn(&C, "peer", args);
+  expect_clean_exit(p);
+  char joined[96];
+  snprintf(joined, sizeof joined, "joined through %s", C.boot);
+  cr_assert(cluster_log_has(&C, p, joined), "%s", proc_slurp(C.node[p].log));
+
+  int d1 = dead_port(), d2 = dead_port();
+  snprintf(list, sizeof list, "127.0.0.1:%d,127.0.0.1:%d", d1, d2);
+  char *args2[] = {"--bootstrap", list, "--join-timeout-ms", "1500", "--max-steps", "20", "--model", "mlp:784-32-10", NULL};
+  int q = cluster_spawn(&C, "peer", args2);
+  int st = cluster_wait(&C, q, 30);
+  cr_assert(proc_exited_with(st, 1), "joining with only dead addresses should fail (status %d)", st);
+  char a1[32], a2[32];
+  snprintf(a1, sizeof a1, "127.0.0.1:%d", d1);
+  snprintf(a2, sizeof a2, "127.0.0.1:%d", d2);
+  cr_assert(cluster_log_has(&C, q, a1) && cluster_log_has(&C, q, a2) && cluster_log_has(&C, q, "could not join"),
+            "the error should name every address tried: %s", proc_slurp(C.node[q].log));
+}

@@ -1,0 +1,218 @@
+/*
+ * cluster.h — local clusters for integration tests: a scratch directory
+ * with a cluster key, a bootstrap node and peers started as `rumor`
+ * processes on 127.0.0.1 with ephemeral ports, each with its own identity,
+ * stdout file (its JSON lines) and log file. Every process is registered with
+ * proc.h so the suite's .fini can end them all.
+ *
+ * Header-only; include after proc.h and criterion.
+ */
+#ifndef RUMOR_TESTS_CLUSTER_H
+#define RUMOR_TESTS_CLUSTER_H
+
+#include <stdarg.h>
+#include <time.h>
+
+#include "proc.h"
+
+#define CLUSTER_MAX 16
+
+/* Membership timing compressed for tests. */
+#define CLUSTER_PERIOD_MS 100
+#define CLUSTER_PING_TIMEOUT_MS 60
+#define CLUSTER_SUSPECT_MS 1000
+
+struct cluster_node {
+  pid_t pid;
+  char id_file[256], out[256], log[256], ckpt[256];
+  char addr[64]; /* advertised "127.0.0.1:PORT" */
+  int exit_status;
+};
+
+struct cluster {
+  char dir[64];
+  char key[256];
+  char boot[64]; /* the bootstrap's address */
+  int n;
+  struct cluster_node node[CLUSTER_MAX];
+};
+
+static inline void cluster_sh(const char *fmt, ...) {
+  char cmd[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cmd, sizeof cmd, fmt, ap);
+  va_end(ap);
+  cr_assert_eq(system(cmd), 0, "command failed: %s", cmd);
+}
+
+static inline void cluster_init(struct cluster *c) {
+  memset(c, 0, sizeof *c);
+  snprintf(c->dir, sizeof c->dir, "/tmp/rumor-test-cluster-XXXXXX");
+  cr_assert_not_null(mkdtemp(c->dir));
+  snprintf(c->key, sizeof c->key, "%s/cluster.key", c->dir);
+  /* Known before a node starts, so its own arguments can name it. */
+  for (int i = 0; i < CLUSTER_MAX; i++)
+    snprintf(c->node[i].ckpt, sizeof c->node[i].ckpt, "%s/node%d.safetensors", c->dir, i);
+  cluster_sh("%s keygen --cluster -o %s >/dev/null 2>&1", RUMOR_BIN, c->key);
+}
+
+/* Ends every process and removes the scratch directory, unless `keep` or
+ * RUMOR_KEEP_LOGS is set in the environment (then its path is printed). */
+static inline void cluster_fini(struct cluster *c, bool keep) {
+  proc_kill_all();
+  if (!c->dir[0]) return;
+  if (keep || getenv("RUMOR_KEEP_LOGS")) {
+    fprintf(stderr, "cluster logs kept in %s\n", c->dir);
+    return;
+  }
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", c->dir);
+}
+
+static inline double cluster_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Waits until `path` contains `needle`; returns true when it does. */
+static inline bool cluster_wait_file(const char *path, const char *needle, double secs) {
+  double t0 = cluster_now();
+  while (cluster_now() - t0 < secs) {
+    char *s = proc_slurp(path);
+    bool found = strstr(s, needle) != NULL;
+    free(s);
+    if (found) return true;
+    usleep(50000);
+  }
+  return false;
+}
+
+static inline bool cluster_log_has(const struct cluster *c, int i, const char *needle) {
+  char *s = proc_slurp(c->node[i].log);
+  bool found = strstr(s, needle) != NULL;
+  free(s);
+  return found;
+}
+
+/* Starts `rumor <cmd> <args...> NULL` as node i (a new identity) and waits
+ * for its {"listen": ...} line. Returns the node index. */
+static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const *args) {
+  cr_assert_lt(c->n, CLUSTER_MAX);
+  int i = c->n++;
+  struct cluster_node *nd = &c->node[i];
+  char dir[sizeof c->dir];
+  memcpy(dir, c->dir, sizeof dir);
+  snprintf(nd->id_file, sizeof nd->id_file, "%s/id%d.key", dir, i);
+  snprintf(nd->out, sizeof nd->out, "%s/node%d.out", dir, i);
+  snprintf(nd->log, sizeof nd->log, "%s/node%d.log", dir, i);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, nd->id_file);
+  char period[16], ping[16], suspect[16];
+  snprintf(period, sizeof period, "%d", CLUSTER_PERIOD_MS);
+  snprintf(ping, sizeof ping, "%d", CLUSTER_PING_TIMEOUT_MS);
+  snprintf(suspect, sizeof suspect, "%d", CLUSTER_SUSPECT_MS);
+  char *argv[96];
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  argv[n++] = (char *)cmd;
+  argv[n++] = "--listen";
+  argv[n++] = "127.0.0.1:0";
+  argv[n++] = "--cluster-key";
+  argv[n++] = c->key;
+  argv[n++] = "--identity";
+  argv[n++] = nd->id_file;
+  argv[n++] = "--period-ms";
+  argv[n++] = period;
+  argv[n++] = "--ping-timeout-ms";
+  argv[n++] = ping;
+  argv[n++] = "--suspect-ms";
+  argv[n++] = suspect;
+  for (int k = 0; args && args[k] && n < 94; k++) argv[n++] = args[k];
+  argv[n] = NULL;
+  nd->pid = proc_spawn(argv, nd->out, nd->log);
+  cr_assert_gt(nd->pid, 0);
+  cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d (%s) did not start: %s", i, cmd,
+            proc_slurp(nd->log));
+  char *out = proc_slurp(nd->out);
+  const char *p = strstr(out, "\"listen\":\"") + 10;
+  const char *q = strchr(p, '"');
+  snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
+  free(out);
+  return i;
+}
+
+/* The bootstrap node; `args` (NULL-terminated, may be NULL) are extra
+ * options, e.g. the same timing as the peers'. */
+static inline void cluster_start_bootstrap(struct cluster *c, char *const *args) {
+  int i = cluster_spawn(c, "bootstrap", args);
+  snprintf(c->boot, sizeof c->boot, "%s", c->node[i].addr);
+}
+
+/* A peer joining through the bootstrap, with the given extra arguments
+ * (NULL-terminated). Its checkpoint path is available as node[i].ckpt. */
+static inline int cluster_start_peer(struct cluster *c, ...) {
+  char *args[64];
+  int n = 0;
+  args[n++] = "--bootstrap";
+  args[n++] = c->boot;
+  args[n++] = "--threads";
+  args[n++] = "1";
+  args[n++] = "--log-every";
+  args[n++] = "1";
+  va_list ap;
+  va_start(ap, c);
+  for (char *a; n < 62 && (a = va_arg(ap, char *)) != NULL;) args[n++] = a;
+  va_end(ap);
+  args[n] = NULL;
+  return cluster_spawn(c, "peer", args);
+}
+
+/* Waits for node i to exit (at most `secs`); returns its wait status or -1. */
+static inline int cluster_wait(struct cluster *c, int i, double secs) {
+  c->node[i].exit_status = proc_wait(c->node[i].pid, secs);
+  return c->node[i].exit_status;
+}
+
+/* A number from node i's last JSON result line on stdout, or NAN. */
+static inline double cluster_result(const struct cluster *c, int i, const char *key) {
+  char *out = proc_slurp(c->node[i].out);
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = strstr(out, "\"test_accuracy\"") ? strstr(out, pat) : NULL;
+  double v = p ? strtod(p + strlen(pat), NULL) : NAN;
+  free(out);
+  return v;
+}
+
+/* Milliseconds since midnight of a log line's "HH:MM:SS.mmm" stamp. */
+static inline long cluster_log_ms(const char *line) {
+  int h, m, s, ms;
+  if (sscanf(line, "%d:%d:%d.%d", &h, &m, &s, &ms) != 4) return -1;
+  return ((h * 60L + m) * 60L + s) * 1000L + ms;
+}
+
+static inline long cluster_wall_ms_of_day(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  struct tm tm;
+  localtime_r(&t.tv_sec, &tm);
+  return ((tm.tm_hour * 60L + tm.tm_min) * 60L + tm.tm_sec) * 1000L + t.tv_nsec / 1000000;
+}
+
+/* The log stamp (ms of day) of node i's first line containing both `a` and
+ * `b`, or -1. */
+static inline long cluster_log_first(const struct cluster *c, int i, const char *a, const char *b) {
+  char *s = proc_slurp(c->node[i].log);
+  long at = -1;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (strstr(line, a) && (!b || strstr(line, b))) {
+      at = cluster_log_ms(line);
+      break;
+    }
+  free(s);
+  return at;
+}
+
+#endif /* RUMOR_TESTS_CLUSTER_H */
