@@ -66,7 +66,8 @@ static void set_pull_result(struct gossip *g, bool first) {
 
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
   uint64_t w = atomic_load(&g->xch_word);
-  if (ws_state(w) == SLOT_IDLE && want && atomic_load(&g->ready)) {
+  /* Only active peers start exchanges (see gossip_impl.h). */
+  if (ws_state(w) == SLOT_IDLE && want && atomic_load(&g->ready) && atomic_load(&g->active)) {
     if (atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
       return GOSSIP_XCH_SNAPSHOT;
   }
@@ -240,7 +241,10 @@ static void ask_partner(struct gossip *g) {
   uint8_t prev[NET_PUBKEY_BYTES];
   bool had = x->attempts > 0;
   memcpy(prev, x->partner, sizeof prev);
-  if (x->attempts >= 3 || !gossip_pick_peer(g, x->partner, had ? prev : NULL, true)) {
+  if (x->attempts >= 3 || !gossip_pick_partner(g, x->partner, had ? prev : NULL)) {
+    pthread_mutex_lock(&g->lock);
+    g->stats.exchange_idle++;
+    pthread_mutex_unlock(&g->lock);
     xch_end(g, NULL, false); /* nobody free: try again at the next scheduled exchange */
     return;
   }
@@ -256,7 +260,13 @@ static void ask_partner(struct gossip *g) {
   net_msgbuf_put_uint(&b, "step", x->snapshot_step);
   int rc = gossip_send(g, x->partner, &b);
   net_msgbuf_free(&b);
-  if (rc) ask_partner(g); /* cannot even queue it: try someone else */
+  if (rc) {
+    ask_partner(g); /* cannot even queue it: try someone else */
+    return;
+  }
+  pthread_mutex_lock(&g->lock);
+  g->stats.exchange_requests++;
+  pthread_mutex_unlock(&g->lock);
 }
 
 /* Our snapshot is in `mine` and the slot is BUSY: start asking (initiator)
@@ -416,6 +426,9 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     if (net_msg_get_uint(m, "x", &xid)) break;
     if (!x->active || xid != x->xid || !same_id(from, x->partner)) return;
     if (x->initiator && !x->accepted) {
+      pthread_mutex_lock(&g->lock);
+      g->stats.exchange_refusals++;
+      pthread_mutex_unlock(&g->lock);
       ask_partner(g); /* busy or not ready: ask someone else */
     } else {
       const char *why;

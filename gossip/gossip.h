@@ -149,6 +149,9 @@ void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos);
 
 struct gossip_stats {
   uint64_t exchanges_ok, exchanges_failed, exchanges_rejected;
+  uint64_t exchange_requests; /* requests we sent */
+  uint64_t exchange_refusals; /* requests partners refused (busy, not ready) */
+  uint64_t exchange_idle;     /* snapshots that found no free partner */
   char last_failure[128];
   double last_exchange_age_s; /* -1 before the first */
   uint64_t members_alive, members_suspect, members_failed, members_left;

@@ -133,6 +133,10 @@ struct gossip {
   /* Ready to exchange and donate: joined and holding a state. Written by
    * the training thread (after join_wait), read by the loop. */
   _Atomic bool ready;
+  /* Our role in the bipartite exchange graph (AD-PSGD): peers sorted by key,
+   * even ranks initiate ("active"), odd ranks only answer. Two initiators
+   * then never wait on each other. Written by the loop, read by training. */
+  _Atomic bool active;
 
   /* Published for other threads under `lock`. */
   pthread_mutex_t lock;
@@ -153,6 +157,11 @@ int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b);
  * `exclude`, and when `donors_only` not one that said it is still joining).
  * Returns false when there is none. */
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only);
+/* The same, among passive peers only (the partners an active peer asks);
+ * falls back to any peer when no passive one is free. */
+bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude);
+/* Recomputes our active/passive role from the member table. */
+void gossip_update_role(struct gossip *g);
 void gossip_publish(struct gossip *g);
 void gossip_fail_stat(struct gossip *g, const char *why);
 

@@ -153,6 +153,42 @@ bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bo
   return ok;
 }
 
+/* Rank of `id` among the alive peers and ourselves (when we are a peer),
+ * ordered by key. */
+static size_t peer_rank(struct gossip *g, const uint8_t *id) {
+  size_t r = 0;
+  if (g->cfg.role == GOSSIP_ROLE_PEER && memcmp(g->identity.pk, id, NET_PUBKEY_BYTES) < 0) r++;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role == SWIM_ROLE_PEER && m->info.state == SWIM_ALIVE &&
+        memcmp(m->info.id, id, NET_PUBKEY_BYTES) < 0)
+      r++;
+  }
+  return r;
+}
+
+void gossip_update_role(struct gossip *g) {
+  atomic_store(&g->active, peer_rank(g, g->identity.pk) % 2 == 0);
+}
+
+bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+  uint64_t now = gossip_now_ms(g);
+  size_t n = 0;
+  size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
+    if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
+    struct gossip_link *l = gossip_link_get(g, m->info.id, false);
+    if (l && (l->backoff_until_ms > now || l->joining_until_ms > now)) continue;
+    if (peer_rank(g, m->info.id) % 2 == 1) cand[n++] = i;
+  }
+  bool ok = n > 0;
+  if (ok) memcpy(out, g->swim.members[cand[rng_below(&g->rng, n)]].info.id, NET_PUBKEY_BYTES);
+  free(cand);
+  return ok || gossip_pick_peer(g, out, exclude, true);
+}
+
 void gossip_fail_stat(struct gossip *g, const char *why) {
   pthread_mutex_lock(&g->lock);
   g->stats.exchanges_failed++;
@@ -545,6 +581,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
 /* ---- figures for other threads ---- */
 
 void gossip_publish(struct gossip *g) {
+  gossip_update_role(g);
   size_t need = g->swim.nmembers + 1;
   pthread_mutex_lock(&g->lock);
   if (need > g->pub_cap) {

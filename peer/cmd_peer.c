@@ -34,10 +34,13 @@ static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0
            acc, loss, (long long)t->st.step, (unsigned long long)gs.exchanges_ok,
            (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected);
   printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
-         "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"id\":\"%s\"}\n",
+         "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"exchange_requests\":%llu,"
+         "\"exchange_refusals\":%llu,\"exchange_idle\":%llu,\"id\":\"%s\"}\n",
          acc, loss, (long long)t->st.step, (long long)t->st.epoch,
          secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs.exchanges_ok,
-         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected, gossip_self_id(g));
+         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
+         (unsigned long long)gs.exchange_requests, (unsigned long long)gs.exchange_refusals,
+         (unsigned long long)gs.exchange_idle, gossip_self_id(g));
   fflush(stdout);
 }
 

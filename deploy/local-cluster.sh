@@ -1,0 +1,79 @@
+#!/bin/sh
+# Runs a gossip cluster on this machine: a bootstrap node and N peers, each
+# training on 1/N of Fashion-MNIST, keeps one log per process, and prints
+# every peer's final test accuracy.
+#
+#   deploy/local-cluster.sh [N] [-- extra rumor peer options]
+#
+# Environment: RUMOR (the binary, default build/peer/rumor), WORKDIR (keys
+# and logs, default ./cluster-run), EPOCHS (passes of each peer over its
+# 1/N shard, default 10: the cluster together sees 10 epochs' worth of data),
+# THREADS (CPU threads per peer, default: cores / N, at least 1).
+# Exit status: 0 when every peer finished, 1 otherwise.
+set -eu
+cd "$(dirname "$0")/.."
+n=${1:-4}
+[ $# -gt 0 ] && shift
+[ "${1:-}" = "--" ] && shift
+case $n in ''|*[!0-9]*|0) echo "usage: $0 [N>0] [-- peer options]" >&2; exit 2;; esac
+rumor=${RUMOR:-build/peer/rumor}
+[ -x "$rumor" ] || { echo "$0: $rumor not found; run deploy/build.sh first" >&2; exit 1; }
+work=${WORKDIR:-cluster-run}
+epochs=${EPOCHS:-10}
+cores=$(nproc)
+threads=${THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
+mkdir -p "$work"
+rm -f "$work"/*.log "$work"/*.out
+
+pids=""
+cleanup() {
+  for p in $pids; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT INT TERM
+
+[ -f "$work/cluster.key" ] || "$rumor" keygen --cluster -o "$work/cluster.key" >/dev/null 2>&1
+for i in $(seq 0 "$n"); do
+  [ -f "$work/id$i.key" ] || "$rumor" keygen -o "$work/id$i.key" >/dev/null 2>&1
+done
+
+"$rumor" bootstrap --listen 127.0.0.1:0 --cluster-key "$work/cluster.key" --identity "$work/id0.key" \
+  > "$work/bootstrap.out" 2> "$work/bootstrap.log" &
+boot_pid=$!
+pids="$boot_pid"
+for _ in $(seq 1 100); do
+  grep -q '"listen"' "$work/bootstrap.out" 2>/dev/null && break
+  sleep 0.1
+done
+boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
+[ -n "$boot" ] || { echo "$0: the bootstrap node did not start; see $work/bootstrap.log" >&2; exit 1; }
+echo "bootstrap node on $boot; starting $n peers ($epochs epochs each on 1/$n of the data, $threads thread(s) each)"
+echo "logs: $work/peer-<i>.log"
+
+peer_pids=""
+for i in $(seq 1 "$n"); do
+  "$rumor" peer --bootstrap "$boot" --cluster-key "$work/cluster.key" --identity "$work/id$i.key" \
+    --listen 127.0.0.1:0 --shard "$((i - 1))/$n" --epochs "$epochs" --threads "$threads" \
+    --wait-peers "$n" --name "peer-$i" "$@" > "$work/peer-$i.out" 2> "$work/peer-$i.log" &
+  peer_pids="$peer_pids $!"
+  pids="$pids $!"
+done
+
+status=0
+i=0
+for p in $peer_pids; do
+  i=$((i + 1))
+  wait "$p" || { status=1; echo "peer-$i failed; see $work/peer-$i.log" >&2; }
+done
+kill "$boot_pid" 2>/dev/null || true
+
+printf '\n%-8s %-6s %14s %10s %10s\n' peer shard test_accuracy exchanges samples/s
+i=0
+for p in $peer_pids; do
+  i=$((i + 1))
+  line=$(grep '"test_accuracy"' "$work/peer-$i.out" 2>/dev/null || true)
+  num() { echo "$line" | sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
+  printf '%-8s %-6s %14s %10s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num test_accuracy)" "$(num exchanges)" \
+    "$(num samples_per_s)"
+done
+exit $status
