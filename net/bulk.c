@@ -4,6 +4,7 @@
  * time (so memory stays bounded whatever the buffer's size).
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "net/net_impl.h"
@@ -67,13 +68,18 @@ static bool cpu_has_f16c(void) {
 }
 #endif
 
-/* Set once on first use; a benign race (every thread computes the same). */
-static int g_f16c = -1;
+/* Worked out on first use by whichever thread gets there (workers too);
+ * every thread computes the same value. */
+static _Atomic int g_f16c = -1;
 
 bool net_dtype_fast_path(void) {
 #ifdef NET_HAVE_X86
-  if (g_f16c < 0) g_f16c = cpu_has_f16c();
-  return g_f16c == 1;
+  int v = atomic_load_explicit(&g_f16c, memory_order_relaxed);
+  if (v < 0) {
+    v = cpu_has_f16c();
+    atomic_store_explicit(&g_f16c, v, memory_order_relaxed);
+  }
+  return v == 1;
 #else
   return false;
 #endif
@@ -125,13 +131,18 @@ void net_digest_root_init(crypto_generichash_state *root, uint64_t count, enum n
   crypto_generichash_update(root, params, sizeof params);
 }
 
-void net_digest_add_chunk(crypto_generichash_state *root, uint64_t chunk_index, const uint8_t *p, size_t n) {
-  uint8_t salt[crypto_generichash_blake2b_SALTBYTES] = {0}, leaf[NET_DIGEST_BYTES];
+void net_digest_leaf(uint8_t leaf[NET_DIGEST_BYTES], uint64_t chunk_index, const uint8_t *p, size_t n) {
+  uint8_t salt[crypto_generichash_blake2b_SALTBYTES] = {0};
   net_be64_put(salt + 8, chunk_index);
   crypto_generichash_state st;
-  crypto_generichash_blake2b_init_salt_personal(&st, NULL, 0, sizeof leaf, salt, leaf_personal);
+  crypto_generichash_blake2b_init_salt_personal(&st, NULL, 0, NET_DIGEST_BYTES, salt, leaf_personal);
   crypto_generichash_update(&st, p, n);
-  crypto_generichash_final(&st, leaf, sizeof leaf);
+  crypto_generichash_final(&st, leaf, NET_DIGEST_BYTES);
+}
+
+void net_digest_add_chunk(crypto_generichash_state *root, uint64_t chunk_index, const uint8_t *p, size_t n) {
+  uint8_t leaf[NET_DIGEST_BYTES];
+  net_digest_leaf(leaf, chunk_index, p, n);
   crypto_generichash_update(root, leaf, sizeof leaf);
 }
 
@@ -173,24 +184,12 @@ int net_bulk_tx_produce(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *f
     t->phase = t->count ? NET_TX_DATA : NET_TX_END;
     break;
   case NET_TX_DATA: {
-    uint64_t left = t->count - t->next_elem;
-    size_t elems = (size_t)(left < t->chunk_elems ? left : t->chunk_elems);
-    n = elems * net_dtype_size(t->wire);
-    const float *src = t->src + t->next_elem;
-    net_frame_hdr_write(frame, NET_FRAME_BULK_DATA, n, t->id, t->next_elem);
-    if (t->wire == NET_DTYPE_F32) {
-      /* Straight from the caller's buffer into the frame: one pass. */
-      if (t->digest) net_digest_add_chunk(&t->root, t->chunk_index, (const uint8_t *)src, n);
-      rc = net_aead_seal(aead, frame, (const uint8_t *)src, n);
-    } else {
-      net_dtype_encode(t->wire, pt, src, elems);
-      if (t->digest) net_digest_add_chunk(&t->root, t->chunk_index, pt, n);
-      rc = net_aead_seal(aead, frame, pt, n);
-    }
-    t->next_elem += elems;
-    t->chunk_index++;
-    if (t->next_elem == t->count) t->phase = NET_TX_END;
-    break;
+    struct net_tx_job job;
+    rc = net_bulk_tx_prepare_data(aead, t, frame, &job, len);
+    if (rc < 0) return rc;
+    net_tx_job_run(&job);
+    if (t->digest) crypto_generichash_update(&t->root, job.leaf, sizeof job.leaf);
+    return 0;
   }
   case NET_TX_END:
     n = 0;
@@ -207,4 +206,40 @@ int net_bulk_tx_produce(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *f
   if (rc < 0) return rc;
   *len = NET_FRAME_OVERHEAD + n;
   return 0;
+}
+
+int net_bulk_tx_prepare_data(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *frame, struct net_tx_job *job,
+                             size_t *len) {
+  uint64_t left = t->count - t->next_elem;
+  size_t elems = (size_t)(left < t->chunk_elems ? left : t->chunk_elems);
+  size_t n = elems * net_dtype_size(t->wire);
+  int rc = net_aead_reserve(aead, &job->ctr);
+  if (rc < 0) return rc;
+  job->aead = aead;
+  job->frame = frame;
+  job->src = t->src + t->next_elem;
+  job->elems = elems;
+  job->wire = t->wire;
+  job->digest = t->digest;
+  job->chunk_index = t->chunk_index;
+  net_frame_hdr_write(frame, NET_FRAME_BULK_DATA, n, t->id, t->next_elem);
+  t->next_elem += elems;
+  t->chunk_index++;
+  if (t->next_elem == t->count) t->phase = NET_TX_END;
+  *len = NET_FRAME_OVERHEAD + n;
+  return 0;
+}
+
+void net_tx_job_run(struct net_tx_job *j) {
+  size_t n = j->elems * net_dtype_size(j->wire);
+  uint8_t *pt = j->frame + NET_FRAME_HDR;
+  if (j->wire == NET_DTYPE_F32) {
+    /* Straight from the caller's buffer into the frame: one pass. */
+    if (j->digest) net_digest_leaf(j->leaf, j->chunk_index, (const uint8_t *)j->src, n);
+    net_aead_seal_at(j->aead, j->ctr, j->frame, (const uint8_t *)j->src, n);
+  } else {
+    net_dtype_encode(j->wire, pt, j->src, j->elems);
+    if (j->digest) net_digest_leaf(j->leaf, j->chunk_index, pt, n);
+    net_aead_seal_at(j->aead, j->ctr, j->frame, pt, n);
+  }
 }

@@ -228,6 +228,9 @@ struct net_config {
   uint32_t close_linger_ms;      /* graceful close waits this long for the peer (default 2000) */
   uint32_t suites;               /* enum net_suite mask allowed (default both) */
   int sock_buf_bytes;            /* SO_SNDBUF/SO_RCVBUF; 0 = the system's (default 0) */
+  bool offload;                  /* seal and open bulk chunks on libuv's thread pool, so
+                                    crypto and hashing use more than the loop's core
+                                    (default true; UV_THREADPOOL_SIZE sets the pool) */
   struct net_msg_limits msg_limits;
 };
 void net_config_defaults(struct net_config *c);
@@ -271,7 +274,9 @@ struct net_callbacks {
 };
 
 /* Creates a net on `loop` (owned by the caller, which runs it). Returns 0 and
- * *out, or a negative code with a message in `e`. */
+ * *out, or a negative code with a message in `e`. When SIGPIPE still has its
+ * default action it is set to ignored (process-wide), so that writing to a
+ * peer that vanished fails with EPIPE instead of killing the process. */
 int net_init(net_t **out, uv_loop_t *loop, const struct net_config *cfg,
              const struct net_callbacks *cbs, void *ud, struct rumor_err *e) RUMOR_MUST_CHECK;
 
@@ -320,12 +325,15 @@ struct net_bulk_send {
 };
 #define NET_BULK_META_MAX 65536
 int net_conn_send_bulk(net_conn_t *c, const struct net_bulk_send *s, uint64_t *id_out) RUMOR_MUST_CHECK;
-/* Abandons an outbound transfer: its `done` is called with RUMOR_ECANCELED
- * (before this returns) and the receiver is told. Returns RUMOR_ENOTFOUND
- * when no such transfer is pending. */
+/* Abandons an outbound transfer: the receiver is told, and `done` is called
+ * with RUMOR_ECANCELED — before this returns, or, when worker threads are
+ * still sealing chunks of `src`, as soon as they are done with it (so `src`
+ * may be freed in `done`, never before). Returns RUMOR_ENOTFOUND when no
+ * such transfer is pending. */
 int net_conn_cancel_send(net_conn_t *c, uint64_t id);
-/* Abandons the current inbound transfer with this id: on_bulk_done is called
- * with RUMOR_ECANCELED before this returns; later chunks are discarded. */
+/* Abandons the current inbound transfer with this id; later chunks are
+ * discarded. on_bulk_done is called with RUMOR_ECANCELED — before this
+ * returns, or as soon as worker threads stop writing into dst. */
 int net_conn_cancel_recv(net_conn_t *c, uint64_t id);
 
 /* Graceful close: queued control messages are sent, outbound transfers are

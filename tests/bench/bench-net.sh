@@ -63,7 +63,7 @@ awk -v mb="$MB" -v raw="$raw" -v rumor="$rumor" -v gloo="$gloo" -v extra="$EXTRA
     row("  rumor, ChaCha20-Poly1305", chacha)
   }
   printf "\ntargets: gloo_time / rumor_time = %.2f (>= 1.0: %s); rumor goodput / raw TCP = %.2f (>= 0.60: %s)\n",
-         gloo / rumor, gloo / rumor >= 1.0 ? "met" : "MISSED", raw / rumor, raw / rumor >= 0.60 ? "met" : "MISSED"
+         gloo / rumor, ((gloo / rumor >= 1.0) ? "met" : "MISSED"), raw / rumor, ((raw / rumor >= 0.60) ? "met" : "MISSED")
 }
 function row(name, ms) {
   printf "%-44s %10.1f %12.0f %12.2f %12.2f\n", name, ms, mb / (ms / 1000), gloo / ms, raw / ms
