@@ -13,6 +13,7 @@ fi
 packages="
   build-essential cmake pkg-config git
   libuv1-dev libmsgpack-dev libsodium-dev zlib1g-dev libdnnl-dev
+  libssl-dev
   libcriterion-dev
   dataset-fashion-mnist
   python3 python3-numpy python3-torch

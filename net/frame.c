@@ -4,6 +4,7 @@
  * authentication, dispatch of control messages and bulk transfer frames).
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,65 @@
 #include "net/net_impl.h"
 
 /* ---- AEAD ------------------------------------------------------------------ */
+
+/* AES-256-GCM comes from libsodium, or — when built with RUMOR_NET_OPENSSL —
+ * from OpenSSL's libcrypto, whose AES-GCM is about 2.5 times faster on
+ * x86-64 with AES-NI (stitched AES/GHASH). Both compute the standard
+ * AES-256-GCM, so peers built either way interoperate (the unit tests check
+ * one against the other). A context per call keeps worker threads apart; if
+ * libcrypto fails for any reason the frame goes through libsodium. */
+#ifdef RUMOR_NET_OPENSSL
+#include <openssl/evp.h>
+#include <pthread.h>
+
+static EVP_CIPHER *g_gcm;            /* fetched once, shared read-only */
+static pthread_once_t g_gcm_once = PTHREAD_ONCE_INIT;
+static _Atomic int g_use_ossl = 1;   /* test hook: 0 forces libsodium */
+
+static void gcm_fetch(void) { g_gcm = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL); }
+
+static const EVP_CIPHER *ossl_gcm(void) {
+  if (!atomic_load_explicit(&g_use_ossl, memory_order_relaxed)) return NULL;
+  pthread_once(&g_gcm_once, gcm_fetch);
+  return g_gcm;
+}
+
+/* One AES-256-GCM seal (enc) or open; returns 0, or -1 (open: the tag does
+ * not match; seal: libcrypto failed). */
+static int ossl_gcm_run(const EVP_CIPHER *cipher, bool enc, const uint8_t *key, const uint8_t *nonce,
+                        const uint8_t *ad, const uint8_t *in, uint8_t *out, size_t len, uint8_t *tag) {
+  EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+  if (!ctx) return -1;
+  int outl = 0, ok = EVP_CipherInit_ex(ctx, cipher, NULL, key, nonce, enc) == 1 &&
+                     EVP_CipherUpdate(ctx, NULL, &outl, ad, NET_FRAME_HDR) == 1;
+  for (size_t off = 0; ok && off < len;) {
+    int piece = len - off > (1u << 30) ? (1 << 30) : (int)(len - off);
+    ok = EVP_CipherUpdate(ctx, out + off, &outl, in + off, piece) == 1 && outl == piece;
+    off += (size_t)piece;
+  }
+  if (ok && !enc) ok = EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, NET_TAG_BYTES, tag) == 1;
+  uint8_t fin[16];
+  if (ok) ok = EVP_CipherFinal_ex(ctx, fin, &outl) == 1;
+  if (ok && enc) ok = EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, NET_TAG_BYTES, tag) == 1;
+  EVP_CIPHER_CTX_free(ctx);
+  return ok ? 0 : -1;
+}
+#endif
+
+const char *net_aead_aes_impl(void) {
+#ifdef RUMOR_NET_OPENSSL
+  if (ossl_gcm()) return "openssl";
+#endif
+  return "libsodium";
+}
+
+void net_test_aead_use_openssl(bool on) {
+#ifdef RUMOR_NET_OPENSSL
+  atomic_store(&g_use_ossl, on ? 1 : 0);
+#else
+  (void)on;
+#endif
+}
 
 void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]) {
   memset(a, 0, sizeof *a);
@@ -45,6 +105,10 @@ void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, co
   uint8_t nonce[NET_AEAD_NONCE_BYTES];
   nonce_of(nonce, ctr);
   uint8_t *ct = frame + NET_FRAME_HDR, *tag = ct + pt_len;
+#ifdef RUMOR_NET_OPENSSL
+  const EVP_CIPHER *gcm = a->suite == NET_SUITE_AES256GCM ? ossl_gcm() : NULL;
+  if (gcm && ossl_gcm_run(gcm, true, a->key, nonce, frame, pt, ct, pt_len, tag) == 0) return;
+#endif
   if (a->suite == NET_SUITE_AES256GCM)
     crypto_aead_aes256gcm_encrypt_detached_afternm(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
                                                    &a->aes);
@@ -58,6 +122,14 @@ int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[N
   uint8_t nonce[NET_AEAD_NONCE_BYTES];
   nonce_of(nonce, ctr);
   int rc;
+#ifdef RUMOR_NET_OPENSSL
+  const EVP_CIPHER *gcm = a->suite == NET_SUITE_AES256GCM ? ossl_gcm() : NULL;
+  if (gcm) {
+    uint8_t t[NET_TAG_BYTES];
+    memcpy(t, tag, sizeof t);
+    return ossl_gcm_run(gcm, false, a->key, nonce, hdr, ct, ct, len, t) == 0 ? 0 : RUMOR_EAUTH;
+  }
+#endif
   if (a->suite == NET_SUITE_AES256GCM)
     rc = crypto_aead_aes256gcm_decrypt_detached_afternm(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, &a->aes);
   else

@@ -163,6 +163,9 @@ void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, co
 int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct,
                      size_t len, const uint8_t tag[NET_TAG_BYTES]) RUMOR_MUST_CHECK;
 
+/* Which AES-256-GCM implementation this build uses: "openssl" or "libsodium". */
+const char *net_aead_aes_impl(void);
+
 struct net_frame_hdr {
   uint32_t len; /* bytes after the length field */
   uint8_t type, flags;
@@ -396,6 +399,9 @@ static inline uint64_t net_be64_get(const uint8_t *p) {
 }
 
 /* ---- test hooks (tests and fuzzers only) ----------------------------------- */
+/* false: AES-256-GCM through libsodium even in an OpenSSL build (to check
+ * that the two agree). */
+void net_test_aead_use_openssl(bool on);
 /* How many times msgpack-c's decoder has been called in this process. */
 uint64_t net_test_msgpack_decoder_calls(void);
 /* Stops or resumes reading from a connection (simulates a stalled receiver). */

@@ -413,3 +413,46 @@ Test(net_frame, bulk_frames_that_break_the_sequence_are_violations, .init = setu
   cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
   net_sess_free(&rx);
 }
+
+Test(net_frame, openssl_and_libsodium_aes_gcm_are_the_same_cipher, .init = setup) {
+  cr_log_info("AES-256-GCM implementation: %s", net_aead_aes_impl());
+  if (!crypto_aead_aes256gcm_is_available()) {
+    cr_log_warn("no AES-NI here: nothing to compare");
+    return;
+  }
+  struct rng r;
+  rng_seed(&r, 3, 0);
+  for (int iter = 0; iter < 200; iter++) {
+    size_t n = iter < 100 ? (size_t)iter : (size_t)rng_below(&r, 1u << 20);
+    uint8_t key[32];
+    randombytes_buf(key, sizeof key);
+    uint8_t *pt = malloc(n + 1), *a = malloc(NET_FRAME_OVERHEAD + n), *b = malloc(NET_FRAME_OVERHEAD + n);
+    randombytes_buf(pt, n);
+    struct net_aead tx;
+    net_aead_init(&tx, NET_SUITE_AES256GCM, key);
+    uint64_t ctr = rng_next_u64(&r) >> 1;
+    net_frame_hdr_write(a, NET_FRAME_MSG, n, 7, ctr);
+    memcpy(b, a, NET_FRAME_HDR);
+    net_test_aead_use_openssl(true);
+    net_aead_seal_at(&tx, ctr, a, pt, n);
+    net_test_aead_use_openssl(false);
+    net_aead_seal_at(&tx, ctr, b, pt, n);
+    cr_assert_eq(memcmp(a, b, NET_FRAME_OVERHEAD + n), 0, "%zu bytes: same ciphertext and tag", n);
+    /* each opens what the other sealed, and refuses a flipped bit */
+    net_test_aead_use_openssl(true);
+    cr_assert_eq(net_aead_open_at(&tx, ctr, b, b + NET_FRAME_HDR, n, b + NET_FRAME_HDR + n), 0);
+    cr_assert_eq(memcmp(b + NET_FRAME_HDR, pt, n), 0);
+    a[NET_FRAME_HDR + n + (iter % 16)] ^= 1;
+    uint8_t *c = malloc(NET_FRAME_OVERHEAD + n);
+    memcpy(c, a, NET_FRAME_OVERHEAD + n);
+    cr_assert_eq(net_aead_open_at(&tx, ctr, a, a + NET_FRAME_HDR, n, a + NET_FRAME_HDR + n), RUMOR_EAUTH);
+    net_test_aead_use_openssl(false);
+    cr_assert_eq(net_aead_open_at(&tx, ctr, c, c + NET_FRAME_HDR, n, c + NET_FRAME_HDR + n), RUMOR_EAUTH);
+    net_test_aead_use_openssl(true);
+    free(pt);
+    free(a);
+    free(b);
+    free(c);
+    net_aead_wipe(&tx);
+  }
+}
