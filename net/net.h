@@ -295,9 +295,11 @@ typedef void (*net_dial_cb)(net_t *n, net_conn_t *c, int status, const char *det
 int net_dial(net_t *n, const char *addr, net_dial_cb cb, void *arg) RUMOR_MUST_CHECK;
 
 /* Queues a control message (the bytes are copied). Control messages go ahead
- * of queued bulk chunks. Returns -ENOBUFS when the connection's outbound
- * queue would exceed max_queued_bytes, RUMOR_ETOOBIG above max_msg_bytes,
- * -ENOTCONN when the connection is closing. */
+ * of bulk chunks not yet made (behind the few already being sealed). Returns
+ * -ENOBUFS when the connection's outbound queue would exceed
+ * max_queued_bytes (less a small reserve for protocol frames),
+ * RUMOR_ETOOBIG above max_msg_bytes, RUMOR_EPROTO for bytes that are not a
+ * valid message, -ENOTCONN when the connection is closing. */
 int net_conn_send_msg(net_conn_t *c, struct net_msgbuf *b) RUMOR_MUST_CHECK;
 /* The same with an already encoded message (tests and relays). The bytes
  * must be a valid message for the peer to accept it. */
@@ -349,8 +351,9 @@ bool net_conn_inbound(const net_conn_t *c);
 void net_conn_set_data(net_conn_t *c, void *data);
 void *net_conn_data(const net_conn_t *c);
 net_t *net_conn_net(const net_conn_t *c);
-/* Bytes queued for sending (frames written to libuv but not yet completed,
- * plus control messages waiting). Never above max_queued_bytes. */
+/* Bytes queued for sending: control messages waiting, frames being sealed or
+ * waiting their turn, and frames handed to libuv whose write has not
+ * completed. Never above max_queued_bytes. */
 size_t net_conn_queued_bytes(const net_conn_t *c);
 /* The transport cipher chosen for this connection (enum net_suite). */
 unsigned net_conn_suite(const net_conn_t *c);
