@@ -226,7 +226,7 @@ const char *net_dtype_name(enum net_dtype d);
  * CPU has F16C). For F32 they copy. */
 void net_dtype_encode(enum net_dtype d, uint8_t *dst, const float *src, size_t n);
 void net_dtype_decode(enum net_dtype d, float *dst, const uint8_t *src, size_t n);
-/* True when the F16C fast path is used on this CPU. */
+/* True when the SIMD conversions (F16C for f16, AVX2 for bf16) are used. */
 bool net_dtype_fast_path(void);
 /* Outbound producer: the size of t's next frame (0 when it waits for the
  * receiver's RESULT), and writing that frame, sealed, into `frame`. */
