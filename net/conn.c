@@ -16,6 +16,7 @@
 
 static const struct net_sess_ops sess_ops;
 static void pump(struct net_conn *c);
+static void session_violation(struct net_conn *c);
 static void check_close_done(struct net_conn *c);
 
 void *net_alloc_aligned(size_t n) {
@@ -115,6 +116,9 @@ struct net_conn *net_conn_new(net_t *n, bool inbound) {
   if (n->conns) n->conns->prev = c;
   n->conns = c;
   n->n_conns++;
+  /* uv_now is cached per loop iteration; a dial made after blocking work
+   * outside the loop must not start its deadline in the past. */
+  uv_update_time(n->loop);
   c->last_activity = uv_now(n->loop);
   snprintf(c->addr, sizeof c->addr, "?");
   snprintf(c->name, sizeof c->name, "?");
@@ -168,17 +172,47 @@ void net_conn_unref(struct net_conn *c) {
 
 void net_conn_on_handle_closed(uv_handle_t *h) { net_conn_unref(h->data); }
 
-/* Detaches and fails every outbound transfer (their callbacks run here). */
+static size_t queued(const struct net_conn *c) { return c->ctl_bytes + c->txq_bytes + c->inflight_bytes; }
+
+/* Ends an outbound transfer with `status`: its callback runs now, or — when
+ * worker jobs still read its source buffer or frames of it still wait in
+ * txq — as soon as they are done, so the caller may free the buffer in the
+ * callback. */
+static void tx_finish(struct net_conn *c, struct net_tx_bulk *t, int status) {
+  if (t->jobs || t->unflushed) {
+    t->zombie = true;
+    t->zombie_status = status;
+    t->next = c->zombie_head;
+    c->zombie_head = t;
+    return;
+  }
+  if (status == 0) c->st.bulk_out_ok++;
+  else c->st.bulk_out_failed++;
+  t->done(c, t->id, status, t->arg);
+  free(t->meta);
+  free(t);
+}
+
+/* A zombie's last job or frame is gone: report it. */
+static void tx_release_zombie(struct net_conn *c, struct net_tx_bulk *t) {
+  if (!t->zombie || t->jobs || t->unflushed) return;
+  for (struct net_tx_bulk **pp = &c->zombie_head; *pp; pp = &(*pp)->next)
+    if (*pp == t) {
+      *pp = t->next;
+      break;
+    }
+  t->zombie = false;
+  tx_finish(c, t, t->zombie_status);
+}
+
+/* Detaches and fails every outbound transfer. */
 static void cancel_outbound(struct net_conn *c, int status) {
   struct net_tx_bulk *lists[2] = {c->tx_head, c->wait_head};
   c->tx_head = c->tx_tail = c->wait_head = NULL;
   for (int i = 0; i < 2; i++) {
     for (struct net_tx_bulk *t = lists[i], *next; t; t = next) {
       next = t->next;
-      c->st.bulk_out_failed++;
-      t->done(c, t->id, status, t->arg);
-      free(t->meta);
-      free(t);
+      tx_finish(c, t, status);
     }
   }
 }
@@ -191,6 +225,26 @@ static void free_ctl_queue(struct net_conn *c) {
   }
   c->ctl_tail = NULL;
   c->ctl_bytes = 0;
+}
+
+/* Drops every frame of txq; one still being sealed is left to its job. */
+static void drop_txq(struct net_conn *c) {
+  struct net_txframe *f = c->txq_head;
+  c->txq_head = c->txq_tail = NULL;
+  c->txq_bytes = 0;
+  while (f) {
+    struct net_txframe *next = f->next;
+    if (!f->ready) {
+      f->orphan = true; /* the job's callback frees it */
+    } else {
+      if (f->t) {
+        f->t->unflushed--;
+        tx_release_zombie(c, f->t);
+      }
+      free(f);
+    }
+    f = next;
+  }
 }
 
 void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt, ...) {
@@ -224,6 +278,7 @@ void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt
   free_ctl_queue(c);
   int st = status ? status : RUMOR_ECANCELED;
   cancel_outbound(c, st);
+  drop_txq(c);
   net_sess_fail_inbound(&c->sess, st);
   if (c->resolving) uv_cancel((uv_req_t *)&c->gai);
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, net_conn_on_handle_closed);
@@ -292,7 +347,7 @@ static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, c
                      size_t limit) {
   if (c->bye_sealed) return -ENOTCONN; /* nothing may follow our BYE */
   size_t fl = NET_FRAME_OVERHEAD + len;
-  if (c->ctl_bytes + c->inflight_bytes + fl > limit) return -ENOBUFS;
+  if (queued(c) + fl > limit) return -ENOBUFS;
   struct net_txframe *f = frame_alloc(fl);
   net_frame_hdr_write(f->data, type, len, a, b);
   if (len) memcpy(f->data + NET_FRAME_HDR, pt, len);
@@ -310,8 +365,7 @@ static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, c
 static int queue_proto(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b) {
   int rc = queue_ctl(c, type, a, b, NULL, 0, c->net->cfg.max_queued_bytes);
   if (rc == -ENOBUFS) {
-    net_conn_abort(c, -ENOBUFS, -1, "outbound queue full (%zu bytes): the peer is not reading",
-                   c->ctl_bytes + c->inflight_bytes);
+    net_conn_abort(c, -ENOBUFS, -1, "outbound queue full (%zu bytes): the peer is not reading", queued(c));
     return rc;
   }
   if (rc < 0) return rc;
@@ -326,58 +380,150 @@ static void move_to_wait(struct net_conn *c) {
   c->wait_head = t;
 }
 
+static void txq_append(struct net_conn *c, struct net_txframe *f) {
+  f->next = NULL;
+  f->conn = c;
+  if (c->txq_tail) c->txq_tail->next = f;
+  else c->txq_head = f;
+  c->txq_tail = f;
+  c->txq_bytes += f->len;
+}
+
+/* Writes the ready frames at the head of txq, in order. A bulk DATA frame's
+ * digest leaf joins its transfer's root here, so leaves go in chunk order. */
+static void flush(struct net_conn *c) {
+  while (c->txq_head && c->txq_head->ready && c->state != CONN_CLOSED) {
+    struct net_txframe *f = c->txq_head;
+    c->txq_head = f->next;
+    if (!c->txq_head) c->txq_tail = NULL;
+    c->txq_bytes -= f->len;
+    f->next = NULL;
+    struct net_tx_bulk *t = f->t;
+    f->t = NULL;
+    if (t) {
+      if (t->digest && !t->zombie) crypto_generichash_update(&t->root, f->job.leaf, NET_DIGEST_BYTES);
+      t->unflushed--;
+      tx_release_zombie(c, t); /* may free t; the frame is a copy, so the write needs nothing of it */
+    }
+    conn_write(c, f);
+  }
+}
+
+static void tx_work(uv_work_t *w) {
+  struct net_txframe *f = w->data;
+  net_tx_job_run(&f->job);
+}
+
+static void tx_after_work(uv_work_t *w, int status) {
+  struct net_txframe *f = w->data;
+  struct net_conn *c = f->conn;
+  struct net_tx_bulk *t = f->t;
+  (void)status; /* never canceled */
+  t->jobs--;
+  if (f->orphan) {
+    t->unflushed--;
+    f->t = NULL;
+    free(f);
+    tx_release_zombie(c, t);
+  } else {
+    f->ready = true;
+    pump(c); /* writes it when its turn comes; a zombie t is released there */
+  }
+  net_conn_unref(c); /* may free c: last */
+}
+
+/* Seals one control frame and queues it in order. */
+static int seal_ctl(struct net_conn *c, struct net_txframe *f) {
+  if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, f->len - NET_FRAME_OVERHEAD) < 0) {
+    free(f);
+    net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
+    return -EOVERFLOW;
+  }
+  f->sealed = f->ready = true;
+  txq_append(c, f);
+  return 0;
+}
+
+/* Makes the next frame of the current outbound transfer. Returns false when
+ * nothing can be made now. */
+static bool produce_bulk(struct net_conn *c) {
+  net_t *n = c->net;
+  struct net_tx_bulk *t = c->tx_head;
+  if (t->phase == NET_TX_END && t->unflushed) return false; /* END needs every leaf in the root */
+  size_t size = net_bulk_tx_next_size(t);
+  if (size == 0) {
+    move_to_wait(c);
+    return true;
+  }
+  if (queued(c) + size > n->bulk_window) return false;
+  struct net_txframe *f = chunk_frame_get(c, size);
+  f->conn = c;
+  int rc;
+  if (t->phase == NET_TX_DATA) {
+    rc = net_bulk_tx_prepare_data(&c->sess.tx, t, f->data, &f->job, &f->len);
+    if (rc < 0) goto fail;
+    f->t = t;
+    t->unflushed++;
+    f->ready = false;
+    if (n->cfg.offload) {
+      f->work.data = f;
+      t->jobs++;
+      c->refs++;
+      if (uv_queue_work(n->loop, &f->work, tx_work, tx_after_work) == 0) {
+        txq_append(c, f);
+        goto out;
+      }
+      t->jobs--;
+      c->refs--;
+    }
+    net_tx_job_run(&f->job);
+    f->ready = true;
+  } else {
+    rc = net_bulk_tx_produce(&c->sess.tx, t, f->data, &f->len);
+    if (rc < 0) goto fail;
+    f->ready = true;
+  }
+  txq_append(c, f);
+out:
+  if (t->phase == NET_TX_WAIT_RESULT) move_to_wait(c);
+  return true;
+fail:
+  frame_release(c, f);
+  net_conn_abort(c, rc, -1, "cannot produce a bulk frame: %s", rumor_strerror(rc));
+  return false;
+}
+
 /* Sends what may be sent now: queued control frames first (sealed here, so
  * nonces follow the wire order), then BYE when closing, then bulk frames while
- * the queue stays under the bulk window. */
+ * the queue stays under the bulk window; then writes what is ready, in order. */
 static void pump(struct net_conn *c) {
   if ((c->state != CONN_OPEN && c->state != CONN_CLOSING) || c->pumping) return;
   c->pumping = true;
-  net_t *n = c->net;
-  while (c->ctl_head && c->state != CONN_CLOSED) {
-    struct net_txframe *f = c->ctl_head;
-    c->ctl_head = f->next;
-    if (!c->ctl_head) c->ctl_tail = NULL;
-    c->ctl_bytes -= f->len;
-    f->next = NULL;
-    if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, f->len - NET_FRAME_OVERHEAD) < 0) {
-      free(f);
-      net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
-      break;
+  bool progress = true;
+  while (progress && (c->state == CONN_OPEN || c->state == CONN_CLOSING)) {
+    progress = false;
+    while (c->ctl_head && c->state != CONN_CLOSED) {
+      struct net_txframe *f = c->ctl_head;
+      c->ctl_head = f->next;
+      if (!c->ctl_head) c->ctl_tail = NULL;
+      c->ctl_bytes -= f->len;
+      if (seal_ctl(c, f) < 0) break;
+      progress = true;
     }
-    f->sealed = true;
-    conn_write(c, f);
-  }
-  if (c->state == CONN_CLOSING && c->bye_queued && !c->ctl_head) {
-    c->bye_queued = false;
-    c->bye_sealed = true;
-    struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
-    net_frame_hdr_write(f->data, NET_FRAME_BYE, 0, 0, 0);
-    if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0) < 0) {
-      free(f);
-      net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
-    } else {
+    if (c->state == CONN_CLOSING && c->bye_queued && !c->ctl_head) {
+      c->bye_queued = false;
+      c->bye_sealed = true;
+      struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
+      net_frame_hdr_write(f->data, NET_FRAME_BYE, 0, 0, 0);
       f->len = NET_FRAME_OVERHEAD;
-      f->sealed = f->transport = f->is_bye = true;
-      conn_write(c, f);
+      f->transport = f->is_bye = true;
+      if (seal_ctl(c, f) < 0) break;
+      progress = true;
     }
-  }
-  while (c->state == CONN_OPEN && c->tx_head && !c->ctl_head) {
-    struct net_tx_bulk *t = c->tx_head;
-    size_t size = net_bulk_tx_next_size(t);
-    if (size == 0) {
-      move_to_wait(c);
-      continue;
-    }
-    if (c->ctl_bytes + c->inflight_bytes + size > n->bulk_window) break;
-    struct net_txframe *f = chunk_frame_get(c, size);
-    int rc = net_bulk_tx_produce(&c->sess.tx, t, f->data, &f->len);
-    if (rc < 0) {
-      frame_release(c, f);
-      net_conn_abort(c, rc, -1, "cannot produce a bulk frame: %s", rumor_strerror(rc));
-      break;
-    }
-    if (t->phase == NET_TX_WAIT_RESULT) move_to_wait(c);
-    conn_write(c, f);
+    while (c->state == CONN_OPEN && c->tx_head && !c->ctl_head && produce_bulk(c)) progress = true;
+    struct net_txframe *head = c->txq_head;
+    flush(c);
+    if (c->txq_head != head) progress = true;
   }
   c->pumping = false;
 }
@@ -418,12 +564,7 @@ void net_conn_close(net_conn_t *c) {
   if (c->state != CONN_OPEN) return;
   /* Our inbound transfer can no longer complete: tell the app now and
    * discard the rest of it (the peer stops when it sees our BYE). */
-  if (c->sess.ib.accepted) {
-    c->sess.ib.accepted = false;
-    c->sess.bulk_in_failed++;
-    if (c->net->cbs.on_bulk_done)
-      c->net->cbs.on_bulk_done(c, c->sess.ib.id, RUMOR_ECANCELED, c->sess.ib.dst, c->sess.ib.dst_arg, c->net->ud);
-  }
+  net_sess_cancel_inbound(&c->sess, RUMOR_ECANCELED);
   if (c->state == CONN_OPEN) begin_closing(c, true);
 }
 
@@ -445,6 +586,14 @@ static void on_timer(uv_timer_t *t) {
     if (!cfg->idle_timeout_ms) break;
     uint64_t now = uv_now(c->net->loop), idle = now - c->last_activity;
     if (idle >= cfg->idle_timeout_ms) {
+      struct net_tx_bulk *tb = c->tx_head;
+      log_debug("net: %s idle: ctl %zu txq %zu (head ready %d) inflight %zu; tx %s phase %d jobs %u unflushed %u; "
+                "rx paused %d/%d deferred %d jobs %u state %d chunk %llu leaf_next %llu backlog %zu",
+                c->name, c->ctl_bytes, c->txq_bytes, c->txq_head ? c->txq_head->ready : -1, c->inflight_bytes,
+                tb ? "active" : "none", tb ? (int)tb->phase : -1, tb ? tb->jobs : 0, tb ? tb->unflushed : 0,
+                c->sess.paused, c->rx_paused, c->sess.deferred, c->sess.jobs, (int)c->sess.rx_state,
+                (unsigned long long)c->sess.ib.chunk_index, (unsigned long long)c->sess.ib.leaf_next,
+                c->sess.backlog_len);
       net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "idle for %llu ms (limit %u ms)", (unsigned long long)idle,
                      cfg->idle_timeout_ms);
       break;
@@ -538,10 +687,7 @@ static void op_bulk_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   /* A verdict before the end (success) or before the start (anything) of a
    * transfer is a protocol violation. */
   if ((r == NET_BULK_OK && t->phase != NET_TX_WAIT_RESULT) || t->phase == NET_TX_BEGIN) {
-    c->st.bulk_out_failed++;
-    t->done(c, id, RUMOR_EPROTO, t->arg);
-    free(t->meta);
-    free(t);
+    tx_finish(c, t, RUMOR_EPROTO);
     c->net->stats.dropped_violation++;
     net_conn_abort(c, RUMOR_EPROTO, -1, "BULK_RESULT %d for transfer %llu at a point where none is due", (int)r,
                    (unsigned long long)id);
@@ -557,11 +703,7 @@ static void op_bulk_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   /* Stopped half-way: tell the receiver the stream of this id is over. */
   if (!in_wait && (t->phase == NET_TX_DATA || t->phase == NET_TX_END))
     (void)queue_proto(c, NET_FRAME_BULK_ABORT, id, 0);
-  if (status == 0) c->st.bulk_out_ok++;
-  else c->st.bulk_out_failed++;
-  t->done(c, id, status, t->arg);
-  free(t->meta);
-  free(t);
+  tx_finish(c, t, status);
   pump(c);
 }
 
@@ -573,6 +715,50 @@ static void op_bye(void *ctx) {
     begin_closing(c, false);
   }
   check_close_done(c);
+}
+
+/* Received chunks authenticated on the thread pool. */
+struct rx_work {
+  uv_work_t work;
+  struct net_conn *conn;
+  struct net_rx_job *job;
+};
+
+static void rx_work_cb(uv_work_t *w) {
+  struct rx_work *rw = w->data;
+  net_rx_job_run(rw->job);
+}
+
+static void resume_reading(struct net_conn *c);
+
+static void rx_after_work(uv_work_t *w, int status) {
+  struct rx_work *rw = w->data;
+  struct net_conn *c = rw->conn;
+  (void)status; /* never canceled */
+  int rc = net_sess_job_done(&c->sess, rw->job);
+  free(rw);
+  if (c->state != CONN_CLOSED) {
+    if (rc == 0) rc = net_sess_resume(&c->sess);
+    if (rc < 0) session_violation(c);
+    else resume_reading(c);
+  }
+  net_conn_unref(c); /* may free c: last */
+}
+
+static int op_submit(void *ctx, struct net_rx_job *job) {
+  struct net_conn *c = ctx;
+  if (!c->net->cfg.offload) return -ENOTSUP;
+  struct rx_work *rw = xmalloc(sizeof *rw);
+  rw->conn = c;
+  rw->job = job;
+  rw->work.data = rw;
+  c->refs++;
+  int rc = uv_queue_work(c->net->loop, &rw->work, rx_work_cb, rx_after_work);
+  if (rc < 0) {
+    c->refs--;
+    free(rw);
+  }
+  return rc;
 }
 
 static int op_send_result(void *ctx, uint64_t id, enum net_bulk_result r) {
@@ -591,6 +777,7 @@ static const struct net_sess_ops sess_ops = {
     .on_bulk_result = op_bulk_result,
     .on_bye = op_bye,
     .send_result = op_send_result,
+    .submit = op_submit,
 };
 
 /* ---- reading ---------------------------------------------------------------------------- */
@@ -760,7 +947,23 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   int rc;
   if (buf->base == (char *)c->stage) rc = net_sess_rx_feed(&c->sess, c->stage, (size_t)nread);
   else rc = net_sess_rx_commit(&c->sess, (size_t)nread);
-  if (rc < 0) session_violation(c);
+  if (rc < 0) {
+    session_violation(c);
+    return;
+  }
+  if (c->sess.paused && c->state != CONN_CLOSED && !c->rx_paused) {
+    /* chunks are being authenticated on workers: wait for them */
+    c->rx_paused = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+  }
+}
+
+static void resume_reading(struct net_conn *c) {
+  if (!c->rx_paused || c->sess.paused || c->state == CONN_CLOSED) return;
+  c->rx_paused = false;
+  if (c->paused || c->eof) return;
+  int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  if (rc < 0) net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
 }
 
 void net_conn_start_handshake(struct net_conn *c) {
@@ -852,10 +1055,7 @@ int net_conn_cancel_send(net_conn_t *c, uint64_t id) {
   if (!in_wait && (t->phase == NET_TX_DATA || t->phase == NET_TX_END) &&
       (c->state == CONN_OPEN || c->state == CONN_CLOSING))
     (void)queue_proto(c, NET_FRAME_BULK_ABORT, id, 0);
-  c->st.bulk_out_failed++;
-  t->done(c, id, RUMOR_ECANCELED, t->arg);
-  free(t->meta);
-  free(t);
+  tx_finish(c, t, RUMOR_ECANCELED);
   pump(c);
   return 0;
 }
@@ -863,9 +1063,7 @@ int net_conn_cancel_send(net_conn_t *c, uint64_t id) {
 int net_conn_cancel_recv(net_conn_t *c, uint64_t id) {
   struct net_rx_bulk *ib = &c->sess.ib;
   if (!ib->active || ib->id != id || !ib->accepted) return RUMOR_ENOTFOUND;
-  ib->accepted = false; /* the rest of the stream is read and discarded */
-  c->sess.bulk_in_failed++;
-  if (c->net->cbs.on_bulk_done) c->net->cbs.on_bulk_done(c, id, RUMOR_ECANCELED, ib->dst, ib->dst_arg, c->net->ud);
+  net_sess_cancel_inbound(&c->sess, RUMOR_ECANCELED); /* the rest is read and discarded */
   if (!ib->result_sent && (c->state == CONN_OPEN || c->state == CONN_CLOSING)) {
     ib->result_sent = true;
     if (queue_proto(c, NET_FRAME_BULK_RESULT, id, NET_BULK_CANCELED) == 0) pump(c);
@@ -880,7 +1078,7 @@ bool net_conn_inbound(const net_conn_t *c) { return c->inbound; }
 void net_conn_set_data(net_conn_t *c, void *data) { c->data = data; }
 void *net_conn_data(const net_conn_t *c) { return c->data; }
 net_t *net_conn_net(const net_conn_t *c) { return c->net; }
-size_t net_conn_queued_bytes(const net_conn_t *c) { return c->ctl_bytes + c->inflight_bytes; }
+size_t net_conn_queued_bytes(const net_conn_t *c) { return queued(c); }
 unsigned net_conn_suite(const net_conn_t *c) { return c->suite; }
 
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s) {
@@ -898,6 +1096,7 @@ int net_test_conn_pause_read(net_conn_t *c, bool pause) {
   if (pause == c->paused) return 0;
   c->paused = pause;
   if (pause) return uv_read_stop((uv_stream_t *)&c->tcp);
+  if (c->rx_paused) return 0; /* resume_reading restarts it */
   return uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 

@@ -4,6 +4,7 @@
  * authentication, dispatch of control messages and bulk transfer frames).
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,10 @@
 #include "net/net_impl.h"
 
 /* ---- AEAD ------------------------------------------------------------------ */
+
+/* AEAD through libsodium: AES-256-GCM where the CPU has AES-NI (both sides),
+ * else ChaCha20-Poly1305-IETF. */
+const char *net_aead_aes_impl(void) { return "libsodium"; }
 
 void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]) {
   memset(a, 0, sizeof *a);
@@ -35,10 +40,15 @@ void net_frame_hdr_write(uint8_t *frame, uint8_t type, size_t pt_len, uint64_t a
   net_be64_put(frame + 16, b);
 }
 
-int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
+int net_aead_reserve(struct net_aead *a, uint64_t *ctr) {
   if (a->ctr == UINT64_MAX) return -EOVERFLOW;
+  *ctr = a->ctr++;
+  return 0;
+}
+
+void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
   uint8_t nonce[NET_AEAD_NONCE_BYTES];
-  nonce_of(nonce, a->ctr++);
+  nonce_of(nonce, ctr);
   uint8_t *ct = frame + NET_FRAME_HDR, *tag = ct + pt_len;
   if (a->suite == NET_SUITE_AES256GCM)
     crypto_aead_aes256gcm_encrypt_detached_afternm(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
@@ -46,20 +56,32 @@ int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t 
   else
     crypto_aead_chacha20poly1305_ietf_encrypt_detached(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
                                                        a->key);
-  return 0;
 }
 
-int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct, size_t len,
-                  const uint8_t tag[NET_TAG_BYTES]) {
-  if (a->ctr == UINT64_MAX) return RUMOR_EAUTH;
+int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct,
+                     size_t len, const uint8_t tag[NET_TAG_BYTES]) {
   uint8_t nonce[NET_AEAD_NONCE_BYTES];
-  nonce_of(nonce, a->ctr++);
+  nonce_of(nonce, ctr);
   int rc;
   if (a->suite == NET_SUITE_AES256GCM)
     rc = crypto_aead_aes256gcm_decrypt_detached_afternm(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, &a->aes);
   else
     rc = crypto_aead_chacha20poly1305_ietf_decrypt_detached(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, a->key);
   return rc == 0 ? 0 : RUMOR_EAUTH;
+}
+
+int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
+  uint64_t ctr;
+  int rc = net_aead_reserve(a, &ctr);
+  if (rc == 0) net_aead_seal_at(a, ctr, frame, pt, pt_len);
+  return rc;
+}
+
+int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct, size_t len,
+                  const uint8_t tag[NET_TAG_BYTES]) {
+  uint64_t ctr;
+  if (net_aead_reserve(a, &ctr) != 0) return RUMOR_EAUTH;
+  return net_aead_open_at(a, ctr, hdr, ct, len, tag);
 }
 
 /* ---- the session ------------------------------------------------------------ */
@@ -82,19 +104,31 @@ void net_sess_set_keys(struct net_sess *s, unsigned suite, const uint8_t tx_key[
   net_aead_init(&s->rx, suite, rx_key);
 }
 
-void net_sess_fail_inbound(struct net_sess *s, int status) {
-  if (s->ib.accepted) {
-    s->ib.accepted = false;
-    s->bulk_in_failed++;
-    if (s->ops->on_bulk_done) s->ops->on_bulk_done(s->ctx, s->ib.id, status, s->ib.dst, s->ib.dst_arg);
+void net_sess_cancel_inbound(struct net_sess *s, int status) {
+  if (!s->ib.accepted) return;
+  s->ib.accepted = false;
+  s->bulk_in_failed++;
+  if (s->jobs > 0) { /* workers still write into dst: tell the app when they are done */
+    s->ib.fail_pending = true;
+    s->ib.fail_status = status;
+    return;
   }
+  if (s->ops->on_bulk_done) s->ops->on_bulk_done(s->ctx, s->ib.id, status, s->ib.dst, s->ib.dst_arg);
+}
+
+void net_sess_fail_inbound(struct net_sess *s, int status) {
+  net_sess_cancel_inbound(s, status);
   s->ib.active = false;
 }
 
 void net_sess_free(struct net_sess *s) {
+  if (s->body_owned) free(s->body);
+  s->body_owned = false;
   free(s->rxbuf);
   s->rxbuf = NULL;
   s->rxbuf_cap = 0;
+  free(s->backlog);
+  s->backlog = NULL;
   net_aead_wipe(&s->tx);
   net_aead_wipe(&s->rx);
 }
@@ -190,6 +224,16 @@ static int on_header(struct net_sess *s) {
       return violation(s, RUMOR_EPROTO, "BULK_DATA of %zu bytes where %llu were due", h->ct_len,
                        (unsigned long long)want);
     direct = s->ib.accepted && s->ib.wire == NET_DTYPE_F32;
+    if (!direct && s->ib.accepted && s->ops->submit) {
+      /* decoded on a worker: the body needs a buffer of its own */
+      s->body = malloc(h->ct_len);
+      if (!s->body) return violation(s, -ENOMEM, "cannot allocate %zu bytes for a chunk", h->ct_len);
+      s->body_owned = true;
+      s->body_got = 0;
+      s->tag_got = 0;
+      s->rx_state = NET_RX_BODY;
+      return 0;
+    }
     break;
   }
   case NET_FRAME_BULK_END:
@@ -278,6 +322,75 @@ static void on_data(struct net_sess *s, const uint8_t *pt, size_t len) {
   }
   ib->next_elem += n;
   ib->chunk_index++;
+  ib->leaf_next = ib->chunk_index;
+}
+
+void net_rx_job_run(struct net_rx_job *j) {
+  j->status = net_aead_open_at(j->aead, j->ctr, j->hdr, j->body, j->len, j->tag);
+  if (j->status != 0) return;
+  if (j->digest) net_digest_leaf(j->leaf, j->chunk_index, j->body, j->len);
+  if (j->decode_to) net_dtype_decode(j->wire, j->decode_to, j->body, j->elems);
+}
+
+/* Hands an authenticated-later DATA frame to a worker. */
+static int submit_data(struct net_sess *s) {
+  struct net_rx_bulk *ib = &s->ib;
+  struct net_rx_job *j = xcalloc(1, sizeof *j);
+  j->aead = &s->rx;
+  if (net_aead_reserve(&s->rx, &j->ctr) != 0) {
+    free(j);
+    return violation(s, RUMOR_EAUTH, "nonce space exhausted");
+  }
+  memcpy(j->hdr, s->hdr, sizeof j->hdr);
+  memcpy(j->tag, s->tag, sizeof j->tag);
+  j->body = s->body;
+  j->len = s->h.ct_len;
+  j->wire = ib->wire;
+  j->elems = j->len / net_dtype_size(ib->wire);
+  j->digest = ib->digest;
+  j->chunk_index = ib->chunk_index;
+  if (s->body_owned) {
+    j->scratch = s->body;
+    j->decode_to = ib->dst + ib->next_elem;
+    s->body_owned = false;
+  }
+  ib->next_elem += j->elems;
+  ib->chunk_index++;
+  s->jobs++;
+  if (ib->chunk_index - ib->leaf_next >= NET_RX_JOBS_MAX) s->paused = true;
+  if (s->ops->submit(s->ctx, j) < 0) {
+    net_rx_job_run(j);
+    return net_sess_job_done(s, j);
+  }
+  return 0;
+}
+
+int net_sess_job_done(struct net_sess *s, struct net_rx_job *j) {
+  struct net_rx_bulk *ib = &s->ib;
+  int rc = 0;
+  s->jobs--;
+  if (j->status != 0 && !s->stop) {
+    rc = violation(s, RUMOR_EAUTH, "BULK_DATA frame #%llu failed authentication (modified, reordered, replayed or forged)",
+                   (unsigned long long)j->ctr);
+  } else if (!s->stop || ib->active) {
+    /* leaves go into the root in chunk order, whatever order jobs finish in */
+    size_t slot = (size_t)(j->chunk_index % NET_RX_JOBS_MAX);
+    memcpy(ib->leaves[slot], j->leaf, NET_DIGEST_BYTES);
+    ib->leaf_ready[slot] = true;
+    while (ib->leaf_next < ib->chunk_index && ib->leaf_ready[ib->leaf_next % NET_RX_JOBS_MAX]) {
+      size_t k = (size_t)(ib->leaf_next % NET_RX_JOBS_MAX);
+      if (ib->accepted && ib->digest) crypto_generichash_update(&ib->root, ib->leaves[k], NET_DIGEST_BYTES);
+      ib->leaf_ready[k] = false;
+      ib->leaf_next++;
+    }
+  }
+  free(j->scratch);
+  free(j);
+  if (s->jobs == 0 && ib->fail_pending) {
+    ib->fail_pending = false;
+    if (s->ops->on_bulk_done) s->ops->on_bulk_done(s->ctx, ib->id, ib->fail_status, ib->dst, ib->dst_arg);
+  }
+  return rc;
 }
 
 static int on_end(struct net_sess *s, const uint8_t *pt) {
@@ -298,8 +411,22 @@ static int on_end(struct net_sess *s, const uint8_t *pt) {
   return 0;
 }
 
-/* A complete frame: authenticate, then act on it. */
+static int open_and_dispatch(struct net_sess *s);
+
+/* A complete frame. Accepted DATA frames may be handed to a worker; any
+ * other frame waits until the workers are done, so frames take effect in
+ * order. */
 static int on_frame(struct net_sess *s) {
+  if (s->h.type == NET_FRAME_BULK_DATA && s->ib.accepted && s->ops->submit) return submit_data(s);
+  if (s->jobs > 0) {
+    s->deferred = true;
+    s->paused = true;
+    return 0;
+  }
+  return open_and_dispatch(s);
+}
+
+static int open_and_dispatch(struct net_sess *s) {
   const struct net_frame_hdr *h = &s->h;
   uint64_t pos = s->rx.ctr;
   if (net_aead_open(&s->rx, s->hdr, s->body, h->ct_len, s->tag) != 0)
@@ -348,7 +475,7 @@ static int on_frame(struct net_sess *s) {
 
 void net_sess_rx_direct(struct net_sess *s, uint8_t **p, size_t *n) {
   *n = 0;
-  if (s->rx_state != NET_RX_BODY || s->stop) return;
+  if (s->rx_state != NET_RX_BODY || s->stop || s->paused) return;
   size_t left = s->h.ct_len - s->body_got;
   if (left < NET_RX_DIRECT_MIN) return;
   *p = s->body + s->body_got;
@@ -363,8 +490,44 @@ int net_sess_rx_commit(struct net_sess *s, size_t n) {
   return 0;
 }
 
+/* Keeps input that arrives while paused, for net_sess_resume. */
+static void backlog_add(struct net_sess *s, const uint8_t *data, size_t n) {
+  if (s->backlog_len + n > s->backlog_cap) {
+    s->backlog_cap = (s->backlog_len + n) * 2;
+    s->backlog = xrealloc(s->backlog, s->backlog_cap);
+  }
+  memcpy(s->backlog + s->backlog_len, data, n);
+  s->backlog_len += n;
+}
+
+int net_sess_resume(struct net_sess *s) {
+  if (!s->paused || s->stop) return 0;
+  if (s->deferred) {
+    if (s->jobs > 0) return 0;
+    s->deferred = false;
+    s->paused = false;
+    int rc = open_and_dispatch(s);
+    if (rc < 0) return rc;
+  } else {
+    if (s->ib.chunk_index - s->ib.leaf_next >= NET_RX_JOBS_MAX) return 0;
+    s->paused = false;
+  }
+  if (s->paused || s->stop || s->backlog_len == 0) return 0;
+  uint8_t *b = s->backlog;
+  size_t n = s->backlog_len;
+  s->backlog = NULL;
+  s->backlog_len = s->backlog_cap = 0;
+  int rc = net_sess_rx_feed(s, b, n);
+  free(b);
+  return rc;
+}
+
 int net_sess_rx_feed(struct net_sess *s, const uint8_t *data, size_t n) {
   while (n > 0 && !s->stop) {
+    if (s->paused) {
+      backlog_add(s, data, n);
+      return 0;
+    }
     size_t take;
     switch (s->rx_state) {
     case NET_RX_HDR:

@@ -174,7 +174,8 @@ const msgpack_object *net_obj_map_get(const msgpack_object *map, const char *key
   size_t kl = strlen(key);
   for (uint32_t i = 0; i < map->via.map.size; i++) {
     const msgpack_object *k = &map->via.map.ptr[i].key;
-    if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == kl && memcmp(k->via.str.ptr, key, kl) == 0)
+    /* msgpack-c leaves ptr NULL for an empty string: compare only when non-empty */
+    if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == kl && (kl == 0 || memcmp(k->via.str.ptr, key, kl) == 0))
       return &map->via.map.ptr[i].val;
   }
   return NULL;

@@ -4,6 +4,7 @@
  * and closing everything.
  */
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,7 @@ void net_config_defaults(struct net_config *c) {
   c->idle_timeout_ms = NET_DEFAULT_IDLE_TIMEOUT_MS;
   c->close_linger_ms = NET_DEFAULT_LINGER_MS;
   c->suites = NET_SUITE_AES256GCM | NET_SUITE_CHACHA20POLY1305;
+  c->offload = true;
   c->msg_limits.max_depth = NET_MSG_MAX_DEPTH;
   c->msg_limits.max_elems = NET_MSG_DEFAULT_MAX_ELEMS;
 }
@@ -90,11 +92,26 @@ static int check_config(const struct net_config *c, struct rumor_err *e) {
   return 0;
 }
 
+/* A peer that goes away must not kill the process: writes to its socket
+ * then fail with EPIPE instead of raising SIGPIPE. Only the default action
+ * is changed; a handler the application installed is left alone. */
+static void ignore_sigpipe(void) {
+  struct sigaction old;
+  if (sigaction(SIGPIPE, NULL, &old) == 0 && old.sa_handler == SIG_DFL && !(old.sa_flags & SA_SIGINFO)) {
+    struct sigaction ign;
+    memset(&ign, 0, sizeof ign);
+    ign.sa_handler = SIG_IGN;
+    sigemptyset(&ign.sa_mask);
+    sigaction(SIGPIPE, &ign, NULL);
+  }
+}
+
 int net_init(net_t **out, uv_loop_t *loop, const struct net_config *cfg, const struct net_callbacks *cbs, void *ud,
              struct rumor_err *e) {
   *out = NULL;
   int rc = check_config(cfg, e);
   if (rc < 0) return rc;
+  ignore_sigpipe();
   net_t *n = xcalloc(1, sizeof *n);
   n->loop = loop;
   n->cfg = *cfg;

@@ -228,6 +228,9 @@ struct net_config {
   uint32_t close_linger_ms;      /* graceful close waits this long for the peer (default 2000) */
   uint32_t suites;               /* enum net_suite mask allowed (default both) */
   int sock_buf_bytes;            /* SO_SNDBUF/SO_RCVBUF; 0 = the system's (default 0) */
+  bool offload;                  /* seal and open bulk chunks on libuv's thread pool, so
+                                    crypto and hashing use more than the loop's core
+                                    (default true; UV_THREADPOOL_SIZE sets the pool) */
   struct net_msg_limits msg_limits;
 };
 void net_config_defaults(struct net_config *c);
@@ -271,7 +274,9 @@ struct net_callbacks {
 };
 
 /* Creates a net on `loop` (owned by the caller, which runs it). Returns 0 and
- * *out, or a negative code with a message in `e`. */
+ * *out, or a negative code with a message in `e`. When SIGPIPE still has its
+ * default action it is set to ignored (process-wide), so that writing to a
+ * peer that vanished fails with EPIPE instead of killing the process. */
 int net_init(net_t **out, uv_loop_t *loop, const struct net_config *cfg,
              const struct net_callbacks *cbs, void *ud, struct rumor_err *e) RUMOR_MUST_CHECK;
 
@@ -290,9 +295,11 @@ typedef void (*net_dial_cb)(net_t *n, net_conn_t *c, int status, const char *det
 int net_dial(net_t *n, const char *addr, net_dial_cb cb, void *arg) RUMOR_MUST_CHECK;
 
 /* Queues a control message (the bytes are copied). Control messages go ahead
- * of queued bulk chunks. Returns -ENOBUFS when the connection's outbound
- * queue would exceed max_queued_bytes, RUMOR_ETOOBIG above max_msg_bytes,
- * -ENOTCONN when the connection is closing. */
+ * of bulk chunks not yet made (behind the few already being sealed). Returns
+ * -ENOBUFS when the connection's outbound queue would exceed
+ * max_queued_bytes (less a small reserve for protocol frames),
+ * RUMOR_ETOOBIG above max_msg_bytes, RUMOR_EPROTO for bytes that are not a
+ * valid message, -ENOTCONN when the connection is closing. */
 int net_conn_send_msg(net_conn_t *c, struct net_msgbuf *b) RUMOR_MUST_CHECK;
 /* The same with an already encoded message (tests and relays). The bytes
  * must be a valid message for the peer to accept it. */
@@ -320,12 +327,15 @@ struct net_bulk_send {
 };
 #define NET_BULK_META_MAX 65536
 int net_conn_send_bulk(net_conn_t *c, const struct net_bulk_send *s, uint64_t *id_out) RUMOR_MUST_CHECK;
-/* Abandons an outbound transfer: its `done` is called with RUMOR_ECANCELED
- * (before this returns) and the receiver is told. Returns RUMOR_ENOTFOUND
- * when no such transfer is pending. */
+/* Abandons an outbound transfer: the receiver is told, and `done` is called
+ * with RUMOR_ECANCELED — before this returns, or, when worker threads are
+ * still sealing chunks of `src`, as soon as they are done with it (so `src`
+ * may be freed in `done`, never before). Returns RUMOR_ENOTFOUND when no
+ * such transfer is pending. */
 int net_conn_cancel_send(net_conn_t *c, uint64_t id);
-/* Abandons the current inbound transfer with this id: on_bulk_done is called
- * with RUMOR_ECANCELED before this returns; later chunks are discarded. */
+/* Abandons the current inbound transfer with this id; later chunks are
+ * discarded. on_bulk_done is called with RUMOR_ECANCELED — before this
+ * returns, or as soon as worker threads stop writing into dst. */
 int net_conn_cancel_recv(net_conn_t *c, uint64_t id);
 
 /* Graceful close: queued control messages are sent, outbound transfers are
@@ -341,8 +351,9 @@ bool net_conn_inbound(const net_conn_t *c);
 void net_conn_set_data(net_conn_t *c, void *data);
 void *net_conn_data(const net_conn_t *c);
 net_t *net_conn_net(const net_conn_t *c);
-/* Bytes queued for sending (frames written to libuv but not yet completed,
- * plus control messages waiting). Never above max_queued_bytes. */
+/* Bytes queued for sending: control messages waiting, frames being sealed or
+ * waiting their turn, and frames handed to libuv whose write has not
+ * completed. Never above max_queued_bytes. */
 size_t net_conn_queued_bytes(const net_conn_t *c);
 /* The transport cipher chosen for this connection (enum net_suite). */
 unsigned net_conn_suite(const net_conn_t *c);

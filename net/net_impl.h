@@ -154,6 +154,17 @@ int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t 
  * position. Returns 0 or RUMOR_EAUTH (ct then holds garbage). */
 int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct, size_t len,
                   const uint8_t tag[NET_TAG_BYTES]) RUMOR_MUST_CHECK;
+/* Takes the next position for a frame sealed or opened later (on a worker
+ * thread) with the _at forms; -EOVERFLOW when the nonce space is exhausted. */
+int net_aead_reserve(struct net_aead *a, uint64_t *ctr) RUMOR_MUST_CHECK;
+/* Seal / open at an explicit position. They only read `a`, so any number of
+ * threads may use one net_aead at once while the loop thread reserves. */
+void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt, size_t pt_len);
+int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct,
+                     size_t len, const uint8_t tag[NET_TAG_BYTES]) RUMOR_MUST_CHECK;
+
+/* Which AES-256-GCM implementation this build uses ("libsodium"). */
+const char *net_aead_aes_impl(void);
 
 struct net_frame_hdr {
   uint32_t len; /* bytes after the length field */
@@ -168,6 +179,10 @@ struct net_frame_hdr {
 enum net_tx_phase { NET_TX_BEGIN, NET_TX_DATA, NET_TX_END, NET_TX_WAIT_RESULT };
 struct net_tx_bulk {
   struct net_tx_bulk *next;
+  unsigned jobs;      /* DATA frames being sealed on worker threads (they read src) */
+  unsigned unflushed; /* DATA frames made but not yet written (their leaf is not in root) */
+  bool zombie;        /* finished (canceled, refused, lost): done runs once jobs and unflushed reach 0 */
+  int zombie_status;
   uint64_t id;
   const float *src;
   uint64_t count, next_elem, chunk_index;
@@ -182,11 +197,20 @@ struct net_tx_bulk {
   void *arg;
 };
 
+/* Chunks whose authentication may be in progress on worker threads at once
+ * (per connection and direction). */
+#define NET_RX_JOBS_MAX 4
+
 /* Inbound: at most one at a time per connection. */
 struct net_rx_bulk {
   bool active;       /* between BEGIN and END/ABORT */
   bool accepted;     /* the app gave a buffer and has not been told the end */
   bool result_sent;  /* our RESULT for this id is out */
+  bool fail_pending; /* told to fail while chunks were on worker threads: report when they finish */
+  int fail_status;
+  uint64_t leaf_next; /* chunks below this index are hashed into root */
+  uint8_t leaves[NET_RX_JOBS_MAX][NET_DIGEST_BYTES];
+  bool leaf_ready[NET_RX_JOBS_MAX];
   uint64_t id, count, next_elem, chunk_index;
   uint32_t chunk_elems;
   enum net_dtype wire;
@@ -202,16 +226,59 @@ const char *net_dtype_name(enum net_dtype d);
  * CPU has F16C). For F32 they copy. */
 void net_dtype_encode(enum net_dtype d, uint8_t *dst, const float *src, size_t n);
 void net_dtype_decode(enum net_dtype d, float *dst, const uint8_t *src, size_t n);
-/* True when the F16C fast path is used on this CPU. */
+/* True when the SIMD conversions (F16C for f16, AVX2 for bf16) are used. */
 bool net_dtype_fast_path(void);
 /* Outbound producer: the size of t's next frame (0 when it waits for the
  * receiver's RESULT), and writing that frame, sealed, into `frame`. */
 size_t net_bulk_tx_next_size(const struct net_tx_bulk *t);
 int net_bulk_tx_produce(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *frame, size_t *len) RUMOR_MUST_CHECK;
+
+/* A DATA frame to seal, possibly on a worker thread: everything it needs,
+ * so the job touches nothing the loop thread changes meanwhile. */
+struct net_tx_job {
+  const struct net_aead *aead;
+  uint64_t ctr;
+  uint8_t *frame;
+  const float *src;
+  size_t elems;
+  enum net_dtype wire;
+  bool digest;
+  uint64_t chunk_index;
+  uint8_t leaf[NET_DIGEST_BYTES]; /* out: the chunk's digest leaf */
+};
+/* Loop thread: takes t's next DATA frame (t->phase must be NET_TX_DATA):
+ * reserves its nonce, writes its header into `frame` and describes the rest
+ * in `job`; advances t. */
+int net_bulk_tx_prepare_data(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *frame, struct net_tx_job *job,
+                             size_t *len) RUMOR_MUST_CHECK;
+/* Any thread: encodes, hashes and seals a prepared DATA frame. */
+void net_tx_job_run(struct net_tx_job *j);
+
+/* A received DATA frame to authenticate (and hash, and widen) on a worker
+ * thread. Made by the session, run by the owner's worker, handed back with
+ * net_sess_job_done. */
+struct net_rx_job {
+  const struct net_aead *aead;
+  uint64_t ctr;
+  uint8_t hdr[NET_FRAME_HDR], tag[NET_TAG_BYTES];
+  uint8_t *body;    /* the ciphertext, decrypted in place */
+  size_t len;
+  uint8_t *scratch; /* owned by the job (f16/bf16 bodies); freed by net_sess_job_done */
+  float *decode_to; /* f16/bf16: where the floats go; NULL for f32 (already in place) */
+  size_t elems;
+  enum net_dtype wire;
+  bool digest;
+  uint64_t chunk_index;
+  int status;       /* out: 0 or RUMOR_EAUTH */
+  uint8_t leaf[NET_DIGEST_BYTES];
+  void *owner;      /* for the owner's bookkeeping (its uv_work_t) */
+};
+void net_rx_job_run(struct net_rx_job *j);
 /* The transfer digest: root = BLAKE2b-256 over a parameter block and one
  * BLAKE2b-256 leaf per chunk (see docs/net.md). */
 void net_digest_root_init(crypto_generichash_state *root, uint64_t count, enum net_dtype wire,
                           uint32_t chunk_elems);
+void net_digest_leaf(uint8_t leaf[NET_DIGEST_BYTES], uint64_t chunk_index, const uint8_t *p, size_t n);
 void net_digest_add_chunk(crypto_generichash_state *root, uint64_t chunk_index, const uint8_t *p, size_t n);
 void net_digest_final(crypto_generichash_state *root, uint8_t out[NET_DIGEST_BYTES]);
 
@@ -227,6 +294,10 @@ struct net_sess_ops {
   void (*on_bye)(void *ctx);
   /* Queue a small frame (RESULT) to the peer; returns 0 or a negative code. */
   int (*send_result)(void *ctx, uint64_t id, enum net_bulk_result r);
+  /* Optional: run a chunk's authentication elsewhere (a worker thread); the
+   * owner calls net_rx_job_run there and net_sess_job_done back on the loop
+   * thread. A negative return runs the job inline instead. */
+  int (*submit)(void *ctx, struct net_rx_job *job);
 };
 
 enum net_rx_state { NET_RX_HDR, NET_RX_BODY, NET_RX_TAG };
@@ -237,6 +308,12 @@ struct net_sess {
   bool ready;        /* READY seen (client) or sent (server) */
   bool bye;          /* the peer said BYE: nothing may follow */
   bool stop;         /* set by the owner to stop processing input (closing) */
+  bool paused;       /* waiting for worker jobs: input is kept in `backlog` */
+  bool deferred;     /* a complete frame waits (in rxbuf) for the jobs to finish */
+  unsigned jobs;     /* chunks being authenticated on worker threads */
+  uint8_t *backlog;  /* input received while paused, replayed by net_sess_resume */
+  size_t backlog_len, backlog_cap;
+  bool body_owned;   /* body is a scratch buffer that goes to a job */
   /* receive machine */
   enum net_rx_state rx_state;
   uint8_t hdr[NET_FRAME_HDR];
@@ -269,8 +346,18 @@ void net_sess_init(struct net_sess *s, bool client, const struct net_config *cfg
 /* Keys: tx_key for frames we send, rx_key for frames we receive. */
 void net_sess_set_keys(struct net_sess *s, unsigned suite, const uint8_t tx_key[32], const uint8_t rx_key[32]);
 /* Ends an inbound transfer that is in progress (the connection is going
- * away): on_bulk_done(status) when the app holds a buffer. */
+ * away): on_bulk_done(status) when the app holds a buffer — at once, or when
+ * the chunks still on worker threads have finished writing into it. */
 void net_sess_fail_inbound(struct net_sess *s, int status);
+/* Tells the app its inbound transfer failed (the same timing) but keeps
+ * reading the transfer's frames, discarding them (cancel, local close). */
+void net_sess_cancel_inbound(struct net_sess *s, int status);
+/* Loop thread, once per submitted job after it ran: applies its result and
+ * frees it. Returns 0, or a violation code with s->err set. */
+int net_sess_job_done(struct net_sess *s, struct net_rx_job *j) RUMOR_MUST_CHECK;
+/* Loop thread: continues after jobs finished (a deferred frame, the
+ * backlog). Same return as net_sess_rx_feed. */
+int net_sess_resume(struct net_sess *s) RUMOR_MUST_CHECK;
 void net_sess_free(struct net_sess *s);
 /* Where the next received bytes may be written directly, and how many (the
  * rest of the current frame body); *n is 0 when a staging buffer should be

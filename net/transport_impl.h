@@ -30,17 +30,27 @@ enum conn_state {
   CONN_CLOSED,     /* handles closing; waiting to be freed */
 };
 
-/* One outbound frame. A write owns its frame until the write callback. */
+/* One outbound frame. Control frames wait in the control queue (unsealed);
+ * every transport frame then goes through the ordered queue (txq), where a
+ * bulk chunk may still be being sealed on a worker thread (ready == false);
+ * frames leave txq for uv_write strictly in order, which is also the order of
+ * their nonces. A write owns its frame until the write callback; a worker
+ * job owns it until the job's after-work callback. */
 struct net_txframe {
   uv_write_t req;
+  uv_work_t work;
   struct net_txframe *next;
   struct net_conn *conn;
   size_t len;    /* bytes to write */
   size_t cap;    /* bytes available at data */
   bool pooled;   /* a bulk chunk buffer that goes back to the pool */
-  bool sealed;   /* false: a control frame sealed when it leaves the queue */
+  bool sealed;   /* false: a control frame sealed when it leaves the control queue */
+  bool ready;    /* in txq: sealed and writable */
+  bool orphan;   /* its connection dropped it while a worker was sealing it */
   bool is_bye;
   bool transport;/* counts as a frame in the stats (handshake messages do not) */
+  struct net_tx_bulk *t;  /* bulk DATA frames: their transfer (for the digest leaf) */
+  struct net_tx_job job;
   uint8_t *data;
 };
 
@@ -80,9 +90,13 @@ struct net_conn {
   /* outbound */
   struct net_txframe *ctl_head, *ctl_tail;
   size_t ctl_bytes;      /* control frames waiting in the queue */
+  struct net_txframe *txq_head, *txq_tail;
+  size_t txq_bytes;      /* frames in txq (being sealed or waiting their turn) */
   size_t inflight_bytes; /* frames handed to uv_write, not yet completed */
   struct net_tx_bulk *tx_head, *tx_tail; /* transfers to send; the head is current */
   struct net_tx_bulk *wait_head;         /* sent completely, waiting for the RESULT */
+  struct net_tx_bulk *zombie_head;       /* finished, waiting for their worker jobs */
+  bool rx_paused;        /* reading stopped while received chunks are on workers */
   struct net_txframe *pool;
   unsigned pool_n;
   uint64_t next_tx_id;

@@ -13,6 +13,9 @@
  *      u16 len, len bytes of payload (all big-endian).
  *   2  handshake: the input is offered to a server as a HELLO and to a client
  *      (after its own HELLO) as a WELCOME.
+ *   3  sealed, with chunk authentication handed to "workers" (the async
+ *      path: deferred frames, paused input, out-of-order completion): jobs
+ *      are queued and completed after each feed, in an order the input picks.
  *
  * Nothing may crash, leak, assert, or write outside the receive buffer.
  */
@@ -57,15 +60,41 @@ static int f_result(void *ctx, uint64_t id, enum net_bulk_result r) {
 static const struct net_sess_ops ops = {.on_msg = f_msg, .on_bulk_begin = f_begin, .on_bulk_done = f_done,
                                         .send_result = f_result};
 
+/* The async mode's pretend worker pool. */
+#define MAX_PENDING 64
+static struct net_rx_job *g_pending[MAX_PENDING];
+static int g_npending;
+static int f_submit(void *ctx, struct net_rx_job *job) {
+  (void)ctx;
+  if (g_npending == MAX_PENDING) return -1; /* the session then runs it inline */
+  g_pending[g_npending++] = job;
+  return 0;
+}
+static const struct net_sess_ops async_ops = {.on_msg = f_msg, .on_bulk_begin = f_begin, .on_bulk_done = f_done,
+                                              .send_result = f_result, .submit = f_submit};
+
+/* Runs and completes every pending job, last first when `reverse`. */
+static void complete_jobs(struct net_sess *s, bool reverse) {
+  while (g_npending > 0) {
+    int n = g_npending;
+    g_npending = 0;
+    struct net_rx_job *jobs[MAX_PENDING];
+    memcpy(jobs, g_pending, (size_t)n * sizeof jobs[0]);
+    for (int i = 0; i < n; i++) net_rx_job_run(jobs[i]);
+    for (int i = 0; i < n; i++) USE(net_sess_job_done(s, jobs[reverse ? n - 1 - i : i]));
+    USE(net_sess_resume(s)); /* may feed the backlog and queue more jobs */
+  }
+}
+
 static const uint8_t key_in[32] = {1, 2, 3};  /* what the peer seals with */
 static const uint8_t key_out[32] = {4, 5, 6};
 
-static void sess_new(struct net_sess *s, struct net_aead *peer, unsigned suite) {
+static void sess_new(struct net_sess *s, struct net_aead *peer, unsigned suite, bool async) {
   struct net_config cfg;
   net_config_defaults(&cfg);
   cfg.max_msg_bytes = 65536;
   cfg.max_bulk_bytes = 1u << 20;
-  net_sess_init(s, false, &cfg, &ops, NULL);
+  net_sess_init(s, false, &cfg, async ? &async_ops : &ops, NULL);
   s->last_out_id = 3; /* pretend we sent transfers 1..3 */
   net_sess_set_keys(s, suite, key_out, key_in);
   net_aead_init(peer, suite, key_in);
@@ -99,18 +128,19 @@ static void mode_raw(const uint8_t *data, size_t size) {
   struct net_sess s;
   struct net_aead peer;
   if (size < 1) return;
-  sess_new(&s, &peer, (data[0] & 1) ? NET_SUITE_CHACHA20POLY1305 : NET_SUITE_AES256GCM);
+  sess_new(&s, &peer, (data[0] & 1) ? NET_SUITE_CHACHA20POLY1305 : NET_SUITE_AES256GCM, false);
   feed(&s, data + 1, size - 1, data[0] >> 1);
   net_sess_fail_inbound(&s, RUMOR_ECANCELED);
   net_sess_free(&s);
 }
 
-static void mode_sealed(const uint8_t *data, size_t size) {
+static void mode_sealed(const uint8_t *data, size_t size, bool async) {
   struct net_sess s;
   struct net_aead peer;
   if (size < 1) return;
-  sess_new(&s, &peer, NET_SUITE_AES256GCM);
+  sess_new(&s, &peer, NET_SUITE_AES256GCM, async);
   uint8_t split = data[0];
+  bool reverse = split & 0x80;
   data++, size--;
   uint8_t *frame = malloc(NET_FRAME_OVERHEAD + 65536);
   while (size >= 11 && !s.stop) {
@@ -123,8 +153,10 @@ static void mode_sealed(const uint8_t *data, size_t size) {
     if (len) memcpy(frame + NET_FRAME_HDR, data, len);
     if (net_aead_seal(&peer, frame, frame + NET_FRAME_HDR, len) != 0) break;
     feed(&s, frame, NET_FRAME_OVERHEAD + len, split);
+    if (async && (type & 1)) complete_jobs(&s, reverse); /* sometimes let jobs pile up */
     data += len, size -= len;
   }
+  if (async) complete_jobs(&s, reverse);
   if (g_verbose) fprintf(stderr, "session: %s\n", s.stop ? s.err.msg : "ok");
   net_sess_fail_inbound(&s, RUMOR_ECANCELED);
   net_sess_free(&s);
@@ -162,12 +194,14 @@ static void mode_handshake(const uint8_t *data, size_t size) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (net_crypto_init() != 0) __builtin_trap();
   g_verbose = getenv("RUMOR_FUZZ_VERBOSE") != NULL;
+  if (!g_verbose) log_set_level(LOG_ERROR); /* peers' mistakes are logged as warnings */
   if (size < 1) return 0;
   for (int i = 0; i < 16; i++) g_dst[DST_FLOATS + i] = GUARD;
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
   case 0: mode_raw(data + 1, size - 1); break;
-  case 1: mode_sealed(data + 1, size - 1); break;
-  default: mode_handshake(data + 1, size - 1); break;
+  case 1: mode_sealed(data + 1, size - 1, false); break;
+  case 2: mode_handshake(data + 1, size - 1); break;
+  default: mode_sealed(data + 1, size - 1, true); break;
   }
   for (int i = 0; i < 16; i++)
     if (g_dst[DST_FLOATS + i] != GUARD) __builtin_trap(); /* wrote past the app's buffer */

@@ -130,6 +130,12 @@ FRAME_SEEDS = {
     "hs_welcome_shape": b"\x02" + b"rumr" + bytes([2, 1, 1, 0]) + bytes(32) + bytes(112),
 }
 
+# mode 3: the same sealed sessions through the async (worker) path
+for name in [k for k in FRAME_SEEDS if k.startswith("sealed_")]:
+    FRAME_SEEDS["async_" + name[len("sealed_"):]] = b"\x03" + FRAME_SEEDS[name][1:]
+FRAME_SEEDS["async_two_transfers_reverse"] = b"\x03\x83" + FRAME_SEEDS["sealed_two_transfers"][2:]
+FRAME_SEEDS["async_transfer_f16_reverse"] = b"\x03\x89" + FRAME_SEEDS["sealed_transfer_f16"][2:]
+
 def write(kind, seeds):
     d = os.path.join(HERE, "corpus", kind)
     os.makedirs(d, exist_ok=True)

@@ -13,7 +13,9 @@
 #define RUMOR_TEST_NET_HELPERS_H
 
 #include <criterion/criterion.h>
+#include <execinfo.h>
 #include <malloc.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,8 +48,26 @@ static uv_timer_t g_tick;
 
 TN_FN void tick_cb(uv_timer_t *t) { (void)t; }
 
+/* RUMOR_TEST_DEBUG=1: debug logs, and a backtrace on a crash (Criterion
+ * otherwise reports only "CRASH"). */
+TN_FN void crash_handler(int sig) {
+  void *frames[64];
+  int n = backtrace(frames, 64);
+  fprintf(stderr, "signal %d; backtrace:\n", sig);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 TN_FN void tloop_init(void) {
-  if (getenv("RUMOR_TEST_DEBUG")) log_set_level(LOG_DEBUG);
+  if (getenv("RUMOR_TEST_DEBUG")) {
+    log_set_level(LOG_DEBUG);
+    signal(SIGSEGV, crash_handler);
+    signal(SIGABRT, crash_handler);
+    signal(SIGBUS, crash_handler);
+    signal(SIGPIPE, crash_handler);
+    signal(SIGILL, crash_handler);
+  }
   cr_assert_eq(uv_loop_init(&g_loop), 0);
   uv_timer_init(&g_loop, &g_tick);
   uv_timer_start(&g_tick, tick_cb, 10, 10); /* bounds every uv_run(ONCE) */
@@ -165,7 +185,8 @@ TN_FN void tpeer_config(struct tpeer *p) {
   p->cfg.identity = &p->id;
   p->cfg.cluster_key = p->cluster;
   p->cfg.handshake_timeout_ms = 2000;
-  p->cfg.idle_timeout_ms = 3000;
+  /* long enough for a test that spends seconds making data between loop runs */
+  p->cfg.idle_timeout_ms = 15000;
   p->cfg.close_linger_ms = 1000;
 }
 

@@ -12,7 +12,7 @@
 #include "../integration/test_net_lsan.h"
 
 Test(net_bulk, f16_decode_matches_the_reference_for_all_65536_values) {
-  cr_log_info("F16C fast path: %s", net_dtype_fast_path() ? "yes" : "no (reference only)");
+  cr_log_info("SIMD conversions (F16C, AVX2): %s", net_dtype_fast_path() ? "yes" : "no (reference only)");
   uint16_t *h = malloc(65536 * sizeof *h);
   float *got = malloc(65536 * sizeof *got);
   for (uint32_t i = 0; i < 65536; i++) h[i] = (uint16_t)i;
@@ -39,6 +39,21 @@ static void check_encode(enum net_dtype d, const float *src, size_t n) {
                    want);
     }
   }
+  free(got);
+}
+
+Test(net_bulk, bf16_decode_matches_the_reference_for_all_65536_values) {
+  uint16_t *h = malloc(65536 * sizeof *h);
+  float *got = malloc((65536 + 7) * sizeof *got);
+  for (uint32_t i = 0; i < 65536; i++) h[i] = (uint16_t)i;
+  for (size_t off = 0; off < 3; off++) { /* unaligned starts and tails */
+    net_dtype_decode(NET_DTYPE_BF16, got, (const uint8_t *)(h + off), 65536 - off);
+    for (uint32_t i = 0; i + off < 65536; i++) {
+      float want = bf16_to_f32((uint16_t)(i + off));
+      cr_assert_eq(memcmp(&got[i], &want, 4), 0, "0x%04zx", i + off);
+    }
+  }
+  free(h);
   free(got);
 }
 

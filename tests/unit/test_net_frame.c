@@ -413,3 +413,4 @@ Test(net_frame, bulk_frames_that_break_the_sequence_are_violations, .init = setu
   cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
   net_sess_free(&rx);
 }
+

@@ -251,3 +251,14 @@ Test(net_msg, random_bytes_never_crash_and_never_leak) {
   }
   cr_log_info("%d of 200000 random inputs were valid messages", accepted);
 }
+
+Test(net_msg, an_empty_key_is_found_and_compared_safely) {
+  /* found by fuzz_msg: msgpack-c gives an empty string a NULL pointer */
+  const uint8_t m_bytes[] = {0x83, 0xa1, 't', 0x01, 0xa1, 'v', 0x01, 0xa0, 0x05};
+  struct net_msg m;
+  cr_assert_eq(decode(m_bytes, sizeof m_bytes, &m), 0);
+  uint64_t u = 0;
+  cr_assert_eq(net_msg_get_uint(&m, "", &u), 0);
+  cr_assert_eq(u, 5);
+  net_msg_free(&m);
+}
