@@ -14,6 +14,7 @@ packages="
   build-essential cmake pkg-config git
   libuv1-dev libmsgpack-dev libsodium-dev zlib1g-dev libdnnl-dev
   libcriterion-dev
+  clang libclang-rt-14-dev
   libopenblas0-pthread
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
