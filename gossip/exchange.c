@@ -125,7 +125,17 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why) {
   if (net_call(g->net, gossip_xch_on_applied, a) != 0) free(a);
 }
 
-void gossip_ready(gossip_t *g) { atomic_store(&g->ready, true); }
+static void ready_on_loop(net_t *n, void *arg, int status) {
+  struct gossip *g = arg;
+  if (status) return;
+  swim_set_ready(&g->swim);
+  gossip_publish(g);
+}
+
+void gossip_ready(gossip_t *g) {
+  atomic_store(&g->ready, true);
+  if (net_call(g->net, ready_on_loop, g) != 0) log_warn("cannot announce that we are ready");
+}
 
 /* ==== the donation slot: training thread ==== */
 
@@ -217,6 +227,8 @@ static void maybe_complete(struct gossip *g) {
   struct gossip_xch *x = &g->xch;
   if (!x->active || !x->sent_ok || !x->recv_ok) return;
   x->active = false;
+  log_debug("exchange %s after %llu ms (%s)", "transferred", (unsigned long long)(gossip_now_ms(g) - x->started_ms),
+            x->initiator ? "we asked" : "we were asked");
   /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
   slot_move(g, SLOT_BUSY, SLOT_APPLY);
 }
@@ -645,9 +657,7 @@ void gossip_pull_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
   uint64_t now = gossip_now_ms(g);
   uint64_t backoff = 50ull << (g->pull_attempts < 5 ? g->pull_attempts : 5);
   g->pull_retry_ms = now + backoff + rng_below(&g->rng, 100);
-  struct gossip_link *l = gossip_link_get(g, g->donor, true);
-  if (n == 7 && memcmp(why, "joining", 7) == 0) l->joining_until_ms = now + 1000; /* it cannot donate yet */
-  else l->backoff_until_ms = now + 500;                                          /* prefer another donor next */
+  gossip_link_get(g, g->donor, true)->backoff_until_ms = now + 500; /* prefer another donor next */
   log_debug("donor %s busy (%.*s); retrying", net_conn_peer_name(c), (int)n, why);
 }
 
@@ -684,23 +694,23 @@ void gossip_pull_tick(struct gossip *g, uint64_t now) {
   }
   uint8_t donor[NET_PUBKEY_BYTES];
   if (!gossip_pick_peer(g, donor, NULL, true)) {
-    /* Every live peer is backed off, or joining as we are. If they are all
-     * joining, someone must start from its own initialisation: the smallest
-     * key among us. Everyone else waits for it and pulls from it. */
-    bool all_joining = true, smallest = true;
+    /* No peer holds a state yet: the cluster is forming. The smallest key
+     * among the live peers starts from its own initialisation (the same seed
+     * gives the same weights anyway); the others pull from it once it is
+     * ready. */
+    bool any_ready = false, smallest = true;
     for (size_t i = 0; i < g->swim.nmembers; i++) {
       const struct swim_member *m = &g->swim.members[i];
       if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
-      struct gossip_link *l = gossip_link_get(g, m->info.id, false);
-      if (!l || l->joining_until_ms <= now) all_joining = false;
+      any_ready |= m->info.ready;
       if (memcmp(m->info.id, g->identity.pk, NET_PUBKEY_BYTES) < 0) smallest = false;
     }
-    if (all_joining && smallest) {
-      log_info("every other peer is joining too; the smallest key starts from its own initialisation: ours");
+    if (!any_ready && smallest) {
+      log_info("no peer holds a state yet and ours is the smallest key: starting from our own initialisation");
       set_pull_result(g, true);
       return;
     }
-    g->pull_retry_ms = now + 200;
+    g->pull_retry_ms = now + 100; /* a donor is backed off, or the first peer is not ready yet */
     return;
   }
   memcpy(g->donor, donor, sizeof donor);

@@ -104,11 +104,9 @@ struct gossip_train_pos {
 int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
 
-/* Blocks until at least `n` peers (ourselves included) are alive in our
- * member table, `timeout_ms` passes (RUMOR_ETIMEDOUT) or *stop becomes
- * non-zero (RUMOR_ECANCELED). */
-int gossip_wait_peers(gossip_t *g, uint32_t n, uint32_t timeout_ms, const atomic_int *stop,
-                      struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Peers alive and ready (holding a state) in our member table, ourselves
+ * included once we are ready. Any thread. */
+size_t gossip_ready_peers(gossip_t *g);
 
 /* The training thread holds a state (after gossip_join_wait and building
  * its model): from now on it may exchange and donate. */
@@ -167,6 +165,7 @@ struct gossip_member_view {
   const char *role;  /* "peer" or "bootstrap" */
   const char *state; /* "alive", "suspect", "failed", "left" */
   uint64_t incarnation;
+  bool ready; /* holds a state: trains, exchanges and donates */
   bool self;
 };
 /* Copies up to `max` members (self first); returns how many there are. */

@@ -55,7 +55,6 @@ struct gossip_link {
   uint32_t dial_failures;
   uint64_t backoff_until_ms; /* no exchanges with it before this (misbehaviour, failures) */
   uint32_t strikes;          /* rejected updates from it */
-  uint64_t joining_until_ms; /* it said it is still joining itself: no donor until then */
   /* Messages waiting for the dial to finish (copied encodings). */
   uint8_t *queue[GOSSIP_LINK_QUEUE];
   size_t queue_len[GOSSIP_LINK_QUEUE];

@@ -144,7 +144,7 @@ bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bo
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
     struct gossip_link *l = gossip_link_get(g, m->info.id, false);
     if (l && l->backoff_until_ms > now) continue;
-    if (donors_only && l && l->joining_until_ms > now) continue;
+    if (donors_only && !m->info.ready) continue;
     cand[n++] = i;
   }
   bool ok = n > 0;
@@ -180,7 +180,7 @@ bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude)
     if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
     struct gossip_link *l = gossip_link_get(g, m->info.id, false);
-    if (l && (l->backoff_until_ms > now || l->joining_until_ms > now)) continue;
+    if (!m->info.ready || (l && l->backoff_until_ms > now)) continue;
     if (peer_rank(g, m->info.id) % 2 == 1) cand[n++] = i;
   }
   bool ok = n > 0;
@@ -198,13 +198,14 @@ void gossip_fail_stat(struct gossip *g, const char *why) {
 
 /* ---- SWIM on the wire ---- */
 
-/* Updates travel as an array of [id (bin 32), addr (str), role, state, incarnation]. */
+/* Updates travel as an array of [id (bin 32), addr (str), role, state,
+ * incarnation, ready (bool)]. */
 static void put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n) {
   msgpack_packer *pk = net_msgbuf_put_key(b, "u");
   msgpack_pack_array(pk, (uint32_t)n);
   for (size_t i = 0; i < n; i++) {
     size_t alen = strnlen(u[i].addr, SWIM_ADDR_MAX - 1);
-    msgpack_pack_array(pk, 5);
+    msgpack_pack_array(pk, 6);
     msgpack_pack_bin(pk, SWIM_ID_BYTES);
     msgpack_pack_bin_body(pk, u[i].id, SWIM_ID_BYTES);
     msgpack_pack_str(pk, alen);
@@ -212,6 +213,8 @@ static void put_updates(struct net_msgbuf *b, const struct swim_update *u, size_
     msgpack_pack_uint8(pk, (uint8_t)u[i].role);
     msgpack_pack_uint8(pk, (uint8_t)u[i].state);
     msgpack_pack_uint64(pk, u[i].incarnation);
+    if (u[i].ready) msgpack_pack_true(pk);
+    else msgpack_pack_false(pk);
   }
 }
 
@@ -232,15 +235,16 @@ static int get_updates(const struct net_msg *m, const char *key, struct swim_upd
   if (n > max) return RUMOR_EPROTO;
   for (uint32_t i = 0; i < n; i++) {
     const msgpack_object *o = &items[i];
-    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 5) return RUMOR_EPROTO;
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 6) return RUMOR_EPROTO;
     const msgpack_object *f = o->via.array.ptr;
     const uint8_t *id;
     const char *addr;
     size_t idlen, alen;
     uint64_t role, state, inc;
+    bool ready;
     if (net_obj_bin(&f[0], &id, &idlen) || idlen != SWIM_ID_BYTES || net_obj_str(&f[1], &addr, &alen) ||
         alen >= SWIM_ADDR_MAX || !printable(addr, alen) || net_obj_uint(&f[2], &role) || role > SWIM_ROLE_BOOTSTRAP ||
-        net_obj_uint(&f[3], &state) || state > SWIM_LEFT || net_obj_uint(&f[4], &inc))
+        net_obj_uint(&f[3], &state) || state > SWIM_LEFT || net_obj_uint(&f[4], &inc) || net_obj_bool(&f[5], &ready))
       return RUMOR_EPROTO;
     memset(&out[i], 0, sizeof out[i]);
     memcpy(out[i].id, id, SWIM_ID_BYTES);
@@ -248,6 +252,7 @@ static int get_updates(const struct net_msg *m, const char *key, struct swim_upd
     out[i].role = (enum swim_role)role;
     out[i].state = (enum swim_state)state;
     out[i].incarnation = inc;
+    out[i].ready = ready;
   }
   return (int)n;
 }
@@ -597,6 +602,7 @@ void gossip_publish(struct gossip *g) {
     v->role = role_name(u->role);
     v->state = swim_state_name(u->state);
     v->incarnation = u->incarnation;
+    v->ready = u->ready;
     v->self = i == 0;
   }
   struct gossip_stats *s = &g->stats;
@@ -913,19 +919,11 @@ int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos
   return rc;
 }
 
-int gossip_wait_peers(gossip_t *g, uint32_t n, uint32_t timeout_ms, const atomic_int *stop, struct rumor_err *e) {
-  uint64_t deadline = clock_now_ns() / 1000000 + timeout_ms;
-  for (;;) {
-    size_t peers = 1; /* ourselves */
-    pthread_mutex_lock(&g->lock);
-    for (size_t i = 1; i < g->npub; i++)
-      if (strcmp(g->pub[i].role, "peer") == 0 && strcmp(g->pub[i].state, "alive") == 0) peers++;
-    pthread_mutex_unlock(&g->lock);
-    if (peers >= n) return 0;
-    if (stop && *stop) return rumor_err_set(e, RUMOR_ECANCELED, "interrupted while waiting for peers");
-    if (clock_now_ns() / 1000000 >= deadline)
-      return rumor_err_set(e, RUMOR_ETIMEDOUT, "only %zu of %u peers present after %u ms", peers, n, timeout_ms);
-    const struct timespec tick = {0, 20 * 1000000};
-    nanosleep(&tick, NULL);
-  }
+size_t gossip_ready_peers(gossip_t *g) {
+  pthread_mutex_lock(&g->lock);
+  size_t peers = g->npub > 0 && g->pub[0].ready ? 1 : 0;
+  for (size_t i = 1; i < g->npub; i++)
+    if (strcmp(g->pub[i].role, "peer") == 0 && strcmp(g->pub[i].state, "alive") == 0 && g->pub[i].ready) peers++;
+  pthread_mutex_unlock(&g->lock);
+  return peers;
 }

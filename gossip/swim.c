@@ -174,6 +174,13 @@ static void heard(struct swim *s, const uint8_t *from, uint64_t now_ms) {
   if (m->info.state == SWIM_SUSPECT || m->info.state == SWIM_DEAD) enqueue(s, &m->info);
 }
 
+void swim_set_ready(struct swim *s) {
+  if (s->self.ready || s->self.state == SWIM_LEFT) return;
+  s->self.ready = true;
+  s->self.incarnation++;
+  enqueue(s, &s->self);
+}
+
 void swim_leave(struct swim *s, uint64_t now_ms) {
   s->self.state = SWIM_LEFT;
   s->self.incarnation++;

@@ -47,6 +47,8 @@ struct swim_update {
   enum swim_role role;
   enum swim_state state;
   uint64_t incarnation;
+  bool ready; /* a peer holding a state (it can donate and exchange); set by
+                 its owner with a new incarnation, so it spreads like any news */
 };
 
 struct swim_member {
@@ -136,6 +138,9 @@ void swim_on_ping_req(struct swim *s, const uint8_t *from, const uint8_t *target
 /* Applies one update (from a message, a join reply, ...). Returns true when
  * it changed what we know. Updates about ourselves trigger refutation. */
 bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms);
+
+/* Marks us ready (see swim_update.ready) with a new incarnation. */
+void swim_set_ready(struct swim *s);
 
 /* Marks us as leaving: our state becomes LEFT and is queued for gossip. */
 void swim_leave(struct swim *s, uint64_t now_ms);

@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "gossip/gossip.h"
 #include "peer/cli.h"
@@ -149,14 +150,26 @@ int cmd_peer(int argc, char **argv) {
   } else {
     log_info("starting from %s", tc.resume ? "the checkpoint" : "our own initialisation");
   }
-  if (gf.wait_peers > 1) {
-    if (gossip_wait_peers(g, (uint32_t)gf.wait_peers, (uint32_t)gf.wait_peers_ms, signals_stop_flag(), &e))
-      goto out;
-    log_info("%lld peers present: starting", (long long)gf.wait_peers);
-  }
   struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance};
   if (peer_sync_init(&ps, g, &t, &sc, &e)) goto out;
   gossip_ready(g);
+  if (gf.wait_peers > 1) {
+    /* Hold training until the cluster is assembled, serving donations to
+     * the peers still joining (they pull this state). */
+    double deadline = clock_now_s() + (double)gf.wait_peers_ms / 1e3;
+    while ((int64_t)gossip_ready_peers(g) < gf.wait_peers) {
+      if (signals_stop_requested()) break; /* the training loop below will not run */
+      if (clock_now_s() > deadline) {
+        rumor_err_set(&e, RUMOR_ETIMEDOUT, "only %zu of %lld peers ready after %lld ms", gossip_ready_peers(g),
+                      (long long)gf.wait_peers, (long long)gf.wait_peers_ms);
+        goto out;
+      }
+      peer_sync_boundary(&ps);
+      const struct timespec tick = {0, 10 * 1000000};
+      nanosleep(&tick, NULL);
+    }
+    if (!signals_stop_requested()) log_info("%lld peers ready: starting", (long long)gf.wait_peers);
+  }
 
   double t0 = clock_now_s();
   int64_t s0 = t.st.samples;

@@ -1,5 +1,6 @@
 /* The `rumor` command: dispatches to a subcommand. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "peer/cli.h"
@@ -32,6 +33,12 @@ static void usage(FILE *f) {
 int main(int argc, char **argv) {
   /* Before any thread exists: every later thread inherits the blocked stop
    * signals, which only the signal thread receives (see util.h). */
+  const char *level = getenv("RUMOR_LOG_LEVEL"); /* debug, info, warn, error */
+  if (level) {
+    if (strcmp(level, "debug") == 0) log_set_level(LOG_DEBUG);
+    else if (strcmp(level, "warn") == 0) log_set_level(LOG_WARN);
+    else if (strcmp(level, "error") == 0) log_set_level(LOG_ERROR);
+  }
   if (signals_init() != 0) {
     fprintf(stderr, "rumor: cannot set up signal handling\n");
     return 1;
