@@ -104,8 +104,10 @@ struct gossip_train_pos {
 int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
 
-/* Peers alive and ready (holding a state) in our member table, ourselves
- * included once we are ready. Any thread. */
+/* Peers that hold or have held a state (ready), whatever their state now,
+ * ourselves included once we are ready: how far the cluster has assembled.
+ * A fast peer may finish and leave before a slow one's view catches up, so
+ * departed ready peers still count. Any thread. */
 size_t gossip_ready_peers(gossip_t *g);
 
 /* The training thread holds a state (after gossip_join_wait and building

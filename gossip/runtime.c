@@ -297,9 +297,12 @@ static void swim_changed(void *ctx, const struct swim_member *m, enum swim_state
   if (added)
     log_info("member %s %s: %s %s (incarnation %llu)", label, m->info.state == SWIM_ALIVE ? "joined" : "known",
              role_name(m->info.role), swim_state_name(m->info.state), (unsigned long long)m->info.incarnation);
-  else
+  else if (old != m->info.state)
     log_info("member %s is now %s (was %s, incarnation %llu)", label, swim_state_name(m->info.state),
              swim_state_name(old), (unsigned long long)m->info.incarnation);
+  else
+    log_debug("member %s %s a state (incarnation %llu)", label, m->info.ready ? "holds" : "does not hold",
+              (unsigned long long)m->info.incarnation);
   struct gossip_link *l = gossip_link_get(g, m->info.id, true);
   if (m->info.addr[0] && strcmp(l->addr, m->info.addr) != 0) {
     snprintf(l->addr, sizeof l->addr, "%s", m->info.addr);
@@ -923,7 +926,7 @@ size_t gossip_ready_peers(gossip_t *g) {
   pthread_mutex_lock(&g->lock);
   size_t peers = g->npub > 0 && g->pub[0].ready ? 1 : 0;
   for (size_t i = 1; i < g->npub; i++)
-    if (strcmp(g->pub[i].role, "peer") == 0 && strcmp(g->pub[i].state, "alive") == 0 && g->pub[i].ready) peers++;
+    if (strcmp(g->pub[i].role, "peer") == 0 && g->pub[i].ready) peers++;
   pthread_mutex_unlock(&g->lock);
   return peers;
 }

@@ -150,13 +150,14 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
   }
   if (!supersedes(u, &m->info)) return false;
   enum swim_state old = m->info.state;
+  bool was_ready = m->info.ready;
   char addr[SWIM_ADDR_MAX];
   memcpy(addr, m->info.addr, sizeof addr);
   m->info = *u;
   if (!m->info.addr[0]) memcpy(m->info.addr, addr, sizeof addr); /* keep a known address */
   if (old != u->state) m->since_ms = now_ms;
   enqueue(s, &m->info);
-  if (old != u->state) notify(s, m, old, false);
+  if (old != u->state || was_ready != m->info.ready) notify(s, m, old, false);
   return true;
 }
 

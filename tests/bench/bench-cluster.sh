@@ -1,0 +1,69 @@
+#!/bin/sh
+# Gossip training quality and overhead (issue #4), on this machine:
+#
+#  1. quality: one peer trains 10 epochs of Fashion-MNIST (batch 128); then N
+#     peers (default 8) each train 10 epochs of their 1/N shard with batch
+#     128/N, so the cluster sees the same samples in the same number of steps.
+#     Target: every peer within 1 point of the single peer's test accuracy.
+#  2. overhead: the same N peers for 2 epochs (batch TBATCH, default 128) with
+#     --gossip-every 1 and with gossip off (--gossip-every 0), alternating,
+#     ROUNDS times; the ratio of cluster throughput (all samples over the wall
+#     time from the first step to the last peer's end). Target: >= 0.90.
+#
+#   tests/bench/bench-cluster.sh [BUILD_DIR]
+#   env: N (8), ROUNDS (2), TBATCH (128), GOSSIP_ARGS (extra peer options for
+#   the gossip-on runs, e.g. "--wire f16"), SKIP_QUALITY=1 (overhead only)
+set -eu
+src=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$src/build}
+n=${N:-8}
+rounds=${ROUNDS:-2}
+rumor=$build/peer/rumor
+[ -x "$rumor" ] || { echo "build first: $rumor is missing" >&2; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+num() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
+
+if [ -z "${SKIP_QUALITY:-}" ]; then
+echo "== single peer, 10 epochs, batch 128"
+single=$("$rumor" train --epochs 10 --batch 128 --log-every 0 2>/dev/null | num test_accuracy)
+echo "single-peer test accuracy: $single"
+
+batch=$((128 / n))
+echo "== $n peers, 10 epochs of 1/$n each, batch $batch"
+RUMOR=$rumor WORKDIR=$work/q EPOCHS=10 "$src/deploy/local-cluster.sh" "$n" -- --batch "$batch" --log-every 0 \
+  | tail -n "$((n + 1))"
+accs=$(cat "$work"/q/peer-*.out | num test_accuracy)
+echo "$accs" | awk -v s="$single" 'NR == 1 {lo = $1; hi = $1} {if ($1 < lo) lo = $1; if ($1 > hi) hi = $1}
+  END {printf "peers: %.4f .. %.4f; worst gap to the single peer %.2f points (target <= 1.00)\n", lo, hi, (s - lo) * 100}'
+fi
+batch=$((128 / n))
+
+tbatch=${TBATCH:-128}
+GOSSIP_ARGS=${GOSSIP_ARGS:-}
+echo "== overhead: $n peers, 2 epochs, batch $tbatch, gossip every step vs off ($rounds rounds)"
+# Cluster throughput: all samples trained, over the wall time from the first
+# peer's first step to the last peer's final line (log stamps HH:MM:SS.mmm).
+total() {
+  samples=$(cat "$work"/t/peer-*.out | num steps | awk -v b="$tbatch" '{s += $1 * b} END {print s}')
+  t0=$(grep -h "first step:" "$work"/t/peer-*.log | cut -c1-12 | sort | head -n 1)
+  t1=$(grep -h "final test accuracy" "$work"/t/peer-*.log | cut -c1-12 | sort | tail -n 1)
+  echo "$samples $t0 $t1" | awk '{split($2, a, ":"); split($3, b, ":");
+    s = (b[1] - a[1]) * 3600 + (b[2] - a[2]) * 60 + (b[3] - a[3]); printf "%.0f", $1 / s}'
+}
+ratios=""
+i=0
+while [ "$i" -lt "$rounds" ]; do
+  RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    --no-eval --gossip-every 0 > /dev/null
+  off=$(total)
+  RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    --no-eval --gossip-every 1 $GOSSIP_ARGS > /dev/null
+  on=$(total)
+  r=$(echo "$on $off" | awk '{printf "%.3f", $1 / $2}')
+  echo "round $i: gossip off $off samples/s, gossip every step $on samples/s, ratio $r"
+  ratios="$ratios $r"
+  i=$((i + 1))
+done
+echo "$ratios" | tr ' ' '\n' | grep . | sort -g | awk '{a[NR] = $1} END {printf "median ratio %.3f (target >= 0.90)\n", (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'
+echo "machine: $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
