@@ -129,17 +129,21 @@ daemon_skip() { dump_logs; skip "$*"; }
 
 mkdir -p "$T/munge" "$T/state" "$T/spool" "$T/log" "$T/job/keys"
 chmod 755 "$T/munge"
-# A free TCP port on this machine, not one of those already picked.
+# A free TCP port on this machine, not one of those already picked, in $port
+# (not printed: a $(...) subshell would lose the record of those picked).
 taken=""
 free_port() {
   local p
   for p in $(shuf -i 20000-60000 -n 50); do
     case " $taken " in *" $p "*) continue ;; esac
-    if [ -z "$(ss -Htln "sport = :$p" 2>/dev/null)" ]; then taken="$taken $p"; echo "$p"; return 0; fi
+    if [ -z "$(ss -Htln "sport = :$p" 2>/dev/null)" ]; then taken="$taken $p"; port=$p; return 0; fi
   done
   return 1
 }
-ctld_port=$(free_port) && slurmd_port=$(free_port) || skip "no free TCP port"
+free_port || skip "no free TCP port"
+ctld_port=$port
+free_port || skip "no free TCP port"
+slurmd_port=$port
 node=$(hostname -s)
 ncpu=2
 mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024 / 2)}' /proc/meminfo)
@@ -234,7 +238,7 @@ while :; do
     PENDING | CONFIGURING | RUNNING | COMPLETING | "") ;;
     *) break ;;
   esac
-  if [ $(($(date +%s) - start)) -gt $job_deadline_s ]; then
+  if [ $(($(date +%s) - start)) -gt "$job_deadline_s" ]; then
     echo "--- job output so far"; cat "$T/job/slurm-$jobid.out" 2>/dev/null
     dump_logs
     fail "job $jobid still $jstate after ${job_deadline_s}s"
