@@ -89,7 +89,9 @@ EOF
 check "Dockerfile (hadolint)" "$venv/bin/hadolint" "$src/deploy/container/Dockerfile"
 if command -v shellcheck >/dev/null; then
   check "shell scripts (shellcheck)" shellcheck "$src/deploy/rumor-launch" "$src/deploy/k8s/make-secrets.sh" \
-    "$src/deploy/container/runtime-packages" "$src/deploy/slurm/rumor.sbatch"
+    "$src/deploy/container/runtime-packages" "$src/deploy/slurm/rumor.sbatch" "$src/deploy/systemd/install.sh" \
+    "$src"/tests/scripts/{slurm_cluster,k8s_manifests,launch_cluster,systemd_units}.sh "$src/deploy/systemd/install.sh" \
+    "$src"/tests/scripts/{slurm_cluster,k8s_manifests,launch_cluster,systemd_units}.sh
 else
   say "shellcheck is not installed: shell scripts not linted (apt-get install shellcheck)"
 fi
