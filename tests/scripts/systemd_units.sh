@@ -75,6 +75,7 @@ done
 
 # --- 4. the units' command lines, run ---------------------------------------------
 ls "$data"/train-images-idx3-ubyte* >/dev/null 2>&1 || { say "no Fashion-MNIST in $data: not running the services"; exit 0; }
+command -v curl >/dev/null || { say "no curl: not running the services"; exit 0; }
 etc=$root/etc/rumor
 state=$T/state
 ip=127.$((RANDOM % 200 + 20)).$((RANDOM % 250 + 1)).$((RANDOM % 250 + 1))
