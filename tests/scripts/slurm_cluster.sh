@@ -1,7 +1,10 @@
 #!/bin/bash
 # Runs deploy/slurm/rumor.sbatch on a real, single-node Slurm cluster started
 # on this machine, and checks that every one of its 4 peers reaches a test
-# accuracy of at least 0.85.
+# accuracy of at least 0.85. Then submits it again with checkpoints, cancels
+# it (scancel) once the peers train, checks that every peer saved its
+# checkpoint and left, resubmits it, and checks that every peer resumed from
+# its checkpoint and finished with the same accuracy bound.
 #
 #   tests/scripts/slurm_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
 #
@@ -23,7 +26,8 @@
 # Time: everything (apt-get included) is bounded by RUMOR_SLURM_TEST_BUDGET_S
 # seconds (default 540, under ctest's 600 s timeout, so the script's own
 # clean-up always runs). Measured on the 2-core development machine with the
-# packages installed: about 20 s in all, 18 s of it the job.
+# packages installed: about 35 s in all (the first job 16-18 s, the
+# cancelled one 3 s, the resumed one 11 s).
 set -u
 t_end=$(($(date +%s) + ${RUMOR_SLURM_TEST_BUDGET_S:-540}))
 left() { echo $((t_end - $(date +%s))); }
@@ -95,17 +99,17 @@ done
 T=$(mktemp -d /tmp/rumor-slurm.XXXXXX) || fail "mktemp"
 chmod 755 "$T"
 pids=""        # daemons we started, stopped by PID in cleanup
-jobid=""
+jobids=""      # jobs we submitted, cancelled in cleanup
 cleanup() {
   set +e
-  if [ -n "$jobid" ]; then
-    scancel "$jobid" 2>/dev/null
+  for j in $jobids; do
+    scancel "$j" 2>/dev/null
     # Let slurmd end the job's steps (bounded) before it is stopped itself.
     for _ in $(seq 1 50); do
-      [ -z "$(squeue -h -j "$jobid" 2>/dev/null)" ] && break
+      [ -z "$(squeue -h -j "$j" 2>/dev/null)" ] && break
       sleep 0.2
     done
-  fi
+  done
   # Reverse order: slurmd, slurmctld, then munged.
   for p in $(echo "$pids" | tr ' ' '\n' | tac); do kill -TERM "$p" 2>/dev/null; done
   for p in $pids; do
@@ -224,27 +228,42 @@ say "Slurm is up: node $node ($ncpu CPUs), slurmctld on port $ctld_port, slurmd 
 job_deadline_s=$(min 300 $(($(left) - 30)))
 [ "$job_deadline_s" -gt 60 ] || skip "only $(left) s of the time budget left for the job"
 chmod 700 "$T/job/keys"
+
+# submit RUN_DIR [VAR=VALUE...]: submits the script with 4 tasks, the test's
+# keys and peer options, and the environment given; sets $jobid.
+submit() {
+  local run=$1
+  shift
+  jobid=$(cd "$T/job" && env RUMOR="$rumor" RUMOR_KEYS="$T/job/keys" RUMOR_RUN_DIR="$run" RUMOR_IFACE=lo \
+    RUMOR_DEVICE=cpu "$@" sbatch --parsable --ntasks=$ntasks --overcommit --time=10 \
+    --output="$T/job/slurm-%j.out" "$sbatch_script" --data "$data" "${peer_opts[@]}" 2>"$T/log/sbatch.err") ||
+    fail "sbatch refused the job: $(cat "$T/log/sbatch.err")"
+  jobid=${jobid%%;*}
+  jobids="$jobids $jobid"
+  say "submitted job $jobid: $ntasks tasks, rumor peer ${peer_opts[*]}${*:+ ($*)}"
+}
+# wait_job: waits for $jobid to end, within what is left of job_deadline_s
+# since $start; sets $jstate.
+wait_job() {
+  jstate=""
+  while :; do
+    jstate=$(scontrol show job "$jobid" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+    case $jstate in
+      PENDING | CONFIGURING | RUNNING | COMPLETING | "") ;;
+      *) break ;;
+    esac
+    if [ $(($(date +%s) - start)) -gt "$job_deadline_s" ]; then
+      echo "--- job output so far"; cat "$T/job/slurm-$jobid.out" 2>/dev/null
+      dump_logs
+      fail "job $jobid still $jstate after ${job_deadline_s}s"
+    fi
+    sleep 1
+  done
+}
+
 start=$(date +%s)
-jobid=$(cd "$T/job" && RUMOR=$rumor RUMOR_KEYS=$T/job/keys RUMOR_RUN_DIR=$T/job/run RUMOR_IFACE=lo \
-  RUMOR_DEVICE=cpu sbatch --parsable --ntasks=$ntasks --overcommit --time=10 --output="$T/job/slurm-%j.out" \
-  "$sbatch_script" --data "$data" "${peer_opts[@]}" 2>"$T/log/sbatch.err") ||
-  fail "sbatch refused the job: $(cat "$T/log/sbatch.err")"
-jobid=${jobid%%;*}
-say "submitted job $jobid: $ntasks tasks, rumor peer ${peer_opts[*]}"
-jstate=""
-while :; do
-  jstate=$(scontrol show job "$jobid" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-  case $jstate in
-    PENDING | CONFIGURING | RUNNING | COMPLETING | "") ;;
-    *) break ;;
-  esac
-  if [ $(($(date +%s) - start)) -gt "$job_deadline_s" ]; then
-    echo "--- job output so far"; cat "$T/job/slurm-$jobid.out" 2>/dev/null
-    dump_logs
-    fail "job $jobid still $jstate after ${job_deadline_s}s"
-  fi
-  sleep 1
-done
+submit "$T/job/run"
+wait_job
 elapsed=$(($(date +%s) - start))
 say "job $jobid ended $jstate after ${elapsed}s; its output:"
 sed 's/^/  | /' "$T/job/slurm-$jobid.out" 2>/dev/null
@@ -285,4 +304,59 @@ if [ "$problems" -ne 0 ]; then
   dump_logs
   fail "$problems problem(s) with the Slurm job"
 fi
-say "PASS: $ntasks peers under Slurm, each with test accuracy >= $min_acc (job took ${elapsed}s)"
+say "$ntasks peers under Slurm, each with test accuracy >= $min_acc (job took ${elapsed}s)"
+
+# --- scancel, then resubmit: the peers resume from their checkpoints --------
+# The job is cancelled once every peer trains; Slurm's SIGTERM must make each
+# peer save its checkpoint and leave, and the resubmitted job must resume
+# every peer from its checkpoint and finish the run with the same accuracy.
+ck=$T/job/checkpoints
+# budget_job: the next job's deadline, from what is left of the time budget.
+budget_job() {
+  job_deadline_s=$(min 300 $(($(left) - 30)))
+  [ "$job_deadline_s" -gt 30 ] || fail "the time budget (RUMOR_SLURM_TEST_BUDGET_S) ran out"
+}
+budget_job
+start=$(date +%s)
+submit "$T/job/run2" RUMOR_CHECKPOINT_DIR="$ck"
+for ((r = 0; r < ntasks; r++)); do
+  until grep -q "peers ready: starting" "$T/job/run2/peer-$r.log" 2>/dev/null; do
+    [ $(($(date +%s) - start)) -le 120 ] || { dump_logs; fail "peer $r of job $jobid did not start training"; }
+    sleep 0.5
+  done
+done
+sleep 1
+scancel "$jobid"
+wait_job
+say "job $jobid cancelled while training: $jstate"
+for ((r = 0; r < ntasks; r++)); do
+  grep -q "signal 15: leaving the cluster" "$T/job/run2/peer-$r.log" 2>/dev/null ||
+    { echo "peer $r did not leave on scancel's SIGTERM"; problems=$((problems + 1)); }
+  [ -f "$ck/peer-$r.safetensors" ] || { echo "peer $r saved no checkpoint on SIGTERM"; problems=$((problems + 1)); }
+  grep -q "\"test_accuracy\"" "$T/job/run2/peer-$r.out" 2>/dev/null &&
+    { echo "peer $r finished before the job was cancelled (test too slow to interrupt it)"; problems=$((problems + 1)); }
+done
+grep -q "stopping (signal 15)" "$T/job/run2/bootstrap.log" 2>/dev/null ||
+  { echo "the bootstrap node did not stop on scancel's SIGTERM"; problems=$((problems + 1)); }
+[ "$problems" -eq 0 ] || { dump_logs; fail "$problems problem(s) when the job was cancelled"; }
+budget_job
+start=$(date +%s)
+submit "$T/job/run3" RUMOR_CHECKPOINT_DIR="$ck"
+wait_job
+elapsed2=$(($(date +%s) - start))
+say "resubmitted job $jobid ended $jstate after ${elapsed2}s"
+for ((r = 0; r < ntasks; r++)); do
+  grep -q "starting from the checkpoint" "$T/job/run3/peer-$r.log" 2>/dev/null ||
+    { echo "peer $r did not resume from its checkpoint"; problems=$((problems + 1)); }
+  acc=$(sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' "$T/job/run3/peer-$r.out" 2>/dev/null | tail -n1)
+  if [ -n "$acc" ] && awk -v a="$acc" -v m="$min_acc" 'BEGIN { exit !(a >= m) }'; then
+    say "peer $r resumed: test accuracy $acc >= $min_acc"
+  else
+    echo "peer $r resumed: test accuracy '${acc:-none}', not >= $min_acc"
+    problems=$((problems + 1))
+  fi
+done
+[ "$jstate" = COMPLETED ] || { echo "resubmitted job state $jstate, not COMPLETED"; problems=$((problems + 1)); }
+[ "$problems" -eq 0 ] || { dump_logs; fail "$problems problem(s) with the resumed job"; }
+say "PASS: $ntasks peers under Slurm, each with test accuracy >= $min_acc (job took ${elapsed}s);" \
+  "scancel saved every peer's checkpoint, and the resubmitted job resumed and finished (${elapsed2}s)"
