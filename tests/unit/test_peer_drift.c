@@ -41,17 +41,19 @@ Test(drift, cpu_count_sketch_matches_a_plain_loop) {
   rng_seed(&r, 3, 0);
   /* Not a multiple of any vector width; an index above 2^32 is covered by
    * the hash tests, here the plain definition. */
-  const int64_t p = 100003;
+  const int64_t p = 1000003; /* large enough for the threaded path */
   float *x = xmalloc((size_t)p * sizeof *x);
   for (int64_t i = 0; i < p; i++) x[i] = (float)gauss(&r);
-  for (int k = 1; k <= 4096; k *= 8) {
+  for (int k = 1; k <= 1 << 16; k *= 4) {
     double *got = xcalloc((size_t)k, sizeof *got), *want = xcalloc((size_t)k, sizeof *want);
     for (int j = 0; j < k; j++) got[j] = NAN; /* overwritten, not accumulated */
     const uint64_t seed = 0x9e3779b97f4a7c15ull + (uint64_t)k;
     sketch_of(x, p, seed, k, got);
+    /* the definition in tensor.h, written out */
     for (int64_t i = 0; i < p; i++) {
-      uint32_t h = tensor_sketch_hash(seed, (uint64_t)i);
-      want[(h >> 1) & (uint32_t)(k - 1)] += (h & 1) ? -(double)x[i] : (double)x[i];
+      uint32_t h = tensor_sketch_hash(seed, (uint64_t)i >> 3), lane = (uint32_t)i & 7;
+      uint32_t b = (((h >> 8) << 3) | lane) & (uint32_t)(k - 1);
+      want[b] += ((h >> lane) & 1) ? -(double)x[i] : (double)x[i];
     }
     for (int j = 0; j < k; j++)
       cr_assert(fabs(got[j] - want[j]) <= 1e-6 * (1 + fabs(want[j])), "k=%d bucket %d: %.9g, plain loop %.9g", k, j,
