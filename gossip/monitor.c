@@ -389,7 +389,7 @@ static void on_stats(struct gossip_monitor *m, net_conn_t *c, const struct net_m
   if (m->phase != MON_NODES || net_msg_get_uint(msg, "q", &qn)) return;
   for (size_t i = 0; i < m->r->n; i++) {
     struct mon_req *q = &m->reqs[i];
-    if (q->q != qn || q->stats_done) continue;
+    if (q->q != qn || q->stats_done || q->link->conn != c) continue; /* only the asked node answers */
     struct gossip_node_report *nr = &m->r->nodes[i];
     q->stats_done = true;
     nr->rtt_ms = (double)(now_ms(m) - q->sent_ms);
