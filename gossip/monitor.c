@@ -458,7 +458,7 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   }
   if (i == m->r->n) return -EPERM; /* nothing asked */
   struct gossip_node_report *nr = &m->r->nodes[i];
-  struct net_msg meta;
+  struct net_msg meta = {0};
   struct rumor_err e = {0};
   uint64_t kind = 0, step = 0;
   if (net_msg_decode(info->meta, info->meta_len, NULL, &meta, &e) ||
