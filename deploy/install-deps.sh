@@ -21,6 +21,7 @@ packages="
   libopenblas0-pthread
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
+  prometheus
   munge slurmctld slurmd slurm-client
 "
 
@@ -32,6 +33,20 @@ for p in $packages; do
 done
 if [ -n "$missing" ]; then
   apt-get update -q
+  # Only promtool (the metrics test) is wanted from `prometheus`: when this
+  # script installs it, its server must not start or be enabled. Debian's
+  # policy-rc.d keeps maintainer scripts from starting services.
+  new_prometheus=false
+  case " $missing " in *" prometheus "*) new_prometheus=true ;; esac
+  policy=/usr/sbin/policy-rc.d
+  made_policy=false
+  if $new_prometheus && [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=true
+  fi
   # shellcheck disable=SC2086
-  apt-get install -y -q --no-install-recommends $missing
+  apt-get install -y -q --no-install-recommends $missing || { $made_policy && rm -f "$policy"; exit 1; }
+  $made_policy && rm -f "$policy"
+  if $new_prometheus && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi

@@ -595,9 +595,17 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
 
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   struct gossip *g = ud;
+  bool partner_lost = false;
   for (size_t i = 0; i < g->nlinks; i++)
-    if (g->links[i].conn == c) g->links[i].conn = NULL;
+    if (g->links[i].conn == c) {
+      g->links[i].conn = NULL;
+      /* Cut by an error (a reset, EOF from a dead process) while an exchange
+       * with it is pending on no bulk connection yet: the partner is gone,
+       * so the exchange is abandoned now rather than at the failure verdict. */
+      partner_lost |= status != 0 && g->xch.active && memcmp(g->links[i].id, g->xch.partner, NET_PUBKEY_BYTES) == 0;
+    }
   gossip_xch_on_close(g, c);
+  if (partner_lost && g->xch.active) gossip_xch_abandon(g, "connection to the partner lost");
   gossip_stats_on_close(g, c);
 }
 
