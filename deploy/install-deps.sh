@@ -1,6 +1,9 @@
 #!/bin/sh
 # Installs every build, test, benchmark and data dependency of rumor from
 # Debian's packages. Run as root on Debian 12 (bookworm) or later.
+# munge and the Slurm daemons are for tests/scripts/slurm_cluster.sh, which
+# starts its own private instances; the system's Slurm services stay off
+# without an /etc/slurm/slurm.conf.
 # CUDA is not installed here: when nvcc is on PATH (or in /usr/local/cuda)
 # the build picks it up, otherwise rumor builds for the CPU only.
 set -eu
@@ -19,6 +22,7 @@ packages="
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
   prometheus
+  munge slurmctld slurmd slurm-client
 "
 
 export DEBIAN_FRONTEND=noninteractive
