@@ -394,6 +394,19 @@ static void on_join_dial(net_t *n, net_conn_t *c, int status, const char *detail
 
 static void join_tick(struct gossip *g, uint64_t now) {
   if (g->joined || g->join_failed || g->join_dialing || g->nboot == 0) return;
+  if (now - g->join_started_ms >= g->cfg.join_timeout_ms && g->cfg.role == GOSSIP_ROLE_BOOTSTRAP) {
+    /* A bootstrap node whose list is all down (say, the others restart too)
+     * is what newcomers dial: it starts as the first member rather than
+     * serve forever as "not ready". Members that join later merge in. */
+    join_fail_message(g);
+    log_warn("%s; starting as the first member", g->join_error);
+    pthread_mutex_lock(&g->lock);
+    g->joined = true;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
+    gossip_publish(g);
+    return;
+  }
   if (now - g->join_started_ms >= g->cfg.join_timeout_ms) {
     pthread_mutex_lock(&g->lock);
     g->join_failed = true;

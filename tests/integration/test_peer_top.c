@@ -261,6 +261,29 @@ Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_
   free(err);
 }
 
+/* A bootstrap node whose own --bootstrap list is all dead starts as the
+ * first member after its join timeout: ready on /healthz, admitting peers. */
+Test(top, bootstrap_with_every_listed_address_dead_starts_as_the_first_member) {
+  if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR);
+  char *boot_args[] = {"--metrics", "127.0.0.1:0", "--bootstrap", "127.0.0.1:1", "--join-timeout-ms", "1000", NULL};
+  cluster_start_bootstrap(&C, boot_args);
+  int port = metrics_port(0);
+  cr_assert_gt(port, 0);
+  bool ready = false;
+  for (int i = 0; i < 100 && !ready; i++) {
+    char *hz = http_get(port, "/healthz");
+    ready = strstr(hz, " 200 ") != NULL;
+    free(hz);
+    if (!ready) usleep(100000);
+  }
+  cr_assert(ready, "the bootstrap node never became ready: %s", proc_slurp(C.node[0].log));
+  cr_assert(cluster_log_has(&C, 0, "starting as the first member"), "%s", proc_slurp(C.node[0].log));
+  int p = cluster_start_peer(&C, "--model", "mlp:784-32-10", "--max-steps", "20", "--no-eval", NULL);
+  int st = cluster_wait(&C, p, 60);
+  cr_assert(proc_exited_with(st, 0), "the peer could not join and train (status %d): %s", st,
+            proc_slurp(C.node[p].log));
+}
+
 Test(top, bad_flags_and_dead_addresses_are_clear_errors) {
   char id[300];
   snprintf(id, sizeof id, "%s/top.key", C.dir);
