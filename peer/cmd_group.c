@@ -18,7 +18,8 @@
 #include "util/json.h"
 
 #define LINE_MAX_BYTES 65536
-#define GRACE_S 20.0 /* after a failure or a stop, the other stages get this long to end */
+#define NOTICE_S 3.0 /* after a stage failed, the others get this long to notice on their own */
+#define GRACE_S 20.0 /* after SIGTERM, stages get this long before SIGKILL */
 
 struct child {
   int stage;
@@ -29,6 +30,7 @@ struct child {
   char link[128]; /* its link address, once it printed it */
   bool exited;
   int status;
+  bool signalled; /* the launcher sent it a signal */
   int failed_stage; /* −1, or the culprit it reported */
   char error[512];
   char result[LINE_MAX_BYTES]; /* its result line (with "steps") */
@@ -194,7 +196,10 @@ static void child_line(struct child *k, const char *line, size_t len) {
   const struct json_value *v;
   if ((v = json_get(&doc.root, "link")) && v->type == JSON_STRING)
     snprintf(k->link, sizeof k->link, "%s", v->string);
-  if ((v = json_get(&doc.root, "failed_stage")) && v->type == JSON_NUMBER) {
+  const struct json_value *stopped = json_get(&doc.root, "stopped");
+  bool on_signal = stopped && stopped->type == JSON_BOOL && stopped->boolean;
+  if ((v = json_get(&doc.root, "failed_stage")) && v->type == JSON_NUMBER && !on_signal) {
+    /* A stage that failed, or saw which stage failed (not one we stopped). */
     k->failed_stage = (int)v->number;
     const struct json_value *w = json_get(&doc.root, "error");
     if (w && w->type == JSON_STRING) snprintf(k->error, sizeof k->error, "%s", w->string);
@@ -264,7 +269,10 @@ static void pump(struct group *g, int ms) {
 
 static void signal_all(struct group *g, int sig) {
   for (int i = 0; i < g->nkids; i++)
-    if (!g->kids[i].exited) kill(g->kids[i].pid, sig);
+    if (!g->kids[i].exited) {
+      kill(g->kids[i].pid, sig);
+      g->kids[i].signalled = true;
+    }
 }
 
 static bool child_bad(const struct child *k) { return k->exited && !(WIFEXITED(k->status) && WEXITSTATUS(k->status) == 0); }
@@ -358,9 +366,12 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
   return 0;
 }
 
-/* Runs until every stage has ended; returns the group's exit status. */
+/* Runs until every stage has ended; returns the group's exit status. When
+ * a stage fails, the others normally notice at once (the link tells them);
+ * those that have not after NOTICE_S get SIGTERM (a stage that has not
+ * connected yet cannot be told), and SIGKILL GRACE_S later. */
 static int supervise(struct group *g) {
-  double deadline = 0;
+  double term_at = 0, kill_at = 0;
   bool stopping = false, failed = false;
   for (;;) {
     pump(g, 100);
@@ -368,22 +379,27 @@ static int supervise(struct group *g) {
     bool all = true;
     for (int i = 0; i < g->nkids; i++) all = all && g->kids[i].exited;
     if (all) break;
+    double now = clock_now_s();
     if (signals_stop_requested() && !stopping) {
       stopping = true;
       log_info("group %s: signal %d, stopping the stages", g->name, signals_stop_requested());
-      signal_all(g, SIGTERM);
-      deadline = clock_now_s() + GRACE_S;
+      term_at = now;
     }
-    if (!failed)
+    if (!failed && !stopping) /* a stage failing while we stop them is not the group failing */
       for (int i = 0; i < g->nkids; i++)
         if (child_bad(&g->kids[i])) {
           failed = true;
-          if (!deadline) deadline = clock_now_s() + GRACE_S;
+          if (!term_at) term_at = now + NOTICE_S;
         }
-    if (deadline && clock_now_s() > deadline) {
-      log_warn("group %s: stages still running %.0f s after the group stopped; killing them", g->name, GRACE_S);
+    if (term_at && now >= term_at && !kill_at) {
+      if (!stopping) log_warn("group %s: stopping the stages still running", g->name);
+      signal_all(g, SIGTERM);
+      kill_at = now + GRACE_S;
+    }
+    if (kill_at && now > kill_at) {
+      log_warn("group %s: stages still running %.0f s after SIGTERM; killing them", g->name, GRACE_S);
       signal_all(g, SIGKILL);
-      deadline = clock_now_s() + 1e9;
+      kill_at = now + 1e9;
     }
   }
   while (true) { /* the rest of their output */
@@ -392,14 +408,14 @@ static int supervise(struct group *g) {
       if (g->kids[i].fd >= 0) open = true, child_read(&g->kids[i]);
     if (!open) break;
   }
-  return stopping ? 0 : failed ? 1 : 0;
+  return failed ? 1 : 0;
 }
 
 /* The stage that took the group down: one killed by a signal, else the
  * culprit the stages named, else the first that failed. */
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
-    if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status)) {
+    if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
       snprintf(why, n, "stage %d/%d was killed by signal %d (%s)", i, g->S, WTERMSIG(g->kids[i].status),
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
