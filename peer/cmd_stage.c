@@ -47,11 +47,12 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
     snprintf(head, sizeof head, "\"test_accuracy\":%.6f,\"test_loss\":%.6f,", t->accuracy, t->test_loss);
   }
   printf("{%s\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
-         "\"micro_batches\":%d,\"schedule\":\"%s\",\"idle_fraction\":%.6f,\"bubble_theory\":%.6f,\"timed_steps\":%lld,"
+         "\"micro_batches\":%d,\"schedule\":\"%s\",\"step_ms\":%.3f,\"idle_fraction\":%.6f,\"bubble_theory\":%.6f,\"timed_steps\":%lld,"
          "\"act_slots\":%d,\"act_peak_bytes\":%zu,\"exchanges\":%llu,\"exchanges_failed\":%llu,"
          "\"exchanges_rejected\":%llu,\"id\":\"%s\"}\n",
          head, p->sc.group, p->sc.stage, p->sc.stages, (long long)t->st.step, (long long)t->st.epoch,
-         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, p->sc.micro, pipe_schedule_name(p->sc.sched), idle,
+         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, p->sc.micro, pipe_schedule_name(p->sc.sched),
+         ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0, idle,
          pipe_bubble_theory(p->sc.stages, p->sc.micro), (long long)ps->steps, ps->slots, act_bytes,
          (unsigned long long)gs.exchanges_ok, (unsigned long long)gs.exchanges_failed,
          (unsigned long long)gs.exchanges_rejected, gossip_self_id(p->g));
