@@ -83,7 +83,8 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
 
 /* Options the launcher sets per stage itself rather than passing on. */
 static bool launcher_only(const char *name) {
-  static const char *const own[] = {"stages", "devices", "listen", "advertise", "metrics", "bootstrap", "name", "group"};
+  static const char *const own[] = {"stages", "devices", "listen", "advertise", "metrics", "bootstrap", "name", "group",
+                                    "threads"};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
     if (strcmp(name, own[i]) == 0) return true;
   return false;
@@ -133,6 +134,17 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     char flag[32];
     snprintf(flag, sizeof flag, "--%s", addr_flags[i]);
     push(out, &n, flag);
+    push(out, &n, buf);
+  }
+  if (g->f.train.threads > 0) {
+    snprintf(buf, sizeof buf, "%lld", (long long)g->f.train.threads);
+    push(out, &n, "--threads");
+    push(out, &n, buf);
+  } else {
+    /* Stages on one host share its cores. */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(buf, sizeof buf, "%ld", cores / g->S > 1 ? cores / g->S : 1);
+    push(out, &n, "--threads");
     push(out, &n, buf);
   }
   if (g->have_bootstrap) {

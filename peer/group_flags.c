@@ -68,10 +68,13 @@ void group_flags_specs(struct group_flags *f, enum group_flags_for who, struct a
      * launcher; --resume is not supported for groups. */
     if (strcmp(tmp[i].name, "schedule") == 0) {
       tmp[i].name = "lr-schedule";
-    } else if (strcmp(tmp[i].name, "device") == 0 && who == GROUP_FLAGS_LAUNCHER) {
+    } else if ((strcmp(tmp[i].name, "device") == 0 && who == GROUP_FLAGS_LAUNCHER) || strcmp(tmp[i].name, "resume") == 0) {
       continue;
     } else if (strcmp(tmp[i].name, "checkpoint") == 0) {
-      tmp[i].help = "save each stage's layers to PATH-stage<s>.safetensors (each epoch and at the end)";
+      tmp[i].help = "each stage saves its layers to FILE-stage<s> (X.safetensors: X-stage<s>.safetensors), each "
+                    "epoch and at the end";
+    } else if (strcmp(tmp[i].name, "threads") == 0 && who == GROUP_FLAGS_LAUNCHER) {
+      tmp[i].help = "CPU threads per stage (0: the host's cores divided among the stages)";
     }
     add(specs, &n, &tmp[i]);
   }
@@ -139,7 +142,6 @@ int group_flags_stage_config(const struct group_flags *f, const struct arg_spec 
     if (strstr(e->msg, "--schedule")) return rumor_err_set(e, RUMOR_EFORMAT, "--lr-schedule must be cosine or constant, not '%s'", tf.schedule);
     return rc;
   }
-  if (f->train.resume) return rumor_err_set(e, RUMOR_EFORMAT, "--resume is not supported for a peer group");
   out->train.model = f->train.model;
   out->group = f->group;
   out->stage = stage;
