@@ -77,7 +77,9 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
     for (int i = 1; i < want; i++) memcpy(out[i], out[0], 32);
     return 0;
   }
-  if (n != want) return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s' names %d entr%s for %d stages", flag, list, n, n == 1 ? "y" : "ies", want);
+  if (n != want)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s' names %d entr%s for %d stages", flag, list, n,
+                         n == 1 ? "y" : "ies", want);
   return 0;
 }
 
@@ -365,7 +367,8 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     log_info("group %s: stage %d/%d is pid %d", g->name, s, g->S, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.link_wait_ms / 1e3;
     while (!k->link[0] && s < g->S - 1) {
-      if (signals_stop_requested()) return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
+      if (signals_stop_requested())
+        return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
       pump(g, 100);
       reap(g);
       if (k->exited || k->fd < 0)

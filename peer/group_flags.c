@@ -139,7 +139,8 @@ int group_flags_stage_config(const struct group_flags *f, const struct arg_spec 
   struct train_flags tf = f->train;
   int rc = train_flags_config(&tf, specs, &out->train, e);
   if (rc) {
-    if (strstr(e->msg, "--schedule")) return rumor_err_set(e, RUMOR_EFORMAT, "--lr-schedule must be cosine or constant, not '%s'", tf.schedule);
+    if (strstr(e->msg, "--schedule"))
+      return rumor_err_set(e, RUMOR_EFORMAT, "--lr-schedule must be cosine or constant, not '%s'", tf.schedule);
     return rc;
   }
   out->train.model = f->train.model;

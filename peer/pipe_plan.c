@@ -20,7 +20,8 @@ int pipe_split_balance(const struct model_spec *spec, int stages, struct pipe_sp
   double P = (double)model_spec_param_count(spec), F = (double)model_spec_flops(spec, 0, L);
   double pre[MODEL_MAX_LAYERS + 1];
   pre[0] = 0;
-  for (int l = 0; l < L; l++) pre[l + 1] = pre[l] + (double)layer_params(spec, l) / P + (double)model_spec_flops(spec, l, l + 1) / F;
+  for (int l = 0; l < L; l++)
+    pre[l + 1] = pre[l] + (double)layer_params(spec, l) / P + (double)model_spec_flops(spec, l, l + 1) / F;
   /* best[k][j]: the smallest possible largest-stage cost when k stages take
    * layers [0, j); cut[k][j]: where the k-th stage starts in that optimum. */
   double best[PIPE_MAX_STAGES + 1][MODEL_MAX_LAYERS + 1];

@@ -379,8 +379,8 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
       snprintf(why, sizeof why, "more transfers than the schedule allows (%zu waiting, %zu bytes)", items, bytes);
   }
   if (why[0]) {
+    /* Refused; the failure stops this stage, which closes the link. */
     fail(l, other, "stage %d/%d sent %s", other, S, why);
-    net_conn_close(c);
     return RUMOR_EPROTO;
   }
   struct item *it = calloc(1, sizeof *it);
