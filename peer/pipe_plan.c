@@ -7,6 +7,19 @@
 
 static int64_t layer_params(const struct model_spec *s, int l) { return s->widths[l + 1] * s->widths[l] + s->widths[l + 1]; }
 
+/* Multiply-adds of one training sample through layer l: forward, weight
+ * gradient and input gradient, except that the first layer's input needs
+ * no gradient. */
+static int64_t layer_train_macs(const struct model_spec *s, int l) {
+  return (l == 0 ? 2 : 3) * model_spec_flops(s, l, l + 1);
+}
+
+static int64_t train_macs(const struct model_spec *s, int l0, int l1) {
+  int64_t m = 0;
+  for (int l = l0; l < l1; l++) m += layer_train_macs(s, l);
+  return m;
+}
+
 int pipe_split_balance(const struct model_spec *spec, int stages, struct pipe_split *out, struct rumor_err *e) {
   int L = spec->nlayers;
   char name[MODEL_SPEC_MAX];
@@ -16,12 +29,12 @@ int pipe_split_balance(const struct model_spec *spec, int stages, struct pipe_sp
                          "%d stages cannot split %s: it has %d layer%s and each stage needs at least one", stages, name,
                          L, L == 1 ? "" : "s");
   /* cost[l]: layer l's share of the parameters plus its share of the
-   * multiply-adds. pre[j] = cost of layers [0, j). */
-  double P = (double)model_spec_param_count(spec), F = (double)model_spec_flops(spec, 0, L);
+   * training multiply-adds. pre[j] = cost of layers [0, j). */
+  double P = (double)model_spec_param_count(spec), F = (double)train_macs(spec, 0, L);
   double pre[MODEL_MAX_LAYERS + 1];
   pre[0] = 0;
   for (int l = 0; l < L; l++)
-    pre[l + 1] = pre[l] + (double)layer_params(spec, l) / P + (double)model_spec_flops(spec, l, l + 1) / F;
+    pre[l + 1] = pre[l] + (double)layer_params(spec, l) / P + (double)layer_train_macs(spec, l) / F;
   /* best[k][j]: the smallest possible largest-stage cost when k stages take
    * layers [0, j); cut[k][j]: where the k-th stage starts in that optimum. */
   double best[PIPE_MAX_STAGES + 1][MODEL_MAX_LAYERS + 1];
@@ -52,7 +65,7 @@ int64_t pipe_split_params(const struct model_spec *spec, const struct pipe_split
 }
 
 int64_t pipe_split_flops(const struct model_spec *spec, const struct pipe_split *sp, int s) {
-  return model_spec_flops(spec, sp->first[s], sp->first[s + 1]);
+  return train_macs(spec, sp->first[s], sp->first[s + 1]);
 }
 
 /* "layer 3" or "layers 0-2" (inclusive). */
@@ -70,8 +83,8 @@ void pipe_split_describe(const struct model_spec *spec, const struct pipe_split 
     w += (size_t)snprintf(widths + w, sizeof widths - w, i > a ? "-%lld" : "%lld", (long long)spec->widths[i]);
   layer_range(a, b, range, sizeof range);
   int64_t p = pipe_split_params(spec, sp, s), f = pipe_split_flops(spec, sp, s);
-  double P = (double)model_spec_param_count(spec), F = (double)model_spec_flops(spec, 0, spec->nlayers);
-  snprintf(buf, n, "stage %d/%d: %s (%s), %lld parameters (%.1f%%), %lld multiply-adds per sample (%.1f%%)", s,
+  double P = (double)model_spec_param_count(spec), F = (double)train_macs(spec, 0, spec->nlayers);
+  snprintf(buf, n, "stage %d/%d: %s (%s), %lld parameters (%.1f%%), %lld training multiply-adds per sample (%.1f%%)", s,
            sp->stages, range, widths, (long long)p, 100.0 * (double)p / P, (long long)f, 100.0 * (double)f / F);
 }
 

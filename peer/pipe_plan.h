@@ -7,8 +7,9 @@
  *
  * Split: S contiguous runs of layers, at least one layer each, chosen to
  * minimise the largest stage's cost, where a layer's cost is its share of
- * the model's parameters plus its share of the multiply-adds per sample (so
- * both memory and time are balanced; for an MLP the two nearly coincide).
+ * the model's parameters plus its share of the multiply-adds of training one
+ * sample (forward, weight gradient and input gradient; the first layer has
+ * no input gradient), so that both memory and time are balanced.
  *
  * Schedules for M micro-batches on S stages:
  *   GPipe: every stage runs F0 .. F(M−1), then B(M−1) .. B0. A stage keeps
@@ -43,11 +44,12 @@ struct pipe_split {
  * RUMOR_EFORMAT with a message when stages is out of [1, nlayers]. */
 int pipe_split_balance(const struct model_spec *spec, int stages, struct pipe_split *out,
                        struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Parameters and multiply-adds per sample of stage s. */
+/* Parameters, and training multiply-adds per sample, of stage s. */
 int64_t pipe_split_params(const struct model_spec *spec, const struct pipe_split *sp, int s);
 int64_t pipe_split_flops(const struct model_spec *spec, const struct pipe_split *sp, int s);
 /* One line describing stage s, e.g. "stage 0/2: layers 0-1 (784-512-256),
- * 533504 parameters (79.8%), 532480 multiply-adds per sample (79.9%)"
+ * 533504 parameters (79.8%), 1327104 training multiply-adds per sample
+ * (74.9%)"
  * (layer ranges inclusive). */
 void pipe_split_describe(const struct model_spec *spec, const struct pipe_split *sp, int s, char *buf, size_t n);
 /* A compact text form of the split: the cut points first[0..stages], e.g.

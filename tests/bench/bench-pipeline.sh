@@ -13,8 +13,10 @@
 #   env: STAGES (default "2 4"), MICRO (default "1 2 4 8 16"), STEPS (default 12),
 #        REPS (runs per configuration, default 3: the table shows the run with
 #        the median mean idle fraction, the figures of one run together),
-#        MODEL (default mlp:784-784-784-784-784-10: four equal layers and a tiny
-#        one, so 2 and 4 stages split evenly), BATCH (default 512: micro-batches
+#        MODEL (default mlp:784-512-512-512-512-10: the first layer's training
+#        work, 2 x 784 x 512 multiply-adds a sample (no input gradient), is
+#        within 2 % of each hidden layer's 3 x 512 x 512, and the last is tiny,
+#        so 2 and 4 stages take equal time), BATCH (default 1024: micro-batches
 #        large enough that compute, not message latency, dominates),
 #        THREADS (CPU threads per stage, default 1).
 # Needs Fashion-MNIST (Debian's dataset-fashion-mnist). Builds `rumor` in
@@ -31,8 +33,8 @@ build=${1:-$src/build-bench}
 STAGES=${STAGES:-"2 4"}
 MICRO=${MICRO:-"1 2 4 8 16"}
 STEPS=${STEPS:-12}
-MODEL=${MODEL:-mlp:784-784-784-784-784-10}
-BATCH=${BATCH:-512}
+MODEL=${MODEL:-mlp:784-512-512-512-512-10}
+BATCH=${BATCH:-1024}
 REPS=${REPS:-3}
 THREADS=${THREADS:-1}
 

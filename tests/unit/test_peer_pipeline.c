@@ -23,10 +23,14 @@ static struct model_spec spec_of(const char *s) {
 
 /* ---- split ---- */
 
+/* A layer's share of the parameters plus its share of the training
+ * multiply-adds (3 per weight and sample; 2 for the first layer, whose input
+ * needs no gradient). */
 static double layer_cost(const struct model_spec *s, int l) {
-  double P = (double)model_spec_param_count(s), F = (double)model_spec_flops(s, 0, s->nlayers);
+  double P = (double)model_spec_param_count(s), F = 0;
+  for (int k = 0; k < s->nlayers; k++) F += (k ? 3.0 : 2.0) * (double)(s->widths[k] * s->widths[k + 1]);
   double p = (double)(s->widths[l + 1] * s->widths[l] + s->widths[l + 1]);
-  return p / P + (double)model_spec_flops(s, l, l + 1) / F;
+  return p / P + (l ? 3.0 : 2.0) * (double)(s->widths[l] * s->widths[l + 1]) / F;
 }
 
 static double max_stage_cost(const struct model_spec *s, const int *first, int stages) {
