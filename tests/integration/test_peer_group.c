@@ -315,7 +315,7 @@ Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
   char *a_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
                     "--epochs", "1000", "--no-eval", "--wait-peers", "2", NULL};
   char *b_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
-                    "--epochs", "1000", "--max-steps", "2000", "--no-eval", "--wait-peers", "2", NULL};
+                    "--epochs", "1000", "--max-steps", "4000", "--no-eval", "--wait-peers", "2", NULL};
   start_group(&a, "victim", a_args);
   start_group(&b, "survivor", b_args);
   pid_t a1 = stage_pid(&a, 1);
@@ -339,7 +339,25 @@ Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
   st = proc_wait(b.pid, 180);
   cr_assert(proc_exited_with(st, 0), "the survivor failed (status %d): %s", st, proc_slurp(b.log));
   double steps = line_number(b.out, "\"status\":\"ok\"", "steps");
-  cr_assert_eq(steps, 2000, "the survivor stopped at step %.0f", steps);
+  cr_assert_eq(steps, 4000, "the survivor stopped at step %.0f", steps);
+}
+
+Test(group, a_hung_stage_is_lost_after_the_link_timeout) {
+  SKIP_WITHOUT_DATA();
+  struct bg a;
+  char *args[] = {"--stages", "2", "--model", "mlp:784-64-32-10", "--epochs", "1000", "--no-eval", "--link-timeout-ms",
+                  "1000", NULL};
+  start_group(&a, "hung", args);
+  pid_t s1 = stage_pid(&a, 1);
+  stage_pid(&a, 0);
+  cr_assert(cluster_wait_file(a.log, "first step", 60), "the group did not train: %s", proc_slurp(a.log));
+  kill(s1, SIGSTOP);
+  /* Stage 0 hears nothing for a second and stops the group. */
+  cr_assert(cluster_wait_file(a.log, "group hung stops: stage 1/2", 15), "stage 0 did not notice: %s", proc_slurp(a.log));
+  kill(s1, SIGKILL);
+  int st = proc_wait(a.pid, 30);
+  cr_assert(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d: %s", st, proc_slurp(a.log));
+  cr_assert(cluster_wait_file(a.out, "\"failed_stage\":1", 1), "%s", proc_slurp(a.out));
 }
 
 /* ---- bad input: a clear message naming it, a non-zero exit, no crash ---- */
