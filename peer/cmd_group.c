@@ -100,6 +100,8 @@ static const struct arg_spec *find_spec(const struct arg_spec *specs, const char
 
 #define ARGV_MAX 256
 
+static void free_argv(char **argv);
+
 static void push(char **argv, int *n, const char *s) {
   RUMOR_ASSERT(*n < ARGV_MAX - 1);
   argv[(*n)++] = xstrdup(s);
@@ -132,7 +134,11 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   for (int i = 0; i < 3; i++) {
     if (!addr_vals[i]) continue;
     int rc = offset_addr(addr_flags[i], addr_vals[i], s, buf, sizeof buf, e);
-    if (rc) return rc;
+    if (rc) { /* prepare() checked the last stage's port already */
+      out[n] = NULL;
+      free_argv(out);
+      return rc;
+    }
     char flag[32];
     snprintf(flag, sizeof flag, "--%s", addr_flags[i]);
     push(out, &n, flag);
@@ -329,6 +335,13 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
                            "--bootstrap '%s' has %d list%s for %d stages: give one address list per stage, separated "
                            "by ';' (stage s joins stage s of other groups)",
                            f->net.bootstrap, n, n == 1 ? "" : "s", g->S);
+  }
+  /* Stage s listens on port + s: the last stage's port must exist. */
+  const char *addr_flags[] = {"listen", "advertise", "metrics"};
+  const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
+  for (int i = 0; i < 3; i++) {
+    char buf[160];
+    if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], g->S - 1, buf, sizeof buf, e))) return rc;
   }
   /* Check the key files now rather than in S children. */
   struct net_keys keys;
