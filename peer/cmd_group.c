@@ -512,7 +512,7 @@ int cmd_group(int argc, char **argv) {
                       "Trains one replica as a model-parallel peer group: S processes on this host, each\n"
                       "holding a contiguous run of the model's layers (split balanced by parameters and\n"
                       "multiply-adds; the split is printed). Each step runs --micro-batches M through the\n"
-                      "stages (--schedule gpipe or 1f1b); activations and gradients travel between stages\n"
+                      "stages (--pipeline gpipe or 1f1b); activations and gradients travel between stages\n"
                       "over the authenticated transport. Stage s averages its slice of the parameters with\n"
                       "stage s of other groups (--bootstrap takes one address list per stage, separated by\n"
                       "';'). Groups gossip only with groups of the same model and split, never with plain\n"

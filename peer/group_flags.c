@@ -52,7 +52,7 @@ void group_flags_specs(struct group_flags *f, enum group_flags_for who, struct a
        who == GROUP_FLAGS_LAUNCHER ? "the group's name, in logs and checked between stages (default: group-PID)"
                                    : "the group's name, the same for all its stages (required)"},
       {"micro-batches", ARG_INT, &f->micro, "M", "micro-batches per step, pipelined through the stages", 1, PIPE_MAX_MICRO},
-      {"schedule", ARG_STR, &f->schedule, "NAME",
+      {"pipeline", ARG_STR, &f->schedule, "NAME",
        "pipeline schedule: gpipe, or 1f1b (stores at most S-s micro-batches of activations instead of M)"},
       {"link-wait-ms", ARG_INT, &f->link_wait_ms, "MS", "neighbouring stages must connect within this", 100, 86400000},
       {"link-timeout-ms", ARG_INT, &f->link_timeout_ms, "MS", "a neighbouring stage silent this long is lost", 1000,
@@ -64,11 +64,9 @@ void group_flags_specs(struct group_flags *f, enum group_flags_for who, struct a
   size_t tn = 0;
   train_flags_specs(&f->train, tmp, &tn, 64);
   for (size_t i = 0; i < tn; i++) {
-    /* --schedule is the pipeline's here; --device is --devices for the
-     * launcher; --resume is not supported for groups. */
-    if (strcmp(tmp[i].name, "schedule") == 0) {
-      tmp[i].name = "lr-schedule";
-    } else if ((strcmp(tmp[i].name, "device") == 0 && who == GROUP_FLAGS_LAUNCHER) || strcmp(tmp[i].name, "resume") == 0) {
+    /* --device is --devices for the launcher; --resume is not supported for
+     * groups. */
+    if ((strcmp(tmp[i].name, "device") == 0 && who == GROUP_FLAGS_LAUNCHER) || strcmp(tmp[i].name, "resume") == 0) {
       continue;
     } else if (strcmp(tmp[i].name, "checkpoint") == 0) {
       tmp[i].help = "each stage saves its layers to FILE-stage<s> (X.safetensors: X-stage<s>.safetensors), each "
@@ -134,15 +132,9 @@ int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *
 int group_flags_stage_config(const struct group_flags *f, const struct arg_spec *specs, int stage, int stages,
                              struct stage_config *out, struct rumor_err *e) {
   memset(out, 0, sizeof *out);
-  /* train_flags_config parses --schedule, which is --lr-schedule here: give
-   * it a copy with the learning-rate schedule in its place. */
   struct train_flags tf = f->train;
   int rc = train_flags_config(&tf, specs, &out->train, e);
-  if (rc) {
-    if (strstr(e->msg, "--schedule"))
-      return rumor_err_set(e, RUMOR_EFORMAT, "--lr-schedule must be cosine or constant, not '%s'", tf.schedule);
-    return rc;
-  }
+  if (rc) return rc;
   out->train.model = f->train.model;
   out->group = f->group;
   out->stage = stage;
@@ -150,7 +142,7 @@ int group_flags_stage_config(const struct group_flags *f, const struct arg_spec 
   out->micro = (int)f->micro;
   if (pipe_schedule_parse(f->schedule, &out->sched))
     return rumor_err_set(e, RUMOR_EFORMAT,
-                         "--schedule must be gpipe or 1f1b, not '%s' (the learning-rate schedule is --lr-schedule)",
+                         "--pipeline must be gpipe or 1f1b, not '%s'",
                          f->schedule);
   struct stage_plan plan;
   return stage_plan_make(out, &plan, e);

@@ -1,10 +1,9 @@
 /*
  * group_flags — the command-line options of model-parallel training, shared
  * by `rumor group` (the launcher) and `rumor peer --group G --stage s/S`
- * (one stage process): the training options (with the learning-rate
- * schedule as --lr-schedule, since --schedule names the pipeline schedule
- * here), the cluster options, the gossip options of `rumor peer`, and the
- * pipeline's own.
+ * (one stage process): the training options (as `rumor train`'s), the
+ * cluster options, the gossip options of `rumor peer`, and the pipeline's
+ * own (--micro-batches, --pipeline gpipe|1f1b, the stage links).
  */
 #ifndef RUMOR_PEER_GROUP_FLAGS_H
 #define RUMOR_PEER_GROUP_FLAGS_H

@@ -36,7 +36,7 @@ void stage_agreement(const struct stage_config *cfg, const struct stage_plan *pl
   snprintf(buf, n,
            "model=%s split=%s schedule=%s micro-batches=%d batch=%lld seed=%" PRIu64 " data-seed=%" PRIu64
            " shard=%lld/%lld epochs=%lld max-steps=%lld optimizer=%s lr=%.9g momentum=%.9g nesterov=%d "
-           "weight-decay=%.9g lr-schedule=%s warmup=%lld eval=%d",
+           "weight-decay=%.9g schedule=%s warmup=%lld eval=%d",
            spec, split, pipe_schedule_name(cfg->sched), cfg->micro, (long long)c->batch, c->seed, c->data_seed,
            (long long)c->shard.index, (long long)c->shard.count, (long long)c->epochs, (long long)c->max_steps,
            optim_kind_name(c->optim.kind), c->optim.lr, c->optim.momentum, c->optim.nesterov ? 1 : 0,

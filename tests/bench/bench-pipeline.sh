@@ -53,7 +53,7 @@ field() { printf '%s\n' "$1" | sed -n "s/.*\"$2\":\([-0-9.e]*\).*/\1/p"; }
 
 # run_once S M SCHEDULE OUT: one group; its stage result lines go to OUT.
 run_once() {
-  "$rumor" group --stages "$1" --micro-batches "$2" --schedule "$3" --model "$MODEL" --batch "$BATCH" \
+  "$rumor" group --stages "$1" --micro-batches "$2" --pipeline "$3" --model "$MODEL" --batch "$BATCH" \
     --max-steps "$STEPS" --no-eval --threads "$THREADS" --gossip-every 0 --log-every 0 --linger-ms 0 \
     --cluster-key "$tmp/cluster.key" --identity "$tmp/id.key" >"$4" 2>"$tmp/err" || {
     echo "bench-pipeline.sh: the group failed:" >&2

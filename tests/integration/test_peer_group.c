@@ -102,7 +102,7 @@ static void expect_group_step_equals_single(int stages, const char *schedule, co
   cr_assert(proc_exited_with(st, 0), "single-process step failed: %s", err);
   free(out), free(err);
 
-  char *group[64] = {"group", "--stages", stages_s, "--micro-batches", (char *)micro, "--schedule", (char *)schedule,
+  char *group[64] = {"group", "--stages", stages_s, "--micro-batches", (char *)micro, "--pipeline", (char *)schedule,
                      "--cluster-key", C.key, "--identity", id, "--checkpoint", grp};
   n = 13;
   for (int i = 0; common[i]; i++) group[n++] = common[i];
@@ -276,7 +276,7 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
     snprintf(shard, sizeof shard, "%d/2", i);
     snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
     char *args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-256-128-10", "--micro-batches", "4",
-                    "--schedule", i ? "gpipe" : "1f1b", "--shard", shard, "--epochs", "2", "--batch", "64", "--lr",
+                    "--pipeline", i ? "gpipe" : "1f1b", "--shard", shard, "--epochs", "2", "--batch", "64", "--lr",
                     "0.1", "--wait-peers", "2", "--gossip-every", "1", "--checkpoint", ck, NULL};
     start_group(&g[i], names[i], args);
   }
@@ -378,8 +378,8 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
 #define G(...)                                                                              \
   (char *[]) { "group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL }
   expect_usage_error(G("--stages", "3", "--model", "mlp:784-64-10"), 2, "3 stages cannot split mlp:784-64-10: it has 2 layers");
-  expect_usage_error(G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be gpipe or 1f1b, not 'zigzag'");
-  expect_usage_error(G("--stages", "2", "--lr-schedule", "zigzag"), 2, "--lr-schedule must be cosine or constant");
+  expect_usage_error(G("--stages", "2", "--pipeline", "zigzag"), 2, "--pipeline must be gpipe or 1f1b, not 'zigzag'");
+  expect_usage_error(G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
   expect_usage_error(G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
   expect_usage_error(G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
   expect_usage_error(G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
