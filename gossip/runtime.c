@@ -782,6 +782,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   sc.period_ms = cfg->period_ms;
   sc.ping_timeout_ms = cfg->ping_timeout_ms;
   sc.suspect_timeout_ms = cfg->suspect_timeout_ms;
+  sc.reconnect_ms = 5 * cfg->period_ms; /* heals partitions longer than the suspicion time */
   const struct swim_io io = {g, swim_send_ping, swim_send_ack, swim_send_ping_req, swim_changed};
   struct swim_update self = {.role = cfg->role == GOSSIP_ROLE_BOOTSTRAP ? SWIM_ROLE_BOOTSTRAP : SWIM_ROLE_PEER,
                              .state = SWIM_ALIVE,
