@@ -142,8 +142,18 @@ void gossip_ready(gossip_t *g) {
 bool gossip_donor_poll(gossip_t *g) { return atomic_load(&g->donor_state) == SLOT_WANT; }
 float *gossip_donor_buf(gossip_t *g) { return g->donor_buf; }
 
+bool gossip_donor_params_only(gossip_t *g) { return atomic_load(&g->donor_params_only); }
+
 void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {
   g->donor_pos = *pos;
+  if (atomic_load(&g->donor_params_only)) {
+    /* A monitor's pull: the figures just published describe these parameters. */
+    pthread_mutex_lock(&g->lock);
+    g->donor_have_sketch = g->have_sketch;
+    g->donor_norm = g->pstats.param_norm;
+    if (g->have_sketch) memcpy(g->donor_sketch, g->psketch, (size_t)g->sketch_k * sizeof(double));
+    pthread_mutex_unlock(&g->lock);
+  }
   int expected = SLOT_WANT;
   if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_BUSY)) return;
   if (net_call(g->net, gossip_donor_on_ready, g) != 0) atomic_store(&g->donor_state, SLOT_IDLE);
@@ -540,7 +550,8 @@ void gossip_xch_on_close(struct gossip *g, net_conn_t *c) {
   if (g->donor_conn == c) {
     g->donor_conn = NULL;
     int expected = SLOT_WANT;
-    atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_IDLE);
+    if (atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_IDLE))
+      atomic_store(&g->donor_params_only, false);
   }
 }
 
@@ -572,6 +583,7 @@ static void on_donor_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
 void gossip_donor_on_ready(net_t *n, void *arg, int status) {
   struct gossip *g = arg;
   if (status) return;
+  bool params_only = atomic_exchange(&g->donor_params_only, false);
   if (!g->donor_conn || g->stopping) {
     g->donor_conn = NULL;
     atomic_store(&g->donor_state, SLOT_IDLE);
@@ -579,15 +591,22 @@ void gossip_donor_on_ready(net_t *n, void *arg, int status) {
   }
   struct net_msgbuf meta;
   net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_uint(&meta, "k", GBULK_STATE);
+  net_msgbuf_put_uint(&meta, "k", params_only ? GBULK_PARAMS : GBULK_STATE);
   net_msgbuf_put_uint(&meta, "x", 0);
   net_msgbuf_put_uint(&meta, "step", g->donor_pos.step);
   net_msgbuf_put_uint(&meta, "epoch", g->donor_pos.epoch);
   net_msgbuf_put_uint(&meta, "samples", g->donor_pos.samples);
+  /* The sketch rides in the metadata when it fits (k up to about 8000). */
+  if (params_only && g->donor_have_sketch && (size_t)g->sketch_k * sizeof(double) + 1024 <= NET_BULK_META_MAX) {
+    net_msgbuf_put_double(&meta, "norm", g->donor_norm);
+    net_msgbuf_put_uint(&meta, "sk_seed", g->sketch_seed);
+    net_msgbuf_put_bin(&meta, "sketch", g->donor_sketch, (size_t)g->sketch_k * sizeof(double));
+  }
   size_t mlen;
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
   /* A state travels exactly (f32): it seeds a replica. */
-  struct net_bulk_send s = {.src = g->donor_buf, .count = g->cfg.state_floats, .wire = NET_DTYPE_F32,
+  struct net_bulk_send s = {.src = g->donor_buf, .count = params_only ? g->cfg.nparams : g->cfg.state_floats,
+                            .wire = NET_DTYPE_F32,
                             .meta = mdata, .meta_len = mlen, .done = on_donor_sent, .arg = g};
   int rc = net_conn_send_bulk(g->donor_conn, &s, &g->donor_send_id);
   net_msgbuf_free(&meta);

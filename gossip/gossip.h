@@ -71,6 +71,10 @@ struct gossip_config {
   float *xch_mine, *xch_theirs, *donor_buf;
   uint32_t exchange_timeout_ms; /* an exchange not done by then is abandoned */
   uint64_t seed;         /* neighbour choice */
+
+  /* Monitoring. */
+  const char *metrics;   /* "host:port" for the HTTP endpoint (/metrics, /healthz), or NULL */
+  int sketch_k;          /* count-sketch buckets (a power of two; default 1024) */
 };
 void gossip_config_default(struct gossip_config *c);
 
@@ -144,6 +148,34 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
 bool gossip_donor_poll(gossip_t *g);
 float *gossip_donor_buf(gossip_t *g);
 void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos);
+/* True when the pending donation is a monitor's request for the parameters
+ * alone (rumor top --exact): the training thread then copies only the
+ * parameters into the donor buffer and publishes fresh figures with a sketch
+ * (gossip_stats_publish) before gossip_donor_done; they travel along. */
+bool gossip_donor_params_only(gossip_t *g);
+
+/* ---- monitoring: what the training thread publishes (training thread) ---- */
+
+/* A peer's training figures, answered to STATS requests (rumor top) and
+ * served on the metrics endpoint. `sketch` holds sketch_k doubles: the
+ * count-sketch of the parameters made with gossip_sketch_seed(). */
+struct gossip_peer_stats {
+  int64_t step, epoch, samples;
+  double loss;          /* moving average of the training loss */
+  double samples_per_s;
+  double param_norm;    /* ‖θ‖ */
+  const double *sketch; /* sketch_k values; may be NULL */
+};
+/* True when someone asked for fresh figures since the last publish (so the
+ * O(P) sketch is computed only when a monitor wants it). */
+bool gossip_stats_wanted(gossip_t *g);
+/* Publishes figures (copied). Call when gossip_stats_wanted, or now and
+ * then; it answers the STATS requests waiting for them. */
+void gossip_stats_publish(gossip_t *g, const struct gossip_peer_stats *s);
+/* The cluster-wide sketch seed (derived from the cluster key, so every
+ * member and monitor agrees without configuration) and bucket count. */
+uint64_t gossip_sketch_seed(const gossip_t *g);
+int gossip_sketch_k(const gossip_t *g);
 
 /* ---- figures (any thread) ---- */
 

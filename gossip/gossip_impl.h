@@ -27,13 +27,23 @@ enum gossip_msg_type {
   GMSG_XCH_REJECT = 10,
   GMSG_STATE_REQ = 11,
   GMSG_STATE_BUSY = 12,
+  GMSG_MEMBERS_REQ = 13, /* a monitor asks for the member table */
+  GMSG_MEMBERS = 14,
+  GMSG_STATS_REQ = 15,   /* a monitor asks for a node's figures */
+  GMSG_STATS = 16,
+  GMSG_PARAMS_REQ = 17,  /* a monitor asks for the parameters (exact drift) */
 };
-_Static_assert(GMSG_JOIN == 1 && GMSG_PING == 4 && GMSG_XCH_REQ == 8 && GMSG_STATE_BUSY == 12,
+_Static_assert(GMSG_JOIN == 1 && GMSG_PING == 4 && GMSG_XCH_REQ == 8 && GMSG_STATE_BUSY == 12 &&
+                   GMSG_MEMBERS_REQ == 13 && GMSG_STATS == 16 && GMSG_PARAMS_REQ == 17,
                "gossip message numbers are part of the protocol");
 #define GOSSIP_PROTO_VERSION 1
 
 /* Kinds of bulk transfer (the "k" field of the bulk metadata). */
-enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2 };
+enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3 };
+
+#define GOSSIP_STATS_WAITERS 64
+#define GOSSIP_STATS_FRESH_MS 500   /* figures younger than this are answered at once */
+#define GOSSIP_STATS_WAIT_MS 1000   /* else wait this long for the training thread */
 
 #define GOSSIP_MAX_BOOTSTRAP 32
 #define GOSSIP_LINK_QUEUE 32      /* control messages held while dialing */
@@ -137,6 +147,30 @@ struct gossip {
    * then never wait on each other. Written by the loop, read by training. */
   _Atomic bool active;
 
+  /* Monitoring (stats.c). Figures published by the training thread, under
+   * `lock`; STATS requests waiting for fresh ones (loop thread). */
+  uint64_t sketch_seed;
+  int sketch_k;
+  struct gossip_peer_stats pstats;
+  double *psketch;           /* sketch_k doubles, valid when have_sketch */
+  bool have_stats, have_sketch;
+  uint64_t stats_ms;         /* monotonic ms of the last publish */
+  _Atomic bool stats_wanted;
+  struct stats_waiter {
+    net_conn_t *conn;
+    uint64_t q; /* the request's number, echoed in the answer */
+    uint64_t deadline_ms;
+  } waiters[GOSSIP_STATS_WAITERS];
+  size_t nwaiters;
+  struct gossip_http *http;  /* the metrics endpoint, or NULL */
+  /* The donation in progress is a monitor's PARAMS_REQ: set by the loop
+   * before the slot turns WANT; the figures captured at the same boundary
+   * (gossip_donor_done) travel with the parameters. */
+  _Atomic bool donor_params_only;
+  double donor_norm;
+  double *donor_sketch;      /* sketch_k doubles */
+  bool donor_have_sketch;
+
   /* Published for other threads under `lock`. */
   pthread_mutex_t lock;
   pthread_cond_t cond;
@@ -148,6 +182,12 @@ struct gossip {
 
 /* runtime.c */
 uint64_t gossip_now_ms(struct gossip *g);
+/* The cluster-wide count-sketch seed: a keyed hash of a fixed label under the
+ * cluster key, so members and monitors agree without configuration. */
+uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYTES]);
+/* Splits a comma-separated address list into out[0..*n) (malloc'd; the
+ * caller frees them, also on error). RUMOR_EFORMAT names a bad address. */
+int gossip_split_addrs(const char *list, char **out, size_t max, size_t *n, struct rumor_err *e) RUMOR_MUST_CHECK;
 struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool create);
 /* Sends an encoded message to member `id` (dialing its address if needed).
  * Returns 0 or a negative code; the message may still be lost. */
@@ -163,6 +203,29 @@ bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude)
 void gossip_update_role(struct gossip *g);
 void gossip_publish(struct gossip *g);
 void gossip_fail_stat(struct gossip *g, const char *why);
+
+/* stats.c (loop thread) */
+void gossip_stats_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+void gossip_stats_tick(struct gossip *g, uint64_t now);
+void gossip_stats_on_close(struct gossip *g, net_conn_t *c);
+/* Starts the metrics endpoint on cfg.metrics. */
+int gossip_metrics_start(struct gossip *g, struct rumor_err *e);
+void gossip_metrics_stop(struct gossip *g);
+void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n);
+/* Decodes and validates the array of updates under `key` (absent: zero).
+ * Returns the count, or RUMOR_EPROTO for anything malformed or more than max. */
+int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max);
+
+/* http.c: a minimal HTTP/1.0 server for GET requests on a libuv loop. The
+ * handler fills *body (malloc'd, the server frees it) and returns the status
+ * code. Loop thread only. */
+struct gossip_http;
+typedef int (*gossip_http_handler)(void *ctx, const char *path, char **body, size_t *len, const char **type);
+int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler h, void *ctx, struct gossip_http **out,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
+int gossip_http_port(const struct gossip_http *h);
+/* Closes the listener and every client; frees `h` once all handles closed. */
+void gossip_http_stop(struct gossip_http *h);
 
 /* exchange.c (loop thread unless stated) */
 void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status);

@@ -33,6 +33,15 @@ void gossip_config_default(struct gossip_config *c) {
 
 uint64_t gossip_now_ms(struct gossip *g) { return uv_now(&g->loop); }
 
+uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYTES]) {
+  static const char label[] = "rumor count-sketch seed v1";
+  uint8_t out[8];
+  crypto_generichash(out, sizeof out, (const uint8_t *)label, sizeof label - 1, cluster_key, NET_CLUSTER_KEY_BYTES);
+  uint64_t seed = 0;
+  for (int i = 0; i < 8; i++) seed = seed << 8 | out[i];
+  return seed;
+}
+
 static const char *role_name(enum swim_role r) { return r == SWIM_ROLE_BOOTSTRAP ? "bootstrap" : "peer"; }
 
 /* "127.0.0.1:4000 (AbCdEf12)" for log lines. */
@@ -200,7 +209,7 @@ void gossip_fail_stat(struct gossip *g, const char *why) {
 
 /* Updates travel as an array of [id (bin 32), addr (str), role, state,
  * incarnation, ready (bool)]. */
-static void put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n) {
+void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n) {
   msgpack_packer *pk = net_msgbuf_put_key(b, "u");
   msgpack_pack_array(pk, (uint32_t)n);
   for (size_t i = 0; i < n; i++) {
@@ -226,7 +235,7 @@ static bool printable(const char *s, size_t n) {
 
 /* Decodes and validates the "u" array (absent: zero updates). Returns the
  * count or a negative code; never trusts a length or enum from the wire. */
-static int get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max) {
+int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max) {
   const msgpack_object *items;
   uint32_t n;
   int rc = net_msg_get_array(m, key, &items, &n);
@@ -263,7 +272,7 @@ static void swim_send_ping(void *ctx, const struct swim_member *to, uint64_t seq
   struct net_msgbuf b;
   net_msgbuf_init(&b, GMSG_PING, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&b, "s", seq);
-  put_updates(&b, u, n);
+  gossip_put_updates(&b, u, n);
   (void)gossip_send(g, to->info.id, &b);
   net_msgbuf_free(&b);
 }
@@ -273,7 +282,7 @@ static void swim_send_ack(void *ctx, const uint8_t *to, uint64_t seq, const stru
   struct net_msgbuf b;
   net_msgbuf_init(&b, GMSG_ACK, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&b, "s", seq);
-  put_updates(&b, u, n);
+  gossip_put_updates(&b, u, n);
   (void)gossip_send(g, to, &b);
   net_msgbuf_free(&b);
 }
@@ -285,7 +294,7 @@ static void swim_send_ping_req(void *ctx, const struct swim_member *via, const s
   net_msgbuf_init(&b, GMSG_PING_REQ, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&b, "s", seq);
   net_msgbuf_put_bin(&b, "target", target->info.id, SWIM_ID_BYTES);
-  put_updates(&b, u, n);
+  gossip_put_updates(&b, u, n);
   (void)gossip_send(g, via->info.id, &b);
   net_msgbuf_free(&b);
 }
@@ -449,7 +458,7 @@ static void handle_join(struct gossip *g, net_conn_t *c, const struct net_msg *m
   size_t n = swim_snapshot(&g->swim, tab, cap);
   net_msgbuf_init(&b, GMSG_JOIN_OK, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
-  put_updates(&b, tab, n);
+  gossip_put_updates(&b, tab, n);
   int rc = net_conn_send_msg(c, &b);
   if (rc) log_warn("cannot answer JOIN from %s: %s", net_conn_peer_name(c), rumor_strerror(rc));
   net_msgbuf_free(&b);
@@ -460,7 +469,7 @@ static void handle_join_ok(struct gossip *g, net_conn_t *c, const struct net_msg
   if (g->joined) return;
   size_t cap = SWIM_MAX_MEMBERS + 1;
   struct swim_update *tab = xmalloc(cap * sizeof *tab);
-  int n = get_updates(m, "u", tab, cap);
+  int n = gossip_get_updates(m, "u", tab, cap);
   if (n < 0) {
     log_warn("malformed JOIN reply from %s", net_conn_peer_name(c));
     free(tab);
@@ -519,7 +528,7 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_PING:
   case GMSG_ACK:
   case GMSG_LEAVE:
-    n = get_updates(m, "u", u, SWIM_MAX_PIGGYBACK);
+    n = gossip_get_updates(m, "u", u, SWIM_MAX_PIGGYBACK);
     if (n < 0 || (m->type != GMSG_LEAVE && net_msg_get_uint(m, "s", &seq))) break;
     if (m->type == GMSG_PING) swim_on_ping(&g->swim, from, seq, u, (size_t)n, now);
     else if (m->type == GMSG_ACK) swim_on_ack(&g->swim, from, seq, u, (size_t)n, now);
@@ -528,7 +537,7 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_PING_REQ: {
     const uint8_t *target;
     size_t tlen;
-    n = get_updates(m, "u", u, SWIM_MAX_PIGGYBACK);
+    n = gossip_get_updates(m, "u", u, SWIM_MAX_PIGGYBACK);
     if (n < 0 || net_msg_get_uint(m, "s", &seq) || net_msg_get_bin(m, "target", &target, &tlen) ||
         tlen != SWIM_ID_BYTES)
       break;
@@ -543,6 +552,11 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_STATE_REQ:
   case GMSG_STATE_BUSY:
     gossip_pull_on_msg(g, c, m);
+    return;
+  case GMSG_MEMBERS_REQ:
+  case GMSG_STATS_REQ:
+  case GMSG_PARAMS_REQ:
+    gossip_stats_on_msg(g, c, m);
     return;
   default:
     log_debug("ignoring unknown message type %llu from %s", (unsigned long long)m->type, net_conn_peer_name(c));
@@ -584,6 +598,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   for (size_t i = 0; i < g->nlinks; i++)
     if (g->links[i].conn == c) g->links[i].conn = NULL;
   gossip_xch_on_close(g, c);
+  gossip_stats_on_close(g, c);
 }
 
 /* ---- figures for other threads ---- */
@@ -657,6 +672,7 @@ static void on_tick(uv_timer_t *t) {
     gossip_pull_tick(g, now);
   }
   gossip_xch_tick(g, now);
+  gossip_stats_tick(g, now);
   static const uint64_t publish_every = 250;
   if (now / publish_every != (now - GOSSIP_TICK_MS) / publish_every) gossip_publish(g);
 }
@@ -666,24 +682,23 @@ static void loop_main(void *arg) {
   uv_run(&g->loop, UV_RUN_DEFAULT);
 }
 
-static int split_bootstrap(struct gossip *g, const char *list, struct rumor_err *e) {
-  if (!list || !*list) return 0;
+int gossip_split_addrs(const char *list, char **out, size_t max, size_t *nout, struct rumor_err *e) {
+  *nout = 0;
+  if (!list) return 0;
   const char *p = list;
   while (*p) {
     const char *comma = strchr(p, ',');
     size_t len = comma ? (size_t)(comma - p) : strlen(p);
     if (len > 0) {
-      if (g->nboot == GOSSIP_MAX_BOOTSTRAP)
-        return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %d addresses", GOSSIP_MAX_BOOTSTRAP);
+      if (*nout == max) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %zu addresses", max);
       if (len >= SWIM_ADDR_MAX)
         return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%.*s' is too long", (int)len, p);
-      g->boot[g->nboot] = xmalloc(len + 1);
-      memcpy(g->boot[g->nboot], p, len);
-      g->boot[g->nboot][len] = '\0';
-      if (!strrchr(g->boot[g->nboot], ':'))
-        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%s' has no port (expected host:port)",
-                             g->boot[g->nboot++]);
-      g->nboot++;
+      char *a = xmalloc(len + 1);
+      memcpy(a, p, len);
+      a[len] = '\0';
+      out[(*nout)++] = a;
+      if (!strrchr(a, ':'))
+        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%s' has no port (expected host:port)", a);
     }
     p += len + (comma ? 1 : 0);
   }
@@ -719,6 +734,8 @@ static void free_gossip(struct gossip *g) {
   for (size_t i = 0; i < g->nboot; i++) free(g->boot[i]);
   swim_free(&g->swim);
   free(g->pub);
+  free(g->psketch);
+  free(g->donor_sketch);
   net_identity_wipe(&g->identity);
   sodium_memzero(g->cluster_key, sizeof g->cluster_key);
   pthread_mutex_destroy(&g->lock);
@@ -754,6 +771,15 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
     free_gossip(g);
     return rumor_err_set(e, -EINVAL, "a gossip peer needs its parameter count and host buffers");
   }
+  g->sketch_k = cfg->sketch_k ? cfg->sketch_k : 1024;
+  if (g->sketch_k < 1 || g->sketch_k > 65536 || (g->sketch_k & (g->sketch_k - 1))) {
+    int k = g->sketch_k;
+    free_gossip(g);
+    return rumor_err_set(e, RUMOR_EFORMAT, "sketch size %d is not a power of two in [1, 65536]", k);
+  }
+  g->psketch = xcalloc((size_t)g->sketch_k, sizeof(double));
+  g->donor_sketch = xcalloc((size_t)g->sketch_k, sizeof(double));
+  g->sketch_seed = gossip_derive_sketch_seed(g->cluster_key);
 
   int rc = uv_loop_init(&g->loop);
   if (rc) {
@@ -774,7 +800,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   if ((rc = net_init(&g->net, &g->loop, &nc, &cbs, g, e))) goto fail_loop;
   g->cfg.listen = cfg->listen;
   if ((rc = net_listen(g->net, cfg->listen, e)) || (rc = make_advertise(g, e)) ||
-      (rc = split_bootstrap(g, cfg->bootstrap, e)))
+      (rc = gossip_split_addrs(cfg->bootstrap, g->boot, GOSSIP_MAX_BOOTSTRAP, &g->nboot, e)) || (rc = gossip_metrics_start(g, e)))
     goto fail_net;
 
   struct swim_config sc;
@@ -811,6 +837,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   return 0;
 
 fail_net:
+  gossip_metrics_stop(g);
   net_close(g->net, NULL, NULL);
   uv_run(&g->loop, UV_RUN_DEFAULT);
 fail_loop:
@@ -847,6 +874,7 @@ static void stop_on_loop(net_t *n, void *arg, int status) {
   free(r);
   if (status) return; /* the net is already closing */
   g->stopping = true;
+  gossip_metrics_stop(g);
   if (g->xch.active) gossip_xch_abandon(g, "shutting down");
   uint64_t now = gossip_now_ms(g);
   if (g->joined) {
@@ -854,7 +882,7 @@ static void stop_on_loop(net_t *n, void *arg, int status) {
     /* Tell every live member directly: LEAVE must not depend on probes. */
     struct net_msgbuf b;
     net_msgbuf_init(&b, GMSG_LEAVE, GOSSIP_PROTO_VERSION);
-    put_updates(&b, &g->swim.self, 1);
+    gossip_put_updates(&b, &g->swim.self, 1);
     size_t told = 0;
     for (size_t i = 0; i < g->swim.nmembers; i++) {
       const struct swim_member *m = &g->swim.members[i];

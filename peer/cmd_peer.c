@@ -12,7 +12,7 @@
 
 
 struct gossip_flags {
-  int64_t every, exchange_timeout_ms, linger_ms, wait_peers, wait_peers_ms;
+  int64_t every, exchange_timeout_ms, linger_ms, wait_peers, wait_peers_ms, sketch_k;
   double interval, alpha, max_distance;
   const char *wire, *name;
   bool no_state_pull;
@@ -51,7 +51,8 @@ int cmd_peer(int argc, char **argv) {
   train_flags_default(&tf);
   net_flags_default(&nf);
   struct gossip_flags gf = {.every = 1, .exchange_timeout_ms = 60000, .linger_ms = 500, .interval = 0,
-                            .alpha = 0.5, .max_distance = 10.0, .wire = "f32", .wait_peers_ms = 60000};
+                            .alpha = 0.5, .max_distance = 10.0, .wire = "f32", .wait_peers_ms = 60000,
+                            .sketch_k = 1024};
   struct arg_spec specs[80];
   size_t n = 0;
   train_flags_specs(&tf, specs, &n, 70);
@@ -69,6 +70,7 @@ int cmd_peer(int argc, char **argv) {
       {"name", ARG_STR, &gf.name, "NAME", "label for log lines"},
       {"wait-peers", ARG_INT, &gf.wait_peers, "N", "start training once N peers (us included) are present", 0, 65536},
       {"wait-peers-ms", ARG_INT, &gf.wait_peers_ms, "MS", "... waiting at most this long", 0, 86400000},
+      {"sketch-k", ARG_INT, &gf.sketch_k, "K", "count-sketch buckets for drift monitoring (a power of two)", 1, 65536},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -132,6 +134,7 @@ int cmd_peer(int argc, char **argv) {
   gc.alpha = (float)gf.alpha;
   gc.exchange_timeout_ms = (uint32_t)gf.exchange_timeout_ms;
   gc.seed = tc.seed;
+  gc.sketch_k = (int)gf.sketch_k;
   gc.xch_mine = mine;
   gc.xch_theirs = theirs;
   gc.donor_buf = donor;

@@ -20,6 +20,8 @@ void net_flags_specs(struct net_flags *f, bool with_listen, struct arg_spec *out
   const struct arg_spec listen_specs[] = {
       {"listen", ARG_STR, &f->listen, "HOST:PORT", "address to listen on (port 0: any free port)"},
       {"advertise", ARG_STR, &f->advertise, "HOST:PORT", "address others dial (default: the listen address)"},
+      {"metrics", ARG_STR, &f->metrics, "HOST:PORT",
+       "serve Prometheus metrics (/metrics) and readiness (/healthz) over plain HTTP here"},
   };
   const struct arg_spec specs[] = {
       {"bootstrap", ARG_STR, &f->bootstrap, "A,B,...", "addresses of cluster members to join through"},
@@ -75,6 +77,7 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
   c->allow = k->have_allow ? &k->allow : NULL;
   c->listen = f->listen;
   c->advertise = f->advertise;
+  c->metrics = f->metrics;
   c->bootstrap = f->bootstrap;
   c->period_ms = (uint32_t)f->period_ms;
   c->ping_timeout_ms = (uint32_t)f->ping_timeout_ms;

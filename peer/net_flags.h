@@ -10,7 +10,7 @@
 #include "peer/args.h"
 
 struct net_flags {
-  const char *listen, *advertise, *bootstrap, *cluster_key, *identity, *allow_list;
+  const char *listen, *advertise, *bootstrap, *cluster_key, *identity, *allow_list, *metrics;
   int64_t period_ms, ping_timeout_ms, suspect_ms, join_timeout_ms, handshake_timeout_ms;
 };
 
@@ -23,8 +23,8 @@ struct net_keys {
 };
 
 void net_flags_default(struct net_flags *f);
-/* Appends the specs to out[*n..max). `with_listen` adds --listen/--advertise
- * (members listen; `rumor top` does not). */
+/* Appends the specs to out[*n..max). `with_listen` adds --listen, --advertise
+ * and --metrics (members listen; `rumor top` does not). */
 void net_flags_specs(struct net_flags *f, bool with_listen, struct arg_spec *out, size_t *n, size_t max);
 /* Loads the key files (required: --cluster-key and --identity). */
 int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) RUMOR_MUST_CHECK;

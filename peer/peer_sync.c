@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const struct peer_sync_config *cfg,
@@ -20,12 +21,16 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
   ps->last_start_s = clock_now_s();
+  ps->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
+  ps->stats_s = ps->rate_s = ps->last_start_s;
+  ps->rate_samples = t->st.samples;
   return 0;
 }
 
 void peer_sync_free(struct peer_sync *ps) {
   if (ps->snap_ev) tensor_event_destroy(ps->snap_ev);
   tensor_free(&ps->staging);
+  free(ps->sketch);
   memset(ps, 0, sizeof *ps);
 }
 
@@ -86,10 +91,44 @@ static void exchange(struct peer_sync *ps) {
   }
 }
 
+/* Publishes the training figures; with_sketch adds the O(P) ones. */
+static void publish_stats(struct peer_sync *ps, double now, bool with_sketch) {
+  struct trainer *t = ps->t;
+  if (now - ps->rate_s >= 1.0) {
+    ps->samples_per_s = (double)(t->st.samples - ps->rate_samples) / (now - ps->rate_s);
+    ps->rate_s = now;
+    ps->rate_samples = t->st.samples;
+  }
+  if (with_sketch) {
+    ps->param_norm = sqrt(tensor_sq_norm(&t->model.params));
+    tensor_count_sketch(&t->model.params, gossip_sketch_seed(ps->g), gossip_sketch_k(ps->g), ps->sketch);
+  }
+  struct gossip_peer_stats s = {.step = t->st.step,
+                                .epoch = t->st.epoch,
+                                .samples = t->st.samples,
+                                .loss = t->loss_avg, /* NaN before the first step */
+                                .samples_per_s = ps->samples_per_s,
+                                .param_norm = ps->param_norm,
+                                .sketch = with_sketch ? ps->sketch : NULL};
+  gossip_stats_publish(ps->g, &s);
+  ps->stats_s = now;
+}
+
 void peer_sync_boundary(struct peer_sync *ps) {
   exchange(ps);
+  double now = clock_now_s();
+  if (gossip_stats_wanted(ps->g)) publish_stats(ps, now, true);
+  else if (now - ps->stats_s >= 1.0) publish_stats(ps, now, false);
   if (gossip_donor_poll(ps->g)) {
     struct trainer *t = ps->t;
+    if (gossip_donor_params_only(ps->g)) {
+      /* A monitor measures drift exactly: parameters and their sketch. */
+      tensor_copy_to_host(&t->model.params, 0, gossip_donor_buf(ps->g), (size_t)t->model.nparams * sizeof(float));
+      publish_stats(ps, now, true);
+      struct gossip_train_pos pos = {(uint64_t)t->st.step, (uint64_t)t->st.epoch, (uint64_t)t->st.samples};
+      gossip_donor_done(ps->g, &pos);
+      return;
+    }
     log_info("donating our state at step %lld: loss %.4f on %d training samples", (long long)t->st.step,
              trainer_check_loss(t, PEER_SYNC_CHECK_SAMPLES), PEER_SYNC_CHECK_SAMPLES);
     trainer_copy_state(t, gossip_donor_buf(ps->g));

@@ -8,6 +8,10 @@
  * rejected with a log line and the sender is backed off; accepted ones are
  * averaged in one op: θ ← (1−α)·θ + α·θ_partner.
  *
+ * Monitoring: cheap figures (step, loss, throughput) are published about
+ * once a second; the O(P) ones (parameter norm, count-sketch, on the
+ * training device) only when a monitor asked for them.
+ *
  * Threads: the training thread only.
  */
 #ifndef RUMOR_PEER_SYNC_H
@@ -35,11 +39,20 @@ struct peer_sync {
   int64_t snap_step;
   double last_start_s;
   uint64_t applied, rejected;
+
+  /* Monitoring figures (gossip_stats_publish). */
+  double *sketch;          /* gossip_sketch_k doubles */
+  double stats_s;          /* when cheap figures were last published */
+  double rate_s;           /* start of the current throughput window */
+  int64_t rate_samples;
+  double samples_per_s;
+  double param_norm;       /* at the last sketch */
 };
 
 int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const struct peer_sync_config *cfg,
                    struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Does whatever gossip needs at this step boundary; never waits on the network. */
+/* Does whatever gossip needs at this step boundary (exchanges, donations,
+ * monitoring figures); never waits on the network. */
 void peer_sync_boundary(struct peer_sync *ps);
 void peer_sync_free(struct peer_sync *ps);
 

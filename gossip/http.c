@@ -1,0 +1,209 @@
+/*
+ * A minimal HTTP/1.0 server for the metrics endpoint: GET requests only, one
+ * request per connection, bounded header size and time, a cap on concurrent
+ * clients. It answers Prometheus scrapes and health probes; it is not a
+ * general web server. Plain text and unauthenticated: bind it to an address
+ * that only the monitoring system reaches.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+#define HTTP_MAX_REQUEST 8192
+#define HTTP_MAX_CLIENTS 32
+#define HTTP_TIMEOUT_MS 5000
+
+struct http_client {
+  uv_tcp_t tcp;     /* first: the handle's data points here */
+  struct http_client *prev, *next; /* the server's list of open clients */
+  uv_timer_t timer;
+  uv_write_t wreq;
+  struct gossip_http *srv;
+  char req[HTTP_MAX_REQUEST];
+  size_t len;
+  char *resp;
+  int handles;      /* open handles; freed at 0 */
+  bool responded;
+};
+
+struct gossip_http {
+  uv_tcp_t listener;
+  gossip_http_handler handler;
+  void *ctx;
+  int port;
+  int clients;
+  struct http_client *head;
+  bool stopping, listener_closed;
+};
+
+static void maybe_free_server(struct gossip_http *h) {
+  if (h->stopping && h->listener_closed && h->clients == 0) free(h);
+}
+
+static void on_listener_closed(uv_handle_t *hd) {
+  struct gossip_http *h = hd->data;
+  h->listener_closed = true;
+  maybe_free_server(h);
+}
+
+static void on_client_handle_closed(uv_handle_t *hd) {
+  struct http_client *c = hd->data;
+  if (--c->handles > 0) return;
+  struct gossip_http *h = c->srv;
+  if (c->prev) c->prev->next = c->next;
+  else h->head = c->next;
+  if (c->next) c->next->prev = c->prev;
+  free(c->resp);
+  free(c);
+  h->clients--;
+  maybe_free_server(h);
+}
+
+static void client_close(struct http_client *c) {
+  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_client_handle_closed);
+  if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, on_client_handle_closed);
+}
+
+static void on_written(uv_write_t *req, int status) { client_close(req->data); }
+
+static void respond(struct http_client *c, int status, const char *type, const char *body, size_t blen) {
+  if (c->responded) return;
+  c->responded = true;
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  const char *reason = status == 200 ? "OK" : status == 404 ? "Not Found" : status == 405 ? "Method Not Allowed"
+                     : status == 503 ? "Service Unavailable" : "Bad Request";
+  size_t cap = blen + 256;
+  c->resp = xmalloc(cap);
+  int n = snprintf(c->resp, cap,
+                   "HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", status,
+                   reason, type, blen);
+  memcpy(c->resp + n, body, blen);
+  uv_buf_t buf = uv_buf_init(c->resp, (unsigned)((size_t)n + blen));
+  c->wreq.data = c;
+  if (uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &buf, 1, on_written) != 0) client_close(c);
+}
+
+static void handle_request(struct http_client *c) {
+  /* "GET /path HTTP/1.x" */
+  char *sp1 = memchr(c->req, ' ', c->len);
+  if (!sp1 || (size_t)(sp1 - c->req) != 3 || memcmp(c->req, "GET", 3) != 0) {
+    respond(c, 405, "text/plain", "only GET\n", 9);
+    return;
+  }
+  char *path = sp1 + 1;
+  char *sp2 = memchr(path, ' ', c->len - (size_t)(path - c->req));
+  if (!sp2 || sp2 == path) {
+    respond(c, 400, "text/plain", "bad request line\n", 17);
+    return;
+  }
+  *sp2 = '\0';
+  char *q = strchr(path, '?');
+  if (q) *q = '\0';
+  char *body = NULL;
+  size_t blen = 0;
+  const char *type = "text/plain; charset=utf-8";
+  int status = c->srv->handler(c->srv->ctx, path, &body, &blen, &type);
+  respond(c, status, type, body ? body : "", body ? blen : 0);
+  free(body);
+}
+
+static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf) {
+  struct http_client *c = hd->data;
+  size_t room = HTTP_MAX_REQUEST - 1 - c->len;
+  *buf = uv_buf_init(c->req + c->len, (unsigned)room);
+}
+
+static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
+  struct http_client *c = s->data;
+  if (n < 0) {
+    client_close(c);
+    return;
+  }
+  c->len += (size_t)n;
+  c->req[c->len] = '\0';
+  if (strstr(c->req, "\r\n\r\n") || strstr(c->req, "\n\n")) {
+    handle_request(c);
+  } else if (c->len >= HTTP_MAX_REQUEST - 1) {
+    respond(c, 400, "text/plain", "request too large\n", 18);
+  }
+}
+
+static void on_timeout(uv_timer_t *t) { client_close(t->data); }
+
+static void on_connection(uv_stream_t *l, int status) {
+  struct gossip_http *h = l->data;
+  if (status < 0 || h->stopping) return;
+  struct http_client *c = xcalloc(1, sizeof *c);
+  c->srv = h;
+  uv_tcp_init(l->loop, &c->tcp);
+  uv_timer_init(l->loop, &c->timer);
+  c->tcp.data = c;
+  c->timer.data = c;
+  c->handles = 2;
+  h->clients++;
+  c->next = h->head;
+  if (h->head) h->head->prev = c;
+  h->head = c;
+  if (uv_accept(l, (uv_stream_t *)&c->tcp) != 0 || h->clients > HTTP_MAX_CLIENTS) {
+    client_close(c); /* too many at once: drop the newest */
+    return;
+  }
+  uv_timer_start(&c->timer, on_timeout, HTTP_TIMEOUT_MS, 0);
+  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) client_close(c);
+}
+
+/* Parses "host:port", "[v6]:port" or ":port" (all addresses). */
+static int parse_addr(const char *s, struct sockaddr_storage *ss) {
+  const char *colon = strrchr(s, ':');
+  if (!colon) return UV_EINVAL;
+  int64_t port;
+  if (parse_i64(colon + 1, 0, 65535, &port)) return UV_EINVAL;
+  char host[128];
+  size_t hl = (size_t)(colon - s);
+  if (hl >= sizeof host) return UV_EINVAL;
+  memcpy(host, s, hl);
+  host[hl] = '\0';
+  if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') {
+    host[hl - 1] = '\0';
+    return uv_ip6_addr(host + 1, (int)port, (struct sockaddr_in6 *)ss);
+  }
+  return uv_ip4_addr(hl ? host : "0.0.0.0", (int)port, (struct sockaddr_in *)ss);
+}
+
+int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler handler, void *ctx,
+                      struct gossip_http **out, struct rumor_err *e) {
+  struct sockaddr_storage ss;
+  memset(&ss, 0, sizeof ss);
+  int rc = parse_addr(addr, &ss);
+  if (rc) return rumor_err_set(e, RUMOR_EFORMAT, "bad --metrics address '%s' (expected host:port)", addr);
+  struct gossip_http *h = xcalloc(1, sizeof *h);
+  h->handler = handler;
+  h->ctx = ctx;
+  uv_tcp_init(loop, &h->listener);
+  h->listener.data = h;
+  if ((rc = uv_tcp_bind(&h->listener, (const struct sockaddr *)&ss, 0)) ||
+      (rc = uv_listen((uv_stream_t *)&h->listener, 64, on_connection))) {
+    rumor_err_set(e, rc, "cannot serve metrics on %s: %s", addr, uv_strerror(rc));
+    h->stopping = true; /* freed when the listener's close completes */
+    uv_close((uv_handle_t *)&h->listener, on_listener_closed);
+    return rc;
+  }
+  struct sockaddr_storage bound;
+  int blen = sizeof bound;
+  uv_tcp_getsockname(&h->listener, (struct sockaddr *)&bound, &blen);
+  h->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                              : ((struct sockaddr_in *)&bound)->sin_port);
+  *out = h;
+  return 0;
+}
+
+int gossip_http_port(const struct gossip_http *h) { return h->port; }
+
+void gossip_http_stop(struct gossip_http *h) {
+  if (!h || h->stopping) return;
+  h->stopping = true;
+  uv_close((uv_handle_t *)&h->listener, on_listener_closed);
+  for (struct http_client *c = h->head; c; c = c->next) client_close(c);
+}
