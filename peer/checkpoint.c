@@ -21,25 +21,26 @@ static const char *const *optim_names(enum optim_kind k) {
 
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 
-/* Removes `path`.tmp.PID files whose writer (PID) no longer runs: what a
- * process killed mid-write leaves behind. Best effort. */
+/* Removes `path`.tmp.PID and `path`.prev.tmp.PID files whose writer (PID)
+ * no longer runs: what a process killed mid-write leaves behind. Best
+ * effort. */
 static void remove_stale_temporaries(const char *path) {
   char *dcopy = xstrdup(path), *bcopy = xstrdup(path);
   const char *dir = dirname(dcopy), *base = basename(bcopy);
-  char prefix[512];
-  int plen = snprintf(prefix, sizeof prefix, "%s.tmp.", base);
   DIR *d = opendir(dir);
-  if (d && plen > 0 && (size_t)plen < sizeof prefix) {
-    for (struct dirent *de; (de = readdir(d)) != NULL;) {
-      if (strncmp(de->d_name, prefix, (size_t)plen) != 0) continue;
-      char *end; /* "<base>.tmp.PID" or safetensors' own "<base>.tmp.PID.tmp.PID" */
-      long pid = strtol(de->d_name + plen, &end, 10);
-      if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
-      if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* its writer may still be at work */
-      char full[1024];
-      snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
-      if (unlink(full) == 0) log_info("removed %s, left by a process that died while writing a checkpoint", full);
-    }
+  for (struct dirent *de; d && (de = readdir(d)) != NULL;) {
+    size_t blen = strlen(base);
+    if (strncmp(de->d_name, base, blen) != 0) continue;
+    const char *rest = de->d_name + blen;
+    if (strncmp(rest, ".prev", 5) == 0) rest += 5;
+    if (strncmp(rest, ".tmp.", 5) != 0) continue;
+    char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
+    long pid = strtol(rest + 5, &end, 10);
+    if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
+    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* its writer may still be at work */
+    char full[1024];
+    snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    if (unlink(full) == 0) log_info("removed %s, left by a process that died while writing a checkpoint", full);
   }
   if (d) closedir(d);
   free(dcopy);
