@@ -132,6 +132,11 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
   if (same_id(u->id, s->self.id)) {
     /* Someone thinks we are suspect, dead or gone: we are not. */
     if (u->state != SWIM_ALIVE && u->incarnation >= s->self.incarnation) refute(s, u->incarnation);
+    /* Old news about us still travels: our refutation never reached
+     * everyone (it went out on a connection that was closing when we were
+     * paused, say, and used up its retransmissions). Spread it again, or a
+     * member that holds us failed would never take us back. */
+    else if (u->state != SWIM_ALIVE && s->self.state != SWIM_LEFT) enqueue(s, &s->self);
     return false;
   }
   struct swim_member *m = swim_find(s, u->id);

@@ -262,6 +262,27 @@ Test(swim, precedence_rules) {
   sim_fini();
 }
 
+/* A refutation that never arrived (its messages lost, its retransmissions
+ * used up): a member still holding us failed at an older incarnation must
+ * get our current incarnation again when its news reaches us, or it never
+ * takes us back. Seen on test hosts with a peer stopped past its suspicion
+ * time: its refutation went out on connections that were being closed. */
+Test(swim, old_news_of_our_failure_is_answered_with_our_current_incarnation) {
+  sim_init(3, 200, 60, 1000);
+  sim_run(2000);
+  /* Nodes 1 and 2 hold node 0 failed; node 0 refuted, but nothing of that
+   * got out. */
+  struct swim_update dead = S.node[0].self;
+  dead.state = SWIM_DEAD;
+  for (int i = 1; i < 3; i++) cr_assert(swim_apply(&S.node[i], &dead, S.now));
+  S.node[0].self.incarnation += 2;
+  S.node[0].nqueue = 0;
+  sim_run(S.now + 5000);
+  for (int i = 1; i < 3; i++)
+    cr_assert_eq(view(i, 0), SWIM_ALIVE, "node %d still holds node 0 %s", i, swim_state_name(view(i, 0)));
+  sim_fini();
+}
+
 /* A partition longer than the suspicion timeout: each side declares the
  * other failed, and since probes go only to live members, neither side would
  * ever contact the other again. Reconnect probes to failed members heal it. */
