@@ -1,6 +1,9 @@
 #!/bin/sh
 # Installs every build, test, benchmark and data dependency of rumor from
 # Debian's packages. Run as root on Debian 12 (bookworm) or later.
+# munge and the Slurm daemons are for tests/scripts/slurm_cluster.sh, which
+# starts its own private instances; the system's Slurm services stay off
+# without an /etc/slurm/slurm.conf.
 # CUDA is not installed here: when nvcc is on PATH (or in /usr/local/cuda)
 # the build picks it up, otherwise rumor builds for the CPU only.
 set -eu
@@ -18,6 +21,8 @@ packages="
   libopenblas0-pthread
   dataset-fashion-mnist
   python3 python3-numpy python3-torch
+  prometheus
+  munge slurmctld slurmd slurm-client
 "
 
 export DEBIAN_FRONTEND=noninteractive
@@ -28,6 +33,20 @@ for p in $packages; do
 done
 if [ -n "$missing" ]; then
   apt-get update -q
+  # Only promtool (the metrics test) is wanted from `prometheus`: when this
+  # script installs it, its server must not start or be enabled. Debian's
+  # policy-rc.d keeps maintainer scripts from starting services.
+  new_prometheus=false
+  case " $missing " in *" prometheus "*) new_prometheus=true ;; esac
+  policy=/usr/sbin/policy-rc.d
+  made_policy=false
+  if $new_prometheus && [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=true
+  fi
   # shellcheck disable=SC2086
-  apt-get install -y -q --no-install-recommends $missing
+  apt-get install -y -q --no-install-recommends $missing || { $made_policy && rm -f "$policy"; exit 1; }
+  $made_policy && rm -f "$policy"
+  if $new_prometheus && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi

@@ -105,6 +105,9 @@ void gossip_stop(gossip_t *g, uint32_t linger_ms);
 const char *gossip_advertised(const gossip_t *g);
 /* Our public key in text form. */
 const char *gossip_self_id(const gossip_t *g);
+/* The TCP port of the metrics endpoint (bound, so useful with port 0), or 0
+ * without one; valid after start. */
+int gossip_metrics_port(const gossip_t *g);
 
 /* Where a donated state stands in training. */
 struct gossip_train_pos {

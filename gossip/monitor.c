@@ -389,7 +389,7 @@ static void on_stats(struct gossip_monitor *m, net_conn_t *c, const struct net_m
   if (m->phase != MON_NODES || net_msg_get_uint(msg, "q", &qn)) return;
   for (size_t i = 0; i < m->r->n; i++) {
     struct mon_req *q = &m->reqs[i];
-    if (q->q != qn || q->stats_done) continue;
+    if (q->q != qn || q->stats_done || q->link->conn != c) continue; /* only the asked node answers */
     struct gossip_node_report *nr = &m->r->nodes[i];
     q->stats_done = true;
     nr->rtt_ms = (double)(now_ms(m) - q->sent_ms);
@@ -458,7 +458,7 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   }
   if (i == m->r->n) return -EPERM; /* nothing asked */
   struct gossip_node_report *nr = &m->r->nodes[i];
-  struct net_msg meta;
+  struct net_msg meta = {0};
   struct rumor_err e = {0};
   uint64_t kind = 0, step = 0;
   if (net_msg_decode(info->meta, info->meta_len, NULL, &meta, &e) ||
@@ -570,25 +570,17 @@ static void compute_drift(struct gossip_monitor *m) {
   const float **pp = xcalloc(r->n + 1, sizeof *pp);
   double *norms = xcalloc(r->n + 1, sizeof *norms);
   int k = 0;
-  size_t ns = 0, np = 0, skipped = 0;
+  size_t ns = 0, np = 0;
+  uint64_t P = 0; /* the first peer's parameter count; others must match */
   for (size_t i = 0; i < r->n; i++) {
     struct gossip_node_report *nr = &r->nodes[i];
     if (strcmp(nr->role, "peer") != 0 || !nr->reachable) continue;
     if (m->cfg.exact) {
-      if (!nr->params) {
-        skipped++;
-        continue;
-      }
-      if (np > 0 && nr->nparams != r->nodes[0].nparams) {
-        skipped++;
-        continue;
-      }
+      if (!nr->params || (np > 0 && nr->nparams != P)) continue;
+      P = nr->nparams;
       pp[np++] = nr->params;
     }
-    if (!nr->sketch || !isfinite(nr->param_norm) || (k && nr->sketch_k != k)) {
-      skipped++;
-      continue;
-    }
+    if (!nr->sketch || !isfinite(nr->param_norm) || (k && nr->sketch_k != k)) continue;
     k = nr->sketch_k;
     norms[ns] = nr->param_norm;
     sk[ns++] = nr->sketch;
@@ -600,9 +592,6 @@ static void compute_drift(struct gossip_monitor *m) {
     r->mean_norm = drift_mean_norm(norms, ns, r->xi);
     r->rel_drift = r->mean_norm > 0 ? r->xi / r->mean_norm : NAN;
   }
-  uint64_t P = 0;
-  for (size_t i = 0; i < r->n; i++)
-    if (r->nodes[i].params) P = r->nodes[i].nparams;
   r->exact_n = np;
   if (m->cfg.exact && np >= 2) r->xi_exact = drift_exact(pp, np, P);
   if (ns < 2)
@@ -611,7 +600,6 @@ static void compute_drift(struct gossip_monitor *m) {
   else if (ns < r->peers)
     snprintf(r->drift_note, sizeof r->drift_note, "drift over %zu of %zu peers (%zu unreachable or without figures)",
              ns, r->peers, r->peers - ns);
-  (void)skipped;
   free(sk);
   free(pp);
   free(norms);

@@ -396,6 +396,19 @@ static void on_join_dial(net_t *n, net_conn_t *c, int status, const char *detail
 
 static void join_tick(struct gossip *g, uint64_t now) {
   if (g->joined || g->join_failed || g->join_dialing || g->nboot == 0) return;
+  if (now - g->join_started_ms >= g->cfg.join_timeout_ms && g->cfg.role == GOSSIP_ROLE_BOOTSTRAP) {
+    /* A bootstrap node whose list is all down (say, the others restart too)
+     * is what newcomers dial: it starts as the first member rather than
+     * serve forever as "not ready". Members that join later merge in. */
+    join_fail_message(g);
+    log_warn("%s; starting as the first member", g->join_error);
+    pthread_mutex_lock(&g->lock);
+    g->joined = true;
+    pthread_cond_broadcast(&g->cond);
+    pthread_mutex_unlock(&g->lock);
+    gossip_publish(g);
+    return;
+  }
   if (now - g->join_started_ms >= g->cfg.join_timeout_ms) {
     pthread_mutex_lock(&g->lock);
     g->join_failed = true;
@@ -604,9 +617,17 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
 
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   struct gossip *g = ud;
+  bool partner_lost = false;
   for (size_t i = 0; i < g->nlinks; i++)
-    if (g->links[i].conn == c) g->links[i].conn = NULL;
+    if (g->links[i].conn == c) {
+      g->links[i].conn = NULL;
+      /* Cut by an error (a reset, EOF from a dead process) while an exchange
+       * with it is pending on no bulk connection yet: the partner is gone,
+       * so the exchange is abandoned now rather than at the failure verdict. */
+      partner_lost |= status != 0 && g->xch.active && memcmp(g->links[i].id, g->xch.partner, NET_PUBKEY_BYTES) == 0;
+    }
   gossip_xch_on_close(g, c);
+  if (partner_lost && g->xch.active) gossip_xch_abandon(g, "connection to the partner lost");
   gossip_stats_on_close(g, c);
 }
 

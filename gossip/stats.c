@@ -300,6 +300,8 @@ int gossip_metrics_start(struct gossip *g, struct rumor_err *e) {
   return rc;
 }
 
+int gossip_metrics_port(const gossip_t *g) { return g->http ? gossip_http_port(g->http) : 0; }
+
 void gossip_metrics_stop(struct gossip *g) {
   gossip_http_stop(g->http);
   g->http = NULL;

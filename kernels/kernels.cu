@@ -305,6 +305,15 @@ __global__ void count_nonfinite_kernel(const float *x, int64_t n, unsigned long 
   if (threadIdx.x % kWarp == 0 && bad) atomicAdd(count, bad);
 }
 
+// Where element i goes: a line-for-line copy of tensor_sketch_bucket in
+// tensor/tensor.h (the blocked layout: groups of 8 share one hash). Each
+// thread recomputes its group's hash; that costs less than sharing it.
+__device__ inline uint32_t sketch_bucket(uint64_t seed, uint64_t i, uint32_t mask, bool *negative) {
+  uint32_t h = sketch_hash(seed, i >> 3), lane = (uint32_t)(i & 7);
+  *negative = (h >> lane) & 1u;
+  return (((h >> 8) << 3) | lane) & mask;
+}
+
 // Count-sketch with k = mask + 1 <= KERN_SKETCH_SHARED_MAX float buckets in
 // dynamic shared memory (k·4 bytes), flushed into out with double atomics.
 __global__ void sketch_shared_kernel(const float *x, int64_t n, uint64_t seed, uint32_t mask, double *out) {
@@ -313,9 +322,10 @@ __global__ void sketch_shared_kernel(const float *x, int64_t n, uint64_t seed, u
   for (uint32_t j = threadIdx.x; j < k; j += blockDim.x) bucket[j] = 0.0f;
   __syncthreads();
   GRID_STRIDE(i, n) {
-    uint32_t h = sketch_hash(seed, (uint64_t)i);
+    bool neg;
+    uint32_t b = sketch_bucket(seed, (uint64_t)i, mask, &neg);
     float v = x[i];
-    atomicAdd(&bucket[(h >> 1) & mask], (h & 1) ? -v : v);
+    atomicAdd(&bucket[b], neg ? -v : v);
   }
   __syncthreads();
   for (uint32_t j = threadIdx.x; j < k; j += blockDim.x) {
@@ -327,9 +337,10 @@ __global__ void sketch_shared_kernel(const float *x, int64_t n, uint64_t seed, u
 // Count-sketch with many buckets: each element goes straight to out.
 __global__ void sketch_global_kernel(const float *x, int64_t n, uint64_t seed, uint32_t mask, double *out) {
   GRID_STRIDE(i, n) {
-    uint32_t h = sketch_hash(seed, (uint64_t)i);
+    bool neg;
+    uint32_t b = sketch_bucket(seed, (uint64_t)i, mask, &neg);
     double v = (double)x[i];
-    atomicAdd(&out[(h >> 1) & mask], (h & 1) ? -v : v);
+    atomicAdd(&out[b], neg ? -v : v);
   }
 }
 

@@ -105,7 +105,7 @@ int kern_count_nonfinite(const float *x, int64_t n, uint64_t *count, void *strea
 
 /* ---- count-sketch ----------------------------------------------------------------
  * out[k] (device doubles) ← the count-sketch of x: zeroed on the stream, then
- * out[b(i)] += s(i)·x[i] with b, s from tensor_sketch_hash (tensor/tensor.h),
+ * out[b(i)] += s(i)·x[i] with b, s from tensor_sketch_bucket (tensor/tensor.h),
  * reproduced bit for bit in device code. k is a power of two in [1, 2^20].
  * Buckets accumulate in float per block (shared memory) when
  * k <= KERN_SKETCH_SHARED_MAX and are then added to `out` with double atomics;

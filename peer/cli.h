@@ -12,5 +12,6 @@ int cmd_eval(int argc, char **argv);
 int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
+int cmd_top(int argc, char **argv);
 
 #endif /* RUMOR_PEER_CLI_H */

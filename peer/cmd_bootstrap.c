@@ -10,7 +10,8 @@
 
 /* Announces where we listen, as one JSON line on stdout, for scripts. */
 static void announce(gossip_t *g, void *arg) {
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"bootstrap\"}\n", gossip_advertised(g), gossip_self_id(g));
+  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"bootstrap\",\"metrics_port\":%d}\n", gossip_advertised(g), gossip_self_id(g),
+         gossip_metrics_port(g));
   fflush(stdout);
 }
 

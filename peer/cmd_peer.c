@@ -163,7 +163,8 @@ int cmd_peer(int argc, char **argv) {
   gc.xch_theirs = theirs;
   gc.donor_buf = donor;
   if (gossip_start(&g, &gc, &e)) goto out;
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"peer\"}\n", gossip_advertised(g), gossip_self_id(g));
+  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"peer\",\"metrics_port\":%d}\n", gossip_advertised(g), gossip_self_id(g),
+         gossip_metrics_port(g));
   fflush(stdout);
 
   struct gossip_train_pos pos;

@@ -18,6 +18,7 @@ static const struct subcommand commands[] = {
     {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
     {"peer", cmd_peer, "train as a member of a gossip cluster"},
     {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},
+    {"top", cmd_top, "watch a cluster: every member's figures and the drift between replicas"},
     {"keygen", cmd_keygen, "write an identity or a cluster key"},
     {NULL, NULL, NULL},
 };

@@ -102,8 +102,8 @@ void tensor_ref_adamw_step(float *p, const float *g, float *m, float *v, int64_t
 void tensor_ref_count_sketch(const float *x, int64_t n, uint64_t seed, int k, double *out) {
   for (int j = 0; j < k; j++) out[j] = 0.0;
   for (int64_t i = 0; i < n; i++) {
-    uint32_t h = tensor_sketch_hash(seed, (uint64_t)i);
-    double v = (h & 1) ? -(double)x[i] : (double)x[i];
-    out[(h >> 1) & (uint32_t)(k - 1)] += v;
+    bool neg;
+    uint32_t b = tensor_sketch_bucket(seed, (uint64_t)i, k, &neg);
+    out[b] += neg ? -(double)x[i] : (double)x[i];
   }
 }

@@ -902,7 +902,10 @@ Test(cuda, count_sketch_equals_cpu_reference_sketch) {
         tensor_ref_count_sketch(x, n, seed, k, ref);
         /* Per-bucket Σ|x|: the scale of float rounding in that bucket. */
         for (int j = 0; j < k; j++) mag[j] = 0.0;
-        for (int64_t i = 0; i < n; i++) mag[(tensor_sketch_hash(seed, (uint64_t)i) >> 1) & (uint32_t)(k - 1)] += fabs(x[i]);
+        for (int64_t i = 0; i < n; i++) {
+          bool neg;
+          mag[tensor_sketch_bucket(seed, (uint64_t)i, k, &neg)] += fabs(x[i]);
+        }
 
         struct dev dx = dev_from(1, &n, x);
         for (int j = 0; j < k; j++) got[j] = NAN;
