@@ -45,10 +45,14 @@ void attack_snapshot(struct attack *a, float *p, int64_t n, int64_t *step) {
     return;
   case ATTACK_REPLAY:
     if (!a->recorded) {
+      if (*step == 0) return; /* record a round of training, not the state everyone starts from */
       a->recorded = xmalloc((size_t)n * sizeof(float));
       memcpy(a->recorded, p, (size_t)n * sizeof(float));
       a->recorded_step = *step;
-    } else if (a->snapshots > ATTACK_REPLAY_AFTER) {
+      a->replay_from = a->snapshots + ATTACK_REPLAY_AFTER;
+    } else if (a->snapshots > a->replay_from) {
+      if (a->snapshots == a->replay_from + 1)
+        log_warn("TESTING ONLY: replaying the snapshot of step %lld from now on", (long long)a->recorded_step);
       memcpy(p, a->recorded, (size_t)n * sizeof(float));
       *step = a->recorded_step;
     }

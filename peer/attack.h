@@ -10,8 +10,9 @@
  *   scale     the model multiplied by -1000
  *   signflip  the model multiplied by -1 (passes the distance check: only
  *             clipping limits it)
- *   replay    honest for ATTACK_REPLAY_AFTER snapshots, then the first one
- *             again, with its old step, every time
+ *   replay    records its first snapshot after training began, stays honest
+ *             for ATTACK_REPLAY_AFTER more, then sends the recorded one again,
+ *             with its old step, every time
  * Kinds that act in the gossip layer (gossip_config.test_attack):
  *   short     one value fewer than the model has
  *   flood     floods every peer with exchange requests and connections
@@ -24,7 +25,7 @@
 
 #include "util/util.h"
 
-#define ATTACK_REPLAY_AFTER 20
+#define ATTACK_REPLAY_AFTER 5
 
 enum attack_kind { ATTACK_NONE = 0, ATTACK_NAN, ATTACK_INF, ATTACK_SCALE, ATTACK_SIGNFLIP, ATTACK_REPLAY,
                    ATTACK_SHORT, ATTACK_FLOOD };
@@ -32,8 +33,9 @@ enum attack_kind { ATTACK_NONE = 0, ATTACK_NAN, ATTACK_INF, ATTACK_SCALE, ATTACK
 struct attack {
   enum attack_kind kind;
   uint64_t snapshots;
-  float *recorded; /* replay: the first snapshot */
+  float *recorded; /* replay: the first snapshot taken after training began */
   int64_t recorded_step;
+  uint64_t replay_from; /* replay once this many snapshots were sent */
 };
 
 /* Parses a kind name ("none" or one of the above). RUMOR_EFORMAT with a
