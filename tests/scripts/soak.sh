@@ -14,6 +14,12 @@
 #   default   10 minutes, churn every 30 s (the soak)
 #   --short   60 s, churn every 10 s (the CI mode, registered with ctest)
 #
+# Under a sanitizer build (rumor linked with libasan, libtsan or libubsan) the
+# RSS limit is reported but not enforced: ASan's quarantine of freed memory
+# and shadow memory grow by design (about 40 % in the CI mode); crashes,
+# sanitizer reports (LeakSanitizer's at exit included) and descriptors still
+# fail the run.
+#
 # Prints a summary (figures for docs/reliability.md) and, with --keep, leaves
 # the logs and samples (samples.csv: seconds, node, rss_kb, fds) in DIR.
 # Exit 0: pass; 1: fail (the reason on stderr); 77: skip (no data set).
@@ -35,6 +41,8 @@ data=${RUMOR_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}
 [ -x "$rumor" ] || { echo "soak: $rumor not found (build first, or --rumor BIN)" >&2; exit 1; }
 [ -e "$data/train-images-idx3-ubyte.gz" ] || { echo "soak: no Fashion-MNIST at $data; skipping" >&2; exit 77; }
 warmup=$((duration / 5))
+sanitized=0
+ldd "$rumor" 2>/dev/null | grep -qE 'libasan|libtsan|libubsan' && sanitized=1
 
 work=$(mktemp -d /tmp/rumor-soak-XXXXXX)
 pids=() names=()
@@ -152,8 +160,12 @@ for n in boot "${anchors[@]}"; do
   growth=$(awk -v b="$base" -v m="$rmax" 'BEGIN { printf "%.1f", b ? 100 * (m - b) / b : 0 }')
   printf "  %-5s %10s kB %10s kB %7s%% %10s %10s\n" "$n" "$base" "$rmax" "$growth" "$fdw" "$fda"
   if awk -v g="$growth" 'BEGIN { exit !(g > 10) }'; then
-    echo "soak: $n's RSS grew by $growth % after the warm-up" >&2
-    verdict=1
+    if [ $sanitized = 1 ]; then
+      echo "soak: $n's RSS grew by $growth % after the warm-up (not judged: a sanitizer build)" >&2
+    else
+      echo "soak: $n's RSS grew by $growth % after the warm-up" >&2
+      verdict=1
+    fi
   fi
   if [ "$fda" -gt $((fdw + fd_slack)) ]; then
     echo "soak: $n's descriptors grew from at most $fdw to $fda" >&2
