@@ -25,7 +25,7 @@
 
 #include "util/util.h"
 
-#define ATTACK_REPLAY_AFTER 5
+#define ATTACK_REPLAY_AFTER 30
 
 enum attack_kind { ATTACK_NONE = 0, ATTACK_NAN, ATTACK_INF, ATTACK_SCALE, ATTACK_SIGNFLIP, ATTACK_REPLAY,
                    ATTACK_SHORT, ATTACK_FLOOD };

@@ -35,16 +35,20 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
   if (c->tau_fixed > 0) {
     tau = c->tau_fixed;
   } else {
-    if (isfinite(dist)) remember(c, id, dist);
+    /* A distance of 0 (a partner equal to us, as every peer is while the
+     * cluster assembles) says nothing about the spread of honest updates;
+     * recorded, it would leave τ at its floor once training starts. */
+    if (isfinite(dist) && dist > 0) remember(c, id, dist);
     double recent[CLIP_PARTNERS];
     int m = 0;
     for (int i = 0; i < c->n; i++)
       if (c->seen - c->p[i].seen < CLIP_RECENT) recent[m++] = c->p[i].dist;
     qsort(recent, (size_t)m, sizeof(double), cmp_double);
-    tau = m ? recent[m / 2] : 0;
+    double median = m ? recent[m / 2] : 0;
+    if (median < CLIP_FLOOR_REL * norm) median = CLIP_FLOOR_REL * norm;
+    tau = CLIP_TAU_MEDIANS * median;
     if (m < CLIP_WARMUP && tau > CLIP_WARMUP_REL * norm) tau = CLIP_WARMUP_REL * norm;
-    if (tau < CLIP_FLOOR_REL * norm) tau = CLIP_FLOOR_REL * norm;
-    c->last_outlier = m >= CLIP_WARMUP && dist > CLIP_OUTLIER * tau;
+    c->last_outlier = m >= CLIP_WARMUP && dist > CLIP_OUTLIER * median;
   }
   c->last_tau = tau;
   if (!(dist > tau)) return 1.0; /* also dist 0 */

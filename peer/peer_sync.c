@@ -86,10 +86,6 @@ static void exchange(struct peer_sync *ps) {
     /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far
      * outliers are skipped. */
     float w = gossip_xch_alpha(ps->g);
-    if (rc == 0 && replay_check(&ps->replays, gossip_xch_partner(ps->g), tensor_sq_norm(&ps->staging))) {
-      snprintf(why, sizeof why, "identical to the parameters it sent before (a replayed round?)");
-      rc = 1; /* skipped, not held against it (replay.h) */
-    }
     if (rc == 0 && ps->cfg.clip) {
       double scale = clip_scale(&ps->clip, gossip_xch_partner(ps->g), ps->last_dist, ps->last_norm);
       w *= (float)scale;

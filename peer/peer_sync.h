@@ -20,7 +20,6 @@
 #include "gossip/gossip.h"
 #include "peer/attack.h"
 #include "peer/clip.h"
-#include "peer/replay.h"
 #include "peer/train.h"
 
 /* Samples used to check a donated or received state's loss. */
@@ -46,7 +45,6 @@ struct peer_sync {
   double last_start_s;
   uint64_t applied, rejected;
   struct clip_state clip;
-  struct replay_table replays;
   double last_dist, last_norm; /* of the partner's parameters being validated */
 
   /* Monitoring figures (gossip_stats_publish). */
