@@ -75,6 +75,19 @@ struct gossip_config {
   /* Monitoring. */
   const char *metrics;   /* "host:port" for the HTTP endpoint (/metrics, /healthz), or NULL */
   int sketch_k;          /* count-sketch buckets (a power of two; default 1024) */
+
+  /* Per-peer rate limits (guard.c): exchange requests answered and
+   * connections accepted per second from one member identity, in bursts of
+   * up to twice that; beyond them requests are refused ("rate limited") and
+   * connections closed. 0: no limit. */
+  double max_xch_per_s, max_conn_per_s;
+  /* Testing only (attack.c): misbehave on purpose, so that tests can check
+   * the defences of honest peers. GOSSIP_TEST_ATTACK_* bits; 0 in real use. */
+  uint32_t test_attack;
+};
+enum {
+  GOSSIP_TEST_ATTACK_SHORT = 1u << 0, /* send one value fewer than the model has */
+  GOSSIP_TEST_ATTACK_FLOOD = 1u << 1, /* flood every peer with exchange requests and connections */
 };
 void gossip_config_default(struct gossip_config *c);
 
@@ -136,12 +149,19 @@ enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
 float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
 float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
 float gossip_xch_alpha(const gossip_t *g);
+/* The key (NET_PUBKEY_BYTES) of the partner whose parameters
+ * gossip_xch_theirs() holds; valid between GOSSIP_XCH_APPLY and
+ * gossip_xch_apply_done. */
+const uint8_t *gossip_xch_partner(const gossip_t *g);
 /* The snapshot asked for by GOSSIP_XCH_SNAPSHOT is complete in `mine`
  * (taken at `step`). */
 void gossip_xch_snapshot_done(gossip_t *g, uint64_t step);
 /* The partner's parameters were applied (status 0) or rejected (negative,
  * with `why`); the slot returns to idle and the outcome is counted and
- * logged (a rejection backs the sender off). */
+ * logged (a rejection backs the sender off). Status > 0: not applied
+ * because clipped averaging found it a far outlier (`why`): counted as
+ * rejected, but the sender is not backed off (it may be an honest peer that
+ * drifted, which catches up by applying ours). */
 void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
 
 /* ---- the donation slot (training thread) ---- */
@@ -192,6 +212,8 @@ struct gossip_stats {
   uint64_t members_alive, members_suspect, members_failed, members_left;
   uint64_t bytes_in, bytes_out;
   uint64_t donations;
+  uint64_t exchange_rate_limited; /* partners' requests refused by our rate limit */
+  uint64_t conn_rate_limited;     /* connections closed by our rate limit */
 };
 void gossip_stats_get(gossip_t *g, struct gossip_stats *s);
 

@@ -65,6 +65,12 @@ struct gossip_link {
   uint32_t dial_failures;
   uint64_t backoff_until_ms; /* no exchanges with it before this (misbehaviour, failures) */
   uint32_t strikes;          /* rejected updates from it */
+  /* Defences (guard.c): rate limits, and the newest snapshot step received
+   * from it at incarnation `step_inc` (an older one is a replay). */
+  struct gossip_bucket { double tokens; uint64_t last_ms; bool init; } xch_bucket, conn_bucket;
+  uint64_t rl_xch, rl_conn, rl_logged_ms; /* refusals since the last log line */
+  uint64_t last_step, step_inc;
+  bool have_step;
   /* Messages waiting for the dial to finish (copied encodings). */
   uint8_t *queue[GOSSIP_LINK_QUEUE];
   size_t queue_len[GOSSIP_LINK_QUEUE];
@@ -180,6 +186,28 @@ struct gossip {
   size_t npub, pub_cap;
 };
 
+/* guard.c (loop thread): defences against misbehaving members. */
+/* Counts a misbehaviour of member `id` (its parameters were rejected: `why`)
+ * and keeps exchanges with it off for a backoff that doubles with each
+ * strike (2 s to 256 s). */
+void gossip_strike(struct gossip *g, const uint8_t *id, const char *why);
+/* A clean exchange with `id`: one strike is forgiven, so an honest peer's
+ * rare outlier fades while a consistent offender's backoff keeps growing. */
+void gossip_forgive(struct gossip *g, const uint8_t *id);
+/* Rate limits: false when member `id` is over its budget of exchange
+ * requests (connections); the refusal is counted and logged now and then. */
+bool gossip_guard_allow_xch(struct gossip *g, const uint8_t *id);
+bool gossip_guard_allow_conn(struct gossip *g, const uint8_t *id);
+/* An exchange transfer begins (bulk metadata: exchange `xid`, the partner's
+ * snapshot `step`): refuses it (returns a negative code, ends the exchange
+ * and strikes the partner) when its length is not the model's or its step
+ * is older than one the partner already sent (a replayed round). 0: go on. */
+int gossip_guard_xch_bulk(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
+                          uint64_t step);
+
+/* attack.c (loop thread; testing only) */
+void gossip_attack_tick(struct gossip *g, uint64_t now);
+
 /* runtime.c */
 uint64_t gossip_now_ms(struct gossip *g);
 /* The cluster-wide count-sketch seed: a keyed hash of a fixed label under the
@@ -237,6 +265,9 @@ void gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int s
 void gossip_xch_tick(struct gossip *g, uint64_t now);
 void gossip_xch_on_close(struct gossip *g, net_conn_t *c);
 void gossip_xch_abandon(struct gossip *g, const char *why);
+/* Ends the exchange in progress because the partner's transfer is refused
+ * (`why`): nothing applied, the partner told, counted as rejected. */
+void gossip_xch_refuse(struct gossip *g, const char *why);
 void gossip_donor_on_ready(net_t *n, void *arg, int status);
 void gossip_pull_tick(struct gossip *g, uint64_t now);
 void gossip_pull_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);

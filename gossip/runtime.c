@@ -27,6 +27,8 @@ void gossip_config_default(struct gossip_config *c) {
   c->wire = NET_DTYPE_F32;
   c->alpha = 0.5f;
   c->exchange_timeout_ms = 60000;
+  c->max_xch_per_s = 100; /* well above an honest partner's rate, even with exchanges every step */
+  c->max_conn_per_s = 5;
   c->optimizer = "";
   c->model = "";
 }
@@ -518,6 +520,10 @@ static void handle_join_reject(struct gossip *g, net_conn_t *c, const struct net
 
 static void on_accept(net_conn_t *c, void *ud) {
   struct gossip *g = ud;
+  if (!gossip_guard_allow_conn(g, net_conn_peer_key(c))) {
+    net_conn_close(c);
+    return;
+  }
   struct gossip_link *l = gossip_link_get(g, net_conn_peer_key(c), true);
   if (!l->conn) l->conn = c;
 }
@@ -588,7 +594,10 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   if (!info->meta || net_msg_decode(info->meta, info->meta_len, NULL, &meta, &e)) return RUMOR_EPROTO;
   int rc = RUMOR_EPROTO;
   if (!net_msg_get_uint(&meta, "k", &kind) && !net_msg_get_uint(&meta, "x", &xid)) {
-    rc = gossip_xch_on_bulk_begin(g, c, info, kind, xid, dst);
+    uint64_t xstep = 0;
+    if (kind == GBULK_EXCHANGE && net_msg_get_uint(&meta, "step", &xstep)) rc = RUMOR_EPROTO;
+    else if (kind == GBULK_EXCHANGE && (rc = gossip_guard_xch_bulk(g, c, info, xid, xstep)) != 0) { /* refused */ }
+    else rc = gossip_xch_on_bulk_begin(g, c, info, kind, xid, dst);
     if (rc == 0 && kind == GBULK_STATE) {
       uint64_t step = 0, epoch = 0, samples = 0;
       if (net_msg_get_uint(&meta, "step", &step) || net_msg_get_uint(&meta, "epoch", &epoch) ||
@@ -694,6 +703,7 @@ static void on_tick(uv_timer_t *t) {
   }
   gossip_xch_tick(g, now);
   gossip_stats_tick(g, now);
+  if (g->cfg.test_attack && !g->stopping) gossip_attack_tick(g, now);
   static const uint64_t publish_every = 250;
   if (now / publish_every != (now - GOSSIP_TICK_MS) / publish_every) gossip_publish(g);
 }
@@ -829,6 +839,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   sc.period_ms = cfg->period_ms;
   sc.ping_timeout_ms = cfg->ping_timeout_ms;
   sc.suspect_timeout_ms = cfg->suspect_timeout_ms;
+  sc.reconnect_ms = 5 * cfg->period_ms; /* heals partitions longer than the suspicion time */
   const struct swim_io io = {g, swim_send_ping, swim_send_ack, swim_send_ping_req, swim_changed};
   struct swim_update self = {.role = cfg->role == GOSSIP_ROLE_BOOTSTRAP ? SWIM_ROLE_BOOTSTRAP : SWIM_ROLE_PEER,
                              .state = SWIM_ALIVE,

@@ -21,6 +21,7 @@ void swim_config_default(struct swim_config *c) {
   c->suspect_timeout_ms = 5000;
   c->indirect_k = 3;
   c->retention_ms = 600000;
+  c->reconnect_ms = 5000;
 }
 
 static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, SWIM_ID_BYTES) == 0; }
@@ -104,6 +105,7 @@ void swim_init(struct swim *s, const struct swim_config *cfg, const struct swim_
   rng_seed(&s->rng, seed, 0x5357494dull /* "SWIM" */);
   s->next_seq = 1;
   s->period_started_ms = now_ms;
+  s->last_reconnect_ms = now_ms;
   enqueue(s, &s->self);
 }
 
@@ -130,6 +132,11 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
   if (same_id(u->id, s->self.id)) {
     /* Someone thinks we are suspect, dead or gone: we are not. */
     if (u->state != SWIM_ALIVE && u->incarnation >= s->self.incarnation) refute(s, u->incarnation);
+    /* Old news about us still travels: our refutation never reached
+     * everyone (it went out on a connection that was closing when we were
+     * paused, say, and used up its retransmissions). Spread it again, or a
+     * member that holds us failed would never take us back. */
+    else if (u->state != SWIM_ALIVE && s->self.state != SWIM_LEFT) enqueue(s, &s->self);
     return false;
   }
   struct swim_member *m = swim_find(s, u->id);
@@ -276,6 +283,28 @@ static void end_period(struct swim *s, uint64_t now_ms) {
   }
 }
 
+/* Pings one random DEAD member (LEFT members said goodbye: never). The
+ * ping carries the news that we hold it failed, first in line, so a member
+ * that was only cut off refutes at once; its ACK brings it back ALIVE here,
+ * and gossip spreads that to our side. A member that is really gone costs one
+ * lost message every reconnect_ms. */
+static void reconnect_probe(struct swim *s, uint64_t now_ms) {
+  size_t ndead = 0;
+  for (size_t i = 0; i < s->nmembers; i++) ndead += s->members[i].info.state == SWIM_DEAD;
+  if (ndead == 0) return;
+  size_t pick = (size_t)rng_below(&s->rng, ndead);
+  for (size_t i = 0; i < s->nmembers; i++) {
+    struct swim_member *m = &s->members[i];
+    if (m->info.state != SWIM_DEAD || pick-- > 0) continue;
+    enqueue(s, &m->info);
+    struct swim_update u[SWIM_MAX_PIGGYBACK];
+    size_t n = swim_take_updates(s, u, SWIM_MAX_PIGGYBACK);
+    s->reconnects++;
+    s->io.send_ping(s->io.ctx, m, s->next_seq++, u, n);
+    return;
+  }
+}
+
 void swim_tick(struct swim *s, uint64_t now_ms) {
   /* Suspicion timeouts and tombstone expiry. */
   for (size_t i = 0; i < s->nmembers;) {
@@ -302,6 +331,10 @@ void swim_tick(struct swim *s, uint64_t now_ms) {
     s->probe_indirect_sent = true;
     struct swim_member *t = swim_find(s, s->probe_id);
     if (t) send_indirect(s, t);
+  }
+  if (s->cfg.reconnect_ms && now_ms - s->last_reconnect_ms >= s->cfg.reconnect_ms) {
+    s->last_reconnect_ms = now_ms;
+    reconnect_probe(s, now_ms);
   }
   if (now_ms - s->period_started_ms >= s->cfg.period_ms) {
     end_period(s, now_ms);

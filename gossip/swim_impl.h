@@ -14,7 +14,10 @@
  *  - a member hearing that it is suspected (or declared dead) refutes by
  *    raising its incarnation and gossiping ALIVE;
  *  - membership changes travel piggybacked on PING / ACK / PING-REQ, each
- *    update retransmitted about 3·log2(n+1) times.
+ *    update retransmitted about 3·log2(n+1) times;
+ *  - every reconnect_ms, one random DEAD member is pinged anyway, so that
+ *    two sides of a healed partition, each holding the other failed, find
+ *    each other again (plain SWIM never probes a dead member).
  *
  * Update precedence, for one member: a higher incarnation wins; at equal
  * incarnation LEFT > DEAD > SUSPECT > ALIVE.
@@ -63,6 +66,7 @@ struct swim_config {
   uint32_t suspect_timeout_ms; /* SUSPECT → DEAD without refutation */
   uint32_t indirect_k;         /* members asked to probe on our behalf */
   uint32_t retention_ms;       /* how long DEAD / LEFT members are remembered */
+  uint32_t reconnect_ms;       /* ping one random DEAD member this often (0: never); see swim_tick */
 };
 void swim_config_default(struct swim_config *c);
 
@@ -94,6 +98,7 @@ struct swim {
   uint8_t probe_id[SWIM_ID_BYTES];
   bool probing, probe_acked, probe_indirect_sent;
   uint64_t probe_seq, probe_started_ms, period_started_ms;
+  uint64_t last_reconnect_ms;
   uint64_t next_seq;
   size_t rr_pos; /* position in the round-robin order */
   uint8_t (*rr)[SWIM_ID_BYTES];
@@ -114,7 +119,7 @@ struct swim {
   size_t nqueue, qcap;
 
   /* Counters for monitoring and tests. */
-  uint64_t probes, probes_failed, suspicions, refutations;
+  uint64_t probes, probes_failed, suspicions, refutations, reconnects;
 };
 
 /* Starts with only `self` known (state ALIVE). `seed` drives probe order. */

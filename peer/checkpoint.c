@@ -1,11 +1,16 @@
 /* Model, optimizer and training position ↔ safetensors. */
 #include "peer/checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <libgen.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static const char *const OPTIM_NAMES_SGD[] = {"optimizer.momentum"};
 static const char *const OPTIM_NAMES_ADAMW[] = {"optimizer.exp_avg", "optimizer.exp_avg_sq"};
@@ -14,8 +19,72 @@ static const char *const *optim_names(enum optim_kind k) {
   return k == OPTIM_ADAMW ? OPTIM_NAMES_ADAMW : OPTIM_NAMES_SGD;
 }
 
+void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
+
+/* Removes `path`.tmp.PID and `path`.prev.tmp.PID files whose writer (PID)
+ * no longer runs: what a process killed mid-write leaves behind. Best
+ * effort. */
+static void remove_stale_temporaries(const char *path) {
+  char *dcopy = xstrdup(path), *bcopy = xstrdup(path);
+  const char *dir = dirname(dcopy), *base = basename(bcopy);
+  DIR *d = opendir(dir);
+  for (struct dirent *de; d && (de = readdir(d)) != NULL;) {
+    size_t blen = strlen(base);
+    if (strncmp(de->d_name, base, blen) != 0) continue;
+    const char *rest = de->d_name + blen;
+    if (strncmp(rest, ".prev", 5) == 0) rest += 5;
+    if (strncmp(rest, ".tmp.", 5) != 0) continue;
+    char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
+    long pid = strtol(rest + 5, &end, 10);
+    if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
+    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* its writer may still be at work */
+    char full[1024];
+    snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    if (unlink(full) == 0) log_info("removed %s, left by a process that died while writing a checkpoint", full);
+  }
+  if (d) closedir(d);
+  free(dcopy);
+  free(bcopy);
+}
+
+/* Makes a rename in the directory of `path` durable. */
+static int sync_dir(const char *path, struct rumor_err *e) {
+  char *dcopy = xstrdup(path);
+  const char *dir = dirname(dcopy);
+  int rc = 0, fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || fsync(fd) < 0) rc = rumor_err_set(e, -errno, "cannot fsync directory %s: %s", dir, strerror(errno));
+  if (fd >= 0) close(fd);
+  free(dcopy);
+  return rc;
+}
+
+/* Makes `path`.prev another name of the current file at `path` (a hard link,
+ * put in place by rename so `path`.prev is never missing or partial).
+ * Returns 0 when there is no current file; logs and returns an error code
+ * when the link cannot be made (the new checkpoint is still written). */
+static int keep_previous(const char *path) {
+  char prev[1024], tmp[1100];
+  checkpoint_prev_path(path, prev, sizeof prev);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", prev, (int)getpid());
+  unlink(tmp);
+  if (link(path, tmp) < 0) {
+    if (errno == ENOENT) return 0;
+    int rc = -errno;
+    log_warn("cannot keep the previous checkpoint as %s: link: %s", prev, strerror(errno));
+    return rc;
+  }
+  if (rename(tmp, prev) < 0) {
+    int rc = -errno;
+    log_warn("cannot keep the previous checkpoint as %s: rename: %s", prev, strerror(errno));
+    unlink(tmp);
+    return rc;
+  }
+  return 0;
+}
+
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
+  remove_stale_temporaries(path);
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);
@@ -73,9 +142,21 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
       {"rumor.norm_std", std},
       {"rumor.peer_id", info->peer_id},
   };
-  int rc = safetensors_write(path, ts, nts, meta, sizeof meta / sizeof meta[0], e);
+  /* The new file is complete and durable under a staging name before the
+   * current one becomes the previous one and the new one takes its place:
+   * a failed write (full disk) changes neither. */
+  char staging[1100];
+  snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
+  int rc = safetensors_write(staging, ts, nts, meta, sizeof meta / sizeof meta[0], e);
   tensor_host_free(m->be, host);
-  return rc;
+  if (rc) return rc;
+  (void)keep_previous(path);
+  if (rename(staging, path) < 0) {
+    rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
+    unlink(staging);
+    return rc;
+  }
+  return sync_dir(path, e);
 }
 
 static int meta_i64(const struct checkpoint *ck, const char *path, const char *key, int64_t min, int64_t *out,
@@ -168,6 +249,28 @@ int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e
 fail:
   checkpoint_close(ck);
   return rc;
+}
+
+int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                           struct rumor_err *e) {
+  struct rumor_err first = {0};
+  int rc = checkpoint_open(path, ck, &first);
+  if (rc == 0) {
+    if (used) snprintf(used, used_len, "%s", path);
+    return 0;
+  }
+  char prev[1024];
+  checkpoint_prev_path(path, prev, sizeof prev);
+  struct rumor_err second = {0};
+  int rc2 = checkpoint_open(prev, ck, &second);
+  if (rc2 == 0) {
+    log_warn("checkpoint rejected: %s; using the previous checkpoint %s (step %lld)", first.msg, prev,
+             (long long)ck->info.st.step);
+    if (used) snprintf(used, used_len, "%s", prev);
+    return 0;
+  }
+  if (rc2 == -ENOENT) return rumor_err_set(e, rc, "%s", first.msg);
+  return rumor_err_set(e, rc, "%s; the previous checkpoint is unusable too: %s", first.msg, second.msg);
 }
 
 void checkpoint_close(struct checkpoint *ck) {

@@ -42,7 +42,16 @@ struct ckpt_info {
 
 /* Writes model parameters, optimizer state (when `o` is not NULL) and `info`
  * atomically to `path`. Returns 0 or a negative code with a message; on
- * failure the previous file at `path` is intact. */
+ * failure the previous file at `path` is intact.
+ *
+ * Durability: the new file is written to a temporary name and fsynced; then
+ * the file at `path` is hard-linked to `path`.prev (so the previous
+ * checkpoint survives a later corruption of the current one) and the new file
+ * is renamed over `path`, and the directory fsynced. At every instant `path`
+ * is a complete checkpoint (the old one or the new one), and a failed write
+ * (a full disk) changes neither `path` nor `path`.prev. Temporary files left
+ * by processes that died mid-write (`path`.tmp.PID, PID no longer running)
+ * are removed. */
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 
@@ -56,6 +65,16 @@ struct checkpoint {
  * the recorded model implies, metadata parseable). */
 int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) RUMOR_MUST_CHECK;
 void checkpoint_close(struct checkpoint *ck);
+
+/* The previous checkpoint's path: `path` with ".prev" appended. */
+void checkpoint_prev_path(const char *path, char *out, size_t n);
+
+/* Opens `path` like checkpoint_open; when it is missing, truncated or
+ * damaged, logs why (naming the file and the fault) and opens `path`.prev
+ * instead. *used (may be NULL) gets the path opened. Fails with both reasons
+ * when neither is usable. */
+int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                           struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Copies the parameters into `m` (same spec) and, when `o` is not NULL and
  * the file has optimizer state of the same kind, the state into `o` (whose
  * step is set from the file). */

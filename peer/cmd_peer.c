@@ -16,6 +16,9 @@ struct gossip_flags {
   double interval, alpha, max_distance;
   const char *wire, *name;
   bool no_state_pull;
+  bool clip;                       /* clipped averaging (peer/clip.h) */
+  double clip_tau, max_xch_rate, max_conn_rate;
+  const char *attack;              /* testing only (peer/attack.h) */
 };
 
 static int parse_wire(const char *s, enum net_dtype *out) {
@@ -26,7 +29,7 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   return 0;
 }
 
-static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0) {
+static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0, const struct peer_sync *ps) {
   double acc = -1, loss = -1;
   if (t->have_test) trainer_evaluate(t, &t->test, &acc, &loss);
   struct gossip_stats gs;
@@ -36,12 +39,14 @@ static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0
            (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected);
   printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
          "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"exchange_requests\":%llu,"
-         "\"exchange_refusals\":%llu,\"exchange_idle\":%llu,\"id\":\"%s\"}\n",
+         "\"exchange_refusals\":%llu,\"exchange_idle\":%llu,\"exchanges_clipped\":%llu,\"exchange_rate_limited\":%llu,"
+         "\"conn_rate_limited\":%llu,\"id\":\"%s\"}\n",
          acc, loss, (long long)t->st.step, (long long)t->st.epoch,
          secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs.exchanges_ok,
          (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
          (unsigned long long)gs.exchange_requests, (unsigned long long)gs.exchange_refusals,
-         (unsigned long long)gs.exchange_idle, gossip_self_id(g));
+         (unsigned long long)gs.exchange_idle, (unsigned long long)ps->clip.clipped,
+         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited, gossip_self_id(g));
   fflush(stdout);
 }
 
@@ -54,7 +59,7 @@ int cmd_peer(int argc, char **argv) {
   net_flags_default(&nf);
   struct gossip_flags gf = {.every = 1, .exchange_timeout_ms = 60000, .linger_ms = 500, .interval = 0,
                             .alpha = 0.5, .max_distance = 10.0, .wire = "f32", .wait_peers_ms = 60000,
-                            .sketch_k = 1024};
+                            .sketch_k = 1024, .max_xch_rate = 100, .max_conn_rate = 5, .attack = "none"};
   struct arg_spec specs[80];
   size_t n = 0;
   train_flags_specs(&tf, specs, &n, 70);
@@ -73,6 +78,14 @@ int cmd_peer(int argc, char **argv) {
       {"wait-peers", ARG_INT, &gf.wait_peers, "N", "start training once N peers (us included) are present", 0, 65536},
       {"wait-peers-ms", ARG_INT, &gf.wait_peers_ms, "MS", "... waiting at most this long", 0, 86400000},
       {"sketch-k", ARG_INT, &gf.sketch_k, "K", "count-sketch buckets for drift monitoring (a power of two)", 1, 65536},
+      {"clip", ARG_FLAG, &gf.clip, NULL, "clipped averaging: move at most alpha*tau towards a partner (robust to bad peers)"},
+      {"clip-tau", ARG_FLOAT, &gf.clip_tau, "TAU", "... with this fixed tau (0: adaptive, the median recent distance)", 0,
+       1e30},
+      {"max-exchange-rate", ARG_FLOAT, &gf.max_xch_rate, "N", "answer at most N exchange requests a second per peer (0: no limit)",
+       0, 1e9},
+      {"max-conn-rate", ARG_FLOAT, &gf.max_conn_rate, "N", "accept at most N connections a second per peer (0: no limit)", 0,
+       1e9},
+      {"attack", ARG_STR, &gf.attack, "KIND", "TESTING ONLY: misbehave (nan, inf, scale, signflip, replay, short, flood)"},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -97,6 +110,14 @@ int cmd_peer(int argc, char **argv) {
     fprintf(stderr, "rumor peer: --wire must be f32, f16 or bf16, not '%s'\n", gf.wire);
     return 2;
   }
+  enum attack_kind attack_kind;
+  if (attack_parse(gf.attack, &attack_kind, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
+  struct attack attack;
+  attack_init(&attack, attack_kind);
+  if (attack_kind != ATTACK_NONE) log_warn("TESTING ONLY: this peer attacks the cluster (--attack %s)", gf.attack);
   struct net_keys keys;
   if (net_flags_load_keys(&nf, &keys, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
@@ -137,6 +158,9 @@ int cmd_peer(int argc, char **argv) {
   gc.exchange_timeout_ms = (uint32_t)gf.exchange_timeout_ms;
   gc.seed = tc.seed;
   gc.sketch_k = (int)gf.sketch_k;
+  gc.max_xch_per_s = gf.max_xch_rate;
+  gc.max_conn_per_s = gf.max_conn_rate;
+  gc.test_attack = attack_gossip_bits(attack_kind);
   gc.xch_mine = mine;
   gc.xch_theirs = theirs;
   gc.donor_buf = donor;
@@ -156,7 +180,9 @@ int cmd_peer(int argc, char **argv) {
   } else {
     log_info("starting from %s", tc.resume ? "the checkpoint" : "our own initialisation");
   }
-  struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance};
+  struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance,
+                                .clip = gf.clip, .clip_tau = gf.clip_tau,
+                                .attack = attack_kind != ATTACK_NONE ? &attack : NULL};
   if (peer_sync_init(&ps, g, &t, &sc, &e)) goto out;
   gossip_ready(g);
   if (gf.wait_peers > 1) {
@@ -192,7 +218,7 @@ int cmd_peer(int argc, char **argv) {
     log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t.st.step);
     if (tc.checkpoint && trainer_save(&t, tc.checkpoint, &e)) fprintf(stderr, "rumor peer: %s\n", e.msg);
   } else {
-    print_result(&t, g, clock_now_s() - t0, s0);
+    print_result(&t, g, clock_now_s() - t0, s0, &ps);
   }
   status = 0;
 out:
@@ -206,5 +232,6 @@ out:
   }
   trainer_free(&t);
   net_keys_free(&keys);
+  attack_free(&attack);
   return status;
 }

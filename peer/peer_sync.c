@@ -21,6 +21,7 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
   ps->last_start_s = clock_now_s();
+  clip_init(&ps->clip, cfg->clip_tau);
   ps->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   ps->stats_s = ps->rate_s = ps->last_start_s;
   ps->rate_samples = t->st.samples;
@@ -44,6 +45,8 @@ static int validate(struct peer_sync *ps, char *why, size_t n) {
   }
   double dist = sqrt(tensor_sq_dist(&ps->staging, &ps->t->model.params));
   double norm = sqrt(tensor_sq_norm(&ps->t->model.params));
+  ps->last_dist = dist;
+  ps->last_norm = norm;
   double limit = ps->cfg.max_distance * (norm > 1e-12 ? norm : 1e-12);
   if (!(dist <= limit)) {
     snprintf(why, n, "distance %.4g from our parameters is %.3g times our norm %.4g (limit %g)", dist,
@@ -72,6 +75,7 @@ static void exchange(struct peer_sync *ps) {
     }
     if (tensor_event_query(ps->snap_ev)) {
       ps->snap_pending = false;
+      if (ps->cfg.attack) attack_snapshot(ps->cfg.attack, gossip_xch_mine(ps->g), t->model.nparams, &ps->snap_step);
       gossip_xch_snapshot_done(ps->g, (uint64_t)ps->snap_step);
     }
     return;
@@ -79,8 +83,22 @@ static void exchange(struct peer_sync *ps) {
     tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
     char why[200] = "";
     int rc = validate(ps, why, sizeof why);
+    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far
+     * outliers are skipped. */
+    float w = gossip_xch_alpha(ps->g);
+    if (rc == 0 && ps->cfg.clip) {
+      double scale = clip_scale(&ps->clip, gossip_xch_partner(ps->g), ps->last_dist, ps->last_norm);
+      w *= (float)scale;
+      log_debug("clip: distance %.4g, tau %.4g (%.3g tau), scale %.3g", ps->last_dist, ps->clip.last_tau,
+                ps->last_dist / ps->clip.last_tau, scale);
+      if (ps->clip.last_outlier) {
+        snprintf(why, sizeof why, "distance %.4g is %.3g times the clipping threshold %.4g (an outlier)",
+                 ps->last_dist, ps->last_dist / ps->clip.last_tau, ps->clip.last_tau);
+        rc = 1;
+      }
+    }
     if (rc == 0) {
-      tensor_lerp(&t->model.params, &ps->staging, gossip_xch_alpha(ps->g));
+      tensor_lerp(&t->model.params, &ps->staging, w);
       ps->applied++;
     } else {
       ps->rejected++;

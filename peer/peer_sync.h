@@ -18,6 +18,8 @@
 #define RUMOR_PEER_SYNC_H
 
 #include "gossip/gossip.h"
+#include "peer/attack.h"
+#include "peer/clip.h"
 #include "peer/train.h"
 
 /* Samples used to check a donated or received state's loss. */
@@ -27,6 +29,9 @@ struct peer_sync_config {
   int64_t every_steps;  /* start an exchange every N steps (0: off) */
   double every_s;       /* ... or every T seconds (0: off) */
   double max_distance;  /* R, relative to our parameter norm */
+  bool clip;            /* clipped averaging (clip.h) */
+  double clip_tau;      /* its fixed τ (0: adaptive) */
+  struct attack *attack; /* testing only: poison our snapshots (attack.h); NULL in real use */
 };
 
 struct peer_sync {
@@ -39,6 +44,8 @@ struct peer_sync {
   int64_t snap_step;
   double last_start_s;
   uint64_t applied, rejected;
+  struct clip_state clip;
+  double last_dist, last_norm; /* of the partner's parameters being validated */
 
   /* Monitoring figures (gossip_stats_publish). */
   double *sketch;          /* gossip_sketch_k doubles */

@@ -60,7 +60,8 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   struct model_spec spec;
 
   if (cfg->resume) {
-    if ((rc = checkpoint_open(cfg->resume, &ck, e))) return rc;
+    /* A damaged checkpoint falls back to the previous one (checkpoint.h). */
+    if ((rc = checkpoint_open_latest(cfg->resume, &ck, t->resumed_from, sizeof t->resumed_from, e))) return rc;
     resumed = true;
     spec = ck.info.spec;
     if (cfg->model) {
@@ -141,7 +142,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
            (long long)t->cfg.shard.index, (long long)t->cfg.shard.count, (long long)t->batcher.n,
            (long long)t->steps_per_epoch, (long long)t->cfg.batch);
   if (cfg->resume)
-    log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", cfg->resume, (long long)t->st.step,
+    log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
   return 0;
 fail:

@@ -63,6 +63,7 @@ struct trainer {
   double last_loss;
   double t_start, t_last_log;
   bool started; /* the first step ran */
+  char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
 };
 

@@ -34,6 +34,9 @@ static void *signal_thread(void *arg) {
 int signals_init(void) {
   if (atomic_exchange(&g_started, true)) return 0;
   signal(SIGPIPE, SIG_IGN);
+  /* A write past RLIMIT_FSIZE (a full quota) must fail with EFBIG and an
+   * error message, not kill the process. */
+  signal(SIGXFSZ, SIG_IGN);
   sigset_t set;
   fill_set(&set);
   int rc = pthread_sigmask(SIG_BLOCK, &set, NULL);

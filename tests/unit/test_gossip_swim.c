@@ -24,6 +24,8 @@ struct sim {
   struct swim node[N_MAX];
   int n;
   bool crashed[N_MAX], paused[N_MAX];
+  bool side[N_MAX]; /* with `partitioned`, messages between sides are lost */
+  bool partitioned;
   double loss; /* probability a message is dropped */
   uint32_t latency_ms;
   struct msg *q;
@@ -47,6 +49,7 @@ static void make_id(uint8_t *id, int i) {
 
 static void post(int kind, int from, int to, int target, uint64_t seq, const struct swim_update *u, size_t n) {
   if (S.crashed[from]) return;
+  if (S.partitioned && S.side[from] != S.side[to]) return;
   if (S.loss > 0 && rng_uniform(&S.rng) < S.loss) return;
   cr_assert_lt(S.nq, Q_MAX);
   struct msg *m = &S.q[S.nq++];
@@ -71,7 +74,7 @@ static void io_change(void *ctx, const struct swim_member *m, enum swim_state ol
   if (!S.first_seen[obs][subj][m->info.state]) S.first_seen[obs][subj][m->info.state] = S.now ? S.now : 1;
 }
 
-static void sim_init(int n, uint32_t period, uint32_t timeout, uint32_t suspect) {
+static void sim_init_cfg(int n, uint32_t period, uint32_t timeout, uint32_t suspect, uint32_t reconnect) {
   memset(&S, 0, sizeof S);
   S.q = xmalloc(Q_MAX * sizeof *S.q);
   S.n = n;
@@ -82,6 +85,7 @@ static void sim_init(int n, uint32_t period, uint32_t timeout, uint32_t suspect)
   cfg.period_ms = period;
   cfg.ping_timeout_ms = timeout;
   cfg.suspect_timeout_ms = suspect;
+  cfg.reconnect_ms = reconnect;
   for (int i = 0; i < n; i++) {
     S.ctx_of[i] = i;
     struct swim_io io = {&S.ctx_of[i], io_ping, io_ack, io_ping_req, io_change};
@@ -97,6 +101,10 @@ static void sim_init(int n, uint32_t period, uint32_t timeout, uint32_t suspect)
     size_t k = swim_snapshot(&S.node[0], tab, N_MAX + 1);
     for (size_t j = 0; j < k; j++) swim_apply(&S.node[i], &tab[j], 0);
   }
+}
+
+static void sim_init(int n, uint32_t period, uint32_t timeout, uint32_t suspect) {
+  sim_init_cfg(n, period, timeout, suspect, 5 * period);
 }
 
 static void sim_fini(void) { for (int i = 0; i < S.n; i++) swim_free(&S.node[i]); free(S.q); }
@@ -251,5 +259,68 @@ Test(swim, precedence_rules) {
   swim_apply(&S.node[0], &me, 60);
   cr_assert_eq(S.node[0].self.incarnation, 8);
   cr_assert_eq(S.node[0].self.state, SWIM_ALIVE);
+  sim_fini();
+}
+
+/* A refutation that never arrived (its messages lost, its retransmissions
+ * used up): a member still holding us failed at an older incarnation must
+ * get our current incarnation again when its news reaches us, or it never
+ * takes us back. Seen on test hosts with a peer stopped past its suspicion
+ * time: its refutation went out on connections that were being closed. */
+Test(swim, old_news_of_our_failure_is_answered_with_our_current_incarnation) {
+  sim_init(3, 200, 60, 1000);
+  sim_run(2000);
+  /* Nodes 1 and 2 hold node 0 failed; node 0 refuted, but nothing of that
+   * got out. */
+  struct swim_update dead = S.node[0].self;
+  dead.state = SWIM_DEAD;
+  for (int i = 1; i < 3; i++) cr_assert(swim_apply(&S.node[i], &dead, S.now));
+  S.node[0].self.incarnation += 2;
+  S.node[0].nqueue = 0;
+  sim_run(S.now + 5000);
+  for (int i = 1; i < 3; i++)
+    cr_assert_eq(view(i, 0), SWIM_ALIVE, "node %d still holds node 0 %s", i, swim_state_name(view(i, 0)));
+  sim_fini();
+}
+
+/* A partition longer than the suspicion timeout: each side declares the
+ * other failed, and since probes go only to live members, neither side would
+ * ever contact the other again. Reconnect probes to failed members heal it. */
+static uint64_t partition_then_heal(uint32_t reconnect_ms, uint64_t heal_within_ms) {
+  sim_init_cfg(6, 200, 60, 1000, reconnect_ms);
+  sim_run(2000);
+  S.side[4] = S.side[5] = true;
+  S.partitioned = true;
+  sim_run(S.now + 5000);
+  for (int i = 0; i < 6; i++)
+    for (int j = 0; j < 6; j++)
+      if (i != j && S.side[i] != S.side[j])
+        cr_assert_eq(view(i, j), SWIM_DEAD, "during the partition %d sees %d as %s", i, j, swim_state_name(view(i, j)));
+  S.partitioned = false;
+  uint64_t healed_at = S.now, all_alive = 0;
+  while (S.now < healed_at + heal_within_ms && !all_alive) {
+    sim_run(S.now + 100);
+    bool ok = true;
+    for (int i = 0; i < 6 && ok; i++)
+      for (int j = 0; j < 6 && ok; j++) ok = i == j || view(i, j) == SWIM_ALIVE;
+    if (ok) all_alive = S.now - healed_at;
+  }
+  return all_alive;
+}
+
+Test(swim, partition_longer_than_suspicion_heals_through_reconnect_probes) {
+  uint64_t took = partition_then_heal(1000, 20000);
+  cr_assert_gt(took, 0, "20 s after the heal some members still see others as failed");
+  /* Two reconnect rounds, then a round-robin pass and gossip spread. */
+  cr_assert_leq(took, 2 * 1000 + 6 * 200 * 3 + 2000, "the partition took %llu ms to heal", (unsigned long long)took);
+  fprintf(stderr, "partition healed %llu ms after the network came back\n", (unsigned long long)took);
+  for (int i = 0; i < 6; i++) cr_assert_gt(S.node[i].self.incarnation, 1, "node %d never refuted its failure", i);
+  sim_fini();
+}
+
+Test(swim, without_reconnect_probes_a_partition_never_heals) {
+  /* The failure the reconnect probes fix: both sides stay split. */
+  uint64_t took = partition_then_heal(0, 20000);
+  cr_assert_eq(took, 0, "healed without reconnect probes after %llu ms", (unsigned long long)took);
   sim_fini();
 }

@@ -1,0 +1,481 @@
+/* Network faults between peers on separate test hosts (deploy/testnet.sh:
+ * network namespaces joined by a switch, with per-host delay, loss, rate
+ * and cuts): a host cut off for 30 s and healed (both sides keep training,
+ * the drift Ξ returns under its bound), 100 ms round trips over 100 Mbit/s
+ * links (exchanges complete, training proceeds), 1 % loss (no stuck
+ * exchange, no false failure verdict), and a peer stopped for longer than
+ * the suspicion time (declared failed, and back with a higher incarnation
+ * when it resumes). Every test skips, saying why, where test hosts cannot be
+ * made (not root, no network namespaces).
+ *
+ * Figures go to stderr ("figure: ...") for docs/reliability.md. */
+#include <criterion/criterion.h>
+#include <libgen.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "gossip/drift.h"
+#include "peer/checkpoint.h"
+
+static struct cluster C;
+static char testnet_sh[512], netsim_bin[512], net_name[32];
+static bool net_up;
+
+/* Runs a testnet.sh command (quietly unless it fails); returns its status. */
+static int testnet(const char *fmt, ...) {
+  char args[512], cmd[1200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(args, sizeof args, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "%s %s >/dev/null 2>%s/testnet.err", testnet_sh, args, C.dir);
+  int st = system(cmd);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void setup(void) {
+  cluster_init(&C);
+  snprintf(testnet_sh, sizeof testnet_sh, "%s/deploy/testnet.sh", RUMOR_SOURCE_DIR);
+  /* RUMOR_BIN is <build>/peer/rumor; netsim is <build>/tests/netsim/netsim. */
+  char bin[512];
+  snprintf(bin, sizeof bin, "%s", RUMOR_BIN);
+  snprintf(netsim_bin, sizeof netsim_bin, "%s/tests/netsim/netsim", dirname(dirname(bin)));
+  snprintf(net_name, sizeof net_name, "rtn%d", (int)getpid() % 100000);
+  setenv("TESTNET_NAME", net_name, 1);
+  setenv("TESTNET_NETSIM", netsim_bin, 1);
+  char owner[16];
+  snprintf(owner, sizeof owner, "%d", (int)getpid());
+  setenv("TESTNET_OWNER", owner, 1);
+  if (testnet("gc")) fprintf(stderr, "testnet gc failed\n");
+}
+
+static void teardown(void) {
+  proc_kill_all();
+  if (net_up && testnet("down")) fprintf(stderr, "testnet down failed\n");
+  net_up = false;
+  cluster_fini(&C, false);
+}
+TestSuite(netfaults, .init = setup, .fini = teardown, .timeout = 400);
+
+static bool have_fmnist(void) {
+  struct stat st;
+  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
+}
+
+/* Makes K test hosts, or skips the test with testnet.sh's reason. */
+static void hosts_up(int k) {
+  if (!have_fmnist())
+    cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)");
+  int rc = testnet("check");
+  if (rc != 0) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/testnet.err", C.dir);
+    char *why = proc_slurp(path);
+    why[strcspn(why, "\n")] = '\0';
+    cr_skip_test("test hosts cannot be made here: %s", why);
+  }
+  if (testnet("up %d", k) != 0) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/testnet.err", C.dir);
+    cr_assert_fail("testnet up failed: %s", proc_slurp(path));
+  }
+  net_up = true;
+}
+
+/* Timing of membership: compressed like the other multi-process tests, or
+ * rumor's defaults (1 s probes, 300 ms ping timeout, 5 s suspicion) where
+ * round trips are long or packets are lost. */
+enum timing { FAST, DEFAULT };
+
+/* Starts `rumor <cmd>` on test host `h` as a new node (its own identity),
+ * listening on the host's address. Returns the node index. */
+static int spawn_on(int h, const char *cmd, enum timing tm, char *const *args) {
+  cr_assert_lt(C.n, CLUSTER_MAX);
+  int i = C.n++;
+  struct cluster_node *nd = &C.node[i];
+  char dir[sizeof C.dir];
+  memcpy(dir, C.dir, sizeof dir);
+  snprintf(nd->id_file, sizeof nd->id_file, "%s/id%d.key", dir, i);
+  snprintf(nd->out, sizeof nd->out, "%s/node%d.out", dir, i);
+  snprintf(nd->log, sizeof nd->log, "%s/node%d.log", dir, i);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, nd->id_file);
+  char host[16], listen[40];
+  snprintf(host, sizeof host, "%d", h);
+  snprintf(listen, sizeof listen, "10.77.0.%d:0", h);
+  char *argv[96];
+  int n = 0;
+  argv[n++] = testnet_sh;
+  argv[n++] = "exec";
+  argv[n++] = host;
+  argv[n++] = RUMOR_BIN;
+  argv[n++] = (char *)cmd;
+  argv[n++] = "--listen";
+  argv[n++] = listen;
+  argv[n++] = "--cluster-key";
+  argv[n++] = C.key;
+  argv[n++] = "--identity";
+  argv[n++] = nd->id_file;
+  if (tm == FAST) {
+    static char period[16], ping[16], suspect[16];
+    snprintf(period, sizeof period, "%d", CLUSTER_PERIOD_MS);
+    snprintf(ping, sizeof ping, "%d", CLUSTER_PING_TIMEOUT_MS);
+    snprintf(suspect, sizeof suspect, "%d", CLUSTER_SUSPECT_MS);
+    argv[n++] = "--period-ms";
+    argv[n++] = period;
+    argv[n++] = "--ping-timeout-ms";
+    argv[n++] = ping;
+    argv[n++] = "--suspect-ms";
+    argv[n++] = suspect;
+  }
+  for (int k = 0; args && args[k] && n < 94; k++) argv[n++] = args[k];
+  argv[n] = NULL;
+  nd->pid = proc_spawn(argv, nd->out, nd->log);
+  cr_assert_gt(nd->pid, 0);
+  cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d on host %d did not start: %s", i, h,
+            proc_slurp(nd->log));
+  char *out = proc_slurp(nd->out);
+  const char *p = strstr(out, "\"listen\":\"") + 10;
+  const char *q = strchr(p, '"');
+  snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
+  free(out);
+  return i;
+}
+
+/* A bootstrap on host 1 and `n` peers on hosts 2..n+1, training until told
+ * to stop (SIGTERM saves their checkpoint), checkpointing every 20 steps so
+ * the drift can be measured while they run. Waits until all train. */
+static void start_cluster(int n, enum timing tm, const char *model, int *peer) {
+  char *bargs[] = {NULL};
+  int b = spawn_on(1, "bootstrap", tm, bargs);
+  snprintf(C.boot, sizeof C.boot, "%s", C.node[b].addr);
+  char wait[8], shard[16][8];
+  snprintf(wait, sizeof wait, "%d", n);
+  for (int i = 0; i < n; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/%d", i, n);
+    char *args[] = {"--bootstrap", C.boot, "--threads", "1", "--log-every", "2", "--model", (char *)model,
+                    "--shard", shard[i], "--epochs", "1000", "--batch", "64", "--lr", "0.05", "--no-eval",
+                    "--wait-peers", wait, "--gossip-every", "4", "--checkpoint", C.node[C.n].ckpt,
+                    "--checkpoint-every", "20", NULL};
+    peer[i] = spawn_on(i + 2, "peer", tm, args);
+  }
+  for (int i = 0; i < n; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 90), "peer %d did not start training: %s", i,
+              proc_slurp(C.node[peer[i]].log));
+}
+
+/* Reads a checkpoint's parameters (a new array) and its step. */
+static float *load_params(const char *path, int64_t *n, int64_t *step) {
+  struct checkpoint ck;
+  struct rumor_err e;
+  for (int tries = 0;; tries++) {
+    if (checkpoint_open(path, &ck, &e) == 0) break;
+    cr_assert_lt(tries, 50, "cannot read %s: %s", path, e.msg); /* not written yet */
+    usleep(100000);
+  }
+  *n = model_spec_param_count(&ck.info.spec);
+  *step = ck.info.st.step;
+  float *p = xmalloc((size_t)*n * sizeof(float));
+  int64_t off = 0;
+  for (int l = 0; l < ck.info.spec.nlayers; l++) {
+    char name[64];
+    for (int wb = 0; wb < 2; wb++) {
+      snprintf(name, sizeof name, "layers.%d.%s", l, wb ? "bias" : "weight");
+      const struct st_tensor *t = safetensors_find(&ck.file, name);
+      memcpy(p + off, t->data, t->nbytes);
+      off += (int64_t)(t->nbytes / sizeof(float));
+    }
+  }
+  checkpoint_close(&ck);
+  return p;
+}
+
+/* Relative drift Ξ/‖θ̄‖ over the peers' latest checkpoints; steps[] gets
+ * each one's step. */
+static double rel_drift(const int *peer, int n, int64_t *steps) {
+  float *theta[16];
+  int64_t P = 0;
+  double norms[16];
+  for (int i = 0; i < n; i++) {
+    theta[i] = load_params(C.node[peer[i]].ckpt, &P, &steps[i]);
+    double s = 0;
+    for (int64_t j = 0; j < P; j++) s += (double)theta[i][j] * theta[i][j];
+    norms[i] = sqrt(s);
+  }
+  double xi = drift_exact((const float *const *)theta, (size_t)n, (uint64_t)P);
+  double mean_norm = drift_mean_norm(norms, (size_t)n, xi);
+  for (int i = 0; i < n; i++) free(theta[i]);
+  return xi / mean_norm;
+}
+
+/* The log stamp (ms of day) of node i's first line at or after `since` with
+ * both `a` and `b`, or -1. */
+static long first_line_after(int i, long since, const char *a, const char *b) {
+  char *s = proc_slurp(C.node[i].log);
+  long at = -1;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+    long t = cluster_log_ms(line);
+    if (t >= since && strstr(line, a) && (!b || strstr(line, b))) {
+      at = t;
+      break;
+    }
+  }
+  free(s);
+  return at;
+}
+
+static int count_lines(int i, const char *a, const char *b) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (strstr(line, a) && (!b || strstr(line, b))) n++;
+  free(s);
+  return n;
+}
+
+/* Frames the switch dropped for loss (netsim's counters; 0 with netem). */
+static long long frames_lost(void) {
+  char path[256];
+  snprintf(path, sizeof path, "/run/rumor-testnet/%s/stats", net_name);
+  char *s = proc_slurp(path);
+  long long lost = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+    long long rx, tx, l;
+    char port[32];
+    if (sscanf(line, "%31s %lld %lld %lld", port, &rx, &tx, &l) == 4) lost += l;
+  }
+  free(s);
+  return lost;
+}
+
+/* The train losses of node i's "epoch k done ... train loss X" lines. */
+static int epoch_losses(int i, double *out, int max) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "train loss ");
+    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
+  }
+  free(s);
+  return n;
+}
+
+static void stop_all(const int *peer, int n) {
+  for (int i = 0; i < n; i++) kill(C.node[peer[i]].pid, SIGTERM);
+  for (int i = 0; i < n; i++) {
+    int st = cluster_wait(&C, peer[i], 60);
+    cr_assert(proc_exited_with(st, 0), "peer %d did not leave cleanly (status %d): %s", i, st,
+              proc_slurp(C.node[peer[i]].log));
+  }
+}
+
+#define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
+
+Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_its_bound_after_the_heal) {
+  const int n = 4, cut = 4; /* peers on hosts 2..5; host 5 (peer 3) is cut off */
+  hosts_up(n + 1);
+  int peer[4];
+  setenv("RUMOR_LOG_LEVEL", "info", 1);
+  start_cluster(n, FAST, "mlp:784-64-10", peer);
+  sleep(6);
+  int64_t s0[4], s1[4], s2[4];
+  double before = rel_drift(peer, n, s0);
+  long cut_at = cluster_wall_ms_of_day();
+  cr_assert_eq(testnet("cut %d", cut + 1), 0);
+  fprintf(stderr, "figure: cut host %d off; relative drift before %.4f\n", cut + 1, before);
+  sleep(30);
+  double during = rel_drift(peer, n, s1);
+  long heal_at = cluster_wall_ms_of_day();
+  cr_assert_eq(testnet("heal %d", cut + 1), 0);
+  /* Both sides kept training through the cut. */
+  for (int i = 0; i < n; i++)
+    cr_assert_gt(s1[i], s0[i] + 100, "peer %d did not train while host %d was cut off (step %lld -> %lld)", i, cut + 1,
+                 (long long)s0[i], (long long)s1[i]);
+  /* Each side declared the other failed: the cut was longer than the
+   * suspicion time. */
+  const char *lone = C.node[peer[cut - 1]].addr;
+  char lone_pat[80];
+  snprintf(lone_pat, sizeof lone_pat, "%s (", lone);
+  for (int i = 0; i < n - 1; i++) {
+    long t = first_line_after(peer[i], cut_at, lone_pat, "is now failed");
+    cr_assert_geq(t, 0, "peer %d never declared the cut-off peer failed", i);
+    fprintf(stderr, "figure: peer %d declared the cut-off peer failed %ld ms after the cut\n", i, t - cut_at);
+  }
+  cr_assert_gt(count_lines(peer[cut - 1], "is now failed", NULL), 0, "the cut-off peer never noticed the cut");
+
+  /* After the heal: everyone alive again, and the drift back under its
+   * bound. */
+  double after = NAN;
+  long back_at = -1, under_at = -1;
+  for (int k = 0; k < 60 && under_at < 0; k++) {
+    sleep(1);
+    if (back_at < 0) {
+      long t = first_line_after(peer[0], heal_at, lone_pat, "is now alive");
+      if (t >= 0) back_at = t;
+    }
+    int64_t st[4];
+    after = rel_drift(peer, n, st);
+    if (back_at >= 0 && after < DRIFT_BOUND) under_at = cluster_wall_ms_of_day();
+  }
+  fprintf(stderr, "figure: relative drift before the cut %.4f, at the end of the 30 s cut %.4f, after the heal %.4f\n",
+          before, during, after);
+  cr_assert_geq(back_at, 0, "the cut-off peer never came back in peer 0's view after the heal");
+  fprintf(stderr, "figure: the cut-off peer was alive again in peer 0's view %ld ms after the heal\n",
+          back_at - heal_at);
+  cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, 60 s after the heal", after,
+                DRIFT_BOUND);
+  fprintf(stderr, "figure: the drift was back under %.2f %ld ms after the heal\n", DRIFT_BOUND, under_at - heal_at);
+  stop_all(peer, n);
+  double final = rel_drift(peer, n, s2);
+  fprintf(stderr, "figure: final relative drift %.4f\n", final);
+  cr_assert_lt(final, DRIFT_BOUND, "final relative drift %.4f above its bound", final);
+}
+
+/* "exchange transferred after N ms" debug lines of node i: how many, and
+ * their median duration. */
+static int exchange_times(int i, double *median_ms) {
+  char *s = proc_slurp(C.node[i].log);
+  static double ms[100000];
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line && n < 100000; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "exchange transferred after ");
+    if (p) ms[n++] = strtod(p + 27, NULL);
+  }
+  free(s);
+  for (int a = 1; a < n; a++) /* insertion sort: n is small */
+    for (int b = a; b > 0 && ms[b - 1] > ms[b]; b--) {
+      double t = ms[b];
+      ms[b] = ms[b - 1];
+      ms[b - 1] = t;
+    }
+  *median_ms = n ? ms[n / 2] : NAN;
+  return n;
+}
+
+Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_training_proceeds) {
+  const int n = 4;
+  hosts_up(n + 1);
+  /* 50 ms on what each host sends: 100 ms round trips between any two. */
+  cr_assert_eq(testnet("shape all delay 50 rate 100"), 0);
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
+  int peer[4];
+  start_cluster(n, DEFAULT, "mlp:784-256-10", peer); /* 0.8 MB of parameters each way */
+  int64_t s0[4], s1[4];
+  double d0 = rel_drift(peer, n, s0);
+  sleep(24);
+  double d1 = rel_drift(peer, n, s1);
+  stop_all(peer, n);
+  fprintf(stderr, "figure: 100 ms RTT, 100 Mbit/s: relative drift %.4f -> %.4f over 24 s\n", d0, d1);
+  for (int i = 0; i < n; i++) {
+    double med;
+    int x = exchange_times(peer[i], &med);
+    int abandoned = count_lines(peer[i], "abandoned", NULL);
+    int timed_out = count_lines(peer[i], "abandoned", "timed out");
+    fprintf(stderr, "figure: 100 ms RTT, 100 Mbit/s: peer %d: %lld steps, %d exchanges (median %.0f ms), %d abandoned\n",
+            i, (long long)(s1[i] - s0[i]), x, med, abandoned);
+    double losses[4096];
+    int ne = epoch_losses(peer[i], losses, 4096);
+    cr_assert_gt(s1[i], s0[i] + 100, "peer %d hardly trained", i);
+    cr_assert(ne >= 2 && losses[ne - 1] < losses[0], "peer %d's training loss did not fall", i);
+    cr_assert_geq(x, 10, "peer %d completed only %d exchanges in 24 s", i, x);
+    /* The links really were slow: no exchange of 0.8 MB each way beats a
+     * 100 ms round trip at 100 Mbit/s. */
+    cr_assert_geq(med, 100, "peer %d's exchanges took %.0f ms: the links were not shaped", i, med);
+    cr_assert_eq(timed_out, 0, "peer %d had exchanges time out", i);
+    cr_assert_eq(count_lines(peer[i], "is now failed", NULL), 0, "peer %d declared a live member failed", i);
+  }
+}
+
+Test(netfaults, at_1pct_loss_no_exchange_is_stuck_and_no_live_member_is_declared_failed) {
+  const int n = 4;
+  hosts_up(n + 1);
+  cr_assert_eq(testnet("shape all loss 1"), 0);
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
+  int peer[4];
+  start_cluster(n, DEFAULT, "mlp:784-64-10", peer);
+  /* Four windows of 6 s: exchanges complete in every one. */
+  int done[4][5] = {{0}};
+  for (int w = 0; w <= 4; w++) {
+    if (w) sleep(6);
+    for (int i = 0; i < n; i++) {
+      double med;
+      done[i][w] = exchange_times(peer[i], &med);
+    }
+  }
+  stop_all(peer, n);
+  long long lost = frames_lost();
+  fprintf(stderr, "figure: 1%% loss: the switch dropped %lld frames\n", lost);
+  char b[256];
+  snprintf(b, sizeof b, "/run/rumor-testnet/%s/backend", net_name);
+  char *backend = proc_slurp(b);
+  if (strncmp(backend, "netsim", 6) == 0) cr_assert_gt(lost, 0, "no frame was lost: the links were not shaped");
+  free(backend);
+  for (int i = 0; i < n; i++) {
+    double med;
+    int x = exchange_times(peer[i], &med);
+    fprintf(stderr, "figure: 1%% loss: peer %d: %d exchanges in 24 s (median %.1f ms), %d suspicions, %d abandoned\n",
+            i, x, med, count_lines(peer[i], "is now suspect", NULL), count_lines(peer[i], "abandoned", NULL));
+    for (int w = 1; w <= 4; w++)
+      cr_assert_gt(done[i][w], done[i][w - 1], "peer %d completed no exchange in window %d (a stuck exchange?)", i, w);
+    cr_assert_eq(count_lines(peer[i], "abandoned", "timed out"), 0, "peer %d had an exchange time out", i);
+    cr_assert_eq(count_lines(peer[i], "is now failed", NULL), 0, "peer %d declared a live member failed: %s", i,
+                 proc_slurp(C.node[peer[i]].log));
+  }
+}
+
+/* "member ADDR (KEY) joined: peer alive (incarnation N)" and "member ADDR
+ * (KEY) is now alive (was failed, incarnation N)": the incarnation. */
+static unsigned long long incarnation_in(int i, const char *addr_pat, const char *what) {
+  char *s = proc_slurp(C.node[i].log);
+  unsigned long long inc = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (strstr(line, addr_pat) && strstr(line, what)) {
+      const char *p = strstr(line, "incarnation ");
+      if (p) inc = strtoull(p + 12, NULL, 10);
+    }
+  free(s);
+  return inc;
+}
+
+Test(netfaults, a_peer_stopped_longer_than_the_suspicion_time_is_removed_and_rejoins_with_a_higher_incarnation) {
+  const int n = 4, victim = 3;
+  hosts_up(n + 1);
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
+  int peer[4];
+  start_cluster(n, FAST, "mlp:784-64-10", peer);
+  sleep(3);
+  char pat[80];
+  snprintf(pat, sizeof pat, "%s (", C.node[peer[victim]].addr);
+  unsigned long long joined = incarnation_in(peer[0], pat, "joined: peer alive");
+  cr_assert_gt(joined, 0, "peer 0 never logged the victim joining");
+  long stop_at = cluster_wall_ms_of_day();
+  kill(C.node[peer[victim]].pid, SIGSTOP);
+  sleep(4); /* the suspicion time is 1 s */
+  for (int i = 0; i < n; i++) {
+    if (i == victim) continue;
+    long t = first_line_after(peer[i], stop_at, pat, "is now failed");
+    cr_assert_geq(t, 0, "peer %d did not declare the stopped peer failed", i);
+    fprintf(stderr, "figure: peer %d declared the stopped peer failed %ld ms after SIGSTOP\n", i, t - stop_at);
+  }
+  long cont_at = cluster_wall_ms_of_day();
+  kill(C.node[peer[victim]].pid, SIGCONT);
+  sleep(4);
+  for (int i = 0; i < n; i++) {
+    if (i == victim) continue;
+    long t = first_line_after(peer[i], cont_at, pat, "is now alive");
+    cr_assert_geq(t, 0, "peer %d did not take the resumed peer back", i);
+    unsigned long long inc = incarnation_in(peer[i], pat, "is now alive (was failed");
+    fprintf(stderr, "figure: peer %d took the resumed peer back %ld ms after SIGCONT, incarnation %llu -> %llu\n", i,
+            t - cont_at, joined, inc);
+    cr_assert_gt(inc, joined, "peer %d: the rejoined peer's incarnation %llu is not above %llu", i, inc, joined);
+  }
+  /* Back in the exchanges: it completes some after resuming. */
+  double med;
+  int before = exchange_times(peer[victim], &med);
+  sleep(4);
+  int after = exchange_times(peer[victim], &med);
+  cr_assert_gt(after, before, "the resumed peer completed no exchange after rejoining");
+  stop_all(peer, n);
+}

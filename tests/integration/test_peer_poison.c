@@ -1,0 +1,239 @@
+/* Poisoned or faulty peers that hold valid keys (rumor peer --attack, a
+ * testing-only mode): NaN or Inf values, a wrong length, a model multiplied
+ * by -1000, an old round replayed. Honest peers reject the update with a
+ * reason, back the sender off, never blame each other, and keep training
+ * (their loss keeps falling). With one sign-flipping attacker among 8 peers,
+ * clipped averaging (--clip) keeps every honest peer at test accuracy
+ * >= 0.85, and without it the attack does real damage. A flood of exchange
+ * requests and connections hits the per-peer rate limits. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(poison, .init = setup, .fini = teardown, .timeout = 300);
+
+static bool have_fmnist(void) {
+  struct stat st;
+  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
+}
+#define SKIP_WITHOUT_DATA()                                                                                    \
+  do {                                                                                                         \
+    if (!have_fmnist())                                                                                        \
+      cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)"); \
+  } while (0)
+
+static void expect_clean_exit(int i) {
+  int st = cluster_wait(&C, i, 240);
+  cr_assert(proc_exited_with(st, 0), "node %d did not finish cleanly (status %d): %s", i, st,
+            proc_slurp(C.node[i].log));
+}
+
+/* Lines of node i's log containing `a` and `b` (either may be NULL). */
+static int count_lines(int i, const char *a, const char *b) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if ((!a || strstr(line, a)) && (!b || strstr(line, b))) n++;
+  free(s);
+  return n;
+}
+
+/* "127.0.0.1:PORT (" as log lines name a member. */
+static void who(int i, char *buf, size_t n) { snprintf(buf, n, "%s (", C.node[i].addr); }
+
+/* The train losses of node i's "epoch k done ... train loss X" lines. */
+static int epoch_losses(int i, double *out, int max) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "train loss ");
+    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
+  }
+  free(s);
+  return n;
+}
+
+/* Starts a bootstrap, `honest` honest peers and one attacker (--attack kind)
+ * on shards of the training set; all wait for each other. `flag` (may be
+ * NULL) is one more flag without a value for every peer. Returns the
+ * attacker's node; honest peers are peer[0..honest). */
+static int start(int honest, const char *kind, const char *model, const char *epochs, int *peer, const char *flag) {
+  cluster_start_bootstrap(&C, NULL);
+  int n = honest + 1;
+  char shard[16][8], wait[8];
+  snprintf(wait, sizeof wait, "%d", n);
+  int attacker = -1;
+  for (int i = 0; i < n; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/%d", i, n);
+    /* The attacker is started in the middle, so it is neither the first
+     * peer (which seeds the cluster) nor the last. */
+    bool bad = i == n / 2;
+    const char *a1 = flag, *a2 = NULL, *a3 = NULL; /* the list ends at the first NULL */
+    if (bad) a1 = "--attack", a2 = kind, a3 = flag;
+    int node = cluster_start_peer(&C, "--model", model, "--shard", shard[i], "--epochs", epochs, "--batch", "64",
+                                  "--lr", "0.1", "--no-eval", "--wait-peers", wait, "--gossip-every", "1", a1, a2, a3,
+                                  NULL);
+    if (bad) attacker = node;
+    else *peer++ = node;
+  }
+  return attacker;
+}
+
+/* Every honest peer finished with a falling loss and a sound model; the
+ * attacker's updates were rejected for `reason` by at least one of them, with
+ * a backoff; no honest peer rejected another. */
+static void poison_run(const char *kind, const char *reason) {
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  int bad = start(3, kind, "mlp:784-64-10", "6", peer, NULL);
+  char bad_who[96];
+  who(bad, bad_who, sizeof bad_who);
+  int rejections = 0;
+  for (int k = 0; k < 3; k++) {
+    expect_clean_exit(peer[k]);
+    double acc = cluster_result(&C, peer[k], "test_accuracy"), loss = cluster_result(&C, peer[k], "test_loss");
+    double losses[16];
+    int ne = epoch_losses(peer[k], losses, 16);
+    int r = count_lines(peer[k], "rejected parameters from ", bad_who);
+    rejections += r;
+    fprintf(stderr, "%s: honest peer %d: test accuracy %.4f, test loss %.4f, train loss %.3f -> %.3f, %d rejections\n",
+            kind, k, acc, loss, ne ? losses[0] : NAN, ne ? losses[ne - 1] : NAN, r);
+    cr_assert(isfinite(loss) && acc >= 0.80, "%s: honest peer %d ended at accuracy %.4f, loss %.4f", kind, k, acc, loss);
+    cr_assert(ne >= 6 && losses[ne - 1] < losses[0] && losses[ne - 1] < 0.6,
+              "%s: honest peer %d's training loss did not keep falling (%.3f -> %.3f)", kind, k, ne ? losses[0] : NAN,
+              ne ? losses[ne - 1] : NAN);
+    for (int j = 0; j < 3; j++) {
+      char honest_who[96];
+      who(peer[j], honest_who, sizeof honest_who);
+      cr_assert_eq(count_lines(peer[k], "rejected parameters from ", honest_who), 0,
+                   "%s: honest peer %d rejected honest peer %d", kind, k, j);
+    }
+    if (r > 0) {
+      cr_assert_gt(count_lines(peer[k], bad_who, reason), 0, "%s: peer %d's rejections do not say '%s': %s", kind, k,
+                   reason, proc_slurp(C.node[peer[k]].log));
+      cr_assert_gt(count_lines(peer[k], bad_who, "no exchanges with it for "), 0, "%s: the sender was not backed off",
+                   kind);
+    }
+  }
+  cr_assert_gt(rejections, 0, "%s: no honest peer rejected the attacker's updates", kind);
+}
+
+Test(poison, nan_values_are_rejected_and_the_sender_backed_off) { poison_run("nan", "are NaN or infinite"); }
+Test(poison, inf_values_are_rejected_and_the_sender_backed_off) { poison_run("inf", "are NaN or infinite"); }
+Test(poison, a_wrong_length_is_rejected_and_the_sender_backed_off) { poison_run("short", "values for a model of"); }
+Test(poison, a_model_times_minus_1000_is_rejected_and_the_sender_backed_off) {
+  poison_run("scale", "times our norm");
+}
+
+Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_off) {
+  /* The attacker records a snapshot once training has begun, stays honest
+   * for 30 more, then sends the recorded one again, with its old step, every
+   * time. A peer that had a newer snapshot from it rejects the replay (a
+   * step going backwards) and backs it off. One that had none cannot tell
+   * it from a slow peer: clipping (on here) bounds what it does, and skips
+   * it once it is a far outlier. */
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  int bad = start(3, "replay", "mlp:784-64-10", "8", peer, "--clip");
+  char bad_who[96];
+  who(bad, bad_who, sizeof bad_who);
+  int rejected = 0, skipped = 0;
+  for (int k = 0; k < 3; k++) {
+    expect_clean_exit(peer[k]);
+    double acc = cluster_result(&C, peer[k], "test_accuracy");
+    double losses[16];
+    int ne = epoch_losses(peer[k], losses, 16);
+    int r = count_lines(peer[k], "rejected parameters from ", bad_who);
+    int s = count_lines(peer[k], "skipped parameters from ", bad_who);
+    rejected += r;
+    skipped += s;
+    fprintf(stderr, "replay: honest peer %d: test accuracy %.4f, train loss %.3f -> %.3f, %d rejections, %d skipped, "
+            "%.0f clipped\n", k, acc, ne ? losses[0] : NAN, ne ? losses[ne - 1] : NAN, r, s,
+            cluster_result(&C, peer[k], "exchanges_clipped"));
+    cr_assert(acc >= 0.80, "replay: honest peer %d ended at accuracy %.4f", k, acc);
+    cr_assert(ne >= 6 && losses[ne - 1] < losses[0], "replay: honest peer %d's loss did not keep falling", k);
+    if (r > 0) {
+      cr_assert_gt(count_lines(peer[k], bad_who, "replayed an old round"), 0, "peer %d: rejections without the reason", k);
+      cr_assert_gt(count_lines(peer[k], bad_who, "no exchanges with it for "), 0, "peer %d: not backed off", k);
+    }
+  }
+  cluster_wait(&C, bad, 60);
+  cr_assert(cluster_log_has(&C, bad, "replaying the snapshot of step"), "the attacker never replayed: the run proved nothing");
+  cr_assert_gt(rejected + skipped, 0, "no honest peer rejected or skipped a replayed round");
+  fprintf(stderr, "replay: %d rejections with a backoff, %d skipped as outliers\n", rejected, skipped);
+}
+
+/* 8 peers, one of them sending its model sign-flipped: a distance of twice
+ * the norm passes the distance bound, so only clipping stops it. */
+static void signflip_run(bool clip, double *worst, int *skipped) {
+  SKIP_WITHOUT_DATA();
+  int peer[7];
+  int bad = start(7, "signflip", "mlp:784-256-10", "10", peer, clip ? "--clip" : NULL);
+  char bad_who[96];
+  who(bad, bad_who, sizeof bad_who);
+  *worst = 1;
+  *skipped = 0;
+  for (int k = 0; k < 7; k++) {
+    expect_clean_exit(peer[k]);
+    double acc = cluster_result(&C, peer[k], "test_accuracy");
+    *skipped += count_lines(peer[k], "skipped parameters from ", bad_who);
+    fprintf(stderr, "signflip, clipping %s: honest peer %d: test accuracy %.4f, %.0f exchanges, %.0f clipped\n",
+            clip ? "on" : "off", k, acc, cluster_result(&C, peer[k], "exchanges"),
+            cluster_result(&C, peer[k], "exchanges_clipped"));
+    if (!(acc >= *worst)) *worst = acc; /* NaN counts as worst */
+  }
+}
+
+Test(poison, with_clipping_one_signflip_attacker_among_8_leaves_every_honest_peer_at_085) {
+  double worst;
+  int skipped;
+  signflip_run(true, &worst, &skipped);
+  fprintf(stderr, "worst honest accuracy with clipping: %.4f; %d attacker updates skipped as outliers\n", worst,
+          skipped);
+  cr_assert(worst >= 0.85, "an honest peer reached only %.4f with clipping on", worst);
+  cr_assert_gt(skipped, 0, "no honest peer skipped the attacker's outliers");
+}
+
+Test(poison, without_clipping_one_signflip_attacker_among_8_does_real_damage) {
+  /* The control: the attack above is strong enough to matter. */
+  double worst;
+  int skipped;
+  signflip_run(false, &worst, &skipped);
+  fprintf(stderr, "worst honest accuracy without clipping: %.4f\n", worst);
+  cr_assert(worst < 0.85, "without clipping every honest peer still reached %.4f: the attack proves nothing", worst);
+}
+
+Test(poison, a_flood_of_requests_and_connections_hits_the_per_peer_rate_limits) {
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  int bad = start(3, "flood", "mlp:784-64-10", "6", peer, NULL);
+  char bad_who[96];
+  who(bad, bad_who, sizeof bad_who);
+  for (int k = 0; k < 3; k++) {
+    expect_clean_exit(peer[k]);
+    double acc = cluster_result(&C, peer[k], "test_accuracy");
+    double xrl = cluster_result(&C, peer[k], "exchange_rate_limited"), crl = cluster_result(&C, peer[k], "conn_rate_limited");
+    double ok = cluster_result(&C, peer[k], "exchanges");
+    fprintf(stderr, "flood: honest peer %d: accuracy %.4f, %.0f exchanges, refused %.0f requests and %.0f connections\n",
+            k, acc, ok, xrl, crl);
+    cr_assert(acc >= 0.80, "honest peer %d reached only %.4f under the flood", k, acc);
+    cr_assert_gt(ok, 0, "honest peer %d applied no exchange under the flood", k);
+    cr_assert_gt(xrl, 0, "honest peer %d refused no exchange request", k);
+    cr_assert_gt(crl, 0, "honest peer %d refused no connection", k);
+    cr_assert_gt(count_lines(peer[k], "rate limit: refused", bad_who), 0, "peer %d's log does not name the flooder", k);
+    for (int j = 0; j < 3; j++) {
+      char honest_who[96];
+      who(peer[j], honest_who, sizeof honest_who);
+      cr_assert_eq(count_lines(peer[k], "rate limit: refused", honest_who), 0,
+                   "honest peer %d rate-limited honest peer %d", k, j);
+    }
+  }
+}

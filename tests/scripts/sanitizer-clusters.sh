@@ -1,0 +1,64 @@
+#!/bin/bash
+# Runs the threaded parts of rumor (training thread, network loop thread,
+# crypto workers, signal thread) in shell-driven clusters with a sanitizer
+# build of rumor, and fails on any sanitizer report. For ThreadSanitizer,
+# which Criterion cannot start under here:
+#
+#   cmake -S . -B build-tsan -DRUMOR_TSAN=ON -DRUMOR_TESTS=OFF
+#   cmake --build build-tsan --target rumor
+#   tests/scripts/sanitizer-clusters.sh build-tsan/peer/rumor
+#
+# What runs: the soak's CI mode (8 peers, joins, SIGTERM and SIGKILL churn,
+# state donations), then for each testing-only attack (flood, signflip, nan,
+# short, replay) a bootstrap, 3 honest peers with clipping and 1 attacker for
+# 3 epochs of a quarter of Fashion-MNIST each.
+# Exit 0: no report and every peer finished; 1: otherwise; 77: no data set.
+set -u
+rumor=${1:?usage: $0 RUMOR_BINARY}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+data=${RUMOR_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}
+[ -e "$data/train-images-idx3-ubyte.gz" ] || { echo "no Fashion-MNIST at $data; skipping" >&2; exit 77; }
+export TSAN_OPTIONS=${TSAN_OPTIONS:-"halt_on_error=0 second_deadlock_stack=1"}
+reports="AddressSanitizer|ThreadSanitizer|LeakSanitizer|runtime error:"
+status=0
+
+echo "== soak, CI mode"
+"$here/tests/scripts/soak.sh" --short --rumor "$rumor" || status=1
+
+for kind in flood signflip nan short replay; do
+  work=$(mktemp -d /tmp/rumor-san-XXXXXX)
+  "$rumor" keygen --cluster -o "$work/ck" >/dev/null 2>&1
+  for i in 0 1 2 3 4; do "$rumor" keygen -o "$work/id$i" >/dev/null 2>&1; done
+  T=(--period-ms 100 --ping-timeout-ms 60 --suspect-ms 1000)
+  "$rumor" bootstrap --listen 127.0.0.1:0 --cluster-key "$work/ck" --identity "$work/id0" "${T[@]}" \
+    > "$work/b.out" 2> "$work/b.log" &
+  bp=$!
+  for _ in $(seq 100); do grep -q '"listen"' "$work/b.out" 2>/dev/null && break; sleep 0.1; done
+  boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/b.out")
+  pids=()
+  for i in 1 2 3 4; do
+    extra=()
+    [ $i = 3 ] && extra=(--attack "$kind")
+    nice "$rumor" peer --bootstrap "$boot" --cluster-key "$work/ck" --identity "$work/id$i" --listen 127.0.0.1:0 \
+      "${T[@]}" --threads 1 --log-every 0 --shard $((i - 1))/4 --wait-peers 4 --name "p$i" --model mlp:784-64-10 \
+      --epochs 3 --batch 64 --lr 0.1 --no-eval --clip "${extra[@]}" > "$work/p$i.out" 2> "$work/p$i.log" &
+    pids+=($!)
+  done
+  ok=1
+  for p in "${pids[@]}"; do wait "$p" || ok=0; done
+  kill -TERM "$bp" 2>/dev/null
+  wait "$bp" || ok=0
+  if grep -qE "$reports" "$work"/*.log; then
+    echo "== $kind: sanitizer reports:"
+    grep -hE -A20 "$reports" "$work"/*.log | head -80
+    status=1
+  elif [ $ok = 0 ]; then
+    echo "== $kind: a node failed; logs in $work"
+    status=1
+    continue
+  else
+    echo "== $kind: 4 peers finished, no sanitizer report"
+  fi
+  rm -rf "$work"
+done
+exit $status
