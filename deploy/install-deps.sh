@@ -24,6 +24,7 @@ packages="
   prometheus
   munge slurmctld slurmd slurm-client
   python3-venv shellcheck systemd
+  iproute2
 "
 
 export DEBIAN_FRONTEND=noninteractive
