@@ -16,7 +16,7 @@ enum {
   LMSG_REJECT = 3,   /* either way: why */
   LMSG_START = 4,    /* forward: step, epoch, samples */
   LMSG_ABORT = 5,    /* either way: the stage that failed, why */
-  LMSG_PING = 6,     /* either way, every second: keeps the idle timeout away */
+  LMSG_PING = 6,     /* either way, every idle_timeout/4 (≤ 1 s): keeps the idle timeout away */
 };
 _Static_assert(LMSG_HELLO == 1 && LMSG_HELLO_OK == 2 && LMSG_REJECT == 3 && LMSG_START == 4 && LMSG_ABORT == 5 &&
                    LMSG_PING == 6,
@@ -31,7 +31,9 @@ _Static_assert(STAGE_LINK_ACT == 1 && STAGE_LINK_GRAD == 2 && STAGE_LINK_EVAL ==
 #define META_BYTES 32
 
 #define TICK_MS 100
-#define PING_MS 1000
+/* PINGs go out at a quarter of the idle timeout (at most every second), so a
+ * late tick or a slow neighbour never looks silent. */
+#define PING_MS_MAX 1000
 #define DIAL_RETRY_MS 200
 #define INBOX_MAX_ITEMS 65536
 #define INBOX_MAX_BYTES (4ull << 30)
@@ -76,6 +78,10 @@ struct stage_link {
   net_t *net;
   uv_timer_t tick;
   net_conn_t *conn[2];
+  /* Liveness, per direction: bytes received so far on conn[d] and when that
+   * count last moved. net's own idle timeout also counts bytes we send (our
+   * PINGs), so it cannot tell that the neighbour has gone silent. */
+  uint64_t rx_bytes[2], rx_at_ms[2];
   uint64_t start_ms, last_ping_ms, next_dial_ms;
   bool dialing, dialed, closing;
   char dial_err[256];
@@ -434,6 +440,7 @@ static void on_accept(net_conn_t *c, void *ud) {
   }
   net_conn_set_data(c, (void *)(intptr_t)(STAGE_LINK_NEXT + 1));
   l->conn[STAGE_LINK_NEXT] = c;
+  l->rx_at_ms[STAGE_LINK_NEXT] = 0; /* the tick starts the silence clock */
 }
 
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
@@ -442,6 +449,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   enum stage_link_dir d = conn_dir(c);
   if (l->conn[d] != c) return;
   l->conn[d] = NULL;
+  l->rx_at_ms[d] = 0;
   int other = neighbour(l, d), S = l->cfg.stages;
   if (l->closing) return;
   if (status == 0) {
@@ -484,6 +492,7 @@ static void on_dial(net_t *n, net_conn_t *c, int status, const char *detail, voi
   l->dialed = true;
   net_conn_set_data(c, (void *)(intptr_t)(STAGE_LINK_PREV + 1));
   l->conn[STAGE_LINK_PREV] = c;
+  l->rx_at_ms[STAGE_LINK_PREV] = 0; /* the tick starts the silence clock */
   send_hello(l, c);
 }
 
@@ -516,7 +525,24 @@ static void on_tick(uv_timer_t *t) {
     else if (!ready_next)
       fail(l, me + 1, "stage %d/%d did not connect to %s within %u ms", me + 1, S, l->addr, l->cfg.connect_timeout_ms);
   }
-  if (now - l->last_ping_ms >= PING_MS) {
+  for (int d = 0; d < 2; d++) {
+    if (!l->conn[d]) continue;
+    struct net_conn_stats st;
+    net_conn_stats_get(l->conn[d], &st);
+    if (st.bytes_in != l->rx_bytes[d] || !l->rx_at_ms[d]) {
+      l->rx_bytes[d] = st.bytes_in;
+      l->rx_at_ms[d] = now;
+    } else if (l->cfg.idle_timeout_ms && now - l->rx_at_ms[d] >= l->cfg.idle_timeout_ms) {
+      int other = neighbour(l, (enum stage_link_dir)d);
+      fail(l, other, "stage %d/%d is gone: silent for %llu ms (limit %u ms)", other, l->cfg.stages,
+           (unsigned long long)(now - l->rx_at_ms[d]), l->cfg.idle_timeout_ms);
+      net_conn_close(l->conn[d]);
+      return;
+    }
+  }
+  uint32_t ping_ms = l->cfg.idle_timeout_ms / 4;
+  if (ping_ms == 0 || ping_ms > PING_MS_MAX) ping_ms = PING_MS_MAX;
+  if (now - l->last_ping_ms >= ping_ms) {
     l->last_ping_ms = now;
     for (int d = 0; d < 2; d++)
       if (l->conn[d]) {

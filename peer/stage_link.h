@@ -13,8 +13,8 @@
  * ...); stage s answers OK only when all of them match its own, else both
  * fail with the difference in the message.
  *
- * Liveness: PINGs every second; a neighbour silent for idle_timeout_ms, a
- * connection lost, or a neighbour's ABORT fails the link. A failed link
+ * Liveness: PINGs every quarter of idle_timeout_ms (at most every second);
+ * a neighbour silent for idle_timeout_ms, a connection lost, or a neighbour's ABORT fails the link. A failed link
  * records which stage failed and why (the first failure wins), and every
  * wait below returns at once with that message, so a dead stage stops its
  * whole group.
