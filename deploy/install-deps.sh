@@ -23,6 +23,7 @@ packages="
   python3 python3-numpy python3-torch
   prometheus
   munge slurmctld slurmd slurm-client
+  python3-venv shellcheck systemd
 "
 
 export DEBIAN_FRONTEND=noninteractive

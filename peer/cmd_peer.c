@@ -51,6 +51,8 @@ static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0
 }
 
 int cmd_peer(int argc, char **argv) {
+  /* One stage of a model-parallel group (rumor peer --group G --stage s/S). */
+  if (cmd_stage_wanted(argc, argv)) return cmd_stage(argc, argv);
   struct train_flags tf;
   struct net_flags nf;
   train_flags_default(&tf);

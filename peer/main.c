@@ -17,6 +17,7 @@ static const struct subcommand commands[] = {
     {"train", cmd_train, "train one peer on its own (no network)"},
     {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
     {"peer", cmd_peer, "train as a member of a gossip cluster"},
+    {"group", cmd_group, "train as a model-parallel peer group of S stage processes"},
     {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},
     {"top", cmd_top, "watch a cluster: every member's figures and the drift between replicas"},
     {"keygen", cmd_keygen, "write an identity or a cluster key"},

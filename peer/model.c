@@ -75,25 +75,34 @@ int64_t model_spec_flops(const struct model_spec *s, int l0, int l1) {
 
 /* ---- allocation ---- */
 
-static int64_t max_width(const struct model_spec *s) {
+static int64_t max_width(const struct model_spec *s, int l0, int l1) {
   int64_t w = 0;
-  for (int i = 0; i <= s->nlayers; i++) w = s->widths[i] > w ? s->widths[i] : w;
+  for (int i = l0; i <= l1; i++) w = s->widths[i] > w ? s->widths[i] : w;
   return w;
 }
 
 int model_init(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_batch,
                struct rumor_err *e) {
+  return model_init_layers(m, spec, 0, spec->nlayers, be, max_batch, e);
+}
+
+int model_init_layers(struct model *m, const struct model_spec *spec, int l0, int l1, tensor_backend_t be,
+                      int64_t max_batch, struct rumor_err *e) {
+  RUMOR_ASSERT(0 <= l0 && l0 < l1 && l1 <= spec->nlayers && max_batch >= 1);
   memset(m, 0, sizeof *m);
   m->spec = *spec;
   m->be = be;
+  m->l0 = l0;
+  m->l1 = l1;
   m->max_batch = max_batch;
-  m->nparams = model_spec_param_count(spec);
+  m->param_base = model_spec_layer_offset(spec, l0);
+  m->nparams = model_spec_layer_offset(spec, l1) - m->param_base;
   int rc;
   int64_t P = m->nparams;
   if ((rc = tensor_alloc(&m->params, be, TENSOR_F32, 1, &P, e))) goto fail;
   if ((rc = tensor_alloc(&m->grads, be, TENSOR_F32, 1, &P, e))) goto fail;
-  for (int l = 0; l < spec->nlayers; l++) {
-    int64_t off = model_spec_layer_offset(spec, l);
+  for (int l = l0; l < l1; l++) {
+    int64_t off = model_spec_layer_offset(spec, l) - m->param_base;
     int64_t wshape[2] = {spec->widths[l + 1], spec->widths[l]};
     int64_t bshape[1] = {spec->widths[l + 1]};
     struct model_layer *L = &m->layers[l];
@@ -102,15 +111,15 @@ int model_init(struct model *m, const struct model_spec *spec, tensor_backend_t 
     L->dw = tensor_view(&m->grads, off, 2, wshape);
     L->db = tensor_view(&m->grads, off + wshape[0] * wshape[1], 1, bshape);
   }
-  for (int l = 0; l <= spec->nlayers; l++) {
+  for (int l = l0; l <= l1; l++) {
     int64_t shape[2] = {max_batch, spec->widths[l]};
     if ((rc = tensor_alloc(&m->acts[l], be, TENSOR_F32, 2, shape, e))) goto fail;
-    if (l < spec->nlayers - 1 && spec->act == MODEL_ACT_GELU) {
+    if (l < l1 && l < spec->nlayers - 1 && spec->act == MODEL_ACT_GELU) {
       int64_t ps[2] = {max_batch, spec->widths[l + 1]};
       if ((rc = tensor_alloc(&m->pre[l], be, TENSOR_F32, 2, ps, e))) goto fail;
     }
   }
-  int64_t dshape[2] = {max_batch, max_width(spec)};
+  int64_t dshape[2] = {max_batch, max_width(spec, l0, l1)};
   for (int i = 0; i < 2; i++)
     if ((rc = tensor_alloc(&m->dbuf[i], be, TENSOR_F32, 2, dshape, e))) goto fail;
   if ((rc = tensor_alloc(&m->labels, be, TENSOR_I32, 1, &max_batch, e))) goto fail;
@@ -136,11 +145,11 @@ void model_free(struct model *m) {
 void model_init_params(struct model *m, uint64_t seed) {
   float *host = xmalloc((size_t)m->nparams * sizeof(float));
   struct rng r;
-  for (int l = 0; l < m->spec.nlayers; l++) {
+  for (int l = m->l0; l < m->l1; l++) {
     /* One stream per layer: a layer's initial values do not depend on the
      * widths of the layers before it. */
     rng_seed(&r, seed, (uint64_t)l + 1);
-    int64_t off = model_spec_layer_offset(&m->spec, l);
+    int64_t off = model_spec_layer_offset(&m->spec, l) - m->param_base;
     int64_t fan_in = m->spec.widths[l], fan_out = m->spec.widths[l + 1];
     float bound = 1.0f / sqrtf((float)fan_in);
     int64_t n = fan_out * fan_in + fan_out;
@@ -162,7 +171,7 @@ struct tensor model_act_view(const struct model *m, int l, int64_t batch) {
 }
 
 void model_forward_range(struct model *m, int l0, int l1, int64_t batch) {
-  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && 0 <= l0 && l0 < l1 && l1 <= m->spec.nlayers);
+  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && m->l0 <= l0 && l0 < l1 && l1 <= m->l1);
   for (int l = l0; l < l1; l++) {
     struct tensor x = model_act_view(m, l, batch);
     struct tensor y = model_act_view(m, l + 1, batch);
@@ -180,7 +189,7 @@ void model_forward_range(struct model *m, int l0, int l1, int64_t batch) {
 
 void model_backward_range(struct model *m, int l0, int l1, int64_t batch, struct tensor *dout,
                           struct tensor *din, bool accumulate) {
-  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && 0 <= l0 && l0 < l1 && l1 <= m->spec.nlayers);
+  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && m->l0 <= l0 && l0 < l1 && l1 <= m->l1);
   RUMOR_ASSERT(!din || (din->data != dout->data && din->data != m->dbuf[0].data &&
                         din->data != m->dbuf[1].data));
   float beta = accumulate ? 1.0f : 0.0f;
@@ -218,6 +227,7 @@ void model_backward_range(struct model *m, int l0, int l1, int64_t batch, struct
 
 void model_loss(struct model *m, int64_t batch, struct tensor *dlogits, float grad_scale) {
   int L = m->spec.nlayers;
+  RUMOR_ASSERT(m->l1 == L);
   struct tensor logits = model_act_view(m, L, batch);
   struct tensor dl = rows_view(dlogits, batch, m->spec.widths[L]);
   int64_t b = batch;
@@ -241,9 +251,15 @@ float model_mean_loss(const struct model *m, int64_t batch) {
 
 void model_evaluate_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
                           double *loss_sum) {
+  model_forward_range(m, 0, m->spec.nlayers, batch);
+  model_score_batch(m, batch, labels_host, correct, loss_sum);
+}
+
+void model_score_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
+                       double *loss_sum) {
   int L = m->spec.nlayers;
+  RUMOR_ASSERT(m->l1 == L);
   int64_t C = m->spec.widths[L];
-  model_forward_range(m, 0, L, batch);
   float *logits = xmalloc((size_t)(batch * C) * sizeof(float));
   struct tensor lv = model_act_view(m, L, batch);
   tensor_copy_to_host(&lv, 0, logits, (size_t)(batch * C) * sizeof(float));

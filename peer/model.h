@@ -52,6 +52,12 @@ struct model_layer {
 struct model {
   struct model_spec spec;
   tensor_backend_t be;
+  /* The layers this model holds: [l0, l1), all of them (0, nlayers) unless
+   * built by model_init_layers for one stage of a pipeline. params and grads
+   * hold exactly these layers, starting at param_base elements into the
+   * whole model's layout; layers[] and acts[] outside the range are empty. */
+  int l0, l1;
+  int64_t param_base;
   int64_t nparams;
   struct tensor params; /* (P) flat, owner */
   struct tensor grads;  /* (P) flat, owner */
@@ -74,10 +80,19 @@ struct model {
  * code with a message (e.g. the model does not fit on the device). */
 int model_init(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_batch,
                struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The same for layers [l0, l1) of `spec` only (0 <= l0 < l1 <= nlayers): one
+ * stage of a pipeline. Parameters, gradients and workspace (acts[l0..l1],
+ * pre[l0..l1)) exist for those layers alone; each layer keeps its place and
+ * role in the whole model (a hidden layer keeps its activation even when it
+ * is the stage's last). */
+int model_init_layers(struct model *m, const struct model_spec *spec, int l0, int l1, tensor_backend_t be,
+                      int64_t max_batch, struct rumor_err *e) RUMOR_MUST_CHECK;
 void model_free(struct model *m);
 
 /* PyTorch's default nn.Linear initialisation: W and b uniform in
- * ±1/sqrt(fan_in), drawn from (seed) on the host, identical on every backend. */
+ * ±1/sqrt(fan_in), drawn from (seed) on the host, identical on every backend.
+ * Each layer has its own stream, so a stage's layers get exactly the values
+ * the whole model's would. */
 void model_init_params(struct model *m, uint64_t seed);
 
 /* Shapes of acts[l] for a batch of B rows. */
@@ -108,5 +123,9 @@ float model_mean_loss(const struct model *m, int64_t batch);
  * the label and to *loss_sum their summed loss. */
 void model_evaluate_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
                           double *loss_sum);
+/* The scoring half of model_evaluate_batch, on logits already in
+ * acts[nlayers] (after a forward pass that ended at the last layer). */
+void model_score_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
+                       double *loss_sum);
 
 #endif /* RUMOR_PEER_MODEL_H */

@@ -1,0 +1,476 @@
+/* Model-parallel peer groups as users run them: `rumor group` starts S
+ * stage processes on 127.0.0.1. One group step equals one single-process
+ * step on the same batch and seed (S = 2 and 4, GPipe and 1F1B, even and
+ * uneven micro-batches, ReLU and GELU); two groups of two stages gossiping
+ * stage by stage train Fashion-MNIST to 0.85; a killed stage stops its
+ * group with a clear message while the other group trains on; bad flags
+ * fail cleanly. Every process is started by PID and ended by the suite. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "peer/safetensors.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(group, .init = setup, .fini = teardown, .timeout = 240);
+
+static bool have_fmnist(void) {
+  struct stat st;
+  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
+}
+#define SKIP_WITHOUT_DATA()                                                                                    \
+  do {                                                                                                         \
+    if (!have_fmnist())                                                                                        \
+      cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)"); \
+  } while (0)
+
+/* A fresh identity file in the scratch directory. */
+static void make_identity(const char *name, char *path, size_t n) {
+  snprintf(path, n, "%s/%s.key", C.dir, name);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
+}
+
+/* Runs `rumor args...` to completion; returns the wait status. */
+static int run(char **out, char **err, double secs, char *const *args) {
+  char *argv[96];
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  return proc_run(argv, secs, C.dir, out, err);
+}
+
+/* ---- one step equals one single-process step ---- */
+
+
+static const struct st_tensor *find(const struct st_file *f, const char *name, const char *path) {
+  const struct st_tensor *t = safetensors_find(f, name);
+  cr_assert_not_null(t, "%s has no tensor %s", path, name);
+  return t;
+}
+
+/* Checks |got − ref| ≤ atol + rtol·|ref| on every element (and that got is
+ * finite). Returns the failing count; *worst gets the largest normalised
+ * error |got − ref| / (atol + rtol·|ref|) (≤ 1 passes) at *worst_at, and
+ * *rel the largest plain relative error |got − ref| / |ref|. */
+static int64_t compare(const float *got, const float *ref, int64_t n, double rtol, double atol, double *worst,
+                       int64_t *worst_at, double *rel) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; i++) {
+    cr_assert(isfinite(got[i]), "element %lld is %f", (long long)i, got[i]);
+    double d = fabs((double)got[i] - (double)ref[i]), r = fabs((double)ref[i]);
+    double norm = d / (atol + rtol * r);
+    if (norm > *worst) *worst = norm, *worst_at = i;
+    if (r > 0 && d / r > *rel) *rel = d / r;
+    if (norm > 1) bad++;
+  }
+  return bad;
+}
+
+static double max_abs(const float *x, int64_t n) {
+  double m = 0;
+  for (int64_t i = 0; i < n; i++) m = fmax(m, fabs(x[i]));
+  return m;
+}
+
+static void expect_group_step_equals_single(int stages, const char *schedule, const char *micro, const char *batch,
+                                            const char *model, const char *steps) {
+  SKIP_WITHOUT_DATA();
+  char id[256], ref[256], grp[256], stages_s[8];
+  make_identity("group", id, sizeof id);
+  snprintf(ref, sizeof ref, "%s/ref.safetensors", C.dir);
+  snprintf(grp, sizeof grp, "%s/group.safetensors", C.dir);
+  snprintf(stages_s, sizeof stages_s, "%d", stages);
+  /* lr 0.5 makes the step large next to the weights, so a wrong gradient
+   * shows in the parameters; momentum's buffer after the first step is the
+   * gradient itself, compared too. */
+  char *common[] = {"--model", (char *)model, "--batch", (char *)batch, "--max-steps", (char *)steps, "--seed", "7",
+                    "--lr", "0.5", "--no-eval", "--threads", "1", "--log-every", "0", NULL};
+  char *single[64] = {"train", "--checkpoint", ref};
+  int n = 3;
+  for (int i = 0; common[i]; i++) single[n++] = common[i];
+  single[n] = NULL;
+  char *out, *err;
+  int st = run(&out, &err, 120, single);
+  cr_assert(proc_exited_with(st, 0), "single-process step failed: %s", err);
+  free(out), free(err);
+
+  char *group[64] = {"group", "--stages", stages_s, "--micro-batches", (char *)micro, "--pipeline", (char *)schedule,
+                     "--cluster-key", C.key, "--identity", id, "--checkpoint", grp};
+  n = 13;
+  for (int i = 0; common[i]; i++) group[n++] = common[i];
+  group[n] = NULL;
+  st = run(&out, &err, 120, group);
+  cr_assert(proc_exited_with(st, 0), "group step failed (status %d): %s\n%s", st, out, err);
+  cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "no ok summary: %s", out);
+  free(out), free(err);
+
+  struct st_file rf;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(ref, true, &rf, &e), 0, "%s", e.msg);
+  const struct st_tensor *rmom = find(&rf, "optimizer.momentum", ref);
+  cr_assert_gt(max_abs(rmom->data, (int64_t)(rmom->nbytes / sizeof(float))), 0, "the single-process step had no gradient");
+  int64_t off = 0, layers = 0;
+  double worst_p = 0, worst_g = 0;
+  bool one_step = strcmp(steps, "1") == 0;
+  for (int s = 0; s < stages; s++) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/group-stage%d.safetensors", C.dir, s);
+    struct st_file gf;
+    cr_assert_eq(safetensors_read(path, true, &gf, &e), 0, "stage %d wrote no checkpoint: %s", s, e.msg);
+    cr_assert_str_eq(safetensors_meta(&gf, "rumor.step"), steps);
+    const struct st_tensor *gmom = find(&gf, "optimizer.momentum", path);
+    int64_t goff = 0;
+    for (size_t k = 0; k < gf.ntensors; k++) {
+      const struct st_tensor *t = &gf.tensors[k];
+      if (strncmp(t->name, "layers.", 7) != 0) continue;
+      const struct st_tensor *r = find(&rf, t->name, ref);
+      cr_assert_eq(t->nbytes, r->nbytes, "%s: %zu bytes, the single process has %zu", t->name, t->nbytes, r->nbytes);
+      int64_t cnt = (int64_t)(t->nbytes / sizeof(float));
+      double wp = 0, wg = 0, rp = 0, rg_rel = 0;
+      int64_t at = 0, gat = 0;
+      /* Parameters: relative error ≤ 1e-5 on every element. One step moves
+       * each weight by lr·g, so the floor below which an error is not
+       * relative (a weight that happens to sit at zero) is 1e-9 absolute;
+       * over several steps rounding compounds, and the floor is 1e-6 of the
+       * tensor's largest weight. */
+      double patol = one_step ? 1e-9 : 1e-6 * max_abs(r->data, cnt);
+      int64_t badp = compare(t->data, r->data, cnt, 1e-5, patol, &wp, &at, &rp);
+      /* The gradient (momentum after one step) of the same tensor. Its
+       * elements sum many products that cancel, so the floor is 1e-5 of the
+       * tensor's largest gradient. */
+      const float *gg = (const float *)gmom->data + goff, *rg = (const float *)rmom->data + off;
+      int64_t badg = one_step ? compare(gg, rg, cnt, 1e-5, 1e-5 * max_abs(rg, cnt), &wg, &gat, &rg_rel) : 0;
+      fprintf(stderr,
+              "S=%d %s M=%s stage %d %s: parameters: worst normalised error %.3g, relative %.3g; gradient: %.3g, %.3g\n",
+              stages, schedule, micro, s, t->name, wp, rp, wg, rg_rel);
+      cr_assert_eq(badp, 0, "%s: %lld parameters off by more than 1e-5 relative (worst at %lld: %.9g vs %.9g)",
+                   t->name, (long long)badp, (long long)at, ((const float *)t->data)[at], ((const float *)r->data)[at]);
+      cr_assert_eq(badg, 0, "%s: %lld gradient elements off (worst at %lld: %.9g vs %.9g)", t->name, (long long)badg,
+                   (long long)gat, gg[gat], rg[gat]);
+      worst_p = fmax(worst_p, wp), worst_g = fmax(worst_g, wg);
+      off += cnt, goff += cnt, layers++;
+    }
+    cr_assert_eq(goff * (int64_t)sizeof(float), (int64_t)gmom->nbytes, "stage %d momentum size", s);
+    safetensors_free(&gf);
+  }
+  cr_assert_eq(off * (int64_t)sizeof(float), (int64_t)rmom->nbytes, "the stages together do not hold every parameter");
+  cr_assert_gt(layers, 0);
+  fprintf(stderr, "S=%d %s M=%s batch %s: worst normalised error %.3g (parameters), %.3g (gradient)\n", stages,
+          schedule, micro, batch, worst_p, worst_g);
+  safetensors_free(&rf);
+}
+
+Test(group, two_stages_gpipe_step_equals_single_process_step) {
+  expect_group_step_equals_single(2, "gpipe", "4", "64", "mlp:784-64-48-32-10", "1");
+}
+
+Test(group, two_stages_1f1b_uneven_micro_batches_equal_single_process_step) {
+  expect_group_step_equals_single(2, "1f1b", "4", "50", "mlp:784-64-48-32-10", "1");
+}
+
+Test(group, four_stages_gpipe_step_equals_single_process_step) {
+  expect_group_step_equals_single(4, "gpipe", "8", "64", "mlp:784-64-48-32-10", "1");
+}
+
+Test(group, four_stages_1f1b_gelu_uneven_step_equals_single_process_step) {
+  expect_group_step_equals_single(4, "1f1b", "7", "60", "mlp:784-64-48-32-10:gelu", "1");
+}
+
+Test(group, two_stages_1f1b_three_steps_equal_three_single_process_steps) {
+  expect_group_step_equals_single(2, "1f1b", "4", "64", "mlp:784-64-48-32-10", "3");
+}
+
+/* ---- groups in the background ---- */
+
+struct bg {
+  pid_t pid;
+  char out[256], log[256];
+};
+
+/* Starts `rumor group --group NAME ... args` with stdout and stderr to
+ * files in the scratch directory. */
+static void start_group(struct bg *g, const char *name, char *const *args) {
+  snprintf(g->out, sizeof g->out, "%s/%s.out", C.dir, name);
+  snprintf(g->log, sizeof g->log, "%s/%s.log", C.dir, name);
+  char id[256];
+  make_identity(name, id, sizeof id);
+  char *argv[96] = {RUMOR_BIN, "group", "--group", (char *)name, "--cluster-key", C.key, "--identity", id,
+                    "--period-ms", "100", "--ping-timeout-ms", "60", "--suspect-ms", "1000", "--threads", "1",
+                    "--log-every", "1"};
+  int n = 18;
+  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  g->pid = proc_spawn(argv, g->out, g->log);
+  cr_assert_gt(g->pid, 0);
+}
+
+/* A stage's PID from its group's output, registered for clean-up. */
+static pid_t stage_pid(const struct bg *g, int stage) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"stage\":%d,\"stages\":2,\"pid\":", stage);
+  cr_assert(cluster_wait_file(g->out, pat, 60), "stage %d did not start: %s", stage, proc_slurp(g->log));
+  char *s = proc_slurp(g->out);
+  pid_t pid = (pid_t)strtol(strstr(s, pat) + strlen(pat), NULL, 10);
+  free(s);
+  cr_assert_gt(pid, 0);
+  proc_register(pid);
+  return pid;
+}
+
+/* A number from the last line of `path` that contains `has`, or NAN. */
+static double line_number(const char *path, const char *has, const char *key) {
+  char *s = proc_slurp(path), pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  double v = NAN;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, pat);
+    if (strstr(line, has) && p) v = strtod(p + strlen(pat), NULL);
+  }
+  free(s);
+  return v;
+}
+
+/* Reads stage s's parameters (every "layers.*" tensor, in order) from a
+ * group checkpoint; returns a malloc'd array and its length. */
+static float *stage_params(const char *base, int s, int64_t *n) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/%s-stage%d.safetensors", C.dir, base, s);
+  struct st_file f;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(path, true, &f, &e), 0, "%s", e.msg);
+  float *p = NULL;
+  *n = 0;
+  for (size_t k = 0; k < f.ntensors; k++) {
+    if (strncmp(f.tensors[k].name, "layers.", 7) != 0) continue;
+    int64_t c = (int64_t)(f.tensors[k].nbytes / sizeof(float));
+    p = xrealloc(p, (size_t)(*n + c) * sizeof(float));
+    memcpy(p + *n, f.tensors[k].data, f.tensors[k].nbytes);
+    *n += c;
+  }
+  safetensors_free(&f);
+  return p;
+}
+
+/* Two bootstrap nodes, one per stage: "B0;B1". */
+static void start_stage_bootstraps(char *list, size_t n) {
+  int b0 = cluster_spawn(&C, "bootstrap", NULL), b1 = cluster_spawn(&C, "bootstrap", NULL);
+  snprintf(list, n, "%s;%s", C.node[b0].addr, C.node[b1].addr);
+}
+
+Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
+  SKIP_WITHOUT_DATA();
+  char boot[160];
+  start_stage_bootstraps(boot, sizeof boot);
+  struct bg g[2];
+  const char *names[2] = {"ga", "gb"};
+  for (int i = 0; i < 2; i++) {
+    char shard[8], ck[256];
+    snprintf(shard, sizeof shard, "%d/2", i);
+    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
+    char *args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-256-128-10", "--micro-batches", "4",
+                    "--pipeline", i ? "gpipe" : "1f1b", "--shard", shard, "--epochs", "2", "--batch", "64", "--lr",
+                    "0.1", "--wait-peers", "2", "--gossip-every", "1", "--checkpoint", ck, NULL};
+    start_group(&g[i], names[i], args);
+  }
+  for (int i = 0; i < 2; i++) {
+    int st = proc_wait(g[i].pid, 200);
+    cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
+    double acc = line_number(g[i].out, "\"status\":\"ok\"", "test_accuracy");
+    fprintf(stderr, "group %s: test accuracy %.4f\n", names[i], acc);
+    cr_assert(acc >= 0.85, "group %s reached test accuracy %.4f < 0.85", names[i], acc);
+    for (int s = 0; s < 2; s++) {
+      char has[64];
+      snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
+      double x = line_number(g[i].out, has, "exchanges");
+      fprintf(stderr, "group %s stage %d: %.0f exchanges\n", names[i], s, x);
+      cr_assert(x > 0, "group %s stage %d averaged with no one: %s", names[i], s, proc_slurp(g[i].out));
+    }
+  }
+  /* Gossip by stage kept the two replicas close, slice by slice. */
+  for (int s = 0; s < 2; s++) {
+    int64_t na, nb;
+    float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
+    cr_assert_eq(na, nb);
+    double d2 = 0, a2 = 0;
+    for (int64_t j = 0; j < na; j++) d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]), a2 += (double)a[j] * a[j];
+    fprintf(stderr, "stage %d: |A - B| / |A| = %.4g\n", s, sqrt(d2 / a2));
+    cr_assert(sqrt(d2 / a2) < 0.1, "stage %d slices drifted apart: %.4g", s, sqrt(d2 / a2));
+    free(a), free(b);
+  }
+}
+
+Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
+  SKIP_WITHOUT_DATA();
+  char boot[160];
+  start_stage_bootstraps(boot, sizeof boot);
+  struct bg a, b;
+  char *a_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
+                    "--epochs", "1000", "--no-eval", "--wait-peers", "2", NULL};
+  char *b_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
+                    "--epochs", "1000", "--max-steps", "4000", "--no-eval", "--wait-peers", "2", NULL};
+  start_group(&a, "victim", a_args);
+  start_group(&b, "survivor", b_args);
+  pid_t a1 = stage_pid(&a, 1);
+  stage_pid(&a, 0), stage_pid(&b, 0), stage_pid(&b, 1);
+  cr_assert(cluster_wait_file(a.log, "first step", 60), "group victim did not train: %s", proc_slurp(a.log));
+  cr_assert(cluster_wait_file(b.log, "first step", 60), "group survivor did not train: %s", proc_slurp(b.log));
+  usleep(1000000);
+  kill(a1, SIGKILL);
+  int st = proc_wait(a.pid, 30);
+  cr_assert(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) != 0, "the victim group should fail (status %d): %s", st,
+            proc_slurp(a.log));
+  char *log = proc_slurp(a.log), *out = proc_slurp(a.out);
+  cr_assert(strstr(log, "stage 1/2 (pid") && strstr(log, "killed by signal 9"), "the launcher should name the killed stage: %s", log);
+  cr_assert(strstr(log, "group victim stops: stage 1/2") && strstr(log, "is gone"),
+            "stage 0 should say that stage 1 is gone: %s", log);
+  cr_assert(strstr(out, "\"status\":\"failed\",\"failed_stage\":1"), "summary: %s", out);
+  free(log), free(out);
+  /* The survivor was still training when the victim had stopped, and
+   * finishes its steps. */
+  cr_assert_eq(waitpid(b.pid, NULL, WNOHANG), 0, "the survivor ended with the victim: %s", proc_slurp(b.log));
+  st = proc_wait(b.pid, 180);
+  cr_assert(proc_exited_with(st, 0), "the survivor failed (status %d): %s", st, proc_slurp(b.log));
+  double steps = line_number(b.out, "\"status\":\"ok\"", "steps");
+  cr_assert_eq(steps, 4000, "the survivor stopped at step %.0f", steps);
+}
+
+Test(group, a_hung_stage_is_lost_after_the_link_timeout) {
+  SKIP_WITHOUT_DATA();
+  struct bg a;
+  char *args[] = {"--stages", "2", "--model", "mlp:784-64-32-10", "--epochs", "1000", "--no-eval", "--link-timeout-ms",
+                  "1000", NULL};
+  start_group(&a, "hung", args);
+  pid_t s1 = stage_pid(&a, 1);
+  stage_pid(&a, 0);
+  cr_assert(cluster_wait_file(a.log, "first step", 60), "the group did not train: %s", proc_slurp(a.log));
+  kill(s1, SIGSTOP);
+  /* Stage 0 hears nothing for a second and stops the group. */
+  cr_assert(cluster_wait_file(a.log, "group hung stops: stage 1/2", 15), "stage 0 did not notice: %s", proc_slurp(a.log));
+  kill(s1, SIGKILL);
+  int st = proc_wait(a.pid, 30);
+  cr_assert(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d: %s", st, proc_slurp(a.log));
+  cr_assert(cluster_wait_file(a.out, "\"failed_stage\":1", 1), "%s", proc_slurp(a.out));
+}
+
+/* ---- bad input: a clear message naming it, a non-zero exit, no crash ---- */
+
+static void expect_usage_error(char *const *args, int code, const char *needle) {
+  char *out, *err;
+  int st = run(&out, &err, 60, args);
+  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", args[1], st, err);
+  cr_assert_eq(WEXITSTATUS(st), code, "exit %d, want %d: %s", WEXITSTATUS(st), code, err);
+  cr_assert(strstr(err, needle) != NULL, "stderr should mention '%s': %s", needle, err);
+  free(out), free(err);
+}
+
+Test(group, bad_flags_name_the_input_and_exit_2) {
+  char id[256];
+  make_identity("cli", id, sizeof id);
+  char *keys[] = {"--cluster-key", C.key, "--identity", id};
+#define G(...)                                                                              \
+  (char *[]) { "group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL }
+  expect_usage_error(G("--stages", "3", "--model", "mlp:784-64-10"), 2, "3 stages cannot split mlp:784-64-10: it has 2 layers");
+  expect_usage_error(G("--stages", "2", "--pipeline", "zigzag"), 2, "--pipeline must be gpipe or 1f1b, not 'zigzag'");
+  expect_usage_error(G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
+  expect_usage_error(G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
+  expect_usage_error(G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
+  expect_usage_error(G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
+                     "--micro-batches 32 is more than the --batch of 16 rows");
+  expect_usage_error(G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
+  expect_usage_error(G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 16]");
+  expect_usage_error(G("--stages", "2", "--device", "cpu"), 2, "unknown option '--device'");
+  expect_usage_error((char *[]){"group", "--stages", "2", NULL}, 2, "--cluster-key FILE is required");
+#undef G
+  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "2/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+                     "--stage '2/2': expected s/S with 0 <= s < S");
+  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+                     "stage 1/2 needs --link-prev HOST:PORT");
+  expect_usage_error((char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+                     "--stage s/S is required with --group");
+  expect_usage_error((char *[]){"peer", "--group", "bad name", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], NULL},
+                     2, "group name 'bad name'");
+}
+
+Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
+  SKIP_WITHOUT_DATA();
+  char id[256];
+  make_identity("dev", id, sizeof id);
+  char *out, *err;
+  char *args[] = {"group", "--stages", "2", "--devices", "cpu,nosuchdevice", "--cluster-key", C.key, "--identity", id,
+                  "--model", "mlp:784-32-10", "--max-steps", "2", "--threads", "1", NULL};
+  int st = run(&out, &err, 60, args);
+  cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
+  cr_assert(strstr(err, "stage 1/2 failed") && strstr(err, "nosuchdevice"), "stderr should name stage 1 and the device: %s",
+            err);
+  cr_assert(strstr(out, "\"status\":\"failed\",\"failed_stage\":1"), "summary: %s", out);
+  free(out), free(err);
+}
+
+/* The per-process form, as a scheduler runs it: stage 1 dials stage 0. */
+static pid_t start_stage(const char *tag, const char *id, const char *stage, const char *prev, char *const *extra,
+                         char *out, char *log) {
+  snprintf(out, 256, "%s/%s.out", C.dir, tag);
+  snprintf(log, 256, "%s/%s.log", C.dir, tag);
+  char *argv[64] = {RUMOR_BIN, "peer", "--group", "sched", "--stage", (char *)stage, "--cluster-key", C.key,
+                    "--identity", (char *)id, "--model", "mlp:784-32-16-10", "--max-steps", "20", "--no-eval",
+                    "--threads", "1", "--link-wait-ms", "20000"};
+  int n = 19;
+  if (prev) argv[n++] = "--link-prev", argv[n++] = (char *)prev;
+  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  pid_t pid = proc_spawn(argv, out, log);
+  cr_assert_gt(pid, 0);
+  return pid;
+}
+
+static void link_addr(const char *out, char *addr, size_t n) {
+  cr_assert(cluster_wait_file(out, "\"link\":\"127", 60), "stage 0 printed no link address: %s", proc_slurp(out));
+  char *s = proc_slurp(out);
+  const char *p = strstr(s, "\"link\":\"") + 8;
+  snprintf(addr, n, "%.*s", (int)(strchr(p, '"') - p), p);
+  free(s);
+}
+
+Test(group, per_process_stages_train_and_refuse_a_mismatched_or_foreign_stage) {
+  SKIP_WITHOUT_DATA();
+  char id[256], other[256], out0[256], log0[256], out1[256], log1[256], addr[64];
+  make_identity("sched", id, sizeof id);
+  make_identity("foreign", other, sizeof other);
+
+  /* Matching stages train together. */
+  pid_t s0 = start_stage("ok0", id, "0/2", NULL, NULL, out0, log0);
+  link_addr(out0, addr, sizeof addr);
+  pid_t s1 = start_stage("ok1", id, "1/2", addr, NULL, out1, log1);
+  int st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
+  cr_assert(proc_exited_with(st0, 0) && proc_exited_with(st1, 0), "stages failed: %s\n%s", proc_slurp(log0),
+            proc_slurp(log1));
+  cr_assert(cluster_wait_file(out1, "\"steps\":20", 1), "%s", proc_slurp(out1));
+
+  /* Stage 1 with another micro-batch count: both refuse, naming it. */
+  char *m2[] = {"--micro-batches", "2", NULL};
+  s0 = start_stage("mm0", id, "0/2", NULL, NULL, out0, log0);
+  link_addr(out0, addr, sizeof addr);
+  s1 = start_stage("mm1", id, "1/2", addr, m2, out1, log1);
+  st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
+  cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "mismatched stages should fail (%d, %d)", st0, st1);
+  cr_assert(cluster_wait_file(log0, "it has micro-batches=2, stage 0 has micro-batches=4", 1), "%s", proc_slurp(log0));
+  cr_assert(cluster_wait_file(log1, "micro-batches=2", 1), "%s", proc_slurp(log1));
+
+  /* A process without the group's identity cannot be its stage 1. */
+  char *quick[] = {"--link-wait-ms", "3000", NULL};
+  s0 = start_stage("id0", id, "0/2", NULL, quick, out0, log0);
+  link_addr(out0, addr, sizeof addr);
+  s1 = start_stage("id1", other, "1/2", addr, quick, out1, log1);
+  st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
+  cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "foreign stage: statuses %d, %d", st0, st1);
+  cr_assert(cluster_wait_file(log1, "refused the handshake", 1), "%s", proc_slurp(log1));
+  cr_assert(cluster_wait_file(log0, "stage 1/2 did not connect", 1), "%s", proc_slurp(log0));
+}
