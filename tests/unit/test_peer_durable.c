@@ -6,6 +6,7 @@
  * temporary files of killed writers are cleaned up. */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -77,6 +78,26 @@ static void stamp(struct model *m, struct optim *o, int64_t step) {
   float *p = m->params.data, *s = o->state.data;
   for (int64_t i = 0; i < tensor_numel(&m->params); i++) p[i] = (float)step;
   for (int64_t i = 0; i < tensor_numel(&o->state); i++) s[i] = (float)step;
+}
+
+/* Temporaries whose writer's PID runs no process now (the ones the next
+ * save must remove; a PID reused within a second cannot be told from its
+ * writer and stays, harmlessly, until later). */
+static int count_dead_temporaries(void) {
+  DIR *d = opendir(dir);
+  cr_assert_not_null(d);
+  int n = 0;
+  for (struct dirent *de; (de = readdir(d)) != NULL;) {
+    const char *t = strstr(de->d_name, ".tmp.");
+    if (!t) continue;
+    long pid = strtol(t + 5, NULL, 10);
+    if (pid > 0 && kill((pid_t)pid, 0) < 0 && errno == ESRCH) {
+      fprintf(stderr, "left behind: %s\n", de->d_name);
+      n++;
+    }
+  }
+  closedir(d);
+  return n;
 }
 
 static int count_temporaries(void) {
@@ -188,7 +209,7 @@ Test(durable, sigkill_at_random_moments_during_100_writes_leaves_the_last_comple
   stamp(&m, &o, committed + 1);
   struct ckpt_info in = info_at(&m, committed + 1);
   cr_assert_eq(checkpoint_save(p, &m, &o, &in, &e), 0, "%s", e.msg);
-  cr_assert_eq(count_temporaries(), 0, "temporary files of killed writers were not removed");
+  cr_assert_eq(count_dead_temporaries(), 0, "temporary files of killed writers were not removed");
   char prev[512];
   checkpoint_prev_path(p, prev, sizeof prev);
   cr_assert_eq(load_step(prev, NULL, 0), committed, "the previous checkpoint is not the one before");
