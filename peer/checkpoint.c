@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static const char *const OPTIM_NAMES_SGD[] = {"optimizer.momentum"};
@@ -21,9 +23,39 @@ static const char *const *optim_names(enum optim_kind k) {
 
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 
+/* True when the process (or thread) `pid` started after Unix time `t`, so
+ * it cannot have written a file last modified at `t`: its PID was reused.
+ * False when unknown. */
+static bool started_after(long pid, time_t t) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  char buf[1024];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  unsigned long long start = 0;
+  /* After ")": state (field 3) ... starttime is field 22. */
+  for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+  if (!p || sscanf(p + 1, "%llu", &start) != 1) return false;
+  f = fopen("/proc/stat", "r");
+  if (!f) return false;
+  unsigned long long btime = 0;
+  char line[256];
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "btime %llu", &btime) == 1) break;
+  fclose(f);
+  long hz = sysconf(_SC_CLK_TCK);
+  if (!btime || hz <= 0) return false;
+  return (double)btime + (double)start / (double)hz > (double)t + 1.0;
+}
+
 /* Removes `path`.tmp.PID and `path`.prev.tmp.PID files whose writer (PID)
- * no longer runs: what a process killed mid-write leaves behind. Best
- * effort. */
+ * no longer runs: what a process killed mid-write leaves behind. A PID that
+ * runs again, but in a process started after the file was last written, is
+ * a reused one (pid_max is 32768 on some machines). Best effort. */
 static void remove_stale_temporaries(const char *path) {
   char *dcopy = xstrdup(path), *bcopy = xstrdup(path);
   const char *dir = dirname(dcopy), *base = basename(bcopy);
@@ -37,9 +69,11 @@ static void remove_stale_temporaries(const char *path) {
     char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
     long pid = strtol(rest + 5, &end, 10);
     if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
-    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* its writer may still be at work */
     char full[1024];
     snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    struct stat st;
+    bool gone = kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+    if (!gone && !(stat(full, &st) == 0 && started_after(pid, st.st_mtime))) continue; /* may still be at work */
     if (unlink(full) == 0) log_info("removed %s, left by a process that died while writing a checkpoint", full);
   }
   if (d) closedir(d);

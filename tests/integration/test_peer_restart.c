@@ -132,7 +132,8 @@ Test(restart, sigkill_at_random_moments_restarts_from_the_last_complete_checkpoi
 
   /* The same run, checkpointing every step, killed at random moments and
    * restarted from its checkpoint each time. */
-  const char *ck = path("killed.safetensors");
+  char ck[256]; /* a copy: path() reuses its buffers */
+  snprintf(ck, sizeof ck, "%s", path("killed.safetensors"));
   srand((unsigned)time(NULL));
   long expect_from = -1; /* the step the next restart must load (-1: a fresh start) */
   int kills = 0, restarts = 0;
@@ -216,7 +217,8 @@ Test(restart, a_damaged_checkpoint_is_rejected_clearly_and_the_previous_one_resu
 
   /* 110 steps with a checkpoint every 50 and at the end: the current one
    * holds step 110, the previous one step 100. */
-  const char *ck = path("ck.safetensors");
+  char ck[256];
+  snprintf(ck, sizeof ck, "%s", path("ck.safetensors"));
   argv_of(argv, NULL, ck, "50");
   argv[5] = "110"; /* --max-steps */
   st = proc_run(argv, 120, dir, &out, &err);
@@ -241,7 +243,8 @@ Test(restart, a_damaged_checkpoint_is_rejected_clearly_and_the_previous_one_resu
 Test(restart, a_full_disk_fails_the_run_clearly_and_leaves_both_checkpoints_intact) {
   SKIP_WITHOUT_DATA();
   char *argv[40], *out, *err;
-  const char *ck = path("ck.safetensors");
+  char ck[256];
+  snprintf(ck, sizeof ck, "%s", path("ck.safetensors"));
   argv_of(argv, NULL, ck, "50");
   argv[5] = "100"; /* --max-steps */
   int st = proc_run(argv, 120, dir, &out, &err);
@@ -256,7 +259,8 @@ Test(restart, a_full_disk_fails_the_run_clearly_and_leaves_both_checkpoints_inta
   /* Resume under a file-size limit of half a checkpoint: the next save
    * cannot complete. */
   argv_of(argv, ck, ck, "50");
-  const char *log = path("full.log");
+  char log[256];
+  snprintf(log, sizeof log, "%s", path("full.log"));
   pid_t pid = fork();
   cr_assert_neq(pid, -1);
   if (pid == 0) {

@@ -6,6 +6,7 @@
  * temporary files of killed writers are cleaned up. */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -79,11 +80,35 @@ static void stamp(struct model *m, struct optim *o, int64_t step) {
   for (int64_t i = 0; i < tensor_numel(&o->state); i++) s[i] = (float)step;
 }
 
+/* Temporaries whose writer's PID runs no process now (the ones the next
+ * save must remove; a PID reused within a second cannot be told from its
+ * writer and stays, harmlessly, until later). */
+static int count_dead_temporaries(void) {
+  DIR *d = opendir(dir);
+  cr_assert_not_null(d);
+  int n = 0;
+  for (struct dirent *de; (de = readdir(d)) != NULL;) {
+    const char *t = strstr(de->d_name, ".tmp.");
+    if (!t) continue;
+    long pid = strtol(t + 5, NULL, 10);
+    if (pid > 0 && kill((pid_t)pid, 0) < 0 && errno == ESRCH) {
+      fprintf(stderr, "left behind: %s\n", de->d_name);
+      n++;
+    }
+  }
+  closedir(d);
+  return n;
+}
+
 static int count_temporaries(void) {
   DIR *d = opendir(dir);
   cr_assert_not_null(d);
   int n = 0;
-  for (struct dirent *de; (de = readdir(d)) != NULL;) n += strstr(de->d_name, ".tmp.") != NULL;
+  for (struct dirent *de; (de = readdir(d)) != NULL;)
+    if (strstr(de->d_name, ".tmp.")) {
+      n++;
+      if (getenv("DURABLE_DEBUG")) fprintf(stderr, "temporary: %s\n", de->d_name);
+    }
   closedir(d);
   return n;
 }
@@ -109,7 +134,8 @@ Test(durable, sigkill_at_random_moments_during_100_writes_leaves_the_last_comple
   struct model m;
   struct optim o;
   make(&m, &o, "mlp:784-256-10");
-  const char *p = path("ck.safetensors");
+  char p[256]; /* a copy: path() reuses its buffers */
+  snprintf(p, sizeof p, "%s", path("ck.safetensors"));
   srand((unsigned)time(NULL));
   /* How long one write takes here (fsyncs included): kills land in the
    * first four writes' worth of time after the writer starts. */
@@ -183,7 +209,7 @@ Test(durable, sigkill_at_random_moments_during_100_writes_leaves_the_last_comple
   stamp(&m, &o, committed + 1);
   struct ckpt_info in = info_at(&m, committed + 1);
   cr_assert_eq(checkpoint_save(p, &m, &o, &in, &e), 0, "%s", e.msg);
-  cr_assert_eq(count_temporaries(), 0, "temporary files of killed writers were not removed");
+  cr_assert_eq(count_dead_temporaries(), 0, "temporary files of killed writers were not removed");
   char prev[512];
   checkpoint_prev_path(p, prev, sizeof prev);
   cr_assert_eq(load_step(prev, NULL, 0), committed, "the previous checkpoint is not the one before");
@@ -214,7 +240,8 @@ Test(durable, truncated_or_bit_flipped_checkpoint_is_rejected_and_the_previous_o
   struct optim o;
   struct rumor_err e;
   make(&m, &o, "mlp:20-16-4");
-  const char *p = path("c.safetensors");
+  char p[256];
+  snprintf(p, sizeof p, "%s", path("c.safetensors"));
   size_t n = 0;
   /* Truncations (header, data, the last byte) and bit flips (length prefix,
    * JSON header, data). */
@@ -253,7 +280,8 @@ Test(durable, full_disk_leaves_the_current_and_previous_checkpoints_intact) {
   struct optim o;
   struct rumor_err e;
   make(&m, &o, "mlp:784-64-10");
-  const char *p = path("full.safetensors");
+  char p[256];
+  snprintf(p, sizeof p, "%s", path("full.safetensors"));
   for (int64_t s = 1; s <= 2; s++) {
     stamp(&m, &o, s);
     struct ckpt_info in = info_at(&m, s);
@@ -290,5 +318,53 @@ Test(durable, full_disk_leaves_the_current_and_previous_checkpoints_intact) {
     cr_assert_eq(load_step(prev, NULL, 0), 1, "the previous checkpoint changed");
     cr_assert_eq(count_temporaries(), 0, "the failed write left a temporary file");
   }
+  model_free(&m), optim_free(&o);
+}
+
+Test(durable, temporaries_are_removed_only_when_their_writer_is_gone) {
+  struct model m;
+  struct optim o;
+  struct rumor_err e;
+  make(&m, &o, "mlp:20-16-4");
+  char p[256];
+  snprintf(p, sizeof p, "%s", path("t.safetensors"));
+  char mine_running[512], reused[512], dead[512];
+  /* A live writer that started before its file was written (PID 1, which
+   * runs since boot): kept. */
+  snprintf(mine_running, sizeof mine_running, "%s.tmp.1", p);
+  /* A PID that runs, but in a process started after the file was last
+   * written (a reused PID): removed. */
+  pid_t child = fork();
+  cr_assert_neq(child, -1);
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  snprintf(reused, sizeof reused, "%s.tmp.%d", p, (int)child);
+  /* A PID that does not run: removed. */
+  pid_t gone = fork();
+  cr_assert_neq(gone, -1);
+  if (gone == 0) _exit(0);
+  cr_assert_eq(waitpid(gone, NULL, 0), gone);
+  snprintf(dead, sizeof dead, "%s.prev.tmp.%d", p, (int)gone);
+  const char *files[] = {mine_running, reused, dead};
+  for (int i = 0; i < 3; i++) {
+    FILE *f = fopen(files[i], "w");
+    cr_assert_not_null(f);
+    fputs("partial", f);
+    fclose(f);
+  }
+  struct timespec old[2] = {{time(NULL) - 3600, 0}, {time(NULL) - 3600, 0}};
+  cr_assert_eq(utimensat(AT_FDCWD, reused, old, 0), 0);
+  stamp(&m, &o, 1);
+  struct ckpt_info in = info_at(&m, 1);
+  cr_assert_eq(checkpoint_save(p, &m, &o, &in, &e), 0, "%s", e.msg);
+  kill(child, SIGKILL);
+  waitpid(child, NULL, 0);
+  struct stat st;
+  cr_assert_eq(stat(mine_running, &st), 0, "the temporary of a running writer was removed");
+  cr_assert_neq(stat(reused, &st), 0, "the temporary of a writer whose PID was reused was kept");
+  cr_assert_neq(stat(dead, &st), 0, "the temporary of a dead writer was kept");
+  unlink(mine_running);
   model_free(&m), optim_free(&o);
 }
