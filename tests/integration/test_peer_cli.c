@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "../support/proc.h"
+#include "../support/fmnist.h"
 
 static char dir[64];
 
@@ -25,16 +26,7 @@ static void teardown(void) {
 }
 TestSuite(cli, .init = setup, .fini = teardown, .timeout = 300);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
 
-#define SKIP_WITHOUT_DATA()                                                                  \
-  do {                                                                                       \
-    if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR      \
-                                     " (apt-get install dataset-fashion-mnist)");            \
-  } while (0)
 
 static double json_number(const char *json, const char *key) {
   char pat[64];

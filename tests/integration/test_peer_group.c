@@ -14,6 +14,7 @@
 
 #include "../support/cluster.h"
 #include "peer/safetensors.h"
+#include "../support/fmnist.h"
 
 static struct cluster C;
 
@@ -21,15 +22,6 @@ static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(group, .init = setup, .fini = teardown, .timeout = 240);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
-#define SKIP_WITHOUT_DATA()                                                                                    \
-  do {                                                                                                         \
-    if (!have_fmnist())                                                                                        \
-      cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)"); \
-  } while (0)
 
 /* A fresh identity file in the scratch directory. */
 static void make_identity(const char *name, char *path, size_t n) {

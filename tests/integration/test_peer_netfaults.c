@@ -19,6 +19,7 @@
 #include "../support/cluster.h"
 #include "gossip/drift.h"
 #include "peer/checkpoint.h"
+#include "../support/fmnist.h"
 
 static struct cluster C;
 static char testnet_sh[512], netsim_bin[512], net_name[32];
@@ -60,10 +61,6 @@ static void teardown(void) {
 }
 TestSuite(netfaults, .init = setup, .fini = teardown, .timeout = 400);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
 
 /* Makes K test hosts, or skips the test with testnet.sh's reason. */
 static void hosts_up(int k) {

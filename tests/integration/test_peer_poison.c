@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "../support/cluster.h"
+#include "../support/fmnist.h"
 
 static struct cluster C;
 
@@ -20,15 +21,6 @@ static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(poison, .init = setup, .fini = teardown, .timeout = 300);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
-#define SKIP_WITHOUT_DATA()                                                                                    \
-  do {                                                                                                         \
-    if (!have_fmnist())                                                                                        \
-      cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR " (apt-get install dataset-fashion-mnist)"); \
-  } while (0)
 
 static void expect_clean_exit(int i) {
   int st = cluster_wait(&C, i, 240);

@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "../support/proc.h"
+#include "../support/fmnist.h"
 
 static char dir[64];
 
@@ -30,15 +31,6 @@ static void teardown(void) {
 }
 TestSuite(restart, .init = setup, .fini = teardown, .timeout = 300);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
-#define SKIP_WITHOUT_DATA()                                                                  \
-  do {                                                                                       \
-    if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR      \
-                                     " (apt-get install dataset-fashion-mnist)");            \
-  } while (0)
 
 static char *path(const char *name) {
   static char buf[8][256];

@@ -18,16 +18,13 @@
 
 #include "../support/cluster.h"
 #include "util/util.h"
+#include "../support/fmnist.h"
 
 static struct cluster C;
 static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(top, .init = setup, .fini = teardown, .timeout = 240);
 
-static bool have_fmnist(void) {
-  struct stat st;
-  return stat(RUMOR_FMNIST_DIR "/train-images-idx3-ubyte.gz", &st) == 0;
-}
 
 /* The metrics port node i announced on stdout. */
 static int metrics_port(int i) {
@@ -127,7 +124,7 @@ static void start_cluster(int *peer) {
 }
 
 Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_exact) {
-  if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR);
+  SKIP_WITHOUT_DATA();
   int peer[3];
   start_cluster(peer);
 
@@ -264,7 +261,7 @@ Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_
 /* A bootstrap node whose own --bootstrap list is all dead starts as the
  * first member after its join timeout: ready on /healthz, admitting peers. */
 Test(top, bootstrap_with_every_listed_address_dead_starts_as_the_first_member) {
-  if (!have_fmnist()) cr_skip_test("Fashion-MNIST not installed at " RUMOR_FMNIST_DIR);
+  SKIP_WITHOUT_DATA();
   char *boot_args[] = {"--metrics", "127.0.0.1:0", "--bootstrap", "127.0.0.1:1", "--join-timeout-ms", "1000", NULL};
   cluster_start_bootstrap(&C, boot_args);
   int port = metrics_port(0);
