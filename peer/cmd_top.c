@@ -18,6 +18,7 @@
 #include "peer/cli.h"
 #include "peer/net_flags.h"
 #include "peer/plot.h"
+#include "util/json.h"
 
 /* ---- the series kept between polls ------------------------------------------ */
 
@@ -66,101 +67,105 @@ static double mean_loss_of(const struct gossip_cluster_report *r) {
   return k ? sum / (double)k : NAN;
 }
 
-/* ---- JSON ------------------------------------------------------------- */
+/* ---- JSON (util/json.h: figures that do not exist are null) ---------------- */
 
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p == '"' || *p == '\\')
-      fprintf(f, "\\%c", *p);
-    else if (*p < 0x20)
-      fprintf(f, "\\u%04x", *p);
-    else
-      fputc(*p, f);
-  }
-  fputc('"', f);
+static void kv_str(struct json_buf *b, const char *k, const char *v) {
+  json_key(b, k);
+  json_str(b, v);
 }
-
-/* Numbers that are not finite (no figure) are null. */
-static void json_num(FILE *f, double v) {
-  if (isfinite(v))
-    fprintf(f, "%.9g", v);
+static void kv_num(struct json_buf *b, const char *k, double v) {
+  json_key(b, k);
+  json_num(b, v);
+}
+static void kv_int(struct json_buf *b, const char *k, int64_t v) {
+  json_key(b, k);
+  json_int(b, v);
+}
+/* An integer figure, or null when the node did not report it. */
+static void kv_int_or_null(struct json_buf *b, const char *k, bool have, int64_t v) {
+  json_key(b, k);
+  if (have)
+    json_int(b, v);
   else
-    fputs("null", f);
+    json_null(b);
+}
+static void kv_bool(struct json_buf *b, const char *k, bool v) {
+  json_key(b, k);
+  json_bool(b, v);
 }
 
-static void json_node(FILE *f, const struct gossip_node_report *nd) {
-  fputs("{\"id\":", f);
-  json_str(f, nd->id);
-  fputs(",\"addr\":", f);
-  json_str(f, nd->addr);
-  fputs(",\"role\":", f);
-  json_str(f, nd->role);
-  fputs(",\"state\":", f);
-  json_str(f, nd->state);
-  fprintf(f, ",\"reachable\":%s,\"error\":", nd->reachable ? "true" : "false");
-  json_str(f, nd->error);
-  fputs(",\"rtt_ms\":", f);
-  json_num(f, nd->reachable ? nd->rtt_ms : NAN);
-  fprintf(f, ",\"ready\":%s,\"model\":", nd->ready ? "true" : "false");
-  json_str(f, nd->model);
-  fprintf(f, ",\"nparams\":%llu", (unsigned long long)nd->nparams);
+static void json_node(struct json_buf *b, const struct gossip_node_report *nd) {
   bool t = nd->reachable && nd->have_train;
-  if (t)
-    fprintf(f, ",\"step\":%lld,\"epoch\":%lld,\"samples\":%lld", (long long)nd->step, (long long)nd->epoch,
-            (long long)nd->samples);
-  else
-    fputs(",\"step\":null,\"epoch\":null,\"samples\":null", f);
-  fputs(",\"loss\":", f);
-  json_num(f, t ? nd->loss : NAN);
-  fputs(",\"samples_per_s\":", f);
-  json_num(f, t ? nd->samples_per_s : NAN);
-  fputs(",\"param_norm\":", f);
-  json_num(f, t ? nd->param_norm : NAN);
-  fprintf(f,
-          ",\"exchanges_ok\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"donations\":%llu,"
-          "\"last_failure\":",
-          (unsigned long long)nd->exchanges_ok, (unsigned long long)nd->exchanges_failed,
-          (unsigned long long)nd->exchanges_rejected, (unsigned long long)nd->donations);
-  json_str(f, nd->last_failure);
-  fputs(",\"last_exchange_age_s\":", f);
-  json_num(f, nd->reachable && nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
-  fprintf(f, ",\"bytes_in\":%llu,\"bytes_out\":%llu,\"members\":%llu,\"stats_age_s\":",
-          (unsigned long long)nd->bytes_in, (unsigned long long)nd->bytes_out, (unsigned long long)nd->members);
-  json_num(f, nd->reachable ? nd->stats_age_s : NAN);
-  fprintf(f, ",\"sketch_k\":%d", nd->sketch_k);
+  json_obj_begin(b);
+  kv_str(b, "id", nd->id);
+  kv_str(b, "addr", nd->addr);
+  kv_str(b, "role", nd->role);
+  kv_str(b, "state", nd->state);
+  kv_bool(b, "reachable", nd->reachable);
+  kv_str(b, "error", nd->error);
+  kv_num(b, "rtt_ms", nd->reachable ? nd->rtt_ms : NAN);
+  kv_bool(b, "ready", nd->ready);
+  kv_str(b, "model", nd->model);
+  kv_int(b, "nparams", (int64_t)nd->nparams);
+  kv_int_or_null(b, "step", t, nd->step);
+  kv_int_or_null(b, "epoch", t, nd->epoch);
+  kv_int_or_null(b, "samples", t, nd->samples);
+  kv_num(b, "loss", t ? nd->loss : NAN);
+  kv_num(b, "samples_per_s", t ? nd->samples_per_s : NAN);
+  kv_num(b, "param_norm", t ? nd->param_norm : NAN);
+  kv_int(b, "exchanges_ok", (int64_t)nd->exchanges_ok);
+  kv_int(b, "exchanges_failed", (int64_t)nd->exchanges_failed);
+  kv_int(b, "exchanges_rejected", (int64_t)nd->exchanges_rejected);
+  kv_int(b, "donations", (int64_t)nd->donations);
+  kv_str(b, "last_failure", nd->last_failure);
+  kv_num(b, "last_exchange_age_s", nd->reachable && nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
+  kv_int(b, "bytes_in", (int64_t)nd->bytes_in);
+  kv_int(b, "bytes_out", (int64_t)nd->bytes_out);
+  kv_int(b, "members", (int64_t)nd->members);
+  kv_num(b, "stats_age_s", nd->reachable ? nd->stats_age_s : NAN);
+  kv_int(b, "sketch_k", nd->sketch_k);
   if (nd->params || nd->params_error[0]) {
-    fprintf(f, ",\"exact\":{\"have_params\":%s,\"step\":%lld,\"error\":", nd->params ? "true" : "false",
-            (long long)nd->params_step);
-    json_str(f, nd->params_error);
-    fputc('}', f);
+    json_key(b, "exact");
+    json_obj_begin(b);
+    kv_bool(b, "have_params", nd->params != NULL);
+    kv_int(b, "step", nd->params_step);
+    kv_str(b, "error", nd->params_error);
+    json_obj_end(b);
   }
-  fputc('}', f);
+  json_obj_end(b);
 }
 
 static void print_json(FILE *f, const struct gossip_cluster_report *r, double mean_loss) {
-  fprintf(f, "{\"time\":%.3f,\"via\":", r->time_s);
-  json_str(f, r->via);
-  fprintf(f, ",\"members\":%zu,\"peers\":%zu,\"reachable_peers\":%zu,\"drift\":{\"n\":%zu,\"xi\":", r->n, r->peers,
-          r->reachable_peers, r->drift_n);
-  json_num(f, r->xi);
-  fputs(",\"rel_drift\":", f);
-  json_num(f, r->rel_drift);
-  fputs(",\"mean_norm\":", f);
-  json_num(f, r->mean_norm);
-  fprintf(f, ",\"exact_n\":%zu,\"xi_exact\":", r->exact_n);
-  json_num(f, r->xi_exact);
-  fputs(",\"note\":", f);
-  json_str(f, r->drift_note);
-  fputs("},\"mean_loss\":", f);
-  json_num(f, mean_loss);
-  fputs(",\"nodes\":[", f);
-  for (size_t i = 0; i < r->n; i++) {
-    if (i) fputc(',', f);
-    json_node(f, &r->nodes[i]);
-  }
-  fputs("]}\n", f);
+  struct json_buf b;
+  json_buf_init(&b);
+  json_obj_begin(&b);
+  char t[32];
+  int tn = snprintf(t, sizeof t, "%.3f", r->time_s); /* ms, which %.9g would drop */
+  json_key(&b, "time");
+  json_raw(&b, t, (size_t)tn);
+  kv_str(&b, "via", r->via);
+  kv_int(&b, "members", (int64_t)r->n);
+  kv_int(&b, "peers", (int64_t)r->peers);
+  kv_int(&b, "reachable_peers", (int64_t)r->reachable_peers);
+  json_key(&b, "drift");
+  json_obj_begin(&b);
+  kv_int(&b, "n", (int64_t)r->drift_n);
+  kv_num(&b, "xi", r->xi);
+  kv_num(&b, "rel_drift", r->rel_drift);
+  kv_num(&b, "mean_norm", r->mean_norm);
+  kv_int(&b, "exact_n", (int64_t)r->exact_n);
+  kv_num(&b, "xi_exact", r->xi_exact);
+  kv_str(&b, "note", r->drift_note);
+  json_obj_end(&b);
+  kv_num(&b, "mean_loss", mean_loss);
+  json_key(&b, "nodes");
+  json_arr_begin(&b);
+  for (size_t i = 0; i < r->n; i++) json_node(&b, &r->nodes[i]);
+  json_arr_end(&b);
+  json_obj_end(&b);
+  fprintf(f, "%.*s\n", (int)b.len, b.data);
   fflush(f);
+  json_buf_free(&b);
 }
 
 /* ---- the terminal view ------------------------------------------------------ */

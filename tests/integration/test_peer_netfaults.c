@@ -19,6 +19,7 @@
 #include "../support/cluster.h"
 #include "gossip/drift.h"
 #include "peer/checkpoint.h"
+#include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
 
 static struct cluster C;
@@ -172,19 +173,8 @@ static float *load_params(const char *path, int64_t *n, int64_t *step) {
     cr_assert_lt(tries, 50, "cannot read %s: %s", path, e.msg); /* not written yet */
     usleep(100000);
   }
-  *n = model_spec_param_count(&ck.info.spec);
   *step = ck.info.st.step;
-  float *p = xmalloc((size_t)*n * sizeof(float));
-  int64_t off = 0;
-  for (int l = 0; l < ck.info.spec.nlayers; l++) {
-    char name[64];
-    for (int wb = 0; wb < 2; wb++) {
-      snprintf(name, sizeof name, "layers.%d.%s", l, wb ? "bias" : "weight");
-      const struct st_tensor *t = safetensors_find(&ck.file, name);
-      memcpy(p + off, t->data, t->nbytes);
-      off += (int64_t)(t->nbytes / sizeof(float));
-    }
-  }
+  float *p = ckpt_params_copy(&ck, n);
   checkpoint_close(&ck);
   return p;
 }
