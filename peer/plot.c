@@ -3,14 +3,11 @@
 
 #include <ctype.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <zlib.h>
 
 /* Geometry in pixels. */
@@ -321,19 +318,11 @@ int plot_write(const char *path, const double *x, size_t n, const struct plot_pa
     return rumor_err_set(e, RUMOR_EFORMAT, "plot file %s: the name must end in .svg or .png", path);
   if (n == 0 || npanels == 0) return rumor_err_set(e, -EINVAL, "plot file %s: nothing to plot", path);
 
-  char tmp[4096];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path) >= (int)sizeof tmp)
-    return rumor_err_set(e, -ENAMETOOLONG, "plot file %s: name too long", path);
-  int fd = mkstemp(tmp);
-  if (fd < 0) return rumor_err_set(e, -errno, "plot file %s: cannot create %s: %s", path, tmp, strerror(errno));
-  (void)fchmod(fd, 0644);
-  FILE *f = fdopen(fd, "wb");
-  if (!f) {
-    int err = errno;
-    close(fd);
-    unlink(tmp);
-    return rumor_err_set(e, -err, "plot file %s: %s", path, strerror(err));
-  }
+  /* Rendered in memory, then written with file_write_atomic. */
+  char *buf = NULL;
+  size_t buf_len = 0;
+  FILE *f = open_memstream(&buf, &buf_len);
+  if (!f) return rumor_err_set(e, -errno, "plot file %s: %s", path, strerror(errno));
 
   struct canvas c = {.fmt = fmt, .w = CHART_W, .h = TOP + (int)npanels * PANEL_H + BOTTOM};
   if (fmt == PLOT_PNG) {
@@ -371,21 +360,14 @@ int plot_write(const char *path, const double *x, size_t n, const struct plot_pa
   } else {
     fprintf(f, "</svg>\n");
   }
-  if (rc == 0 && (fflush(f) != 0 || ferror(f) || fsync(fileno(f)) != 0)) rc = -1;
-  int err = errno;
-  if (fclose(f) != 0 && rc == 0) {
-    rc = -1;
-    err = errno;
+  if (fclose(f) != 0 || rc != 0) {
+    free(buf);
+    return rumor_err_set(e, -EIO, "plot file %s: cannot render the chart", path);
   }
-  if (rc == 0 && rename(tmp, path) != 0) {
-    rc = -1;
-    err = errno;
-  }
-  if (rc != 0) {
-    unlink(tmp);
-    return rumor_err_set(e, -(err ? err : EIO), "plot file %s: cannot write: %s", path, strerror(err ? err : EIO));
-  }
-  return 0;
+  struct file_part part = {buf, buf_len};
+  rc = file_write_atomic(path, &part, 1, 0644, e);
+  free(buf);
+  return rc ? rumor_err_prefix(e, "plot file %s", path) : 0;
 }
 
 /* ---- sparkline ------------------------------------------------------------ */
