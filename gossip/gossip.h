@@ -131,6 +131,10 @@ int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos
  * departed ready peers still count. Any thread. */
 size_t gossip_ready_peers(gossip_t *g);
 
+/* Alive peers that hold a state, ourselves excluded: partners an exchange
+ * could find now (as of the last published member view). Any thread. */
+size_t gossip_live_partners(gossip_t *g);
+
 /* The training thread holds a state (after gossip_join_wait and building
  * its model): from now on it may exchange and donate. */
 void gossip_ready(gossip_t *g);

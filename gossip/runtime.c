@@ -982,6 +982,15 @@ int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos
   return rc;
 }
 
+size_t gossip_live_partners(gossip_t *g) {
+  pthread_mutex_lock(&g->lock);
+  size_t n = 0;
+  for (size_t i = 1; i < g->npub; i++) /* pub[0] is ourselves */
+    if (strcmp(g->pub[i].role, "peer") == 0 && g->pub[i].ready && strcmp(g->pub[i].state, "alive") == 0) n++;
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
 size_t gossip_ready_peers(gossip_t *g) {
   pthread_mutex_lock(&g->lock);
   size_t peers = g->npub > 0 && g->pub[0].ready ? 1 : 0;

@@ -13,6 +13,7 @@
 
 struct gossip_flags {
   int64_t every, exchange_timeout_ms, linger_ms, wait_peers, wait_peers_ms, sketch_k;
+  int64_t max_local_steps, max_hold_ms; /* bounded drift (peer_sync_hold) */
   double interval, alpha, max_distance;
   const char *wire, *name;
   bool no_state_pull;
@@ -29,24 +30,33 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   return 0;
 }
 
-static void print_result(struct trainer *t, gossip_t *g, double secs, int64_t s0, const struct peer_sync *ps) {
+/* `gs` and `id`: the gossip figures and our key, taken before we left. */
+static void print_result(struct trainer *t, const struct gossip_stats *gs_, const char *id, double secs, int64_t s0,
+                         const struct peer_sync *ps) {
   double acc = -1, loss = -1;
   if (t->have_test) trainer_evaluate(t, &t->test, &acc, &loss);
-  struct gossip_stats gs;
-  gossip_stats_get(g, &gs);
-  log_info("final test accuracy %.4f, test loss %.4f after %lld steps; %llu exchanges applied, %llu failed, %llu rejected",
+  struct gossip_stats gs = *gs_;
+  log_info("final test accuracy %.4f, test loss %.4f after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "
+           "at most %lld steps between applied exchanges",
            acc, loss, (long long)t->st.step, (unsigned long long)gs.exchanges_ok,
-           (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected);
+           (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
+           (long long)ps->longest_local);
+  if (ps->holds)
+    log_info("held training %llu times for an exchange (%.1f s in all, %llu gave up after --max-hold-ms)",
+             (unsigned long long)ps->holds, ps->hold_s, (unsigned long long)ps->hold_timeouts);
   printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
          "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"exchange_requests\":%llu,"
          "\"exchange_refusals\":%llu,\"exchange_idle\":%llu,\"exchanges_clipped\":%llu,\"exchange_rate_limited\":%llu,"
-         "\"conn_rate_limited\":%llu,\"id\":\"%s\"}\n",
+         "\"conn_rate_limited\":%llu,\"longest_local_steps\":%lld,\"holds\":%llu,\"hold_timeouts\":%llu,"
+         "\"hold_s\":%.3f,\"id\":\"%s\"}\n",
          acc, loss, (long long)t->st.step, (long long)t->st.epoch,
          secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs.exchanges_ok,
          (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
          (unsigned long long)gs.exchange_requests, (unsigned long long)gs.exchange_refusals,
          (unsigned long long)gs.exchange_idle, (unsigned long long)ps->clip.clipped,
-         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited, gossip_self_id(g));
+         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited,
+         (long long)ps->longest_local, (unsigned long long)ps->holds, (unsigned long long)ps->hold_timeouts, ps->hold_s,
+         id);
   fflush(stdout);
 }
 
@@ -59,7 +69,7 @@ int cmd_peer(int argc, char **argv) {
   net_flags_default(&nf);
   struct gossip_flags gf = {.every = 1, .exchange_timeout_ms = 60000, .linger_ms = 500, .interval = 0,
                             .alpha = 0.5, .max_distance = 10.0, .wire = "f32", .wait_peers_ms = 60000,
-                            .sketch_k = 1024, .max_xch_rate = 100, .max_conn_rate = 5, .attack = "none"};
+                            .sketch_k = 1024, .max_hold_ms = 2000, .max_xch_rate = 100, .max_conn_rate = 5, .attack = "none"};
   struct arg_spec specs[80];
   size_t n = 0;
   train_flags_specs(&tf, specs, &n, 70);
@@ -68,6 +78,10 @@ int cmd_peer(int argc, char **argv) {
       {"gossip-every", ARG_INT, &gf.every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
       {"gossip-interval", ARG_FLOAT, &gf.interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
       {"alpha", ARG_FLOAT, &gf.alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
+      {"max-local-steps", ARG_INT, &gf.max_local_steps, "N",
+       "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
+       1e12},
+      {"max-hold-ms", ARG_INT, &gf.max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
       {"wire", ARG_STR, &gf.wire, "DTYPE", "parameters on the wire: f32, f16 or bf16"},
       {"max-distance", ARG_FLOAT, &gf.max_distance, "R", "reject a partner farther than R times our norm", 1e-6, 1e12},
       {"exchange-timeout-ms", ARG_INT, &gf.exchange_timeout_ms, "MS", "abandon an exchange after this long", 10,
@@ -104,6 +118,11 @@ int cmd_peer(int argc, char **argv) {
   enum net_dtype wire;
   if (train_flags_config(&tf, specs, &tc, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
+  if (gf.max_local_steps > 0 && gf.every == 0 && gf.interval == 0) {
+    fprintf(stderr, "rumor peer: --max-local-steps %lld bounds the steps between exchanges, but gossip is off "
+                    "(--gossip-every 0 and no --gossip-interval)\n", (long long)gf.max_local_steps);
     return 2;
   }
   if (parse_wire(gf.wire, &wire)) {
@@ -182,6 +201,7 @@ int cmd_peer(int argc, char **argv) {
   }
   struct peer_sync_config sc = {.every_steps = gf.every, .every_s = gf.interval, .max_distance = gf.max_distance,
                                 .clip = gf.clip, .clip_tau = gf.clip_tau,
+                                .max_local_steps = gf.max_local_steps, .max_hold_s = (double)gf.max_hold_ms / 1e3,
                                 .attack = attack_kind != ATTACK_NONE ? &attack : NULL};
   if (peer_sync_init(&ps, g, &t, &sc, &e)) goto out;
   gossip_ready(g);
@@ -213,12 +233,24 @@ int cmd_peer(int argc, char **argv) {
       first = false;
     }
     peer_sync_boundary(&ps);
+    peer_sync_hold(&ps, signals_stop_flag());
   }
   if (signals_stop_requested()) {
     log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t.st.step);
     if (tc.checkpoint && trainer_save(&t, tc.checkpoint, &e)) fprintf(stderr, "rumor peer: %s\n", e.msg);
   } else {
-    print_result(&t, g, clock_now_s() - t0, s0, &ps);
+    /* Leave first, then evaluate: partners stop asking a peer that no
+     * longer trains (an exchange request would wait for a step boundary
+     * that never comes) while the test set is evaluated. */
+    double secs = clock_now_s() - t0;
+    log_info("training done after %lld steps (%.1f s)", (long long)t.st.step, secs);
+    struct gossip_stats gs;
+    gossip_stats_get(g, &gs);
+    char id[NET_PUBKEY_STR_LEN + 1];
+    snprintf(id, sizeof id, "%s", gossip_self_id(g));
+    gossip_stop(g, (uint32_t)gf.linger_ms);
+    g = NULL;
+    print_result(&t, &gs, id, secs, s0, &ps);
   }
   status = 0;
 out:

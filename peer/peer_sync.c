@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const struct peer_sync_config *cfg,
                    struct rumor_err *e) {
@@ -26,6 +27,7 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
   ps->last_start_s = clock_now_s();
+  ps->mix_step = t->st.step;
   clip_init(&ps->clip, cfg->clip_tau);
   ps->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   ps->stats_s = ps->rate_s = ps->last_start_s;
@@ -67,7 +69,7 @@ static int validate(struct peer_sync *ps, char *why, size_t n) {
 static bool exchange(struct peer_sync *ps) {
   struct trainer *t = ps->t;
   double now = clock_now_s();
-  bool want = (ps->cfg.every_steps > 0 && t->st.step % ps->cfg.every_steps == 0) ||
+  bool want = ps->holding || (ps->cfg.every_steps > 0 && t->st.step % ps->cfg.every_steps == 0) ||
               (ps->cfg.every_s > 0 && now - ps->last_start_s >= ps->cfg.every_s);
   switch (gossip_xch_poll(ps->g, want)) {
   case GOSSIP_XCH_NONE: return false;
@@ -113,6 +115,9 @@ static bool exchange(struct peer_sync *ps) {
        * sum is what it was (θ ← θ + w·(θ_partner − θ_snapshot)). */
       tensor_add_diff(&t->model.params, &ps->staging, &ps->snap, w);
       ps->applied++;
+      int64_t run = t->st.step - ps->mix_step;
+      if (run > ps->longest_local) ps->longest_local = run;
+      ps->mix_step = t->st.step;
     } else {
       ps->rejected++;
     }
@@ -121,6 +126,42 @@ static bool exchange(struct peer_sync *ps) {
   }
   }
   return false;
+}
+
+double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop) {
+  int64_t step = ps->t->st.step;
+  if (ps->cfg.max_local_steps <= 0 || step - ps->mix_step < ps->cfg.max_local_steps || step < ps->hold_resume_step)
+    return 0;
+  if (gossip_live_partners(ps->g) == 0) return 0; /* alone: nobody to mix with */
+  double t0 = clock_now_s();
+  uint64_t applied = ps->applied;
+  unsigned polls = 0;
+  ps->holding = true;
+  ps->holds++;
+  while (ps->applied == applied && !(stop && atomic_load(stop))) {
+    if (clock_now_s() - t0 >= ps->cfg.max_hold_s) {
+      /* Exchanges keep failing (partners backed off, busy or gone): train
+       * on, and hold again only after N·2^k more steps (k: holds in a row
+       * that gave up, at most 10), so a cluster that cannot mix is slowed
+       * by a vanishing fraction, not stopped. */
+      ps->hold_timeouts++;
+      ps->hold_failures_in_row++;
+      int k = ps->hold_failures_in_row < 10 ? ps->hold_failures_in_row : 10;
+      ps->hold_resume_step = step + (ps->cfg.max_local_steps << k);
+      log_info("no exchange applied after %lld steps and %.2f s of holding: training on; next hold after step %lld",
+               (long long)(step - ps->mix_step), ps->cfg.max_hold_s, (long long)ps->hold_resume_step);
+      break;
+    }
+    const struct timespec tick = {0, 200 * 1000};
+    nanosleep(&tick, NULL);
+    peer_sync_boundary(ps);
+    if (++polls % 25 == 0 && gossip_live_partners(ps->g) == 0) break; /* the others left */
+  }
+  ps->holding = false;
+  if (ps->applied != applied) ps->hold_failures_in_row = 0;
+  double held = clock_now_s() - t0;
+  ps->hold_s += held;
+  return held;
 }
 
 /* Publishes the training figures; with_sketch adds the O(P) ones. */

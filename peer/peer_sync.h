@@ -35,6 +35,11 @@ struct peer_sync_config {
   bool clip;            /* clipped averaging (clip.h) */
   double clip_tau;      /* its fixed τ (0: adaptive) */
   struct attack *attack; /* testing only: poison our snapshots (attack.h); NULL in real use */
+  /* Bounded drift: after this many steps without an applied exchange,
+   * peer_sync_hold holds training until one applies, at most max_hold_s at
+   * a time (0: never hold; training never waits for the network). */
+  int64_t max_local_steps;
+  double max_hold_s;
 };
 
 struct peer_sync {
@@ -48,6 +53,13 @@ struct peer_sync {
   int64_t snap_step;
   double last_start_s;
   uint64_t applied, rejected;
+  int64_t mix_step;         /* step of the last applied exchange (or of the start) */
+  int64_t longest_local;    /* most steps between applied exchanges seen */
+  bool holding;             /* in peer_sync_hold: exchange whatever the schedule */
+  uint64_t holds, hold_timeouts;
+  int hold_failures_in_row;
+  int64_t hold_resume_step; /* no hold before this step (after holds that gave up) */
+  double hold_s;            /* total time held */
   struct clip_state clip;
   double last_dist, last_norm; /* of the partner's parameters being validated */
 
@@ -65,6 +77,14 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
 /* Does whatever gossip needs at this step boundary (exchanges, donations,
  * monitoring figures); never waits on the network. */
 void peer_sync_boundary(struct peer_sync *ps);
+/* With cfg.max_local_steps > 0: when that many steps have passed since the
+ * last applied exchange and some partner is alive, keeps exchanging (and
+ * serving donations) without training until an exchange applies, `*stop`
+ * becomes non-zero, or cfg.max_hold_s passes (then training goes on: a
+ * cluster whose exchanges all fail must not stop, and after such a timeout
+ * the next hold waits N·2^k steps, k the timeouts in a row). Call after
+ * peer_sync_boundary. Returns the seconds held. */
+double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop);
 void peer_sync_free(struct peer_sync *ps);
 
 #endif /* RUMOR_PEER_SYNC_H */

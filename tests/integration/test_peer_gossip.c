@@ -311,3 +311,56 @@ Test(gossip, dead_first_bootstrap_address_still_joins_and_all_dead_is_a_clear_er
   cr_assert(cluster_log_has(&C, q, a1) && cluster_log_has(&C, q, a2) && cluster_log_has(&C, q, "could not join"),
             "the error should name every address tried: %s", proc_slurp(C.node[q].log));
 }
+
+/* Four peers (small model, batch 16) for 400 steps with --max-local-steps
+ * `bound` ("0": none); the longest run of steps between applied exchanges
+ * over the peers, and the holds and holds that gave up, summed. */
+static void run_four_bounded(const char *bound, double *longest, double *holds, double *gave_up) {
+  cluster_start_bootstrap(&C, NULL);
+  int boot = C.n - 1, peer[4];
+  char shard[4][8];
+  for (int i = 0; i < 4; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/4", i);
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-128-10", "--shard", shard[i], "--batch", "16", "--epochs",
+                                 "1000", "--max-steps", "400", "--no-eval", "--wait-peers", "4", "--gossip-every", "1",
+                                 "--max-local-steps", bound, NULL);
+  }
+  *longest = *holds = *gave_up = 0;
+  for (int i = 0; i < 4; i++) {
+    expect_clean_exit(peer[i]);
+    double l = cluster_result(&C, peer[i], "longest_local_steps"), h = cluster_result(&C, peer[i], "holds"),
+           t = cluster_result(&C, peer[i], "hold_timeouts");
+    fprintf(stderr, "--max-local-steps %s, peer %d: %.0f exchanges, at most %.0f steps between them, %.0f holds (%.0f gave up)\n",
+            bound, i, cluster_result(&C, peer[i], "exchanges"), l, h, t);
+    cr_assert(isfinite(l) && isfinite(h) && isfinite(t), "peer %d printed no hold figures", i);
+    if (l > *longest) *longest = l;
+    *holds += h;
+    *gave_up += t;
+  }
+  kill(C.node[boot].pid, SIGTERM);
+  cluster_wait(&C, boot, 10);
+}
+
+Test(gossip, max_local_steps_bounds_the_steps_between_applied_exchanges) {
+  SKIP_WITHOUT_DATA();
+  double longest, holds, gave_up;
+  /* Without a bound, steps (well under a millisecond) outpace exchanges. */
+  run_four_bounded("0", &longest, &holds, &gave_up);
+  cr_assert(longest > 2, "without a bound the longest run between exchanges is only %.0f steps: the check below "
+                         "would prove nothing", longest);
+  cr_assert_eq(holds, 0, "peers held training without --max-local-steps");
+  run_four_bounded("2", &longest, &holds, &gave_up);
+  cr_assert(holds > 0, "no peer ever held training");
+  cr_assert_eq(gave_up, 0, "%.0f holds gave up although every partner was alive", gave_up);
+  cr_assert(longest <= 2, "%.0f steps between applied exchanges with --max-local-steps 2", longest);
+}
+
+Test(gossip, max_local_steps_without_gossip_is_refused) {
+  char *err = NULL;
+  int st = proc_run((char *[]){RUMOR_BIN, "peer", "--cluster-key", C.key, "--identity", "unused.key", "--gossip-every",
+                               "0", "--max-local-steps", "3", NULL},
+                    30, C.dir, NULL, &err);
+  cr_assert(proc_exited_with(st, 2), "exit status %d: %s", st, err);
+  cr_assert(strstr(err, "--max-local-steps 3") && strstr(err, "gossip is off"), "unclear message: %s", err);
+  free(err);
+}
