@@ -8,7 +8,10 @@
 # Environment: RUMOR (the binary, default build/peer/rumor), WORKDIR (keys
 # and logs, default ./cluster-run), EPOCHS (passes of each peer over its
 # 1/N shard, default 10: the cluster together sees 10 epochs' worth of data),
+# BATCH (each peer's batch, default 128/N and at least 16: the cluster then
+# takes as many steps as one peer with batch 128 would, on the same samples),
 # THREADS (CPU threads per peer, default: cores / N, at least 1).
+# A --batch among the peer options overrides BATCH.
 # Exit status: 0 when every peer finished, 1 otherwise.
 set -eu
 cd "$(dirname "$0")/.."
@@ -22,6 +25,7 @@ work=${WORKDIR:-cluster-run}
 epochs=${EPOCHS:-10}
 cores=$(nproc)
 threads=${THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
+batch=${BATCH:-$(( 128 / n > 16 ? 128 / n : 16 ))}
 mkdir -p "$work"
 rm -f "$work"/*.log "$work"/*.out
 
@@ -47,13 +51,13 @@ for _ in $(seq 1 100); do
 done
 boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 [ -n "$boot" ] || { echo "$0: the bootstrap node did not start; see $work/bootstrap.log" >&2; exit 1; }
-echo "bootstrap node on $boot; starting $n peers ($epochs epochs each on 1/$n of the data, $threads thread(s) each)"
+echo "bootstrap node on $boot; starting $n peers ($epochs epochs each on 1/$n of the data, batch $batch, $threads thread(s) each)"
 echo "logs: $work/peer-<i>.log"
 
 peer_pids=""
 for i in $(seq 1 "$n"); do
   "$rumor" peer --bootstrap "$boot" --cluster-key "$work/cluster.key" --identity "$work/id$i.key" \
-    --listen 127.0.0.1:0 --shard "$((i - 1))/$n" --epochs "$epochs" --threads "$threads" \
+    --listen 127.0.0.1:0 --shard "$((i - 1))/$n" --epochs "$epochs" --batch "$batch" --threads "$threads" \
     --wait-peers "$n" --name "peer-$i" "$@" > "$work/peer-$i.out" 2> "$work/peer-$i.log" &
   peer_pids="$peer_pids $!"
   pids="$pids $!"

@@ -64,8 +64,7 @@ struct gossip_config {
   uint64_t state_floats; /* floats in a donated state (parameters first) */
   const char *optimizer; /* must match for donations */
   enum net_dtype wire;   /* encoding of exchanged parameters on the wire */
-  float alpha;           /* averaging weight: x ← x + α·(x_partner − x_snapshot), i.e.
-                          * (1−α)·x + α·x_partner when x has not moved since its snapshot */
+  float alpha;           /* averaging weight: x ← (1−α)·x + α·x_partner */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
    * floats each) and a donated state (state_floats floats). */

@@ -264,10 +264,6 @@ __global__ void lerp_kernel(float *x, const float *y, float alpha, int64_t n) {
   }
 }
 
-__global__ void add_diff_kernel(float *x, const float *a, const float *b, float w, int64_t n) {
-  GRID_STRIDE(i, n) { x[i] += w * (a[i] - b[i]); }
-}
-
 __global__ void scale_kernel(float *x, float a, int64_t n) {
   GRID_STRIDE(i, n) { x[i] *= a; }
 }
@@ -452,13 +448,6 @@ extern "C" int kern_lerp(float *x, const float *y, float alpha, int64_t n, void 
   if (n == 0) return 0;
   lerp_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, as_stream(stream)>>>(x, y, alpha, n);
   KERN_LAUNCHED(lerp_kernel);
-  return 0;
-}
-
-extern "C" int kern_add_diff(float *x, const float *a, const float *b, float w, int64_t n, void *stream) {
-  if (n == 0) return 0;
-  add_diff_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, as_stream(stream)>>>(x, a, b, w, n);
-  KERN_LAUNCHED(add_diff_kernel);
   return 0;
 }
 

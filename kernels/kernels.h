@@ -84,8 +84,6 @@ int kern_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, flo
 int kern_axpby(float a, const float *x, float b, float *y, int64_t n, void *stream);
 /* x ← x + alpha·(y − x), i.e. (1 − alpha)·x + alpha·y; x may alias y. */
 int kern_lerp(float *x, const float *y, float alpha, int64_t n, void *stream);
-/* x ← x + w·(a − b); b may alias x, a may not. */
-int kern_add_diff(float *x, const float *a, const float *b, float w, int64_t n, void *stream);
 /* x ← a·x. */
 int kern_scale(float *x, float a, int64_t n, void *stream);
 /* x ← v. */

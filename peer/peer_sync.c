@@ -16,11 +16,6 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
   int64_t P = t->model.nparams;
   int rc = tensor_alloc(&ps->staging, t->be, TENSOR_F32, 1, &P, e);
   if (rc) return rumor_err_prefix(e, "gossip staging buffer");
-  rc = tensor_alloc(&ps->snap, t->be, TENSOR_F32, 1, &P, e);
-  if (rc) {
-    tensor_free(&ps->staging);
-    return rumor_err_prefix(e, "gossip snapshot buffer");
-  }
   ps->snap_ev = tensor_event_create(t->be);
   if (!ps->snap_ev) {
     tensor_free(&ps->staging);
@@ -38,7 +33,6 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
 void peer_sync_free(struct peer_sync *ps) {
   if (ps->snap_ev) tensor_event_destroy(ps->snap_ev);
   tensor_free(&ps->staging);
-  tensor_free(&ps->snap);
   free(ps->sketch);
   memset(ps, 0, sizeof *ps);
 }
@@ -51,7 +45,7 @@ static int validate(struct peer_sync *ps, char *why, size_t n) {
     snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)bad, (long long)tensor_numel(&ps->staging));
     return RUMOR_ECORRUPT;
   }
-  double dist = sqrt(tensor_sq_dist(&ps->staging, &ps->snap)); /* the two snapshots exchanged */
+  double dist = sqrt(tensor_sq_dist(&ps->staging, &ps->t->model.params));
   double norm = sqrt(tensor_sq_norm(&ps->t->model.params));
   ps->last_dist = dist;
   ps->last_norm = norm;
@@ -64,21 +58,17 @@ static int validate(struct peer_sync *ps, char *why, size_t n) {
   return 0;
 }
 
-/* Returns true when it applied (or rejected) a partner's parameters: the
- * slot is free again, and a new exchange may start at the same boundary. */
-static bool exchange(struct peer_sync *ps) {
+static void exchange(struct peer_sync *ps) {
   struct trainer *t = ps->t;
   double now = clock_now_s();
   bool want = ps->holding || (ps->cfg.every_steps > 0 && t->st.step % ps->cfg.every_steps == 0) ||
               (ps->cfg.every_s > 0 && now - ps->last_start_s >= ps->cfg.every_s);
   switch (gossip_xch_poll(ps->g, want)) {
-  case GOSSIP_XCH_NONE: return false;
+  case GOSSIP_XCH_NONE: return;
   case GOSSIP_XCH_SNAPSHOT:
     if (!ps->snap_pending) {
-      /* Kept on our device for the apply (below); its copy to the host is
-       * asynchronous on a GPU (pinned buffer), done at once on the CPU. */
-      tensor_copy(&ps->snap, &t->model.params);
-      tensor_copy_to_host_async(&ps->snap, 0, gossip_xch_mine(ps->g),
+      /* Asynchronous on a GPU (pinned host buffer); done at once on the CPU. */
+      tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(ps->g),
                                 (size_t)t->model.nparams * sizeof(float));
       tensor_event_record(ps->snap_ev);
       ps->snap_pending = true;
@@ -90,7 +80,7 @@ static bool exchange(struct peer_sync *ps) {
       if (ps->cfg.attack) attack_snapshot(ps->cfg.attack, gossip_xch_mine(ps->g), t->model.nparams, &ps->snap_step);
       gossip_xch_snapshot_done(ps->g, (uint64_t)ps->snap_step);
     }
-    return false;
+    return;
   case GOSSIP_XCH_APPLY: {
     tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
     char why[200] = "";
@@ -110,10 +100,7 @@ static bool exchange(struct peer_sync *ps) {
       }
     }
     if (rc == 0) {
-      /* Against our snapshot, not our live parameters: the steps taken
-       * while the exchange was in flight are kept, and the two replicas'
-       * sum is what it was (θ ← θ + w·(θ_partner − θ_snapshot)). */
-      tensor_add_diff(&t->model.params, &ps->staging, &ps->snap, w);
+      tensor_lerp(&t->model.params, &ps->staging, w);
       ps->applied++;
       int64_t run = t->st.step - ps->mix_step;
       if (run > ps->longest_local) ps->longest_local = run;
@@ -122,10 +109,9 @@ static bool exchange(struct peer_sync *ps) {
       ps->rejected++;
     }
     gossip_xch_apply_done(ps->g, rc, rc ? why : NULL);
-    return true;
+    return;
   }
   }
-  return false;
 }
 
 double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop) {
@@ -188,10 +174,7 @@ static void publish_stats(struct peer_sync *ps, double now, bool with_sketch) {
 }
 
 void peer_sync_boundary(struct peer_sync *ps) {
-  /* After an apply, the next exchange can start at once rather than a step
-   * later: with steps shorter than an exchange, that is what keeps a peer
-   * exchanging back to back. */
-  if (exchange(ps)) exchange(ps);
+  exchange(ps);
   double now = clock_now_s();
   if (gossip_stats_wanted(ps->g)) publish_stats(ps, now, true);
   else if (now - ps->stats_s >= 1.0) publish_stats(ps, now, false);

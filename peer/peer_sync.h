@@ -6,10 +6,7 @@
  * Applying: the partner's parameters must be finite and within
  * `max_distance` × ‖ours‖ of ours (‖θ_partner − θ‖ ≤ R·‖θ‖), else they are
  * rejected with a log line and the sender is backed off; accepted ones are
- * averaged in one op against the snapshot we sent, θ ← θ + α·(θ_partner −
- * θ_snapshot): the steps we took while the exchange was in flight are kept
- * (averaging the live parameters would halve them), and an exchange leaves
- * the sum of the two replicas unchanged.
+ * averaged in one op: θ ← (1−α)·θ + α·θ_partner.
  *
  * Monitoring: cheap figures (step, loss, throughput) are published about
  * once a second; the O(P) ones (parameter norm, count-sketch, on the
@@ -47,7 +44,6 @@ struct peer_sync {
   gossip_t *g;
   struct trainer *t;
   struct tensor staging; /* (P): the partner's parameters on our device */
-  struct tensor snap;    /* (P): our parameters when the exchange's snapshot was taken */
   tensor_event_t snap_ev;
   bool snap_pending;
   int64_t snap_step;

@@ -15,11 +15,6 @@ int stage_sync_init(struct stage_sync *ss, gossip_t *g, struct stage_trainer *t,
   int64_t P = t->model.nparams;
   int rc = tensor_alloc(&ss->staging, t->be, TENSOR_F32, 1, &P, e);
   if (rc) return rumor_err_prefix(e, "gossip staging buffer");
-  rc = tensor_alloc(&ss->snap, t->be, TENSOR_F32, 1, &P, e);
-  if (rc) {
-    tensor_free(&ss->staging);
-    return rumor_err_prefix(e, "gossip snapshot buffer");
-  }
   ss->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   ss->last_start_s = ss->stats_s = ss->rate_s = clock_now_s();
   ss->rate_samples = t->st.samples;
@@ -28,7 +23,6 @@ int stage_sync_init(struct stage_sync *ss, gossip_t *g, struct stage_trainer *t,
 
 void stage_sync_free(struct stage_sync *ss) {
   tensor_free(&ss->staging);
-  tensor_free(&ss->snap);
   free(ss->sketch);
   memset(ss, 0, sizeof *ss);
 }
@@ -39,7 +33,7 @@ static int validate(struct stage_sync *ss, char *why, size_t n) {
     snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)bad, (long long)tensor_numel(&ss->staging));
     return RUMOR_ECORRUPT;
   }
-  double dist = sqrt(tensor_sq_dist(&ss->staging, &ss->snap)); /* the two snapshots exchanged */
+  double dist = sqrt(tensor_sq_dist(&ss->staging, &ss->t->model.params));
   double norm = sqrt(tensor_sq_norm(&ss->t->model.params));
   double floor = norm > 1e-12 ? norm : 1e-12;
   if (!(dist <= ss->cfg.max_distance * floor)) {
@@ -60,8 +54,7 @@ static void exchange(struct stage_sync *ss) {
   case GOSSIP_XCH_SNAPSHOT:
     /* Synchronous: the slice is small next to a step, and a GPU stage would
      * wait here for its last update anyway. */
-    tensor_copy(&ss->snap, &t->model.params);
-    tensor_copy_to_host(&ss->snap, 0, gossip_xch_mine(ss->g), (size_t)t->model.nparams * sizeof(float));
+    tensor_copy_to_host(&t->model.params, 0, gossip_xch_mine(ss->g), (size_t)t->model.nparams * sizeof(float));
     ss->last_start_s = now;
     gossip_xch_snapshot_done(ss->g, (uint64_t)t->st.step);
     return;
@@ -70,7 +63,7 @@ static void exchange(struct stage_sync *ss) {
     char why[200] = "";
     int rc = validate(ss, why, sizeof why);
     if (rc == 0) {
-      tensor_add_diff(&t->model.params, &ss->staging, &ss->snap, gossip_xch_alpha(ss->g)); /* as peer_sync */
+      tensor_lerp(&t->model.params, &ss->staging, gossip_xch_alpha(ss->g));
       ss->applied++;
     } else {
       ss->rejected++;

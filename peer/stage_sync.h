@@ -7,8 +7,7 @@
  *
  * Like peer_sync for a whole replica: at each step boundary it starts
  * exchanges on schedule, snapshots the slice, validates a partner's slice
- * (finite, within max_distance × ‖ours‖) and averages it in against the
- * snapshot it sent (θ ← θ + α·(θ_partner − θ_snapshot)); it serves state
+ * (finite, within max_distance × ‖ours‖) and averages it in; it serves state
  * donations to newcomer stages and publishes monitoring figures. Between
  * step boundaries (while the pipeline waits for a neighbour) stage_sync_idle
  * serves donations only: parameters and optimizer state do not change
@@ -33,7 +32,6 @@ struct stage_sync {
   gossip_t *g;
   struct stage_trainer *t;
   struct tensor staging; /* (P) the partner's slice on our device */
-  struct tensor snap;    /* (P) our slice when the exchange's snapshot was taken */
   double last_start_s;
   uint64_t applied, rejected;
   double *sketch;

@@ -323,13 +323,6 @@ void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha) {
   x->be->ops->lerp(x->be, x->data, y->data, alpha, tensor_numel(x));
 }
 
-void tensor_add_diff(struct tensor *x, const struct tensor *a, const struct tensor *b, float w) {
-  check_same(x, a);
-  check_same(x, b);
-  RUMOR_ASSERT(a->data != x->data);
-  x->be->ops->add_diff(x->be, x->data, a->data, b->data, w, tensor_numel(x));
-}
-
 void tensor_scale(struct tensor *x, float a) {
   check_f32(x);
   x->be->ops->scale(x->be, x->data, a, tensor_numel(x));

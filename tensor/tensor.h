@@ -165,11 +165,6 @@ void tensor_adamw_step(struct tensor *params, const struct tensor *grads, struct
 void tensor_axpby(float a, const struct tensor *x, float b, struct tensor *y);
 /* x ← (1 − alpha)·x + alpha·y (gossip averaging). */
 void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha);
-/* x ← x + w·(a − b): moves x by w times the difference from b to a (gossip
- * averaging against a snapshot b of x, keeping the steps x has taken since;
- * a two-sided exchange then preserves the sum of both replicas). b may alias
- * x (then it is tensor_lerp) but a may not. */
-void tensor_add_diff(struct tensor *x, const struct tensor *a, const struct tensor *b, float w);
 void tensor_scale(struct tensor *x, float a);
 void tensor_fill(struct tensor *x, float v);
 /* Reductions, accumulated in double (CPU) or float partials summed in double

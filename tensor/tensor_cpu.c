@@ -276,13 +276,6 @@ static void cpu_lerp(tensor_backend_t be, float *x, const float *y, float alpha,
   CPU_FOR(be, n, lo, hi, k_lerp(x + lo, y + lo, alpha, hi - lo));
 }
 
-CPU_KERNEL static void k_add_diff(float *x, const float *a, const float *b, float w, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] += w * (a[i] - b[i]);
-}
-static void cpu_add_diff(tensor_backend_t be, float *x, const float *a, const float *b, float w, int64_t n) {
-  CPU_FOR(be, n, lo, hi, k_add_diff(x + lo, a + lo, b + lo, w, hi - lo));
-}
-
 CPU_KERNEL static void k_scale(float *x, float a, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] *= a;
 }
@@ -500,7 +493,6 @@ static const struct tensor_backend_ops cpu_ops = {
     .adamw_step = cpu_adamw_step,
     .axpby = cpu_axpby,
     .lerp = cpu_lerp,
-    .add_diff = cpu_add_diff,
     .scale = cpu_scale,
     .fill = cpu_fill,
     .sum = cpu_sum,

@@ -364,11 +364,6 @@ static void cuda_lerp(tensor_backend_t be, float *x, const float *y, float alpha
   KERN_CHECK(kern_lerp(x, y, alpha, n, stream_of(b)));
 }
 
-static void cuda_add_diff(tensor_backend_t be, float *x, const float *a, const float *bs, float w, int64_t n) {
-  struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_add_diff(x, a, bs, w, n, stream_of(b)));
-}
-
 static void cuda_scale(tensor_backend_t be, float *x, float a, int64_t n) {
   struct cuda_backend *b = enter(be);
   KERN_CHECK(kern_scale(x, a, n, stream_of(b)));
@@ -462,7 +457,6 @@ static const struct tensor_backend_ops cuda_ops = {
     .adamw_step = cuda_adamw_step,
     .axpby = cuda_axpby,
     .lerp = cuda_lerp,
-    .add_diff = cuda_add_diff,
     .scale = cuda_scale,
     .fill = cuda_fill,
     .sum = cuda_sum,

@@ -264,23 +264,6 @@ Test(tensor_cpu, axpby_lerp_scale_fill) {
     got = to_host(&x);
     expect_close("lerp", got, ref, n, 1e-6, 1e-6);
     free(got);
-    /* x ← x + w·(a − b), with b a snapshot of x taken before x moved on:
-     * the steps x took since the snapshot are kept. */
-    float *bh = rand_host(n, 4);
-    struct tensor b = dev_from(bh, 1, &n);
-    tensor_copy_from_host(&x, 0, xh, (size_t)n * 4);
-    for (int64_t i = 0; i < n; i++) ref[i] = (float)(xh[i] + 0.5 * ((double)yh[i] - bh[i]));
-    tensor_add_diff(&x, &y, &b, 0.5f);
-    got = to_host(&x);
-    expect_close("add_diff", got, ref, n, 1e-6, 1e-6);
-    free(got);
-    tensor_copy_from_host(&x, 0, xh, (size_t)n * 4);
-    tensor_add_diff(&x, &y, &x, 0.25f); /* b aliases x: the lerp */
-    for (int64_t i = 0; i < n; i++) ref[i] = (float)((1 - 0.25) * xh[i] + 0.25 * yh[i]);
-    got = to_host(&x);
-    expect_close("add_diff aliasing x", got, ref, n, 1e-6, 1e-6);
-    free(got), free(bh);
-    tensor_free(&b);
     tensor_scale(&y, -2.5f);
     for (int64_t i = 0; i < n; i++) ref[i] = -2.5f * yh[i];
     got = to_host(&y);
