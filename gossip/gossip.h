@@ -52,6 +52,9 @@ struct gossip_config {
   const char *bootstrap; /* comma-separated addresses; NULL or "": we are the first member */
   enum gossip_role role;
   const char *name;      /* short label for logs ("peer-2"); optional */
+  /* Pin the network thread, and so libuv's pool threads it starts (they
+   * encrypt and decrypt), to these CPUs; NULL: no pinning. Copied. */
+  const struct cpu_list *net_cpus;
 
   /* Membership timing (SWIM). */
   uint32_t period_ms, ping_timeout_ms, suspect_timeout_ms;

@@ -96,6 +96,7 @@ struct gossip_xch {
 
 struct gossip {
   struct gossip_config cfg;
+  struct cpu_list net_cpus; /* cfg.net_cpus points here when set */
   struct net_identity identity;
   uint8_t cluster_key[NET_CLUSTER_KEY_BYTES];
   char self_id_text[NET_PUBKEY_STR_LEN + 1];

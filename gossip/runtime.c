@@ -710,6 +710,10 @@ static void on_tick(uv_timer_t *t) {
 
 static void loop_main(void *arg) {
   struct gossip *g = arg;
+  /* Before the first bulk transfer starts libuv's pool threads: they
+   * inherit this thread's CPUs. */
+  struct rumor_err e;
+  if (g->cfg.net_cpus && cpu_pin_self(g->cfg.net_cpus, &e)) log_warn("network thread: %s", e.msg);
   uv_run(&g->loop, UV_RUN_DEFAULT);
 }
 
@@ -788,6 +792,10 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   snprintf(g->optimizer, sizeof g->optimizer, "%s", cfg->optimizer ? cfg->optimizer : "");
   g->cfg.model = g->model;
   g->cfg.optimizer = g->optimizer;
+  if (cfg->net_cpus) {
+    g->net_cpus = *cfg->net_cpus;
+    g->cfg.net_cpus = &g->net_cpus;
+  }
   g->cfg.listen = NULL; /* only used below, during start */
   g->cfg.bootstrap = NULL;
   g->mine = cfg->xch_mine;

@@ -20,6 +20,7 @@ struct gossip_flags {
   bool clip;                       /* clipped averaging (peer/clip.h) */
   double clip_tau, max_xch_rate, max_conn_rate;
   const char *attack;              /* testing only (peer/attack.h) */
+  const char *train_cpus, *net_cpus; /* CPU lists, or NULL */
 };
 
 static int parse_wire(const char *s, enum net_dtype *out) {
@@ -99,6 +100,9 @@ int cmd_peer(int argc, char **argv) {
        0, 1e9},
       {"max-conn-rate", ARG_FLOAT, &gf.max_conn_rate, "N", "accept at most N connections a second per peer (0: no limit)", 0,
        1e9},
+      {"train-cpus", ARG_STR, &gf.train_cpus, "LIST",
+       "run training (this thread and the compute threads it starts) on these CPUs, e.g. 0-6"},
+      {"net-cpus", ARG_STR, &gf.net_cpus, "LIST", "run the network thread and its encryption workers on these CPUs, e.g. 7"},
       {"attack", ARG_STR, &gf.attack, "KIND", "TESTING ONLY: misbehave (nan, inf, scale, signflip, replay, short, flood)"},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
@@ -128,6 +132,21 @@ int cmd_peer(int argc, char **argv) {
   if (parse_wire(gf.wire, &wire)) {
     fprintf(stderr, "rumor peer: --wire must be f32, f16 or bf16, not '%s'\n", gf.wire);
     return 2;
+  }
+  struct cpu_list train_cpus, net_cpus;
+  if (gf.train_cpus && cpu_list_parse(gf.train_cpus, &train_cpus, &e)) {
+    fprintf(stderr, "rumor peer: --train-cpus: %s\n", e.msg);
+    return 2;
+  }
+  if (gf.net_cpus && cpu_list_parse(gf.net_cpus, &net_cpus, &e)) {
+    fprintf(stderr, "rumor peer: --net-cpus: %s\n", e.msg);
+    return 2;
+  }
+  /* Before any compute thread exists, so that they inherit it (the network
+   * thread, started later, pins itself to --net-cpus). */
+  if (gf.train_cpus && cpu_pin_self(&train_cpus, &e)) {
+    fprintf(stderr, "rumor peer: --train-cpus %s: %s\n", gf.train_cpus, e.msg);
+    return 1;
   }
   enum attack_kind attack_kind;
   if (attack_parse(gf.attack, &attack_kind, &e)) {
@@ -168,6 +187,7 @@ int cmd_peer(int argc, char **argv) {
   gossip_config_default(&gc);
   net_flags_gossip_config(&nf, &keys, &gc);
   gc.role = GOSSIP_ROLE_PEER;
+  gc.net_cpus = gf.net_cpus ? &net_cpus : NULL;
   gc.model = spec;
   gc.nparams = (uint64_t)P;
   gc.state_floats = (uint64_t)S;

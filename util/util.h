@@ -133,6 +133,19 @@ float rng_normal(struct rng *r);
 int parse_i64(const char *s, int64_t min, int64_t max, int64_t *out) RUMOR_MUST_CHECK;
 int parse_f64(const char *s, double min, double max, double *out) RUMOR_MUST_CHECK;
 
+/* ---- CPU lists ------------------------------------------------------------------
+ * A set of CPUs written like taskset's lists, "0-3,8". Threads started by a
+ * pinned thread inherit its CPUs. */
+#define CPU_LIST_MAX 1024
+struct cpu_list {
+  uint64_t bits[CPU_LIST_MAX / 64];
+};
+/* Parses `s`; every CPU must be one this process may run on. Returns 0, or
+ * RUMOR_EFORMAT with a message naming the list. */
+int cpu_list_parse(const char *s, struct cpu_list *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Restricts the calling thread to the CPUs of `c`. */
+int cpu_pin_self(const struct cpu_list *c, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 /* ---- files ----------------------------------------------------------------------
  * Writes `n` bytes to `path` atomically: a temporary file in the same
  * directory, fsync, rename over `path`, fsync of the directory. On failure the

@@ -15,9 +15,15 @@
 #     time from the first step to the last peer's end). Target: >= 0.90.
 #
 #   tests/bench/bench-cluster.sh [BUILD_DIR]
+#  3. with SPLIT=1 (and 2 cores or more), the overhead again with every
+#     peer's training on cores 0..C-2 (--train-cpus) and its network threads
+#     (the gossip loop and libuv's pool, which encrypts) on core C-1
+#     (--net-cpus), gossip on and off alike: a stand-in for machines where
+#     training has a device of its own and exchanges do not compete with it.
+#
 #   env: N (8), ROUNDS (2), TBATCH (128), BOUND (4; 0 skips the bounded run),
 #   GOSSIP_ARGS (extra peer options for the gossip-on runs, e.g. "--wire f16"),
-#   SKIP_QUALITY=1 (overhead only)
+#   SKIP_QUALITY=1 (overhead only), SPLIT=1 (part 3 too)
 set -eu
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$src/build}
@@ -67,19 +73,34 @@ total() {
   echo "$samples $t0 $t1" | awk '{split($2, a, ":"); split($3, b, ":");
     s = (b[1] - a[1]) * 3600 + (b[2] - a[2]) * 60 + (b[3] - a[3]); printf "%.0f", $1 / s}'
 }
-ratios=""
-i=0
-while [ "$i" -lt "$rounds" ]; do
-  RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
-    --no-eval --gossip-every 0 > /dev/null
-  off=$(total)
-  RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
-    --no-eval --gossip-every 1 $GOSSIP_ARGS > /dev/null
-  on=$(total)
-  r=$(echo "$on $off" | awk '{printf "%.3f", $1 / $2}')
-  echo "round $i: gossip off $off samples/s, gossip every step $on samples/s, ratio $r"
-  ratios="$ratios $r"
-  i=$((i + 1))
-done
-echo "$ratios" | tr ' ' '\n' | grep . | sort -g | awk '{a[NR] = $1} END {printf "median ratio %.3f (target >= 0.90)\n", (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'
+# overhead LABEL [peer options for both runs]: alternating runs, prints the
+# median ratio.
+overhead() {
+  label=$1
+  shift
+  ratios=""
+  i=0
+  while [ "$i" -lt "$rounds" ]; do
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+      --no-eval --gossip-every 0 "$@" > /dev/null
+    off=$(total)
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+      --no-eval --gossip-every 1 $GOSSIP_ARGS "$@" > /dev/null
+    on=$(total)
+    r=$(echo "$on $off" | awk '{printf "%.3f", $1 / $2}')
+    echo "round $i$label: gossip off $off samples/s, gossip every step $on samples/s, ratio $r"
+    ratios="$ratios $r"
+    i=$((i + 1))
+  done
+  echo "$ratios" | tr ' ' '\n' | grep . | sort -g | awk -v l="$label" '{a[NR] = $1}
+    END {printf "median ratio%s %.3f (target >= 0.90)\n", l, (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'
+}
+overhead ""
+
+cores=$(nproc)
+if [ -n "${SPLIT:-}" ] && [ "$cores" -ge 2 ]; then
+  last=$((cores - 1))
+  echo "== overhead, training on cores 0-$((last - 1)), network threads on core $last"
+  overhead " (split cores)" --train-cpus "0-$((last - 1))" --net-cpus "$last"
+fi
 echo "machine: $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"

@@ -364,3 +364,41 @@ Test(gossip, max_local_steps_without_gossip_is_refused) {
   cr_assert(strstr(err, "--max-local-steps 3") && strstr(err, "gossip is off"), "unclear message: %s", err);
   free(err);
 }
+
+/* The CPUs a thread of `pid` may run on ("0", "0-1"), by thread id. */
+static void thread_cpus(pid_t pid, pid_t tid, char *out, size_t n) {
+  char path[96], line[256];
+  snprintf(path, sizeof path, "/proc/%d/task/%d/status", (int)pid, (int)tid);
+  snprintf(out, n, "?");
+  FILE *f = fopen(path, "r"); /* /proc files have no size: read lines */
+  if (!f) return;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "Cpus_allowed_list: %31s", out) == 1) break;
+  fclose(f);
+}
+
+Test(gossip, train_and_net_cpus_pin_the_training_and_network_threads) {
+  SKIP_WITHOUT_DATA();
+  if (sysconf(_SC_NPROCESSORS_ONLN) < 2) cr_skip_test("needs 2 CPUs");
+  cluster_start_bootstrap(&C, NULL);
+  int p = cluster_start_peer(&C, "--model", "mlp:784-128-10", "--epochs", "1000", "--max-steps", "100000", "--no-eval",
+                             "--train-cpus", "0", "--net-cpus", "1", NULL);
+  cr_assert(cluster_wait_file(C.node[p].log, "first step", 60), "the peer did not start training");
+  pid_t pid = C.node[p].pid;
+  char main_cpus[32];
+  thread_cpus(pid, pid, main_cpus, sizeof main_cpus);
+  cr_assert_str_eq(main_cpus, "0", "the training thread may run on %s", main_cpus);
+  /* The network thread (and any pool thread it started) is on CPU 1. */
+  char cmd[128], line[64];
+  snprintf(cmd, sizeof cmd, "ls /proc/%d/task", (int)pid);
+  FILE *f = popen(cmd, "r");
+  cr_assert_not_null(f);
+  int on1 = 0;
+  while (fgets(line, sizeof line, f)) {
+    char cpus[32];
+    thread_cpus(pid, (pid_t)atoi(line), cpus, sizeof cpus);
+    if (strcmp(cpus, "1") == 0) on1++;
+  }
+  pclose(f);
+  cr_assert_geq(on1, 1, "no thread of the peer runs on CPU 1 only");
+}

@@ -1,6 +1,10 @@
 /* util: JSON reader/writer, half-precision conversion, the seeded generator,
- * strict number parsing and atomic file writes. */
+ * strict number parsing, atomic file writes and CPU lists. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <criterion/criterion.h>
+#include <sched.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -165,4 +169,36 @@ Test(file, atomic_write_replaces_and_reads_back) {
   char cmd[160];
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   cr_assert_eq(system(cmd), 0);
+}
+
+static bool cpu_in(const struct cpu_list *c, int cpu) { return (c->bits[cpu / 64] >> (cpu % 64)) & 1; }
+
+Test(cpus, lists_parse_strictly_and_pinning_takes_effect) {
+  struct cpu_list c;
+  struct rumor_err e;
+  cr_assert_eq(cpu_list_parse("0", &c, &e), 0, "%s", e.msg);
+  cr_assert(cpu_in(&c, 0) && !cpu_in(&c, 1));
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (n >= 2) {
+    cr_assert_eq(cpu_list_parse("0-1", &c, &e), 0, "%s", e.msg);
+    cr_assert(cpu_in(&c, 0) && cpu_in(&c, 1) && !cpu_in(&c, 2));
+    cr_assert_eq(cpu_list_parse("1,0", &c, &e), 0, "%s", e.msg);
+    cr_assert(cpu_in(&c, 0) && cpu_in(&c, 1));
+  }
+  const char *bad[] = {"", "x", "1-", "-1", "2-1", "0,", ",0", "0,,1", "0 1", "1024", "99999999999"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    cr_assert_neq(cpu_list_parse(bad[i], &c, &e), 0, "'%s' was accepted", bad[i]);
+    cr_assert(strlen(e.msg) > 0, "no message for '%s'", bad[i]);
+  }
+  cr_assert_neq(cpu_list_parse("1000", &c, &e), 0, "a CPU this machine lacks was accepted");
+  cr_assert(strstr(e.msg, "1000") != NULL, "the message does not name the CPU: %s", e.msg);
+
+  /* Pin this thread to CPU 0, check the kernel agrees, and restore. */
+  cpu_set_t before, now;
+  cr_assert_eq(sched_getaffinity(0, sizeof before, &before), 0);
+  cr_assert_eq(cpu_list_parse("0", &c, &e), 0, "%s", e.msg);
+  cr_assert_eq(cpu_pin_self(&c, &e), 0, "%s", e.msg);
+  cr_assert_eq(sched_getaffinity(0, sizeof now, &now), 0);
+  cr_assert(CPU_ISSET(0, &now) && CPU_COUNT(&now) == 1, "pinned to %d CPUs", CPU_COUNT(&now));
+  cr_assert_eq(sched_setaffinity(0, sizeof before, &before), 0);
 }
