@@ -32,15 +32,14 @@ static int parse_wire(const char *s, enum net_dtype *out) {
 }
 
 /* `gs` and `id`: the gossip figures and our key, taken before we left. */
-static void print_result(struct trainer *t, const struct gossip_stats *gs_, const char *id, double secs, int64_t s0,
+static void print_result(struct trainer *t, const struct gossip_stats *gs, const char *id, double secs, int64_t s0,
                          const struct peer_sync *ps) {
   double acc = -1, loss = -1;
   if (t->have_test) trainer_evaluate(t, &t->test, &acc, &loss);
-  struct gossip_stats gs = *gs_;
   log_info("final test accuracy %.4f, test loss %.4f after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "
            "at most %lld steps between applied exchanges",
-           acc, loss, (long long)t->st.step, (unsigned long long)gs.exchanges_ok,
-           (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
+           acc, loss, (long long)t->st.step, (unsigned long long)gs->exchanges_ok,
+           (unsigned long long)gs->exchanges_failed, (unsigned long long)gs->exchanges_rejected,
            (long long)ps->longest_local);
   if (ps->holds)
     log_info("held training %llu times for an exchange (%.1f s in all, %llu gave up after --max-hold-ms)",
@@ -51,11 +50,11 @@ static void print_result(struct trainer *t, const struct gossip_stats *gs_, cons
          "\"conn_rate_limited\":%llu,\"longest_local_steps\":%lld,\"holds\":%llu,\"hold_timeouts\":%llu,"
          "\"hold_s\":%.3f,\"id\":\"%s\"}\n",
          acc, loss, (long long)t->st.step, (long long)t->st.epoch,
-         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs.exchanges_ok,
-         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
-         (unsigned long long)gs.exchange_requests, (unsigned long long)gs.exchange_refusals,
-         (unsigned long long)gs.exchange_idle, (unsigned long long)ps->clip.clipped,
-         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited,
+         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs->exchanges_ok,
+         (unsigned long long)gs->exchanges_failed, (unsigned long long)gs->exchanges_rejected,
+         (unsigned long long)gs->exchange_requests, (unsigned long long)gs->exchange_refusals,
+         (unsigned long long)gs->exchange_idle, (unsigned long long)ps->clip.clipped,
+         (unsigned long long)gs->exchange_rate_limited, (unsigned long long)gs->conn_rate_limited,
          (long long)ps->longest_local, (unsigned long long)ps->holds, (unsigned long long)ps->hold_timeouts, ps->hold_s,
          id);
   fflush(stdout);
