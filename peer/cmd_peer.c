@@ -100,7 +100,7 @@ int cmd_peer(int argc, char **argv) {
       {"max-conn-rate", ARG_FLOAT, &gf.max_conn_rate, "N", "accept at most N connections a second per peer (0: no limit)", 0,
        1e9},
       {"train-cpus", ARG_STR, &gf.train_cpus, "LIST",
-       "run training (this thread and the compute threads it starts) on these CPUs, e.g. 0-6"},
+       "run training (the main thread and its compute threads) on these CPUs, e.g. 0-6"},
       {"net-cpus", ARG_STR, &gf.net_cpus, "LIST", "run the network thread and its encryption workers on these CPUs, e.g. 7"},
       {"attack", ARG_STR, &gf.attack, "KIND", "TESTING ONLY: misbehave (nan, inf, scale, signflip, replay, short, flood)"},
   };
