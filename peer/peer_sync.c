@@ -13,9 +13,15 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
   ps->cfg = *cfg;
   ps->g = g;
   ps->t = t;
-  int64_t P = t->model.nparams;
-  int rc = tensor_alloc(&ps->staging, t->be, TENSOR_F32, 1, &P, e);
-  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  /* The partner's parameters on our device: on the CPU the receive buffer
+   * itself, on a GPU a buffer they are uploaded into. */
+  struct tensor flat = tensor_flat(&t->model.params);
+  ps->upload = !tensor_view_host(&flat, gossip_xch_theirs(g), &ps->staging);
+  if (ps->upload) {
+    int64_t P = t->model.nparams;
+    int rc = tensor_alloc(&ps->staging, t->be, TENSOR_F32, 1, &P, e);
+    if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  }
   ps->snap_ev = tensor_event_create(t->be);
   if (!ps->snap_ev) {
     tensor_free(&ps->staging);
@@ -40,13 +46,15 @@ void peer_sync_free(struct peer_sync *ps) {
 /* Validates the partner's parameters (in staging) against ours. Returns 0
  * or a negative code with the reason in `why`. */
 static int validate(struct peer_sync *ps, char *why, size_t n) {
-  int64_t bad = tensor_count_nonfinite(&ps->staging);
-  if (bad) {
-    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)bad, (long long)tensor_numel(&ps->staging));
+  struct tensor_diff_stats st;
+  tensor_diff_stats(&ps->t->model.params, &ps->staging, &st); /* one pass on the CPU */
+  if (st.nonfinite_y) {
+    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)st.nonfinite_y,
+             (long long)tensor_numel(&ps->staging));
     return RUMOR_ECORRUPT;
   }
-  double dist = sqrt(tensor_sq_dist(&ps->staging, &ps->t->model.params));
-  double norm = sqrt(tensor_sq_norm(&ps->t->model.params));
+  double dist = sqrt(st.sq_dist);
+  double norm = sqrt(st.sq_norm_x);
   ps->last_dist = dist;
   ps->last_norm = norm;
   double limit = ps->cfg.max_distance * (norm > 1e-12 ? norm : 1e-12);
@@ -82,7 +90,8 @@ static void exchange(struct peer_sync *ps) {
     }
     return;
   case GOSSIP_XCH_APPLY: {
-    tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
+    if (ps->upload)
+      tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
     char why[200] = "";
     int rc = validate(ps, why, sizeof why);
     /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far

@@ -43,7 +43,9 @@ struct peer_sync {
   struct peer_sync_config cfg;
   gossip_t *g;
   struct trainer *t;
-  struct tensor staging; /* (P): the partner's parameters on our device */
+  struct tensor staging; /* (P): the partner's parameters on our device: a view of the
+                          * receive buffer on the CPU, an upload target on a GPU */
+  bool upload;           /* staging is its own buffer: copy the received parameters in */
   tensor_event_t snap_ev;
   bool snap_pending;
   int64_t snap_step;

@@ -12,9 +12,15 @@ int stage_sync_init(struct stage_sync *ss, gossip_t *g, struct stage_trainer *t,
   ss->cfg = *cfg;
   ss->g = g;
   ss->t = t;
-  int64_t P = t->model.nparams;
-  int rc = tensor_alloc(&ss->staging, t->be, TENSOR_F32, 1, &P, e);
-  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  /* As in peer_sync: the receive buffer itself on the CPU, an upload
+   * target on a GPU. */
+  struct tensor flat = tensor_flat(&t->model.params);
+  ss->upload = !tensor_view_host(&flat, gossip_xch_theirs(g), &ss->staging);
+  if (ss->upload) {
+    int64_t P = t->model.nparams;
+    int rc = tensor_alloc(&ss->staging, t->be, TENSOR_F32, 1, &P, e);
+    if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  }
   ss->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   ss->last_start_s = ss->stats_s = ss->rate_s = clock_now_s();
   ss->rate_samples = t->st.samples;
@@ -28,13 +34,15 @@ void stage_sync_free(struct stage_sync *ss) {
 }
 
 static int validate(struct stage_sync *ss, char *why, size_t n) {
-  int64_t bad = tensor_count_nonfinite(&ss->staging);
-  if (bad) {
-    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)bad, (long long)tensor_numel(&ss->staging));
+  struct tensor_diff_stats st;
+  tensor_diff_stats(&ss->t->model.params, &ss->staging, &st);
+  if (st.nonfinite_y) {
+    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)st.nonfinite_y,
+             (long long)tensor_numel(&ss->staging));
     return RUMOR_ECORRUPT;
   }
-  double dist = sqrt(tensor_sq_dist(&ss->staging, &ss->t->model.params));
-  double norm = sqrt(tensor_sq_norm(&ss->t->model.params));
+  double dist = sqrt(st.sq_dist);
+  double norm = sqrt(st.sq_norm_x);
   double floor = norm > 1e-12 ? norm : 1e-12;
   if (!(dist <= ss->cfg.max_distance * floor)) {
     snprintf(why, n, "distance %.4g from our slice is %.3g times its norm %.4g (limit %g)", dist, dist / floor, norm,
@@ -59,7 +67,8 @@ static void exchange(struct stage_sync *ss) {
     gossip_xch_snapshot_done(ss->g, (uint64_t)t->st.step);
     return;
   case GOSSIP_XCH_APPLY: {
-    tensor_copy_from_host(&ss->staging, 0, gossip_xch_theirs(ss->g), (size_t)t->model.nparams * sizeof(float));
+    if (ss->upload)
+      tensor_copy_from_host(&ss->staging, 0, gossip_xch_theirs(ss->g), (size_t)t->model.nparams * sizeof(float));
     char why[200] = "";
     int rc = validate(ss, why, sizeof why);
     if (rc == 0) {

@@ -31,7 +31,9 @@ struct stage_sync {
   struct stage_sync_config cfg;
   gossip_t *g;
   struct stage_trainer *t;
-  struct tensor staging; /* (P) the partner's slice on our device */
+  struct tensor staging; /* (P) the partner's slice on our device (a view of the receive
+                          * buffer on the CPU) */
+  bool upload;           /* staging is its own buffer: copy the received slice in */
   double last_start_s;
   uint64_t applied, rejected;
   double *sketch;

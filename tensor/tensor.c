@@ -348,6 +348,26 @@ double tensor_sq_dist(const struct tensor *x, const struct tensor *y) {
   return x->be->ops->sq_dist(x->be, x->data, y->data, tensor_numel(x));
 }
 
+void tensor_diff_stats(const struct tensor *x, const struct tensor *y, struct tensor_diff_stats *out) {
+  check_same(x, y);
+  const struct tensor_backend_ops *ops = x->be->ops;
+  if (ops->diff_stats) {
+    ops->diff_stats(x->be, x->data, y->data, tensor_numel(x), out);
+    return;
+  }
+  out->nonfinite_y = ops->count_nonfinite(x->be, y->data, tensor_numel(y));
+  out->sq_dist = ops->sq_dist(x->be, y->data, x->data, tensor_numel(x));
+  out->sq_norm_x = ops->sq_norm(x->be, x->data, tensor_numel(x));
+}
+
+bool tensor_view_host(const struct tensor *like, void *host, struct tensor *out) {
+  if (tensor_backend_device(like->be) != TENSOR_DEVICE_CPU) return false;
+  *out = *like;
+  out->data = host;
+  out->owner = false;
+  return true;
+}
+
 int64_t tensor_count_nonfinite(const struct tensor *x) {
   check_f32(x);
   return x->be->ops->count_nonfinite(x->be, x->data, tensor_numel(x));

@@ -91,6 +91,12 @@ struct tensor tensor_flat(const struct tensor *t);
 int64_t tensor_numel(const struct tensor *t);
 size_t tensor_nbytes(const struct tensor *t);
 
+/* On a backend whose memory is host memory (the CPU): sets *out to a
+ * non-owning view of `host` (from tensor_host_alloc, at least as large as
+ * `like`) shaped like `like`, and returns true, so a host buffer is used
+ * without copying it. Returns false elsewhere: copy it instead. */
+bool tensor_view_host(const struct tensor *like, void *host, struct tensor *out);
+
 /* Host memory suited to fast and asynchronous copies with `be`: pinned
  * (page-locked) for CUDA, 64-byte aligned for the CPU. NULL on failure. */
 void *tensor_host_alloc(tensor_backend_t be, size_t bytes);
@@ -172,6 +178,13 @@ void tensor_fill(struct tensor *x, float v);
 double tensor_sum(const struct tensor *x);
 double tensor_sq_norm(const struct tensor *x);
 double tensor_sq_dist(const struct tensor *x, const struct tensor *y); /* ‖x − y‖² */
+/* What gossip checks before averaging `y` into `x`, in one pass where the
+ * backend has one: the non-finite values of y, ‖y − x‖² and ‖x‖². */
+struct tensor_diff_stats {
+  int64_t nonfinite_y;
+  double sq_dist, sq_norm_x;
+};
+void tensor_diff_stats(const struct tensor *x, const struct tensor *y, struct tensor_diff_stats *out);
 /* Number of NaN or ±Inf elements. */
 int64_t tensor_count_nonfinite(const struct tensor *x);
 

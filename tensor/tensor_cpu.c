@@ -362,6 +362,51 @@ static int64_t cpu_count_nonfinite(tensor_backend_t be, const float *x, int64_t 
   return bad;
 }
 
+/* Gossip's checks in one pass: non-finite values of y (the integer test
+ * above), ‖y − x‖² and ‖x‖², float partials per block as in k_reduce. */
+CPU_KERNEL static void k_diff_stats(const float *x, const float *y, int64_t n, struct tensor_diff_stats *s) {
+  const uint32_t *u = (const uint32_t *)y;
+  for (int64_t b = 0; b < n; b += RED_BLOCK) {
+    int64_t e = b + RED_BLOCK < n ? b + RED_BLOCK : n;
+    float dist = 0.0f, norm = 0.0f;
+    int64_t bad = 0;
+#pragma omp simd reduction(+ : dist, norm, bad)
+    for (int64_t i = b; i < e; i++) {
+      bad += (u[i] & 0x7f800000u) == 0x7f800000u;
+      float d = y[i] - x[i];
+      dist += d * d;
+      norm += x[i] * x[i];
+    }
+    s->nonfinite_y += bad;
+    s->sq_dist += dist;
+    s->sq_norm_x += norm;
+  }
+}
+
+static void cpu_diff_stats(tensor_backend_t be, const float *x, const float *y, int64_t n,
+                           struct tensor_diff_stats *out) {
+  int64_t bad = 0;
+  double dist = 0.0, norm = 0.0;
+  int t = nthreads(be);
+  if (t <= 1 || n < CPU_PAR_MIN) {
+    *out = (struct tensor_diff_stats){0};
+    k_diff_stats(x, y, n, out);
+    return;
+  }
+#pragma omp parallel num_threads(t) reduction(+ : bad, dist, norm)
+  {
+    int nt = omp_get_num_threads();
+    int64_t chunk = (((n + nt - 1) / nt) + RED_BLOCK - 1) / RED_BLOCK * RED_BLOCK;
+    int64_t lo = (int64_t)omp_get_thread_num() * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    struct tensor_diff_stats part = {0};
+    if (lo < hi) k_diff_stats(x + lo, y + lo, hi - lo, &part);
+    bad += part.nonfinite_y;
+    dist += part.sq_dist;
+    norm += part.sq_norm_x;
+  }
+  *out = (struct tensor_diff_stats){bad, dist, norm};
+}
+
 /* Count-sketch (the blocked layout of tensor_sketch_bucket): the hashes of
  * a block of groups are computed in a vectorised loop, then each group of 8
  * elements is added to its 8 adjacent buckets with its signs, a loop GCC
@@ -499,6 +544,7 @@ static const struct tensor_backend_ops cpu_ops = {
     .sq_norm = cpu_sq_norm,
     .sq_dist = cpu_sq_dist,
     .count_nonfinite = cpu_count_nonfinite,
+    .diff_stats = cpu_diff_stats,
     .count_sketch = cpu_count_sketch,
 };
 

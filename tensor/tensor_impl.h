@@ -60,6 +60,8 @@ struct tensor_backend_ops {
   double (*sq_norm)(tensor_backend_t be, const float *x, int64_t n);
   double (*sq_dist)(tensor_backend_t be, const float *x, const float *y, int64_t n);
   int64_t (*count_nonfinite)(tensor_backend_t be, const float *x, int64_t n);
+  /* Optional (NULL: tensor_diff_stats runs the three reductions above). */
+  void (*diff_stats)(tensor_backend_t be, const float *x, const float *y, int64_t n, struct tensor_diff_stats *out);
   void (*count_sketch)(tensor_backend_t be, const float *x, int64_t n, uint64_t seed, int k,
                        double *out_host);
 };

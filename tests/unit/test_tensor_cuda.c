@@ -772,6 +772,26 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
       check_exact(what, got, y, n);
     }
 
+    {
+      /* Gossip's checks (three reductions on this backend), and no host
+       * views: device memory is not host memory. */
+      struct dev gx = dev_from(1, &n, x), gy = dev_from(1, &n, y);
+      struct tensor_diff_stats st;
+      tensor_diff_stats(&gx.t, &gy.t, &st);
+      double dist = 0, norm = 0;
+      for (int64_t i = 0; i < n; i++) {
+        dist += ((double)y[i] - x[i]) * ((double)y[i] - x[i]);
+        norm += (double)x[i] * x[i];
+      }
+      cr_assert_eq(st.nonfinite_y, 0, "diff_stats n=%" PRId64 ": non-finite counted in finite data", n);
+      cr_assert(fabs(st.sq_dist - dist) <= 1e-5 * dist + 1e-9, "diff_stats n=%" PRId64 ": distance %.9g vs %.9g", n,
+                st.sq_dist, dist);
+      cr_assert(fabs(st.sq_norm_x - norm) <= 1e-5 * norm + 1e-9, "diff_stats n=%" PRId64 ": norm %.9g vs %.9g", n,
+                st.sq_norm_x, norm);
+      struct tensor v;
+      cr_assert(!tensor_view_host(&gx.t, x, &v), "a CUDA tensor must not view host memory");
+    }
+
     struct dev sx = dev_from(1, &n, x);
     tensor_scale(&sx.t, -2.5f);
     for (int64_t i = 0; i < n; i++) ref[i] = x[i] * -2.5f;

@@ -367,3 +367,50 @@ Test(tensor_cpu, device_specs) {
     tensor_backend_close(b2);
   }
 }
+
+Test(tensor_cpu, diff_stats_is_the_three_reductions_in_one_pass) {
+  /* Sizes below and above the parallel threshold, and off the block size. */
+  const int64_t sizes[] = {1, 1023, 1025, 1000003};
+  for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+    int64_t n = sizes[s];
+    float *xh = rand_host(n, 2), *yh = rand_host(n, 2);
+    struct tensor x = dev_from(xh, 1, &n), y = dev_from(yh, 1, &n);
+    struct tensor_diff_stats st;
+    tensor_diff_stats(&x, &y, &st);
+    double dist = tensor_sq_dist(&y, &x), norm = tensor_sq_norm(&x);
+    cr_assert_eq(st.nonfinite_y, 0, "n=%lld: %lld non-finite in finite data", (long long)n, (long long)st.nonfinite_y);
+    cr_assert(fabs(st.sq_dist - dist) <= 1e-6 * dist + 1e-9, "n=%lld: distance %.9g vs %.9g", (long long)n, st.sq_dist,
+              dist);
+    cr_assert(fabs(st.sq_norm_x - norm) <= 1e-6 * norm + 1e-9, "n=%lld: norm %.9g vs %.9g", (long long)n,
+              st.sq_norm_x, norm);
+    /* Non-finite values in y are counted (wherever they are), none in x. */
+    yh[0] = NAN;
+    yh[n - 1] = INFINITY;
+    if (n > 2) yh[n / 2] = -INFINITY;
+    xh[0] = NAN; /* x's own values are not y's problem */
+    tensor_copy_from_host(&y, 0, yh, (size_t)n * 4);
+    tensor_copy_from_host(&x, 0, xh, (size_t)n * 4);
+    tensor_diff_stats(&x, &y, &st);
+    int64_t want = n > 2 ? 3 : n;
+    cr_assert_eq(st.nonfinite_y, want, "n=%lld: counted %lld non-finite, want %lld", (long long)n,
+                 (long long)st.nonfinite_y, (long long)want);
+    free(xh), free(yh);
+    tensor_free(&x), tensor_free(&y);
+  }
+}
+
+Test(tensor_cpu, a_host_buffer_is_viewed_not_copied_on_the_cpu) {
+  int64_t n = 1000;
+  float *h = tensor_host_alloc(be, (size_t)n * 4), *xh = rand_host(n, 1);
+  struct tensor x = dev_from(xh, 1, &n), v;
+  cr_assert(tensor_view_host(&x, h, &v), "the CPU backend should view host memory");
+  for (int64_t i = 0; i < n; i++) h[i] = (float)i;
+  tensor_copy(&x, &v); /* reads the host buffer as it is now */
+  float *got = to_host(&x);
+  for (int64_t i = 0; i < n; i++) cr_assert_eq(got[i], (float)i, "element %lld", (long long)i);
+  tensor_free(&v); /* a view: frees nothing */
+  h[0] = 7; /* still ours */
+  free(got), free(xh);
+  tensor_free(&x);
+  tensor_host_free(be, h);
+}
