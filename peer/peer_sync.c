@@ -13,15 +13,9 @@ int peer_sync_init(struct peer_sync *ps, gossip_t *g, struct trainer *t, const s
   ps->cfg = *cfg;
   ps->g = g;
   ps->t = t;
-  /* The partner's parameters on our device: on the CPU the receive buffer
-   * itself, on a GPU a buffer they are uploaded into. */
   struct tensor flat = tensor_flat(&t->model.params);
-  ps->upload = !tensor_view_host(&flat, gossip_xch_theirs(g), &ps->staging);
-  if (ps->upload) {
-    int64_t P = t->model.nparams;
-    int rc = tensor_alloc(&ps->staging, t->be, TENSOR_F32, 1, &P, e);
-    if (rc) return rumor_err_prefix(e, "gossip staging buffer");
-  }
+  int rc = tensor_mirror_host(&ps->staging, &flat, gossip_xch_theirs(g), e);
+  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
   ps->snap_ev = tensor_event_create(t->be);
   if (!ps->snap_ev) {
     tensor_free(&ps->staging);
@@ -90,8 +84,7 @@ static void exchange(struct peer_sync *ps) {
     }
     return;
   case GOSSIP_XCH_APPLY: {
-    if (ps->upload)
-      tensor_copy_from_host(&ps->staging, 0, gossip_xch_theirs(ps->g), (size_t)t->model.nparams * sizeof(float));
+    tensor_mirror_refresh(&ps->staging, gossip_xch_theirs(ps->g));
     char why[200] = "";
     int rc = validate(ps, why, sizeof why);
     /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far
@@ -123,11 +116,11 @@ static void exchange(struct peer_sync *ps) {
   }
 }
 
-double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop) {
+void peer_sync_hold(struct peer_sync *ps, const atomic_int *stop) {
   int64_t step = ps->t->st.step;
   if (ps->cfg.max_local_steps <= 0 || step - ps->mix_step < ps->cfg.max_local_steps || step < ps->hold_resume_step)
-    return 0;
-  if (gossip_live_partners(ps->g) == 0) return 0; /* alone: nobody to mix with */
+    return;
+  if (gossip_live_partners(ps->g) == 0) return; /* alone: nobody to mix with */
   double t0 = clock_now_s();
   uint64_t applied = ps->applied;
   unsigned polls = 0;
@@ -154,9 +147,7 @@ double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop) {
   }
   ps->holding = false;
   if (ps->applied != applied) ps->hold_failures_in_row = 0;
-  double held = clock_now_s() - t0;
-  ps->hold_s += held;
-  return held;
+  ps->hold_s += clock_now_s() - t0;
 }
 
 /* Publishes the training figures; with_sketch adds the O(P) ones. */

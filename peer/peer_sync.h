@@ -43,9 +43,8 @@ struct peer_sync {
   struct peer_sync_config cfg;
   gossip_t *g;
   struct trainer *t;
-  struct tensor staging; /* (P): the partner's parameters on our device: a view of the
-                          * receive buffer on the CPU, an upload target on a GPU */
-  bool upload;           /* staging is its own buffer: copy the received parameters in */
+  struct tensor staging; /* (P): the partner's parameters on our device (tensor_mirror_host
+                          * of the receive buffer: the buffer itself on the CPU) */
   tensor_event_t snap_ev;
   bool snap_pending;
   int64_t snap_step;
@@ -81,8 +80,8 @@ void peer_sync_boundary(struct peer_sync *ps);
  * becomes non-zero, or cfg.max_hold_s passes (then training goes on: a
  * cluster whose exchanges all fail must not stop, and after such a timeout
  * the next hold waits N·2^k steps, k the timeouts in a row). Call after
- * peer_sync_boundary. Returns the seconds held. */
-double peer_sync_hold(struct peer_sync *ps, const atomic_int *stop);
+ * peer_sync_boundary. */
+void peer_sync_hold(struct peer_sync *ps, const atomic_int *stop);
 void peer_sync_free(struct peer_sync *ps);
 
 #endif /* RUMOR_PEER_SYNC_H */

@@ -12,15 +12,9 @@ int stage_sync_init(struct stage_sync *ss, gossip_t *g, struct stage_trainer *t,
   ss->cfg = *cfg;
   ss->g = g;
   ss->t = t;
-  /* As in peer_sync: the receive buffer itself on the CPU, an upload
-   * target on a GPU. */
   struct tensor flat = tensor_flat(&t->model.params);
-  ss->upload = !tensor_view_host(&flat, gossip_xch_theirs(g), &ss->staging);
-  if (ss->upload) {
-    int64_t P = t->model.nparams;
-    int rc = tensor_alloc(&ss->staging, t->be, TENSOR_F32, 1, &P, e);
-    if (rc) return rumor_err_prefix(e, "gossip staging buffer");
-  }
+  int rc = tensor_mirror_host(&ss->staging, &flat, gossip_xch_theirs(g), e);
+  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
   ss->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   ss->last_start_s = ss->stats_s = ss->rate_s = clock_now_s();
   ss->rate_samples = t->st.samples;
@@ -67,8 +61,7 @@ static void exchange(struct stage_sync *ss) {
     gossip_xch_snapshot_done(ss->g, (uint64_t)t->st.step);
     return;
   case GOSSIP_XCH_APPLY: {
-    if (ss->upload)
-      tensor_copy_from_host(&ss->staging, 0, gossip_xch_theirs(ss->g), (size_t)t->model.nparams * sizeof(float));
+    tensor_mirror_refresh(&ss->staging, gossip_xch_theirs(ss->g));
     char why[200] = "";
     int rc = validate(ss, why, sizeof why);
     if (rc == 0) {

@@ -31,9 +31,8 @@ struct stage_sync {
   struct stage_sync_config cfg;
   gossip_t *g;
   struct stage_trainer *t;
-  struct tensor staging; /* (P) the partner's slice on our device (a view of the receive
-                          * buffer on the CPU) */
-  bool upload;           /* staging is its own buffer: copy the received slice in */
+  struct tensor staging; /* (P) the partner's slice on our device (tensor_mirror_host of
+                          * the receive buffer) */
   double last_start_s;
   uint64_t applied, rejected;
   double *sketch;

@@ -360,12 +360,18 @@ void tensor_diff_stats(const struct tensor *x, const struct tensor *y, struct te
   out->sq_norm_x = ops->sq_norm(x->be, x->data, tensor_numel(x));
 }
 
-bool tensor_view_host(const struct tensor *like, void *host, struct tensor *out) {
-  if (tensor_backend_device(like->be) != TENSOR_DEVICE_CPU) return false;
-  *out = *like;
-  out->data = host;
-  out->owner = false;
-  return true;
+int tensor_mirror_host(struct tensor *out, const struct tensor *like, void *host, struct rumor_err *e) {
+  if (tensor_backend_device(like->be) == TENSOR_DEVICE_CPU) {
+    *out = *like; /* CPU memory is host memory: a view, no copies */
+    out->data = host;
+    out->owner = false;
+    return 0;
+  }
+  return tensor_alloc(out, like->be, like->dtype, like->ndim, like->shape, e);
+}
+
+void tensor_mirror_refresh(struct tensor *mirror, const void *host) {
+  if (mirror->data != host) tensor_copy_from_host(mirror, 0, host, tensor_nbytes(mirror));
 }
 
 int64_t tensor_count_nonfinite(const struct tensor *x) {

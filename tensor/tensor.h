@@ -91,11 +91,14 @@ struct tensor tensor_flat(const struct tensor *t);
 int64_t tensor_numel(const struct tensor *t);
 size_t tensor_nbytes(const struct tensor *t);
 
-/* On a backend whose memory is host memory (the CPU): sets *out to a
- * non-owning view of `host` (from tensor_host_alloc, at least as large as
- * `like`) shaped like `like`, and returns true, so a host buffer is used
- * without copying it. Returns false elsewhere: copy it instead. */
-bool tensor_view_host(const struct tensor *like, void *host, struct tensor *out);
+/* A tensor shaped like `like` that mirrors the host buffer `host` (from
+ * tensor_host_alloc, at least as large as `like`): on the CPU a view of the
+ * buffer itself, elsewhere a new device buffer. After the host buffer
+ * changes, tensor_mirror_refresh makes the mirror hold it (a copy on a GPU,
+ * nothing on the CPU). Free it with tensor_free. Returns 0, or an allocation
+ * error. */
+int tensor_mirror_host(struct tensor *out, const struct tensor *like, void *host, struct rumor_err *e) RUMOR_MUST_CHECK;
+void tensor_mirror_refresh(struct tensor *mirror, const void *host);
 
 /* Host memory suited to fast and asynchronous copies with `be`: pinned
  * (page-locked) for CUDA, 64-byte aligned for the CPU. NULL on failure. */

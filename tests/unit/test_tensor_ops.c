@@ -399,17 +399,20 @@ Test(tensor_cpu, diff_stats_is_the_three_reductions_in_one_pass) {
   }
 }
 
-Test(tensor_cpu, a_host_buffer_is_viewed_not_copied_on_the_cpu) {
+Test(tensor_cpu, a_host_mirror_is_the_buffer_itself_on_the_cpu) {
   int64_t n = 1000;
   float *h = tensor_host_alloc(be, (size_t)n * 4), *xh = rand_host(n, 1);
-  struct tensor x = dev_from(xh, 1, &n), v;
-  cr_assert(tensor_view_host(&x, h, &v), "the CPU backend should view host memory");
+  struct tensor x = dev_from(xh, 1, &n), m;
+  struct rumor_err e;
+  cr_assert_eq(tensor_mirror_host(&m, &x, h, &e), 0, "%s", e.msg);
+  cr_assert(m.data == (void *)h && !m.owner, "the CPU mirror should be a view of the host buffer");
   for (int64_t i = 0; i < n; i++) h[i] = (float)i;
-  tensor_copy(&x, &v); /* reads the host buffer as it is now */
+  tensor_mirror_refresh(&m, h); /* nothing to copy */
+  tensor_copy(&x, &m);          /* reads the host buffer as it is now */
   float *got = to_host(&x);
   for (int64_t i = 0; i < n; i++) cr_assert_eq(got[i], (float)i, "element %lld", (long long)i);
-  tensor_free(&v); /* a view: frees nothing */
-  h[0] = 7; /* still ours */
+  tensor_free(&m); /* a view: frees nothing */
+  h[0] = 7;        /* still ours */
   free(got), free(xh);
   tensor_free(&x);
   tensor_host_free(be, h);
