@@ -14,16 +14,8 @@
 
 static char dir[64];
 
-static void setup(void) {
-  snprintf(dir, sizeof dir, "/tmp/rumor-test-cli-XXXXXX");
-  cr_assert_not_null(mkdtemp(dir));
-}
-static void teardown(void) {
-  proc_kill_all();
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  cr_assert_eq(system(cmd), 0);
-}
+static void setup(void) { proc_scratch_make(dir, sizeof dir, "cli"); }
+static void teardown(void) { proc_scratch_remove(dir); }
 TestSuite(cli, .init = setup, .fini = teardown, .timeout = 300);
 
 

@@ -237,18 +237,6 @@ static long long frames_lost(void) {
   return lost;
 }
 
-/* The train losses of node i's "epoch k done ... train loss X" lines. */
-static int epoch_losses(int i, double *out, int max) {
-  char *s = proc_slurp(C.node[i].log);
-  int n = 0;
-  for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
-    const char *p = strstr(line, "train loss ");
-    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
-  }
-  free(s);
-  return n;
-}
-
 static void stop_all(const int *peer, int n) {
   for (int i = 0; i < n; i++) kill(C.node[peer[i]].pid, SIGTERM);
   for (int i = 0; i < n; i++) {
@@ -363,7 +351,7 @@ Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_tr
     fprintf(stderr, "figure: 100 ms RTT, 100 Mbit/s: peer %d: %lld steps, %d exchanges (median %.0f ms), %d abandoned\n",
             i, (long long)(s1[i] - s0[i]), x, med, abandoned);
     double losses[4096];
-    int ne = epoch_losses(peer[i], losses, 4096);
+    int ne = cluster_epoch_losses(&C, peer[i], losses, 4096);
     cr_assert_gt(s1[i], s0[i] + 100, "peer %d hardly trained", i);
     cr_assert(ne >= 2 && losses[ne - 1] < losses[0], "peer %d's training loss did not fall", i);
     cr_assert_geq(x, 10, "peer %d completed only %d exchanges in 24 s", i, x);

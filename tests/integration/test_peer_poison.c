@@ -41,18 +41,6 @@ static int count_lines(int i, const char *a, const char *b) {
 /* "127.0.0.1:PORT (" as log lines name a member. */
 static void who(int i, char *buf, size_t n) { snprintf(buf, n, "%s (", C.node[i].addr); }
 
-/* The train losses of node i's "epoch k done ... train loss X" lines. */
-static int epoch_losses(int i, double *out, int max) {
-  char *s = proc_slurp(C.node[i].log);
-  int n = 0;
-  for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
-    const char *p = strstr(line, "train loss ");
-    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
-  }
-  free(s);
-  return n;
-}
-
 /* Starts a bootstrap, `honest` honest peers and one attacker (--attack kind)
  * on shards of the training set; all wait for each other. `flag` (may be
  * NULL) is one more flag without a value for every peer. Returns the
@@ -93,7 +81,7 @@ static void poison_run(const char *kind, const char *reason) {
     expect_clean_exit(peer[k]);
     double acc = cluster_result(&C, peer[k], "test_accuracy"), loss = cluster_result(&C, peer[k], "test_loss");
     double losses[16];
-    int ne = epoch_losses(peer[k], losses, 16);
+    int ne = cluster_epoch_losses(&C, peer[k], losses, 16);
     int r = count_lines(peer[k], "rejected parameters from ", bad_who);
     rejections += r;
     fprintf(stderr, "%s: honest peer %d: test accuracy %.4f, test loss %.4f, train loss %.3f -> %.3f, %d rejections\n",
@@ -142,7 +130,7 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
     expect_clean_exit(peer[k]);
     double acc = cluster_result(&C, peer[k], "test_accuracy");
     double losses[16];
-    int ne = epoch_losses(peer[k], losses, 16);
+    int ne = cluster_epoch_losses(&C, peer[k], losses, 16);
     int r = count_lines(peer[k], "rejected parameters from ", bad_who);
     int s = count_lines(peer[k], "skipped parameters from ", bad_who);
     rejected += r;

@@ -186,6 +186,19 @@ static inline double cluster_result(const struct cluster *c, int i, const char *
   return v;
 }
 
+/* The train losses of node i's "epoch k done ... train loss X" log lines,
+ * at most `max`; returns how many. */
+static inline int cluster_epoch_losses(const struct cluster *c, int i, double *out, int max) {
+  char *s = proc_slurp(c->node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "train loss ");
+    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
+  }
+  free(s);
+  return n;
+}
+
 /* Milliseconds since midnight of a log line's "HH:MM:SS.mmm" stamp. */
 static inline long cluster_log_ms(const char *line) {
   int h, m, s, ms;

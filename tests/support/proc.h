@@ -2,7 +2,7 @@
  * proc.h — child processes for integration tests: spawn with output to
  * files, wait with a deadline, kill by PID, and a registry so a test can end
  * every process it started even when an assertion fails half-way (call
- * proc_kill_all from the suite's .fini).
+ * proc_kill_all from the suite's .fini), and scratch directories.
  *
  * Header-only (static inline functions) so each test binary gets its own copy.
  */
@@ -130,6 +130,20 @@ static inline int proc_run(char *const argv[], double secs, const char *scratch,
   unlink(op);
   unlink(ep);
   return st;
+}
+
+/* A fresh scratch directory /tmp/rumor-test-NAME-XXXXXX in dir[n]. */
+static inline void proc_scratch_make(char *dir, size_t n, const char *name) {
+  snprintf(dir, n, "/tmp/rumor-test-%s-XXXXXX", name);
+  cr_assert_not_null(mkdtemp(dir), "cannot make a scratch directory %s", dir);
+}
+
+/* Ends every process this test started, then removes the scratch directory. */
+static inline void proc_scratch_remove(const char *dir) {
+  proc_kill_all();
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  cr_assert_eq(system(cmd), 0, "cannot remove %s", dir);
 }
 
 /* True when the wait status is a normal exit with `code`. */
