@@ -1,0 +1,53 @@
+/* `rumor bootstrap`: run a bootstrap node. */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "bootstrap/bootstrap.h"
+#include "peer/cli/cli.h"
+#include "peer/cli/net_flags.h"
+
+
+/* Announces where we listen, as one JSON line on stdout, for scripts. */
+static void announce(gossip_t *g, void *arg) {
+  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"bootstrap\",\"metrics_port\":%d}\n", gossip_advertised(g), gossip_self_id(g),
+         gossip_metrics_port(g));
+  fflush(stdout);
+}
+
+int cmd_bootstrap(int argc, char **argv) {
+  struct net_flags nf;
+  net_flags_default(&nf);
+  nf.listen = "0.0.0.0:7470";
+  int64_t linger = 500;
+  bool log_json = false;
+  struct arg_spec specs[32];
+  size_t n = 0;
+  net_flags_specs(&nf, true, specs, &n, 29);
+  specs[n++] = (struct arg_spec){"linger-ms", ARG_INT, &linger, "MS", "time to spread LEAVE on exit", 0, 60000};
+  specs[n++] = (struct arg_spec){"log-json", ARG_FLAG, &log_json, NULL, "log one JSON object per line"};
+  specs[n] = (struct arg_spec){0};
+  int ar = args_parse(specs, argc, argv, "rumor bootstrap --listen HOST:PORT --cluster-key FILE --identity FILE [options]",
+                      "Runs a bootstrap node: a long-lived member without a model that newcomers dial\n"
+                      "first. Prints its address and public key as JSON on stdout; stops on SIGINT or\n"
+                      "SIGTERM after telling the cluster it leaves.");
+  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  log_set_json(log_json);
+  log_set_name("bootstrap");
+  struct rumor_err e = {0};
+  struct net_keys keys;
+  if (net_flags_load_keys(&nf, &keys, &e)) {
+    fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
+    return e.code == RUMOR_EFORMAT ? 2 : 1;
+  }
+  struct gossip_config gc;
+  gossip_config_default(&gc);
+  net_flags_gossip_config(&nf, &keys, &gc);
+  int rc = bootstrap_run(&gc, signals_stop_flag(), (uint32_t)linger, announce, NULL, &e);
+  net_keys_free(&keys);
+  if (rc) {
+    fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
+    return 1;
+  }
+  return 0;
+}

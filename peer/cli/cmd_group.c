@@ -1,0 +1,549 @@
+/* `rumor group`: starts the S stage processes of one model-parallel peer
+ * group on this host (each a `rumor peer --group G --stage s/S` child),
+ * passes their output through, and stops the group when one of them ends
+ * badly. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "peer/cli/cli.h"
+#include "peer/cli/group_flags.h"
+#include "util/json.h"
+
+#define LINE_MAX_BYTES 65536
+#define NOTICE_S 3.0 /* after a stage failed, the others get this long to notice on their own */
+#define GRACE_S 20.0 /* after SIGTERM, stages get this long before SIGKILL */
+
+struct child {
+  int stage;
+  pid_t pid;
+  int fd; /* read end of its stdout, −1 once closed */
+  char *buf;
+  size_t len;
+  char link[128]; /* its link address, once it printed it */
+  bool exited;
+  int status;
+  bool signalled; /* the launcher sent it a signal */
+  int failed_stage; /* −1, or the culprit it reported */
+  char error[512];
+  char result[LINE_MAX_BYTES]; /* its result line (with "steps") */
+};
+
+struct group {
+  struct group_flags f;
+  int S;
+  char name[STAGE_LINK_GROUP_MAX + 1];
+  char devices[PIPE_MAX_STAGES][32];
+  char bootstrap[PIPE_MAX_STAGES][1024];
+  bool have_bootstrap;
+  struct child kids[PIPE_MAX_STAGES];
+  int nkids;
+};
+
+/* ---- command lines of the stages ---- */
+
+/* "host:port" with port + s (unchanged when port is 0). */
+static int offset_addr(const char *flag, const char *addr, int s, char *out, size_t n, struct rumor_err *e) {
+  const char *colon = strrchr(addr, ':');
+  int64_t port;
+  if (!colon || parse_i64(colon + 1, 0, 65535, &port))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': expected HOST:PORT", flag, addr);
+  if (port != 0 && port + s > 65535)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': port + %d is past 65535", flag, addr, s);
+  snprintf(out, n, "%.*s:%lld", (int)(colon - addr), addr, (long long)(port ? port + s : 0));
+  return 0;
+}
+
+static int split_list(const char *flag, const char *list, char sep, char (*out)[32], int want, bool one_ok,
+                      struct rumor_err *e) {
+  int n = 0;
+  for (const char *p = list; n <= want;) {
+    const char *q = strchr(p, sep);
+    size_t len = q ? (size_t)(q - p) : strlen(p);
+    if (len == 0 || len >= 32) return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': empty or too long entry", flag, list);
+    if (n < want) snprintf(out[n], 32, "%.*s", (int)len, p);
+    n++;
+    if (!q) break;
+    p = q + 1;
+  }
+  if (n == 1 && one_ok) {
+    for (int i = 1; i < want; i++) memcpy(out[i], out[0], 32);
+    return 0;
+  }
+  if (n != want)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s' names %d entr%s for %d stages", flag, list, n,
+                         n == 1 ? "y" : "ies", want);
+  return 0;
+}
+
+/* Options the launcher sets per stage itself rather than passing on. */
+static bool launcher_only(const char *name) {
+  static const char *const own[] = {"stages", "devices", "listen", "advertise", "metrics", "bootstrap", "name", "group",
+                                    "threads"};
+  for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+    if (strcmp(name, own[i]) == 0) return true;
+  return false;
+}
+
+static const struct arg_spec *find_spec(const struct arg_spec *specs, const char *name, size_t len) {
+  for (const struct arg_spec *s = specs; s->name; s++)
+    if (strlen(s->name) == len && strncmp(s->name, name, len) == 0) return s;
+  return NULL;
+}
+
+#define ARGV_MAX 256
+
+static void free_argv(char **argv);
+
+static void push(char **argv, int *n, const char *s) {
+  RUMOR_ASSERT(*n < ARGV_MAX - 1);
+  argv[(*n)++] = xstrdup(s);
+}
+
+/* The stage's argv (malloc'd strings; free with free_argv). */
+static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int s, char **out,
+                      struct rumor_err *e) {
+  int n = 0;
+  char buf[1100];
+  push(out, &n, "rumor");
+  push(out, &n, "peer");
+  push(out, &n, "--group");
+  push(out, &n, g->name);
+  snprintf(buf, sizeof buf, "%d/%d", s, g->S);
+  push(out, &n, "--stage");
+  push(out, &n, buf);
+  push(out, &n, "--device");
+  push(out, &n, g->devices[s]);
+  push(out, &n, "--link-listen");
+  push(out, &n, "127.0.0.1:0");
+  if (s > 0) {
+    push(out, &n, "--link-prev");
+    push(out, &n, g->kids[s - 1].link);
+  }
+  push(out, &n, "--name");
+  push(out, &n, g->f.name ? g->f.name : g->name);
+  const char *addr_flags[] = {"listen", "advertise", "metrics"};
+  const char *addr_vals[] = {g->f.net.listen, g->f.net.advertise, g->f.net.metrics};
+  for (int i = 0; i < 3; i++) {
+    if (!addr_vals[i]) continue;
+    int rc = offset_addr(addr_flags[i], addr_vals[i], s, buf, sizeof buf, e);
+    if (rc) { /* prepare() checked the last stage's port already */
+      out[n] = NULL;
+      free_argv(out);
+      return rc;
+    }
+    char flag[32];
+    snprintf(flag, sizeof flag, "--%s", addr_flags[i]);
+    push(out, &n, flag);
+    push(out, &n, buf);
+  }
+  if (g->f.train.threads > 0) {
+    snprintf(buf, sizeof buf, "%lld", (long long)g->f.train.threads);
+    push(out, &n, "--threads");
+    push(out, &n, buf);
+  } else {
+    /* Stages on one host share its cores. */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(buf, sizeof buf, "%ld", cores / g->S > 1 ? cores / g->S : 1);
+    push(out, &n, "--threads");
+    push(out, &n, buf);
+  }
+  if (g->have_bootstrap) {
+    push(out, &n, "--bootstrap");
+    push(out, &n, g->bootstrap[s]);
+  }
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *name = a + 2, *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    const struct arg_spec *sp = find_spec(specs, name, len);
+    RUMOR_ASSERT(sp); /* args_parse accepted the command line */
+    bool has_value = sp->type != ARG_FLAG && !eq;
+    if (!launcher_only(sp->name)) {
+      push(out, &n, a);
+      if (has_value) push(out, &n, argv[i + 1]);
+    }
+    if (has_value) i++;
+  }
+  out[n] = NULL;
+  return 0;
+}
+
+static void free_argv(char **argv) {
+  for (int i = 0; argv[i]; i++) free(argv[i]);
+}
+
+/* ---- children ---- */
+
+static pid_t spawn(char **argv, int *out_fd) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return -1;
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return -1;
+  }
+  if (pid == 0) {
+    /* A stage must not outlive its launcher. */
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);
+    if (dup2(fds[1], STDOUT_FILENO) < 0) _exit(126);
+    execv("/proc/self/exe", argv);
+    _exit(127);
+  }
+  close(fds[1]);
+  *out_fd = fds[0];
+  return pid;
+}
+
+/* Handles one line of a stage's stdout: passes it on and notes what the
+ * launcher needs from it. */
+static void child_line(struct child *k, const char *line, size_t len) {
+  fwrite(line, 1, len, stdout);
+  fputc('\n', stdout);
+  fflush(stdout);
+  struct json_doc doc;
+  if (len == 0 || line[0] != '{' || json_parse(line, len, &doc, NULL) != 0) return;
+  const struct json_value *v;
+  if ((v = json_get(&doc.root, "link")) && v->type == JSON_STRING)
+    snprintf(k->link, sizeof k->link, "%s", v->string);
+  const struct json_value *stopped = json_get(&doc.root, "stopped");
+  bool on_signal = stopped && stopped->type == JSON_BOOL && stopped->boolean;
+  if ((v = json_get(&doc.root, "failed_stage")) && v->type == JSON_NUMBER && !on_signal) {
+    /* A stage that failed, or saw which stage failed (not one we stopped). */
+    k->failed_stage = (int)v->number;
+    const struct json_value *w = json_get(&doc.root, "error");
+    if (w && w->type == JSON_STRING) snprintf(k->error, sizeof k->error, "%s", w->string);
+  }
+  if (json_get(&doc.root, "steps") && len < sizeof k->result) {
+    memcpy(k->result, line, len);
+    k->result[len] = '\0';
+  }
+  json_doc_free(&doc);
+}
+
+/* Reads what is available from a stage's stdout. Returns false at EOF. */
+static bool child_read(struct child *k) {
+  char tmp[8192];
+  ssize_t r = read(k->fd, tmp, sizeof tmp);
+  if (r < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+  if (r <= 0) {
+    if (k->len) child_line(k, k->buf, k->len);
+    k->len = 0;
+    close(k->fd);
+    k->fd = -1;
+    return false;
+  }
+  for (ssize_t i = 0; i < r; i++) {
+    if (tmp[i] == '\n') {
+      child_line(k, k->buf, k->len);
+      k->len = 0;
+    } else if (k->len < LINE_MAX_BYTES) {
+      k->buf[k->len++] = tmp[i];
+    }
+  }
+  return true;
+}
+
+static void reap(struct group *g) {
+  for (int i = 0; i < g->nkids; i++) {
+    struct child *k = &g->kids[i];
+    if (k->exited) continue;
+    int st;
+    pid_t r = waitpid(k->pid, &st, WNOHANG);
+    if (r != k->pid) continue;
+    k->exited = true;
+    k->status = st;
+    if (WIFSIGNALED(st))
+      log_error("group %s: stage %d/%d (pid %d) was killed by signal %d (%s)", g->name, i, g->S, (int)k->pid,
+                WTERMSIG(st), strsignal(WTERMSIG(st)));
+    else if (WEXITSTATUS(st) != 0)
+      log_warn("group %s: stage %d/%d (pid %d) exited with status %d", g->name, i, g->S, (int)k->pid, WEXITSTATUS(st));
+  }
+}
+
+/* Waits up to `secs` for poll events on the open stage outputs and reads
+ * them. */
+static void pump(struct group *g, int ms) {
+  struct pollfd pf[PIPE_MAX_STAGES];
+  int idx[PIPE_MAX_STAGES], n = 0;
+  for (int i = 0; i < g->nkids; i++)
+    if (g->kids[i].fd >= 0) pf[n] = (struct pollfd){.fd = g->kids[i].fd, .events = POLLIN}, idx[n++] = i;
+  if (n == 0) {
+    usleep((useconds_t)ms * 1000);
+    return;
+  }
+  if (poll(pf, (nfds_t)n, ms) <= 0) return;
+  for (int j = 0; j < n; j++)
+    if (pf[j].revents) child_read(&g->kids[idx[j]]);
+}
+
+static void signal_all(struct group *g, int sig) {
+  for (int i = 0; i < g->nkids; i++)
+    if (!g->kids[i].exited) {
+      kill(g->kids[i].pid, sig);
+      g->kids[i].signalled = true;
+    }
+}
+
+static bool child_bad(const struct child *k) { return k->exited && !(WIFEXITED(k->status) && WEXITSTATUS(k->status) == 0); }
+
+/* ---- the command ---- */
+
+static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_err *e) {
+  struct group_flags *f = &g->f;
+  g->S = (int)f->stages;
+  if (f->group) snprintf(g->name, sizeof g->name, "%s", f->group);
+  else snprintf(g->name, sizeof g->name, "group-%d", (int)getpid());
+  f->group = g->name;
+  struct stage_config sc;
+  int rc = group_flags_stage_config(f, specs, 0, g->S, &sc, e);
+  if (rc) return rc;
+  /* Devices: one per stage. */
+  if (f->devices) {
+    if ((rc = split_list("devices", f->devices, ',', g->devices, g->S, true, e))) return rc;
+  } else {
+    bool gpus = tensor_cuda_device_count() >= g->S;
+    for (int s = 0; s < g->S; s++) snprintf(g->devices[s], sizeof g->devices[s], gpus ? "cuda:%d" : "cpu", s);
+  }
+  if (f->net.bootstrap) {
+    /* One list per stage, separated by ';'. */
+    g->have_bootstrap = true;
+    int n = 0;
+    for (const char *p = f->net.bootstrap;; n++) {
+      const char *q = strchr(p, ';');
+      size_t len = q ? (size_t)(q - p) : strlen(p);
+      if (n < g->S) {
+        if (len >= sizeof g->bootstrap[0]) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap: list %d is too long", n);
+        snprintf(g->bootstrap[n], sizeof g->bootstrap[0], "%.*s", (int)len, p);
+      }
+      if (!q) break;
+      p = q + 1;
+    }
+    n++;
+    if (n != g->S)
+      return rumor_err_set(e, RUMOR_EFORMAT,
+                           "--bootstrap '%s' has %d list%s for %d stages: give one address list per stage, separated "
+                           "by ';' (stage s joins stage s of other groups)",
+                           f->net.bootstrap, n, n == 1 ? "" : "s", g->S);
+  }
+  /* Stage s listens on port + s: the last stage's port must exist. */
+  const char *addr_flags[] = {"listen", "advertise", "metrics"};
+  const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
+  for (int i = 0; i < 3; i++) {
+    char buf[160];
+    if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], g->S - 1, buf, sizeof buf, e))) return rc;
+  }
+  /* Check the key files now rather than in S children. */
+  struct net_keys keys;
+  if ((rc = net_flags_load_keys(&f->net, &keys, e))) return rc;
+  net_keys_free(&keys);
+  struct stage_plan plan;
+  if ((rc = stage_plan_make(&sc, &plan, e))) return rc;
+  char spec[MODEL_SPEC_MAX];
+  model_spec_format(&plan.spec, spec, sizeof spec);
+  log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
+           g->name, spec, g->S, (long long)f->micro, pipe_schedule_name(sc.sched));
+  for (int s = 0; s < g->S; s++) {
+    char line[400];
+    pipe_split_describe(&plan.spec, &plan.split, s, line, sizeof line);
+    log_info("  %s on %s", line, g->devices[s]);
+  }
+  return 0;
+}
+
+/* Starts the stages in order; each but the first needs the previous one's
+ * link address, which it prints first thing. */
+static int start_stages(struct group *g, const struct arg_spec *specs, int argc, char **argv, struct rumor_err *e) {
+  for (int s = 0; s < g->S; s++) {
+    struct child *k = &g->kids[s];
+    k->stage = s;
+    k->fd = -1;
+    k->failed_stage = -1;
+    k->buf = xmalloc(LINE_MAX_BYTES);
+    char *cargv[ARGV_MAX];
+    int rc = stage_argv(g, specs, argc, argv, s, cargv, e);
+    if (rc) return rc;
+    k->pid = spawn(cargv, &k->fd);
+    free_argv(cargv);
+    if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start stage %d: %s", s, strerror(errno));
+    g->nkids++;
+    log_info("group %s: stage %d/%d is pid %d", g->name, s, g->S, (int)k->pid);
+    double deadline = clock_now_s() + (double)g->f.link_wait_ms / 1e3;
+    while (!k->link[0] && s < g->S - 1) {
+      if (signals_stop_requested())
+        return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
+      pump(g, 100);
+      reap(g);
+      if (k->exited || k->fd < 0)
+        return rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d ended before it was listening", s, g->S);
+      if (clock_now_s() > deadline)
+        return rumor_err_set(e, RUMOR_ETIMEDOUT, "stage %d/%d printed no link address within %lld ms", s, g->S,
+                             (long long)g->f.link_wait_ms);
+    }
+  }
+  return 0;
+}
+
+/* Runs until every stage has ended; returns the group's exit status. When
+ * a stage fails, the others normally notice at once (the link tells them);
+ * those that have not after NOTICE_S get SIGTERM (a stage that has not
+ * connected yet cannot be told), and SIGKILL GRACE_S later. */
+static int supervise(struct group *g) {
+  double term_at = 0, kill_at = 0;
+  bool stopping = false, failed = false;
+  for (;;) {
+    pump(g, 100);
+    reap(g);
+    bool all = true;
+    for (int i = 0; i < g->nkids; i++) all = all && g->kids[i].exited;
+    if (all) break;
+    double now = clock_now_s();
+    if (signals_stop_requested() && !stopping) {
+      stopping = true;
+      log_info("group %s: signal %d, stopping the stages", g->name, signals_stop_requested());
+      term_at = now;
+    }
+    if (!failed && !stopping) /* a stage failing while we stop them is not the group failing */
+      for (int i = 0; i < g->nkids; i++)
+        if (child_bad(&g->kids[i])) {
+          failed = true;
+          if (!term_at) term_at = now + NOTICE_S;
+        }
+    if (term_at && now >= term_at && !kill_at) {
+      if (!stopping) log_warn("group %s: stopping the stages still running", g->name);
+      signal_all(g, SIGTERM);
+      kill_at = now + GRACE_S;
+    }
+    if (kill_at && now > kill_at) {
+      log_warn("group %s: stages still running %.0f s after SIGTERM; killing them", g->name, GRACE_S);
+      signal_all(g, SIGKILL);
+      kill_at = now + 1e9;
+    }
+  }
+  while (true) { /* the rest of their output */
+    bool open = false;
+    for (int i = 0; i < g->nkids; i++)
+      if (g->kids[i].fd >= 0) open = true, child_read(&g->kids[i]);
+    if (!open) break;
+  }
+  return failed ? 1 : 0;
+}
+
+/* The stage that took the group down: one killed by a signal, else the
+ * culprit the stages named, else the first that failed. */
+static int culprit(const struct group *g, char *why, size_t n) {
+  for (int i = 0; i < g->nkids; i++)
+    if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
+      snprintf(why, n, "stage %d/%d was killed by signal %d (%s)", i, g->S, WTERMSIG(g->kids[i].status),
+               strsignal(WTERMSIG(g->kids[i].status)));
+      return i;
+    }
+  for (int i = 0; i < g->nkids; i++)
+    if (g->kids[i].failed_stage >= 0) {
+      snprintf(why, n, "%s", g->kids[i].error);
+      return g->kids[i].failed_stage;
+    }
+  for (int i = 0; i < g->nkids; i++)
+    if (child_bad(&g->kids[i])) {
+      snprintf(why, n, "stage %d/%d exited with status %d", i, g->S, WEXITSTATUS(g->kids[i].status));
+      return i;
+    }
+  snprintf(why, n, "unknown");
+  return -1;
+}
+
+static void print_summary(const struct group *g, int status) {
+  struct json_buf b;
+  json_buf_init(&b);
+  json_obj_begin(&b);
+  const struct child *last = &g->kids[g->S - 1];
+  struct json_doc doc;
+  bool have = status == 0 && last->result[0] && json_parse(last->result, strlen(last->result), &doc, NULL) == 0;
+  static const char *const keys[] = {"test_accuracy", "test_loss", "steps", "epochs", "samples_per_s"};
+  if (have) {
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+      const struct json_value *v = json_get(&doc.root, keys[i]);
+      if (v && v->type == JSON_NUMBER) {
+        json_key(&b, keys[i]);
+        json_num(&b, v->number);
+      }
+    }
+    json_doc_free(&doc);
+  }
+  json_key(&b, "group");
+  json_str(&b, g->name);
+  json_key(&b, "stages");
+  json_int(&b, g->S);
+  json_key(&b, "status");
+  json_str(&b, status == 0 ? "ok" : "failed");
+  if (status != 0) {
+    char why[512];
+    int s = culprit(g, why, sizeof why);
+    json_key(&b, "failed_stage");
+    json_int(&b, s);
+    json_key(&b, "error");
+    json_str(&b, why);
+  }
+  json_obj_end(&b);
+  printf("%.*s\n", (int)b.len, b.data);
+  fflush(stdout);
+  json_buf_free(&b);
+}
+
+int cmd_group(int argc, char **argv) {
+  static struct group grp;
+  struct group *g = &grp;
+  memset(g, 0, sizeof *g);
+  group_flags_default(&g->f);
+  struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
+  group_flags_specs(&g->f, GROUP_FLAGS_LAUNCHER, specs);
+  int ar = args_parse(specs, argc, argv,
+                      "rumor group --stages S [--devices D0,D1,...] --cluster-key FILE --identity FILE [options]",
+                      "Trains one replica as a model-parallel peer group: S processes on this host, each\n"
+                      "holding a contiguous run of the model's layers (split balanced by parameters and\n"
+                      "multiply-adds; the split is printed). Each step runs --micro-batches M through the\n"
+                      "stages (--pipeline gpipe or 1f1b); activations and gradients travel between stages\n"
+                      "over the authenticated transport. Stage s averages its slice of the parameters with\n"
+                      "stage s of other groups (--bootstrap takes one address list per stage, separated by\n"
+                      "';'). Groups gossip only with groups of the same model and split, never with plain\n"
+                      "peers. If a stage dies, the group stops (non-zero exit, naming the stage); other\n"
+                      "groups keep training. Stage output lines pass through; the last line on stdout is\n"
+                      "the group's result as JSON.");
+  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  log_set_json(g->f.train.log_json);
+  struct rumor_err e = {0};
+  int rc = prepare(g, specs, &e);
+  if (rc) {
+    fprintf(stderr, "rumor group: %s\n", e.msg);
+    return rc == RUMOR_EFORMAT || rc == RUMOR_ESHAPE ? 2 : 1;
+  }
+  log_set_name(g->name);
+  int status;
+  if (start_stages(g, specs, argc, argv, &e)) {
+    log_error("group %s: %s", g->name, e.msg);
+    signal_all(g, SIGTERM);
+    supervise(g);
+    status = 1;
+  } else {
+    status = supervise(g);
+  }
+  print_summary(g, status);
+  if (status != 0) {
+    char why[512];
+    int s = culprit(g, why, sizeof why);
+    if (s >= 0) fprintf(stderr, "rumor group: group %s stopped because %s\n", g->name, why);
+    else fprintf(stderr, "rumor group: group %s failed: %s\n", g->name, e.msg[0] ? e.msg : "see the stages' logs");
+  }
+  for (int i = 0; i < g->nkids; i++) free(g->kids[i].buf);
+  return status;
+}

@@ -1,0 +1,63 @@
+/* `rumor train`: one peer, no network. */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "peer/cli/args.h"
+#include "peer/cli/cli.h"
+#include "peer/cli/train_flags.h"
+
+
+int cmd_train(int argc, char **argv) {
+  struct train_flags f;
+  train_flags_default(&f);
+  struct arg_spec specs[48];
+  size_t n = 0;
+  train_flags_specs(&f, specs, &n, 47);
+  specs[n] = (struct arg_spec){0};
+  int ar = args_parse(specs, argc, argv, "rumor train [options]",
+                      "Trains one replica on its own (no network) and prints the final test accuracy\n"
+                      "as JSON on stdout. Progress goes to stderr.");
+  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  log_set_json(f.log_json);
+
+  struct rumor_err e = {0};
+  struct train_config cfg;
+  if (train_flags_config(&f, specs, &cfg, &e)) {
+    fprintf(stderr, "rumor train: %s\n", e.msg);
+    return 2;
+  }
+
+  struct trainer t;
+  if (trainer_init(&t, &cfg, &e)) {
+    fprintf(stderr, "rumor train: %s\n", e.msg);
+    return 1;
+  }
+
+  int status = 0;
+  double t0 = clock_now_s();
+  int64_t s0 = t.st.samples;
+  while (!trainer_done(&t) && !signals_stop_requested()) {
+    if (trainer_step(&t, &e)) {
+      fprintf(stderr, "rumor train: %s\n", e.msg);
+      status = 1;
+      break;
+    }
+  }
+  double secs = clock_now_s() - t0;
+  if (signals_stop_requested()) {
+    log_warn("interrupted by signal %d at step %lld", signals_stop_requested(), (long long)t.st.step);
+    if (cfg.checkpoint && trainer_save(&t, cfg.checkpoint, &e)) fprintf(stderr, "rumor train: %s\n", e.msg);
+    status = 130;
+  }
+  if (status == 0) {
+    double acc = -1, loss = -1;
+    if (t.have_test) trainer_evaluate(&t, &t.test, &acc, &loss);
+    log_info("final test accuracy %.4f, test loss %.4f after %lld steps", acc, loss, (long long)t.st.step);
+    printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f}\n", acc,
+           loss, (long long)t.st.step, (long long)t.st.epoch, secs > 0 ? (double)(t.st.samples - s0) / secs : 0.0);
+    fflush(stdout);
+  }
+  trainer_free(&t);
+  return status;
+}

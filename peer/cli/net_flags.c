@@ -1,0 +1,87 @@
+/* Cluster options shared by the networked subcommands. */
+#include "peer/cli/net_flags.h"
+
+#include <sodium.h>
+#include <string.h>
+
+void net_flags_default(struct net_flags *f) {
+  memset(f, 0, sizeof *f);
+  struct gossip_config c;
+  gossip_config_default(&c);
+  f->listen = "127.0.0.1:0";
+  f->period_ms = c.period_ms;
+  f->ping_timeout_ms = c.ping_timeout_ms;
+  f->suspect_ms = c.suspect_timeout_ms;
+  f->join_timeout_ms = c.join_timeout_ms;
+  f->handshake_timeout_ms = c.net.handshake_timeout_ms;
+}
+
+void net_flags_specs(struct net_flags *f, bool with_listen, struct arg_spec *out, size_t *n, size_t max) {
+  const struct arg_spec listen_specs[] = {
+      {"listen", ARG_STR, &f->listen, "HOST:PORT", "address to listen on (port 0: any free port)"},
+      {"advertise", ARG_STR, &f->advertise, "HOST:PORT", "address others dial (default: the listen address)"},
+      {"metrics", ARG_STR, &f->metrics, "HOST:PORT",
+       "serve Prometheus metrics (/metrics) and readiness (/healthz) over plain HTTP here"},
+  };
+  const struct arg_spec specs[] = {
+      {"bootstrap", ARG_STR, &f->bootstrap, "A,B,...", "addresses of cluster members to join through"},
+      {"cluster-key", ARG_STR, &f->cluster_key, "FILE", "the cluster's key (rumor keygen --cluster); required"},
+      {"identity", ARG_STR, &f->identity, "FILE", "this node's identity (rumor keygen); required"},
+      {"allow-list", ARG_STR, &f->allow_list, "FILE", "admit only the public keys listed in FILE"},
+      {"period-ms", ARG_INT, &f->period_ms, "MS", "membership probe period", 10, 600000},
+      {"ping-timeout-ms", ARG_INT, &f->ping_timeout_ms, "MS", "probe answer deadline", 5, 600000},
+      {"suspect-ms", ARG_INT, &f->suspect_ms, "MS", "suspicion time before a member is declared failed", 10,
+       3600000},
+      {"join-timeout-ms", ARG_INT, &f->join_timeout_ms, "MS", "give up joining after this long", 100, 86400000},
+      {"handshake-timeout-ms", ARG_INT, &f->handshake_timeout_ms, "MS", "connection handshake deadline", 100,
+       600000},
+  };
+  if (with_listen)
+    for (size_t i = 0; i < sizeof listen_specs / sizeof listen_specs[0]; i++) {
+      RUMOR_ASSERT(*n < max);
+      out[(*n)++] = listen_specs[i];
+    }
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    RUMOR_ASSERT(*n < max);
+    out[(*n)++] = specs[i];
+  }
+}
+
+int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) {
+  memset(k, 0, sizeof *k);
+  if (!f->cluster_key) return rumor_err_set(e, RUMOR_EFORMAT, "--cluster-key FILE is required (rumor keygen --cluster -o FILE)");
+  if (!f->identity) return rumor_err_set(e, RUMOR_EFORMAT, "--identity FILE is required (rumor keygen -o FILE)");
+  int rc = net_cluster_key_load(f->cluster_key, k->cluster_key, e);
+  if (rc) return rc;
+  if ((rc = net_identity_load(f->identity, &k->identity, e))) goto fail;
+  if (f->allow_list) {
+    if ((rc = net_allowlist_load(f->allow_list, &k->allow, e))) goto fail;
+    k->have_allow = true;
+  }
+  return 0;
+fail:
+  net_keys_free(k);
+  return rc;
+}
+
+void net_keys_free(struct net_keys *k) {
+  net_identity_wipe(&k->identity);
+  sodium_memzero(k->cluster_key, sizeof k->cluster_key);
+  if (k->have_allow) net_allowlist_free(&k->allow);
+  memset(k, 0, sizeof *k);
+}
+
+void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k, struct gossip_config *c) {
+  c->identity = &k->identity;
+  c->cluster_key = k->cluster_key;
+  c->allow = k->have_allow ? &k->allow : NULL;
+  c->listen = f->listen;
+  c->advertise = f->advertise;
+  c->metrics = f->metrics;
+  c->bootstrap = f->bootstrap;
+  c->period_ms = (uint32_t)f->period_ms;
+  c->ping_timeout_ms = (uint32_t)f->ping_timeout_ms;
+  c->suspect_timeout_ms = (uint32_t)f->suspect_ms;
+  c->join_timeout_ms = (uint32_t)f->join_timeout_ms;
+  c->net.handshake_timeout_ms = (uint32_t)f->handshake_timeout_ms;
+}

@@ -1,0 +1,87 @@
+/* The training options shared by `rumor train` and `rumor peer`. */
+#include "peer/cli/train_flags.h"
+
+#include <string.h>
+
+void train_flags_default(struct train_flags *f) {
+  struct train_config cfg;
+  train_config_default(&cfg);
+  memset(f, 0, sizeof *f);
+  f->model = "mlp:784-512-256-10";
+  f->data = cfg.data_dir;
+  f->device = cfg.device;
+  f->shard = "0/1";
+  f->optimizer = "sgd";
+  f->schedule = "cosine";
+  f->seed = 1;
+  f->data_seed = 1;
+  f->epochs = cfg.epochs;
+  f->batch = cfg.batch;
+  f->lr = cfg.optim.lr;
+  f->momentum = cfg.optim.momentum;
+  f->weight_decay = cfg.optim.weight_decay;
+  f->log_every = cfg.log_every_s;
+}
+
+void train_flags_specs(struct train_flags *f, struct arg_spec *out, size_t *n, size_t max) {
+  const struct arg_spec specs[] = {
+      {"model", ARG_STR, &f->model, "SPEC", "architecture, e.g. mlp:784-512-256-10 or mlp:784-256-10:gelu"},
+      {"data", ARG_STR, &f->data, "DIR", "directory with train-/t10k- IDX files (plain or .gz)"},
+      {"device", ARG_STR, &f->device, "DEV", "auto, cpu, cuda or cuda:N"},
+      {"threads", ARG_INT, &f->threads, "N", "CPU threads (0: all cores)", 0, 4096},
+      {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set"},
+      {"seed", ARG_INT, &f->seed, "N", "seed for initialisation and shuffling", 0, 9007199254740991.0},
+      {"data-seed", ARG_INT, &f->data_seed, "N", "seed of the shard split (same on every peer)", 0,
+       9007199254740991.0},
+      {"epochs", ARG_INT, &f->epochs, "N", "passes over the shard", 1, 1000000},
+      {"batch", ARG_INT, &f->batch, "N", "batch size", 1, 1048576},
+      {"max-steps", ARG_INT, &f->max_steps, "N", "stop after N updates (0: no limit)", 0, 1e15},
+      {"optimizer", ARG_STR, &f->optimizer, "NAME", "sgd or adamw"},
+      {"lr", ARG_FLOAT, &f->lr, "X", "peak learning rate", 0, 1e6},
+      {"momentum", ARG_FLOAT, &f->momentum, "X", "SGD momentum", 0, 1},
+      {"nesterov", ARG_FLAG, &f->nesterov, NULL, "Nesterov momentum"},
+      {"weight-decay", ARG_FLOAT, &f->weight_decay, "X", "weight decay", 0, 1e6},
+      {"schedule", ARG_STR, &f->schedule, "NAME", "learning-rate schedule: cosine or constant"},
+      {"warmup", ARG_INT, &f->warmup, "N", "linear warm-up steps", 0, 1e15},
+      {"checkpoint", ARG_STR, &f->checkpoint, "FILE", "save a safetensors checkpoint here (each epoch and at the end)"},
+      {"checkpoint-every", ARG_INT, &f->checkpoint_every, "N", "also save every N steps (0: off)", 0, 1e15},
+      {"resume", ARG_STR, &f->resume, "FILE", "continue from a checkpoint (model, shard, seeds, position)"},
+      {"log-every", ARG_FLOAT, &f->log_every, "SEC", "seconds between progress lines (0: off)", 0, 1e6},
+      {"no-eval", ARG_FLAG, &f->no_eval, NULL, "skip the test-set evaluation after each epoch"},
+      {"log-json", ARG_FLAG, &f->log_json, NULL, "log one JSON object per line"},
+  };
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    RUMOR_ASSERT(*n < max);
+    out[(*n)++] = specs[i];
+  }
+}
+
+int train_flags_config(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,
+                       struct rumor_err *e) {
+  train_config_default(cfg);
+  if (shard_parse(f->shard, &cfg->shard, e)) return rumor_err_prefix(e, "--shard");
+  if (optim_kind_parse(f->optimizer, &cfg->optim.kind))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--optimizer must be sgd or adamw, not '%s'", f->optimizer);
+  if (optim_schedule_parse(f->schedule, &cfg->optim.schedule))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--schedule must be cosine or constant, not '%s'", f->schedule);
+  cfg->model = (f->resume && !args_given(specs, "model")) ? NULL : f->model;
+  cfg->data_dir = f->data;
+  cfg->device = f->device;
+  cfg->threads = (int)f->threads;
+  cfg->seed = (uint64_t)f->seed;
+  cfg->data_seed = (uint64_t)f->data_seed;
+  cfg->epochs = f->epochs;
+  cfg->batch = f->batch;
+  cfg->max_steps = f->max_steps;
+  cfg->optim.lr = f->lr;
+  cfg->optim.momentum = f->momentum;
+  cfg->optim.nesterov = f->nesterov;
+  cfg->optim.weight_decay = f->weight_decay;
+  cfg->optim.warmup_steps = f->warmup;
+  cfg->checkpoint = f->checkpoint;
+  cfg->checkpoint_every = f->checkpoint_every;
+  cfg->resume = f->resume;
+  cfg->log_every_s = f->log_every;
+  cfg->eval_each_epoch = !f->no_eval;
+  return 0;
+}

@@ -1,0 +1,344 @@
+/* Model, optimizer and training position ↔ safetensors. */
+#include "peer/train/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <libgen.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static const char *const OPTIM_NAMES_SGD[] = {"optimizer.momentum"};
+static const char *const OPTIM_NAMES_ADAMW[] = {"optimizer.exp_avg", "optimizer.exp_avg_sq"};
+
+static const char *const *optim_names(enum optim_kind k) {
+  return k == OPTIM_ADAMW ? OPTIM_NAMES_ADAMW : OPTIM_NAMES_SGD;
+}
+
+void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
+
+/* True when the process (or thread) `pid` started after Unix time `t`, so
+ * it cannot have written a file last modified at `t`: its PID was reused.
+ * False when unknown. */
+static bool started_after(long pid, time_t t) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  char buf[1024];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  unsigned long long start = 0;
+  /* After ")": state (field 3) ... starttime is field 22. */
+  for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+  if (!p || sscanf(p + 1, "%llu", &start) != 1) return false;
+  f = fopen("/proc/stat", "r");
+  if (!f) return false;
+  unsigned long long btime = 0;
+  char line[256];
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "btime %llu", &btime) == 1) break;
+  fclose(f);
+  long hz = sysconf(_SC_CLK_TCK);
+  if (!btime || hz <= 0) return false;
+  return (double)btime + (double)start / (double)hz > (double)t + 1.0;
+}
+
+/* Removes `path`.tmp.PID and `path`.prev.tmp.PID files whose writer (PID)
+ * no longer runs: what a process killed mid-write leaves behind. A PID that
+ * runs again, but in a process started after the file was last written, is
+ * a reused one (pid_max is 32768 on some machines). Best effort. */
+static void remove_stale_temporaries(const char *path) {
+  char *dcopy = xstrdup(path), *bcopy = xstrdup(path);
+  const char *dir = dirname(dcopy), *base = basename(bcopy);
+  DIR *d = opendir(dir);
+  for (struct dirent *de; d && (de = readdir(d)) != NULL;) {
+    size_t blen = strlen(base);
+    if (strncmp(de->d_name, base, blen) != 0) continue;
+    const char *rest = de->d_name + blen;
+    if (strncmp(rest, ".prev", 5) == 0) rest += 5;
+    if (strncmp(rest, ".tmp.", 5) != 0) continue;
+    char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
+    long pid = strtol(rest + 5, &end, 10);
+    if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
+    char full[1024];
+    snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    struct stat st;
+    bool gone = kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+    if (!gone && !(stat(full, &st) == 0 && started_after(pid, st.st_mtime))) continue; /* may still be at work */
+    if (unlink(full) == 0) log_info("removed %s, left by a process that died while writing a checkpoint", full);
+  }
+  if (d) closedir(d);
+  free(dcopy);
+  free(bcopy);
+}
+
+/* Makes a rename in the directory of `path` durable. */
+static int sync_dir(const char *path, struct rumor_err *e) {
+  char *dcopy = xstrdup(path);
+  const char *dir = dirname(dcopy);
+  int rc = 0, fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || fsync(fd) < 0) rc = rumor_err_set(e, -errno, "cannot fsync directory %s: %s", dir, strerror(errno));
+  if (fd >= 0) close(fd);
+  free(dcopy);
+  return rc;
+}
+
+/* Makes `path`.prev another name of the current file at `path` (a hard link,
+ * put in place by rename so `path`.prev is never missing or partial).
+ * Returns 0 when there is no current file; logs and returns an error code
+ * when the link cannot be made (the new checkpoint is still written). */
+static int keep_previous(const char *path) {
+  char prev[1024], tmp[1100];
+  checkpoint_prev_path(path, prev, sizeof prev);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", prev, (int)getpid());
+  unlink(tmp);
+  if (link(path, tmp) < 0) {
+    if (errno == ENOENT) return 0;
+    int rc = -errno;
+    log_warn("cannot keep the previous checkpoint as %s: link: %s", prev, strerror(errno));
+    return rc;
+  }
+  if (rename(tmp, prev) < 0) {
+    int rc = -errno;
+    log_warn("cannot keep the previous checkpoint as %s: rename: %s", prev, strerror(errno));
+    unlink(tmp);
+    return rc;
+  }
+  return 0;
+}
+
+int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
+                    const struct ckpt_info *info, struct rumor_err *e) {
+  remove_stale_temporaries(path);
+  int64_t P = m->nparams;
+  int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
+  size_t pbytes = (size_t)P * sizeof(float);
+  float *host = tensor_host_alloc(m->be, pbytes * (size_t)(1 + nstate));
+  if (!host) return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to save %s", pbytes * (size_t)(1 + nstate), path);
+  tensor_copy_to_host(&m->params, 0, host, pbytes);
+  if (o) tensor_copy_to_host(&o->state, 0, host + P, pbytes * (size_t)nstate);
+
+  struct st_tensor ts[2 * MODEL_MAX_LAYERS + 2];
+  size_t nts = 0;
+  for (int l = 0; l < m->spec.nlayers; l++) {
+    int64_t off = model_spec_layer_offset(&m->spec, l);
+    int64_t out = m->spec.widths[l + 1], in = m->spec.widths[l];
+    struct st_tensor *w = &ts[nts++], *b = &ts[nts++];
+    *w = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 2, .shape = {out, in}, .data = host + off,
+                            .nbytes = (size_t)(out * in) * sizeof(float)};
+    snprintf(w->name, sizeof w->name, "layers.%d.weight", l);
+    *b = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {out}, .data = host + off + out * in,
+                            .nbytes = (size_t)out * sizeof(float)};
+    snprintf(b->name, sizeof b->name, "layers.%d.bias", l);
+  }
+  for (int s = 0; s < nstate; s++) {
+    struct st_tensor *t = &ts[nts++];
+    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = host + P * (1 + s), .nbytes = pbytes};
+    snprintf(t->name, sizeof t->name, "%s", optim_names(o->cfg.kind)[s]);
+  }
+
+  char spec[MODEL_SPEC_MAX], step[24], epoch[24], sie[24], samples[24], seed[24], dseed[24], shard[48], batch[24],
+      mean[32], std[32];
+  model_spec_format(&m->spec, spec, sizeof spec);
+  snprintf(step, sizeof step, "%" PRId64, info->st.step);
+  snprintf(epoch, sizeof epoch, "%" PRId64, info->st.epoch);
+  snprintf(sie, sizeof sie, "%" PRId64, info->st.step_in_epoch);
+  snprintf(samples, sizeof samples, "%" PRId64, info->st.samples);
+  snprintf(seed, sizeof seed, "%" PRIu64, info->seed);
+  snprintf(dseed, sizeof dseed, "%" PRIu64, info->data_seed);
+  snprintf(shard, sizeof shard, "%" PRId64 "/%" PRId64, info->shard.index, info->shard.count);
+  snprintf(batch, sizeof batch, "%" PRId64, info->batch);
+  snprintf(mean, sizeof mean, "%.17g", info->norm_mean);
+  snprintf(std, sizeof std, "%.17g", info->norm_std);
+  struct st_meta meta[] = {
+      {"format", "pt"},
+      {"rumor.format", CHECKPOINT_FORMAT},
+      {"rumor.model", spec},
+      {"rumor.step", step},
+      {"rumor.epoch", epoch},
+      {"rumor.step_in_epoch", sie},
+      {"rumor.samples", samples},
+      {"rumor.seed", seed},
+      {"rumor.data_seed", dseed},
+      {"rumor.shard", shard},
+      {"rumor.batch", batch},
+      {"rumor.optimizer", o ? optim_kind_name(o->cfg.kind) : "none"},
+      {"rumor.norm_mean", mean},
+      {"rumor.norm_std", std},
+      {"rumor.peer_id", info->peer_id},
+  };
+  /* The new file is complete and durable under a staging name before the
+   * current one becomes the previous one and the new one takes its place:
+   * a failed write (full disk) changes neither. */
+  char staging[1100];
+  snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
+  int rc = safetensors_write(staging, ts, nts, meta, sizeof meta / sizeof meta[0], e);
+  tensor_host_free(m->be, host);
+  if (rc) return rc;
+  (void)keep_previous(path);
+  if (rename(staging, path) < 0) {
+    rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
+    unlink(staging);
+    return rc;
+  }
+  return sync_dir(path, e);
+}
+
+static int meta_i64(const struct checkpoint *ck, const char *path, const char *key, int64_t min, int64_t *out,
+                    struct rumor_err *e) {
+  const char *v = safetensors_meta(&ck->file, key);
+  if (!v || parse_i64(v, min, INT64_MAX, out))
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata %s is missing or not an integer", path, key);
+  return 0;
+}
+
+static int meta_f64(const struct checkpoint *ck, const char *path, const char *key, double *out, struct rumor_err *e) {
+  const char *v = safetensors_meta(&ck->file, key);
+  if (!v || parse_f64(v, -1e30, 1e30, out))
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata %s is missing or not a number", path, key);
+  return 0;
+}
+
+static int expect_tensor(const struct checkpoint *ck, const char *path, const char *name, int ndim,
+                         const int64_t *shape, struct rumor_err *e) {
+  const struct st_tensor *t = safetensors_find(&ck->file, name);
+  if (!t) return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor %s is missing", path, name);
+  bool ok = t->dtype == TENSOR_F32 && t->ndim == ndim;
+  for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
+  if (!ok) return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor %s has the wrong dtype or shape for the model", path, name);
+  return 0;
+}
+
+int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) {
+  memset(ck, 0, sizeof *ck);
+  int rc = safetensors_read(path, true, &ck->file, e);
+  if (rc) return rc;
+  struct ckpt_info *in = &ck->info;
+  const char *fmt = safetensors_meta(&ck->file, "rumor.format");
+  if (!fmt || strcmp(fmt, CHECKPOINT_FORMAT) != 0) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a rumor checkpoint of format %s (rumor.format is %s)", path,
+                       CHECKPOINT_FORMAT, fmt ? fmt : "missing");
+    goto fail;
+  }
+  const char *spec = safetensors_meta(&ck->file, "rumor.model");
+  struct rumor_err se;
+  if (!spec || model_spec_parse(spec, &in->spec, &se)) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata rumor.model is missing or invalid", path);
+    goto fail;
+  }
+  int64_t seed, dseed;
+  if ((rc = meta_i64(ck, path, "rumor.step", 0, &in->st.step, e)) ||
+      (rc = meta_i64(ck, path, "rumor.epoch", 0, &in->st.epoch, e)) ||
+      (rc = meta_i64(ck, path, "rumor.step_in_epoch", 0, &in->st.step_in_epoch, e)) ||
+      (rc = meta_i64(ck, path, "rumor.samples", 0, &in->st.samples, e)) ||
+      (rc = meta_i64(ck, path, "rumor.seed", 0, &seed, e)) ||
+      (rc = meta_i64(ck, path, "rumor.data_seed", 0, &dseed, e)) ||
+      (rc = meta_i64(ck, path, "rumor.batch", 1, &in->batch, e)) ||
+      (rc = meta_f64(ck, path, "rumor.norm_mean", &in->norm_mean, e)) ||
+      (rc = meta_f64(ck, path, "rumor.norm_std", &in->norm_std, e)))
+    goto fail;
+  in->seed = (uint64_t)seed;
+  in->data_seed = (uint64_t)dseed;
+  if (in->norm_std <= 0.0) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata rumor.norm_std must be positive", path);
+    goto fail;
+  }
+  const char *shard = safetensors_meta(&ck->file, "rumor.shard");
+  if (!shard || shard_parse(shard, &in->shard, NULL)) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata rumor.shard is missing or invalid", path);
+    goto fail;
+  }
+  const char *peer = safetensors_meta(&ck->file, "rumor.peer_id");
+  snprintf(in->peer_id, sizeof in->peer_id, "%s", peer ? peer : "");
+
+  for (int l = 0; l < in->spec.nlayers; l++) {
+    char name[64];
+    int64_t ws[2] = {in->spec.widths[l + 1], in->spec.widths[l]};
+    snprintf(name, sizeof name, "layers.%d.weight", l);
+    if ((rc = expect_tensor(ck, path, name, 2, ws, e))) goto fail;
+    snprintf(name, sizeof name, "layers.%d.bias", l);
+    if ((rc = expect_tensor(ck, path, name, 1, ws, e))) goto fail;
+  }
+  const char *opt = safetensors_meta(&ck->file, "rumor.optimizer");
+  if (opt && strcmp(opt, "none") != 0) {
+    if (optim_kind_parse(opt, &in->optim_kind)) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: unknown optimizer '%s'", path, opt);
+      goto fail;
+    }
+    int64_t P = model_spec_param_count(&in->spec);
+    for (int s = 0; s < optim_state_per_param(in->optim_kind); s++)
+      if ((rc = expect_tensor(ck, path, optim_names(in->optim_kind)[s], 1, &P, e))) goto fail;
+    ck->has_optim = true;
+  }
+  return 0;
+fail:
+  checkpoint_close(ck);
+  return rc;
+}
+
+int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                           struct rumor_err *e) {
+  struct rumor_err first = {0};
+  int rc = checkpoint_open(path, ck, &first);
+  if (rc == 0) {
+    if (used) snprintf(used, used_len, "%s", path);
+    return 0;
+  }
+  char prev[1024];
+  checkpoint_prev_path(path, prev, sizeof prev);
+  struct rumor_err second = {0};
+  int rc2 = checkpoint_open(prev, ck, &second);
+  if (rc2 == 0) {
+    log_warn("checkpoint rejected: %s; using the previous checkpoint %s (step %lld)", first.msg, prev,
+             (long long)ck->info.st.step);
+    if (used) snprintf(used, used_len, "%s", prev);
+    return 0;
+  }
+  if (rc2 == -ENOENT) return rumor_err_set(e, rc, "%s", first.msg);
+  return rumor_err_set(e, rc, "%s; the previous checkpoint is unusable too: %s", first.msg, second.msg);
+}
+
+void checkpoint_close(struct checkpoint *ck) {
+  safetensors_free(&ck->file);
+  memset(ck, 0, sizeof *ck);
+}
+
+int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o, struct rumor_err *e) {
+  char want[MODEL_SPEC_MAX], have[MODEL_SPEC_MAX];
+  model_spec_format(&ck->info.spec, have, sizeof have);
+  model_spec_format(&m->spec, want, sizeof want);
+  if (strcmp(want, have) != 0)
+    return rumor_err_set(e, RUMOR_ESHAPE, "checkpoint holds model %s, not %s", have, want);
+  for (int l = 0; l < m->spec.nlayers; l++) {
+    char name[64];
+    int64_t off = model_spec_layer_offset(&m->spec, l);
+    snprintf(name, sizeof name, "layers.%d.weight", l);
+    const struct st_tensor *w = safetensors_find(&ck->file, name);
+    snprintf(name, sizeof name, "layers.%d.bias", l);
+    const struct st_tensor *b = safetensors_find(&ck->file, name);
+    tensor_copy_from_host(&m->params, off, w->data, w->nbytes);
+    tensor_copy_from_host(&m->params, off + (int64_t)(w->nbytes / sizeof(float)), b->data, b->nbytes);
+  }
+  if (o) {
+    if (ck->has_optim && ck->info.optim_kind == o->cfg.kind) {
+      for (int s = 0; s < optim_state_per_param(o->cfg.kind); s++) {
+        const struct st_tensor *t = safetensors_find(&ck->file, optim_names(o->cfg.kind)[s]);
+        tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, t->data, t->nbytes);
+      }
+    } else {
+      log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(o->cfg.kind));
+      tensor_fill(&o->state, 0.0f);
+    }
+    o->step = ck->info.st.step;
+  }
+  return 0;
+}

@@ -1,0 +1,283 @@
+/* The safetensors format with rumor's whole-file BLAKE2b digest. */
+#include "peer/train/safetensors.h"
+
+#include <errno.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DIGEST_KEY "rumor.blake2b"
+#define DIGEST_BYTES 32
+#define DIGEST_HEX (2 * DIGEST_BYTES)
+#define MAX_FILE_BYTES ((size_t)1 << 42)
+
+static int dtype_parse(const char *s, enum tensor_dtype *dt) {
+  static const enum tensor_dtype all[] = {TENSOR_F32, TENSOR_I32, TENSOR_F16, TENSOR_BF16};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    if (strcmp(s, tensor_dtype_name(all[i])) == 0) {
+      *dt = all[i];
+      return 0;
+    }
+  return -1;
+}
+
+/* Finds the digest value's 64 hex characters in the raw header: the header
+ * must contain the key exactly once. Returns the offset in `hdr` or -1. */
+static long find_digest(const char *hdr, size_t len) {
+  static const char needle[] = "\"" DIGEST_KEY "\":\"";
+  size_t nl = sizeof needle - 1;
+  long found = -1;
+  for (size_t i = 0; i + nl + DIGEST_HEX <= len; i++) {
+    if (memcmp(hdr + i, needle, nl) == 0) {
+      if (found >= 0) return -1; /* twice: refuse */
+      found = (long)(i + nl);
+    }
+  }
+  return found;
+}
+
+static void digest_file(const uint8_t *len8, const char *hdr, size_t hlen, long digest_at,
+                        const struct st_tensor *ts, size_t nts, const uint8_t *data, size_t dlen,
+                        uint8_t out[DIGEST_BYTES]) {
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, NULL, 0, DIGEST_BYTES);
+  crypto_generichash_update(&st, len8, 8);
+  static const char zeros[DIGEST_HEX] = "0000000000000000000000000000000000000000000000000000000000000000";
+  crypto_generichash_update(&st, (const uint8_t *)hdr, (size_t)digest_at);
+  crypto_generichash_update(&st, (const uint8_t *)zeros, DIGEST_HEX);
+  crypto_generichash_update(&st, (const uint8_t *)hdr + digest_at + DIGEST_HEX, hlen - (size_t)digest_at - DIGEST_HEX);
+  if (data) {
+    crypto_generichash_update(&st, data, dlen);
+  } else {
+    for (size_t i = 0; i < nts; i++) crypto_generichash_update(&st, ts[i].data, ts[i].nbytes);
+  }
+  crypto_generichash_final(&st, out, DIGEST_BYTES);
+}
+
+int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                      size_t nmeta, struct rumor_err *e) {
+  if (sodium_init() < 0) return rumor_err_set(e, -EIO, "libsodium failed to initialise");
+  struct json_buf j;
+  json_buf_init(&j);
+  json_obj_begin(&j);
+  json_key(&j, "__metadata__");
+  json_obj_begin(&j);
+  for (size_t i = 0; i < nmeta; i++) {
+    RUMOR_ASSERT(strcmp(meta[i].key, DIGEST_KEY) != 0);
+    json_key(&j, meta[i].key);
+    json_str(&j, meta[i].value);
+  }
+  json_key(&j, DIGEST_KEY);
+  json_str(&j, "0000000000000000000000000000000000000000000000000000000000000000");
+  json_obj_end(&j);
+  size_t off = 0;
+  for (size_t i = 0; i < nts; i++) {
+    json_key(&j, ts[i].name);
+    json_obj_begin(&j);
+    json_key(&j, "dtype");
+    json_str(&j, tensor_dtype_name(ts[i].dtype));
+    json_key(&j, "shape");
+    json_arr_begin(&j);
+    int64_t numel = 1;
+    for (int d = 0; d < ts[i].ndim; d++) {
+      json_int(&j, ts[i].shape[d]);
+      numel *= ts[i].shape[d];
+    }
+    json_arr_end(&j);
+    RUMOR_ASSERT((size_t)numel * tensor_dtype_size(ts[i].dtype) == ts[i].nbytes);
+    json_key(&j, "data_offsets");
+    json_arr_begin(&j);
+    json_int(&j, (int64_t)off);
+    json_int(&j, (int64_t)(off + ts[i].nbytes));
+    json_arr_end(&j);
+    json_obj_end(&j);
+    off += ts[i].nbytes;
+  }
+  json_obj_end(&j);
+  /* Pad with spaces so the data starts 8-byte aligned, as the reference
+   * implementation does. */
+  size_t hlen = (j.len + 7) & ~(size_t)7;
+  char *hdr = xmalloc(hlen + 1);
+  memcpy(hdr, j.data, j.len);
+  memset(hdr + j.len, ' ', hlen - j.len);
+  hdr[hlen] = '\0';
+  json_buf_free(&j);
+
+  uint8_t len8[8];
+  for (int b = 0; b < 8; b++) len8[b] = (uint8_t)((uint64_t)hlen >> (8 * b));
+  long at = find_digest(hdr, hlen);
+  RUMOR_ASSERT(at >= 0);
+  uint8_t digest[DIGEST_BYTES];
+  digest_file(len8, hdr, hlen, at, ts, nts, NULL, 0, digest);
+  sodium_bin2hex(hdr + at, DIGEST_HEX + 1, digest, DIGEST_BYTES);
+  hdr[at + DIGEST_HEX] = '"'; /* bin2hex wrote a NUL over the closing quote */
+
+  struct file_part *parts = xmalloc((nts + 2) * sizeof *parts);
+  parts[0] = (struct file_part){len8, 8};
+  parts[1] = (struct file_part){hdr, hlen};
+  for (size_t i = 0; i < nts; i++) parts[i + 2] = (struct file_part){ts[i].data, ts[i].nbytes};
+  int rc = file_write_atomic(path, parts, nts + 2, 0644, e);
+  free(parts);
+  free(hdr);
+  return rc;
+}
+
+static int corrupt(struct rumor_err *e, const char *path, const char *why) {
+  return rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: %s", path, why);
+}
+
+struct range {
+  size_t begin, end;
+};
+static int cmp_range(const void *a, const void *b) {
+  const struct range *x = a, *y = b;
+  return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+int safetensors_read(const char *path, bool require_digest, struct st_file *f, struct rumor_err *e) {
+  memset(f, 0, sizeof *f);
+  if (sodium_init() < 0) return rumor_err_set(e, -EIO, "libsodium failed to initialise");
+  int rc = file_read_all(path, MAX_FILE_BYTES, &f->buf, &f->len, e);
+  if (rc) return rc;
+  struct range *ranges = NULL;
+  if (f->len < 8) { rc = corrupt(e, path, "shorter than the 8-byte header length"); goto fail; }
+  uint64_t hlen = 0;
+  for (int b = 0; b < 8; b++) hlen |= (uint64_t)f->buf[b] << (8 * b);
+  if (hlen < 2 || hlen > SAFETENSORS_MAX_HEADER || hlen > f->len - 8) {
+    rc = corrupt(e, path, "header length out of range (truncated file?)");
+    goto fail;
+  }
+  const char *hdr = (const char *)f->buf + 8;
+  const uint8_t *data = f->buf + 8 + hlen;
+  size_t dlen = f->len - 8 - (size_t)hlen;
+
+  /* Check the digest before trusting anything else in the file. */
+  long at = find_digest(hdr, (size_t)hlen);
+  if (at >= 0) {
+    uint8_t want[DIGEST_BYTES], got[DIGEST_BYTES];
+    if (sodium_hex2bin(want, sizeof want, hdr + at, DIGEST_HEX, NULL, NULL, NULL) != 0) {
+      rc = corrupt(e, path, "digest is not hexadecimal");
+      goto fail;
+    }
+    digest_file(f->buf, hdr, (size_t)hlen, at, NULL, 0, data, dlen, got);
+    if (sodium_memcmp(want, got, DIGEST_BYTES) != 0) {
+      rc = corrupt(e, path, "BLAKE2b digest mismatch (the file is damaged or truncated)");
+      goto fail;
+    }
+  } else if (require_digest) {
+    rc = corrupt(e, path, "no rumor.blake2b digest in the header");
+    goto fail;
+  }
+
+  struct rumor_err je;
+  if (json_parse(hdr, (size_t)hlen, &f->doc, &je)) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: header: %s", path, je.msg);
+    goto fail;
+  }
+  const struct json_value *root = &f->doc.root;
+  if (root->type != JSON_OBJECT) { rc = corrupt(e, path, "header is not a JSON object"); goto fail; }
+  if (root->len > SAFETENSORS_MAX_TENSORS + 1) { rc = corrupt(e, path, "too many tensors"); goto fail; }
+  f->tensors = xcalloc(root->len ? root->len : 1, sizeof *f->tensors);
+  ranges = xcalloc(root->len ? root->len : 1, sizeof *ranges);
+  for (size_t i = 0; i < root->len; i++) {
+    const char *name = root->keys[i];
+    const struct json_value *v = &root->items[i];
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(root->keys[k], name) == 0) {
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: '%s' appears twice", path, name);
+        goto fail;
+      }
+    if (strcmp(name, "__metadata__") == 0) {
+      if (v->type != JSON_OBJECT) { rc = corrupt(e, path, "__metadata__ is not an object"); goto fail; }
+      f->meta = xcalloc(v->len ? v->len : 1, sizeof *f->meta);
+      for (size_t k = 0; k < v->len; k++) {
+        if (v->items[k].type != JSON_STRING) { rc = corrupt(e, path, "metadata value is not a string"); goto fail; }
+        f->meta[k] = (struct st_meta){v->keys[k], v->items[k].string};
+      }
+      f->nmeta = v->len;
+      continue;
+    }
+    struct st_tensor *t = &f->tensors[f->ntensors];
+    if (strlen(name) >= SAFETENSORS_MAX_NAME) { rc = corrupt(e, path, "tensor name too long"); goto fail; }
+    snprintf(t->name, sizeof t->name, "%s", name);
+    const struct json_value *dt = json_get(v, "dtype"), *shape = json_get(v, "shape"),
+                            *offs = json_get(v, "data_offsets");
+    if (!dt || dt->type != JSON_STRING || dtype_parse(dt->string, &t->dtype)) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", path, name);
+      goto fail;
+    }
+    if (!shape || shape->type != JSON_ARRAY || shape->len > TENSOR_MAX_DIMS) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", path, name);
+      goto fail;
+    }
+    t->ndim = (int)shape->len;
+    uint64_t numel = 1;
+    for (size_t d = 0; d < shape->len; d++) {
+      const struct json_value *x = &shape->items[d];
+      if (x->type != JSON_NUMBER || !x->is_integer || x->integer < 0 || x->integer > (int64_t)1 << 40) {
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", path, name);
+        goto fail;
+      }
+      t->shape[d] = x->integer;
+      numel *= (uint64_t)x->integer;
+      if (numel > (uint64_t)1 << 40) {
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", path, name);
+        goto fail;
+      }
+    }
+    if (!offs || offs->type != JSON_ARRAY || offs->len != 2) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", path, name);
+      goto fail;
+    }
+    const struct json_value *b0 = &offs->items[0], *b1 = &offs->items[1];
+    if (b0->type != JSON_NUMBER || !b0->is_integer || b1->type != JSON_NUMBER || !b1->is_integer ||
+        b0->integer < 0 || b1->integer < b0->integer || (uint64_t)b1->integer > dlen) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", path,
+                         name);
+      goto fail;
+    }
+    t->nbytes = (size_t)(b1->integer - b0->integer);
+    if (t->nbytes != numel * tensor_dtype_size(t->dtype)) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", path, name,
+                         t->nbytes, (unsigned long long)numel, tensor_dtype_name(t->dtype));
+      goto fail;
+    }
+    t->data = data + b0->integer;
+    ranges[f->ntensors] = (struct range){(size_t)b0->integer, (size_t)b1->integer};
+    f->ntensors++;
+  }
+  qsort(ranges, f->ntensors, sizeof *ranges, cmp_range);
+  size_t pos = 0;
+  for (size_t i = 0; i < f->ntensors; i++) {
+    if (ranges[i].begin != pos) { rc = corrupt(e, path, "tensor byte ranges overlap or leave gaps"); goto fail; }
+    pos = ranges[i].end;
+  }
+  if (pos != dlen) { rc = corrupt(e, path, "data section length does not match the tensors"); goto fail; }
+  free(ranges);
+  return 0;
+fail:
+  free(ranges);
+  safetensors_free(f);
+  return rc;
+}
+
+void safetensors_free(struct st_file *f) {
+  free(f->buf);
+  free(f->tensors);
+  free(f->meta);
+  json_doc_free(&f->doc);
+  memset(f, 0, sizeof *f);
+}
+
+const struct st_tensor *safetensors_find(const struct st_file *f, const char *name) {
+  for (size_t i = 0; i < f->ntensors; i++)
+    if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+  return NULL;
+}
+
+const char *safetensors_meta(const struct st_file *f, const char *key) {
+  for (size_t i = 0; i < f->nmeta; i++)
+    if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
+  return NULL;
+}
