@@ -84,13 +84,6 @@ struct gossip_config {
    * up to twice that; beyond them requests are refused ("rate limited") and
    * connections closed. 0: no limit. */
   double max_xch_per_s, max_conn_per_s;
-  /* Testing only (attack.c): misbehave on purpose, so that tests can check
-   * the defences of honest peers. GOSSIP_TEST_ATTACK_* bits; 0 in real use. */
-  uint32_t test_attack;
-};
-enum {
-  GOSSIP_TEST_ATTACK_SHORT = 1u << 0, /* send one value fewer than the model has */
-  GOSSIP_TEST_ATTACK_FLOOD = 1u << 1, /* flood every peer with exchange requests and connections */
 };
 void gossip_config_default(struct gossip_config *c);
 
@@ -103,6 +96,15 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
  * `linger_ms` for it to be sent), closes every connection, stops the loop
  * thread and frees everything. */
 void gossip_stop(gossip_t *g, uint32_t linger_ms);
+
+/* Runs fn(loop, arg) on the loop thread and returns once it has returned:
+ * for other parts of this process that keep their own handles and
+ * connections on the same event loop (a pipeline stage's links), so that a
+ * process has one event loop and one network thread. Those parts must close
+ * every handle they opened before gossip_stop, or the loop never ends. Not
+ * for the loop thread itself. Returns 0, or RUMOR_ECANCELED (fn not run)
+ * when the runtime is stopping. */
+int gossip_on_loop(gossip_t *g, void (*fn)(uv_loop_t *loop, void *arg), void *arg) RUMOR_MUST_CHECK;
 
 /* The address others dial us at ("127.0.0.1:40123"); valid after start. */
 const char *gossip_advertised(const gossip_t *g);

@@ -94,6 +94,18 @@ struct gossip_xch {
   uint64_t snapshot_step;
 };
 
+#ifdef RUMOR_TESTING
+enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
+                          TEST_FLOOD };
+struct gossip_test {
+  enum gossip_test_attack attack;
+  uint64_t snapshots;
+  float *recorded; /* replay: the first snapshot taken after step 0 */
+  uint64_t recorded_step;
+  uint64_t replay_from; /* replay once this many snapshots were taken */
+};
+#endif
+
 struct gossip {
   struct gossip_config cfg;
   struct cpu_list net_cpus; /* cfg.net_cpus points here when set */
@@ -185,6 +197,9 @@ struct gossip {
   uint64_t last_exchange_ms; /* monotonic, 0 before the first */
   struct gossip_member_view *pub;
   size_t npub, pub_cap;
+#ifdef RUMOR_TESTING
+  struct gossip_test test;
+#endif
 };
 
 /* guard.c (loop thread): defences against misbehaving members. */
@@ -206,8 +221,16 @@ bool gossip_guard_allow_conn(struct gossip *g, const uint8_t *id);
 int gossip_guard_xch_bulk(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
                           uint64_t step);
 
-/* attack.c (loop thread; testing only) */
-void gossip_attack_tick(struct gossip *g, uint64_t now);
+#ifdef RUMOR_TESTING
+/* testing.c: the testing build's misbehaving member (see there). */
+int gossip_testing_start(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
+void gossip_testing_free(struct gossip *g);
+/* Poisons our snapshot in `mine` once it is taken; may change *step. */
+void gossip_testing_snapshot(struct gossip *g, uint64_t *step);
+/* How many of our `count` values to send. */
+uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count);
+void gossip_testing_tick(struct gossip *g, uint64_t now);
+#endif
 
 /* runtime.c */
 uint64_t gossip_now_ms(struct gossip *g);

@@ -703,7 +703,9 @@ static void on_tick(uv_timer_t *t) {
   }
   gossip_xch_tick(g, now);
   gossip_stats_tick(g, now);
-  if (g->cfg.test_attack && !g->stopping) gossip_attack_tick(g, now);
+#ifdef RUMOR_TESTING
+  gossip_testing_tick(g, now);
+#endif
   static const uint64_t publish_every = 250;
   if (now / publish_every != (now - GOSSIP_TICK_MS) / publish_every) gossip_publish(g);
 }
@@ -764,6 +766,9 @@ static int make_advertise(struct gossip *g, struct rumor_err *e) {
 }
 
 static void free_gossip(struct gossip *g) {
+#ifdef RUMOR_TESTING
+  gossip_testing_free(g);
+#endif
   for (size_t i = 0; i < g->nlinks; i++) link_drop_queue(&g->links[i]);
   free(g->links);
   for (size_t i = 0; i < g->nboot; i++) free(g->boot[i]);
@@ -819,6 +824,12 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   g->psketch = xcalloc((size_t)g->sketch_k, sizeof(double));
   g->donor_sketch = xcalloc((size_t)g->sketch_k, sizeof(double));
   g->sketch_seed = gossip_derive_sketch_seed(g->cluster_key);
+#ifdef RUMOR_TESTING
+  if (gossip_testing_start(g, e)) {
+    free_gossip(g);
+    return RUMOR_EFORMAT;
+  }
+#endif
 
   int rc = uv_loop_init(&g->loop);
   if (rc) {
@@ -948,6 +959,44 @@ void gossip_stop(gossip_t *g, uint32_t linger_ms) {
   int rc = uv_loop_close(&g->loop);
   if (rc) log_warn("gossip loop did not close cleanly: %s", uv_strerror(rc));
   free_gossip(g);
+}
+
+/* ---- other users of the loop ---- */
+
+struct loop_call {
+  struct gossip *g;
+  void (*fn)(uv_loop_t *loop, void *arg);
+  void *arg;
+  pthread_mutex_t mu;
+  pthread_cond_t cond;
+  bool done;
+  int status;
+};
+
+static void loop_call_run(net_t *n, void *arg, int status) {
+  struct loop_call *c = arg;
+  if (status == 0) c->fn(&c->g->loop, c->arg);
+  pthread_mutex_lock(&c->mu);
+  c->status = status ? RUMOR_ECANCELED : 0;
+  c->done = true;
+  pthread_cond_signal(&c->cond);
+  pthread_mutex_unlock(&c->mu);
+}
+
+int gossip_on_loop(gossip_t *g, void (*fn)(uv_loop_t *loop, void *arg), void *arg) {
+  struct loop_call c = {.g = g, .fn = fn, .arg = arg};
+  pthread_mutex_init(&c.mu, NULL);
+  pthread_cond_init(&c.cond, NULL);
+  int rc = net_call(g->net, loop_call_run, &c);
+  if (rc == 0) {
+    pthread_mutex_lock(&c.mu);
+    while (!c.done) pthread_cond_wait(&c.cond, &c.mu);
+    pthread_mutex_unlock(&c.mu);
+    rc = c.status;
+  }
+  pthread_mutex_destroy(&c.mu);
+  pthread_cond_destroy(&c.cond);
+  return rc;
 }
 
 /* ---- joining, seen from the training thread ---- */

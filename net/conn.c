@@ -961,7 +961,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
 static void resume_reading(struct net_conn *c) {
   if (!c->rx_paused || c->sess.paused || c->state == CONN_CLOSED) return;
   c->rx_paused = false;
-  if (c->paused || c->eof) return;
+#ifdef RUMOR_TESTING
+  if (c->test_paused) return; /* net_test_conn_pause_read */
+#endif
+  if (c->eof) return;
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (rc < 0) net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
 }
@@ -1089,12 +1092,13 @@ void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s) {
   s->bulk_in_failed += c->sess.bulk_in_failed;
 }
 
-/* ---- test hooks -------------------------------------------------------------------------------- */
+/* ---- test hooks (the testing build only) --------------------------------------------------------- */
 
+#ifdef RUMOR_TESTING
 int net_test_conn_pause_read(net_conn_t *c, bool pause) {
   if (c->state == CONN_CLOSED) return -ENOTCONN;
-  if (pause == c->paused) return 0;
-  c->paused = pause;
+  if (pause == c->test_paused) return 0;
+  c->test_paused = pause;
   if (pause) return uv_read_stop((uv_stream_t *)&c->tcp);
   if (c->rx_paused) return 0; /* resume_reading restarts it */
   return uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -1116,3 +1120,4 @@ int net_test_conn_write_raw(net_conn_t *c, const void *p, size_t len) {
   conn_write(c, f);
   return 0;
 }
+#endif /* RUMOR_TESTING */

@@ -16,9 +16,11 @@
 
 #include "net/net_impl.h"
 
+#ifdef RUMOR_TESTING
 static _Atomic uint64_t g_decoder_calls; /* test hook: proves bombs never reach msgpack-c */
 
 uint64_t net_test_msgpack_decoder_calls(void) { return atomic_load(&g_decoder_calls); }
+#endif
 
 /* Zone bytes msgpack-c may use per container beyond its element array
  * (alignment padding). */
@@ -146,7 +148,9 @@ int net_msg_decode(const uint8_t *data, size_t len, const struct net_msg_limits 
   if (!msgpack_zone_init(&m->zone, zone_bytes)) return rumor_err_set(e, -ENOMEM, "cannot allocate a %zu-byte zone", zone_bytes);
   m->zone_live = true;
   size_t off = 0;
+#ifdef RUMOR_TESTING
   atomic_fetch_add(&g_decoder_calls, 1);
+#endif
   msgpack_unpack_return ur = msgpack_unpack((const char *)data, len, &off, &m->zone, &m->obj);
   if (ur != MSGPACK_UNPACK_SUCCESS || off != len || m->obj.type != MSGPACK_OBJECT_MAP) {
     net_msg_free(m);

@@ -398,7 +398,8 @@ static inline uint64_t net_be64_get(const uint8_t *p) {
   return v;
 }
 
-/* ---- test hooks (tests and fuzzers only) ----------------------------------- */
+/* ---- test hooks: compiled into the testing build only (rumor_net_testing) --- */
+#ifdef RUMOR_TESTING
 /* How many times msgpack-c's decoder has been called in this process. */
 uint64_t net_test_msgpack_decoder_calls(void);
 /* Stops or resumes reading from a connection (simulates a stalled receiver). */
@@ -411,5 +412,6 @@ int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b
 /* Writes raw bytes to the connection's socket, bypassing framing and
  * encryption (to send what no honest peer would). */
 int net_test_conn_write_raw(net_conn_t *c, const void *p, size_t len) RUMOR_MUST_CHECK;
+#endif /* RUMOR_TESTING */
 
 #endif /* RUMOR_NET_IMPL_H */

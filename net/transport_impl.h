@@ -64,7 +64,10 @@ struct net_conn {
   uv_shutdown_t sreq;
   unsigned refs; /* open handles and pending requests */
   enum conn_state state;
-  bool inbound, surfaced, counted_pending, reading, paused, local_close;
+  bool inbound, surfaced, counted_pending, reading, local_close;
+#ifdef RUMOR_TESTING
+  bool test_paused; /* net_test_conn_pause_read */
+#endif
   bool bye_queued, bye_sealed, bye_written, shutdown_started, eof;
   bool pumping;
   /* dialing */

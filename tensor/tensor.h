@@ -228,22 +228,4 @@ static inline uint32_t tensor_sketch_bucket(uint64_t seed, uint64_t i, int k, bo
   return (((h >> 8) << 3) | lane) & (uint32_t)(k - 1);
 }
 
-/* ---- plain reference ops ---------------------------------------------------------
- * Obviously-correct host loops (double accumulation) that tests compare every
- * backend against. Raw host pointers, row-major. Not used in training. */
-void tensor_ref_gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float *a,
-                     const float *b, float beta, float *c);
-void tensor_ref_bias_add(float *y, const float *bias, int64_t rows, int64_t cols);
-void tensor_ref_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta);
-void tensor_ref_relu_fwd(const float *x, float *y, int64_t n);
-void tensor_ref_relu_bwd(const float *y, const float *dy, float *dx, int64_t n);
-void tensor_ref_gelu_fwd(const float *x, float *y, int64_t n);
-void tensor_ref_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n);
-void tensor_ref_softmax_xent(const float *logits, const int32_t *labels, float *dlogits,
-                             float *losses, int64_t rows, int64_t cols, float grad_scale);
-void tensor_ref_sgd_step(float *p, const float *g, float *m, int64_t n, const struct tensor_sgd *hp);
-void tensor_ref_adamw_step(float *p, const float *g, float *m, float *v, int64_t n,
-                           const struct tensor_adamw *hp);
-void tensor_ref_count_sketch(const float *x, int64_t n, uint64_t seed, int k, double *out);
-
 #endif /* RUMOR_TENSOR_H */

@@ -1,6 +1,6 @@
 /* Plain reference ops: the obviously-correct versions every backend is
  * tested against. Double accumulation, no blocking, no threads. */
-#include "tensor/tensor.h"
+#include "tensor/tensor_ref.h"
 
 #include <math.h>
 

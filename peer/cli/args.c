@@ -1,5 +1,5 @@
 /* Declarative long-option parsing. */
-#include "peer/cli/args.h"
+#include "peer/cli/cli_impl.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -144,4 +144,9 @@ bool args_given(const struct arg_spec *specs, const char *name) {
   for (size_t i = 0; specs[i].name; i++)
     if (strcmp(specs[i].name, name) == 0) return g_given[i];
   return false;
+}
+
+void args_log_json_spec(bool *log_json, struct arg_spec *out, size_t *n, size_t max) {
+  RUMOR_ASSERT(*n < max);
+  out[(*n)++] = (struct arg_spec){"log-json", ARG_FLAG, log_json, NULL, "log one JSON object per line"};
 }

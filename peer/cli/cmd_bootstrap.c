@@ -4,8 +4,7 @@
 #include <string.h>
 
 #include "bootstrap/bootstrap.h"
-#include "peer/cli/cli.h"
-#include "peer/cli/net_flags.h"
+#include "peer/cli/cli_impl.h"
 
 
 /* Announces where we listen, as one JSON line on stdout, for scripts. */
@@ -19,13 +18,11 @@ int cmd_bootstrap(int argc, char **argv) {
   struct net_flags nf;
   net_flags_default(&nf);
   nf.listen = "0.0.0.0:7470";
-  int64_t linger = 500;
   bool log_json = false;
   struct arg_spec specs[32];
   size_t n = 0;
-  net_flags_specs(&nf, true, specs, &n, 29);
-  specs[n++] = (struct arg_spec){"linger-ms", ARG_INT, &linger, "MS", "time to spread LEAVE on exit", 0, 60000};
-  specs[n++] = (struct arg_spec){"log-json", ARG_FLAG, &log_json, NULL, "log one JSON object per line"};
+  net_flags_specs(&nf, FLAGS_PEER, true, specs, &n, 29);
+  args_log_json_spec(&log_json, specs, &n, 31);
   specs[n] = (struct arg_spec){0};
   int ar = args_parse(specs, argc, argv, "rumor bootstrap --listen HOST:PORT --cluster-key FILE --identity FILE [options]",
                       "Runs a bootstrap node: a long-lived member without a model that newcomers dial\n"
@@ -43,7 +40,7 @@ int cmd_bootstrap(int argc, char **argv) {
   struct gossip_config gc;
   gossip_config_default(&gc);
   net_flags_gossip_config(&nf, &keys, &gc);
-  int rc = bootstrap_run(&gc, signals_stop_flag(), (uint32_t)linger, announce, NULL, &e);
+  int rc = bootstrap_run(&gc, signals_stop_flag(), (uint32_t)nf.linger_ms, announce, NULL, &e);
   net_keys_free(&keys);
   if (rc) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);

@@ -3,11 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/cli/args.h"
-#include "peer/train/checkpoint.h"
-#include "peer/cli/cli.h"
-#include "peer/data/dataset.h"
-#include "peer/model/model.h"
+#include "peer/cli/cli_impl.h"
 
 int cmd_eval(int argc, char **argv) {
   const char *ckpt = NULL, *data = "/usr/share/datasets/fashion-mnist", *device = "auto", *split = "t10k";
@@ -45,19 +41,21 @@ int cmd_eval(int argc, char **argv) {
     return 1;
   }
   if (dataset_load_split(data, split, &ds, &e)) goto fail;
-  if (ds.features != ck.info.spec.widths[0]) {
+  struct model_io io;
+  model_spec_io(&ck.info.spec, &io);
+  if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1 || ds.features != io.input_per_row) {
     rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model takes %lld inputs but the images have %lld pixels",
-                  (long long)ck.info.spec.widths[0], (long long)ds.features);
+                  (long long)io.input_per_row, (long long)ds.features);
     goto fail;
   }
-  if (ds.num_classes > ck.info.spec.widths[ck.info.spec.nlayers]) {
+  if (ds.num_classes > io.classes) {
     rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model has %lld outputs but the labels go up to %d",
-                  (long long)ck.info.spec.widths[ck.info.spec.nlayers], ds.num_classes - 1);
+                  (long long)io.classes, ds.num_classes - 1);
     goto fail;
   }
   if (tensor_backend_open(device, &be, &e)) goto fail;
   if (threads > 0) tensor_backend_set_threads(be, (int)threads);
-  if (model_init(&m, &ck.info.spec, be, batch, &e) || checkpoint_restore(&ck, &m, NULL, &e)) goto fail;
+  if (model_init_full(&m, &ck.info.spec, be, batch, &e) || checkpoint_restore(&ck, &m, NULL, &e)) goto fail;
 
   float lut[256];
   dataset_norm_lut(ck.info.norm_mean, ck.info.norm_std, lut);
@@ -68,9 +66,9 @@ int cmd_eval(int argc, char **argv) {
   for (int64_t first = 0; first < ds.count; first += batch) {
     int64_t rows = ds.count - first < batch ? ds.count - first : batch;
     dataset_gather_range(&ds, lut, first, rows, x, y);
-    tensor_copy_from_host(&m.acts[0], 0, x, (size_t)(rows * ds.features) * sizeof(float));
+    tensor_copy_from_host(model_act(&m, 0), 0, x, (size_t)(rows * ds.features) * sizeof(float));
     tensor_copy_from_host(&m.labels, 0, y, (size_t)rows * sizeof(int32_t));
-    model_evaluate_batch(&m, rows, y, &correct, &loss);
+    model_evaluate(&m, rows, y, &correct, &loss);
   }
   free(x);
   free(y);

@@ -13,8 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "peer/cli/cli.h"
-#include "peer/cli/group_flags.h"
+#include "peer/cli/cli_impl.h"
 #include "util/json.h"
 
 #define LINE_MAX_BYTES 65536
@@ -128,7 +127,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     push(out, &n, g->kids[s - 1].link);
   }
   push(out, &n, "--name");
-  push(out, &n, g->f.name ? g->f.name : g->name);
+  push(out, &n, g->f.gossip.name ? g->f.gossip.name : g->name);
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {g->f.net.listen, g->f.net.advertise, g->f.net.metrics};
   for (int i = 0; i < 3; i++) {
@@ -301,16 +300,18 @@ static bool child_bad(const struct child *k) { return k->exited && !(WIFEXITED(k
 
 static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_err *e) {
   struct group_flags *f = &g->f;
-  g->S = (int)f->stages;
-  if (f->group) snprintf(g->name, sizeof g->name, "%s", f->group);
+  g->S = (int)f->pipe.stages;
+  if (f->pipe.group) snprintf(g->name, sizeof g->name, "%s", f->pipe.group);
   else snprintf(g->name, sizeof g->name, "group-%d", (int)getpid());
-  f->group = g->name;
-  struct stage_config sc;
-  int rc = group_flags_stage_config(f, specs, 0, g->S, &sc, e);
+  f->pipe.group = g->name;
+  struct train_config tc;
+  struct train_stage st;
+  struct stage_plan plan;
+  int rc = group_flags_config(f, specs, 0, g->S, &tc, &st, &plan, e);
   if (rc) return rc;
   /* Devices: one per stage. */
-  if (f->devices) {
-    if ((rc = split_list("devices", f->devices, ',', g->devices, g->S, true, e))) return rc;
+  if (f->pipe.devices) {
+    if ((rc = split_list("devices", f->pipe.devices, ',', g->devices, g->S, true, e))) return rc;
   } else {
     bool gpus = tensor_cuda_device_count() >= g->S;
     for (int s = 0; s < g->S; s++) snprintf(g->devices[s], sizeof g->devices[s], gpus ? "cuda:%d" : "cpu", s);
@@ -347,12 +348,10 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   struct net_keys keys;
   if ((rc = net_flags_load_keys(&f->net, &keys, e))) return rc;
   net_keys_free(&keys);
-  struct stage_plan plan;
-  if ((rc = stage_plan_make(&sc, &plan, e))) return rc;
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&plan.spec, spec, sizeof spec);
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
-           g->name, spec, g->S, (long long)f->micro, pipe_schedule_name(sc.sched));
+           g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
   for (int s = 0; s < g->S; s++) {
     char line[400];
     pipe_split_describe(&plan.spec, &plan.split, s, line, sizeof line);
@@ -378,7 +377,7 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start stage %d: %s", s, strerror(errno));
     g->nkids++;
     log_info("group %s: stage %d/%d is pid %d", g->name, s, g->S, (int)k->pid);
-    double deadline = clock_now_s() + (double)g->f.link_wait_ms / 1e3;
+    double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
     while (!k->link[0] && s < g->S - 1) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
@@ -388,7 +387,7 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
         return rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d ended before it was listening", s, g->S);
       if (clock_now_s() > deadline)
         return rumor_err_set(e, RUMOR_ETIMEDOUT, "stage %d/%d printed no link address within %lld ms", s, g->S,
-                             (long long)g->f.link_wait_ms);
+                             (long long)g->f.pipe.link_wait_ms);
     }
   }
   return 0;
@@ -506,16 +505,17 @@ int cmd_group(int argc, char **argv) {
   memset(g, 0, sizeof *g);
   group_flags_default(&g->f);
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
-  group_flags_specs(&g->f, GROUP_FLAGS_LAUNCHER, specs);
+  group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
                       "rumor group --stages S [--devices D0,D1,...] --cluster-key FILE --identity FILE [options]",
                       "Trains one replica as a model-parallel peer group: S processes on this host, each\n"
-                      "holding a contiguous run of the model's layers (split balanced by parameters and\n"
+                      "holding a contiguous run of the model's units (split balanced by parameters and\n"
                       "multiply-adds; the split is printed). Each step runs --micro-batches M through the\n"
                       "stages (--pipeline gpipe or 1f1b); activations and gradients travel between stages\n"
                       "over the authenticated transport. Stage s averages its slice of the parameters with\n"
                       "stage s of other groups (--bootstrap takes one address list per stage, separated by\n"
-                      "';'). Groups gossip only with groups of the same model and split, never with plain\n"
+                      "';'), with the gossip options of `rumor peer` (--clip, --max-local-steps, rate\n"
+                      "limits). Groups gossip only with groups of the same model and split, never with plain\n"
                       "peers. If a stage dies, the group stops (non-zero exit, naming the stage); other\n"
                       "groups keep training. Stage output lines pass through; the last line on stdout is\n"
                       "the group's result as JSON.");

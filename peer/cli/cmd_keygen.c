@@ -4,8 +4,7 @@
 #include <string.h>
 
 #include "net/net.h"
-#include "peer/cli/args.h"
-#include "peer/cli/cli.h"
+#include "peer/cli/cli_impl.h"
 
 #define KEYGEN_MAX_ARGS 64
 

@@ -2,14 +2,9 @@
  * group, as `rumor group` starts it or a scheduler runs it on each node. */
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "gossip/gossip.h"
-#include "peer/cli/cli.h"
-#include "peer/cli/group_flags.h"
-#include "peer/pipeline/stage_link.h"
-#include "peer/sync/stage_sync.h"
+#include "peer/cli/cli_impl.h"
 #include "util/json.h"
 
 bool cmd_stage_wanted(int argc, char **argv) {
@@ -21,76 +16,131 @@ bool cmd_stage_wanted(int argc, char **argv) {
 /* Everything one stage process holds, for the clean-up ladder. */
 struct stage_proc {
   struct group_flags f;
-  struct stage_config sc;
+  struct train_config tc;
+  struct train_stage st;
   struct stage_plan plan;
   struct net_keys keys;
   bool have_keys;
-  stage_link_t *link;
-  struct stage_trainer t;
+  struct trainer t;
   bool have_trainer;
-  gossip_t *g;
-  struct stage_sync ss;
-  bool have_sync;
-  float *mine, *theirs, *donor;
+  struct member mb;
+  stage_link_t *link;
 };
 
 static void print_result(struct stage_proc *p, double secs, int64_t s0) {
-  struct stage_trainer *t = &p->t;
+  struct trainer *t = &p->t;
   struct gossip_stats gs;
-  gossip_stats_get(p->g, &gs);
+  gossip_stats_get(p->mb.g, &gs);
   const struct pipe_stats *ps = &t->pipe.st;
+  const struct sync *s = &p->mb.sync;
   double idle = ps->step_s > 0 ? ps->wait_s / ps->step_s : 0;
   size_t act_bytes = (size_t)ps->slots * ps->slot_bytes;
   char head[160] = "";
-  if (p->sc.stage == p->sc.stages - 1) {
+  if (trainer_has_loss(t)) {
     log_info("final test accuracy %.4f, test loss %.4f after %lld steps", t->accuracy, t->test_loss, (long long)t->st.step);
     snprintf(head, sizeof head, "\"test_accuracy\":%.6f,\"test_loss\":%.6f,", t->accuracy, t->test_loss);
   }
   printf("{%s\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
-         "\"micro_batches\":%d,\"schedule\":\"%s\",\"step_ms\":%.3f,\"idle_fraction\":%.6f,\"bubble_theory\":%.6f,\"timed_steps\":%lld,"
-         "\"act_slots\":%d,\"act_peak_bytes\":%zu,\"exchanges\":%llu,\"exchanges_failed\":%llu,"
-         "\"exchanges_rejected\":%llu,\"id\":\"%s\"}\n",
-         head, p->sc.group, p->sc.stage, p->sc.stages, (long long)t->st.step, (long long)t->st.epoch,
-         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, p->sc.micro, pipe_schedule_name(p->sc.sched),
-         ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0, idle,
-         pipe_bubble_theory(p->sc.stages, p->sc.micro), (long long)ps->steps, ps->slots, act_bytes,
-         (unsigned long long)gs.exchanges_ok, (unsigned long long)gs.exchanges_failed,
-         (unsigned long long)gs.exchanges_rejected, gossip_self_id(p->g));
+         "\"micro_batches\":%d,\"schedule\":\"%s\",\"step_ms\":%.3f,\"idle_fraction\":%.6f,\"bubble_theory\":%.6f,"
+         "\"timed_steps\":%lld,\"act_slots\":%d,\"act_peak_bytes\":%zu,\"exchanges\":%llu,\"exchanges_failed\":%llu,"
+         "\"exchanges_rejected\":%llu,\"exchanges_clipped\":%llu,\"exchanges_skipped\":%llu,"
+         "\"exchange_rate_limited\":%llu,\"conn_rate_limited\":%llu,\"longest_local_steps\":%lld,\"holds\":%llu,"
+         "\"hold_timeouts\":%llu,\"id\":\"%s\"}\n",
+         head, p->st.group, p->st.stage, p->st.stages, (long long)t->st.step, (long long)t->st.epoch,
+         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, p->st.micro, pipe_schedule_name(p->st.sched),
+         ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0, idle, pipe_bubble_theory(p->st.stages, p->st.micro),
+         (long long)ps->steps, ps->slots, act_bytes, (unsigned long long)gs.exchanges_ok,
+         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
+         (unsigned long long)s->clip.clipped, (unsigned long long)s->skipped,
+         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited,
+         (long long)s->longest_local, (unsigned long long)s->holds, (unsigned long long)s->hold_timeouts,
+         gossip_self_id(p->mb.g));
   fflush(stdout);
 }
 
-static int start_gossip(struct stage_proc *p, struct rumor_err *e) {
-  struct stage_trainer *t = &p->t;
-  enum net_dtype wire;
-  int rc = group_flags_wire(&p->f, &wire, e);
+/* Parses and checks the command line. Returns 0, or the exit status of a
+ * usage error or --help (with *done set). */
+static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
+  group_flags_default(&p->f);
+  struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
+  group_flags_specs(&p->f, FLAGS_STAGE, specs);
+  int ar = args_parse(specs, argc, argv, "rumor peer --group NAME --stage s/S --cluster-key FILE --identity FILE [options]",
+                      "Runs stage s of S of a model-parallel peer group: it holds a contiguous run of the\n"
+                      "model's units, exchanges activations and their gradients with stages s-1 and s+1\n"
+                      "over the authenticated transport (--link-listen, --link-prev), and averages its slice\n"
+                      "of the parameters with stage s of other groups (--bootstrap), with the same gossip,\n"
+                      "clipping, drift bound and rate limits as `rumor peer`. Every stage of a group gets\n"
+                      "the same training options and identity. `rumor group` starts all stages of a group\n"
+                      "on one host. A stage that fails or vanishes stops its whole group.");
+  *done = true;
+  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  log_set_json(p->f.train.log_json);
+  struct rumor_err e = {0};
+  int stage, stages;
+  if (!p->f.pipe.group) {
+    fprintf(stderr, "rumor peer: --group NAME is required with --stage\n");
+    return 2;
+  }
+  if (!p->f.pipe.stage) {
+    fprintf(stderr, "rumor peer: --stage s/S is required with --group\n");
+    return 2;
+  }
+  if (group_stage_parse(p->f.pipe.stage, &stage, &stages, &e) ||
+      group_flags_config(&p->f, specs, stage, stages, &p->tc, &p->st, &p->plan, &e) ||
+      gossip_flags_setup(&p->f.gossip, &p->mb.setup, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
+  if (stage > 0 && !p->f.pipe.link_prev) {
+    fprintf(stderr, "rumor peer: stage %d/%d needs --link-prev HOST:PORT (the previous stage's link address)\n", stage,
+            stages);
+    return 2;
+  }
+  char name[96];
+  snprintf(name, sizeof name, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage);
+  log_set_name(name);
+  *done = false;
+  return 0;
+}
+
+/* Pins training, loads the keys, builds the trainer, starts gossip and,
+ * on its event loop, the links to the neighbouring stages. */
+static int prepare(struct stage_proc *p, struct rumor_err *e) {
+  if (p->mb.setup.pin_train && cpu_pin_self(&p->mb.setup.train_cpus, e))
+    return rumor_err_prefix(e, "--train-cpus %s", p->f.gossip.train_cpus);
+  int rc = net_flags_load_keys(&p->f.net, &p->keys, e);
   if (rc) return rc;
-  int64_t P = t->model.nparams, S = stage_trainer_state_floats(t);
-  p->mine = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
-  p->theirs = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
-  p->donor = tensor_host_alloc(t->be, (size_t)S * sizeof(float));
-  if (!p->mine || !p->theirs || !p->donor)
-    return rumor_err_set(e, -ENOMEM, "cannot allocate host buffers for gossip");
-  static char label[256];
-  if ((rc = stage_gossip_label(&p->sc, &p->plan, label, sizeof label, e))) return rc;
-  struct gossip_config gc;
-  gossip_config_default(&gc);
-  net_flags_gossip_config(&p->f.net, &p->keys, &gc);
-  gc.role = GOSSIP_ROLE_PEER;
-  gc.model = label;
-  gc.nparams = (uint64_t)P;
-  gc.state_floats = (uint64_t)S;
-  gc.optimizer = optim_kind_name(t->optim.cfg.kind);
-  gc.wire = wire;
-  gc.alpha = (float)p->f.alpha;
-  gc.exchange_timeout_ms = (uint32_t)p->f.exchange_timeout_ms;
-  gc.seed = p->sc.train.seed + (uint64_t)p->sc.stage;
-  gc.sketch_k = (int)p->f.sketch_k;
-  gc.xch_mine = p->mine;
-  gc.xch_theirs = p->theirs;
-  gc.donor_buf = p->donor;
-  if ((rc = gossip_start(&p->g, &gc, e))) return rc;
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"stage\",\"group\":\"%s\",\"stage\":%d,\"cluster\":\"%s\"}\n",
-         gossip_advertised(p->g), gossip_self_id(p->g), p->sc.group, p->sc.stage, label);
+  p->have_keys = true;
+  if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
+  p->have_trainer = true;
+  char label[256], extra[512];
+  if ((rc = train_stage_label(&p->tc, &p->plan, label, sizeof label, e))) return rc;
+  snprintf(extra, sizeof extra, "\"group\":\"%s\",\"stage\":%d,\"cluster\":\"%s\"", p->st.group, p->st.stage, label);
+  rc = member_start(&p->mb, &p->t, &p->f.net, &p->keys, &p->f.gossip, label, p->tc.seed + (uint64_t)p->st.stage, "stage",
+                    extra, e);
+  if (rc) return rc;
+  char agree[STAGE_LINK_AGREE_MAX + 1];
+  train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
+  const struct pipe_flags *pf = &p->f.pipe;
+  struct stage_link_config lc = {.identity = &p->keys.identity,
+                                 .cluster_key = p->keys.cluster_key,
+                                 .host = p->mb.g,
+                                 .group = p->st.group,
+                                 .stage = p->st.stage,
+                                 .stages = p->st.stages,
+                                 .listen = pf->link_listen,
+                                 .prev = pf->link_prev,
+                                 .agreement = agree,
+                                 .in_width = model_act_width(&p->t.model, p->plan.u0),
+                                 .out_width = model_act_width(&p->t.model, p->plan.u1),
+                                 .max_rows = p->plan.mb_rows,
+                                 .connect_timeout_ms = (uint32_t)pf->link_wait_ms,
+                                 .idle_timeout_ms = (uint32_t)pf->link_timeout_ms,
+                                 .stop = signals_stop_flag()};
+  if ((rc = stage_link_start(&p->link, &lc, e))) return rc;
+  trainer_set_link(&p->t, p->link);
+  printf("{\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"pid\":%d,\"link\":\"%s\"}\n", p->st.group, p->st.stage,
+         p->st.stages, (int)getpid(), stage_link_address(p->link));
   fflush(stdout);
   return 0;
 }
@@ -98,54 +148,68 @@ static int start_gossip(struct stage_proc *p, struct rumor_err *e) {
 /* Joins the stage's cluster (taking a live stage's state when there is
  * one), then agrees on the starting position with the other stages. */
 static int join(struct stage_proc *p, struct rumor_err *e) {
-  struct stage_trainer *t = &p->t;
+  struct trainer *t = &p->t;
+  int rc = stage_link_wait_ready(p->link, e);
+  if (rc) return rc;
   struct gossip_train_pos pos;
-  int jr = gossip_join_wait(p->g, p->f.no_state_pull ? NULL : p->donor, &pos, signals_stop_flag(), e);
+  int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
   if (jr < 0) return jr;
   struct stage_link_pos lp = {0, 0, 0};
   if (jr == 0) {
-    stage_trainer_load_state(t, p->donor);
     lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
-    log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->sc.stage,
+    log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
              (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
   } else {
     log_info("starting from our own initialisation");
   }
-  int rc;
-  if (p->sc.stage > 0) {
-    /* Stage 0's position wins: every stage must run the same steps. */
-    if ((rc = stage_link_recv_start(p->link, &lp, e))) return rc;
-  }
-  stage_trainer_set_position(t, lp.step, lp.epoch, lp.samples);
+  /* Stage 0's position wins: every stage must run the same steps. */
+  if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
+  trainer_set_position(t, lp.step, lp.epoch, lp.samples);
   if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
   if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
+  if ((rc = member_ready(&p->mb, t, e))) return rc;
+  stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
   return 0;
 }
 
-static int wait_peers(struct stage_proc *p, struct rumor_err *e) {
-  if (p->f.wait_peers <= 1) return 0;
-  double deadline = clock_now_s() + (double)p->f.wait_peers_ms / 1e3;
-  while ((int64_t)gossip_ready_peers(p->g) < p->f.wait_peers) {
+static bool link_failed(void *arg, struct rumor_err *e) {
+  struct stage_proc *p = arg;
+  char why[400];
+  int culprit;
+  if (!stage_link_failed(p->link, &culprit, why, sizeof why)) return false;
+  rumor_err_set(e, RUMOR_ECANCELED, "%s", why);
+  return true;
+}
+
+static int run(struct stage_proc *p, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  int rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e);
+  if (rc) return rc;
+  double t0 = clock_now_s();
+  int64_t s0 = t->st.samples;
+  bool first = true;
+  while (!trainer_done(t)) {
     if (signals_stop_requested())
       return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
-    char why[400];
-    int culprit;
-    if (stage_link_failed(p->link, &culprit, why, sizeof why)) return rumor_err_set(e, RUMOR_ECANCELED, "%s", why);
-    if (clock_now_s() > deadline)
-      return rumor_err_set(e, RUMOR_ETIMEDOUT, "only %zu of %lld groups ready after %lld ms", gossip_ready_peers(p->g),
-                           (long long)p->f.wait_peers, (long long)p->f.wait_peers_ms);
-    stage_sync_boundary(&p->ss);
-    const struct timespec tick = {0, 10 * 1000000};
-    nanosleep(&tick, NULL);
+    if ((rc = trainer_step(t, e))) return rc;
+    if (first) {
+      if (trainer_has_loss(t)) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
+      else log_info("first step done (the loss is on the last stage)");
+      first = false;
+    }
+    sync_boundary(&p->mb.sync);
+    sync_hold(&p->mb.sync, signals_stop_flag());
   }
-  log_info("%lld groups ready: starting", (long long)p->f.wait_peers);
+  double secs = clock_now_s() - t0;
+  if ((rc = trainer_evaluate(t, e))) return rc;
+  print_result(p, secs, s0);
   return 0;
 }
 
 /* Ends the group after a failure: says which stage failed and why, and
  * tells the neighbours (they pass it on). Returns the exit status. */
 static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
-  int me = p->sc.stage, S = p->sc.stages;
+  int me = p->st.stage, S = p->st.stages;
   char why[400];
   int culprit = me;
   if (p->link && stage_link_failed(p->link, &culprit, why, sizeof why)) {
@@ -161,7 +225,7 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   json_buf_init(&b);
   json_obj_begin(&b);
   json_key(&b, "group");
-  json_str(&b, p->sc.group);
+  json_str(&b, p->st.group);
   json_key(&b, "stage");
   json_int(&b, me);
   json_key(&b, "failed_stage");
@@ -175,134 +239,32 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   fflush(stdout);
   json_buf_free(&b);
   if (signals_stop_requested()) {
-    log_info("group %s stops: %s", p->sc.group, why);
+    log_info("group %s stops: %s", p->st.group, why);
     return 0;
   }
-  log_error("group %s stops: %s", p->sc.group, why);
-  fprintf(stderr, "rumor peer: group %s, stage %d/%d: stopping because %s\n", p->sc.group, me, S, why);
+  log_error("group %s stops: %s", p->st.group, why);
+  fprintf(stderr, "rumor peer: group %s, stage %d/%d: stopping because %s\n", p->st.group, me, S, why);
   return 1;
-}
-
-static void free_proc(struct stage_proc *p) {
-  if (p->g) gossip_stop(p->g, (uint32_t)p->f.linger_ms);
-  if (p->have_sync) stage_sync_free(&p->ss);
-  stage_link_close(p->link, 10000);
-  if (p->have_trainer) {
-    tensor_host_free(p->t.be, p->mine);
-    tensor_host_free(p->t.be, p->theirs);
-    tensor_host_free(p->t.be, p->donor);
-    stage_trainer_free(&p->t);
-  }
-  if (p->have_keys) net_keys_free(&p->keys);
 }
 
 int cmd_stage(int argc, char **argv) {
   static struct stage_proc proc;
   struct stage_proc *p = &proc;
   memset(p, 0, sizeof *p);
-  group_flags_default(&p->f);
-  struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
-  group_flags_specs(&p->f, GROUP_FLAGS_STAGE, specs);
-  int ar = args_parse(specs, argc, argv, "rumor peer --group NAME --stage s/S --cluster-key FILE --identity FILE [options]",
-                      "Runs stage s of S of a model-parallel peer group: it holds a contiguous run of the\n"
-                      "model's layers, exchanges activations and their gradients with stages s-1 and s+1\n"
-                      "over the authenticated transport (--link-listen, --link-prev), and averages its slice\n"
-                      "of the parameters with stage s of other groups (--bootstrap). Every stage of a group\n"
-                      "gets the same training options and identity. `rumor group` starts all stages of a\n"
-                      "group on one host. A stage that fails or vanishes stops its whole group.");
-  if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
-  log_set_json(p->f.train.log_json);
+  bool done;
+  int status = parse(p, argc, argv, &done);
+  if (done) return status;
   struct rumor_err e = {0};
-  int stage, stages;
-  if (!p->f.group) {
-    fprintf(stderr, "rumor peer: --group NAME is required with --stage\n");
-    return 2;
-  }
-  if (!p->f.stage) {
-    fprintf(stderr, "rumor peer: --stage s/S is required with --group\n");
-    return 2;
-  }
-  if (group_stage_parse(p->f.stage, &stage, &stages, &e) ||
-      group_flags_stage_config(&p->f, specs, stage, stages, &p->sc, &e) || stage_plan_make(&p->sc, &p->plan, &e)) {
-    fprintf(stderr, "rumor peer: %s\n", e.msg);
-    return 2;
-  }
-  if (stage > 0 && !p->f.link_prev) {
-    fprintf(stderr, "rumor peer: stage %d/%d needs --link-prev HOST:PORT (the previous stage's link address)\n", stage,
-            stages);
-    return 2;
-  }
-  char name[96];
-  snprintf(name, sizeof name, "%s:s%d", p->f.name ? p->f.name : p->sc.group, stage);
-  log_set_name(name);
-  if (net_flags_load_keys(&p->f.net, &p->keys, &e)) {
-    fprintf(stderr, "rumor peer: %s\n", e.msg);
-    return e.code == RUMOR_EFORMAT ? 2 : 1;
-  }
-  p->have_keys = true;
-
-  char agree[STAGE_LINK_AGREE_MAX + 1];
-  stage_agreement(&p->sc, &p->plan, agree, sizeof agree);
-  struct stage_link_config lc = {.identity = &p->keys.identity,
-                                 .cluster_key = p->keys.cluster_key,
-                                 .group = p->sc.group,
-                                 .stage = stage,
-                                 .stages = stages,
-                                 .listen = p->f.link_listen,
-                                 .prev = p->f.link_prev,
-                                 .agreement = agree,
-                                 .in_width = p->plan.spec.widths[p->plan.l0],
-                                 .out_width = p->plan.spec.widths[p->plan.l1],
-                                 .max_rows = p->plan.mb_rows,
-                                 .connect_timeout_ms = (uint32_t)p->f.link_wait_ms,
-                                 .idle_timeout_ms = (uint32_t)p->f.link_timeout_ms,
-                                 .stop = signals_stop_flag()};
-  int status = 1;
-  if (stage_link_start(&p->link, &lc, &e)) {
-    fprintf(stderr, "rumor peer: %s\n", e.msg);
-    free_proc(p);
-    return e.code == RUMOR_EFORMAT ? 2 : 1;
-  }
-  printf("{\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"pid\":%d,\"link\":\"%s\"}\n", p->sc.group, stage, stages,
-         (int)getpid(), stage_link_address(p->link));
-  fflush(stdout);
-
-  if (stage_trainer_init(&p->t, &p->sc, p->link, &e)) goto fail;
-  p->have_trainer = true;
-  if (start_gossip(p, &e)) goto fail;
-  if (stage_link_wait_ready(p->link, &e)) goto fail;
-  if (join(p, &e)) goto fail;
-  struct stage_sync_config ssc = {.every_steps = p->f.every, .every_s = p->f.interval, .max_distance = p->f.max_distance};
-  if (stage_sync_init(&p->ss, p->g, &p->t, &ssc, &e)) goto fail;
-  p->have_sync = true;
-  stage_link_set_idle(p->link, stage_sync_idle, &p->ss);
-  gossip_ready(p->g);
-  if (wait_peers(p, &e)) goto fail;
-
-  double t0 = clock_now_s();
-  int64_t s0 = p->t.st.samples;
-  bool first = true;
-  while (!stage_trainer_done(&p->t)) {
-    if (signals_stop_requested()) {
-      rumor_err_set(&e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
-      goto fail;
-    }
-    if (stage_trainer_step(&p->t, &e)) goto fail;
-    if (first) {
-      log_info("first step done%s", p->sc.stage == stages - 1 ? "" : " (the loss is on the last stage)");
-      if (p->sc.stage == stages - 1) log_info("first step: loss %.4f at step %lld", p->t.last_loss, (long long)p->t.st.step);
-      first = false;
-    }
-    stage_sync_boundary(&p->ss);
-  }
-  double secs = clock_now_s() - t0;
-  if (stage_trainer_evaluate(&p->t, &e)) goto fail;
-  print_result(p, secs, s0);
-  status = 0;
-  free_proc(p);
-  return status;
-fail:
-  status = stop_group(p, &e);
-  free_proc(p);
+  int rc = prepare(p, &e);
+  if (rc == 0) rc = join(p, &e);
+  if (rc == 0) rc = run(p, &e);
+  /* A failure, even before the links exist, is reported as the group's
+   * (the launcher names the stage that failed). */
+  status = rc == 0 ? 0 : stop_group(p, &e);
+  /* The links first: they ride on the gossip runtime's event loop. */
+  stage_link_close(p->link, 10000);
+  member_free(&p->mb, p->f.net.linger_ms);
+  if (p->have_trainer) trainer_free(&p->t);
+  if (p->have_keys) net_keys_free(&p->keys);
   return status;
 }

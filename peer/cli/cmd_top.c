@@ -15,9 +15,7 @@
 #include <unistd.h>
 
 #include "gossip/monitor.h"
-#include "peer/cli/cli.h"
-#include "peer/cli/net_flags.h"
-#include "peer/cli/plot.h"
+#include "peer/cli/cli_impl.h"
 #include "util/json.h"
 
 /* ---- the series kept between polls ------------------------------------------ */
@@ -317,15 +315,13 @@ int cmd_top(int argc, char **argv) {
   int64_t timeout_ms = 3000, count = 0;
   bool once = false, json = false, exact = false;
   const char *csv_path = NULL, *plot_path = NULL;
-  const struct arg_spec specs[] = {
-      {"bootstrap", ARG_STR, &nf.bootstrap, "A,B,...", "cluster members to ask for the member table; required"},
-      {"cluster-key", ARG_STR, &nf.cluster_key, "FILE", "the cluster's key (rumor keygen --cluster); required"},
-      {"identity", ARG_STR, &nf.identity, "FILE", "this monitor's identity (rumor keygen); required"},
-      {"allow-list", ARG_STR, &nf.allow_list, "FILE", "talk only to members whose public keys FILE lists"},
+  struct arg_spec specs[32];
+  size_t n = 0;
+  net_flags_specs(&nf, FLAGS_MONITOR, false, specs, &n, 31);
+  const struct arg_spec own[] = {
       {"interval", ARG_FLOAT, &interval, "SEC", "seconds between refreshes", 0.05, 86400},
       {"timeout-ms", ARG_INT, &timeout_ms, "MS", "a member that has not answered by then is unreachable", 50,
        600000},
-      {"handshake-timeout-ms", ARG_INT, &nf.handshake_timeout_ms, "MS", "connection handshake deadline", 100, 600000},
       {"once", ARG_FLAG, &once, NULL, "ask once, print, and exit (exit 1 when no member answers)"},
       {"count", ARG_INT, &count, "N", "exit after N refreshes (0: until SIGINT)", 0, 1e12},
       {"json", ARG_FLAG, &json, NULL, "print one JSON object per refresh instead of the table"},
@@ -334,8 +330,9 @@ int cmd_top(int argc, char **argv) {
        1e7},
       {"csv", ARG_STR, &csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
       {"plot", ARG_STR, &plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (.svg or .png)"},
-      {0},
   };
+  for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
+  specs[n] = (struct arg_spec){0};
   int ar = args_parse(specs, argc, argv, "rumor top --bootstrap ADDR --cluster-key FILE --identity FILE [options]",
                       "Shows every member of a cluster, refreshing like top(1): step, epoch, loss, samples/s,\n"
                       "exchanges done and failed, bytes in and out, age of the last exchange, parameter norm;\n"

@@ -3,9 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "peer/cli/args.h"
-#include "peer/cli/cli.h"
-#include "peer/cli/train_flags.h"
+#include "peer/cli/cli_impl.h"
 
 
 int cmd_train(int argc, char **argv) {
@@ -13,7 +11,7 @@ int cmd_train(int argc, char **argv) {
   train_flags_default(&f);
   struct arg_spec specs[48];
   size_t n = 0;
-  train_flags_specs(&f, specs, &n, 47);
+  train_flags_specs(&f, FLAGS_TRAIN, specs, &n, 47);
   specs[n] = (struct arg_spec){0};
   int ar = args_parse(specs, argc, argv, "rumor train [options]",
                       "Trains one replica on its own (no network) and prints the final test accuracy\n"
@@ -51,8 +49,8 @@ int cmd_train(int argc, char **argv) {
     status = 130;
   }
   if (status == 0) {
-    double acc = -1, loss = -1;
-    if (t.have_test) trainer_evaluate(&t, &t.test, &acc, &loss);
+    if (trainer_evaluate(&t, &e)) log_warn("final evaluation: %s", e.msg);
+    double acc = t.have_test ? t.accuracy : -1, loss = t.have_test ? t.test_loss : -1;
     log_info("final test accuracy %.4f, test loss %.4f after %lld steps", acc, loss, (long long)t.st.step);
     printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f}\n", acc,
            loss, (long long)t.st.step, (long long)t.st.epoch, secs > 0 ? (double)(t.st.samples - s0) / secs : 0.0);

@@ -1,8 +1,8 @@
-/* Cluster options shared by the networked subcommands. */
-#include "peer/cli/net_flags.h"
-
+/* The cluster options: rumor peer, group, bootstrap and top. */
 #include <sodium.h>
 #include <string.h>
+
+#include "peer/cli/cli_impl.h"
 
 void net_flags_default(struct net_flags *f) {
   memset(f, 0, sizeof *f);
@@ -14,14 +14,43 @@ void net_flags_default(struct net_flags *f) {
   f->suspect_ms = c.suspect_timeout_ms;
   f->join_timeout_ms = c.join_timeout_ms;
   f->handshake_timeout_ms = c.net.handshake_timeout_ms;
+  f->linger_ms = 500;
 }
 
-void net_flags_specs(struct net_flags *f, bool with_listen, struct arg_spec *out, size_t *n, size_t max) {
+/* The options `rumor top` takes: it joins nothing and listens nowhere. */
+static bool monitor_takes(const char *name) {
+  static const char *const names[] = {"bootstrap", "cluster-key", "identity", "allow-list", "handshake-timeout-ms"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (strcmp(name, names[i]) == 0) return true;
+  return false;
+}
+
+static void net_flags_help_for(enum flags_for who, struct arg_spec *sp) {
+  if (who == FLAGS_MONITOR) {
+    if (strcmp(sp->name, "bootstrap") == 0) sp->help = "cluster members to ask for the member table; required";
+    else if (strcmp(sp->name, "identity") == 0) sp->help = "this monitor's identity (rumor keygen); required";
+    else if (strcmp(sp->name, "allow-list") == 0) sp->help = "talk only to members whose public keys FILE lists";
+  } else if (who == FLAGS_LAUNCHER) {
+    if (strcmp(sp->name, "listen") == 0) sp->help = "gossip address of stage 0 (stage s: port + s; port 0: any free port)";
+    else if (strcmp(sp->name, "advertise") == 0) sp->help = "address others dial for stage 0 (stage s: port + s)";
+    else if (strcmp(sp->name, "metrics") == 0) sp->help = "serve stage 0's metrics here (stage s: port + s)";
+    else if (strcmp(sp->name, "bootstrap") == 0) {
+      sp->metavar = "L0;L1;...";
+      sp->help = "one address list per stage, separated by ';': stage s joins stage s of other groups through Ls";
+    }
+  } else if (who == FLAGS_STAGE && strcmp(sp->name, "bootstrap") == 0) {
+    sp->help = "addresses of this stage's cluster (stage s of other groups, or its bootstrap nodes)";
+  }
+}
+
+void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, struct arg_spec *out, size_t *n,
+                     size_t max) {
   const struct arg_spec listen_specs[] = {
       {"listen", ARG_STR, &f->listen, "HOST:PORT", "address to listen on (port 0: any free port)"},
       {"advertise", ARG_STR, &f->advertise, "HOST:PORT", "address others dial (default: the listen address)"},
       {"metrics", ARG_STR, &f->metrics, "HOST:PORT",
        "serve Prometheus metrics (/metrics) and readiness (/healthz) over plain HTTP here"},
+      {"linger-ms", ARG_INT, &f->linger_ms, "MS", "time to spread LEAVE on exit", 0, 60000},
   };
   const struct arg_spec specs[] = {
       {"bootstrap", ARG_STR, &f->bootstrap, "A,B,...", "addresses of cluster members to join through"},
@@ -39,11 +68,14 @@ void net_flags_specs(struct net_flags *f, bool with_listen, struct arg_spec *out
   if (with_listen)
     for (size_t i = 0; i < sizeof listen_specs / sizeof listen_specs[0]; i++) {
       RUMOR_ASSERT(*n < max);
-      out[(*n)++] = listen_specs[i];
+      out[*n] = listen_specs[i];
+      net_flags_help_for(who, &out[(*n)++]);
     }
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    if (who == FLAGS_MONITOR && !monitor_takes(specs[i].name)) continue;
     RUMOR_ASSERT(*n < max);
-    out[(*n)++] = specs[i];
+    out[*n] = specs[i];
+    net_flags_help_for(who, &out[(*n)++]);
   }
 }
 

@@ -1,5 +1,5 @@
 /* plot — SVG and PNG line charts, terminal sparklines. See plot.h. */
-#include "peer/cli/plot.h"
+#include "peer/cli/cli_impl.h"
 
 #include <ctype.h>
 #include <errno.h>

@@ -1,7 +1,7 @@
-/* The training options shared by `rumor train` and `rumor peer`. */
-#include "peer/cli/train_flags.h"
-
+/* The training options: rumor train, peer and group. */
 #include <string.h>
+
+#include "peer/cli/cli_impl.h"
 
 void train_flags_default(struct train_flags *f) {
   struct train_config cfg;
@@ -23,7 +23,7 @@ void train_flags_default(struct train_flags *f) {
   f->log_every = cfg.log_every_s;
 }
 
-void train_flags_specs(struct train_flags *f, struct arg_spec *out, size_t *n, size_t max) {
+void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
   const struct arg_spec specs[] = {
       {"model", ARG_STR, &f->model, "SPEC", "architecture, e.g. mlp:784-512-256-10 or mlp:784-256-10:gelu"},
       {"data", ARG_STR, &f->data, "DIR", "directory with train-/t10k- IDX files (plain or .gz)"},
@@ -48,12 +48,21 @@ void train_flags_specs(struct train_flags *f, struct arg_spec *out, size_t *n, s
       {"resume", ARG_STR, &f->resume, "FILE", "continue from a checkpoint (model, shard, seeds, position)"},
       {"log-every", ARG_FLOAT, &f->log_every, "SEC", "seconds between progress lines (0: off)", 0, 1e6},
       {"no-eval", ARG_FLAG, &f->no_eval, NULL, "skip the test-set evaluation after each epoch"},
-      {"log-json", ARG_FLAG, &f->log_json, NULL, "log one JSON object per line"},
   };
+  bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    struct arg_spec sp = specs[i];
+    /* The launcher's --device is --devices (one per stage); groups do not resume. */
+    if ((who == FLAGS_LAUNCHER && strcmp(sp.name, "device") == 0) || (group && strcmp(sp.name, "resume") == 0)) continue;
+    if (group && strcmp(sp.name, "checkpoint") == 0)
+      sp.help = "each stage saves its units to FILE-stage<s> (X.safetensors: X-stage<s>.safetensors), each epoch and "
+                "at the end";
+    if (who == FLAGS_LAUNCHER && strcmp(sp.name, "threads") == 0)
+      sp.help = "CPU threads per stage (0: the host's cores divided among the stages)";
     RUMOR_ASSERT(*n < max);
-    out[(*n)++] = specs[i];
+    out[(*n)++] = sp;
   }
+  args_log_json_spec(&f->log_json, out, n, max);
 }
 
 int train_flags_config(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,

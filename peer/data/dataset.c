@@ -1,6 +1,6 @@
 /* IDX reader (via zlib, which reads plain files transparently), sharding
  * and batch gathering. */
-#include "peer/data/dataset.h"
+#include "peer/data/data.h"
 
 #include <errno.h>
 #include <math.h>

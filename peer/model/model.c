@@ -1,159 +1,165 @@
-/* The MLP: spec parsing, flat-buffer layout, forward and backward passes. */
-#include "peer/model/model.h"
+/* What every model family shares: spec dispatch, the parameter table, the
+ * loss and scoring, initialisation streams. */
+#include "peer/model/model_impl.h"
 
-#include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- spec ---- */
+/* The registry: one entry per family, by spec prefix. */
+static const struct model_family_ops *const FAMILIES[] = {&model_mlp_ops};
+#define NFAMILIES (sizeof FAMILIES / sizeof FAMILIES[0])
+
+static const struct model_family_ops *family_of(const struct model_spec *s) {
+  for (size_t i = 0; i < NFAMILIES; i++)
+    if ((int)s->family == (int)(i + 1)) return FAMILIES[i];
+  RUMOR_ASSERT(!"a model spec of an unknown family");
+  return NULL;
+}
+
+/* ---- specs ---- */
 
 int model_spec_parse(const char *s, struct model_spec *out, struct rumor_err *e) {
-  struct model_spec spec;
-  memset(&spec, 0, sizeof spec);
-  if (!s || strncmp(s, "mlp:", 4) != 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': expected mlp:IN-H1-...-OUT[:relu|:gelu]", s ? s : "");
-  const char *p = s + 4;
-  int nwidths = 0;
-  for (;;) {
-    char *end;
-    errno = 0;
-    long long w = strtoll(p, &end, 10);
-    if (end == p || errno || w < 1 || w > MODEL_MAX_WIDTH)
-      return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': layer widths must be integers in [1, %d]", s,
-                           MODEL_MAX_WIDTH);
-    if (nwidths == MODEL_MAX_LAYERS + 1)
-      return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': at most %d layers", s, MODEL_MAX_LAYERS);
-    spec.widths[nwidths++] = w;
-    p = end;
-    if (*p == '-') {
-      p++;
-      continue;
-    }
-    break;
+  const char *colon = s ? strchr(s, ':') : NULL;
+  if (!s || !colon)
+    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': expected FAMILY:ARGS, e.g. mlp:784-512-256-10",
+                         s ? s : "");
+  if (strlen(s) >= MODEL_SPEC_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%.40s...': longer than %d characters", s,
+                         MODEL_SPEC_MAX - 1);
+  for (size_t i = 0; i < NFAMILIES; i++) {
+    const struct model_family_ops *f = FAMILIES[i];
+    if (strlen(f->name) != (size_t)(colon - s) || strncmp(s, f->name, (size_t)(colon - s)) != 0) continue;
+    struct model_spec spec;
+    memset(&spec, 0, sizeof spec);
+    spec.family = (enum model_family)(i + 1);
+    int rc = f->parse(s, colon + 1, &spec, e);
+    if (rc) return rc;
+    *out = spec;
+    return 0;
   }
-  if (nwidths < 2)
-    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': need at least an input and an output width", s);
-  spec.nlayers = nwidths - 1;
-  spec.act = MODEL_ACT_RELU;
-  if (*p == ':') {
-    p++;
-    if (strcmp(p, "relu") == 0) spec.act = MODEL_ACT_RELU;
-    else if (strcmp(p, "gelu") == 0) spec.act = MODEL_ACT_GELU;
-    else return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': unknown activation '%s' (relu or gelu)", s, p);
-  } else if (*p) {
-    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': unexpected '%s'", s, p);
-  }
-  /* Keep the parameter count well inside what one flat buffer indexes. */
-  if (model_spec_param_count(&spec) > ((int64_t)1 << 40))
-    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': too many parameters", s);
-  *out = spec;
-  return 0;
+  return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': unknown model family '%.*s' (known: mlp)", s,
+                       (int)(colon - s), s);
 }
 
-void model_spec_format(const struct model_spec *s, char *buf, size_t len) {
-  size_t n = (size_t)snprintf(buf, len, "mlp:");
-  for (int i = 0; i <= s->nlayers && n < len; i++)
-    n += (size_t)snprintf(buf + n, len - n, i ? "-%lld" : "%lld", (long long)s->widths[i]);
-  if (s->act == MODEL_ACT_GELU && n < len) snprintf(buf + n, len - n, ":gelu");
+void model_spec_format(const struct model_spec *s, char *buf, size_t len) { family_of(s)->format(s, buf, len); }
+
+bool model_spec_equal(const struct model_spec *a, const struct model_spec *b) {
+  char x[MODEL_SPEC_MAX], y[MODEL_SPEC_MAX];
+  model_spec_format(a, x, sizeof x);
+  model_spec_format(b, y, sizeof y);
+  return strcmp(x, y) == 0;
 }
 
-int64_t model_spec_layer_offset(const struct model_spec *s, int layer) {
+void model_spec_io(const struct model_spec *s, struct model_io *out) { family_of(s)->io(s, out); }
+int model_spec_units(const struct model_spec *s) { return family_of(s)->units(s); }
+const char *model_spec_unit_noun(const struct model_spec *s) { return family_of(s)->unit_noun; }
+
+int64_t model_spec_boundary(const struct model_spec *s, int u) {
+  RUMOR_ASSERT(0 < u && u < model_spec_units(s));
+  return family_of(s)->boundary(s, u);
+}
+
+int64_t model_spec_unit_macs(const struct model_spec *s, int u) {
+  RUMOR_ASSERT(0 <= u && u < model_spec_units(s));
+  return family_of(s)->unit_macs(s, u);
+}
+
+void model_spec_describe_units(const struct model_spec *s, int u0, int u1, char *buf, size_t n) {
+  family_of(s)->describe_units(s, u0, u1, buf, n);
+}
+
+/* ---- the table ---- */
+
+void model_table_build(const struct model_spec *s, struct model_table *t) {
+  const struct model_family_ops *f = family_of(s);
+  memset(t, 0, sizeof *t);
+  t->n = f->table(s, NULL);
+  t->p = xcalloc(t->n, sizeof *t->p);
+  f->table(s, t->p);
+  t->nunits = f->units(s);
+  RUMOR_ASSERT(t->nunits >= 1 && t->nunits <= MODEL_MAX_UNITS);
   int64_t off = 0;
-  for (int l = 0; l < layer; l++) off += s->widths[l + 1] * s->widths[l] + s->widths[l + 1];
-  return off;
+  int u = 0;
+  for (size_t i = 0; i < t->n; i++) {
+    const struct model_param *p = &t->p[i];
+    RUMOR_ASSERT(p->offset == off && p->unit >= u && p->unit < t->nunits && p->numel >= 1);
+    while (u < p->unit) t->unit_offset[++u] = off; /* units without parameters are empty ranges */
+    off += p->numel;
+  }
+  while (u < t->nunits) t->unit_offset[++u] = off;
+  t->nparams = off;
 }
 
-int64_t model_spec_param_count(const struct model_spec *s) { return model_spec_layer_offset(s, s->nlayers); }
+void model_table_free(struct model_table *t) {
+  free(t->p);
+  memset(t, 0, sizeof *t);
+}
 
-int64_t model_spec_flops(const struct model_spec *s, int l0, int l1) {
-  int64_t f = 0;
-  for (int l = l0; l < l1; l++) f += s->widths[l] * s->widths[l + 1];
-  return f;
+const struct model_param *model_table_find(const struct model_table *t, const char *name) {
+  for (size_t i = 0; i < t->n; i++)
+    if (strcmp(t->p[i].name, name) == 0) return &t->p[i];
+  return NULL;
+}
+
+int64_t model_spec_param_count(const struct model_spec *s) {
+  struct model_table t;
+  model_table_build(s, &t);
+  int64_t n = t.nparams;
+  model_table_free(&t);
+  return n;
 }
 
 /* ---- allocation ---- */
 
-static int64_t max_width(const struct model_spec *s, int l0, int l1) {
-  int64_t w = 0;
-  for (int i = l0; i <= l1; i++) w = s->widths[i] > w ? s->widths[i] : w;
-  return w;
-}
-
-int model_init(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_batch,
+int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be, int64_t max_rows,
                struct rumor_err *e) {
-  return model_init_layers(m, spec, 0, spec->nlayers, be, max_batch, e);
-}
-
-int model_init_layers(struct model *m, const struct model_spec *spec, int l0, int l1, tensor_backend_t be,
-                      int64_t max_batch, struct rumor_err *e) {
-  RUMOR_ASSERT(0 <= l0 && l0 < l1 && l1 <= spec->nlayers && max_batch >= 1);
   memset(m, 0, sizeof *m);
   m->spec = *spec;
+  m->ops = family_of(spec);
+  model_table_build(spec, &m->table);
+  RUMOR_ASSERT(0 <= u0 && u0 < u1 && u1 <= m->table.nunits && max_rows >= 1);
+  model_spec_io(spec, &m->io);
   m->be = be;
-  m->l0 = l0;
-  m->l1 = l1;
-  m->max_batch = max_batch;
-  m->param_base = model_spec_layer_offset(spec, l0);
-  m->nparams = model_spec_layer_offset(spec, l1) - m->param_base;
+  m->u0 = u0;
+  m->u1 = u1;
+  m->max_rows = max_rows;
+  m->param_base = m->table.unit_offset[u0];
+  m->nparams = m->table.unit_offset[u1] - m->param_base;
+  int64_t P = m->nparams > 0 ? m->nparams : 1, targets = max_rows * m->io.labels_per_row;
   int rc;
-  int64_t P = m->nparams;
-  if ((rc = tensor_alloc(&m->params, be, TENSOR_F32, 1, &P, e))) goto fail;
-  if ((rc = tensor_alloc(&m->grads, be, TENSOR_F32, 1, &P, e))) goto fail;
-  for (int l = l0; l < l1; l++) {
-    int64_t off = model_spec_layer_offset(spec, l) - m->param_base;
-    int64_t wshape[2] = {spec->widths[l + 1], spec->widths[l]};
-    int64_t bshape[1] = {spec->widths[l + 1]};
-    struct model_layer *L = &m->layers[l];
-    L->w = tensor_view(&m->params, off, 2, wshape);
-    L->b = tensor_view(&m->params, off + wshape[0] * wshape[1], 1, bshape);
-    L->dw = tensor_view(&m->grads, off, 2, wshape);
-    L->db = tensor_view(&m->grads, off + wshape[0] * wshape[1], 1, bshape);
+  if ((rc = tensor_alloc(&m->params, be, TENSOR_F32, 1, &P, e)) || (rc = tensor_alloc(&m->grads, be, TENSOR_F32, 1, &P, e)) ||
+      (rc = tensor_alloc(&m->labels, be, TENSOR_I32, 1, &targets, e)) ||
+      (rc = tensor_alloc(&m->losses, be, TENSOR_F32, 1, &targets, e)) || (rc = m->ops->init(m, e))) {
+    model_free(m);
+    return rc;
   }
-  for (int l = l0; l <= l1; l++) {
-    int64_t shape[2] = {max_batch, spec->widths[l]};
-    if ((rc = tensor_alloc(&m->acts[l], be, TENSOR_F32, 2, shape, e))) goto fail;
-    if (l < l1 && l < spec->nlayers - 1 && spec->act == MODEL_ACT_GELU) {
-      int64_t ps[2] = {max_batch, spec->widths[l + 1]};
-      if ((rc = tensor_alloc(&m->pre[l], be, TENSOR_F32, 2, ps, e))) goto fail;
-    }
-  }
-  int64_t dshape[2] = {max_batch, max_width(spec, l0, l1)};
-  for (int i = 0; i < 2; i++)
-    if ((rc = tensor_alloc(&m->dbuf[i], be, TENSOR_F32, 2, dshape, e))) goto fail;
-  if ((rc = tensor_alloc(&m->labels, be, TENSOR_I32, 1, &max_batch, e))) goto fail;
-  if ((rc = tensor_alloc(&m->losses, be, TENSOR_F32, 1, &max_batch, e))) goto fail;
   return 0;
-fail:
-  model_free(m);
-  return rc;
+}
+
+int model_init_full(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_rows,
+                    struct rumor_err *e) {
+  return model_init(m, spec, 0, model_spec_units(spec), be, max_rows, e);
 }
 
 void model_free(struct model *m) {
+  if (m->ops) m->ops->free(m);
   tensor_free(&m->params);
   tensor_free(&m->grads);
-  for (int l = 0; l <= MODEL_MAX_LAYERS; l++) tensor_free(&m->acts[l]);
-  for (int l = 0; l < MODEL_MAX_LAYERS; l++) tensor_free(&m->pre[l]);
-  tensor_free(&m->dbuf[0]);
-  tensor_free(&m->dbuf[1]);
   tensor_free(&m->labels);
   tensor_free(&m->losses);
+  model_table_free(&m->table);
   memset(m, 0, sizeof *m);
 }
 
 void model_init_params(struct model *m, uint64_t seed) {
   float *host = xmalloc((size_t)m->nparams * sizeof(float));
   struct rng r;
-  for (int l = m->l0; l < m->l1; l++) {
-    /* One stream per layer: a layer's initial values do not depend on the
-     * widths of the layers before it. */
-    rng_seed(&r, seed, (uint64_t)l + 1);
-    int64_t off = model_spec_layer_offset(&m->spec, l) - m->param_base;
-    int64_t fan_in = m->spec.widths[l], fan_out = m->spec.widths[l + 1];
-    float bound = 1.0f / sqrtf((float)fan_in);
-    int64_t n = fan_out * fan_in + fan_out;
-    for (int64_t i = 0; i < n; i++) host[off + i] = (2.0f * rng_uniform(&r) - 1.0f) * bound;
+  for (int u = m->u0; u < m->u1; u++) {
+    /* One stream per unit: a unit's initial values do not depend on the
+     * sizes of the units before it. */
+    rng_seed(&r, seed, (uint64_t)u + 1);
+    m->ops->init_unit(&m->spec, u, &r, host + (m->table.unit_offset[u] - m->param_base));
   }
   tensor_copy_from_host(&m->params, 0, host, (size_t)m->nparams * sizeof(float));
   free(host);
@@ -161,113 +167,69 @@ void model_init_params(struct model *m, uint64_t seed) {
 
 /* ---- passes ---- */
 
-static struct tensor rows_view(const struct tensor *t, int64_t batch, int64_t width) {
-  int64_t shape[2] = {batch, width};
-  return tensor_view(t, 0, 2, shape);
+struct tensor *model_act(struct model *m, int u) {
+  RUMOR_ASSERT(m->u0 <= u && u <= m->u1);
+  return m->ops->act(m, u);
 }
 
-struct tensor model_act_view(const struct model *m, int l, int64_t batch) {
-  return rows_view(&m->acts[l], batch, m->spec.widths[l]);
+int64_t model_act_width(const struct model *m, int u) {
+  if (u == 0) return m->io.input_per_row;
+  if (u == m->table.nunits) return m->io.labels_per_row * m->io.classes;
+  return model_spec_boundary(&m->spec, u);
 }
 
-void model_forward_range(struct model *m, int l0, int l1, int64_t batch) {
-  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && m->l0 <= l0 && l0 < l1 && l1 <= m->l1);
-  for (int l = l0; l < l1; l++) {
-    struct tensor x = model_act_view(m, l, batch);
-    struct tensor y = model_act_view(m, l + 1, batch);
-    bool hidden = l < m->spec.nlayers - 1;
-    bool gelu = hidden && m->spec.act == MODEL_ACT_GELU;
-    struct tensor z = gelu ? rows_view(&m->pre[l], batch, m->spec.widths[l + 1]) : y;
-    /* z = x · Wᵀ + b */
-    tensor_gemm(false, true, 1.0f, &x, &m->layers[l].w, 0.0f, &z);
-    tensor_bias_add(&z, &m->layers[l].b);
-    if (!hidden) continue;
-    if (gelu) tensor_gelu_fwd(&z, &y);
-    else tensor_relu_fwd(&y, &y);
-  }
+enum tensor_dtype model_act_dtype(const struct model *m, int u) { return u == 0 ? m->io.input_dtype : TENSOR_F32; }
+
+void model_forward(struct model *m, int a, int b, int64_t rows) {
+  RUMOR_ASSERT(rows >= 1 && rows <= m->max_rows && m->u0 <= a && a < b && b <= m->u1);
+  m->ops->forward(m, a, b, rows);
 }
 
-void model_backward_range(struct model *m, int l0, int l1, int64_t batch, struct tensor *dout,
-                          struct tensor *din, bool accumulate) {
-  RUMOR_ASSERT(batch >= 1 && batch <= m->max_batch && m->l0 <= l0 && l0 < l1 && l1 <= m->l1);
-  RUMOR_ASSERT(!din || (din->data != dout->data && din->data != m->dbuf[0].data &&
-                        din->data != m->dbuf[1].data));
-  float beta = accumulate ? 1.0f : 0.0f;
-  /* dy holds dL/d(layer l's output) while layer l is processed; for hidden
-   * layers that is after the activation, so its backward comes first. */
-  struct tensor dy = rows_view(dout, batch, m->spec.widths[l1]);
-  for (int l = l1 - 1; l >= l0; l--) {
-    if (l < m->spec.nlayers - 1) {
-      if (m->spec.act == MODEL_ACT_GELU) {
-        struct tensor z = rows_view(&m->pre[l], batch, m->spec.widths[l + 1]);
-        tensor_gelu_bwd(&z, &dy, &dy);
-      } else {
-        struct tensor y = model_act_view(m, l + 1, batch);
-        tensor_relu_bwd(&y, &dy, &dy);
-      }
-    }
-    struct tensor x = model_act_view(m, l, batch);
-    /* dW = dyᵀ · x ; db = Σ_rows dy */
-    tensor_gemm(true, false, 1.0f, &dy, &x, beta, &m->layers[l].dw);
-    tensor_bias_grad(&dy, &m->layers[l].db, beta);
-    /* dx = dy · W: into din at the first layer of the range (if wanted),
-     * else into whichever ping-pong buffer dy is not in. */
-    struct tensor *target;
-    if (l == l0) {
-      if (!din) break;
-      target = din;
-    } else {
-      target = dy.data == m->dbuf[0].data ? &m->dbuf[1] : &m->dbuf[0];
-    }
-    struct tensor dx = rows_view(target, batch, m->spec.widths[l]);
-    tensor_gemm(false, false, 1.0f, &dy, &m->layers[l].w, 0.0f, &dx);
-    dy = dx;
-  }
+void model_backward(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
+                    bool accumulate) {
+  RUMOR_ASSERT(rows >= 1 && rows <= m->max_rows && m->u0 <= a && a < b && b <= m->u1);
+  RUMOR_ASSERT(!din || din->data != dout->data);
+  RUMOR_ASSERT(!din || model_act_dtype(m, a) == TENSOR_F32);
+  m->ops->backward(m, a, b, rows, dout, din, accumulate);
 }
 
-void model_loss(struct model *m, int64_t batch, struct tensor *dlogits, float grad_scale) {
-  int L = m->spec.nlayers;
-  RUMOR_ASSERT(m->l1 == L);
-  struct tensor logits = model_act_view(m, L, batch);
-  struct tensor dl = rows_view(dlogits, batch, m->spec.widths[L]);
-  int64_t b = batch;
-  struct tensor labels = tensor_view(&m->labels, 0, 1, &b);
-  struct tensor losses = tensor_view(&m->losses, 0, 1, &b);
+int64_t model_targets(const struct model *m, int64_t rows) { return rows * m->io.labels_per_row; }
+
+void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
+  RUMOR_ASSERT(m->u1 == m->table.nunits);
+  int64_t n = model_targets(m, rows), shape[2] = {n, m->io.classes};
+  struct tensor logits = tensor_view(model_act(m, m->u1), 0, 2, shape);
+  struct tensor dl = tensor_view(dlogits, 0, 2, shape);
+  struct tensor labels = tensor_view(&m->labels, 0, 1, &n);
+  struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
   tensor_softmax_xent(&logits, &labels, &dl, &losses, grad_scale);
 }
 
-void model_forward_backward(struct model *m, int64_t batch) {
-  int L = m->spec.nlayers;
-  model_forward_range(m, 0, L, batch);
-  model_loss(m, batch, &m->dbuf[0], 1.0f / (float)batch);
-  model_backward_range(m, 0, L, batch, &m->dbuf[0], NULL, false);
+void model_forward_backward(struct model *m, int64_t rows) {
+  int L = m->table.nunits;
+  RUMOR_ASSERT(m->u0 == 0 && m->u1 == L);
+  model_forward(m, 0, L, rows);
+  /* The loss gradient replaces the logits: nothing reads them again. */
+  struct tensor *logits = model_act(m, L);
+  model_loss(m, rows, logits, 1.0f / (float)model_targets(m, rows));
+  model_backward(m, 0, L, rows, logits, NULL, false);
 }
 
-float model_mean_loss(const struct model *m, int64_t batch) {
-  int64_t b = batch;
-  struct tensor losses = tensor_view(&m->losses, 0, 1, &b);
-  return (float)(tensor_sum(&losses) / (double)batch);
+float model_mean_loss(const struct model *m, int64_t rows) {
+  int64_t n = model_targets(m, rows);
+  struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
+  return (float)(tensor_sum(&losses) / (double)n);
 }
 
-void model_evaluate_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
-                          double *loss_sum) {
-  model_forward_range(m, 0, m->spec.nlayers, batch);
-  model_score_batch(m, batch, labels_host, correct, loss_sum);
-}
-
-void model_score_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
-                       double *loss_sum) {
-  int L = m->spec.nlayers;
-  RUMOR_ASSERT(m->l1 == L);
-  int64_t C = m->spec.widths[L];
-  float *logits = xmalloc((size_t)(batch * C) * sizeof(float));
-  struct tensor lv = model_act_view(m, L, batch);
-  tensor_copy_to_host(&lv, 0, logits, (size_t)(batch * C) * sizeof(float));
-  model_loss(m, batch, &m->dbuf[0], 0.0f);
-  int64_t b = batch;
-  struct tensor losses = tensor_view(&m->losses, 0, 1, &b);
+void model_score(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum) {
+  int64_t n = model_targets(m, rows), C = m->io.classes;
+  float *logits = xmalloc((size_t)(n * C) * sizeof(float));
+  struct tensor *out = model_act(m, m->u1);
+  tensor_copy_to_host(out, 0, logits, (size_t)(n * C) * sizeof(float));
+  model_loss(m, rows, out, 0.0f); /* the logits are on the host now */
+  struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
   *loss_sum += tensor_sum(&losses);
-  for (int64_t r = 0; r < batch; r++) {
+  for (int64_t r = 0; r < n; r++) {
     const float *row = logits + r * C;
     int64_t best = 0;
     for (int64_t c = 1; c < C; c++)
@@ -275,4 +237,9 @@ void model_score_batch(struct model *m, int64_t batch, const int32_t *labels_hos
     *correct += best == labels_host[r];
   }
   free(logits);
+}
+
+void model_evaluate(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum) {
+  model_forward(m, 0, m->table.nunits, rows);
+  model_score(m, rows, labels_host, correct, loss_sum);
 }

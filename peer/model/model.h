@@ -1,15 +1,23 @@
 /*
- * model — a multi-layer perceptron with hand-written backpropagation.
+ * model — the interface every model implements, the parameter table that
+ * everything else reads, and the optimisers over the flat buffers.
  *
- * Parameters and gradients are each ONE flat buffer on the model's backend;
- * every layer's weight and bias are views into it, laid out layer by layer as
- * [W0 (out0, in0), b0 (out0), W1 (out1, in1), b1 (out1), ...]. Weights are
- * stored [out, in] like torch.nn.Linear, so a checkpoint maps one-to-one onto
- * PyTorch's state_dict. Averaging, checkpointing, sketching and sending then
- * act on one buffer.
+ * A model is named by a spec string ("mlp:784-512-256-10"); its family
+ * (the part before ':') picks the implementation. Parameters, gradients and
+ * optimiser state are each ONE flat buffer. Where each parameter lives in
+ * the buffer, its checkpoint name and shape, whether weight decay applies
+ * and which pipeline unit it belongs to are the model's parameter table
+ * (struct model_table): checkpoints, the pipeline split, stage training, the
+ * optimiser's decay mask, the drift sketch and every size check read it, and
+ * no file outside peer/model/ knows a model's layout.
  *
- * A spec string names the architecture: "mlp:784-512-256-10" (ReLU between
- * layers) or "mlp:784-512-256-10:gelu".
+ * Units: a model is a chain of units (the MLP's layers, a transformer's
+ * blocks), the grain at which a pipeline splits it. Unit u's parameters form
+ * one contiguous range of the flat buffer, and the units follow each other
+ * in order, so the parameters of units [u0, u1) — one pipeline stage — are
+ * one contiguous range too. Rows are the unit of data: one sample of the
+ * MLP, one sequence of a language model. Between units the activations are
+ * `model_boundary(spec, u)` floats per row.
  *
  * Threads: a model belongs to the thread that drives its backend.
  */
@@ -20,112 +28,238 @@
 
 #include "tensor/tensor.h"
 
-#define MODEL_MAX_LAYERS 16
-#define MODEL_MAX_WIDTH (1 << 20)
-#define MODEL_SPEC_MAX 256
+#define MODEL_SPEC_MAX 256  /* characters of a canonical spec string, with the NUL */
+#define MODEL_NAME_MAX 96   /* characters of a parameter's name, with the NUL */
+#define MODEL_MAX_UNITS 258 /* pipeline units of one model */
+#define MODEL_MAX_STASH 512 /* per-micro-batch activation tensors of one stage */
+#define MLP_MAX_LAYERS 16
+#define MLP_MAX_WIDTH (1 << 20)
 
-enum model_act { MODEL_ACT_RELU = 0, MODEL_ACT_GELU = 1 };
+/* ---- specs ------------------------------------------------------------------- */
 
+enum model_family { MODEL_MLP = 1 };
+enum mlp_act { MLP_ACT_RELU = 0, MLP_ACT_GELU = 1 };
+
+/* A parsed spec: the family and its hyperparameters. A value that may be
+ * copied; only peer/model/ reads the union (everyone else asks the functions
+ * below). */
 struct model_spec {
-  int nlayers;                             /* number of linear layers, >= 1 */
-  int64_t widths[MODEL_MAX_LAYERS + 1];    /* widths[0] inputs ... widths[nlayers] outputs */
-  enum model_act act;                      /* between layers, not after the last */
+  enum model_family family;
+  union {
+    struct {
+      int nlayers;                          /* linear layers, >= 1 */
+      int64_t widths[MLP_MAX_LAYERS + 1];   /* widths[0] inputs ... widths[nlayers] outputs */
+      enum mlp_act act;                     /* between layers, not after the last */
+    } mlp;
+  } u;
 };
 
-/* Parses a spec string. Returns 0 or RUMOR_EFORMAT with a message that quotes
- * the spec and says what is wrong. */
+/* Parses a spec string ("mlp:784-512-256-10[:relu|:gelu]"). Returns 0 or
+ * RUMOR_EFORMAT with a message that quotes the spec and names the bad part. */
 int model_spec_parse(const char *s, struct model_spec *out, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Writes the canonical spec string (parse(format(s)) == s). */
+/* The canonical spec string: parse(format(s)) == s. */
 void model_spec_format(const struct model_spec *s, char *buf, size_t len);
-int64_t model_spec_param_count(const struct model_spec *s);
-/* Offset (in elements) of layer l's weight within the flat buffer; its bias
- * follows the weight. */
-int64_t model_spec_layer_offset(const struct model_spec *s, int layer);
-/* Multiply-adds of one sample's forward pass through layers [l0, l1). */
-int64_t model_spec_flops(const struct model_spec *s, int l0, int l1);
+/* True when both name the same architecture. */
+bool model_spec_equal(const struct model_spec *a, const struct model_spec *b);
 
-struct model_layer {
-  struct tensor w, b;   /* views into params: w (out, in), b (out) */
-  struct tensor dw, db; /* the same views into grads */
+/* What a model takes and gives, per row. */
+struct model_io {
+  enum tensor_dtype input_dtype; /* TENSOR_F32 features (MLP) */
+  int64_t input_per_row;         /* values per row that unit 0 reads */
+  int64_t labels_per_row;        /* targets per row */
+  int64_t classes;               /* logits per target */
 };
+void model_spec_io(const struct model_spec *s, struct model_io *out);
+int model_spec_units(const struct model_spec *s);
+/* "layer" or "block": what one unit is, for messages. */
+const char *model_spec_unit_noun(const struct model_spec *s);
+/* Floats per row entering unit u, 0 < u < units: what one pipeline stage
+ * sends the next. */
+int64_t model_spec_boundary(const struct model_spec *s, int u);
+/* Multiply-adds of training one row through unit u: forward, weight
+ * gradient and, except for unit 0, input gradient. */
+int64_t model_spec_unit_macs(const struct model_spec *s, int u);
+/* A short description of units [u0, u1) for logs, e.g. "784-512-256". */
+void model_spec_describe_units(const struct model_spec *s, int u0, int u1, char *buf, size_t n);
+
+/* ---- the parameter table ---------------------------------------------------------- */
+
+struct model_param {
+  char name[MODEL_NAME_MAX];     /* checkpoint name, e.g. "layers.0.weight" */
+  int ndim;
+  int64_t shape[TENSOR_MAX_DIMS]; /* as stored, row-major, in memory and in checkpoints */
+  int64_t offset;                /* elements from the start of the whole model's flat buffer */
+  int64_t numel;
+  bool decay;                    /* weight decay applies (matrices, not biases) */
+  int unit;                      /* the pipeline unit it belongs to */
+};
+
+/* A model's parameters in flat-buffer order (offsets ascending, without gaps;
+ * units ascending). */
+struct model_table {
+  struct model_param *p;
+  size_t n;
+  int nunits;
+  int64_t nparams;                        /* elements in all */
+  int64_t unit_offset[MODEL_MAX_UNITS + 1]; /* unit u holds [unit_offset[u], unit_offset[u+1]) */
+};
+
+void model_table_build(const struct model_spec *s, struct model_table *t);
+void model_table_free(struct model_table *t);
+/* The entry named `name`, or NULL. */
+const struct model_param *model_table_find(const struct model_table *t, const char *name);
+/* Elements of the whole model (builds the table). */
+int64_t model_spec_param_count(const struct model_spec *s);
+
+/* ---- a model on a backend ----------------------------------------------------------- */
+
+struct model_family_ops; /* private: peer/model/model_impl.h */
 
 struct model {
   struct model_spec spec;
+  struct model_table table; /* the whole model's */
+  struct model_io io;
+  const struct model_family_ops *ops;
   tensor_backend_t be;
-  /* The layers this model holds: [l0, l1), all of them (0, nlayers) unless
-   * built by model_init_layers for one stage of a pipeline. params and grads
-   * hold exactly these layers, starting at param_base elements into the
-   * whole model's layout; layers[] and acts[] outside the range are empty. */
-  int l0, l1;
+  /* The units this model holds: [u0, u1), all of them unless built for one
+   * stage of a pipeline. params and grads hold exactly these units' entries,
+   * starting at param_base elements into the whole model's layout. */
+  int u0, u1;
   int64_t param_base;
   int64_t nparams;
-  struct tensor params; /* (P) flat, owner */
-  struct tensor grads;  /* (P) flat, owner */
-  struct model_layer layers[MODEL_MAX_LAYERS];
+  struct tensor params; /* (nparams) flat, owner */
+  struct tensor grads;  /* (nparams) flat, owner */
 
-  /* Workspace for batches of up to max_batch rows. acts[0] is the input
-   * (B, widths[0]) that the caller fills; acts[l+1] is layer l's output after
-   * its activation (the logits for the last layer). pre[l] keeps layer l's
-   * pre-activation when the activation needs it for backward (GELU). */
-  int64_t max_batch;
-  struct tensor acts[MODEL_MAX_LAYERS + 1];
-  struct tensor pre[MODEL_MAX_LAYERS];
-  struct tensor dbuf[2]; /* gradient ping-pong, (max_batch, max width) each */
-  struct tensor labels;  /* (max_batch) I32, filled by the caller */
-  struct tensor losses;  /* (max_batch) per-sample losses of the last step */
+  /* Workspace for up to max_rows rows. */
+  int64_t max_rows;
+  struct tensor labels; /* (max_rows · labels_per_row) I32, filled by the caller */
+  struct tensor losses; /* (max_rows · labels_per_row) per-target losses of the last loss */
+  /* Per-micro-batch activations: every tensor a forward pass writes and a
+   * backward pass reads, the input of unit u0 and the output of unit u1 − 1
+   * included. The pipeline keeps one such set per micro-batch in flight and
+   * binds it by assigning through these pointers (views, not owners). */
+  struct tensor *stash[MODEL_MAX_STASH];
+  int nstash;
+  void *impl; /* the family's workspace */
 };
 
-/* Allocates parameters, gradients and workspace on `be`. Parameters are
- * uninitialised until model_init_params or a load. Returns 0 or a negative
- * code with a message (e.g. the model does not fit on the device). */
-int model_init(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_batch,
+/* Allocates parameters, gradients and workspace for units [u0, u1) of
+ * `spec` on `be` (0 <= u0 < u1 <= units). Parameters are uninitialised until
+ * model_init_params or a load. Returns 0 or a negative code with a message
+ * (e.g. the model does not fit on the device). */
+int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be, int64_t max_rows,
                struct rumor_err *e) RUMOR_MUST_CHECK;
-/* The same for layers [l0, l1) of `spec` only (0 <= l0 < l1 <= nlayers): one
- * stage of a pipeline. Parameters, gradients and workspace (acts[l0..l1],
- * pre[l0..l1)) exist for those layers alone; each layer keeps its place and
- * role in the whole model (a hidden layer keeps its activation even when it
- * is the stage's last). */
-int model_init_layers(struct model *m, const struct model_spec *spec, int l0, int l1, tensor_backend_t be,
-                      int64_t max_batch, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The same for every unit. */
+int model_init_full(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_rows,
+                    struct rumor_err *e) RUMOR_MUST_CHECK;
 void model_free(struct model *m);
 
-/* PyTorch's default nn.Linear initialisation: W and b uniform in
- * ±1/sqrt(fan_in), drawn from (seed) on the host, identical on every backend.
- * Each layer has its own stream, so a stage's layers get exactly the values
- * the whole model's would. */
+/* The family's initialisation, drawn from `seed` on the host, identical on
+ * every backend; each unit has its own stream, so a stage's units get
+ * exactly the values the whole model's would. */
 void model_init_params(struct model *m, uint64_t seed);
 
-/* Shapes of acts[l] for a batch of B rows. */
-struct tensor model_act_view(const struct model *m, int l, int64_t batch);
+/* The tensor holding the input of unit `u` (u0 <= u <= u1; u == u1 is the
+ * output of unit u1 − 1, the logits when u1 is the last unit), shaped
+ * (max_rows, per-row values). The caller fills model_act(m, u0) before a forward
+ * pass; pipeline stages exchange these. */
+struct tensor *model_act(struct model *m, int u);
+/* Values per row of model_act(m, u), and their dtype. */
+int64_t model_act_width(const struct model *m, int u);
+enum tensor_dtype model_act_dtype(const struct model *m, int u);
 
-/* Forward pass through layers [l0, l1) on acts[l0] (B rows), leaving acts[l1]. */
-void model_forward_range(struct model *m, int l0, int l1, int64_t batch);
-/* Backward pass through layers [l0, l1) after model_forward_range over the
- * same rows: `dout` holds dL/d acts[l1] (B rows; it is overwritten). Writes
- * the layers' gradients into grads (overwriting them, or adding to them when
- * `accumulate`) and, when `din` is not NULL, dL/d acts[l0] into `din`
- * (B × widths[l0]; a buffer other than dout and the model's own dbuf). */
-void model_backward_range(struct model *m, int l0, int l1, int64_t batch, struct tensor *dout,
-                          struct tensor *din, bool accumulate);
+/* Forward pass through units [a, b) (u0 <= a < b <= u1) on model_act(a)
+ * (`rows` rows), leaving model_act(b). Only enqueues work. */
+void model_forward(struct model *m, int a, int b, int64_t rows);
+/* Backward pass through units [a, b) after model_forward over the same
+ * rows: `dout` holds dL/d model_act(b) (rows × width; overwritten). Writes
+ * the units' gradients into grads (overwriting them, or adding to them when
+ * `accumulate`) and, when `din` is not NULL, dL/d model_act(a) into `din`
+ * (a buffer of its own; a must be > 0 or the input must be floats). */
+void model_backward(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
+                    bool accumulate);
 
-/* Loss and its gradient at the logits acts[nlayers] for labels (B): fills
- * losses and writes grad_scale·dL/dlogits into `dlogits` (B × outputs). */
-void model_loss(struct model *m, int64_t batch, struct tensor *dlogits, float grad_scale);
+/* Loss at the logits (model_act(units), u1 must be the last unit) for the
+ * labels: fills losses and writes grad_scale·dL/dlogits into `dlogits`
+ * (rows·labels_per_row × classes; may be the logits themselves). */
+void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale);
+/* Targets in `rows` rows: the count a mean loss divides by. */
+int64_t model_targets(const struct model *m, int64_t rows);
 
-/* One training step's math on the batch in acts[0] / labels: forward, mean
- * cross-entropy loss, backward into grads. Only enqueues work. */
-void model_forward_backward(struct model *m, int64_t batch);
-/* The mean of the last step's per-sample losses (waits for them). */
-float model_mean_loss(const struct model *m, int64_t batch);
+/* One training step's math on the batch in model_act(0) / labels: forward,
+ * mean loss, backward into grads. Only enqueues work. */
+void model_forward_backward(struct model *m, int64_t rows);
+/* The mean of the last loss over `rows` rows (waits for it). */
+float model_mean_loss(const struct model *m, int64_t rows);
 
-/* Forward only on acts[0] / labels (labels also given on the host as
- * `labels_host`), then adds to *correct the rows whose argmax logit equals
- * the label and to *loss_sum their summed loss. */
-void model_evaluate_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
-                          double *loss_sum);
-/* The scoring half of model_evaluate_batch, on logits already in
- * acts[nlayers] (after a forward pass that ended at the last layer). */
-void model_score_batch(struct model *m, int64_t batch, const int32_t *labels_host, int64_t *correct,
-                       double *loss_sum);
+/* Scores logits already in model_act(units) after a forward pass: adds to
+ * *correct the targets whose argmax logit equals the label (`labels_host`,
+ * rows · labels_per_row, also copied into m->labels by the caller) and to
+ * *loss_sum their summed loss. */
+void model_score(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum);
+/* Forward over every unit, then model_score. */
+void model_evaluate(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum);
+
+/* ---- optimisers -------------------------------------------------------------------- */
+
+/*
+ * The optimiser's state is ONE flat buffer on the model's backend: (P) for
+ * SGD's momentum, (2P) for AdamW's first and second moments (m then v), so it
+ * checkpoints and transfers as one piece. Weight decay applies to the table
+ * entries marked `decay` only.
+ */
+enum optim_kind { OPTIM_SGD = 0, OPTIM_ADAMW = 1 };
+enum optim_schedule { OPTIM_SCHED_CONSTANT = 0, OPTIM_SCHED_COSINE = 1 };
+
+struct optim_config {
+  enum optim_kind kind;
+  double lr;           /* peak learning rate */
+  double momentum;     /* SGD */
+  bool nesterov;       /* SGD */
+  double weight_decay; /* L2 for SGD (PyTorch style), decoupled for AdamW; on `decay` entries */
+  double beta1, beta2, eps; /* AdamW */
+  enum optim_schedule schedule;
+  int64_t warmup_steps; /* linear warm-up from lr/warmup to lr */
+};
+
+/* Defaults: SGD, lr 0.05, momentum 0.9, no weight decay, cosine schedule. */
+void optim_config_default(struct optim_config *c);
+/* Parses "sgd" / "adamw" and "constant" / "cosine". RUMOR_EFORMAT otherwise. */
+int optim_kind_parse(const char *s, enum optim_kind *out) RUMOR_MUST_CHECK;
+int optim_schedule_parse(const char *s, enum optim_schedule *out) RUMOR_MUST_CHECK;
+const char *optim_kind_name(enum optim_kind k);
+const char *optim_schedule_name(enum optim_schedule s);
+/* Number of state floats per parameter: 1 (SGD) or 2 (AdamW). */
+int optim_state_per_param(enum optim_kind k);
+/* Checkpoint names of the state's parts (optim_state_per_param of them),
+ * e.g. "optimizer.exp_avg". */
+const char *optim_state_name(enum optim_kind k, int part);
+
+/* A run of parameters with one decay setting: [offset, offset + count) of
+ * the model's flat buffer. */
+struct optim_span {
+  int64_t offset, count;
+  bool decay;
+};
+
+struct optim {
+  struct optim_config cfg;
+  int64_t nparams;
+  struct tensor state; /* (P) or (2P) flat, owner; zero-initialised */
+  int64_t step;        /* updates applied so far */
+  struct optim_span *spans; /* the decay mask of the model's table, merged into runs */
+  size_t nspans;
+};
+
+/* An optimiser for the parameters model `m` holds. */
+int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m,
+               struct rumor_err *e) RUMOR_MUST_CHECK;
+void optim_free(struct optim *o);
+
+/* The learning rate for update number `step` (0-based) of `total_steps`. */
+double optim_lr_at(const struct optim_config *c, int64_t step, int64_t total_steps);
+
+/* Applies one update with learning rate `lr` and increments o->step. */
+void optim_apply(struct optim *o, struct tensor *params, const struct tensor *grads, double lr);
 
 #endif /* RUMOR_PEER_MODEL_H */

@@ -1,8 +1,10 @@
-/* SGD with momentum and AdamW over flat buffers; warm-up + cosine schedule. */
-#include "peer/model/optim.h"
-
+/* SGD with momentum and AdamW over flat buffers, with the table's decay mask;
+ * warm-up + cosine schedule. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "peer/model/model.h"
 
 void optim_config_default(struct optim_config *c) {
   memset(c, 0, sizeof *c);
@@ -36,20 +38,38 @@ const char *optim_schedule_name(enum optim_schedule s) { return s == OPTIM_SCHED
 
 int optim_state_per_param(enum optim_kind k) { return k == OPTIM_ADAMW ? 2 : 1; }
 
-int optim_init(struct optim *o, const struct optim_config *cfg, tensor_backend_t be, int64_t nparams,
-               struct rumor_err *e) {
+static const char *const STATE_SGD[] = {"optimizer.momentum"};
+static const char *const STATE_ADAMW[] = {"optimizer.exp_avg", "optimizer.exp_avg_sq"};
+
+const char *optim_state_name(enum optim_kind k, int part) {
+  RUMOR_ASSERT(0 <= part && part < optim_state_per_param(k));
+  return k == OPTIM_ADAMW ? STATE_ADAMW[part] : STATE_SGD[part];
+}
+
+int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m, struct rumor_err *e) {
   memset(o, 0, sizeof *o);
   o->cfg = *cfg;
-  o->nparams = nparams;
-  int64_t n = nparams * optim_state_per_param(cfg->kind);
-  int rc = tensor_alloc(&o->state, be, TENSOR_F32, 1, &n, e);
+  o->nparams = m->nparams;
+  int64_t n = m->nparams * optim_state_per_param(cfg->kind);
+  if (n < 1) n = 1;
+  int rc = tensor_alloc(&o->state, m->be, TENSOR_F32, 1, &n, e);
   if (rc) return rumor_err_prefix(e, "optimizer state");
   tensor_fill(&o->state, 0.0f);
+  /* The decay mask: the held table entries merged into runs of one setting. */
+  o->spans = xcalloc(m->table.n ? m->table.n : 1, sizeof *o->spans);
+  for (size_t i = 0; i < m->table.n; i++) {
+    const struct model_param *p = &m->table.p[i];
+    if (p->unit < m->u0 || p->unit >= m->u1) continue;
+    struct optim_span *last = o->nspans ? &o->spans[o->nspans - 1] : NULL;
+    if (last && last->decay == p->decay) last->count += p->numel;
+    else o->spans[o->nspans++] = (struct optim_span){p->offset - m->param_base, p->numel, p->decay};
+  }
   return 0;
 }
 
 void optim_free(struct optim *o) {
   tensor_free(&o->state);
+  free(o->spans);
   memset(o, 0, sizeof *o);
 }
 
@@ -61,24 +81,40 @@ double optim_lr_at(const struct optim_config *c, int64_t step, int64_t total_ste
   return c->lr * 0.5 * (1.0 + cos(M_PI * t));
 }
 
-void optim_apply(struct optim *o, struct tensor *params, const struct tensor *grads, double lr) {
-  RUMOR_ASSERT(tensor_numel(params) == o->nparams);
-  o->step++;
+/* One update of the elements [off, off + n) with weight decay `wd`. */
+static void apply_range(struct optim *o, struct tensor *params, const struct tensor *grads, int64_t off, int64_t n,
+                        double lr, double wd) {
+  struct tensor p = tensor_view(params, off, 1, &n), g = tensor_view(grads, off, 1, &n);
   if (o->cfg.kind == OPTIM_SGD) {
     struct tensor_sgd hp = {.lr = (float)lr,
                             .momentum = (float)o->cfg.momentum,
-                            .weight_decay = (float)o->cfg.weight_decay,
+                            .weight_decay = (float)wd,
                             .nesterov = o->cfg.nesterov};
-    tensor_sgd_step(params, grads, hp.momentum != 0.0f ? &o->state : NULL, &hp);
+    struct tensor mom = tensor_view(&o->state, off, 1, &n);
+    tensor_sgd_step(&p, &g, hp.momentum != 0.0f ? &mom : NULL, &hp);
   } else {
-    struct tensor m = tensor_view(&o->state, 0, 1, &o->nparams);
-    struct tensor v = tensor_view(&o->state, o->nparams, 1, &o->nparams);
+    struct tensor m = tensor_view(&o->state, off, 1, &n);
+    struct tensor v = tensor_view(&o->state, o->nparams + off, 1, &n);
     struct tensor_adamw hp = {.lr = (float)lr,
                               .beta1 = (float)o->cfg.beta1,
                               .beta2 = (float)o->cfg.beta2,
                               .eps = (float)o->cfg.eps,
-                              .weight_decay = (float)o->cfg.weight_decay,
+                              .weight_decay = (float)wd,
                               .step = o->step};
-    tensor_adamw_step(params, grads, &m, &v, &hp);
+    tensor_adamw_step(&p, &g, &m, &v, &hp);
   }
+}
+
+void optim_apply(struct optim *o, struct tensor *params, const struct tensor *grads, double lr) {
+  RUMOR_ASSERT(tensor_numel(params) >= o->nparams);
+  o->step++;
+  if (o->nparams == 0) return;
+  double wd = o->cfg.weight_decay;
+  /* Without decay the mask does not matter: one op over everything. */
+  if (wd == 0.0) {
+    apply_range(o, params, grads, 0, o->nparams, lr, 0.0);
+    return;
+  }
+  for (size_t i = 0; i < o->nspans; i++)
+    apply_range(o, params, grads, o->spans[i].offset, o->spans[i].count, lr, o->spans[i].decay ? wd : 0.0);
 }

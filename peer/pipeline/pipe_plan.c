@@ -1,91 +1,118 @@
 /* Stage split and micro-batch schedules (pure functions). */
-#include "peer/pipeline/pipe_plan.h"
+#include "peer/pipeline/pipeline.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int64_t layer_params(const struct model_spec *s, int l) { return s->widths[l + 1] * s->widths[l] + s->widths[l + 1]; }
+/* The costs the split balances: each unit's parameters and training
+ * multiply-adds, and their totals. */
+struct unit_costs {
+  int n;
+  int64_t params[MODEL_MAX_UNITS], macs[MODEL_MAX_UNITS];
+  double P, F;
+};
 
-/* Multiply-adds of one training sample through layer l: forward, weight
- * gradient and input gradient, except that the first layer's input needs
- * no gradient. */
-static int64_t layer_train_macs(const struct model_spec *s, int l) {
-  return (l == 0 ? 2 : 3) * model_spec_flops(s, l, l + 1);
-}
-
-static int64_t train_macs(const struct model_spec *s, int l0, int l1) {
-  int64_t m = 0;
-  for (int l = l0; l < l1; l++) m += layer_train_macs(s, l);
-  return m;
+static void unit_costs(const struct model_spec *spec, struct unit_costs *c) {
+  struct model_table t;
+  model_table_build(spec, &t);
+  c->n = t.nunits;
+  c->P = c->F = 0;
+  for (int u = 0; u < c->n; u++) {
+    c->params[u] = t.unit_offset[u + 1] - t.unit_offset[u];
+    c->macs[u] = model_spec_unit_macs(spec, u);
+    c->P += (double)c->params[u];
+    c->F += (double)c->macs[u];
+  }
+  if (c->P <= 0) c->P = 1;
+  if (c->F <= 0) c->F = 1;
+  model_table_free(&t);
 }
 
 int pipe_split_balance(const struct model_spec *spec, int stages, struct pipe_split *out, struct rumor_err *e) {
-  int L = spec->nlayers;
-  char name[MODEL_SPEC_MAX];
-  model_spec_format(spec, name, sizeof name);
-  if (stages < 1 || stages > L)
-    return rumor_err_set(e, RUMOR_EFORMAT,
-                         "%d stages cannot split %s: it has %d layer%s and each stage needs at least one", stages, name,
-                         L, L == 1 ? "" : "s");
-  /* cost[l]: layer l's share of the parameters plus its share of the
-   * training multiply-adds. pre[j] = cost of layers [0, j). */
-  double P = (double)model_spec_param_count(spec), F = (double)train_macs(spec, 0, L);
-  double pre[MODEL_MAX_LAYERS + 1];
+  struct unit_costs *c = xmalloc(sizeof *c);
+  unit_costs(spec, c);
+  int L = c->n;
+  if (stages < 1 || stages > L || stages > PIPE_MAX_STAGES) {
+    char name[MODEL_SPEC_MAX];
+    model_spec_format(spec, name, sizeof name);
+    const char *noun = model_spec_unit_noun(spec);
+    free(c);
+    if (stages > PIPE_MAX_STAGES)
+      return rumor_err_set(e, RUMOR_EFORMAT, "%d stages are more than the %d a group may have", stages, PIPE_MAX_STAGES);
+    return rumor_err_set(e, RUMOR_EFORMAT, "%d stages cannot split %s: it has %d %s%s and each stage needs at least one",
+                         stages, name, L, noun, L == 1 ? "" : "s");
+  }
+  /* pre[j]: the cost of units [0, j), a unit's cost being its share of the
+   * parameters plus its share of the training multiply-adds.
+   * best[k][j]: the smallest possible largest-stage cost when k stages take
+   * units [0, j); cut[k][j]: where the k-th stage starts in that optimum. */
+  size_t W = (size_t)L + 1;
+  double *pre = xmalloc(W * sizeof *pre), *best = xmalloc((size_t)(stages + 1) * W * sizeof *best);
+  int *cut = xmalloc((size_t)(stages + 1) * W * sizeof *cut);
+#define BEST(k, j) best[(size_t)(k) * W + (size_t)(j)]
+#define CUT(k, j) cut[(size_t)(k) * W + (size_t)(j)]
   pre[0] = 0;
-  for (int l = 0; l < L; l++)
-    pre[l + 1] = pre[l] + (double)layer_params(spec, l) / P + (double)layer_train_macs(spec, l) / F;
-  /* best[k][j]: the smallest possible largest-stage cost when k stages take
-   * layers [0, j); cut[k][j]: where the k-th stage starts in that optimum. */
-  double best[PIPE_MAX_STAGES + 1][MODEL_MAX_LAYERS + 1];
-  int cut[PIPE_MAX_STAGES + 1][MODEL_MAX_LAYERS + 1];
-  for (int j = 1; j <= L; j++) best[1][j] = pre[j], cut[1][j] = 0;
+  for (int u = 0; u < L; u++) pre[u + 1] = pre[u] + (double)c->params[u] / c->P + (double)c->macs[u] / c->F;
+  for (int j = 1; j <= L; j++) BEST(1, j) = pre[j], CUT(1, j) = 0;
   for (int k = 2; k <= stages; k++)
     for (int j = k; j <= L; j++) {
-      best[k][j] = -1;
-      for (int i = k - 1; i < j; i++) { /* stage k takes layers [i, j) */
-        double c = pre[j] - pre[i];
-        double m = best[k - 1][i] > c ? best[k - 1][i] : c;
-        if (best[k][j] < 0 || m < best[k][j]) best[k][j] = m, cut[k][j] = i;
+      BEST(k, j) = -1;
+      for (int i = k - 1; i < j; i++) { /* stage k takes units [i, j) */
+        double cost = pre[j] - pre[i];
+        double m = BEST(k - 1, i) > cost ? BEST(k - 1, i) : cost;
+        if (BEST(k, j) < 0 || m < BEST(k, j)) BEST(k, j) = m, CUT(k, j) = i;
       }
     }
   memset(out, 0, sizeof *out);
   out->stages = stages;
   out->first[stages] = L;
   for (int k = stages, j = L; k >= 1; k--) {
-    out->first[k - 1] = cut[k][j];
-    j = cut[k][j];
+    out->first[k - 1] = CUT(k, j);
+    j = CUT(k, j);
   }
+#undef BEST
+#undef CUT
   RUMOR_ASSERT(out->first[0] == 0);
+  free(pre);
+  free(best);
+  free(cut);
+  free(c);
   return 0;
 }
 
 int64_t pipe_split_params(const struct model_spec *spec, const struct pipe_split *sp, int s) {
-  return model_spec_layer_offset(spec, sp->first[s + 1]) - model_spec_layer_offset(spec, sp->first[s]);
+  struct model_table t;
+  model_table_build(spec, &t);
+  int64_t n = t.unit_offset[sp->first[s + 1]] - t.unit_offset[sp->first[s]];
+  model_table_free(&t);
+  return n;
 }
 
 int64_t pipe_split_flops(const struct model_spec *spec, const struct pipe_split *sp, int s) {
-  return train_macs(spec, sp->first[s], sp->first[s + 1]);
+  int64_t f = 0;
+  for (int u = sp->first[s]; u < sp->first[s + 1]; u++) f += model_spec_unit_macs(spec, u);
+  return f;
 }
 
 /* "layer 3" or "layers 0-2" (inclusive). */
-static void layer_range(int a, int b, char *buf, size_t n) {
-  if (b - a == 1) snprintf(buf, n, "layer %d", a);
-  else snprintf(buf, n, "layers %d-%d", a, b - 1);
+static void unit_range(const struct model_spec *spec, int a, int b, char *buf, size_t n) {
+  const char *noun = model_spec_unit_noun(spec);
+  if (b - a == 1) snprintf(buf, n, "%s %d", noun, a);
+  else snprintf(buf, n, "%ss %d-%d", noun, a, b - 1);
 }
 
 void pipe_split_describe(const struct model_spec *spec, const struct pipe_split *sp, int s, char *buf, size_t n) {
   int a = sp->first[s], b = sp->first[s + 1];
-  char widths[MODEL_SPEC_MAX], range[32];
-  size_t w = 0;
-  widths[0] = '\0';
-  for (int i = a; i <= b && w < sizeof widths; i++)
-    w += (size_t)snprintf(widths + w, sizeof widths - w, i > a ? "-%lld" : "%lld", (long long)spec->widths[i]);
-  layer_range(a, b, range, sizeof range);
+  char what[MODEL_SPEC_MAX], range[48];
+  model_spec_describe_units(spec, a, b, what, sizeof what);
+  unit_range(spec, a, b, range, sizeof range);
+  struct unit_costs *c = xmalloc(sizeof *c);
+  unit_costs(spec, c);
   int64_t p = pipe_split_params(spec, sp, s), f = pipe_split_flops(spec, sp, s);
-  double P = (double)model_spec_param_count(spec), F = (double)train_macs(spec, 0, spec->nlayers);
-  snprintf(buf, n, "stage %d/%d: %s (%s), %lld parameters (%.1f%%), %lld training multiply-adds per sample (%.1f%%)", s,
-           sp->stages, range, widths, (long long)p, 100.0 * (double)p / P, (long long)f, 100.0 * (double)f / F);
+  snprintf(buf, n, "stage %d/%d: %s (%s), %lld parameters (%.1f%%), %lld training multiply-adds per row (%.1f%%)", s,
+           sp->stages, range, what, (long long)p, 100.0 * (double)p / c->P, (long long)f, 100.0 * (double)f / c->F);
+  free(c);
 }
 
 void pipe_split_format(const struct pipe_split *sp, char *buf, size_t n) {

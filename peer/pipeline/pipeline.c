@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int64_t width(const struct pipeline *p, int l) { return p->m->spec.widths[l]; }
 static bool first_stage(const struct pipeline *p) { return p->stage == 0; }
 static bool last_stage(const struct pipeline *p) { return p->stage == p->stages - 1; }
 
@@ -16,45 +15,37 @@ static struct tensor rows_of(const struct tensor *t, int64_t rows, int64_t cols)
 
 /* ---- slots ---- */
 
-static void slot_free(struct pipe_slot *s) {
-  for (int l = 0; l <= MODEL_MAX_LAYERS; l++) tensor_free(&s->acts[l]);
-  for (int l = 0; l < MODEL_MAX_LAYERS; l++) tensor_free(&s->pre[l]);
+static void slot_free(struct pipeline *p, struct pipe_slot *s) {
+  for (int i = 0; i < p->m->nstash; i++) tensor_free(&s->t[i]);
 }
 
+/* A new slot: tensors shaped like the model's stash. */
 static int slot_alloc(struct pipeline *p, struct pipe_slot *s, struct rumor_err *e) {
   memset(s, 0, sizeof *s);
   const struct model *m = p->m;
-  for (int l = p->l0; l <= p->l1; l++) {
-    int64_t shape[2] = {p->mb_rows, width(p, l)};
-    int rc = tensor_alloc(&s->acts[l], m->be, TENSOR_F32, 2, shape, e);
-    if (rc) goto fail;
-    if (m->pre[l].data && l < p->l1) {
-      if ((rc = tensor_alloc(&s->pre[l], m->be, TENSOR_F32, 2, m->pre[l].shape, e))) goto fail;
+  for (int i = 0; i < m->nstash; i++) {
+    const struct tensor *like = &p->slots[0].t[i];
+    int rc = tensor_alloc(&s->t[i], m->be, like->dtype, like->ndim, like->shape, e);
+    if (rc) {
+      slot_free(p, s);
+      return rumor_err_prefix(e, "activations of micro-batch slot %d", p->nslots);
     }
-    continue;
-  fail:
-    slot_free(s);
-    return rumor_err_prefix(e, "activations of micro-batch slot %d", p->nslots);
   }
   return 0;
 }
 
 static size_t slot_bytes(const struct pipeline *p) {
   size_t b = 0;
-  for (int l = p->l0; l <= p->l1; l++) b += tensor_nbytes(&p->slots[0].acts[l]) + tensor_nbytes(&p->slots[0].pre[l]);
+  for (int i = 0; i < p->m->nstash; i++) b += tensor_nbytes(&p->slots[0].t[i]);
   return b;
 }
 
-/* Points the model's workspace at slot k (non-owning views). */
+/* Points the model's stash at slot k (non-owning views). */
 static void bind_slot(struct pipeline *p, int k) {
   struct model *m = p->m;
-  for (int l = p->l0; l <= p->l1; l++) {
-    m->acts[l] = p->slots[k].acts[l];
-    m->acts[l].owner = false;
-    if (l < p->l1) {
-      m->pre[l] = p->slots[k].pre[l];
-      m->pre[l].owner = false;
-    }
+  for (int i = 0; i < m->nstash; i++) {
+    *m->stash[i] = p->slots[k].t[i];
+    m->stash[i]->owner = false;
   }
 }
 
@@ -90,33 +81,33 @@ int pipeline_init(struct pipeline *p, struct model *m, stage_link_t *link, int s
   p->stages = stages;
   p->micro = micro;
   p->sched = sched;
-  p->mb_rows = m->max_batch;
-  p->l0 = m->l0;
-  p->l1 = m->l1;
+  p->mb_rows = m->max_rows;
+  p->u0 = m->u0;
+  p->u1 = m->u1;
+  p->in_width = model_act_width(m, p->u0);
+  p->out_width = model_act_width(m, p->u1);
   p->actions = xmalloc((size_t)(2 * micro) * sizeof *p->actions);
   p->slot_of = xmalloc((size_t)micro * sizeof *p->slot_of);
   for (int i = 0; i < micro; i++) p->slot_of[i] = -1;
   p->slots = xcalloc((size_t)micro, sizeof *p->slots);
-  /* Slot 0 is the model's own workspace; the model keeps non-owning views. */
-  for (int l = p->l0; l <= p->l1; l++) {
-    p->slots[0].acts[l] = m->acts[l];
-    m->acts[l].owner = false;
-    if (l < p->l1) {
-      p->slots[0].pre[l] = m->pre[l];
-      m->pre[l].owner = false;
-    }
+  /* Slot 0 is the model's own stash; the model keeps non-owning views. */
+  for (int i = 0; i < m->nstash; i++) {
+    p->slots[0].t[i] = *m->stash[i];
+    m->stash[i]->owner = false;
   }
   p->nslots = 1;
-  int64_t win = width(p, p->l0), wout = width(p, p->l1);
-  int64_t ds[2] = {p->mb_rows, win}, os[2] = {p->mb_rows, wout};
+  int64_t ds[2] = {p->mb_rows, p->in_width}, os[2] = {p->mb_rows, p->out_width};
   int rc;
   if ((rc = tensor_alloc(&p->din, m->be, TENSOR_F32, 2, ds, e)) || (rc = tensor_alloc(&p->dout, m->be, TENSOR_F32, 2, os, e)))
     goto fail;
-  size_t hb = (size_t)(p->mb_rows * (win > wout ? win : wout)) * sizeof(float);
+  int64_t w = p->in_width > p->out_width ? p->in_width : p->out_width;
+  size_t hb = (size_t)(p->mb_rows * w) * sizeof(float);
+  size_t xb = (size_t)(p->mb_rows * m->io.input_per_row) * tensor_dtype_size(m->io.input_dtype);
   p->host = tensor_host_alloc(m->be, hb);
-  p->labels = tensor_host_alloc(m->be, (size_t)p->mb_rows * sizeof(int32_t));
-  if (!p->host || !p->labels) {
-    rc = rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes of host staging", hb);
+  p->eval_x = tensor_host_alloc(m->be, xb);
+  p->labels = tensor_host_alloc(m->be, (size_t)model_targets(m, p->mb_rows) * sizeof(int32_t));
+  if (!p->host || !p->eval_x || !p->labels) {
+    rc = rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes of host staging", hb + xb);
     goto fail;
   }
   p->st.slots = 1;
@@ -129,15 +120,13 @@ fail:
 
 void pipeline_free(struct pipeline *p) {
   if (!p->m) return;
-  /* Give the model back its own workspace (slot 0), as owner. */
-  for (int l = p->l0; l <= p->l1; l++) {
-    p->m->acts[l] = p->slots[0].acts[l];
-    if (l < p->l1) p->m->pre[l] = p->slots[0].pre[l];
-  }
-  for (int k = 1; k < p->nslots; k++) slot_free(&p->slots[k]);
+  /* Give the model back its own stash (slot 0), as owner. */
+  for (int i = 0; i < p->m->nstash; i++) *p->m->stash[i] = p->slots[0].t[i];
+  for (int k = 1; k < p->nslots; k++) slot_free(p, &p->slots[k]);
   tensor_free(&p->din);
   tensor_free(&p->dout);
   tensor_host_free(p->m->be, p->host);
+  tensor_host_free(p->m->be, p->eval_x);
   tensor_host_free(p->m->be, p->labels);
   free(p->actions);
   free(p->slot_of);
@@ -156,14 +145,16 @@ void pipeline_micro_rows(int64_t rows, int micro, int i, int64_t *offset, int64_
 
 /* ---- one step ---- */
 
-/* Fills acts[l0] (the bound slot) with micro-batch rows: from the batch on
- * stage 0, else from the previous stage. */
-static int load_input(struct pipeline *p, enum stage_link_kind kind, int64_t tag, int32_t mb, const float *x_host,
+/* Fills the bound slot's input of unit u0 with micro-batch rows: from the
+ * batch on stage 0 (x_host, the model's input dtype), else from the
+ * previous stage. */
+static int load_input(struct pipeline *p, enum stage_link_kind kind, int64_t tag, int32_t mb, const void *x_host,
                       int64_t off, int64_t r, struct rumor_err *e) {
   struct model *m = p->m;
-  int64_t w = width(p, p->l0);
+  struct tensor *in = model_act(m, p->u0);
   if (first_stage(p)) {
-    tensor_copy_from_host(&m->acts[p->l0], 0, x_host + off * w, (size_t)(r * w) * sizeof(float));
+    size_t row_bytes = (size_t)p->in_width * tensor_dtype_size(in->dtype);
+    tensor_copy_from_host(in, 0, (const uint8_t *)x_host + (size_t)off * row_bytes, (size_t)r * row_bytes);
     return 0;
   }
   float *data;
@@ -177,20 +168,19 @@ static int load_input(struct pipeline *p, enum stage_link_kind kind, int64_t tag
     return rumor_err_set(e, RUMOR_EPROTO, "stage %d/%d sent %lld rows for micro-batch %d, expected %lld", p->stage - 1,
                          p->stages, (long long)got, mb, (long long)r);
   }
-  tensor_copy_from_host(&m->acts[p->l0], 0, data, (size_t)(r * w) * sizeof(float));
+  tensor_copy_from_host(in, 0, data, (size_t)(r * p->in_width) * sizeof(float));
   free(data);
   return 0;
 }
 
-/* Sends acts[l1] (the bound slot) to the next stage. */
+/* Sends the bound slot's output of unit u1 − 1 to the next stage. */
 static int send_output(struct pipeline *p, enum stage_link_kind kind, int64_t tag, int32_t mb, int64_t r,
                        struct rumor_err *e) {
-  int64_t w = width(p, p->l1);
-  tensor_copy_to_host(&p->m->acts[p->l1], 0, p->host, (size_t)(r * w) * sizeof(float));
+  tensor_copy_to_host(model_act(p->m, p->u1), 0, p->host, (size_t)(r * p->out_width) * sizeof(float));
   return stage_link_send(p->link, STAGE_LINK_NEXT, kind, tag, mb, r, p->host, e);
 }
 
-static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, const float *x_host, const int32_t *y_host,
+static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, const void *x_host, const int32_t *y_host,
                    double *loss_sum, struct rumor_err *e) {
   struct model *m = p->m;
   int64_t off, r;
@@ -200,13 +190,14 @@ static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, const
   bind_slot(p, k);
   int rc = load_input(p, STAGE_LINK_ACT, step, mb, x_host, off, r, e);
   if (rc) return rc;
-  model_forward_range(m, p->l0, p->l1, r);
+  model_forward(m, p->u0, p->u1, r);
   if (!last_stage(p)) return send_output(p, STAGE_LINK_ACT, step, mb, r, e);
   /* The loss gradient replaces the logits in the slot (they are not needed
-   * again); scaled by the whole batch, as a single process does. */
-  tensor_copy_from_host(&m->labels, 0, y_host + off, (size_t)r * sizeof(int32_t));
-  model_loss(m, r, &m->acts[p->l1], 1.0f / (float)rows);
-  struct tensor losses = tensor_view(&m->losses, 0, 1, &r);
+   * again); scaled by the whole batch's targets, as a single process does. */
+  int64_t per = m->io.labels_per_row, n = model_targets(m, r);
+  tensor_copy_from_host(&m->labels, 0, y_host + off * per, (size_t)n * sizeof(int32_t));
+  model_loss(m, r, model_act(m, p->u1), 1.0f / (float)model_targets(m, rows));
+  struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
   *loss_sum += tensor_sum(&losses);
   return 0;
 }
@@ -217,7 +208,7 @@ static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool
   pipeline_micro_rows(rows, p->micro, mb, &off, &r);
   RUMOR_ASSERT(p->slot_of[mb] >= 0);
   bind_slot(p, p->slot_of[mb]);
-  struct tensor *dout = &m->acts[p->l1]; /* the last stage's loss gradient */
+  struct tensor *dout = model_act(m, p->u1); /* the last stage's loss gradient */
   if (!last_stage(p)) {
     float *data;
     int64_t got;
@@ -230,20 +221,19 @@ static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool
       return rumor_err_set(e, RUMOR_EPROTO, "stage %d/%d sent %lld gradient rows for micro-batch %d, expected %lld",
                            p->stage + 1, p->stages, (long long)got, mb, (long long)r);
     }
-    tensor_copy_from_host(&p->dout, 0, data, (size_t)(r * width(p, p->l1)) * sizeof(float));
+    tensor_copy_from_host(&p->dout, 0, data, (size_t)(r * p->out_width) * sizeof(float));
     free(data);
     dout = &p->dout;
   }
-  model_backward_range(m, p->l0, p->l1, r, dout, first_stage(p) ? NULL : &p->din, accumulate);
+  model_backward(m, p->u0, p->u1, r, dout, first_stage(p) ? NULL : &p->din, accumulate);
   give_slot(p, mb);
   if (first_stage(p)) return 0;
-  int64_t w = width(p, p->l0);
-  struct tensor din = rows_of(&p->din, r, w);
-  tensor_copy_to_host(&din, 0, p->host, (size_t)(r * w) * sizeof(float));
+  struct tensor din = rows_of(&p->din, r, p->in_width);
+  tensor_copy_to_host(&din, 0, p->host, (size_t)(r * p->in_width) * sizeof(float));
   return stage_link_send(p->link, STAGE_LINK_PREV, STAGE_LINK_GRAD, step, mb, r, p->host, e);
 }
 
-int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const float *x_host, const int32_t *y_host,
+int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_host, const int32_t *y_host,
                   double *loss_sum, struct rumor_err *e) {
   RUMOR_ASSERT(rows >= 1 && rows <= p->mb_rows * p->micro);
   RUMOR_ASSERT((x_host != NULL) == first_stage(p) && (y_host != NULL) == last_stage(p));
@@ -280,29 +270,26 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const float *x
 
 /* ---- evaluation ---- */
 
-int pipeline_eval(struct pipeline *p, const struct dataset *ds, const float lut[256], int64_t *correct,
+int pipeline_eval(struct pipeline *p, int64_t count, pipe_gather_fn gather, void *arg, int64_t *correct,
                   double *loss_sum, struct rumor_err *e) {
   struct model *m = p->m;
   int64_t tag = p->evals++;
-  /* Stage 0 needs the images, the last stage the labels; the gather makes both. */
-  bool gather = first_stage(p) || last_stage(p);
-  float *x = gather ? tensor_host_alloc(m->be, (size_t)(p->mb_rows * ds->features) * sizeof(float)) : NULL;
-  if (gather && !x) return rumor_err_set(e, -ENOMEM, "cannot allocate an evaluation batch");
+  /* Stage 0 needs the inputs, the last stage the labels; the gather makes both. */
+  bool need = first_stage(p) || last_stage(p);
   bind_slot(p, 0);
   int rc = 0;
   int32_t chunk = 0;
-  for (int64_t first = 0; first < ds->count && rc == 0; first += p->mb_rows, chunk++) {
-    int64_t r = ds->count - first < p->mb_rows ? ds->count - first : p->mb_rows;
-    if (gather) dataset_gather_range(ds, lut, first, r, x, p->labels);
-    if ((rc = load_input(p, STAGE_LINK_EVAL, tag, chunk, x, 0, r, e))) break;
-    model_forward_range(m, p->l0, p->l1, r);
+  for (int64_t first = 0; first < count && rc == 0; first += p->mb_rows, chunk++) {
+    int64_t r = count - first < p->mb_rows ? count - first : p->mb_rows;
+    if (need) gather(arg, first, r, p->eval_x, p->labels);
+    if ((rc = load_input(p, STAGE_LINK_EVAL, tag, chunk, p->eval_x, 0, r, e))) break;
+    model_forward(m, p->u0, p->u1, r);
     if (!last_stage(p)) {
       rc = send_output(p, STAGE_LINK_EVAL, tag, chunk, r, e);
     } else {
-      tensor_copy_from_host(&m->labels, 0, p->labels, (size_t)r * sizeof(int32_t));
-      model_score_batch(m, r, p->labels, correct, loss_sum);
+      tensor_copy_from_host(&m->labels, 0, p->labels, (size_t)model_targets(m, r) * sizeof(int32_t));
+      model_score(m, r, p->labels, correct, loss_sum);
     }
   }
-  tensor_host_free(m->be, x);
   return rc;
 }

@@ -1,5 +1,5 @@
 /* Connections between neighbouring pipeline stages over net/. */
-#include "peer/pipeline/stage_link.h"
+#include "peer/pipeline/pipeline.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -63,6 +63,7 @@ struct stage_link {
   char group[STAGE_LINK_GROUP_MAX + 1];
   char agreement[STAGE_LINK_AGREE_MAX + 1];
   char prev[128];
+  char listen[128];
   char addr[128];
   struct net_identity self;                   /* this stage's derived identity */
   uint8_t want_key[2][NET_PUBKEY_BYTES];      /* the neighbours' derived keys */
@@ -71,10 +72,12 @@ struct stage_link {
   void (*idle)(void *);
   void *idle_arg;
 
-  /* Loop thread only. */
-  uv_loop_t loop;
-  uv_thread_t thread;
-  bool thread_started;
+  /* Loop thread only (the host's event loop). */
+  uv_loop_t *loop;
+  bool running;  /* the net and the timer exist on the loop (written before the start returns) */
+  bool handles_closed; /* under mu: the close finished */
+  int start_rc;  /* what the start on the loop returned */
+  struct rumor_err start_err;
   net_t *net;
   uv_timer_t tick;
   net_conn_t *conn[2];
@@ -478,7 +481,7 @@ static void on_dial(net_t *n, net_conn_t *c, int status, const char *detail, voi
            l->cfg.stage - 1, l->cfg.stages, l->prev, l->dial_err);
       return;
     }
-    l->next_dial_ms = uv_now(&l->loop) + DIAL_RETRY_MS;
+    l->next_dial_ms = uv_now(l->loop) + DIAL_RETRY_MS;
     return;
   }
   if (l->closing || memcmp(net_conn_peer_key(c), l->want_key[STAGE_LINK_PREV], NET_PUBKEY_BYTES) != 0) {
@@ -500,7 +503,7 @@ static void start_dial(struct stage_link *l) {
   int rc = net_dial(l->net, l->prev, on_dial, l);
   if (rc) {
     snprintf(l->dial_err, sizeof l->dial_err, "%s", rumor_strerror(rc));
-    l->next_dial_ms = uv_now(&l->loop) + DIAL_RETRY_MS;
+    l->next_dial_ms = uv_now(l->loop) + DIAL_RETRY_MS;
     return;
   }
   l->dialing = true;
@@ -509,7 +512,7 @@ static void start_dial(struct stage_link *l) {
 static void on_tick(uv_timer_t *t) {
   struct stage_link *l = t->data;
   if (l->closing) return;
-  uint64_t now = uv_now(&l->loop);
+  uint64_t now = uv_now(l->loop);
   pthread_mutex_lock(&l->mu);
   bool ready_prev = !l->has[STAGE_LINK_PREV] || l->ready[STAGE_LINK_PREV];
   bool ready_next = !l->has[STAGE_LINK_NEXT] || l->ready[STAGE_LINK_NEXT];
@@ -553,11 +556,6 @@ static void on_tick(uv_timer_t *t) {
   }
 }
 
-static void loop_main(void *arg) {
-  struct stage_link *l = arg;
-  uv_run(&l->loop, UV_RUN_DEFAULT);
-}
-
 /* ---- start and stop ---- */
 
 static void free_link(struct stage_link *l) {
@@ -573,35 +571,100 @@ static void free_link(struct stage_link *l) {
   free(l);
 }
 
-static void on_closed_handle(uv_handle_t *h) {}
+/* The part of the start that runs on the host's loop thread: the net (with
+ * the neighbours' keys as its allow-list), the listener and the timer. */
+static void start_on_loop(uv_loop_t *loop, void *arg) {
+  struct stage_link *l = arg;
+  struct rumor_err *e = &l->start_err;
+  l->loop = loop;
+  uint8_t keys[2][NET_PUBKEY_BYTES];
+  size_t nkeys = 0;
+  for (int d = 0; d < 2; d++)
+    if (l->has[d]) memcpy(keys[nkeys++], l->want_key[d], NET_PUBKEY_BYTES);
+  struct net_allowlist allow;
+  net_allowlist_from_keys(&allow, (const uint8_t(*)[NET_PUBKEY_BYTES])keys, nkeys);
+  struct net_config nc;
+  net_config_defaults(&nc);
+  nc.identity = &l->self;
+  nc.cluster_key = l->cluster_key;
+  nc.allow = &allow;
+  nc.idle_timeout_ms = l->cfg.idle_timeout_ms;
+  nc.max_conns = 16;
+  nc.max_pending_handshakes = 8;
+  /* One transfer per micro-batch: latency matters more here than spreading
+   * the sealing over worker threads (inline sealing measured 10-30 % shorter
+   * steps when compute is negligible: fewer thread hand-offs per transfer). */
+  nc.offload = false;
+  int64_t w = l->cfg.in_width > l->cfg.out_width ? l->cfg.in_width : l->cfg.out_width;
+  nc.max_bulk_bytes = (uint64_t)(l->cfg.max_rows * w) * sizeof(float) + 1;
+  const struct net_callbacks cbs = {.on_accept = on_accept,
+                                    .on_message = on_message,
+                                    .on_bulk_begin = on_bulk_begin,
+                                    .on_bulk_done = on_bulk_done,
+                                    .on_close = on_close};
+  int rc = net_init(&l->net, loop, &nc, &cbs, l, e);
+  net_allowlist_free(&allow);
+  if (rc) {
+    l->start_rc = rc;
+    return;
+  }
+  if (l->has[STAGE_LINK_NEXT]) {
+    const char *lst = l->listen;
+    if ((rc = net_listen(l->net, lst, e))) {
+      rumor_err_prefix(e, "--link-listen");
+      l->start_rc = rc;
+      net_close(l->net, NULL, NULL); /* nothing else is open: it closes on its own */
+      l->net = NULL;
+      return;
+    }
+    const char *colon = strrchr(lst, ':');
+    snprintf(l->addr, sizeof l->addr, "%.*s:%d", (int)(colon - lst), lst, net_listen_port(l->net));
+  }
+  uv_update_time(loop);
+  l->start_ms = l->last_ping_ms = uv_now(loop);
+  uv_timer_init(loop, &l->tick);
+  l->tick.data = l;
+  uv_timer_start(&l->tick, on_tick, 0, TICK_MS);
+  l->running = true;
+}
+
+int stage_link_check_group(const char *group, struct rumor_err *e) {
+  if (!group || !*group || strlen(group) > STAGE_LINK_GROUP_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "the group name must have 1 to %d characters", STAGE_LINK_GROUP_MAX);
+  for (const char *p = group; *p; p++)
+    if ((unsigned char)*p <= 0x20 || (unsigned char)*p > 0x7e || *p == '"' || *p == '\\')
+      return rumor_err_set(e, RUMOR_EFORMAT, "group name '%s': use letters, digits and punctuation (no spaces or quotes)",
+                           group);
+  return 0;
+}
 
 int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, struct rumor_err *e) {
   *out = NULL;
   RUMOR_ASSERT(cfg->stages >= 1 && 0 <= cfg->stage && cfg->stage < cfg->stages && cfg->max_rows >= 1);
-  if (!cfg->group || !*cfg->group || strlen(cfg->group) > STAGE_LINK_GROUP_MAX)
-    return rumor_err_set(e, RUMOR_EFORMAT, "the group name must have 1 to %d characters", STAGE_LINK_GROUP_MAX);
-  for (const char *p = cfg->group; *p; p++)
-    if ((unsigned char)*p <= 0x20 || (unsigned char)*p > 0x7e || *p == '"' || *p == '\\')
-      return rumor_err_set(e, RUMOR_EFORMAT, "group name '%s': use letters, digits and punctuation (no spaces or quotes)",
-                           cfg->group);
+  int rc = stage_link_check_group(cfg->group, e);
+  if (rc) return rc;
   if (strlen(cfg->agreement) > STAGE_LINK_AGREE_MAX)
     return rumor_err_set(e, RUMOR_ETOOBIG, "the stage agreement text is over %d characters", STAGE_LINK_AGREE_MAX);
   if (cfg->stage > 0 && (!cfg->prev || !*cfg->prev))
     return rumor_err_set(e, RUMOR_EFORMAT, "stage %d/%d needs the previous stage's address (--link-prev HOST:PORT)",
                          cfg->stage, cfg->stages);
-  if (cfg->prev && strlen(cfg->prev) >= 128)
+  if (cfg->prev && strlen(cfg->prev) >= sizeof ((struct stage_link *)0)->prev)
     return rumor_err_set(e, RUMOR_EFORMAT, "--link-prev '%s' is too long", cfg->prev);
+  const char *listen = cfg->listen ? cfg->listen : "127.0.0.1:0";
+  if (strlen(listen) >= sizeof ((struct stage_link *)0)->listen || !strrchr(listen, ':'))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--link-listen '%s': expected HOST:PORT", listen);
   struct stage_link *l = xcalloc(1, sizeof *l);
   l->cfg = *cfg;
   snprintf(l->group, sizeof l->group, "%s", cfg->group);
   snprintf(l->agreement, sizeof l->agreement, "%s", cfg->agreement);
   snprintf(l->prev, sizeof l->prev, "%s", cfg->prev ? cfg->prev : "");
+  snprintf(l->listen, sizeof l->listen, "%s", listen);
   l->cfg.group = l->group;
   l->cfg.agreement = l->agreement;
   l->cfg.prev = l->prev;
   l->cfg.identity = NULL;
   l->cfg.cluster_key = NULL;
-  l->cfg.listen = NULL;
+  l->cfg.listen = l->listen;
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->cond, NULL);
   l->has[STAGE_LINK_PREV] = cfg->stage > 0;
@@ -610,82 +673,30 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
     *out = l;
     return 0;
   }
+  RUMOR_ASSERT(cfg->host);
   if (net_crypto_init()) {
     free_link(l);
     return rumor_err_set(e, -EIO, "libsodium failed to initialise");
   }
   derive_identity(cfg->identity, cfg->stage, &l->self);
   memcpy(l->cluster_key, cfg->cluster_key, NET_CLUSTER_KEY_BYTES);
-  uint8_t keys[2][NET_PUBKEY_BYTES];
-  size_t nkeys = 0;
   for (int d = 0; d < 2; d++) {
     if (!l->has[d]) continue;
     struct net_identity id;
     derive_identity(cfg->identity, neighbour(l, (enum stage_link_dir)d), &id);
     memcpy(l->want_key[d], id.pk, NET_PUBKEY_BYTES);
-    memcpy(keys[nkeys++], id.pk, NET_PUBKEY_BYTES);
     net_identity_wipe(&id);
   }
-  struct net_allowlist allow;
-  net_allowlist_from_keys(&allow, (const uint8_t(*)[NET_PUBKEY_BYTES])keys, nkeys);
-
-  int rc = uv_loop_init(&l->loop);
+  rc = gossip_on_loop(cfg->host, start_on_loop, l);
+  if (rc == 0) rc = l->start_rc;
   if (rc) {
-    net_allowlist_free(&allow);
+    if (l->start_rc) *e = l->start_err;
+    else rumor_err_set(e, rc, "cannot start the stage link: the network is shutting down");
     free_link(l);
-    return rumor_err_set(e, rc, "uv_loop_init: %s", uv_strerror(rc));
+    return rc;
   }
-  struct net_config nc;
-  net_config_defaults(&nc);
-  nc.identity = &l->self;
-  nc.cluster_key = l->cluster_key;
-  nc.allow = &allow;
-  nc.idle_timeout_ms = cfg->idle_timeout_ms;
-  nc.max_conns = 16;
-  nc.max_pending_handshakes = 8;
-  /* One transfer per micro-batch: latency matters more here than spreading
-   * the sealing over worker threads (inline sealing measured 10-30 % shorter
-   * steps when compute is negligible: fewer thread hand-offs per transfer). */
-  nc.offload = false;
-  int64_t w = cfg->in_width > cfg->out_width ? cfg->in_width : cfg->out_width;
-  nc.max_bulk_bytes = (uint64_t)(cfg->max_rows * w) * sizeof(float) + 1;
-  const struct net_callbacks cbs = {.on_accept = on_accept,
-                                    .on_message = on_message,
-                                    .on_bulk_begin = on_bulk_begin,
-                                    .on_bulk_done = on_bulk_done,
-                                    .on_close = on_close};
-  rc = net_init(&l->net, &l->loop, &nc, &cbs, l, e);
-  net_allowlist_free(&allow);
-  if (rc) goto fail_loop;
-  if (l->has[STAGE_LINK_NEXT]) {
-    if ((rc = net_listen(l->net, cfg->listen ? cfg->listen : "127.0.0.1:0", e))) {
-      rumor_err_prefix(e, "--link-listen");
-      goto fail_net;
-    }
-    const char *colon = strrchr(cfg->listen ? cfg->listen : "127.0.0.1:0", ':');
-    const char *lst = cfg->listen ? cfg->listen : "127.0.0.1:0";
-    snprintf(l->addr, sizeof l->addr, "%.*s:%d", (int)(colon - lst), lst, net_listen_port(l->net));
-  }
-  uv_update_time(&l->loop);
-  l->start_ms = l->last_ping_ms = uv_now(&l->loop);
-  uv_timer_init(&l->loop, &l->tick);
-  l->tick.data = l;
-  uv_timer_start(&l->tick, on_tick, 0, TICK_MS);
-  if ((rc = uv_thread_create(&l->thread, loop_main, l))) {
-    rumor_err_set(e, rc, "cannot start the stage link thread: %s", uv_strerror(rc));
-    uv_close((uv_handle_t *)&l->tick, on_closed_handle);
-    goto fail_net;
-  }
-  l->thread_started = true;
   *out = l;
   return 0;
-fail_net:
-  net_close(l->net, NULL, NULL);
-  uv_run(&l->loop, UV_RUN_DEFAULT);
-fail_loop:
-  uv_loop_close(&l->loop);
-  free_link(l);
-  return rc;
 }
 
 const char *stage_link_address(const stage_link_t *l) { return l->addr; }
@@ -695,22 +706,29 @@ void stage_link_set_idle(stage_link_t *l, void (*idle)(void *arg), void *arg) {
   l->idle_arg = arg;
 }
 
+static void on_tick_closed(uv_handle_t *h) {
+  struct stage_link *l = h->data;
+  pthread_mutex_lock(&l->mu);
+  l->handles_closed = true;
+  pthread_cond_broadcast(&l->cond);
+  pthread_mutex_unlock(&l->mu);
+}
+
 static void on_net_closed(void *arg) {
   struct stage_link *l = arg;
   l->net = NULL;
-  uv_close((uv_handle_t *)&l->tick, on_closed_handle);
+  uv_close((uv_handle_t *)&l->tick, on_tick_closed);
 }
 
-static void close_on_loop(net_t *n, void *arg, int status) {
+static void close_on_loop(uv_loop_t *loop, void *arg) {
   struct stage_link *l = arg;
-  if (status) return;
   l->closing = true;
   net_close(l->net, on_net_closed, l);
 }
 
 void stage_link_close(stage_link_t *l, uint32_t flush_ms) {
   if (!l) return;
-  if (l->thread_started) {
+  if (l->running) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += flush_ms / 1000;
@@ -723,10 +741,15 @@ void stage_link_close(stage_link_t *l, uint32_t flush_ms) {
       log_warn("closing the stage link with %lld transfer%s unconfirmed", (long long)l->pending,
                l->pending == 1 ? "" : "s");
     pthread_mutex_unlock(&l->mu);
-    if (net_call(l->net, close_on_loop, l) != 0) log_warn("stage link: already closing");
-    uv_thread_join(&l->thread);
-    int rc = uv_loop_close(&l->loop);
-    if (rc) log_warn("stage link loop did not close cleanly: %s", uv_strerror(rc));
+    /* Every handle of the link closes before this returns: the host's loop
+     * must not be left holding them (it would never end). */
+    if (gossip_on_loop(l->cfg.host, close_on_loop, l) == 0) {
+      pthread_mutex_lock(&l->mu);
+      while (!l->handles_closed) pthread_cond_wait(&l->cond, &l->mu);
+      pthread_mutex_unlock(&l->mu);
+    } else {
+      log_warn("stage link: the network stopped before the link was closed");
+    }
   }
   free_link(l);
 }
@@ -852,7 +875,7 @@ struct start_req {
   struct stage_link_pos pos;
 };
 
-static void start_on_loop(net_t *n, void *arg, int status) {
+static void start_pos_on_loop(net_t *n, void *arg, int status) {
   struct start_req *r = arg;
   struct stage_link *l = r->l;
   net_conn_t *c = status == 0 ? l->conn[STAGE_LINK_NEXT] : NULL;
@@ -876,7 +899,7 @@ int stage_link_send_start(stage_link_t *l, const struct stage_link_pos *pos, str
   struct start_req *r = xmalloc(sizeof *r);
   r->l = l;
   r->pos = *pos;
-  if (net_call(l->net, start_on_loop, r) != 0) {
+  if (net_call(l->net, start_pos_on_loop, r) != 0) {
     free(r);
     return rumor_err_set(e, RUMOR_ECANCELED, "the stage link is closing");
   }
@@ -943,7 +966,7 @@ static void abort_on_loop(net_t *n, void *arg, int status) {
 
 void stage_link_abort(stage_link_t *l, int stage, const char *why) {
   fail(l, stage, "%s", why);
-  if (!l->thread_started) return;
+  if (!l->running) return;
   struct abort_req *r = xmalloc(sizeof *r);
   r->l = l;
   r->stage = stage;

@@ -1,5 +1,5 @@
 /* Clipped gossip averaging: the adaptive threshold. */
-#include "peer/sync/clip.h"
+#include "peer/sync/sync.h"
 
 #include <math.h>
 #include <stdlib.h>

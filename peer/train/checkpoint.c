@@ -1,5 +1,5 @@
 /* Model, optimizer and training position ↔ safetensors. */
-#include "peer/train/checkpoint.h"
+#include "peer/train/train.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -13,13 +13,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-static const char *const OPTIM_NAMES_SGD[] = {"optimizer.momentum"};
-static const char *const OPTIM_NAMES_ADAMW[] = {"optimizer.exp_avg", "optimizer.exp_avg_sq"};
-
-static const char *const *optim_names(enum optim_kind k) {
-  return k == OPTIM_ADAMW ? OPTIM_NAMES_ADAMW : OPTIM_NAMES_SGD;
-}
 
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 
@@ -116,6 +109,59 @@ static int keep_previous(const char *path) {
   return 0;
 }
 
+/* The metadata strings of a checkpoint; `b` holds their text. */
+struct meta_text {
+  char spec[MODEL_SPEC_MAX], step[24], epoch[24], sie[24], samples[24], seed[24], dseed[24], shard[48], batch[24],
+      mean[32], std[32], stage[32], layers[32];
+  struct st_meta m[24];
+  size_t n;
+};
+
+static void meta_add(struct meta_text *t, const char *key, const char *value) {
+  RUMOR_ASSERT(t->n < sizeof t->m / sizeof t->m[0]);
+  t->m[t->n++] = (struct st_meta){key, value};
+}
+
+static void make_meta(const struct model *m, const struct optim *o, const struct ckpt_info *info,
+                      struct meta_text *t) {
+  memset(t, 0, sizeof *t);
+  model_spec_format(&m->spec, t->spec, sizeof t->spec);
+  snprintf(t->step, sizeof t->step, "%" PRId64, info->st.step);
+  snprintf(t->epoch, sizeof t->epoch, "%" PRId64, info->st.epoch);
+  snprintf(t->sie, sizeof t->sie, "%" PRId64, info->st.step_in_epoch);
+  snprintf(t->samples, sizeof t->samples, "%" PRId64, info->st.samples);
+  snprintf(t->seed, sizeof t->seed, "%" PRIu64, info->seed);
+  snprintf(t->dseed, sizeof t->dseed, "%" PRIu64, info->data_seed);
+  snprintf(t->shard, sizeof t->shard, "%" PRId64 "/%" PRId64, info->shard.index, info->shard.count);
+  snprintf(t->batch, sizeof t->batch, "%" PRId64, info->batch);
+  snprintf(t->mean, sizeof t->mean, "%.17g", info->norm_mean);
+  snprintf(t->std, sizeof t->std, "%.17g", info->norm_std);
+  bool stage = info->stages > 0;
+  meta_add(t, "format", "pt");
+  meta_add(t, "rumor.format", stage ? CHECKPOINT_STAGE_FORMAT : CHECKPOINT_FORMAT);
+  meta_add(t, "rumor.model", t->spec);
+  meta_add(t, "rumor.step", t->step);
+  meta_add(t, "rumor.epoch", t->epoch);
+  meta_add(t, "rumor.step_in_epoch", t->sie);
+  meta_add(t, "rumor.samples", t->samples);
+  meta_add(t, "rumor.seed", t->seed);
+  meta_add(t, "rumor.data_seed", t->dseed);
+  meta_add(t, "rumor.shard", t->shard);
+  meta_add(t, "rumor.batch", t->batch);
+  meta_add(t, "rumor.optimizer", o ? optim_kind_name(o->cfg.kind) : "none");
+  meta_add(t, "rumor.norm_mean", t->mean);
+  meta_add(t, "rumor.norm_std", t->std);
+  meta_add(t, "rumor.peer_id", info->peer_id);
+  if (stage) {
+    snprintf(t->stage, sizeof t->stage, "%d/%d", info->stage, info->stages);
+    snprintf(t->layers, sizeof t->layers, "%d-%d", m->u0, m->u1 - 1);
+    meta_add(t, "rumor.group", info->group);
+    meta_add(t, "rumor.stage", t->stage);
+    meta_add(t, "rumor.layers", t->layers);
+    meta_add(t, "rumor.split", info->split);
+  }
+}
+
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
   remove_stale_temporaries(path);
@@ -127,61 +173,32 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   tensor_copy_to_host(&m->params, 0, host, pbytes);
   if (o) tensor_copy_to_host(&o->state, 0, host + P, pbytes * (size_t)nstate);
 
-  struct st_tensor ts[2 * MODEL_MAX_LAYERS + 2];
+  /* The model's entries for the units it holds, then the optimizer state. */
+  struct st_tensor *ts = xcalloc(m->table.n + (size_t)nstate, sizeof *ts);
   size_t nts = 0;
-  for (int l = 0; l < m->spec.nlayers; l++) {
-    int64_t off = model_spec_layer_offset(&m->spec, l);
-    int64_t out = m->spec.widths[l + 1], in = m->spec.widths[l];
-    struct st_tensor *w = &ts[nts++], *b = &ts[nts++];
-    *w = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 2, .shape = {out, in}, .data = host + off,
-                            .nbytes = (size_t)(out * in) * sizeof(float)};
-    snprintf(w->name, sizeof w->name, "layers.%d.weight", l);
-    *b = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {out}, .data = host + off + out * in,
-                            .nbytes = (size_t)out * sizeof(float)};
-    snprintf(b->name, sizeof b->name, "layers.%d.bias", l);
+  for (size_t i = 0; i < m->table.n; i++) {
+    const struct model_param *p = &m->table.p[i];
+    if (p->unit < m->u0 || p->unit >= m->u1) continue;
+    struct st_tensor *t = &ts[nts++];
+    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = p->ndim, .data = host + (p->offset - m->param_base),
+                            .nbytes = (size_t)p->numel * sizeof(float)};
+    memcpy(t->shape, p->shape, sizeof t->shape);
+    snprintf(t->name, sizeof t->name, "%s", p->name);
   }
   for (int s = 0; s < nstate; s++) {
     struct st_tensor *t = &ts[nts++];
     *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = host + P * (1 + s), .nbytes = pbytes};
-    snprintf(t->name, sizeof t->name, "%s", optim_names(o->cfg.kind)[s]);
+    snprintf(t->name, sizeof t->name, "%s", optim_state_name(o->cfg.kind, s));
   }
-
-  char spec[MODEL_SPEC_MAX], step[24], epoch[24], sie[24], samples[24], seed[24], dseed[24], shard[48], batch[24],
-      mean[32], std[32];
-  model_spec_format(&m->spec, spec, sizeof spec);
-  snprintf(step, sizeof step, "%" PRId64, info->st.step);
-  snprintf(epoch, sizeof epoch, "%" PRId64, info->st.epoch);
-  snprintf(sie, sizeof sie, "%" PRId64, info->st.step_in_epoch);
-  snprintf(samples, sizeof samples, "%" PRId64, info->st.samples);
-  snprintf(seed, sizeof seed, "%" PRIu64, info->seed);
-  snprintf(dseed, sizeof dseed, "%" PRIu64, info->data_seed);
-  snprintf(shard, sizeof shard, "%" PRId64 "/%" PRId64, info->shard.index, info->shard.count);
-  snprintf(batch, sizeof batch, "%" PRId64, info->batch);
-  snprintf(mean, sizeof mean, "%.17g", info->norm_mean);
-  snprintf(std, sizeof std, "%.17g", info->norm_std);
-  struct st_meta meta[] = {
-      {"format", "pt"},
-      {"rumor.format", CHECKPOINT_FORMAT},
-      {"rumor.model", spec},
-      {"rumor.step", step},
-      {"rumor.epoch", epoch},
-      {"rumor.step_in_epoch", sie},
-      {"rumor.samples", samples},
-      {"rumor.seed", seed},
-      {"rumor.data_seed", dseed},
-      {"rumor.shard", shard},
-      {"rumor.batch", batch},
-      {"rumor.optimizer", o ? optim_kind_name(o->cfg.kind) : "none"},
-      {"rumor.norm_mean", mean},
-      {"rumor.norm_std", std},
-      {"rumor.peer_id", info->peer_id},
-  };
+  struct meta_text meta;
+  make_meta(m, o, info, &meta);
   /* The new file is complete and durable under a staging name before the
    * current one becomes the previous one and the new one takes its place:
    * a failed write (full disk) changes neither. */
   char staging[1100];
   snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
-  int rc = safetensors_write(staging, ts, nts, meta, sizeof meta / sizeof meta[0], e);
+  int rc = safetensors_write(staging, ts, nts, meta.m, meta.n, e);
+  free(ts);
   tensor_host_free(m->be, host);
   if (rc) return rc;
   (void)keep_previous(path);
@@ -260,13 +277,10 @@ int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e
   const char *peer = safetensors_meta(&ck->file, "rumor.peer_id");
   snprintf(in->peer_id, sizeof in->peer_id, "%s", peer ? peer : "");
 
-  for (int l = 0; l < in->spec.nlayers; l++) {
-    char name[64];
-    int64_t ws[2] = {in->spec.widths[l + 1], in->spec.widths[l]};
-    snprintf(name, sizeof name, "layers.%d.weight", l);
-    if ((rc = expect_tensor(ck, path, name, 2, ws, e))) goto fail;
-    snprintf(name, sizeof name, "layers.%d.bias", l);
-    if ((rc = expect_tensor(ck, path, name, 1, ws, e))) goto fail;
+  model_table_build(&in->spec, &ck->table);
+  for (size_t i = 0; i < ck->table.n; i++) {
+    const struct model_param *p = &ck->table.p[i];
+    if ((rc = expect_tensor(ck, path, p->name, p->ndim, p->shape, e))) goto fail;
   }
   const char *opt = safetensors_meta(&ck->file, "rumor.optimizer");
   if (opt && strcmp(opt, "none") != 0) {
@@ -274,9 +288,9 @@ int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e
       rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: unknown optimizer '%s'", path, opt);
       goto fail;
     }
-    int64_t P = model_spec_param_count(&in->spec);
+    int64_t P = ck->table.nparams;
     for (int s = 0; s < optim_state_per_param(in->optim_kind); s++)
-      if ((rc = expect_tensor(ck, path, optim_names(in->optim_kind)[s], 1, &P, e))) goto fail;
+      if ((rc = expect_tensor(ck, path, optim_state_name(in->optim_kind, s), 1, &P, e))) goto fail;
     ck->has_optim = true;
   }
   return 0;
@@ -309,7 +323,17 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
 
 void checkpoint_close(struct checkpoint *ck) {
   safetensors_free(&ck->file);
+  model_table_free(&ck->table);
   memset(ck, 0, sizeof *ck);
+}
+
+void checkpoint_params(const struct checkpoint *ck, float *out) {
+  for (size_t i = 0; i < ck->table.n; i++) {
+    const struct model_param *p = &ck->table.p[i];
+    const struct st_tensor *t = safetensors_find(&ck->file, p->name);
+    RUMOR_ASSERT(t && t->nbytes == (size_t)p->numel * sizeof(float)); /* checked by checkpoint_open */
+    memcpy(out + p->offset, t->data, t->nbytes);
+  }
 }
 
 int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o, struct rumor_err *e) {
@@ -318,20 +342,16 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
   model_spec_format(&m->spec, want, sizeof want);
   if (strcmp(want, have) != 0)
     return rumor_err_set(e, RUMOR_ESHAPE, "checkpoint holds model %s, not %s", have, want);
-  for (int l = 0; l < m->spec.nlayers; l++) {
-    char name[64];
-    int64_t off = model_spec_layer_offset(&m->spec, l);
-    snprintf(name, sizeof name, "layers.%d.weight", l);
-    const struct st_tensor *w = safetensors_find(&ck->file, name);
-    snprintf(name, sizeof name, "layers.%d.bias", l);
-    const struct st_tensor *b = safetensors_find(&ck->file, name);
-    tensor_copy_from_host(&m->params, off, w->data, w->nbytes);
-    tensor_copy_from_host(&m->params, off + (int64_t)(w->nbytes / sizeof(float)), b->data, b->nbytes);
+  RUMOR_ASSERT(m->u0 == 0 && m->u1 == m->table.nunits);
+  for (size_t i = 0; i < ck->table.n; i++) {
+    const struct model_param *p = &ck->table.p[i];
+    const struct st_tensor *t = safetensors_find(&ck->file, p->name);
+    tensor_copy_from_host(&m->params, p->offset, t->data, t->nbytes);
   }
   if (o) {
     if (ck->has_optim && ck->info.optim_kind == o->cfg.kind) {
       for (int s = 0; s < optim_state_per_param(o->cfg.kind); s++) {
-        const struct st_tensor *t = safetensors_find(&ck->file, optim_names(o->cfg.kind)[s]);
+        const struct st_tensor *t = safetensors_find(&ck->file, optim_state_name(o->cfg.kind, s));
         tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, t->data, t->nbytes);
       }
     } else {

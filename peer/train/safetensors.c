@@ -1,5 +1,5 @@
 /* The safetensors format with rumor's whole-file BLAKE2b digest. */
-#include "peer/train/safetensors.h"
+#include "peer/train/train.h"
 
 #include <errno.h>
 #include <sodium.h>

@@ -1,4 +1,4 @@
-/* The single-peer training loop. */
+/* The training loop of a whole replica or of one pipeline stage. */
 #include "peer/train/train.h"
 
 #include <errno.h>
@@ -24,6 +24,16 @@ void train_config_default(struct train_config *c) {
   c->eval_each_epoch = true;
 }
 
+bool trainer_is_stage(const struct trainer *t) { return t->stage.stages > 0; }
+static bool first_stage(const struct trainer *t) { return !trainer_is_stage(t) || t->stage.stage == 0; }
+bool trainer_has_loss(const struct trainer *t) {
+  return !trainer_is_stage(t) || t->stage.stage == t->stage.stages - 1;
+}
+/* This process needs the batches' inputs (x) or labels (y). */
+static bool needs_batches(const struct trainer *t) { return first_stage(t) || trainer_has_loss(t); }
+
+/* ---- set-up ---- */
+
 static int load_data(struct trainer *t, struct rumor_err *e) {
   int rc = dataset_load_split(t->cfg.data_dir, "train", &t->train, e);
   if (rc) return rumor_err_prefix(e, "training data");
@@ -40,57 +50,121 @@ static int load_data(struct trainer *t, struct rumor_err *e) {
 static int check_model_fits_data(const struct model_spec *spec, const struct trainer *t, struct rumor_err *e) {
   char s[MODEL_SPEC_MAX];
   model_spec_format(spec, s, sizeof s);
-  if (spec->widths[0] != t->train.features)
+  struct model_io io;
+  model_spec_io(spec, &io);
+  if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1)
+    return rumor_err_set(e, RUMOR_ESHAPE, "model %s does not take images with one label each", s);
+  if (io.input_per_row != t->train.features)
     return rumor_err_set(e, RUMOR_ESHAPE, "model %s takes %lld inputs but the images have %lldx%lld = %lld pixels", s,
-                         (long long)spec->widths[0], (long long)t->train.rows, (long long)t->train.cols,
+                         (long long)io.input_per_row, (long long)t->train.rows, (long long)t->train.cols,
                          (long long)t->train.features);
   int classes = t->train.num_classes > t->test.num_classes ? t->train.num_classes : t->test.num_classes;
-  if (spec->widths[spec->nlayers] < classes)
+  if (io.classes < classes)
     return rumor_err_set(e, RUMOR_ESHAPE, "model %s has %lld outputs but the labels go up to %d", s,
-                         (long long)spec->widths[spec->nlayers], classes - 1);
+                         (long long)io.classes, classes - 1);
   return 0;
+}
+
+/* Opens cfg->resume and takes the run's identity from it, so that the
+ * resumed run sees the same batches in the same order. */
+static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_spec *spec, struct rumor_err *e) {
+  const struct train_config *cfg = &t->cfg;
+  /* A damaged checkpoint falls back to the previous one (train.h). */
+  int rc = checkpoint_open_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
+  if (rc) return rc;
+  *spec = ck->info.spec;
+  if (cfg->model) {
+    struct model_spec want;
+    if ((rc = model_spec_parse(cfg->model, &want, e))) goto fail;
+    if (!model_spec_equal(&want, spec)) {
+      char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
+      model_spec_format(&want, a, sizeof a);
+      model_spec_format(spec, b, sizeof b);
+      rc = rumor_err_set(e, RUMOR_ESHAPE, "--model %s does not match the checkpoint %s, which holds %s", a, cfg->resume, b);
+      goto fail;
+    }
+  }
+  t->cfg.seed = ck->info.seed;
+  t->cfg.data_seed = ck->info.data_seed;
+  t->cfg.shard = ck->info.shard;
+  t->cfg.batch = ck->info.batch;
+  t->st = ck->info.st;
+  return 0;
+fail:
+  checkpoint_close(ck);
+  return rc;
+}
+
+/* The model this process holds and where it comes from: a stage's plan, the
+ * resumed checkpoint (left open in *ck, *resumed set), or --model. */
+static int choose_model(struct trainer *t, struct checkpoint *ck, bool *resumed, struct rumor_err *e) {
+  const struct train_config *cfg = &t->cfg;
+  int rc;
+  if (trainer_is_stage(t)) {
+    if (cfg->resume) return rumor_err_set(e, RUMOR_EFORMAT, "--resume is not supported for a peer group");
+    return train_stage_plan(cfg, &t->plan, e);
+  }
+  if (cfg->resume) {
+    if ((rc = open_resume(t, ck, &t->plan.spec, e))) return rc;
+    *resumed = true;
+  } else if ((rc = model_spec_parse(cfg->model ? cfg->model : "mlp:784-512-256-10", &t->plan.spec, e))) {
+    return rc;
+  }
+  t->plan.u0 = 0;
+  t->plan.u1 = model_spec_units(&t->plan.spec);
+  t->plan.mb_rows = t->cfg.batch;
+  return 0;
+}
+
+static int alloc_batches(struct trainer *t, struct rumor_err *e) {
+  int nbuf = trainer_is_stage(t) ? 1 : 2;
+  for (int i = 0; i < nbuf && needs_batches(t); i++) {
+    t->xh[i] = tensor_host_alloc(t->be, (size_t)(t->cfg.batch * t->train.features) * sizeof(float));
+    t->yh[i] = tensor_host_alloc(t->be, (size_t)t->cfg.batch * sizeof(int32_t));
+    if (!t->xh[i] || !t->yh[i]) return rumor_err_set(e, -ENOMEM, "cannot allocate host batch buffers");
+  }
+  return 0;
+}
+
+static void log_setup(const struct trainer *t) {
+  char s[MODEL_SPEC_MAX];
+  model_spec_format(&t->plan.spec, s, sizeof s);
+  const struct train_config *c = &t->cfg;
+  if (trainer_is_stage(t)) {
+    char desc[400];
+    pipe_split_describe(&t->plan.spec, &t->plan.split, t->stage.stage, desc, sizeof desc);
+    log_info("group %s %s on %s; %d micro-batches of up to %lld rows, %s schedule; shard %lld/%lld: %lld batches of "
+             "%lld per epoch",
+             t->stage.group, desc, tensor_backend_name(t->be), t->stage.micro, (long long)t->plan.mb_rows,
+             pipe_schedule_name(t->stage.sched), (long long)c->shard.index, (long long)c->shard.count,
+             (long long)t->steps_per_epoch, (long long)c->batch);
+    return;
+  }
+  log_info("model %s: %lld parameters (%.1f MiB) on %s; shard %lld/%lld: %lld samples, %lld batches of %lld per epoch",
+           s, (long long)t->model.nparams, (double)t->model.nparams * 4 / (1 << 20), tensor_backend_name(t->be),
+           (long long)c->shard.index, (long long)c->shard.count, (long long)t->batcher.n,
+           (long long)t->steps_per_epoch, (long long)c->batch);
+  if (c->resume)
+    log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
+             (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
 }
 
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
+  if (cfg->stage) {
+    t->stage = *cfg->stage;
+    t->cfg.stage = &t->stage;
+  }
+  t->loss_avg = t->last_loss = t->accuracy = t->test_loss = NAN;
   struct checkpoint ck;
   bool resumed = false;
   int rc;
-  struct model_spec spec;
-
-  if (cfg->resume) {
-    /* A damaged checkpoint falls back to the previous one (checkpoint.h). */
-    if ((rc = checkpoint_open_latest(cfg->resume, &ck, t->resumed_from, sizeof t->resumed_from, e))) return rc;
-    resumed = true;
-    spec = ck.info.spec;
-    if (cfg->model) {
-      struct model_spec want;
-      if ((rc = model_spec_parse(cfg->model, &want, e))) goto fail;
-      char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
-      model_spec_format(&want, a, sizeof a);
-      model_spec_format(&spec, b, sizeof b);
-      if (strcmp(a, b) != 0) {
-        rc = rumor_err_set(e, RUMOR_ESHAPE, "--model %s does not match the checkpoint %s, which holds %s", a,
-                           cfg->resume, b);
-        goto fail;
-      }
-    }
-    /* The run's identity comes from the checkpoint so the resumed run sees
-     * the same batches in the same order. */
-    t->cfg.seed = ck.info.seed;
-    t->cfg.data_seed = ck.info.data_seed;
-    t->cfg.shard = ck.info.shard;
-    t->cfg.batch = ck.info.batch;
-    t->st = ck.info.st;
-  } else {
-    if ((rc = model_spec_parse(cfg->model ? cfg->model : "mlp:784-512-256-10", &spec, e))) return rc;
-  }
-
+  if ((rc = choose_model(t, &ck, &resumed, e))) return rc;
+  const struct model_spec *spec = &t->plan.spec;
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
-  if ((rc = load_data(t, e))) goto fail;
-  if ((rc = check_model_fits_data(&spec, t, e))) goto fail;
+  if ((rc = load_data(t, e)) || (rc = check_model_fits_data(spec, t, e))) goto fail;
   if (resumed) {
     t->norm_mean = ck.info.norm_mean;
     t->norm_std = ck.info.norm_std;
@@ -101,15 +175,19 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if ((rc = batcher_init(&t->batcher, &t->train, t->cfg.shard, t->cfg.data_seed, t->cfg.seed, t->norm_mean,
                          t->norm_std, e)))
     goto fail;
-  if ((rc = model_init(&t->model, &spec, t->be, t->cfg.batch, e))) goto fail;
-  if ((rc = optim_init(&t->optim, &t->cfg.optim, t->be, t->model.nparams, e))) goto fail;
+  if ((rc = model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e))) goto fail;
+  if ((rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e))) goto fail;
   if (resumed) {
-    if ((rc = checkpoint_restore(&ck, &t->model, &t->optim, e))) goto fail;
+    rc = checkpoint_restore(&ck, &t->model, &t->optim, e);
     checkpoint_close(&ck);
     resumed = false;
+    if (rc) goto fail;
   } else {
     model_init_params(&t->model, t->cfg.seed);
   }
+  if (trainer_is_stage(t) && (rc = pipeline_init(&t->pipe, &t->model, t->stage.link, t->stage.stage, t->stage.stages,
+                                                 t->stage.micro, t->stage.sched, e)))
+    goto fail;
 
   t->steps_per_epoch = batcher_steps_per_epoch(&t->batcher, t->cfg.batch);
   /* The schedule spans the configured epochs even when max_steps stops the
@@ -122,28 +200,11 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
                        (long long)t->st.step_in_epoch, (long long)t->st.epoch, (long long)t->steps_per_epoch);
     goto fail;
   }
-  for (int i = 0; i < 2; i++) {
-    t->xh[i] = tensor_host_alloc(t->be, (size_t)(t->cfg.batch * t->train.features) * sizeof(float));
-    t->yh[i] = tensor_host_alloc(t->be, (size_t)t->cfg.batch * sizeof(int32_t));
-    if (!t->xh[i] || !t->yh[i]) {
-      rc = rumor_err_set(e, -ENOMEM, "cannot allocate host batch buffers");
-      goto fail;
-    }
-  }
+  if ((rc = alloc_batches(t, e))) goto fail;
   batcher_start_epoch(&t->batcher, t->st.epoch);
-  t->loss_avg = NAN;
   t->t_start = t->t_last_log = clock_now_s();
   t->samples_at_start = t->st.samples;
-
-  char s[MODEL_SPEC_MAX];
-  model_spec_format(&spec, s, sizeof s);
-  log_info("model %s: %lld parameters (%.1f MiB) on %s; shard %lld/%lld: %lld samples, %lld batches of %lld per epoch",
-           s, (long long)t->model.nparams, (double)t->model.nparams * 4 / (1 << 20), tensor_backend_name(t->be),
-           (long long)t->cfg.shard.index, (long long)t->cfg.shard.count, (long long)t->batcher.n,
-           (long long)t->steps_per_epoch, (long long)t->cfg.batch);
-  if (cfg->resume)
-    log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
-             (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
+  log_setup(t);
   return 0;
 fail:
   if (resumed) checkpoint_close(&ck);
@@ -152,6 +213,7 @@ fail:
 }
 
 void trainer_free(struct trainer *t) {
+  pipeline_free(&t->pipe);
   if (t->be) {
     for (int i = 0; i < 2; i++) {
       tensor_host_free(t->be, t->xh[i]);
@@ -167,11 +229,15 @@ void trainer_free(struct trainer *t) {
   memset(t, 0, sizeof *t);
 }
 
+void trainer_set_link(struct trainer *t, stage_link_t *link) {
+  RUMOR_ASSERT(trainer_is_stage(t));
+  t->stage.link = link;
+  t->pipe.link = link;
+}
+
 bool trainer_done(const struct trainer *t) { return t->st.step >= t->stop_step; }
 
-static void stage(struct trainer *t, int buf) {
-  t->rows[buf] = batcher_fill(&t->batcher, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
-}
+/* ---- progress ---- */
 
 static void format_duration(double s, char *buf, size_t n) {
   if (!isfinite(s) || s < 0) s = 0;
@@ -186,13 +252,20 @@ static void progress(struct trainer *t, double lr) {
   double el = now - t->t_start;
   double rate = el > 0 ? (double)(t->st.samples - t->samples_at_start) / el : 0;
   double remaining = rate > 0 ? (double)(t->stop_step - t->st.step) * (double)t->cfg.batch / rate : 0;
-  char eta[32];
+  char eta[32], loss[32] = "", idle[32] = "";
   format_duration(remaining, eta, sizeof eta);
-  log_info("epoch %lld/%lld  step %lld/%lld  loss %.4f  lr %.4g  %.0f samples/s  ETA %s",
-           (long long)t->st.epoch + 1, (long long)t->cfg.epochs, (long long)t->st.step_in_epoch,
-           (long long)t->steps_per_epoch, t->loss_avg, lr, rate, eta);
+  if (trainer_has_loss(t)) snprintf(loss, sizeof loss, "  loss %.4f", t->loss_avg);
+  if (trainer_is_stage(t)) {
+    const struct pipe_stats *ps = &t->pipe.st;
+    snprintf(idle, sizeof idle, "  idle %.1f%%", 100 * (ps->step_s > 0 ? ps->wait_s / ps->step_s : 0));
+  }
+  log_info("epoch %lld/%lld  step %lld/%lld%s  lr %.4g  %.0f samples/s%s  ETA %s", (long long)t->st.epoch + 1,
+           (long long)t->cfg.epochs, (long long)t->st.step_in_epoch, (long long)t->steps_per_epoch, loss, lr, rate, idle,
+           eta);
   t->t_last_log = now;
 }
+
+/* ---- state ---- */
 
 static struct ckpt_info make_info(const struct trainer *t) {
   struct ckpt_info info;
@@ -207,27 +280,68 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.norm_mean = t->norm_mean;
   info.norm_std = t->norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");
+  if (trainer_is_stage(t)) {
+    snprintf(info.group, sizeof info.group, "%s", t->stage.group);
+    info.stage = t->stage.stage;
+    info.stages = t->stage.stages;
+    pipe_split_format(&t->plan.split, info.split, sizeof info.split);
+  }
   return info;
 }
 
-double trainer_check_loss(struct trainer *t, int64_t n) {
-  if (n > t->train.count) n = t->train.count;
-  int64_t bs = t->cfg.batch, F = t->train.features;
+/* Evaluation rows [first, first + rows) of a dataset (pipe_gather_fn). */
+struct gather_src {
+  const struct dataset *ds;
+  const float *lut;
+};
+static void gather_rows(void *arg, int64_t first, int64_t rows, void *x, int32_t *y) {
+  const struct gather_src *g = arg;
+  dataset_gather_range(g->ds, g->lut, first, rows, x, y);
+}
+
+/* Loss and correct predictions over the first n samples of `ds` in file
+ * order, batch by batch (a whole replica). */
+static void evaluate_whole(struct trainer *t, const struct dataset *ds, int64_t n, int64_t *correct, double *loss) {
+  int64_t bs = t->cfg.batch, F = ds->features;
   float *x = tensor_host_alloc(t->be, (size_t)(bs * F) * sizeof(float));
   int32_t *y = tensor_host_alloc(t->be, (size_t)bs * sizeof(int32_t));
   RUMOR_ASSERT(x && y);
-  double loss = 0;
-  int64_t correct = 0;
   for (int64_t first = 0; first < n; first += bs) {
     int64_t rows = n - first < bs ? n - first : bs;
-    dataset_gather_range(&t->train, t->lut, first, rows, x, y);
-    tensor_copy_from_host(&t->model.acts[0], 0, x, (size_t)(rows * F) * sizeof(float));
+    dataset_gather_range(ds, t->lut, first, rows, x, y);
+    tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)(rows * F) * sizeof(float));
     tensor_copy_from_host(&t->model.labels, 0, y, (size_t)rows * sizeof(int32_t));
-    model_evaluate_batch(&t->model, rows, y, &correct, &loss);
+    model_evaluate(&t->model, rows, y, correct, loss);
   }
   tensor_host_free(t->be, x);
   tensor_host_free(t->be, y);
+}
+
+double trainer_check_loss(struct trainer *t, int64_t n) {
+  RUMOR_ASSERT(!trainer_is_stage(t));
+  if (n > t->train.count) n = t->train.count;
+  double loss = 0;
+  int64_t correct = 0;
+  evaluate_whole(t, &t->train, n, &correct, &loss);
   return n > 0 ? loss / (double)n : 0.0;
+}
+
+int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
+  if (!t->have_test) return 0;
+  int64_t correct = 0;
+  double loss = 0;
+  if (trainer_is_stage(t)) {
+    struct gather_src src = {&t->test, t->lut};
+    int rc = pipeline_eval(&t->pipe, t->test.count, gather_rows, &src, &correct, &loss, e);
+    if (rc) return rc;
+  } else {
+    evaluate_whole(t, &t->test, t->test.count, &correct, &loss);
+  }
+  if (trainer_has_loss(t)) {
+    t->accuracy = (double)correct / (double)t->test.count;
+    t->test_loss = loss / (double)t->test.count;
+  }
+  return 0;
 }
 
 int64_t trainer_state_floats(const struct trainer *t) {
@@ -237,17 +351,21 @@ int64_t trainer_state_floats(const struct trainer *t) {
 void trainer_copy_state(struct trainer *t, float *out) {
   int64_t P = t->model.nparams;
   tensor_copy_to_host(&t->model.params, 0, out, (size_t)P * sizeof(float));
-  tensor_copy_to_host(&t->optim.state, 0, out + P, tensor_nbytes(&t->optim.state));
+  tensor_copy_to_host(&t->optim.state, 0, out + P, (size_t)(trainer_state_floats(t) - P) * sizeof(float));
 }
 
-void trainer_load_state(struct trainer *t, const float *state, int64_t step, int64_t epoch) {
+void trainer_load_state(struct trainer *t, const float *state) {
   int64_t P = t->model.nparams;
   tensor_copy_from_host(&t->model.params, 0, state, (size_t)P * sizeof(float));
-  tensor_copy_from_host(&t->optim.state, 0, state + P, tensor_nbytes(&t->optim.state));
+  tensor_copy_from_host(&t->optim.state, 0, state + P, (size_t)(trainer_state_floats(t) - P) * sizeof(float));
+}
+
+void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_t samples) {
   t->optim.step = step;
   t->st.step = step;
   t->st.epoch = epoch;
   t->st.step_in_epoch = 0;
+  t->st.samples = samples;
   t->staged = false;
   batcher_start_epoch(&t->batcher, epoch);
 }
@@ -255,8 +373,63 @@ void trainer_load_state(struct trainer *t, const float *state, int64_t step, int
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   struct ckpt_info info = make_info(t);
   int rc = checkpoint_save(path, &t->model, &t->optim, &info, e);
-  if (rc == 0) log_info("checkpoint saved to %s (step %lld)", path, (long long)t->st.step);
+  if (rc == 0) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
+                        (long long)t->st.step);
   return rc;
+}
+
+/* ---- steps ---- */
+
+static void stage_batch(struct trainer *t, int buf) {
+  t->rows[buf] = batcher_fill(&t->batcher, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
+}
+
+/* Enqueues a whole replica's step on the staged batch; returns its rows. */
+static int64_t step_whole(struct trainer *t, double lr) {
+  int buf = t->cur;
+  if (!t->staged) stage_batch(t, buf);
+  int64_t rows = t->rows[buf];
+  struct model *m = &t->model;
+  tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)(rows * t->train.features) * sizeof(float));
+  tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)rows * sizeof(int32_t));
+  model_forward_backward(m, rows);
+  optim_apply(&t->optim, &m->params, &m->grads, lr);
+  return rows;
+}
+
+/* A stage's step: its share of the pipelined step, then its own update. */
+static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *loss, struct rumor_err *e) {
+  int64_t bs = t->cfg.batch;
+  int64_t first = t->st.step_in_epoch * bs;
+  int64_t rows = t->batcher.n - first < bs ? t->batcher.n - first : bs;
+  if (needs_batches(t)) {
+    int64_t got = batcher_fill(&t->batcher, t->st.step_in_epoch, bs, t->xh[0], t->yh[0]);
+    RUMOR_ASSERT(got == rows);
+  }
+  double loss_sum = 0;
+  int rc = pipeline_step(&t->pipe, t->st.step, rows, first_stage(t) ? t->xh[0] : NULL,
+                         trainer_has_loss(t) ? t->yh[0] : NULL, &loss_sum, e);
+  if (rc) return rc;
+  optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
+  tensor_backend_sync(t->be);
+  *rows_out = rows;
+  *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
+  return 0;
+}
+
+/* After an epoch: the evaluation (when configured) and its line. */
+static int end_epoch(struct trainer *t, struct rumor_err *e) {
+  if (t->cfg.eval_each_epoch) {
+    int rc = trainer_evaluate(t, e);
+    if (rc) return rc;
+  }
+  if (trainer_has_loss(t))
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f",
+             (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg,
+             t->cfg.eval_each_epoch ? t->accuracy : NAN, t->cfg.eval_each_epoch ? t->test_loss : NAN);
+  else
+    log_info("epoch %lld/%lld done at step %lld", (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step);
+  return 0;
 }
 
 int trainer_step(struct trainer *t, struct rumor_err *e) {
@@ -268,16 +441,11 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->t_start = t->t_last_log = clock_now_s();
     t->samples_at_start = t->st.samples;
   }
-  int buf = t->cur;
-  if (!t->staged) stage(t, buf);
-  int64_t rows = t->rows[buf];
-  struct model *m = &t->model;
-  tensor_copy_from_host_async(&m->acts[0], 0, t->xh[buf], (size_t)(rows * t->train.features) * sizeof(float));
-  tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)rows * sizeof(int32_t));
-  double lr = optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps);
-  model_forward_backward(m, rows);
-  optim_apply(&t->optim, &m->params, &m->grads, lr);
-
+  double lr = optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), loss = NAN;
+  int64_t rows = 0;
+  int rc;
+  if (trainer_is_stage(t) && (rc = step_stage(t, lr, &rows, &loss, e))) return rc;
+  if (!trainer_is_stage(t)) rows = step_whole(t, lr);
   t->st.step++;
   t->st.samples += rows;
   bool epoch_end = ++t->st.step_in_epoch == t->steps_per_epoch;
@@ -286,45 +454,25 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->st.step_in_epoch = 0;
     batcher_start_epoch(&t->batcher, t->st.epoch);
   }
-  /* Gather the next batch on the host while the device computes. */
-  t->cur ^= 1;
-  t->staged = !trainer_done(t);
-  if (t->staged) stage(t, t->cur);
-
-  float loss = model_mean_loss(m, rows); /* waits for the device */
-  t->last_loss = loss;
-  t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
-  if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
-
-  if (epoch_end) {
-    double acc = NAN, tl = NAN;
-    if (t->cfg.eval_each_epoch && t->have_test) trainer_evaluate(t, &t->test, &acc, &tl);
-    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f",
-             (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg, acc, tl);
+  if (!trainer_is_stage(t)) {
+    /* Gather the next batch on the host while the device computes. */
+    t->cur ^= 1;
+    t->staged = !trainer_done(t);
+    if (t->staged) stage_batch(t, t->cur);
+    loss = model_mean_loss(&t->model, rows); /* waits for the device */
   }
-  if (t->cfg.checkpoint &&
-      (epoch_end || trainer_done(t) || (t->cfg.checkpoint_every > 0 && t->st.step % t->cfg.checkpoint_every == 0))) {
-    int rc = trainer_save(t, t->cfg.checkpoint, e);
-    if (rc) return rc;
+  if (trainer_has_loss(t)) {
+    t->last_loss = loss;
+    t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
+  }
+  if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
+  if (epoch_end && (rc = end_epoch(t, e))) return rc;
+  const char *ck = t->cfg.checkpoint;
+  if (ck && (epoch_end || trainer_done(t) || (t->cfg.checkpoint_every > 0 && t->st.step % t->cfg.checkpoint_every == 0))) {
+    char path[1024];
+    if (trainer_is_stage(t)) train_stage_checkpoint_path(ck, t->stage.stage, path, sizeof path);
+    else snprintf(path, sizeof path, "%s", ck);
+    if ((rc = trainer_save(t, path, e))) return rc;
   }
   return 0;
-}
-
-void trainer_evaluate(struct trainer *t, const struct dataset *ds, double *accuracy, double *loss) {
-  int64_t bs = t->cfg.batch, correct = 0;
-  double loss_sum = 0;
-  float *x = tensor_host_alloc(t->be, (size_t)(bs * ds->features) * sizeof(float));
-  int32_t *y = tensor_host_alloc(t->be, (size_t)bs * sizeof(int32_t));
-  RUMOR_ASSERT(x && y);
-  for (int64_t first = 0; first < ds->count; first += bs) {
-    int64_t rows = ds->count - first < bs ? ds->count - first : bs;
-    dataset_gather_range(ds, t->lut, first, rows, x, y);
-    tensor_copy_from_host(&t->model.acts[0], 0, x, (size_t)(rows * ds->features) * sizeof(float));
-    tensor_copy_from_host(&t->model.labels, 0, y, (size_t)rows * sizeof(int32_t));
-    model_evaluate_batch(&t->model, rows, y, &correct, &loss_sum);
-  }
-  tensor_host_free(t->be, x);
-  tensor_host_free(t->be, y);
-  *accuracy = (double)correct / (double)ds->count;
-  *loss = loss_sum / (double)ds->count;
 }

@@ -1,18 +1,198 @@
 /*
- * train — one peer's training loop: data, model, optimizer, evaluation,
- * progress lines and checkpoints. The loop is driven one step at a time
- * (trainer_step), so a caller can act between steps: the gossip peer hands
- * snapshots to the network and applies received averages exactly there.
+ * train — one process's training: the loop (data, model, optimiser,
+ * evaluation, progress lines), its checkpoints, and the safetensors files
+ * they are stored in.
+ *
+ * A trainer drives either a whole replica or one stage of a pipeline
+ * (train_config.stage): the same loop, where a stage's step is its share of
+ * a pipelined step (peer/pipeline/pipeline.h) followed by its own update of
+ * its own units, which is the single-process update restricted to them. The
+ * loop is driven one step at a time (trainer_step), so a caller can act
+ * between steps: the sync path hands snapshots to the network and applies
+ * received averages exactly there.
  *
  * Threads: a trainer belongs to the thread that created it.
  */
 #ifndef RUMOR_PEER_TRAIN_H
 #define RUMOR_PEER_TRAIN_H
 
-#include "peer/train/checkpoint.h"
-#include "peer/data/dataset.h"
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "peer/data/data.h"
 #include "peer/model/model.h"
-#include "peer/model/optim.h"
+#include "peer/pipeline/pipeline.h"
+#include "tensor/tensor.h"
+#include "util/json.h"
+
+/* ============================================================================
+ * Safetensors
+ * ========================================================================== */
+
+/*
+ * Reading and writing the safetensors format
+ * (https://huggingface.co/docs/safetensors): an 8-byte little-endian header
+ * length, a JSON header naming each tensor's dtype, shape and byte range, and
+ * the raw little-endian data. PyTorch and the Hugging Face stack read the
+ * files rumor writes.
+ *
+ * Integrity: rumor adds "rumor.blake2b" to the header's __metadata__, a
+ * BLAKE2b-256 digest of the whole file computed with that value's 64 hex
+ * digits set to '0'. Any flipped bit or lost byte is therefore detected.
+ * Files are written atomically (util's file_write_atomic).
+ */
+
+#define SAFETENSORS_MAX_HEADER (16u << 20)
+#define SAFETENSORS_MAX_TENSORS 4096
+#define SAFETENSORS_MAX_NAME 128
+
+struct st_tensor {
+  char name[SAFETENSORS_MAX_NAME];
+  enum tensor_dtype dtype;
+  int ndim;
+  int64_t shape[TENSOR_MAX_DIMS];
+  const void *data; /* host memory: the caller's when writing, the file buffer when read */
+  size_t nbytes;
+};
+
+struct st_meta {
+  const char *key, *value;
+};
+
+/* Writes the tensors in the order given, with the metadata pairs and the
+ * integrity digest, atomically to `path` (mode 0644). */
+int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                      size_t nmeta, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+struct st_file {
+  uint8_t *buf; /* the whole file */
+  size_t len;
+  struct st_tensor *tensors;
+  size_t ntensors;
+  struct st_meta *meta;
+  size_t nmeta;
+  struct json_doc doc; /* owns the strings meta points to */
+};
+
+/* Reads and fully validates a file: header bounds, JSON shape, known dtypes,
+ * every byte range inside the data section, ranges covering it without gaps
+ * or overlap, sizes matching shapes, and (when present, or always when
+ * `require_digest`) the rumor.blake2b digest. Returns 0, a negative errno, or
+ * RUMOR_ECORRUPT with a message naming the file and the fault. */
+int safetensors_read(const char *path, bool require_digest, struct st_file *f,
+                     struct rumor_err *e) RUMOR_MUST_CHECK;
+void safetensors_free(struct st_file *f);
+const struct st_tensor *safetensors_find(const struct st_file *f, const char *name);
+const char *safetensors_meta(const struct st_file *f, const char *key);
+
+/* ============================================================================
+ * Checkpoints
+ * ========================================================================== */
+
+/*
+ * A process's training state as one safetensors file.
+ *
+ * Tensors: the model's parameter table, by name and shape, in flat-buffer
+ * order (for the MLP "layers.<l>.weight" (out, in) and "layers.<l>.bias",
+ * so torch.nn.Linear layers load them directly), then the optimiser state:
+ * "optimizer.momentum" (P) for SGD, or "optimizer.exp_avg" and
+ * "optimizer.exp_avg_sq" (P each) for AdamW.
+ * Metadata (strings): rumor.format, rumor.model, rumor.step, rumor.epoch,
+ * rumor.step_in_epoch, rumor.samples, rumor.seed, rumor.data_seed,
+ * rumor.shard, rumor.batch, rumor.optimizer, rumor.norm_mean,
+ * rumor.norm_std, rumor.peer_id, plus the whole-file digest.
+ * A pipeline stage's checkpoint (rumor.format "stage-1") holds its units'
+ * entries only and adds rumor.group, rumor.stage ("s/S"), rumor.layers
+ * ("u0-u1", inclusive) and rumor.split.
+ */
+
+#define CHECKPOINT_FORMAT "1"
+#define CHECKPOINT_STAGE_FORMAT "stage-1"
+
+/* Where a run stands; saved with the weights so a resumed run continues the
+ * same sequence of batches and learning rates. */
+struct train_state {
+  int64_t step;          /* optimizer updates applied */
+  int64_t epoch;         /* current epoch, from 0 */
+  int64_t step_in_epoch; /* batches of the current epoch already done */
+  int64_t samples;       /* rows trained on by this process */
+};
+
+struct ckpt_info {
+  struct model_spec spec;
+  struct train_state st;
+  enum optim_kind optim_kind;
+  uint64_t seed, data_seed;
+  struct shard shard;
+  int64_t batch;
+  double norm_mean, norm_std;
+  char peer_id[96]; /* free text; empty when unknown */
+  /* A pipeline stage's checkpoint: stages > 0. */
+  char group[72];
+  int stage, stages;
+  char split[PIPE_MAX_STAGES * 4 + 8];
+};
+
+/* Writes the parameters model `m` holds (its units' table entries), the
+ * optimizer state (when `o` is not NULL) and `info` atomically to `path`.
+ * Returns 0 or a negative code with a message; on failure the previous file
+ * at `path` is intact.
+ *
+ * Durability: the new file is written to a temporary name and fsynced; then
+ * the file at `path` is hard-linked to `path`.prev (so the previous
+ * checkpoint survives a later corruption of the current one) and the new file
+ * is renamed over `path`, and the directory fsynced. At every instant `path`
+ * is a complete checkpoint (the old one or the new one), and a failed write
+ * (a full disk) changes neither `path` nor `path`.prev. Temporary files left
+ * by processes that died mid-write (`path`.tmp.PID, PID no longer running)
+ * are removed. */
+int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
+                    const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+struct checkpoint {
+  struct st_file file;
+  struct ckpt_info info;
+  struct model_table table; /* of info.spec */
+  bool has_optim;
+};
+
+/* Reads and validates a whole-model checkpoint (digest, every table entry
+ * present with its shape, metadata parseable). */
+int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) RUMOR_MUST_CHECK;
+void checkpoint_close(struct checkpoint *ck);
+
+/* The previous checkpoint's path: `path` with ".prev" appended. */
+void checkpoint_prev_path(const char *path, char *out, size_t n);
+
+/* Opens `path` like checkpoint_open; when it is missing, truncated or
+ * damaged, logs why (naming the file and the fault) and opens `path`.prev
+ * instead. *used (may be NULL) gets the path opened. Fails with both reasons
+ * when neither is usable. */
+int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                           struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Copies the parameters into `m` (same spec, every unit) and, when `o` is not
+ * NULL and the file has optimizer state of the same kind, the state into `o`
+ * (whose step is set from the file). */
+int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o,
+                       struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The whole model's parameters from an open checkpoint into `out`
+ * (table.nparams floats, flat-buffer order). */
+void checkpoint_params(const struct checkpoint *ck, float *out);
+
+/* ============================================================================
+ * The trainer
+ * ========================================================================== */
+
+/* One stage of a pipeline: what every stage of a group must agree on, and
+ * where this process stands in it. */
+struct train_stage {
+  const char *group;    /* the group's name */
+  int stage, stages;
+  int micro;            /* micro-batches per step */
+  enum pipe_schedule sched;
+  stage_link_t *link;   /* the connections to the neighbouring stages; not owned */
+};
 
 struct train_config {
   const char *model;       /* spec string; NULL → from the resumed checkpoint */
@@ -26,20 +206,47 @@ struct train_config {
   int64_t batch;
   int64_t max_steps;       /* stop after this many updates (0: no limit) */
   struct optim_config optim;
-  const char *checkpoint;  /* path to save to, or NULL */
+  const char *checkpoint;  /* path to save to, or NULL (a stage saves to train_stage_checkpoint_path of it) */
   int64_t checkpoint_every;/* steps between saves (0: at epoch ends only) */
-  const char *resume;      /* checkpoint to resume from, or NULL */
+  const char *resume;      /* checkpoint to resume from, or NULL (whole models only) */
   double log_every_s;      /* seconds between progress lines (0: none) */
   bool eval_each_epoch;
   const char *peer_id;     /* written into checkpoints; may be NULL */
+  const struct train_stage *stage; /* a pipeline stage, or NULL for a whole replica */
 };
 
 void train_config_default(struct train_config *c);
 
+/* What follows from a stage's configuration alone, the same in every stage:
+ * the model, the split, this stage's units and the micro-batch rows. */
+struct stage_plan {
+  struct model_spec spec;
+  struct pipe_split split;
+  int u0, u1;
+  int64_t mb_rows; /* ceil(batch / micro) */
+};
+/* Returns 0 or RUMOR_EFORMAT with a message naming the bad flag. */
+int train_stage_plan(const struct train_config *cfg, struct stage_plan *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The text every stage of a group must hold identical (compared when
+ * neighbours connect): model, split, schedule, micro-batches and every
+ * setting that decides the batches, the learning rates and the updates. */
+void train_stage_agreement(const struct train_config *cfg, const struct stage_plan *plan, char *buf, size_t n);
+/* The gossip label of a stage: stage s of every group averages only with
+ * peers that carry exactly the same label, e.g. "mlp:784-256-10 stage 0/2
+ * layers 0-0 of 0,1,2". Returns 0 or RUMOR_ETOOBIG (over `n` characters). */
+int train_stage_label(const struct train_config *cfg, const struct stage_plan *plan, char *buf, size_t n,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The checkpoint file of stage s for the group's --checkpoint PATH:
+ * "run.safetensors" → "run-stage0.safetensors"; other names get
+ * "-stage0" appended. */
+void train_stage_checkpoint_path(const char *path, int stage, char *buf, size_t n);
+
 struct trainer {
   struct train_config cfg;
+  struct train_stage stage; /* copied from cfg.stage (cfg.stage points here); stages 0 for a whole replica */
+  struct stage_plan plan;   /* a stage's; for a whole replica: every unit, mb_rows = batch */
   tensor_backend_t be;
-  struct model model;
+  struct model model;       /* the units this process holds */
   struct optim optim;
   struct dataset train, test;
   bool have_test;
@@ -50,51 +257,70 @@ struct trainer {
   int64_t total_steps; /* epochs × steps_per_epoch: the schedule's length */
   int64_t stop_step;   /* total_steps, or max_steps when that is smaller */
   struct train_state st;
+  struct pipeline pipe; /* a stage's runner */
 
   /* Double-buffered host batches (pinned on CUDA): the next batch is
-   * gathered while the device works on the current one. */
+   * gathered while the device works on the current one (a stage fills
+   * xh[0] / yh[0] only). */
   float *xh[2];
   int32_t *yh[2];
   int64_t rows[2];
   int cur;
   bool staged; /* xh[cur] holds the batch for st's position */
 
-  double loss_avg;       /* exponential moving average of the training loss */
+  double loss_avg;       /* exponential moving average of the training loss (NaN on stages without the loss) */
   double last_loss;
+  double accuracy, test_loss; /* the last evaluation (NaN on stages without the loss) */
   double t_start, t_last_log;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
 };
 
-/* Loads data, opens the device, builds the model (fresh from the seed or
- * from cfg->resume) and the optimizer. Logs what it set up. Returns 0 or a
- * negative code with a message naming the bad input. */
+/* Loads data, opens the device, builds the model (the whole one, fresh from
+ * the seed or from cfg->resume; or a stage's units, initialised exactly as
+ * the whole model's would be, with the pipeline over cfg->stage->link) and
+ * the optimizer. Logs what it set up. Returns 0 or a negative code with a
+ * message naming the bad input. */
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) RUMOR_MUST_CHECK;
 void trainer_free(struct trainer *t);
 
+/* A stage's link, when it exists only after trainer_init (it runs on the
+ * gossip runtime's loop, which needs the trainer's sizes to start). */
+void trainer_set_link(struct trainer *t, stage_link_t *link);
+
+bool trainer_is_stage(const struct trainer *t);
+/* True for a whole replica and for a pipeline's last stage: the loss is here. */
+bool trainer_has_loss(const struct trainer *t);
+
 /* True once the configured epochs (or max_steps) are done. */
 bool trainer_done(const struct trainer *t);
-/* Runs one optimisation step on the next batch; returns its mean loss.
- * Advances epoch and batch position; prints progress lines; at an epoch end
- * evaluates (if configured) and checkpoints (if configured). Returns a
- * negative code only when a checkpoint could not be written. */
+/* Runs one optimisation step on the next batch. Advances epoch and batch
+ * position; prints progress lines; at an epoch end evaluates (if
+ * configured) and checkpoints (if configured). Returns a negative code when
+ * a checkpoint could not be written, or (a stage) a neighbour failed or a
+ * stop was requested. */
 int trainer_step(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Accuracy and mean loss of the current parameters on the test set. */
-void trainer_evaluate(struct trainer *t, const struct dataset *ds, double *accuracy, double *loss);
+/* Accuracy and mean loss of the current parameters on the test set, into
+ * t->accuracy and t->test_loss (a stage's: pipelined, every stage of the
+ * group at the same point; NaN on stages other than the last). */
+int trainer_evaluate(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Mean loss of the current parameters on the first `n` samples of the
  * training set in file order: the same data on every peer, so a donor and
- * the newcomer that received its state must report the same figure. */
+ * the newcomer that received its state must report the same figure. Whole
+ * replicas only. */
 double trainer_check_loss(struct trainer *t, int64_t n);
 
 /* Floats in the full state: parameters, then optimizer state. */
 int64_t trainer_state_floats(const struct trainer *t);
 /* Copies parameters and optimizer state to host memory (state_floats). */
 void trainer_copy_state(struct trainer *t, float *out);
-/* Replaces parameters and optimizer state with `state` (state_floats) and
- * continues from optimizer step `step` in epoch `epoch`, at the start of
- * this shard's epoch (a newcomer taking a live peer's state). */
-void trainer_load_state(struct trainer *t, const float *state, int64_t step, int64_t epoch);
+/* Replaces parameters and optimizer state with `state` (state_floats). */
+void trainer_load_state(struct trainer *t, const float *state);
+/* Continues from optimizer step `step` at the start of this shard's epoch
+ * `epoch`, having trained on `samples` rows (a newcomer taking a live
+ * peer's state; a stage taking stage 0's position). */
+void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_t samples);
 
 /* Saves a checkpoint of the current state to `path`. */
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;

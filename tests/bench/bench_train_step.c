@@ -5,9 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/args.h"
-#include "peer/model.h"
-#include "peer/optim.h"
+#include "peer/cli/cli_impl.h"
+#include "peer/model/model.h"
 
 int main(int argc, char **argv) {
   const char *spec_s = "mlp:784-512-256-10", *device = "cpu";
@@ -34,12 +33,12 @@ int main(int argc, char **argv) {
   struct optim o;
   struct optim_config oc;
   optim_config_default(&oc);
-  if (model_init(&m, &spec, be, batch, &e) || optim_init(&o, &oc, be, m.nparams, &e)) {
+  if (model_init_full(&m, &spec, be, batch, &e) || optim_init(&o, &oc, &m, &e)) {
     fprintf(stderr, "%s\n", e.msg);
     return 1;
   }
   model_init_params(&m, 1);
-  int64_t in = spec.widths[0], classes = spec.widths[spec.nlayers];
+  int64_t in = m.io.input_per_row, classes = m.io.classes;
   float *x = tensor_host_alloc(be, (size_t)(batch * in) * sizeof(float));
   int32_t *y = tensor_host_alloc(be, (size_t)batch * sizeof(int32_t));
   struct rng r;
@@ -55,7 +54,7 @@ int main(int argc, char **argv) {
       t0 = clock_now_s();
     }
     /* The same per-step work as the trainer: upload the batch, step, read the loss. */
-    tensor_copy_from_host_async(&m.acts[0], 0, x, (size_t)(batch * in) * sizeof(float));
+    tensor_copy_from_host_async(model_act(&m, 0), 0, x, (size_t)(batch * in) * sizeof(float));
     tensor_copy_from_host_async(&m.labels, 0, y, (size_t)batch * sizeof(int32_t));
     model_forward_backward(&m, batch);
     optim_apply(&o, &m.params, &m.grads, 0.01);

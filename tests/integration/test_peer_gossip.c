@@ -13,7 +13,7 @@
 #include <sys/socket.h>
 
 #include "../support/cluster.h"
-#include "peer/checkpoint.h"
+#include "peer/train/train.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
 
@@ -79,7 +79,7 @@ Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
   double exchanges = 0;
   for (int i = 0; i < n; i++) {
     struct model m;
-    cr_assert_eq(model_init(&m, &spec, be, 1, &e), 0);
+    cr_assert_eq(model_init_full(&m, &spec, be, 1, &e), 0);
     model_init_params(&m, (uint64_t)i + 1);
     P = m.nparams;
     init[i] = xmalloc((size_t)P * sizeof(float));

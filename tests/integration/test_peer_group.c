@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "../support/cluster.h"
-#include "peer/safetensors.h"
+#include "peer/train/train.h"
 #include "../support/fmnist.h"
 
 static struct cluster C;
@@ -377,7 +377,7 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
   expect_usage_error(G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
   expect_usage_error(G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
-  expect_usage_error(G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 16]");
+  expect_usage_error(G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 64]");
   expect_usage_error(G("--stages", "2", "--device", "cpu"), 2, "unknown option '--device'");
   expect_usage_error((char *[]){"group", "--stages", "2", NULL}, 2, "--cluster-key FILE is required");
 #undef G

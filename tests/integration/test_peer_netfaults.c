@@ -18,7 +18,7 @@
 
 #include "../support/cluster.h"
 #include "gossip/drift.h"
-#include "peer/checkpoint.h"
+#include "peer/train/train.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
 
@@ -41,10 +41,10 @@ static int testnet(const char *fmt, ...) {
 static void setup(void) {
   cluster_init(&C);
   snprintf(testnet_sh, sizeof testnet_sh, "%s/deploy/testnet.sh", RUMOR_SOURCE_DIR);
-  /* RUMOR_BIN is <build>/peer/rumor; netsim is <build>/tests/netsim/netsim. */
+  /* RUMOR_TESTING_BIN is <build>/tests/rumor-testing; netsim is <build>/tests/netsim/netsim. */
   char bin[512];
-  snprintf(bin, sizeof bin, "%s", RUMOR_BIN);
-  snprintf(netsim_bin, sizeof netsim_bin, "%s/tests/netsim/netsim", dirname(dirname(bin)));
+  snprintf(bin, sizeof bin, "%s", RUMOR_TESTING_BIN);
+  snprintf(netsim_bin, sizeof netsim_bin, "%s/netsim/netsim", dirname(bin));
   snprintf(net_name, sizeof net_name, "rtn%d", (int)getpid() % 100000);
   setenv("TESTNET_NAME", net_name, 1);
   setenv("TESTNET_NETSIM", netsim_bin, 1);
@@ -108,7 +108,7 @@ static int spawn_on(int h, const char *cmd, enum timing tm, char *const *args) {
   argv[n++] = testnet_sh;
   argv[n++] = "exec";
   argv[n++] = host;
-  argv[n++] = RUMOR_BIN;
+  argv[n++] = RUMOR_TESTING_BIN; /* the testing build, as every fault test */
   argv[n++] = (char *)cmd;
   argv[n++] = "--listen";
   argv[n++] = listen;

@@ -1,5 +1,5 @@
-/* Poisoned or faulty peers that hold valid keys (rumor peer --attack, a
- * testing-only mode): NaN or Inf values, a wrong length, a model multiplied
+/* Poisoned or faulty peers that hold valid keys (rumor-testing peer --attack,
+ * the testing build): NaN or Inf values, a wrong length, a model multiplied
  * by -1000, an old round replayed. Honest peers reject the update with a
  * reason, back the sender off, never blame each other, and keep training
  * (their loss keeps falling). With one sign-flipping attacker among 8 peers,
@@ -17,7 +17,11 @@
 
 static struct cluster C;
 
-static void setup(void) { cluster_init(&C); }
+/* The testing build: --attack exists there only. */
+static void setup(void) {
+  cluster_init(&C);
+  C.bin = RUMOR_TESTING_BIN;
+}
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(poison, .init = setup, .fini = teardown, .timeout = 300);
 

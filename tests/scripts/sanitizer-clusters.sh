@@ -1,12 +1,13 @@
 #!/bin/bash
 # Runs the threaded parts of rumor (training thread, network loop thread,
 # crypto workers, signal thread) in shell-driven clusters with a sanitizer
-# build of rumor, and fails on any sanitizer report. For ThreadSanitizer,
-# which Criterion cannot start under here:
+# build of rumor's testing binary (rumor-testing: the attacks below exist
+# only there), and fails on any sanitizer report. For ThreadSanitizer, which
+# Criterion cannot start under here:
 #
-#   cmake -S . -B build-tsan -DRUMOR_TSAN=ON -DRUMOR_TESTS=OFF
-#   cmake --build build-tsan --target rumor
-#   tests/scripts/sanitizer-clusters.sh build-tsan/peer/rumor
+#   cmake -S . -B build-tsan -DRUMOR_TSAN=ON
+#   cmake --build build-tsan --target rumor-testing
+#   tests/scripts/sanitizer-clusters.sh build-tsan/tests/rumor-testing
 #
 # What runs: the soak's CI mode (8 peers, joins, SIGTERM and SIGKILL churn,
 # state donations), then for each testing-only attack (flood, signflip, nan,

@@ -30,6 +30,7 @@ struct cluster_node {
 };
 
 struct cluster {
+  const char *bin; /* the command nodes run: RUMOR_BIN, or RUMOR_TESTING_BIN for attacks */
   char dir[64];
   char key[256];
   char boot[64]; /* the bootstrap's address */
@@ -55,6 +56,7 @@ static inline void cluster_init(struct cluster *c) {
   for (int i = 0; i < CLUSTER_MAX; i++)
     snprintf(c->node[i].ckpt, sizeof c->node[i].ckpt, "%s/node%d.safetensors", c->dir, i);
   cluster_sh("%s keygen --cluster -o %s >/dev/null 2>&1", RUMOR_BIN, c->key);
+  c->bin = RUMOR_BIN;
 }
 
 /* Ends every process and removes the scratch directory, unless `keep` or
@@ -115,7 +117,7 @@ static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const 
   snprintf(suspect, sizeof suspect, "%d", CLUSTER_SUSPECT_MS);
   char *argv[96];
   int n = 0;
-  argv[n++] = RUMOR_BIN;
+  argv[n++] = (char *)c->bin;
   argv[n++] = (char *)cmd;
   argv[n++] = "--listen";
   argv[n++] = "127.0.0.1:0";

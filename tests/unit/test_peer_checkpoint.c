@@ -12,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "peer/checkpoint.h"
+#include "peer/train/train.h"
 
 static char dir[64];
 static tensor_backend_t be;
@@ -35,12 +35,12 @@ static void make(struct model *m, struct optim *o, enum optim_kind kind) {
   struct model_spec spec;
   struct rumor_err e;
   cr_assert_eq(model_spec_parse("mlp:20-16-8-4", &spec, &e), 0);
-  cr_assert_eq(model_init(m, &spec, be, 8, &e), 0);
+  cr_assert_eq(model_init_full(m, &spec, be, 8, &e), 0);
   model_init_params(m, 42);
   struct optim_config oc;
   optim_config_default(&oc);
   oc.kind = kind;
-  cr_assert_eq(optim_init(o, &oc, be, m->nparams, &e), 0);
+  cr_assert_eq(optim_init(o, &oc, m, &e), 0);
   /* give the optimizer non-trivial state */
   tensor_fill(&m->grads, 0.5f);
   optim_apply(o, &m->params, &m->grads, 0.1);
@@ -94,8 +94,8 @@ Test(checkpoint, round_trip_sgd_and_adamw) {
     cr_assert_eq(ck.info.optim_kind, kinds[k]);
 
     struct optim_config oc = o.cfg;
-    cr_assert_eq(model_init(&m2, &ck.info.spec, be, 8, &e), 0);
-    cr_assert_eq(optim_init(&o2, &oc, be, m2.nparams, &e), 0);
+    cr_assert_eq(model_init_full(&m2, &ck.info.spec, be, 8, &e), 0);
+    cr_assert_eq(optim_init(&o2, &oc, &m2, &e), 0);
     cr_assert_eq(checkpoint_restore(&ck, &m2, &o2, &e), 0, "%s", e.msg);
     cr_assert_eq(memcmp(m.params.data, m2.params.data, tensor_nbytes(&m.params)), 0, "parameters differ");
     cr_assert_eq(memcmp(o.state.data, o2.state.data, tensor_nbytes(&o.state)), 0, "optimizer state differs");
@@ -171,7 +171,7 @@ Test(checkpoint, restore_refuses_another_model) {
   cr_assert_eq(checkpoint_open(path("c.safetensors"), &ck, &e), 0);
   struct model_spec spec;
   cr_assert_eq(model_spec_parse("mlp:20-10-4", &spec, &e), 0);
-  cr_assert_eq(model_init(&other, &spec, be, 8, &e), 0);
+  cr_assert_eq(model_init_full(&other, &spec, be, 8, &e), 0);
   cr_assert_eq(checkpoint_restore(&ck, &other, NULL, &e), RUMOR_ESHAPE);
   cr_assert(strstr(e.msg, "mlp:20-16-8-4") != NULL, "%s", e.msg);
   checkpoint_close(&ck);

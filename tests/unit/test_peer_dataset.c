@@ -8,7 +8,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "peer/dataset.h"
+#include "peer/data/data.h"
 
 static char dir[64];
 

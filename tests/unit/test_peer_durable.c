@@ -18,7 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "peer/checkpoint.h"
+#include "peer/train/train.h"
 
 static char dir[64];
 static tensor_backend_t be;
@@ -52,11 +52,11 @@ static void make(struct model *m, struct optim *o, const char *spec_s) {
   struct model_spec spec;
   struct rumor_err e;
   cr_assert_eq(model_spec_parse(spec_s, &spec, &e), 0);
-  cr_assert_eq(model_init(m, &spec, be, 8, &e), 0);
+  cr_assert_eq(model_init_full(m, &spec, be, 8, &e), 0);
   model_init_params(m, 42);
   struct optim_config oc;
   optim_config_default(&oc);
-  cr_assert_eq(optim_init(o, &oc, be, m->nparams, &e), 0);
+  cr_assert_eq(optim_init(o, &oc, m, &e), 0);
 }
 
 static struct ckpt_info info_at(const struct model *m, int64_t step) {

@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/model.h"
+#include "peer/model/model.h"
+#include "tensor/tensor_ref.h"
 
 #define BATCH 4
 #define EPS 1e-3f
@@ -26,21 +27,22 @@ static void make_model(struct model *m, const char *spec_str, uint64_t seed, flo
   struct model_spec spec;
   struct rumor_err e;
   cr_assert_eq(model_spec_parse(spec_str, &spec, &e), 0, "%s", e.msg);
-  cr_assert_eq(model_init(m, &spec, be, BATCH, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_init_full(m, &spec, be, BATCH, &e), 0, "%s", e.msg);
   model_init_params(m, seed);
   struct rng r;
   rng_seed(&r, seed, 99);
-  int64_t in = spec.widths[0], C = spec.widths[spec.nlayers];
+  int64_t in = m->io.input_per_row, C = m->io.classes;
   for (int64_t i = 0; i < BATCH * in; i++) x[i] = rng_normal(&r);
   for (int64_t b = 0; b < BATCH; b++) y[b] = (int32_t)rng_below(&r, (uint64_t)C);
-  tensor_copy_from_host(&m->acts[0], 0, x, (size_t)(BATCH * in) * sizeof(float));
+  tensor_copy_from_host(model_act(m, 0), 0, x, (size_t)(BATCH * in) * sizeof(float));
   tensor_copy_from_host(&m->labels, 0, y, BATCH * sizeof(int32_t));
 }
 
 static float loss_now(struct model *m, const float *x) {
-  tensor_copy_from_host(&m->acts[0], 0, x, (size_t)(BATCH * m->spec.widths[0]) * sizeof(float));
-  model_forward_range(m, 0, m->spec.nlayers, BATCH);
-  model_loss(m, BATCH, &m->dbuf[0], 1.0f / BATCH);
+  tensor_copy_from_host(model_act(m, 0), 0, x, (size_t)(BATCH * m->io.input_per_row) * sizeof(float));
+  int L = m->table.nunits;
+  model_forward(m, 0, L, BATCH);
+  model_loss(m, BATCH, model_act(m, L), 1.0f / BATCH);
   return model_mean_loss(m, BATCH);
 }
 
@@ -54,26 +56,27 @@ static void gradcheck_spec(const char *spec_str, uint64_t seed) {
   float x[BATCH * 16];
   int32_t y[BATCH];
   make_model(&m, spec_str, seed, x, y);
-  int64_t P = m.nparams, in = m.spec.widths[0];
+  int64_t P = m.nparams, in = m.io.input_per_row;
+  int L = m.table.nunits;
 
   /* Analytic gradients, including dL/dx through din. */
   struct tensor din;
   struct rumor_err e;
   int64_t ds[2] = {BATCH, in};
   cr_assert_eq(tensor_alloc(&din, be, TENSOR_F32, 2, ds, &e), 0);
-  model_forward_range(&m, 0, m.spec.nlayers, BATCH);
-  model_loss(&m, BATCH, &m.dbuf[0], 1.0f / BATCH);
-  model_backward_range(&m, 0, m.spec.nlayers, BATCH, &m.dbuf[0], &din, false);
+  model_forward(&m, 0, L, BATCH);
+  model_loss(&m, BATCH, model_act(&m, L), 1.0f / BATCH);
+  model_backward(&m, 0, L, BATCH, model_act(&m, L), &din, false);
   float *grad = xmalloc((size_t)P * sizeof(float)), *params = xmalloc((size_t)P * sizeof(float));
   float dx[BATCH * 16];
   tensor_copy_to_host(&m.grads, 0, grad, (size_t)P * sizeof(float));
   tensor_copy_to_host(&m.params, 0, params, (size_t)P * sizeof(float));
   tensor_copy_to_host(&din, 0, dx, (size_t)(BATCH * in) * sizeof(float));
 
-  /* Every parameter of every layer. */
-  for (int l = 0; l < m.spec.nlayers; l++) {
-    int64_t off = model_spec_layer_offset(&m.spec, l);
-    int64_t n = m.spec.widths[l + 1] * (m.spec.widths[l] + 1);
+  /* Every entry of the parameter table. */
+  for (size_t k = 0; k < m.table.n; k++) {
+    const struct model_param *mp = &m.table.p[k];
+    int64_t off = mp->offset, n = mp->numel;
     for (int64_t i = off; i < off + n; i++) {
       float saved = params[i];
       params[i] = saved + EPS;
@@ -84,9 +87,8 @@ static void gradcheck_spec(const char *spec_str, uint64_t seed) {
       float lm = loss_now(&m, x);
       params[i] = saved;
       tensor_copy_from_host(&m.params, i, &params[i], sizeof(float));
-      char what[64];
-      snprintf(what, sizeof what, "%s layer %d %s", spec_str, l,
-               i - off < m.spec.widths[l + 1] * m.spec.widths[l] ? "weight" : "bias");
+      char what[160];
+      snprintf(what, sizeof what, "%s %s", spec_str, mp->name);
       check_close(what, i - off, grad[i], ((double)lp - lm) / (2.0 * EPS));
     }
   }
@@ -153,11 +155,11 @@ Test(gradcheck, backward_split_into_ranges_equals_whole) {
   cr_assert_eq(tensor_alloc(&dmid, be, TENSOR_F32, 2, ms, &e), 0);
   cr_assert_eq(tensor_alloc(&dout, be, TENSOR_F32, 2, os, &e), 0);
   tensor_fill(&m.grads, NAN);
-  model_forward_range(&m, 0, 1, BATCH);
-  model_forward_range(&m, 1, 3, BATCH);
+  model_forward(&m, 0, 1, BATCH);
+  model_forward(&m, 1, 3, BATCH);
   model_loss(&m, BATCH, &dout, 1.0f / BATCH);
-  model_backward_range(&m, 1, 3, BATCH, &dout, &dmid, false);
-  model_backward_range(&m, 0, 1, BATCH, &dmid, NULL, false);
+  model_backward(&m, 1, 3, BATCH, &dout, &dmid, false);
+  model_backward(&m, 0, 1, BATCH, &dmid, NULL, false);
   tensor_copy_to_host(&m.grads, 0, split, (size_t)P * 4);
   for (int64_t i = 0; i < P; i++)
     cr_assert(fabs(whole[i] - split[i]) <= 1e-6f * (1 + fabsf(whole[i])), "grad %lld: whole %g split %g",
@@ -165,9 +167,9 @@ Test(gradcheck, backward_split_into_ranges_equals_whole) {
 
   /* accumulate=true adds: two micro-batch passes of the same rows give 2×. */
   model_forward_backward(&m, BATCH);
-  model_forward_range(&m, 0, 3, BATCH);
+  model_forward(&m, 0, 3, BATCH);
   model_loss(&m, BATCH, &dout, 1.0f / BATCH);
-  model_backward_range(&m, 0, 3, BATCH, &dout, NULL, true);
+  model_backward(&m, 0, 3, BATCH, &dout, NULL, true);
   tensor_copy_to_host(&m.grads, 0, split, (size_t)P * 4);
   for (int64_t i = 0; i < P; i++)
     cr_assert(fabs(2 * whole[i] - split[i]) <= 1e-6f * (1 + fabsf(whole[i])), "accumulated grad %lld", (long long)i);
@@ -183,7 +185,7 @@ Test(gradcheck, spec_parse_format_and_errors) {
   struct rumor_err e;
   char buf[MODEL_SPEC_MAX];
   cr_assert_eq(model_spec_parse("mlp:784-512-256-10", &s, &e), 0);
-  cr_assert_eq(s.nlayers, 3);
+  cr_assert_eq(model_spec_units(&s), 3);
   cr_assert_eq(model_spec_param_count(&s), 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10);
   model_spec_format(&s, buf, sizeof buf);
   cr_assert_str_eq(buf, "mlp:784-512-256-10");
@@ -191,7 +193,7 @@ Test(gradcheck, spec_parse_format_and_errors) {
   model_spec_format(&s, buf, sizeof buf);
   cr_assert_str_eq(buf, "mlp:10-3:gelu");
   const char *bad[] = {"", "cnn:1-2", "mlp:", "mlp:10", "mlp:10-0", "mlp:10--3", "mlp:10-3:tanh", "mlp:10-3x",
-                       "mlp:-5-3", "mlp:1-2-3-4-5-6-7-8-9-10-11-12-13-14-15-16-17-18"};
+                       "mlp:-5-3", "mlp:1-2-3-4-5-6-7-8-9-10-11-12-13-14-15-16-17-18", "mlp", "784-10"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     cr_assert_eq(model_spec_parse(bad[i], &s, &e), RUMOR_EFORMAT, "'%s' should be rejected", bad[i]);
     cr_assert(strstr(e.msg, bad[i]) != NULL, "message should quote the spec: %s", e.msg);

@@ -11,8 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/pipe_plan.h"
-#include "peer/pipeline.h"
+#include "peer/pipeline/pipeline.h"
 
 static struct model_spec spec_of(const char *s) {
   struct model_spec sp;
@@ -23,14 +22,22 @@ static struct model_spec spec_of(const char *s) {
 
 /* ---- split ---- */
 
+/* The MLP's layer widths, from what the spec says at its boundaries. */
+static int64_t width(const struct model_spec *s, int l) {
+  struct model_io io;
+  model_spec_io(s, &io);
+  int L = model_spec_units(s);
+  return l == 0 ? io.input_per_row : l == L ? io.classes : model_spec_boundary(s, l);
+}
+
 /* A layer's share of the parameters plus its share of the training
  * multiply-adds (3 per weight and sample; 2 for the first layer, whose input
  * needs no gradient). */
 static double layer_cost(const struct model_spec *s, int l) {
   double P = (double)model_spec_param_count(s), F = 0;
-  for (int k = 0; k < s->nlayers; k++) F += (k ? 3.0 : 2.0) * (double)(s->widths[k] * s->widths[k + 1]);
-  double p = (double)(s->widths[l + 1] * s->widths[l] + s->widths[l + 1]);
-  return p / P + (l ? 3.0 : 2.0) * (double)(s->widths[l] * s->widths[l + 1]) / F;
+  for (int k = 0; k < model_spec_units(s); k++) F += (k ? 3.0 : 2.0) * (double)(width(s, k) * width(s, k + 1));
+  double p = (double)(width(s, l + 1) * width(s, l) + width(s, l + 1));
+  return p / P + (l ? 3.0 : 2.0) * (double)(width(s, l) * width(s, l + 1)) / F;
 }
 
 static double max_stage_cost(const struct model_spec *s, const int *first, int stages) {
@@ -45,7 +52,7 @@ static double max_stage_cost(const struct model_spec *s, const int *first, int s
 
 /* The best largest-stage cost over every contiguous split, by brute force. */
 static double brute_best(const struct model_spec *s, int stages, int *first, int k, double best) {
-  int L = s->nlayers;
+  int L = model_spec_units(s);
   if (k == stages) {
     first[stages] = L;
     return fmin(best, max_stage_cost(s, first, stages));
@@ -67,7 +74,7 @@ Test(pipe_split, equal_layers_split_evenly) {
   cr_assert_eq(pipe_split_balance(&s, 4, &sp, &e), 0);
   int want[] = {0, 1, 2, 3, 5};
   for (int i = 0; i <= 4; i++) cr_assert_eq(sp.first[i], want[i], "cut %d is %d, want %d", i, sp.first[i], want[i]);
-  char buf[64];
+  char buf[256];
   pipe_split_format(&sp, buf, sizeof buf);
   cr_assert_str_eq(buf, "0,1,2,3,5");
   pipe_split_describe(&s, &sp, 3, buf, sizeof buf);
@@ -203,13 +210,16 @@ Test(pipe_math, layer_range_models_hold_the_whole_models_initial_values) {
   struct model_spec s = spec_of("mlp:20-16-12-8-4:gelu");
   struct model full, part;
   struct rumor_err e;
-  cr_assert_eq(model_init(&full, &s, be, 4, &e), 0);
+  cr_assert_eq(model_init_full(&full, &s, be, 4, &e), 0);
   model_init_params(&full, 9);
-  for (int l0 = 0; l0 < s.nlayers; l0++)
-    for (int l1 = l0 + 1; l1 <= s.nlayers; l1++) {
-      cr_assert_eq(model_init_layers(&part, &s, l0, l1, be, 4, &e), 0, "%s", e.msg);
+  int L = model_spec_units(&s);
+  for (int l0 = 0; l0 < L; l0++)
+    for (int l1 = l0 + 1; l1 <= L; l1++) {
+      cr_assert_eq(model_init(&part, &s, l0, l1, be, 4, &e), 0, "%s", e.msg);
       model_init_params(&part, 9);
-      cr_assert_eq(part.nparams, model_spec_layer_offset(&s, l1) - model_spec_layer_offset(&s, l0));
+      int64_t want = 0;
+      for (int l = l0; l < l1; l++) want += width(&s, l + 1) * (width(&s, l) + 1);
+      cr_assert_eq(part.nparams, want);
       cr_assert_eq(memcmp(part.params.data, (float *)full.params.data + part.param_base,
                           (size_t)part.nparams * sizeof(float)),
                    0, "layers [%d, %d) differ from the whole model's", l0, l1);
@@ -225,22 +235,22 @@ Test(pipe_math, layer_range_models_hold_the_whole_models_initial_values) {
 static void expect_stage_gradients_equal_full(const char *spec_text, int k, int64_t rows, int M) {
   tensor_backend_t be = cpu();
   struct model_spec s = spec_of(spec_text);
-  int L = s.nlayers;
+  int L = model_spec_units(&s);
   struct rumor_err e;
   struct model full, a, b;
-  cr_assert_eq(model_init(&full, &s, be, rows, &e), 0);
+  cr_assert_eq(model_init_full(&full, &s, be, rows, &e), 0);
   int64_t mb = (rows + M - 1) / M;
-  cr_assert_eq(model_init_layers(&a, &s, 0, k, be, mb, &e), 0);
-  cr_assert_eq(model_init_layers(&b, &s, k, L, be, mb, &e), 0);
+  cr_assert_eq(model_init(&a, &s, 0, k, be, mb, &e), 0);
+  cr_assert_eq(model_init(&b, &s, k, L, be, mb, &e), 0);
   model_init_params(&full, 3), model_init_params(&a, 3), model_init_params(&b, 3);
-  int64_t in = s.widths[0], mid = s.widths[k];
+  int64_t in = width(&s, 0), mid = width(&s, k);
   float *x = xmalloc((size_t)(rows * in) * sizeof(float));
   int32_t *y = xmalloc((size_t)rows * sizeof(int32_t));
   struct rng r;
   rng_seed(&r, 5, 0);
   for (int64_t i = 0; i < rows * in; i++) x[i] = rng_normal(&r);
-  for (int64_t i = 0; i < rows; i++) y[i] = (int32_t)rng_below(&r, (uint64_t)s.widths[L]);
-  tensor_copy_from_host(&full.acts[0], 0, x, (size_t)(rows * in) * sizeof(float));
+  for (int64_t i = 0; i < rows; i++) y[i] = (int32_t)rng_below(&r, (uint64_t)width(&s, L));
+  tensor_copy_from_host(model_act(&full, 0), 0, x, (size_t)(rows * in) * sizeof(float));
   tensor_copy_from_host(&full.labels, 0, y, (size_t)rows * sizeof(int32_t));
   model_forward_backward(&full, rows);
 
@@ -252,19 +262,19 @@ static void expect_stage_gradients_equal_full(const char *spec_text, int k, int6
   for (int i = 0; i < pipeline_micro_count(rows, M); i++) {
     int64_t off, cnt;
     pipeline_micro_rows(rows, M, i, &off, &cnt);
-    tensor_copy_from_host(&a.acts[0], 0, x + off * in, (size_t)(cnt * in) * sizeof(float));
-    model_forward_range(&a, 0, k, cnt);
-    tensor_copy_to_host(&a.acts[k], 0, h, (size_t)(cnt * mid) * sizeof(float));
-    tensor_copy_from_host(&b.acts[k], 0, h, (size_t)(cnt * mid) * sizeof(float));
-    model_forward_range(&b, k, L, cnt);
+    tensor_copy_from_host(model_act(&a, 0), 0, x + off * in, (size_t)(cnt * in) * sizeof(float));
+    model_forward(&a, 0, k, cnt);
+    tensor_copy_to_host(model_act(&a, k), 0, h, (size_t)(cnt * mid) * sizeof(float));
+    tensor_copy_from_host(model_act(&b, k), 0, h, (size_t)(cnt * mid) * sizeof(float));
+    model_forward(&b, k, L, cnt);
     tensor_copy_from_host(&b.labels, 0, y + off, (size_t)cnt * sizeof(int32_t));
-    model_loss(&b, cnt, &b.acts[L], 1.0f / (float)rows);
-    model_backward_range(&b, k, L, cnt, &b.acts[L], &din, i > 0);
+    model_loss(&b, cnt, model_act(&b, L), 1.0f / (float)rows);
+    model_backward(&b, k, L, cnt, model_act(&b, L), &din, i > 0);
     /* Over the "wire" into stage a's output gradient buffer (its own
      * output acts[k] stays: ReLU's backward reads it). */
     tensor_copy_to_host(&din, 0, h, (size_t)(cnt * mid) * sizeof(float));
     tensor_copy_from_host(&g, 0, h, (size_t)(cnt * mid) * sizeof(float));
-    model_backward_range(&a, 0, k, cnt, &g, NULL, i > 0);
+    model_backward(&a, 0, k, cnt, &g, NULL, i > 0);
   }
   tensor_free(&g);
   const float *fg = full.grads.data;

@@ -10,7 +10,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "peer/plot.h"
+#include "peer/cli/cli_impl.h"
 
 static char dir[64];
 static void setup(void) {

@@ -31,7 +31,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h" /* kern_sketch_hash_host: the device hash, host build */
-#include "tensor/tensor.h"
+#include "tensor/tensor_ref.h"
 
 /* Present only in CUDA builds; weak so that the CPU-only build links. */
 #pragma weak kern_sketch_hash_host

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tensor/tensor.h"
+#include "tensor/tensor_ref.h"
 
 static tensor_backend_t be;
 static struct rng rng;

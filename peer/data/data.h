@@ -1,5 +1,5 @@
 /*
- * dataset — MNIST-format IDX files (plain or gzip), sharding and batching.
+ * data — MNIST-format IDX files (plain or gzip), sharding and batching.
  *
  * A dataset keeps the raw 8-bit pixels and labels in host memory (a quarter
  * of the float size); batches are normalised while they are gathered.
@@ -7,8 +7,8 @@
  * same on every peer) into n disjoint strided parts; each epoch shuffles the
  * shard from (seed, epoch, shard), so runs are reproducible.
  */
-#ifndef RUMOR_PEER_DATASET_H
-#define RUMOR_PEER_DATASET_H
+#ifndef RUMOR_PEER_DATA_H
+#define RUMOR_PEER_DATA_H
 
 #include <stdint.h>
 
@@ -79,4 +79,4 @@ void dataset_norm_lut(double mean, double std, float lut[256]);
 void dataset_gather_range(const struct dataset *ds, const float lut[256], int64_t first, int64_t rows,
                           float *x, int32_t *y);
 
-#endif /* RUMOR_PEER_DATASET_H */
+#endif /* RUMOR_PEER_DATA_H */

@@ -1,0 +1,121 @@
+/*
+ * The testing build only (rumor_gossip_testing, RUMOR_TESTING defined): a
+ * member that holds valid keys but misbehaves on purpose, so that the
+ * reliability tests can check what honest peers do about it. The release
+ * build has none of this, and no branch of its data path leads here.
+ *
+ * The attack comes from the environment, RUMOR_TEST_ATTACK=KIND, read when
+ * a peer's runtime starts (the testing binary's --attack KIND sets it, and
+ * the stages a launcher starts inherit it). Kinds:
+ *
+ * Changing our snapshot once it is taken (loop thread, before it is sent):
+ *   nan       a few values set to NaN
+ *   inf       a few values set to +Inf
+ *   scale     the model multiplied by -1000
+ *   signflip  the model multiplied by -1 (passes the distance check: only
+ *             clipping limits it)
+ *   replay    records its first snapshot taken after step 0, stays honest
+ *             for TEST_REPLAY_AFTER more, then sends the recorded one again,
+ *             with its old step, every time
+ * Acting in the protocol:
+ *   short     sends one value fewer than the model has
+ *   flood     every tick (20 ms), each live peer gets TEST_FLOOD_REQS
+ *             exchange requests (for exchanges that never follow) and one new
+ *             connection, closed as soon as it is up: about 1000 requests and
+ *             50 connections a second per peer, far above the rate limits.
+ *
+ * Loop thread, but gossip_testing_start (in gossip_start).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+#define TEST_FLOOD_REQS 20
+#define TEST_REPLAY_AFTER 30
+
+static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood"};
+
+int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
+  struct gossip_test *t = &g->test;
+  memset(t, 0, sizeof *t);
+  const char *kind = getenv("RUMOR_TEST_ATTACK");
+  if (!kind || !*kind || g->cfg.role != GOSSIP_ROLE_PEER) return 0;
+  for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++)
+    if (strcmp(kind, NAMES[i]) == 0) {
+      t->attack = (enum gossip_test_attack)i;
+      if (t->attack != TEST_NONE) log_warn("TESTING ONLY: this member attacks the cluster (%s)", kind);
+      return 0;
+    }
+  return rumor_err_set(e, RUMOR_EFORMAT,
+                       "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
+                       "flood (not '%s')",
+                       kind);
+}
+
+void gossip_testing_free(struct gossip *g) {
+  free(g->test.recorded);
+  g->test.recorded = NULL;
+}
+
+void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
+  struct gossip_test *t = &g->test;
+  float *p = g->mine;
+  uint64_t n = g->cfg.nparams;
+  t->snapshots++;
+  switch (t->attack) {
+  case TEST_NAN:
+  case TEST_INF:
+    for (uint64_t i = 0; i < n; i += n / 7 + 1) p[i] = t->attack == TEST_NAN ? NAN : INFINITY;
+    return;
+  case TEST_SCALE:
+    for (uint64_t i = 0; i < n; i++) p[i] *= -1000.0f;
+    return;
+  case TEST_SIGNFLIP:
+    for (uint64_t i = 0; i < n; i++) p[i] = -p[i];
+    return;
+  case TEST_REPLAY:
+    if (!t->recorded) {
+      if (*step == 0) return; /* record a round of training, not the state everyone starts from */
+      t->recorded = xmalloc((size_t)n * sizeof(float));
+      memcpy(t->recorded, p, (size_t)n * sizeof(float));
+      t->recorded_step = *step;
+      t->replay_from = t->snapshots + TEST_REPLAY_AFTER;
+    } else if (t->snapshots > t->replay_from) {
+      if (t->snapshots == t->replay_from + 1)
+        log_warn("TESTING ONLY: replaying the snapshot of step %llu from now on", (unsigned long long)t->recorded_step);
+      memcpy(p, t->recorded, (size_t)n * sizeof(float));
+      *step = t->recorded_step;
+    }
+    return;
+  default: return;
+  }
+}
+
+uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count) {
+  return g->test.attack == TEST_SHORT && count > 0 ? count - 1 : count;
+}
+
+static void on_flood_dial(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
+  if (status == 0 && c) net_conn_close(c);
+}
+
+void gossip_testing_tick(struct gossip *g, uint64_t now) {
+  if (g->test.attack != TEST_FLOOD || g->stopping || !atomic_load(&g->ready)) return;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE || !m->info.addr[0]) continue;
+    for (int k = 0; k < TEST_FLOOD_REQS; k++) {
+      struct net_msgbuf b;
+      net_msgbuf_init(&b, GMSG_XCH_REQ, GOSSIP_PROTO_VERSION);
+      net_msgbuf_put_uint(&b, "x", rng_next_u64(&g->rng));
+      net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
+      net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
+      net_msgbuf_put_uint(&b, "step", 0);
+      (void)gossip_send(g, m->info.id, &b);
+      net_msgbuf_free(&b);
+    }
+    if (net_dial(g->net, m->info.addr, on_flood_dial, NULL)) log_debug("flood: cannot dial %s", m->info.addr);
+  }
+}

@@ -1,0 +1,64 @@
+/* The `rumor` command: dispatches to a subcommand. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/cli/cli_impl.h"
+
+struct subcommand {
+  const char *name;
+  int (*run)(int argc, char **argv);
+  const char *summary;
+};
+
+static const struct subcommand commands[] = {
+    /* name, function, one-line summary; kept in the order of --help */
+    {"train", cmd_train, "train one peer on its own (no network)"},
+    {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
+    {"peer", cmd_peer, "train as a member of a gossip cluster"},
+    {"group", cmd_group, "train as a model-parallel peer group of S stage processes"},
+    {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},
+    {"top", cmd_top, "watch a cluster: every member's figures and the drift between replicas"},
+    {"keygen", cmd_keygen, "write an identity or a cluster key"},
+    {NULL, NULL, NULL},
+};
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: rumor <command> [options]\n\n"
+             "rumor trains one model on many machines by gossip averaging.\n\ncommands:\n");
+  for (size_t i = 0; commands[i].name; i++)
+    fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+  fprintf(f, "\nRun 'rumor <command> --help' for the options of one command.\n");
+}
+
+int cli_main(int argc, char **argv) {
+  /* Before any thread exists: every later thread inherits the blocked stop
+   * signals, which only the signal thread receives (see util.h). */
+  const char *level = getenv("RUMOR_LOG_LEVEL"); /* debug, info, warn, error */
+  if (level) {
+    if (strcmp(level, "debug") == 0) log_set_level(LOG_DEBUG);
+    else if (strcmp(level, "warn") == 0) log_set_level(LOG_WARN);
+    else if (strcmp(level, "error") == 0) log_set_level(LOG_ERROR);
+  }
+  if (signals_init() != 0) {
+    fprintf(stderr, "rumor: cannot set up signal handling\n");
+    return 1;
+  }
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+    usage(stdout);
+    return 0;
+  }
+  if (strcmp(argv[1], "--version") == 0) {
+    printf("rumor %s\n", RUMOR_VERSION);
+    return 0;
+  }
+  for (size_t i = 0; commands[i].name; i++)
+    if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
+  fprintf(stderr, "rumor: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}

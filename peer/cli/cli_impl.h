@@ -1,0 +1,302 @@
+/*
+ * cli_impl.h — the command line's insides (private to peer/cli/): the
+ * option parser, one option table per concern (training, cluster, gossip,
+ * pipeline), reused by every subcommand that takes those options, the
+ * pieces of a gossiping member that `rumor peer` and a pipeline stage
+ * share, the subcommands and the charts of `rumor top`.
+ */
+#ifndef RUMOR_PEER_CLI_IMPL_H
+#define RUMOR_PEER_CLI_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gossip/gossip.h"
+#include "peer/cli/cli.h"
+#include "peer/sync/sync.h"
+#include "peer/train/train.h"
+#include "util/util.h"
+
+#ifndef RUMOR_VERSION
+#define RUMOR_VERSION "unknown" /* set by CMake from project(VERSION) */
+#endif
+
+/* ============================================================================
+ * Parsing
+ * ========================================================================== */
+
+/*
+ * Declarative long-option parsing for the subcommands.
+ *
+ * A subcommand lists its options in an array of struct arg_spec ending with
+ * a zero entry. args_parse accepts "--name value" and "--name=value", checks
+ * types and ranges, and prints either the generated --help or one clear
+ * error naming the option and the bad value.
+ */
+
+enum arg_type {
+  ARG_FLAG,  /* bool *: set to true when present */
+  ARG_STR,   /* const char **: points into argv */
+  ARG_INT,   /* int64_t *, checked against [min, max] */
+  ARG_FLOAT, /* double *, checked against [min, max] */
+};
+
+struct arg_spec {
+  const char *name; /* without the leading "--" */
+  enum arg_type type;
+  void *dest;
+  const char *metavar; /* shown in --help, e.g. "N" or "FILE" */
+  const char *help;    /* one line; the default is appended when known */
+  double min, max;     /* for ARG_INT / ARG_FLOAT; both 0 means unbounded */
+};
+
+enum { ARGS_OK = 0, ARGS_HELP = 1, ARGS_ERROR = 2 };
+
+/* Appends --log-json (every subcommand that logs at length takes it). */
+void args_log_json_spec(bool *log_json, struct arg_spec *out, size_t *n, size_t max);
+
+/* Parses argv[1..argc) (argv[0] is the subcommand name). `synopsis` is the
+ * first line of --help ("rumor train [options]") and `about` a paragraph
+ * under it. Returns ARGS_OK, ARGS_HELP (help printed on stdout) or ARGS_ERROR
+ * (message printed on stderr). Defaults are whatever `dest` holds before. */
+int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *synopsis,
+               const char *about);
+
+/* True when the option was given on the command line in the last args_parse
+ * call with these specs (for options whose presence matters). */
+bool args_given(const struct arg_spec *specs, const char *name);
+
+/* ============================================================================
+ * Option tables, one per concern
+ *
+ * Each concern has a struct holding its values (defaults set by _default),
+ * a _specs function that appends its options to a subcommand's table, and
+ * a function that turns the parsed values into configuration. Every option
+ * is declared and parsed in exactly one place.
+ * ========================================================================== */
+
+/* Who is asking for a table: some help texts and some options differ. */
+enum flags_for {
+  FLAGS_TRAIN,    /* rumor train */
+  FLAGS_PEER,     /* rumor peer */
+  FLAGS_LAUNCHER, /* rumor group: starts the stages */
+  FLAGS_STAGE,    /* rumor peer --group G --stage s/S: one stage */
+  FLAGS_MONITOR,  /* rumor top */
+};
+
+/* ---- training: rumor train, peer and group ---- */
+
+struct train_flags {
+  const char *model, *data, *device, *shard, *optimizer, *schedule, *checkpoint, *resume;
+  int64_t threads, seed, data_seed, epochs, batch, max_steps, checkpoint_every, warmup;
+  double lr, momentum, weight_decay, log_every;
+  bool nesterov, no_eval, log_json;
+};
+
+/* Fills `f` with the defaults shown in --help. */
+void train_flags_default(struct train_flags *f);
+/* Appends the training options' specs to out[*n..max) (not terminated).
+ * Groups have no --resume; the launcher's --device is --devices. */
+void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max);
+/* Turns parsed flags into a configuration (`specs` is the array that was
+ * parsed, to tell given options from defaults). Returns 0 or RUMOR_EFORMAT
+ * with a message naming the option. */
+int train_flags_config(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,
+                       struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- the cluster: addresses, keys, membership timing (peer, group, bootstrap, top) ---- */
+
+struct net_flags {
+  const char *listen, *advertise, *bootstrap, *cluster_key, *identity, *allow_list, *metrics;
+  int64_t period_ms, ping_timeout_ms, suspect_ms, join_timeout_ms, handshake_timeout_ms;
+  int64_t linger_ms; /* members: time to spread LEAVE on exit */
+};
+
+/* Keys loaded from the files the flags name; wiped by net_keys_free. */
+struct net_keys {
+  struct net_identity identity;
+  uint8_t cluster_key[NET_CLUSTER_KEY_BYTES];
+  struct net_allowlist allow;
+  bool have_allow;
+};
+
+void net_flags_default(struct net_flags *f);
+/* Appends the specs to out[*n..max). `with_listen` adds --listen, --advertise
+ * and --metrics (members listen; `rumor top` does not). The launcher's
+ * address options are per stage (port + s) and its --bootstrap one list per
+ * stage. */
+void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, struct arg_spec *out, size_t *n,
+                     size_t max);
+/* Loads the key files (required: --cluster-key and --identity). */
+int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) RUMOR_MUST_CHECK;
+void net_keys_free(struct net_keys *k);
+/* Fills the membership and transport parts of a gossip configuration. The
+ * keys must outlive gossip_start's copy (they are copied there). */
+void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k, struct gossip_config *c);
+
+/* ---- gossip: how a member averages, its defences, its placement (peer and group) ---- */
+
+struct gossip_flags {
+  int64_t every, exchange_timeout_ms, wait_peers, wait_peers_ms, sketch_k;
+  int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
+  double interval, alpha, max_distance;
+  const char *wire, *name;
+  bool no_state_pull;
+  bool clip;                         /* clipped averaging (sync.h) */
+  double clip_tau, max_xch_rate, max_conn_rate;
+  const char *train_cpus, *net_cpus; /* CPU lists, or NULL */
+};
+
+/* What the gossip flags decide beyond their ranges, checked. */
+struct gossip_setup {
+  enum net_dtype wire;
+  struct sync_config sync;
+  struct cpu_list train_cpus, net_cpus;
+  bool pin_train, pin_net;
+};
+
+void gossip_flags_default(struct gossip_flags *f);
+void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max);
+/* Checks the values (wire, CPU lists, a drift bound with gossip off).
+ * Returns 0 or RUMOR_EFORMAT with a message naming the option. */
+int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Fills the exchange, monitoring and rate-limit parts of a gossip
+ * configuration (the caller sets the model and the buffers). */
+void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c);
+
+/* ---- model-parallel groups: the pipeline's own options (group) ---- */
+
+struct pipe_flags {
+  const char *group, *schedule;
+  int64_t micro, link_wait_ms, link_timeout_ms;
+  const char *stage, *link_listen, *link_prev; /* one stage process */
+  int64_t stages;                              /* the launcher */
+  const char *devices;
+};
+
+/* Everything `rumor group` and one stage take. */
+struct group_flags {
+  struct train_flags train;
+  struct net_flags net;
+  struct gossip_flags gossip;
+  struct pipe_flags pipe;
+};
+
+#define GROUP_FLAGS_MAX_SPECS 120
+
+void group_flags_default(struct group_flags *f);
+/* Fills specs (terminated, at most GROUP_FLAGS_MAX_SPECS entries) with the
+ * options of the launcher or of one stage process (FLAGS_LAUNCHER or
+ * FLAGS_STAGE). */
+void group_flags_specs(struct group_flags *f, enum flags_for who, struct arg_spec *specs);
+/* Parses "s/S" (0 <= s < S <= PIPE_MAX_STAGES). */
+int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The training configuration of stage `stage` of `stages` from parsed flags
+ * (`specs` is what was parsed), its stage part in *st (cfg->stage points to
+ * it; the link is set later), and its plan. Returns 0 or RUMOR_EFORMAT with
+ * a message naming the option. */
+int group_flags_config(const struct group_flags *f, const struct arg_spec *specs, int stage, int stages,
+                       struct train_config *cfg, struct train_stage *st, struct stage_plan *plan,
+                       struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ============================================================================
+ * A gossiping member: what `rumor peer` and a pipeline stage share
+ * ========================================================================== */
+
+struct member {
+  struct gossip_setup setup;
+  gossip_t *g;
+  float *mine, *theirs, *donor; /* the gossip runtime's host buffers (tensor_host_alloc) */
+  tensor_backend_t be;          /* where they came from */
+  struct sync sync;
+  bool have_sync;
+};
+
+/* Starts the gossip runtime for trainer `t` under the model label `label`
+ * (what partners must match), with `seed` for neighbour choice. Prints the
+ * member's address and identity as one JSON line on stdout (`role` and the
+ * `extra` JSON members, which may be ""). */
+int member_start(struct member *mb, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role, const char *extra,
+                 struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Joins: takes a live member's state into the trainer (unless --no-state-pull
+ * or `own_state`). Returns 0 with *pos set when it did, 1 when it starts
+ * from its own state, or a negative code. */
+int member_join(struct member *mb, struct trainer *t, const struct gossip_flags *gf, bool own_state,
+                struct gossip_train_pos *pos, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Starts the sync path and says the member is ready to exchange. */
+int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* With --wait-peers N: holds training (serving donations) until N members
+ * (us included) are ready. `failed` (may be NULL) is polled too: it returns
+ * true with a message when waiting must end (a pipeline neighbour failed). */
+int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
+                      bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Leaves the cluster (telling it for up to `linger_ms`) and stops the
+ * gossip runtime; the sync path's figures stay readable. */
+void member_leave(struct member *mb, int64_t linger_ms);
+/* member_leave unless done, then frees everything but the trainer. */
+void member_free(struct member *mb, int64_t linger_ms);
+
+/* ============================================================================
+ * Subcommands: each takes the arguments after its own name (argv[0] is the
+ * subcommand name), returns the exit status and prints its own --help.
+ * ========================================================================== */
+
+int cmd_train(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_peer(int argc, char **argv);
+int cmd_bootstrap(int argc, char **argv);
+int cmd_keygen(int argc, char **argv);
+int cmd_top(int argc, char **argv);
+/* Model-parallel mode: `rumor group` starts a peer group's stages on one
+ * host; `rumor peer --group G --stage s/S` is one stage (cmd_peer hands such
+ * a command line to cmd_stage). */
+int cmd_group(int argc, char **argv);
+int cmd_stage(int argc, char **argv);
+bool cmd_stage_wanted(int argc, char **argv);
+
+/* ============================================================================
+ * Charts
+ * ========================================================================== */
+
+/*
+ * Line charts of time series as SVG or PNG files, and terminal
+ * sparklines, for `rumor top`. No plotting library: the SVG is written as
+ * text, the PNG is rasterised here (lines, axes, a 5×7 bitmap font for the
+ * labels) and compressed with zlib.
+ *
+ * A chart has one or more panels stacked vertically, all sharing the x axis
+ * (seconds). NaN values are gaps in a line. Pure functions; any thread.
+ */
+
+enum plot_format { PLOT_UNKNOWN = 0, PLOT_SVG, PLOT_PNG };
+
+/* The format named by a path's extension (".svg" or ".png", any case). */
+enum plot_format plot_format_of(const char *path);
+
+struct plot_series {
+  const char *name; /* legend text (ASCII shows in PNGs) */
+  const double *y;  /* one value per x; NaN leaves a gap */
+  uint32_t rgb;     /* 0xRRGGBB */
+};
+
+struct plot_panel {
+  const char *title;
+  bool log_y; /* log10 y axis; non-positive values are gaps */
+  const struct plot_series *series;
+  size_t nseries;
+};
+
+/* Writes the chart to `path` in the format of its extension, atomically (a
+ * temporary file renamed over it), so a viewer never reads half a file.
+ * `x` holds n ≥ 1 times in seconds, non-decreasing. */
+int plot_write(const char *path, const double *x, size_t n, const struct plot_panel *panels, size_t npanels,
+               struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* The last `width` values of y[0..n) as a UTF-8 sparkline (▁▂▃▄▅▆▇█, a space
+ * for NaN), scaled between their minimum and maximum; `log_y` scales
+ * log10(y). Writes at most cap-1 bytes and a NUL; returns bytes written. */
+size_t plot_sparkline(char *out, size_t cap, const double *y, size_t n, size_t width, bool log_y);
+
+#endif /* RUMOR_PEER_CLI_IMPL_H */

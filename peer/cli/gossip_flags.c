@@ -1,0 +1,102 @@
+/* The gossip options: how a member averages, its defences and its
+ * placement. The same table, with the same defaults, for `rumor peer`,
+ * `rumor group` and each stage of a group. */
+#include <string.h>
+
+#include "peer/cli/cli_impl.h"
+
+void gossip_flags_default(struct gossip_flags *f) {
+  memset(f, 0, sizeof *f);
+  f->every = 1;
+  f->exchange_timeout_ms = 60000;
+  f->alpha = 0.5;
+  f->max_distance = 10.0;
+  f->wire = "f32";
+  f->wait_peers_ms = 60000;
+  f->sketch_k = 1024;
+  f->max_hold_ms = 2000;
+  f->max_xch_rate = 100;
+  f->max_conn_rate = 5;
+}
+
+void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
+  bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
+  const struct arg_spec specs[] = {
+      {"gossip-every", ARG_INT, &f->every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
+      {"gossip-interval", ARG_FLOAT, &f->interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
+      {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
+      {"max-local-steps", ARG_INT, &f->max_local_steps, "N",
+       "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
+       1e12},
+      {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
+      {"wire", ARG_STR, &f->wire, "DTYPE", "parameters on the wire: f32, f16 or bf16"},
+      {"max-distance", ARG_FLOAT, &f->max_distance, "R", "reject a partner farther than R times our norm", 1e-6, 1e12},
+      {"clip", ARG_FLAG, &f->clip, NULL, "clipped averaging: move at most alpha*tau towards a partner (robust to bad peers)"},
+      {"clip-tau", ARG_FLOAT, &f->clip_tau, "TAU", "... with this fixed tau (0: adaptive, from recent distances)", 0, 1e30},
+      {"max-exchange-rate", ARG_FLOAT, &f->max_xch_rate, "N",
+       "answer at most N exchange requests a second per peer (0: no limit)", 0, 1e9},
+      {"max-conn-rate", ARG_FLOAT, &f->max_conn_rate, "N", "accept at most N connections a second per peer (0: no limit)",
+       0, 1e9},
+      {"exchange-timeout-ms", ARG_INT, &f->exchange_timeout_ms, "MS", "abandon an exchange after this long", 10,
+       86400000},
+      {"no-state-pull", ARG_FLAG, &f->no_state_pull, NULL,
+       group ? "start from our own seed instead of a live group's state"
+             : "start from our own seed instead of a live peer's state"},
+      {"name", ARG_STR, &f->name, "NAME",
+       group ? "label for log lines (default: the group name and stage)" : "label for log lines"},
+      {"wait-peers", ARG_INT, &f->wait_peers, "N",
+       group ? "start training once N groups (us included) are present"
+             : "start training once N peers (us included) are present",
+       0, 65536},
+      {"wait-peers-ms", ARG_INT, &f->wait_peers_ms, "MS", "... waiting at most this long", 0, 86400000},
+      {"sketch-k", ARG_INT, &f->sketch_k, "K", "count-sketch buckets for drift monitoring (a power of two)", 1, 65536},
+      {"train-cpus", ARG_STR, &f->train_cpus, "LIST",
+       "run training (the main thread and its compute threads) on these CPUs, e.g. 0-6"},
+      {"net-cpus", ARG_STR, &f->net_cpus, "LIST", "run the network thread and its encryption workers on these CPUs, e.g. 7"},
+  };
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    RUMOR_ASSERT(*n < max);
+    out[(*n)++] = specs[i];
+  }
+}
+
+static int parse_wire(const char *s, enum net_dtype *out) {
+  if (strcmp(s, "f32") == 0) *out = NET_DTYPE_F32;
+  else if (strcmp(s, "f16") == 0) *out = NET_DTYPE_F16;
+  else if (strcmp(s, "bf16") == 0) *out = NET_DTYPE_BF16;
+  else return RUMOR_EFORMAT;
+  return 0;
+}
+
+int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) {
+  memset(out, 0, sizeof *out);
+  if (f->max_local_steps > 0 && f->every == 0 && f->interval == 0)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--max-local-steps %lld bounds the steps between exchanges, but gossip is off "
+                         "(--gossip-every 0 and no --gossip-interval)",
+                         (long long)f->max_local_steps);
+  if (parse_wire(f->wire, &out->wire))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--wire must be f32, f16 or bf16, not '%s'", f->wire);
+  if (f->train_cpus && cpu_list_parse(f->train_cpus, &out->train_cpus, e)) return rumor_err_prefix(e, "--train-cpus");
+  if (f->net_cpus && cpu_list_parse(f->net_cpus, &out->net_cpus, e)) return rumor_err_prefix(e, "--net-cpus");
+  out->pin_train = f->train_cpus != NULL;
+  out->pin_net = f->net_cpus != NULL;
+  out->sync = (struct sync_config){.every_steps = f->every,
+                                   .every_s = f->interval,
+                                   .max_distance = f->max_distance,
+                                   .clip = f->clip,
+                                   .clip_tau = f->clip_tau,
+                                   .max_local_steps = f->max_local_steps,
+                                   .max_hold_s = (double)f->max_hold_ms / 1e3};
+  return 0;
+}
+
+void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c) {
+  c->wire = s->wire;
+  c->alpha = (float)f->alpha;
+  c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
+  c->sketch_k = (int)f->sketch_k;
+  c->max_xch_per_s = f->max_xch_rate;
+  c->max_conn_per_s = f->max_conn_rate;
+  c->net_cpus = s->pin_net ? &s->net_cpus : NULL;
+}

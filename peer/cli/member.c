@@ -1,0 +1,93 @@
+/* A gossiping member: the gossip runtime, its buffers and the sync path of
+ * one trainer, as `rumor peer` and each stage of a group run them. */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "peer/cli/cli_impl.h"
+
+int member_start(struct member *mb, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role, const char *extra,
+                 struct rumor_err *e) {
+  int64_t P = t->model.nparams, S = trainer_state_floats(t);
+  mb->be = t->be;
+  mb->mine = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
+  mb->theirs = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
+  mb->donor = tensor_host_alloc(t->be, (size_t)S * sizeof(float));
+  if (!mb->mine || !mb->theirs || !mb->donor)
+    return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB of host buffers for gossip",
+                         (double)(2 * P + S) * 4 / (1 << 20));
+  struct gossip_config gc;
+  gossip_config_default(&gc);
+  net_flags_gossip_config(nf, keys, &gc);
+  gossip_flags_gossip_config(gf, &mb->setup, &gc);
+  gc.role = GOSSIP_ROLE_PEER;
+  gc.model = label;
+  gc.nparams = (uint64_t)P;
+  gc.state_floats = (uint64_t)S;
+  gc.optimizer = optim_kind_name(t->optim.cfg.kind);
+  gc.seed = seed;
+  gc.xch_mine = mb->mine;
+  gc.xch_theirs = mb->theirs;
+  gc.donor_buf = mb->donor;
+  int rc = gossip_start(&mb->g, &gc, e);
+  if (rc) return rc;
+  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"%s\",\"metrics_port\":%d%s%s}\n", gossip_advertised(mb->g),
+         gossip_self_id(mb->g), role, gossip_metrics_port(mb->g), extra[0] ? "," : "", extra);
+  fflush(stdout);
+  return 0;
+}
+
+int member_join(struct member *mb, struct trainer *t, const struct gossip_flags *gf, bool own_state,
+                struct gossip_train_pos *pos, struct rumor_err *e) {
+  int jr = gossip_join_wait(mb->g, gf->no_state_pull || own_state ? NULL : mb->donor, pos, signals_stop_flag(), e);
+  if (jr == 0) trainer_load_state(t, mb->donor);
+  return jr;
+}
+
+int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {
+  int rc = sync_init(&mb->sync, mb->g, t, &mb->setup.sync, e);
+  if (rc) return rc;
+  mb->have_sync = true;
+  gossip_ready(mb->g);
+  return 0;
+}
+
+int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
+                      bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) {
+  if (gf->wait_peers <= 1) return 0;
+  /* Hold training until the cluster is assembled, serving donations to
+   * the members still joining (they pull this state). */
+  double deadline = clock_now_s() + (double)gf->wait_peers_ms / 1e3;
+  while ((int64_t)gossip_ready_peers(mb->g) < gf->wait_peers) {
+    if (signals_stop_requested())
+      return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
+    if (failed && failed(arg, e)) return RUMOR_ECANCELED;
+    if (clock_now_s() > deadline)
+      return rumor_err_set(e, RUMOR_ETIMEDOUT, "only %zu of %lld %s ready after %lld ms", gossip_ready_peers(mb->g),
+                           (long long)gf->wait_peers, what, (long long)gf->wait_peers_ms);
+    sync_boundary(&mb->sync);
+    const struct timespec tick = {0, 10 * 1000000};
+    nanosleep(&tick, NULL);
+  }
+  log_info("%lld %s ready: starting", (long long)gf->wait_peers, what);
+  return 0;
+}
+
+void member_leave(struct member *mb, int64_t linger_ms) {
+  if (mb->g) gossip_stop(mb->g, (uint32_t)linger_ms);
+  mb->g = NULL;
+}
+
+void member_free(struct member *mb, int64_t linger_ms) {
+  member_leave(mb, linger_ms);
+  if (mb->have_sync) sync_free(&mb->sync);
+  mb->have_sync = false;
+  if (mb->be) {
+    tensor_host_free(mb->be, mb->mine);
+    tensor_host_free(mb->be, mb->theirs);
+    tensor_host_free(mb->be, mb->donor);
+  }
+  mb->mine = mb->theirs = mb->donor = NULL;
+}

@@ -1,0 +1,45 @@
+/*
+ * model_impl.h — what a model family implements (private to peer/model/).
+ *
+ * model.c holds what every family shares (spec dispatch, the table, the
+ * loss, scoring, initialisation streams) and calls a family through this
+ * table of functions; mlp.c is one family. A new family adds a file with
+ * its own `const struct model_family_ops` and a line in model.c's registry.
+ */
+#ifndef RUMOR_PEER_MODEL_IMPL_H
+#define RUMOR_PEER_MODEL_IMPL_H
+
+#include "peer/model/model.h"
+
+struct model_family_ops {
+  const char *name;      /* the spec's prefix before ':' */
+  const char *unit_noun; /* "layer" */
+  /* Parses the part of `spec` after "name:" (`args`); quotes `spec` in errors. */
+  int (*parse)(const char *spec, const char *args, struct model_spec *out, struct rumor_err *e);
+  void (*format)(const struct model_spec *s, char *buf, size_t len);
+  /* Writes the table's entries into out (NULL: only counts them); returns
+   * how many there are. Offsets and units ascending, without gaps. */
+  size_t (*table)(const struct model_spec *s, struct model_param *out);
+  int (*units)(const struct model_spec *s);
+  void (*io)(const struct model_spec *s, struct model_io *out);
+  int64_t (*boundary)(const struct model_spec *s, int u);
+  int64_t (*unit_macs)(const struct model_spec *s, int u);
+  void (*describe_units)(const struct model_spec *s, int u0, int u1, char *buf, size_t n);
+  /* The initial values of unit u's parameters (its table entries in order,
+   * `out` at the unit's first element), drawn from `r`. */
+  void (*init_unit)(const struct model_spec *s, int u, struct rng *r, float *out);
+
+  /* Workspace for m->u0..u1 and m->max_rows (params, grads, labels and
+   * losses exist): sets m->impl and m->stash. Returns 0 or an allocation
+   * error; on error model_free cleans up. */
+  int (*init)(struct model *m, struct rumor_err *e);
+  void (*free)(struct model *m); /* frees m->impl's tensors and m->impl; NULL impl is a no-op */
+  struct tensor *(*act)(struct model *m, int u);
+  void (*forward)(struct model *m, int a, int b, int64_t rows);
+  void (*backward)(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
+                   bool accumulate);
+};
+
+extern const struct model_family_ops model_mlp_ops;
+
+#endif /* RUMOR_PEER_MODEL_IMPL_H */

@@ -1,0 +1,207 @@
+/* The training thread's side of gossip, for whole replicas and stages. */
+#include "peer/sync/sync.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg, struct rumor_err *e) {
+  memset(s, 0, sizeof *s);
+  s->cfg = *cfg;
+  s->g = g;
+  s->t = t;
+  struct tensor flat = tensor_flat(&t->model.params);
+  int rc = tensor_mirror_host(&s->staging, &flat, gossip_xch_theirs(g), e);
+  if (rc) return rumor_err_prefix(e, "gossip staging buffer");
+  s->snap_ev = tensor_event_create(t->be);
+  if (!s->snap_ev) {
+    tensor_free(&s->staging);
+    return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
+  }
+  s->last_start_s = clock_now_s();
+  s->mix_step = t->st.step;
+  clip_init(&s->clip, cfg->clip_tau);
+  s->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
+  s->stats_s = s->rate_s = s->last_start_s;
+  s->rate_samples = t->st.samples;
+  return 0;
+}
+
+void sync_free(struct sync *s) {
+  if (s->snap_ev) tensor_event_destroy(s->snap_ev);
+  tensor_free(&s->staging);
+  free(s->sketch);
+  memset(s, 0, sizeof *s);
+}
+
+/* Validates the partner's parameters (in staging) against ours. Returns 0
+ * or a negative code with the reason in `why`. */
+static int validate(struct sync *s, char *why, size_t n) {
+  struct tensor_diff_stats ds;
+  tensor_diff_stats(&s->t->model.params, &s->staging, &ds); /* one pass on the CPU */
+  if (ds.nonfinite_y) {
+    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)ds.nonfinite_y,
+             (long long)tensor_numel(&s->staging));
+    return RUMOR_ECORRUPT;
+  }
+  double dist = sqrt(ds.sq_dist);
+  double norm = sqrt(ds.sq_norm_x);
+  s->last_dist = dist;
+  s->last_norm = norm;
+  double limit = s->cfg.max_distance * (norm > 1e-12 ? norm : 1e-12);
+  if (!(dist <= limit)) {
+    snprintf(why, n, "distance %.4g from our parameters is %.3g times our norm %.4g (limit %g)", dist,
+             dist / (norm > 1e-12 ? norm : 1e-12), norm, s->cfg.max_distance);
+    return RUMOR_ECORRUPT;
+  }
+  return 0;
+}
+
+static void exchange(struct sync *s) {
+  struct trainer *t = s->t;
+  double now = clock_now_s();
+  bool want = s->holding || (s->cfg.every_steps > 0 && t->st.step % s->cfg.every_steps == 0) ||
+              (s->cfg.every_s > 0 && now - s->last_start_s >= s->cfg.every_s);
+  switch (gossip_xch_poll(s->g, want)) {
+  case GOSSIP_XCH_NONE: return;
+  case GOSSIP_XCH_SNAPSHOT:
+    if (!s->snap_pending) {
+      /* Asynchronous on a GPU (pinned host buffer); done at once on the CPU. */
+      tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g),
+                                (size_t)t->model.nparams * sizeof(float));
+      tensor_event_record(s->snap_ev);
+      s->snap_pending = true;
+      s->snap_step = t->st.step;
+      s->last_start_s = now;
+    }
+    if (tensor_event_query(s->snap_ev)) {
+      s->snap_pending = false;
+      gossip_xch_snapshot_done(s->g, (uint64_t)s->snap_step);
+    }
+    return;
+  case GOSSIP_XCH_APPLY: {
+    tensor_mirror_refresh(&s->staging, gossip_xch_theirs(s->g));
+    char why[200] = "";
+    int rc = validate(s, why, sizeof why);
+    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far
+     * outliers are skipped. */
+    float w = gossip_xch_alpha(s->g);
+    if (rc == 0 && s->cfg.clip) {
+      double scale = clip_scale(&s->clip, gossip_xch_partner(s->g), s->last_dist, s->last_norm);
+      w *= (float)scale;
+      log_debug("clip: distance %.4g, tau %.4g (%.3g tau), scale %.3g", s->last_dist, s->clip.last_tau,
+                s->last_dist / s->clip.last_tau, scale);
+      if (s->clip.last_outlier) {
+        snprintf(why, sizeof why, "distance %.4g is %.3g times the clipping threshold %.4g (an outlier)",
+                 s->last_dist, s->last_dist / s->clip.last_tau, s->clip.last_tau);
+        rc = 1;
+      }
+    }
+    if (rc == 0) {
+      tensor_lerp(&t->model.params, &s->staging, w);
+      s->applied++;
+      int64_t run = t->st.step - s->mix_step;
+      if (run > s->longest_local) s->longest_local = run;
+      s->mix_step = t->st.step;
+    } else {
+      s->rejected++;
+      if (rc > 0) s->skipped++;
+    }
+    gossip_xch_apply_done(s->g, rc, rc ? why : NULL);
+    return;
+  }
+  }
+}
+
+void sync_hold(struct sync *s, const atomic_int *stop) {
+  int64_t step = s->t->st.step;
+  if (s->cfg.max_local_steps <= 0 || step - s->mix_step < s->cfg.max_local_steps || step < s->hold_resume_step)
+    return;
+  if (gossip_live_partners(s->g) == 0) return; /* alone: nobody to mix with */
+  double t0 = clock_now_s();
+  uint64_t applied = s->applied;
+  unsigned polls = 0;
+  s->holding = true;
+  s->holds++;
+  while (s->applied == applied && !(stop && atomic_load(stop))) {
+    if (clock_now_s() - t0 >= s->cfg.max_hold_s) {
+      /* Exchanges keep failing (partners backed off, busy or gone): train
+       * on, and hold again only after N·2^k more steps (k: holds in a row
+       * that gave up, at most 10), so a cluster that cannot mix is slowed
+       * by a vanishing fraction, not stopped. */
+      s->hold_timeouts++;
+      s->hold_failures_in_row++;
+      int k = s->hold_failures_in_row < 10 ? s->hold_failures_in_row : 10;
+      s->hold_resume_step = step + (s->cfg.max_local_steps << k);
+      log_info("no exchange applied after %lld steps and %.2f s of holding: training on; next hold after step %lld",
+               (long long)(step - s->mix_step), s->cfg.max_hold_s, (long long)s->hold_resume_step);
+      break;
+    }
+    const struct timespec tick = {0, 200 * 1000};
+    nanosleep(&tick, NULL);
+    sync_boundary(s);
+    if (++polls % 25 == 0 && gossip_live_partners(s->g) == 0) break; /* the others left */
+  }
+  s->holding = false;
+  if (s->applied != applied) s->hold_failures_in_row = 0;
+  s->hold_s += clock_now_s() - t0;
+}
+
+/* Publishes the training figures; with_sketch adds the O(P) ones. */
+static void publish_stats(struct sync *s, double now, bool with_sketch) {
+  struct trainer *t = s->t;
+  if (now - s->rate_s >= 1.0) {
+    s->samples_per_s = (double)(t->st.samples - s->rate_samples) / (now - s->rate_s);
+    s->rate_s = now;
+    s->rate_samples = t->st.samples;
+  }
+  if (with_sketch) {
+    s->param_norm = sqrt(tensor_sq_norm(&t->model.params));
+    tensor_count_sketch(&t->model.params, gossip_sketch_seed(s->g), gossip_sketch_k(s->g), s->sketch);
+  }
+  struct gossip_peer_stats ps = {.step = t->st.step,
+                                .epoch = t->st.epoch,
+                                .samples = t->st.samples,
+                                .loss = t->loss_avg, /* NaN before the first step and on stages without the loss */
+                                .samples_per_s = s->samples_per_s,
+                                .param_norm = s->param_norm,
+                                .sketch = with_sketch ? s->sketch : NULL};
+  gossip_stats_publish(s->g, &ps);
+  s->stats_s = now;
+}
+
+/* Serves a pending donation: a monitor's request for the parameters, or a
+ * newcomer's for the whole state. */
+static void donate(struct sync *s, double now) {
+  if (!gossip_donor_poll(s->g)) return;
+  struct trainer *t = s->t;
+  if (gossip_donor_params_only(s->g)) {
+    /* A monitor measures drift exactly: parameters and their sketch. */
+    tensor_copy_to_host(&t->model.params, 0, gossip_donor_buf(s->g), (size_t)t->model.nparams * sizeof(float));
+    publish_stats(s, now, true);
+  } else {
+    if (trainer_is_stage(t))
+      log_info("donating this stage's state at step %lld", (long long)t->st.step);
+    else
+      log_info("donating our state at step %lld: loss %.4f on %d training samples", (long long)t->st.step,
+               trainer_check_loss(t, SYNC_CHECK_SAMPLES), SYNC_CHECK_SAMPLES);
+    trainer_copy_state(t, gossip_donor_buf(s->g));
+  }
+  struct gossip_train_pos pos = {(uint64_t)t->st.step, (uint64_t)t->st.epoch, (uint64_t)t->st.samples};
+  gossip_donor_done(s->g, &pos);
+}
+
+void sync_idle(void *arg) {
+  struct sync *s = arg;
+  double now = clock_now_s();
+  if (gossip_stats_wanted(s->g)) publish_stats(s, now, true);
+  else if (now - s->stats_s >= 1.0) publish_stats(s, now, false);
+  donate(s, now);
+}
+
+void sync_boundary(struct sync *s) {
+  exchange(s);
+  sync_idle(s);
+}
