@@ -1,18 +1,17 @@
 /*
- * The averaging exchange, state donations and the newcomer's state pull.
+ * The averaging exchange and its slot.
  *
  * Exchange (A initiates, B responds), on one connection:
  *   A: XCH_REQ{x, model, n} ─▶ B            B: slot IDLE → WANT, or XCH_REJECT
  *   B's training thread snapshots at its next step boundary
  *   B: XCH_ACCEPT{x} + bulk(B's params) ─▶ A; A: bulk(A's params) ─▶ B
  *   each side: when its own send is confirmed by the receiver AND the
- *   partner's buffer arrived digest-checked, the slot goes to APPLY.
+ *   partner's buffer arrived whole (every chunk an authenticated frame of
+ *   the session, in order), the slot goes to APPLY.
  * Anything else (a reject, a cut, a timeout, the partner failing or
- * leaving) abandons the exchange: nothing is applied on that side.
- *
- * Donation: a newcomer sends STATE_REQ to a random live peer; the donor
- * (one newcomer at a time) answers with its whole state as a bulk transfer
- * or STATE_BUSY, and the newcomer tries another donor after a backoff.
+ * leaving) abandons the exchange: nothing is applied on that side. Before
+ * a transfer is taken, the guard (guard.c) gives its verdict on its length
+ * and step; a refused transfer ends the exchange and strikes the partner.
  *
  * Loop thread, except the functions marked "training thread".
  */
@@ -34,41 +33,22 @@ static bool ws_wanting(uint64_t w) { return ws_state(w) == SLOT_WANT || ws_state
 /* Moves the slot from `from_state` (any round) to `to_state` in the same
  * round. Returns false (and changes nothing) when it is not in from_state. */
 static bool slot_move(struct gossip *g, int from_state, int to_state) {
-  uint64_t w = atomic_load(&g->xch_word);
+  uint64_t w = atomic_load(&g->xch.word);
   while (ws_state(w) == from_state)
-    if (atomic_compare_exchange_weak(&g->xch_word, &w, ws_make(ws_round(w), to_state))) return true;
+    if (atomic_compare_exchange_weak(&g->xch.word, &w, ws_make(ws_round(w), to_state))) return true;
   return false;
 }
 
-static void key_prefix(const uint8_t *id, char out[16]) {
-  char k[NET_PUBKEY_STR_LEN + 1];
-  net_pubkey_format(k, id);
-  snprintf(out, 16, "%.8s", k);
-}
-
-static void partner_label(struct gossip *g, const uint8_t *id, char *buf, size_t n) {
-  char k[16];
-  key_prefix(id, k);
-  struct swim_member *m = swim_find(&g->swim, id);
-  snprintf(buf, n, "%s (%s)", m ? m->info.addr : "?", k);
-}
-
-/* Lock-protected flags that the training thread waits on. */
-static void set_pull_result(struct gossip *g, bool first) {
-  pthread_mutex_lock(&g->lock);
-  g->first_peer = first;
-  g->pull_done = true;
-  pthread_cond_broadcast(&g->cond);
-  pthread_mutex_unlock(&g->lock);
-}
+static void on_snapshot_ready(net_t *n, void *arg, int status);
+static void on_applied(net_t *n, void *arg, int status);
 
 /* ==== the exchange slot: training thread ==== */
 
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
-  uint64_t w = atomic_load(&g->xch_word);
+  uint64_t w = atomic_load(&g->xch.word);
   /* Only active peers start exchanges (see gossip_impl.h). */
   if (ws_state(w) == SLOT_IDLE && want && atomic_load(&g->ready) && atomic_load(&g->active)) {
-    if (atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
+    if (atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
       return GOSSIP_XCH_SNAPSHOT;
   }
   if (ws_wanting(w)) return GOSSIP_XCH_SNAPSHOT;
@@ -76,10 +56,11 @@ enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
   return GOSSIP_XCH_NONE;
 }
 
-float *gossip_xch_mine(gossip_t *g) { return g->mine; }
-float *gossip_xch_theirs(gossip_t *g) { return g->theirs; }
-float gossip_xch_alpha(const gossip_t *g) { return g->alpha; }
-const uint8_t *gossip_xch_partner(const gossip_t *g) { return g->xch.partner; /* stable while APPLY */ }
+bool gossip_xch_in_flight(gossip_t *g) { return ws_state(atomic_load(&g->xch.word)) != SLOT_IDLE; }
+float *gossip_xch_mine(gossip_t *g) { return g->xch.mine; }
+float *gossip_xch_theirs(gossip_t *g) { return g->xch.theirs; }
+float gossip_xch_alpha(const gossip_t *g) { return g->xch.alpha; }
+const uint8_t *gossip_xch_partner(const gossip_t *g) { return g->xch.x.partner; /* stable while APPLY */ }
 
 /* What the training thread tells the loop when a snapshot is ready. */
 struct snap_ready {
@@ -89,12 +70,12 @@ struct snap_ready {
 };
 
 void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
-  uint64_t w = atomic_load(&g->xch_word);
+  uint64_t w = atomic_load(&g->xch.word);
   if (!ws_wanting(w)) return; /* abandoned meanwhile */
-  if (!atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w), SLOT_BUSY))) return;
+  if (!atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w), SLOT_BUSY))) return;
   struct snap_ready *r = xmalloc(sizeof *r);
   *r = (struct snap_ready){g, ws_round(w), step, ws_state(w) == SLOT_WANT};
-  if (net_call(g->net, gossip_xch_on_snapshot_ready, r) != 0) {
+  if (net_call(g->net, on_snapshot_ready, r) != 0) {
     free(r);
     slot_move(g, SLOT_BUSY, SLOT_IDLE);
   }
@@ -111,53 +92,12 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why) {
   struct applied *a = xcalloc(1, sizeof *a);
   a->g = g;
   a->status = status;
-  memcpy(a->partner, g->xch.partner, NET_PUBKEY_BYTES); /* stable while the slot is APPLY */
+  memcpy(a->partner, g->xch.x.partner, NET_PUBKEY_BYTES); /* stable while the slot is APPLY */
   snprintf(a->why, sizeof a->why, "%s", why ? why : "");
-  pthread_mutex_lock(&g->lock);
-  if (status == 0) {
-    g->stats.exchanges_ok++;
-    g->last_exchange_ms = clock_now_ns() / 1000000;
-  } else {
-    g->stats.exchanges_rejected++;
-    snprintf(g->stats.last_failure, sizeof g->stats.last_failure, "rejected: %.100s", a->why);
-  }
-  pthread_mutex_unlock(&g->lock);
+  if (status == 0) gossip_count(g, GOSSIP_EV_XCH_APPLIED, NULL);
+  else gossip_count(g, GOSSIP_EV_XCH_REJECTED, a->why);
   slot_move(g, SLOT_APPLY, SLOT_IDLE);
-  if (net_call(g->net, gossip_xch_on_applied, a) != 0) free(a);
-}
-
-static void ready_on_loop(net_t *n, void *arg, int status) {
-  struct gossip *g = arg;
-  if (status) return;
-  swim_set_ready(&g->swim);
-  gossip_publish(g);
-}
-
-void gossip_ready(gossip_t *g) {
-  atomic_store(&g->ready, true);
-  if (net_call(g->net, ready_on_loop, g) != 0) log_warn("cannot announce that we are ready");
-}
-
-/* ==== the donation slot: training thread ==== */
-
-bool gossip_donor_poll(gossip_t *g) { return atomic_load(&g->donor_state) == SLOT_WANT; }
-float *gossip_donor_buf(gossip_t *g) { return g->donor_buf; }
-
-bool gossip_donor_params_only(gossip_t *g) { return atomic_load(&g->donor_params_only); }
-
-void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {
-  g->donor_pos = *pos;
-  if (atomic_load(&g->donor_params_only)) {
-    /* A monitor's pull: the figures just published describe these parameters. */
-    pthread_mutex_lock(&g->lock);
-    g->donor_have_sketch = g->have_sketch;
-    g->donor_norm = g->pstats.param_norm;
-    if (g->have_sketch) memcpy(g->donor_sketch, g->psketch, (size_t)g->sketch_k * sizeof(double));
-    pthread_mutex_unlock(&g->lock);
-  }
-  int expected = SLOT_WANT;
-  if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_BUSY)) return;
-  if (net_call(g->net, gossip_donor_on_ready, g) != 0) atomic_store(&g->donor_state, SLOT_IDLE);
+  if (net_call(g->net, on_applied, a) != 0) free(a);
 }
 
 /* ==== the exchange: loop thread ==== */
@@ -174,15 +114,15 @@ static void send_reject(struct gossip *g, net_conn_t *c, uint64_t xid, const cha
 /* Returns the slot to IDLE from whatever the loop may own (WANT or BUSY);
  * never from APPLY, which the training thread owns. */
 static void slot_release(struct gossip *g) {
-  uint64_t w = atomic_load(&g->xch_word);
+  uint64_t w = atomic_load(&g->xch.word);
   while (ws_wanting(w) || ws_state(w) == SLOT_BUSY)
-    if (atomic_compare_exchange_weak(&g->xch_word, &w, ws_make(ws_round(w), SLOT_IDLE))) return;
+    if (atomic_compare_exchange_weak(&g->xch.word, &w, ws_make(ws_round(w), SLOT_IDLE))) return;
 }
 
 /* Ends the exchange without applying anything. `why` NULL: a quiet end (no
  * partner was free) that is not a failure. */
 static void xch_end(struct gossip *g, const char *why, bool tell_partner) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (!x->active) return;
   x->active = false;
   if (x->sending) {
@@ -197,32 +137,30 @@ static void xch_end(struct gossip *g, const char *why, bool tell_partner) {
   slot_release(g);
   if (why) {
     char who[200];
-    partner_label(g, x->partner, who, sizeof who);
+    gossip_member_label(g, x->partner, who, sizeof who);
     log_info("exchange with %s abandoned: %s (nothing applied)", who, why);
-    char msg[128];
-    snprintf(msg, sizeof msg, "%s", why);
-    gossip_fail_stat(g, msg);
+    gossip_count(g, GOSSIP_EV_XCH_FAILED, why);
   }
 }
 
 void gossip_xch_abandon(struct gossip *g, const char *why) { xch_end(g, why, true); }
 
-void gossip_xch_refuse(struct gossip *g, const char *why) {
+/* Ends the exchange in progress because the partner's transfer is refused
+ * (`why`): nothing applied, the partner told, counted as rejected, and the
+ * partner struck. */
+static void refuse(struct gossip *g, const char *why) {
   uint8_t partner[NET_PUBKEY_BYTES];
-  memcpy(partner, g->xch.partner, sizeof partner);
-  pthread_mutex_lock(&g->lock);
-  g->stats.exchanges_rejected++;
-  snprintf(g->stats.last_failure, sizeof g->stats.last_failure, "rejected: %.100s", why);
-  pthread_mutex_unlock(&g->lock);
-  if (g->xch.conn) send_reject(g, g->xch.conn, g->xch.xid, "refused");
+  memcpy(partner, g->xch.x.partner, sizeof partner);
+  gossip_count(g, GOSSIP_EV_XCH_REJECTED, why);
+  if (g->xch.x.conn) send_reject(g, g->xch.x.conn, g->xch.x.xid, "refused");
   xch_end(g, NULL, false); /* counted as rejected above, not as failed */
-  gossip_strike(g, partner, why);
+  gossip_strike(g, partner, why, gossip_now_ms(g));
 }
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg);
 
 static void start_send(struct gossip *g) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   struct net_msgbuf meta;
   net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&meta, "k", GBULK_EXCHANGE);
@@ -237,7 +175,7 @@ static void start_send(struct gossip *g) {
 #ifdef RUMOR_TESTING
   count = gossip_testing_send_count(g, count);
 #endif
-  struct net_bulk_send s = {.src = g->mine, .count = count, .wire = g->cfg.wire, .no_digest = true,
+  struct net_bulk_send s = {.src = g->xch.mine, .count = count, .wire = g->cfg.wire, .no_digest = true,
                             .meta = mdata, .meta_len = mlen, .done = on_xch_sent, .arg = g};
   int rc = net_conn_send_bulk(x->conn, &s, &x->send_id);
   net_msgbuf_free(&meta);
@@ -251,7 +189,7 @@ static void start_send(struct gossip *g) {
 }
 
 static void maybe_complete(struct gossip *g) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (!x->active || !x->sent_ok || !x->recv_ok) return;
   x->active = false;
   log_debug("exchange %s after %llu ms (%s)", "transferred", (unsigned long long)(gossip_now_ms(g) - x->started_ms),
@@ -262,7 +200,7 @@ static void maybe_complete(struct gossip *g) {
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   struct gossip *g = arg;
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (!x->active || !x->sending || c != x->conn || id != x->send_id) return;
   x->sending = false;
   if (status) {
@@ -276,14 +214,12 @@ static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
 }
 
 static void ask_partner(struct gossip *g) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   uint8_t prev[NET_PUBKEY_BYTES];
   bool had = x->attempts > 0;
   memcpy(prev, x->partner, sizeof prev);
   if (x->attempts >= 3 || !gossip_pick_partner(g, x->partner, had ? prev : NULL)) {
-    pthread_mutex_lock(&g->lock);
-    g->stats.exchange_idle++;
-    pthread_mutex_unlock(&g->lock);
+    gossip_count(g, GOSSIP_EV_XCH_IDLE, NULL);
     xch_end(g, NULL, false); /* nobody free: try again at the next scheduled exchange */
     return;
   }
@@ -303,15 +239,13 @@ static void ask_partner(struct gossip *g) {
     ask_partner(g); /* cannot even queue it: try someone else */
     return;
   }
-  pthread_mutex_lock(&g->lock);
-  g->stats.exchange_requests++;
-  pthread_mutex_unlock(&g->lock);
+  gossip_count(g, GOSSIP_EV_XCH_REQUESTED, NULL);
 }
 
 /* Our snapshot is in `mine` and the slot is BUSY: start asking (initiator)
  * or accept and send (responder). */
 static void snapshot_ready(struct gossip *g, bool initiator, uint64_t step) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (g->stopping) {
     x->active = false;
     slot_release(g);
@@ -346,10 +280,10 @@ static void snapshot_ready(struct gossip *g, bool initiator, uint64_t step) {
   start_send(g);
 }
 
-void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
+static void on_snapshot_ready(net_t *n, void *arg, int status) {
   struct snap_ready *r = arg;
   struct gossip *g = r->g;
-  bool current = status == 0 && atomic_load(&g->xch_word) == ws_make(r->round, SLOT_BUSY);
+  bool current = status == 0 && atomic_load(&g->xch.word) == ws_make(r->round, SLOT_BUSY);
   bool initiator = r->initiator;
   uint64_t step = r->step;
   free(r);
@@ -360,12 +294,12 @@ void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status) {
   snapshot_ready(g, initiator, step);
 }
 
-void gossip_xch_on_applied(net_t *n, void *arg, int status) {
+static void on_applied(net_t *n, void *arg, int status) {
   struct applied *a = arg;
   struct gossip *g = a->g;
   if (status == 0) {
     char who[200];
-    partner_label(g, a->partner, who, sizeof who);
+    gossip_member_label(g, a->partner, who, sizeof who);
     if (a->status == 0) {
       log_debug("exchange with %s applied", who);
       gossip_forgive(g, a->partner);
@@ -376,7 +310,7 @@ void gossip_xch_on_applied(net_t *n, void *arg, int status) {
       log_info("skipped parameters from %s: %s", who, a->why);
     } else {
       /* Poisoned or broken parameters: back the sender off, longer each time. */
-      gossip_strike(g, a->partner, a->why);
+      gossip_strike(g, a->partner, a->why, gossip_now_ms(g));
     }
   }
   free(a);
@@ -392,7 +326,7 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     return;
   }
   const uint8_t *from = net_conn_peer_key(c);
-  if (!gossip_guard_allow_xch(g, from)) {
+  if (!gossip_guard_allow_xch(g, from, gossip_now_ms(g))) {
     send_reject(g, c, xid, "rate limited");
     return;
   }
@@ -406,15 +340,14 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     send_reject(g, c, xid, "model mismatch");
     return;
   }
-  struct gossip_link *l = gossip_link_get(g, from, true);
-  if (l->backoff_until_ms > gossip_now_ms(g)) {
+  if (gossip_backed_off(g, from, gossip_now_ms(g))) {
     send_reject(g, c, xid, "backed off");
     return;
   }
-  struct gossip_xch *x = &g->xch;
-  uint64_t w = atomic_load(&g->xch_word);
+  struct gossip_xch *x = &g->xch.x;
+  uint64_t w = atomic_load(&g->xch.word);
   if (ws_state(w) != SLOT_IDLE ||
-      !atomic_compare_exchange_strong(&g->xch_word, &w, ws_make(ws_round(w) + 1, SLOT_WANT_RESP))) {
+      !atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT_RESP))) {
     /* Busy. But if we are an initiator whose request nobody has accepted
      * yet, our snapshot is ready: answer this request with it instead of
      * both sides waiting for someone free. When two peers ask each other
@@ -457,7 +390,7 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
 }
 
 void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   const uint8_t *from = net_conn_peer_key(c);
   uint64_t xid;
   switch (m->type) {
@@ -474,9 +407,7 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     if (net_msg_get_uint(m, "x", &xid)) break;
     if (!x->active || xid != x->xid || !same_id(from, x->partner)) return;
     if (x->initiator && !x->accepted) {
-      pthread_mutex_lock(&g->lock);
-      g->stats.exchange_refusals++;
-      pthread_mutex_unlock(&g->lock);
+      gossip_count(g, GOSSIP_EV_XCH_REFUSED, NULL);
       ask_partner(g); /* busy or not ready: ask someone else */
     } else {
       const char *why;
@@ -497,62 +428,43 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
   net_conn_close(c);
 }
 
-int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t kind,
-                             uint64_t xid, float **dst) {
-  const uint8_t *from = net_conn_peer_key(c);
-  if (kind == GBULK_EXCHANGE) {
-    struct gossip_xch *x = &g->xch;
-    if (!x->active || xid != x->xid || !same_id(from, x->partner) || x->receiving || x->recv_ok ||
-        info->count != g->cfg.nparams || ws_state(atomic_load(&g->xch_word)) != SLOT_BUSY)
-      return -ECONNREFUSED;
-    x->receiving = true;
-    x->recv_id = info->id;
-    x->recv_conn = c;
-    *dst = g->theirs;
-    return 0;
+int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
+                             uint64_t step, float **dst) {
+  struct gossip_xch *x = &g->xch.x;
+  /* Not the partner's transfer for this exchange: refused without blaming
+   * anyone (a late transfer of an abandoned exchange). */
+  if (!x->active || xid != x->xid || !same_id(net_conn_peer_key(c), x->partner) || x->receiving || x->recv_ok ||
+      ws_state(atomic_load(&g->xch.word)) != SLOT_BUSY)
+    return -ECONNREFUSED;
+  char why[160];
+  if (!gossip_guard_check_transfer(g, x->partner, info->count, step, why, sizeof why)) {
+    refuse(g, why);
+    return -ECONNREFUSED;
   }
-  if (kind == GBULK_STATE) {
-    if (!g->pulling || !same_id(from, g->donor) || info->count != g->cfg.state_floats || !g->pull_buf)
-      return -ECONNREFUSED;
-    g->pull_recv_id = info->id;
-    g->pull_conn = c;
-    *dst = g->pull_buf;
-    return 0;
-  }
-  return RUMOR_EPROTO;
+  x->receiving = true;
+  x->recv_id = info->id;
+  x->recv_conn = c;
+  *dst = g->xch.theirs;
+  return 0;
 }
 
-void gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status) {
-  struct gossip_xch *x = &g->xch;
-  if (g->pulling && c == g->pull_conn && id == g->pull_recv_id) {
-    g->pulling = false;
-    g->pull_conn = NULL;
-    char who[200];
-    partner_label(g, g->donor, who, sizeof who);
-    if (status == 0) {
-      log_info("received the state of %s (step %llu, epoch %llu)", who, (unsigned long long)g->pull_pos.step,
-               (unsigned long long)g->pull_pos.epoch);
-      set_pull_result(g, false);
-    } else {
-      log_warn("state transfer from %s failed: %s; trying another peer", who, rumor_strerror(status));
-      g->pull_retry_ms = gossip_now_ms(g) + 200;
-    }
-    return;
-  }
-  if (!x->active || !x->receiving || id != x->recv_id || c != x->recv_conn) return;
+bool gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status) {
+  struct gossip_xch *x = &g->xch.x;
+  if (!x->active || !x->receiving || id != x->recv_id || c != x->recv_conn) return false;
   x->receiving = false;
   if (status) {
     char why[96];
     snprintf(why, sizeof why, "receiving the partner's parameters failed: %s", rumor_strerror(status));
     xch_end(g, why, true);
-    return;
+    return true;
   }
   x->recv_ok = true;
   maybe_complete(g);
+  return true;
 }
 
 void gossip_xch_tick(struct gossip *g, uint64_t now) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (x->active && now >= x->deadline_ms) {
     char why[64];
     snprintf(why, sizeof why, "timed out after %u ms", g->cfg.exchange_timeout_ms);
@@ -561,216 +473,15 @@ void gossip_xch_tick(struct gossip *g, uint64_t now) {
 }
 
 void gossip_xch_on_close(struct gossip *g, net_conn_t *c) {
-  struct gossip_xch *x = &g->xch;
+  struct gossip_xch *x = &g->xch.x;
   if (x->active && (x->conn == c || x->recv_conn == c)) {
     /* Closed: nothing left to cancel or tell on it. */
     if (x->conn == c) x->conn = NULL, x->sending = false;
     if (x->recv_conn == c) x->recv_conn = NULL, x->receiving = false;
     xch_end(g, "connection to the partner lost", false);
   }
-  if (g->pulling && g->pull_conn == c) {
-    g->pulling = false;
-    g->pull_conn = NULL;
-    g->pull_retry_ms = gossip_now_ms(g) + 200;
-  }
-  if (g->donor_conn == c) {
-    g->donor_conn = NULL;
-    int expected = SLOT_WANT;
-    if (atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_IDLE))
-      atomic_store(&g->donor_params_only, false);
-  }
 }
 
-/* ==== donations: loop thread ==== */
-
-static void send_busy(net_conn_t *c, const char *why, bool fatal) {
-  struct net_msgbuf b;
-  net_msgbuf_init(&b, GMSG_STATE_BUSY, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_str(&b, "why", why, strlen(why));
-  net_msgbuf_put_bool(&b, "fatal", fatal);
-  if (net_conn_send_msg(c, &b)) log_debug("cannot answer a state request from %s", net_conn_peer_name(c));
-  net_msgbuf_free(&b);
-}
-
-static void on_donor_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
-  struct gossip *g = arg;
-  if (status == 0) {
-    pthread_mutex_lock(&g->lock);
-    g->stats.donations++;
-    pthread_mutex_unlock(&g->lock);
-    log_info("donated our state to %s", net_conn_peer_name(c));
-  } else {
-    log_warn("state donation to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
-  }
-  g->donor_conn = NULL;
-  atomic_store(&g->donor_state, SLOT_IDLE);
-}
-
-void gossip_donor_on_ready(net_t *n, void *arg, int status) {
-  struct gossip *g = arg;
-  if (status) return;
-  bool params_only = atomic_exchange(&g->donor_params_only, false);
-  if (!g->donor_conn || g->stopping) {
-    g->donor_conn = NULL;
-    atomic_store(&g->donor_state, SLOT_IDLE);
-    return;
-  }
-  struct net_msgbuf meta;
-  net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_uint(&meta, "k", params_only ? GBULK_PARAMS : GBULK_STATE);
-  net_msgbuf_put_uint(&meta, "x", 0);
-  net_msgbuf_put_uint(&meta, "step", g->donor_pos.step);
-  net_msgbuf_put_uint(&meta, "epoch", g->donor_pos.epoch);
-  net_msgbuf_put_uint(&meta, "samples", g->donor_pos.samples);
-  /* The sketch rides in the metadata when it fits (k up to about 8000). */
-  if (params_only && g->donor_have_sketch && (size_t)g->sketch_k * sizeof(double) + 1024 <= NET_BULK_META_MAX) {
-    net_msgbuf_put_double(&meta, "norm", g->donor_norm);
-    net_msgbuf_put_uint(&meta, "sk_seed", g->sketch_seed);
-    net_msgbuf_put_bin(&meta, "sketch", g->donor_sketch, (size_t)g->sketch_k * sizeof(double));
-  }
-  size_t mlen;
-  const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
-  /* A state travels exactly (f32): it seeds a replica. */
-  struct net_bulk_send s = {.src = g->donor_buf, .count = params_only ? g->cfg.nparams : g->cfg.state_floats,
-                            .wire = NET_DTYPE_F32,
-                            .meta = mdata, .meta_len = mlen, .done = on_donor_sent, .arg = g};
-  int rc = net_conn_send_bulk(g->donor_conn, &s, &g->donor_send_id);
-  net_msgbuf_free(&meta);
-  if (rc) {
-    log_warn("cannot donate our state to %s: %s", net_conn_peer_name(g->donor_conn), rumor_strerror(rc));
-    g->donor_conn = NULL;
-    atomic_store(&g->donor_state, SLOT_IDLE);
-  }
-}
-
-static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
-  const char *model, *opt;
-  size_t mlen, olen;
-  uint64_t n, sf;
-  if (net_msg_get_str(m, "model", &model, &mlen) || net_msg_get_uint(m, "n", &n) || net_msg_get_uint(m, "sf", &sf) ||
-      net_msg_get_str(m, "opt", &opt, &olen)) {
-    log_warn("malformed state request from %s; dropping the connection", net_conn_peer_name(c));
-    net_conn_close(c);
-    return;
-  }
-  if (g->cfg.role != GOSSIP_ROLE_PEER || !atomic_load(&g->ready) || g->stopping) {
-    send_busy(c, g->cfg.role == GOSSIP_ROLE_PEER && !g->stopping ? "joining" : "not ready", false);
-    return;
-  }
-  if (mlen != strlen(g->model) || memcmp(model, g->model, mlen) != 0 || n != g->cfg.nparams ||
-      sf != g->cfg.state_floats || olen != strlen(g->optimizer) || memcmp(opt, g->optimizer, olen) != 0) {
-    char why[600];
-    snprintf(why, sizeof why, "state mismatch: this peer trains %s with %s, the newcomer %.*s with %.*s", g->model,
-             g->optimizer, (int)mlen, model, (int)olen, opt);
-    send_busy(c, why, true);
-    return;
-  }
-  int expected = SLOT_IDLE;
-  if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_WANT)) {
-    send_busy(c, "already donating", false);
-    return;
-  }
-  g->donor_conn = c;
-  memcpy(g->donor_to, net_conn_peer_key(c), NET_PUBKEY_BYTES);
-}
-
-/* ==== the newcomer's state pull: loop thread ==== */
-
-void gossip_pull_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
-  if (m->type == GMSG_STATE_REQ) {
-    handle_state_req(g, c, m);
-    return;
-  }
-  /* STATE_BUSY */
-  if (!g->pulling || !same_id(net_conn_peer_key(c), g->donor)) return;
-  const char *why;
-  size_t n;
-  bool fatal = false;
-  if (net_msg_get_str(m, "why", &why, &n)) why = "?", n = 1;
-  if (net_msg_get_bool(m, "fatal", &fatal)) fatal = false;
-  g->pulling = false;
-  if (fatal) {
-    pthread_mutex_lock(&g->lock);
-    snprintf(g->join_error, sizeof g->join_error, "%s: %.*s", net_conn_peer_addr(c), (int)n, why);
-    g->join_failed = true;
-    pthread_cond_broadcast(&g->cond);
-    pthread_mutex_unlock(&g->lock);
-    log_error("cannot take a state from this cluster: %s", g->join_error);
-    return;
-  }
-  g->pull_attempts++;
-  uint64_t now = gossip_now_ms(g);
-  uint64_t backoff = 50ull << (g->pull_attempts < 5 ? g->pull_attempts : 5);
-  g->pull_retry_ms = now + backoff + rng_below(&g->rng, 100);
-  gossip_link_get(g, g->donor, true)->backoff_until_ms = now + 500; /* prefer another donor next */
-  log_debug("donor %s busy (%.*s); retrying", net_conn_peer_name(c), (int)n, why);
-}
-
-void gossip_pull_tick(struct gossip *g, uint64_t now) {
-  pthread_mutex_lock(&g->lock);
-  bool wanted = g->pull_wanted && !g->pull_done && !g->join_failed;
-  pthread_mutex_unlock(&g->lock);
-  if (!wanted || !g->joined) return;
-  if (g->pulling) {
-    if (now < g->pull_retry_ms) return;
-    log_warn("the donor did not deliver its state in time; trying another peer");
-    gossip_link_get(g, g->donor, true)->backoff_until_ms = now + 5000;
-    if (g->pull_conn) (void)net_conn_cancel_recv(g->pull_conn, g->pull_recv_id);
-    g->pulling = false;
-    g->pull_conn = NULL;
-    g->pull_retry_ms = now;
-  }
-  if (now < g->pull_retry_ms) return;
-  if (swim_count_live(&g->swim, SWIM_ROLE_PEER) == 0) {
-    log_info("no other peer in the cluster: starting from our own initialisation");
-    set_pull_result(g, true);
-    return;
-  }
-  if (!g->pull_attempts) g->pull_retry_ms = now; /* first try */
-  if (now - g->join_started_ms > (uint64_t)g->cfg.join_timeout_ms * 2) {
-    pthread_mutex_lock(&g->lock);
-    snprintf(g->join_error, sizeof g->join_error, "joined, but no peer donated its state within %u ms",
-             g->cfg.join_timeout_ms * 2);
-    g->join_failed = true;
-    pthread_cond_broadcast(&g->cond);
-    pthread_mutex_unlock(&g->lock);
-    log_error("%s", g->join_error);
-    return;
-  }
-  uint8_t donor[NET_PUBKEY_BYTES];
-  if (!gossip_pick_peer(g, donor, NULL, true)) {
-    /* No peer holds a state yet: the cluster is forming. The smallest key
-     * among the live peers starts from its own initialisation (the same seed
-     * gives the same weights anyway); the others pull from it once it is
-     * ready. */
-    bool any_ready = false, smallest = true;
-    for (size_t i = 0; i < g->swim.nmembers; i++) {
-      const struct swim_member *m = &g->swim.members[i];
-      if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
-      any_ready |= m->info.ready;
-      if (memcmp(m->info.id, g->identity.pk, NET_PUBKEY_BYTES) < 0) smallest = false;
-    }
-    if (!any_ready && smallest) {
-      log_info("no peer holds a state yet and ours is the smallest key: starting from our own initialisation");
-      set_pull_result(g, true);
-      return;
-    }
-    g->pull_retry_ms = now + 100; /* a donor is backed off, or the first peer is not ready yet */
-    return;
-  }
-  memcpy(g->donor, donor, sizeof donor);
-  struct net_msgbuf b;
-  net_msgbuf_init(&b, GMSG_STATE_REQ, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
-  net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
-  net_msgbuf_put_uint(&b, "sf", g->cfg.state_floats);
-  net_msgbuf_put_str(&b, "opt", g->optimizer, strlen(g->optimizer));
-  int rc = gossip_send(g, donor, &b);
-  net_msgbuf_free(&b);
-  if (rc) {
-    g->pull_retry_ms = now + 200;
-    return;
-  }
-  g->pulling = true;
-  g->pull_retry_ms = now + g->cfg.exchange_timeout_ms; /* deadline for this donor */
+void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why) {
+  if (g->xch.x.active && same_id(g->xch.x.partner, id)) xch_end(g, why, true);
 }

@@ -155,6 +155,8 @@ enum gossip_xch_work {
  * steps or t seconds: the caller's schedule); it is ignored unless the slot
  * is idle. Returns what the training thread should do now. */
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
+/* True while an exchange is under way (the slot is not idle). */
+bool gossip_xch_in_flight(gossip_t *g);
 float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
 float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
 float gossip_xch_alpha(const gossip_t *g);

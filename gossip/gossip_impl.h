@@ -1,8 +1,31 @@
 /*
- * gossip_impl.h — the gossip runtime's private state, shared by runtime.c
- * (loop thread, connections, membership glue, join) and exchange.c (the
- * exchange and donation protocols and their slots). Not for use outside
- * gossip/.
+ * gossip_impl.h — the gossip runtime's insides, private to gossip/.
+ *
+ * struct gossip is split by concern; each part is owned (written) by one
+ * file, and the other files reach it through that file's functions below:
+ *
+ *   core        runtime.c   configuration, identity, the event loop and its
+ *                           thread, the net, SWIM, start and stop, and the
+ *                           dispatch of every net callback to the parts
+ *   links       links.c     one connection per member identity, dialing and
+ *                           queueing, neighbour choice
+ *   guard       guard.c     defences per member: strikes and backoff, rate
+ *                           limits, the replay check of exchange transfers
+ *   join        join.c      the bootstrap list, JOIN, and a newcomer's state
+ *                           pull
+ *   exchange    exchange.c  the exchange slot and the exchange in progress
+ *   donation    donation.c  the donation slot: states for newcomers,
+ *                           parameters for monitors
+ *   monitoring  stats.c     figures published by training, counters, the
+ *                           member view, STATS requests, /metrics
+ *
+ * wire.c holds the codecs both the runtime and the monitor (monitor.c) use;
+ * http.c the metrics endpoint's server; testing.c the testing build's
+ * attacks (RUMOR_TESTING only).
+ *
+ * Threads: everything here runs on the loop thread unless a function says
+ * "training thread" or "any thread". `lock` guards what other threads read:
+ * the join flags, the published figures, counters and member view.
  */
 #ifndef RUMOR_GOSSIP_IMPL_H
 #define RUMOR_GOSSIP_IMPL_H
@@ -49,11 +72,13 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3 };
 #define GOSSIP_LINK_QUEUE 32      /* control messages held while dialing */
 #define GOSSIP_TICK_MS 20
 
-/* Slot states (see gossip.h). The exchange slot's word also counts rounds:
+/* Slot states (gossip.h). The exchange slot's word also counts rounds:
  * word = round << 3 | state, and every IDLE → WANT starts a new round, so a
  * message about an earlier round (a queued snapshot_ready) is recognised as
  * stale. WANT records who asked: we (INIT) or a partner (RESP). */
 enum { SLOT_IDLE = 0, SLOT_WANT = 1, SLOT_BUSY = 2, SLOT_APPLY = 3, SLOT_WANT_RESP = 4 };
+
+/* ---- links (links.c) ---- */
 
 /* A connection to one member, by identity. */
 struct gossip_link {
@@ -63,21 +88,72 @@ struct gossip_link {
   bool dialing;
   uint64_t next_dial_ms;  /* backoff after failed dials */
   uint32_t dial_failures;
-  uint64_t backoff_until_ms; /* no exchanges with it before this (misbehaviour, failures) */
-  uint32_t strikes;          /* rejected updates from it */
-  /* Defences (guard.c): rate limits, and the newest snapshot step received
-   * from it at incarnation `step_inc` (an older one is a replay). */
-  struct gossip_bucket { double tokens; uint64_t last_ms; bool init; } xch_bucket, conn_bucket;
-  uint64_t rl_xch, rl_conn, rl_logged_ms; /* refusals since the last log line */
-  uint64_t last_step, step_inc;
-  bool have_step;
   /* Messages waiting for the dial to finish (copied encodings). */
   uint8_t *queue[GOSSIP_LINK_QUEUE];
   size_t queue_len[GOSSIP_LINK_QUEUE];
   size_t nqueue;
 };
 
-/* The exchange in progress (loop thread only), if any. */
+struct gossip_links {
+  struct gossip_link *v;
+  size_t n, cap;
+};
+
+/* ---- guard (guard.c) ---- */
+
+/* A token bucket: `rate` tokens a second, holding at most 2·rate (at least
+ * one). */
+struct gossip_bucket {
+  double tokens;
+  uint64_t last_ms;
+  bool init;
+};
+
+/* What the guard knows of one member. */
+struct gossip_guard_entry {
+  uint8_t id[NET_PUBKEY_BYTES];
+  uint64_t backoff_until_ms; /* no exchanges (or donations asked) with it before this */
+  uint32_t strikes;          /* rejected updates from it, less forgiven ones */
+  struct gossip_bucket xch_bucket, conn_bucket;
+  uint64_t rl_xch, rl_conn, rl_logged_ms; /* refusals since the last log line */
+  /* The newest snapshot step received from it at incarnation `step_inc`
+   * (an older one is a replay). */
+  uint64_t last_step, step_inc;
+  bool have_step;
+};
+
+struct gossip_guard {
+  struct gossip_guard_entry *v;
+  size_t n, cap;
+};
+
+/* ---- join (join.c) ---- */
+
+struct gossip_join {
+  char *boot[GOSSIP_MAX_BOOTSTRAP];
+  char boot_err[GOSSIP_MAX_BOOTSTRAP][160];
+  size_t nboot, boot_next;
+  bool dialing;
+  bool joined, failed; /* under lock: the training thread waits on them */
+  uint64_t started_ms, retry_ms;
+  uint32_t rounds;
+  char error[1024];    /* under lock, once failed */
+  /* The newcomer's state pull. pull_buf and pull_wanted are set by the
+   * training thread (gossip_join_wait), pull_done and first_peer read by it:
+   * all under lock. */
+  float *pull_buf;
+  bool pull_wanted, pull_done, first_peer;
+  bool pulling;
+  uint8_t donor[NET_PUBKEY_BYTES];
+  uint64_t pull_retry_ms, pull_recv_id;
+  uint32_t pull_attempts;
+  struct gossip_train_pos pull_pos;
+  net_conn_t *pull_conn;
+};
+
+/* ---- exchange (exchange.c) ---- */
+
+/* The exchange in progress, if any. */
 struct gossip_xch {
   bool active;
   bool initiator;
@@ -94,6 +170,58 @@ struct gossip_xch {
   uint64_t snapshot_step;
 };
 
+struct gossip_exchange {
+  _Atomic uint64_t word; /* the slot: round << 3 | state (above) */
+  float *mine, *theirs;  /* the caller's buffers (gossip_config) */
+  float alpha;
+  struct gossip_xch x;
+};
+
+/* ---- donation (donation.c) ---- */
+
+struct gossip_donation {
+  _Atomic int state;        /* the slot: SLOT_IDLE, SLOT_WANT, SLOT_BUSY */
+  float *buf;               /* the caller's buffer (gossip_config.donor_buf) */
+  net_conn_t *conn;         /* the newcomer or monitor being served */
+  uint8_t to[NET_PUBKEY_BYTES];
+  struct gossip_train_pos pos;
+  uint64_t send_id;
+  /* The donation in progress is a monitor's PARAMS_REQ: set before the slot
+   * turns WANT; the figures captured at the same boundary
+   * (gossip_donor_done) travel with the parameters. */
+  _Atomic bool params_only;
+  double norm;
+  double *sketch;           /* sketch_k doubles */
+  bool have_sketch;
+};
+
+/* ---- monitoring (stats.c) ---- */
+
+struct stats_waiter {
+  net_conn_t *conn;
+  uint64_t q; /* the request's number, echoed in the answer */
+  uint64_t deadline_ms;
+};
+
+struct gossip_monitoring {
+  uint64_t sketch_seed;
+  int sketch_k;
+  /* Figures published by the training thread, under lock. */
+  struct gossip_peer_stats pstats;
+  double *psketch;           /* sketch_k doubles, valid when have_sketch */
+  bool have_stats, have_sketch;
+  uint64_t stats_ms;         /* monotonic ms of the last publish */
+  _Atomic bool wanted;       /* a monitor asked for fresh figures */
+  struct stats_waiter waiters[GOSSIP_STATS_WAITERS]; /* STATS requests waiting for them */
+  size_t nwaiters;
+  struct gossip_http *http;  /* the metrics endpoint, or NULL */
+  /* For other threads, under lock. */
+  struct gossip_stats counters;
+  uint64_t last_exchange_ms; /* monotonic, 0 before the first */
+  struct gossip_member_view *pub;
+  size_t npub, pub_cap;
+};
+
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
                           TEST_FLOOD };
@@ -107,6 +235,7 @@ struct gossip_test {
 #endif
 
 struct gossip {
+  /* The core (runtime.c). */
   struct gossip_config cfg;
   struct cpu_list net_cpus; /* cfg.net_cpus points here when set */
   struct net_identity identity;
@@ -115,7 +244,6 @@ struct gossip {
   char advertise[SWIM_ADDR_MAX];
   char model[256];
   char optimizer[32];
-
   uv_loop_t loop;
   uv_thread_t thread;
   uv_timer_t tick;
@@ -123,124 +251,63 @@ struct gossip {
   struct swim swim;
   struct rng rng;
   bool stopping;
-
-  struct gossip_link *links;
-  size_t nlinks, links_cap;
-
-  /* Joining. */
-  char *boot[GOSSIP_MAX_BOOTSTRAP];
-  char boot_err[GOSSIP_MAX_BOOTSTRAP][160];
-  size_t nboot, boot_next;
-  bool join_dialing, joined, join_failed;
-  uint64_t join_started_ms, join_retry_ms;
-  uint32_t join_rounds;
-  char join_error[1024];
-  /* State pull (newcomer). */
-  float *pull_buf;          /* set by gossip_join_wait */
-  bool pull_wanted, pulling, pull_done, first_peer;
-  uint8_t donor[NET_PUBKEY_BYTES];
-  uint64_t pull_retry_ms, pull_recv_id;
-  uint32_t pull_attempts;
-  struct gossip_train_pos pull_pos;
-  net_conn_t *pull_conn;
-
-  /* The exchange slot: round << 3 | state (see above). */
-  _Atomic uint64_t xch_word;
-  float *mine, *theirs;
-  struct gossip_xch xch;
-  float alpha;
-
-  /* The donation slot. */
-  _Atomic int donor_state;
-  float *donor_buf;
-  net_conn_t *donor_conn;   /* the newcomer being served */
-  uint8_t donor_to[NET_PUBKEY_BYTES];
-  struct gossip_train_pos donor_pos;
-  uint64_t donor_send_id;
-
-  /* Ready to exchange and donate: joined and holding a state. Written by
-   * the training thread (after join_wait), read by the loop. */
+  /* Holding a state: the training thread sets it after joining and
+   * building its model (gossip_ready); from then on we exchange and donate. */
   _Atomic bool ready;
   /* Our role in the bipartite exchange graph (AD-PSGD): peers sorted by key,
    * even ranks initiate ("active"), odd ranks only answer. Two initiators
-   * then never wait on each other. Written by the loop, read by training. */
+   * then never wait on each other. Written by links.c, read by training. */
   _Atomic bool active;
-
-  /* Monitoring (stats.c). Figures published by the training thread, under
-   * `lock`; STATS requests waiting for fresh ones (loop thread). */
-  uint64_t sketch_seed;
-  int sketch_k;
-  struct gossip_peer_stats pstats;
-  double *psketch;           /* sketch_k doubles, valid when have_sketch */
-  bool have_stats, have_sketch;
-  uint64_t stats_ms;         /* monotonic ms of the last publish */
-  _Atomic bool stats_wanted;
-  struct stats_waiter {
-    net_conn_t *conn;
-    uint64_t q; /* the request's number, echoed in the answer */
-    uint64_t deadline_ms;
-  } waiters[GOSSIP_STATS_WAITERS];
-  size_t nwaiters;
-  struct gossip_http *http;  /* the metrics endpoint, or NULL */
-  /* The donation in progress is a monitor's PARAMS_REQ: set by the loop
-   * before the slot turns WANT; the figures captured at the same boundary
-   * (gossip_donor_done) travel with the parameters. */
-  _Atomic bool donor_params_only;
-  double donor_norm;
-  double *donor_sketch;      /* sketch_k doubles */
-  bool donor_have_sketch;
-
-  /* Published for other threads under `lock`. */
   pthread_mutex_t lock;
-  pthread_cond_t cond;
-  struct gossip_stats stats;
-  uint64_t last_exchange_ms; /* monotonic, 0 before the first */
-  struct gossip_member_view *pub;
-  size_t npub, pub_cap;
+  pthread_cond_t cond; /* broadcast when a join flag changes */
+
+  struct gossip_links links;
+  struct gossip_guard guard;
+  struct gossip_join join;
+  struct gossip_exchange xch;
+  struct gossip_donation don;
+  struct gossip_monitoring mon;
 #ifdef RUMOR_TESTING
   struct gossip_test test;
 #endif
 };
 
-/* guard.c (loop thread): defences against misbehaving members. */
-/* Counts a misbehaviour of member `id` (its parameters were rejected: `why`)
- * and keeps exchanges with it off for a backoff that doubles with each
- * strike (2 s to 256 s). */
-void gossip_strike(struct gossip *g, const uint8_t *id, const char *why);
-/* A clean exchange with `id`: one strike is forgiven, so an honest peer's
- * rare outlier fades while a consistent offender's backoff keeps growing. */
-void gossip_forgive(struct gossip *g, const uint8_t *id);
-/* Rate limits: false when member `id` is over its budget of exchange
- * requests (connections); the refusal is counted and logged now and then. */
-bool gossip_guard_allow_xch(struct gossip *g, const uint8_t *id);
-bool gossip_guard_allow_conn(struct gossip *g, const uint8_t *id);
-/* An exchange transfer begins (bulk metadata: exchange `xid`, the partner's
- * snapshot `step`): refuses it (returns a negative code, ends the exchange
- * and strikes the partner) when its length is not the model's or its step
- * is older than one the partner already sent (a replayed round). 0: go on. */
-int gossip_guard_xch_bulk(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
-                          uint64_t step);
+/* ---- runtime.c ---- */
 
-#ifdef RUMOR_TESTING
-/* testing.c: the testing build's misbehaving member (see there). */
-int gossip_testing_start(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
-void gossip_testing_free(struct gossip *g);
-/* Poisons our snapshot in `mine` once it is taken; may change *step. */
-void gossip_testing_snapshot(struct gossip *g, uint64_t *step);
-/* How many of our `count` values to send. */
-uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count);
-void gossip_testing_tick(struct gossip *g, uint64_t now);
-#endif
-
-/* runtime.c */
 uint64_t gossip_now_ms(struct gossip *g);
+/* "127.0.0.1:4000 (AbCdEf12)": how log lines name a member. */
+void gossip_member_label(struct gossip *g, const uint8_t *id, char *buf, size_t n);
+
+/* ---- wire.c: codecs shared with the monitor (any thread) ---- */
+
 /* The cluster-wide count-sketch seed: a keyed hash of a fixed label under the
  * cluster key, so members and monitors agree without configuration. */
 uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYTES]);
 /* Splits a comma-separated address list into out[0..*n) (malloc'd; the
  * caller frees them, also on error). RUMOR_EFORMAT names a bad address. */
 int gossip_split_addrs(const char *list, char **out, size_t max, size_t *n, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Member updates travel under "u" as an array of [id (bin 32), addr (str),
+ * role, state, incarnation, ready (bool)]. */
+void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n);
+/* Decodes and validates the array of updates under `key` (absent: zero).
+ * Returns the count, or RUMOR_EPROTO for anything malformed or more than max;
+ * never trusts a length or enum from the wire. */
+int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max);
+/* True when s[0..n) is printable ASCII without spaces. */
+bool gossip_printable(const char *s, size_t n);
+
+/* ---- links.c ---- */
+
+void gossip_links_free(struct gossip *g);
 struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool create);
+/* Uses `c`, a connection authenticated as member `id`, for that member
+ * unless it has one open already. */
+void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c);
+/* `c` closed: forgets it. Returns the member it served, or NULL. */
+const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c);
+/* A member's address or state changed (from SWIM): a new address is dialed
+ * afresh; a member gone (failed or left) has its connection closed. */
+void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool gone);
 /* Sends an encoded message to member `id` (dialing its address if needed).
  * Returns 0 or a negative code; the message may still be lost. */
 int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b);
@@ -253,24 +320,122 @@ bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bo
 bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude);
 /* Recomputes our active/passive role from the member table. */
 void gossip_update_role(struct gossip *g);
-void gossip_publish(struct gossip *g);
-void gossip_fail_stat(struct gossip *g, const char *why);
 
-/* stats.c (loop thread) */
+/* ---- guard.c ---- */
+
+/* Takes a token from `b` at time now_ms; false when it is empty. `rate` 0
+ * means no limit. Pure: for tests as well. */
+bool gossip_bucket_take(struct gossip_bucket *b, uint64_t now_ms, double rate);
+void gossip_guard_free(struct gossip *g);
+/* Counts a misbehaviour of member `id` (its parameters were rejected: `why`)
+ * and keeps exchanges with it off for a backoff that doubles with each
+ * strike (2 s to 256 s). */
+void gossip_strike(struct gossip *g, const uint8_t *id, const char *why, uint64_t now);
+/* A clean exchange with `id`: one strike is forgiven, so an honest peer's
+ * rare outlier fades while a consistent offender's backoff keeps growing. */
+void gossip_forgive(struct gossip *g, const uint8_t *id);
+/* Strikes so far against `id` (0 for a member never struck). */
+uint32_t gossip_strikes(struct gossip *g, const uint8_t *id);
+/* True while exchanges with `id` are off. */
+bool gossip_backed_off(struct gossip *g, const uint8_t *id, uint64_t now);
+/* Keeps `id` off until `until_ms` at least (a busy or slow donor). */
+void gossip_back_off(struct gossip *g, const uint8_t *id, uint64_t until_ms);
+/* `id` came back (alive after failed or left): its backoff ends. */
+void gossip_guard_on_return(struct gossip *g, const uint8_t *id);
+/* Rate limits: false when member `id` is over its budget of exchange
+ * requests (connections); the refusal is counted and logged now and then. */
+bool gossip_guard_allow_xch(struct gossip *g, const uint8_t *id, uint64_t now);
+bool gossip_guard_allow_conn(struct gossip *g, const uint8_t *id, uint64_t now);
+/* The verdict on an exchange transfer from partner `id` about to begin:
+ * `count` values of the partner's snapshot of `step`. True to take it; false
+ * with the reason in why[0..n) when its length is not the model's or its
+ * step is older than one the partner already sent at its current
+ * incarnation (a replayed round). The caller refuses it and strikes. */
+bool gossip_guard_check_transfer(struct gossip *g, const uint8_t *id, uint64_t count, uint64_t step, char *why,
+                                 size_t n);
+
+/* ---- join.c ---- */
+
+int gossip_join_init(struct gossip *g, const char *bootstrap, struct rumor_err *e) RUMOR_MUST_CHECK;
+void gossip_join_free(struct gossip *g);
+/* True once we are a member (loop thread). */
+bool gossip_joined(struct gossip *g);
+void gossip_join_tick(struct gossip *g, uint64_t now);
+/* JOIN, JOIN_OK, JOIN_REJECT and STATE_BUSY. */
+void gossip_join_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+/* The donor's state transfer begins (position from its metadata): returns 0
+ * with *dst set, or a negative code to refuse it. */
+int gossip_join_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
+                              const struct gossip_train_pos *pos, float **dst);
+/* A transfer ended: true when it was the pull's. */
+bool gossip_join_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
+void gossip_join_on_close(struct gossip *g, net_conn_t *c);
+/* Member `id` failed or left: a pull from it moves on. */
+void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left);
+/* Wakes the training thread's waits (a stop). Any thread. */
+void gossip_join_wake(struct gossip *g);
+
+/* ---- exchange.c ---- */
+
+void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+/* The partner's exchange transfer begins (exchange `xid`, its snapshot of
+ * `step`): returns 0 with *dst set, or a negative code to refuse it (a
+ * refusal on the guard's verdict ends the exchange and strikes the
+ * partner). */
+int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
+                             uint64_t step, float **dst);
+/* A transfer ended: true when it was the exchange's. */
+bool gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
+void gossip_xch_tick(struct gossip *g, uint64_t now);
+void gossip_xch_on_close(struct gossip *g, net_conn_t *c);
+/* Member `id` is gone or its connection broke (`why`): an exchange with it
+ * is abandoned, nothing applied. */
+void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why);
+/* Ends the exchange in progress, nothing applied (shutting down). */
+void gossip_xch_abandon(struct gossip *g, const char *why);
+
+/* ---- donation.c ---- */
+
+void gossip_donation_init(struct gossip *g);
+void gossip_donation_free(struct gossip *g);
+/* STATE_REQ (a newcomer) and PARAMS_REQ (a monitor). */
+void gossip_donation_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+void gossip_donation_on_close(struct gossip *g, net_conn_t *c);
+
+/* ---- stats.c: monitoring ---- */
+
+/* Events other parts report; counted here (any thread). */
+enum gossip_event {
+  GOSSIP_EV_XCH_APPLIED,      /* an exchange applied */
+  GOSSIP_EV_XCH_FAILED,       /* abandoned (why: the reason) */
+  GOSSIP_EV_XCH_REJECTED,     /* the partner's parameters refused (why) */
+  GOSSIP_EV_XCH_REQUESTED,    /* we asked a partner */
+  GOSSIP_EV_XCH_REFUSED,      /* a partner refused our request */
+  GOSSIP_EV_XCH_IDLE,         /* a snapshot found no free partner */
+  GOSSIP_EV_DONATED,          /* a state donated */
+  GOSSIP_EV_XCH_RATE_LIMITED, /* a request refused by our rate limit */
+  GOSSIP_EV_CONN_RATE_LIMITED,
+};
+void gossip_count(struct gossip *g, enum gossip_event ev, const char *why);
+int gossip_monitoring_init(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
+void gossip_monitoring_free(struct gossip *g);
+/* The norm and sketch last published by the training thread into
+ * norm/sketch (sketch_k doubles); false when no sketch was published. Any
+ * thread. */
+bool gossip_monitoring_sketch(struct gossip *g, double *norm, double *sketch);
+/* Rebuilds the member view and the member and byte counts. */
+void gossip_publish(struct gossip *g);
+/* STATS_REQ and MEMBERS_REQ. */
 void gossip_stats_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 void gossip_stats_tick(struct gossip *g, uint64_t now);
 void gossip_stats_on_close(struct gossip *g, net_conn_t *c);
 /* Starts the metrics endpoint on cfg.metrics. */
-int gossip_metrics_start(struct gossip *g, struct rumor_err *e);
+int gossip_metrics_start(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
 void gossip_metrics_stop(struct gossip *g);
-void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n);
-/* Decodes and validates the array of updates under `key` (absent: zero).
- * Returns the count, or RUMOR_EPROTO for anything malformed or more than max. */
-int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max);
 
-/* http.c: a minimal HTTP/1.0 server for GET requests on a libuv loop. The
- * handler fills *body (malloc'd, the server frees it) and returns the status
- * code. Loop thread only. */
+/* ---- http.c: a minimal HTTP/1.0 server for GET requests on a libuv loop.
+ * The handler fills *body (malloc'd, the server frees it) and returns the
+ * status code. Loop thread only. ---- */
 struct gossip_http;
 typedef int (*gossip_http_handler)(void *ctx, const char *path, char **body, size_t *len, const char **type);
 int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler h, void *ctx, struct gossip_http **out,
@@ -279,21 +444,15 @@ int gossip_http_port(const struct gossip_http *h);
 /* Closes the listener and every client; frees `h` once all handles closed. */
 void gossip_http_stop(struct gossip_http *h);
 
-/* exchange.c (loop thread unless stated) */
-void gossip_xch_on_snapshot_ready(net_t *n, void *arg, int status);
-void gossip_xch_on_applied(net_t *n, void *arg, int status);
-void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
-int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
-                             uint64_t kind, uint64_t xid, float **dst);
-void gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
-void gossip_xch_tick(struct gossip *g, uint64_t now);
-void gossip_xch_on_close(struct gossip *g, net_conn_t *c);
-void gossip_xch_abandon(struct gossip *g, const char *why);
-/* Ends the exchange in progress because the partner's transfer is refused
- * (`why`): nothing applied, the partner told, counted as rejected. */
-void gossip_xch_refuse(struct gossip *g, const char *why);
-void gossip_donor_on_ready(net_t *n, void *arg, int status);
-void gossip_pull_tick(struct gossip *g, uint64_t now);
-void gossip_pull_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+#ifdef RUMOR_TESTING
+/* ---- testing.c: the testing build's misbehaving member (see there) ---- */
+int gossip_testing_start(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
+void gossip_testing_free(struct gossip *g);
+/* Poisons our snapshot in `mine` once it is taken; may change *step. */
+void gossip_testing_snapshot(struct gossip *g, uint64_t *step);
+/* How many of our `count` values to send. */
+uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count);
+void gossip_testing_tick(struct gossip *g, uint64_t now);
+#endif
 
 #endif /* RUMOR_GOSSIP_IMPL_H */

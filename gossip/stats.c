@@ -1,7 +1,9 @@
 /*
  * Monitoring on the node's side: the figures the training thread publishes,
- * the STATS / MEMBERS / PARAMS requests that `rumor top` sends, and the
- * Prometheus text served on the metrics endpoint.
+ * the counters every part reports events to, the member view other threads
+ * read, the STATS and MEMBERS requests that `rumor top` sends (its
+ * PARAMS_REQ is a donation: donation.c), and the Prometheus text served on
+ * the metrics endpoint.
  *
  * The O(P) parts (parameter norm, count-sketch) are computed by the training
  * thread only when someone asked (stats_wanted), never by the loop thread,
@@ -17,30 +19,162 @@
 
 #include "gossip/gossip_impl.h"
 
+int gossip_monitoring_init(struct gossip *g, struct rumor_err *e) {
+  struct gossip_monitoring *mon = &g->mon;
+  mon->sketch_k = g->cfg.sketch_k ? g->cfg.sketch_k : 1024;
+  if (mon->sketch_k < 1 || mon->sketch_k > 65536 || (mon->sketch_k & (mon->sketch_k - 1)))
+    return rumor_err_set(e, RUMOR_EFORMAT, "sketch size %d is not a power of two in [1, 65536]", mon->sketch_k);
+  mon->psketch = xcalloc((size_t)mon->sketch_k, sizeof(double));
+  mon->sketch_seed = gossip_derive_sketch_seed(g->cluster_key);
+  return 0;
+}
+
+void gossip_monitoring_free(struct gossip *g) {
+  free(g->mon.psketch);
+  free(g->mon.pub);
+  g->mon.psketch = NULL;
+  g->mon.pub = NULL;
+}
+
+void gossip_count(struct gossip *g, enum gossip_event ev, const char *why) {
+  struct gossip_stats *c = &g->mon.counters;
+  pthread_mutex_lock(&g->lock);
+  switch (ev) {
+  case GOSSIP_EV_XCH_APPLIED:
+    c->exchanges_ok++;
+    g->mon.last_exchange_ms = clock_now_ns() / 1000000;
+    break;
+  case GOSSIP_EV_XCH_FAILED:
+    c->exchanges_failed++;
+    snprintf(c->last_failure, sizeof c->last_failure, "%.120s", why ? why : "");
+    break;
+  case GOSSIP_EV_XCH_REJECTED:
+    c->exchanges_rejected++;
+    snprintf(c->last_failure, sizeof c->last_failure, "rejected: %.100s", why ? why : "");
+    break;
+  case GOSSIP_EV_XCH_REQUESTED: c->exchange_requests++; break;
+  case GOSSIP_EV_XCH_REFUSED: c->exchange_refusals++; break;
+  case GOSSIP_EV_XCH_IDLE: c->exchange_idle++; break;
+  case GOSSIP_EV_DONATED: c->donations++; break;
+  case GOSSIP_EV_XCH_RATE_LIMITED: c->exchange_rate_limited++; break;
+  case GOSSIP_EV_CONN_RATE_LIMITED: c->conn_rate_limited++; break;
+  }
+  pthread_mutex_unlock(&g->lock);
+}
+
 /* ---- training thread ---- */
 
-bool gossip_stats_wanted(gossip_t *g) { return atomic_load(&g->stats_wanted); }
+bool gossip_stats_wanted(gossip_t *g) { return atomic_load(&g->mon.wanted); }
 
 static void answer_waiters(net_t *n, void *arg, int status);
 
 void gossip_stats_publish(gossip_t *g, const struct gossip_peer_stats *s) {
+  struct gossip_monitoring *mon = &g->mon;
   pthread_mutex_lock(&g->lock);
-  g->pstats = *s;
-  g->pstats.sketch = NULL;
+  mon->pstats = *s;
+  mon->pstats.sketch = NULL;
   if (s->sketch) {
-    memcpy(g->psketch, s->sketch, (size_t)g->sketch_k * sizeof(double));
-    g->have_sketch = true;
+    memcpy(mon->psketch, s->sketch, (size_t)mon->sketch_k * sizeof(double));
+    mon->have_sketch = true;
   }
-  g->have_stats = true;
-  g->stats_ms = clock_now_ns() / 1000000;
+  mon->have_stats = true;
+  mon->stats_ms = clock_now_ns() / 1000000;
   pthread_mutex_unlock(&g->lock);
-  if (s->sketch && atomic_exchange(&g->stats_wanted, false)) {
+  if (s->sketch && atomic_exchange(&mon->wanted, false)) {
     if (net_call(g->net, answer_waiters, g) != 0) log_debug("cannot hand fresh figures to the network thread");
   }
 }
 
-uint64_t gossip_sketch_seed(const gossip_t *g) { return g->sketch_seed; }
-int gossip_sketch_k(const gossip_t *g) { return g->sketch_k; }
+bool gossip_monitoring_sketch(struct gossip *g, double *norm, double *sketch) {
+  pthread_mutex_lock(&g->lock);
+  bool have = g->mon.have_sketch;
+  *norm = g->mon.pstats.param_norm;
+  if (have) memcpy(sketch, g->mon.psketch, (size_t)g->mon.sketch_k * sizeof(double));
+  pthread_mutex_unlock(&g->lock);
+  return have;
+}
+
+uint64_t gossip_sketch_seed(const gossip_t *g) { return g->mon.sketch_seed; }
+int gossip_sketch_k(const gossip_t *g) { return g->mon.sketch_k; }
+
+/* ---- figures for other threads ---- */
+
+static const char *role_name(enum swim_role r) { return r == SWIM_ROLE_BOOTSTRAP ? "bootstrap" : "peer"; }
+
+void gossip_publish(struct gossip *g) {
+  struct gossip_monitoring *mon = &g->mon;
+  gossip_update_role(g);
+  size_t need = g->swim.nmembers + 1;
+  pthread_mutex_lock(&g->lock);
+  if (need > mon->pub_cap) {
+    mon->pub_cap = need * 2;
+    mon->pub = xrealloc(mon->pub, mon->pub_cap * sizeof *mon->pub);
+  }
+  mon->npub = 0;
+  for (size_t i = 0; i < need; i++) {
+    const struct swim_update *u = i == 0 ? &g->swim.self : &g->swim.members[i - 1].info;
+    struct gossip_member_view *v = &mon->pub[mon->npub++];
+    net_pubkey_format(v->id, u->id);
+    snprintf(v->addr, sizeof v->addr, "%s", u->addr);
+    v->role = role_name(u->role);
+    v->state = swim_state_name(u->state);
+    v->incarnation = u->incarnation;
+    v->ready = u->ready;
+    v->self = i == 0;
+  }
+  struct gossip_stats *s = &mon->counters;
+  s->members_alive = s->members_suspect = s->members_failed = s->members_left = 0;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    switch (g->swim.members[i].info.state) {
+    case SWIM_ALIVE: s->members_alive++; break;
+    case SWIM_SUSPECT: s->members_suspect++; break;
+    case SWIM_DEAD: s->members_failed++; break;
+    case SWIM_LEFT: s->members_left++; break;
+    }
+  }
+  if (g->net) {
+    struct net_stats ns;
+    net_stats_get(g->net, &ns);
+    s->bytes_in = ns.total.bytes_in;
+    s->bytes_out = ns.total.bytes_out;
+  }
+  pthread_mutex_unlock(&g->lock);
+}
+
+void gossip_stats_get(gossip_t *g, struct gossip_stats *s) {
+  pthread_mutex_lock(&g->lock);
+  *s = g->mon.counters;
+  uint64_t last = g->mon.last_exchange_ms;
+  pthread_mutex_unlock(&g->lock);
+  s->last_exchange_age_s = last ? (double)(clock_now_ns() / 1000000 - last) / 1e3 : -1.0;
+}
+
+size_t gossip_members(gossip_t *g, struct gossip_member_view *out, size_t max) {
+  pthread_mutex_lock(&g->lock);
+  size_t n = g->mon.npub;
+  for (size_t i = 0; i < n && i < max; i++) out[i] = g->mon.pub[i];
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+size_t gossip_live_partners(gossip_t *g) {
+  pthread_mutex_lock(&g->lock);
+  size_t n = 0;
+  for (size_t i = 1; i < g->mon.npub; i++) /* pub[0] is ourselves */
+    if (strcmp(g->mon.pub[i].role, "peer") == 0 && g->mon.pub[i].ready && strcmp(g->mon.pub[i].state, "alive") == 0)
+      n++;
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+size_t gossip_ready_peers(gossip_t *g) {
+  pthread_mutex_lock(&g->lock);
+  size_t peers = g->mon.npub > 0 && g->mon.pub[0].ready ? 1 : 0;
+  for (size_t i = 1; i < g->mon.npub; i++)
+    if (strcmp(g->mon.pub[i].role, "peer") == 0 && g->mon.pub[i].ready) peers++;
+  pthread_mutex_unlock(&g->lock);
+  return peers;
+}
 
 /* ---- loop thread: requests ---- */
 
@@ -67,20 +201,20 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_uint(&b, "donations", gs.donations);
   pthread_mutex_lock(&g->lock);
   uint64_t now = clock_now_ns() / 1000000;
-  if (g->have_stats) {
-    net_msgbuf_put_int(&b, "step", g->pstats.step);
-    net_msgbuf_put_int(&b, "epoch", g->pstats.epoch);
-    net_msgbuf_put_int(&b, "samples", g->pstats.samples);
-    net_msgbuf_put_double(&b, "loss", g->pstats.loss);
-    net_msgbuf_put_double(&b, "sps", g->pstats.samples_per_s);
-    net_msgbuf_put_double(&b, "norm", g->pstats.param_norm);
-    net_msgbuf_put_double(&b, "age", (double)(now - g->stats_ms) / 1e3);
+  if (g->mon.have_stats) {
+    net_msgbuf_put_int(&b, "step", g->mon.pstats.step);
+    net_msgbuf_put_int(&b, "epoch", g->mon.pstats.epoch);
+    net_msgbuf_put_int(&b, "samples", g->mon.pstats.samples);
+    net_msgbuf_put_double(&b, "loss", g->mon.pstats.loss);
+    net_msgbuf_put_double(&b, "sps", g->mon.pstats.samples_per_s);
+    net_msgbuf_put_double(&b, "norm", g->mon.pstats.param_norm);
+    net_msgbuf_put_double(&b, "age", (double)(now - g->mon.stats_ms) / 1e3);
   }
-  if (g->have_sketch) {
-    net_msgbuf_put_uint(&b, "sk_k", (uint64_t)g->sketch_k);
-    net_msgbuf_put_uint(&b, "sk_seed", g->sketch_seed);
+  if (g->mon.have_sketch) {
+    net_msgbuf_put_uint(&b, "sk_k", (uint64_t)g->mon.sketch_k);
+    net_msgbuf_put_uint(&b, "sk_seed", g->mon.sketch_seed);
     /* Little-endian doubles; every supported platform is little-endian. */
-    net_msgbuf_put_bin(&b, "sketch", g->psketch, (size_t)g->sketch_k * sizeof(double));
+    net_msgbuf_put_bin(&b, "sketch", g->mon.psketch, (size_t)g->mon.sketch_k * sizeof(double));
   }
   pthread_mutex_unlock(&g->lock);
   if (net_conn_send_msg(c, &b)) log_debug("cannot answer STATS from %s", net_conn_peer_name(c));
@@ -90,25 +224,25 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
 static void answer_waiters(net_t *n, void *arg, int status) {
   struct gossip *g = arg;
   if (status) return;
-  for (size_t i = 0; i < g->nwaiters; i++)
-    if (g->waiters[i].conn) send_stats(g, g->waiters[i].conn, g->waiters[i].q);
-  g->nwaiters = 0;
+  for (size_t i = 0; i < g->mon.nwaiters; i++)
+    if (g->mon.waiters[i].conn) send_stats(g, g->mon.waiters[i].conn, g->mon.waiters[i].q);
+  g->mon.nwaiters = 0;
 }
 
 static void handle_stats_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   uint64_t q = 0;
   if (net_msg_get_uint(m, "q", &q)) q = 0;
   pthread_mutex_lock(&g->lock);
-  bool fresh = g->have_sketch && clock_now_ns() / 1000000 - g->stats_ms < GOSSIP_STATS_FRESH_MS;
+  bool fresh = g->mon.have_sketch && clock_now_ns() / 1000000 - g->mon.stats_ms < GOSSIP_STATS_FRESH_MS;
   pthread_mutex_unlock(&g->lock);
   /* Bootstrap nodes and peers not yet training have nothing to compute. */
   if (fresh || g->cfg.role != GOSSIP_ROLE_PEER || !atomic_load(&g->ready) ||
-      g->nwaiters == GOSSIP_STATS_WAITERS) {
+      g->mon.nwaiters == GOSSIP_STATS_WAITERS) {
     send_stats(g, c, q);
     return;
   }
-  g->waiters[g->nwaiters++] = (struct stats_waiter){c, q, gossip_now_ms(g) + GOSSIP_STATS_WAIT_MS};
-  atomic_store(&g->stats_wanted, true);
+  g->mon.waiters[g->mon.nwaiters++] = (struct stats_waiter){c, q, gossip_now_ms(g) + GOSSIP_STATS_WAIT_MS};
+  atomic_store(&g->mon.wanted, true);
 }
 
 static void handle_members_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
@@ -126,38 +260,10 @@ static void handle_members_req(struct gossip *g, net_conn_t *c, const struct net
   free(tab);
 }
 
-/* A monitor wants our parameters (exact drift): served through the
- * donation slot, which the training thread fills at its next boundary. */
-static void handle_params_req(struct gossip *g, net_conn_t *c) {
-  struct net_msgbuf b;
-  int expected = SLOT_IDLE;
-  bool can = g->cfg.role == GOSSIP_ROLE_PEER && atomic_load(&g->ready) && !g->stopping &&
-             atomic_load(&g->donor_state) == SLOT_IDLE;
-  if (can) {
-    /* Set before the slot turns WANT: the training thread reads it then. */
-    atomic_store(&g->donor_params_only, true);
-    if (!atomic_compare_exchange_strong(&g->donor_state, &expected, SLOT_WANT)) {
-      atomic_store(&g->donor_params_only, false);
-      can = false;
-    }
-  }
-  if (!can) {
-    net_msgbuf_init(&b, GMSG_STATE_BUSY, GOSSIP_PROTO_VERSION);
-    net_msgbuf_put_str(&b, "why", "busy", 4);
-    net_msgbuf_put_bool(&b, "fatal", false);
-    if (net_conn_send_msg(c, &b)) log_debug("cannot answer PARAMS from %s", net_conn_peer_name(c));
-    net_msgbuf_free(&b);
-    return;
-  }
-  g->donor_conn = c;
-  memcpy(g->donor_to, net_conn_peer_key(c), NET_PUBKEY_BYTES);
-}
-
 void gossip_stats_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   switch (m->type) {
   case GMSG_STATS_REQ: handle_stats_req(g, c, m); return;
   case GMSG_MEMBERS_REQ: handle_members_req(g, c, m); return;
-  case GMSG_PARAMS_REQ: handle_params_req(g, c); return;
   default: return;
   }
 }
@@ -165,19 +271,19 @@ void gossip_stats_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *
 void gossip_stats_tick(struct gossip *g, uint64_t now) {
   /* Requests whose figures did not come in time get what we have. */
   size_t w = 0;
-  for (size_t i = 0; i < g->nwaiters; i++) {
-    if (now >= g->waiters[i].deadline_ms) {
-      if (g->waiters[i].conn) send_stats(g, g->waiters[i].conn, g->waiters[i].q);
+  for (size_t i = 0; i < g->mon.nwaiters; i++) {
+    if (now >= g->mon.waiters[i].deadline_ms) {
+      if (g->mon.waiters[i].conn) send_stats(g, g->mon.waiters[i].conn, g->mon.waiters[i].q);
     } else {
-      g->waiters[w++] = g->waiters[i];
+      g->mon.waiters[w++] = g->mon.waiters[i];
     }
   }
-  g->nwaiters = w;
+  g->mon.nwaiters = w;
 }
 
 void gossip_stats_on_close(struct gossip *g, net_conn_t *c) {
-  for (size_t i = 0; i < g->nwaiters; i++)
-    if (g->waiters[i].conn == c) g->waiters[i].conn = NULL;
+  for (size_t i = 0; i < g->mon.nwaiters; i++)
+    if (g->mon.waiters[i].conn == c) g->mon.waiters[i].conn = NULL;
 }
 
 /* ---- the metrics endpoint ---- */
@@ -225,9 +331,9 @@ static void metrics_text(struct gossip *g, struct text *t) {
   escape_label(model, sizeof model, g->model);
   escape_label(id, sizeof id, g->self_id_text);
   metric(t, "rumor_info", "gauge", "Node identity (always 1).");
-  tprintf(t, "rumor_info{role=\"%s\",model=\"%s\",id=\"%s\",version=\"0.1.0\"} 1\n", role_text(g), model, id);
+  tprintf(t, "rumor_info{role=\"%s\",model=\"%s\",id=\"%s\",version=\"%s\"} 1\n", role_text(g), model, id, RUMOR_VERSION);
   metric(t, "rumor_ready", "gauge", "1 when the node holds a state and trains (peers), or has joined (bootstrap).");
-  tprintf(t, "rumor_ready %d\n", g->cfg.role == GOSSIP_ROLE_PEER ? (int)atomic_load(&g->ready) : (int)g->joined);
+  tprintf(t, "rumor_ready %d\n", g->cfg.role == GOSSIP_ROLE_PEER ? (int)atomic_load(&g->ready) : (int)gossip_joined(g));
   metric(t, "rumor_members", "gauge", "Cluster members known to this node, by state (this node not included).");
   tprintf(t, "rumor_members{state=\"alive\"} %llu\nrumor_members{state=\"suspect\"} %llu\n",
           (unsigned long long)gs.members_alive, (unsigned long long)gs.members_suspect);
@@ -252,8 +358,8 @@ static void metrics_text(struct gossip *g, struct text *t) {
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);
   }
   pthread_mutex_lock(&g->lock);
-  if (g->have_stats) {
-    struct gossip_peer_stats s = g->pstats;
+  if (g->mon.have_stats) {
+    struct gossip_peer_stats s = g->mon.pstats;
     pthread_mutex_unlock(&g->lock);
     metric(t, "rumor_training_step", "gauge", "Optimizer steps applied.");
     tprintf(t, "rumor_training_step %lld\n", (long long)s.step);
@@ -281,7 +387,7 @@ static int metrics_handler(void *ctx, const char *path, char **body, size_t *len
     *type = "text/plain; version=0.0.4; charset=utf-8";
     status = 200;
   } else if (strcmp(path, "/healthz") == 0) {
-    bool ok = g->cfg.role == GOSSIP_ROLE_PEER ? atomic_load(&g->ready) : g->joined;
+    bool ok = g->cfg.role == GOSSIP_ROLE_PEER ? atomic_load(&g->ready) : gossip_joined(g);
     tprintf(&t, ok ? "ok\n" : "not ready\n");
     status = ok ? 200 : 503;
   } else {
@@ -295,14 +401,14 @@ static int metrics_handler(void *ctx, const char *path, char **body, size_t *len
 
 int gossip_metrics_start(struct gossip *g, struct rumor_err *e) {
   if (!g->cfg.metrics || !*g->cfg.metrics) return 0;
-  int rc = gossip_http_start(&g->loop, g->cfg.metrics, metrics_handler, g, &g->http, e);
-  if (rc == 0) log_info("metrics on http://%s/metrics (port %d)", g->cfg.metrics, gossip_http_port(g->http));
+  int rc = gossip_http_start(&g->loop, g->cfg.metrics, metrics_handler, g, &g->mon.http, e);
+  if (rc == 0) log_info("metrics on http://%s/metrics (port %d)", g->cfg.metrics, gossip_http_port(g->mon.http));
   return rc;
 }
 
-int gossip_metrics_port(const gossip_t *g) { return g->http ? gossip_http_port(g->http) : 0; }
+int gossip_metrics_port(const gossip_t *g) { return g->mon.http ? gossip_http_port(g->mon.http) : 0; }
 
 void gossip_metrics_stop(struct gossip *g) {
-  gossip_http_stop(g->http);
-  g->http = NULL;
+  gossip_http_stop(g->mon.http);
+  g->mon.http = NULL;
 }

@@ -14,9 +14,10 @@
  *   scale     the model multiplied by -1000
  *   signflip  the model multiplied by -1 (passes the distance check: only
  *             clipping limits it)
- *   replay    records its first snapshot taken after step 0, stays honest
- *             for TEST_REPLAY_AFTER more, then sends the recorded one again,
- *             with its old step, every time
+ *   replay    records its first snapshot taken at step TEST_REPLAY_STEP or
+ *             later (a round of training, not the initialisation), stays
+ *             honest for TEST_REPLAY_AFTER more, then sends the recorded one
+ *             again, with its old step, every time
  * Acting in the protocol:
  *   short     sends one value fewer than the model has
  *   flood     every tick (20 ms), each live peer gets TEST_FLOOD_REQS
@@ -34,6 +35,7 @@
 
 #define TEST_FLOOD_REQS 20
 #define TEST_REPLAY_AFTER 30
+#define TEST_REPLAY_STEP 50
 
 static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood"};
 
@@ -61,7 +63,7 @@ void gossip_testing_free(struct gossip *g) {
 
 void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
   struct gossip_test *t = &g->test;
-  float *p = g->mine;
+  float *p = g->xch.mine;
   uint64_t n = g->cfg.nparams;
   t->snapshots++;
   switch (t->attack) {
@@ -77,7 +79,7 @@ void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
     return;
   case TEST_REPLAY:
     if (!t->recorded) {
-      if (*step == 0) return; /* record a round of training, not the state everyone starts from */
+      if (*step < TEST_REPLAY_STEP) return; /* a round of training, not the state everyone starts from */
       t->recorded = xmalloc((size_t)n * sizeof(float));
       memcpy(t->recorded, p, (size_t)n * sizeof(float));
       t->recorded_step = *step;

@@ -18,10 +18,6 @@
 #include "peer/train/train.h"
 #include "util/util.h"
 
-#ifndef RUMOR_VERSION
-#define RUMOR_VERSION "unknown" /* set by CMake from project(VERSION) */
-#endif
-
 /* ============================================================================
  * Parsing
  * ========================================================================== */

@@ -59,12 +59,41 @@ static int validate(struct sync *s, char *why, size_t n) {
   return 0;
 }
 
+/* After an exchange we asked for applied nothing (no partner free, refused,
+ * failed), the next is asked for no sooner than this, doubling up to the
+ * maximum, whatever the schedule: a peer that steps a thousand times a
+ * second, or holds and polls every 200 µs, must not flood its partners with
+ * requests (they would rate-limit an honest peer). */
+#define RETRY_MIN_S 0.002
+#define RETRY_MAX_S 0.1
+
+/* Follows the exchange we asked for to its end, and paces the next. */
+static void pace(struct sync *s, double now) {
+  if (!s->asked || gossip_xch_in_flight(s->g)) return;
+  s->asked = false;
+  if (s->applied > s->applied_at_ask) {
+    s->failed_asks = 0;
+    return;
+  }
+  s->failed_asks++;
+  double wait = RETRY_MIN_S * (double)(1u << (s->failed_asks < 7 ? s->failed_asks - 1 : 6));
+  s->next_ask_s = now + (wait < RETRY_MAX_S ? wait : RETRY_MAX_S);
+}
+
 static void exchange(struct sync *s) {
   struct trainer *t = s->t;
   double now = clock_now_s();
+  pace(s, now);
   bool want = s->holding || (s->cfg.every_steps > 0 && t->st.step % s->cfg.every_steps == 0) ||
               (s->cfg.every_s > 0 && now - s->last_start_s >= s->cfg.every_s);
-  switch (gossip_xch_poll(s->g, want)) {
+  want = want && !s->asked && now >= s->next_ask_s;
+  bool idle = want && !gossip_xch_in_flight(s->g);
+  enum gossip_xch_work work = gossip_xch_poll(s->g, want);
+  if (idle && work == GOSSIP_XCH_SNAPSHOT) {
+    s->asked = true; /* ours (or a partner's request that came first: followed all the same) */
+    s->applied_at_ask = s->applied;
+  }
+  switch (work) {
   case GOSSIP_XCH_NONE: return;
   case GOSSIP_XCH_SNAPSHOT:
     if (!s->snap_pending) {
@@ -141,7 +170,7 @@ void sync_hold(struct sync *s, const atomic_int *stop) {
     }
     const struct timespec tick = {0, 200 * 1000};
     nanosleep(&tick, NULL);
-    sync_boundary(s);
+    sync_boundary(s); /* asks for exchanges, paced (above) */
     if (++polls % 25 == 0 && gossip_live_partners(s->g) == 0) break; /* the others left */
   }
   s->holding = false;

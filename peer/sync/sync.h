@@ -148,7 +148,13 @@ struct sync {
   uint64_t skipped;         /* of the rejected: far outliers skipped by clipping */
   int64_t mix_step;         /* step of the last applied exchange (or of the start) */
   int64_t longest_local;    /* most steps between applied exchanges seen */
-  bool holding;             /* in sync_hold: exchange whatever the schedule */
+  bool holding;             /* in sync_hold: ask for an exchange whatever the schedule */
+  /* Pacing (sync.c): the exchange we asked for, followed to its end; after
+   * one that applied nothing, no new one before next_ask_s. */
+  bool asked;
+  uint64_t applied_at_ask;
+  unsigned failed_asks;
+  double next_ask_s;
   uint64_t holds, hold_timeouts;
   int hold_failures_in_row;
   int64_t hold_resume_step; /* no hold before this step (after holds that gave up) */

@@ -182,30 +182,11 @@ Test(group, two_stages_1f1b_three_steps_equal_three_single_process_steps) {
 
 /* ---- groups in the background ---- */
 
-struct bg {
-  pid_t pid;
-  char out[256], log[256];
-};
-
-/* Starts `rumor group --group NAME ... args` with stdout and stderr to
- * files in the scratch directory. */
-static void start_group(struct bg *g, const char *name, char *const *args) {
-  snprintf(g->out, sizeof g->out, "%s/%s.out", C.dir, name);
-  snprintf(g->log, sizeof g->log, "%s/%s.log", C.dir, name);
-  char id[256];
-  make_identity(name, id, sizeof id);
-  char *argv[96] = {RUMOR_BIN, "group", "--group", (char *)name, "--cluster-key", C.key, "--identity", id,
-                    "--period-ms", "100", "--ping-timeout-ms", "60", "--suspect-ms", "1000", "--threads", "1",
-                    "--log-every", "1"};
-  int n = 18;
-  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
-  argv[n] = NULL;
-  g->pid = proc_spawn(argv, g->out, g->log);
-  cr_assert_gt(g->pid, 0);
-}
+/* `rumor group --group NAME ... args` (the release binary). */
+static void start_group(struct cluster_group *g, const char *name, char *const *args) { cluster_start_group(&C, g, name, args); }
 
 /* A stage's PID from its group's output, registered for clean-up. */
-static pid_t stage_pid(const struct bg *g, int stage) {
+static pid_t stage_pid(const struct cluster_group *g, int stage) {
   char pat[64];
   snprintf(pat, sizeof pat, "\"stage\":%d,\"stages\":2,\"pid\":", stage);
   cr_assert(cluster_wait_file(g->out, pat, 60), "stage %d did not start: %s", stage, proc_slurp(g->log));
@@ -215,19 +196,6 @@ static pid_t stage_pid(const struct bg *g, int stage) {
   cr_assert_gt(pid, 0);
   proc_register(pid);
   return pid;
-}
-
-/* A number from the last line of `path` that contains `has`, or NAN. */
-static double line_number(const char *path, const char *has, const char *key) {
-  char *s = proc_slurp(path), pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  double v = NAN;
-  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
-    const char *p = strstr(line, pat);
-    if (strstr(line, has) && p) v = strtod(p + strlen(pat), NULL);
-  }
-  free(s);
-  return v;
 }
 
 /* Reads stage s's parameters (every "layers.*" tensor, in order) from a
@@ -251,17 +219,13 @@ static float *stage_params(const char *base, int s, int64_t *n) {
   return p;
 }
 
-/* Two bootstrap nodes, one per stage: "B0;B1". */
-static void start_stage_bootstraps(char *list, size_t n) {
-  int b0 = cluster_spawn(&C, "bootstrap", NULL), b1 = cluster_spawn(&C, "bootstrap", NULL);
-  snprintf(list, n, "%s;%s", C.node[b0].addr, C.node[b1].addr);
-}
+static void start_stage_bootstraps(char *list, size_t n) { cluster_start_stage_bootstraps(&C, list, n); }
 
 Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   SKIP_WITHOUT_DATA();
   char boot[160];
   start_stage_bootstraps(boot, sizeof boot);
-  struct bg g[2];
+  struct cluster_group g[2];
   const char *names[2] = {"ga", "gb"};
   for (int i = 0; i < 2; i++) {
     char shard[8], ck[256];
@@ -275,13 +239,13 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
     cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
-    double acc = line_number(g[i].out, "\"status\":\"ok\"", "test_accuracy");
+    double acc = cluster_line_number(g[i].out, "\"status\":\"ok\"", "test_accuracy");
     fprintf(stderr, "group %s: test accuracy %.4f\n", names[i], acc);
     cr_assert(acc >= 0.85, "group %s reached test accuracy %.4f < 0.85", names[i], acc);
     for (int s = 0; s < 2; s++) {
       char has[64];
       snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
-      double x = line_number(g[i].out, has, "exchanges");
+      double x = cluster_line_number(g[i].out, has, "exchanges");
       fprintf(stderr, "group %s stage %d: %.0f exchanges\n", names[i], s, x);
       cr_assert(x > 0, "group %s stage %d averaged with no one: %s", names[i], s, proc_slurp(g[i].out));
     }
@@ -303,7 +267,7 @@ Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
   SKIP_WITHOUT_DATA();
   char boot[160];
   start_stage_bootstraps(boot, sizeof boot);
-  struct bg a, b;
+  struct cluster_group a, b;
   char *a_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
                     "--epochs", "1000", "--no-eval", "--wait-peers", "2", NULL};
   char *b_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-128-64-10", "--micro-batches", "4",
@@ -330,13 +294,13 @@ Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
   cr_assert_eq(waitpid(b.pid, NULL, WNOHANG), 0, "the survivor ended with the victim: %s", proc_slurp(b.log));
   st = proc_wait(b.pid, 180);
   cr_assert(proc_exited_with(st, 0), "the survivor failed (status %d): %s", st, proc_slurp(b.log));
-  double steps = line_number(b.out, "\"status\":\"ok\"", "steps");
+  double steps = cluster_line_number(b.out, "\"status\":\"ok\"", "steps");
   cr_assert_eq(steps, 4000, "the survivor stopped at step %.0f", steps);
 }
 
 Test(group, a_hung_stage_is_lost_after_the_link_timeout) {
   SKIP_WITHOUT_DATA();
-  struct bg a;
+  struct cluster_group a;
   char *args[] = {"--stages", "2", "--model", "mlp:784-64-32-10", "--epochs", "1000", "--no-eval", "--link-timeout-ms",
                   "1000", NULL};
   start_group(&a, "hung", args);

@@ -47,9 +47,13 @@ static void who(int i, char *buf, size_t n) { snprintf(buf, n, "%s (", C.node[i]
 
 /* Starts a bootstrap, `honest` honest peers and one attacker (--attack kind)
  * on shards of the training set; all wait for each other. `flag` (may be
- * NULL) is one more flag without a value for every peer. Returns the
+ * NULL) is one more flag without a value for every peer. `bound`: with
+ * --max-local-steps 8, so that honest peers mix as often on a fast machine
+ * as on a slow one (without it, a peer that trains fast may finish almost
+ * alone on its shard, and the accuracy checks measure that). Returns the
  * attacker's node; honest peers are peer[0..honest). */
-static int start(int honest, const char *kind, const char *model, const char *epochs, int *peer, const char *flag) {
+static int start(int honest, const char *kind, const char *model, const char *epochs, int *peer, const char *flag,
+                 bool bound) {
   cluster_start_bootstrap(&C, NULL);
   int n = honest + 1;
   char shard[16][8], wait[8];
@@ -63,8 +67,8 @@ static int start(int honest, const char *kind, const char *model, const char *ep
     const char *a1 = flag, *a2 = NULL, *a3 = NULL; /* the list ends at the first NULL */
     if (bad) a1 = "--attack", a2 = kind, a3 = flag;
     int node = cluster_start_peer(&C, "--model", model, "--shard", shard[i], "--epochs", epochs, "--batch", "64",
-                                  "--lr", "0.1", "--no-eval", "--wait-peers", wait, "--gossip-every", "1", a1, a2, a3,
-                                  NULL);
+                                  "--lr", "0.1", "--no-eval", "--wait-peers", wait, "--gossip-every", "1",
+                                  "--max-local-steps", bound ? "8" : "0", a1, a2, a3, NULL);
     if (bad) attacker = node;
     else *peer++ = node;
   }
@@ -77,7 +81,7 @@ static int start(int honest, const char *kind, const char *model, const char *ep
 static void poison_run(const char *kind, const char *reason) {
   SKIP_WITHOUT_DATA();
   int peer[3];
-  int bad = start(3, kind, "mlp:784-64-10", "6", peer, NULL);
+  int bad = start(3, kind, "mlp:784-64-10", "6", peer, NULL, true);
   char bad_who[96];
   who(bad, bad_who, sizeof bad_who);
   int rejections = 0;
@@ -118,7 +122,7 @@ Test(poison, a_model_times_minus_1000_is_rejected_and_the_sender_backed_off) {
 }
 
 Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_off) {
-  /* The attacker records a snapshot once training has begun, stays honest
+  /* The attacker records a snapshot of step 50 or later, stays honest
    * for 30 more, then sends the recorded one again, with its old step, every
    * time. A peer that had a newer snapshot from it rejects the replay (a
    * step going backwards) and backs it off. One that had none cannot tell
@@ -126,7 +130,7 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
    * it once it is a far outlier. */
   SKIP_WITHOUT_DATA();
   int peer[3];
-  int bad = start(3, "replay", "mlp:784-64-10", "8", peer, "--clip");
+  int bad = start(3, "replay", "mlp:784-64-10", "8", peer, "--clip", true);
   char bad_who[96];
   who(bad, bad_who, sizeof bad_who);
   int rejected = 0, skipped = 0;
@@ -160,7 +164,7 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
 static void signflip_run(bool clip, double *worst, int *skipped) {
   SKIP_WITHOUT_DATA();
   int peer[7];
-  int bad = start(7, "signflip", "mlp:784-256-10", "10", peer, clip ? "--clip" : NULL);
+  int bad = start(7, "signflip", "mlp:784-256-10", "10", peer, clip ? "--clip" : NULL, true);
   char bad_who[96];
   who(bad, bad_who, sizeof bad_who);
   *worst = 1;
@@ -198,7 +202,7 @@ Test(poison, without_clipping_one_signflip_attacker_among_8_does_real_damage) {
 Test(poison, a_flood_of_requests_and_connections_hits_the_per_peer_rate_limits) {
   SKIP_WITHOUT_DATA();
   int peer[3];
-  int bad = start(3, "flood", "mlp:784-64-10", "6", peer, NULL);
+  int bad = start(3, "flood", "mlp:784-64-10", "6", peer, NULL, true);
   char bad_who[96];
   who(bad, bad_who, sizeof bad_who);
   for (int k = 0; k < 3; k++) {

@@ -40,7 +40,7 @@ data=${3:-/usr/share/datasets/fashion-mnist}
 ntasks=4
 min_acc=0.85
 # 4 peers on 1/4 of Fashion-MNIST each, sharing 2 cores: about 15 s of training.
-peer_opts=(--epochs 3 --batch 64 --lr 0.1 --log-every 0)
+peer_opts=(--epochs 3 --batch 64 --lr 0.1 --log-every 0 --max-local-steps 4)
 
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }

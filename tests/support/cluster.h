@@ -171,6 +171,50 @@ static inline int cluster_start_peer(struct cluster *c, ...) {
   return cluster_spawn(c, "peer", args);
 }
 
+/* A model-parallel group started with `rumor group` (its launcher). */
+struct cluster_group {
+  pid_t pid;
+  char out[256], log[256];
+};
+
+/* Starts `<c->bin> group --group NAME ... args` (a new identity, the
+ * cluster's key and fast membership timing, one thread per stage), stdout
+ * and stderr to files in the scratch directory. */
+static inline void cluster_start_group(struct cluster *c, struct cluster_group *g, const char *name, char *const *args) {
+  snprintf(g->out, sizeof g->out, "%s/%s.out", c->dir, name);
+  snprintf(g->log, sizeof g->log, "%s/%s.log", c->dir, name);
+  char id[256];
+  snprintf(id, sizeof id, "%s/%s.key", c->dir, name);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, id);
+  char *argv[96] = {(char *)c->bin, "group", "--group", (char *)name, "--cluster-key", c->key, "--identity", id,
+                    "--period-ms", "100", "--ping-timeout-ms", "60", "--suspect-ms", "1000", "--threads", "1",
+                    "--log-every", "1"};
+  int n = 18;
+  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  g->pid = proc_spawn(argv, g->out, g->log);
+  cr_assert_gt(g->pid, 0);
+}
+
+/* A number from the last line of `path` that contains `has`, or NAN. */
+static inline double cluster_line_number(const char *path, const char *has, const char *key) {
+  char *s = proc_slurp(path), pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  double v = NAN;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, pat);
+    if (strstr(line, has) && p) v = strtod(p + strlen(pat), NULL);
+  }
+  free(s);
+  return v;
+}
+
+/* Two bootstrap nodes, one per stage of two-stage groups: "B0;B1". */
+static inline void cluster_start_stage_bootstraps(struct cluster *c, char *list, size_t n) {
+  int b0 = cluster_spawn(c, "bootstrap", NULL), b1 = cluster_spawn(c, "bootstrap", NULL);
+  snprintf(list, n, "%s;%s", c->node[b0].addr, c->node[b1].addr);
+}
+
 /* Waits for node i to exit (at most `secs`); returns its wait status or -1. */
 static inline int cluster_wait(struct cluster *c, int i, double secs) {
   c->node[i].exit_status = proc_wait(c->node[i].pid, secs);

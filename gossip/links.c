@@ -1,0 +1,188 @@
+/*
+ * Links: one connection per member identity (dialed on demand, with
+ * messages queued while the dial runs and a backoff after failures), and
+ * neighbour choice among the members. Loop thread.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+static void drop_queue(struct gossip_link *l) {
+  for (size_t i = 0; i < l->nqueue; i++) free(l->queue[i]);
+  l->nqueue = 0;
+}
+
+void gossip_links_free(struct gossip *g) {
+  for (size_t i = 0; i < g->links.n; i++) drop_queue(&g->links.v[i]);
+  free(g->links.v);
+  memset(&g->links, 0, sizeof g->links);
+}
+
+struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool create) {
+  struct gossip_links *ls = &g->links;
+  for (size_t i = 0; i < ls->n; i++)
+    if (memcmp(ls->v[i].id, id, NET_PUBKEY_BYTES) == 0) return &ls->v[i];
+  if (!create) return NULL;
+  if (ls->n == ls->cap) {
+    ls->cap = ls->cap ? 2 * ls->cap : 16;
+    ls->v = xrealloc(ls->v, ls->cap * sizeof *ls->v);
+  }
+  struct gossip_link *l = &ls->v[ls->n++];
+  memset(l, 0, sizeof *l);
+  memcpy(l->id, id, NET_PUBKEY_BYTES);
+  return l;
+}
+
+void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
+  struct gossip_link *l = gossip_link_get(g, id, true);
+  if (!l->conn) l->conn = c;
+}
+
+const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c) {
+  const uint8_t *id = NULL;
+  for (size_t i = 0; i < g->links.n; i++)
+    if (g->links.v[i].conn == c) {
+      g->links.v[i].conn = NULL;
+      id = g->links.v[i].id;
+    }
+  return id;
+}
+
+void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool gone) {
+  struct gossip_link *l = gossip_link_get(g, m->id, true);
+  if (m->addr[0] && strcmp(l->addr, m->addr) != 0) {
+    snprintf(l->addr, sizeof l->addr, "%s", m->addr);
+    l->next_dial_ms = 0;
+    l->dial_failures = 0;
+  }
+  if (gone && l->conn) net_conn_close(l->conn);
+}
+
+struct dial_ctx {
+  struct gossip *g;
+  uint8_t id[NET_PUBKEY_BYTES];
+};
+
+static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
+  struct dial_ctx *d = arg;
+  struct gossip *g = d->g;
+  struct gossip_link *l = gossip_link_get(g, d->id, true);
+  l->dialing = false;
+  if (status < 0) {
+    l->dial_failures++;
+    uint64_t backoff = 100ull << (l->dial_failures < 6 ? l->dial_failures : 6);
+    l->next_dial_ms = gossip_now_ms(g) + (backoff > 5000 ? 5000 : backoff);
+    log_debug("dial %s failed: %s", l->addr, detail ? detail : rumor_strerror(status));
+    drop_queue(l);
+    free(d);
+    return;
+  }
+  if (memcmp(net_conn_peer_key(c), d->id, NET_PUBKEY_BYTES) != 0) {
+    /* Someone else answers at that address now (a restarted node with a new
+     * identity, a reused port): not the member we wanted. */
+    log_info("%s answered with another identity than expected; closing", net_conn_peer_name(c));
+    net_conn_close(c);
+    drop_queue(l);
+    free(d);
+    return;
+  }
+  l->dial_failures = 0;
+  if (!l->conn) l->conn = c;
+  for (size_t i = 0; i < l->nqueue; i++) {
+    int rc = net_conn_send_raw_msg(c, l->queue[i], l->queue_len[i]);
+    if (rc) log_debug("queued message to %s dropped: %s", l->addr, rumor_strerror(rc));
+  }
+  drop_queue(l);
+  free(d);
+}
+
+int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
+  if (!g->net) return -ENOTCONN;
+  struct gossip_link *l = gossip_link_get(g, id, true);
+  if (l->conn) return net_conn_send_msg(l->conn, b);
+  if (!l->addr[0]) {
+    struct swim_member *m = swim_find(&g->swim, id);
+    if (!m || !m->info.addr[0]) return -EHOSTUNREACH;
+    snprintf(l->addr, sizeof l->addr, "%s", m->info.addr);
+  }
+  if (l->nqueue < GOSSIP_LINK_QUEUE) {
+    size_t len;
+    const uint8_t *data = net_msgbuf_data(b, &len);
+    if (!data) return -ENOMEM;
+    l->queue[l->nqueue] = xmalloc(len);
+    memcpy(l->queue[l->nqueue], data, len);
+    l->queue_len[l->nqueue++] = len;
+  }
+  if (!l->dialing && gossip_now_ms(g) >= l->next_dial_ms) {
+    struct dial_ctx *d = xmalloc(sizeof *d);
+    d->g = g;
+    memcpy(d->id, id, NET_PUBKEY_BYTES);
+    int rc = net_dial(g->net, l->addr, on_link_dial, d);
+    if (rc) {
+      free(d);
+      drop_queue(l);
+      l->next_dial_ms = gossip_now_ms(g) + 1000;
+      return rc;
+    }
+    l->dialing = true;
+  }
+  return 0;
+}
+
+/* ---- neighbour choice ---- */
+
+bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only) {
+  uint64_t now = gossip_now_ms(g);
+  size_t n = 0;
+  size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
+    if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
+    if (gossip_backed_off(g, m->info.id, now)) continue;
+    if (donors_only && !m->info.ready) continue;
+    cand[n++] = i;
+  }
+  bool ok = n > 0;
+  if (ok) memcpy(out, g->swim.members[cand[rng_below(&g->rng, n)]].info.id, NET_PUBKEY_BYTES);
+  free(cand);
+  return ok;
+}
+
+/* Rank of `id` among the alive peers and ourselves (when we are a peer),
+ * ordered by key. */
+static size_t peer_rank(struct gossip *g, const uint8_t *id) {
+  size_t r = 0;
+  if (g->cfg.role == GOSSIP_ROLE_PEER && memcmp(g->identity.pk, id, NET_PUBKEY_BYTES) < 0) r++;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role == SWIM_ROLE_PEER && m->info.state == SWIM_ALIVE &&
+        memcmp(m->info.id, id, NET_PUBKEY_BYTES) < 0)
+      r++;
+  }
+  return r;
+}
+
+void gossip_update_role(struct gossip *g) {
+  atomic_store(&g->active, peer_rank(g, g->identity.pk) % 2 == 0);
+}
+
+bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+  uint64_t now = gossip_now_ms(g);
+  size_t n = 0;
+  size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
+    if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
+    if (!m->info.ready || gossip_backed_off(g, m->info.id, now)) continue;
+    if (peer_rank(g, m->info.id) % 2 == 1) cand[n++] = i;
+  }
+  bool ok = n > 0;
+  if (ok) memcpy(out, g->swim.members[cand[rng_below(&g->rng, n)]].info.id, NET_PUBKEY_BYTES);
+  free(cand);
+  return ok || gossip_pick_peer(g, out, exclude, true);
+}

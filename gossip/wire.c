@@ -1,0 +1,99 @@
+/*
+ * What gossip's messages carry, shared by the runtime and the monitor:
+ * member updates, address lists and the sketch seed. Any thread: no state.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sodium.h>
+
+#include "gossip/gossip_impl.h"
+
+uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYTES]) {
+  static const char label[] = "rumor count-sketch seed v1";
+  uint8_t out[8];
+  crypto_generichash(out, sizeof out, (const uint8_t *)label, sizeof label - 1, cluster_key, NET_CLUSTER_KEY_BYTES);
+  uint64_t seed = 0;
+  for (int i = 0; i < 8; i++) seed = seed << 8 | out[i];
+  return seed;
+}
+
+int gossip_split_addrs(const char *list, char **out, size_t max, size_t *nout, struct rumor_err *e) {
+  *nout = 0;
+  if (!list) return 0;
+  const char *p = list;
+  while (*p) {
+    const char *comma = strchr(p, ',');
+    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    if (len > 0) {
+      if (*nout == max) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %zu addresses", max);
+      if (len >= SWIM_ADDR_MAX)
+        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%.*s' is too long", (int)len, p);
+      char *a = xmalloc(len + 1);
+      memcpy(a, p, len);
+      a[len] = '\0';
+      out[(*nout)++] = a;
+      if (!strrchr(a, ':'))
+        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%s' has no port (expected host:port)", a);
+    }
+    p += len + (comma ? 1 : 0);
+  }
+  return 0;
+}
+
+void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n) {
+  msgpack_packer *pk = net_msgbuf_put_key(b, "u");
+  msgpack_pack_array(pk, (uint32_t)n);
+  for (size_t i = 0; i < n; i++) {
+    size_t alen = strnlen(u[i].addr, SWIM_ADDR_MAX - 1);
+    msgpack_pack_array(pk, 6);
+    msgpack_pack_bin(pk, SWIM_ID_BYTES);
+    msgpack_pack_bin_body(pk, u[i].id, SWIM_ID_BYTES);
+    msgpack_pack_str(pk, alen);
+    msgpack_pack_str_body(pk, u[i].addr, alen);
+    msgpack_pack_uint8(pk, (uint8_t)u[i].role);
+    msgpack_pack_uint8(pk, (uint8_t)u[i].state);
+    msgpack_pack_uint64(pk, u[i].incarnation);
+    if (u[i].ready) msgpack_pack_true(pk);
+    else msgpack_pack_false(pk);
+  }
+}
+
+bool gossip_printable(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (s[i] < 0x21 || s[i] > 0x7e) return false;
+  return true;
+}
+
+int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_update *out, size_t max) {
+  const msgpack_object *items;
+  uint32_t n;
+  int rc = net_msg_get_array(m, key, &items, &n);
+  if (rc == RUMOR_ENOTFOUND) return 0;
+  if (rc) return rc;
+  if (n > max) return RUMOR_EPROTO;
+  for (uint32_t i = 0; i < n; i++) {
+    const msgpack_object *o = &items[i];
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 6) return RUMOR_EPROTO;
+    const msgpack_object *f = o->via.array.ptr;
+    const uint8_t *id;
+    const char *addr;
+    size_t idlen, alen;
+    uint64_t role, state, inc;
+    bool ready;
+    if (net_obj_bin(&f[0], &id, &idlen) || idlen != SWIM_ID_BYTES || net_obj_str(&f[1], &addr, &alen) ||
+        alen >= SWIM_ADDR_MAX || !gossip_printable(addr, alen) || net_obj_uint(&f[2], &role) ||
+        role > SWIM_ROLE_BOOTSTRAP || net_obj_uint(&f[3], &state) || state > SWIM_LEFT || net_obj_uint(&f[4], &inc) ||
+        net_obj_bool(&f[5], &ready))
+      return RUMOR_EPROTO;
+    memset(&out[i], 0, sizeof out[i]);
+    memcpy(out[i].id, id, SWIM_ID_BYTES);
+    memcpy(out[i].addr, addr, alen);
+    out[i].role = (enum swim_role)role;
+    out[i].state = (enum swim_state)state;
+    out[i].incarnation = inc;
+    out[i].ready = ready;
+  }
+  return (int)n;
+}
