@@ -16,6 +16,7 @@
 #include "peer/cli/cli.h"
 #include "peer/sync/sync.h"
 #include "peer/train/train.h"
+#include "util/json.h"
 #include "util/util.h"
 
 /* ============================================================================
@@ -233,6 +234,20 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
 void member_leave(struct member *mb, int64_t linger_ms);
 /* member_leave unless done, then frees everything but the trainer. */
 void member_free(struct member *mb, int64_t linger_ms);
+
+/* ============================================================================
+ * Result lines (result.c): one JSON object on stdout, the same names
+ * everywhere. The caller opens the object (json_buf_init, json_obj_begin),
+ * adds pieces, and result_print closes, prints and frees it.
+ * ========================================================================== */
+
+/* steps, epochs, samples_per_s and, where the loss is, test_accuracy,
+ * test_loss and train_losses (the training loss at each epoch's end). */
+void result_training(struct json_buf *b, const struct trainer *t, double secs, int64_t samples_at_start);
+/* The exchange figures: exchanges (applied), _failed, _rejected, _clipped,
+ * _skipped, requests, refusals, idle, rate limits, holds. */
+void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const struct sync *s);
+void result_print(struct json_buf *b);
 
 /* ============================================================================
  * Subcommands: each takes the arguments after its own name (argv[0] is the

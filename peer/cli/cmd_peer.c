@@ -31,19 +31,14 @@ static void print_result(struct peer_proc *p, const struct gossip_stats *gs, con
   if (s->holds)
     log_info("held training %llu times for an exchange (%.1f s in all, %llu gave up after --max-hold-ms)",
              (unsigned long long)s->holds, s->hold_s, (unsigned long long)s->hold_timeouts);
-  printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
-         "\"exchanges\":%llu,\"exchanges_failed\":%llu,\"exchanges_rejected\":%llu,\"exchange_requests\":%llu,"
-         "\"exchange_refusals\":%llu,\"exchange_idle\":%llu,\"exchanges_clipped\":%llu,\"exchanges_skipped\":%llu,"
-         "\"exchange_rate_limited\":%llu,\"conn_rate_limited\":%llu,\"longest_local_steps\":%lld,\"holds\":%llu,"
-         "\"hold_timeouts\":%llu,\"hold_s\":%.3f,\"id\":\"%s\"}\n",
-         t->accuracy, t->test_loss, (long long)t->st.step, (long long)t->st.epoch,
-         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, (unsigned long long)gs->exchanges_ok,
-         (unsigned long long)gs->exchanges_failed, (unsigned long long)gs->exchanges_rejected,
-         (unsigned long long)gs->exchange_requests, (unsigned long long)gs->exchange_refusals,
-         (unsigned long long)gs->exchange_idle, (unsigned long long)s->clip.clipped, (unsigned long long)s->skipped,
-         (unsigned long long)gs->exchange_rate_limited, (unsigned long long)gs->conn_rate_limited,
-         (long long)s->longest_local, (unsigned long long)s->holds, (unsigned long long)s->hold_timeouts, s->hold_s, id);
-  fflush(stdout);
+  struct json_buf b;
+  json_buf_init(&b);
+  json_obj_begin(&b);
+  result_training(&b, t, secs, s0);
+  result_gossip(&b, gs, s);
+  json_key(&b, "id");
+  json_str(&b, id);
+  result_print(&b);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a

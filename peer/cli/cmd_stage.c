@@ -27,6 +27,16 @@ struct stage_proc {
   stage_link_t *link;
 };
 
+/* Opens a result line naming the group and this stage. */
+static void open_line(struct json_buf *b, const struct stage_proc *p) {
+  json_buf_init(b);
+  json_obj_begin(b);
+  json_key(b, "group");
+  json_str(b, p->st.group);
+  json_key(b, "stage");
+  json_int(b, p->st.stage);
+}
+
 static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   struct trainer *t = &p->t;
   struct gossip_stats gs;
@@ -34,28 +44,35 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   const struct pipe_stats *ps = &t->pipe.st;
   const struct sync *s = &p->mb.sync;
   double idle = ps->step_s > 0 ? ps->wait_s / ps->step_s : 0;
-  size_t act_bytes = (size_t)ps->slots * ps->slot_bytes;
-  char head[160] = "";
-  if (trainer_has_loss(t)) {
+  if (trainer_has_loss(t))
     log_info("final test accuracy %.4f, test loss %.4f after %lld steps", t->accuracy, t->test_loss, (long long)t->st.step);
-    snprintf(head, sizeof head, "\"test_accuracy\":%.6f,\"test_loss\":%.6f,", t->accuracy, t->test_loss);
+  struct json_buf b;
+  open_line(&b, p);
+  json_key(&b, "stages");
+  json_int(&b, p->st.stages);
+  result_training(&b, t, secs, s0);
+  const struct {
+    const char *key;
+    double v;
+  } pipe[] = {
+      {"micro_batches", p->st.micro},
+      {"step_ms", ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0},
+      {"idle_fraction", idle},
+      {"bubble_theory", pipe_bubble_theory(p->st.stages, p->st.micro)},
+      {"timed_steps", (double)ps->steps},
+      {"act_slots", ps->slots},
+      {"act_peak_bytes", (double)ps->slots * (double)ps->slot_bytes},
+  };
+  for (size_t i = 0; i < sizeof pipe / sizeof pipe[0]; i++) {
+    json_key(&b, pipe[i].key);
+    json_num(&b, pipe[i].v);
   }
-  printf("{%s\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f,"
-         "\"micro_batches\":%d,\"schedule\":\"%s\",\"step_ms\":%.3f,\"idle_fraction\":%.6f,\"bubble_theory\":%.6f,"
-         "\"timed_steps\":%lld,\"act_slots\":%d,\"act_peak_bytes\":%zu,\"exchanges\":%llu,\"exchanges_failed\":%llu,"
-         "\"exchanges_rejected\":%llu,\"exchanges_clipped\":%llu,\"exchanges_skipped\":%llu,"
-         "\"exchange_rate_limited\":%llu,\"conn_rate_limited\":%llu,\"longest_local_steps\":%lld,\"holds\":%llu,"
-         "\"hold_timeouts\":%llu,\"id\":\"%s\"}\n",
-         head, p->st.group, p->st.stage, p->st.stages, (long long)t->st.step, (long long)t->st.epoch,
-         secs > 0 ? (double)(t->st.samples - s0) / secs : 0.0, p->st.micro, pipe_schedule_name(p->st.sched),
-         ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0, idle, pipe_bubble_theory(p->st.stages, p->st.micro),
-         (long long)ps->steps, ps->slots, act_bytes, (unsigned long long)gs.exchanges_ok,
-         (unsigned long long)gs.exchanges_failed, (unsigned long long)gs.exchanges_rejected,
-         (unsigned long long)s->clip.clipped, (unsigned long long)s->skipped,
-         (unsigned long long)gs.exchange_rate_limited, (unsigned long long)gs.conn_rate_limited,
-         (long long)s->longest_local, (unsigned long long)s->holds, (unsigned long long)s->hold_timeouts,
-         gossip_self_id(p->mb.g));
-  fflush(stdout);
+  json_key(&b, "schedule");
+  json_str(&b, pipe_schedule_name(p->st.sched));
+  result_gossip(&b, &gs, s);
+  json_key(&b, "id");
+  json_str(&b, gossip_self_id(p->mb.g));
+  result_print(&b);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a
@@ -222,22 +239,14 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   if (p->link) stage_link_abort(p->link, culprit, why);
   /* For the launcher (and schedulers): which stage took the group down. */
   struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  json_key(&b, "group");
-  json_str(&b, p->st.group);
-  json_key(&b, "stage");
-  json_int(&b, me);
+  open_line(&b, p);
   json_key(&b, "failed_stage");
   json_int(&b, culprit);
   json_key(&b, "stopped");
   json_bool(&b, signals_stop_requested() != 0);
   json_key(&b, "error");
   json_str(&b, why);
-  json_obj_end(&b);
-  printf("%.*s\n", (int)b.len, b.data);
-  fflush(stdout);
-  json_buf_free(&b);
+  result_print(&b);
   if (signals_stop_requested()) {
     log_info("group %s stops: %s", p->st.group, why);
     return 0;

@@ -308,28 +308,75 @@ static int write_plot(const char *path, const struct history *h, struct rumor_er
 
 /* ---- the command ---------------------------------------------------------- */
 
+/* What the command line asked for. */
+struct top_opts {
+  double interval, exact_max_mb;
+  int64_t timeout_ms, count;
+  bool once, json, exact;
+  const char *csv_path, *plot_path;
+};
+
+/* Refreshes until `count` polls, a stop signal, or (with --once) a failed
+ * poll; returns the exit status. */
+static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv) {
+  struct rumor_err e = {0};
+  bool clear = !o->json && isatty(STDOUT_FILENO);
+  struct history h = {0};
+  int status = 0;
+  for (int64_t k = 0; o->count == 0 || k < o->count; k++) {
+    if (k) gossip_monitor_sleep(m, (uint32_t)(o->interval * 1000));
+    if (atomic_load(signals_stop_flag())) break;
+    struct gossip_cluster_report r;
+    int rc = gossip_monitor_poll(m, &r, &e);
+    if (rc == RUMOR_ECANCELED) break;
+    if (rc) {
+      fprintf(stderr, "rumor top: %s\n", e.msg);
+      if (o->once) {
+        status = 1;
+        break;
+      }
+      continue; /* live: keep asking; the cluster may come back */
+    }
+    double ml = mean_loss_of(&r);
+    history_push(&h, &r, ml);
+    if (o->json)
+      print_json(stdout, &r, ml);
+    else
+      print_view(stdout, &r, &h, ml, o->interval, clear);
+    if (csv && csv_append(csv, o->csv_path, &r, ml, &e)) {
+      fprintf(stderr, "rumor top: %s\n", e.msg);
+      status = 1;
+    }
+    if (o->plot_path && write_plot(o->plot_path, &h, &e)) {
+      fprintf(stderr, "rumor top: %s\n", e.msg);
+      status = 1;
+    }
+    gossip_cluster_report_free(&r);
+    if (status) break;
+  }
+  history_free(&h);
+  return status;
+}
+
 int cmd_top(int argc, char **argv) {
   struct net_flags nf;
   net_flags_default(&nf);
-  double interval = 2, exact_max_mb = 4096;
-  int64_t timeout_ms = 3000, count = 0;
-  bool once = false, json = false, exact = false;
-  const char *csv_path = NULL, *plot_path = NULL;
+  struct top_opts o = {.interval = 2, .exact_max_mb = 4096, .timeout_ms = 3000};
   struct arg_spec specs[32];
   size_t n = 0;
   net_flags_specs(&nf, FLAGS_MONITOR, false, specs, &n, 31);
   const struct arg_spec own[] = {
-      {"interval", ARG_FLOAT, &interval, "SEC", "seconds between refreshes", 0.05, 86400},
-      {"timeout-ms", ARG_INT, &timeout_ms, "MS", "a member that has not answered by then is unreachable", 50,
+      {"interval", ARG_FLOAT, &o.interval, "SEC", "seconds between refreshes", 0.05, 86400},
+      {"timeout-ms", ARG_INT, &o.timeout_ms, "MS", "a member that has not answered by then is unreachable", 50,
        600000},
-      {"once", ARG_FLAG, &once, NULL, "ask once, print, and exit (exit 1 when no member answers)"},
-      {"count", ARG_INT, &count, "N", "exit after N refreshes (0: until SIGINT)", 0, 1e12},
-      {"json", ARG_FLAG, &json, NULL, "print one JSON object per refresh instead of the table"},
-      {"exact", ARG_FLAG, &exact, NULL, "also pull every peer's parameters and compute the exact Ξ (small models)"},
-      {"exact-max-mb", ARG_FLOAT, &exact_max_mb, "MB", "refuse --exact above this many MB of parameters in total", 1,
+      {"once", ARG_FLAG, &o.once, NULL, "ask once, print, and exit (exit 1 when no member answers)"},
+      {"count", ARG_INT, &o.count, "N", "exit after N refreshes (0: until SIGINT)", 0, 1e12},
+      {"json", ARG_FLAG, &o.json, NULL, "print one JSON object per refresh instead of the table"},
+      {"exact", ARG_FLAG, &o.exact, NULL, "also pull every peer's parameters and compute the exact Ξ (small models)"},
+      {"exact-max-mb", ARG_FLOAT, &o.exact_max_mb, "MB", "refuse --exact above this many MB of parameters in total", 1,
        1e7},
-      {"csv", ARG_STR, &csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
-      {"plot", ARG_STR, &plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (.svg or .png)"},
+      {"csv", ARG_STR, &o.csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
+      {"plot", ARG_STR, &o.plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (.svg or .png)"},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -348,11 +395,11 @@ int cmd_top(int argc, char **argv) {
     fprintf(stderr, "rumor top: --bootstrap ADDR is required (a bootstrap node or any member)\n");
     return 2;
   }
-  if (plot_path && plot_format_of(plot_path) == PLOT_UNKNOWN) {
-    fprintf(stderr, "rumor top: --plot %s: the file name must end in .svg or .png\n", plot_path);
+  if (o.plot_path && plot_format_of(o.plot_path) == PLOT_UNKNOWN) {
+    fprintf(stderr, "rumor top: --plot %s: the file name must end in .svg or .png\n", o.plot_path);
     return 2;
   }
-  if (once) count = 1;
+  if (o.once) o.count = 1;
 
   struct rumor_err e = {0};
   struct net_keys keys;
@@ -361,7 +408,7 @@ int cmd_top(int argc, char **argv) {
     return e.code == RUMOR_EFORMAT ? 2 : 1;
   }
   FILE *csv = NULL;
-  if (csv_path && !(csv = csv_open(csv_path, &e))) {
+  if (o.csv_path && !(csv = csv_open(o.csv_path, &e))) {
     fprintf(stderr, "rumor top: %s\n", e.msg);
     net_keys_free(&keys);
     return e.code == RUMOR_EFORMAT ? 2 : 1;
@@ -373,10 +420,10 @@ int cmd_top(int argc, char **argv) {
   mc.cluster_key = keys.cluster_key;
   mc.allow = keys.have_allow ? &keys.allow : NULL;
   mc.bootstrap = nf.bootstrap;
-  mc.timeout_ms = (uint32_t)timeout_ms;
+  mc.timeout_ms = (uint32_t)o.timeout_ms;
   mc.handshake_timeout_ms = (uint32_t)nf.handshake_timeout_ms;
-  mc.exact = exact;
-  mc.exact_max_bytes = (uint64_t)(exact_max_mb * 1024 * 1024);
+  mc.exact = o.exact;
+  mc.exact_max_bytes = (uint64_t)(o.exact_max_mb * 1024 * 1024);
   mc.stop = signals_stop_flag();
   gossip_monitor_t *m = NULL;
   if (gossip_monitor_open(&m, &mc, &e)) {
@@ -385,47 +432,12 @@ int cmd_top(int argc, char **argv) {
     if (csv) fclose(csv);
     return 1;
   }
-
-  bool clear = !json && isatty(STDOUT_FILENO);
-  struct history h = {0};
-  int status = 0;
-  for (int64_t k = 0; count == 0 || k < count; k++) {
-    if (k) gossip_monitor_sleep(m, (uint32_t)(interval * 1000));
-    if (atomic_load(signals_stop_flag())) break;
-    struct gossip_cluster_report r;
-    int rc = gossip_monitor_poll(m, &r, &e);
-    if (rc == RUMOR_ECANCELED) break;
-    if (rc) {
-      fprintf(stderr, "rumor top: %s\n", e.msg);
-      if (once) {
-        status = 1;
-        break;
-      }
-      continue; /* live: keep asking; the cluster may come back */
-    }
-    double ml = mean_loss_of(&r);
-    history_push(&h, &r, ml);
-    if (json)
-      print_json(stdout, &r, ml);
-    else
-      print_view(stdout, &r, &h, ml, interval, clear);
-    if (csv && csv_append(csv, csv_path, &r, ml, &e)) {
-      fprintf(stderr, "rumor top: %s\n", e.msg);
-      status = 1;
-    }
-    if (plot_path && write_plot(plot_path, &h, &e)) {
-      fprintf(stderr, "rumor top: %s\n", e.msg);
-      status = 1;
-    }
-    gossip_cluster_report_free(&r);
-    if (status) break;
-  }
+  int status = watch(m, &o, csv);
   gossip_monitor_close(m);
   net_keys_free(&keys);
   if (csv && fclose(csv) != 0 && !status) {
-    fprintf(stderr, "rumor top: cannot close %s: %s\n", csv_path, strerror(errno));
+    fprintf(stderr, "rumor top: cannot close %s: %s\n", o.csv_path, strerror(errno));
     status = 1;
   }
-  history_free(&h);
   return status;
 }

@@ -52,9 +52,13 @@ int cmd_train(int argc, char **argv) {
     if (trainer_evaluate(&t, &e)) log_warn("final evaluation: %s", e.msg);
     double acc = t.have_test ? t.accuracy : -1, loss = t.have_test ? t.test_loss : -1;
     log_info("final test accuracy %.4f, test loss %.4f after %lld steps", acc, loss, (long long)t.st.step);
-    printf("{\"test_accuracy\":%.6f,\"test_loss\":%.6f,\"steps\":%lld,\"epochs\":%lld,\"samples_per_s\":%.1f}\n", acc,
-           loss, (long long)t.st.step, (long long)t.st.epoch, secs > 0 ? (double)(t.st.samples - s0) / secs : 0.0);
-    fflush(stdout);
+    struct json_buf b;
+    json_buf_init(&b);
+    json_obj_begin(&b);
+    t.accuracy = acc;
+    t.test_loss = loss;
+    result_training(&b, &t, secs, s0);
+    result_print(&b);
   }
   trainer_free(&t);
   return status;

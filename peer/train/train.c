@@ -220,6 +220,7 @@ void trainer_free(struct trainer *t) {
       tensor_host_free(t->be, t->yh[i]);
     }
   }
+  free(t->epoch_losses);
   optim_free(&t->optim);
   model_free(&t->model);
   batcher_free(&t->batcher);
@@ -419,6 +420,13 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
 
 /* After an epoch: the evaluation (when configured) and its line. */
 static int end_epoch(struct trainer *t, struct rumor_err *e) {
+  if (trainer_has_loss(t)) {
+    if (t->nepoch_losses == t->epoch_losses_cap) {
+      t->epoch_losses_cap = t->epoch_losses_cap ? 2 * t->epoch_losses_cap : 16;
+      t->epoch_losses = xrealloc(t->epoch_losses, (size_t)t->epoch_losses_cap * sizeof *t->epoch_losses);
+    }
+    t->epoch_losses[t->nepoch_losses++] = t->loss_avg;
+  }
   if (t->cfg.eval_each_epoch) {
     int rc = trainer_evaluate(t, e);
     if (rc) return rc;

@@ -89,8 +89,8 @@ static void poison_run(const char *kind, const char *reason) {
     expect_clean_exit(peer[k]);
     double acc = cluster_result(&C, peer[k], "test_accuracy"), loss = cluster_result(&C, peer[k], "test_loss");
     double losses[16];
-    int ne = cluster_epoch_losses(&C, peer[k], losses, 16);
-    int r = count_lines(peer[k], "rejected parameters from ", bad_who);
+    int ne = cluster_result_array(&C, peer[k], "train_losses", losses, 16);
+    int r = (int)cluster_result(&C, peer[k], "exchanges_rejected");
     rejections += r;
     fprintf(stderr, "%s: honest peer %d: test accuracy %.4f, test loss %.4f, train loss %.3f -> %.3f, %d rejections\n",
             kind, k, acc, loss, ne ? losses[0] : NAN, ne ? losses[ne - 1] : NAN, r);
@@ -138,9 +138,9 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
     expect_clean_exit(peer[k]);
     double acc = cluster_result(&C, peer[k], "test_accuracy");
     double losses[16];
-    int ne = cluster_epoch_losses(&C, peer[k], losses, 16);
-    int r = count_lines(peer[k], "rejected parameters from ", bad_who);
-    int s = count_lines(peer[k], "skipped parameters from ", bad_who);
+    int ne = cluster_result_array(&C, peer[k], "train_losses", losses, 16);
+    int r = (int)cluster_result(&C, peer[k], "exchanges_rejected");
+    int s = (int)cluster_result(&C, peer[k], "exchanges_skipped");
     rejected += r;
     skipped += s;
     fprintf(stderr, "replay: honest peer %d: test accuracy %.4f, train loss %.3f -> %.3f, %d rejections, %d skipped, "
@@ -164,15 +164,13 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
 static void signflip_run(bool clip, double *worst, int *skipped) {
   SKIP_WITHOUT_DATA();
   int peer[7];
-  int bad = start(7, "signflip", "mlp:784-256-10", "10", peer, clip ? "--clip" : NULL, true);
-  char bad_who[96];
-  who(bad, bad_who, sizeof bad_who);
+  (void)start(7, "signflip", "mlp:784-256-10", "10", peer, clip ? "--clip" : NULL, true);
   *worst = 1;
   *skipped = 0;
   for (int k = 0; k < 7; k++) {
     expect_clean_exit(peer[k]);
     double acc = cluster_result(&C, peer[k], "test_accuracy");
-    *skipped += count_lines(peer[k], "skipped parameters from ", bad_who);
+    *skipped += (int)cluster_result(&C, peer[k], "exchanges_skipped");
     fprintf(stderr, "signflip, clipping %s: honest peer %d: test accuracy %.4f, %.0f exchanges, %.0f clipped\n",
             clip ? "on" : "off", k, acc, cluster_result(&C, peer[k], "exchanges"),
             cluster_result(&C, peer[k], "exchanges_clipped"));

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "proc.h"
+#include "util/json.h"
 
 #define CLUSTER_MAX 16
 
@@ -232,8 +233,27 @@ static inline double cluster_result(const struct cluster *c, int i, const char *
   return v;
 }
 
+/* The numbers of array `key` in node i's last JSON result line (one with
+ * "test_accuracy"), at most `max`; returns how many (0 without a result). */
+static inline int cluster_result_array(const struct cluster *c, int i, const char *key, double *out, int max) {
+  char *s = proc_slurp(c->node[i].out), *last = NULL;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (strstr(line, "\"test_accuracy\"")) last = line;
+  int n = 0;
+  struct json_doc doc;
+  if (last && json_parse(last, strlen(last), &doc, NULL) == 0) {
+    const struct json_value *a = json_get(&doc.root, key);
+    for (size_t k = 0; a && a->type == JSON_ARRAY && k < a->len && n < max; k++)
+      if (a->items[k].type == JSON_NUMBER) out[n++] = a->items[k].number;
+    json_doc_free(&doc);
+  }
+  free(s);
+  return n;
+}
+
 /* The train losses of node i's "epoch k done ... train loss X" log lines,
- * at most `max`; returns how many. */
+ * at most `max`; returns how many. For nodes stopped before their result
+ * line; a finished node's figures are cluster_result_array(.., "train_losses"). */
 static inline int cluster_epoch_losses(const struct cluster *c, int i, double *out, int max) {
   char *s = proc_slurp(c->node[i].log);
   int n = 0;

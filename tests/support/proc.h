@@ -99,18 +99,24 @@ static inline void proc_kill_all(void) {
 }
 
 /* Reads a whole small file into a static-lifetime buffer the caller frees. */
-static inline char *proc_slurp(const char *path) {
+/* A whole file, NUL-terminated, its length in *n (may be NULL); "" when it
+ * cannot be read. The caller frees it. */
+static inline char *proc_slurp_n(const char *path, size_t *n) {
   FILE *f = fopen(path, "rb");
+  if (n) *n = 0;
   if (!f) return strdup("");
   fseek(f, 0, SEEK_END);
-  long n = ftell(f);
+  long len = ftell(f);
   fseek(f, 0, SEEK_SET);
-  char *buf = malloc((size_t)n + 1);
-  size_t got = fread(buf, 1, (size_t)n, f);
+  char *buf = malloc((size_t)len + 1);
+  size_t got = fread(buf, 1, (size_t)len, f);
   buf[got] = '\0';
   fclose(f);
+  if (n) *n = got;
   return buf;
 }
+
+static inline char *proc_slurp(const char *path) { return proc_slurp_n(path, NULL); }
 
 /* Runs a command to completion (at most `secs`) capturing stdout and stderr
  * into *out and *err (malloc'd; either may be NULL). Returns the wait status
