@@ -122,7 +122,8 @@ void tensor_copy(struct tensor *dst, const struct tensor *src);
 tensor_event_t tensor_event_create(tensor_backend_t be);
 void tensor_event_destroy(tensor_event_t ev);
 void tensor_event_record(tensor_event_t ev);
-/* True when all work before the last record has finished; never blocks. */
+/* True when all work before the last record has finished (an event never
+ * recorded counts as complete); never blocks. */
 bool tensor_event_query(tensor_event_t ev);
 void tensor_event_wait(tensor_event_t ev);
 

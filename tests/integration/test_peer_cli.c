@@ -1,7 +1,8 @@
 /* The `rumor` command as a user runs it: one epoch of Fashion-MNIST reaches
- * the target accuracy; checkpoints evaluate and resume bit for bit; bad
- * flags, bad data, bad checkpoints and unknown devices give a clear message
- * and a non-zero exit, never a crash. */
+ * the target accuracy; checkpoints evaluate and resume bit for bit, and
+ * those written by release 0.1 still evaluate and resume; bad flags, bad
+ * data, bad checkpoints and unknown devices give a clear message and a
+ * non-zero exit, never a crash. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "peer/train/train.h"
 #include "../support/proc.h"
 #include "../support/fmnist.h"
 
@@ -196,4 +198,129 @@ Test(cli, bad_checkpoints_and_devices_are_reported) {
   expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
   st = rumor(NULL, &err, 60, "train", "--device", "cuda:7", "--max-steps", "1", NULL);
   expect_fail(st, 1, err, "cuda:7", "absent GPU");
+}
+
+/* ---- checkpoints written by release 0.1 (tests/data, see its README) ------------ */
+
+struct old_run {
+  const char *kind;  /* --optimizer */
+  double accuracy, loss; /* what release 0.1 reported for the step-3 checkpoint's test set */
+  const char *state[2];  /* its optimizer state tensors */
+};
+static const struct old_run old_runs[] = {
+    {"sgd", 0.2011, 2.064409, {"optimizer.momentum", NULL}},
+    {"adamw", 0.3748, 3.368270, {"optimizer.exp_avg", "optimizer.exp_avg_sq"}},
+};
+
+static void old_path(char *buf, size_t n, const char *kind, const char *suffix) {
+  snprintf(buf, n, "%s/tests/data/ckpt-0.1-mlp-%s%s.safetensors", RUMOR_SOURCE_DIR, kind, suffix);
+}
+
+/* A copy in the scratch directory, so no run can touch tests/data. */
+static void copy_to_scratch(const char *from, char *to, size_t n, const char *name) {
+  snprintf(to, n, "%s/%s", dir, name);
+  char cmd[1200];
+  snprintf(cmd, sizeof cmd, "cp '%s' '%s'", from, to);
+  cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+Test(cli, release_0_1_checkpoints_evaluate_to_what_that_release_reported) {
+  SKIP_WITHOUT_DATA();
+  for (int k = 0; k < 2; k++) {
+    const struct old_run *r = &old_runs[k];
+    char src[512], ck[256], *out, *err;
+    old_path(src, sizeof src, r->kind, "");
+    copy_to_scratch(src, ck, sizeof ck, "old.safetensors");
+    int st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, "--threads", "1", NULL);
+    cr_assert(proc_exited_with(st, 0), "eval of the release-0.1 %s checkpoint failed: %s", r->kind, err);
+    cr_assert_eq(json_number(out, "step"), 3, "%s: %s", r->kind, out);
+    cr_assert_eq(json_number(out, "samples"), 10000, "%s: %s", r->kind, out);
+    /* The same numbers, up to the order of float sums on another CPU (a
+     * sample or two near a tie). */
+    double acc = json_number(out, "accuracy"), loss = json_number(out, "loss");
+    cr_assert(fabs(acc - r->accuracy) <= 2.5e-4, "%s: accuracy %.6f, release 0.1 reported %.4f", r->kind, acc,
+              r->accuracy);
+    cr_assert(fabs(loss - r->loss) <= 1e-5 + 1e-4 * r->loss, "%s: loss %.6f, release 0.1 reported %.6f", r->kind, loss,
+              r->loss);
+    free(out), free(err);
+  }
+}
+
+/* |got − ref| ≤ atol + rtol·|ref| over n elements, atol = 1e-6 of the largest
+ * |ref| (optimizer state spans many magnitudes); fails naming the worst. */
+static void expect_close_to_release(const char *kind, const char *what, const float *got, const float *ref, int64_t n) {
+  double scale = 0;
+  for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(ref[i]));
+  double atol = 1e-6 * scale, rtol = 1e-4, worst = 0;
+  int64_t at = -1, same = 0;
+  for (int64_t i = 0; i < n; i++) {
+    cr_assert(isfinite(got[i]), "%s %s: element %lld is %g", kind, what, (long long)i, got[i]);
+    double excess = fabs((double)got[i] - ref[i]) / (atol + rtol * fabs(ref[i]));
+    if (excess > worst) worst = excess, at = i;
+    same += memcmp(&got[i], &ref[i], sizeof(float)) == 0;
+  }
+  cr_assert(worst <= 1.0, "%s %s: element %lld is %.9g, release 0.1 has %.9g (|diff| %.3g > %.3g + %.0e·|ref|)", kind,
+            what, (long long)at, at >= 0 ? got[at] : 0.0, at >= 0 ? ref[at] : 0.0,
+            at >= 0 ? fabs((double)got[at] - ref[at]) : 0.0, atol, rtol);
+  if (same != n) fprintf(stderr, "%s %s: within tolerance, %lld of %lld elements bit-identical\n", kind, what,
+                         (long long)same, (long long)n);
+}
+
+/* Release 0.1 trained 3 steps and saved; today's `rumor train --resume`
+ * runs steps 4 and 5. The result must be where release 0.1's own
+ * uninterrupted 5-step run ended (the -step5 files): same parameters and
+ * optimizer state, up to float rounding on another CPU. The plain command
+ * `rumor train --resume F --max-steps 5` continues from step 3 as well
+ * (with the CLI's default schedule of 10 epochs, so not the same rates). */
+Test(cli, release_0_1_checkpoints_resume_at_step_3_on_that_release_trajectory) {
+  SKIP_WITHOUT_DATA();
+  char src[512], in[256], *out, *err;
+  old_path(src, sizeof src, "sgd", "");
+  copy_to_scratch(src, in, sizeof in, "plain.safetensors");
+  int st = rumor(&out, &err, 120, "train", "--resume", in, "--max-steps", "5", "--threads", "1", "--log-every", "0",
+                 NULL);
+  cr_assert(proc_exited_with(st, 0), "plain resume failed: %s", err);
+  cr_assert(strstr(err, "resumed from") && strstr(err, " at step 3 "), "%s", err);
+  cr_assert_eq(json_number(out, "steps"), 5, "%s", out);
+  free(out), free(err);
+
+  for (int k = 0; k < 2; k++) {
+    const struct old_run *r = &old_runs[k];
+    char ref_path[512], res[256];
+    old_path(src, sizeof src, r->kind, "");
+    old_path(ref_path, sizeof ref_path, r->kind, "-step5");
+    copy_to_scratch(src, in, sizeof in, "in.safetensors");
+    snprintf(res, sizeof res, "%s/resumed-%s.safetensors", dir, r->kind);
+    st = rumor(&out, &err, 120, "train", "--resume", in, "--optimizer", r->kind, "--epochs", "1", "--max-steps", "5",
+               "--threads", "1", "--log-every", "0", "--no-eval", "--checkpoint", res, NULL);
+    cr_assert(proc_exited_with(st, 0), "%s: resume failed: %s", r->kind, err);
+    cr_assert(strstr(err, "resumed from") && strstr(err, " at step 3 "), "%s: %s", r->kind, err);
+    cr_assert(!strstr(err, "starting it from zero"), "%s: the optimizer state was not restored: %s", r->kind, err);
+    cr_assert_eq(json_number(out, "steps"), 5, "%s: %s", r->kind, out);
+    free(out), free(err);
+
+    struct checkpoint got, ref;
+    struct rumor_err e;
+    cr_assert_eq(checkpoint_open(res, &got, &e), 0, "%s", e.msg);
+    cr_assert_eq(checkpoint_open(ref_path, &ref, &e), 0, "%s", e.msg);
+    cr_assert_eq(got.info.st.step, 5);
+    cr_assert_eq(got.info.st.step_in_epoch, 5);
+    cr_assert_eq(got.info.st.samples, 160, "%s: %lld samples (96 before + 2 × 32)", r->kind,
+                 (long long)got.info.st.samples);
+    cr_assert_eq(got.info.optim_kind, ref.info.optim_kind);
+    int64_t n = ref.table.nparams;
+    float *g = xmalloc((size_t)n * sizeof(float)), *w = xmalloc((size_t)n * sizeof(float));
+    checkpoint_params(&got, g);
+    checkpoint_params(&ref, w);
+    expect_close_to_release(r->kind, "parameters", g, w, n);
+    for (int s = 0; s < 2 && r->state[s]; s++) {
+      const struct st_tensor *gs = safetensors_find(&got.file, r->state[s]);
+      const struct st_tensor *ws = safetensors_find(&ref.file, r->state[s]);
+      cr_assert(gs && ws && gs->nbytes == ws->nbytes, "%s: %s missing or of another size", r->kind, r->state[s]);
+      expect_close_to_release(r->kind, r->state[s], gs->data, ws->data, (int64_t)(ws->nbytes / sizeof(float)));
+    }
+    free(g), free(w);
+    checkpoint_close(&got);
+    checkpoint_close(&ref);
+  }
 }

@@ -256,26 +256,59 @@ Test(gossip, sigterm_peer_is_recorded_as_left_never_suspected) {
   }
 }
 
-Test(gossip, sigstop_shorter_than_suspicion_refutes_and_stays_a_member) {
+/* The stamp (ms of day) of node i's first log line stamped at or after
+ * `from_ms` that mentions `addr` and `what`, or -1. */
+static long first_line_from(int i, const char *addr, const char *what, long from_ms) {
+  char *s = proc_slurp(C.node[i].log);
+  char pat[96];
+  snprintf(pat, sizeof pat, "%s (", addr);
+  long at = -1;
+  for (char *line = strtok(s, "\n"); line && at < 0; line = strtok(NULL, "\n")) {
+    long ms = cluster_log_ms(line);
+    if (ms >= from_ms && strstr(line, pat) && strstr(line, what)) at = ms;
+  }
+  free(s);
+  return at;
+}
+
+/* Suspicion timing for the pause test: a member is suspected after one
+ * failed probe and declared failed PAUSE_SUSPECT_MS later unless it
+ * refutes. Each member probes the others in a shuffled round robin, one
+ * per CLUSTER_PERIOD_MS, so with 4 others a given member is probed at most
+ * 7 periods (0.7 s) apart, and the news spreads within a few periods more:
+ * a pause of half the suspicion timeout (2 s) is suspected by everyone even
+ * on a loaded machine, and leaves 2 s to refute (a few periods). */
+#define PAUSE_SUSPECT_MS 4000
+#define PAUSE_MS (PAUSE_SUSPECT_MS / 2)
+
+Test(gossip, sigstop_shorter_than_suspicion_is_suspected_then_refuted_and_stays_a_member) {
   SKIP_WITHOUT_DATA();
   int peer[4];
-  start_four(peer, "6000", "--suspect-ms", "4000");
+  char suspect[16];
+  snprintf(suspect, sizeof suspect, "%d", PAUSE_SUSPECT_MS);
+  start_four(peer, "6000", "--suspect-ms", suspect);
   usleep(1000000);
+  /* Suspicions before the pause (a peer slow to answer while the others
+   * start) do not count: only lines stamped from the pause on. */
+  long stopped_at = cluster_wall_ms_of_day();
   kill(C.node[peer[3]].pid, SIGSTOP);
-  usleep(1500000);
+  usleep(PAUSE_MS * 1000);
+  long resumed_at = cluster_wall_ms_of_day();
   kill(C.node[peer[3]].pid, SIGCONT);
-  usleep(3000000);
+  /* Past the moment the earliest suspicion would have become a failure. */
+  usleep((PAUSE_SUSPECT_MS - PAUSE_MS + 1000) * 1000);
   const char *paused = C.node[peer[3]].addr;
-  int suspected = 0;
   for (int k = 0; k < 3; k++) {
     cr_assert_eq(count_lines(peer[k], paused, "is now failed"), 0, "peer %d declared the paused peer failed", k);
-    int s = count_lines(peer[k], paused, "is now suspect");
-    suspected += s;
-    /* A suspicion must have been refuted: the member is alive again. */
-    if (s > 0)
-      cr_assert_gt(count_lines(peer[k], paused, "is now alive"), 0, "peer %d never saw the refutation", k);
+    long sus = first_line_from(peer[k], paused, "is now suspect", stopped_at);
+    cr_assert(sus >= 0 && sus <= resumed_at,
+              "peer %d did not suspect the peer paused for %d ms (suspect timeout %d ms)", k, PAUSE_MS,
+              PAUSE_SUSPECT_MS);
+    long alive = first_line_from(peer[k], paused, "is now alive", sus);
+    cr_assert(alive >= 0, "peer %d never saw the paused peer refute the suspicion", k);
+    fprintf(stderr, "peer %d suspected the paused peer %ld ms into the pause, alive again %ld ms after it resumed\n", k,
+            sus - stopped_at, alive - resumed_at);
   }
-  fprintf(stderr, "the paused peer was suspected %d times and refuted\n", suspected);
   for (int k = 0; k < 4; k++) expect_clean_exit(peer[k]);
   cr_assert_gt(cluster_result(&C, peer[3], "exchanges"), 0);
 }

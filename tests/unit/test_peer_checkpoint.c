@@ -1,8 +1,10 @@
 /* Checkpoints: a round trip restores parameters, optimizer state and the
  * training position exactly; truncated or bit-flipped files (anywhere: the
  * length prefix, the JSON header, the data) are rejected with a message, and
- * the writer leaves no temporary file behind. */
+ * the writer leaves no temporary file behind; checkpoints written by release
+ * 0.1 (tests/data) still open and restore bit for bit. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -210,4 +212,174 @@ Test(checkpoint, failed_write_keeps_the_previous_file) {
   snprintf(cmd, sizeof cmd, "test $(ls %s | grep -v '[.]prev$' | wc -l) -eq 1", dir);
   cr_assert_eq(system(cmd), 0, "the failed write left a temporary file in %s", dir);
   model_free(&m), optim_free(&o);
+}
+
+/* ---- checkpoints written by release 0.1 (tests/data, see its README) ------------ */
+
+/* One tensor of a release-0.1 file as that release wrote it: where it
+ * belongs (elements from the start of the flat parameter buffer, or of the
+ * optimizer state), its size, the bits of its first and last elements and
+ * the sum of its elements, read from the file by a separate script (not by
+ * rumor's reader) when the file was made. */
+struct old_tensor {
+  const char *name;
+  bool state; /* optimizer state rather than a parameter */
+  int64_t offset, numel;
+  uint32_t first, last;
+  double sum;
+};
+
+struct old_ckpt {
+  const char *file;
+  enum optim_kind kind;
+  int64_t step, samples;
+  struct old_tensor t[6];
+};
+
+/* mlp:784-16-10 (12730 parameters): layers.0 16×784 + 16, layers.1 10×16 + 10.
+ * SGD keeps one state float per parameter, AdamW two (exp_avg, then
+ * exp_avg_sq). All four were written by `rumor train --model mlp:784-16-10
+ * --epochs 1 --batch 32 --max-steps 3` (or 5) of commit d71a2d9. */
+#define OLD_P 12730
+static const struct old_ckpt old_ckpts[] = {
+    {"ckpt-0.1-mlp-sgd.safetensors", OPTIM_SGD, 3, 96,
+     {{"layers.0.weight", false, 0, 12544, 0xbd0dbd9au, 0xbd0e6a0eu, 1.1699514126012218},
+      {"layers.0.bias", false, 12544, 16, 0xbb96a4acu, 0x3ceba7fcu, -0.031823548953980207},
+      {"layers.1.weight", false, 12560, 160, 0xbc076bfbu, 0xbdbec7b7u, 0.92483818111941218},
+      {"layers.1.bias", false, 12720, 10, 0xbe107763u, 0x3e6d45abu, -0.37238112837076187},
+      {"optimizer.momentum", true, 0, OLD_P, 0x3d326c49u, 0x3e27a910u, -12.935327115959808}}},
+    {"ckpt-0.1-mlp-adamw.safetensors", OPTIM_ADAMW, 3, 96,
+     {{"layers.0.weight", false, 0, 12544, 0x3d5dca88u, 0xbd28ce7au, 94.885508932566154},
+      {"layers.0.bias", false, 12544, 16, 0xbdbfef22u, 0x3d0dd873u, -0.88431472703814507},
+      {"layers.1.weight", false, 12560, 160, 0x3ce8307bu, 0xbda6c5e4u, -0.47386961989104748},
+      {"layers.1.bias", false, 12720, 10, 0xbe18cf69u, 0x3e528958u, -0.020897343754768372},
+      {"optimizer.exp_avg", true, 0, OLD_P, 0xba842a9au, 0xb9f953c8u, -4.9192217856185039},
+      {"optimizer.exp_avg_sq", true, OLD_P, OLD_P, 0x34df238cu, 0x372c02c8u, 0.45370846873604531}}},
+    {"ckpt-0.1-mlp-sgd-step5.safetensors", OPTIM_SGD, 5, 160,
+     {{"layers.0.weight", false, 0, 12544, 0xbd1fc9d3u, 0xbd06c1acu, -3.3734219782054424},
+      {"layers.0.bias", false, 12544, 16, 0x3a5c651cu, 0x3cd8c113u, -0.011287201312370598},
+      {"layers.1.weight", false, 12560, 160, 0xbc5fc526u, 0xbdc0515du, 0.92483831476420164},
+      {"layers.1.bias", false, 12720, 10, 0xbe109170u, 0x3e5f8112u, -0.37238113582134247},
+      {"optimizer.momentum", true, 0, OLD_P, 0x3d4046bcu, 0x3e0b7b85u, 50.058373908963404}}},
+    {"ckpt-0.1-mlp-adamw-step5.safetensors", OPTIM_ADAMW, 5, 160,
+     {{"layers.0.weight", false, 0, 12544, 0x3d9bfddbu, 0xbd1f58dcu, 119.17113585409243},
+      {"layers.0.bias", false, 12544, 16, 0xbded07b9u, 0x3d0462d7u, -1.4391243616119027},
+      {"layers.1.weight", false, 12560, 160, 0xbc8cd571u, 0xbd7380d1u, -1.063213418237865},
+      {"layers.1.bias", false, 12720, 10, 0xbe2b326au, 0x3e621162u, 0.099855354055762291},
+      {"optimizer.exp_avg", true, 0, OLD_P, 0xba564ba2u, 0xbb3532abu, 0.89649805289764117},
+      {"optimizer.exp_avg_sq", true, OLD_P, OLD_P, 0x34e04372u, 0x37357288u, 0.95469905661096122}}},
+};
+
+static uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/* Index of the first element where a and b differ in any bit, or -1. */
+static int64_t first_bit_difference(const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (float_bits(a[i]) != float_bits(b[i])) return i;
+  return -1;
+}
+
+/* Asserts that `got` (n floats) equals the file's tensor bit for bit. */
+static void expect_bits(const char *file, const char *what, const float *got, const struct st_tensor *t, int64_t n) {
+  const float *want = t->data;
+  int64_t bad = first_bit_difference(got, want, n);
+  cr_assert_eq(bad, -1, "%s: %s element %lld is %.9g (0x%08x), the file holds %.9g (0x%08x)", file, what,
+               (long long)bad, bad >= 0 ? got[bad] : 0.0, bad >= 0 ? float_bits(got[bad]) : 0u,
+               bad >= 0 ? want[bad] : 0.0, bad >= 0 ? float_bits(want[bad]) : 0u);
+}
+
+static void check_old_checkpoint(const struct old_ckpt *oc) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/tests/data/%s", RUMOR_SOURCE_DIR, oc->file);
+  struct checkpoint ck;
+  struct rumor_err e;
+  cr_assert_eq(checkpoint_open(p, &ck, &e), 0, "a release-0.1 checkpoint no longer opens: %s", e.msg);
+
+  /* What the file says about itself. */
+  char spec[MODEL_SPEC_MAX];
+  model_spec_format(&ck.info.spec, spec, sizeof spec);
+  cr_assert_str_eq(spec, "mlp:784-16-10", "%s: model %s", oc->file, spec);
+  cr_assert_eq(ck.table.nparams, OLD_P, "%s: %lld parameters", oc->file, (long long)ck.table.nparams);
+  cr_assert_eq(ck.info.st.step, oc->step, "%s: step %lld", oc->file, (long long)ck.info.st.step);
+  cr_assert_eq(ck.info.st.epoch, 0);
+  cr_assert_eq(ck.info.st.step_in_epoch, oc->step);
+  cr_assert_eq(ck.info.st.samples, oc->samples, "%s: %lld samples", oc->file, (long long)ck.info.st.samples);
+  cr_assert_eq(ck.info.optim_kind, oc->kind, "%s: optimizer %s", oc->file, optim_kind_name(ck.info.optim_kind));
+  cr_assert(ck.has_optim, "%s: optimizer state not found", oc->file);
+  cr_assert(ck.info.seed == 1 && ck.info.data_seed == 1, "%s: seeds", oc->file);
+  cr_assert(ck.info.shard.index == 0 && ck.info.shard.count == 1, "%s: shard", oc->file);
+  cr_assert_eq(ck.info.batch, 32);
+  cr_assert_eq(ck.info.norm_mean, 0.28604059698879547, "%s: norm_mean %.17g", oc->file, ck.info.norm_mean);
+  cr_assert_eq(ck.info.norm_std, 0.3530242445149227, "%s: norm_std %.17g", oc->file, ck.info.norm_std);
+  cr_assert_eq(ck.info.stages, 0, "%s: read as a pipeline stage's checkpoint", oc->file);
+
+  /* The tensors as the reader sees them against the numbers taken from
+   * the raw file. */
+  for (int i = 0; i < 6 && oc->t[i].name; i++) {
+    const struct old_tensor *ot = &oc->t[i];
+    const struct st_tensor *t = safetensors_find(&ck.file, ot->name);
+    cr_assert_not_null(t, "%s: no tensor %s", oc->file, ot->name);
+    cr_assert_eq(t->nbytes, (size_t)ot->numel * sizeof(float), "%s: %s has %zu bytes", oc->file, ot->name, t->nbytes);
+    const float *v = t->data;
+    cr_assert(float_bits(v[0]) == ot->first && float_bits(v[ot->numel - 1]) == ot->last,
+              "%s: %s starts 0x%08x, ends 0x%08x; want 0x%08x, 0x%08x", oc->file, ot->name, float_bits(v[0]),
+              float_bits(v[ot->numel - 1]), ot->first, ot->last);
+    double sum = 0;
+    for (int64_t j = 0; j < ot->numel; j++) sum += v[j];
+    cr_assert(fabs(sum - ot->sum) <= 1e-12 + 1e-12 * fabs(ot->sum), "%s: %s sums to %.17g, want %.17g", oc->file,
+              ot->name, sum, ot->sum);
+  }
+
+  /* Restored into a fresh model and optimizer (poisoned with NaN first, so
+   * an element not restored shows), and read out with checkpoint_params:
+   * every element equals the file's, bit for bit, at its written-out place. */
+  struct model m;
+  struct optim o;
+  struct optim_config cfg;
+  optim_config_default(&cfg);
+  cfg.kind = oc->kind;
+  cr_assert_eq(model_init_full(&m, &ck.info.spec, be, 8, &e), 0, "%s", e.msg);
+  cr_assert_eq(optim_init(&o, &cfg, &m, &e), 0, "%s", e.msg);
+  tensor_fill(&m.params, NAN);
+  tensor_fill(&o.state, NAN);
+  cr_assert_eq(checkpoint_restore(&ck, &m, &o, &e), 0, "%s: %s", oc->file, e.msg);
+  cr_assert_eq(o.step, oc->step, "%s: optimizer step %lld", oc->file, (long long)o.step);
+  int nstate = oc->kind == OPTIM_ADAMW ? 2 : 1;
+  cr_assert_eq(tensor_numel(&o.state), nstate * OLD_P);
+  float *params = xmalloc(OLD_P * sizeof(float)), *state = xmalloc((size_t)nstate * OLD_P * sizeof(float));
+  float *flat = xmalloc(OLD_P * sizeof(float));
+  tensor_copy_to_host(&m.params, 0, params, OLD_P * sizeof(float));
+  tensor_copy_to_host(&o.state, 0, state, (size_t)nstate * OLD_P * sizeof(float));
+  checkpoint_params(&ck, flat);
+  int64_t covered = 0;
+  for (int i = 0; i < 6 && oc->t[i].name; i++) {
+    const struct old_tensor *ot = &oc->t[i];
+    const struct st_tensor *t = safetensors_find(&ck.file, ot->name);
+    char what[128];
+    snprintf(what, sizeof what, "restored %s", ot->name);
+    expect_bits(oc->file, what, (ot->state ? state : params) + ot->offset, t, ot->numel);
+    if (!ot->state) {
+      snprintf(what, sizeof what, "checkpoint_params' %s", ot->name);
+      expect_bits(oc->file, what, flat + ot->offset, t, ot->numel);
+    }
+    covered += ot->numel;
+  }
+  cr_assert_eq(covered, (1 + nstate) * OLD_P, "the table above misses elements");
+  free(params), free(state), free(flat);
+  optim_free(&o), model_free(&m);
+  checkpoint_close(&ck);
+}
+
+Test(checkpoint, release_0_1_sgd_checkpoint_opens_and_restores_bit_for_bit) {
+  check_old_checkpoint(&old_ckpts[0]);
+  check_old_checkpoint(&old_ckpts[2]);
+}
+
+Test(checkpoint, release_0_1_adamw_checkpoint_opens_and_restores_bit_for_bit) {
+  check_old_checkpoint(&old_ckpts[1]);
+  check_old_checkpoint(&old_ckpts[3]);
 }

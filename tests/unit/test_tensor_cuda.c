@@ -29,6 +29,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kernels/kernels.h" /* kern_sketch_hash_host: the device hash, host build */
 #include "tensor/tensor_ref.h"
@@ -257,9 +259,7 @@ Test(cuda_select, auto_opens_cuda_when_a_gpu_is_usable_else_the_cpu) {
 
 Test(cuda_select, cuda_without_a_usable_gpu_is_an_error_naming_the_spec) {
   int count = tensor_cuda_device_count();
-  cr_assert_geq(count, 0);
-  cr_assert_eq(tensor_cuda_device_count(), count, "the device count must be stable");
-  if (!tensor_cuda_compiled()) cr_assert_eq(count, 0);
+  if (!tensor_cuda_compiled()) cr_assert_eq(count, 0, "built without CUDA, yet %d devices counted", count);
 
   /* One past the last device is never usable, with or without a GPU. */
   char spec[32];
@@ -282,6 +282,55 @@ Test(cuda_select, cuda_without_a_usable_gpu_is_an_error_naming_the_spec) {
   struct rumor_err e = {0};
   cr_assert_eq(tensor_backend_open("cuda:x", &be, &e), RUMOR_EFORMAT, "%s", e.msg);
   cr_assert_eq(tensor_backend_open("cudax", &be, &e), RUMOR_EFORMAT, "%s", e.msg);
+}
+
+/* tensor_cuda_device_count() as a fresh process sees it (the count is
+ * asked once per process) with CUDA_VISIBLE_DEVICES set to `visible`, or
+ * as inherited when NULL. The caller must not have touched CUDA yet: a
+ * forked child cannot use a CUDA context made before the fork. */
+static int device_count_in_child(const char *visible) {
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (visible) setenv("CUDA_VISIBLE_DEVICES", visible, 1);
+    int n = tensor_cuda_device_count();
+    _exit(n < 0 ? 255 : n > 254 ? 254 : n);
+  }
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 255, "the counting child failed (status %d)", status);
+  return WEXITSTATUS(status);
+}
+
+/* The count against references that do not come from it: the CUDA
+ * runtime's own device filter (none visible: 0; one named: 1 when there is
+ * a GPU), and opening each device number it claims (no over-count; one
+ * past the end failing is checked above). */
+Test(cuda_select, device_count_follows_cuda_visible_devices_and_each_counted_device_opens) {
+  cr_assert_eq(device_count_in_child(""), 0, "CUDA_VISIBLE_DEVICES=\"\" hides every device, yet some were counted");
+  int all = device_count_in_child(NULL);
+  if (!tensor_cuda_compiled()) cr_assert_eq(all, 0, "built without CUDA, yet %d devices counted", all);
+  if (all > 0) {
+    /* The first device of the inherited list ("0" when there is none). */
+    char first[128] = "0";
+    const char *inherited = getenv("CUDA_VISIBLE_DEVICES");
+    if (inherited && *inherited) snprintf(first, sizeof first, "%.*s", (int)strcspn(inherited, ","), inherited);
+    int one = device_count_in_child(first);
+    cr_assert_eq(one, 1, "CUDA_VISIBLE_DEVICES=%s names one device; %d counted", first, one);
+  }
+  int here = tensor_cuda_device_count();
+  cr_assert_eq(here, all, "this process counts %d devices, a fresh one with the same environment %d", here, all);
+  for (int i = 0; i < all; i++) {
+    char spec[32];
+    snprintf(spec, sizeof spec, "cuda:%d", i);
+    tensor_backend_t be = NULL;
+    struct rumor_err e = {0};
+    cr_assert_eq(tensor_backend_open(spec, &be, &e), 0, "%d devices counted, but %s does not open: %s", all, spec,
+                 e.msg);
+    cr_assert_eq(tensor_backend_device(be), TENSOR_DEVICE_CUDA);
+    cr_assert_str_eq(tensor_backend_name(be), spec);
+    tensor_backend_close(be);
+  }
 }
 
 Test(cuda_hash, device_sketch_hash_agrees_with_tensor_sketch_hash) {
@@ -866,32 +915,53 @@ Test(cuda, sum_sq_norm_sq_dist_match_double_reference) {
   close_gpu();
 }
 
+/* NaN, +Inf and −Inf placed at chosen, distinct indices of finite normal
+ * data, so the expected count is known without looking at the data:
+ *   sparse: x[0], x[n−1] and 10 interior elements 6 + j·⌊(n−7)/10⌋
+ *           (n ≥ 17), 12 in all; all there is for n = 1 and 2;
+ *   dense:  every index ≡ 0 (mod 3), ⌈n/3⌉, and x[n−1] when n − 1 ≢ 0;
+ * with FLT_MAX, −FLT_MAX, a denormal and −0 (finite: not counted) at 1, 2,
+ * 4 and 5 when n > 8. The counts are written out per size. */
 Test(cuda, count_nonfinite_counts_exactly_the_nan_and_inf_elements) {
   open_gpu();
-  static const int64_t sizes[] = {1, 2, 1000, 65537, (1 << 21) + 3};
-  for (int s = 0; s < (int)(sizeof sizes / sizeof sizes[0]); s++)
+  static const struct {
+    int64_t n, sparse, dense;
+  } cases[] = {
+      {1, 1, 1},                       /* x[0] */
+      {2, 2, 1},                       /* x[0], x[1]; dense: x[0] only (n ≤ 8: no x[n−1] extra) */
+      {1000, 12, 334},                 /* 0, 3, ..., 999 */
+      {65537, 12, 21846 + 1},          /* 0, ..., 65535; 65536 ≡ 1 */
+      {(1 << 21) + 3, 12, 699052 + 1}, /* 0, ..., 2097153; 2097154 ≡ 1 */
+  };
+  static const float specials[] = {NAN, INFINITY, -INFINITY};
+  for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++)
     for (int density = 0; density < 3; density++) {
-      int64_t n = sizes[s];
+      int64_t n = cases[c].n;
+      int64_t want = density == 0 ? 0 : density == 1 ? cases[c].sparse : cases[c].dense;
       int mark = arena_mark();
       float *x = hbuf(n);
-      fill_normal(x, n, 0.0f, 1.0f);
-      static const float specials[] = {NAN, INFINITY, -INFINITY};
-      if (density > 0) {
-        x[0] = specials[density % 3];
-        x[n - 1] = specials[(density + 1) % 3];
-        int64_t extra = density == 1 ? 10 : n / 3;
-        for (int64_t j = 0; j < extra; j++) x[rng_below(&g_rng, (uint64_t)n)] = specials[j % 3];
+      fill_normal(x, n, 0.0f, 1.0f); /* finite: rng_normal never returns Inf or NaN */
+      if (n > 8) {
+        x[1] = FLT_MAX;
+        x[2] = -FLT_MAX;
+        x[4] = 1e-40f; /* denormal */
+        x[5] = -0.0f;
       }
-      if (n > 4) {
-        x[1 + (density == 0)] = FLT_MAX; /* finite extremes do not count */
-        x[2 - (density == 0)] = 1e-40f;  /* denormal */
+      int k = 0;
+      if (density == 1) {
+        x[0] = specials[k++ % 3];
+        if (n >= 2) x[n - 1] = specials[k++ % 3];
+        if (n >= 17)
+          for (int64_t j = 0; j < 10; j++) x[6 + j * ((n - 7) / 10)] = specials[k++ % 3];
+      } else if (density == 2) {
+        for (int64_t i = 0; i < n; i += 3) x[i] = specials[k++ % 3];
+        if (n > 8 && (n - 1) % 3 != 0) x[n - 1] = specials[k++ % 3];
       }
-      int64_t want = 0;
-      for (int64_t i = 0; i < n; i++) want += !isfinite(x[i]);
       struct dev dx = dev_from(1, &n, x);
       int64_t got = tensor_count_nonfinite(&dx.t);
       cr_assert_eq(got, want, "count_nonfinite n=%" PRId64 " density %d: got %" PRId64 ", want %" PRId64 " (seed %" PRIu64 ")",
                    n, density, got, want, g_seed);
+      dev_check_guards(&dx, "count_nonfinite");
       arena_release(mark);
     }
   close_gpu();

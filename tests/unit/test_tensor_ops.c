@@ -329,7 +329,7 @@ Test(tensor_cpu, count_sketch_matches_reference_and_preserves_distance) {
   tensor_free(&x), tensor_free(&y);
 }
 
-Test(tensor_cpu, views_copies_and_events) {
+Test(tensor_cpu, views_and_copies_address_the_right_elements) {
   int64_t n = 1000;
   float *h = rand_host(n, 1);
   struct tensor t = dev_from(h, 1, &n);
@@ -339,16 +339,57 @@ Test(tensor_cpu, views_copies_and_events) {
   float out[200];
   tensor_copy_to_host(&v, 0, out, sizeof out);
   cr_assert_eq(memcmp(out, h + 100, sizeof out), 0);
-  float *pinned = tensor_host_alloc(be, 4000);
+  free(h);
+  tensor_free(&t);
+}
+
+/* Index of the first element where a and b differ, or -1. */
+static int64_t first_difference(const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (memcmp(&a[i], &b[i], sizeof *a) != 0) return i;
+  return -1;
+}
+
+/* tensor.h: CPU events are complete as soon as they are recorded (ops and
+ * copies have run by then), and a query never blocks. So on the CPU, with
+ * no tensor_event_wait anywhere: an event never recorded is complete; after
+ * an async copy and a record, the query is true at once and the copy's data
+ * is already in the host buffer. */
+Test(tensor_cpu, events_are_complete_at_record_and_async_copies_have_landed) {
+  const int64_t n = 1000;
+  float *h = rand_host(n, 1); /* in (−1, 1) */
+  struct tensor t = dev_from(h, 1, &n);
+  float *pinned = tensor_host_alloc(be, (size_t)n * sizeof(float));
   cr_assert_not_null(pinned);
-  tensor_copy_to_host_async(&t, 0, pinned, 4000);
+  for (int64_t i = 0; i < n; i++) pinned[i] = 7.0f; /* no element of h */
+
   tensor_event_t ev = tensor_event_create(be);
+  cr_assert_not_null(ev);
+  cr_assert(tensor_event_query(ev), "an event never recorded must count as complete");
+
+  tensor_copy_to_host_async(&t, 0, pinned, (size_t)n * sizeof(float));
   tensor_event_record(ev);
-  tensor_event_wait(ev);
-  cr_assert(tensor_event_query(ev));
-  cr_assert_eq(memcmp(pinned, h, 4000), 0);
+  cr_assert(tensor_event_query(ev), "a CPU event must be complete as soon as it is recorded");
+  int64_t bad = first_difference(pinned, h, n);
+  cr_assert_eq(bad, -1, "the event says complete but element %lld of the async copy is %g, want %g", (long long)bad,
+               bad >= 0 ? pinned[bad] : 0.0, bad >= 0 ? h[bad] : 0.0);
+
+  /* An op, then a copy of its result, then a second record on the same
+   * event: complete at once again, with the new values (×2 is exact). */
+  tensor_scale(&t, 2.0f);
+  tensor_copy_to_host_async(&t, 0, pinned, (size_t)n * sizeof(float));
+  tensor_event_record(ev);
+  cr_assert(tensor_event_query(ev), "a re-recorded CPU event must be complete at once");
+  float *twice = xmalloc((size_t)n * sizeof *twice);
+  for (int64_t i = 0; i < n; i++) twice[i] = 2.0f * h[i];
+  bad = first_difference(pinned, twice, n);
+  cr_assert_eq(bad, -1, "after scale and copy, element %lld is %g, want %g", (long long)bad,
+               bad >= 0 ? pinned[bad] : 0.0, bad >= 0 ? twice[bad] : 0.0);
+  tensor_event_wait(ev); /* complete: returns at once (the suite's timeout catches a hang) */
+
   tensor_event_destroy(ev);
   tensor_host_free(be, pinned);
+  free(twice);
   free(h);
   tensor_free(&t);
 }

@@ -4,12 +4,18 @@
 #define _GNU_SOURCE
 #endif
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "util/json.h"
@@ -147,9 +153,50 @@ Test(parse, numbers_are_strict) {
   cr_assert_neq(parse_f64("0.5.5", 0, 1, &d), 0);
 }
 
-Test(file, atomic_write_replaces_and_reads_back) {
-  char dir[] = "/tmp/rumor-test-file-XXXXXX";
+/* A scratch directory /tmp/rumor-test-file-XXXXXX in dir (64 bytes). */
+static void scratch_make(char *dir) {
+  snprintf(dir, 64, "/tmp/rumor-test-file-XXXXXX");
   cr_assert_not_null(mkdtemp(dir));
+}
+
+static void scratch_remove(const char *dir) {
+  char cmd[160];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_assert_eq(system(cmd), 0);
+}
+
+/* The names in `dir` (without . and ..), space-separated, into out[n];
+ * returns how many there are. */
+static int dir_entries(const char *dir, char *out, size_t n) {
+  DIR *d = opendir(dir);
+  cr_assert_not_null(d, "cannot open %s", dir);
+  int count = 0;
+  out[0] = '\0';
+  for (struct dirent *de; (de = readdir(d)) != NULL;) {
+    if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
+    count++;
+    size_t used = strlen(out);
+    snprintf(out + used, n - used, "%s%s", used ? " " : "", de->d_name);
+  }
+  closedir(d);
+  return count;
+}
+
+/* Asserts that `path` holds exactly `len` bytes equal to `want`. */
+static void expect_contents(const char *path, const char *want, size_t len, const char *what) {
+  uint8_t *buf;
+  size_t n;
+  struct rumor_err e;
+  cr_assert_eq(file_read_all(path, 1 << 20, &buf, &n, &e), 0, "%s: %s", what, e.msg);
+  cr_assert_eq(n, len, "%s: %s holds %zu bytes, want %zu", what, path, n, len);
+  cr_assert_eq(memcmp(buf, want, len), 0, "%s: %s holds '%.*s', want '%.*s'", what, path, (int)n, (const char *)buf,
+               (int)len, want);
+  free(buf);
+}
+
+Test(file, atomic_write_creates_the_file_with_its_mode_and_reads_back) {
+  char dir[64];
+  scratch_make(dir);
   char path[128];
   snprintf(path, sizeof path, "%s/f", dir);
   struct file_part parts[] = {{"hello ", 6}, {"world", 5}};
@@ -158,17 +205,92 @@ Test(file, atomic_write_replaces_and_reads_back) {
   struct stat st;
   cr_assert_eq(stat(path, &st), 0);
   cr_assert_eq(st.st_mode & 0777, 0600);
+  expect_contents(path, "hello world", 11, "new file");
   uint8_t *buf;
   size_t n;
-  cr_assert_eq(file_read_all(path, 100, &buf, &n, &e), 0);
-  cr_assert_eq(n, 11);
-  cr_assert_eq(memcmp(buf, "hello world", 11), 0);
-  free(buf);
   cr_assert_eq(file_read_all(path, 5, &buf, &n, &e), RUMOR_ETOOBIG);
   cr_assert_neq(file_read_all(dir, 100, &buf, &n, &e), 0); /* a directory */
-  char cmd[160];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  cr_assert_eq(system(cmd), 0);
+  scratch_remove(dir);
+}
+
+/* Replacing is a rename of a complete new file over the old one: the path
+ * then holds exactly the new bytes (no tail of the longer old file), it is
+ * a new inode with the new mode, a reader that opened the old file still
+ * reads all of the old bytes (nobody sees a mix), and no temporary is left. */
+Test(file, atomic_write_replaces_an_existing_file_whole_and_leaves_no_temporary) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  const char *old_text = "the old contents, longer than the new";
+  struct file_part old_part = {old_text, strlen(old_text)};
+  struct rumor_err e;
+  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, &e), 0, "%s", e.msg);
+  struct stat before, after;
+  cr_assert_eq(stat(path, &before), 0);
+  int reader = open(path, O_RDONLY);
+  cr_assert_geq(reader, 0);
+
+  struct file_part parts[] = {{"new ", 4}, {"bytes", 5}};
+  cr_assert_eq(file_write_atomic(path, parts, 2, 0600, &e), 0, "%s", e.msg);
+  expect_contents(path, "new bytes", 9, "replaced file");
+  cr_assert_eq(stat(path, &after), 0);
+  cr_assert_neq(after.st_ino, before.st_ino, "the old file was rewritten in place (inode %llu), not replaced",
+                (unsigned long long)after.st_ino);
+  cr_assert_eq(after.st_mode & 0777, 0600, "mode %o, want the new 0600", after.st_mode & 0777);
+
+  char seen[256];
+  ssize_t got = read(reader, seen, sizeof seen);
+  close(reader);
+  cr_assert(got == (ssize_t)strlen(old_text) && memcmp(seen, old_text, (size_t)got) == 0,
+            "a reader of the old file saw %zd bytes '%.*s', want the whole old contents", got, (int)(got > 0 ? got : 0),
+            seen);
+
+  char names[512];
+  int count = dir_entries(dir, names, sizeof names);
+  cr_assert(count == 1 && strcmp(names, "f") == 0, "after replacing, %s holds '%s', want only 'f'", dir, names);
+  scratch_remove(dir);
+}
+
+/* A write that fails part-way (the file-size limit, in a child process, as
+ * a full disk would) returns -EFBIG and leaves the old file exactly as it
+ * was, same inode, and no temporary behind. */
+Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  const char *old_text = "the old contents";
+  struct file_part old_part = {old_text, strlen(old_text)};
+  struct rumor_err e;
+  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, &e), 0, "%s", e.msg);
+  struct stat before, after;
+  cr_assert_eq(stat(path, &before), 0);
+
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl = {.rlim_cur = 64, .rlim_max = 64};
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0) _exit(2);
+    static char big[4096];
+    memset(big, 'x', sizeof big);
+    struct file_part part = {big, sizeof big};
+    int rc = file_write_atomic(path, &part, 1, 0644, &e);
+    _exit(rc == -EFBIG && strstr(e.msg, "File too large") ? 0 : 1);
+  }
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+            "a 4 KiB write under a 64-byte file-size limit did not fail with -EFBIG (status %d)", status);
+
+  expect_contents(path, old_text, strlen(old_text), "after the failed write");
+  cr_assert_eq(stat(path, &after), 0);
+  cr_assert_eq(after.st_ino, before.st_ino, "the failed write replaced the file");
+  char names[512];
+  int count = dir_entries(dir, names, sizeof names);
+  cr_assert(count == 1 && strcmp(names, "f") == 0, "after the failed write, %s holds '%s', want only 'f'", dir, names);
+  scratch_remove(dir);
 }
 
 static bool cpu_in(const struct cpu_list *c, int cpu) { return (c->bits[cpu / 64] >> (cpu % 64)) & 1; }
