@@ -22,9 +22,12 @@
  * thread touches them only in BUSY. Training never waits on the network, and
  * the network never touches live parameters.
  *
- * Threads: gossip_start / gossip_stop and the gossip_train_* / gossip_xch_* /
- * gossip_donor_* functions are for the training (main) thread; everything
- * else happens on the loop thread.
+ * Threads: gossip_start, gossip_stop, gossip_join_wait, gossip_ready,
+ * gossip_on_loop and the gossip_xch_*, gossip_donor_* and
+ * gossip_stats_publish / _wanted functions are for the training (main)
+ * thread; those marked "any thread" may be called from anywhere; everything
+ * else happens on the loop thread. The runtime's insides are described in
+ * gossip_impl.h.
  */
 #ifndef RUMOR_GOSSIP_H
 #define RUMOR_GOSSIP_H

@@ -2,7 +2,7 @@
  * swim_impl.h — the SWIM membership protocol as a state machine, free of any
  * transport or clock: the owner feeds it received messages and the current
  * time, and it asks for messages to be sent through callbacks. The gossip
- * runtime (gossip.c) binds it to net/ and libuv; tests bind it to a
+ * runtime (runtime.c) binds it to net/ and libuv; tests bind it to a
  * simulated network with a virtual clock.
  *
  * Protocol (Das, Gupta, Motivala 2002, with incarnation numbers):

@@ -148,9 +148,12 @@ int cpu_pin_self(const struct cpu_list *c, struct rumor_err *e) RUMOR_MUST_CHECK
 
 /* ---- files ----------------------------------------------------------------------
  * Writes `n` bytes to `path` atomically: a temporary file in the same
- * directory, fsync, rename over `path`, fsync of the directory. On failure the
- * previous file at `path` (if any) is untouched, the temporary is removed and
- * a negative errno is returned with a message in `e`. `mode` is the new file's
+ * directory, fsync, rename over `path`, fsync of the directory. On a failure
+ * before the rename the previous file at `path` (if any) is untouched, the
+ * temporary is removed and a negative errno is returned with a message in
+ * `e`. A failed fsync of the directory after the rename is reported the same
+ * way, but then `path` already holds the new content (whether the rename
+ * survives a crash is what is unknown). `mode` is the new file's
  * permission bits (e.g. 0600 for secrets). The data is given as `nparts`
  * pieces written in order, so callers need not concatenate large buffers. */
 struct file_part {

@@ -1,4 +1,4 @@
-/* plot — SVG and PNG line charts, terminal sparklines. See plot.h. */
+/* plot — SVG and PNG line charts, terminal sparklines (declared in cli_impl.h, "Charts"). */
 #include "peer/cli/cli_impl.h"
 
 #include <ctype.h>

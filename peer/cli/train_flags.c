@@ -80,6 +80,8 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->seed = (uint64_t)f->seed;
   cfg->data_seed = (uint64_t)f->data_seed;
   cfg->epochs = f->epochs;
+  cfg->epochs_given = args_given(specs, "epochs");
+  cfg->optim_given = args_given(specs, "optimizer");
   cfg->batch = f->batch;
   cfg->max_steps = f->max_steps;
   cfg->optim.lr = f->lr;

@@ -31,6 +31,7 @@ static void remember(struct clip_state *c, const uint8_t *id, double dist) {
 double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double norm) {
   c->seen++;
   c->last_outlier = false;
+
   double tau;
   if (c->tau_fixed > 0) {
     tau = c->tau_fixed;
@@ -51,6 +52,13 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
     c->last_outlier = m >= CLIP_WARMUP && dist > CLIP_OUTLIER * median;
   }
   c->last_tau = tau;
+  if (!isfinite(dist)) {
+    /* Never the case after validation (a non-finite partner is rejected
+     * first), and applying such an update would be a step into nowhere:
+     * nothing of it, and an outlier. */
+    c->last_outlier = true;
+    return 0.0;
+  }
   if (!(dist > tau)) return 1.0; /* also dist 0 */
   c->clipped++;
   return tau > 0 ? tau / dist : 0.0;

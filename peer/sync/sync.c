@@ -114,7 +114,7 @@ static void exchange(struct sync *s) {
     tensor_mirror_refresh(&s->staging, gossip_xch_theirs(s->g));
     char why[200] = "";
     int rc = validate(s, why, sizeof why);
-    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (clip.h); far
+    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (sync.h, "Clipping"); far
      * outliers are skipped. */
     float w = gossip_xch_alpha(s->g);
     if (rc == 0 && s->cfg.clip) {

@@ -111,7 +111,8 @@ struct clip_state {
 void clip_init(struct clip_state *c, double tau_fixed);
 /* Records the distance ‖x_j − x‖ to partner `id` (CLIP_ID_BYTES) and returns
  * the factor s = min(1, τ/dist) ∈ [0, 1] by which to scale the averaging
- * weight. `norm` is ‖x‖ (for the warm-up bound). */
+ * weight. `norm` is ‖x‖ (for the warm-up bound). A NaN or infinite distance
+ * gives 0 and marks an outlier. */
 double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double norm);
 
 /* ============================================================================

@@ -89,6 +89,15 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
   t->cfg.shard = ck->info.shard;
   t->cfg.batch = ck->info.batch;
   t->st = ck->info.st;
+  /* The optimiser whose state the file holds, and the schedule's length,
+   * unless the command line says otherwise (and then it must agree). */
+  if (ck->has_optim && !cfg->optim_given) t->cfg.optim.kind = ck->info.optim_kind;
+  if (ck->has_optim && cfg->optim_given && cfg->optim.kind != ck->info.optim_kind) {
+    rc = rumor_err_set(e, RUMOR_ESHAPE, "--optimizer %s does not match the checkpoint %s, which holds %s state",
+                       optim_kind_name(cfg->optim.kind), cfg->resume, optim_kind_name(ck->info.optim_kind));
+    goto fail;
+  }
+  if (ck->info.epochs > 0 && !cfg->epochs_given) t->cfg.epochs = ck->info.epochs;
   return 0;
 fail:
   checkpoint_close(ck);
@@ -278,6 +287,7 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.data_seed = t->cfg.data_seed;
   info.shard = t->cfg.shard;
   info.batch = t->cfg.batch;
+  info.epochs = t->cfg.epochs;
   info.norm_mean = t->norm_mean;
   info.norm_std = t->norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");

@@ -100,7 +100,7 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
  * "optimizer.exp_avg_sq" (P each) for AdamW.
  * Metadata (strings): rumor.format, rumor.model, rumor.step, rumor.epoch,
  * rumor.step_in_epoch, rumor.samples, rumor.seed, rumor.data_seed,
- * rumor.shard, rumor.batch, rumor.optimizer, rumor.norm_mean,
+ * rumor.shard, rumor.batch, rumor.epochs, rumor.optimizer, rumor.norm_mean,
  * rumor.norm_std, rumor.peer_id, plus the whole-file digest.
  * A pipeline stage's checkpoint (rumor.format "stage-1") holds its units'
  * entries only and adds rumor.group, rumor.stage ("s/S"), rumor.layers
@@ -126,6 +126,7 @@ struct ckpt_info {
   uint64_t seed, data_seed;
   struct shard shard;
   int64_t batch;
+  int64_t epochs;   /* the run's configured epochs (its schedule's length); 0 when unknown (older files) */
   double norm_mean, norm_std;
   char peer_id[96]; /* free text; empty when unknown */
   /* A pipeline stage's checkpoint: stages > 0. */
@@ -208,7 +209,10 @@ struct train_config {
   struct optim_config optim;
   const char *checkpoint;  /* path to save to, or NULL (a stage saves to train_stage_checkpoint_path of it) */
   int64_t checkpoint_every;/* steps between saves (0: at epoch ends only) */
-  const char *resume;      /* checkpoint to resume from, or NULL (whole models only) */
+  const char *resume;      /* checkpoint to resume from, or NULL (whole models only). The run's seeds,
+                            * shard, batch, and unless given on the command line its optimizer and
+                            * epochs, come from it. */
+  bool optim_given, epochs_given; /* --optimizer / --epochs were given (they must then match a resumed run) */
   double log_every_s;      /* seconds between progress lines (0: none) */
   bool eval_each_epoch;
   const char *peer_id;     /* written into checkpoints; may be NULL */

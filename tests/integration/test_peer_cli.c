@@ -68,18 +68,6 @@ Test(cli, one_epoch_reaches_084_and_eval_agrees) {
   free(out), free(err);
 }
 
-static char *read_file(const char *p, size_t *n) {
-  FILE *f = fopen(p, "rb");
-  cr_assert_not_null(f, "cannot open %s", p);
-  fseek(f, 0, SEEK_END);
-  *n = (size_t)ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *b = malloc(*n);
-  cr_assert_eq(fread(b, 1, *n, f), *n);
-  fclose(f);
-  return b;
-}
-
 Test(cli, resume_continues_bit_for_bit) {
   SKIP_WITHOUT_DATA();
   /* 120 steps straight vs 60 steps, stop, resume for 60 more: identical
@@ -101,10 +89,44 @@ Test(cli, resume_continues_bit_for_bit) {
   cr_assert(strstr(err, "resumed from") != NULL, "%s", err);
   free(out), free(err);
   size_t na, nb;
-  char *fa = read_file(a, &na), *fb = read_file(b, &nb);
+  char *fa = proc_slurp_n(a, &na), *fb = proc_slurp_n(b, &nb);
   cr_assert_eq(na, nb, "checkpoint sizes differ");
   cr_assert_eq(memcmp(fa, fb, na), 0, "a resumed run differs from the straight run");
   free(fa), free(fb);
+}
+
+Test(cli, resume_keeps_the_runs_optimizer_and_schedule) {
+  SKIP_WITHOUT_DATA();
+  /* An AdamW run of 3 epochs, stopped at step 40 and resumed without
+   * --optimizer or --epochs, goes on as AdamW on the 3-epoch schedule: the
+   * same file as the run that never stopped. */
+  char a[256], b[256], *out, *err;
+  snprintf(a, sizeof a, "%s/adamw-straight.safetensors", dir);
+  snprintf(b, sizeof b, "%s/adamw-halves.safetensors", dir);
+  char *common[] = {"--model", "mlp:784-32-10", "--optimizer", "adamw", "--lr", "0.002", "--epochs", "3",
+                    "--threads", "1", "--log-every", "0", "--no-eval", "--shard", "2/4"};
+  int st = rumor(&out, &err, 120, "train", common[0], common[1], common[2], common[3], common[4], common[5], common[6],
+                 common[7], common[8], common[9], common[10], common[11], common[12], common[13], common[14],
+                 "--max-steps", "80", "--checkpoint", a, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  st = rumor(&out, &err, 120, "train", common[0], common[1], common[2], common[3], common[4], common[5], common[6],
+             common[7], common[8], common[9], common[10], common[11], common[12], common[13], common[14], "--max-steps",
+             "40", "--checkpoint", b, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  st = rumor(&out, &err, 120, "train", "--resume", b, "--threads", "1", "--log-every", "0", "--no-eval", "--lr",
+             "0.002", "--max-steps", "80", "--checkpoint", b, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  cr_assert(!strstr(err, "starting it from zero"), "the AdamW state was dropped: %s", err);
+  free(out), free(err);
+  size_t na, nb;
+  char *fa = proc_slurp_n(a, &na), *fb = proc_slurp_n(b, &nb);
+  cr_assert(na == nb && memcmp(fa, fb, na) == 0, "the resumed run left the run's optimizer or schedule");
+  free(fa), free(fb);
+  /* Asking for another optimizer than the file's state is refused. */
+  st = rumor(NULL, &err, 60, "train", "--resume", b, "--optimizer", "sgd", "--max-steps", "90", NULL);
+  expect_fail(st, 1, err, "--optimizer sgd does not match the checkpoint", "resume with another optimizer");
 }
 
 Test(cli, bad_flags_are_usage_errors) {
