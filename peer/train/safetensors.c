@@ -22,15 +22,20 @@ static int dtype_parse(const char *s, enum tensor_dtype *dt) {
   return -1;
 }
 
-/* Finds the digest value's 64 hex characters in the raw header: the header
- * must contain the key exactly once. Returns the offset in `hdr` or -1. */
+#define DIGEST_NONE (-1)
+#define DIGEST_TWICE (-2)
+
+/* Finds the digest value's 64 hex characters in the raw header. Returns their
+ * offset in `hdr`, DIGEST_NONE when the key is absent, or DIGEST_TWICE when
+ * it appears more than once (which a reader must refuse: either copy could
+ * be the one that is checked). */
 static long find_digest(const char *hdr, size_t len) {
   static const char needle[] = "\"" DIGEST_KEY "\":\"";
   size_t nl = sizeof needle - 1;
-  long found = -1;
+  long found = DIGEST_NONE;
   for (size_t i = 0; i + nl + DIGEST_HEX <= len; i++) {
     if (memcmp(hdr + i, needle, nl) == 0) {
-      if (found >= 0) return -1; /* twice: refuse */
+      if (found >= 0) return DIGEST_TWICE;
       found = (long)(i + nl);
     }
   }
@@ -130,22 +135,37 @@ static int corrupt(struct rumor_err *e, const char *path, const char *why) {
 struct range {
   size_t begin, end;
 };
+/* By begin, then end: a zero-size range sorts before a range starting at the
+ * same offset, whatever order the header lists them in (as the reference
+ * implementation sorts them). */
 static int cmp_range(const void *a, const void *b) {
   const struct range *x = a, *y = b;
-  return x->begin < y->begin ? -1 : x->begin > y->begin;
+  if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+  return x->end < y->end ? -1 : x->end > y->end;
 }
 
 int safetensors_read(const char *path, bool require_digest, struct st_file *f, struct rumor_err *e) {
   memset(f, 0, sizeof *f);
-  if (sodium_init() < 0) return rumor_err_set(e, -EIO, "libsodium failed to initialise");
-  int rc = file_read_all(path, MAX_FILE_BYTES, &f->buf, &f->len, e);
+  uint8_t *buf;
+  size_t len;
+  int rc = file_read_all(path, MAX_FILE_BYTES, &buf, &len, e);
   if (rc) return rc;
+  return safetensors_parse(buf, len, path, require_digest, f, e);
+}
+
+int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_digest, struct st_file *f,
+                      struct rumor_err *e) {
+  memset(f, 0, sizeof *f);
+  f->buf = buf;
+  f->len = len;
   struct range *ranges = NULL;
-  if (f->len < 8) { rc = corrupt(e, path, "shorter than the 8-byte header length"); goto fail; }
+  int rc;
+  if (sodium_init() < 0) { rc = rumor_err_set(e, -EIO, "libsodium failed to initialise"); goto fail; }
+  if (f->len < 8) { rc = corrupt(e, name, "shorter than the 8-byte header length"); goto fail; }
   uint64_t hlen = 0;
   for (int b = 0; b < 8; b++) hlen |= (uint64_t)f->buf[b] << (8 * b);
   if (hlen < 2 || hlen > SAFETENSORS_MAX_HEADER || hlen > f->len - 8) {
-    rc = corrupt(e, path, "header length out of range (truncated file?)");
+    rc = corrupt(e, name, "header length out of range (truncated file?)");
     goto fail;
   }
   const char *hdr = (const char *)f->buf + 8;
@@ -154,61 +174,69 @@ int safetensors_read(const char *path, bool require_digest, struct st_file *f, s
 
   /* Check the digest before trusting anything else in the file. */
   long at = find_digest(hdr, (size_t)hlen);
+  if (at == DIGEST_TWICE) { rc = corrupt(e, name, "rumor.blake2b appears more than once"); goto fail; }
   if (at >= 0) {
     uint8_t want[DIGEST_BYTES], got[DIGEST_BYTES];
     if (sodium_hex2bin(want, sizeof want, hdr + at, DIGEST_HEX, NULL, NULL, NULL) != 0) {
-      rc = corrupt(e, path, "digest is not hexadecimal");
+      rc = corrupt(e, name, "digest is not hexadecimal");
       goto fail;
     }
     digest_file(f->buf, hdr, (size_t)hlen, at, NULL, 0, data, dlen, got);
     if (sodium_memcmp(want, got, DIGEST_BYTES) != 0) {
-      rc = corrupt(e, path, "BLAKE2b digest mismatch (the file is damaged or truncated)");
+      rc = corrupt(e, name, "BLAKE2b digest mismatch (the file is damaged or truncated)");
       goto fail;
     }
   } else if (require_digest) {
-    rc = corrupt(e, path, "no rumor.blake2b digest in the header");
+    rc = corrupt(e, name, "no rumor.blake2b digest in the header");
     goto fail;
   }
 
   struct rumor_err je;
   if (json_parse(hdr, (size_t)hlen, &f->doc, &je)) {
-    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: header: %s", path, je.msg);
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: header: %s", name, je.msg);
     goto fail;
   }
   const struct json_value *root = &f->doc.root;
-  if (root->type != JSON_OBJECT) { rc = corrupt(e, path, "header is not a JSON object"); goto fail; }
-  if (root->len > SAFETENSORS_MAX_TENSORS + 1) { rc = corrupt(e, path, "too many tensors"); goto fail; }
+  if (root->type != JSON_OBJECT) { rc = corrupt(e, name, "header is not a JSON object"); goto fail; }
+  if (root->len > SAFETENSORS_MAX_TENSORS + 1) { rc = corrupt(e, name, "too many tensors"); goto fail; }
   f->tensors = xcalloc(root->len ? root->len : 1, sizeof *f->tensors);
   ranges = xcalloc(root->len ? root->len : 1, sizeof *ranges);
   for (size_t i = 0; i < root->len; i++) {
-    const char *name = root->keys[i];
+    const char *key = root->keys[i];
     const struct json_value *v = &root->items[i];
     for (size_t k = 0; k < i; k++)
-      if (strcmp(root->keys[k], name) == 0) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: '%s' appears twice", path, name);
+      if (strcmp(root->keys[k], key) == 0) {
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: '%s' appears twice", name, key);
         goto fail;
       }
-    if (strcmp(name, "__metadata__") == 0) {
-      if (v->type != JSON_OBJECT) { rc = corrupt(e, path, "__metadata__ is not an object"); goto fail; }
+    if (strcmp(key, "__metadata__") == 0) {
+      if (v->type != JSON_OBJECT) { rc = corrupt(e, name, "__metadata__ is not an object"); goto fail; }
       f->meta = xcalloc(v->len ? v->len : 1, sizeof *f->meta);
       for (size_t k = 0; k < v->len; k++) {
-        if (v->items[k].type != JSON_STRING) { rc = corrupt(e, path, "metadata value is not a string"); goto fail; }
+        if (v->items[k].type != JSON_STRING) { rc = corrupt(e, name, "metadata value is not a string"); goto fail; }
+        /* A digest spelt so that the raw search above missed it (escapes,
+         * spaces) would otherwise pass unchecked. */
+        if (at < 0 && strcmp(v->keys[k], DIGEST_KEY) == 0) {
+          rc = corrupt(e, name, "rumor.blake2b is not in the form the digest check reads");
+          goto fail;
+        }
         f->meta[k] = (struct st_meta){v->keys[k], v->items[k].string};
       }
       f->nmeta = v->len;
       continue;
     }
+    if (f->ntensors == SAFETENSORS_MAX_TENSORS) { rc = corrupt(e, name, "too many tensors"); goto fail; }
     struct st_tensor *t = &f->tensors[f->ntensors];
-    if (strlen(name) >= SAFETENSORS_MAX_NAME) { rc = corrupt(e, path, "tensor name too long"); goto fail; }
-    snprintf(t->name, sizeof t->name, "%s", name);
+    if (strlen(key) >= SAFETENSORS_MAX_NAME) { rc = corrupt(e, name, "tensor name too long"); goto fail; }
+    snprintf(t->name, sizeof t->name, "%s", key);
     const struct json_value *dt = json_get(v, "dtype"), *shape = json_get(v, "shape"),
                             *offs = json_get(v, "data_offsets");
     if (!dt || dt->type != JSON_STRING || dtype_parse(dt->string, &t->dtype)) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", path, name);
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", name, key);
       goto fail;
     }
     if (!shape || shape->type != JSON_ARRAY || shape->len > TENSOR_MAX_DIMS) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", path, name);
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", name, key);
       goto fail;
     }
     t->ndim = (int)shape->len;
@@ -216,30 +244,32 @@ int safetensors_read(const char *path, bool require_digest, struct st_file *f, s
     for (size_t d = 0; d < shape->len; d++) {
       const struct json_value *x = &shape->items[d];
       if (x->type != JSON_NUMBER || !x->is_integer || x->integer < 0 || x->integer > (int64_t)1 << 40) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", path, name);
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", name, key);
         goto fail;
       }
       t->shape[d] = x->integer;
-      numel *= (uint64_t)x->integer;
-      if (numel > (uint64_t)1 << 40) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", path, name);
+      /* Checked before multiplying: two extents of up to 2^40 would wrap
+       * the count (2^40 * 2^24 is 0 modulo 2^64, which matches 0 bytes). */
+      if (x->integer != 0 && numel > ((uint64_t)1 << 40) / (uint64_t)x->integer) {
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", name, key);
         goto fail;
       }
+      numel *= (uint64_t)x->integer;
     }
     if (!offs || offs->type != JSON_ARRAY || offs->len != 2) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", path, name);
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", name, key);
       goto fail;
     }
     const struct json_value *b0 = &offs->items[0], *b1 = &offs->items[1];
     if (b0->type != JSON_NUMBER || !b0->is_integer || b1->type != JSON_NUMBER || !b1->is_integer ||
         b0->integer < 0 || b1->integer < b0->integer || (uint64_t)b1->integer > dlen) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", path,
-                         name);
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", name,
+                         key);
       goto fail;
     }
     t->nbytes = (size_t)(b1->integer - b0->integer);
     if (t->nbytes != numel * tensor_dtype_size(t->dtype)) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", path, name,
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", name, key,
                          t->nbytes, (unsigned long long)numel, tensor_dtype_name(t->dtype));
       goto fail;
     }
@@ -250,10 +280,10 @@ int safetensors_read(const char *path, bool require_digest, struct st_file *f, s
   qsort(ranges, f->ntensors, sizeof *ranges, cmp_range);
   size_t pos = 0;
   for (size_t i = 0; i < f->ntensors; i++) {
-    if (ranges[i].begin != pos) { rc = corrupt(e, path, "tensor byte ranges overlap or leave gaps"); goto fail; }
+    if (ranges[i].begin != pos) { rc = corrupt(e, name, "tensor byte ranges overlap or leave gaps"); goto fail; }
     pos = ranges[i].end;
   }
-  if (pos != dlen) { rc = corrupt(e, path, "data section length does not match the tensors"); goto fail; }
+  if (pos != dlen) { rc = corrupt(e, name, "data section length does not match the tensors"); goto fail; }
   free(ranges);
   return 0;
 fail:

@@ -82,6 +82,13 @@ struct st_file {
  * RUMOR_ECORRUPT with a message naming the file and the fault. */
 int safetensors_read(const char *path, bool require_digest, struct st_file *f,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The same checks on a file already in memory: buf[0..len), malloc'd (NULL
+ * when len is 0), whose ownership passes to `f` in every case: on success
+ * safetensors_free frees it, on failure it is already freed. `name` (a path,
+ * or any label) is used in messages only. safetensors_read is this after
+ * reading the file. */
+int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_digest, struct st_file *f,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
 void safetensors_free(struct st_file *f);
 const struct st_tensor *safetensors_find(const struct st_file *f, const char *name);
 const char *safetensors_meta(const struct st_file *f, const char *key);
