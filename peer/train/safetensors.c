@@ -153,6 +153,98 @@ int safetensors_read(const char *path, bool require_digest, struct st_file *f, s
   return safetensors_parse(buf, len, path, require_digest, f, e);
 }
 
+/* Checks the whole-file digest (when present, or demanded) before anything
+ * else in the file is trusted. *at gets its place in the header, or −1. */
+static int check_digest(struct st_file *f, const char *name, const char *hdr, size_t hlen, const uint8_t *data,
+                        size_t dlen, bool require_digest, long *at, struct rumor_err *e) {
+  *at = find_digest(hdr, hlen);
+  if (*at == DIGEST_TWICE) return corrupt(e, name, "rumor.blake2b appears more than once");
+  if (*at < 0) return require_digest ? corrupt(e, name, "no rumor.blake2b digest in the header") : 0;
+  uint8_t want[DIGEST_BYTES], got[DIGEST_BYTES];
+  if (sodium_hex2bin(want, sizeof want, hdr + *at, DIGEST_HEX, NULL, NULL, NULL) != 0)
+    return corrupt(e, name, "digest is not hexadecimal");
+  digest_file(f->buf, hdr, hlen, *at, NULL, 0, data, dlen, got);
+  if (sodium_memcmp(want, got, DIGEST_BYTES) != 0)
+    return corrupt(e, name, "BLAKE2b digest mismatch (the file is damaged or truncated)");
+  return 0;
+}
+
+/* The __metadata__ object: string values, each key once. `digest_at` is
+ * where the raw search found the digest (−1: nowhere). */
+static int parse_metadata(struct st_file *f, const char *name, const struct json_value *v, long digest_at,
+                          struct rumor_err *e) {
+  if (v->type != JSON_OBJECT) return corrupt(e, name, "__metadata__ is not an object");
+  f->meta = xcalloc(v->len ? v->len : 1, sizeof *f->meta);
+  for (size_t k = 0; k < v->len; k++) {
+    if (v->items[k].type != JSON_STRING) return corrupt(e, name, "metadata value is not a string");
+    /* Readers disagree on which of two equal keys counts (the first here,
+     * the last in Python's json): refused, so that every reader sees the
+     * same metadata. */
+    for (size_t j = 0; j < k; j++)
+      if (strcmp(v->keys[j], v->keys[k]) == 0)
+        return rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: metadata '%s' appears twice", name,
+                             v->keys[k]);
+    /* A digest spelt so that the raw search missed it (escapes, spaces)
+     * would otherwise pass unchecked. */
+    if (digest_at < 0 && strcmp(v->keys[k], DIGEST_KEY) == 0)
+      return corrupt(e, name, "rumor.blake2b is not in the form the digest check reads");
+    f->meta[k] = (struct st_meta){v->keys[k], v->items[k].string};
+  }
+  f->nmeta = v->len;
+  return 0;
+}
+
+/* One tensor entry `key` → t and its byte range in the data section. */
+static int parse_tensor(const char *name, const char *key, const struct json_value *v, const uint8_t *data,
+                        size_t dlen, struct st_tensor *t, struct range *r, struct rumor_err *e) {
+  if (strlen(key) >= SAFETENSORS_MAX_NAME) return corrupt(e, name, "tensor name too long");
+  snprintf(t->name, sizeof t->name, "%s", key);
+  const struct json_value *dt = json_get(v, "dtype"), *shape = json_get(v, "shape"), *offs = json_get(v, "data_offsets");
+  if (!dt || dt->type != JSON_STRING || dtype_parse(dt->string, &t->dtype))
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", name, key);
+  if (!shape || shape->type != JSON_ARRAY || shape->len > TENSOR_MAX_DIMS)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", name, key);
+  t->ndim = (int)shape->len;
+  uint64_t numel = 1;
+  for (size_t d = 0; d < shape->len; d++) {
+    const struct json_value *x = &shape->items[d];
+    if (x->type != JSON_NUMBER || !x->is_integer || x->integer < 0 || x->integer > (int64_t)1 << 40)
+      return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", name, key);
+    t->shape[d] = x->integer;
+    /* Checked before multiplying: two extents of up to 2^40 would wrap the
+     * count (2^40 * 2^24 is 0 modulo 2^64, which matches 0 bytes). */
+    if (x->integer != 0 && numel > ((uint64_t)1 << 40) / (uint64_t)x->integer)
+      return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", name, key);
+    numel *= (uint64_t)x->integer;
+  }
+  if (!offs || offs->type != JSON_ARRAY || offs->len != 2)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", name, key);
+  const struct json_value *b0 = &offs->items[0], *b1 = &offs->items[1];
+  if (b0->type != JSON_NUMBER || !b0->is_integer || b1->type != JSON_NUMBER || !b1->is_integer || b0->integer < 0 ||
+      b1->integer < b0->integer || (uint64_t)b1->integer > dlen)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", name,
+                         key);
+  t->nbytes = (size_t)(b1->integer - b0->integer);
+  if (t->nbytes != numel * tensor_dtype_size(t->dtype))
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", name, key,
+                         t->nbytes, (unsigned long long)numel, tensor_dtype_name(t->dtype));
+  t->data = data + b0->integer;
+  *r = (struct range){(size_t)b0->integer, (size_t)b1->integer};
+  return 0;
+}
+
+/* The tensors' byte ranges cover the data section exactly, without gaps or
+ * overlap. */
+static int check_ranges(const char *name, struct range *ranges, size_t n, size_t dlen, struct rumor_err *e) {
+  qsort(ranges, n, sizeof *ranges, cmp_range);
+  size_t pos = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (ranges[i].begin != pos) return corrupt(e, name, "tensor byte ranges overlap or leave gaps");
+    pos = ranges[i].end;
+  }
+  return pos == dlen ? 0 : corrupt(e, name, "data section length does not match the tensors");
+}
+
 int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_digest, struct st_file *f,
                       struct rumor_err *e) {
   memset(f, 0, sizeof *f);
@@ -171,26 +263,8 @@ int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_d
   const char *hdr = (const char *)f->buf + 8;
   const uint8_t *data = f->buf + 8 + hlen;
   size_t dlen = f->len - 8 - (size_t)hlen;
-
-  /* Check the digest before trusting anything else in the file. */
-  long at = find_digest(hdr, (size_t)hlen);
-  if (at == DIGEST_TWICE) { rc = corrupt(e, name, "rumor.blake2b appears more than once"); goto fail; }
-  if (at >= 0) {
-    uint8_t want[DIGEST_BYTES], got[DIGEST_BYTES];
-    if (sodium_hex2bin(want, sizeof want, hdr + at, DIGEST_HEX, NULL, NULL, NULL) != 0) {
-      rc = corrupt(e, name, "digest is not hexadecimal");
-      goto fail;
-    }
-    digest_file(f->buf, hdr, (size_t)hlen, at, NULL, 0, data, dlen, got);
-    if (sodium_memcmp(want, got, DIGEST_BYTES) != 0) {
-      rc = corrupt(e, name, "BLAKE2b digest mismatch (the file is damaged or truncated)");
-      goto fail;
-    }
-  } else if (require_digest) {
-    rc = corrupt(e, name, "no rumor.blake2b digest in the header");
-    goto fail;
-  }
-
+  long at;
+  if ((rc = check_digest(f, name, hdr, (size_t)hlen, data, dlen, require_digest, &at, e))) goto fail;
   struct rumor_err je;
   if (json_parse(hdr, (size_t)hlen, &f->doc, &je)) {
     rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: header: %s", name, je.msg);
@@ -203,87 +277,21 @@ int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_d
   ranges = xcalloc(root->len ? root->len : 1, sizeof *ranges);
   for (size_t i = 0; i < root->len; i++) {
     const char *key = root->keys[i];
-    const struct json_value *v = &root->items[i];
     for (size_t k = 0; k < i; k++)
       if (strcmp(root->keys[k], key) == 0) {
         rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: '%s' appears twice", name, key);
         goto fail;
       }
     if (strcmp(key, "__metadata__") == 0) {
-      if (v->type != JSON_OBJECT) { rc = corrupt(e, name, "__metadata__ is not an object"); goto fail; }
-      f->meta = xcalloc(v->len ? v->len : 1, sizeof *f->meta);
-      for (size_t k = 0; k < v->len; k++) {
-        if (v->items[k].type != JSON_STRING) { rc = corrupt(e, name, "metadata value is not a string"); goto fail; }
-        /* A digest spelt so that the raw search above missed it (escapes,
-         * spaces) would otherwise pass unchecked. */
-        if (at < 0 && strcmp(v->keys[k], DIGEST_KEY) == 0) {
-          rc = corrupt(e, name, "rumor.blake2b is not in the form the digest check reads");
-          goto fail;
-        }
-        f->meta[k] = (struct st_meta){v->keys[k], v->items[k].string};
-      }
-      f->nmeta = v->len;
+      if ((rc = parse_metadata(f, name, &root->items[i], at, e))) goto fail;
       continue;
     }
     if (f->ntensors == SAFETENSORS_MAX_TENSORS) { rc = corrupt(e, name, "too many tensors"); goto fail; }
-    struct st_tensor *t = &f->tensors[f->ntensors];
-    if (strlen(key) >= SAFETENSORS_MAX_NAME) { rc = corrupt(e, name, "tensor name too long"); goto fail; }
-    snprintf(t->name, sizeof t->name, "%s", key);
-    const struct json_value *dt = json_get(v, "dtype"), *shape = json_get(v, "shape"),
-                            *offs = json_get(v, "data_offsets");
-    if (!dt || dt->type != JSON_STRING || dtype_parse(dt->string, &t->dtype)) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", name, key);
-      goto fail;
-    }
-    if (!shape || shape->type != JSON_ARRAY || shape->len > TENSOR_MAX_DIMS) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", name, key);
-      goto fail;
-    }
-    t->ndim = (int)shape->len;
-    uint64_t numel = 1;
-    for (size_t d = 0; d < shape->len; d++) {
-      const struct json_value *x = &shape->items[d];
-      if (x->type != JSON_NUMBER || !x->is_integer || x->integer < 0 || x->integer > (int64_t)1 << 40) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", name, key);
-        goto fail;
-      }
-      t->shape[d] = x->integer;
-      /* Checked before multiplying: two extents of up to 2^40 would wrap
-       * the count (2^40 * 2^24 is 0 modulo 2^64, which matches 0 bytes). */
-      if (x->integer != 0 && numel > ((uint64_t)1 << 40) / (uint64_t)x->integer) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", name, key);
-        goto fail;
-      }
-      numel *= (uint64_t)x->integer;
-    }
-    if (!offs || offs->type != JSON_ARRAY || offs->len != 2) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", name, key);
-      goto fail;
-    }
-    const struct json_value *b0 = &offs->items[0], *b1 = &offs->items[1];
-    if (b0->type != JSON_NUMBER || !b0->is_integer || b1->type != JSON_NUMBER || !b1->is_integer ||
-        b0->integer < 0 || b1->integer < b0->integer || (uint64_t)b1->integer > dlen) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", name,
-                         key);
-      goto fail;
-    }
-    t->nbytes = (size_t)(b1->integer - b0->integer);
-    if (t->nbytes != numel * tensor_dtype_size(t->dtype)) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", name, key,
-                         t->nbytes, (unsigned long long)numel, tensor_dtype_name(t->dtype));
-      goto fail;
-    }
-    t->data = data + b0->integer;
-    ranges[f->ntensors] = (struct range){(size_t)b0->integer, (size_t)b1->integer};
+    rc = parse_tensor(name, key, &root->items[i], data, dlen, &f->tensors[f->ntensors], &ranges[f->ntensors], e);
+    if (rc) goto fail;
     f->ntensors++;
   }
-  qsort(ranges, f->ntensors, sizeof *ranges, cmp_range);
-  size_t pos = 0;
-  for (size_t i = 0; i < f->ntensors; i++) {
-    if (ranges[i].begin != pos) { rc = corrupt(e, name, "tensor byte ranges overlap or leave gaps"); goto fail; }
-    pos = ranges[i].end;
-  }
-  if (pos != dlen) { rc = corrupt(e, name, "data section length does not match the tensors"); goto fail; }
+  if ((rc = check_ranges(name, ranges, f->ntensors, dlen, e))) goto fail;
   free(ranges);
   return 0;
 fail:

@@ -144,3 +144,12 @@ Test(safetensors, more_tensors_than_the_limit_are_refused) {
     else cr_assert_eq(rc, RUMOR_ECORRUPT, "%d tensors accepted", n);
   }
 }
+
+Test(safetensors, a_metadata_key_twice_is_refused) {
+  /* Readers disagree on which value of a repeated key counts. */
+  struct rumor_err e = {0};
+  cr_assert_eq(parse("{\"__metadata__\":{\"rumor.step\":\"1\",\"rumor.step\":\"9\"}}", 0, false, &e), RUMOR_ECORRUPT);
+  cr_assert(strstr(e.msg, "metadata 'rumor.step' appears twice"), "%s", e.msg);
+  cr_assert_eq(parse("{\"__metadata__\":{\"rumor.step\":\"1\",\"rumor.epoch\":\"9\"}}", 0, false, &e), 0, "%s",
+               e.msg);
+}
