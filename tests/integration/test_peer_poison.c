@@ -90,7 +90,7 @@ static void poison_run(const char *kind, const char *reason) {
     double acc = cluster_result(&C, peer[k], "test_accuracy"), loss = cluster_result(&C, peer[k], "test_loss");
     double losses[16];
     int ne = cluster_result_array(&C, peer[k], "train_losses", losses, 16);
-    int r = (int)cluster_result(&C, peer[k], "exchanges_rejected");
+    int r = (int)(cluster_result(&C, peer[k], "exchanges_rejected") - cluster_result(&C, peer[k], "exchanges_skipped"));
     rejections += r;
     fprintf(stderr, "%s: honest peer %d: test accuracy %.4f, test loss %.4f, train loss %.3f -> %.3f, %d rejections\n",
             kind, k, acc, loss, ne ? losses[0] : NAN, ne ? losses[ne - 1] : NAN, r);
@@ -139,8 +139,10 @@ Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_o
     double acc = cluster_result(&C, peer[k], "test_accuracy");
     double losses[16];
     int ne = cluster_result_array(&C, peer[k], "train_losses", losses, 16);
-    int r = (int)cluster_result(&C, peer[k], "exchanges_rejected");
+    /* Rejected exchanges count the outliers clipping skipped too; the rest
+     * struck the sender. */
     int s = (int)cluster_result(&C, peer[k], "exchanges_skipped");
+    int r = (int)cluster_result(&C, peer[k], "exchanges_rejected") - s;
     rejected += r;
     skipped += s;
     fprintf(stderr, "replay: honest peer %d: test accuracy %.4f, train loss %.3f -> %.3f, %d rejections, %d skipped, "
