@@ -28,6 +28,28 @@ static void remember(struct clip_state *c, const uint8_t *id, double dist) {
   c->p[slot].seen = c->seen;
 }
 
+/* The distances the median is taken over (sync.h): the partners met in the
+ * last CLIP_RECENT exchanges and, while fewer than CLIP_WARMUP, the most
+ * recently met of the others up to CLIP_WARMUP. Returns how many. */
+static int counted_distances(const struct clip_state *c, double *out) {
+  bool taken[CLIP_PARTNERS] = {false};
+  int m = 0;
+  for (int i = 0; i < c->n; i++)
+    if (c->seen - c->p[i].seen < CLIP_RECENT) {
+      taken[i] = true;
+      out[m++] = c->p[i].dist;
+    }
+  while (m < CLIP_WARMUP) {
+    int newest = -1;
+    for (int i = 0; i < c->n; i++)
+      if (!taken[i] && (newest < 0 || c->p[i].seen > c->p[newest].seen)) newest = i;
+    if (newest < 0) break; /* fewer than CLIP_WARMUP partners ever met */
+    taken[newest] = true;
+    out[m++] = c->p[newest].dist;
+  }
+  return m;
+}
+
 double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double norm) {
   c->seen++;
   c->last_outlier = false;
@@ -40,16 +62,15 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
      * cluster assembles) says nothing about the spread of honest updates;
      * recorded, it would leave τ at its floor once training starts. */
     if (isfinite(dist) && dist > 0) remember(c, id, dist);
-    double recent[CLIP_PARTNERS];
-    int m = 0;
-    for (int i = 0; i < c->n; i++)
-      if (c->seen - c->p[i].seen < CLIP_RECENT) recent[m++] = c->p[i].dist;
-    qsort(recent, (size_t)m, sizeof(double), cmp_double);
-    double median = m ? recent[m / 2] : 0;
+    double counted[CLIP_PARTNERS];
+    int m = counted_distances(c, counted);
+    qsort(counted, (size_t)m, sizeof(double), cmp_double);
+    double median = m ? counted[m / 2] : 0;
     if (median < CLIP_FLOOR_REL * norm) median = CLIP_FLOOR_REL * norm;
     tau = CLIP_TAU_MEDIANS * median;
-    if (m < CLIP_WARMUP && tau > CLIP_WARMUP_REL * norm) tau = CLIP_WARMUP_REL * norm;
-    c->last_outlier = m >= CLIP_WARMUP && dist > CLIP_OUTLIER * median;
+    bool warm_up = m < CLIP_WARMUP;
+    if (warm_up && tau > CLIP_WARMUP_REL * norm) tau = CLIP_WARMUP_REL * norm;
+    c->last_outlier = !warm_up && dist > CLIP_OUTLIER * median;
   }
   c->last_tau = tau;
   if (!isfinite(dist)) {

@@ -65,7 +65,7 @@ static int validate(struct sync *s, char *why, size_t n) {
  * second, or holds and polls every 200 µs, must not flood its partners with
  * requests (they would rate-limit an honest peer). */
 #define RETRY_MIN_S 0.002
-#define RETRY_MAX_S 0.1
+#define RETRY_MAX_S 0.02
 
 /* Follows the exchange we asked for to its end, and paces the next. */
 static void pace(struct sync *s, double now) {

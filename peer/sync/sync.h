@@ -64,7 +64,15 @@
  * assembles) are not recorded: they would pin τ to its floor when training
  * starts. While fewer than CLIP_WARMUP partners are known, τ is also at most
  * CLIP_WARMUP_REL times our own parameter norm, so the first exchanges
- * cannot be hijacked either.
+ * cannot be hijacked either. Once CLIP_WARMUP partners have been met, the
+ * median always counts at least CLIP_WARMUP of them: while fewer were met
+ * in the last CLIP_RECENT exchanges, the most recently met of the others
+ * fill up the count. Otherwise a single partner that exchanges with us
+ * hundreds of times (an attacker asking as fast as the rate limit allows,
+ * or the last partner left at the end of a run) ages every other partner
+ * out, puts us back in the warm-up, where nothing is an outlier, and pulls
+ * us by α·τ each time: seen in the replay test, where the last peer still
+ * training was dragged from a loss of 0.31 back to 0.74 in its last epoch.
  *
  * Past the warm-up, a distance above CLIP_OUTLIER times the median marks an
  * outlier, which the caller skips: honest partners are mostly under 3

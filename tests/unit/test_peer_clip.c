@@ -3,7 +3,8 @@
  * adaptive τ is two medians of the partners' latest non-zero distances, each
  * partner counted once, capped during the warm-up, floored at 1 % of the
  * norm; outliers past three medians are flagged; partners expire after 200
- * exchanges and the least recent is replaced when 64 are remembered; NaN and
+ * exchanges, except that the three most recently met always count once three
+ * are known; the least recent is replaced when 64 are remembered; NaN and
  * Inf distances change nothing.
  *
  * Every expected τ and scale is worked out by hand from the distances fed
@@ -247,11 +248,34 @@ Test(clip, partners_not_met_within_200_exchanges_stop_counting) {
   cr_assert(c.last_tau >= 48.0 && c.last_tau <= 120.0, "exchange 201: tau %g outside [48, 120]", c.last_tau);
   /* Exchange 202: partner 2 drops out: {24, 60, 62}, median 60, τ 120. */
   expect(&c, 4, 60, norm, 1.0, 120.0, false, "exchange 202: partners 1 and 2 gone");
-  /* Exchange 203: partner 3 drops out; two partners count, the warm-up
-   * cap is back: 2·62 or 2·60, capped to 100. */
-  expect(&c, 5, 62, norm, 1.0, 100.0, false, "exchange 203: two partners, capped");
-  /* Exchange 204: partner 1 met again counts again: {20, 60, 62}, τ 120. */
+  /* Exchange 203: partner 3 drops out of the window; two partners are
+   * recent, so the most recently met of the others (3, at 24) fills the
+   * count up to three: {24, 60, 62}, median 60, τ 120, no warm-up cap. */
+  expect(&c, 5, 62, norm, 1.0, 120.0, false, "exchange 203: two recent partners and partner 3");
+  /* Exchange 204: partner 1 met again is recent again: {20, 60, 62}, τ 120. */
   expect(&c, 1, 20, norm, 1.0, 120.0, false, "exchange 204: partner 1 back");
+}
+
+Test(clip, one_partner_exchanging_hundreds_of_times_cannot_age_the_others_out) {
+  /* Partners 1 to 3 at 30, 32, 34; then partner 4 (an attacker, or the last
+   * partner left) at 500, 1000 times in a row. The other three stay in the
+   * median however old: {30, 32, 34, 500} at first and {32, 34, 500} once
+   * partner 1 is 200 exchanges old, median 34 either way, τ 68; 500 is an
+   * outlier every time, never the warm-up's unflagged pull of up to 200. */
+  struct clip_state c;
+  clip_init(&c, 0);
+  const double norm = 2000; /* floor 20, warm-up cap 200 */
+  feed(&c, 1, 30, norm);
+  feed(&c, 2, 32, norm);
+  feed(&c, 3, 34, norm);
+  for (int x = 0; x < 1000; x++) {
+    double s = clip_scale(&c, pid(4), 500, norm);
+    cr_assert(c.last_outlier && close_to(c.last_tau, 68.0) && close_to(s, 68.0 / 500),
+              "exchange %d with partner 4: outlier %d, tau %g, scale %g", x + 1, c.last_outlier, c.last_tau, s);
+  }
+  /* Partner 1 met again counts at its new distance; the most recent of the
+   * others, partner 3, fills up: {26, 34, 500}, median 34. */
+  expect(&c, 1, 26, norm, 1.0, 68.0, false, "partner 1 again");
 }
 
 Test(clip, new_partners_replace_old_ones_when_64_are_remembered) {
