@@ -294,6 +294,135 @@ void tensor_softmax_xent(const struct tensor *logits, const struct tensor *label
                                 rows, cols, grad_scale);
 }
 
+void tensor_add(const struct tensor *x, const struct tensor *y, struct tensor *out) {
+  check_same(x, y);
+  check_same(y, out);
+  x->be->ops->add(x->be, x->data, y->data, out->data, tensor_numel(x));
+}
+
+/* ---- transformer ops ---- */
+
+/* The op's entry, asserted present: a backend without it is a bug here. */
+#define NN_OP(be, op)                                                                                 \
+  ((be)->ops->op ? (be)->ops->op                                                                    \
+                 : (rumor_panic(__FILE__, __LINE__, "backend %s has no " #op, (be)->name), (be)->ops->op))
+
+static void check_i32(const struct tensor *t, tensor_backend_t be) {
+  RUMOR_ASSERT(t->dtype == TENSOR_I32 && t->data && t->be == be);
+}
+
+void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte, const struct tensor *wpe,
+                          struct tensor *out) {
+  check_f32(wte);
+  check_f32(wpe);
+  check_f32(out);
+  check_i32(tokens, out->be);
+  RUMOR_ASSERT(wte->be == out->be && wpe->be == out->be && tokens->ndim >= 2);
+  int64_t t = cols_of(tokens), r = rows_of(tokens), c = cols_of(wte);
+  RUMOR_ASSERT(cols_of(wpe) == c && rows_of(wpe) >= t && tensor_numel(out) == r * t * c);
+  if (r * t == 0) return;
+  NN_OP(out->be, embedding_fwd)(out->be, tokens->data, wte->data, wpe->data, out->data, r, t, c);
+}
+
+void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout, struct tensor *dwte,
+                          struct tensor *dwpe) {
+  check_f32(dout);
+  check_f32(dwte);
+  check_f32(dwpe);
+  check_i32(tokens, dout->be);
+  RUMOR_ASSERT(dwte->be == dout->be && dwpe->be == dout->be && tokens->ndim >= 2);
+  int64_t t = cols_of(tokens), r = rows_of(tokens), c = cols_of(dwte);
+  RUMOR_ASSERT(cols_of(dwpe) == c && rows_of(dwpe) >= t && tensor_numel(dout) == r * t * c);
+  if (r * t == 0) return;
+  NN_OP(dout->be, embedding_bwd)(dout->be, tokens->data, dout->data, dwte->data, dwpe->data, r, t, c, rows_of(dwte));
+}
+
+void tensor_layernorm_fwd(const struct tensor *x, const struct tensor *w, const struct tensor *b, struct tensor *y,
+                          struct tensor *mean, struct tensor *rstd) {
+  check_same(x, y);
+  check_f32(w);
+  check_f32(b);
+  check_f32(mean);
+  check_f32(rstd);
+  int64_t rows = rows_of(x), c = cols_of(x);
+  RUMOR_ASSERT(x->data != y->data);
+  RUMOR_ASSERT(tensor_numel(w) == c && tensor_numel(b) == c && tensor_numel(mean) == rows &&
+               tensor_numel(rstd) == rows);
+  if (rows == 0) return;
+  NN_OP(x->be, layernorm_fwd)(x->be, x->data, w->data, b->data, y->data, mean->data, rstd->data, rows, c);
+}
+
+void tensor_layernorm_bwd(const struct tensor *x, const struct tensor *w, const struct tensor *mean,
+                          const struct tensor *rstd, const struct tensor *dy, struct tensor *dx, struct tensor *dw,
+                          struct tensor *db, float beta) {
+  check_same(x, dy);
+  check_same(x, dx);
+  check_f32(w);
+  check_f32(mean);
+  check_f32(rstd);
+  check_f32(dw);
+  check_f32(db);
+  int64_t rows = rows_of(x), c = cols_of(x);
+  RUMOR_ASSERT(dx->data != dy->data && dx->data != x->data);
+  RUMOR_ASSERT(tensor_numel(w) == c && tensor_numel(dw) == c && tensor_numel(db) == c &&
+               tensor_numel(mean) == rows && tensor_numel(rstd) == rows);
+  if (rows == 0) {
+    if (beta != 1.0f) {
+      tensor_scale(dw, beta);
+      tensor_scale(db, beta);
+    }
+    return;
+  }
+  NN_OP(x->be, layernorm_bwd)(x->be, x->data, w->data, mean->data, rstd->data, dy->data, dx->data, dw->data,
+                             db->data, rows, c, beta);
+}
+
+/* Sequences, positions and width of an attention op from qkv's shape. */
+static void attention_dims(const struct tensor *qkv, int nheads, int64_t *r, int64_t *t, int64_t *c) {
+  RUMOR_ASSERT(qkv->ndim == 3 && nheads > 0);
+  *r = qkv->shape[0];
+  *t = qkv->shape[1];
+  RUMOR_ASSERT(qkv->shape[2] % 3 == 0);
+  *c = qkv->shape[2] / 3;
+  RUMOR_ASSERT(*c % nheads == 0);
+}
+
+void tensor_attention_fwd(const struct tensor *qkv, int nheads, struct tensor *out, struct tensor *lse) {
+  check_f32(qkv);
+  check_f32(out);
+  check_f32(lse);
+  RUMOR_ASSERT(qkv->be == out->be && lse->be == out->be);
+  int64_t r, t, c;
+  attention_dims(qkv, nheads, &r, &t, &c);
+  RUMOR_ASSERT(tensor_numel(out) == r * t * c && tensor_numel(lse) == r * nheads * t);
+  if (r * t == 0) return;
+  NN_OP(out->be, attention_fwd)(out->be, qkv->data, out->data, lse->data, r, t, c, nheads);
+}
+
+void tensor_attention_bwd(const struct tensor *qkv, const struct tensor *out, const struct tensor *lse,
+                          const struct tensor *dout, int nheads, struct tensor *dqkv) {
+  check_same(qkv, dqkv);
+  check_same(out, dout);
+  check_f32(lse);
+  RUMOR_ASSERT(qkv->be == out->be && lse->be == out->be);
+  int64_t r, t, c;
+  attention_dims(qkv, nheads, &r, &t, &c);
+  RUMOR_ASSERT(tensor_numel(out) == r * t * c && tensor_numel(lse) == r * nheads * t);
+  if (r * t == 0) return;
+  NN_OP(out->be, attention_bwd)(out->be, qkv->data, out->data, lse->data, dout->data, dqkv->data, r, t, c, nheads);
+}
+
+void tensor_gelu_tanh_fwd(const struct tensor *x, struct tensor *y) {
+  check_same(x, y);
+  NN_OP(x->be, gelu_tanh_fwd)(x->be, x->data, y->data, tensor_numel(x));
+}
+
+void tensor_gelu_tanh_bwd(const struct tensor *x, const struct tensor *dy, struct tensor *dx) {
+  check_same(x, dy);
+  check_same(dy, dx);
+  NN_OP(x->be, gelu_tanh_bwd)(x->be, x->data, dy->data, dx->data, tensor_numel(x));
+}
+
 void tensor_sgd_step(struct tensor *params, const struct tensor *grads, struct tensor *mom,
                      const struct tensor_sgd *hp) {
   check_same(params, grads);

@@ -152,6 +152,61 @@ void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct ten
 void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
                          struct tensor *dlogits, struct tensor *losses, float grad_scale);
 
+/* out ← x + y (element-wise; out may alias x or y). */
+void tensor_add(const struct tensor *x, const struct tensor *y, struct tensor *out);
+
+/* ---- transformer ops (F32; I32 tokens) ------------------------------------------
+ * Shapes are read from the tensors; a batch of R sequences of T positions
+ * with width C may be shaped (R, T, C) or (R·T, C) where only the element
+ * count and the last extent matter. Gradient contracts say which outputs
+ * are overwritten and which accumulate: a tensor that several paths of a
+ * transformer write (the residual stream, a tied embedding) accumulates. */
+
+/* Token and position embedding: out[r,t,:] ← wte[tokens[r,t],:] + wpe[t,:]
+ * for tokens I32 (R, T) with 0 <= token < V (the data loader checks), wte
+ * (V, C), wpe (Tmax, C) with T <= Tmax, out (R, T, C). */
+void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte, const struct tensor *wpe,
+                          struct tensor *out);
+/* Its backward, accumulating: dwte[tokens[r,t],:] += dout[r,t,:] and
+ * dwpe[t,:] += Σ_r dout[r,t,:]. Deterministic (the same sums in the same
+ * order on every run) on both backends. */
+void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout, struct tensor *dwte,
+                          struct tensor *dwpe);
+
+/* LayerNorm over the last extent C of x (rows R), as torch.nn.LayerNorm
+ * with eps 1e-5 (biased variance): y ← (x − μ)·σ⁻¹·w + b with w, b (C);
+ * mean and rstd (R) receive μ and σ⁻¹ = 1/sqrt(var + eps) for the backward.
+ * y must not alias x. */
+#define TENSOR_LAYERNORM_EPS 1e-5f
+void tensor_layernorm_fwd(const struct tensor *x, const struct tensor *w, const struct tensor *b, struct tensor *y,
+                          struct tensor *mean, struct tensor *rstd);
+/* Its backward from dy: dx += dL/dx (accumulates: x is the residual
+ * stream), dw ← beta·dw + Σ_r dy·x̂, db ← beta·db + Σ_r dy, with x̂ the
+ * normalised x recomputed from mean and rstd. dx must not alias dy or x. */
+void tensor_layernorm_bwd(const struct tensor *x, const struct tensor *w, const struct tensor *mean,
+                          const struct tensor *rstd, const struct tensor *dy, struct tensor *dx, struct tensor *dw,
+                          struct tensor *db, float beta);
+
+/* Causal multi-head self-attention as GPT-2's, without dropout: qkv
+ * (R, T, 3C) holds each position's query, key and value (columns [0, C),
+ * [C, 2C), [2C, 3C)), each split into `nheads` heads of hs = C/nheads
+ * columns (head h at columns h·hs). Per sequence and head,
+ * out ← softmax(q·kᵀ/√hs, keys t' <= t only)·v, the heads side by side in
+ * out (R, T, C). lse (R, nheads, T) receives each query's log-sum-exp of its
+ * scaled scores: the backward recomputes the probabilities from it, so no
+ * T×T matrix is kept between the passes. */
+void tensor_attention_fwd(const struct tensor *qkv, int nheads, struct tensor *out, struct tensor *lse);
+/* Its backward: dqkv (R, T, 3C) ← dL/dqkv (overwritten) from dout (R, T, C),
+ * given the forward's qkv, out and lse. */
+void tensor_attention_bwd(const struct tensor *qkv, const struct tensor *out, const struct tensor *lse,
+                          const struct tensor *dout, int nheads, struct tensor *dqkv);
+
+/* GELU in GPT-2's tanh form: y ← x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+ * (torch.nn.GELU(approximate="tanh")); y may alias x. */
+void tensor_gelu_tanh_fwd(const struct tensor *x, struct tensor *y);
+/* dx ← dy·d/dx GELU_tanh(x), x the forward's input; dx may alias dy. */
+void tensor_gelu_tanh_bwd(const struct tensor *x, const struct tensor *dy, struct tensor *dx);
+
 /* SGD with momentum, PyTorch semantics: g ← g + wd·p; m ← μ·m + g;
  * p ← p − lr·(nesterov ? g + μ·m : m). `mom` may be NULL when μ = 0. */
 struct tensor_sgd {

@@ -48,6 +48,23 @@ struct tensor_backend_ops {
   void (*gelu_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
   void (*softmax_xent)(tensor_backend_t be, const float *logits, const int32_t *labels,
                        float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale);
+  void (*add)(tensor_backend_t be, const float *x, const float *y, float *out, int64_t n);
+  /* Transformer entries (tensor.h): r sequences of t positions, width c,
+   * v vocabulary rows, nh heads. */
+  void (*embedding_fwd)(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe, float *out,
+                        int64_t r, int64_t t, int64_t c);
+  void (*embedding_bwd)(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte, float *dwpe,
+                        int64_t r, int64_t t, int64_t c, int64_t v);
+  void (*layernorm_fwd)(tensor_backend_t be, const float *x, const float *w, const float *b, float *y, float *mean,
+                        float *rstd, int64_t rows, int64_t c);
+  void (*layernorm_bwd)(tensor_backend_t be, const float *x, const float *w, const float *mean, const float *rstd,
+                        const float *dy, float *dx, float *dw, float *db, int64_t rows, int64_t c, float beta);
+  void (*attention_fwd)(tensor_backend_t be, const float *qkv, float *out, float *lse, int64_t r, int64_t t,
+                        int64_t c, int nh);
+  void (*attention_bwd)(tensor_backend_t be, const float *qkv, const float *out, const float *lse, const float *dout,
+                        float *dqkv, int64_t r, int64_t t, int64_t c, int nh);
+  void (*gelu_tanh_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
+  void (*gelu_tanh_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
   void (*sgd_step)(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
                    const struct tensor_sgd *hp);
   void (*adamw_step)(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,

@@ -3,6 +3,7 @@
 #include "tensor/tensor_ref.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 void tensor_ref_gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float *a,
                      const float *b, float beta, float *c) {
@@ -105,5 +106,175 @@ void tensor_ref_count_sketch(const float *x, int64_t n, uint64_t seed, int k, do
     bool neg;
     uint32_t b = tensor_sketch_bucket(seed, (uint64_t)i, k, &neg);
     out[b] += neg ? -(double)x[i] : (double)x[i];
+  }
+}
+
+void tensor_ref_add(const float *x, const float *y, float *out, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] + y[i];
+}
+
+/* ---- transformer ops ---- */
+
+void tensor_ref_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r,
+                              int64_t t, int64_t c) {
+  for (int64_t i = 0; i < r * t; i++) {
+    const float *e = wte + (int64_t)tokens[i] * c, *p = wpe + (i % t) * c;
+    for (int64_t j = 0; j < c; j++) out[i * c + j] = e[j] + p[j];
+  }
+}
+
+void tensor_ref_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r,
+                              int64_t t, int64_t c) {
+  for (int64_t i = 0; i < r * t; i++) {
+    float *e = dwte + (int64_t)tokens[i] * c, *p = dwpe + (i % t) * c;
+    for (int64_t j = 0; j < c; j++) {
+      e[j] += dout[i * c + j];
+      p[j] += dout[i * c + j];
+    }
+  }
+}
+
+void tensor_ref_layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
+                              int64_t rows, int64_t c) {
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = x + i * c;
+    double mu = 0.0, var = 0.0;
+    for (int64_t j = 0; j < c; j++) mu += xi[j];
+    mu /= (double)c;
+    for (int64_t j = 0; j < c; j++) var += ((double)xi[j] - mu) * ((double)xi[j] - mu);
+    var /= (double)c;
+    double rs = 1.0 / sqrt(var + (double)TENSOR_LAYERNORM_EPS);
+    for (int64_t j = 0; j < c; j++) y[i * c + j] = (float)(((double)xi[j] - mu) * rs * w[j] + b[j]);
+    mean[i] = (float)mu;
+    rstd[i] = (float)rs;
+  }
+}
+
+void tensor_ref_layernorm_bwd(const float *x, const float *w, const float *mean, const float *rstd, const float *dy,
+                              float *dx, float *dw, float *db, int64_t rows, int64_t c, float beta) {
+  for (int64_t j = 0; j < c; j++) {
+    double sw = 0.0, sb = 0.0;
+    for (int64_t i = 0; i < rows; i++) {
+      double xhat = ((double)x[i * c + j] - mean[i]) * rstd[i];
+      sw += (double)dy[i * c + j] * xhat;
+      sb += dy[i * c + j];
+    }
+    dw[j] = (float)(sw + (beta == 0.0f ? 0.0 : (double)beta * dw[j]));
+    db[j] = (float)(sb + (beta == 0.0f ? 0.0 : (double)beta * db[j]));
+  }
+  /* dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w. */
+  for (int64_t i = 0; i < rows; i++) {
+    double mg = 0.0, mgx = 0.0;
+    for (int64_t j = 0; j < c; j++) {
+      double g = (double)dy[i * c + j] * w[j], xhat = ((double)x[i * c + j] - mean[i]) * rstd[i];
+      mg += g;
+      mgx += g * xhat;
+    }
+    mg /= (double)c;
+    mgx /= (double)c;
+    for (int64_t j = 0; j < c; j++) {
+      double g = (double)dy[i * c + j] * w[j], xhat = ((double)x[i * c + j] - mean[i]) * rstd[i];
+      dx[i * c + j] += (float)((double)rstd[i] * (g - mg - xhat * mgx));
+    }
+  }
+}
+
+/* q, k, v of position `pos` of sequence `s`, head `h`. */
+static const float *qkv_at(const float *qkv, int64_t s, int64_t pos, int64_t t, int64_t c, int part, int64_t h,
+                           int64_t hs) {
+  return qkv + (s * t + pos) * 3 * c + part * c + h * hs;
+}
+
+/* Causal probabilities of query `q` of (s, h) over keys 0..q into p[0..q]
+ * (double), from the scaled scores; returns the log-sum-exp. */
+static double ref_probs(const float *qkv, int64_t s, int64_t h, int64_t q, int64_t t, int64_t c, int64_t hs,
+                        double *p) {
+  const float *qv = qkv_at(qkv, s, q, t, c, 0, h, hs);
+  double scale = 1.0 / sqrt((double)hs), mx = -INFINITY;
+  for (int64_t k = 0; k <= q; k++) {
+    const float *kv = qkv_at(qkv, s, k, t, c, 1, h, hs);
+    double dot = 0.0;
+    for (int64_t d = 0; d < hs; d++) dot += (double)qv[d] * kv[d];
+    p[k] = dot * scale;
+    if (p[k] > mx) mx = p[k];
+  }
+  double sum = 0.0;
+  for (int64_t k = 0; k <= q; k++) sum += exp(p[k] - mx);
+  for (int64_t k = 0; k <= q; k++) p[k] = exp(p[k] - mx) / sum;
+  return mx + log(sum);
+}
+
+void tensor_ref_attention_fwd(const float *qkv, float *out, float *lse, int64_t r, int64_t t, int64_t c, int nh) {
+  int64_t hs = c / nh;
+  double *p = xmalloc((size_t)t * sizeof(double));
+  for (int64_t s = 0; s < r; s++)
+    for (int64_t h = 0; h < nh; h++)
+      for (int64_t q = 0; q < t; q++) {
+        lse[(s * nh + h) * t + q] = (float)ref_probs(qkv, s, h, q, t, c, hs, p);
+        for (int64_t d = 0; d < hs; d++) {
+          double acc = 0.0;
+          for (int64_t k = 0; k <= q; k++) acc += p[k] * qkv_at(qkv, s, k, t, c, 2, h, hs)[d];
+          out[(s * t + q) * c + h * hs + d] = (float)acc;
+        }
+      }
+  free(p);
+}
+
+void tensor_ref_attention_bwd(const float *qkv, const float *out, const float *lse, const float *dout, float *dqkv,
+                              int64_t r, int64_t t, int64_t c, int nh) {
+  (void)out;
+  (void)lse; /* the reference recomputes the probabilities from qkv alone */
+  int64_t hs = c / nh;
+  double scale = 1.0 / sqrt((double)hs);
+  double *p = xmalloc((size_t)t * sizeof(double)), *dp = xmalloc((size_t)t * sizeof(double));
+  double *acc = xcalloc((size_t)(r * t * 3 * c), sizeof(double));
+  for (int64_t s = 0; s < r; s++)
+    for (int64_t h = 0; h < nh; h++)
+      for (int64_t q = 0; q < t; q++) {
+        (void)ref_probs(qkv, s, h, q, t, c, hs, p);
+        const float *dov = dout + (s * t + q) * c + h * hs;
+        /* dP[k] = dO·v_k; dS = P ⊙ (dP − Σ P·dP); dV_k += P[k]·dO. */
+        double pdp = 0.0;
+        for (int64_t k = 0; k <= q; k++) {
+          const float *vv = qkv_at(qkv, s, k, t, c, 2, h, hs);
+          double dot = 0.0;
+          for (int64_t d = 0; d < hs; d++) dot += (double)dov[d] * vv[d];
+          dp[k] = dot;
+          pdp += p[k] * dot;
+          double *dv = acc + (s * t + k) * 3 * c + 2 * c + h * hs;
+          for (int64_t d = 0; d < hs; d++) dv[d] += p[k] * dov[d];
+        }
+        const float *qv = qkv_at(qkv, s, q, t, c, 0, h, hs);
+        double *dq = acc + (s * t + q) * 3 * c + h * hs;
+        for (int64_t k = 0; k <= q; k++) {
+          double ds = p[k] * (dp[k] - pdp) * scale;
+          const float *kv = qkv_at(qkv, s, k, t, c, 1, h, hs);
+          double *dk = acc + (s * t + k) * 3 * c + c + h * hs;
+          for (int64_t d = 0; d < hs; d++) {
+            dq[d] += ds * kv[d];
+            dk[d] += ds * qv[d];
+          }
+        }
+      }
+  for (int64_t i = 0; i < r * t * 3 * c; i++) dqkv[i] = (float)acc[i];
+  free(acc);
+  free(dp);
+  free(p);
+}
+
+void tensor_ref_gelu_tanh_fwd(const float *x, float *y, int64_t n) {
+  const double k = sqrt(2.0 / M_PI);
+  for (int64_t i = 0; i < n; i++) {
+    double v = x[i];
+    y[i] = (float)(0.5 * v * (1.0 + tanh(k * (v + 0.044715 * v * v * v))));
+  }
+}
+
+void tensor_ref_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n) {
+  const double k = sqrt(2.0 / M_PI);
+  for (int64_t i = 0; i < n; i++) {
+    double v = x[i], u = k * (v + 0.044715 * v * v * v), th = tanh(u);
+    double du = k * (1.0 + 3.0 * 0.044715 * v * v);
+    dx[i] = (float)((double)dy[i] * (0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * du));
   }
 }

@@ -19,6 +19,22 @@ void tensor_ref_gelu_fwd(const float *x, float *y, int64_t n);
 void tensor_ref_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n);
 void tensor_ref_softmax_xent(const float *logits, const int32_t *labels, float *dlogits,
                              float *losses, int64_t rows, int64_t cols, float grad_scale);
+void tensor_ref_add(const float *x, const float *y, float *out, int64_t n);
+void tensor_ref_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r,
+                              int64_t t, int64_t c);
+void tensor_ref_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r,
+                              int64_t t, int64_t c);
+void tensor_ref_layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
+                              int64_t rows, int64_t c);
+void tensor_ref_layernorm_bwd(const float *x, const float *w, const float *mean, const float *rstd, const float *dy,
+                              float *dx, float *dw, float *db, int64_t rows, int64_t c, float beta);
+/* The reference attention keeps the T×T probabilities it needs in its own
+ * memory; lse as tensor.h. */
+void tensor_ref_attention_fwd(const float *qkv, float *out, float *lse, int64_t r, int64_t t, int64_t c, int nh);
+void tensor_ref_attention_bwd(const float *qkv, const float *out, const float *lse, const float *dout, float *dqkv,
+                              int64_t r, int64_t t, int64_t c, int nh);
+void tensor_ref_gelu_tanh_fwd(const float *x, float *y, int64_t n);
+void tensor_ref_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n);
 void tensor_ref_sgd_step(float *p, const float *g, float *m, int64_t n, const struct tensor_sgd *hp);
 void tensor_ref_adamw_step(float *p, const float *g, float *m, float *v, int64_t n,
                            const struct tensor_adamw *hp);
