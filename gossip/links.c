@@ -134,24 +134,6 @@ int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
 
 /* ---- neighbour choice ---- */
 
-bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only) {
-  uint64_t now = gossip_now_ms(g);
-  size_t n = 0;
-  size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
-  for (size_t i = 0; i < g->swim.nmembers; i++) {
-    const struct swim_member *m = &g->swim.members[i];
-    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
-    if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
-    if (gossip_backed_off(g, m->info.id, now)) continue;
-    if (donors_only && !m->info.ready) continue;
-    cand[n++] = i;
-  }
-  bool ok = n > 0;
-  if (ok) memcpy(out, g->swim.members[cand[rng_below(&g->rng, n)]].info.id, NET_PUBKEY_BYTES);
-  free(cand);
-  return ok;
-}
-
 /* Rank of `id` among the alive peers and ourselves (when we are a peer),
  * ordered by key. */
 static size_t peer_rank(struct gossip *g, const uint8_t *id) {
@@ -170,7 +152,10 @@ void gossip_update_role(struct gossip *g) {
   atomic_store(&g->active, peer_rank(g, g->identity.pk) % 2 == 0);
 }
 
-bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+/* A uniformly random alive peer other than `exclude` (may be NULL) that is
+ * not backed off; `ready_only`: that has its state (a donor, a partner);
+ * `passive_only`: that ranks odd (gossip_update_role). */
+static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool ready_only, bool passive_only) {
   uint64_t now = gossip_now_ms(g);
   size_t n = 0;
   size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
@@ -178,11 +163,21 @@ bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude)
     const struct swim_member *m = &g->swim.members[i];
     if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
-    if (!m->info.ready || gossip_backed_off(g, m->info.id, now)) continue;
-    if (peer_rank(g, m->info.id) % 2 == 1) cand[n++] = i;
+    if (gossip_backed_off(g, m->info.id, now)) continue;
+    if (ready_only && !m->info.ready) continue;
+    if (passive_only && peer_rank(g, m->info.id) % 2 == 0) continue;
+    cand[n++] = i;
   }
   bool ok = n > 0;
   if (ok) memcpy(out, g->swim.members[cand[rng_below(&g->rng, n)]].info.id, NET_PUBKEY_BYTES);
   free(cand);
-  return ok || gossip_pick_peer(g, out, exclude, true);
+  return ok;
+}
+
+bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only) {
+  return pick_member(g, out, exclude, donors_only, false);
+}
+
+bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+  return pick_member(g, out, exclude, true, true) || pick_member(g, out, exclude, true, false);
 }
