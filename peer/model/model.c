@@ -7,7 +7,17 @@
 #include <string.h>
 
 /* The registry: one entry per family, by spec prefix. */
-static const struct model_family_ops *const FAMILIES[] = {&model_mlp_ops};
+static const struct model_family_ops *const FAMILIES[] = {&model_mlp_ops, &model_gpt_ops};
+
+/* Named specs. */
+static const struct {
+  const char *name, *spec;
+} PRESETS[] = {
+    {"gpt2", "gpt:L12-H12-C768-T1024-V50257"},
+    {"gpt2-medium", "gpt:L24-H16-C1024-T1024-V50257"},
+    {"gpt2-large", "gpt:L36-H20-C1280-T1024-V50257"},
+    {"gpt2-xl", "gpt:L48-H25-C1600-T1024-V50257"},
+};
 #define NFAMILIES (sizeof FAMILIES / sizeof FAMILIES[0])
 
 static const struct model_family_ops *family_of(const struct model_spec *s) {
@@ -20,9 +30,13 @@ static const struct model_family_ops *family_of(const struct model_spec *s) {
 /* ---- specs ---- */
 
 int model_spec_parse(const char *s, struct model_spec *out, struct rumor_err *e) {
+  for (size_t i = 0; s && i < sizeof PRESETS / sizeof PRESETS[0]; i++)
+    if (strcmp(s, PRESETS[i].name) == 0) return model_spec_parse(PRESETS[i].spec, out, e);
   const char *colon = s ? strchr(s, ':') : NULL;
   if (!s || !colon)
-    return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': expected FAMILY:ARGS, e.g. mlp:784-512-256-10",
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "bad model spec '%s': expected FAMILY:ARGS (e.g. mlp:784-512-256-10, "
+                         "gpt:L6-H6-C384-T256-V256) or a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl)",
                          s ? s : "");
   if (strlen(s) >= MODEL_SPEC_MAX)
     return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%.40s...': longer than %d characters", s,
@@ -38,7 +52,7 @@ int model_spec_parse(const char *s, struct model_spec *out, struct rumor_err *e)
     *out = spec;
     return 0;
   }
-  return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': unknown model family '%.*s' (known: mlp)", s,
+  return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': unknown model family '%.*s' (known: mlp, gpt)", s,
                        (int)(colon - s), s);
 }
 
@@ -67,6 +81,56 @@ int64_t model_spec_unit_macs(const struct model_spec *s, int u) {
 
 void model_spec_describe_units(const struct model_spec *s, int u0, int u1, char *buf, size_t n) {
   family_of(s)->describe_units(s, u0, u1, buf, n);
+}
+
+/* ---- Hugging Face configs and names ---- */
+
+bool model_hf_config(const struct model_spec *s, struct json_buf *out) {
+  const struct model_family_ops *f = family_of(s);
+  if (!f->hf_config) return false;
+  f->hf_config(s, out);
+  return true;
+}
+
+int model_spec_from_hf_config(const char *text, size_t len, const char *name, struct model_spec *out,
+                              struct rumor_err *e) {
+  struct json_doc doc;
+  struct rumor_err je;
+  if (json_parse(text, len, &doc, &je))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: not a JSON config: %s", name, je.msg);
+  const struct json_value *type = json_get(&doc.root, "model_type");
+  int rc = RUMOR_EFORMAT;
+  for (size_t i = 0; i < NFAMILIES; i++) {
+    const struct model_family_ops *f = FAMILIES[i];
+    if (!f->hf_parse || !type || type->type != JSON_STRING || strcmp(type->string, f->hf_model_type) != 0) continue;
+    struct model_spec spec;
+    memset(&spec, 0, sizeof spec);
+    spec.family = (enum model_family)(i + 1);
+    rc = f->hf_parse(&doc.root, name, &spec, e);
+    if (rc == 0) *out = spec;
+    json_doc_free(&doc);
+    return rc;
+  }
+  bool named = type && type->type == JSON_STRING;
+  rumor_err_set(e, rc, "%s: model_type %s%s%s is not one rumor trains (gpt2)", name, named ? "'" : "",
+                named ? type->string : "missing", named ? "'" : "");
+  json_doc_free(&doc);
+  return rc;
+}
+
+enum model_hf_name model_hf_lookup(const struct model_table *t, const char *name, const struct model_param **entry) {
+  *entry = model_table_find(t, name);
+  if (*entry) return MODEL_HF_ENTRY;
+  const struct model_family_ops *f = NULL;
+  for (size_t i = 0; i < NFAMILIES && t->n; i++)
+    if (FAMILIES[i]->hf_prefix && strncmp(t->p[0].name, FAMILIES[i]->hf_prefix, strlen(FAMILIES[i]->hf_prefix)) == 0)
+      f = FAMILIES[i];
+  if (!f) return MODEL_HF_UNKNOWN;
+  char prefixed[MODEL_NAME_MAX + 32];
+  snprintf(prefixed, sizeof prefixed, "%s%s", f->hf_prefix, name);
+  *entry = model_table_find(t, prefixed);
+  if (*entry) return MODEL_HF_ENTRY;
+  return f->hf_ignored && f->hf_ignored(name) ? MODEL_HF_IGNORE : MODEL_HF_UNKNOWN;
 }
 
 /* ---- the table ---- */
@@ -163,6 +227,11 @@ void model_init_params(struct model *m, uint64_t seed) {
   }
   tensor_copy_from_host(&m->params, 0, host, (size_t)m->nparams * sizeof(float));
   free(host);
+}
+
+const struct model_param *model_tied(struct model *m, struct tensor **param, struct tensor **grad) {
+  int entry = m->ops->tied ? m->ops->tied(m, param, grad) : -1;
+  return entry >= 0 ? &m->table.p[entry] : NULL;
 }
 
 /* ---- passes ---- */

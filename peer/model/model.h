@@ -27,17 +27,22 @@
 #include <stdint.h>
 
 #include "tensor/tensor.h"
+#include "util/json.h"
 
 #define MODEL_SPEC_MAX 256  /* characters of a canonical spec string, with the NUL */
 #define MODEL_NAME_MAX 96   /* characters of a parameter's name, with the NUL */
 #define MODEL_MAX_UNITS 258 /* pipeline units of one model */
-#define MODEL_MAX_STASH 512 /* per-micro-batch activation tensors of one stage */
+#define MODEL_MAX_STASH 2048 /* per-micro-batch activation tensors of one stage */
 #define MLP_MAX_LAYERS 16
 #define MLP_MAX_WIDTH (1 << 20)
+#define GPT_MAX_LAYERS 128
+#define GPT_MAX_WIDTH (1 << 16)
+#define GPT_MAX_CONTEXT (1 << 16)
+#define GPT_MAX_VOCAB (1 << 20)
 
 /* ---- specs ------------------------------------------------------------------- */
 
-enum model_family { MODEL_MLP = 1 };
+enum model_family { MODEL_MLP = 1, MODEL_GPT = 2 };
 enum mlp_act { MLP_ACT_RELU = 0, MLP_ACT_GELU = 1 };
 
 /* A parsed spec: the family and its hyperparameters. A value that may be
@@ -51,11 +56,18 @@ struct model_spec {
       int64_t widths[MLP_MAX_LAYERS + 1];   /* widths[0] inputs ... widths[nlayers] outputs */
       enum mlp_act act;                     /* between layers, not after the last */
     } mlp;
+    struct {
+      int layers, heads;
+      int64_t width, context, vocab; /* C (a multiple of heads), T, V */
+    } gpt;
   } u;
 };
 
-/* Parses a spec string ("mlp:784-512-256-10[:relu|:gelu]"). Returns 0 or
- * RUMOR_EFORMAT with a message that quotes the spec and names the bad part. */
+/* Parses a spec string: "mlp:784-512-256-10[:relu|:gelu]",
+ * "gpt:L6-H6-C384-T256-V256", or a preset name: "gpt2" (L12-H12-C768-T1024-
+ * V50257), "gpt2-medium", "gpt2-large", "gpt2-xl" (GPT-2's other sizes).
+ * Returns 0 or RUMOR_EFORMAT with a message that quotes the spec and names
+ * the bad part. */
 int model_spec_parse(const char *s, struct model_spec *out, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The canonical spec string: parse(format(s)) == s. */
 void model_spec_format(const struct model_spec *s, char *buf, size_t len);
@@ -64,7 +76,7 @@ bool model_spec_equal(const struct model_spec *a, const struct model_spec *b);
 
 /* What a model takes and gives, per row. */
 struct model_io {
-  enum tensor_dtype input_dtype; /* TENSOR_F32 features (MLP) */
+  enum tensor_dtype input_dtype; /* TENSOR_F32 features (MLP), TENSOR_I32 tokens (GPT) */
   int64_t input_per_row;         /* values per row that unit 0 reads */
   int64_t labels_per_row;        /* targets per row */
   int64_t classes;               /* logits per target */
@@ -110,6 +122,23 @@ void model_table_free(struct model_table *t);
 const struct model_param *model_table_find(const struct model_table *t, const char *name);
 /* Elements of the whole model (builds the table). */
 int64_t model_spec_param_count(const struct model_spec *s);
+
+/* Hugging Face's config.json for the model into `out` (a JSON object), when
+ * its family has one (GPT: GPT2Config). Returns false when it has none. */
+bool model_hf_config(const struct model_spec *s, struct json_buf *out);
+/* The spec a Hugging Face config.json describes (`text`, `len` bytes;
+ * `name` for messages): model_type "gpt2" with n_layer, n_head, n_embd,
+ * n_positions and vocab_size. Returns 0 or RUMOR_EFORMAT naming the file and
+ * the fault (not JSON, another model type, a missing or bad field, an
+ * activation other than GPT-2's). */
+int model_spec_from_hf_config(const char *text, size_t len, const char *name, struct model_spec *out,
+                              struct rumor_err *e) RUMOR_MUST_CHECK;
+/* What a tensor name in a Hugging Face checkpoint is to this spec's table:
+ * the entry (written into *entry), one to ignore (buffers such as GPT-2's
+ * attn.bias, or lm_head.weight, tied to the embedding), or unknown. Names
+ * are taken with or without GPT2LMHeadModel's "transformer." prefix. */
+enum model_hf_name { MODEL_HF_ENTRY, MODEL_HF_IGNORE, MODEL_HF_UNKNOWN };
+enum model_hf_name model_hf_lookup(const struct model_table *t, const char *name, const struct model_param **entry);
 
 /* ---- a model on a backend ----------------------------------------------------------- */
 
@@ -167,6 +196,17 @@ struct tensor *model_act(struct model *m, int u);
 /* Values per row of model_act(m, u), and their dtype. */
 int64_t model_act_width(const struct model *m, int u);
 enum tensor_dtype model_act_dtype(const struct model *m, int u);
+
+/* A parameter that two units use (GPT's token embedding: unit 0 gathers
+ * from it, the head multiplies by it). A model that holds the head but not
+ * unit 0 (the last stage of a pipeline) works on its own copy of it, outside
+ * params and grads: model_tied returns that copy, its gradient (written by
+ * the head's backward like any other gradient) and the table entry it
+ * copies, or NULL when the model has none. Whoever splits the model keeps
+ * the copy equal to unit 0's value and adds the copy's gradient to unit
+ * 0's. In a model holding both users, a backward without `accumulate`
+ * writes the gradient in the first user's backward and adds in the other's. */
+const struct model_param *model_tied(struct model *m, struct tensor **param, struct tensor **grad);
 
 /* Forward pass through units [a, b) (u0 <= a < b <= u1) on model_act(a)
  * (`rows` rows), leaving model_act(b). Only enqueues work. */

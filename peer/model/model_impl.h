@@ -38,8 +38,20 @@ struct model_family_ops {
   void (*forward)(struct model *m, int a, int b, int64_t rows);
   void (*backward)(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
                    bool accumulate);
+  /* Optional (model_tied): the copy of a tied parameter this model holds,
+   * as the index of the table entry it copies, or -1. */
+  int (*tied)(struct model *m, struct tensor **param, struct tensor **grad);
+  /* Optional (model_hf_config and friends): Hugging Face's config for a
+   * spec, the spec from a config's parsed object (`name` for messages), and
+   * whether a checkpoint name the table lacks is one to ignore. */
+  void (*hf_config)(const struct model_spec *s, struct json_buf *out);
+  const char *hf_model_type; /* config.json's model_type */
+  int (*hf_parse)(const struct json_value *cfg, const char *name, struct model_spec *out, struct rumor_err *e);
+  bool (*hf_ignored)(const char *name);
+  const char *hf_prefix; /* a prefix the table's names carry and a checkpoint's may lack */
 };
 
 extern const struct model_family_ops model_mlp_ops;
+extern const struct model_family_ops model_gpt_ops;
 
 #endif /* RUMOR_PEER_MODEL_IMPL_H */

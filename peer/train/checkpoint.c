@@ -164,9 +164,74 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
   }
 }
 
+/* Writes one safetensors file to `path` with the durability described at
+ * checkpoint_save: staged, the current file kept as .prev, renamed. */
+static int save_file(const char *path, const struct st_tensor *ts, size_t nts, const struct meta_text *meta,
+                     struct rumor_err *e) {
+  remove_stale_temporaries(path);
+  /* The new file is complete and durable under a staging name before the
+   * current one becomes the previous one and the new one takes its place:
+   * a failed write (full disk) changes neither. */
+  char staging[1100];
+  snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
+  int rc = safetensors_write(staging, ts, nts, meta->m, meta->n, e);
+  if (rc) return rc;
+  (void)keep_previous(path);
+  if (rename(staging, path) < 0) {
+    rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
+    unlink(staging);
+    return rc;
+  }
+  return sync_dir(path, e);
+}
+
+bool checkpoint_is_dir(const char *path) {
+  struct stat st;
+  size_t n = strlen(path);
+  return (n > 0 && path[n - 1] == '/') || (stat(path, &st) == 0 && S_ISDIR(st.st_mode));
+}
+
+void checkpoint_dir_file(const char *dir, const char *file, char *out, size_t n) {
+  size_t len = strlen(dir);
+  snprintf(out, n, "%s%s%s", dir, len && dir[len - 1] == '/' ? "" : "/", file);
+}
+
+/* A directory checkpoint's config.json, when the model has one. */
+static int save_config(const char *dir, const struct model_spec *spec, struct rumor_err *e) {
+  struct json_buf b;
+  json_buf_init(&b);
+  int rc = 0;
+  if (model_hf_config(spec, &b)) {
+    char path[1100];
+    checkpoint_dir_file(dir, CHECKPOINT_CONFIG_FILE, path, sizeof path);
+    json_raw(&b, "\n", 1);
+    struct file_part part = {b.data, b.len};
+    rc = file_write_atomic(path, &part, 1, 0644, e);
+  }
+  json_buf_free(&b);
+  return rc;
+}
+
+/* The directory layout (train.h): the optimizer state first, then the
+ * weights, whose step names the state that belongs to them. */
+static int save_dir(const char *dir, const struct model *m, const struct st_tensor *ts, size_t nweights,
+                    size_t nstate, const struct meta_text *meta, struct rumor_err *e) {
+  if (mkdir(dir, 0755) < 0 && errno != EEXIST)
+    return rumor_err_set(e, -errno, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
+  char path[1100];
+  int rc = 0;
+  if (nstate) {
+    checkpoint_dir_file(dir, CHECKPOINT_OPTIM_FILE, path, sizeof path);
+    rc = save_file(path, ts + nweights, nstate, meta, e);
+  }
+  checkpoint_dir_file(dir, CHECKPOINT_MODEL_FILE, path, sizeof path);
+  if (rc == 0) rc = save_file(path, ts, nweights, meta, e);
+  if (rc == 0) rc = save_config(dir, &m->spec, e);
+  return rc;
+}
+
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
-  remove_stale_temporaries(path);
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);
@@ -187,6 +252,7 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
     memcpy(t->shape, p->shape, sizeof t->shape);
     snprintf(t->name, sizeof t->name, "%s", p->name);
   }
+  size_t nweights = nts;
   for (int s = 0; s < nstate; s++) {
     struct st_tensor *t = &ts[nts++];
     *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = host + P * (1 + s), .nbytes = pbytes};
@@ -194,22 +260,11 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   }
   struct meta_text meta;
   make_meta(m, o, info, &meta);
-  /* The new file is complete and durable under a staging name before the
-   * current one becomes the previous one and the new one takes its place:
-   * a failed write (full disk) changes neither. */
-  char staging[1100];
-  snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
-  int rc = safetensors_write(staging, ts, nts, meta.m, meta.n, e);
+  int rc = checkpoint_is_dir(path) ? save_dir(path, m, ts, nweights, nts - nweights, &meta, e)
+                                   : save_file(path, ts, nts, &meta, e);
   free(ts);
   tensor_host_free(m->be, host);
-  if (rc) return rc;
-  (void)keep_previous(path);
-  if (rename(staging, path) < 0) {
-    rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
-    unlink(staging);
-    return rc;
-  }
-  return sync_dir(path, e);
+  return rc;
 }
 
 static int meta_i64(const struct checkpoint *ck, const char *path, const char *key, int64_t min, int64_t *out,
@@ -227,9 +282,16 @@ static int meta_f64(const struct checkpoint *ck, const char *path, const char *k
   return 0;
 }
 
+/* The tensor `name` of the checkpoint: its weights' file, then (optimizer
+ * state in a directory checkpoint) the state's. */
+static const struct st_tensor *ck_find(const struct checkpoint *ck, const char *name) {
+  const struct st_tensor *t = safetensors_find(&ck->file, name);
+  return t || !ck->state_file.buf ? t : safetensors_find(&ck->state_file, name);
+}
+
 static int expect_tensor(const struct checkpoint *ck, const char *path, const char *name, int ndim,
                          const int64_t *shape, struct rumor_err *e) {
-  const struct st_tensor *t = safetensors_find(&ck->file, name);
+  const struct st_tensor *t = ck_find(ck, name);
   if (!t) return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor %s is missing", path, name);
   bool ok = t->dtype == TENSOR_F32 && t->ndim == ndim;
   for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
@@ -237,7 +299,38 @@ static int expect_tensor(const struct checkpoint *ck, const char *path, const ch
   return 0;
 }
 
+/* The optimizer state of a directory checkpoint whose weights are at step
+ * `step`: optimizer.safetensors, or its .prev when a save was cut between
+ * the two files. Returns false (and logs why) when neither matches. */
+static bool open_dir_state(struct checkpoint *ck, const char *dir, int64_t step) {
+  char path[1100], prev[1110];
+  checkpoint_dir_file(dir, CHECKPOINT_OPTIM_FILE, path, sizeof path);
+  checkpoint_prev_path(path, prev, sizeof prev);
+  const char *candidates[2] = {path, prev};
+  for (int i = 0; i < 2; i++) {
+    struct rumor_err e = {0};
+    int64_t got;
+    if (safetensors_read(candidates[i], true, &ck->state_file, &e) != 0) continue;
+    const char *v = safetensors_meta(&ck->state_file, "rumor.step");
+    if (v && parse_i64(v, 0, INT64_MAX, &got) == 0 && got == step) return true;
+    safetensors_free(&ck->state_file);
+  }
+  log_warn("%s: no optimizer state of step %lld (in %s or %s)", dir, (long long)step, path, prev);
+  return false;
+}
+
+/* A file whose optimizer state, when not in the file itself, is in the
+ * directory `state_dir` (a directory checkpoint; NULL otherwise). */
+static int open_at(const char *path, const char *state_dir, struct checkpoint *ck, struct rumor_err *e);
+
 int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) {
+  if (!checkpoint_is_dir(path)) return open_at(path, NULL, ck, e);
+  char model[1100];
+  checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
+  return open_at(model, path, ck, e);
+}
+
+static int open_at(const char *path, const char *state_dir, struct checkpoint *ck, struct rumor_err *e) {
   memset(ck, 0, sizeof *ck);
   int rc = safetensors_read(path, true, &ck->file, e);
   if (rc) return rc;
@@ -291,10 +384,10 @@ int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e
       rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: unknown optimizer '%s'", path, opt);
       goto fail;
     }
+    ck->has_optim = !state_dir || open_dir_state(ck, state_dir, in->st.step);
     int64_t P = ck->table.nparams;
-    for (int s = 0; s < optim_state_per_param(in->optim_kind); s++)
+    for (int s = 0; ck->has_optim && s < optim_state_per_param(in->optim_kind); s++)
       if ((rc = expect_tensor(ck, path, optim_state_name(in->optim_kind, s), 1, &P, e))) goto fail;
-    ck->has_optim = true;
   }
   return 0;
 fail:
@@ -310,10 +403,12 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
     if (used) snprintf(used, used_len, "%s", path);
     return 0;
   }
-  char prev[1024];
-  checkpoint_prev_path(path, prev, sizeof prev);
+  char model[1100], prev[1110];
+  bool dir = checkpoint_is_dir(path);
+  if (dir) checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
+  checkpoint_prev_path(dir ? model : path, prev, sizeof prev);
   struct rumor_err second = {0};
-  int rc2 = checkpoint_open(prev, ck, &second);
+  int rc2 = open_at(prev, dir ? path : NULL, ck, &second);
   if (rc2 == 0) {
     log_warn("checkpoint rejected: %s; using the previous checkpoint %s (step %lld)", first.msg, prev,
              (long long)ck->info.st.step);
@@ -326,6 +421,7 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
 
 void checkpoint_close(struct checkpoint *ck) {
   safetensors_free(&ck->file);
+  safetensors_free(&ck->state_file);
   model_table_free(&ck->table);
   memset(ck, 0, sizeof *ck);
 }
@@ -354,7 +450,7 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
   if (o) {
     if (ck->has_optim && ck->info.optim_kind == o->cfg.kind) {
       for (int s = 0; s < optim_state_per_param(o->cfg.kind); s++) {
-        const struct st_tensor *t = safetensors_find(&ck->file, optim_state_name(o->cfg.kind, s));
+        const struct st_tensor *t = ck_find(ck, optim_state_name(o->cfg.kind, s));
         tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, t->data, t->nbytes);
       }
     } else {

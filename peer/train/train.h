@@ -112,7 +112,20 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
  * A pipeline stage's checkpoint (rumor.format "stage-1") holds its units'
  * entries only and adds rumor.group, rumor.stage ("s/S"), rumor.layers
  * ("u0-u1", inclusive) and rumor.split.
+ *
+ * A checkpoint path that names a directory (it exists as one, or ends in
+ * '/') holds the same in the Hugging Face layout: model.safetensors (the
+ * weights and the metadata), optimizer.safetensors (the optimizer state and
+ * the same metadata) and, for models that have one, config.json
+ * (model_hf_config), so GPT2LMHeadModel.from_pretrained(DIR) loads the
+ * weights. The state is written first and the weights last; on reading, the
+ * state whose rumor.step is the weights' is used (optimizer.safetensors or
+ * its .prev, after a save cut between the two), else the state starts from
+ * zero with a warning.
  */
+#define CHECKPOINT_MODEL_FILE "model.safetensors"
+#define CHECKPOINT_OPTIM_FILE "optimizer.safetensors"
+#define CHECKPOINT_CONFIG_FILE "config.json"
 
 #define CHECKPOINT_FORMAT "1"
 #define CHECKPOINT_STAGE_FORMAT "stage-1"
@@ -158,8 +171,14 @@ struct ckpt_info {
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 
+/* True when `path` names a directory checkpoint (see above). */
+bool checkpoint_is_dir(const char *path);
+/* `dir`/`file`. */
+void checkpoint_dir_file(const char *dir, const char *file, char *out, size_t n);
+
 struct checkpoint {
   struct st_file file;
+  struct st_file state_file; /* a directory checkpoint's optimizer state (buf NULL otherwise) */
   struct ckpt_info info;
   struct model_table table; /* of info.spec */
   bool has_optim;
@@ -187,6 +206,17 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
 /* The whole model's parameters from an open checkpoint into `out`
  * (table.nparams floats, flat-buffer order). */
 void checkpoint_params(const struct checkpoint *ck, float *out);
+
+/* Reads a Hugging Face model directory as GPT2LMHeadModel.save_pretrained
+ * writes it (config.json and one model.safetensors; rumor's directory
+ * checkpoints are such directories): the spec from config.json
+ * (model_spec_from_hf_config) and every table entry's values, F32, F16 or
+ * BF16 converted to F32, in flat-buffer order into a new host buffer
+ * (*params, table.nparams floats; the caller frees it). Names as
+ * model_hf_lookup. Returns 0 or an error naming the file and the fault: an
+ * unknown tensor, a missing entry, a wrong shape or dtype, a sharded
+ * checkpoint. */
+int hf_import(const char *dir, struct model_spec *spec, float **params, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ============================================================================
  * The trainer
