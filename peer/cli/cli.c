@@ -15,6 +15,7 @@ static const struct subcommand commands[] = {
     /* name, function, one-line summary; kept in the order of --help */
     {"train", cmd_train, "train one peer on its own (no network)"},
     {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
+    {"sample", cmd_sample, "continue a prompt with a language-model checkpoint"},
     {"peer", cmd_peer, "train as a member of a gossip cluster"},
     {"group", cmd_group, "train as a model-parallel peer group of S stage processes"},
     {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},

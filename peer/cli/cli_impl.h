@@ -256,6 +256,7 @@ void result_print(struct json_buf *b);
 
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_sample(int argc, char **argv);
 int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);

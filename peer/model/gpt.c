@@ -71,6 +71,7 @@ struct gpt_ws {
   struct tensor dwte, dwpe, dlnf_w, dlnf_b;
   struct tensor wte_copy, dwte_copy;          /* the tied copy, on a head stage without unit 0 */
   bool dwte_written;                          /* the head wrote dwte in this backward pass */
+  int64_t positions;                          /* of the passes; 0: the context */
   struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the logits */
   struct gpt_block_acts blk[GPT_MAX_LAYERS];
   struct tensor lnf_mean, lnf_rstd;           /* (max_rows·T) */
@@ -379,6 +380,17 @@ static int gpt_tied(struct model *m, struct tensor **param, struct tensor **grad
 
 /* ---- passes ---- */
 
+/* Positions per sequence of the passes (model_set_positions). */
+static int64_t positions(const struct model *m) {
+  const struct gpt_ws *ws = m->impl;
+  return ws->positions ? ws->positions : GP(&m->spec)->context;
+}
+
+static void gpt_set_positions(struct model *m, int64_t t) {
+  RUMOR_ASSERT(t >= 1 && t <= GP(&m->spec)->context);
+  ((struct gpt_ws *)m->impl)->positions = t;
+}
+
 /* A view of the first `rows` rows of t, reshaped to (d0, d1[, d2]). */
 static struct tensor v2(const struct tensor *t, int64_t d0, int64_t d1) {
   int64_t shape[2] = {d0, d1};
@@ -407,7 +419,7 @@ static void linear_bwd(const struct tensor *x, const struct tensor *w, const str
 
 static void embed_forward(struct model *m, int64_t rows) {
   struct gpt_ws *ws = m->impl;
-  int64_t T = GP(&m->spec)->context, C = GP(&m->spec)->width;
+  int64_t T = positions(m), C = GP(&m->spec)->width;
   struct tensor tok = v2(&ws->acts[0], rows, T), out = v3(&ws->acts[1], rows, T, C);
   tensor_embedding_fwd(&tok, &ws->wte, &ws->wpe, &out);
 }
@@ -417,7 +429,7 @@ static void block_forward(struct model *m, int u, int64_t rows) {
   struct gpt_ws *ws = m->impl;
   struct gpt_block_acts *a = &ws->blk[u - 1];
   struct tensor *P = ws->p[u - 1];
-  int64_t T = GP(s)->context, C = GP(s)->width, N = rows * T;
+  int64_t T = positions(m), C = GP(s)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), y = v2(&ws->acts[u + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor qkv = v2(&a->qkv, N, 3 * C), att = v2(&a->att, N, C), mid = v2(&a->mid, N, C);
   struct tensor fc = v2(&a->fc, N, 4 * C), g = v2(&ws->big, N, 4 * C);
@@ -441,7 +453,7 @@ static void head_forward(struct model *m, int64_t rows) {
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   int L = GP(s)->layers;
-  int64_t N = rows * GP(s)->context, C = GP(s)->width;
+  int64_t N = rows * positions(m), C = GP(s)->width;
   struct tensor x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor mf = v1(&ws->lnf_mean, N), rf = v1(&ws->lnf_rstd, N), logits = v2(&ws->acts[L + 2], N, GP(s)->vocab);
   tensor_layernorm_fwd(&x, &ws->lnf_w, &ws->lnf_b, &ln, &mf, &rf);
@@ -462,7 +474,7 @@ static void head_backward(struct model *m, int64_t rows, const struct tensor *do
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   int L = GP(s)->layers;
-  int64_t N = rows * GP(s)->context, C = GP(s)->width;
+  int64_t N = rows * positions(m), C = GP(s)->width;
   struct tensor dl = v2(dout, N, GP(s)->vocab), x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor mf = v1(&ws->lnf_mean, N), rf = v1(&ws->lnf_rstd, N);
   struct tensor dres = v2(&ws->dres, N, C), dln = v2(&ws->dtmp, N, C);
@@ -480,7 +492,7 @@ static void block_backward(struct model *m, int u, int64_t rows, float beta) {
   struct gpt_ws *ws = m->impl;
   struct gpt_block_acts *a = &ws->blk[u - 1];
   struct tensor *P = ws->p[u - 1], *G = ws->g[u - 1];
-  int64_t T = GP(s)->context, C = GP(s)->width, N = rows * T;
+  int64_t T = positions(m), C = GP(s)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), ln = v2(&ws->ln_out, N, C), dres = v2(&ws->dres, N, C);
   struct tensor dtmp = v2(&ws->dtmp, N, C), big = v2(&ws->big, N, 4 * C);
   struct tensor att = v2(&a->att, N, C), mid = v2(&a->mid, N, C), fc = v2(&a->fc, N, 4 * C);
@@ -506,7 +518,7 @@ static void block_backward(struct model *m, int u, int64_t rows, float beta) {
 
 static void embed_backward(struct model *m, int64_t rows, bool accumulate) {
   struct gpt_ws *ws = m->impl;
-  int64_t T = GP(&m->spec)->context, C = GP(&m->spec)->width;
+  int64_t T = positions(m), C = GP(&m->spec)->width;
   if (!accumulate) {
     if (!ws->dwte_written) tensor_fill(&ws->dwte, 0.0f);
     tensor_fill(&ws->dwpe, 0.0f);
@@ -520,7 +532,7 @@ static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct ten
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   int L = GP(s)->layers;
-  int64_t N = rows * GP(s)->context, C = GP(s)->width;
+  int64_t N = rows * positions(m), C = GP(s)->width;
   float beta = accumulate ? 1.0f : 0.0f;
   struct tensor dres = v2(&ws->dres, N, C);
   ws->dwte_written = false;
@@ -653,6 +665,7 @@ const struct model_family_ops model_gpt_ops = {
     .forward = gpt_forward,
     .backward = gpt_backward,
     .tied = gpt_tied,
+    .set_positions = gpt_set_positions,
     .hf_config = gpt_hf_config,
     .hf_model_type = "gpt2",
     .hf_parse = gpt_hf_parse,

@@ -234,6 +234,13 @@ const struct model_param *model_tied(struct model *m, struct tensor **param, str
   return entry >= 0 ? &m->table.p[entry] : NULL;
 }
 
+bool model_set_positions(struct model *m, int64_t t) {
+  if (!m->ops->set_positions) return false;
+  m->ops->set_positions(m, t);
+  m->positions = t == m->io.labels_per_row ? 0 : t;
+  return true;
+}
+
 /* ---- passes ---- */
 
 struct tensor *model_act(struct model *m, int u) {
@@ -262,7 +269,9 @@ void model_backward(struct model *m, int a, int b, int64_t rows, struct tensor *
   m->ops->backward(m, a, b, rows, dout, din, accumulate);
 }
 
-int64_t model_targets(const struct model *m, int64_t rows) { return rows * m->io.labels_per_row; }
+int64_t model_targets(const struct model *m, int64_t rows) {
+  return rows * (m->positions ? m->positions : m->io.labels_per_row);
+}
 
 void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
   RUMOR_ASSERT(m->u1 == m->table.nunits);

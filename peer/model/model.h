@@ -161,6 +161,7 @@ struct model {
 
   /* Workspace for up to max_rows rows. */
   int64_t max_rows;
+  int64_t positions;    /* model_set_positions' t when not the default, else 0 */
   struct tensor labels; /* (max_rows · labels_per_row) I32, filled by the caller */
   struct tensor losses; /* (max_rows · labels_per_row) per-target losses of the last loss */
   /* Per-micro-batch activations: every tensor a forward pass writes and a
@@ -207,6 +208,13 @@ enum tensor_dtype model_act_dtype(const struct model *m, int u);
  * 0's. In a model holding both users, a backward without `accumulate`
  * writes the gradient in the first user's backward and adds in the other's. */
 const struct model_param *model_tied(struct model *m, struct tensor **param, struct tensor **grad);
+
+/* Language models: the passes that follow run on sequences of t positions,
+ * 1 <= t <= the spec's context (which is the default), so that sampling
+ * runs on the tokens so far: a row's input is then t tokens, its labels and
+ * losses t, its logits t·classes, all packed. Returns false (and does
+ * nothing) for models without positions. */
+bool model_set_positions(struct model *m, int64_t t);
 
 /* Forward pass through units [a, b) (u0 <= a < b <= u1) on model_act(a)
  * (`rows` rows), leaving model_act(b). Only enqueues work. */

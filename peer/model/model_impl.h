@@ -41,6 +41,8 @@ struct model_family_ops {
   /* Optional (model_tied): the copy of a tied parameter this model holds,
    * as the index of the table entry it copies, or -1. */
   int (*tied)(struct model *m, struct tensor **param, struct tensor **grad);
+  /* Optional (model_set_positions). */
+  void (*set_positions)(struct model *m, int64_t t);
   /* Optional (model_hf_config and friends): Hugging Face's config for a
    * spec, the spec from a config's parsed object (`name` for messages), and
    * whether a checkpoint name the table lacks is one to ignore. */
