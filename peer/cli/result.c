@@ -12,10 +12,14 @@ void result_training(struct json_buf *b, const struct trainer *t, double secs, i
   json_key(b, "samples_per_s");
   json_num(b, secs > 0 ? (double)(t->st.samples - samples_at_start) / secs : 0.0);
   if (!trainer_has_loss(t)) return;
-  json_key(b, "test_accuracy");
+  /* A language model's evaluation is on held-out tokens: its loss per token
+   * and how often the likeliest next token is the right one. */
+  json_key(b, t->data.tokens ? "val_token_accuracy" : "test_accuracy");
   json_num(b, t->accuracy);
-  json_key(b, "test_loss");
+  json_key(b, t->data.tokens ? "val_loss" : "test_loss");
   json_num(b, t->test_loss);
+  json_key(b, "train_loss");
+  json_num(b, t->loss_avg);
   json_key(b, "train_losses");
   json_arr_begin(b);
   for (int64_t i = 0; i < t->nepoch_losses; i++) json_num(b, t->epoch_losses[i]);

@@ -21,12 +21,21 @@ void train_flags_default(struct train_flags *f) {
   f->momentum = cfg.optim.momentum;
   f->weight_decay = cfg.optim.weight_decay;
   f->log_every = cfg.log_every_s;
+  f->val_fraction = cfg.val_fraction;
+  f->eval_batches = cfg.eval_batches;
 }
 
 void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
   const struct arg_spec specs[] = {
-      {"model", ARG_STR, &f->model, "SPEC", "architecture, e.g. mlp:784-512-256-10 or mlp:784-256-10:gelu"},
-      {"data", ARG_STR, &f->data, "DIR", "directory with train-/t10k- IDX files (plain or .gz)"},
+      {"model", ARG_STR, &f->model, "SPEC",
+       "architecture: mlp:784-512-256-10, mlp:784-256-10:gelu, gpt:L6-H6-C384-T256-V256 (layers, heads, width, "
+       "context, vocabulary) or gpt2"},
+      {"data", ARG_STR, &f->data, "PATH",
+       "an MLP's images: a directory with train-/t10k- IDX files (plain or .gz; default " TRAIN_DEFAULT_IMAGES
+       "); a GPT's tokens: a text file (bytes), a directory of llm.c token shards or a glob (default "
+       TOKEN_DEFAULT_CORPUS ")"},
+      {"val-fraction", ARG_FLOAT, &f->val_fraction, "X",
+       "tokens: the end of the stream held out for validation, unless *_val* shards exist", 0, 0.9},
       {"device", ARG_STR, &f->device, "DEV", "auto, cpu, cuda or cuda:N"},
       {"threads", ARG_INT, &f->threads, "N", "CPU threads (0: all cores)", 0, 4096},
       {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set"},
@@ -43,17 +52,30 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"weight-decay", ARG_FLOAT, &f->weight_decay, "X", "weight decay", 0, 1e6},
       {"schedule", ARG_STR, &f->schedule, "NAME", "learning-rate schedule: cosine or constant"},
       {"warmup", ARG_INT, &f->warmup, "N", "linear warm-up steps", 0, 1e15},
-      {"checkpoint", ARG_STR, &f->checkpoint, "FILE", "save a safetensors checkpoint here (each epoch and at the end)"},
+      {"grad-clip", ARG_FLOAT, &f->grad_clip, "X", "clip the gradients' global norm to X before each update (0: off)",
+       0, 1e12},
+      {"checkpoint", ARG_STR, &f->checkpoint, "PATH",
+       "save a checkpoint here, each epoch and at the end: a safetensors file, or a directory (DIR/) in the Hugging "
+       "Face layout (model.safetensors, optimizer.safetensors, config.json)"},
       {"checkpoint-every", ARG_INT, &f->checkpoint_every, "N", "also save every N steps (0: off)", 0, 1e15},
-      {"resume", ARG_STR, &f->resume, "FILE", "continue from a checkpoint (model, shard, seeds, position)"},
+      {"resume", ARG_STR, &f->resume, "PATH", "continue from a checkpoint (model, shard, seeds, position)"},
+      {"init-from", ARG_STR, &f->init_from, "DIR",
+       "start from the weights of a Hugging Face GPT-2 directory (config.json and model.safetensors) and train "
+       "from step 0 (fine-tuning)"},
       {"log-every", ARG_FLOAT, &f->log_every, "SEC", "seconds between progress lines (0: off)", 0, 1e6},
       {"no-eval", ARG_FLAG, &f->no_eval, NULL, "skip the test-set evaluation after each epoch"},
+      {"eval-every", ARG_INT, &f->eval_every, "N", "also evaluate every N steps (0: at epoch ends only)", 0, 1e15},
+      {"eval-batches", ARG_INT, &f->eval_batches, "N",
+       "batches of the evaluation set per evaluation (-1: all test images; 20 batches of validation windows)", -1,
+       1e15},
   };
   bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     struct arg_spec sp = specs[i];
     /* The launcher's --device is --devices (one per stage); groups do not resume. */
-    if ((who == FLAGS_LAUNCHER && strcmp(sp.name, "device") == 0) || (group && strcmp(sp.name, "resume") == 0)) continue;
+    if ((who == FLAGS_LAUNCHER && strcmp(sp.name, "device") == 0) ||
+        (group && (strcmp(sp.name, "resume") == 0 || strcmp(sp.name, "init-from") == 0)))
+      continue;
     if (group && strcmp(sp.name, "checkpoint") == 0)
       sp.help = "each stage saves its units to FILE-stage<s> (X.safetensors: X-stage<s>.safetensors), each epoch and "
                 "at the end";
@@ -73,7 +95,7 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
     return rumor_err_set(e, RUMOR_EFORMAT, "--optimizer must be sgd or adamw, not '%s'", f->optimizer);
   if (optim_schedule_parse(f->schedule, &cfg->optim.schedule))
     return rumor_err_set(e, RUMOR_EFORMAT, "--schedule must be cosine or constant, not '%s'", f->schedule);
-  cfg->model = (f->resume && !args_given(specs, "model")) ? NULL : f->model;
+  cfg->model = ((f->resume || f->init_from) && !args_given(specs, "model")) ? NULL : f->model;
   cfg->data_dir = f->data;
   cfg->device = f->device;
   cfg->threads = (int)f->threads;
@@ -94,5 +116,12 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->resume = f->resume;
   cfg->log_every_s = f->log_every;
   cfg->eval_each_epoch = !f->no_eval;
+  cfg->eval_every = f->eval_every;
+  cfg->eval_batches = f->eval_batches;
+  cfg->val_fraction = f->val_fraction;
+  cfg->grad_clip = f->grad_clip;
+  cfg->init_from = f->init_from;
+  if (f->resume && f->init_from)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--resume and --init-from exclude each other (a resumed run has its weights)");
   return 0;
 }

@@ -1,5 +1,5 @@
 /* The training loop of a whole replica or of one pipeline stage. */
-#include "peer/train/train.h"
+#include "peer/train/train_impl.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -11,7 +11,9 @@
 void train_config_default(struct train_config *c) {
   memset(c, 0, sizeof *c);
   c->model = NULL;
-  c->data_dir = "/usr/share/datasets/fashion-mnist";
+  c->data_dir = NULL;
+  c->val_fraction = 0.1;
+  c->eval_batches = -1;
   c->device = "auto";
   c->threads = 0;
   c->shard = (struct shard){0, 1};
@@ -33,37 +35,6 @@ bool trainer_has_loss(const struct trainer *t) {
 static bool needs_batches(const struct trainer *t) { return first_stage(t) || trainer_has_loss(t); }
 
 /* ---- set-up ---- */
-
-static int load_data(struct trainer *t, struct rumor_err *e) {
-  int rc = dataset_load_split(t->cfg.data_dir, "train", &t->train, e);
-  if (rc) return rumor_err_prefix(e, "training data");
-  rc = dataset_load_split(t->cfg.data_dir, "t10k", &t->test, e);
-  if (rc) return rumor_err_prefix(e, "test data");
-  t->have_test = true;
-  if (t->test.features != t->train.features)
-    return rumor_err_set(e, RUMOR_ECORRUPT, "test images are %lldx%lld but training images are %lldx%lld",
-                         (long long)t->test.rows, (long long)t->test.cols, (long long)t->train.rows,
-                         (long long)t->train.cols);
-  return 0;
-}
-
-static int check_model_fits_data(const struct model_spec *spec, const struct trainer *t, struct rumor_err *e) {
-  char s[MODEL_SPEC_MAX];
-  model_spec_format(spec, s, sizeof s);
-  struct model_io io;
-  model_spec_io(spec, &io);
-  if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1)
-    return rumor_err_set(e, RUMOR_ESHAPE, "model %s does not take images with one label each", s);
-  if (io.input_per_row != t->train.features)
-    return rumor_err_set(e, RUMOR_ESHAPE, "model %s takes %lld inputs but the images have %lldx%lld = %lld pixels", s,
-                         (long long)io.input_per_row, (long long)t->train.rows, (long long)t->train.cols,
-                         (long long)t->train.features);
-  int classes = t->train.num_classes > t->test.num_classes ? t->train.num_classes : t->test.num_classes;
-  if (io.classes < classes)
-    return rumor_err_set(e, RUMOR_ESHAPE, "model %s has %lld outputs but the labels go up to %d", s,
-                         (long long)io.classes, classes - 1);
-  return 0;
-}
 
 /* Opens cfg->resume and takes the run's identity from it, so that the
  * resumed run sees the same batches in the same order. */
@@ -104,6 +75,23 @@ fail:
   return rc;
 }
 
+/* --init-from: the spec and the weights of a Hugging Face directory. */
+static int init_from(struct trainer *t, struct rumor_err *e) {
+  const struct train_config *cfg = &t->cfg;
+  int rc = hf_import(cfg->init_from, &t->plan.spec, &t->init_params, e);
+  if (rc || !cfg->model) return rc;
+  struct model_spec want;
+  if ((rc = model_spec_parse(cfg->model, &want, e))) return rc;
+  if (!model_spec_equal(&want, &t->plan.spec)) {
+    char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
+    model_spec_format(&want, a, sizeof a);
+    model_spec_format(&t->plan.spec, b, sizeof b);
+    return rumor_err_set(e, RUMOR_ESHAPE, "--model %s does not match --init-from %s, which holds %s", a,
+                         cfg->init_from, b);
+  }
+  return 0;
+}
+
 /* The model this process holds and where it comes from: a stage's plan, the
  * resumed checkpoint (left open in *ck, *resumed set), or --model. */
 static int choose_model(struct trainer *t, struct checkpoint *ck, bool *resumed, struct rumor_err *e) {
@@ -116,6 +104,8 @@ static int choose_model(struct trainer *t, struct checkpoint *ck, bool *resumed,
   if (cfg->resume) {
     if ((rc = open_resume(t, ck, &t->plan.spec, e))) return rc;
     *resumed = true;
+  } else if (cfg->init_from) {
+    if ((rc = init_from(t, e))) return rc;
   } else if ((rc = model_spec_parse(cfg->model ? cfg->model : "mlp:784-512-256-10", &t->plan.spec, e))) {
     return rc;
   }
@@ -128,8 +118,8 @@ static int choose_model(struct trainer *t, struct checkpoint *ck, bool *resumed,
 static int alloc_batches(struct trainer *t, struct rumor_err *e) {
   int nbuf = trainer_is_stage(t) ? 1 : 2;
   for (int i = 0; i < nbuf && needs_batches(t); i++) {
-    t->xh[i] = tensor_host_alloc(t->be, (size_t)(t->cfg.batch * t->train.features) * sizeof(float));
-    t->yh[i] = tensor_host_alloc(t->be, (size_t)t->cfg.batch * sizeof(int32_t));
+    t->xh[i] = tensor_host_alloc(t->be, (size_t)t->cfg.batch * t->data.x_bytes_per_row);
+    t->yh[i] = tensor_host_alloc(t->be, (size_t)(t->cfg.batch * t->data.y_per_row) * sizeof(int32_t));
     if (!t->xh[i] || !t->yh[i]) return rumor_err_set(e, -ENOMEM, "cannot allocate host batch buffers");
   }
   return 0;
@@ -149,10 +139,10 @@ static void log_setup(const struct trainer *t) {
              (long long)t->steps_per_epoch, (long long)c->batch);
     return;
   }
-  log_info("model %s: %lld parameters (%.1f MiB) on %s; shard %lld/%lld: %lld samples, %lld batches of %lld per epoch",
+  log_info("model %s: %lld parameters (%.1f MiB) on %s; shard %lld/%lld: %lld %s, %lld batches of %lld per epoch",
            s, (long long)t->model.nparams, (double)t->model.nparams * 4 / (1 << 20), tensor_backend_name(t->be),
-           (long long)c->shard.index, (long long)c->shard.count, (long long)t->batcher.n,
-           (long long)t->steps_per_epoch, (long long)c->batch);
+           (long long)c->shard.index, (long long)c->shard.count, (long long)train_data_shard_rows(&t->data),
+           t->data.tokens ? "windows" : "samples", (long long)t->steps_per_epoch, (long long)c->batch);
   if (c->resume)
     log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
@@ -173,17 +163,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   const struct model_spec *spec = &t->plan.spec;
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
-  if ((rc = load_data(t, e)) || (rc = check_model_fits_data(spec, t, e))) goto fail;
-  if (resumed) {
-    t->norm_mean = ck.info.norm_mean;
-    t->norm_std = ck.info.norm_std;
-  } else {
-    dataset_pixel_stats(&t->train, &t->norm_mean, &t->norm_std);
-  }
-  dataset_norm_lut(t->norm_mean, t->norm_std, t->lut);
-  if ((rc = batcher_init(&t->batcher, &t->train, t->cfg.shard, t->cfg.data_seed, t->cfg.seed, t->norm_mean,
-                         t->norm_std, e)))
-    goto fail;
+  if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
   if ((rc = model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e))) goto fail;
   if ((rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e))) goto fail;
   if (resumed) {
@@ -191,6 +171,11 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     checkpoint_close(&ck);
     resumed = false;
     if (rc) goto fail;
+  } else if (t->init_params) {
+    tensor_copy_from_host(&t->model.params, 0, t->init_params, (size_t)t->model.nparams * sizeof(float));
+    free(t->init_params);
+    t->init_params = NULL;
+    log_info("weights from %s", cfg->init_from);
   } else {
     model_init_params(&t->model, t->cfg.seed);
   }
@@ -198,7 +183,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
                                                  t->stage.micro, t->stage.sched, e)))
     goto fail;
 
-  t->steps_per_epoch = batcher_steps_per_epoch(&t->batcher, t->cfg.batch);
+  t->steps_per_epoch = train_data_steps_per_epoch(&t->data, t->cfg.batch);
   /* The schedule spans the configured epochs even when max_steps stops the
    * run earlier, so a run cut short and resumed follows the same rates. */
   t->total_steps = t->cfg.epochs * t->steps_per_epoch;
@@ -210,7 +195,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     goto fail;
   }
   if ((rc = alloc_batches(t, e))) goto fail;
-  batcher_start_epoch(&t->batcher, t->st.epoch);
+  train_data_start_epoch(&t->data, t->st.epoch);
   t->t_start = t->t_last_log = clock_now_s();
   t->samples_at_start = t->st.samples;
   log_setup(t);
@@ -223,6 +208,7 @@ fail:
 
 void trainer_free(struct trainer *t) {
   pipeline_free(&t->pipe);
+  free(t->init_params);
   if (t->be) {
     for (int i = 0; i < 2; i++) {
       tensor_host_free(t->be, t->xh[i]);
@@ -232,9 +218,7 @@ void trainer_free(struct trainer *t) {
   free(t->epoch_losses);
   optim_free(&t->optim);
   model_free(&t->model);
-  batcher_free(&t->batcher);
-  dataset_free(&t->train);
-  dataset_free(&t->test);
+  train_data_free(&t->data);
   tensor_backend_close(t->be);
   memset(t, 0, sizeof *t);
 }
@@ -288,8 +272,8 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.shard = t->cfg.shard;
   info.batch = t->cfg.batch;
   info.epochs = t->cfg.epochs;
-  info.norm_mean = t->norm_mean;
-  info.norm_std = t->norm_std;
+  info.norm_mean = t->data.norm_mean;
+  info.norm_std = t->data.norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");
   if (trainer_is_stage(t)) {
     snprintf(info.group, sizeof info.group, "%s", t->stage.group);
@@ -300,28 +284,23 @@ static struct ckpt_info make_info(const struct trainer *t) {
   return info;
 }
 
-/* Evaluation rows [first, first + rows) of a dataset (pipe_gather_fn). */
-struct gather_src {
-  const struct dataset *ds;
-  const float *lut;
-};
-static void gather_rows(void *arg, int64_t first, int64_t rows, void *x, int32_t *y) {
-  const struct gather_src *g = arg;
-  dataset_gather_range(g->ds, g->lut, first, rows, x, y);
+/* Evaluation rows [first, first + rows) (pipe_gather_fn). */
+static void gather_eval(void *arg, int64_t first, int64_t rows, void *x, int32_t *y) {
+  train_data_gather(arg, true, first, rows, x, y);
 }
 
-/* Loss and correct predictions over the first n samples of `ds` in file
- * order, batch by batch (a whole replica). */
-static void evaluate_whole(struct trainer *t, const struct dataset *ds, int64_t n, int64_t *correct, double *loss) {
-  int64_t bs = t->cfg.batch, F = ds->features;
-  float *x = tensor_host_alloc(t->be, (size_t)(bs * F) * sizeof(float));
-  int32_t *y = tensor_host_alloc(t->be, (size_t)bs * sizeof(int32_t));
+/* Loss and correct predictions over the first n rows of the evaluation or
+ * the training set in file order, batch by batch (a whole replica). */
+static void evaluate_whole(struct trainer *t, bool eval, int64_t n, int64_t *correct, double *loss) {
+  int64_t bs = t->cfg.batch, ypr = t->data.y_per_row;
+  void *x = tensor_host_alloc(t->be, (size_t)bs * t->data.x_bytes_per_row);
+  int32_t *y = tensor_host_alloc(t->be, (size_t)(bs * ypr) * sizeof(int32_t));
   RUMOR_ASSERT(x && y);
   for (int64_t first = 0; first < n; first += bs) {
     int64_t rows = n - first < bs ? n - first : bs;
-    dataset_gather_range(ds, t->lut, first, rows, x, y);
-    tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)(rows * F) * sizeof(float));
-    tensor_copy_from_host(&t->model.labels, 0, y, (size_t)rows * sizeof(int32_t));
+    train_data_gather(&t->data, eval, first, rows, x, y);
+    tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)rows * t->data.x_bytes_per_row);
+    tensor_copy_from_host(&t->model.labels, 0, y, (size_t)(rows * ypr) * sizeof(int32_t));
     model_evaluate(&t->model, rows, y, correct, loss);
   }
   tensor_host_free(t->be, x);
@@ -330,27 +309,36 @@ static void evaluate_whole(struct trainer *t, const struct dataset *ds, int64_t 
 
 double trainer_check_loss(struct trainer *t, int64_t n) {
   RUMOR_ASSERT(!trainer_is_stage(t));
-  if (n > t->train.count) n = t->train.count;
+  int64_t have = train_data_check_rows(&t->data);
+  if (n > have) n = have;
   double loss = 0;
   int64_t correct = 0;
-  evaluate_whole(t, &t->train, n, &correct, &loss);
-  return n > 0 ? loss / (double)n : 0.0;
+  evaluate_whole(t, false, n, &correct, &loss);
+  return n > 0 ? loss / (double)(n * t->data.y_per_row) : 0.0;
+}
+
+/* The evaluation's rows: all of the test set for images; for tokens
+ * eval_batches batches of validation windows (20 unless set). */
+static int64_t eval_rows(const struct trainer *t) {
+  int64_t batches = t->cfg.eval_batches >= 0 ? t->cfg.eval_batches : t->data.tokens ? 20 : 0;
+  return train_data_eval_rows(&t->data, batches * t->cfg.batch);
 }
 
 int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
-  if (!t->have_test) return 0;
+  int64_t n = eval_rows(t);
+  if (n == 0) return 0;
   int64_t correct = 0;
   double loss = 0;
   if (trainer_is_stage(t)) {
-    struct gather_src src = {&t->test, t->lut};
-    int rc = pipeline_eval(&t->pipe, t->test.count, gather_rows, &src, &correct, &loss, e);
+    int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, &correct, &loss, e);
     if (rc) return rc;
   } else {
-    evaluate_whole(t, &t->test, t->test.count, &correct, &loss);
+    evaluate_whole(t, true, n, &correct, &loss);
   }
   if (trainer_has_loss(t)) {
-    t->accuracy = (double)correct / (double)t->test.count;
-    t->test_loss = loss / (double)t->test.count;
+    double targets = (double)(n * t->data.y_per_row);
+    t->accuracy = (double)correct / targets;
+    t->test_loss = loss / targets;
   }
   return 0;
 }
@@ -378,7 +366,7 @@ void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_
   t->st.step_in_epoch = 0;
   t->st.samples = samples;
   t->staged = false;
-  batcher_start_epoch(&t->batcher, epoch);
+  train_data_start_epoch(&t->data, epoch);
 }
 
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
@@ -391,8 +379,16 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
 
 /* ---- steps ---- */
 
+/* --grad-clip: scales the gradients so their global norm is at most
+ * grad_clip (a stage: the norm of its own units' gradients). */
+static void clip_gradients(struct trainer *t) {
+  if (t->cfg.grad_clip <= 0) return;
+  double norm = sqrt(tensor_sq_norm(&t->model.grads));
+  if (norm > t->cfg.grad_clip) tensor_scale(&t->model.grads, (float)(t->cfg.grad_clip / norm));
+}
+
 static void stage_batch(struct trainer *t, int buf) {
-  t->rows[buf] = batcher_fill(&t->batcher, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
+  t->rows[buf] = train_data_fill(&t->data, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
 }
 
 /* Enqueues a whole replica's step on the staged batch; returns its rows. */
@@ -401,9 +397,10 @@ static int64_t step_whole(struct trainer *t, double lr) {
   if (!t->staged) stage_batch(t, buf);
   int64_t rows = t->rows[buf];
   struct model *m = &t->model;
-  tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)(rows * t->train.features) * sizeof(float));
-  tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)rows * sizeof(int32_t));
+  tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
+  tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
+  clip_gradients(t);
   optim_apply(&t->optim, &m->params, &m->grads, lr);
   return rows;
 }
@@ -412,19 +409,33 @@ static int64_t step_whole(struct trainer *t, double lr) {
 static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *loss, struct rumor_err *e) {
   int64_t bs = t->cfg.batch;
   int64_t first = t->st.step_in_epoch * bs;
-  int64_t rows = t->batcher.n - first < bs ? t->batcher.n - first : bs;
+  int64_t n = train_data_shard_rows(&t->data);
+  int64_t rows = n - first < bs ? n - first : bs;
   if (needs_batches(t)) {
-    int64_t got = batcher_fill(&t->batcher, t->st.step_in_epoch, bs, t->xh[0], t->yh[0]);
+    int64_t got = train_data_fill(&t->data, t->st.step_in_epoch, bs, t->xh[0], t->yh[0]);
     RUMOR_ASSERT(got == rows);
   }
   double loss_sum = 0;
   int rc = pipeline_step(&t->pipe, t->st.step, rows, first_stage(t) ? t->xh[0] : NULL,
                          trainer_has_loss(t) ? t->yh[0] : NULL, &loss_sum, e);
   if (rc) return rc;
+  clip_gradients(t);
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
   *rows_out = rows;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
+  return 0;
+}
+
+/* --eval-every: an evaluation between epoch ends, and its line. */
+static int eval_now(struct trainer *t, struct rumor_err *e) {
+  int rc = trainer_evaluate(t, e);
+  if (rc || !trainer_has_loss(t)) return rc;
+  if (t->data.tokens)
+    log_info("step %lld: train loss %.4f, val loss %.4f", (long long)t->st.step, t->loss_avg, t->test_loss);
+  else
+    log_info("step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f", (long long)t->st.step, t->loss_avg,
+             t->accuracy, t->test_loss);
   return 0;
 }
 
@@ -441,7 +452,10 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
     int rc = trainer_evaluate(t, e);
     if (rc) return rc;
   }
-  if (trainer_has_loss(t))
+  if (trainer_has_loss(t) && t->data.tokens)
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f", (long long)t->st.epoch,
+             (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg, t->cfg.eval_each_epoch ? t->test_loss : NAN);
+  else if (trainer_has_loss(t))
     log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f",
              (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg,
              t->cfg.eval_each_epoch ? t->accuracy : NAN, t->cfg.eval_each_epoch ? t->test_loss : NAN);
@@ -470,7 +484,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   if (epoch_end) {
     t->st.epoch++;
     t->st.step_in_epoch = 0;
-    batcher_start_epoch(&t->batcher, t->st.epoch);
+    train_data_start_epoch(&t->data, t->st.epoch);
   }
   if (!trainer_is_stage(t)) {
     /* Gather the next batch on the host while the device computes. */
@@ -485,6 +499,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   }
   if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
   if (epoch_end && (rc = end_epoch(t, e))) return rc;
+  if (!epoch_end && t->cfg.eval_every > 0 && t->st.step % t->cfg.eval_every == 0 && (rc = eval_now(t, e))) return rc;
   const char *ck = t->cfg.checkpoint;
   if (ck && (epoch_end || trainer_done(t) || (t->cfg.checkpoint_every > 0 && t->st.step % t->cfg.checkpoint_every == 0))) {
     char path[1024];

@@ -234,7 +234,13 @@ struct train_stage {
 
 struct train_config {
   const char *model;       /* spec string; NULL → from the resumed checkpoint */
-  const char *data_dir;    /* directory with <split>-images-idx3-ubyte[.gz] ... */
+  const char *data_dir;    /* images: a directory with <split>-images-idx3-ubyte[.gz] ...; tokens: a text
+                            * file, a directory of token shards or a glob (token_corpus_load); NULL: the
+                            * default for the model's input (TRAIN_DEFAULT_IMAGES, TOKEN_DEFAULT_CORPUS) */
+  double val_fraction;     /* tokens: the part of the stream held out for validation (no _val files) */
+  int64_t eval_batches;    /* batches of the evaluation set each evaluation reads (0: all of it) */
+  int64_t eval_every;      /* steps between evaluations (0: at epoch ends only, when eval_each_epoch) */
+  double grad_clip;        /* global gradient norm clipped to this before each update (0: off) */
   const char *device;      /* "auto", "cpu", "cuda", "cuda:N" */
   int threads;             /* CPU threads (0: all cores) */
   struct shard shard;
@@ -246,6 +252,7 @@ struct train_config {
   struct optim_config optim;
   const char *checkpoint;  /* path to save to, or NULL (a stage saves to train_stage_checkpoint_path of it) */
   int64_t checkpoint_every;/* steps between saves (0: at epoch ends only) */
+  const char *init_from;   /* a Hugging Face model directory whose weights start the run (hf_import), or NULL */
   const char *resume;      /* checkpoint to resume from, or NULL (whole models only). The run's seeds,
                             * shard, batch, and unless given on the command line its optimizer and
                             * epochs, come from it. */
@@ -282,6 +289,25 @@ int train_stage_label(const struct train_config *cfg, const struct stage_plan *p
  * "-stage0" appended. */
 void train_stage_checkpoint_path(const char *path, int stage, char *buf, size_t n);
 
+/* Where a trainer's batches come from (peer/train/source.c): images with a
+ * label each (the model takes F32 inputs) or a token corpus (I32 tokens). */
+#define TRAIN_DEFAULT_IMAGES "/usr/share/datasets/fashion-mnist"
+struct train_data {
+  bool tokens;
+  bool have_eval;        /* a test set, or a validation split */
+  size_t x_bytes_per_row; /* input bytes of one row */
+  int64_t y_per_row;     /* labels of one row */
+  /* Images. */
+  struct dataset train, test;
+  struct batcher batcher;
+  double norm_mean, norm_std;
+  float lut[256];
+  /* Tokens. */
+  struct token_corpus corpus;
+  struct token_batcher tb;
+  int64_t context;
+};
+
 struct trainer {
   struct train_config cfg;
   struct train_stage stage; /* copied from cfg.stage (cfg.stage points here); stages 0 for a whole replica */
@@ -289,11 +315,8 @@ struct trainer {
   tensor_backend_t be;
   struct model model;       /* the units this process holds */
   struct optim optim;
-  struct dataset train, test;
-  bool have_test;
-  struct batcher batcher;
-  double norm_mean, norm_std;
-  float lut[256];
+  struct train_data data;
+  float *init_params;  /* --init-from's weights until the model holds them */
   int64_t steps_per_epoch;
   int64_t total_steps; /* epochs × steps_per_epoch: the schedule's length */
   int64_t stop_step;   /* total_steps, or max_steps when that is smaller */
@@ -303,7 +326,7 @@ struct trainer {
   /* Double-buffered host batches (pinned on CUDA): the next batch is
    * gathered while the device works on the current one (a stage fills
    * xh[0] / yh[0] only). */
-  float *xh[2];
+  void *xh[2]; /* floats (images) or I32 tokens */
   int32_t *yh[2];
   int64_t rows[2];
   int cur;
