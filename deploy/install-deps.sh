@@ -6,6 +6,9 @@
 # without an /etc/slurm/slurm.conf.
 # CUDA is not installed here: when nvcc is on PATH (or in /usr/local/cuda)
 # the build picks it up, otherwise rumor builds for the CPU only.
+# bible-kjv is the default language-model corpus: its `bible` command prints
+# the King James Bible, which this script writes as plain text to
+# /usr/local/share/rumor/kjv.txt (deploy/make-corpus.sh).
 set -eu
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -19,7 +22,7 @@ packages="
   libcriterion-dev
   clang libclang-rt-14-dev
   libopenblas0-pthread
-  dataset-fashion-mnist
+  dataset-fashion-mnist bible-kjv
   python3 python3-numpy python3-torch
   prometheus
   munge slurmctld slurmd slurm-client
@@ -51,4 +54,13 @@ if [ -n "$missing" ]; then
   if $new_prometheus && [ -d /run/systemd/system ]; then
     systemctl disable --now prometheus >/dev/null 2>&1 || true
   fi
+fi
+
+# The default corpus for language models (TOKEN_DEFAULT_CORPUS in
+# peer/data/data.h): the King James Bible as 4.3 MB of plain text, printed by
+# `bible "Gen1:1-Rev22:21"` from bible-kjv. Written only when missing or
+# empty, so repeat runs leave it alone.
+corpus=/usr/local/share/rumor/kjv.txt
+if [ ! -s "$corpus" ]; then
+  sh "$(dirname "$0")/make-corpus.sh" "$corpus"
 fi

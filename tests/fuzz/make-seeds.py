@@ -439,6 +439,52 @@ JSON_SEEDS = {
                           b'"data_offsets":[0,24]}}',
 }
 
+# ---- llm.c token shards (fuzz_tokens) -----------------------------------------------
+# The first byte picks the vocabulary (low 3 bits: 50257, 65536, 256, 1, 50304,
+# 2, 65535, 1000) and the context (1 + the high 5 bits); then the file: 256
+# little-endian int32 (magic 20240520, version 1, token count) and the uint16
+# tokens (peer/data/tokens.c).
+TOK_MAGIC = 20240520
+
+def tok_shard(tokens, magic=TOK_MAGIC, version=1, count=None, extra=b""):
+    hdr = [0] * 256
+    hdr[0], hdr[1], hdr[2] = magic, version, len(tokens) if count is None else count
+    return struct.pack("<256i", *hdr) + struct.pack("<%dH" % len(tokens), *tokens) + extra
+
+def tok_seed(vocab_index, context, body):
+    return bytes([vocab_index | (context - 1) << 3]) + body
+
+TOK_RAMP = [(i * 97) % 50257 for i in range(300)]
+TOKENS_SEEDS = {
+    "valid_gpt2_t8": tok_seed(0, 8, tok_shard(TOK_RAMP)),
+    "valid_gpt2_t1": tok_seed(0, 1, tok_shard(TOK_RAMP[:40])),
+    "valid_gpt2_t32_short": tok_seed(0, 32, tok_shard(TOK_RAMP[:20])),
+    "valid_one_token": tok_seed(1, 4, tok_shard([7])),
+    "valid_max_token": tok_seed(1, 3, tok_shard([0, 65535, 1, 65535])),
+    "valid_vocab_2": tok_seed(5, 2, tok_shard([0, 1, 1, 0, 1, 0, 0])),
+    "valid_bytes": tok_seed(2, 16, tok_shard(list(b"In the beginning God created the heaven and the earth."))),
+    "token_at_vocab": tok_seed(0, 8, tok_shard(TOK_RAMP[:137] + [50257] + TOK_RAMP[138:])),
+    "token_65535_vocab_65535": tok_seed(6, 8, tok_shard([1, 2, 65535])),
+    "token_1_vocab_1": tok_seed(3, 1, tok_shard([0, 0, 1])),
+    "wrong_magic": tok_seed(0, 8, tok_shard(TOK_RAMP, magic=20240521)),
+    "wrong_magic_text": tok_seed(2, 8, b"plain text is not a shard"),
+    "version_2": tok_seed(0, 8, tok_shard(TOK_RAMP, version=2)),
+    "version_0": tok_seed(0, 8, tok_shard(TOK_RAMP, version=0)),
+    "count_zero": tok_seed(0, 8, tok_shard([])),
+    "count_negative": tok_seed(0, 8, tok_shard([], count=-1)),
+    "count_int_min": tok_seed(0, 8, tok_shard([], count=-2**31)),
+    "count_int_max": tok_seed(0, 8, tok_shard(TOK_RAMP, count=2**31 - 1)),
+    "count_one_more": tok_seed(0, 8, tok_shard(TOK_RAMP, count=301)),
+    "count_one_less": tok_seed(0, 8, tok_shard(TOK_RAMP, count=299)),
+    "trailing_byte": tok_seed(0, 8, tok_shard(TOK_RAMP, extra=b"\x00")),
+    "truncated_odd": tok_seed(0, 8, tok_shard(TOK_RAMP)[:-1]),
+    "header_only": tok_seed(0, 8, tok_shard([], count=10)),
+    "header_short": tok_seed(0, 8, tok_shard(TOK_RAMP)[:1023]),
+    "magic_only": tok_seed(0, 8, struct.pack("<i", TOK_MAGIC)),
+    "three_bytes": tok_seed(0, 8, b"\xf8\xd3\x34"),
+    "empty_file": tok_seed(0, 8, b""),
+}
+
 def write(kind, seeds):
     d = os.path.join(HERE, "corpus", kind)
     os.makedirs(d, exist_ok=True)
@@ -452,5 +498,6 @@ if __name__ == "__main__":
     write("updates", UPDATE_SEEDS)
     write("safetensors", ST_SEEDS)
     write("json", JSON_SEEDS)
-    print("wrote %d msg, %d frame, %d updates, %d safetensors and %d json seeds" %
-          (len(MSG_SEEDS), len(FRAME_SEEDS), len(UPDATE_SEEDS), len(ST_SEEDS), len(JSON_SEEDS)))
+    write("tokens", TOKENS_SEEDS)
+    print("wrote %d msg, %d frame, %d updates, %d safetensors, %d json and %d tokens seeds" %
+          (len(MSG_SEEDS), len(FRAME_SEEDS), len(UPDATE_SEEDS), len(ST_SEEDS), len(JSON_SEEDS), len(TOKENS_SEEDS)))
