@@ -370,12 +370,12 @@ static void gpt_free(struct model *m) {
 
 static struct tensor *gpt_act(struct model *m, int u) { return &((struct gpt_ws *)m->impl)->acts[u]; }
 
-static int gpt_tied(struct model *m, struct tensor **param, struct tensor **grad) {
+static bool gpt_tied(struct model *m, struct tensor **param, struct tensor **grad) {
   struct gpt_ws *ws = m->impl;
-  if (!ws->wte_copy.data) return -1;
+  if (!ws->wte_copy.data) return false;
   *param = &ws->wte_copy;
   *grad = &ws->dwte_copy;
-  return 0; /* table entry 0: transformer.wte.weight */
+  return true;
 }
 
 /* ---- passes ---- */
@@ -665,6 +665,7 @@ const struct model_family_ops model_gpt_ops = {
     .forward = gpt_forward,
     .backward = gpt_backward,
     .tied = gpt_tied,
+    .tied_entry = 0, /* transformer.wte.weight */
     .set_positions = gpt_set_positions,
     .hf_config = gpt_hf_config,
     .hf_model_type = "gpt2",

@@ -142,6 +142,7 @@ void model_table_build(const struct model_spec *s, struct model_table *t) {
   t->p = xcalloc(t->n, sizeof *t->p);
   f->table(s, t->p);
   t->nunits = f->units(s);
+  t->tied_entry = f->tied ? f->tied_entry : -1;
   RUMOR_ASSERT(t->nunits >= 1 && t->nunits <= MODEL_MAX_UNITS);
   int64_t off = 0;
   int u = 0;
@@ -230,8 +231,8 @@ void model_init_params(struct model *m, uint64_t seed) {
 }
 
 const struct model_param *model_tied(struct model *m, struct tensor **param, struct tensor **grad) {
-  int entry = m->ops->tied ? m->ops->tied(m, param, grad) : -1;
-  return entry >= 0 ? &m->table.p[entry] : NULL;
+  if (!m->ops->tied || !m->ops->tied(m, param, grad)) return NULL;
+  return &m->table.p[m->table.tied_entry];
 }
 
 bool model_set_positions(struct model *m, int64_t t) {

@@ -114,6 +114,7 @@ struct model_table {
   int nunits;
   int64_t nparams;                        /* elements in all */
   int64_t unit_offset[MODEL_MAX_UNITS + 1]; /* unit u holds [unit_offset[u], unit_offset[u+1]) */
+  int tied_entry; /* an entry of unit 0 that the last unit uses too (GPT's wte; model_tied), or -1 */
 };
 
 void model_table_build(const struct model_spec *s, struct model_table *t);

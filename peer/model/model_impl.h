@@ -38,9 +38,11 @@ struct model_family_ops {
   void (*forward)(struct model *m, int a, int b, int64_t rows);
   void (*backward)(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
                    bool accumulate);
-  /* Optional (model_tied): the copy of a tied parameter this model holds,
-   * as the index of the table entry it copies, or -1. */
-  int (*tied)(struct model *m, struct tensor **param, struct tensor **grad);
+  /* Optional (model_tied): the entry of unit 0 that the last unit uses too,
+   * and the copy of it that a model holding the last unit but not unit 0
+   * keeps (returns false when it keeps none). */
+  int tied_entry; /* -1: none (a family without `tied`) */
+  bool (*tied)(struct model *m, struct tensor **param, struct tensor **grad);
   /* Optional (model_set_positions). */
   void (*set_positions)(struct model *m, int64_t t);
   /* Optional (model_hf_config and friends): Hugging Face's config for a

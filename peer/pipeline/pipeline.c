@@ -110,6 +110,15 @@ int pipeline_init(struct pipeline *p, struct model *m, stage_link_t *link, int s
     rc = rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes of host staging", hb + xb);
     goto fail;
   }
+  p->tied_floats = pipeline_tied_floats(m, stages);
+  if (p->tied_floats > 0 && (first_stage(p) || last_stage(p))) {
+    p->tied_host = tensor_host_alloc(m->be, (size_t)p->tied_floats * sizeof(float));
+    if (!p->tied_host) {
+      rc = rumor_err_set(e, -ENOMEM, "cannot allocate the tied parameter's host staging");
+      goto fail;
+    }
+    if (first_stage(p) && (rc = tensor_alloc(&p->tied_dev, m->be, TENSOR_F32, 1, &p->tied_floats, e))) goto fail;
+  }
   p->st.slots = 1;
   p->st.slot_bytes = slot_bytes(p);
   return 0;
@@ -128,6 +137,8 @@ void pipeline_free(struct pipeline *p) {
   tensor_host_free(p->m->be, p->host);
   tensor_host_free(p->m->be, p->eval_x);
   tensor_host_free(p->m->be, p->labels);
+  tensor_host_free(p->m->be, p->tied_host);
+  tensor_free(&p->tied_dev);
   free(p->actions);
   free(p->slot_of);
   free(p->slots);
@@ -141,6 +152,84 @@ void pipeline_micro_rows(int64_t rows, int micro, int i, int64_t *offset, int64_
   int64_t base = rows / n, extra = rows % n;
   *count = base + (i < extra ? 1 : 0);
   *offset = i * base + (i < extra ? i : extra);
+}
+
+/* ---- the tied parameter ----
+ * A model whose last unit uses an entry of unit 0 (model_tied: GPT's token
+ * embedding, which its head multiplies by) has that entry on stage 0 and a
+ * copy of it on the last stage. Before passes that use the copy, stage 0
+ * sends its value down the pipeline; after a step's backward passes, the
+ * last stage sends the copy's gradient up, and stage 0 adds it to the
+ * entry's, so the update is the single-process one. Stages between relay
+ * both unchanged. Tags: (step, 0) before a step, (evaluation, 1) before an
+ * evaluation, (step, 0) for the gradient. */
+
+int64_t pipeline_tied_floats(const struct model *m, int stages) {
+  int k = m->table.tied_entry;
+  return stages > 1 && k >= 0 ? m->table.p[k].numel : 0;
+}
+
+/* Receives a tied transfer from the neighbour in `from` and passes it on to
+ * the other side (a stage between), or hands it to the caller (*out,
+ * malloc'd, when out is not NULL). */
+static int tied_recv(struct pipeline *p, enum stage_link_dir from, enum stage_link_kind kind, int64_t tag, int32_t mb,
+                     float **out, struct rumor_err *e) {
+  float *data;
+  int64_t rows;
+  double waited;
+  int rc = stage_link_recv(p->link, from, kind, tag, mb, &data, &rows, &waited, e);
+  p->cur_wait += waited;
+  if (rc) return rc;
+  if (out) {
+    *out = data;
+    return 0;
+  }
+  enum stage_link_dir to = from == STAGE_LINK_PREV ? STAGE_LINK_NEXT : STAGE_LINK_PREV;
+  rc = stage_link_send(p->link, to, kind, tag, mb, 1, data, e);
+  free(data);
+  return rc;
+}
+
+static int tied_value(struct pipeline *p, int64_t tag, int32_t mb, struct rumor_err *e) {
+  if (p->tied_floats == 0) return 0;
+  struct model *m = p->m;
+  size_t bytes = (size_t)p->tied_floats * sizeof(float);
+  if (first_stage(p)) {
+    const struct model_param *ent = &m->table.p[m->table.tied_entry];
+    tensor_copy_to_host(&m->params, ent->offset - m->param_base, p->tied_host, bytes);
+    return stage_link_send(p->link, STAGE_LINK_NEXT, STAGE_LINK_TIED_PARAM, tag, mb, 1, p->tied_host, e);
+  }
+  if (!last_stage(p)) return tied_recv(p, STAGE_LINK_PREV, STAGE_LINK_TIED_PARAM, tag, mb, NULL, e);
+  float *data;
+  int rc = tied_recv(p, STAGE_LINK_PREV, STAGE_LINK_TIED_PARAM, tag, mb, &data, e);
+  if (rc) return rc;
+  struct tensor *copy, *grad;
+  RUMOR_ASSERT(model_tied(m, &copy, &grad));
+  tensor_copy_from_host(copy, 0, data, bytes);
+  free(data);
+  return 0;
+}
+
+static int tied_gradient(struct pipeline *p, int64_t step, struct rumor_err *e) {
+  if (p->tied_floats == 0) return 0;
+  struct model *m = p->m;
+  size_t bytes = (size_t)p->tied_floats * sizeof(float);
+  if (last_stage(p)) {
+    struct tensor *copy, *grad;
+    RUMOR_ASSERT(model_tied(m, &copy, &grad));
+    tensor_copy_to_host(grad, 0, p->tied_host, bytes);
+    return stage_link_send(p->link, STAGE_LINK_PREV, STAGE_LINK_TIED_GRAD, step, 0, 1, p->tied_host, e);
+  }
+  if (!first_stage(p)) return tied_recv(p, STAGE_LINK_NEXT, STAGE_LINK_TIED_GRAD, step, 0, NULL, e);
+  float *data;
+  int rc = tied_recv(p, STAGE_LINK_NEXT, STAGE_LINK_TIED_GRAD, step, 0, &data, e);
+  if (rc) return rc;
+  const struct model_param *ent = &m->table.p[m->table.tied_entry];
+  struct tensor g = tensor_view(&m->grads, ent->offset - m->param_base, 1, &ent->numel);
+  tensor_copy_from_host(&p->tied_dev, 0, data, bytes);
+  free(data);
+  tensor_axpby(1.0f, &p->tied_dev, 1.0f, &g);
+  return 0;
 }
 
 /* ---- one step ---- */
@@ -243,7 +332,7 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_
   pipe_schedule_actions(p->sched, p->stages, p->stage, n, p->actions);
   double loss = 0;
   bool accumulate = false;
-  int rc = 0;
+  int rc = tied_value(p, step, 0, e);
   for (int a = 0; a < 2 * n && rc == 0; a++) {
     const struct pipe_action *act = &p->actions[a];
     if (act->op == PIPE_F) {
@@ -253,6 +342,7 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_
       accumulate = true;
     }
   }
+  if (rc == 0) rc = tied_gradient(p, step, e);
   tensor_backend_sync(p->m->be);
   if (p->nslots > p->st.slots) p->st.slots = p->nslots;
   for (int i = 0; i < p->micro; i++) /* a failed step leaves slots taken */
@@ -277,7 +367,7 @@ int pipeline_eval(struct pipeline *p, int64_t count, pipe_gather_fn gather, void
   /* Stage 0 needs the inputs, the last stage the labels; the gather makes both. */
   bool need = first_stage(p) || last_stage(p);
   bind_slot(p, 0);
-  int rc = 0;
+  int rc = tied_value(p, tag, 1, e);
   int32_t chunk = 0;
   for (int64_t first = 0; first < count && rc == 0; first += p->mb_rows, chunk++) {
     int64_t r = count - first < p->mb_rows ? count - first : p->mb_rows;

@@ -154,6 +154,8 @@ enum stage_link_kind {
   STAGE_LINK_ACT = 1,  /* training activations, forward */
   STAGE_LINK_GRAD = 2, /* gradients of those activations, backward */
   STAGE_LINK_EVAL = 3, /* evaluation activations, forward */
+  STAGE_LINK_TIED_PARAM = 4, /* a tied parameter's value, forward (stage 0 to the last, relayed) */
+  STAGE_LINK_TIED_GRAD = 5,  /* the last stage's gradient of it, backward (relayed to stage 0) */
 };
 
 struct stage_link_config {
@@ -168,6 +170,7 @@ struct stage_link_config {
   int64_t in_width;      /* floats per row arriving from the previous stage (and sent back to it) */
   int64_t out_width;     /* floats per row sent to the next stage (and arriving back from it) */
   int64_t max_rows;      /* the most rows one transfer may carry */
+  int64_t tied_floats;   /* floats of the model's tied parameter (model_tied) when the group splits one, else 0 */
   uint32_t connect_timeout_ms; /* neighbours must connect and agree within this */
   uint32_t idle_timeout_ms;    /* a connected neighbour silent this long is lost */
   const atomic_int *stop;      /* polled by waits: non-zero ends them (a stop signal); may be NULL */
@@ -286,6 +289,9 @@ struct pipeline {
   void *eval_x;       /* (mb_rows) rows of evaluation input: stage 0 */
   int32_t *labels;    /* (mb_rows · labels_per_row) staging for evaluation labels */
   int64_t evals;      /* evaluations run (tags their transfers) */
+  int64_t tied_floats;  /* pipeline_tied_floats */
+  float *tied_host;     /* (tied_floats) staging: stage 0 and the last stage */
+  struct tensor tied_dev; /* (tied_floats) the received gradient: stage 0 */
   int64_t steps_run;  /* steps run, timed or not */
   double cur_wait;    /* seconds blocked in the current step */
   struct pipe_stats st;
@@ -298,6 +304,12 @@ struct pipeline {
 int pipeline_init(struct pipeline *p, struct model *m, stage_link_t *link, int stage, int stages, int micro,
                   enum pipe_schedule sched, struct rumor_err *e) RUMOR_MUST_CHECK;
 void pipeline_free(struct pipeline *p);
+
+/* Floats of the model's tied parameter that a group of `stages` stages
+ * moves each step (model_tied; pipeline.c, "the tied parameter"): its
+ * element count, or 0 when the model has none or the group is one stage.
+ * The same on every stage: the link's tied_floats. */
+int64_t pipeline_tied_floats(const struct model *m, int stages);
 
 /* Rows of micro-batch i when `rows` rows split into n = min(M, rows) parts:
  * the first rows % n parts get one more row. */

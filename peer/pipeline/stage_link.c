@@ -157,6 +157,18 @@ static uint64_t get_u64(const uint8_t *p) {
   return v;
 }
 
+/* Floats per row of a transfer of `kind` to or from the neighbour in `d`:
+ * activations and their gradients by the stage's widths; a tied
+ * parameter's value or gradient in one row of tied_floats. */
+static int64_t transfer_width(const stage_link_t *l, enum stage_link_dir d, uint32_t kind) {
+  if (kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD) return l->cfg.tied_floats;
+  return d == STAGE_LINK_PREV ? l->cfg.in_width : l->cfg.out_width;
+}
+
+static int64_t max_rows(const stage_link_t *l, uint32_t kind) {
+  return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD ? 1 : l->cfg.max_rows;
+}
+
 /* magic u32 | version u16, kind u16 | step u64 | mb u32 | 0 u32 | rows u64 */
 static void meta_write(uint8_t *m, uint32_t kind, int64_t step, int32_t mb, int64_t rows) {
   put_u32(m, META_MAGIC);
@@ -371,19 +383,22 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   pthread_mutex_unlock(&l->mu);
   char why[200] = "";
   uint32_t kind = 0;
-  int64_t rows = 0, width = d == STAGE_LINK_PREV ? l->cfg.in_width : l->cfg.out_width;
+  int64_t rows = 0, width = 0;
   if (!ready) snprintf(why, sizeof why, "a transfer before HELLO");
   else if (info->meta_len != META_BYTES || get_u32(m) != META_MAGIC || (get_u32(m + 4) & 0xffff) != LINK_PROTO_VERSION)
     snprintf(why, sizeof why, "a transfer without valid metadata");
   else {
     kind = get_u32(m + 4) >> 16;
     rows = (int64_t)get_u64(m + 24);
-    bool kind_ok = d == STAGE_LINK_PREV ? (kind == STAGE_LINK_ACT || kind == STAGE_LINK_EVAL) : kind == STAGE_LINK_GRAD;
+    bool kind_ok = d == STAGE_LINK_PREV ? (kind == STAGE_LINK_ACT || kind == STAGE_LINK_EVAL ||
+                                           (kind == STAGE_LINK_TIED_PARAM && l->cfg.tied_floats > 0))
+                                        : (kind == STAGE_LINK_GRAD || (kind == STAGE_LINK_TIED_GRAD && l->cfg.tied_floats > 0));
+    width = transfer_width(l, d, kind);
     if (!kind_ok) snprintf(why, sizeof why, "a transfer of kind %u from the wrong side", kind);
     else if (info->wire != NET_DTYPE_F32) snprintf(why, sizeof why, "a transfer not in f32");
-    else if (rows < 1 || rows > l->cfg.max_rows || info->count != (uint64_t)(rows * width))
+    else if (rows < 1 || rows > max_rows(l, kind) || info->count != (uint64_t)(rows * width))
       snprintf(why, sizeof why, "%llu floats as %lld rows (want rows in [1, %lld] of %lld floats)",
-               (unsigned long long)info->count, (long long)rows, (long long)l->cfg.max_rows, (long long)width);
+               (unsigned long long)info->count, (long long)rows, (long long)max_rows(l, kind), (long long)width);
     else if (items >= INBOX_MAX_ITEMS || bytes + info->count * sizeof(float) > INBOX_MAX_BYTES)
       snprintf(why, sizeof why, "more transfers than the schedule allows (%zu waiting, %zu bytes)", items, bytes);
   }
@@ -596,7 +611,8 @@ static void start_on_loop(uv_loop_t *loop, void *arg) {
    * steps when compute is negligible: fewer thread hand-offs per transfer). */
   nc.offload = false;
   int64_t w = l->cfg.in_width > l->cfg.out_width ? l->cfg.in_width : l->cfg.out_width;
-  nc.max_bulk_bytes = (uint64_t)(l->cfg.max_rows * w) * sizeof(float) + 1;
+  int64_t most = l->cfg.max_rows * w > l->cfg.tied_floats ? l->cfg.max_rows * w : l->cfg.tied_floats;
+  nc.max_bulk_bytes = (uint64_t)most * sizeof(float) + 1;
   const struct net_callbacks cbs = {.on_accept = on_accept,
                                     .on_message = on_message,
                                     .on_bulk_begin = on_bulk_begin,
@@ -813,8 +829,8 @@ static int check_send(struct stage_link *l, enum stage_link_dir dir, struct rumo
 
 int stage_link_send(stage_link_t *l, enum stage_link_dir dir, enum stage_link_kind kind, int64_t step, int32_t mb,
                     int64_t rows, const float *data, struct rumor_err *e) {
-  int64_t width = dir == STAGE_LINK_PREV ? l->cfg.in_width : l->cfg.out_width;
-  RUMOR_ASSERT(rows >= 1 && rows <= l->cfg.max_rows);
+  int64_t width = transfer_width(l, dir, kind);
+  RUMOR_ASSERT(rows >= 1 && rows <= max_rows(l, kind) && width > 0);
   int rc = check_send(l, dir, e);
   if (rc) return rc;
   struct tx *t = xmalloc(sizeof *t);
