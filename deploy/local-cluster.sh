@@ -5,6 +5,11 @@
 #
 #   deploy/local-cluster.sh [N] [-- extra rumor peer options]
 #
+# A language model on text: deploy/local-cluster.sh 4 -- --model
+# gpt:L4-H4-C128-T128-V256 --data /usr/local/share/rumor/kjv.txt --optimizer
+# adamw --lr 1e-3 --max-steps 300 (each peer trains on a quarter of the
+# text's windows; the table shows each peer's validation loss per token).
+#
 # Environment: RUMOR (the binary, default build/peer/rumor), WORKDIR (keys
 # and logs, default ./cluster-run), EPOCHS (passes of each peer over its
 # 1/N shard, default 10: the cluster together sees 10 epochs' worth of data),
@@ -71,13 +76,16 @@ for p in $peer_pids; do
 done
 kill "$boot_pid" 2>/dev/null || true
 
-printf '\n%-8s %-6s %14s %10s %10s\n' peer shard test_accuracy exchanges samples/s
+# A classifier reports test_accuracy; a language model val_loss (per token).
+metric=test_accuracy
+grep -q '"val_loss"' "$work"/peer-*.out 2>/dev/null && metric=val_loss
+printf '\n%-8s %-6s %14s %10s %10s\n' peer shard "$metric" exchanges samples/s
 i=0
 for p in $peer_pids; do
   i=$((i + 1))
-  line=$(grep '"test_accuracy"' "$work/peer-$i.out" 2>/dev/null || true)
+  line=$(grep "\"$metric\"" "$work/peer-$i.out" 2>/dev/null || true)
   num() { echo "$line" | sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
-  printf '%-8s %-6s %14s %10s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num test_accuracy)" "$(num exchanges)" \
+  printf '%-8s %-6s %14s %10s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num exchanges)" \
     "$(num samples_per_s)"
 done
 exit $status

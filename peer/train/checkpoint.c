@@ -112,7 +112,7 @@ static int keep_previous(const char *path) {
 /* The metadata strings of a checkpoint; `b` holds their text. */
 struct meta_text {
   char spec[MODEL_SPEC_MAX], step[24], epoch[24], sie[24], samples[24], seed[24], dseed[24], shard[48], batch[24],
-      epochs[24], mean[32], std[32], stage[32], layers[32];
+      epochs[24], sched[24], mean[32], std[32], stage[32], layers[32];
   struct st_meta m[24];
   size_t n;
 };
@@ -135,6 +135,7 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
   snprintf(t->shard, sizeof t->shard, "%" PRId64 "/%" PRId64, info->shard.index, info->shard.count);
   snprintf(t->batch, sizeof t->batch, "%" PRId64, info->batch);
   snprintf(t->epochs, sizeof t->epochs, "%" PRId64, info->epochs);
+  snprintf(t->sched, sizeof t->sched, "%" PRId64, info->schedule_steps);
   snprintf(t->mean, sizeof t->mean, "%.17g", info->norm_mean);
   snprintf(t->std, sizeof t->std, "%.17g", info->norm_std);
   bool stage = info->stages > 0;
@@ -150,6 +151,7 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
   meta_add(t, "rumor.shard", t->shard);
   meta_add(t, "rumor.batch", t->batch);
   meta_add(t, "rumor.epochs", t->epochs);
+  meta_add(t, "rumor.schedule_steps", t->sched);
   meta_add(t, "rumor.optimizer", o ? optim_kind_name(o->cfg.kind) : "none");
   meta_add(t, "rumor.norm_mean", t->mean);
   meta_add(t, "rumor.norm_std", t->std);
@@ -356,6 +358,8 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
       (rc = meta_i64(ck, path, "rumor.data_seed", 0, &dseed, e)) ||
       (rc = meta_i64(ck, path, "rumor.batch", 1, &in->batch, e)) ||
       (safetensors_meta(&ck->file, "rumor.epochs") && (rc = meta_i64(ck, path, "rumor.epochs", 0, &in->epochs, e))) ||
+      (safetensors_meta(&ck->file, "rumor.schedule_steps") &&
+       (rc = meta_i64(ck, path, "rumor.schedule_steps", 0, &in->schedule_steps, e))) ||
       (rc = meta_f64(ck, path, "rumor.norm_mean", &in->norm_mean, e)) ||
       (rc = meta_f64(ck, path, "rumor.norm_std", &in->norm_std, e)))
     goto fail;

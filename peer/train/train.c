@@ -69,6 +69,7 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
     goto fail;
   }
   if (ck->info.epochs > 0 && !cfg->epochs_given) t->cfg.epochs = ck->info.epochs;
+  t->resumed_schedule = ck->info.schedule_steps;
   return 0;
 fail:
   checkpoint_close(ck);
@@ -185,8 +186,12 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
 
   t->steps_per_epoch = train_data_steps_per_epoch(&t->data, t->cfg.batch);
   /* The schedule spans the configured epochs even when max_steps stops the
-   * run earlier, so a run cut short and resumed follows the same rates. */
+   * run earlier, so a run cut short and resumed follows the same rates;
+   * max_steps without --epochs (how language models are trained: a number
+   * of steps, not of passes) is the schedule's length itself. */
   t->total_steps = t->cfg.epochs * t->steps_per_epoch;
+  if (t->resumed_schedule > 0 && !t->cfg.epochs_given) t->total_steps = t->resumed_schedule;
+  else if (!cfg->resume && t->cfg.max_steps > 0 && !t->cfg.epochs_given) t->total_steps = t->cfg.max_steps;
   t->stop_step = t->total_steps;
   if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->stop_step) t->stop_step = t->cfg.max_steps;
   if (t->st.step_in_epoch >= t->steps_per_epoch) {
@@ -272,6 +277,7 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.shard = t->cfg.shard;
   info.batch = t->cfg.batch;
   info.epochs = t->cfg.epochs;
+  info.schedule_steps = t->total_steps;
   info.norm_mean = t->data.norm_mean;
   info.norm_std = t->data.norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");

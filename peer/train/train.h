@@ -107,7 +107,7 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
  * "optimizer.exp_avg_sq" (P each) for AdamW.
  * Metadata (strings): rumor.format, rumor.model, rumor.step, rumor.epoch,
  * rumor.step_in_epoch, rumor.samples, rumor.seed, rumor.data_seed,
- * rumor.shard, rumor.batch, rumor.epochs, rumor.optimizer, rumor.norm_mean,
+ * rumor.shard, rumor.batch, rumor.epochs, rumor.schedule_steps, rumor.optimizer, rumor.norm_mean,
  * rumor.norm_std, rumor.peer_id, plus the whole-file digest.
  * A pipeline stage's checkpoint (rumor.format "stage-1") holds its units'
  * entries only and adds rumor.group, rumor.stage ("s/S"), rumor.layers
@@ -146,7 +146,8 @@ struct ckpt_info {
   uint64_t seed, data_seed;
   struct shard shard;
   int64_t batch;
-  int64_t epochs;   /* the run's configured epochs (its schedule's length); 0 when unknown (older files) */
+  int64_t epochs;   /* the run's configured epochs; 0 when unknown (older files) */
+  int64_t schedule_steps; /* the learning-rate schedule's length in steps; 0 when unknown (older files) */
   double norm_mean, norm_std;
   char peer_id[96]; /* free text; empty when unknown */
   /* A pipeline stage's checkpoint: stages > 0. */
@@ -248,7 +249,8 @@ struct train_config {
   uint64_t data_seed;      /* the shard split; the same on every peer */
   int64_t epochs;
   int64_t batch;
-  int64_t max_steps;       /* stop after this many updates (0: no limit) */
+  int64_t max_steps;       /* stop after this many updates (0: no limit); without epochs_given, the
+                            * schedule's length too */
   struct optim_config optim;
   const char *checkpoint;  /* path to save to, or NULL (a stage saves to train_stage_checkpoint_path of it) */
   int64_t checkpoint_every;/* steps between saves (0: at epoch ends only) */
@@ -318,7 +320,8 @@ struct trainer {
   struct train_data data;
   float *init_params;  /* --init-from's weights until the model holds them */
   int64_t steps_per_epoch;
-  int64_t total_steps; /* epochs × steps_per_epoch: the schedule's length */
+  int64_t total_steps; /* the schedule's length: epochs × steps_per_epoch, or max_steps (train_config) */
+  int64_t resumed_schedule; /* the resumed checkpoint's schedule length (0: unknown) */
   int64_t stop_step;   /* total_steps, or max_steps when that is smaller */
   struct train_state st;
   struct pipeline pipe; /* a stage's runner */
