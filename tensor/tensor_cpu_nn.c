@@ -160,25 +160,28 @@ void cpu_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *
 }
 
 /* ---- LayerNorm ----
- * Each row is read from memory once: the mean (of x − x[0], so that a
- * large common offset does not swamp the sum), the variance about it and
- * the output are three passes over a row that stays in L1. Float sums over
- * vector lanes. */
+ * Each row is read from memory once: the mean, the variance about it and
+ * the output are three passes over a row that stays in L1. The two sums
+ * accumulate in double (vector lanes of doubles): the op is bound by memory
+ * traffic, so this costs nothing measurable, and the mean stays exact to
+ * float rounding even when the row has a large common offset. */
 CPU_KERNEL_WIDE static void k_ln_fwd(const float *restrict x, const float *restrict w, const float *restrict b,
                                      float *restrict y, float *restrict mean, float *restrict rstd, int64_t r0,
                                      int64_t r1, int64_t c) {
-  const float inv_c = 1.0f / (float)c;
   for (int64_t i = r0; i < r1; i++) {
     const float *xi = x + i * c;
     float *yi = y + i * c;
-    const float x0 = xi[0]; /* summing x − x0 keeps a large common offset out of the rounding */
-    float s = 0.0f;
+    double s = 0.0;
 #pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < c; j++) s += xi[j] - x0;
-    float mu = x0 + s * inv_c, var = 0.0f;
+    for (int64_t j = 0; j < c; j++) s += xi[j];
+    const float mu = (float)(s / (double)c);
+    double var = 0.0;
 #pragma omp simd reduction(+ : var)
-    for (int64_t j = 0; j < c; j++) var += (xi[j] - mu) * (xi[j] - mu);
-    float rs = 1.0f / sqrtf(var * inv_c + TENSOR_LAYERNORM_EPS);
+    for (int64_t j = 0; j < c; j++) {
+      float d = xi[j] - mu;
+      var += d * d;
+    }
+    const float rs = (float)(1.0 / sqrt(var / (double)c + TENSOR_LAYERNORM_EPS));
     for (int64_t j = 0; j < c; j++) yi[j] = (xi[j] - mu) * rs * w[j] + b[j];
     mean[i] = mu;
     rstd[i] = rs;
@@ -256,12 +259,12 @@ void cpu_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, cons
 }
 
 /* ---- causal attention ----
- * Per (sequence, head) pair, queries in blocks of ATT_BLOCK rows. A block
+ * Per (sequence, head) pair, queries in blocks of `blk` rows. A block
  * [i0, i0 + nb) attends keys [0, n) with n = i0 + nb only (the later keys
  * are masked for every row of it, so causality halves the GEMM work); in
  * its last nb keys the entries past each row's diagonal are zeroed after
  * the GEMM. The scores of one block (nb × n, row stride lds) live in
- * per-worker scratch: O(ATT_BLOCK·T) floats, never T×T.
+ * per-worker scratch: O(blk·T) floats, never T×T.
  *
  * Forward:  S = scale·Q·Kᵀ; P = exp(S − rowmax), lse = rowmax + log Σ;
  *           O = (P·V) / Σ.
@@ -273,20 +276,30 @@ void cpu_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, cons
  *
  * Threads: the pairs are split among the workers (dynamic, one at a time)
  * with a single-threaded GEMM each when there are at least as many pairs as
- * threads; otherwise the pairs run in turn with a threaded GEMM. */
+ * threads; otherwise the pairs run in turn with a threaded GEMM. Each pair
+ * is computed whole by one worker, so the result does not depend on which
+ * worker took it.
+ *
+ * Block size, measured on one AVX-512 core (bench_tensor_nn): 64 rows are
+ * fastest at T = 256 (larger blocks waste more of the masked diagonal
+ * block: the waste is blk/T of the work); at T = 1024, 128 rows are about
+ * 2 % faster than 64 or 256 (fewer passes over dK and dV in the backward),
+ * with scores and dP of 0.5 MiB each. */
 #define ATT_BLOCK 64
+#define ATT_BLOCK_LONG 128 /* from T >= 512 on */
 
 struct att {
   const float *qkv, *out_in, *lse_in, *dout;
   float *out, *lse, *dqkv;
   int64_t t, c, hs, lds; /* lds: the score rows' stride (T rounded up to 16) */
+  int64_t blk;           /* query rows per block */
   int nh;
   float scale;
 };
 
-/* Per-worker scratch: scores and dP (ATT_BLOCK × lds each) and two vectors. */
+/* Per-worker scratch: scores and dP (blk × lds each) and two vectors. */
 static size_t att_worker_floats(const struct att *a) {
-  size_t n = 2 * (size_t)ATT_BLOCK * (size_t)a->lds + 2 * ATT_BLOCK;
+  size_t n = 2 * (size_t)a->blk * (size_t)a->lds + 2 * (size_t)a->blk;
   return (n + 15) & ~(size_t)15;
 }
 
@@ -324,9 +337,9 @@ static void att_fwd_pair(const struct att *a, int64_t pair, float *scratch, int 
   const int ld3 = (int)(3 * c), ldc = (int)c, lds = (int)a->lds;
   const float *q = a->qkv + s * t * 3 * c + h * hs, *k = q + c, *v = q + 2 * c;
   float *o = a->out + s * t * c + h * hs, *lse = a->lse + pair * t;
-  float *sc = scratch, *inv = scratch + 2 * (size_t)ATT_BLOCK * a->lds;
-  for (int64_t i0 = 0; i0 < t; i0 += ATT_BLOCK) {
-    int nb = (int)(t - i0 < ATT_BLOCK ? t - i0 : ATT_BLOCK), n = (int)i0 + nb;
+  float *sc = scratch, *inv = scratch + 2 * (size_t)a->blk * a->lds;
+  for (int64_t i0 = 0; i0 < t; i0 += a->blk) {
+    int nb = (int)(t - i0 < a->blk ? t - i0 : a->blk), n = (int)i0 + nb;
     cpu_sgemm(threads, false, true, nb, n, (int)hs, a->scale, q + i0 * ld3, ld3, k, ld3, 0.0f, sc, lds);
     att_softmax_rows(sc, lds, nb, i0, n, lse + i0, inv);
     cpu_sgemm(threads, false, false, nb, (int)hs, n, 1.0f, sc, lds, v, ld3, 0.0f, o + i0 * ldc, ldc);
@@ -373,13 +386,13 @@ static void att_bwd_pair(const struct att *a, int64_t pair, float *scratch, int 
   const float *q = a->qkv + off3, *k = q + c, *v = q + 2 * c;
   const float *o = a->out_in + offc, *g = a->dout + offc, *lse = a->lse_in + pair * t;
   float *dq = a->dqkv + off3, *dk = dq + c, *dv = dq + 2 * c;
-  float *sc = scratch, *dp = scratch + (size_t)ATT_BLOCK * a->lds;
+  float *sc = scratch, *dp = scratch + (size_t)a->blk * a->lds;
   for (int64_t i = 0; i < t; i++) { /* dK and dV accumulate over the blocks */
     memset(dk + i * ld3, 0, (size_t)hs * sizeof(float));
     memset(dv + i * ld3, 0, (size_t)hs * sizeof(float));
   }
-  for (int64_t i0 = 0; i0 < t; i0 += ATT_BLOCK) {
-    int nb = (int)(t - i0 < ATT_BLOCK ? t - i0 : ATT_BLOCK), n = (int)i0 + nb;
+  for (int64_t i0 = 0; i0 < t; i0 += a->blk) {
+    int nb = (int)(t - i0 < a->blk ? t - i0 : a->blk), n = (int)i0 + nb;
     const float *qb = q + i0 * ld3, *gb = g + i0 * ldc;
     cpu_sgemm(threads, false, true, nb, n, ihs, a->scale, qb, ld3, k, ld3, 0.0f, sc, lds);
     att_probs_rows(sc, lds, nb, i0, n, lse + i0);
@@ -394,6 +407,7 @@ static void att_bwd_pair(const struct att *a, int64_t pair, float *scratch, int 
 static struct att att_setup(int64_t r, int64_t t, int64_t c, int nh) {
   RUMOR_ASSERT(t <= INT_MAX / 2 && 3 * c <= INT_MAX && c % nh == 0);
   struct att a = {.t = t, .c = c, .hs = c / nh, .lds = (t + 15) & ~(int64_t)15, .nh = nh};
+  a.blk = t >= 512 ? ATT_BLOCK_LONG : ATT_BLOCK;
   a.scale = (float)(1.0 / sqrt((double)a.hs));
   return a;
 }
