@@ -11,21 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tensor/tensor_impl.h"
+#include "tensor/tensor_cpu.h"
 
-/* Below this many elements a loop runs on one thread: an OpenMP fork costs
- * a few microseconds, about what 64 K simple float ops cost. */
-#define CPU_PAR_MIN 65536
-#define CPU_ALIGN 64
-
-struct cpu_backend {
-  struct tensor_backend base;
-  int threads;
-};
-
-static int nthreads(tensor_backend_t be) { return ((struct cpu_backend *)be)->threads; }
-
-static void cpu_close(tensor_backend_t be) { free(be); }
+static void cpu_close(tensor_backend_t be) {
+  free(((struct cpu_backend *)be)->scratch);
+  free(be);
+}
 
 static void cpu_set_threads(tensor_backend_t be, int threads) { ((struct cpu_backend *)be)->threads = threads; }
 
@@ -53,45 +44,36 @@ static void cpu_ev_record(tensor_backend_t be, void *ev) {}
 static bool cpu_ev_query(tensor_backend_t be, void *ev) { return true; }
 static void cpu_ev_wait(tensor_backend_t be, void *ev) {}
 
-static void cpu_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k, float alpha,
-                     const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-  int t = nthreads(be);
-  if (omp_get_max_threads() != t) omp_set_num_threads(t);
+void cpu_sgemm(int threads, bool ta, bool tb, int m, int n, int k, float alpha, const float *a, int lda,
+               const float *b, int ldb, float beta, float *c, int ldc) {
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   if (st != dnnl_success)
     rumor_panic(__FILE__, __LINE__, "dnnl_sgemm(%c,%c,%d,%d,%d) failed with status %d", ta ? 'T' : 'N',
                 tb ? 'T' : 'N', m, n, k, (int)st);
 }
 
+static void cpu_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k, float alpha, const float *a, int lda,
+                     const float *b, int ldb, float beta, float *c, int ldc) {
+  cpu_sgemm(nthreads(be), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+float *cpu_scratch(tensor_backend_t be, size_t floats) {
+  struct cpu_backend *b = (struct cpu_backend *)be;
+  if (floats <= b->scratch_floats) return b->scratch;
+  free(b->scratch);
+  size_t bytes = (floats * sizeof(float) + CPU_ALIGN - 1) & ~(size_t)(CPU_ALIGN - 1);
+  b->scratch = aligned_alloc(CPU_ALIGN, bytes);
+  if (!b->scratch) rumor_panic(__FILE__, __LINE__, "aligned_alloc(%zu) for CPU scratch failed", bytes);
+  b->scratch_floats = bytes / sizeof(float);
+  return b->scratch;
+}
+
 /* ---- element-wise ops ----
  * Each op is a plain loop over a range (a "kernel", compiled for AVX2 and
  * for baseline x86-64 and picked at load time) and a dispatcher that splits
- * [0, n) into one contiguous chunk per thread when n is large enough. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__) && !defined(RUMOR_NO_TARGET_CLONES)
-#define CPU_KERNEL __attribute__((target_clones("avx2", "default")))
-#else
-#define CPU_KERNEL
-#endif
-
-#define CPU_FOR(be, n, lo, hi, ...)                                                        \
-  do {                                                                                      \
-    int64_t n_ = (n);                                                                       \
-    int t_ = nthreads(be);                                                                  \
-    if (t_ <= 1 || n_ < CPU_PAR_MIN) {                                                      \
-      int64_t lo = 0, hi = n_;                                                              \
-      __VA_ARGS__;                                                                                 \
-    } else {                                                                                \
-      _Pragma("omp parallel num_threads(t_)") {                                             \
-        int nt_ = omp_get_num_threads();                                                    \
-        int64_t chunk_ = (((n_ + nt_ - 1) / nt_) + 15) & ~(int64_t)15;                      \
-        int64_t lo = (int64_t)omp_get_thread_num() * chunk_;                                \
-        int64_t hi = lo + chunk_ < n_ ? lo + chunk_ : n_;                                   \
-        if (lo < hi) { __VA_ARGS__; }                                                              \
-      }                                                                                     \
-    }                                                                                       \
-  } while (0)
-
+ * [0, n) into one contiguous chunk per thread when n is large enough
+ * (CPU_KERNEL and CPU_FOR in tensor_cpu.h). */
 CPU_KERNEL static void k_bias_add(float *restrict y, const float *restrict bias, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; r++) {
     float *restrict yr = y + r * cols;
@@ -534,6 +516,15 @@ static const struct tensor_backend_ops cpu_ops = {
     .gelu_fwd = cpu_gelu_fwd,
     .gelu_bwd = cpu_gelu_bwd,
     .softmax_xent = cpu_softmax_xent,
+    .add = cpu_add,
+    .embedding_fwd = cpu_embedding_fwd,
+    .embedding_bwd = cpu_embedding_bwd,
+    .layernorm_fwd = cpu_layernorm_fwd,
+    .layernorm_bwd = cpu_layernorm_bwd,
+    .attention_fwd = cpu_attention_fwd,
+    .attention_bwd = cpu_attention_bwd,
+    .gelu_tanh_fwd = cpu_gelu_tanh_fwd,
+    .gelu_tanh_bwd = cpu_gelu_tanh_bwd,
     .sgd_step = cpu_sgd_step,
     .adamw_step = cpu_adamw_step,
     .axpby = cpu_axpby,
