@@ -584,7 +584,7 @@ static void gpt_hf_config(const struct model_spec *s, struct json_buf *b) {
     json_num(b, 0.0);
   }
   json_key(b, "layer_norm_epsilon");
-  json_num(b, TENSOR_LAYERNORM_EPS);
+  json_num(b, 1e-5); /* TENSOR_LAYERNORM_EPS, as the double Python reads */
   json_key(b, "initializer_range");
   json_num(b, 0.02);
   json_key(b, "tie_word_embeddings");

@@ -206,9 +206,8 @@ static int save_config(const char *dir, const struct model_spec *spec, struct ru
   if (model_hf_config(spec, &b)) {
     char path[1100];
     checkpoint_dir_file(dir, CHECKPOINT_CONFIG_FILE, path, sizeof path);
-    json_raw(&b, "\n", 1);
-    struct file_part part = {b.data, b.len};
-    rc = file_write_atomic(path, &part, 1, 0644, e);
+    struct file_part parts[2] = {{b.data, b.len}, {"\n", 1}};
+    rc = file_write_atomic(path, parts, 2, 0644, e);
   }
   json_buf_free(&b);
   return rc;

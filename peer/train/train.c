@@ -186,12 +186,14 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
 
   t->steps_per_epoch = train_data_steps_per_epoch(&t->data, t->cfg.batch);
   /* The schedule spans the configured epochs even when max_steps stops the
-   * run earlier, so a run cut short and resumed follows the same rates;
-   * max_steps without --epochs (how language models are trained: a number
-   * of steps, not of passes) is the schedule's length itself. */
+   * run earlier, so a run cut short and resumed follows the same rates.
+   * Without --epochs, a run given --max-steps (how language models are
+   * trained: a number of steps, not of passes) has a schedule of that many
+   * steps; resumed, it keeps it, or takes a new --max-steps as its new
+   * length (training extended). */
   t->total_steps = t->cfg.epochs * t->steps_per_epoch;
-  if (t->resumed_schedule > 0 && !t->cfg.epochs_given) t->total_steps = t->resumed_schedule;
-  else if (!cfg->resume && t->cfg.max_steps > 0 && !t->cfg.epochs_given) t->total_steps = t->cfg.max_steps;
+  t->schedule_by_steps = !t->cfg.epochs_given && (cfg->resume ? t->resumed_schedule > 0 : t->cfg.max_steps > 0);
+  if (t->schedule_by_steps) t->total_steps = t->cfg.max_steps > 0 ? t->cfg.max_steps : t->resumed_schedule;
   t->stop_step = t->total_steps;
   if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->stop_step) t->stop_step = t->cfg.max_steps;
   if (t->st.step_in_epoch >= t->steps_per_epoch) {
@@ -277,7 +279,7 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.shard = t->cfg.shard;
   info.batch = t->cfg.batch;
   info.epochs = t->cfg.epochs;
-  info.schedule_steps = t->total_steps;
+  info.schedule_steps = t->schedule_by_steps ? t->total_steps : 0;
   info.norm_mean = t->data.norm_mean;
   info.norm_std = t->data.norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");

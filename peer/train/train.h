@@ -147,7 +147,7 @@ struct ckpt_info {
   struct shard shard;
   int64_t batch;
   int64_t epochs;   /* the run's configured epochs; 0 when unknown (older files) */
-  int64_t schedule_steps; /* the learning-rate schedule's length in steps; 0 when unknown (older files) */
+  int64_t schedule_steps; /* the schedule's length when set by --max-steps; 0: by epochs (or older files) */
   double norm_mean, norm_std;
   char peer_id[96]; /* free text; empty when unknown */
   /* A pipeline stage's checkpoint: stages > 0. */
@@ -321,7 +321,8 @@ struct trainer {
   float *init_params;  /* --init-from's weights until the model holds them */
   int64_t steps_per_epoch;
   int64_t total_steps; /* the schedule's length: epochs × steps_per_epoch, or max_steps (train_config) */
-  int64_t resumed_schedule; /* the resumed checkpoint's schedule length (0: unknown) */
+  int64_t resumed_schedule; /* the resumed checkpoint's schedule_steps */
+  bool schedule_by_steps;   /* the schedule's length is a number of steps (max_steps), not of epochs */
   int64_t stop_step;   /* total_steps, or max_steps when that is smaller */
   struct train_state st;
   struct pipeline pipe; /* a stage's runner */

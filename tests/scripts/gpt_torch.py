@@ -11,6 +11,10 @@ Debian's PyTorch 1.13 and on PyTorch 2.x.
   gpt_torch.py logits DIR TOKENS OUT
       TOKENS: little-endian int32 tokens, one sequence of at most n_positions.
       Writes the logits (positions x vocabulary, little-endian float32) to OUT.
+  gpt_torch.py hub-style SRC DST
+      Rewrites a checkpoint directory the way GPT-2's files on the Hugging
+      Face hub are laid out (no "transformer." prefix, attn.bias buffers,
+      lm_head.weight stored), to test readers of such directories.
   gpt_torch.py train --config JSON --data FILE --steps N ... (see --help)
       Trains a fresh model the way `rumor train` does (benchmarks).
 """
@@ -154,6 +158,43 @@ class GPT(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def write_safetensors(path, tensors):
+    """Writes numpy arrays (float32) as a safetensors file, names sorted."""
+    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for name in sorted(tensors):
+        raw = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
+
+
+def cmd_hub_style(args):
+    """Rewrites a checkpoint directory as the GPT-2 files on the Hugging Face
+    hub are: names without "transformer.", each block's causal-mask buffer
+    attn.bias (1, 1, T, T) and the tied lm_head.weight stored too."""
+    with open(os.path.join(args.src, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = read_safetensors(os.path.join(args.src, "model.safetensors"))
+    out = {}
+    for name, arr in tensors.items():
+        out[name[len("transformer."):] if name.startswith("transformer.") else name] = arr
+    t = cfg["n_positions"]
+    for i in range(cfg["n_layer"]):
+        out[f"h.{i}.attn.bias"] = np.tril(np.ones((t, t), dtype=np.float32)).reshape(1, 1, t, t)
+    out["lm_head.weight"] = out["wte.weight"]
+    os.makedirs(args.dst, exist_ok=True)
+    write_safetensors(os.path.join(args.dst, "model.safetensors"), out)
+    with open(os.path.join(args.dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
 def cmd_logits(args):
     with open(os.path.join(args.dir, "config.json")) as f:
         cfg = json.load(f)
@@ -225,6 +266,9 @@ def main():
     lg.add_argument("dir")
     lg.add_argument("tokens")
     lg.add_argument("out")
+    hs = sub.add_parser("hub-style")
+    hs.add_argument("src")
+    hs.add_argument("dst")
     tr = sub.add_parser("train")
     tr.add_argument("--config", required=True, help="GPT2Config fields as JSON")
     tr.add_argument("--data", required=True, help="a text file (byte tokens)")
@@ -239,7 +283,7 @@ def main():
     tr.add_argument("--threads", type=int, default=1)
     tr.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    {"logits": cmd_logits, "train": cmd_train}[args.cmd](args)
+    {"logits": cmd_logits, "hub-style": cmd_hub_style, "train": cmd_train}[args.cmd](args)
 
 
 if __name__ == "__main__":

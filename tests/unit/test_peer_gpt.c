@@ -187,7 +187,7 @@ Test(gpt, the_whole_models_gradient_matches_finite_differences) {
   tensor_copy_to_host(&m.grads, 0, g, (size_t)P * sizeof(float));
   const float h = 1e-2f;
   int worst = -1;
-  double worst_err = 0;
+  double worst_err = 0, worst_num = 0, worst_ana = 0;
   for (int64_t i = 0; i < P; i++) {
     float keep = p[i];
     p[i] = keep + h;
@@ -197,15 +197,20 @@ Test(gpt, the_whole_models_gradient_matches_finite_differences) {
     tensor_copy_from_host(&m.params, 0, p, (size_t)P * sizeof(float));
     double down = loss_of(&m, x, y);
     p[i] = keep;
-    double num = (up - down) / (2.0 * h), err = fabs(num - g[i]) / (1e-3 + fabs(num));
-    if (err > worst_err) worst_err = err, worst = (int)i;
+    /* |analytic − numeric| ≤ 2e-4 + 2e-2·|numeric|: the absolute part covers
+     * the quotient's float noise (loss rounding ~3e-7 / 2h ≈ 2e-5) and its
+     * O(h²) truncation with these larger weights. */
+    double num = (up - down) / (2.0 * h), err = fabs(num - g[i]) / (2e-4 + 2e-2 * fabs(num));
+    if (err > worst_err) worst_err = err, worst = (int)i, worst_num = num, worst_ana = g[i];
   }
   tensor_copy_from_host(&m.params, 0, p, (size_t)P * sizeof(float));
   const char *name = "?";
   for (size_t k = 0; k < m.table.n; k++)
     if (worst >= m.table.p[k].offset && worst < m.table.p[k].offset + m.table.p[k].numel) name = m.table.p[k].name;
-  cr_assert(worst_err < 2e-2, "parameter %d (%s): analytic and numeric gradients differ by %.3g (relative)", worst,
-            name, worst_err);
+  cr_assert(worst_err <= 1.0, "parameter %d (%s): analytic %.6g vs numeric %.6g (%.3g of the tolerance)", worst,
+            name, worst_ana, worst_num, worst_err);
+  fprintf(stderr, "gpt gradient check: worst %.3g of the tolerance at parameter %d (%s: %.6g vs %.6g)\n", worst_err,
+          worst, name, worst_ana, worst_num);
   free(p);
   free(g);
   model_free(&m);

@@ -1,0 +1,267 @@
+/* Language models through the command line: `rumor train` on text with a
+ * directory checkpoint, the logits of that checkpoint against a plain
+ * PyTorch GPT-2 (tests/scripts/gpt_torch.py on Debian's PyTorch), `rumor
+ * sample`, --init-from a directory laid out as GPT-2's files on the Hugging
+ * Face hub, and bad input named with a clean exit. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/proc.h"
+#include "peer/model/model.h"
+#include "peer/train/train.h"
+
+#define MODEL "gpt:L2-H2-C32-T24-V256"
+#define PYTHON "/usr/bin/python3"
+
+static char dir[64];
+
+static void setup(void) { proc_scratch_make(dir, sizeof dir, "gptcli"); }
+static void teardown(void) { proc_scratch_remove(dir); }
+TestSuite(gptcli, .init = setup, .fini = teardown, .timeout = 300);
+
+static int run_argv(char **out, char **err, double secs, char **argv) { return proc_run(argv, secs, dir, out, err); }
+
+static int rumor(char **out, char **err, double secs, ...) {
+  char *argv[64];
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  va_list ap;
+  va_start(ap, secs);
+  for (char *a; n < 63 && (a = va_arg(ap, char *)) != NULL;) argv[n++] = a;
+  va_end(ap);
+  argv[n] = NULL;
+  return run_argv(out, err, secs, argv);
+}
+
+static void expect_fail(int st, int code, char *err, const char *needle, const char *what) {
+  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", what, st, err);
+  cr_assert_eq(WEXITSTATUS(st), code, "%s: exit %d, want %d: %s", what, WEXITSTATUS(st), code, err);
+  cr_assert(strstr(err, needle) != NULL, "%s: stderr should mention '%s': %s", what, needle, err);
+  free(err);
+}
+
+/* A text of words from a fixed generator: enough structure to learn a
+ * little in a few steps, no package needed. */
+static const char *text_path(void) {
+  static char path[128];
+  snprintf(path, sizeof path, "%s/text.txt", dir);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  static const char *words[] = {"the ", "lord ", "said ", "unto ", "moses ", "and ", "it ", "was ", "so. ", "\n"};
+  uint64_t x = 2463534242ull;
+  for (int i = 0; i < 12000; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    fputs(words[x % 10], f);
+  }
+  fclose(f);
+  return path;
+}
+
+/* Trains the small model for `steps` steps into the directory checkpoint
+ * dir/<name>/ and returns its path. */
+static const char *train_dir(const char *name, const char *steps) {
+  static char ck[160];
+  snprintf(ck, sizeof ck, "%s/%s/", dir, name);
+  char *out, *err;
+  int st = rumor(&out, &err, 200, "train", "--model", MODEL, "--data", text_path(), "--optimizer", "adamw", "--lr",
+                 "3e-3", "--batch", "8", "--max-steps", steps, "--threads", "1", "--log-every", "0", "--eval-batches",
+                 "2", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+  cr_assert(strstr(out, "\"val_loss\""), "no val_loss in the result line: %s", out);
+  free(out), free(err);
+  return ck;
+}
+
+static bool have_torch(void) {
+  char *argv[] = {PYTHON, "-c", "import torch, numpy", NULL};
+  char *out, *err;
+  int st = run_argv(&out, &err, 60, argv);
+  free(out), free(err);
+  return proc_exited_with(st, 0);
+}
+
+#define SKIP_WITHOUT_TORCH()                                                                                 \
+  do {                                                                                                       \
+    if (!have_torch()) cr_skip_test("Debian's PyTorch is not installed (" PYTHON " cannot import torch); " \
+                                    "deploy/install-deps.sh installs python3-torch");                      \
+  } while (0)
+
+/* The logits rumor computes for `toks` (one sequence) from checkpoint dir `ck`. */
+static float *rumor_logits(const char *ck, const int32_t *toks, int64_t n) {
+  struct model_spec spec;
+  float *params;
+  struct rumor_err e;
+  cr_assert_eq(hf_import(ck, &spec, &params, &e), 0, "%s", e.msg);
+  tensor_backend_t be;
+  cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0, "%s", e.msg);
+  struct model m;
+  cr_assert_eq(model_init_full(&m, &spec, be, 1, &e), 0, "%s", e.msg);
+  tensor_copy_from_host(&m.params, 0, params, (size_t)m.nparams * sizeof(float));
+  cr_assert(model_set_positions(&m, n));
+  tensor_copy_from_host(model_act(&m, 0), 0, toks, (size_t)n * sizeof(int32_t));
+  model_forward(&m, 0, m.table.nunits, 1);
+  float *logits = xmalloc((size_t)(n * 256) * sizeof(float));
+  tensor_copy_to_host(model_act(&m, m.table.nunits), 0, logits, (size_t)(n * 256) * sizeof(float));
+  model_free(&m);
+  tensor_backend_close(be);
+  free(params);
+  return logits;
+}
+
+static float *torch_logits(const char *ck, const int32_t *toks, int64_t n) {
+  char tpath[128], lpath[128], script[512];
+  snprintf(tpath, sizeof tpath, "%s/tokens.bin", dir);
+  snprintf(lpath, sizeof lpath, "%s/logits.bin", dir);
+  snprintf(script, sizeof script, "%s/tests/scripts/gpt_torch.py", RUMOR_SOURCE_DIR);
+  FILE *f = fopen(tpath, "wb");
+  cr_assert(f && fwrite(toks, sizeof(int32_t), (size_t)n, f) == (size_t)n);
+  fclose(f);
+  char *argv[] = {PYTHON, script, "logits", (char *)ck, tpath, lpath, NULL};
+  char *out, *err;
+  int st = run_argv(&out, &err, 120, argv);
+  cr_assert(proc_exited_with(st, 0), "the PyTorch reference failed: %s", err);
+  free(out), free(err);
+  size_t len;
+  float *l = (float *)proc_slurp_n(lpath, &len);
+  cr_assert_eq(len, (size_t)(n * 256) * sizeof(float), "the reference wrote %zu bytes", len);
+  return l;
+}
+
+Test(gptcli, a_trained_checkpoints_logits_match_a_plain_pytorch_gpt2) {
+  SKIP_WITHOUT_TORCH();
+  const char *ck = train_dir("a", "30");
+  const char *prompt = "the lord said unto moses and"; /* 28 bytes: longer than T=24, so cut to the context */
+  int32_t toks[24];
+  for (int i = 0; i < 24; i++) toks[i] = (unsigned char)prompt[i];
+  float *ours = rumor_logits(ck, toks, 24), *ref = torch_logits(ck, toks, 24);
+  /* Float32 both, different summation orders (oneDNN vs PyTorch's BLAS):
+   * |ours − ref| ≤ 1e-4 + 1e-4·|ref| on every logit. */
+  double worst = 0;
+  for (int i = 0; i < 24 * 256; i++) {
+    cr_assert(isfinite(ours[i]), "logit %d is %f", i, ours[i]);
+    double err = fabs((double)ours[i] - ref[i]) / (1e-4 + 1e-4 * fabs(ref[i]));
+    if (err > worst) worst = err;
+    cr_assert(err <= 1.0, "logit %d (position %d, token %d): rumor %.7g, PyTorch %.7g", i, i / 256, i % 256,
+              ours[i], ref[i]);
+  }
+  fprintf(stderr, "logits vs PyTorch: worst %.3g of the tolerance 1e-4 + 1e-4·|x|\n", worst);
+  free(ours);
+  free(ref);
+}
+
+Test(gptcli, sample_greedy_continues_with_the_argmax_tokens) {
+  SKIP_WITHOUT_TORCH();
+  const char *ck = train_dir("b", "40");
+  char *out, *err;
+  int st = rumor(&out, &err, 60, "sample", "--checkpoint", ck, "--prompt", "the lord ", "--tokens", "12",
+                 "--temperature", "0", NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  cr_assert(strncmp(out, "the lord ", 9) == 0, "the prompt is not printed first: '%s'", out);
+  cr_assert_geq(strlen(out), 9 + 12, "'%s'", out);
+  /* Each generated byte is PyTorch's argmax for the text before it. */
+  int32_t toks[24];
+  for (int k = 0; k < 12; k++) {
+    int n = 9 + k;
+    for (int i = 0; i < n; i++) toks[i] = (unsigned char)out[i];
+    float *ref = torch_logits(ck, toks, n);
+    int best = 0;
+    for (int c = 1; c < 256; c++)
+      if (ref[(n - 1) * 256 + c] > ref[(n - 1) * 256 + best]) best = c;
+    cr_assert_eq((unsigned char)out[n], best, "generated byte %d is %d; PyTorch's argmax is %d ('%s')", k,
+                 (unsigned char)out[n], best, out);
+    free(ref);
+  }
+  free(out), free(err);
+  /* Seeded draws repeat; another seed draws differently somewhere. */
+  char *a, *b, *c;
+  st = rumor(&a, &err, 60, "sample", "--checkpoint", ck, "--prompt", "the ", "--tokens", "40", "--seed", "5",
+             "--top-k", "20", NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  st = rumor(&b, &err, 60, "sample", "--checkpoint", ck, "--prompt", "the ", "--tokens", "40", "--seed", "5",
+             "--top-k", "20", NULL);
+  free(err);
+  st = rumor(&c, &err, 60, "sample", "--checkpoint", ck, "--prompt", "the ", "--tokens", "40", "--seed", "6",
+             "--top-k", "20", NULL);
+  free(err);
+  cr_assert_str_eq(a, b, "the same seed drew differently");
+  cr_assert_str_neq(a, c, "seeds 5 and 6 drew the same 40 bytes");
+  free(a), free(b), free(c);
+}
+
+Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
+  SKIP_WITHOUT_TORCH();
+  const char *ck = train_dir("c", "40");
+  char hub[160], script[512], ft[160];
+  snprintf(hub, sizeof hub, "%s/hub", dir);
+  snprintf(ft, sizeof ft, "%s/ft/", dir);
+  snprintf(script, sizeof script, "%s/tests/scripts/gpt_torch.py", RUMOR_SOURCE_DIR);
+  char *argv[] = {PYTHON, script, "hub-style", (char *)ck, hub, NULL};
+  char *out, *err;
+  int st = run_argv(&out, &err, 60, argv);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  /* A fine-tuning run of 0 further steps' worth: its first evaluation (the
+   * weights as loaded) equals the source run's final one. */
+  st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
+             "--threads", "1", "--log-every", "0", "--eval-batches", "2", "--checkpoint", ft, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  cr_assert(strstr(err, "weights from"), "%s", err);
+  cr_assert(strstr(out, "\"steps\":1"), "fine-tuning starts at step 0: %s", out);
+  free(out), free(err);
+  /* With lr 0 the weights are unchanged: the two model files hold the same tensors. */
+  char a[200], b[200];
+  snprintf(a, sizeof a, "%smodel.safetensors", ck);
+  snprintf(b, sizeof b, "%smodel.safetensors", ft);
+  struct st_file fa, fb;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(a, true, &fa, &e), 0, "%s", e.msg);
+  cr_assert_eq(safetensors_read(b, true, &fb, &e), 0, "%s", e.msg);
+  cr_assert_eq(fa.ntensors, fb.ntensors);
+  for (size_t i = 0; i < fa.ntensors; i++) {
+    const struct st_tensor *t = safetensors_find(&fb, fa.tensors[i].name);
+    cr_assert(t && t->nbytes == fa.tensors[i].nbytes && memcmp(t->data, fa.tensors[i].data, t->nbytes) == 0,
+              "%s differs after --init-from", fa.tensors[i].name);
+  }
+  safetensors_free(&fa);
+  safetensors_free(&fb);
+  /* A --model that does not match the directory is refused. */
+  st = rumor(NULL, &err, 60, "train", "--init-from", hub, "--model", "gpt:L2-H2-C32-T24-V300", "--data",
+             text_path(), NULL);
+  expect_fail(st, 1, err, "does not match --init-from", "--init-from with another --model");
+}
+
+Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
+  char *err;
+  char shard[128], empty[128], missing[128];
+  snprintf(shard, sizeof shard, "%s/bad.bin", dir);
+  snprintf(empty, sizeof empty, "%s/empty.txt", dir);
+  snprintf(missing, sizeof missing, "%s/nope.txt", dir);
+  FILE *f = fopen(shard, "wb");
+  int32_t header[256] = {12345, 1, 10};
+  fwrite(header, sizeof header, 1, f);
+  fclose(f);
+  fclose(fopen(empty, "w"));
+  int st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", shard, NULL);
+  expect_fail(st, 1, err, "wrong magic", "a shard with the wrong magic");
+  st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", empty, NULL);
+  expect_fail(st, 1, err, "empty", "an empty text");
+  st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", missing, NULL);
+  expect_fail(st, 1, err, "nope.txt", "a missing file");
+  st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H2-C32-T24-V100", "--data", text_path(), NULL);
+  expect_fail(st, 1, err, "vocabulary", "text for a vocabulary under 256");
+  st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H3-C32-T24-V256", NULL);
+  expect_fail(st, 2, err, "not a multiple of the heads", "a bad spec");
+  st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H2-C32-T9000-V256", "--data", text_path(), NULL);
+  expect_fail(st, 1, err, "no window", "a context longer than the data");
+  st = rumor(NULL, &err, 60, "sample", "--prompt", "x", NULL);
+  expect_fail(st, 2, err, "--checkpoint", "sample without a checkpoint");
+  st = rumor(NULL, &err, 60, "sample", "--checkpoint", missing, NULL);
+  expect_fail(st, 1, err, "nope.txt", "sample from a missing checkpoint");
+  st = rumor(NULL, &err, 60, "train", "--init-from", dir, "--data", text_path(), NULL);
+  expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
+}
