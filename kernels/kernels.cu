@@ -1,5 +1,6 @@
 /*
- * The CUDA kernels behind kernels/kernels.h, and their launchers.
+ * The CUDA kernels behind kernels/kernels.h, and their launchers (the
+ * transformer ops' are in nn.cu; kernels_impl.cuh holds what both share).
  *
  * Every kernel takes 64-bit element counts and walks them with a grid-stride
  * loop, so grids stay bounded (kGridMax blocks) whatever the size. Every
@@ -17,76 +18,29 @@
 #include <math.h>
 #include <stdio.h>
 
-namespace {
+#include "kernels/kernels_impl.cuh" /* launch geometry, KERN_LAUNCHED, warp_sum */
 
-constexpr int kBlock = 256;     // threads per block of the 1-D kernels
-constexpr int kGridMax = 8192;  // at most this many blocks; grid-stride loops cover the rest
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
+using namespace rumor_kern;
 
-static_assert(kBlock % kWarp == 0, "block reductions assume whole warps");
 static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "uint64_t counter is an unsigned long long");
+
+namespace {
 
 thread_local char g_last_error[320] = "no error";
 
-// Records a failure of `what` for kern_last_error() and returns it.
-int record_failure(cudaError_t err, const char *what, const char *file, int line) {
-  snprintf(g_last_error, sizeof g_last_error, "%s (%s:%d): %s: %s", what, file, line,
-           cudaGetErrorName(err), cudaGetErrorString(err));
-  return (int)err;
-}
-
-// Blocks for n items handled `per_block` at a time: at least 1, at most cap.
-int blocks_for(int64_t n, int64_t per_block, int cap) {
-  int64_t b = (n + per_block - 1) / per_block;
-  return (int)(b < 1 ? 1 : (b > cap ? cap : b));
-}
-
-cudaStream_t as_stream(void *s) { return static_cast<cudaStream_t>(s); }
-
 }  // namespace
 
-// After a launch: on failure, record the kernel's name and return the error.
-#define KERN_LAUNCHED(kernel) KERN_LAUNCHED_AS(#kernel)
-#define KERN_LAUNCHED_AS(name)                                                           \
-  do {                                                                                   \
-    cudaError_t kerr_ = cudaGetLastError();                                              \
-    if (kerr_ != cudaSuccess) return record_failure(kerr_, (name), __FILE__, __LINE__);  \
-  } while (0)
-
-// A runtime call inside a launcher (memset): on failure, record and return.
-#define KERN_CALL(call)                                                       \
-  do {                                                                        \
-    cudaError_t kerr_ = (call);                                               \
-    if (kerr_ != cudaSuccess) {                                               \
-      (void)cudaGetLastError();                                               \
-      return record_failure(kerr_, #call, __FILE__, __LINE__);                \
-    }                                                                         \
-  } while (0)
-
-// for (int64_t i = first index of this thread; i < n; i += all threads)
-#define GRID_STRIDE(i, n)                                                              \
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, i##_step_ =          \
-                       (int64_t)gridDim.x * blockDim.x;                                 \
-       i < (n); i += i##_step_)
+int rumor_kern::record_failure(cudaError_t err, const char *what, const char *file, int line) {
+  snprintf(g_last_error, sizeof g_last_error, "%s (%s:%d): %s: %s", what, file, line, cudaGetErrorName(err),
+           cudaGetErrorString(err));
+  return (int)err;
+}
 
 extern "C" const char *kern_last_error(void) { return g_last_error; }
 
 /* ---- shared device helpers ------------------------------------------------------ */
 
 namespace {
-
-// Sum over the 32 lanes of a full warp; every lane gets the result.
-template <typename T>
-__device__ T warp_sum(T v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
-__device__ float warp_max(float v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
-}
 
 // Sum of v over a 1-D block of whole warps (blockDim.x <= 1024); the result is
 // valid in thread 0 only. Call once per kernel (its shared array is not

@@ -21,6 +21,7 @@
 #define RUMOR_KERNELS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -115,6 +116,89 @@ int kern_count_sketch(const float *x, int64_t n, uint64_t seed, int k, double *o
 /* The device hash compiled for the host, so that tests can prove it equals
  * tensor_sketch_hash without a GPU. */
 uint32_t kern_sketch_hash_host(uint64_t seed, uint64_t i);
+
+/* ---- transformer ops (kernels/nn.cu) -----------------------------------------
+ * The kernels behind tensor.h's transformer ops. Shapes: r sequences of t
+ * positions, width c, nh heads of hs = c/nh columns, v vocabulary rows. The
+ * contracts (what is overwritten, what accumulates) are tensor.h's; here
+ * only what the launchers add. Sums are in float, in an order fixed by the
+ * shapes alone (never by timing, atomics or the device model), so every
+ * launcher is deterministic: the same inputs give the same bits on every
+ * run on one GPU model. Launchers that need scratch memory take a device
+ * buffer from the caller, who asks its size first (the *_scratch calls). */
+
+/* out ← x + y; out may alias x or y. */
+int kern_add(const float *x, const float *y, float *out, int64_t n, void *stream);
+/* GELU, tanh form: y ← x·σ(2u) = x/2·(1 + tanh u), u = √(2/π)(x + 0.044715x³),
+ * computed from exp(−2|u|) so that neither tail cancels; y may alias x. */
+int kern_gelu_tanh_fwd(const float *x, float *y, int64_t n, void *stream);
+/* dx ← dy·(σ(2u) + x/2·sech²(u)·du/dx); dx may alias dy or x. */
+int kern_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n, void *stream);
+
+/* out (r·t, c) ← wte[tokens[i]] + wpe[i mod t]. Tokens are not checked
+ * (0 <= token < rows of wte is the caller's promise: the launcher is not
+ * told the vocabulary size). One block per row, threads over channels. */
+int kern_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r, int64_t t,
+                       int64_t c, void *stream);
+/* *bytes ← the scratch kern_embedding_bwd needs for n = r·t tokens and v
+ * vocabulary rows. Asks CUB for its sort's temporary size, so the calling
+ * thread needs the device current (as every launcher). Returns 0 or a CUDA
+ * error (n or v past 32-bit limits: cudaErrorInvalidValue). */
+int kern_embedding_bwd_scratch(int64_t n, int64_t v, size_t *bytes);
+/* dwte[tokens[i]] += dout[i] and dwpe[p] += Σ_s dout[s·t + p], each sum
+ * taken in the reference's order (ascending i, after the value already
+ * there), so the result is bitwise the plain loop's, whatever the repeats.
+ * No atomics: the (token, i) pairs are sorted by token with CUB's stable
+ * radix sort, then one warp per distinct token walks its run. Tokens
+ * outside [0, v) are skipped. scratch: scratch_bytes from
+ * kern_embedding_bwd_scratch (smaller: cudaErrorInvalidValue, nothing
+ * enqueued); it is in use until the stream passes this point. */
+int kern_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r, int64_t t,
+                       int64_t c, int64_t v, void *scratch, size_t scratch_bytes, void *stream);
+
+/* LayerNorm forward over rows of x (rows, c): one warp per row, two passes
+ * (mean, then the biased variance of x − mean), rstd = 1/sqrt(var + eps).
+ * y must not alias x. */
+int kern_layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
+                       int64_t rows, int64_t c, float eps, void *stream);
+/* Bytes of scratch kern_layernorm_bwd needs: two floats per column per chunk
+ * of rows (at most KERN_LN_MAX_CHUNKS chunks; 6 MiB for c = 768). */
+size_t kern_layernorm_bwd_scratch_bytes(int64_t rows, int64_t c);
+#define KERN_LN_ROWS_PER_CHUNK 256
+#define KERN_LN_MAX_CHUNKS 1024
+/* LayerNorm backward: dx += (one warp per row); dw ← beta·dw + Σ dy·x̂ and
+ * db ← beta·db + Σ dy (dw, db not read when beta is 0), summed per chunk of
+ * rows into scratch and then over the chunks in order: deterministic,
+ * no atomics. scratch as kern_embedding_bwd. dx must not alias x or dy. */
+int kern_layernorm_bwd(const float *x, const float *w, const float *mean, const float *rstd, const float *dy,
+                       float *dx, float *dw, float *db, int64_t rows, int64_t c, float beta, void *scratch,
+                       size_t scratch_bytes, void *stream);
+
+/* Attention helpers; the GEMMs between them are cuBLAS calls made by the
+ * backend. "Head layout" is (parts, r, nh, t, hs): part p of sequence s,
+ * head h is one contiguous t×hs matrix, batch b = s·nh + h.
+ *
+ * heads ← x split by head: x (r, t, parts·c) row-major, parts 1 (dout) or
+ * 3 (qkv: q, k, v). parts·c must fit in an int. */
+int kern_heads_split(const float *x, float *heads, int64_t r, int64_t t, int64_t c, int nh, int parts,
+                     void *stream);
+/* The inverse: x (r, t, parts·c) ← heads (overwritten, every element). */
+int kern_heads_merge(const float *heads, float *x, int64_t r, int64_t t, int64_t c, int nh, int parts,
+                     void *stream);
+/* Causal softmax of `batches` t×t scaled-score matrices s, in place: row q
+ * becomes the probabilities over keys 0..q and exact zeros after q;
+ * lse[b·t + q] ← the log-sum-exp of the row's scores 0..q. One warp per
+ * row. */
+int kern_attn_softmax_fwd(float *s, float *lse, int64_t batches, int64_t t, void *stream);
+/* The backward's recomputation: s[row][k] ← exp(s[row][k] − lse[row]) for
+ * k <= q, 0 after. */
+int kern_attn_probs(float *s, const float *lse, int64_t batches, int64_t t, void *stream);
+/* dp (batches, t, t) ← p ⊙ (dp − D)·scale, zero above the diagonal, for the
+ * batches b0 .. b0 + batches − 1 (p and dp hold just those), with D of
+ * query q of batch b = rowsum(dout ⊙ out) over that head's hs columns of
+ * row (s, q); out and dout are (r, t, c). */
+int kern_attn_dscores(const float *p, float *dp, const float *out, const float *dout, int64_t b0, int64_t batches,
+                      int64_t t, int64_t c, int nh, float scale, void *stream);
 
 #ifdef __cplusplus
 }

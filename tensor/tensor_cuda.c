@@ -24,6 +24,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+#include <limits.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +61,12 @@
     if ((call) != 0) rumor_panic(__FILE__, __LINE__, "%s failed: %s", #call, kern_last_error()); \
   } while (0)
 
+/* A device buffer that only grows (cuda_scratch_reserve); freed at close. */
+struct cuda_scratch {
+  void *p;
+  size_t cap; /* bytes */
+};
+
 struct cuda_backend {
   struct tensor_backend base; /* first: the tensor layer casts */
   int device;                 /* CUDA device ordinal */
@@ -70,6 +78,13 @@ struct cuda_backend {
   uint64_t *h_count;          /* pinned host copy of it */
   double *d_sketch;           /* device [sketch_cap] buckets, grown on demand */
   int sketch_cap;
+  /* Scratch of the transformer ops, grown on demand to the largest request
+   * and kept until close (sizes at each op below). Used only in stream
+   * order, so one buffer serves every op of its kind. */
+  struct cuda_scratch emb_sort;     /* embedding backward: token sort */
+  struct cuda_scratch ln_part;      /* LayerNorm backward: dw, db partials */
+  struct cuda_scratch attn_heads;   /* attention: q, k, v (and grads) by head */
+  struct cuda_scratch attn_scores;  /* attention: T×T scores, probabilities */
 };
 
 static struct cuda_backend *cuda_of(tensor_backend_t be) { return (struct cuda_backend *)be; }
@@ -135,6 +150,9 @@ static void cuda_release(struct cuda_backend *b) {
   if (b->stream) (void)cudaStreamSynchronize(b->stream);
   if (b->blas) (void)cublasDestroy(b->blas);
   if (b->d_sketch) (void)cudaFree(b->d_sketch);
+  struct cuda_scratch *scratch[] = {&b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
+  for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++)
+    if (scratch[i]->p) (void)cudaFree(scratch[i]->p);
   if (b->d_partials) (void)cudaFree(b->d_partials);
   if (b->d_count) (void)cudaFree(b->d_count);
   if (b->h_partials) (void)cudaFreeHost(b->h_partials);
@@ -429,6 +447,174 @@ static void cuda_count_sketch(tensor_backend_t be, const float *x, int64_t n, ui
   cuda_copy(b, out_host, b->d_sketch, (size_t)k * sizeof(double), cudaMemcpyDeviceToHost, false);
 }
 
+/* ---- transformer ops ------------------------------------------------------------ */
+
+#define CUDA_SCRATCH_ROUND ((size_t)1 << 20) /* scratch grows in whole MiB */
+
+/* Makes `s` hold at least `bytes` and returns it. Growing waits for the
+ * stream (ops already queued may still use the old buffer), frees it and
+ * allocates the new size; out of memory is a panic naming `what` and the
+ * size, as any CUDA failure inside an op. In steady state (the same shapes
+ * every step) nothing is allocated. */
+static void *cuda_scratch_reserve(struct cuda_backend *b, struct cuda_scratch *s, size_t bytes, const char *what) {
+  if (s->p && bytes <= s->cap) return s->p;
+  CUDA_CHECK(cudaStreamSynchronize(b->stream));
+  if (s->p) CUDA_CHECK(cudaFree(s->p));
+  s->p = NULL;
+  s->cap = 0;
+  size_t want = (bytes + CUDA_SCRATCH_ROUND - 1) / CUDA_SCRATCH_ROUND * CUDA_SCRATCH_ROUND;
+  if (want == 0) want = CUDA_SCRATCH_ROUND;
+  cudaError_t err = cudaMalloc(&s->p, want);
+  if (err != cudaSuccess)
+    rumor_panic(__FILE__, __LINE__, "%s: cudaMalloc(%zu bytes) for the %s scratch failed: %s: %s", b->base.name, want,
+                what, cudaGetErrorName(err), cudaGetErrorString(err));
+  s->cap = want;
+  log_debug("%s: %s scratch grown to %.1f MiB", b->base.name, what, (double)want / (double)(1u << 20));
+  return s->p;
+}
+
+static void cuda_add(tensor_backend_t be, const float *x, const float *y, float *out, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_add(x, y, out, n, stream_of(b)));
+}
+
+static void cuda_gelu_tanh_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_gelu_tanh_fwd(x, y, n, stream_of(b)));
+}
+
+static void cuda_gelu_tanh_bwd(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_gelu_tanh_bwd(x, dy, dx, n, stream_of(b)));
+}
+
+static void cuda_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe,
+                               float *out, int64_t r, int64_t t, int64_t c) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_embedding_fwd(tokens, wte, wpe, out, r, t, c, stream_of(b)));
+}
+
+/* Scratch: the token sort's keys and values (16 bytes per token: 128 KiB
+ * for r·t = 8192) and CUB's temporary storage (CUB's to size; not measured
+ * here), rounded up to whole MiB. */
+static void cuda_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte,
+                               float *dwpe, int64_t r, int64_t t, int64_t c, int64_t v) {
+  struct cuda_backend *b = enter(be);
+  size_t bytes = 0;
+  KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, &bytes));
+  void *scratch = cuda_scratch_reserve(b, &b->emb_sort, bytes, "embedding sort");
+  KERN_CHECK(kern_embedding_bwd(tokens, dout, dwte, dwpe, r, t, c, v, scratch, b->emb_sort.cap, stream_of(b)));
+}
+
+static void cuda_layernorm_fwd(tensor_backend_t be, const float *x, const float *w, const float *bias, float *y,
+                               float *mean, float *rstd, int64_t rows, int64_t c) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_layernorm_fwd(x, w, bias, y, mean, rstd, rows, c, TENSOR_LAYERNORM_EPS, stream_of(b)));
+}
+
+/* Scratch: dw and db partials, 2 floats per column per chunk of 256 rows
+ * (at most 1024 chunks): 6 MiB at most for c = 768. */
+static void cuda_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, const float *mean,
+                               const float *rstd, const float *dy, float *dx, float *dw, float *db, int64_t rows,
+                               int64_t c, float beta) {
+  struct cuda_backend *b = enter(be);
+  void *scratch = cuda_scratch_reserve(b, &b->ln_part, kern_layernorm_bwd_scratch_bytes(rows, c), "LayerNorm");
+  KERN_CHECK(kern_layernorm_bwd(x, w, mean, rstd, dy, dx, dw, db, rows, c, beta, scratch, b->ln_part.cap,
+                                stream_of(b)));
+}
+
+/* Attention runs on the head layout (kern_heads_split: q, k, v of batch
+ * b = sequence·nh + head each one contiguous t×hs matrix) with
+ * cublasSgemmStridedBatched for the products, in rounds of `group` batches
+ * whose t×t score matrices fit the scores scratch. Scratch, with
+ * N = r·t·c and B = r·nh:
+ *   attn_heads:  forward 3N floats (q, k, v; the output reuses q's room),
+ *                backward 7N (q, k, v; dout; dq, dk, dv);
+ *   attn_scores: forward group·t² floats, backward 2·group·t² (P; dP, dS),
+ *                with group = B when B·t² <= CUDA_ATTN_SCORES_MAX, else as
+ *                many batches as fit (at least one).
+ * GPT-2 small (c = 768, nh = 12) at r = 4, t = 1024: B·t² = 48M floats, one
+ * round; forward 36 + 192 MiB, backward 84 + 384 MiB. At r = 8: two rounds
+ * (64 and 32 batches), forward 72 + 256 MiB, backward 168 + 512 MiB. */
+#define CUDA_ATTN_SCORES_MAX ((int64_t)1 << 26) /* floats per t×t buffer set: 256 MiB */
+
+struct attn_geom {
+  int64_t r, t, c, n;    /* n = r·t·c: the floats of one part in head layout */
+  int nh, hs;            /* heads, head size c/nh */
+  int64_t batches;       /* B = r·nh */
+  int64_t group;         /* batches per round */
+  float scale;           /* 1/√hs, the score scale */
+};
+
+static struct attn_geom attn_geom_of(int64_t r, int64_t t, int64_t c, int nh) {
+  struct attn_geom g = {.r = r, .t = t, .c = c, .n = r * t * c, .nh = nh, .batches = r * nh};
+  RUMOR_ASSERT(nh > 0 && c % nh == 0 && c / nh <= INT_MAX && t <= INT_MAX);
+  g.hs = (int)(c / nh);
+  int64_t fit = CUDA_ATTN_SCORES_MAX / (t * t);
+  g.group = fit < 1 ? 1 : (fit > g.batches ? g.batches : fit);
+  if (g.group > INT_MAX) g.group = INT_MAX; /* cuBLAS's batch count is an int */
+  g.scale = (float)(1.0 / sqrt((double)g.hs));
+  return g;
+}
+
+/* Row-major strided-batched GEMM: for i < batch, C_i ← alpha·op(A_i)·op(B_i)
+ * + beta·C_i with X_i = X + i·stride_x; shapes, leading dimensions and the
+ * operand swap as cuda_gemm. Sizes are ints here (attn_geom_of checks). */
+static void gemm_strided(struct cuda_backend *cb, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                         const float *a, int64_t lda, int64_t sa, const float *b, int64_t ldb, int64_t sb,
+                         float beta, float *c, int64_t ldc, int64_t sc, int64_t batch) {
+  CUBLAS_CHECK(cublasSgemmStridedBatched(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                         (int)n, (int)m, (int)k, &alpha, b, (int)ldb, (long long)sb, a, (int)lda,
+                                         (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
+}
+
+static void cuda_attention_fwd(tensor_backend_t be, const float *qkv, float *out, float *lse, int64_t r, int64_t t,
+                               int64_t c, int nh) {
+  struct cuda_backend *b = enter(be);
+  const struct attn_geom g = attn_geom_of(r, t, c, nh);
+  float *q = cuda_scratch_reserve(b, &b->attn_heads, (size_t)(3 * g.n) * sizeof(float), "attention heads");
+  float *k = q + g.n, *v = q + 2 * g.n;
+  float *s = cuda_scratch_reserve(b, &b->attn_scores, (size_t)(g.group * t * t) * sizeof(float), "attention scores");
+  const int64_t mat = t * g.hs, sq = t * t, hs = g.hs;
+  KERN_CHECK(kern_heads_split(qkv, q, r, t, c, nh, 3, stream_of(b)));
+  for (int64_t b0 = 0; b0 < g.batches; b0 += g.group) {
+    const int64_t nb = g.batches - b0 < g.group ? g.batches - b0 : g.group;
+    float *qb = q + b0 * mat;
+    /* S = scale·Q·Kᵀ; P = causal softmax(S), lse; O = P·V into q's room
+     * (this round's q is consumed by then). */
+    gemm_strided(b, false, true, t, t, hs, g.scale, qb, hs, mat, k + b0 * mat, hs, mat, 0.0f, s, t, sq, nb);
+    KERN_CHECK(kern_attn_softmax_fwd(s, lse + b0 * t, nb, t, stream_of(b)));
+    gemm_strided(b, false, false, t, hs, t, 1.0f, s, t, sq, v + b0 * mat, hs, mat, 0.0f, qb, hs, mat, nb);
+  }
+  KERN_CHECK(kern_heads_merge(q, out, r, t, c, nh, 1, stream_of(b)));
+}
+
+/* The backward per round: P = exp(scale·Q·Kᵀ − lse) (causal), dV = Pᵀ·dO,
+ * dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O))·scale, dQ = dS·K, dK = dSᵀ·Q. */
+static void cuda_attention_bwd(tensor_backend_t be, const float *qkv, const float *out, const float *lse,
+                               const float *dout, float *dqkv, int64_t r, int64_t t, int64_t c, int nh) {
+  struct cuda_backend *b = enter(be);
+  const struct attn_geom g = attn_geom_of(r, t, c, nh);
+  float *q = cuda_scratch_reserve(b, &b->attn_heads, (size_t)(7 * g.n) * sizeof(float), "attention heads");
+  float *k = q + g.n, *v = q + 2 * g.n, *dO = q + 3 * g.n, *dq = q + 4 * g.n, *dk = q + 5 * g.n, *dv = q + 6 * g.n;
+  const int64_t sq = t * t, mat = t * g.hs, hs = g.hs;
+  float *p = cuda_scratch_reserve(b, &b->attn_scores, (size_t)(2 * g.group * sq) * sizeof(float), "attention scores");
+  float *ds = p + g.group * sq;
+  KERN_CHECK(kern_heads_split(qkv, q, r, t, c, nh, 3, stream_of(b)));
+  KERN_CHECK(kern_heads_split(dout, dO, r, t, c, nh, 1, stream_of(b)));
+  for (int64_t b0 = 0; b0 < g.batches; b0 += g.group) {
+    const int64_t nb = g.batches - b0 < g.group ? g.batches - b0 : g.group, o = b0 * mat;
+    gemm_strided(b, false, true, t, t, hs, g.scale, q + o, hs, mat, k + o, hs, mat, 0.0f, p, t, sq, nb);
+    KERN_CHECK(kern_attn_probs(p, lse + b0 * t, nb, t, stream_of(b)));
+    gemm_strided(b, true, false, t, hs, t, 1.0f, p, t, sq, dO + o, hs, mat, 0.0f, dv + o, hs, mat, nb);
+    gemm_strided(b, false, true, t, t, hs, 1.0f, dO + o, hs, mat, v + o, hs, mat, 0.0f, ds, t, sq, nb);
+    KERN_CHECK(kern_attn_dscores(p, ds, out, dout, b0, nb, t, c, nh, g.scale, stream_of(b)));
+    gemm_strided(b, false, false, t, hs, t, 1.0f, ds, t, sq, k + o, hs, mat, 0.0f, dq + o, hs, mat, nb);
+    gemm_strided(b, true, false, t, hs, t, 1.0f, ds, t, sq, q + o, hs, mat, 0.0f, dk + o, hs, mat, nb);
+  }
+  KERN_CHECK(kern_heads_merge(dq, dqkv, r, t, c, nh, 3, stream_of(b)));
+}
+
 static const struct tensor_backend_ops cuda_ops = {
     .close = cuda_close,
     .set_threads = NULL,
@@ -453,6 +639,15 @@ static const struct tensor_backend_ops cuda_ops = {
     .gelu_fwd = cuda_gelu_fwd,
     .gelu_bwd = cuda_gelu_bwd,
     .softmax_xent = cuda_softmax_xent,
+    .add = cuda_add,
+    .embedding_fwd = cuda_embedding_fwd,
+    .embedding_bwd = cuda_embedding_bwd,
+    .layernorm_fwd = cuda_layernorm_fwd,
+    .layernorm_bwd = cuda_layernorm_bwd,
+    .attention_fwd = cuda_attention_fwd,
+    .attention_bwd = cuda_attention_bwd,
+    .gelu_tanh_fwd = cuda_gelu_tanh_fwd,
+    .gelu_tanh_bwd = cuda_gelu_tanh_bwd,
     .sgd_step = cuda_sgd_step,
     .adamw_step = cuda_adamw_step,
     .axpby = cuda_axpby,

@@ -1,0 +1,733 @@
+/*
+ * The CUDA backend's transformer ops (tensor.h, "transformer ops", and
+ * tensor_add) against the plain reference ops tensor_ref_*, on random inputs.
+ *
+ * - Shapes include T = 1, T = 127, widths that are not multiples of 32, one
+ *   head, R = 1 and R = 3, GPT-2 small's width and heads, GPT-2's context
+ *   length, and an attention case that needs two rounds of the backend's
+ *   score scratch. Later shapes are smaller than earlier ones, so they run
+ *   on scratch grown (and left dirty) by the earlier ones.
+ * - Every device tensor is a view with sentinel guard elements on both
+ *   sides (checked after each op) and starts as NaN, so an output element
+ *   that was never written, or a read of an output that must not be read
+ *   (dw, db with beta = 0), fails the comparison.
+ * - Comparisons: |got − ref| <= atol + rtol·|ref| element-wise, NaN/Inf in
+ *   `got` exactly where `ref` has them; failures name the worst element and
+ *   the seed. Tolerances are stated at each test with the reason.
+ * - Accumulating outputs (embedding bwd, LayerNorm dx) start from random
+ *   values; dw, db are checked with beta 0 (not read), 0.5 and 1.
+ * - Embedding bwd and LayerNorm bwd are run twice on the same inputs and
+ *   must give bitwise equal results.
+ *
+ * Every test needs a GPU and skips with "no CUDA GPU: ..." when
+ * tensor_cuda_device_count() is 0. RUMOR_TEST_SEED=<n> repeats a run's
+ * random inputs.
+ */
+#include <criterion/criterion.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tensor/tensor_ref.h"
+
+/* AddressSanitizer's shadow gap sits where CUDA maps device memory; with it
+ * protected, CUDA initialisation fails and the tests would skip. Read only
+ * by ASan builds. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "protect_shadow_gap=0"; }
+
+/* ---- test state (one test per process) -------------------------------------------- */
+
+static tensor_backend_t g_be;
+static uint64_t g_seed;
+static struct rng g_rng;
+
+static void seed_rng(void) {
+  const char *s = getenv("RUMOR_TEST_SEED");
+  g_seed = (s && *s) ? strtoull(s, NULL, 0) : clock_now_ns();
+  rng_seed(&g_rng, g_seed, 0);
+}
+
+/* Skips the test unless a GPU is usable; opens cuda:0 into g_be. */
+static void open_gpu(void) {
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no CUDA GPU: tensor_cuda_device_count() is 0 (%s); CUDA transformer-op test skipped",
+                 tensor_cuda_compiled() ? "built with CUDA, but no usable device or driver"
+                                        : "built without CUDA");
+  struct rumor_err e = {0};
+  int rc = tensor_backend_open("cuda:0", &g_be, &e);
+  cr_assert_eq(rc, 0, "tensor_backend_open(\"cuda:0\") failed: %s", e.msg);
+  cr_assert_eq(tensor_backend_device(g_be), TENSOR_DEVICE_CUDA);
+  seed_rng();
+}
+
+/* Everything a test allocates goes into this arena; arena_release(mark)
+ * frees what came after `mark`. */
+#define ARENA_MAX 128
+struct arena_item {
+  struct tensor t; /* owning device tensor, or unused */
+  void *host;      /* malloc'ed host buffer, or NULL */
+};
+static struct arena_item g_arena[ARENA_MAX];
+static int g_arena_n;
+
+static int arena_mark(void) { return g_arena_n; }
+
+static void arena_release(int mark) {
+  while (g_arena_n > mark) {
+    struct arena_item *it = &g_arena[--g_arena_n];
+    tensor_free(&it->t);
+    free(it->host);
+    it->host = NULL;
+  }
+}
+
+static struct arena_item *arena_push(void) {
+  cr_assert(g_arena_n < ARENA_MAX, "test arena full");
+  struct arena_item *it = &g_arena[g_arena_n++];
+  memset(it, 0, sizeof *it);
+  return it;
+}
+
+static void close_gpu(void) {
+  arena_release(0);
+  tensor_backend_close(g_be);
+  g_be = NULL;
+}
+
+/* ---- host buffers and random data ---------------------------------------------------- */
+
+static void *hbuf_bytes(size_t bytes) {
+  struct arena_item *it = arena_push();
+  it->host = xmalloc(bytes ? bytes : 1);
+  return it->host;
+}
+static float *hbuf(int64_t n) { return hbuf_bytes((size_t)n * sizeof(float)); }
+static int32_t *hbuf_i32(int64_t n) { return hbuf_bytes((size_t)n * sizeof(int32_t)); }
+
+static void fill_normal(float *p, int64_t n, float mean, float scale) {
+  for (int64_t i = 0; i < n; i++) p[i] = mean + scale * rng_normal(&g_rng);
+}
+
+static void fill_value(float *p, int64_t n, float v) {
+  for (int64_t i = 0; i < n; i++) p[i] = v;
+}
+
+/* ---- guarded device tensors ------------------------------------------------------------ */
+
+#define GUARD 37                  /* sentinel elements each side; odd, so views are not 16-byte aligned */
+#define SENTINEL_BITS 0xc640e6b7u /* −12345.678f */
+#define POISON_BITS 0x7fc00000u   /* quiet NaN */
+
+struct dev {
+  struct tensor *whole; /* [guard + n + guard], owned by the arena */
+  struct tensor t;      /* the view an op sees */
+  int64_t n, guard;
+};
+
+static struct dev dev_new_dt(enum tensor_dtype dt, int ndim, const int64_t *shape) {
+  RUMOR_ASSERT(tensor_dtype_size(dt) == 4);
+  struct dev d;
+  d.n = 1;
+  for (int i = 0; i < ndim; i++) d.n *= shape[i];
+  d.guard = GUARD;
+  int64_t total = d.n + 2 * GUARD;
+  struct arena_item *it = arena_push();
+  struct rumor_err e = {0};
+  int rc = tensor_alloc(&it->t, g_be, dt, 1, &total, &e);
+  cr_assert_eq(rc, 0, "tensor_alloc(%" PRId64 " elements) failed: %s", total, e.msg);
+  d.whole = &it->t;
+  uint32_t *init = xmalloc((size_t)total * 4);
+  for (int64_t i = 0; i < total; i++) init[i] = (i < GUARD || i >= GUARD + d.n) ? SENTINEL_BITS : POISON_BITS;
+  tensor_copy_from_host(d.whole, 0, init, (size_t)total * 4);
+  free(init);
+  d.t = tensor_view(d.whole, GUARD, ndim, shape);
+  return d;
+}
+
+static struct dev dev_new(int ndim, const int64_t *shape) { return dev_new_dt(TENSOR_F32, ndim, shape); }
+
+static void dev_upload(struct dev *d, const void *host) {
+  if (d->n) tensor_copy_from_host(&d->t, 0, host, (size_t)d->n * 4);
+}
+
+static void dev_download(const struct dev *d, void *host) {
+  if (d->n) tensor_copy_to_host(&d->t, 0, host, (size_t)d->n * 4);
+}
+
+static struct dev dev_from(int ndim, const int64_t *shape, const void *host) {
+  struct dev d = dev_new(ndim, shape);
+  dev_upload(&d, host);
+  return d;
+}
+
+/* Fails the test if anything was written into the guard bands of `d`. */
+static void dev_check_guards(const struct dev *d, const char *what) {
+  int64_t total = d->n + 2 * d->guard;
+  uint32_t *all = xmalloc((size_t)total * 4);
+  tensor_copy_to_host(d->whole, 0, all, (size_t)total * 4);
+  for (int64_t i = 0; i < total; i++) {
+    if (i >= d->guard && i < d->guard + d->n) continue;
+    if (all[i] != SENTINEL_BITS) {
+      uint32_t bits = all[i];
+      free(all);
+      cr_assert_fail("%s: out-of-bounds write: guard element %" PRId64 " %s the tensor (n=%" PRId64
+                     ") holds 0x%08x (seed %" PRIu64 ")",
+                     what, i < d->guard ? i - d->guard : i - d->guard - d->n, i < d->guard ? "before" : "after",
+                     d->n, bits, g_seed);
+    }
+  }
+  free(all);
+}
+
+/* ---- comparison ------------------------------------------------------------------------ */
+
+/* Fails unless |got[i] − ref[i]| <= atol_i + rtol·|ref[i]| for every i, and
+ * NaN or ±Inf appear in got exactly where ref has the same, with atol_i =
+ * atol, plus atol_rows[i / cols] when atol_rows is not NULL (a per-row
+ * allowance for ill-conditioned rows). Names the worst element. atol = rtol
+ * = 0 and no atol_rows demand equal values. */
+static void check_close_rows(const char *what, const float *got, const float *ref, int64_t n, double atol,
+                             double rtol, const double *atol_rows, int64_t cols) {
+  int64_t worst = -1;
+  double worst_ratio = 0.0, worst_tol = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    double g = got[i], r = ref[i];
+    if (!isfinite(r) || !isfinite(g)) {
+      bool same = isnan(r) ? isnan(g) : g == r;
+      cr_assert(same,
+                "%s: element %" PRId64 " of %" PRId64 " is %.9g where the reference is %.9g "
+                "(NaN/Inf mismatch; seed %" PRIu64 ")",
+                what, i, n, g, r, g_seed);
+      continue;
+    }
+    double tol = atol + rtol * fabs(r) + (atol_rows ? atol_rows[i / cols] : 0.0), diff = fabs(g - r);
+    double ratio = tol > 0.0 ? diff / tol : (diff > 0.0 ? INFINITY : 0.0);
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst = i;
+      worst_tol = tol;
+    }
+  }
+  if (worst >= 0)
+    cr_assert(worst_ratio <= 1.0,
+              "%s: worst element %" PRId64 " of %" PRId64 ": got %.9g, ref %.9g, |diff| %.3g > %.3g (%.3g + %.3g·|ref|"
+              "%s; seed %" PRIu64 ")",
+              what, worst, n, (double)got[worst], (double)ref[worst], fabs((double)got[worst] - ref[worst]),
+              worst_tol, atol, rtol, atol_rows ? " + the row's allowance" : "", g_seed);
+}
+
+static void check_close(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
+  check_close_rows(what, got, ref, n, atol, rtol, NULL, 1);
+}
+
+static void check_exact(const char *what, const float *got, const float *ref, int64_t n) {
+  check_close(what, got, ref, n, 0.0, 0.0);
+}
+
+/* Fails unless a and b hold the same bits (run-to-run determinism); names
+ * the first element that differs. */
+static void check_bitwise(const char *what, const float *a, const float *b, int64_t n) {
+  if (memcmp(a, b, (size_t)n * sizeof *a) == 0) return;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t x, y;
+    memcpy(&x, &a[i], 4);
+    memcpy(&y, &b[i], 4);
+    cr_assert_eq(x, y, "%s: element %" PRId64 " of %" PRId64 " differs between two runs: 0x%08x vs 0x%08x"
+                       " (seed %" PRIu64 ")",
+                 what, i, n, x, y, g_seed);
+  }
+}
+
+/* ---- shapes ------------------------------------------------------------------------------ */
+
+/* (R, T, C, heads) for embedding, LayerNorm and attention; the larger first,
+ * so that later shapes run on scratch grown (and dirtied) before. */
+struct xf_shape {
+  int64_t r, t, c;
+  int nh;
+};
+static const struct xf_shape kXfShapes[] = {
+    {1, 1024, 64, 1}, /* GPT-2's context length, one head of 64 */
+    {2, 96, 768, 12}, /* GPT-2 small's width and heads */
+    {2, 256, 64, 2},  /* two heads of 32 */
+    {3, 127, 48, 4},  /* T = 127, hs = 12 */
+    {1, 64, 33, 1},   /* C not a multiple of 32, one head of 33 */
+    {3, 33, 100, 5},  /* hs = 20, nothing a power of two */
+    {3, 1, 12, 3},    /* T = 1, R = 3, hs = 4 */
+    {1, 1, 8, 1},     /* T = 1, R = 1 */
+};
+#define NXF ((int)(sizeof kXfShapes / sizeof kXfShapes[0]))
+
+static void shape_name(char *buf, size_t len, const char *op, const struct xf_shape *s) {
+  snprintf(buf, len, "%s R=%" PRId64 " T=%" PRId64 " C=%" PRId64 " nh=%d", op, s->r, s->t, s->c, s->nh);
+}
+
+/* ==== element-wise ======================================================================= */
+
+static const int64_t kSizes[] = {1, 31, 256, 1000, 65537, (1 << 21) + 3};
+#define NSIZES ((int)(sizeof kSizes / sizeof kSizes[0]))
+
+Test(cuda_nn, add_matches_reference_in_and_out_of_place) {
+  open_gpu();
+  for (int s = 0; s < NSIZES; s++) {
+    int64_t n = kSizes[s];
+    int mark = arena_mark();
+    float *x = hbuf(n), *y = hbuf(n), *ref = hbuf(n), *got = hbuf(n);
+    fill_normal(x, n, 0.0f, 1.0f);
+    fill_normal(y, n, 0.0f, 1.0f);
+    tensor_ref_add(x, y, ref, n);
+    char what[64];
+    for (int mode = 0; mode < 3; mode++) { /* out separate, out = x, out = y */
+      struct dev dx = dev_from(1, &n, x), dy = dev_from(1, &n, y), dout = dev_new(1, &n);
+      struct dev *o = mode == 0 ? &dout : mode == 1 ? &dx : &dy;
+      tensor_add(&dx.t, &dy.t, &o->t);
+      dev_download(o, got);
+      static const char *const modes[] = {"out of place", "out = x", "out = y"};
+      snprintf(what, sizeof what, "add n=%" PRId64 " (%s)", n, modes[mode]);
+      check_exact(what, got, ref, n); /* one float add per element */
+      dev_check_guards(o, what);
+    }
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+/* Puts NaN, ±Inf, zeros and extremes at fixed places of x (n > 12). */
+static void add_specials(float *x, int64_t n) {
+  if (n <= 12) return;
+  x[1] = NAN;
+  x[3] = INFINITY;
+  x[5] = -INFINITY;
+  x[7] = 0.0f;
+  x[9] = -0.0f;
+  x[11] = FLT_MAX;
+  x[n - 1] = -FLT_MAX;
+}
+
+/* Tolerance: the kernels build GELU from expf (2 ulp) and IEEE division, in
+ * the exp(−2|u|) form, so the relative error is a few ulp except in the far
+ * tails, where an ulp-level error of u (|u| up to ~50) becomes ~|2u|·1e-7
+ * relative on values below 1e-20; atol 1e-6 covers those with room, rtol
+ * 1e-5 is ~80 ulp. A wrong constant or formula misses by 1e-3 or more. */
+Test(cuda_nn, gelu_tanh_fwd_and_bwd_match_reference_with_specials_in_and_out_of_place) {
+  open_gpu();
+  const double atol = 1e-6, rtol = 1e-5;
+  for (int s = 0; s < NSIZES; s++) {
+    int64_t n = kSizes[s];
+    int mark = arena_mark();
+    float *x = hbuf(n), *y = hbuf(n), *dy = hbuf(n), *dx = hbuf(n), *got = hbuf(n);
+    fill_normal(x, n, 0.0f, 3.0f);
+    add_specials(x, n);
+    fill_normal(dy, n, 0.0f, 1.0f);
+    tensor_ref_gelu_tanh_fwd(x, y, n);
+    tensor_ref_gelu_tanh_bwd(x, dy, dx, n);
+    char what[64];
+
+    struct dev dxs = dev_from(1, &n, x), dys = dev_new(1, &n);
+    tensor_gelu_tanh_fwd(&dxs.t, &dys.t);
+    dev_download(&dys, got);
+    snprintf(what, sizeof what, "gelu_tanh_fwd n=%" PRId64, n);
+    check_close(what, got, y, n, atol, rtol);
+    dev_check_guards(&dys, what);
+
+    struct dev ddy = dev_from(1, &n, dy), ddx = dev_new(1, &n);
+    tensor_gelu_tanh_bwd(&dxs.t, &ddy.t, &ddx.t);
+    dev_download(&ddx, got);
+    snprintf(what, sizeof what, "gelu_tanh_bwd n=%" PRId64, n);
+    check_close(what, got, dx, n, atol, rtol);
+    dev_check_guards(&ddx, what);
+
+    tensor_gelu_tanh_bwd(&dxs.t, &ddy.t, &ddy.t); /* dx aliases dy */
+    dev_download(&ddy, got);
+    snprintf(what, sizeof what, "gelu_tanh_bwd in place n=%" PRId64, n);
+    check_close(what, got, dx, n, atol, rtol);
+    dev_check_guards(&ddy, what);
+
+    tensor_gelu_tanh_fwd(&dxs.t, &dxs.t); /* in place, last: x is consumed */
+    dev_download(&dxs, got);
+    snprintf(what, sizeof what, "gelu_tanh_fwd in place n=%" PRId64, n);
+    check_close(what, got, y, n, atol, rtol);
+    dev_check_guards(&dxs, what);
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+/* ==== embedding ============================================================================ */
+
+/* Tokens in [0, v): mostly from a few small ids (many repeats), some
+ * uniform, and the first and last rows of the table both used. */
+static void fill_tokens(int32_t *tok, int64_t n, int64_t v) {
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t pick = rng_below(&g_rng, 4);
+    uint64_t bound = pick == 0 ? (uint64_t)v : (uint64_t)(v < 5 ? v : 5);
+    tok[i] = (int32_t)rng_below(&g_rng, bound);
+  }
+  tok[0] = (int32_t)(v - 1);
+  if (n > 1) tok[n - 1] = 0;
+}
+
+/* Embedding fwd is one float add per element and embedding bwd adds in the
+ * reference's own order (contract: deterministic; kernels.h: the sums in
+ * ascending position order onto the value already there), so both are held
+ * to exact equality. */
+static void run_embedding(const struct xf_shape *s, int64_t v, bool same_token) {
+  const int64_t r = s->r, t = s->t, c = s->c, tmax = t + 3, n = r * t;
+  int mark = arena_mark();
+  int32_t *tok = hbuf_i32(n);
+  if (same_token)
+    for (int64_t i = 0; i < n; i++) tok[i] = (int32_t)(v / 2);
+  else
+    fill_tokens(tok, n, v);
+  float *wte = hbuf(v * c), *wpe = hbuf(tmax * c), *ref = hbuf(n * c), *got = hbuf(n * c);
+  fill_normal(wte, v * c, 0.0f, 1.0f);
+  fill_normal(wpe, tmax * c, 0.0f, 1.0f);
+  int64_t st[2] = {r, t}, swte[2] = {v, c}, swpe[2] = {tmax, c}, sout[3] = {r, t, c};
+  struct dev dtok = dev_new_dt(TENSOR_I32, 2, st);
+  dev_upload(&dtok, tok);
+  struct dev dwte = dev_from(2, swte, wte), dwpe = dev_from(2, swpe, wpe), dout = dev_new(3, sout);
+  char what[128];
+
+  tensor_embedding_fwd(&dtok.t, &dwte.t, &dwpe.t, &dout.t);
+  tensor_ref_embedding_fwd(tok, wte, wpe, ref, r, t, c);
+  dev_download(&dout, got);
+  shape_name(what, sizeof what, same_token ? "embedding_fwd (one token)" : "embedding_fwd", s);
+  check_exact(what, got, ref, n * c);
+  dev_check_guards(&dout, what);
+
+  /* Backward onto random gradients already there (it accumulates). */
+  float *g = hbuf(n * c), *gte = hbuf(v * c), *gpe = hbuf(tmax * c);
+  fill_normal(g, n * c, 0.0f, 1.0f);
+  fill_normal(gte, v * c, 0.0f, 1.0f);
+  fill_normal(gpe, tmax * c, 0.0f, 1.0f);
+  struct dev dg = dev_from(3, sout, g), dgte = dev_from(2, swte, gte), dgpe = dev_from(2, swpe, gpe);
+  tensor_embedding_bwd(&dtok.t, &dg.t, &dgte.t, &dgpe.t);
+  tensor_ref_embedding_bwd(tok, g, gte, gpe, r, t, c);
+  float *got_te = hbuf(v * c), *got_pe = hbuf(tmax * c);
+  dev_download(&dgte, got_te);
+  dev_download(&dgpe, got_pe);
+  shape_name(what, sizeof what, same_token ? "embedding_bwd dwte (one token)" : "embedding_bwd dwte", s);
+  check_exact(what, got_te, gte, v * c);
+  dev_check_guards(&dgte, what);
+  shape_name(what, sizeof what, same_token ? "embedding_bwd dwpe (one token)" : "embedding_bwd dwpe", s);
+  check_exact(what, got_pe, gpe, tmax * c); /* rows t .. tmax−1 untouched */
+  dev_check_guards(&dgpe, what);
+  arena_release(mark);
+}
+
+Test(cuda_nn, embedding_fwd_and_accumulating_bwd_equal_reference_with_repeated_tokens) {
+  open_gpu();
+  static const int64_t vocab[] = {1, 7, 1000};
+  for (int i = 0; i < NXF; i++)
+    for (int j = 0; j < 3; j++) run_embedding(&kXfShapes[i], vocab[j], false);
+  run_embedding(&kXfShapes[0], 50257, false); /* GPT-2's vocabulary: 16 sort bits */
+  run_embedding(&kXfShapes[0], 50257, true);  /* one token everywhere: one run of 1024 */
+  close_gpu();
+}
+
+Test(cuda_nn, embedding_bwd_is_bitwise_deterministic) {
+  open_gpu();
+  const int64_t r = 8, t = 1024, c = 96, v = 50257, n = r * t;
+  int32_t *tok = hbuf_i32(n);
+  /* Skewed ids (u⁴·v): thousands of repeats of the small ones. */
+  for (int64_t i = 0; i < n; i++) {
+    double u = rng_uniform(&g_rng);
+    tok[i] = (int32_t)(u * u * u * u * (double)(v - 1));
+  }
+  float *g = hbuf(n * c), *gte = hbuf(v * c), *gpe = hbuf(t * c);
+  fill_normal(g, n * c, 0.0f, 1.0f);
+  fill_normal(gte, v * c, 0.0f, 1.0f);
+  fill_normal(gpe, t * c, 0.0f, 1.0f);
+  int64_t st[2] = {r, t}, sg[3] = {r, t, c}, swte[2] = {v, c}, swpe[2] = {t, c};
+  struct dev dtok = dev_new_dt(TENSOR_I32, 2, st);
+  dev_upload(&dtok, tok);
+  struct dev dg = dev_from(3, sg, g), dgte = dev_new(2, swte), dgpe = dev_new(2, swpe);
+  float *te[2] = {hbuf(v * c), hbuf(v * c)}, *pe[2] = {hbuf(t * c), hbuf(t * c)};
+  for (int run = 0; run < 2; run++) {
+    dev_upload(&dgte, gte);
+    dev_upload(&dgpe, gpe);
+    tensor_embedding_bwd(&dtok.t, &dg.t, &dgte.t, &dgpe.t);
+    dev_download(&dgte, te[run]);
+    dev_download(&dgpe, pe[run]);
+  }
+  check_bitwise("embedding_bwd dwte, two runs", te[0], te[1], v * c);
+  check_bitwise("embedding_bwd dwpe, two runs", pe[0], pe[1], t * c);
+  tensor_ref_embedding_bwd(tok, g, gte, gpe, r, t, c);
+  check_exact("embedding_bwd dwte (R=8 T=1024 C=96 V=50257)", te[0], gte, v * c);
+  check_exact("embedding_bwd dwpe (R=8 T=1024 C=96 V=50257)", pe[0], gpe, t * c);
+  close_gpu();
+}
+
+/* ==== LayerNorm ============================================================================ */
+
+/* [rows, c]: the transformer shapes' R·T × C, plus one row, a width of 1,
+ * a row count past the 1024-chunk cap of the dw/db partials, and a width
+ * past the column-tile grid cap (8192 tiles of 32). */
+static const int64_t kLnShapes[][2] = {{2 * 96, 768}, {1024, 64}, {381, 48}, {64, 33},     {99, 100},
+                                       {3, 12},       {1, 8},     {1, 1},    {300001, 3}, {2, 300007}};
+#define NLN ((int)(sizeof kLnShapes / sizeof kLnShapes[0]))
+
+/* Tolerances (x ~ N(3, 2²), so the mean is not small against the spread):
+ * mean and the variance are float sums of c terms (lane partials, then the
+ * warp's butterfly), relative error ~√(c/32)·1e-7 typical; an error δμ of
+ * the mean moves x̂ by δμ·rstd. y = x̂·w + b with |w| <= ~3: atol 3e-5,
+ * rtol 1e-5 is ~10x the typical error at c = 768 and covers c = 300007
+ * (~100 terms a lane). Rows of few columns can have a spread far below
+ * their mean (c = 3: some of 300001 rows have σ ~ 0.01, rstd ~ 100), where
+ * the float mean's own rounding (a few ulp of |μ|) is amplified by rstd:
+ * such a row is allowed 3e-6·|μ|·rstd more on y (~8 ulp of |μ|, times
+ * rstd and |w|), and 1e-6·|μ|·rstd² more on rstd. For well-conditioned
+ * rows (|μ|·rstd ~ 1.5) that adds ~5e-6. A one-pass variance
+ * (E[x²] − μ²) fails these at x ~ N(3, 2²). */
+static void run_layernorm_fwd(int64_t rows, int64_t c) {
+  int mark = arena_mark();
+  const int64_t n = rows * c;
+  float *x = hbuf(n), *w = hbuf(c), *b = hbuf(c), *y = hbuf(n), *mean = hbuf(rows), *rstd = hbuf(rows);
+  float *got = hbuf(n), *got_m = hbuf(rows), *got_r = hbuf(rows);
+  fill_normal(x, n, 3.0f, 2.0f);
+  fill_normal(w, c, 1.0f, 0.5f);
+  fill_normal(b, c, 0.0f, 0.5f);
+  int64_t sx[2] = {rows, c};
+  struct dev dx = dev_from(2, sx, x), dw = dev_from(1, &c, w), db = dev_from(1, &c, b), dy = dev_new(2, sx);
+  struct dev dm = dev_new(1, &rows), dr = dev_new(1, &rows);
+  tensor_layernorm_fwd(&dx.t, &dw.t, &db.t, &dy.t, &dm.t, &dr.t);
+  tensor_ref_layernorm_fwd(x, w, b, y, mean, rstd, rows, c);
+  dev_download(&dy, got);
+  dev_download(&dm, got_m);
+  dev_download(&dr, got_r);
+  double *allow_y = hbuf_bytes((size_t)rows * sizeof(double)), *allow_r = hbuf_bytes((size_t)rows * sizeof(double));
+  for (int64_t i = 0; i < rows; i++) {
+    double cond = fabs((double)mean[i]) * rstd[i]; /* |μ|·rstd: how much the mean's rounding is amplified */
+    allow_y[i] = 3e-6 * cond;
+    allow_r[i] = 1e-6 * cond * rstd[i];
+  }
+  char what[96];
+  snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] y", rows, c);
+  check_close_rows(what, got, y, n, 3e-5, 1e-5, allow_y, c);
+  dev_check_guards(&dy, what);
+  snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] mean", rows, c);
+  check_close(what, got_m, mean, rows, 1e-5, 1e-5);
+  dev_check_guards(&dm, what);
+  snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] rstd", rows, c);
+  check_close_rows(what, got_r, rstd, rows, 0.0, 2e-5, allow_r, 1);
+  dev_check_guards(&dr, what);
+  arena_release(mark);
+}
+
+Test(cuda_nn, layernorm_fwd_matches_reference) {
+  open_gpu();
+  for (int s = 0; s < NLN; s++) run_layernorm_fwd(kLnShapes[s][0], kLnShapes[s][1]);
+  close_gpu();
+}
+
+/* Inputs of a LayerNorm backward, on the host and on the device. mean and
+ * rstd come from the reference forward, so both sides see the same x̂. */
+struct ln_bwd_case {
+  int64_t rows, c;
+  float *x, *w, *mean, *rstd, *dy, *dx0, *dw0, *db0; /* host */
+  struct dev dx_in, dw_in, dm, dr, ddy, ddx, ddw, ddb;
+};
+
+static void ln_bwd_case_new(struct ln_bwd_case *k, int64_t rows, int64_t c) {
+  const int64_t n = rows * c;
+  k->rows = rows;
+  k->c = c;
+  k->x = hbuf(n);
+  k->w = hbuf(c);
+  k->mean = hbuf(rows);
+  k->rstd = hbuf(rows);
+  k->dy = hbuf(n);
+  k->dx0 = hbuf(n);
+  k->dw0 = hbuf(c);
+  k->db0 = hbuf(c);
+  float *b = hbuf(c), *y = hbuf(n);
+  fill_normal(k->x, n, 3.0f, 2.0f);
+  fill_normal(k->w, c, 1.0f, 0.5f);
+  fill_normal(b, c, 0.0f, 0.5f);
+  tensor_ref_layernorm_fwd(k->x, k->w, b, y, k->mean, k->rstd, rows, c);
+  fill_normal(k->dy, n, 0.0f, 1.0f);
+  fill_normal(k->dx0, n, 0.0f, 1.0f);
+  fill_normal(k->dw0, c, 0.0f, 1.0f);
+  fill_normal(k->db0, c, 0.0f, 1.0f);
+  int64_t sx[2] = {rows, c};
+  k->dx_in = dev_from(2, sx, k->x);
+  k->dw_in = dev_from(1, &c, k->w);
+  k->dm = dev_from(1, &rows, k->mean);
+  k->dr = dev_from(1, &rows, k->rstd);
+  k->ddy = dev_from(2, sx, k->dy);
+  k->ddx = dev_new(2, sx);
+  k->ddw = dev_new(1, &c);
+  k->ddb = dev_new(1, &c);
+}
+
+/* Runs the device backward from the case's starting dx, dw, db (dw, db left
+ * NaN when beta is 0: they must not be read) and downloads the results. */
+static void ln_bwd_run(struct ln_bwd_case *k, float beta, float *dx, float *dw, float *db) {
+  dev_upload(&k->ddx, k->dx0);
+  if (beta != 0.0f) {
+    dev_upload(&k->ddw, k->dw0);
+    dev_upload(&k->ddb, k->db0);
+  } else {
+    float *nan = hbuf(k->c);
+    fill_value(nan, k->c, NAN);
+    dev_upload(&k->ddw, nan);
+    dev_upload(&k->ddb, nan);
+  }
+  tensor_layernorm_bwd(&k->dx_in.t, &k->dw_in.t, &k->dm.t, &k->dr.t, &k->ddy.t, &k->ddx.t, &k->ddw.t, &k->ddb.t,
+                       beta);
+  dev_download(&k->ddx, dx);
+  dev_download(&k->ddw, dw);
+  dev_download(&k->ddb, db);
+}
+
+/* Tolerances: dx = old + rstd·(g − mean(g) − x̂·mean(g·x̂)), each term ~1
+ * with float row means over c: atol 3e-5, rtol 1e-5. dw, db are float sums
+ * over `rows` terms of size ~1 (lane sums over a chunk, 32 lanes, then the
+ * chunks in order): atol 1e-5 + 5e-8·rows, rtol 1e-5, as bias_grad's. */
+Test(cuda_nn, layernorm_bwd_matches_reference_accumulates_dx_and_honours_beta) {
+  open_gpu();
+  static const float betas[] = {0.0f, 0.5f, 1.0f};
+  for (int s = 0; s < NLN; s++) {
+    int mark = arena_mark();
+    struct ln_bwd_case k;
+    ln_bwd_case_new(&k, kLnShapes[s][0], kLnShapes[s][1]);
+    const int64_t n = k.rows * k.c;
+    float *dx = hbuf(n), *dw = hbuf(k.c), *db = hbuf(k.c);
+    float *rdx = hbuf(n), *rdw = hbuf(k.c), *rdb = hbuf(k.c);
+    for (int bi = 0; bi < 3; bi++) {
+      float beta = betas[bi];
+      ln_bwd_run(&k, beta, dx, dw, db);
+      memcpy(rdx, k.dx0, (size_t)n * sizeof *rdx);
+      memcpy(rdw, k.dw0, (size_t)k.c * sizeof *rdw);
+      memcpy(rdb, k.db0, (size_t)k.c * sizeof *rdb);
+      tensor_ref_layernorm_bwd(k.x, k.w, k.mean, k.rstd, k.dy, rdx, rdw, rdb, k.rows, k.c, beta);
+      char what[112];
+      snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g dx", k.rows, k.c, beta);
+      check_close(what, dx, rdx, n, 3e-5, 1e-5);
+      dev_check_guards(&k.ddx, what);
+      const double atol = 1e-5 + 5e-8 * (double)k.rows;
+      snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g dw", k.rows, k.c, beta);
+      check_close(what, dw, rdw, k.c, atol, 1e-5);
+      dev_check_guards(&k.ddw, what);
+      snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g db", k.rows, k.c, beta);
+      check_close(what, db, rdb, k.c, atol, 1e-5);
+      dev_check_guards(&k.ddb, what);
+    }
+    arena_release(mark);
+  }
+  close_gpu();
+}
+
+Test(cuda_nn, layernorm_bwd_is_bitwise_deterministic) {
+  open_gpu();
+  struct ln_bwd_case k;
+  ln_bwd_case_new(&k, 8192, 768); /* GPT-2 small, R·T = 8·1024 */
+  const int64_t n = k.rows * k.c;
+  float *dx[2] = {hbuf(n), hbuf(n)}, *dw[2] = {hbuf(k.c), hbuf(k.c)}, *db[2] = {hbuf(k.c), hbuf(k.c)};
+  for (int run = 0; run < 2; run++) ln_bwd_run(&k, 1.0f, dx[run], dw[run], db[run]);
+  check_bitwise("layernorm_bwd dx, two runs", dx[0], dx[1], n);
+  check_bitwise("layernorm_bwd dw, two runs", dw[0], dw[1], k.c);
+  check_bitwise("layernorm_bwd db, two runs", db[0], db[1], k.c);
+  close_gpu();
+}
+
+Test(cuda_nn, empty_batches_write_nothing_and_layernorm_bwd_still_scales_by_beta) {
+  open_gpu();
+  const int64_t c = 8, v = 5;
+  int64_t st[2] = {0, 4}, s3[3] = {0, 4, c}, sqkv[3] = {0, 4, 3 * c}, sl[3] = {0, 2, 4}, swte[2] = {v, c};
+  int64_t sx[2] = {0, c}, zero = 0;
+  float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1}, half[8], got[8];
+  fill_value(half, c, 0.5f);
+  struct dev tok = dev_new_dt(TENSOR_I32, 2, st), out = dev_new(3, s3), qkv = dev_new(3, sqkv), lse = dev_new(3, sl);
+  struct dev wte = dev_new(2, swte), x = dev_new(2, sx), m = dev_new(1, &zero), dw = dev_from(1, &c, ones),
+             db = dev_from(1, &c, ones), w = dev_from(1, &c, ones);
+  tensor_embedding_fwd(&tok.t, &wte.t, &wte.t, &out.t);
+  tensor_embedding_bwd(&tok.t, &out.t, &wte.t, &wte.t);
+  tensor_attention_fwd(&qkv.t, 2, &out.t, &lse.t);
+  tensor_attention_bwd(&qkv.t, &out.t, &lse.t, &out.t, 2, &qkv.t);
+  tensor_layernorm_fwd(&x.t, &w.t, &w.t, &out.t, &m.t, &m.t);
+  tensor_layernorm_bwd(&x.t, &w.t, &m.t, &m.t, &x.t, &out.t, &dw.t, &db.t, 0.5f);
+  tensor_backend_sync(g_be);
+  dev_check_guards(&out, "ops on an empty batch");
+  dev_check_guards(&lse, "attention on an empty batch");
+  dev_check_guards(&wte, "embedding on an empty batch");
+  dev_download(&dw, got);
+  check_exact("layernorm_bwd with 0 rows: dw ← 0.5·dw", got, half, c);
+  dev_download(&db, got);
+  check_exact("layernorm_bwd with 0 rows: db ← 0.5·db", got, half, c);
+  close_gpu();
+}
+
+/* ==== attention ============================================================================ */
+
+/* Forward then backward on the device (the backward gets the device's own
+ * out and lse, as in training) against the reference.
+ *
+ * Tolerances, for qkv ~ N(0, scale²): scores are float GEMMs over hs
+ * terms, their error ~√hs·1e-7·|q||k|; probabilities, lse and out inherit
+ * it, and the backward's GEMMs sum over up to T terms. At scale 1 the
+ * errors are ~1e-6: out and lse atol 2e-5, rtol 1e-4; dqkv atol 5e-5, rtol
+ * 1e-4. Sharper softmaxes (scale 3: scores ~9x larger, near one-hot rows)
+ * scale the score error and the gradients by ~scale²: the tolerances are
+ * multiplied by scale². Dropping the causal mask, the scale or a
+ * transpose gives errors of order 1. */
+static void run_attention(const struct xf_shape *s, float scale) {
+  const int64_t r = s->r, t = s->t, c = s->c, nq = r * t * 3 * c, no = r * t * c, nl = r * s->nh * t;
+  int mark = arena_mark();
+  float *qkv = hbuf(nq), *out = hbuf(no), *lse = hbuf(nl), *dout = hbuf(no), *dqkv = hbuf(nq);
+  float *got_o = hbuf(no), *got_l = hbuf(nl), *got_d = hbuf(nq);
+  fill_normal(qkv, nq, 0.0f, scale);
+  fill_normal(dout, no, 0.0f, 1.0f);
+  int64_t sq[3] = {r, t, 3 * c}, so[3] = {r, t, c}, sl[3] = {r, s->nh, t};
+  struct dev dq = dev_from(3, sq, qkv), dO = dev_new(3, so), dl = dev_new(3, sl);
+  struct dev ddo = dev_from(3, so, dout), ddq = dev_new(3, sq);
+  tensor_attention_fwd(&dq.t, s->nh, &dO.t, &dl.t);
+  tensor_attention_bwd(&dq.t, &dO.t, &dl.t, &ddo.t, s->nh, &ddq.t);
+  tensor_ref_attention_fwd(qkv, out, lse, r, t, c, s->nh);
+  tensor_ref_attention_bwd(qkv, out, lse, dout, dqkv, r, t, c, s->nh);
+  dev_download(&dO, got_o);
+  dev_download(&dl, got_l);
+  dev_download(&ddq, got_d);
+
+  const double k = (double)scale * scale;
+  char what[128], op[64];
+  snprintf(op, sizeof op, "attention (qkv scale %g) out", scale);
+  shape_name(what, sizeof what, op, s);
+  check_close(what, got_o, out, no, 2e-5 * k, 1e-4 * k);
+  dev_check_guards(&dO, what);
+  snprintf(op, sizeof op, "attention (qkv scale %g) lse", scale);
+  shape_name(what, sizeof what, op, s);
+  check_close(what, got_l, lse, nl, 2e-5 * k, 1e-4 * k);
+  dev_check_guards(&dl, what);
+  snprintf(op, sizeof op, "attention_bwd (qkv scale %g) dqkv", scale);
+  shape_name(what, sizeof what, op, s);
+  check_close(what, got_d, dqkv, nq, 5e-5 * k, 1e-4 * k);
+  dev_check_guards(&ddq, what);
+  arena_release(mark);
+}
+
+Test(cuda_nn, attention_fwd_and_bwd_match_reference) {
+  open_gpu();
+  for (int i = 0; i < NXF; i++) run_attention(&kXfShapes[i], 1.0f);
+  close_gpu();
+}
+
+Test(cuda_nn, attention_matches_reference_with_sharp_softmax) {
+  open_gpu();
+  for (int i = 2; i < NXF; i++) run_attention(&kXfShapes[i], 3.0f);
+  close_gpu();
+}
+
+/* T = 2048: the backend's 2^26-float score buffer holds 16 of the 18
+ * (sequence, head) batches, so the work runs in two rounds (16, then 2),
+ * and the second round's offsets into q, k, v, lse and dqkv are tested. */
+Test(cuda_nn, attention_in_several_rounds_of_score_scratch_matches_reference) {
+  open_gpu();
+  const struct xf_shape s = {9, 2048, 16, 2};
+  run_attention(&s, 1.0f);
+  close_gpu();
+}
