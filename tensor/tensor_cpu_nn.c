@@ -303,6 +303,32 @@ static size_t att_worker_floats(const struct att *a) {
   return (n + 15) & ~(size_t)15;
 }
 
+/* The maximum of row[0, len), len >= 1, not NaN. Computed on integer keys
+ * that order like the floats (the sign bit set: the other bits flipped), as
+ * an integer max reduction vectorises with GCC and clang alike, where a
+ * float one needs fast-math (NaN semantics of the select). */
+static inline int32_t float_key(float f) {
+  union {
+    float f;
+    int32_t i;
+  } u = {.f = f};
+  return u.i ^ (int32_t)((uint32_t)(u.i >> 31) >> 1); /* negative: flip all but the sign */
+}
+
+static inline float row_max(const float *row, int64_t len) {
+  int32_t m = float_key(row[0]);
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < len; j++) {
+    int32_t k = float_key(row[j]);
+    m = k > m ? k : m;
+  }
+  union {
+    int32_t i;
+    float f;
+  } u = {.i = m ^ (int32_t)((uint32_t)(m >> 31) >> 1)}; /* the mapping is its own inverse */
+  return u.f;
+}
+
 /* Softmax of rows [0, nb) of s, row r over keys [0, i0 + r]: s ← e^(s − max)
  * there and 0 in [i0 + r + 1, n); lse[r] and inv[r] = 1/Σ. */
 CPU_KERNEL_WIDE static void att_softmax_rows(float *s, int64_t lds, int64_t nb, int64_t i0, int64_t n, float *lse,
@@ -310,9 +336,7 @@ CPU_KERNEL_WIDE static void att_softmax_rows(float *s, int64_t lds, int64_t nb, 
   for (int64_t r = 0; r < nb; r++) {
     float *row = s + r * lds;
     int64_t len = i0 + r + 1;
-    float m = row[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
+    const float m = row_max(row, len);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; j++) {

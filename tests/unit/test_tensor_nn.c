@@ -492,7 +492,8 @@ Test(tensor_nn, attention_single_position_copies_v_and_lse_is_the_score) {
   float *qkv = rand_host(r * 3 * c, 2), *dout = rand_host(r * c, 1);
   struct tensor q = dev_from(qkv, 3, s3), o = dev_nan(3, so), l = dev_nan(3, sl), d = dev_from(dout, 3, so);
   struct tensor dq = dev_nan(3, s3);
-  float *oref = xmalloc((size_t)(r * c) * 4), *lref = xmalloc((size_t)(r * nh) * 4), *dref = xmalloc((size_t)(r * 3 * c) * 4);
+  float *oref = xmalloc((size_t)(r * c) * 4), *lref = xmalloc((size_t)(r * nh) * 4);
+  float *dref = xmalloc((size_t)(r * 3 * c) * 4);
   for (size_t th = 0; th < NTHREADS; th++) {
     tensor_backend_set_threads(be, thread_counts[th]);
     tensor_attention_fwd(&q, nh, &o, &l);
@@ -627,7 +628,8 @@ Test(tensor_nn, reference_embedding_backward_matches_finite_differences) {
   const int64_t r = 3, t = 6, c = 5, v = 4, tmax = 7; /* 18 positions on 4 tokens: repeats */
   int32_t *tok = rand_tokens(r * t, v);
   float *wte = rand_host(v * c, 1), *wpe = rand_host(tmax * c, 1), *g = rand_host(r * t * c, 1);
-  float *y = xmalloc((size_t)(r * t * c) * 4), *dwte = xcalloc((size_t)(v * c), 4), *dwpe = xcalloc((size_t)(tmax * c), 4);
+  float *y = xmalloc((size_t)(r * t * c) * 4), *dwte = xcalloc((size_t)(v * c), 4);
+  float *dwpe = xcalloc((size_t)(tmax * c), 4);
   tensor_ref_embedding_bwd(tok, g, dwte, dwpe, r, t, c);
   struct fd_ctx f = {.fwd = fd_emb, .y = y, .g = g, .ny = r * t * c, .p = {tok, wte, wpe}, .d = {r, t, c}};
   fd_emb(&f);
