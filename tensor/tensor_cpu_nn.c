@@ -5,15 +5,17 @@
  * caller thread; each forks at most `threads` OpenMP workers and joins them
  * before returning.
  *
- * Determinism: embedding_bwd and layernorm_bwd give the same bits on every
- * run and for every thread count (their sums have a fixed order that does
- * not depend on how the work is split). The others are deterministic for a
- * given thread count; attention may differ in the last bits between thread
- * counts when oneDNN picks different GEMM partitions.
+ * Determinism: every op gives the same bits on every run. embedding_bwd
+ * and layernorm_bwd (tested) and the row- or element-local ops also give
+ * the same bits for every thread count: their sums have a fixed order that
+ * does not depend on how the work is split. Attention does too as long as
+ * there are at least as many (sequence, head) pairs as threads (each pair
+ * runs whole on one worker with a single-threaded GEMM); with fewer, its
+ * GEMMs are threaded and oneDNN's split may change the last bits.
  *
- * This file is built with -ffp-contract=fast (tensor/CMakeLists.txt): the
- * AVX2 and AVX-512 clones fuse multiply-adds, so their last bits differ from
- * the baseline clone's.
+ * This file is built with -ffp-contract=fast and -fno-trapping-math
+ * (tensor/CMakeLists.txt): the AVX2 and AVX-512 clones fuse multiply-adds,
+ * so their last bits differ from the baseline clone's.
  */
 #include <limits.h>
 #include <math.h>
@@ -276,8 +278,9 @@ void cpu_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, cons
  *
  * Threads: the pairs are split among the workers (dynamic, one at a time)
  * with a single-threaded GEMM each when there are at least as many pairs as
- * threads; otherwise the pairs run in turn with a threaded GEMM. Each pair
- * is computed whole by one worker, so the result does not depend on which
+ * threads; otherwise the pairs run in turn with a threaded GEMM; problems
+ * too small to share run on the caller's thread alone. Each pair is
+ * computed whole by one worker, so the result does not depend on which
  * worker took it.
  *
  * Block size, measured on one AVX-512 core (bench_tensor_nn): 64 rows are
@@ -441,8 +444,8 @@ static void att_run(tensor_backend_t be, const struct att *a, int64_t pairs,
                     void (*fn)(const struct att *, int64_t, float *, int)) {
   size_t per = att_worker_floats(a);
   int th = nthreads(be);
-  double work = (double)pairs * (double)a->t * (double)a->t * (double)a->hs;
-  if (th <= 1 || pairs < th || work < CPU_PAR_MIN) { /* oneDNN threads each GEMM if it is worth it */
+  if ((double)pairs * (double)a->t * (double)a->t * (double)a->hs < CPU_PAR_MIN) th = 1; /* too small to share */
+  if (th <= 1 || pairs < th) {
     float *scratch = cpu_scratch(be, per);
     for (int64_t p = 0; p < pairs; p++) fn(a, p, scratch, th);
     return;
