@@ -46,8 +46,10 @@ static void cpu_ev_wait(tensor_backend_t be, void *ev) {}
 
 void cpu_sgemm(int threads, bool ta, bool tb, int m, int n, int k, float alpha, const float *a, int lda,
                const float *b, int ldb, float beta, float *c, int ldc) {
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  int prev = omp_get_max_threads();
+  if (prev != threads) omp_set_num_threads(threads);
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (prev != threads) omp_set_num_threads(prev);
   if (st != dnnl_success)
     rumor_panic(__FILE__, __LINE__, "dnnl_sgemm(%c,%c,%d,%d,%d) failed with status %d", ta ? 'T' : 'N',
                 tb ? 'T' : 'N', m, n, k, (int)st);

@@ -40,10 +40,11 @@ static inline int nthreads(tensor_backend_t be) { return ((struct cpu_backend *)
 float *cpu_scratch(tensor_backend_t be, size_t floats);
 
 /* Row-major C[m,n] ← alpha·op(A)·op(B) + beta·C through dnnl_sgemm, which
- * runs on `threads` OpenMP threads. Inside a parallel region pass 1: it sets
- * the calling worker's nthreads ICV to 1, so oneDNN (Debian's build uses
- * OpenMP) neither forks a nested team nor waits for one. Panics when oneDNN
- * reports an error. */
+ * runs on `threads` OpenMP threads: the calling thread's nthreads ICV is set
+ * to `threads` for the call and restored after it. Inside a parallel region
+ * pass 1, so oneDNN (Debian's build uses OpenMP) neither forks a nested team
+ * nor waits for one (measured: two workers each running their own GEMM
+ * reach twice the one-thread rate). Panics when oneDNN reports an error. */
 void cpu_sgemm(int threads, bool ta, bool tb, int m, int n, int k, float alpha, const float *a, int lda,
                const float *b, int ldb, float beta, float *c, int ldc);
 

@@ -5,15 +5,17 @@
  * caller thread; each forks at most `threads` OpenMP workers and joins them
  * before returning.
  *
- * Determinism: embedding_bwd and layernorm_bwd give the same bits on every
- * run and for every thread count (their sums have a fixed order that does
- * not depend on how the work is split). The others are deterministic for a
- * given thread count; attention may differ in the last bits between thread
- * counts when oneDNN picks different GEMM partitions.
+ * Determinism: every op gives the same bits on every run. embedding_bwd
+ * and layernorm_bwd (tested) and the row- or element-local ops also give
+ * the same bits for every thread count: their sums have a fixed order that
+ * does not depend on how the work is split. Attention does too as long as
+ * there are at least as many (sequence, head) pairs as threads (each pair
+ * runs whole on one worker with a single-threaded GEMM); with fewer, its
+ * GEMMs are threaded and oneDNN's split may change the last bits.
  *
- * This file is built with -ffp-contract=fast (tensor/CMakeLists.txt): the
- * AVX2 and AVX-512 clones fuse multiply-adds, so their last bits differ from
- * the baseline clone's.
+ * This file is built with -ffp-contract=fast and -fno-trapping-math
+ * (tensor/CMakeLists.txt): the AVX2 and AVX-512 clones fuse multiply-adds,
+ * so their last bits differ from the baseline clone's.
  */
 #include <limits.h>
 #include <math.h>
@@ -276,8 +278,9 @@ void cpu_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, cons
  *
  * Threads: the pairs are split among the workers (dynamic, one at a time)
  * with a single-threaded GEMM each when there are at least as many pairs as
- * threads; otherwise the pairs run in turn with a threaded GEMM. Each pair
- * is computed whole by one worker, so the result does not depend on which
+ * threads; otherwise the pairs run in turn with a threaded GEMM; problems
+ * too small to share run on the caller's thread alone. Each pair is
+ * computed whole by one worker, so the result does not depend on which
  * worker took it.
  *
  * Block size, measured on one AVX-512 core (bench_tensor_nn): 64 rows are
@@ -303,6 +306,32 @@ static size_t att_worker_floats(const struct att *a) {
   return (n + 15) & ~(size_t)15;
 }
 
+/* The maximum of row[0, len), len >= 1, not NaN. Computed on integer keys
+ * that order like the floats (the sign bit set: the other bits flipped), as
+ * an integer max reduction vectorises with GCC and clang alike, where a
+ * float one needs fast-math (NaN semantics of the select). */
+static inline int32_t float_key(float f) {
+  union {
+    float f;
+    int32_t i;
+  } u = {.f = f};
+  return u.i ^ (int32_t)((uint32_t)(u.i >> 31) >> 1); /* negative: flip all but the sign */
+}
+
+static inline float row_max(const float *row, int64_t len) {
+  int32_t m = float_key(row[0]);
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < len; j++) {
+    int32_t k = float_key(row[j]);
+    m = k > m ? k : m;
+  }
+  union {
+    int32_t i;
+    float f;
+  } u = {.i = m ^ (int32_t)((uint32_t)(m >> 31) >> 1)}; /* the mapping is its own inverse */
+  return u.f;
+}
+
 /* Softmax of rows [0, nb) of s, row r over keys [0, i0 + r]: s ← e^(s − max)
  * there and 0 in [i0 + r + 1, n); lse[r] and inv[r] = 1/Σ. */
 CPU_KERNEL_WIDE static void att_softmax_rows(float *s, int64_t lds, int64_t nb, int64_t i0, int64_t n, float *lse,
@@ -310,9 +339,7 @@ CPU_KERNEL_WIDE static void att_softmax_rows(float *s, int64_t lds, int64_t nb, 
   for (int64_t r = 0; r < nb; r++) {
     float *row = s + r * lds;
     int64_t len = i0 + r + 1;
-    float m = row[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
+    const float m = row_max(row, len);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; j++) {
@@ -417,8 +444,8 @@ static void att_run(tensor_backend_t be, const struct att *a, int64_t pairs,
                     void (*fn)(const struct att *, int64_t, float *, int)) {
   size_t per = att_worker_floats(a);
   int th = nthreads(be);
-  double work = (double)pairs * (double)a->t * (double)a->t * (double)a->hs;
-  if (th <= 1 || pairs < th || work < CPU_PAR_MIN) { /* oneDNN threads each GEMM if it is worth it */
+  if ((double)pairs * (double)a->t * (double)a->t * (double)a->hs < CPU_PAR_MIN) th = 1; /* too small to share */
+  if (th <= 1 || pairs < th) {
     float *scratch = cpu_scratch(be, per);
     for (int64_t p = 0; p < pairs; p++) fn(a, p, scratch, th);
     return;
