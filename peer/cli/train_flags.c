@@ -97,6 +97,8 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   if (optim_schedule_parse(f->schedule, &cfg->optim.schedule))
     return rumor_err_set(e, RUMOR_EFORMAT, "--schedule must be cosine or constant, not '%s'", f->schedule);
   cfg->model = ((f->resume || f->init_from) && !args_given(specs, "model")) ? NULL : f->model;
+  struct model_spec spec;
+  if (cfg->model && model_spec_parse(cfg->model, &spec, e)) return rumor_err_prefix(e, "--model");
   cfg->data_dir = f->data;
   cfg->device = f->device;
   cfg->threads = (int)f->threads;
