@@ -28,6 +28,10 @@ rumor=${RUMOR:-build/peer/rumor}
 [ -x "$rumor" ] || { echo "$0: $rumor not found; run deploy/build.sh first" >&2; exit 1; }
 work=${WORKDIR:-cluster-run}
 epochs=${EPOCHS:-10}
+# A run given --max-steps and no EPOCHS trains by steps (language models):
+# no --epochs then, so the learning-rate schedule spans those steps.
+epochs_flag="--epochs"
+case " $* " in *" --max-steps "*|*" --max-steps="*) [ -z "${EPOCHS:-}" ] && epochs_flag="" ;; esac
 cores=$(nproc)
 threads=${THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
 batch=${BATCH:-$(( 128 / n > 16 ? 128 / n : 16 ))}
@@ -56,13 +60,16 @@ for _ in $(seq 1 100); do
 done
 boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 [ -n "$boot" ] || { echo "$0: the bootstrap node did not start; see $work/bootstrap.log" >&2; exit 1; }
-echo "bootstrap node on $boot; starting $n peers ($epochs epochs each on 1/$n of the data, batch $batch, $threads thread(s) each)"
+span="$epochs epochs"
+[ -z "$epochs_flag" ] && span="--max-steps steps"
+echo "bootstrap node on $boot; starting $n peers ($span each on 1/$n of the data, batch $batch, $threads thread(s) each)"
 echo "logs: $work/peer-<i>.log"
 
 peer_pids=""
 for i in $(seq 1 "$n"); do
   "$rumor" peer --bootstrap "$boot" --cluster-key "$work/cluster.key" --identity "$work/id$i.key" \
-    --listen 127.0.0.1:0 --shard "$((i - 1))/$n" --epochs "$epochs" --batch "$batch" --threads "$threads" \
+    --listen 127.0.0.1:0 --shard "$((i - 1))/$n" ${epochs_flag:+"$epochs_flag" "$epochs"} --batch "$batch" \
+    --threads "$threads" \
     --wait-peers "$n" --name "peer-$i" "$@" > "$work/peer-$i.out" 2> "$work/peer-$i.log" &
   peer_pids="$peer_pids $!"
   pids="$pids $!"

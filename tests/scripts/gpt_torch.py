@@ -231,7 +231,7 @@ def cmd_train(args):
     decay = [p for n, p in model.hf_params().items() if p.dim() >= 2]
     rest = [p for n, p in model.hf_params().items() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+                             {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.999), eps=1e-8)  # rumor's AdamW
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(train))
     t0, pos = time.time(), 0
