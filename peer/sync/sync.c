@@ -213,9 +213,12 @@ static void donate(struct sync *s, double now) {
   } else {
     if (trainer_is_stage(t))
       log_info("donating this stage's state at step %lld", (long long)t->st.step);
-    else
-      log_info("donating our state at step %lld: loss %.4f on %d training samples", (long long)t->st.step,
-               trainer_check_loss(t, SYNC_CHECK_SAMPLES), SYNC_CHECK_SAMPLES);
+    else {
+      int64_t rows;
+      double loss = trainer_check_loss(t, SYNC_CHECK_TARGETS, &rows);
+      log_info("donating our state at step %lld: loss %.4f on %lld training %s", (long long)t->st.step, loss,
+               (long long)rows, trainer_row_noun(t));
+    }
     trainer_copy_state(t, gossip_donor_buf(s->g));
   }
   struct gossip_train_pos pos = {(uint64_t)t->st.step, (uint64_t)t->st.epoch, (uint64_t)t->st.samples};

@@ -127,8 +127,9 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * The sync path
  * ========================================================================== */
 
-/* Samples used to check a donated or received state's loss (whole replicas). */
-#define SYNC_CHECK_SAMPLES 8192
+/* Targets (samples of an MLP, tokens of a language model) used to check a
+ * donated or received state's loss (whole replicas). */
+#define SYNC_CHECK_TARGETS 8192
 
 struct sync_config {
   int64_t every_steps;  /* start an exchange every N steps (0: off) */

@@ -143,7 +143,7 @@ static void log_setup(const struct trainer *t) {
   log_info("model %s: %lld parameters (%.1f MiB) on %s; shard %lld/%lld: %lld %s, %lld batches of %lld per epoch",
            s, (long long)t->model.nparams, (double)t->model.nparams * 4 / (1 << 20), tensor_backend_name(t->be),
            (long long)c->shard.index, (long long)c->shard.count, (long long)train_data_shard_rows(&t->data),
-           t->data.tokens ? "windows" : "samples", (long long)t->steps_per_epoch, (long long)c->batch);
+           trainer_row_noun(t), (long long)t->steps_per_epoch, (long long)c->batch);
   if (c->resume)
     log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
@@ -315,15 +315,19 @@ static void evaluate_whole(struct trainer *t, bool eval, int64_t n, int64_t *cor
   tensor_host_free(t->be, y);
 }
 
-double trainer_check_loss(struct trainer *t, int64_t n) {
+double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows) {
   RUMOR_ASSERT(!trainer_is_stage(t));
-  int64_t have = train_data_check_rows(&t->data);
+  int64_t have = train_data_check_rows(&t->data), n = targets / t->data.y_per_row;
+  if (n < 1) n = 1;
   if (n > have) n = have;
+  *rows = n;
   double loss = 0;
   int64_t correct = 0;
   evaluate_whole(t, false, n, &correct, &loss);
   return n > 0 ? loss / (double)(n * t->data.y_per_row) : 0.0;
 }
+
+const char *trainer_row_noun(const struct trainer *t) { return t->data.tokens ? "windows" : "samples"; }
 
 /* The evaluation's rows: all of the test set for images; for tokens
  * eval_batches batches of validation windows (20 unless set). */

@@ -375,11 +375,14 @@ int trainer_step(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
  * t->accuracy and t->test_loss (a stage's: pipelined, every stage of the
  * group at the same point; NaN on stages other than the last). */
 int trainer_evaluate(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Mean loss of the current parameters on the first `n` samples of the
- * training set in file order: the same data on every peer, so a donor and
- * the newcomer that received its state must report the same figure. Whole
+/* Mean loss of the current parameters on the first rows of the training
+ * set in file order that hold at most `targets` targets (at least one row;
+ * *rows gets how many): the same data on every peer, so a donor and the
+ * newcomer that received its state must report the same figure. Whole
  * replicas only. */
-double trainer_check_loss(struct trainer *t, int64_t n);
+double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows);
+/* "samples" or "windows": what a row of the trainer's data is, for messages. */
+const char *trainer_row_noun(const struct trainer *t);
 
 /* Floats in the full state: parameters, then optimizer state. */
 int64_t trainer_state_floats(const struct trainer *t);

@@ -155,7 +155,7 @@ part5() {
   echo "5. transformers' GPT2LMHeadModel.from_pretrained on a rumor checkpoint directory"
   "$rumor" train --model gpt:L2-H2-C64-T64-V256 --data "$data" --optimizer adamw --lr 3e-3 --batch 8 --max-steps 30 \
     --log-every 0 --no-eval --eval-batches 1 --checkpoint "$work/hf/" >/dev/null 2>&1
-  "$py" - "$work/hf" "$ref" <<'EOF'
+  HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error "$py" - "$work/hf" "$ref" <<'EOF'
 import importlib.util, sys, torch
 from transformers import GPT2LMHeadModel
 d, ref = sys.argv[1], sys.argv[2]
