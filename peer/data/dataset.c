@@ -1,6 +1,6 @@
 /* IDX reader (via zlib, which reads plain files transparently), sharding
  * and batch gathering. */
-#include "peer/data/data.h"
+#include "peer/data/data_impl.h"
 
 #include <errno.h>
 #include <math.h>
@@ -208,31 +208,14 @@ bad:
   return rumor_err_set(e, RUMOR_EFORMAT, "bad shard '%s': expected i/n with 0 <= i < n (e.g. 0/4)", s ? s : "");
 }
 
-/* Fisher-Yates with our seeded generator. */
-static void shuffle(int64_t *a, int64_t n, struct rng *r) {
-  for (int64_t i = n - 1; i > 0; i--) {
-    int64_t j = (int64_t)rng_below(r, (uint64_t)i + 1);
-    int64_t t = a[i];
-    a[i] = a[j];
-    a[j] = t;
-  }
-}
-
 int batcher_init(struct batcher *b, const struct dataset *ds, struct shard shard, uint64_t data_seed,
                  uint64_t seed, double mean, double std, struct rumor_err *e) {
   memset(b, 0, sizeof *b);
-  int64_t n = ds->count / shard.count + (shard.index < ds->count % shard.count ? 1 : 0);
+  int64_t n;
+  b->base = shard_rows(ds->count, shard, data_seed, 0x5348415244ull /* "SHARD" */, &n);
   if (n == 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "shard %lld/%lld of a %lld-sample data set is empty",
                          (long long)shard.index, (long long)shard.count, (long long)ds->count);
-  int64_t *perm = xmalloc((size_t)ds->count * sizeof *perm);
-  for (int64_t i = 0; i < ds->count; i++) perm[i] = i;
-  struct rng r;
-  rng_seed(&r, data_seed, 0x5348415244ull /* "SHARD" */);
-  shuffle(perm, ds->count, &r);
-  b->base = xmalloc((size_t)n * sizeof *b->base);
-  for (int64_t k = 0; k < n; k++) b->base[k] = perm[shard.index + k * shard.count];
-  free(perm);
   b->order = xmalloc((size_t)n * sizeof *b->order);
   b->ds = ds;
   b->shard = shard;
@@ -251,10 +234,7 @@ void batcher_free(struct batcher *b) {
 }
 
 void batcher_start_epoch(struct batcher *b, int64_t epoch) {
-  memcpy(b->order, b->base, (size_t)b->n * sizeof *b->order);
-  struct rng r;
-  rng_seed(&r, b->seed ^ ((uint64_t)b->shard.index << 32), (uint64_t)epoch + 1);
-  shuffle(b->order, b->n, &r);
+  shard_epoch_order(b->base, b->order, b->n, b->seed, b->shard, epoch);
   b->epoch = epoch;
 }
 

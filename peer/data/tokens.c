@@ -1,7 +1,7 @@
 /* Token corpora for language models: llm.c token shards (mapped read-only),
  * plain text (bytes as tokens), directory and glob specs, the validation
  * split, and the window batcher. The contracts are in data.h. */
-#include "peer/data/data.h"
+#include "peer/data/data_impl.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -412,16 +412,6 @@ void token_split_gather(const struct token_split *s, int64_t context, int64_t fi
   }
 }
 
-/* Fisher-Yates with our seeded generator (as the image batcher's). */
-static void shuffle(int64_t *a, int64_t n, struct rng *r) {
-  for (int64_t i = n - 1; i > 0; i--) {
-    int64_t j = (int64_t)rng_below(r, (uint64_t)i + 1);
-    int64_t t = a[i];
-    a[i] = a[j];
-    a[j] = t;
-  }
-}
-
 int token_batcher_init(struct token_batcher *b, const struct token_split *split, int64_t context,
                        struct shard shard, uint64_t data_seed, uint64_t seed, struct rumor_err *e) {
   memset(b, 0, sizeof *b);
@@ -430,7 +420,8 @@ int token_batcher_init(struct token_batcher *b, const struct token_split *split,
   if (total > TOKEN_MAX_WINDOWS)
     return rumor_err_set(e, RUMOR_ETOOBIG, "%lld windows of %lld tokens pass the limit of %lld windows (use a "
                          "longer context)", (long long)total, (long long)context + 1, TOKEN_MAX_WINDOWS);
-  int64_t n = total / shard.count + (shard.index < total % shard.count ? 1 : 0);
+  int64_t n;
+  b->base = shard_rows(total, shard, data_seed, TOKEN_WINDOW_STREAM, &n);
   if (n == 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "shard %lld/%lld of %lld windows of %lld tokens is empty",
                          (long long)shard.index, (long long)shard.count, (long long)total, (long long)context + 1);
@@ -438,14 +429,6 @@ int token_batcher_init(struct token_batcher *b, const struct token_split *split,
   b->win_first[0] = 0;
   for (int64_t i = 0; i < split->nsegs; i++)
     b->win_first[i + 1] = b->win_first[i] + seg_windows(&split->segs[i], context);
-  int64_t *perm = xmalloc((size_t)total * sizeof *perm);
-  for (int64_t i = 0; i < total; i++) perm[i] = i;
-  struct rng r;
-  rng_seed(&r, data_seed, TOKEN_WINDOW_STREAM);
-  shuffle(perm, total, &r);
-  b->base = xmalloc((size_t)n * sizeof *b->base);
-  for (int64_t k = 0; k < n; k++) b->base[k] = perm[shard.index + k * shard.count];
-  free(perm);
   b->order = xmalloc((size_t)n * sizeof *b->order);
   b->split = split;
   b->context = context;
@@ -465,10 +448,7 @@ void token_batcher_free(struct token_batcher *b) {
 }
 
 void token_batcher_start_epoch(struct token_batcher *b, int64_t epoch) {
-  memcpy(b->order, b->base, (size_t)b->n * sizeof *b->order);
-  struct rng r;
-  rng_seed(&r, b->seed ^ ((uint64_t)b->shard.index << 32), (uint64_t)epoch + 1);
-  shuffle(b->order, b->n, &r);
+  shard_epoch_order(b->base, b->order, b->n, b->seed, b->shard, epoch);
   b->epoch = epoch;
 }
 
