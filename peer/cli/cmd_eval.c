@@ -1,24 +1,70 @@
-/* `rumor eval`: accuracy of a checkpoint on a test set. */
+/* `rumor eval`: a checkpoint's accuracy on a test set, or a language
+ * model's validation loss. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
 
+/* A language model's loss per token and next-token accuracy on the
+ * validation windows of `data` (as training splits it), in batches. */
+static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data, double val_fraction, int64_t batch,
+                       int64_t max_batches, tensor_backend_t be, struct rumor_err *e) {
+  struct model_io io;
+  model_spec_io(&ck->info.spec, &io);
+  struct token_corpus c;
+  int rc = token_corpus_load(&c, data ? data : TOKEN_DEFAULT_CORPUS, io.classes, io.input_per_row, val_fraction, e);
+  if (rc) return rc;
+  struct model m;
+  memset(&m, 0, sizeof m);
+  int64_t T = io.input_per_row, n = token_split_windows(&c.val, T);
+  if (max_batches > 0 && n > max_batches * batch) n = max_batches * batch;
+  if (n == 0) rc = rumor_err_set(e, RUMOR_EFORMAT, "%s has no validation windows (--val-fraction 0?)", data);
+  if (rc == 0 && (rc = model_init_full(&m, &ck->info.spec, be, batch, e)) == 0 &&
+      (rc = checkpoint_restore(ck, &m, NULL, e)) == 0) {
+    int32_t *x = xmalloc((size_t)(batch * T) * sizeof(int32_t)), *y = xmalloc((size_t)(batch * T) * sizeof(int32_t));
+    int64_t correct = 0;
+    double loss = 0;
+    for (int64_t first = 0; first < n; first += batch) {
+      int64_t rows = n - first < batch ? n - first : batch;
+      token_split_gather(&c.val, T, first, rows, x, y);
+      tensor_copy_from_host(model_act(&m, 0), 0, x, (size_t)(rows * T) * sizeof(int32_t));
+      tensor_copy_from_host(&m.labels, 0, y, (size_t)(rows * T) * sizeof(int32_t));
+      model_evaluate(&m, rows, y, &correct, &loss);
+    }
+    free(x);
+    free(y);
+    double targets = (double)(n * T);
+    printf("{\"checkpoint\":\"%s\",\"windows\":%lld,\"tokens\":%.0f,\"val_loss\":%.6f,\"val_token_accuracy\":%.6f,"
+           "\"step\":%lld}\n",
+           ckpt, (long long)n, targets, loss / targets, (double)correct / targets, (long long)ck->info.st.step);
+  }
+  model_free(&m);
+  token_corpus_free(&c);
+  return rc;
+}
+
 int cmd_eval(int argc, char **argv) {
-  const char *ckpt = NULL, *data = "/usr/share/datasets/fashion-mnist", *device = "auto", *split = "t10k";
-  int64_t batch = 1000, threads = 0;
+  const char *ckpt = NULL, *data = NULL, *device = "auto", *split = "t10k";
+  int64_t batch = 0, threads = 0, max_batches = 0;
+  double val_fraction = 0.1;
   const struct arg_spec specs[] = {
-      {"checkpoint", ARG_STR, &ckpt, "FILE", "checkpoint to evaluate (required)"},
-      {"data", ARG_STR, &data, "DIR", "directory with the IDX files"},
-      {"split", ARG_STR, &split, "NAME", "which files: t10k (test) or train"},
+      {"checkpoint", ARG_STR, &ckpt, "PATH", "checkpoint to evaluate, a file or a directory (required)"},
+      {"data", ARG_STR, &data, "PATH",
+       "an MLP's directory of IDX files (default " TRAIN_DEFAULT_IMAGES "); a language model's text or token "
+       "shards (default " TOKEN_DEFAULT_CORPUS ")"},
+      {"split", ARG_STR, &split, "NAME", "images: which files, t10k (test) or train"},
+      {"val-fraction", ARG_FLOAT, &val_fraction, "X", "tokens: the end of the stream that is validation", 0, 0.9},
+      {"eval-batches", ARG_INT, &max_batches, "N", "tokens: at most N batches of validation windows (0: all)", 0,
+       1e15},
       {"device", ARG_STR, &device, "DEV", "auto, cpu, cuda or cuda:N"},
       {"threads", ARG_INT, &threads, "N", "CPU threads (0: all cores)", 0, 4096},
-      {"batch", ARG_INT, &batch, "N", "evaluation batch size", 1, 1048576},
+      {"batch", ARG_INT, &batch, "N", "evaluation batch size (default 1000 images, 8 sequences)", 0, 1048576},
       {0},
   };
-  int ar = args_parse(specs, argc, argv, "rumor eval --checkpoint FILE [options]",
-                      "Evaluates a checkpoint and prints accuracy and loss as JSON on stdout.");
+  int ar = args_parse(specs, argc, argv, "rumor eval --checkpoint PATH [options]",
+                      "Evaluates a checkpoint and prints accuracy and loss as JSON on stdout: an MLP's on a test "
+                      "set, a language model's loss per token on the validation windows of its text.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   if (!ckpt) {
     fprintf(stderr, "rumor eval: --checkpoint FILE is required\n");
@@ -40,22 +86,31 @@ int cmd_eval(int argc, char **argv) {
     fprintf(stderr, "rumor eval: %s\n", e.msg);
     return 1;
   }
-  if (dataset_load_split(data, split, &ds, &e)) goto fail;
   struct model_io io;
   model_spec_io(&ck.info.spec, &io);
+  if (io.input_dtype == TENSOR_I32) {
+    if (tensor_backend_open(device, &be, &e)) goto done;
+    if (threads > 0) tensor_backend_set_threads(be, (int)threads);
+    if (eval_tokens(ckpt, &ck, data, val_fraction, batch ? batch : 8, max_batches, be, &e)) goto done;
+    status = 0;
+    goto done;
+  }
+  if (!data) data = TRAIN_DEFAULT_IMAGES;
+  if (!batch) batch = 1000;
+  if (dataset_load_split(data, split, &ds, &e)) goto done;
   if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1 || ds.features != io.input_per_row) {
     rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model takes %lld inputs but the images have %lld pixels",
                   (long long)io.input_per_row, (long long)ds.features);
-    goto fail;
+    goto done;
   }
   if (ds.num_classes > io.classes) {
     rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model has %lld outputs but the labels go up to %d",
                   (long long)io.classes, ds.num_classes - 1);
-    goto fail;
+    goto done;
   }
-  if (tensor_backend_open(device, &be, &e)) goto fail;
+  if (tensor_backend_open(device, &be, &e)) goto done;
   if (threads > 0) tensor_backend_set_threads(be, (int)threads);
-  if (model_init_full(&m, &ck.info.spec, be, batch, &e) || checkpoint_restore(&ck, &m, NULL, &e)) goto fail;
+  if (model_init_full(&m, &ck.info.spec, be, batch, &e) || checkpoint_restore(&ck, &m, NULL, &e)) goto done;
 
   float lut[256];
   dataset_norm_lut(ck.info.norm_mean, ck.info.norm_std, lut);
@@ -76,7 +131,7 @@ int cmd_eval(int argc, char **argv) {
          ckpt, split, (long long)ds.count, (double)correct / (double)ds.count, loss / (double)ds.count,
          (long long)ck.info.st.step);
   status = 0;
-fail:
+done:
   if (status) fprintf(stderr, "rumor eval: %s\n", e.msg);
   model_free(&m);
   tensor_backend_close(be);

@@ -61,6 +61,15 @@ static const char *text_path(void) {
   return path;
 }
 
+static double json_number(const char *json, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = json ? strstr(json, pat) : NULL;
+  return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+static double trained_val_loss; /* of the last train_dir */
+
 /* Trains the small model for `steps` steps into the directory checkpoint
  * dir/<name>/ and returns its path. */
 static const char *train_dir(const char *name, const char *steps) {
@@ -72,6 +81,7 @@ static const char *train_dir(const char *name, const char *steps) {
                  "2", "--checkpoint", ck, NULL);
   cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
   cr_assert(strstr(out, "\"val_loss\""), "no val_loss in the result line: %s", out);
+  trained_val_loss = json_number(out, "val_loss");
   free(out), free(err);
   return ck;
 }
@@ -151,6 +161,14 @@ Test(gptcli, a_trained_checkpoints_logits_match_a_plain_pytorch_gpt2) {
   fprintf(stderr, "logits vs PyTorch: worst %.3g of the tolerance 1e-4 + 1e-4·|x|\n", worst);
   free(ours);
   free(ref);
+  /* `rumor eval` on the same validation windows (2 batches of 8) reports
+   * the training run's final validation loss. */
+  char *out, *err;
+  int st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, "--data", text_path(), "--eval-batches", "2", NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  double v = json_number(out, "val_loss");
+  cr_assert(fabs(v - trained_val_loss) < 1e-5, "eval's val_loss %.7g, the run's %.7g: %s", v, trained_val_loss, out);
+  free(out), free(err);
 }
 
 Test(gptcli, sample_greedy_continues_with_the_argmax_tokens) {
