@@ -60,8 +60,16 @@ for _ in $(seq 1 100); do
 done
 boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 [ -n "$boot" ] || { echo "$0: the bootstrap node did not start; see $work/bootstrap.log" >&2; exit 1; }
+# What the peers will be told, for the line below: a --batch or --max-steps
+# among the peer options wins over ours (the last flag counts).
+steps="" prev=""
+for a in "$@"; do
+  case $prev in --batch) batch=$a ;; --max-steps) steps=$a ;; esac
+  case $a in --batch=*) batch=${a#--batch=} ;; --max-steps=*) steps=${a#--max-steps=} ;; esac
+  prev=$a
+done
 span="$epochs epochs"
-[ -z "$epochs_flag" ] && span="--max-steps steps"
+[ -z "$epochs_flag" ] && span="$steps steps"
 echo "bootstrap node on $boot; starting $n peers ($span each on 1/$n of the data, batch $batch, $threads thread(s) each)"
 echo "logs: $work/peer-<i>.log"
 

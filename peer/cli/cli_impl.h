@@ -248,6 +248,9 @@ void result_training(struct json_buf *b, const struct trainer *t, double secs, i
  * _skipped, requests, refusals, idle, rate limits, holds. */
 void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const struct sync *s);
 void result_print(struct json_buf *b);
+/* "validation loss L, token accuracy A" for a language model, "test accuracy
+ * A, test loss L" otherwise: the words of the final log line. */
+void result_describe_final(const struct trainer *t, char *buf, size_t len);
 
 /* ============================================================================
  * Subcommands: each takes the arguments after its own name (argv[0] is the

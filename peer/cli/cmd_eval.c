@@ -13,7 +13,8 @@ static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data
   struct model_io io;
   model_spec_io(&ck->info.spec, &io);
   struct token_corpus c;
-  int rc = token_corpus_load(&c, data ? data : TOKEN_DEFAULT_CORPUS, io.classes, io.input_per_row, val_fraction, e);
+  if (!data) data = TOKEN_DEFAULT_CORPUS;
+  int rc = token_corpus_load(&c, data, io.classes, io.input_per_row, val_fraction, e);
   if (rc) return rc;
   struct model m;
   memset(&m, 0, sizeof m);

@@ -23,9 +23,11 @@ static void print_result(struct peer_proc *p, const struct gossip_stats *gs, con
   const struct sync *s = &p->mb.sync;
   struct rumor_err e = {0};
   if (trainer_evaluate(t, &e)) log_warn("final evaluation: %s", e.msg);
-  log_info("final test accuracy %.4f, test loss %.4f after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "
+  char final[96];
+  result_describe_final(t, final, sizeof final);
+  log_info("final %s after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "
            "at most %lld steps between applied exchanges",
-           t->accuracy, t->test_loss, (long long)t->st.step, (unsigned long long)gs->exchanges_ok,
+           final, (long long)t->st.step, (unsigned long long)gs->exchanges_ok,
            (unsigned long long)gs->exchanges_failed, (unsigned long long)gs->exchanges_rejected,
            (long long)s->longest_local);
   if (s->holds)

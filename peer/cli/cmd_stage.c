@@ -44,8 +44,11 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   const struct pipe_stats *ps = &t->pipe.st;
   const struct sync *s = &p->mb.sync;
   double idle = ps->step_s > 0 ? ps->wait_s / ps->step_s : 0;
-  if (trainer_has_loss(t))
-    log_info("final test accuracy %.4f, test loss %.4f after %lld steps", t->accuracy, t->test_loss, (long long)t->st.step);
+  if (trainer_has_loss(t)) {
+    char final[96];
+    result_describe_final(t, final, sizeof final);
+    log_info("final %s after %lld steps", final, (long long)t->st.step);
+  }
   struct json_buf b;
   open_line(&b, p);
   json_key(&b, "stages");

@@ -51,8 +51,11 @@ int cmd_train(int argc, char **argv) {
   if (status == 0) {
     if (trainer_evaluate(&t, &e)) log_warn("final evaluation: %s", e.msg);
     double acc = t.data.have_eval ? t.accuracy : -1, loss = t.data.have_eval ? t.test_loss : -1;
-    if (t.data.tokens) log_info("final validation loss %.4f after %lld steps", loss, (long long)t.st.step);
-    else log_info("final test accuracy %.4f, test loss %.4f after %lld steps", acc, loss, (long long)t.st.step);
+    if (t.data.have_eval) {
+      char final[96];
+      result_describe_final(&t, final, sizeof final);
+      log_info("final %s after %lld steps", final, (long long)t.st.step);
+    }
     struct json_buf b;
     json_buf_init(&b);
     json_obj_begin(&b);

@@ -26,6 +26,11 @@ void result_training(struct json_buf *b, const struct trainer *t, double secs, i
   json_arr_end(b);
 }
 
+void result_describe_final(const struct trainer *t, char *buf, size_t len) {
+  if (t->data.tokens) snprintf(buf, len, "validation loss %.4f, token accuracy %.4f", t->test_loss, t->accuracy);
+  else snprintf(buf, len, "test accuracy %.4f, test loss %.4f", t->accuracy, t->test_loss);
+}
+
 void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const struct sync *s) {
   const struct {
     const char *key;

@@ -43,13 +43,19 @@ ref=$root/tests/scripts/gpt_torch.py
 cores=$(nproc)
 [ -x "$rumor" ] && [ -x "$peak_bin" ] || { echo "build first: $rumor or $peak_bin is missing" >&2; exit 1; }
 [ -s "$data" ] || { echo "no text at $data: run deploy/install-deps.sh or deploy/make-corpus.sh $data" >&2; exit 1; }
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch, numpy, transformers' 2>/dev/null; then
-  echo "installing PyTorch 2.x, numpy and transformers from PyPI into $venv (once)"
-  /usr/bin/python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q "torch>=2" numpy transformers
-fi
 py=$venv/bin/python
+case " $parts " in
+*" 1 "* | *" 2 "* | *" 4 "* | *" 5 "*) # part 3 alone runs only rumor
+  if [ ! -x "$py" ] || ! "$py" -c 'import torch, numpy, transformers' 2>/dev/null; then
+    echo "installing PyTorch 2.x, numpy and transformers from PyPI into $venv (once)"
+    /usr/bin/python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q "torch>=2" numpy transformers
+  fi
+  torch_version=$("$py" -c 'import torch; print("PyTorch", torch.__version__)')
+  ;;
+*) torch_version="PyTorch not needed" ;;
+esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -58,7 +64,7 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+
 isa=$("$peak_bin" | sed -n 's/.*"isa":"\([a-z0-9]*\)".*/\1/p')
 peak=$("$peak_bin" | num gflops)
 echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $cores cores, $isa;" \
-  "one core's FMA peak $peak GFLOP/s (bench_fma_peak); $($py -c 'import torch; print("PyTorch", torch.__version__)')"
+  "one core's FMA peak $peak GFLOP/s (bench_fma_peak); $torch_version"
 
 # rumor's and PyTorch's training runs of the same configuration.
 # Arguments: L H C T V batch steps threads [extra rumor flags...]

@@ -12,44 +12,17 @@
 
 #include "peer/train/train.h"
 #include "../support/proc.h"
+#include "../support/cli.h"
 #include "../support/fmnist.h"
 
 static char dir[64];
 
 static void setup(void) { proc_scratch_make(dir, sizeof dir, "cli"); }
 static void teardown(void) { proc_scratch_remove(dir); }
+/* rumor(&out, &err, secs, args..., NULL): the binary run in this suite's scratch directory. */
+#define rumor(out, err, secs, ...) cli_rumor(dir, out, err, secs, __VA_ARGS__)
+
 TestSuite(cli, .init = setup, .fini = teardown, .timeout = 300);
-
-
-
-static double json_number(const char *json, const char *key) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  const char *p = json ? strstr(json, pat) : NULL;
-  return p ? strtod(p + strlen(pat), NULL) : NAN;
-}
-
-/* Runs rumor with the given arguments; returns the wait status. */
-static int rumor(char **out, char **err, double secs, ...) {
-  char *argv[64];
-  int n = 0;
-  argv[n++] = RUMOR_BIN;
-  va_list ap;
-  va_start(ap, secs);
-  for (char *a; n < 63 && (a = va_arg(ap, char *)) != NULL;) argv[n++] = a;
-  va_end(ap);
-  argv[n] = NULL;
-  return proc_run(argv, secs, dir, out, err);
-}
-
-/* Asserts a clean failure: a normal exit with `code`, and stderr containing
- * `needle`. */
-static void expect_fail(int st, int code, char *err, const char *needle, const char *what) {
-  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", what, st, err);
-  cr_assert_eq(WEXITSTATUS(st), code, "%s: exit %d, want %d: %s", what, WEXITSTATUS(st), code, err);
-  cr_assert(strstr(err, needle) != NULL, "%s: stderr should mention '%s': %s", what, needle, err);
-  free(err);
-}
 
 Test(cli, one_epoch_reaches_084_and_eval_agrees) {
   SKIP_WITHOUT_DATA();
@@ -58,12 +31,12 @@ Test(cli, one_epoch_reaches_084_and_eval_agrees) {
   int st = rumor(&out, &err, 240, "train", "--model", "mlp:784-512-256-10", "--epochs", "1", "--threads", "2",
                  "--log-every", "0", "--checkpoint", ck, NULL);
   cr_assert(proc_exited_with(st, 0), "train failed: %s", err);
-  double acc = json_number(out, "test_accuracy");
+  double acc = cli_json_number(out, "test_accuracy");
   cr_assert(acc >= 0.84, "one epoch reached test accuracy %.4f < 0.84 (%s)", acc, out);
   free(out), free(err);
   st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, NULL);
   cr_assert(proc_exited_with(st, 0), "eval failed: %s", err);
-  double eacc = json_number(out, "accuracy");
+  double eacc = cli_json_number(out, "accuracy");
   cr_assert(fabs(eacc - acc) < 1e-6, "eval says %.6f, train said %.6f", eacc, acc);
   free(out), free(err);
 }
@@ -126,7 +99,7 @@ Test(cli, resume_keeps_the_runs_optimizer_and_schedule) {
   free(fa), free(fb);
   /* Asking for another optimizer than the file's state is refused. */
   st = rumor(NULL, &err, 60, "train", "--resume", b, "--optimizer", "sgd", "--max-steps", "90", NULL);
-  expect_fail(st, 1, err, "--optimizer sgd does not match the checkpoint", "resume with another optimizer");
+  cli_expect_fail(st, 1, err, "--optimizer sgd does not match the checkpoint", "resume with another optimizer");
 }
 
 Test(cli, bad_flags_are_usage_errors) {
@@ -148,12 +121,12 @@ Test(cli, bad_flags_are_usage_errors) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int st = rumor(NULL, &err, 30, "train", cases[i].a, cases[i].b, NULL);
-    expect_fail(st, 2, err, cases[i].needle, cases[i].a);
+    cli_expect_fail(st, 2, err, cases[i].needle, cases[i].a);
   }
   int st = rumor(NULL, &err, 30, "frobnicate", NULL);
-  expect_fail(st, 2, err, "unknown command 'frobnicate'", "unknown command");
+  cli_expect_fail(st, 2, err, "unknown command 'frobnicate'", "unknown command");
   st = rumor(NULL, &err, 30, "eval", NULL);
-  expect_fail(st, 2, err, "--checkpoint", "eval without checkpoint");
+  cli_expect_fail(st, 2, err, "--checkpoint", "eval without checkpoint");
 }
 
 static void copy_dataset(const char *to) {
@@ -166,7 +139,7 @@ Test(cli, bad_data_is_reported_not_crashed_on) {
   SKIP_WITHOUT_DATA();
   char *err, d[256], cmd[1024];
   int st = rumor(NULL, &err, 30, "train", "--data", "/nonexistent/data", NULL);
-  expect_fail(st, 1, err, "/nonexistent/data", "missing data dir");
+  cli_expect_fail(st, 1, err, "/nonexistent/data", "missing data dir");
 
   snprintf(d, sizeof d, "%s/data", dir);
   copy_dataset(d);
@@ -174,25 +147,25 @@ Test(cli, bad_data_is_reported_not_crashed_on) {
   snprintf(cmd, sizeof cmd, "printf '\\000\\000\\010\\007' | dd of=%s/train-images-idx3-ubyte bs=1 count=4 conv=notrunc 2>/dev/null", d);
   cr_assert_eq(system(cmd), 0);
   st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
-  expect_fail(st, 1, err, "wrong IDX magic", "wrong magic");
+  cli_expect_fail(st, 1, err, "wrong IDX magic", "wrong magic");
   copy_dataset(d);
   /* truncated */
   snprintf(cmd, sizeof cmd, "truncate -s 1000000 %s/train-images-idx3-ubyte", d);
   cr_assert_eq(system(cmd), 0);
   st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
-  expect_fail(st, 1, err, "truncated", "truncated images");
+  cli_expect_fail(st, 1, err, "truncated", "truncated images");
   copy_dataset(d);
   /* labels for fewer images than there are */
   snprintf(cmd, sizeof cmd, "printf '\\000\\000\\352\\137' | dd of=%s/train-labels-idx1-ubyte bs=1 seek=4 count=4 conv=notrunc 2>/dev/null && truncate -s 60007 %s/train-labels-idx1-ubyte", d, d);
   cr_assert_eq(system(cmd), 0);
   st = rumor(NULL, &err, 60, "train", "--data", d, "--epochs", "1", NULL);
-  expect_fail(st, 1, err, "60000 images but", "label count");
+  cli_expect_fail(st, 1, err, "60000 images but", "label count");
   /* a model that does not fit the data */
   copy_dataset(d);
   st = rumor(NULL, &err, 60, "train", "--data", d, "--model", "mlp:100-10", NULL);
-  expect_fail(st, 1, err, "takes 100 inputs", "input width");
+  cli_expect_fail(st, 1, err, "takes 100 inputs", "input width");
   st = rumor(NULL, &err, 60, "train", "--data", d, "--model", "mlp:784-5", NULL);
-  expect_fail(st, 1, err, "5 outputs", "output width");
+  cli_expect_fail(st, 1, err, "5 outputs", "output width");
 }
 
 Test(cli, bad_checkpoints_and_devices_are_reported) {
@@ -206,19 +179,19 @@ Test(cli, bad_checkpoints_and_devices_are_reported) {
   snprintf(cmd, sizeof cmd, "printf 'X' | dd of=%s bs=1 seek=5000 count=1 conv=notrunc 2>/dev/null", ck);
   cr_assert_eq(system(cmd), 0);
   st = rumor(NULL, &err, 60, "eval", "--checkpoint", ck, NULL);
-  expect_fail(st, 1, err, "digest mismatch", "bit-flipped checkpoint");
+  cli_expect_fail(st, 1, err, "digest mismatch", "bit-flipped checkpoint");
   st = rumor(NULL, &err, 60, "train", "--resume", ck, NULL);
-  expect_fail(st, 1, err, "digest mismatch", "resume from a corrupt checkpoint");
+  cli_expect_fail(st, 1, err, "digest mismatch", "resume from a corrupt checkpoint");
   snprintf(cmd, sizeof cmd, "truncate -s 100 %s", ck);
   cr_assert_eq(system(cmd), 0);
   st = rumor(NULL, &err, 60, "eval", "--checkpoint", ck, NULL);
-  expect_fail(st, 1, err, ck, "truncated checkpoint");
+  cli_expect_fail(st, 1, err, ck, "truncated checkpoint");
   st = rumor(NULL, &err, 60, "eval", "--checkpoint", "/nonexistent.safetensors", NULL);
-  expect_fail(st, 1, err, "/nonexistent.safetensors", "missing checkpoint");
+  cli_expect_fail(st, 1, err, "/nonexistent.safetensors", "missing checkpoint");
   st = rumor(NULL, &err, 60, "train", "--device", "tpu:0", "--max-steps", "1", NULL);
-  expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
+  cli_expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
   st = rumor(NULL, &err, 60, "train", "--device", "cuda:7", "--max-steps", "1", NULL);
-  expect_fail(st, 1, err, "cuda:7", "absent GPU");
+  cli_expect_fail(st, 1, err, "cuda:7", "absent GPU");
 }
 
 /* ---- checkpoints written by release 0.1 (tests/data, see its README) ------------ */
@@ -254,11 +227,11 @@ Test(cli, release_0_1_checkpoints_evaluate_to_what_that_release_reported) {
     copy_to_scratch(src, ck, sizeof ck, "old.safetensors");
     int st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, "--threads", "1", NULL);
     cr_assert(proc_exited_with(st, 0), "eval of the release-0.1 %s checkpoint failed: %s", r->kind, err);
-    cr_assert_eq(json_number(out, "step"), 3, "%s: %s", r->kind, out);
-    cr_assert_eq(json_number(out, "samples"), 10000, "%s: %s", r->kind, out);
+    cr_assert_eq(cli_json_number(out, "step"), 3, "%s: %s", r->kind, out);
+    cr_assert_eq(cli_json_number(out, "samples"), 10000, "%s: %s", r->kind, out);
     /* The same numbers, up to the order of float sums on another CPU (a
      * sample or two near a tie). */
-    double acc = json_number(out, "accuracy"), loss = json_number(out, "loss");
+    double acc = cli_json_number(out, "accuracy"), loss = cli_json_number(out, "loss");
     cr_assert(fabs(acc - r->accuracy) <= 2.5e-4, "%s: accuracy %.6f, release 0.1 reported %.4f", r->kind, acc,
               r->accuracy);
     cr_assert(fabs(loss - r->loss) <= 1e-5 + 1e-4 * r->loss, "%s: loss %.6f, release 0.1 reported %.6f", r->kind, loss,
@@ -302,7 +275,7 @@ Test(cli, release_0_1_checkpoints_resume_at_step_3_on_that_release_trajectory) {
                  NULL);
   cr_assert(proc_exited_with(st, 0), "plain resume failed: %s", err);
   cr_assert(strstr(err, "resumed from") && strstr(err, " at step 3 "), "%s", err);
-  cr_assert_eq(json_number(out, "steps"), 5, "%s", out);
+  cr_assert_eq(cli_json_number(out, "steps"), 5, "%s", out);
   free(out), free(err);
 
   for (int k = 0; k < 2; k++) {
@@ -317,7 +290,7 @@ Test(cli, release_0_1_checkpoints_resume_at_step_3_on_that_release_trajectory) {
     cr_assert(proc_exited_with(st, 0), "%s: resume failed: %s", r->kind, err);
     cr_assert(strstr(err, "resumed from") && strstr(err, " at step 3 "), "%s: %s", r->kind, err);
     cr_assert(!strstr(err, "starting it from zero"), "%s: the optimizer state was not restored: %s", r->kind, err);
-    cr_assert_eq(json_number(out, "steps"), 5, "%s: %s", r->kind, out);
+    cr_assert_eq(cli_json_number(out, "steps"), 5, "%s: %s", r->kind, out);
     free(out), free(err);
 
     struct checkpoint got, ref;

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "../support/proc.h"
+#include "../support/cli.h"
 #include "peer/model/model.h"
 #include "peer/train/train.h"
 
@@ -21,28 +22,12 @@ static char dir[64];
 
 static void setup(void) { proc_scratch_make(dir, sizeof dir, "gptcli"); }
 static void teardown(void) { proc_scratch_remove(dir); }
+/* rumor(&out, &err, secs, args..., NULL): the binary run in this suite's scratch directory. */
+#define rumor(out, err, secs, ...) cli_rumor(dir, out, err, secs, __VA_ARGS__)
+
 TestSuite(gptcli, .init = setup, .fini = teardown, .timeout = 300);
 
 static int run_argv(char **out, char **err, double secs, char **argv) { return proc_run(argv, secs, dir, out, err); }
-
-static int rumor(char **out, char **err, double secs, ...) {
-  char *argv[64];
-  int n = 0;
-  argv[n++] = RUMOR_BIN;
-  va_list ap;
-  va_start(ap, secs);
-  for (char *a; n < 63 && (a = va_arg(ap, char *)) != NULL;) argv[n++] = a;
-  va_end(ap);
-  argv[n] = NULL;
-  return run_argv(out, err, secs, argv);
-}
-
-static void expect_fail(int st, int code, char *err, const char *needle, const char *what) {
-  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", what, st, err);
-  cr_assert_eq(WEXITSTATUS(st), code, "%s: exit %d, want %d: %s", what, WEXITSTATUS(st), code, err);
-  cr_assert(strstr(err, needle) != NULL, "%s: stderr should mention '%s': %s", what, needle, err);
-  free(err);
-}
 
 /* A text of words from a fixed generator: enough structure to learn a
  * little in a few steps, no package needed. */
@@ -61,13 +46,6 @@ static const char *text_path(void) {
   return path;
 }
 
-static double json_number(const char *json, const char *key) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\":", key);
-  const char *p = json ? strstr(json, pat) : NULL;
-  return p ? strtod(p + strlen(pat), NULL) : NAN;
-}
-
 static double trained_val_loss; /* of the last train_dir */
 
 /* Trains the small model for `steps` steps into the directory checkpoint
@@ -81,7 +59,7 @@ static const char *train_dir(const char *name, const char *steps) {
                  "2", "--checkpoint", ck, NULL);
   cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
   cr_assert(strstr(out, "\"val_loss\""), "no val_loss in the result line: %s", out);
-  trained_val_loss = json_number(out, "val_loss");
+  trained_val_loss = cli_json_number(out, "val_loss");
   free(out), free(err);
   return ck;
 }
@@ -166,7 +144,7 @@ Test(gptcli, a_trained_checkpoints_logits_match_a_plain_pytorch_gpt2) {
   char *out, *err;
   int st = rumor(&out, &err, 60, "eval", "--checkpoint", ck, "--data", text_path(), "--eval-batches", "2", NULL);
   cr_assert(proc_exited_with(st, 0), "%s", err);
-  double v = json_number(out, "val_loss");
+  double v = cli_json_number(out, "val_loss");
   cr_assert(fabs(v - trained_val_loss) < 1e-5, "eval's val_loss %.7g, the run's %.7g: %s", v, trained_val_loss, out);
   free(out), free(err);
 }
@@ -250,7 +228,7 @@ Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
   /* A --model that does not match the directory is refused. */
   st = rumor(NULL, &err, 60, "train", "--init-from", hub, "--model", "gpt:L2-H2-C32-T24-V300", "--data",
              text_path(), NULL);
-  expect_fail(st, 1, err, "does not match --init-from", "--init-from with another --model");
+  cli_expect_fail(st, 1, err, "does not match --init-from", "--init-from with another --model");
 }
 
 Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
@@ -265,21 +243,21 @@ Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
   fclose(f);
   fclose(fopen(empty, "w"));
   int st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", shard, NULL);
-  expect_fail(st, 1, err, "wrong magic", "a shard with the wrong magic");
+  cli_expect_fail(st, 1, err, "wrong magic", "a shard with the wrong magic");
   st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", empty, NULL);
-  expect_fail(st, 1, err, "empty", "an empty text");
+  cli_expect_fail(st, 1, err, "empty", "an empty text");
   st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--data", missing, NULL);
-  expect_fail(st, 1, err, "nope.txt", "a missing file");
+  cli_expect_fail(st, 1, err, "nope.txt", "a missing file");
   st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H2-C32-T24-V100", "--data", text_path(), NULL);
-  expect_fail(st, 1, err, "vocabulary", "text for a vocabulary under 256");
+  cli_expect_fail(st, 1, err, "vocabulary", "text for a vocabulary under 256");
   st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H3-C32-T24-V256", NULL);
-  expect_fail(st, 2, err, "not a multiple of the heads", "a bad spec");
+  cli_expect_fail(st, 2, err, "not a multiple of the heads", "a bad spec");
   st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H2-C32-T9000-V256", "--data", text_path(), NULL);
-  expect_fail(st, 1, err, "no window", "a context longer than the data");
+  cli_expect_fail(st, 1, err, "no window", "a context longer than the data");
   st = rumor(NULL, &err, 60, "sample", "--prompt", "x", NULL);
-  expect_fail(st, 2, err, "--checkpoint", "sample without a checkpoint");
+  cli_expect_fail(st, 2, err, "--checkpoint", "sample without a checkpoint");
   st = rumor(NULL, &err, 60, "sample", "--checkpoint", missing, NULL);
-  expect_fail(st, 1, err, "nope.txt", "sample from a missing checkpoint");
+  cli_expect_fail(st, 1, err, "nope.txt", "sample from a missing checkpoint");
   st = rumor(NULL, &err, 60, "train", "--init-from", dir, "--data", text_path(), NULL);
-  expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
+  cli_expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
 }

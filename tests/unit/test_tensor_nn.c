@@ -16,9 +16,8 @@
 #include <string.h>
 
 #include "tensor/tensor_ref.h"
+#include "../support/tensor_check.h"
 
-static tensor_backend_t be;
-static struct rng rng;
 static const int thread_counts[] = {1, 2};
 #define NTHREADS (sizeof thread_counts / sizeof thread_counts[0])
 
@@ -33,24 +32,10 @@ TestSuite(tensor_nn, .init = setup, .fini = teardown, .timeout = 120);
 
 /* ---- helpers ---- */
 
-static float *rand_host(int64_t n, float scale) {
-  float *p = xmalloc((size_t)n * sizeof *p);
-  for (int64_t i = 0; i < n; i++) p[i] = (2.0f * rng_uniform(&rng) - 1.0f) * scale;
-  return p;
-}
-
 static float *dup_host(const float *h, int64_t n) {
   float *p = xmalloc((size_t)n * sizeof *p);
   memcpy(p, h, (size_t)n * sizeof *p);
   return p;
-}
-
-static struct tensor dev_from(const float *h, int ndim, const int64_t *shape) {
-  struct tensor t;
-  struct rumor_err e;
-  cr_assert_eq(tensor_alloc(&t, be, TENSOR_F32, ndim, shape, &e), 0, "%s", e.msg);
-  tensor_copy_from_host(&t, 0, h, tensor_nbytes(&t));
-  return t;
 }
 
 static struct tensor dev_tokens(const int32_t *h, int64_t r, int64_t t) {
@@ -60,44 +45,6 @@ static struct tensor dev_tokens(const int32_t *h, int64_t r, int64_t t) {
   cr_assert_eq(tensor_alloc(&d, be, TENSOR_I32, 2, shape, &e), 0, "%s", e.msg);
   tensor_copy_from_host(&d, 0, h, tensor_nbytes(&d));
   return d;
-}
-
-/* A tensor filled with NaN: an output element the op fails to write fails
- * the finiteness check. */
-static struct tensor dev_nan(int ndim, const int64_t *shape) {
-  struct tensor t;
-  struct rumor_err e;
-  cr_assert_eq(tensor_alloc(&t, be, TENSOR_F32, ndim, shape, &e), 0, "%s", e.msg);
-  tensor_fill(&t, NAN);
-  return t;
-}
-
-static float *to_host(const struct tensor *t) {
-  float *h = xmalloc(tensor_nbytes(t));
-  tensor_copy_to_host(t, 0, h, tensor_nbytes(t));
-  return h;
-}
-
-/* Asserts got ≈ ref element-wise and got finite; reports the worst element.
- * With --verbose, also logs the largest |got − ref| / (atol + rtol·|ref|)
- * (how much of the tolerance was used). */
-static void expect_close(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
-  int64_t worst = -1;
-  double worst_excess = 0, used = 0;
-  for (int64_t i = 0; i < n; i++) {
-    cr_assert(isfinite(got[i]), "%s: element %lld is %g (not finite; ref %g)", what, (long long)i, got[i], ref[i]);
-    double err = fabs((double)got[i] - ref[i]), allowed = atol + rtol * fabs(ref[i]);
-    double excess = err - allowed;
-    if (allowed > 0 && err / allowed > used) used = err / allowed;
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = i;
-    }
-  }
-  cr_log_info("%s: %.3f of the tolerance used", what, used);
-  cr_assert(worst < 0, "%s: worst element %lld of %lld: got %.9g ref %.9g (|diff| %.3g > atol %.1g + rtol %.1g·|ref|)",
-            what, (long long)worst, (long long)n, worst >= 0 ? got[worst] : 0, worst >= 0 ? ref[worst] : 0,
-            worst >= 0 ? fabs((double)got[worst] - ref[worst]) : 0, atol, rtol);
 }
 
 /* Asserts a and b hold the same bits. */

@@ -8,9 +8,7 @@
 #include <string.h>
 
 #include "tensor/tensor_ref.h"
-
-static tensor_backend_t be;
-static struct rng rng;
+#include "../support/tensor_check.h"
 
 static void setup(void) {
   struct rumor_err e;
@@ -21,52 +19,6 @@ static void setup(void) {
 static void teardown(void) { tensor_backend_close(be); }
 
 TestSuite(tensor_cpu, .init = setup, .fini = teardown);
-
-static float *rand_host(int64_t n, float scale) {
-  float *p = xmalloc((size_t)n * sizeof *p);
-  for (int64_t i = 0; i < n; i++) p[i] = (2.0f * rng_uniform(&rng) - 1.0f) * scale;
-  return p;
-}
-
-static struct tensor dev_from(const float *h, int ndim, const int64_t *shape) {
-  struct tensor t;
-  struct rumor_err e;
-  cr_assert_eq(tensor_alloc(&t, be, TENSOR_F32, ndim, shape, &e), 0);
-  tensor_copy_from_host(&t, 0, h, tensor_nbytes(&t));
-  return t;
-}
-
-static struct tensor dev_nan(int ndim, const int64_t *shape) {
-  struct tensor t;
-  struct rumor_err e;
-  cr_assert_eq(tensor_alloc(&t, be, TENSOR_F32, ndim, shape, &e), 0);
-  tensor_fill(&t, NAN); /* poison: unwritten outputs fail the NaN check */
-  return t;
-}
-
-static float *to_host(const struct tensor *t) {
-  float *h = xmalloc(tensor_nbytes(t));
-  tensor_copy_to_host(t, 0, h, tensor_nbytes(t));
-  return h;
-}
-
-/* Asserts got ≈ ref element-wise; reports the worst element. */
-static void expect_close(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
-  int64_t worst = -1;
-  double worst_excess = 0;
-  for (int64_t i = 0; i < n; i++) {
-    cr_assert(isfinite(got[i]), "%s: element %lld is %f (not finite; ref %f)", what, (long long)i, got[i], ref[i]);
-    double err = fabs((double)got[i] - ref[i]);
-    double excess = err - (atol + rtol * fabs(ref[i]));
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = i;
-    }
-  }
-  cr_assert(worst < 0, "%s: worst element %lld: got %.9g ref %.9g (|diff| %.3g > atol %.1g + rtol %.1g·|ref|)", what,
-            (long long)worst, worst >= 0 ? got[worst] : 0, worst >= 0 ? ref[worst] : 0,
-            worst >= 0 ? fabs((double)got[worst] - ref[worst]) : 0, atol, rtol);
-}
 
 Test(tensor_cpu, gemm_all_transposes_and_odd_shapes) {
   const int shapes[][3] = {{1, 1, 1}, {7, 5, 3}, {33, 17, 65}, {128, 10, 256}, {64, 129, 31}};
