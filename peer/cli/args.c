@@ -46,7 +46,7 @@ static int set_value(const struct arg_spec *s, const char *cmd, const char *val)
   switch (s->type) {
   case ARG_STR:
     if (!*val) {
-      fprintf(stderr, "%s: --%s needs a non-empty value\n", cmd, s->name);
+      fprintf(stderr, "rumor %s: --%s needs a non-empty value\n", cmd, s->name);
       return ARGS_ERROR;
     }
     *(const char **)s->dest = val;
@@ -55,10 +55,10 @@ static int set_value(const struct arg_spec *s, const char *cmd, const char *val)
     int64_t v;
     if (parse_i64(val, bounded ? (int64_t)s->min : INT64_MIN, bounded ? (int64_t)s->max : INT64_MAX, &v)) {
       if (bounded)
-        fprintf(stderr, "%s: --%s: '%s' is not an integer in [%lld, %lld]\n", cmd, s->name, val,
+        fprintf(stderr, "rumor %s: --%s: '%s' is not an integer in [%lld, %lld]\n", cmd, s->name, val,
                 (long long)s->min, (long long)s->max);
       else
-        fprintf(stderr, "%s: --%s: '%s' is not an integer\n", cmd, s->name, val);
+        fprintf(stderr, "rumor %s: --%s: '%s' is not an integer\n", cmd, s->name, val);
       return ARGS_ERROR;
     }
     *(int64_t *)s->dest = v;
@@ -68,9 +68,9 @@ static int set_value(const struct arg_spec *s, const char *cmd, const char *val)
     double v;
     if (parse_f64(val, bounded ? s->min : -1e308, bounded ? s->max : 1e308, &v)) {
       if (bounded)
-        fprintf(stderr, "%s: --%s: '%s' is not a number in [%g, %g]\n", cmd, s->name, val, s->min, s->max);
+        fprintf(stderr, "rumor %s: --%s: '%s' is not a number in [%g, %g]\n", cmd, s->name, val, s->min, s->max);
       else
-        fprintf(stderr, "%s: --%s: '%s' is not a number\n", cmd, s->name, val);
+        fprintf(stderr, "rumor %s: --%s: '%s' is not a number\n", cmd, s->name, val);
       return ARGS_ERROR;
     }
     *(double *)s->dest = v;
@@ -83,7 +83,7 @@ static int set_value(const struct arg_spec *s, const char *cmd, const char *val)
 
 int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *synopsis,
                const char *about) {
-  const char *cmd = argc > 0 ? argv[0] : "rumor";
+  const char *cmd = argc > 0 ? argv[0] : "(command)";
   size_t nspecs = 0;
   while (specs[nspecs].name) nspecs++;
   RUMOR_ASSERT(nspecs <= ARGS_MAX_SPECS);
@@ -97,7 +97,7 @@ int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *
       return ARGS_HELP;
     }
     if (strncmp(a, "--", 2) != 0) {
-      fprintf(stderr, "%s: unexpected argument '%s' (options start with --; see --help)\n", cmd, a);
+      fprintf(stderr, "rumor %s: unexpected argument '%s' (options start with --; see --help)\n", cmd, a);
       return ARGS_ERROR;
     }
     const char *name = a + 2;
@@ -111,13 +111,13 @@ int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *
         break;
       }
     if (!s) {
-      fprintf(stderr, "%s: unknown option '--%.*s' (see --help)\n", cmd, (int)nlen, name);
+      fprintf(stderr, "rumor %s: unknown option '--%.*s' (see --help)\n", cmd, (int)nlen, name);
       return ARGS_ERROR;
     }
     g_given[idx] = true;
     if (s->type == ARG_FLAG) {
       if (eq) {
-        fprintf(stderr, "%s: --%s takes no value\n", cmd, s->name);
+        fprintf(stderr, "rumor %s: --%s takes no value\n", cmd, s->name);
         return ARGS_ERROR;
       }
       *(bool *)s->dest = true;
@@ -128,7 +128,7 @@ int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *
       val = eq + 1;
     } else {
       if (i + 1 >= argc) {
-        fprintf(stderr, "%s: --%s needs a value (%s)\n", cmd, s->name, s->metavar ? s->metavar : "VALUE");
+        fprintf(stderr, "rumor %s: --%s needs a value (%s)\n", cmd, s->name, s->metavar ? s->metavar : "VALUE");
         return ARGS_ERROR;
       }
       val = argv[++i];
