@@ -241,6 +241,43 @@ static inline void check_bitwise(const char *what, const float *a, const float *
   }
 }
 
+/* An element-wise activation on the device against its reference results
+ * (y = fwd(x), dx = bwd(x, dy), computed by the caller on the host): out of
+ * place, then backward with dx aliasing dy, then forward in place (last: x
+ * is consumed). `got` is host scratch of n floats. */
+typedef void (*act_fwd_fn)(const struct tensor *x, struct tensor *y);
+typedef void (*act_bwd_fn)(const struct tensor *x, const struct tensor *dy, struct tensor *dx);
+static inline void check_activation(const char *name, act_fwd_fn fwd, act_bwd_fn bwd, const float *x, const float *y,
+                                    const float *dy, const float *dx, int64_t n, float *got, double atol,
+                                    double rtol) {
+  char what[64];
+  struct dev dxs = dev_from(1, &n, x), dys = dev_new(1, &n);
+  fwd(&dxs.t, &dys.t);
+  dev_download(&dys, got);
+  snprintf(what, sizeof what, "%s_fwd n=%" PRId64, name, n);
+  check_close(what, got, y, n, atol, rtol);
+  dev_check_guards(&dys, what);
+
+  struct dev ddy = dev_from(1, &n, dy), ddx = dev_new(1, &n);
+  bwd(&dxs.t, &ddy.t, &ddx.t);
+  dev_download(&ddx, got);
+  snprintf(what, sizeof what, "%s_bwd n=%" PRId64, name, n);
+  check_close(what, got, dx, n, atol, rtol);
+  dev_check_guards(&ddx, what);
+
+  bwd(&dxs.t, &ddy.t, &ddy.t); /* dx aliases dy */
+  dev_download(&ddy, got);
+  snprintf(what, sizeof what, "%s_bwd in place n=%" PRId64, name, n);
+  check_close(what, got, dx, n, atol, rtol);
+  dev_check_guards(&ddy, what);
+
+  fwd(&dxs.t, &dxs.t); /* in place, last: x is consumed */
+  dev_download(&dxs, got);
+  snprintf(what, sizeof what, "%s_fwd in place n=%" PRId64, name, n);
+  check_close(what, got, y, n, atol, rtol);
+  dev_check_guards(&dxs, what);
+}
+
 /* Puts NaN, ±Inf, zeros and extremes at fixed places of x (n > 12). */
 static inline void add_specials(float *x, int64_t n) {
   if (n <= 12) return;

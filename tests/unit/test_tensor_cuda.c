@@ -419,33 +419,7 @@ Test(cuda, gelu_fwd_and_bwd_match_reference_in_and_out_of_place) {
     fill_normal(dy, n, 0.0f, 1.0f);
     tensor_ref_gelu_fwd(x, y, n);
     tensor_ref_gelu_bwd(x, dy, dx, n);
-    char what[64];
-
-    struct dev dxs = dev_from(1, &n, x), dys = dev_vec(n);
-    tensor_gelu_fwd(&dxs.t, &dys.t);
-    dev_download(&dys, got);
-    snprintf(what, sizeof what, "gelu_fwd n=%" PRId64, n);
-    check_close(what, got, y, n, atol, rtol);
-    dev_check_guards(&dys, what);
-
-    struct dev ddy = dev_from(1, &n, dy), ddx = dev_vec(n);
-    tensor_gelu_bwd(&dxs.t, &ddy.t, &ddx.t);
-    dev_download(&ddx, got);
-    snprintf(what, sizeof what, "gelu_bwd n=%" PRId64, n);
-    check_close(what, got, dx, n, atol, rtol);
-    dev_check_guards(&ddx, what);
-
-    tensor_gelu_bwd(&dxs.t, &ddy.t, &ddy.t); /* dx aliases dy */
-    dev_download(&ddy, got);
-    snprintf(what, sizeof what, "gelu_bwd in place n=%" PRId64, n);
-    check_close(what, got, dx, n, atol, rtol);
-    dev_check_guards(&ddy, what);
-
-    tensor_gelu_fwd(&dxs.t, &dxs.t); /* in place, last: x is consumed */
-    dev_download(&dxs, got);
-    snprintf(what, sizeof what, "gelu_fwd in place n=%" PRId64, n);
-    check_close(what, got, y, n, atol, rtol);
-    dev_check_guards(&dxs, what);
+    check_activation("gelu", tensor_gelu_fwd, tensor_gelu_bwd, x, y, dy, dx, n, got, atol, rtol);
     arena_release(mark);
   }
   close_gpu();
