@@ -13,6 +13,7 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -163,44 +164,55 @@ static inline struct dev dev_from(int ndim, const int64_t *shape, const void *ho
   return d;
 }
 
-/* Fails the test if anything was written into the guard bands of `d`. */
-static inline void dev_check_guards(const struct dev *d, const char *what) {
+/* ---- verdicts ---------------------------------------------------------------------------
+ *
+ * Each check returns true when it holds, else false with the failure in
+ * g_why (the element, the values and the seed), for the test's own
+ * assertion: cr_assert(matches(...), "%s", g_why). */
+
+static char g_why[512];
+
+static inline bool __attribute__((format(printf, 1, 2))) fail_why(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_why, sizeof g_why, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+/* Nothing was written into the guard bands of `d`. */
+static inline bool guards_intact(const struct dev *d, const char *what) {
   int64_t total = d->n + 2 * d->guard;
   uint32_t *all = xmalloc((size_t)total * 4);
   tensor_copy_to_host(d->whole, 0, all, (size_t)total * 4);
-  for (int64_t i = 0; i < total; i++) {
-    if (i >= d->guard && i < d->guard + d->n) continue;
-    if (all[i] != SENTINEL_BITS) {
-      uint32_t bits = all[i];
-      free(all);
-      cr_assert_fail("%s: out-of-bounds write: guard element %" PRId64 " %s the tensor (n=%" PRId64
-                     ") holds 0x%08x (seed %" PRIu64 ")",
-                     what, i < d->guard ? i - d->guard : i - d->guard - d->n, i < d->guard ? "before" : "after",
-                     d->n, bits, g_seed);
-    }
+  bool ok = true;
+  for (int64_t i = 0; i < total && ok; i++) {
+    if ((i >= d->guard && i < d->guard + d->n) || all[i] == SENTINEL_BITS) continue;
+    ok = fail_why("%s: out-of-bounds write: guard element %" PRId64 " %s the tensor (n=%" PRId64
+                  ") holds 0x%08x (seed %" PRIu64 ")",
+                  what, i < d->guard ? i - d->guard : i - d->guard - d->n, i < d->guard ? "before" : "after", d->n,
+                  all[i], g_seed);
   }
   free(all);
+  return ok;
 }
 
-/* ---- comparison ------------------------------------------------------------------------ */
-
-/* Fails unless |got[i] − ref[i]| <= atol_i + rtol·|ref[i]| for every i, and
- * NaN or ±Inf appear in got exactly where ref has the same, with atol_i =
- * atol, plus atol_rows[i / cols] when atol_rows is not NULL (a per-row
- * allowance for ill-conditioned rows). Names the worst element. atol = rtol
- * = 0 and no atol_rows demand equal values. */
-static inline void check_close_rows(const char *what, const float *got, const float *ref, int64_t n, double atol,
-                             double rtol, const double *atol_rows, int64_t cols) {
+/* |got[i] − ref[i]| <= atol_i + rtol·|ref[i]| for every i, and NaN or ±Inf
+ * in got exactly where ref has the same, with atol_i = atol, plus
+ * atol_rows[i / cols] when atol_rows is not NULL (a per-row allowance for
+ * ill-conditioned rows). A failure names the worst element. atol = rtol = 0
+ * and no atol_rows demand equal values. */
+static inline bool matches_rows(const char *what, const float *got, const float *ref, int64_t n, double atol,
+                                double rtol, const double *atol_rows, int64_t cols) {
   int64_t worst = -1;
   double worst_ratio = 0.0, worst_tol = 0.0;
   for (int64_t i = 0; i < n; i++) {
     double g = got[i], r = ref[i];
     if (!isfinite(r) || !isfinite(g)) {
-      bool same = isnan(r) ? isnan(g) : g == r;
-      cr_assert(same,
-                "%s: element %" PRId64 " of %" PRId64 " is %.9g where the reference is %.9g "
-                "(NaN/Inf mismatch; seed %" PRIu64 ")",
-                what, i, n, g, r, g_seed);
+      if (!(isnan(r) ? isnan(g) : g == r))
+        return fail_why("%s: element %" PRId64 " of %" PRId64 " is %.9g where the reference is %.9g "
+                        "(NaN/Inf mismatch; seed %" PRIu64 ")",
+                        what, i, n, g, r, g_seed);
       continue;
     }
     double tol = atol + rtol * fabs(r) + (atol_rows ? atol_rows[i / cols] : 0.0), diff = fabs(g - r);
@@ -211,71 +223,68 @@ static inline void check_close_rows(const char *what, const float *got, const fl
       worst_tol = tol;
     }
   }
-  if (worst >= 0)
-    cr_assert(worst_ratio <= 1.0,
-              "%s: worst element %" PRId64 " of %" PRId64 ": got %.9g, ref %.9g, |diff| %.3g > %.3g (%.3g + %.3g·|ref|"
-              "%s; seed %" PRIu64 ")",
-              what, worst, n, (double)got[worst], (double)ref[worst], fabs((double)got[worst] - ref[worst]),
-              worst_tol, atol, rtol, atol_rows ? " + the row's allowance" : "", g_seed);
+  if (worst < 0 || worst_ratio <= 1.0) return true;
+  return fail_why("%s: worst element %" PRId64 " of %" PRId64 ": got %.9g, ref %.9g, |diff| %.3g > %.3g (%.3g + "
+                  "%.3g·|ref|%s; seed %" PRIu64 ")",
+                  what, worst, n, (double)got[worst], (double)ref[worst], fabs((double)got[worst] - ref[worst]),
+                  worst_tol, atol, rtol, atol_rows ? " + the row's allowance" : "", g_seed);
 }
 
-static inline void check_close(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
-  check_close_rows(what, got, ref, n, atol, rtol, NULL, 1);
+static inline bool matches(const char *what, const float *got, const float *ref, int64_t n, double atol, double rtol) {
+  return matches_rows(what, got, ref, n, atol, rtol, NULL, 1);
 }
 
-static inline void check_exact(const char *what, const float *got, const float *ref, int64_t n) {
-  check_close(what, got, ref, n, 0.0, 0.0);
+static inline bool matches_exactly(const char *what, const float *got, const float *ref, int64_t n) {
+  return matches(what, got, ref, n, 0.0, 0.0);
 }
 
-/* Fails unless a and b hold the same bits (run-to-run determinism); names
- * the first element that differs. */
-static inline void check_bitwise(const char *what, const float *a, const float *b, int64_t n) {
-  if (memcmp(a, b, (size_t)n * sizeof *a) == 0) return;
-  for (int64_t i = 0; i < n; i++) {
+/* a and b hold the same bits (run-to-run determinism); a failure names the
+ * first element that differs. */
+static inline bool same_bits(const char *what, const float *a, const float *b, int64_t n) {
+  if (memcmp(a, b, (size_t)n * sizeof *a) == 0) return true;
+  for (int64_t i = 0;; i++) {
     uint32_t x, y;
     memcpy(&x, &a[i], 4);
     memcpy(&y, &b[i], 4);
-    cr_assert_eq(x, y, "%s: element %" PRId64 " of %" PRId64 " differs between two runs: 0x%08x vs 0x%08x"
-                       " (seed %" PRIu64 ")",
-                 what, i, n, x, y, g_seed);
+    if (x != y)
+      return fail_why("%s: element %" PRId64 " of %" PRId64 " differs between two runs: 0x%08x vs 0x%08x (seed %" PRIu64
+                      ")",
+                      what, i, n, x, y, g_seed);
   }
 }
 
-/* An element-wise activation on the device against its reference results
- * (y = fwd(x), dx = bwd(x, dy), computed by the caller on the host): out of
+/* An element-wise activation on the device matches its reference results
+ * (y = fwd(x), dx = bwd(x, dy), computed by the caller on the host) out of
  * place, then backward with dx aliasing dy, then forward in place (last: x
- * is consumed). `got` is host scratch of n floats. */
+ * is consumed), writing nothing outside its outputs. `got` is host scratch
+ * of n floats. */
 typedef void (*act_fwd_fn)(const struct tensor *x, struct tensor *y);
 typedef void (*act_bwd_fn)(const struct tensor *x, const struct tensor *dy, struct tensor *dx);
-static inline void check_activation(const char *name, act_fwd_fn fwd, act_bwd_fn bwd, const float *x, const float *y,
-                                    const float *dy, const float *dx, int64_t n, float *got, double atol,
-                                    double rtol) {
-  char what[64];
+static inline bool activation_matches(const char *name, act_fwd_fn fwd, act_bwd_fn bwd, const float *x,
+                                      const float *y, const float *dy, const float *dx, int64_t n, float *got,
+                                      double atol, double rtol) {
+  char what[4][64];
+  snprintf(what[0], sizeof what[0], "%s_fwd n=%" PRId64, name, n);
+  snprintf(what[1], sizeof what[1], "%s_bwd n=%" PRId64, name, n);
+  snprintf(what[2], sizeof what[2], "%s_bwd in place n=%" PRId64, name, n);
+  snprintf(what[3], sizeof what[3], "%s_fwd in place n=%" PRId64, name, n);
   struct dev dxs = dev_from(1, &n, x), dys = dev_new(1, &n);
   fwd(&dxs.t, &dys.t);
   dev_download(&dys, got);
-  snprintf(what, sizeof what, "%s_fwd n=%" PRId64, name, n);
-  check_close(what, got, y, n, atol, rtol);
-  dev_check_guards(&dys, what);
+  if (!matches(what[0], got, y, n, atol, rtol) || !guards_intact(&dys, what[0])) return false;
 
   struct dev ddy = dev_from(1, &n, dy), ddx = dev_new(1, &n);
   bwd(&dxs.t, &ddy.t, &ddx.t);
   dev_download(&ddx, got);
-  snprintf(what, sizeof what, "%s_bwd n=%" PRId64, name, n);
-  check_close(what, got, dx, n, atol, rtol);
-  dev_check_guards(&ddx, what);
+  if (!matches(what[1], got, dx, n, atol, rtol) || !guards_intact(&ddx, what[1])) return false;
 
   bwd(&dxs.t, &ddy.t, &ddy.t); /* dx aliases dy */
   dev_download(&ddy, got);
-  snprintf(what, sizeof what, "%s_bwd in place n=%" PRId64, name, n);
-  check_close(what, got, dx, n, atol, rtol);
-  dev_check_guards(&ddy, what);
+  if (!matches(what[2], got, dx, n, atol, rtol) || !guards_intact(&ddy, what[2])) return false;
 
   fwd(&dxs.t, &dxs.t); /* in place, last: x is consumed */
   dev_download(&dxs, got);
-  snprintf(what, sizeof what, "%s_fwd in place n=%" PRId64, name, n);
-  check_close(what, got, y, n, atol, rtol);
-  dev_check_guards(&dxs, what);
+  return matches(what[3], got, y, n, atol, rtol) && guards_intact(&dxs, what[3]);
 }
 
 /* Puts NaN, ±Inf, zeros and extremes at fixed places of x (n > 12). */

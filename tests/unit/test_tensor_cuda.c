@@ -209,10 +209,10 @@ Test(cuda, zero_sized_tensors_are_valid_and_ops_on_them_do_nothing) {
   struct dev labels = dev_new_g(TENSOR_I32, 1, s1, GUARD);
   tensor_softmax_xent(&logits.t, &labels.t, &dl.t, &losses.t, 1.0f);
   tensor_backend_sync(g_be);
-  dev_check_guards(&z, "ops on empty tensors");
-  dev_check_guards(&z2, "ops on empty tensors");
-  dev_check_guards(&dl, "softmax_xent with 0 rows");
-  dev_check_guards(&losses, "softmax_xent with 0 rows");
+  cr_assert(guards_intact(&z, "ops on empty tensors"), "%s", g_why);
+  cr_assert(guards_intact(&z2, "ops on empty tensors"), "%s", g_why);
+  cr_assert(guards_intact(&dl, "softmax_xent with 0 rows"), "%s", g_why);
+  cr_assert(guards_intact(&losses, "softmax_xent with 0 rows"), "%s", g_why);
   close_gpu();
 }
 
@@ -264,10 +264,10 @@ static void run_gemm(bool ta, bool tb, struct gemm_case gc, float alpha, float b
   snprintf(what, sizeof what, "gemm(%c%c, m=%d n=%d k=%d, alpha=%g beta=%g, %s, guard %" PRId64 ")", ta ? 'T' : 'N',
            tb ? 'T' : 'N', m, n, k, alpha, beta, ints ? "integers" : "normal", guard);
   if (ints)
-    check_exact(what, got, ref, nc);
+    cr_assert(matches_exactly(what, got, ref, nc), "%s", g_why);
   else /* FP32 accumulation over k terms of size ~1; TF32 would be ~10x over */
-    check_close(what, got, ref, nc, 2e-6 * (k + 1), 1e-5);
-  dev_check_guards(&c, what);
+    cr_assert(matches(what, got, ref, nc, 2e-6 * (k + 1), 1e-5), "%s", g_why);
+  cr_assert(guards_intact(&c, what), "%s", g_why);
   arena_release(mark);
 }
 
@@ -314,8 +314,8 @@ Test(cuda, bias_add_matches_reference) {
     dev_download(&dy, got);
     char what[96];
     snprintf(what, sizeof what, "bias_add [%" PRId64 ", %" PRId64 "] (ndim %d)", rows, cols, ndim);
-    check_exact(what, got, y, n); /* one float add per element */
-    dev_check_guards(&dy, what);
+    cr_assert(matches_exactly(what, got, y, n), "%s", g_why); /* one float add per element */
+    cr_assert(guards_intact(&dy, what), "%s", g_why);
     arena_release(mark);
   }
   close_gpu();
@@ -352,10 +352,10 @@ Test(cuda, bias_grad_matches_reference_with_and_without_beta) {
       snprintf(what, sizeof what, "bias_grad [%" PRId64 ", %" PRId64 "] beta=%g %s", rows, cols, beta,
                ints ? "integers" : "normal");
       if (ints)
-        check_exact(what, got, db, cols);
+        cr_assert(matches_exactly(what, got, db, cols), "%s", g_why);
       else /* float column sums of `rows` N(0,1) terms, plus beta·db */
-        check_close(what, got, db, cols, 2e-6 + 2e-8 * (double)rows, 1e-6);
-      dev_check_guards(&ddb, what);
+        cr_assert(matches(what, got, db, cols, 2e-6 + 2e-8 * (double)rows, 1e-6), "%s", g_why);
+      cr_assert(guards_intact(&ddb, what), "%s", g_why);
       arena_release(mark);
     }
   close_gpu();
@@ -380,27 +380,27 @@ Test(cuda, relu_fwd_and_bwd_match_reference_in_and_out_of_place) {
     tensor_relu_fwd(&dxs.t, &dys.t);
     dev_download(&dys, got);
     snprintf(what, sizeof what, "relu_fwd n=%" PRId64, n);
-    check_exact(what, got, y, n);
-    dev_check_guards(&dys, what);
+    cr_assert(matches_exactly(what, got, y, n), "%s", g_why);
+    cr_assert(guards_intact(&dys, what), "%s", g_why);
 
     tensor_relu_fwd(&dxs.t, &dxs.t); /* in place */
     dev_download(&dxs, got);
     snprintf(what, sizeof what, "relu_fwd in place n=%" PRId64, n);
-    check_exact(what, got, y, n);
-    dev_check_guards(&dxs, what);
+    cr_assert(matches_exactly(what, got, y, n), "%s", g_why);
+    cr_assert(guards_intact(&dxs, what), "%s", g_why);
 
     struct dev ddy = dev_from(1, &n, dy), ddx = dev_vec(n);
     tensor_relu_bwd(&dys.t, &ddy.t, &ddx.t);
     dev_download(&ddx, got);
     snprintf(what, sizeof what, "relu_bwd n=%" PRId64, n);
-    check_exact(what, got, dx, n);
-    dev_check_guards(&ddx, what);
+    cr_assert(matches_exactly(what, got, dx, n), "%s", g_why);
+    cr_assert(guards_intact(&ddx, what), "%s", g_why);
 
     tensor_relu_bwd(&dys.t, &ddy.t, &ddy.t); /* dx aliases dy */
     dev_download(&ddy, got);
     snprintf(what, sizeof what, "relu_bwd in place n=%" PRId64, n);
-    check_exact(what, got, dx, n);
-    dev_check_guards(&ddy, what);
+    cr_assert(matches_exactly(what, got, dx, n), "%s", g_why);
+    cr_assert(guards_intact(&ddy, what), "%s", g_why);
     arena_release(mark);
   }
   close_gpu();
@@ -419,7 +419,8 @@ Test(cuda, gelu_fwd_and_bwd_match_reference_in_and_out_of_place) {
     fill_normal(dy, n, 0.0f, 1.0f);
     tensor_ref_gelu_fwd(x, y, n);
     tensor_ref_gelu_bwd(x, dy, dx, n);
-    check_activation("gelu", tensor_gelu_fwd, tensor_gelu_bwd, x, y, dy, dx, n, got, atol, rtol);
+    cr_assert(activation_matches("gelu", tensor_gelu_fwd, tensor_gelu_bwd, x, y, dy, dx, n, got, atol, rtol),
+              "%s", g_why);
     arena_release(mark);
   }
   close_gpu();
@@ -451,12 +452,12 @@ Test(cuda, softmax_xent_matches_reference_with_and_without_aliasing) {
       char what[128];
       snprintf(what, sizeof what, "softmax_xent [%" PRId64 ", %" PRId64 "] grad_scale=%g%s: losses", rows, cols, gs,
                alias ? " (dlogits aliases logits)" : "");
-      check_close(what, got_l, loss, rows, 1e-5, 1e-5);
-      dev_check_guards(&dl, what);
+      cr_assert(matches(what, got_l, loss, rows, 1e-5, 1e-5), "%s", g_why);
+      cr_assert(guards_intact(&dl, what), "%s", g_why);
       snprintf(what, sizeof what, "softmax_xent [%" PRId64 ", %" PRId64 "] grad_scale=%g%s: dlogits", rows, cols, gs,
                alias ? " (dlogits aliases logits)" : "");
-      check_close(what, got_d, d, n, 2e-6 * gs, 1e-5);
-      dev_check_guards(&dd, what);
+      cr_assert(matches(what, got_d, d, n, 2e-6 * gs, 1e-5), "%s", g_why);
+      cr_assert(guards_intact(&dd, what), "%s", g_why);
       arena_release(mark);
     }
   close_gpu();
@@ -495,17 +496,17 @@ Test(cuda, sgd_step_matches_reference_for_each_variant) {
       snprintf(what, sizeof what, "sgd lr=%g mu=%g wd=%g nesterov=%d mom=%s n=%" PRId64 ": params", hp->lr,
                hp->momentum, hp->weight_decay, hp->nesterov, use_mom ? "yes" : "NULL", n);
       dev_download(&dp, got);
-      check_close(what, got, p, n, 1e-6, 1e-6);
-      dev_check_guards(&dp, what);
+      cr_assert(matches(what, got, p, n, 1e-6, 1e-6), "%s", g_why);
+      cr_assert(guards_intact(&dp, what), "%s", g_why);
       if (use_mom) {
         snprintf(what, sizeof what, "sgd lr=%g mu=%g wd=%g nesterov=%d n=%" PRId64 ": momentum", hp->lr,
                  hp->momentum, hp->weight_decay, hp->nesterov, n);
         dev_download(&dm, got);
         if (hp->momentum == 0.0f)
-          check_exact(what, got, m0, n); /* untouched */
+          cr_assert(matches_exactly(what, got, m0, n), "%s", g_why); /* untouched */
         else
-          check_close(what, got, m, n, 1e-6, 1e-6);
-        dev_check_guards(&dm, what);
+          cr_assert(matches(what, got, m, n, 1e-6, 1e-6), "%s", g_why);
+        cr_assert(guards_intact(&dm, what), "%s", g_why);
       }
       arena_release(mark);
     }
@@ -540,8 +541,8 @@ Test(cuda, adamw_step_matches_reference) {
         snprintf(what, sizeof what, "adamw steps %" PRId64 "-%" PRId64 " n=%" PRId64 ": %s", steps[t], steps[t] + 1, n,
                  names[o]);
         dev_download(outs[o], got);
-        check_close(what, got, refs[o], n, 1e-6, 1e-5);
-        dev_check_guards(outs[o], what);
+        cr_assert(matches(what, got, refs[o], n, 1e-6, 1e-5), "%s", g_why);
+        cr_assert(guards_intact(outs[o], what), "%s", g_why);
       }
       arena_release(mark);
     }
@@ -566,15 +567,15 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
     for (int64_t i = 0; i < n; i++) ref[i] = a * x[i] + b * y[i];
     dev_download(&dy, got);
     snprintf(what, sizeof what, "axpby n=%" PRId64, n);
-    check_close(what, got, ref, n, 1e-6, 1e-6);
-    dev_check_guards(&dy, what);
+    cr_assert(matches(what, got, ref, n, 1e-6, 1e-6), "%s", g_why);
+    cr_assert(guards_intact(&dy, what), "%s", g_why);
 
     tensor_axpby(a, &dx.t, b, &dx.t); /* y aliases x */
     for (int64_t i = 0; i < n; i++) ref[i] = a * x[i] + b * x[i];
     dev_download(&dx, got);
     snprintf(what, sizeof what, "axpby in place n=%" PRId64, n);
-    check_close(what, got, ref, n, 1e-6, 1e-6);
-    dev_check_guards(&dx, what);
+    cr_assert(matches(what, got, ref, n, 1e-6, 1e-6), "%s", g_why);
+    cr_assert(guards_intact(&dx, what), "%s", g_why);
 
     const float alphas[] = {0.5f, 0.3f, 1.0f};
     for (int k = 0; k < 3; k++) {
@@ -583,11 +584,11 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
       for (int64_t i = 0; i < n; i++) ref[i] = x[i] + alphas[k] * (y[i] - x[i]);
       dev_download(&lx, got);
       snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64, alphas[k], n);
-      check_close(what, got, ref, n, 1e-6, 1e-6);
-      dev_check_guards(&lx, what);
+      cr_assert(matches(what, got, ref, n, 1e-6, 1e-6), "%s", g_why);
+      cr_assert(guards_intact(&lx, what), "%s", g_why);
       dev_download(&ly, got);
       snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64 ": y is input only", alphas[k], n);
-      check_exact(what, got, y, n);
+      cr_assert(matches_exactly(what, got, y, n), "%s", g_why);
     }
 
     {
@@ -614,7 +615,7 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
       tensor_mirror_refresh(&m, y);
       tensor_copy_to_host(&m, 0, got, (size_t)n * sizeof(float));
       snprintf(what, sizeof what, "mirror n=%" PRId64, n);
-      check_exact(what, got, y, n);
+      cr_assert(matches_exactly(what, got, y, n), "%s", g_why);
       tensor_free(&m);
     }
 
@@ -623,16 +624,16 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
     for (int64_t i = 0; i < n; i++) ref[i] = x[i] * -2.5f;
     dev_download(&sx, got);
     snprintf(what, sizeof what, "scale n=%" PRId64, n);
-    check_exact(what, got, ref, n);
-    dev_check_guards(&sx, what);
+    cr_assert(matches_exactly(what, got, ref, n), "%s", g_why);
+    cr_assert(guards_intact(&sx, what), "%s", g_why);
 
     struct dev fx = dev_vec(n);
     tensor_fill(&fx.t, 3.25f);
     fill_value(ref, n, 3.25f);
     dev_download(&fx, got);
     snprintf(what, sizeof what, "fill n=%" PRId64, n);
-    check_exact(what, got, ref, n);
-    dev_check_guards(&fx, what);
+    cr_assert(matches_exactly(what, got, ref, n), "%s", g_why);
+    cr_assert(guards_intact(&fx, what), "%s", g_why);
     arena_release(mark);
   }
   close_gpu();
@@ -730,7 +731,7 @@ Test(cuda, count_nonfinite_counts_exactly_the_nan_and_inf_elements) {
       int64_t got = tensor_count_nonfinite(&dx.t);
       cr_assert_eq(got, want, "count_nonfinite n=%" PRId64 " density %d: got %" PRId64 ", want %" PRId64 " (seed %" PRIu64 ")",
                    n, density, got, want, g_seed);
-      dev_check_guards(&dx, "count_nonfinite");
+      cr_assert(guards_intact(&dx, "count_nonfinite"), "%s", g_why);
       arena_release(mark);
     }
   close_gpu();
@@ -850,7 +851,7 @@ Test(cuda, async_copies_and_events_round_trip_through_pinned_memory) {
   tensor_copy_from_host(&t.t, n - 7, small, sizeof small);
   tensor_copy_to_host(&t.t, n - 7, back, sizeof back);
   cr_assert_arr_eq(back, small, sizeof small, "synchronous copy at the end of the tensor");
-  dev_check_guards(&t, "copies");
+  cr_assert(guards_intact(&t, "copies"), "%s", g_why);
 
   tensor_event_destroy(ev);
   tensor_host_free(g_be, src);
@@ -866,8 +867,8 @@ Test(cuda, device_copy_handles_disjoint_and_overlapping_views) {
   struct dev a = dev_from(1, &n, x), b = dev_vec(n);
   tensor_copy(&b.t, &a.t);
   dev_download(&b, got);
-  check_exact("tensor_copy", got, x, n);
-  dev_check_guards(&b, "tensor_copy");
+  cr_assert(matches_exactly("tensor_copy", got, x, n), "%s", g_why);
+  cr_assert(guards_intact(&b, "tensor_copy"), "%s", g_why);
 
   /* Overlapping views of one buffer, shifted both ways (memmove semantics). */
   static const int64_t shifts[] = {1, -1, 4097, -4097};
@@ -882,8 +883,8 @@ Test(cuda, device_copy_handles_disjoint_and_overlapping_views) {
     dev_download(&a, got);
     char what[64];
     snprintf(what, sizeof what, "overlapping tensor_copy shift %" PRId64, sh);
-    check_exact(what, got, want, n);
-    dev_check_guards(&a, what);
+    cr_assert(matches_exactly(what, got, want, n), "%s", g_why);
+    cr_assert(guards_intact(&a, what), "%s", g_why);
   }
   close_gpu();
 }

@@ -78,8 +78,8 @@ Test(cuda_nn, add_matches_reference_in_and_out_of_place) {
       dev_download(o, got);
       static const char *const modes[] = {"out of place", "out = x", "out = y"};
       snprintf(what, sizeof what, "add n=%" PRId64 " (%s)", n, modes[mode]);
-      check_exact(what, got, ref, n); /* one float add per element */
-      dev_check_guards(o, what);
+      cr_assert(matches_exactly(what, got, ref, n), "%s", g_why); /* one float add per element */
+      cr_assert(guards_intact(o, what), "%s", g_why);
     }
     arena_release(mark);
   }
@@ -103,7 +103,9 @@ Test(cuda_nn, gelu_tanh_fwd_and_bwd_match_reference_with_specials_in_and_out_of_
     fill_normal(dy, n, 0.0f, 1.0f);
     tensor_ref_gelu_tanh_fwd(x, y, n);
     tensor_ref_gelu_tanh_bwd(x, dy, dx, n);
-    check_activation("gelu_tanh", tensor_gelu_tanh_fwd, tensor_gelu_tanh_bwd, x, y, dy, dx, n, got, atol, rtol);
+    cr_assert(
+        activation_matches("gelu_tanh", tensor_gelu_tanh_fwd, tensor_gelu_tanh_bwd, x, y, dy, dx, n, got, atol, rtol),
+        "%s", g_why);
     arena_release(mark);
   }
   close_gpu();
@@ -148,8 +150,8 @@ static void run_embedding(const struct xf_shape *s, int64_t v, bool same_token) 
   tensor_ref_embedding_fwd(tok, wte, wpe, ref, r, t, c);
   dev_download(&dout, got);
   shape_name(what, sizeof what, same_token ? "embedding_fwd (one token)" : "embedding_fwd", s);
-  check_exact(what, got, ref, n * c);
-  dev_check_guards(&dout, what);
+  cr_assert(matches_exactly(what, got, ref, n * c), "%s", g_why);
+  cr_assert(guards_intact(&dout, what), "%s", g_why);
 
   /* Backward onto random gradients already there (it accumulates). */
   float *g = hbuf(n * c), *gte = hbuf(v * c), *gpe = hbuf(tmax * c);
@@ -163,11 +165,11 @@ static void run_embedding(const struct xf_shape *s, int64_t v, bool same_token) 
   dev_download(&dgte, got_te);
   dev_download(&dgpe, got_pe);
   shape_name(what, sizeof what, same_token ? "embedding_bwd dwte (one token)" : "embedding_bwd dwte", s);
-  check_exact(what, got_te, gte, v * c);
-  dev_check_guards(&dgte, what);
+  cr_assert(matches_exactly(what, got_te, gte, v * c), "%s", g_why);
+  cr_assert(guards_intact(&dgte, what), "%s", g_why);
   shape_name(what, sizeof what, same_token ? "embedding_bwd dwpe (one token)" : "embedding_bwd dwpe", s);
-  check_exact(what, got_pe, gpe, tmax * c); /* rows t .. tmax−1 untouched */
-  dev_check_guards(&dgpe, what);
+  cr_assert(matches_exactly(what, got_pe, gpe, tmax * c), "%s", g_why); /* rows t .. tmax−1 untouched */
+  cr_assert(guards_intact(&dgpe, what), "%s", g_why);
   arena_release(mark);
 }
 
@@ -206,11 +208,11 @@ Test(cuda_nn, embedding_bwd_is_bitwise_deterministic) {
     dev_download(&dgte, te[run]);
     dev_download(&dgpe, pe[run]);
   }
-  check_bitwise("embedding_bwd dwte, two runs", te[0], te[1], v * c);
-  check_bitwise("embedding_bwd dwpe, two runs", pe[0], pe[1], t * c);
+  cr_assert(same_bits("embedding_bwd dwte, two runs", te[0], te[1], v * c), "%s", g_why);
+  cr_assert(same_bits("embedding_bwd dwpe, two runs", pe[0], pe[1], t * c), "%s", g_why);
   tensor_ref_embedding_bwd(tok, g, gte, gpe, r, t, c);
-  check_exact("embedding_bwd dwte (R=8 T=1024 C=96 V=50257)", te[0], gte, v * c);
-  check_exact("embedding_bwd dwpe (R=8 T=1024 C=96 V=50257)", pe[0], gpe, t * c);
+  cr_assert(matches_exactly("embedding_bwd dwte (R=8 T=1024 C=96 V=50257)", te[0], gte, v * c), "%s", g_why);
+  cr_assert(matches_exactly("embedding_bwd dwpe (R=8 T=1024 C=96 V=50257)", pe[0], gpe, t * c), "%s", g_why);
   close_gpu();
 }
 
@@ -259,14 +261,14 @@ static void run_layernorm_fwd(int64_t rows, int64_t c) {
   }
   char what[96];
   snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] y", rows, c);
-  check_close_rows(what, got, y, n, 3e-5, 1e-5, allow_y, c);
-  dev_check_guards(&dy, what);
+  cr_assert(matches_rows(what, got, y, n, 3e-5, 1e-5, allow_y, c), "%s", g_why);
+  cr_assert(guards_intact(&dy, what), "%s", g_why);
   snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] mean", rows, c);
-  check_close(what, got_m, mean, rows, 1e-5, 1e-5);
-  dev_check_guards(&dm, what);
+  cr_assert(matches(what, got_m, mean, rows, 1e-5, 1e-5), "%s", g_why);
+  cr_assert(guards_intact(&dm, what), "%s", g_why);
   snprintf(what, sizeof what, "layernorm_fwd [%" PRId64 ", %" PRId64 "] rstd", rows, c);
-  check_close_rows(what, got_r, rstd, rows, 0.0, 2e-5, allow_r, 1);
-  dev_check_guards(&dr, what);
+  cr_assert(matches_rows(what, got_r, rstd, rows, 0.0, 2e-5, allow_r, 1), "%s", g_why);
+  cr_assert(guards_intact(&dr, what), "%s", g_why);
   arena_release(mark);
 }
 
@@ -359,15 +361,15 @@ Test(cuda_nn, layernorm_bwd_matches_reference_accumulates_dx_and_honours_beta) {
       tensor_ref_layernorm_bwd(k.x, k.w, k.mean, k.rstd, k.dy, rdx, rdw, rdb, k.rows, k.c, beta);
       char what[112];
       snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g dx", k.rows, k.c, beta);
-      check_close(what, dx, rdx, n, 3e-5, 1e-5);
-      dev_check_guards(&k.ddx, what);
+      cr_assert(matches(what, dx, rdx, n, 3e-5, 1e-5), "%s", g_why);
+      cr_assert(guards_intact(&k.ddx, what), "%s", g_why);
       const double atol = 1e-5 + 5e-8 * (double)k.rows;
       snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g dw", k.rows, k.c, beta);
-      check_close(what, dw, rdw, k.c, atol, 1e-5);
-      dev_check_guards(&k.ddw, what);
+      cr_assert(matches(what, dw, rdw, k.c, atol, 1e-5), "%s", g_why);
+      cr_assert(guards_intact(&k.ddw, what), "%s", g_why);
       snprintf(what, sizeof what, "layernorm_bwd [%" PRId64 ", %" PRId64 "] beta=%g db", k.rows, k.c, beta);
-      check_close(what, db, rdb, k.c, atol, 1e-5);
-      dev_check_guards(&k.ddb, what);
+      cr_assert(matches(what, db, rdb, k.c, atol, 1e-5), "%s", g_why);
+      cr_assert(guards_intact(&k.ddb, what), "%s", g_why);
     }
     arena_release(mark);
   }
@@ -381,9 +383,9 @@ Test(cuda_nn, layernorm_bwd_is_bitwise_deterministic) {
   const int64_t n = k.rows * k.c;
   float *dx[2] = {hbuf(n), hbuf(n)}, *dw[2] = {hbuf(k.c), hbuf(k.c)}, *db[2] = {hbuf(k.c), hbuf(k.c)};
   for (int run = 0; run < 2; run++) ln_bwd_run(&k, 1.0f, dx[run], dw[run], db[run]);
-  check_bitwise("layernorm_bwd dx, two runs", dx[0], dx[1], n);
-  check_bitwise("layernorm_bwd dw, two runs", dw[0], dw[1], k.c);
-  check_bitwise("layernorm_bwd db, two runs", db[0], db[1], k.c);
+  cr_assert(same_bits("layernorm_bwd dx, two runs", dx[0], dx[1], n), "%s", g_why);
+  cr_assert(same_bits("layernorm_bwd dw, two runs", dw[0], dw[1], k.c), "%s", g_why);
+  cr_assert(same_bits("layernorm_bwd db, two runs", db[0], db[1], k.c), "%s", g_why);
   close_gpu();
 }
 
@@ -404,13 +406,13 @@ Test(cuda_nn, empty_batches_write_nothing_and_layernorm_bwd_still_scales_by_beta
   tensor_layernorm_fwd(&x.t, &w.t, &w.t, &out.t, &m.t, &m.t);
   tensor_layernorm_bwd(&x.t, &w.t, &m.t, &m.t, &x.t, &out.t, &dw.t, &db.t, 0.5f);
   tensor_backend_sync(g_be);
-  dev_check_guards(&out, "ops on an empty batch");
-  dev_check_guards(&lse, "attention on an empty batch");
-  dev_check_guards(&wte, "embedding on an empty batch");
+  cr_assert(guards_intact(&out, "ops on an empty batch"), "%s", g_why);
+  cr_assert(guards_intact(&lse, "attention on an empty batch"), "%s", g_why);
+  cr_assert(guards_intact(&wte, "embedding on an empty batch"), "%s", g_why);
   dev_download(&dw, got);
-  check_exact("layernorm_bwd with 0 rows: dw ← 0.5·dw", got, half, c);
+  cr_assert(matches_exactly("layernorm_bwd with 0 rows: dw ← 0.5·dw", got, half, c), "%s", g_why);
   dev_download(&db, got);
-  check_exact("layernorm_bwd with 0 rows: db ← 0.5·db", got, half, c);
+  cr_assert(matches_exactly("layernorm_bwd with 0 rows: db ← 0.5·db", got, half, c), "%s", g_why);
   close_gpu();
 }
 
@@ -449,16 +451,16 @@ static void run_attention(const struct xf_shape *s, float scale) {
   char what[128], op[64];
   snprintf(op, sizeof op, "attention (qkv scale %g) out", scale);
   shape_name(what, sizeof what, op, s);
-  check_close(what, got_o, out, no, 2e-5 * k, 1e-4 * k);
-  dev_check_guards(&dO, what);
+  cr_assert(matches(what, got_o, out, no, 2e-5 * k, 1e-4 * k), "%s", g_why);
+  cr_assert(guards_intact(&dO, what), "%s", g_why);
   snprintf(op, sizeof op, "attention (qkv scale %g) lse", scale);
   shape_name(what, sizeof what, op, s);
-  check_close(what, got_l, lse, nl, 2e-5 * k, 1e-4 * k);
-  dev_check_guards(&dl, what);
+  cr_assert(matches(what, got_l, lse, nl, 2e-5 * k, 1e-4 * k), "%s", g_why);
+  cr_assert(guards_intact(&dl, what), "%s", g_why);
   snprintf(op, sizeof op, "attention_bwd (qkv scale %g) dqkv", scale);
   shape_name(what, sizeof what, op, s);
-  check_close(what, got_d, dqkv, nq, 5e-5 * k, 1e-4 * k);
-  dev_check_guards(&ddq, what);
+  cr_assert(matches(what, got_d, dqkv, nq, 5e-5 * k, 1e-4 * k), "%s", g_why);
+  cr_assert(guards_intact(&ddq, what), "%s", g_why);
   arena_release(mark);
 }
 
