@@ -53,7 +53,8 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"weight-decay", ARG_FLOAT, &f->weight_decay, "X", "weight decay", 0, 1e6},
       {"schedule", ARG_STR, &f->schedule, "NAME", "learning-rate schedule: cosine or constant"},
       {"warmup", ARG_INT, &f->warmup, "N", "linear warm-up steps", 0, 1e15},
-      {"grad-clip", ARG_FLOAT, &f->grad_clip, "X", "clip the gradients' global norm to X before each update (0: off)",
+      {"grad-clip", ARG_FLOAT, &f->grad_clip, "X", "clip the gradients' global norm to X before each update; a pipeline stage clips its own "
+       "slice's norm (0: off)",
        0, 1e12},
       {"checkpoint", ARG_STR, &f->checkpoint, "PATH",
        "save a checkpoint here, each epoch and at the end: a safetensors file, or a directory (DIR/) in the Hugging "
