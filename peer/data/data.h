@@ -50,15 +50,26 @@ struct shard {
 /* Parses "i/n" with 0 <= i < n <= 65536. */
 int shard_parse(const char *s, struct shard *out, struct rumor_err *e) RUMOR_MUST_CHECK;
 
+/* Which rows (samples, windows) a shard trains on and in what order: its
+ * part of a permutation shared by every peer, shuffled afresh each epoch
+ * (shard.c). Both batchers keep one. */
+struct shard_order {
+  struct shard shard;
+  uint64_t seed;  /* of the epoch shuffles */
+  int64_t n;      /* rows in this shard */
+  int64_t *base;  /* this shard's rows, in shard order */
+  int64_t *order; /* this epoch's order (a permutation of base) */
+  int64_t epoch;
+};
+/* Shuffles the shard for `epoch` (deterministic in seed, epoch, shard). */
+void shard_order_start_epoch(struct shard_order *o, int64_t epoch);
+/* Batches per epoch for batch size `bs` (the last one may be short). */
+int64_t shard_order_steps(const struct shard_order *o, int64_t bs);
+
 struct batcher {
   const struct dataset *ds;
-  struct shard shard;
-  uint64_t seed;
-  int64_t n;       /* samples in this shard */
-  int64_t *base;   /* this shard's sample indices, in shard order */
-  int64_t *order;  /* this epoch's order (a permutation of base) */
-  int64_t epoch;
-  float lut[256];  /* pixel value → normalised float */
+  struct shard_order rows; /* sample indices */
+  float lut[256];          /* pixel value → normalised float */
 };
 
 /* Picks this shard's samples from a permutation drawn from `data_seed`.
@@ -66,10 +77,6 @@ struct batcher {
 int batcher_init(struct batcher *b, const struct dataset *ds, struct shard shard, uint64_t data_seed,
                  uint64_t seed, double mean, double std, struct rumor_err *e) RUMOR_MUST_CHECK;
 void batcher_free(struct batcher *b);
-/* Shuffles the shard for `epoch` (deterministic in seed, epoch, shard). */
-void batcher_start_epoch(struct batcher *b, int64_t epoch);
-/* Batches per epoch for batch size `bs` (the last one may be short). */
-int64_t batcher_steps_per_epoch(const struct batcher *b, int64_t bs);
 /* Gathers batch number `step` of the current epoch into x (rows × features,
  * normalised) and y (rows). Returns the number of rows (<= bs). */
 int64_t batcher_fill(const struct batcher *b, int64_t step, int64_t bs, float *x, int32_t *y);
@@ -202,14 +209,9 @@ void token_split_gather(const struct token_split *s, int64_t context, int64_t fi
 
 struct token_batcher {
   const struct token_split *split;
-  int64_t context;   /* T */
-  struct shard shard;
-  uint64_t seed;
-  int64_t n;         /* windows in this shard */
-  int64_t *win_first; /* split->nsegs + 1 entries: global index of each segment's first window */
-  int64_t *base;     /* this shard's windows (global indices), in shard order */
-  int64_t *order;    /* this epoch's order (a permutation of base) */
-  int64_t epoch;
+  int64_t context;         /* T */
+  int64_t *win_first;      /* split->nsegs + 1 entries: global index of each segment's first window */
+  struct shard_order rows; /* global window indices */
 };
 
 /* Picks this shard's windows: all windows of the split, permuted from
@@ -221,10 +223,6 @@ struct token_batcher {
 int token_batcher_init(struct token_batcher *b, const struct token_split *split, int64_t context,
                        struct shard shard, uint64_t data_seed, uint64_t seed, struct rumor_err *e) RUMOR_MUST_CHECK;
 void token_batcher_free(struct token_batcher *b);
-/* Shuffles the shard for `epoch` (deterministic in seed, epoch, shard). */
-void token_batcher_start_epoch(struct token_batcher *b, int64_t epoch);
-/* Batches per epoch for batch size `bs` (the last one may be short). */
-int64_t token_batcher_steps_per_epoch(const struct token_batcher *b, int64_t bs);
 /* Gathers batch number `step` of the current epoch: x and y are rows × T
  * (row r: window order[step·bs + r]; y[r][t] = x[r][t+1] within the window's
  * T+1 tokens). Returns the number of rows (<= bs). */

@@ -8,13 +8,12 @@
 
 #include "peer/data/data.h"
 
-/* Rows (samples, windows) 0..total−1 permuted from `data_seed` on RNG stream
- * `stream` (the same on every peer), and shard.index's strided part of them
- * (perm[shard.index + k·shard.count]): a new array of *n entries (the caller
- * frees it; NULL and *n 0 when the shard is empty). */
-int64_t *shard_rows(int64_t total, struct shard shard, uint64_t data_seed, uint64_t stream, int64_t *n);
-/* order ← base (n rows) shuffled for (seed, shard, epoch): deterministic. */
-void shard_epoch_order(const int64_t *base, int64_t *order, int64_t n, uint64_t seed, struct shard shard,
-                       int64_t epoch);
+/* Rows 0..total−1 permuted from `data_seed` on RNG stream `stream` (the
+ * same on every peer), and shard.index's strided part of them
+ * (perm[shard.index + k·shard.count]), shuffled for epoch 0 with `seed`.
+ * Returns false, with nothing allocated, when the shard would be empty. */
+bool shard_order_init(struct shard_order *o, int64_t total, struct shard shard, uint64_t data_seed, uint64_t stream,
+                      uint64_t seed);
+void shard_order_free(struct shard_order *o);
 
 #endif /* RUMOR_PEER_DATA_IMPL_H */

@@ -211,34 +211,18 @@ bad:
 int batcher_init(struct batcher *b, const struct dataset *ds, struct shard shard, uint64_t data_seed,
                  uint64_t seed, double mean, double std, struct rumor_err *e) {
   memset(b, 0, sizeof *b);
-  int64_t n;
-  b->base = shard_rows(ds->count, shard, data_seed, 0x5348415244ull /* "SHARD" */, &n);
-  if (n == 0)
+  if (!shard_order_init(&b->rows, ds->count, shard, data_seed, 0x5348415244ull /* "SHARD" */, seed))
     return rumor_err_set(e, RUMOR_EFORMAT, "shard %lld/%lld of a %lld-sample data set is empty",
                          (long long)shard.index, (long long)shard.count, (long long)ds->count);
-  b->order = xmalloc((size_t)n * sizeof *b->order);
   b->ds = ds;
-  b->shard = shard;
-  b->seed = seed;
-  b->n = n;
-  b->epoch = -1;
   dataset_norm_lut(mean, std, b->lut);
-  batcher_start_epoch(b, 0);
   return 0;
 }
 
 void batcher_free(struct batcher *b) {
-  free(b->base);
-  free(b->order);
+  shard_order_free(&b->rows);
   memset(b, 0, sizeof *b);
 }
-
-void batcher_start_epoch(struct batcher *b, int64_t epoch) {
-  shard_epoch_order(b->base, b->order, b->n, b->seed, b->shard, epoch);
-  b->epoch = epoch;
-}
-
-int64_t batcher_steps_per_epoch(const struct batcher *b, int64_t bs) { return (b->n + bs - 1) / bs; }
 
 static void gather(const float *lut, const struct dataset *ds, int64_t idx, float *x, int32_t *y) {
   const uint8_t *px = ds->pixels + idx * ds->features;
@@ -248,9 +232,9 @@ static void gather(const float *lut, const struct dataset *ds, int64_t idx, floa
 
 int64_t batcher_fill(const struct batcher *b, int64_t step, int64_t bs, float *x, int32_t *y) {
   int64_t first = step * bs;
-  RUMOR_ASSERT(first >= 0 && first < b->n);
-  int64_t rows = b->n - first < bs ? b->n - first : bs;
-  for (int64_t r = 0; r < rows; r++) gather(b->lut, b->ds, b->order[first + r], x + r * b->ds->features, y + r);
+  RUMOR_ASSERT(first >= 0 && first < b->rows.n);
+  int64_t rows = b->rows.n - first < bs ? b->rows.n - first : bs;
+  for (int64_t r = 0; r < rows; r++) gather(b->lut, b->ds, b->rows.order[first + r], x + r * b->ds->features, y + r);
   return rows;
 }
 

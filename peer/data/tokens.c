@@ -420,46 +420,30 @@ int token_batcher_init(struct token_batcher *b, const struct token_split *split,
   if (total > TOKEN_MAX_WINDOWS)
     return rumor_err_set(e, RUMOR_ETOOBIG, "%lld windows of %lld tokens pass the limit of %lld windows (use a "
                          "longer context)", (long long)total, (long long)context + 1, TOKEN_MAX_WINDOWS);
-  int64_t n;
-  b->base = shard_rows(total, shard, data_seed, TOKEN_WINDOW_STREAM, &n);
-  if (n == 0)
+  if (!shard_order_init(&b->rows, total, shard, data_seed, TOKEN_WINDOW_STREAM, seed))
     return rumor_err_set(e, RUMOR_EFORMAT, "shard %lld/%lld of %lld windows of %lld tokens is empty",
                          (long long)shard.index, (long long)shard.count, (long long)total, (long long)context + 1);
   b->win_first = xmalloc((size_t)(split->nsegs + 1) * sizeof *b->win_first);
   b->win_first[0] = 0;
   for (int64_t i = 0; i < split->nsegs; i++)
     b->win_first[i + 1] = b->win_first[i] + seg_windows(&split->segs[i], context);
-  b->order = xmalloc((size_t)n * sizeof *b->order);
   b->split = split;
   b->context = context;
-  b->shard = shard;
-  b->seed = seed;
-  b->n = n;
-  b->epoch = -1;
-  token_batcher_start_epoch(b, 0);
   return 0;
 }
 
 void token_batcher_free(struct token_batcher *b) {
   free(b->win_first);
-  free(b->base);
-  free(b->order);
+  shard_order_free(&b->rows);
   memset(b, 0, sizeof *b);
 }
 
-void token_batcher_start_epoch(struct token_batcher *b, int64_t epoch) {
-  shard_epoch_order(b->base, b->order, b->n, b->seed, b->shard, epoch);
-  b->epoch = epoch;
-}
-
-int64_t token_batcher_steps_per_epoch(const struct token_batcher *b, int64_t bs) { return (b->n + bs - 1) / bs; }
-
 int64_t token_batcher_fill(const struct token_batcher *b, int64_t step, int64_t bs, int32_t *x, int32_t *y) {
   int64_t first = step * bs, T = b->context;
-  RUMOR_ASSERT(bs >= 1 && first >= 0 && first < b->n);
-  int64_t rows = b->n - first < bs ? b->n - first : bs;
+  RUMOR_ASSERT(bs >= 1 && first >= 0 && first < b->rows.n);
+  int64_t rows = b->rows.n - first < bs ? b->rows.n - first : bs;
   for (int64_t r = 0; r < rows; r++) {
-    int64_t w = b->order[first + r], lo = 0, hi = b->split->nsegs;
+    int64_t w = b->rows.order[first + r], lo = 0, hi = b->split->nsegs;
     /* win_first[lo] <= w < win_first[hi]; ends at w's segment */
     while (hi - lo > 1) {
       int64_t mid = lo + (hi - lo) / 2;

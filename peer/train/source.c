@@ -78,15 +78,14 @@ void train_data_free(struct train_data *d) {
   memset(d, 0, sizeof *d);
 }
 
-int64_t train_data_shard_rows(const struct train_data *d) { return d->tokens ? d->tb.n : d->batcher.n; }
+int64_t train_data_shard_rows(const struct train_data *d) { return d->tokens ? d->tb.rows.n : d->batcher.rows.n; }
 
 int64_t train_data_steps_per_epoch(const struct train_data *d, int64_t bs) {
-  return d->tokens ? token_batcher_steps_per_epoch(&d->tb, bs) : batcher_steps_per_epoch(&d->batcher, bs);
+  return shard_order_steps(d->tokens ? &d->tb.rows : &d->batcher.rows, bs);
 }
 
 void train_data_start_epoch(struct train_data *d, int64_t epoch) {
-  if (d->tokens) token_batcher_start_epoch(&d->tb, epoch);
-  else batcher_start_epoch(&d->batcher, epoch);
+  shard_order_start_epoch(d->tokens ? &d->tb.rows : &d->batcher.rows, epoch);
 }
 
 int64_t train_data_fill(const struct train_data *d, int64_t step, int64_t bs, void *x, int32_t *y) {

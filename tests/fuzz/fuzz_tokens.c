@@ -31,11 +31,11 @@ static void walk_windows(const uint16_t *tok, int64_t count, int64_t T) {
   if (token_batcher_init(&b, &split, T, (struct shard){0, 1}, 1, 2, &e) != 0) abort();
   int32_t *x = malloc((size_t)(4 * T) * sizeof *x), *y = malloc((size_t)(4 * T) * sizeof *y);
   if (!x || !y) abort();
-  int64_t steps = token_batcher_steps_per_epoch(&b, 4), rows_seen = 0;
+  int64_t steps = shard_order_steps(&b.rows, 4), rows_seen = 0;
   for (int64_t s = 0; s < steps; s++) {
     int64_t rows = token_batcher_fill(&b, s, 4, x, y);
     for (int64_t r = 0; r < rows; r++) {
-      int64_t w = b.order[s * 4 + r];
+      int64_t w = b.rows.order[s * 4 + r];
       for (int64_t t = 0; t < T; t++)
         if (x[r * T + t] != tok[w * T + t] || y[r * T + t] != tok[w * T + t + 1]) abort();
     }

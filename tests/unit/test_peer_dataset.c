@@ -155,26 +155,26 @@ Test(dataset, shards_are_disjoint_complete_and_shuffles_deterministic) {
   for (int s = 0; s < 3; s++) {
     struct batcher b;
     cr_assert_eq(batcher_init(&b, &ds, (struct shard){s, 3}, 7, 9, 0.5, 0.25, &e), 0, "%s", e.msg);
-    total += b.n;
-    for (int64_t i = 0; i < b.n; i++) seen[b.base[i]]++;
+    total += b.rows.n;
+    for (int64_t i = 0; i < b.rows.n; i++) seen[b.rows.base[i]]++;
     /* same (seed, epoch) → same order; another epoch → another order */
-    int64_t *o1 = xmalloc((size_t)b.n * sizeof *o1);
-    batcher_start_epoch(&b, 4);
-    memcpy(o1, b.order, (size_t)b.n * sizeof *o1);
-    batcher_start_epoch(&b, 5);
-    bool differs = memcmp(o1, b.order, (size_t)b.n * sizeof *o1) != 0;
-    batcher_start_epoch(&b, 4);
-    cr_assert_eq(memcmp(o1, b.order, (size_t)b.n * sizeof *o1), 0, "epoch shuffle not reproducible");
+    int64_t *o1 = xmalloc((size_t)b.rows.n * sizeof *o1);
+    shard_order_start_epoch(&b.rows, 4);
+    memcpy(o1, b.rows.order, (size_t)b.rows.n * sizeof *o1);
+    shard_order_start_epoch(&b.rows, 5);
+    bool differs = memcmp(o1, b.rows.order, (size_t)b.rows.n * sizeof *o1) != 0;
+    shard_order_start_epoch(&b.rows, 4);
+    cr_assert_eq(memcmp(o1, b.rows.order, (size_t)b.rows.n * sizeof *o1), 0, "epoch shuffle not reproducible");
     cr_assert(differs, "epochs 4 and 5 have the same order");
     /* a batch is normalised pixels and labels of the ordered samples */
     float x[10 * 784];
     int32_t y[10];
     int64_t rows = batcher_fill(&b, 0, 10, x, y);
     cr_assert_eq(rows, 10);
-    int64_t idx = b.order[0];
+    int64_t idx = b.rows.order[0];
     cr_assert_eq(y[0], ds.labels[idx]);
     cr_assert_float_eq(x[5], (float)((ds.pixels[idx * 784 + 5] / 255.0 - 0.5) / 0.25), 1e-6);
-    cr_assert_eq(batcher_steps_per_epoch(&b, 10), (b.n + 9) / 10);
+    cr_assert_eq(shard_order_steps(&b.rows, 10), (b.rows.n + 9) / 10);
     free(o1);
     batcher_free(&b);
   }

@@ -408,12 +408,12 @@ static void check_shards_cover_once(const struct token_corpus *c, int64_t T, int
     struct token_batcher b;
     struct rumor_err e;
     cr_assert_eq(token_batcher_init(&b, &c->train, T, (struct shard){s, n}, 11, 12, &e), 0, "%s", e.msg);
-    cr_assert_eq(b.n, total / n + (s < total % n), "shard %d/%d holds %lld windows", s, n, (long long)b.n);
-    token_batcher_start_epoch(&b, epoch);
-    int64_t steps = token_batcher_steps_per_epoch(&b, bs);
+    cr_assert_eq(b.rows.n, total / n + (s < total % n), "shard %d/%d holds %lld windows", s, n, (long long)b.rows.n);
+    shard_order_start_epoch(&b.rows, epoch);
+    int64_t steps = shard_order_steps(&b.rows, bs);
     for (int64_t step = 0; step < steps; step++) {
       int64_t rows = token_batcher_fill(&b, step, bs, x, y);
-      cr_assert_eq(rows, step < steps - 1 ? bs : b.n - (steps - 1) * bs, "rows of step %lld", (long long)step);
+      cr_assert_eq(rows, step < steps - 1 ? bs : b.rows.n - (steps - 1) * bs, "rows of step %lld", (long long)step);
       for (int64_t r = 0; r < rows; r++) seen[check_window(x + r * T, y + r * T, T)]++;
       got += rows;
     }
@@ -446,10 +446,10 @@ static int64_t *epoch_order(const struct token_split *s, struct shard sh, uint64
   struct token_batcher b;
   struct rumor_err e;
   cr_assert_eq(token_batcher_init(&b, s, 8, sh, 5, seed, &e), 0, "%s", e.msg);
-  token_batcher_start_epoch(&b, epoch);
-  int64_t *o = malloc((size_t)b.n * sizeof *o);
-  memcpy(o, b.order, (size_t)b.n * sizeof *o);
-  *n = b.n;
+  shard_order_start_epoch(&b.rows, epoch);
+  int64_t *o = malloc((size_t)b.rows.n * sizeof *o);
+  memcpy(o, b.rows.order, (size_t)b.rows.n * sizeof *o);
+  *n = b.rows.n;
   token_batcher_free(&b);
   return o;
 }
@@ -475,14 +475,14 @@ Test(tokens, shuffles_are_deterministic_in_seed_epoch_and_shard) {
   struct rumor_err e;
   cr_assert_eq(token_batcher_init(&tb, &c.train, 8, (struct shard){0, 3}, 5, 9, &e), 0, "%s", e.msg);
   bool file_seen[3] = {false};
-  for (int64_t i = 0; i < tb.n; i++) {
-    int64_t w = tb.base[i];
+  for (int64_t i = 0; i < tb.rows.n; i++) {
+    int64_t w = tb.rows.base[i];
     file_seen[w < tb.win_first[1] ? 0 : w < tb.win_first[2] ? 1 : 2] = true;
   }
   cr_assert(file_seen[0] && file_seen[1] && file_seen[2]);
   /* the base is not in window order */
   bool sorted = true;
-  for (int64_t i = 1; i < tb.n; i++) sorted &= tb.base[i] > tb.base[i - 1];
+  for (int64_t i = 1; i < tb.rows.n; i++) sorted &= tb.rows.base[i] > tb.rows.base[i - 1];
   cr_assert(!sorted, "shard 0/3 is the windows in order");
   token_batcher_free(&tb);
   free(a);
@@ -495,13 +495,13 @@ Test(tokens, the_last_batch_is_short_and_an_empty_shard_is_refused) {
   struct token_batcher b;
   struct rumor_err e;
   cr_assert_eq(token_batcher_init(&b, &c.train, 8, (struct shard){0, 1}, 1, 2, &e), 0, "%s", e.msg);
-  cr_assert_eq(b.n, 15);
-  cr_assert_eq(token_batcher_steps_per_epoch(&b, 4), 4);
+  cr_assert_eq(b.rows.n, 15);
+  cr_assert_eq(shard_order_steps(&b.rows, 4), 4);
   int32_t x[4 * 8], y[4 * 8];
   cr_assert_eq(token_batcher_fill(&b, 0, 4, x, y), 4);
   cr_assert_eq(token_batcher_fill(&b, 3, 4, x, y), 3);
-  cr_assert_eq(token_batcher_steps_per_epoch(&b, 15), 1);
-  cr_assert_eq(token_batcher_steps_per_epoch(&b, 16), 1);
+  cr_assert_eq(shard_order_steps(&b.rows, 15), 1);
+  cr_assert_eq(shard_order_steps(&b.rows, 16), 1);
   token_batcher_free(&b);
   cr_assert_eq(token_batcher_init(&b, &c.train, 8, (struct shard){15, 16}, 1, 2, &e), RUMOR_EFORMAT);
   cr_assert(strstr(e.msg, "shard 15/16 of 15 windows") != NULL, "%s", e.msg);
