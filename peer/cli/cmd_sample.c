@@ -73,7 +73,8 @@ static int parse_prompt(const char *prompt, int64_t vocab, int32_t *out, int64_t
 }
 
 /* The next token from one row of logits: argmax at temperature 0, else a
- * draw from softmax(logits / temperature) over the top_k largest (0: all). */
+ * draw from softmax(logits / temperature) over the top_k largest (0: all).
+ * Overwrites the row. */
 static int32_t pick(float *logits, int64_t V, double temperature, int64_t top_k, struct rng *r) {
   int64_t best = 0;
   for (int64_t i = 1; i < V; i++)
@@ -97,13 +98,16 @@ static int32_t pick(float *logits, int64_t V, double temperature, int64_t top_k,
     cut = kth[top_k - 1];
     free(kth);
   }
-  double sum = 0;
-  for (int64_t i = 0; i < V; i++) sum += logits[i] >= cut ? exp((logits[i] - logits[best]) / temperature) : 0.0;
+  /* The row becomes the unnormalised probabilities (0 below the cut). */
+  double top = logits[best], sum = 0;
+  for (int64_t i = 0; i < V; i++) {
+    logits[i] = logits[i] >= cut ? (float)exp((logits[i] - top) / temperature) : 0.0f;
+    sum += logits[i];
+  }
   double u = (double)rng_uniform(r) * sum, acc = 0;
   for (int64_t i = 0; i < V; i++) {
-    if (logits[i] < cut) continue;
-    acc += exp((logits[i] - logits[best]) / temperature);
-    if (acc >= u) return (int32_t)i;
+    acc += logits[i];
+    if (logits[i] > 0 && acc >= u) return (int32_t)i;
   }
   return (int32_t)best;
 }
