@@ -472,13 +472,21 @@ void gossip_xch_tick(struct gossip *g, uint64_t now) {
   }
 }
 
-void gossip_xch_on_close(struct gossip *g, net_conn_t *c) {
+void gossip_xch_on_close(struct gossip *g, net_conn_t *c, const uint8_t *link_id) {
   struct gossip_xch *x = &g->xch.x;
   if (x->active && (x->conn == c || x->recv_conn == c)) {
     /* Closed: nothing left to cancel or tell on it. */
     if (x->conn == c) x->conn = NULL, x->sending = false;
     if (x->recv_conn == c) x->recv_conn = NULL, x->receiving = false;
     xch_end(g, "connection to the partner lost", false);
+  } else if (x->active && x->initiator && !x->accepted && link_id && same_id(link_id, x->partner)) {
+    /* Our request went out on that link (or waited in its queue): it, or
+     * the partner's answer, is gone with it, even when the partner closed
+     * cleanly (it declared us failed while we were paused, say). Waiting
+     * for the exchange's timeout would leave us out of the mixing for a
+     * minute; ask someone else now. */
+    log_debug("exchange request lost with the connection to %s; asking another partner", net_conn_peer_name(c));
+    ask_partner(g);
   }
 }
 

@@ -387,7 +387,9 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
 /* A transfer ended: true when it was the exchange's. */
 bool gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
 void gossip_xch_tick(struct gossip *g, uint64_t now);
-void gossip_xch_on_close(struct gossip *g, net_conn_t *c);
+/* Connection `c` closed; `link_id`: the member whose link it was (the one
+ * our requests go out on), or NULL. */
+void gossip_xch_on_close(struct gossip *g, net_conn_t *c, const uint8_t *link_id);
 /* Member `id` is gone or its connection broke (`why`): an exchange with it
  * is abandoned, nothing applied. */
 void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why);

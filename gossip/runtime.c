@@ -205,7 +205,7 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   struct gossip *g = ud;
   const uint8_t *id = gossip_link_forget(g, c);
-  gossip_xch_on_close(g, c);
+  gossip_xch_on_close(g, c, id);
   /* Cut by an error (a reset, EOF from a dead process): an exchange with
    * that member, pending on no bulk connection yet, is abandoned now rather
    * than at the failure verdict. */

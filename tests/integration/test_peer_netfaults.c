@@ -414,47 +414,79 @@ static unsigned long long incarnation_in(int i, const char *addr_pat, const char
   return inc;
 }
 
-Test(netfaults, a_peer_stopped_longer_than_the_suspicion_time_is_removed_and_rejoins_with_a_higher_incarnation) {
-  const int n = 4, victim = 3;
+/* Peers take roles by key (gossip_impl.h): active ones ask for exchanges,
+ * passive ones answer. One of each is stopped at once: a paused initiator
+ * whose request died with a connection must not sit out the exchange
+ * timeout, and a paused responder must be asked again. */
+Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_with_a_higher_incarnation) {
+  const int n = 4;
   hosts_up(n + 1);
   setenv("RUMOR_LOG_LEVEL", "debug", 1);
   int peer[4];
   start_cluster(n, FAST, "mlp:784-64-10", peer);
   sleep(3);
-  char pat[80];
-  snprintf(pat, sizeof pat, "%s (", C.node[peer[victim]].addr);
-  unsigned long long joined = incarnation_in(peer[0], pat, "joined: peer alive");
-  cr_assert_gt(joined, 0, "peer 0 never logged the victim joining");
+  int victim[2] = {-1, -1}; /* an initiator, a responder */
+  long recent = cluster_wall_ms_of_day() - 1500; /* roles shift while peers join: judge by the last 1.5 s */
+  for (int i = 0; i < n; i++) {
+    int role = first_line_after(peer[i], recent, "(we asked)", NULL) >= 0 ? 0 : 1;
+    if (victim[role] < 0) victim[role] = i;
+  }
+  cr_assert(victim[0] >= 0 && victim[1] >= 0, "expected initiating and answering peers; got %d and %d", victim[0],
+            victim[1]);
+  int watcher = 0;
+  while (watcher == victim[0] || watcher == victim[1]) watcher++;
+  char pat[2][80];
+  unsigned long long joined[2];
+  for (int v = 0; v < 2; v++) {
+    snprintf(pat[v], sizeof pat[v], "%s (", C.node[peer[victim[v]]].addr);
+    joined[v] = incarnation_in(peer[watcher], pat[v], "joined: peer alive");
+    cr_assert_gt(joined[v], 0, "peer %d never logged peer %d joining", watcher, victim[v]);
+  }
   long stop_at = cluster_wall_ms_of_day();
-  kill(C.node[peer[victim]].pid, SIGSTOP);
+  for (int v = 0; v < 2; v++) kill(C.node[peer[victim[v]]].pid, SIGSTOP);
   sleep(4); /* the suspicion time is 1 s */
   for (int i = 0; i < n; i++) {
-    if (i == victim) continue;
-    long t = first_line_after(peer[i], stop_at, pat, "is now failed");
-    cr_assert_geq(t, 0, "peer %d did not declare the stopped peer failed", i);
-    fprintf(stderr, "figure: peer %d declared the stopped peer failed %ld ms after SIGSTOP\n", i, t - stop_at);
+    if (i == victim[0] || i == victim[1]) continue;
+    for (int v = 0; v < 2; v++) {
+      long t = first_line_after(peer[i], stop_at, pat[v], "is now failed");
+      cr_assert_geq(t, 0, "peer %d did not declare stopped peer %d failed", i, victim[v]);
+      fprintf(stderr, "figure: peer %d declared the stopped %s failed %ld ms after SIGSTOP\n", i,
+              v ? "responder" : "initiator", t - stop_at);
+    }
   }
   long cont_at = cluster_wall_ms_of_day();
-  kill(C.node[peer[victim]].pid, SIGCONT);
+  int before[2];
+  for (int v = 0; v < 2; v++) {
+    double med;
+    before[v] = exchange_times(peer[victim[v]], &med);
+    kill(C.node[peer[victim[v]]].pid, SIGCONT);
+  }
   sleep(4);
-  for (int i = 0; i < n; i++) {
-    if (i == victim) continue;
-    long t = first_line_after(peer[i], cont_at, pat, "is now alive");
-    cr_assert_geq(t, 0, "peer %d did not take the resumed peer back", i);
-    unsigned long long inc = incarnation_in(peer[i], pat, "is now alive (was failed");
-    fprintf(stderr, "figure: peer %d took the resumed peer back %ld ms after SIGCONT, incarnation %llu -> %llu\n", i,
-            t - cont_at, joined, inc);
-    cr_assert_gt(inc, joined, "peer %d: the rejoined peer's incarnation %llu is not above %llu", i, inc, joined);
+  for (int i = 0; i < n; i++)
+    for (int v = 0; v < 2; v++) {
+      if (i == victim[0] || i == victim[1]) continue;
+      long t = first_line_after(peer[i], cont_at, pat[v], "is now alive");
+      cr_assert_geq(t, 0, "peer %d did not take resumed peer %d back", i, victim[v]);
+      unsigned long long inc = incarnation_in(peer[i], pat[v], "is now alive (was failed");
+      fprintf(stderr, "figure: peer %d took the resumed %s back %ld ms after SIGCONT, incarnation %llu -> %llu\n", i,
+              v ? "responder" : "initiator", t - cont_at, joined[v], inc);
+      cr_assert_gt(inc, joined[v], "peer %d: rejoined peer %d's incarnation %llu is not above %llu", i, victim[v], inc,
+                   joined[v]);
+    }
+  /* Back in the exchanges: each completes some within 12 s of resuming (a
+   * loaded machine slows everything down; the exchange timeout is 60 s). */
+  for (int v = 0; v < 2; v++) {
+    double med;
+    int after = exchange_times(peer[victim[v]], &med);
+    for (int waited = 0; after <= before[v] && waited < 12; waited++) {
+      sleep(1);
+      after = exchange_times(peer[victim[v]], &med);
+    }
+    long done_at = first_line_after(peer[victim[v]], cont_at, "exchange transferred", NULL);
+    fprintf(stderr, "figure: the resumed %s completed %d exchanges; the first %ld ms after SIGCONT\n",
+            v ? "responder" : "initiator", after - before[v], done_at - cont_at);
+    cr_assert_gt(after, before[v], "the resumed %s (peer %d) completed no exchange in the 16 s after SIGCONT",
+                 v ? "responder" : "initiator", victim[v]);
   }
-  /* Back in the exchanges: it completes some after resuming (within 12 s:
-   * partners that backed off from it while it was stopped retry it later,
-   * and a loaded machine slows all of that down). */
-  double med;
-  int before = exchange_times(peer[victim], &med), after = before;
-  for (int waited = 0; after <= before && waited < 12; waited++) {
-    sleep(1);
-    after = exchange_times(peer[victim], &med);
-  }
-  cr_assert_gt(after, before, "the resumed peer completed no exchange in the 12 s after rejoining");
   stop_all(peer, n);
 }
