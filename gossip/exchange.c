@@ -47,7 +47,8 @@ static void on_applied(net_t *n, void *arg, int status);
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
   uint64_t w = atomic_load(&g->xch.word);
   /* Only active peers start exchanges (see gossip_impl.h). */
-  if (ws_state(w) == SLOT_IDLE && want && atomic_load(&g->ready) && atomic_load(&g->active)) {
+  bool open = ws_state(w) == SLOT_IDLE || ws_state(w) == SLOT_READY;
+  if (open && want && atomic_load(&g->ready) && atomic_load(&g->active)) {
     if (atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
       return GOSSIP_XCH_SNAPSHOT;
   }
@@ -56,7 +57,22 @@ enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
   return GOSSIP_XCH_NONE;
 }
 
-bool gossip_xch_in_flight(gossip_t *g) { return ws_state(atomic_load(&g->xch.word)) != SLOT_IDLE; }
+bool gossip_xch_in_flight(gossip_t *g) {
+  int st = ws_state(atomic_load(&g->xch.word));
+  return st != SLOT_IDLE && st != SLOT_READY && st != SLOT_WRITING;
+}
+
+bool gossip_xch_refresh_begin(gossip_t *g) {
+  if (!atomic_load(&g->ready)) return false;
+  return slot_move(g, SLOT_READY, SLOT_WRITING) || slot_move(g, SLOT_IDLE, SLOT_WRITING);
+}
+
+void gossip_xch_refresh_done(gossip_t *g, uint64_t step) {
+  atomic_store(&g->xch.ready_step, step);
+  if (slot_move(g, SLOT_WRITING, SLOT_READY)) return;
+  /* A partner asked during the copy (WRITING → WANT_RESP): answer with it. */
+  gossip_xch_snapshot_done(g, step);
+}
 float *gossip_xch_mine(gossip_t *g) { return g->xch.mine; }
 float *gossip_xch_theirs(gossip_t *g) { return g->xch.theirs; }
 float gossip_xch_alpha(const gossip_t *g) { return g->xch.alpha; }
@@ -193,7 +209,7 @@ static void maybe_complete(struct gossip *g) {
   if (!x->active || !x->sent_ok || !x->recv_ok) return;
   x->active = false;
   log_debug("exchange %s after %llu ms (%s)", "transferred", (unsigned long long)(gossip_now_ms(g) - x->started_ms),
-            x->initiator ? "we asked" : "we were asked");
+            x->initiator ? "we asked" : x->from_ready ? "we were asked; our snapshot was ready" : "we were asked");
   /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
   slot_move(g, SLOT_BUSY, SLOT_APPLY);
 }
@@ -316,6 +332,19 @@ static void on_applied(net_t *n, void *arg, int status) {
   free(a);
 }
 
+/* Starts answering request `xid` of `from` on `c` (the slot is ours). */
+static void respond(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t xid) {
+  struct gossip_xch *x = &g->xch.x;
+  memset(x, 0, sizeof *x);
+  x->active = true;
+  x->initiator = false;
+  x->xid = xid;
+  memcpy(x->partner, from, NET_PUBKEY_BYTES);
+  x->conn = c;
+  x->started_ms = gossip_now_ms(g);
+  x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+}
+
 static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   uint64_t xid, n;
   const char *model;
@@ -346,8 +375,23 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
   }
   struct gossip_xch *x = &g->xch.x;
   uint64_t w = atomic_load(&g->xch.word);
-  if (ws_state(w) != SLOT_IDLE ||
-      !atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT_RESP))) {
+  if (ws_state(w) == SLOT_READY &&
+      atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_BUSY))) {
+    /* The snapshot of our last step boundary is ready: answer now. */
+    respond(g, c, from, xid);
+    x->from_ready = true;
+    uint64_t step = atomic_load(&g->xch.ready_step);
+#ifdef RUMOR_TESTING
+    gossip_testing_snapshot(g, &step); /* as every snapshot that leaves (on_snapshot_ready) */
+#endif
+    snapshot_ready(g, false, step);
+    return;
+  }
+  /* Idle, or copying a snapshot (WRITING): the training thread's next
+   * boundary, or the end of the copy, hands us one (WANT_RESP). */
+  bool waiting = (ws_state(w) == SLOT_IDLE || ws_state(w) == SLOT_WRITING) &&
+                 atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT_RESP));
+  if (!waiting) {
     /* Busy. But if we are an initiator whose request nobody has accepted
      * yet, our snapshot is ready: answer this request with it instead of
      * both sides waiting for someone free. When two peers ask each other
@@ -367,26 +411,11 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
       net_msgbuf_free(&b);
     }
     uint64_t step = x->snapshot_step;
-    memset(x, 0, sizeof *x);
-    x->active = true;
-    x->initiator = false;
-    x->snapshot_step = step;
-    x->xid = xid;
-    memcpy(x->partner, from, NET_PUBKEY_BYTES);
-    x->conn = c;
-    x->started_ms = gossip_now_ms(g);
-    x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+    respond(g, c, from, xid);
     snapshot_ready(g, false, step); /* the slot is BUSY with our snapshot: accept and send now */
     return;
   }
-  memset(x, 0, sizeof *x);
-  x->active = true;
-  x->initiator = false;
-  x->xid = xid;
-  memcpy(x->partner, from, NET_PUBKEY_BYTES);
-  x->conn = c;
-  x->started_ms = gossip_now_ms(g);
-  x->deadline_ms = x->started_ms + g->cfg.exchange_timeout_ms;
+  respond(g, c, from, xid);
 }
 
 void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {

@@ -158,7 +158,8 @@ enum gossip_xch_work {
  * steps or t seconds: the caller's schedule); it is ignored unless the slot
  * is idle. Returns what the training thread should do now. */
 enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
-/* True while an exchange is under way (the slot is not idle). */
+/* True while an exchange is under way (the slot holds more than a ready
+ * snapshot). */
 bool gossip_xch_in_flight(gossip_t *g);
 float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
 float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
@@ -170,6 +171,15 @@ const uint8_t *gossip_xch_partner(const gossip_t *g);
 /* The snapshot asked for by GOSSIP_XCH_SNAPSHOT is complete in `mine`
  * (taken at `step`). */
 void gossip_xch_snapshot_done(gossip_t *g, uint64_t step);
+/* Keeping a snapshot ready, so that a partner's request is answered at once
+ * rather than at our next step boundary: at a boundary where
+ * gossip_xch_poll returned NONE, true when `mine` may be refreshed now (no
+ * exchange holds it); then copy the parameters into it and call
+ * gossip_xch_refresh_done with their step (a later boundary may finish an
+ * asynchronous copy). A request that arrived during the copy is answered
+ * with it. */
+bool gossip_xch_refresh_begin(gossip_t *g);
+void gossip_xch_refresh_done(gossip_t *g, uint64_t step);
 /* The partner's parameters were applied (status 0) or rejected (negative,
  * with `why`); the slot returns to idle and the outcome is counted and
  * logged (a rejection backs the sender off). Status > 0: not applied

@@ -75,8 +75,24 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3 };
 /* Slot states (gossip.h). The exchange slot's word also counts rounds:
  * word = round << 3 | state, and every IDLE → WANT starts a new round, so a
  * message about an earlier round (a queued snapshot_ready) is recognised as
- * stale. WANT records who asked: we (INIT) or a partner (RESP). */
-enum { SLOT_IDLE = 0, SLOT_WANT = 1, SLOT_BUSY = 2, SLOT_APPLY = 3, SLOT_WANT_RESP = 4 };
+ * stale. WANT records who asked: we (INIT) or a partner (RESP).
+ *
+ * Between exchanges the training thread keeps a snapshot ready in `mine`:
+ * IDLE or READY → WRITING (it copies its parameters at a step boundary) →
+ * READY. A partner's request takes a READY snapshot at once (READY → BUSY,
+ * a new round) instead of waiting for our next step boundary; one that
+ * comes during the copy turns WRITING into WANT_RESP, and the end of the
+ * copy hands it over (WANT_RESP → BUSY). Training thread: → WRITING, → READY,
+ * WANT → and APPLY →; loop thread: the rest. */
+enum {
+  SLOT_IDLE = 0,
+  SLOT_WANT = 1,
+  SLOT_BUSY = 2,
+  SLOT_APPLY = 3,
+  SLOT_WANT_RESP = 4,
+  SLOT_WRITING = 5,
+  SLOT_READY = 6
+};
 
 /* ---- links (links.c) ---- */
 
@@ -161,6 +177,7 @@ struct gossip_xch {
   uint8_t partner[NET_PUBKEY_BYTES];
   net_conn_t *conn;
   bool accepted;            /* initiator: the partner said yes */
+  bool from_ready;          /* responder: answered with the snapshot kept ready */
   bool sending, receiving;  /* bulk transfers in flight */
   uint64_t send_id, recv_id;
   net_conn_t *recv_conn;    /* where the partner's buffer arrives */
@@ -173,6 +190,7 @@ struct gossip_xch {
 struct gossip_exchange {
   _Atomic uint64_t word; /* the slot: round << 3 | state (above) */
   float *mine, *theirs;  /* the caller's buffers (gossip_config) */
+  _Atomic uint64_t ready_step; /* the step of the snapshot in `mine` (WRITING → READY) */
   float alpha;
   struct gossip_xch x;
 };

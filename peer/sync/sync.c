@@ -22,6 +22,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
   }
   s->last_start_s = clock_now_s();
   s->mix_step = t->st.step;
+  s->refreshed_step = -1;
   clip_init(&s->clip, cfg->clip_tau);
   s->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
   s->stats_s = s->rate_s = s->last_start_s;
@@ -80,6 +81,36 @@ static void pace(struct sync *s, double now) {
   s->next_ask_s = now + (wait < RETRY_MAX_S ? wait : RETRY_MAX_S);
 }
 
+/* Copies the parameters into gossip_xch_mine(): asynchronous on a GPU
+ * (pinned host buffer, snap_ev says when), done at once on the CPU. */
+static void start_copy(struct sync *s) {
+  struct trainer *t = s->t;
+  tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g), (size_t)t->model.nparams * sizeof(float));
+  tensor_event_record(s->snap_ev);
+  s->snap_pending = true;
+  s->snap_step = t->st.step;
+}
+
+/* Keeps the snapshot of this boundary ready in gossip_xch_mine(), so that a
+ * partner's request is answered without waiting for our next boundary
+ * (gossip_impl.h, slot states). One copy of the parameters per step: on the
+ * CPU a memcpy of 4·P bytes against a step's 6·P·batch FLOPs at least. */
+static void keep_ready(struct sync *s) {
+  if (!s->snap_pending) {
+    /* Holding polls every 200 µs: one copy per state of the parameters. */
+    if (s->refreshed_step == s->t->st.step) return;
+    if (!gossip_xch_refresh_begin(s->g)) return;
+    s->refreshed_step = s->t->st.step;
+    start_copy(s);
+    s->snap_refresh = true;
+  }
+  if (!tensor_event_query(s->snap_ev)) return;
+  s->snap_pending = false;
+  if (s->snap_refresh) gossip_xch_refresh_done(s->g, (uint64_t)s->snap_step);
+  /* else the copy of an exchange abandoned meanwhile: dropped */
+  s->snap_refresh = false;
+}
+
 static void exchange(struct sync *s) {
   struct trainer *t = s->t;
   double now = clock_now_s();
@@ -94,15 +125,12 @@ static void exchange(struct sync *s) {
     s->applied_at_ask = s->applied;
   }
   switch (work) {
-  case GOSSIP_XCH_NONE: return;
+  case GOSSIP_XCH_NONE: keep_ready(s); return;
   case GOSSIP_XCH_SNAPSHOT:
+    /* A refresh in flight (a partner asked during it) serves as well. */
+    s->snap_refresh = false;
     if (!s->snap_pending) {
-      /* Asynchronous on a GPU (pinned host buffer); done at once on the CPU. */
-      tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g),
-                                (size_t)t->model.nparams * sizeof(float));
-      tensor_event_record(s->snap_ev);
-      s->snap_pending = true;
-      s->snap_step = t->st.step;
+      start_copy(s);
       s->last_start_s = now;
     }
     if (tensor_event_query(s->snap_ev)) {
@@ -130,6 +158,7 @@ static void exchange(struct sync *s) {
     }
     if (rc == 0) {
       tensor_lerp(&t->model.params, &s->staging, w);
+      s->refreshed_step = -1; /* the parameters changed within the step */
       s->applied++;
       int64_t run = t->st.step - s->mix_step;
       if (run > s->longest_local) s->longest_local = run;
@@ -139,6 +168,7 @@ static void exchange(struct sync *s) {
       if (rc > 0) s->skipped++;
     }
     gossip_xch_apply_done(s->g, rc, rc ? why : NULL);
+    keep_ready(s); /* the slot is idle again: a snapshot for the next request */
     return;
   }
   }

@@ -150,9 +150,13 @@ struct sync {
   struct trainer *t;
   struct tensor staging; /* (P): the partner's parameters on our device (tensor_mirror_host
                           * of the receive buffer: the buffer itself on the CPU) */
+  /* The copy of our parameters into gossip_xch_mine() in flight (finished
+   * at a later boundary on a GPU): for an exchange (GOSSIP_XCH_SNAPSHOT) or
+   * to keep a snapshot ready for partners' requests (refresh). */
   tensor_event_t snap_ev;
-  bool snap_pending;
+  bool snap_pending, snap_refresh;
   int64_t snap_step;
+  int64_t refreshed_step; /* of the last refresh begun; -1 after an apply */
   double last_start_s;
   uint64_t applied, rejected;
   uint64_t skipped;         /* of the rejected: far outliers skipped by clipping */

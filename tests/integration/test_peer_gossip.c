@@ -438,3 +438,54 @@ Test(gossip, train_and_net_cpus_pin_the_training_and_network_threads) {
   pclose(f);
   cr_assert_geq(on1, 1, "no thread of the peer runs on CPU 1 only");
 }
+
+/* The "(...)" detail of node i's "exchange transferred after N ms" lines:
+ * how many contain `what`, and the median of their N. */
+static int transfers(int i, const char *what, double *median_ms) {
+  char *s = proc_slurp(C.node[i].log);
+  double ms[4096];
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line && n < 4096; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "exchange transferred after ");
+    if (p && strstr(line, what)) ms[n++] = strtod(p + 27, NULL);
+  }
+  free(s);
+  for (int a = 1; a < n; a++)
+    for (int b = a; b > 0 && ms[b - 1] > ms[b]; b--) {
+      double t = ms[b];
+      ms[b] = ms[b - 1];
+      ms[b - 1] = t;
+    }
+  *median_ms = n ? ms[n / 2] : NAN;
+  return n;
+}
+
+/* Steps of a fifth of a second or more: a responder that waited for its
+ * next step boundary would keep its partner waiting half a step on
+ * average; with a snapshot kept ready it answers at once. */
+Test(gossip, a_responder_answers_with_its_ready_snapshot_not_at_its_next_step_boundary) {
+  SKIP_WITHOUT_DATA();
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  for (int i = 0; i < 2; i++)
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-512-512-10", "--batch", "1024", "--shard", i ? "1/2" : "0/2",
+                                 "--epochs", "1000", "--max-steps", "30", "--no-eval", "--wait-peers", "2",
+                                 "--gossip-every", "1", NULL);
+  for (int i = 0; i < 2; i++) expect_clean_exit(peer[i]);
+  int answered = 0, from_ready = 0;
+  for (int i = 0; i < 2; i++) {
+    double asked_ms, ready_ms, any_ms;
+    int asked = transfers(peer[i], "(we asked)", &asked_ms);
+    int ready = transfers(peer[i], "our snapshot was ready", &ready_ms);
+    int all = transfers(peer[i], "we were asked", &any_ms);
+    fprintf(stderr, "figure: peer %d: %d exchanges asked for (median %.0f ms), %d answered, %d of them from the ready "
+                    "snapshot (median %.0f ms)\n",
+            i, asked, asked_ms, all, ready, ready_ms);
+    answered += all;
+    from_ready += ready;
+  }
+  cr_assert_geq(answered, 5, "only %d exchanges were answered in 30 steps", answered);
+  cr_assert_geq(from_ready * 4, answered * 3, "only %d of %d answers came from the ready snapshot", from_ready,
+                answered);
+}
