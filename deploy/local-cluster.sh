@@ -94,13 +94,15 @@ kill "$boot_pid" 2>/dev/null || true
 # A classifier reports test_accuracy; a language model val_loss (per token).
 metric=test_accuracy
 grep -q '"val_loss"' "$work"/peer-*.out 2>/dev/null && metric=val_loss
-printf '\n%-8s %-6s %14s %10s %10s\n' peer shard "$metric" exchanges samples/s
+# exchanges: applied; per 100 steps: how often a step was followed by one.
+printf '\n%-8s %-6s %14s %10s %13s %10s\n' peer shard "$metric" exchanges "per 100 steps" samples/s
 i=0
 for p in $peer_pids; do
   i=$((i + 1))
   line=$(grep "\"$metric\"" "$work/peer-$i.out" 2>/dev/null || true)
   num() { echo "$line" | sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
-  printf '%-8s %-6s %14s %10s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num exchanges)" \
-    "$(num samples_per_s)"
+  rate=$(echo "$(num exchanges) $(num steps)" | awk 'NF == 2 && $2 > 0 {printf "%.1f", 100 * $1 / $2}')
+  printf '%-8s %-6s %14s %10s %13s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num exchanges)" \
+    "$rate" "$(num samples_per_s)"
 done
 exit $status

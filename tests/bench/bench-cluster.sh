@@ -54,6 +54,9 @@ quality() {
   echo "$accs" | awk -v s="$single" -v l="$label" -v t="$(echo "$q0 $q1" | awk '{printf "%.0f", $2 - $1}')" \
     'NR == 1 {lo = $1; hi = $1} {if ($1 < lo) lo = $1; if ($1 > hi) hi = $1}
     END {printf "peers%s: %.4f .. %.4f; worst gap to the single peer %.2f points (target <= 1.00); %s s\n", l, lo, hi, (s - lo) * 100, t}'
+  for f in "$work"/q/peer-*.out; do echo "$(num exchanges < "$f") $(num steps < "$f") $(num longest_local_steps < "$f")"; done |
+    awk -v l="$label" '{x += $1; s += $2; if ($3 > m) m = $3}
+      END {printf "peers%s: %.1f exchanges applied per 100 steps; at most %d steps between applied exchanges\n", l, 100 * x / s, m}'
 }
 quality ""
 bound=${BOUND:-4}
