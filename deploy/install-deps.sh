@@ -18,7 +18,7 @@ fi
 
 packages="
   build-essential cmake pkg-config git
-  libuv1-dev libmsgpack-dev libsodium-dev zlib1g-dev libdnnl-dev
+  libuv1-dev libmsgpack-dev libsodium-dev libssl-dev zlib1g-dev libdnnl-dev
   libcriterion-dev
   clang libclang-rt-14-dev
   libopenblas0-pthread

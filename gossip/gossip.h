@@ -238,6 +238,11 @@ struct gossip_stats {
   uint64_t donations;
   uint64_t exchange_rate_limited; /* partners' requests refused by our rate limit */
   uint64_t conn_rate_limited;     /* connections closed by our rate limit */
+  /* The last applied exchange's parameters on the wire, each way: encoded
+   * payload bytes (net_dtype_bytes of the count in the sender's wire
+   * dtype; frame headers and tags, about 40 bytes a MiB, left out). 0
+   * before the first. */
+  uint64_t exchange_bytes_sent, exchange_bytes_received;
 };
 void gossip_stats_get(gossip_t *g, struct gossip_stats *s);
 

@@ -236,6 +236,8 @@ struct gossip_monitoring {
   /* For other threads, under lock. */
   struct gossip_stats counters;
   uint64_t last_exchange_ms; /* monotonic, 0 before the first */
+  uint64_t xch_rx_bytes;     /* encoded bytes of the partner's transfer accepted for the exchange
+                                under way (loop thread, at its BEGIN); counted when it applies */
   struct gossip_member_view *pub;
   size_t npub, pub_cap;
 };

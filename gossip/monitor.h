@@ -58,6 +58,9 @@ struct gossip_node_report {
   char last_failure[160];
   double last_exchange_age_s; /* < 0: none yet */
   uint64_t bytes_in, bytes_out;
+  /* Encoded parameter bytes of its last applied exchange, each way
+   * (gossip_stats; 0 before the first, or from a node too old to say). */
+  uint64_t exchange_bytes_out, exchange_bytes_in;
   uint64_t members;
   bool have_train; /* the training figures below are set */
   int64_t step, epoch, samples;

@@ -43,6 +43,8 @@ void gossip_count(struct gossip *g, enum gossip_event ev, const char *why) {
   case GOSSIP_EV_XCH_APPLIED:
     c->exchanges_ok++;
     g->mon.last_exchange_ms = clock_now_ns() / 1000000;
+    c->exchange_bytes_sent = net_dtype_bytes(g->cfg.wire, g->cfg.nparams);
+    c->exchange_bytes_received = g->mon.xch_rx_bytes;
     break;
   case GOSSIP_EV_XCH_FAILED:
     c->exchanges_failed++;
@@ -199,6 +201,8 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_uint(&b, "bytes_out", gs.bytes_out);
   net_msgbuf_put_uint(&b, "members", gs.members_alive + gs.members_suspect + 1);
   net_msgbuf_put_uint(&b, "donations", gs.donations);
+  net_msgbuf_put_uint(&b, "x_bytes_out", gs.exchange_bytes_sent);
+  net_msgbuf_put_uint(&b, "x_bytes_in", gs.exchange_bytes_received);
   pthread_mutex_lock(&g->lock);
   uint64_t now = clock_now_ns() / 1000000;
   if (g->mon.have_stats) {
@@ -343,6 +347,11 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_exchanges_total{result=\"applied\"} %llu\n", (unsigned long long)gs.exchanges_ok);
   tprintf(t, "rumor_exchanges_total{result=\"failed\"} %llu\n", (unsigned long long)gs.exchanges_failed);
   tprintf(t, "rumor_exchanges_total{result=\"rejected\"} %llu\n", (unsigned long long)gs.exchanges_rejected);
+  metric(t, "rumor_exchange_wire_bytes", "gauge",
+         "Encoded parameter bytes of the last applied exchange, by direction (frame overhead excluded).");
+  tprintf(t, "rumor_exchange_wire_bytes{direction=\"sent\"} %llu\n", (unsigned long long)gs.exchange_bytes_sent);
+  tprintf(t, "rumor_exchange_wire_bytes{direction=\"received\"} %llu\n",
+          (unsigned long long)gs.exchange_bytes_received);
   metric(t, "rumor_exchange_requests_total", "counter", "Exchange requests this node sent.");
   tprintf(t, "rumor_exchange_requests_total %llu\n", (unsigned long long)gs.exchange_requests);
   metric(t, "rumor_exchange_refusals_total", "counter", "Exchange requests partners refused (busy, not ready).");

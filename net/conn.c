@@ -390,7 +390,9 @@ static void txq_append(struct net_conn *c, struct net_txframe *f) {
 }
 
 /* Writes the ready frames at the head of txq, in order. A bulk DATA frame's
- * digest leaf joins its transfer's root here, so leaves go in chunk order. */
+ * digest leaf (its AEAD tag) joins its transfer's root here, so leaves go in
+ * chunk order. A DATA frame that failed to seal is never written: its
+ * position in the nonce sequence is lost, so the connection is dropped. */
 static void flush(struct net_conn *c) {
   while (c->txq_head && c->txq_head->ready && c->state != CONN_CLOSED) {
     struct net_txframe *f = c->txq_head;
@@ -400,10 +402,16 @@ static void flush(struct net_conn *c) {
     f->next = NULL;
     struct net_tx_bulk *t = f->t;
     f->t = NULL;
+    int sealed = t ? f->job.status : 0;
     if (t) {
-      if (t->digest && !t->zombie) crypto_generichash_update(&t->root, f->job.leaf, NET_DIGEST_BYTES);
+      if (sealed == 0 && t->digest && !t->zombie) net_digest_add_tag(&t->root, f->job.leaf);
       t->unflushed--;
       tx_release_zombie(c, t); /* may free t; the frame is a copy, so the write needs nothing of it */
+    }
+    if (sealed < 0) {
+      frame_release(c, f);
+      net_conn_abort(c, sealed, -1, "cannot seal a bulk frame: OpenSSL failed");
+      return;
     }
     conn_write(c, f);
   }
@@ -434,10 +442,12 @@ static void tx_after_work(uv_work_t *w, int status) {
 
 /* Seals one control frame and queues it in order. */
 static int seal_ctl(struct net_conn *c, struct net_txframe *f) {
-  if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, f->len - NET_FRAME_OVERHEAD) < 0) {
+  int rc = net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, f->len - NET_FRAME_OVERHEAD);
+  if (rc < 0) {
     free(f);
-    net_conn_abort(c, -EOVERFLOW, -1, "nonce space exhausted");
-    return -EOVERFLOW;
+    net_conn_abort(c, rc, -1, "cannot seal a control frame: %s",
+                   rc == -EOVERFLOW ? "nonce space exhausted" : "OpenSSL failed");
+    return rc;
   }
   f->sealed = f->ready = true;
   txq_append(c, f);
@@ -865,9 +875,10 @@ static void on_hs_message(struct net_conn *c) {
   /* READY: the first frame under the new keys confirms them to the client. */
   struct net_txframe *f = frame_alloc(NET_FRAME_OVERHEAD);
   net_frame_hdr_write(f->data, NET_FRAME_READY, 0, 0, 0);
-  if (net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0) < 0) {
+  int sealed = net_aead_seal(&c->sess.tx, f->data, f->data + NET_FRAME_HDR, 0);
+  if (sealed < 0) {
     free(f);
-    net_conn_abort(c, -EOVERFLOW, NET_HS_FAIL_AUTH, "cannot seal READY");
+    net_conn_abort(c, sealed, NET_HS_FAIL_AUTH, "cannot seal READY");
     return;
   }
   f->len = NET_FRAME_OVERHEAD;
@@ -1024,8 +1035,7 @@ int net_conn_send_msg(net_conn_t *c, struct net_msgbuf *b) {
 
 int net_conn_send_bulk(net_conn_t *c, const struct net_bulk_send *s, uint64_t *id_out) {
   if (c->state != CONN_OPEN) return -ENOTCONN;
-  size_t ws = net_dtype_size(s->wire);
-  if (!s->done || !ws || (s->count && !s->src) || (s->meta_len && !s->meta)) return -EINVAL;
+  if (!s->done || !net_dtype_valid(s->wire) || (s->count && !s->src) || (s->meta_len && !s->meta)) return -EINVAL;
   if (s->meta_len > NET_BULK_META_MAX || s->count > UINT64_MAX / 4) return RUMOR_ETOOBIG;
   struct net_tx_bulk *t = net_alloc_aligned(sizeof *t);
   t->id = ++c->next_tx_id;
@@ -1034,7 +1044,7 @@ int net_conn_send_bulk(net_conn_t *c, const struct net_bulk_send *s, uint64_t *i
   t->count = s->count;
   t->wire = s->wire;
   t->digest = !s->no_digest;
-  t->chunk_elems = (uint32_t)(c->net->cfg.bulk_chunk_bytes / ws);
+  t->chunk_elems = net_bulk_chunk_elems(s->wire, c->net->cfg.bulk_chunk_bytes);
   t->phase = NET_TX_BEGIN;
   if (s->meta_len) {
     t->meta = xmalloc(s->meta_len);

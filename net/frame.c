@@ -4,27 +4,112 @@
  * authentication, dispatch of control messages and bulk transfer frames).
  */
 #include <errno.h>
+#include <limits.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+
 #include "net/net_impl.h"
 
 /* ---- AEAD ------------------------------------------------------------------ */
 
-/* AEAD through libsodium: AES-256-GCM where the CPU has AES-NI (both sides),
- * else ChaCha20-Poly1305-IETF. */
-const char *net_aead_aes_impl(void) { return "libsodium"; }
+/* Frames are sealed through OpenSSL's libcrypto (EVP): AES-256-GCM where the
+ * CPU has AES instructions (both sides), else ChaCha20-Poly1305 (IETF, 96-bit
+ * nonce). libsodium keeps identities, the key exchange and the handshake.
+ *
+ * Threads: net_aead_seal_at / net_aead_open_at run on any number of threads
+ * at once with one shared, read-only struct net_aead, so no EVP_CIPHER_CTX
+ * lives in it. Each thread keeps one context per cipher, made on its first
+ * frame and re-keyed with the frame's key and nonce for every frame
+ * (EVP_CipherInit_ex2 with a NULL cipher): measured on the development VM
+ * that is faster than a context per call (64-byte frame: 0.40 against
+ * 0.48 µs for AES-256-GCM, 0.41 against 0.81 µs for ChaCha20-Poly1305; the
+ * same for 1 MiB chunks), and about 0.2 µs dearer than a context keyed once
+ * per connection, which would need a pool per connection. A thread's context
+ * holds the round keys of the last frame it handled until its next frame, or
+ * until the thread exits, when a thread-specific-data destructor frees it
+ * (EVP_CIPHER_CTX_free cleanses it). */
+
+enum { AEAD_AES = 0, AEAD_CHACHA = 1, AEAD_N = 2 };
+static const char *const g_cipher_name[AEAD_N] = {"AES-256-GCM", "ChaCha20-Poly1305"};
+
+/* The two ciphers, fetched once from the default provider and immutable
+ * afterwards: one global because every thread and connection shares them.
+ * NULL when the fetch failed; every seal and open then fails. */
+static EVP_CIPHER *g_cipher[AEAD_N];
+static pthread_once_t g_aead_once = PTHREAD_ONCE_INIT;
+static pthread_key_t g_aead_tls_key; /* frees a thread's contexts at its exit */
+static bool g_aead_ready;
+
+struct aead_tls {
+  EVP_CIPHER_CTX *ctx[AEAD_N];
+};
+static _Thread_local struct aead_tls *t_aead; /* this thread's contexts (also in g_aead_tls_key) */
+
+static void aead_tls_free(void *p) {
+  struct aead_tls *t = p;
+  for (int i = 0; i < AEAD_N; i++) EVP_CIPHER_CTX_free(t->ctx[i]);
+  free(t);
+}
+
+static void aead_global_init(void) {
+  if (pthread_key_create(&g_aead_tls_key, aead_tls_free) != 0) return;
+  for (int i = 0; i < AEAD_N; i++) {
+    g_cipher[i] = EVP_CIPHER_fetch(NULL, g_cipher_name[i], NULL);
+    if (!g_cipher[i]) log_error("net: OpenSSL has no %s", g_cipher_name[i]);
+  }
+  g_aead_ready = true;
+}
+
+static int suite_index(unsigned suite) {
+  if (suite == NET_SUITE_AES256GCM) return AEAD_AES;
+  if (suite == NET_SUITE_CHACHA20POLY1305) return AEAD_CHACHA;
+  return -1;
+}
+
+/* This thread's context for `suite`, made on first use; NULL when OpenSSL
+ * cannot provide it (out of memory, cipher missing, unknown suite). */
+static EVP_CIPHER_CTX *aead_thread_ctx(unsigned suite) {
+  pthread_once(&g_aead_once, aead_global_init);
+  int i = suite_index(suite);
+  if (!g_aead_ready || i < 0 || !g_cipher[i]) return NULL;
+  struct aead_tls *t = t_aead;
+  if (!t) {
+    t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    if (pthread_setspecific(g_aead_tls_key, t) != 0) {
+      free(t);
+      return NULL;
+    }
+    t_aead = t;
+  }
+  if (!t->ctx[i]) {
+    EVP_CIPHER_CTX *c = EVP_CIPHER_CTX_new();
+    if (!c) return NULL;
+    if (EVP_CipherInit_ex2(c, g_cipher[i], NULL, NULL, 1, NULL) != 1) {
+      EVP_CIPHER_CTX_free(c);
+      return NULL;
+    }
+    t->ctx[i] = c;
+  }
+  return t->ctx[i];
+}
+
+const char *net_aead_aes_impl(void) { return OpenSSL_version(OPENSSL_VERSION); }
 
 void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]) {
   memset(a, 0, sizeof *a);
   a->suite = suite;
   memcpy(a->key, key, NET_AEAD_KEY_BYTES);
-  if (suite == NET_SUITE_AES256GCM) crypto_aead_aes256gcm_beforenm(&a->aes, key);
 }
 
-void net_aead_wipe(struct net_aead *a) { sodium_memzero(a, sizeof *a); }
+void net_aead_wipe(struct net_aead *a) { OPENSSL_cleanse(a, sizeof *a); }
 
 static void nonce_of(uint8_t nonce[NET_AEAD_NONCE_BYTES], uint64_t ctr) {
   memset(nonce, 0, 4);
@@ -46,34 +131,48 @@ int net_aead_reserve(struct net_aead *a, uint64_t *ctr) {
   return 0;
 }
 
-void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
+/* One AEAD pass with this thread's context: keys it for (a, ctr), takes the
+ * header as associated data and turns len bytes of in into out (which may
+ * be in). Encrypting (enc = 1) writes the tag into tag; decrypting checks
+ * it. Returns true only when every EVP call succeeded (for decryption: the
+ * tag matched). */
+static bool aead_run(const struct net_aead *a, uint64_t ctr, int enc, const uint8_t hdr[NET_FRAME_HDR],
+                     uint8_t *out, const uint8_t *in, size_t len, uint8_t tag[NET_TAG_BYTES]) {
+  EVP_CIPHER_CTX *c = aead_thread_ctx(a->suite);
+  if (!c || len > INT_MAX) return false;
   uint8_t nonce[NET_AEAD_NONCE_BYTES];
   nonce_of(nonce, ctr);
+  int n = 0;
+  bool ok = EVP_CipherInit_ex2(c, NULL, a->key, nonce, enc, NULL) == 1 &&
+            EVP_CipherUpdate(c, NULL, &n, hdr, NET_FRAME_HDR) == 1;
+  if (ok && len > 0) ok = EVP_CipherUpdate(c, out, &n, in, (int)len) == 1 && (size_t)n == len;
+  if (ok && !enc) ok = EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_SET_TAG, NET_TAG_BYTES, tag) == 1;
+  if (ok) ok = EVP_CipherFinal_ex(c, out + len, &n) == 1 && n == 0;
+  if (ok && enc) ok = EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_AEAD_GET_TAG, NET_TAG_BYTES, tag) == 1;
+  OPENSSL_cleanse(nonce, sizeof nonce);
+  if (!ok) ERR_clear_error(); /* keep this thread's error queue from growing */
+  return ok;
+}
+
+int net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
   uint8_t *ct = frame + NET_FRAME_HDR, *tag = ct + pt_len;
-  if (a->suite == NET_SUITE_AES256GCM)
-    crypto_aead_aes256gcm_encrypt_detached_afternm(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
-                                                   &a->aes);
-  else
-    crypto_aead_chacha20poly1305_ietf_encrypt_detached(ct, tag, NULL, pt, pt_len, frame, NET_FRAME_HDR, NULL, nonce,
-                                                       a->key);
+  if (aead_run(a, ctr, 1, frame, ct, pt, pt_len, tag)) return 0;
+  /* Never send what we failed to seal: the caller drops the frame. */
+  memset(ct, 0, pt_len + NET_TAG_BYTES);
+  return -EIO;
 }
 
 int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct,
                      size_t len, const uint8_t tag[NET_TAG_BYTES]) {
-  uint8_t nonce[NET_AEAD_NONCE_BYTES];
-  nonce_of(nonce, ctr);
-  int rc;
-  if (a->suite == NET_SUITE_AES256GCM)
-    rc = crypto_aead_aes256gcm_decrypt_detached_afternm(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, &a->aes);
-  else
-    rc = crypto_aead_chacha20poly1305_ietf_decrypt_detached(ct, NULL, ct, len, tag, hdr, NET_FRAME_HDR, nonce, a->key);
-  return rc == 0 ? 0 : RUMOR_EAUTH;
+  uint8_t t[NET_TAG_BYTES];
+  memcpy(t, tag, sizeof t);
+  return aead_run(a, ctr, 0, hdr, ct, ct, len, t) ? 0 : RUMOR_EAUTH;
 }
 
 int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) {
   uint64_t ctr;
   int rc = net_aead_reserve(a, &ctr);
-  if (rc == 0) net_aead_seal_at(a, ctr, frame, pt, pt_len);
+  if (rc == 0) rc = net_aead_seal_at(a, ctr, frame, pt, pt_len);
   return rc;
 }
 
@@ -166,11 +265,18 @@ static int rxbuf_reserve(struct net_sess *s, size_t n) {
   return s->rxbuf ? 0 : violation(s, -ENOMEM, "cannot allocate %zu bytes for a frame", n);
 }
 
-/* The payload size of the next DATA frame of the inbound transfer. */
+/* The elements of the next DATA frame of the inbound transfer (0 when none
+ * is due). */
+static uint64_t chunk_elems_due(const struct net_rx_bulk *ib) {
+  uint64_t left = ib->count - ib->next_elem;
+  return left < ib->chunk_elems ? left : ib->chunk_elems;
+}
+
+/* The payload size of the next DATA frame of the inbound transfer: the
+ * encoded size of its elements (an i8 chunk's blocks start at its first
+ * element, so its last block may be short). */
 static uint64_t expected_chunk_bytes(const struct net_sess *s) {
-  uint64_t left = s->ib.count - s->ib.next_elem;
-  uint64_t n = left < s->ib.chunk_elems ? left : s->ib.chunk_elems;
-  return n * net_dtype_size(s->ib.wire);
+  return net_dtype_bytes(s->ib.wire, chunk_elems_due(&s->ib));
 }
 
 /* Checks a complete header and decides where the body goes. Every length is
@@ -274,13 +380,12 @@ static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
   if (h->a <= s->last_in_id)
     return violation(s, RUMOR_EPROTO, "BULK_BEGIN reuses transfer id %llu", (unsigned long long)h->a);
   enum net_dtype wire = (enum net_dtype)pt[0];
-  size_t ws = net_dtype_size(wire);
   uint8_t flags = pt[1];
   uint32_t chunk = net_be32_get(pt + 4);
-  if (!ws) return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown dtype %u", pt[0]);
+  if (!net_dtype_valid(wire)) return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown dtype %u", pt[0]);
   if ((flags & ~NET_BULK_FLAG_DIGEST) || pt[2] || pt[3])
     return violation(s, RUMOR_EPROTO, "BULK_BEGIN with unknown flags");
-  if (chunk == 0 || (uint64_t)chunk * ws > NET_BULK_CHUNK_MAX)
+  if (chunk == 0 || net_dtype_bytes(wire, chunk) > NET_BULK_CHUNK_MAX)
     return violation(s, RUMOR_ETOOBIG, "BULK_BEGIN with a chunk of %u elements", chunk);
   memset(&s->ib, 0, sizeof s->ib);
   s->last_in_id = h->a;
@@ -292,7 +397,7 @@ static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
   s->ib.digest = flags & NET_BULK_FLAG_DIGEST;
   if (s->ib.digest) net_digest_root_init(&s->ib.root, s->ib.count, wire, chunk);
 
-  if (h->b > s->max_bulk_bytes / ws) {
+  if (net_dtype_bytes(wire, h->b) > s->max_bulk_bytes) {
     /* Too big for us, but not an attack: refuse it and read past it. */
     log_warn("net: refusing transfer %llu of %llu elements (%s): above the limit of %llu bytes",
              (unsigned long long)h->a, (unsigned long long)h->b, net_dtype_name(wire),
@@ -313,12 +418,13 @@ static int on_begin(struct net_sess *s, const uint8_t *pt, size_t len) {
   return send_result(s, h->a, NET_BULK_REFUSED);
 }
 
-static void on_data(struct net_sess *s, const uint8_t *pt, size_t len) {
+/* An authenticated DATA frame on the loop thread; s->tag is its AEAD tag. */
+static void on_data(struct net_sess *s, const uint8_t *pt) {
   struct net_rx_bulk *ib = &s->ib;
-  size_t n = len / net_dtype_size(ib->wire);
+  size_t n = (size_t)chunk_elems_due(ib); /* on_header checked that len is its encoded size */
   if (ib->accepted) {
     if (ib->wire != NET_DTYPE_F32) net_dtype_decode(ib->wire, ib->dst + ib->next_elem, pt, n);
-    if (ib->digest) net_digest_add_chunk(&ib->root, ib->chunk_index, pt, len);
+    if (ib->digest) net_digest_add_tag(&ib->root, s->tag);
   }
   ib->next_elem += n;
   ib->chunk_index++;
@@ -328,7 +434,7 @@ static void on_data(struct net_sess *s, const uint8_t *pt, size_t len) {
 void net_rx_job_run(struct net_rx_job *j) {
   j->status = net_aead_open_at(j->aead, j->ctr, j->hdr, j->body, j->len, j->tag);
   if (j->status != 0) return;
-  if (j->digest) net_digest_leaf(j->leaf, j->chunk_index, j->body, j->len);
+  if (j->digest) memcpy(j->leaf, j->tag, NET_DIGEST_LEAF_BYTES);
   if (j->decode_to) net_dtype_decode(j->wire, j->decode_to, j->body, j->elems);
 }
 
@@ -346,7 +452,7 @@ static int submit_data(struct net_sess *s) {
   j->body = s->body;
   j->len = s->h.ct_len;
   j->wire = ib->wire;
-  j->elems = j->len / net_dtype_size(ib->wire);
+  j->elems = (size_t)chunk_elems_due(ib); /* on_header checked that len is its encoded size */
   j->digest = ib->digest;
   j->chunk_index = ib->chunk_index;
   if (s->body_owned) {
@@ -375,11 +481,11 @@ int net_sess_job_done(struct net_sess *s, struct net_rx_job *j) {
   } else if (!s->stop || ib->active) {
     /* leaves go into the root in chunk order, whatever order jobs finish in */
     size_t slot = (size_t)(j->chunk_index % NET_RX_JOBS_MAX);
-    memcpy(ib->leaves[slot], j->leaf, NET_DIGEST_BYTES);
+    memcpy(ib->leaves[slot], j->leaf, NET_DIGEST_LEAF_BYTES);
     ib->leaf_ready[slot] = true;
     while (ib->leaf_next < ib->chunk_index && ib->leaf_ready[ib->leaf_next % NET_RX_JOBS_MAX]) {
       size_t k = (size_t)(ib->leaf_next % NET_RX_JOBS_MAX);
-      if (ib->accepted && ib->digest) crypto_generichash_update(&ib->root, ib->leaves[k], NET_DIGEST_BYTES);
+      if (ib->accepted && ib->digest) net_digest_add_tag(&ib->root, ib->leaves[k]);
       ib->leaf_ready[k] = false;
       ib->leaf_next++;
     }
@@ -451,7 +557,7 @@ static int open_and_dispatch(struct net_sess *s) {
     return 0;
   }
   case NET_FRAME_BULK_BEGIN: return on_begin(s, pt, h->ct_len);
-  case NET_FRAME_BULK_DATA: on_data(s, pt, h->ct_len); return 0;
+  case NET_FRAME_BULK_DATA: on_data(s, pt); return 0;
   case NET_FRAME_BULK_END: return on_end(s, pt);
   case NET_FRAME_BULK_ABORT:
     if (!s->ib.active || h->a != s->ib.id)

@@ -136,6 +136,16 @@ void net_hs_server_start(struct net_hs *hs, const struct net_keyring *kr) {
   hs->state = NET_HS_S_SERVER_WAIT_HELLO;
 }
 
+/* The explanation for a peer whose newest version is one we retired. */
+static void retired_version_msg(char *d, size_t cap, unsigned lo, unsigned hi) {
+  if (lo == hi)
+    snprintf(d, cap, "the peer speaks protocol version %u, which this rumor no longer accepts", hi);
+  else
+    snprintf(d, cap, "the peer speaks protocol versions %u..%u, which this rumor no longer accepts", lo, hi);
+}
+#define RETIRED_WHY                                                                                  \
+  " (version 2 seals bulk frames with OpenSSL's AEAD and checks transfers by their AEAD tags); upgrade it"
+
 static size_t write_reject(uint8_t *out, uint8_t reason) {
   memcpy(out, NET_MAGIC, NET_MAGIC_BYTES);
   out[4] = NET_HS_REJECT;
@@ -156,7 +166,11 @@ int net_hs_server_on_hello(struct net_hs *hs, const uint8_t *in, size_t len, uin
   uint8_t v = cmax < NET_PROTO_MAX ? cmax : NET_PROTO_MAX;
   if (cmin > cmax || v < cmin || v < NET_PROTO_MIN) {
     *out_len = write_reject(out, NET_REJECT_VERSION);
-    char d[64];
+    char d[192];
+    if (cmin <= cmax && cmax <= NET_PROTO_RETIRED) {
+      retired_version_msg(d, sizeof d, cmin, cmax);
+      return fail(hs, NET_HS_FAIL_VERSION, RUMOR_EPROTO, e, "%s" RETIRED_WHY, d);
+    }
     snprintf(d, sizeof d, "%u..%u (we speak %u..%u)", cmin, cmax, NET_PROTO_MIN, NET_PROTO_MAX);
     return fail(hs, NET_HS_FAIL_VERSION, RUMOR_EPROTO, e, "no common protocol version: the peer speaks %s", d);
   }
@@ -209,9 +223,14 @@ int net_hs_server_on_hello(struct net_hs *hs, const uint8_t *in, size_t len, uin
 }
 
 static int client_on_reject(struct net_hs *hs, const uint8_t *in, struct rumor_err *e) {
-  char d[96];
+  char d[192];
   switch (in[5]) {
   case NET_REJECT_VERSION:
+    if (in[6] <= in[7] && in[7] <= NET_PROTO_RETIRED) { /* an old server: it cannot take our versions */
+      retired_version_msg(d, sizeof d, in[6], in[7]);
+      return fail(hs, NET_HS_FAIL_VERSION, RUMOR_EPROTO, e,
+                  "the peer rejected the handshake: %s" RETIRED_WHY, d);
+    }
     snprintf(d, sizeof d, "no common protocol version or cipher (the peer speaks %u..%u, we %u..%u)", in[6], in[7],
              NET_PROTO_MIN, NET_PROTO_MAX);
     return fail(hs, NET_HS_FAIL_VERSION, RUMOR_EPROTO, e, "the peer rejected the handshake: %s", d);

@@ -4,8 +4,8 @@
  * msgpack control messages and streaming of large float buffers.
  *
  * net knows nothing of tensors, models or gossip. It depends on util, libuv,
- * libsodium and msgpack-c. The wire format and the security argument are in
- * docs/net.md.
+ * libsodium, OpenSSL's libcrypto (the frames' AEAD) and msgpack-c. The wire
+ * format and the security argument are in docs/net.md.
  *
  * Threads: every function here must be called on the thread that runs the
  * net's loop ("the loop thread"), except the key/file helpers, the message
@@ -187,8 +187,21 @@ typedef struct net_conn net_conn_t;
 
 /* Wire encodings of bulk float buffers. The buffers themselves are float32 on
  * both ends; f16 and bf16 halve the bytes on the wire (converted on the fly,
- * round to nearest even). Values pinned: they travel on the wire. */
-enum net_dtype { NET_DTYPE_F32 = 1, NET_DTYPE_F16 = 2, NET_DTYPE_BF16 = 3 };
+ * round to nearest even). i8 is block-wise 8-bit: each block of
+ * NET_I8_BLOCK values travels as a float32 scale (absmax / 127) and one
+ * signed byte per value (round to nearest); a block holding a NaN or an
+ * infinity arrives as all NaN (docs/net.md). Values pinned: they travel on
+ * the wire. */
+enum net_dtype { NET_DTYPE_F32 = 1, NET_DTYPE_F16 = 2, NET_DTYPE_BF16 = 3, NET_DTYPE_I8 = 4 };
+#define NET_I8_BLOCK 128 /* values per i8 block (the last block of a chunk may be shorter) */
+
+/* Encoded bytes of `n` values in dtype `d`: 4n, 2n, or for i8 n plus 4 per
+ * block (a chunk's blocks start at its first value, so this is exact for
+ * any chunk). 0 for an unknown dtype; UINT64_MAX when the size does not fit
+ * in 64 bits (callers compare it with a limit). */
+uint64_t net_dtype_bytes(enum net_dtype d, uint64_t n);
+/* "f32", "f16", "bf16", "i8", or "unknown". */
+const char *net_dtype_name(enum net_dtype d);
 
 /* Why a handshake failed (counted in net_stats.hs_fail). */
 enum net_hs_fail {
@@ -240,7 +253,7 @@ struct net_bulk_info {
   uint64_t id;           /* unique per connection and direction */
   uint64_t count;        /* float32 elements */
   enum net_dtype wire;
-  bool digest;           /* a BLAKE2b digest will be checked at the end */
+  bool digest;           /* the transfer digest (over the chunks' AEAD tags) will be checked at the end */
   const uint8_t *meta;   /* the sender's metadata blob, valid during the callback */
   size_t meta_len;
 };
@@ -319,7 +332,7 @@ struct net_bulk_send {
   const float *src;
   uint64_t count;
   enum net_dtype wire;
-  bool no_digest;       /* skip the BLAKE2b digest (AEAD still authenticates every chunk) */
+  bool no_digest;       /* skip the transfer digest (AEAD still authenticates and orders every chunk) */
   const void *meta;     /* copied; at most NET_BULK_META_MAX bytes */
   size_t meta_len;
   net_bulk_sent_cb done; /* required */

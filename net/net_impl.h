@@ -15,8 +15,13 @@
 /* ---- handshake wire format (all integers big-endian) ---------------------- */
 #define NET_MAGIC "rumr"
 #define NET_MAGIC_BYTES 4
-#define NET_PROTO_MIN 1 /* protocol versions this build speaks */
-#define NET_PROTO_MAX 1
+/* Protocol versions this build speaks. Version 2 (bulk frames sealed with
+ * OpenSSL's AEAD, the transfer digest over the chunks' AEAD tags) replaced
+ * version 1 (libsodium's AEAD, a BLAKE2b tree over the chunks' bytes); a
+ * version-1 peer is refused with a message that says so. */
+#define NET_PROTO_MIN 2
+#define NET_PROTO_MAX 2
+#define NET_PROTO_RETIRED 1 /* the last version this build no longer accepts */
 #define NET_HS_LEN_BYTES 2     /* each handshake message: u16 length, then body */
 #define NET_HS_FRAME_MAX 512   /* cap on a pre-authentication message body */
 #define NET_X25519_BYTES 32
@@ -35,7 +40,7 @@ enum net_reject_reason { NET_REJECT_VERSION = 1, NET_REJECT_CLUSTER = 2 };
 _Static_assert(NET_HS_HELLO == 1 && NET_HS_WELCOME == 2 && NET_HS_AUTH == 3 && NET_HS_REJECT == 0x7f,
                "handshake message types are wire values");
 _Static_assert(NET_HS_HELLO_LEN == 56 && NET_HS_WELCOME_LEN == 152 && NET_HS_AUTH_LEN == 116,
-               "handshake message sizes are part of protocol version 1");
+               "handshake message sizes are part of protocol versions 1 and 2");
 _Static_assert(NET_HS_WELCOME_LEN <= NET_HS_FRAME_MAX, "handshake frames fit the pre-auth cap");
 
 /* ---- transport frames ----------------------------------------------------- */
@@ -74,6 +79,7 @@ enum net_bulk_result {
 #define NET_BULK_BEGIN_FIXED 8     /* u8 dtype | u8 flags | u16 0 | u32 chunk_elems */
 #define NET_BULK_FLAG_DIGEST 0x01
 #define NET_DIGEST_BYTES 32
+#define NET_DIGEST_LEAF_BYTES NET_TAG_BYTES /* a leaf of the transfer digest is a chunk's AEAD tag */
 #define NET_BULK_CHUNK_MAX (16u << 20) /* receiver's cap on one chunk's payload */
 #define NET_BULK_CHUNK_MIN 4096
 #define NET_BULK_WINDOW_CHUNKS 4   /* outbound chunk frames in flight per connection */
@@ -136,11 +142,13 @@ int net_hs_server_on_auth(struct net_hs *hs, const uint8_t *in, size_t len, stru
 void net_hs_wipe(struct net_hs *hs);
 
 /* ---- AEAD framing ---------------------------------------------------------- */
+/* One direction's AEAD (OpenSSL's AES-256-GCM or ChaCha20-Poly1305): the key
+ * and the next position. It holds no OpenSSL object, so workers may seal and
+ * open with it at once (each thread uses a context of its own; frame.c). */
 struct net_aead {
-  crypto_aead_aes256gcm_state aes; /* expanded key when suite is AES-256-GCM */
   uint8_t key[NET_AEAD_KEY_BYTES];
-  unsigned suite;
-  uint64_t ctr; /* the next frame's position: the nonce */
+  unsigned suite; /* enum net_suite: exactly one bit */
+  uint64_t ctr;   /* the next frame's position: the nonce */
 };
 void net_aead_init(struct net_aead *a, unsigned suite, const uint8_t key[NET_AEAD_KEY_BYTES]);
 void net_aead_wipe(struct net_aead *a);
@@ -148,7 +156,9 @@ void net_aead_wipe(struct net_aead *a);
 void net_frame_hdr_write(uint8_t *frame, uint8_t type, size_t pt_len, uint64_t a, uint64_t b);
 /* Encrypts pt (pt_len bytes; may be frame + NET_FRAME_HDR for in place) to
  * frame + NET_FRAME_HDR and appends the tag; the header must be written.
- * Returns 0, or -EOVERFLOW when the nonce space is exhausted. */
+ * Returns 0, -EOVERFLOW when the nonce space is exhausted, or -EIO when
+ * OpenSSL failed (the frame's payload and tag are then zeros: never send it;
+ * the position is used up, so the connection must be dropped). */
 int net_aead_seal(struct net_aead *a, uint8_t *frame, const uint8_t *pt, size_t pt_len) RUMOR_MUST_CHECK;
 /* Decrypts ct in place after checking the tag against hdr and the expected
  * position. Returns 0 or RUMOR_EAUTH (ct then holds garbage). */
@@ -158,12 +168,15 @@ int net_aead_open(struct net_aead *a, const uint8_t hdr[NET_FRAME_HDR], uint8_t 
  * thread) with the _at forms; -EOVERFLOW when the nonce space is exhausted. */
 int net_aead_reserve(struct net_aead *a, uint64_t *ctr) RUMOR_MUST_CHECK;
 /* Seal / open at an explicit position. They only read `a`, so any number of
- * threads may use one net_aead at once while the loop thread reserves. */
-void net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt, size_t pt_len);
+ * threads may use one net_aead at once while the loop thread reserves.
+ * Seal returns 0 or -EIO (OpenSSL failed: as for net_aead_seal); open returns
+ * 0 or RUMOR_EAUTH (a wrong tag or an OpenSSL failure; ct holds garbage). */
+int net_aead_seal_at(const struct net_aead *a, uint64_t ctr, uint8_t *frame, const uint8_t *pt,
+                     size_t pt_len) RUMOR_MUST_CHECK;
 int net_aead_open_at(const struct net_aead *a, uint64_t ctr, const uint8_t hdr[NET_FRAME_HDR], uint8_t *ct,
                      size_t len, const uint8_t tag[NET_TAG_BYTES]) RUMOR_MUST_CHECK;
 
-/* Which AES-256-GCM implementation this build uses ("libsodium"). */
+/* Which library seals the frames (OpenSSL's version string). */
 const char *net_aead_aes_impl(void);
 
 struct net_frame_hdr {
@@ -180,7 +193,7 @@ enum net_tx_phase { NET_TX_BEGIN, NET_TX_DATA, NET_TX_END, NET_TX_WAIT_RESULT };
 struct net_tx_bulk {
   struct net_tx_bulk *next;
   unsigned jobs;      /* DATA frames being sealed on worker threads (they read src) */
-  unsigned unflushed; /* DATA frames made but not yet written (their leaf is not in root) */
+  unsigned unflushed; /* DATA frames made but not yet written (their tag is not in root) */
   bool zombie;        /* finished (canceled, refused, lost): done runs once jobs and unflushed reach 0 */
   int zombie_status;
   uint64_t id;
@@ -208,8 +221,8 @@ struct net_rx_bulk {
   bool result_sent;  /* our RESULT for this id is out */
   bool fail_pending; /* told to fail while chunks were on worker threads: report when they finish */
   int fail_status;
-  uint64_t leaf_next; /* chunks below this index are hashed into root */
-  uint8_t leaves[NET_RX_JOBS_MAX][NET_DIGEST_BYTES];
+  uint64_t leaf_next; /* chunks below this index have their tag in root */
+  uint8_t leaves[NET_RX_JOBS_MAX][NET_DIGEST_LEAF_BYTES];
   bool leaf_ready[NET_RX_JOBS_MAX];
   uint64_t id, count, next_elem, chunk_index;
   uint32_t chunk_elems;
@@ -220,14 +233,29 @@ struct net_rx_bulk {
   crypto_generichash_state root;
 };
 
-size_t net_dtype_size(enum net_dtype d); /* 0 for an unknown value */
-const char *net_dtype_name(enum net_dtype d);
+/* True for a dtype this build knows (the values of enum net_dtype). */
+bool net_dtype_valid(enum net_dtype d);
+/* Bytes per value of the fixed-width dtypes (f32 4, f16 and bf16 2); 0 for
+ * i8, whose blocks carry scales (use net_dtype_bytes for wire lengths), and
+ * for unknown values. */
+size_t net_dtype_size(enum net_dtype d);
 /* Conversions between float32 buffers and wire encodings (fast paths when the
- * CPU has F16C). For F32 they copy. */
+ * CPU has F16C or AVX2). `dst` / `src` on the wire side hold exactly
+ * net_dtype_bytes(d, n) bytes; i8 blocks start at element 0 (each call is
+ * one independent run of blocks, so a chunk is encoded and decoded alone).
+ * For F32 they copy. Decoding never fails: any bytes give floats (a
+ * non-finite i8 scale gives non-finite values). */
 void net_dtype_encode(enum net_dtype d, uint8_t *dst, const float *src, size_t n);
 void net_dtype_decode(enum net_dtype d, float *dst, const uint8_t *src, size_t n);
-/* True when the SIMD conversions (F16C for f16, AVX2 for bf16) are used. */
+/* The i8 reference (scalar) conversions, for tests of the fast path. */
+void net_i8_encode_ref(uint8_t *dst, const float *src, size_t n);
+void net_i8_decode_ref(float *dst, const uint8_t *src, size_t n);
+/* True when the SIMD conversions (F16C for f16, AVX2 for bf16 and i8) are used. */
 bool net_dtype_fast_path(void);
+/* Elements per outbound chunk of at most `chunk_bytes` encoded bytes (for
+ * i8 a whole number of blocks, so that chunk boundaries are block
+ * boundaries). */
+uint32_t net_bulk_chunk_elems(enum net_dtype d, size_t chunk_bytes);
 /* Outbound producer: the size of t's next frame (0 when it waits for the
  * receiver's RESULT), and writing that frame, sealed, into `frame`. */
 size_t net_bulk_tx_next_size(const struct net_tx_bulk *t);
@@ -244,17 +272,19 @@ struct net_tx_job {
   enum net_dtype wire;
   bool digest;
   uint64_t chunk_index;
-  uint8_t leaf[NET_DIGEST_BYTES]; /* out: the chunk's digest leaf */
+  int status;                          /* out: 0, or -EIO when sealing failed (never send the frame) */
+  uint8_t leaf[NET_DIGEST_LEAF_BYTES]; /* out: the chunk's digest leaf (its AEAD tag) */
 };
 /* Loop thread: takes t's next DATA frame (t->phase must be NET_TX_DATA):
  * reserves its nonce, writes its header into `frame` and describes the rest
  * in `job`; advances t. */
 int net_bulk_tx_prepare_data(struct net_aead *aead, struct net_tx_bulk *t, uint8_t *frame, struct net_tx_job *job,
                              size_t *len) RUMOR_MUST_CHECK;
-/* Any thread: encodes, hashes and seals a prepared DATA frame. */
+/* Any thread: encodes and seals a prepared DATA frame; sets j->status and,
+ * on success, j->leaf. */
 void net_tx_job_run(struct net_tx_job *j);
 
-/* A received DATA frame to authenticate (and hash, and widen) on a worker
+/* A received DATA frame to authenticate (and widen) on a worker
  * thread. Made by the session, run by the owner's worker, handed back with
  * net_sess_job_done. */
 struct net_rx_job {
@@ -270,16 +300,17 @@ struct net_rx_job {
   bool digest;
   uint64_t chunk_index;
   int status;       /* out: 0 or RUMOR_EAUTH */
-  uint8_t leaf[NET_DIGEST_BYTES];
+  uint8_t leaf[NET_DIGEST_LEAF_BYTES]; /* out: the chunk's AEAD tag, once authenticated */
   void *owner;      /* for the owner's bookkeeping (its uv_work_t) */
 };
 void net_rx_job_run(struct net_rx_job *j);
-/* The transfer digest: root = BLAKE2b-256 over a parameter block and one
- * BLAKE2b-256 leaf per chunk (see docs/net.md). */
+/* The transfer digest (protocol version 2): BLAKE2b-256 over a parameter
+ * block and, in chunk order, each DATA frame's 16-byte AEAD tag, which
+ * authenticates the chunk's bytes, header and position (see docs/net.md).
+ * Hashing 16 bytes per chunk makes it cost next to nothing. */
 void net_digest_root_init(crypto_generichash_state *root, uint64_t count, enum net_dtype wire,
                           uint32_t chunk_elems);
-void net_digest_leaf(uint8_t leaf[NET_DIGEST_BYTES], uint64_t chunk_index, const uint8_t *p, size_t n);
-void net_digest_add_chunk(crypto_generichash_state *root, uint64_t chunk_index, const uint8_t *p, size_t n);
+void net_digest_add_tag(crypto_generichash_state *root, const uint8_t tag[NET_DIGEST_LEAF_BYTES]);
 void net_digest_final(crypto_generichash_state *root, uint8_t out[NET_DIGEST_BYTES]);
 
 /* ---- the authenticated session: receive state machine and frame dispatch -- */

@@ -155,6 +155,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .out_width = model_act_width(&p->t.model, p->plan.u1),
                                  .max_rows = p->plan.mb_rows,
                                  .tied_floats = pipeline_tied_floats(&p->t.model, p->st.stages),
+                                 .wire = p->mb.setup.wire,
                                  .connect_timeout_ms = (uint32_t)pf->link_wait_ms,
                                  .idle_timeout_ms = (uint32_t)pf->link_timeout_ms,
                                  .stop = signals_stop_flag()};

@@ -119,6 +119,8 @@ static void json_node(struct json_buf *b, const struct gossip_node_report *nd) {
   kv_num(b, "last_exchange_age_s", nd->reachable && nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
   kv_int(b, "bytes_in", (int64_t)nd->bytes_in);
   kv_int(b, "bytes_out", (int64_t)nd->bytes_out);
+  kv_int(b, "exchange_bytes_out", (int64_t)nd->exchange_bytes_out);
+  kv_int(b, "exchange_bytes_in", (int64_t)nd->exchange_bytes_in);
   kv_int(b, "members", (int64_t)nd->members);
   kv_num(b, "stats_age_s", nd->reachable ? nd->stats_age_s : NAN);
   kv_int(b, "sketch_k", nd->sketch_k);
@@ -209,8 +211,9 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
   fprintf(f, "  mean loss %s\n", fmt_num(a, sizeof a, "%.4f", mean_loss));
   fprintf(f, "Ξ history %s\n", spark);
   if (r->drift_note[0]) fprintf(f, "note: %s\n", r->drift_note);
-  fprintf(f, "\n%-10s %-21s %-9s %-7s %8s %5s %8s %9s %7s %6s %7s %8s %8s %4s %9s\n", "ID", "ADDRESS", "ROLE", "STATE",
-          "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST", "IN", "OUT", "MEMB", "NORM");
+  fprintf(f, "\n%-10s %-21s %-9s %-7s %8s %5s %8s %9s %7s %6s %7s %8s %8s %8s %8s %4s %9s\n", "ID", "ADDRESS", "ROLE",
+          "STATE", "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST", "XCHG-IN", "XCHG-OUT", "IN", "OUT",
+          "MEMB", "NORM");
   for (size_t i = 0; i < r->n; i++) {
     const struct gossip_node_report *nd = &r->nodes[i];
     fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s ", nd->id, nd->addr, nd->role, nd->state);
@@ -225,13 +228,14 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
       snprintf(step, sizeof step, "%lld", (long long)nd->step);
       snprintf(epoch, sizeof epoch, "%lld", (long long)nd->epoch);
     }
-    char loss[24], sps[24], last[24], in[16], out[16], norm[24];
+    char loss[24], sps[24], last[24], in[16], out[16], xin[16], xout[16], norm[24];
     fmt_num(loss, sizeof loss, "%.4f", nd->have_train ? nd->loss : NAN);
     fmt_num(sps, sizeof sps, "%.0f", nd->have_train ? nd->samples_per_s : NAN);
     fmt_num(last, sizeof last, "%.1fs", nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
     fmt_num(norm, sizeof norm, "%.4g", nd->have_train ? nd->param_norm : NAN);
-    fprintf(f, "%8s %5s %8s %9s %7llu %6llu %7s %8s %8s %4llu %9s\n", step, epoch, loss, sps,
+    fprintf(f, "%8s %5s %8s %9s %7llu %6llu %7s %8s %8s %8s %8s %4llu %9s\n", step, epoch, loss, sps,
             (unsigned long long)nd->exchanges_ok, (unsigned long long)nd->exchanges_failed, last,
+            human_bytes(xin, sizeof xin, nd->exchange_bytes_in), human_bytes(xout, sizeof xout, nd->exchange_bytes_out),
             human_bytes(in, sizeof in, nd->bytes_in), human_bytes(out, sizeof out, nd->bytes_out),
             (unsigned long long)nd->members, norm);
     if (nd->last_failure[0]) fprintf(f, "%-10s last failure: %s\n", "", nd->last_failure);

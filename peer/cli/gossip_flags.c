@@ -29,7 +29,9 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
        1e12},
       {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
-      {"wire", ARG_STR, &f->wire, "DTYPE", "parameters on the wire: f32, f16 or bf16"},
+      {"wire", ARG_STR, &f->wire, "DTYPE",
+       "parameters (and a group's activations and their gradients) on the wire: f32, f16, bf16 or i8 (8-bit, a "
+       "scale per 128 values)"},
       {"max-distance", ARG_FLOAT, &f->max_distance, "R", "reject a partner farther than R times our norm", 1e-6, 1e12},
       {"clip", ARG_FLAG, &f->clip, NULL, "clipped averaging: move at most alpha*tau towards a partner (robust to bad peers)"},
       {"clip-tau", ARG_FLOAT, &f->clip_tau, "TAU", "... with this fixed tau (0: adaptive, from recent distances)", 0, 1e30},
@@ -64,6 +66,7 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   if (strcmp(s, "f32") == 0) *out = NET_DTYPE_F32;
   else if (strcmp(s, "f16") == 0) *out = NET_DTYPE_F16;
   else if (strcmp(s, "bf16") == 0) *out = NET_DTYPE_BF16;
+  else if (strcmp(s, "i8") == 0) *out = NET_DTYPE_I8;
   else return RUMOR_EFORMAT;
   return 0;
 }
@@ -76,7 +79,7 @@ int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, s
                          "(--gossip-every 0 and no --gossip-interval)",
                          (long long)f->max_local_steps);
   if (parse_wire(f->wire, &out->wire))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--wire must be f32, f16 or bf16, not '%s'", f->wire);
+    return rumor_err_set(e, RUMOR_EFORMAT, "--wire must be f32, f16, bf16 or i8, not '%s'", f->wire);
   if (f->train_cpus && cpu_list_parse(f->train_cpus, &out->train_cpus, e)) return rumor_err_prefix(e, "--train-cpus");
   if (f->net_cpus && cpu_list_parse(f->net_cpus, &out->net_cpus, e)) return rumor_err_prefix(e, "--net-cpus");
   out->pin_train = f->train_cpus != NULL;

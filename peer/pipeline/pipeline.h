@@ -171,6 +171,9 @@ struct stage_link_config {
   int64_t out_width;     /* floats per row sent to the next stage (and arriving back from it) */
   int64_t max_rows;      /* the most rows one transfer may carry */
   int64_t tied_floats;   /* floats of the model's tied parameter (model_tied) when the group splits one, else 0 */
+  enum net_dtype wire;   /* activations, their gradients and evaluation activations on the wire (0: f32);
+                            tied parameters and their gradients always travel in f32. Part of the
+                            agreement: both neighbours must use the same. */
   uint32_t connect_timeout_ms; /* neighbours must connect and agree within this */
   uint32_t idle_timeout_ms;    /* a connected neighbour silent this long is lost */
   const atomic_int *stop;      /* polled by waits: non-zero ends them (a stop signal); may be NULL */

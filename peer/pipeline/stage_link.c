@@ -53,6 +53,7 @@ struct item {
 struct tx {
   struct stage_link *l;
   enum stage_link_dir dir;
+  enum net_dtype wire;
   uint8_t meta[META_BYTES];
   float *data;
   uint64_t count;
@@ -165,6 +166,13 @@ static int64_t transfer_width(const stage_link_t *l, enum stage_link_dir d, uint
   return d == STAGE_LINK_PREV ? l->cfg.in_width : l->cfg.out_width;
 }
 
+/* The encoding of a transfer of `kind`: the configured one for activations
+ * and their gradients (values a step uses once, where 8 or 16 bits lose
+ * little), f32 for a tied parameter and its gradient (the model itself). */
+static enum net_dtype transfer_wire(const stage_link_t *l, uint32_t kind) {
+  return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD ? NET_DTYPE_F32 : l->cfg.wire;
+}
+
 static int64_t max_rows(const stage_link_t *l, uint32_t kind) {
   return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD ? 1 : l->cfg.max_rows;
 }
@@ -208,7 +216,7 @@ static void tx_on_loop(net_t *n, void *arg, int status) {
     tx_free(t); /* the link has failed or is closing: the failure is recorded */
     return;
   }
-  struct net_bulk_send s = {.src = t->data, .count = t->count, .wire = NET_DTYPE_F32, .no_digest = true,
+  struct net_bulk_send s = {.src = t->data, .count = t->count, .wire = t->wire, .no_digest = true,
                             .meta = t->meta, .meta_len = META_BYTES, .done = on_sent, .arg = t};
   int rc = net_conn_send_bulk(c, &s, NULL);
   if (rc) {
@@ -395,7 +403,9 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
                                         : (kind == STAGE_LINK_GRAD || (kind == STAGE_LINK_TIED_GRAD && l->cfg.tied_floats > 0));
     width = transfer_width(l, d, kind);
     if (!kind_ok) snprintf(why, sizeof why, "a transfer of kind %u from the wrong side", kind);
-    else if (info->wire != NET_DTYPE_F32) snprintf(why, sizeof why, "a transfer not in f32");
+    else if (info->wire != transfer_wire(l, kind))
+      snprintf(why, sizeof why, "a transfer of kind %u in %s (want %s)", kind, net_dtype_name(info->wire),
+               net_dtype_name(transfer_wire(l, kind)));
     else if (rows < 1 || rows > max_rows(l, kind) || info->count != (uint64_t)(rows * width))
       snprintf(why, sizeof why, "%llu floats as %lld rows (want rows in [1, %lld] of %lld floats)",
                (unsigned long long)info->count, (long long)rows, (long long)max_rows(l, kind), (long long)width);
@@ -659,7 +669,11 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
   RUMOR_ASSERT(cfg->stages >= 1 && 0 <= cfg->stage && cfg->stage < cfg->stages && cfg->max_rows >= 1);
   int rc = stage_link_check_group(cfg->group, e);
   if (rc) return rc;
-  if (strlen(cfg->agreement) > STAGE_LINK_AGREE_MAX)
+  enum net_dtype wire = cfg->wire ? cfg->wire : NET_DTYPE_F32;
+  RUMOR_ASSERT(net_dtype_bytes(wire, 1) > 0); /* the CLI parsed it */
+  char wire_item[32];
+  snprintf(wire_item, sizeof wire_item, " wire=%s", net_dtype_name(wire));
+  if (strlen(cfg->agreement) + strlen(wire_item) > STAGE_LINK_AGREE_MAX)
     return rumor_err_set(e, RUMOR_ETOOBIG, "the stage agreement text is over %d characters", STAGE_LINK_AGREE_MAX);
   if (cfg->stage > 0 && (!cfg->prev || !*cfg->prev))
     return rumor_err_set(e, RUMOR_EFORMAT, "stage %d/%d needs the previous stage's address (--link-prev HOST:PORT)",
@@ -672,7 +686,10 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
   struct stage_link *l = xcalloc(1, sizeof *l);
   l->cfg = *cfg;
   snprintf(l->group, sizeof l->group, "%s", cfg->group);
-  snprintf(l->agreement, sizeof l->agreement, "%s", cfg->agreement);
+  /* The wire encoding is agreed like the rest: a neighbour that sends
+   * another one would be refused at its first transfer anyway. */
+  snprintf(l->agreement, sizeof l->agreement, "%s%s", cfg->agreement, wire_item);
+  l->cfg.wire = wire;
   snprintf(l->prev, sizeof l->prev, "%s", cfg->prev ? cfg->prev : "");
   snprintf(l->listen, sizeof l->listen, "%s", listen);
   l->cfg.group = l->group;
@@ -836,6 +853,7 @@ int stage_link_send(stage_link_t *l, enum stage_link_dir dir, enum stage_link_ki
   struct tx *t = xmalloc(sizeof *t);
   t->l = l;
   t->dir = dir;
+  t->wire = transfer_wire(l, (uint32_t)kind);
   t->count = (uint64_t)(rows * width);
   t->data = xmalloc(t->count * sizeof(float));
   memcpy(t->data, data, t->count * sizeof(float));

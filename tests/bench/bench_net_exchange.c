@@ -10,7 +10,7 @@
  * and a machine-readable summary line:
  *   bench_net_exchange: median_ms=... min_ms=... mb=... reps=...
  *
- * usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16]
+ * usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16|i8]
  *                           [--no-digest] [--suite aes|chacha]
  *                           [--sock-buf BYTES] [--chunk BYTES]
  */
@@ -174,7 +174,7 @@ static void server_main(const struct opts *o, const uint8_t *cluster, int port_f
 }
 
 static void usage(void) {
-  fprintf(stderr, "usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16] [--no-digest]\n"
+  fprintf(stderr, "usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16|i8] [--no-digest]\n"
                   "                          [--suite aes|chacha] [--sock-buf BYTES] [--chunk BYTES]\n");
   exit(2);
 }
@@ -191,7 +191,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--sock-buf")) o.sock_buf = atoi(v), i++;
     else if (!strcmp(a, "--chunk")) o.chunk = strtoull(v, NULL, 10), i++;
     else if (!strcmp(a, "--wire")) {
-      o.wire = !strcmp(v, "f16") ? NET_DTYPE_F16 : !strcmp(v, "bf16") ? NET_DTYPE_BF16 : NET_DTYPE_F32;
+      o.wire = !strcmp(v, "f16")    ? NET_DTYPE_F16
+               : !strcmp(v, "bf16") ? NET_DTYPE_BF16
+               : !strcmp(v, "i8")   ? NET_DTYPE_I8
+                                    : NET_DTYPE_F32;
       i++;
     } else if (!strcmp(a, "--suite")) {
       o.suites = !strcmp(v, "chacha") ? NET_SUITE_CHACHA20POLY1305 : NET_SUITE_AES256GCM;
@@ -226,7 +229,7 @@ int main(int argc, char **argv) {
 
   double times[MAX_REPS];
   printf("rumor exchange: %llu MB each way, wire %s, digest %s, cipher %s\n", (unsigned long long)o.mb,
-         o.wire == NET_DTYPE_F32 ? "f32" : o.wire == NET_DTYPE_F16 ? "f16" : "bf16", o.no_digest ? "off" : "on",
+         net_dtype_name(o.wire), o.no_digest ? "off" : "on",
          net_conn_suite(s.conn) == NET_SUITE_AES256GCM ? "aes256gcm" : "chacha20poly1305");
   for (int r = -1; r < o.reps; r++) { /* round -1 warms up and is not counted */
     int sent0 = s.sent, recvd0 = s.recvd;

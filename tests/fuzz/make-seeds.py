@@ -81,55 +81,98 @@ MSG_SEEDS = {
 READY, MSG, BEGIN, DATA, END, ABORT, RESULT, BYE = range(1, 9)
 F32, F16, BF16 = 1, 2, 3
 
+# Sealed-mode inputs are lists of records (type, a, b, payload) that the
+# harness seals one after another with its peer key (fuzz_frame.c: key_in,
+# AES-256-GCM, the record's index as the nonce). The transfer digest of
+# protocol version 2 hashes the DATA frames' AEAD tags, so END's payload is
+# computed here by sealing the same frames (python3-cryptography).
+FUZZ_KEY_IN = bytes([1, 2, 3]) + bytes(29)
+
 def rec(t, a, b, payload=b""):
-    return struct.pack(">BIIH", t, a, b, len(payload)) + payload
+    return [(t, a, b, payload)]
+
+class Digest:
+    """END's payload, worked out when the records are laid out."""
+    def __init__(self, count, dtype, chunk_elems):
+        self.params = struct.pack(">QBI", count, dtype, chunk_elems)
+
+def aead_tag(pos, t, a, b, payload):
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    hdr = struct.pack(">IBBHQQ", 20 + len(payload) + 16, t, 0, 0, a, b)
+    return AESGCM(FUZZ_KEY_IN).encrypt(bytes(4) + struct.pack(">Q", pos), payload, hdr)[-16:]
+
+def records(recs):
+    """The harness's input bytes for recs: u8 type, u32 a, u32 b, u16 len, payload."""
+    out, tags = b"", []
+    for pos, (t, a, b, payload) in enumerate(recs):
+        if t == BEGIN:
+            tags = []
+        if isinstance(payload, Digest):
+            root = hashlib.blake2b(digest_size=32, person=b"rumor.bulk.tags\x00")
+            root.update(payload.params + b"".join(tags))
+            payload = root.digest()
+        if t == DATA:
+            tags.append(aead_tag(pos, t, a, b, payload))
+        out += struct.pack(">BIIH", t, a, b, len(payload)) + payload
+    return out
 
 def begin(dtype, digest, chunk, meta=b""):
     return bytes([dtype, 1 if digest else 0, 0, 0]) + struct.pack(">I", chunk) + meta
 
-def transfer_digest(count, dtype, chunk_elems, chunks):
-    root = hashlib.blake2b(digest_size=32, person=b"rumor.bulk.root\x00")
-    root.update(struct.pack(">QBI", count, dtype, chunk_elems))
-    for i, c in enumerate(chunks):
-        leaf = hashlib.blake2b(c, digest_size=32, person=b"rumor.bulk.leaf\x00", salt=struct.pack(">QQ", 0, i))
-        root.update(leaf.digest())
-    return root.digest()
-
-def transfer(tid, count, dtype, chunk_elems, digest=True, meta=b"meta"):
+def transfer(tid, count, dtype, chunk_elems, digest=True, meta=b"meta", seed=7):
     size = 4 if dtype == F32 else 2
-    data = bytes((i * 7) & 0xff for i in range(count * size))
+    data = bytes((i * seed) & 0xff for i in range(count * size))
     chunks = [data[o:o + chunk_elems * size] for o in range(0, len(data), chunk_elems * size)]
     out = rec(BEGIN, tid, count, begin(dtype, digest, chunk_elems, meta))
     for i, c in enumerate(chunks):
         out += rec(DATA, tid, i * chunk_elems, c)
-    out += rec(END, tid, count, transfer_digest(count, dtype, chunk_elems, chunks) if digest else b"")
+    out += rec(END, tid, count, Digest(count, dtype, chunk_elems) if digest else b"")
     return out
 
+def spliced(tid, count, chunk_elems):
+    """An f32 transfer whose second chunk carries another buffer's bytes at
+    the right position, sealed by the sender: the END digest (over the tags
+    the sender meant to send) no longer matches: reported as corrupt."""
+    good = transfer(tid, count, F32, chunk_elems)
+    other = transfer(tid, count, F32, chunk_elems, seed=11)
+    body = records(good)  # the digest over the intended chunks
+    end = good[-1][:3] + (body[-32:],)
+    return good[:2] + other[2:3] + good[3:-1] + [end]
+
 SPLIT = b"\x05"
+def sealed(split, recs):
+    return b"\x01" + split + records(recs)
+
 FRAME_SEEDS = {
-    "sealed_msg": b"\x01" + SPLIT + rec(MSG, 0, 0, MSG_SEEDS["fields"]),
-    "sealed_msgs_then_bye": b"\x01" + SPLIT + rec(MSG, 0, 0, MSG_SEEDS["minimal"]) +
-        rec(MSG, 0, 0, MSG_SEEDS["nested"]) + rec(BYE, 0, 0),
-    "sealed_bomb": b"\x01" + SPLIT + rec(MSG, 0, 0, MSG_SEEDS["bomb_in_map"]),
-    "sealed_transfer_f32": b"\x01\x02" + transfer(1, 100, F32, 32),
-    "sealed_transfer_f16": b"\x01\x09" + transfer(1, 77, F16, 16),
-    "sealed_transfer_bf16_nodigest": b"\x01\x00" + transfer(1, 50, BF16, 50, digest=False),
-    "sealed_two_transfers": b"\x01\x03" + transfer(1, 10, F32, 4) + rec(MSG, 0, 0, MSG_SEEDS["minimal"]) +
-        transfer(2, 5, F16, 5),
-    "sealed_transfer_bad_digest": b"\x01\x02" + transfer(1, 8, F32, 8)[:-32] + b"\x00" * 32,
-    "sealed_refused": b"\x01\x02" + transfer(1, 16, F32, 8, meta=b"x-refuse"),
-    "sealed_abort": b"\x01\x02" + rec(BEGIN, 1, 64, begin(F32, True, 16)) + rec(DATA, 1, 0, b"\x00" * 64) +
-        rec(ABORT, 1, 0),
-    "sealed_results": b"\x01\x02" + rec(RESULT, 1, 0) + rec(RESULT, 2, 1) + rec(RESULT, 3, 3) + rec(RESULT, 9, 0),
-    "sealed_ready_on_server": b"\x01\x02" + rec(READY, 0, 0),
+    "sealed_msg": sealed(SPLIT, rec(MSG, 0, 0, MSG_SEEDS["fields"])),
+    "sealed_msgs_then_bye": sealed(SPLIT, rec(MSG, 0, 0, MSG_SEEDS["minimal"]) +
+        rec(MSG, 0, 0, MSG_SEEDS["nested"]) + rec(BYE, 0, 0)),
+    "sealed_bomb": sealed(SPLIT, rec(MSG, 0, 0, MSG_SEEDS["bomb_in_map"])),
+    "sealed_transfer_f32": sealed(b"\x02", transfer(1, 100, F32, 32)),
+    "sealed_transfer_f16": sealed(b"\x09", transfer(1, 77, F16, 16)),
+    "sealed_transfer_bf16_nodigest": sealed(b"\x00", transfer(1, 50, BF16, 50, digest=False)),
+    "sealed_two_transfers": sealed(b"\x03", transfer(1, 10, F32, 4) + rec(MSG, 0, 0, MSG_SEEDS["minimal"]) +
+        transfer(2, 5, F16, 5)),
+    "sealed_transfer_bad_digest": sealed(b"\x02", transfer(1, 8, F32, 8)[:-1] + rec(END, 1, 8, b"\x00" * 32)),
+    "sealed_transfer_spliced_chunk": sealed(b"\x02", spliced(1, 24, 8)),
+    "sealed_transfer_reordered_chunks": sealed(b"\x02", (lambda t: t[:1] + t[2:3] + t[1:2] + t[3:])(
+        transfer(1, 24, F32, 8))),
+    "sealed_transfer_truncated": sealed(b"\x02", transfer(1, 24, F32, 8)[:-2] + rec(END, 1, 24, bytes(32))),
+    "sealed_refused": sealed(b"\x02", transfer(1, 16, F32, 8, meta=b"x-refuse")),
+    "sealed_abort": sealed(b"\x02", rec(BEGIN, 1, 64, begin(F32, True, 16)) + rec(DATA, 1, 0, b"\x00" * 64) +
+        rec(ABORT, 1, 0)),
+    "sealed_results": sealed(b"\x02", rec(RESULT, 1, 0) + rec(RESULT, 2, 1) + rec(RESULT, 3, 3) + rec(RESULT, 9, 0)),
+    "sealed_ready_on_server": sealed(b"\x02", rec(READY, 0, 0)),
     "raw_4GiB_header": b"\x00\x00" + b"\xff\xff\xff\xff" + bytes([MSG]) + b"\x00" * 19,
     "raw_unsealed_frame": b"\x00\x03" + struct.pack(">IBBHQQ", 20 + 4 + 16, MSG, 0, 0, 0, 0) + b"\x80\x00\x00\x00" +
         b"\x00" * 16,
     "raw_garbage": b"\x00\x07" + bytes(range(256)),
-    "hs_hello_shape": b"\x02" + b"rumr" + bytes([1, 1, 1, 3]) + bytes(32) + bytes(16),
-    "hs_hello_future": b"\x02" + b"rumr" + bytes([1, 2, 3, 3]) + bytes(48),
-    "hs_reject": b"\x02" + b"rumr" + bytes([0x7f, 2, 1, 1]),
-    "hs_welcome_shape": b"\x02" + b"rumr" + bytes([2, 1, 1, 0]) + bytes(32) + bytes(112),
+    "hs_hello_shape": b"\x02" + b"rumr" + bytes([1, 2, 2, 3]) + bytes(32) + bytes(16),
+    "hs_hello_future": b"\x02" + b"rumr" + bytes([1, 3, 4, 3]) + bytes(48),
+    "hs_hello_v1": b"\x02" + b"rumr" + bytes([1, 1, 1, 3]) + bytes(32) + bytes(16),
+    "hs_reject": b"\x02" + b"rumr" + bytes([0x7f, 2, 2, 2]),
+    "hs_reject_v1": b"\x02" + b"rumr" + bytes([0x7f, 1, 1, 1]),
+    "hs_welcome_shape": b"\x02" + b"rumr" + bytes([2, 2, 1, 0]) + bytes(32) + bytes(112),
 }
 
 # mode 3: the same sealed sessions through the async (worker) path

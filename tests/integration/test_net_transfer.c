@@ -1,7 +1,7 @@
 /*
  * Happy paths over real TCP on 127.0.0.1: the handshake, control messages,
- * a 100 MB buffer arriving bit-exact (one way and both ways at once), f16 and
- * bf16 wire encodings, refusal and cancellation, graceful close.
+ * a 100 MB buffer arriving bit-exact (one way and both ways at once), f16,
+ * bf16 and i8 wire encodings, refusal and cancellation, graceful close.
  */
 #include <math.h>
 
@@ -189,6 +189,56 @@ Test(net_transfer, f16_wire_round_trip_within_tolerance, .init = setup, .timeout
 
 Test(net_transfer, bf16_wire_round_trip_within_tolerance, .init = setup, .timeout = 60) {
   half_roundtrip(NET_DTYPE_BF16, 1.0 / 256);
+}
+
+/* i8 over a real connection: what the reference encoding gives (the
+ * sender's chunks are whole blocks, so chunking changes nothing), within
+ * absmax/254 of every block, a poisoned block still poisoned, and about a
+ * quarter of f32's bytes on the wire. */
+Test(net_transfer, i8_wire_round_trip_within_a_block_bound_and_keeps_nan, .init = setup, .timeout = 60) {
+  const uint64_t n = 3u * 1000u * 1000u + 17; /* not a multiple of the chunk nor of the block */
+  connect_pair();
+  float *src = random_floats(n, 5, 3.0f);
+  const uint64_t poisoned = 2u * 1000u * 1000u + 3; /* a NaN: its block must arrive non-finite */
+  src[poisoned] = NAN;
+  srv.rx_buf = malloc(n * sizeof(float));
+  srv.rx_cap = n;
+  cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_I8), 0);
+  RUN_UNTIL(cli.sent_done && srv.bulk_done, 60);
+  cr_assert_eq(srv.bulk_status, 0);
+  cr_assert_eq(cli.sent_status, 0);
+  cr_assert_eq(srv.bulk_wire, NET_DTYPE_I8);
+  uint8_t *enc = malloc((size_t)net_dtype_bytes(NET_DTYPE_I8, n));
+  float *want = malloc(n * sizeof(float));
+  net_i8_encode_ref(enc, src, (size_t)n);
+  net_i8_decode_ref(want, enc, (size_t)n);
+  double worst = 0;
+  for (uint64_t b = 0; b < n; b += NET_I8_BLOCK) {
+    uint64_t end = b + NET_I8_BLOCK < n ? b + NET_I8_BLOCK : n;
+    bool bad = poisoned >= b && poisoned < end;
+    double m = 0;
+    for (uint64_t i = b; i < end; i++) m = fmax(m, fabs((double)src[i]));
+    for (uint64_t i = b; i < end; i++) {
+      float got = srv.rx_buf[i];
+      if (bad) {
+        cr_assert(!isfinite(got), "element %llu of the poisoned block arrived finite", (unsigned long long)i);
+        continue;
+      }
+      cr_assert(memcmp(&got, &want[i], 4) == 0, "element %llu: got %a, reference %a", (unsigned long long)i,
+                (double)got, (double)want[i]);
+      double err = fabs((double)got - src[i]);
+      cr_assert_leq(err, m / 254 + m * 4e-7, "element %llu: error %g, absmax %g", (unsigned long long)i, err, m);
+      if (m > 0 && err / (m / 254) > worst) worst = err / (m / 254);
+    }
+  }
+  cr_log_info("i8: worst error %.4f of absmax/254", worst);
+  struct net_conn_stats cs;
+  net_conn_stats_get(cli.conn, &cs);
+  cr_assert_lt(cs.bytes_out, net_dtype_bytes(NET_DTYPE_I8, n) + (1u << 20), "about a byte per value on the wire");
+  free(enc);
+  free(want);
+  free(src);
+  finish();
 }
 
 Test(net_transfer, refused_transfer_reports_to_the_sender_and_the_connection_survives, .init = setup) {

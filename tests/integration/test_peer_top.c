@@ -102,8 +102,11 @@ static int split_nodes(char *json, char **nodes, int max) {
 static const char *const NODE_FIELDS[] = {
     "id", "addr", "role", "state", "reachable", "error", "rtt_ms", "ready", "model", "nparams", "step", "epoch",
     "samples", "loss", "samples_per_s", "param_norm", "exchanges_ok", "exchanges_failed", "exchanges_rejected",
-    "donations", "last_failure", "last_exchange_age_s", "bytes_in", "bytes_out", "members", "stats_age_s", "sketch_k",
+    "donations", "last_failure", "last_exchange_age_s", "bytes_in", "bytes_out", "exchange_bytes_out",
+    "exchange_bytes_in", "members", "stats_age_s", "sketch_k",
 };
+
+#define NPARAMS (784 * 128 + 128 + 128 * 10 + 10) /* mlp:784-128-10 */
 
 static void start_cluster(int *peer) {
   char *boot_args[] = {"--metrics", "127.0.0.1:0", NULL};
@@ -161,9 +164,12 @@ Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_
       cr_assert_gt(num_after(nodes[i], "param_norm"), 0, "%s", nodes[i]);
       cr_assert_gt(num_after(nodes[i], "exchanges_ok"), 0, "%s", nodes[i]);
       cr_assert_gt(num_after(nodes[i], "bytes_in"), 0, "%s", nodes[i]);
+      /* f32 on the wire: 4 bytes a parameter each way, per exchange */
+      cr_assert_eq(num_after(nodes[i], "exchange_bytes_out"), 4.0 * NPARAMS, "%s", nodes[i]);
+      cr_assert_eq(num_after(nodes[i], "exchange_bytes_in"), 4.0 * NPARAMS, "%s", nodes[i]);
       cr_assert_eq(num_after(nodes[i], "members"), 4, "%s", nodes[i]);
       cr_assert_eq(num_after(nodes[i], "sketch_k"), 1024, "%s", nodes[i]);
-      cr_assert_eq(num_after(nodes[i], "nparams"), 784 * 128 + 128 + 128 * 10 + 10, "%s", nodes[i]);
+      cr_assert_eq(num_after(nodes[i], "nparams"), NPARAMS, "%s", nodes[i]);
       cr_assert_not_null(strstr(nodes[i], "\"have_params\":true"), "%s", nodes[i]);
     }
     cr_assert_eq(peers, 3);
@@ -176,6 +182,8 @@ Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_
   int st = run_top(&out, &err, "--once", NULL);
   cr_assert(proc_exited_with(st, 0), "%s", err);
   cr_assert(strstr(out, "Ξ ") && strstr(out, "3/3 peers reachable"), "%s", out);
+  /* the bytes of an exchange, each way: 4 * 101770 = 397.5 KiB */
+  cr_assert(strstr(out, "XCHG-IN") && strstr(out, "XCHG-OUT") && strstr(out, " 397.5K "), "%s", out);
   for (int i = 0; i < 3; i++) cr_assert_not_null(strstr(out, C.node[peer[i]].addr), "%s", out);
   free(out);
   free(err);
@@ -195,6 +203,11 @@ Test(top, once_json_lists_every_member_and_sketch_drift_is_within_10_percent_of_
     if (!who) {
       cr_assert_not_null(strstr(body, "rumor_exchanges_total{result=\"applied\"}"), "%s", body);
       cr_assert_not_null(strstr(body, "rumor_training_loss"), "%s", body);
+      char line[96];
+      snprintf(line, sizeof line, "rumor_exchange_wire_bytes{direction=\"sent\"} %d\n", 4 * NPARAMS);
+      cr_assert_not_null(strstr(body, line), "no '%s' in %s", line, body);
+      snprintf(line, sizeof line, "rumor_exchange_wire_bytes{direction=\"received\"} %d\n", 4 * NPARAMS);
+      cr_assert_not_null(strstr(body, line), "no '%s' in %s", line, body);
     }
     char path[300];
     snprintf(path, sizeof path, "%s/metrics-%d.txt", C.dir, who);

@@ -2,10 +2,15 @@
  * Transport frames without sockets: sealed frames fed into a receiving
  * session in any split arrive once and in order; any modified, duplicated,
  * reordered, reflected or dropped frame stops the session; lengths are
- * checked before anything is allocated; bulk transfers land in the app's
- * buffer and a wrong digest is reported as corrupt.
+ * checked before anything is allocated (an i8 chunk's too); bulk transfers
+ * land in the app's buffer in every wire dtype and a wrong digest is
+ * reported as corrupt. OpenSSL's sealing is
+ * the construction of protocol version 1 bit for bit (libsodium's AEADs),
+ * and workers sealing and opening at once with one key agree with one
+ * thread doing it all.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "net/net_impl.h"
@@ -89,6 +94,113 @@ static size_t seal_msg(struct net_aead *tx, uint8_t *out, uint64_t type) {
   size_t n = seal(tx, out, NET_FRAME_MSG, 0, 0, p, len);
   net_msgbuf_free(&b);
   return n;
+}
+
+/* ---- the AEAD itself ------------------------------------------------------------- */
+
+/* Seals with libsodium what net_aead_seal_at seals at position ctr: the
+ * 96-bit nonce 0^32 | be64 ctr, the header as associated data, the tag
+ * after the ciphertext. */
+static void sodium_seal(unsigned suite, const uint8_t key[32], uint64_t ctr, uint8_t *frame, const uint8_t *pt,
+                        size_t n) {
+  uint8_t nonce[12] = {0};
+  for (int i = 0; i < 8; i++) nonce[4 + i] = (uint8_t)(ctr >> (56 - 8 * i));
+  uint8_t *ct = frame + NET_FRAME_HDR;
+  if (suite == NET_SUITE_AES256GCM)
+    crypto_aead_aes256gcm_encrypt_detached(ct, ct + n, NULL, pt, n, frame, NET_FRAME_HDR, NULL, nonce, key);
+  else
+    crypto_aead_chacha20poly1305_ietf_encrypt_detached(ct, ct + n, NULL, pt, n, frame, NET_FRAME_HDR, NULL, nonce,
+                                                       key);
+}
+
+Test(net_frame, openssl_seals_exactly_what_libsodium_sealed_in_version_1, .init = setup) {
+  cr_log_info("frames sealed by %s", net_aead_aes_impl());
+  size_t sizes[] = {0, 1, 15, 16, 17, 1000, 65536 + 3};
+  uint64_t ctrs[] = {0, 1, 255, 1ull << 32, UINT64_MAX - 1};
+  const size_t max = 65536 + 3;
+  uint8_t *pt = malloc(max), *a = malloc(NET_FRAME_OVERHEAD + max), *b = malloc(NET_FRAME_OVERHEAD + max);
+  randombytes_buf(pt, max);
+  for (unsigned suite = NET_SUITE_AES256GCM; suite <= NET_SUITE_CHACHA20POLY1305; suite <<= 1) {
+    if (suite == NET_SUITE_AES256GCM && !crypto_aead_aes256gcm_is_available()) {
+      cr_log_warn("no AES-NI here: libsodium cannot check AES-256-GCM");
+      continue;
+    }
+    struct net_aead x;
+    net_aead_init(&x, suite, key_c2s);
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++)
+      for (size_t ci = 0; ci < sizeof ctrs / sizeof ctrs[0]; ci++) {
+        size_t n = sizes[si];
+        net_frame_hdr_write(a, NET_FRAME_BULK_DATA, n, 7, ctrs[ci]);
+        memcpy(b, a, NET_FRAME_HDR);
+        cr_assert_eq(net_aead_seal_at(&x, ctrs[ci], a, pt, n), 0);
+        sodium_seal(suite, key_c2s, ctrs[ci], b, pt, n);
+        cr_assert_eq(memcmp(a, b, NET_FRAME_OVERHEAD + n), 0, "suite %u, %zu bytes at %llu", suite, n,
+                     (unsigned long long)ctrs[ci]);
+        /* and it opens, in place, only at its own position */
+        cr_assert_eq(net_aead_open_at(&x, ctrs[ci], a, a + NET_FRAME_HDR, n, a + NET_FRAME_HDR + n), 0);
+        cr_assert_eq(memcmp(a + NET_FRAME_HDR, pt, n), 0);
+        memcpy(a + NET_FRAME_HDR, b + NET_FRAME_HDR, n);
+        cr_assert_eq(net_aead_open_at(&x, ctrs[ci] + 1, a, a + NET_FRAME_HDR, n, a + NET_FRAME_HDR + n),
+                     RUMOR_EAUTH);
+      }
+    net_aead_wipe(&x);
+  }
+  free(pt), free(a), free(b);
+}
+
+/* Workers of one connection: each seals and opens its share of positions
+ * with the one shared, read-only struct net_aead. */
+#define MT_THREADS 4
+#define MT_FRAMES 64
+#define MT_BYTES 4099
+struct mt_arg {
+  const struct net_aead *aead;
+  uint8_t *frames; /* MT_FRAMES frames of NET_FRAME_OVERHEAD + MT_BYTES */
+  int first, failures;
+};
+
+static void *mt_worker(void *p) {
+  struct mt_arg *m = p;
+  for (int i = m->first; i < MT_FRAMES; i += MT_THREADS) {
+    uint8_t *f = m->frames + (size_t)i * (NET_FRAME_OVERHEAD + MT_BYTES);
+    uint8_t copy[NET_FRAME_OVERHEAD + MT_BYTES];
+    if (net_aead_seal_at(m->aead, (uint64_t)i, f, f + NET_FRAME_HDR, MT_BYTES) != 0) m->failures++;
+    memcpy(copy, f, sizeof copy);
+    uint8_t *ct = copy + NET_FRAME_HDR;
+    if (net_aead_open_at(m->aead, (uint64_t)i, copy, ct, MT_BYTES, ct + MT_BYTES) != 0) m->failures++;
+  }
+  return NULL;
+}
+
+Test(net_frame, workers_sealing_at_once_with_one_key_match_one_thread, .init = setup) {
+  const size_t fsz = NET_FRAME_OVERHEAD + MT_BYTES;
+  for (unsigned suite = NET_SUITE_AES256GCM; suite <= NET_SUITE_CHACHA20POLY1305; suite <<= 1) {
+    uint8_t *mt = malloc(MT_FRAMES * fsz), *st = malloc(MT_FRAMES * fsz);
+    for (int i = 0; i < MT_FRAMES; i++) {
+      net_frame_hdr_write(mt + i * fsz, NET_FRAME_BULK_DATA, MT_BYTES, 1, (uint64_t)i * MT_BYTES);
+      randombytes_buf(mt + i * fsz + NET_FRAME_HDR, MT_BYTES);
+    }
+    memcpy(st, mt, MT_FRAMES * fsz);
+    struct net_aead x;
+    net_aead_init(&x, suite, key_c2s);
+    pthread_t th[MT_THREADS];
+    struct mt_arg args[MT_THREADS];
+    for (int t = 0; t < MT_THREADS; t++) {
+      args[t] = (struct mt_arg){.aead = &x, .frames = mt, .first = t};
+      cr_assert_eq(pthread_create(&th[t], NULL, mt_worker, &args[t]), 0);
+    }
+    for (int t = 0; t < MT_THREADS; t++) {
+      pthread_join(th[t], NULL);
+      cr_assert_eq(args[t].failures, 0, "thread %d", t);
+    }
+    for (int i = 0; i < MT_FRAMES; i++) {
+      uint8_t *f = st + i * fsz;
+      cr_assert_eq(net_aead_seal_at(&x, (uint64_t)i, f, f + NET_FRAME_HDR, MT_BYTES), 0);
+    }
+    cr_assert_eq(memcmp(mt, st, MT_FRAMES * fsz), 0, "suite %u", suite);
+    net_aead_wipe(&x);
+    free(mt), free(st);
+  }
 }
 
 Test(net_frame, frames_arrive_once_whatever_the_read_sizes, .init = setup) {
@@ -293,35 +405,108 @@ static int stream_transfer(struct net_aead *tx, struct net_sess *rx, const float
   return rc;
 }
 
+/* What the receiver must hold after `src` travelled in `wire` in chunks of
+ * `chunk` elements: each chunk encoded on its own (i8 blocks restart at
+ * each chunk, so a chunk that is not whole blocks ends with a short one). */
+static void expect_wire(enum net_dtype wire, const float *src, uint64_t n, uint32_t chunk, float *want) {
+  uint8_t *enc = malloc((size_t)net_dtype_bytes(NET_DTYPE_I8, chunk));
+  for (uint64_t c = 0; c < n; c += chunk) {
+    size_t len = (size_t)(n - c < chunk ? n - c : chunk);
+    for (size_t i = 0; i < len; i++) {
+      float x = src[c + i];
+      if (wire == NET_DTYPE_F16) x = half_to_f32(half_from_f32(x));
+      else if (wire == NET_DTYPE_BF16) x = bf16_to_f32(bf16_from_f32(x));
+      want[c + i] = x;
+    }
+    if (wire == NET_DTYPE_I8) {
+      net_i8_encode_ref(enc, src + c, len);
+      net_i8_decode_ref(want + c, enc, len);
+    }
+  }
+  free(enc);
+}
+
 Test(net_frame, bulk_transfers_land_in_the_app_buffer_in_every_dtype, .init = setup) {
   const uint64_t n = 100003;
-  float *src = malloc(n * sizeof(float));
+  float *src = malloc(n * sizeof(float)), *want = malloc(n * sizeof(float));
   struct rng r;
   rng_seed(&r, 5, 0);
   for (uint64_t i = 0; i < n; i++) src[i] = rng_normal(&r);
-  enum net_dtype wires[] = {NET_DTYPE_F32, NET_DTYPE_F16, NET_DTYPE_BF16};
-  for (int w = 0; w < 3; w++) {
+  /* i8 twice: chunks of whole blocks (what senders use), and chunks that
+   * end in a short block (which receivers accept too) */
+  const struct {
+    enum net_dtype wire;
+    uint32_t chunk;
+  } runs[] = {{NET_DTYPE_F32, 16384}, {NET_DTYPE_F16, 16384}, {NET_DTYPE_BF16, 16384}, {NET_DTYPE_I8, 16384},
+              {NET_DTYPE_I8, 1000}};
+  for (size_t w = 0; w < sizeof runs / sizeof runs[0]; w++) {
     struct net_aead tx;
     struct net_sess rx;
     struct sink k;
     pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
     k.dst = calloc(n, sizeof(float));
     k.dst_cap = n;
-    cr_assert_eq(stream_transfer(&tx, &rx, src, n, wires[w], 16384, false), 0, "%s", rx.err.msg);
+    cr_assert_eq(stream_transfer(&tx, &rx, src, n, runs[w].wire, runs[w].chunk, false), 0, "%s", rx.err.msg);
     cr_assert_eq(k.done, 1);
     cr_assert_eq(k.done_status, 0);
     cr_assert_eq(k.results_sent, 1);
     cr_assert_eq(k.last_result, NET_BULK_OK);
-    for (uint64_t i = 0; i < n; i++) {
-      float want = wires[w] == NET_DTYPE_F32   ? src[i]
-                   : wires[w] == NET_DTYPE_F16 ? half_to_f32(half_from_f32(src[i]))
-                                               : bf16_to_f32(bf16_from_f32(src[i]));
-      cr_assert_eq(k.dst[i], want, "%s element %llu", net_dtype_name(wires[w]), (unsigned long long)i);
-    }
+    expect_wire(runs[w].wire, src, n, runs[w].chunk, want);
+    for (uint64_t i = 0; i < n; i++)
+      cr_assert_eq(k.dst[i], want[i], "%s (chunks of %u) element %llu", net_dtype_name(runs[w].wire), runs[w].chunk,
+                   (unsigned long long)i);
     free(k.dst);
     net_sess_free(&rx);
   }
   free(src);
+  free(want);
+}
+
+/* An i8 chunk whose length is not the encoded size of the elements due
+ * (values without their scales, one byte short or over, a partial block
+ * counted as whole, a huge length) stops the session before its body is
+ * read or anything is allocated for it. */
+Test(net_frame, an_i8_chunk_of_the_wrong_length_is_refused, .init = setup) {
+  const uint64_t count = 1000;   /* chunks of 384 elements: 384, 384, 232 */
+  const uint32_t chunk = 384;
+  const uint64_t good = 384 + 4 * 3; /* 396 bytes */
+  const uint64_t bad[] = {384, good - 1, good + 1, 4 * 384, 0, 1, 0xffffffffu - 40};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    struct net_aead tx;
+    struct net_sess rx;
+    struct sink k;
+    pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
+    k.dst = calloc(count, sizeof(float));
+    k.dst_cap = count;
+    uint8_t begin[NET_BULK_BEGIN_FIXED] = {NET_DTYPE_I8, 0, 0, 0}, f[NET_FRAME_OVERHEAD + NET_BULK_BEGIN_FIXED];
+    net_be32_put(begin + 4, chunk);
+    size_t n = seal(&tx, f, NET_FRAME_BULK_BEGIN, 1, count, begin, sizeof begin);
+    cr_assert_eq(net_sess_rx_feed(&rx, f, n), 0, "%s", rx.err.msg);
+    cr_assert_eq(k.begins, 1);
+    size_t cap_before = rx.rxbuf_cap;
+    uint8_t hdr[NET_FRAME_HDR];
+    net_frame_hdr_write(hdr, NET_FRAME_BULK_DATA, (size_t)bad[i], 1, 0);
+    cr_assert_eq(net_sess_rx_feed(&rx, hdr, sizeof hdr), RUMOR_EPROTO, "%llu bytes accepted",
+                 (unsigned long long)bad[i]);
+    cr_assert_eq(rx.rxbuf_cap, cap_before, "%llu bytes: a buffer was allocated", (unsigned long long)bad[i]);
+    cr_assert(rx.stop, "%llu bytes: the session goes on", (unsigned long long)bad[i]);
+    free(k.dst);
+    net_sess_free(&rx);
+  }
+}
+
+/* BEGIN's chunk is bounded by its encoded size, for i8 as for the rest. */
+Test(net_frame, an_i8_begin_with_an_oversized_chunk_is_refused, .init = setup) {
+  struct net_aead tx;
+  struct net_sess rx;
+  struct sink k;
+  pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
+  uint8_t begin[NET_BULK_BEGIN_FIXED] = {NET_DTYPE_I8, 0, 0, 0}, f[NET_FRAME_OVERHEAD + NET_BULK_BEGIN_FIXED];
+  net_be32_put(begin + 4, NET_BULK_CHUNK_MAX); /* 16 Mi values: 16 MiB + scales, over the cap */
+  size_t n = seal(&tx, f, NET_FRAME_BULK_BEGIN, 1, 1u << 30, begin, sizeof begin);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_ETOOBIG);
+  cr_assert_eq(k.begins, 0);
+  net_sess_free(&rx);
 }
 
 Test(net_frame, a_wrong_digest_is_reported_as_corrupt, .init = setup) {

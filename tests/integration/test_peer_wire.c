@@ -1,0 +1,140 @@
+/* Parameters, activations and gradients on the wire in i8 (block-wise
+ * 8-bit, net.h), as users run them: four peers on Fashion-MNIST train
+ * with i8 exchanges to the accuracy f32 exchanges give (within half a
+ * point of the f32 run's mean), a two-stage group sends its activations and
+ * gradients in i8, a stage with another --wire is refused naming it, and a
+ * bad --wire value is a clear usage error. The longer side-by-side
+ * comparison is tests/bench/bench-cluster.sh's WIRE=i8 mode. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "../support/fmnist.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(wire, .init = setup, .fini = teardown, .timeout = 240);
+
+/* Runs 4 peers on quarter shards (2 epochs, an exchange every step) with
+ * `wire` through a bootstrap of their own; returns their mean test
+ * accuracy and checks that each trained and exchanged. */
+static double four_peers(const char *wire) {
+  char *boot_args[] = {NULL};
+  cluster_start_bootstrap(&C, boot_args);
+  int peer[4];
+  for (int i = 0; i < 4; i++) {
+    char shard[8];
+    snprintf(shard, sizeof shard, "%d/4", i);
+    peer[i] = cluster_start_peer(&C, "--shard", shard, "--epochs", "2", "--batch", "64", "--lr", "0.1", "--wait-peers",
+                                 "4", "--gossip-every", "1", "--max-local-steps", "4", "--wire", wire, NULL);
+  }
+  double sum = 0;
+  for (int i = 0; i < 4; i++) {
+    int st = cluster_wait(&C, peer[i], 180);
+    cr_assert(proc_exited_with(st, 0), "%s peer %d did not finish cleanly (status %d): %s", wire, i, st,
+              proc_slurp(C.node[peer[i]].log));
+    double acc = cluster_result(&C, peer[i], "test_accuracy"), x = cluster_result(&C, peer[i], "exchanges");
+    fprintf(stderr, "--wire %s peer %d: test accuracy %.4f, %.0f exchanges\n", wire, i, acc, x);
+    cr_assert(acc >= 0.85, "--wire %s peer %d reached test accuracy %.4f < 0.85", wire, i, acc);
+    cr_assert(x >= 20, "--wire %s peer %d applied only %.0f exchanges", wire, i, x);
+    sum += acc;
+  }
+  /* the next cluster starts from nothing: a fresh bootstrap and peers */
+  proc_kill_all();
+  return sum / 4;
+}
+
+Test(wire, four_i8_peers_reach_the_f32_accuracy_within_half_a_point) {
+  SKIP_WITHOUT_DATA();
+  double f32 = four_peers("f32"), i8 = four_peers("i8");
+  fprintf(stderr, "mean test accuracy: f32 %.4f, i8 %.4f (i8 - f32 = %+.2f points)\n", f32, i8, 100 * (i8 - f32));
+  cr_assert(i8 >= f32 - 0.005, "i8 exchanges reached %.4f, more than half a point below f32's %.4f", i8, f32);
+}
+
+/* ---- the pipeline: activations and their gradients ---- */
+
+static void make_identity(const char *name, char *path, size_t n) {
+  snprintf(path, n, "%s/%s.key", C.dir, name);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
+}
+
+/* One stage of group "w" as its own process (20 steps, no evaluation). */
+static pid_t start_stage(const char *tag, const char *id, const char *stage, const char *prev, const char *wire,
+                         char *out, char *log) {
+  snprintf(out, 256, "%s/%s.out", C.dir, tag);
+  snprintf(log, 256, "%s/%s.log", C.dir, tag);
+  char *argv[64] = {RUMOR_BIN, "peer", "--group", "w", "--stage", (char *)stage, "--cluster-key", C.key,
+                    "--identity", (char *)id, "--model", "mlp:784-32-16-10", "--max-steps", "20", "--no-eval",
+                    "--threads", "1", "--link-wait-ms", "20000", "--wire", (char *)wire};
+  int n = 21;
+  if (prev) argv[n++] = "--link-prev", argv[n++] = (char *)prev;
+  argv[n] = NULL;
+  pid_t pid = proc_spawn(argv, out, log);
+  cr_assert_gt(pid, 0);
+  return pid;
+}
+
+static void link_addr(const char *out, char *addr, size_t n) {
+  cr_assert(cluster_wait_file(out, "\"link\":\"127", 60), "stage 0 printed no link address: %s", proc_slurp(out));
+  char *s = proc_slurp(out);
+  const char *p = strstr(s, "\"link\":\"") + 8;
+  snprintf(addr, n, "%.*s", (int)(strchr(p, '"') - p), p);
+  free(s);
+}
+
+/* A receiving stage refuses a transfer in any wire dtype but the agreed
+ * one, so stages that train together sent their activations and gradients
+ * in i8. */
+Test(wire, i8_stages_train_and_a_stage_with_another_wire_is_refused_naming_it) {
+  SKIP_WITHOUT_DATA();
+  char id[256], out0[256], log0[256], out1[256], log1[256], addr[64];
+  make_identity("w", id, sizeof id);
+  pid_t s0 = start_stage("i8s0", id, "0/2", NULL, "i8", out0, log0);
+  link_addr(out0, addr, sizeof addr);
+  pid_t s1 = start_stage("i8s1", id, "1/2", addr, "i8", out1, log1);
+  int st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
+  cr_assert(proc_exited_with(st0, 0) && proc_exited_with(st1, 0), "i8 stages failed: %s\n%s", proc_slurp(log0),
+            proc_slurp(log1));
+  cr_assert(cluster_wait_file(out1, "\"steps\":20", 1), "%s", proc_slurp(out1));
+  double loss = cluster_line_number(out1, "\"steps\":20", "train_loss");
+  cr_assert(isfinite(loss), "stage 1's loss after 20 steps: %g: %s", loss, proc_slurp(out1));
+
+  s0 = start_stage("mix0", id, "0/2", NULL, "i8", out0, log0);
+  link_addr(out0, addr, sizeof addr);
+  s1 = start_stage("mix1", id, "1/2", addr, "f32", out1, log1);
+  st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
+  cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "stages with different wires should fail (%d, %d)",
+            st0, st1);
+  cr_assert(cluster_wait_file(log0, "it has wire=f32, stage 0 has wire=i8", 1), "%s", proc_slurp(log0));
+}
+
+/* Runs `rumor args...`; checks the exit code and that stderr names the input. */
+static void expect_usage_error(char *const *args, int code, const char *needle) {
+  char *argv[32], *out, *err;
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  int st = proc_run(argv, 60, C.dir, &out, &err);
+  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", args[0], st, err);
+  cr_assert_eq(WEXITSTATUS(st), code, "exit %d, want %d: %s", WEXITSTATUS(st), code, err);
+  cr_assert(strstr(err, needle) != NULL, "stderr should mention '%s': %s", needle, err);
+  free(out), free(err);
+}
+
+Test(wire, a_bad_wire_value_names_it_and_exits_2) {
+  char id[256];
+  make_identity("cli", id, sizeof id);
+  const char *want = "--wire must be f32, f16, bf16 or i8, not 'i4'";
+  expect_usage_error((char *[]){"peer", "--cluster-key", C.key, "--identity", id, "--wire", "i4", NULL}, 2, want);
+  expect_usage_error(
+      (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--wire", "i4", NULL}, 2, want);
+  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "0/2", "--cluster-key", C.key, "--identity", id,
+                                "--wire", "i4", NULL},
+                     2, want);
+}
