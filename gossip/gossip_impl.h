@@ -165,6 +165,7 @@ struct gossip_join {
   uint32_t pull_attempts;
   struct gossip_train_pos pull_pos;
   net_conn_t *pull_conn;
+  uint64_t pull_begin_ns; /* monotonic: when the donor's transfer began (its BEGIN arrived) */
 };
 
 /* ---- exchange (exchange.c) ---- */

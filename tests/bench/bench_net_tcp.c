@@ -9,10 +9,11 @@
  * starts sending once it reads GO, and writes a DONE byte after both of its
  * directions finished. The client's clock stops when it has the server's
  * whole buffer and the DONE byte (the server has the client's buffer).
- * Prints each round and:
+ * With --one-way only the server sends (the shape of a newcomer's state
+ * pull: tests/bench/bench-join.sh). Prints each round and:
  *   bench_net_tcp: median_ms=... min_ms=... mb=... reps=...
  *
- * usage: bench_net_tcp [--mb N] [--reps N]
+ * usage: bench_net_tcp [--mb N] [--reps N] [--one-way]
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -79,17 +80,20 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* One round on one side; returns the client's elapsed ms. */
-static double round_trip(int fd, bool client, uint8_t *src, uint8_t *dst, size_t n) {
+/* One round on one side; returns the client's elapsed ms. One way: only
+ * the server sends its buffer. */
+static double round_trip(int fd, bool client, bool one_way, uint8_t *src, uint8_t *dst, size_t n) {
   uint8_t b = 'G';
   double t0 = now_s();
   if (client) write_all(fd, &b, 1);
   else read_all(fd, &b, 1);
   pthread_t th;
+  memset(&th, 0, sizeof th);
   struct job j = {fd, src, n};
-  if (pthread_create(&th, NULL, sender, &j)) die("pthread_create");
-  read_all(fd, dst, n);
-  pthread_join(th, NULL);
+  bool sends = !one_way || !client, receives = !one_way || client;
+  if (sends && pthread_create(&th, NULL, sender, &j)) die("pthread_create");
+  if (receives) read_all(fd, dst, n);
+  if (sends) pthread_join(th, NULL);
   if (client) read_all(fd, &b, 1);
   else {
     b = 'D';
@@ -108,11 +112,13 @@ static uint8_t *buffer(size_t n, int fill) {
 int main(int argc, char **argv) {
   unsigned long long mb = 100;
   int reps = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--mb")) mb = strtoull(argv[i + 1], NULL, 10);
-    else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+  bool one_way = false;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--one-way")) one_way = true;
+    else if (i + 1 < argc && !strcmp(argv[i], "--mb")) mb = strtoull(argv[++i], NULL, 10);
+    else if (i + 1 < argc && !strcmp(argv[i], "--reps")) reps = atoi(argv[++i]);
     else {
-      fprintf(stderr, "usage: bench_net_tcp [--mb N] [--reps N]\n");
+      fprintf(stderr, "usage: bench_net_tcp [--mb N] [--reps N] [--one-way]\n");
       return 2;
     }
   }
@@ -133,7 +139,7 @@ int main(int argc, char **argv) {
     if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a)) die("connect");
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     uint8_t *src = buffer(n, 1), *dst = buffer(n, 0);
-    for (int r = -1; r < reps; r++) round_trip(fd, false, src, dst, n);
+    for (int r = -1; r < reps; r++) round_trip(fd, false, one_way, src, dst, n);
     _exit(0);
   }
   int fd = accept(ls, NULL, NULL);
@@ -141,12 +147,12 @@ int main(int argc, char **argv) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   uint8_t *src = buffer(n, 2), *dst = buffer(n, 0);
   double times[MAX_REPS];
-  printf("raw TCP exchange: %llu MB each way\n", mb);
+  printf(one_way ? "raw TCP, one way: %llu MB\n" : "raw TCP exchange: %llu MB each way\n", mb);
   for (int r = -1; r < reps; r++) { /* round -1 warms up and is not counted */
-    double ms = round_trip(fd, true, src, dst, n);
+    double ms = round_trip(fd, true, one_way, src, dst, n);
     if (r < 0) continue;
     times[r] = ms;
-    printf("  round %d: %8.1f ms  (%.0f MB/s each way)\n", r, ms, (double)mb / (ms / 1e3));
+    printf("  round %d: %8.1f ms  (%.0f MB/s %s)\n", r, ms, (double)mb / (ms / 1e3), one_way ? "one way" : "each way");
   }
   close(fd);
   waitpid(child, NULL, 0);
