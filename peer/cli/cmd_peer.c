@@ -102,7 +102,7 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   if (jr == 0) {
     trainer_set_position(t, (int64_t)pos.step, (int64_t)pos.epoch, t->st.samples);
     int64_t rows;
-    double loss = trainer_check_loss(t, SYNC_CHECK_TARGETS, &rows);
+    double loss = trainer_check_loss(t, sync_check_targets(t->model.nparams), &rows);
     log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %lld training %s",
              (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1, loss, (long long)rows,
              trainer_row_noun(t));

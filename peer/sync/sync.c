@@ -231,6 +231,11 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
   s->stats_s = now;
 }
 
+int64_t sync_check_targets(int64_t nparams) {
+  int64_t n = nparams > 0 ? SYNC_CHECK_MACS / nparams : SYNC_CHECK_TARGETS;
+  return n < 1 ? 1 : n > SYNC_CHECK_TARGETS ? SYNC_CHECK_TARGETS : n;
+}
+
 /* Serves a pending donation: a monitor's request for the parameters, or a
  * newcomer's for the whole state. */
 static void donate(struct sync *s, double now) {
@@ -245,7 +250,7 @@ static void donate(struct sync *s, double now) {
       log_info("donating this stage's state at step %lld", (long long)t->st.step);
     else {
       int64_t rows;
-      double loss = trainer_check_loss(t, SYNC_CHECK_TARGETS, &rows);
+      double loss = trainer_check_loss(t, sync_check_targets(t->model.nparams), &rows);
       log_info("donating our state at step %lld: loss %.4f on %lld training %s", (long long)t->st.step, loss,
                (long long)rows, trainer_row_noun(t));
     }

@@ -128,8 +128,15 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * ========================================================================== */
 
 /* Targets (samples of an MLP, tokens of a language model) used to check a
- * donated or received state's loss (whole replicas). */
+ * donated or received state's loss (whole replicas): SYNC_CHECK_TARGETS,
+ * or fewer for a large model so that the check costs about
+ * SYNC_CHECK_MACS multiply-adds (a newcomer waits for the donor's check
+ * and then runs its own: 8192 samples of a 54 M-parameter MLP took 20 s on
+ * one core each). Donor and newcomer call it with the same model, so they
+ * check the same targets. */
 #define SYNC_CHECK_TARGETS 8192
+#define SYNC_CHECK_MACS (1ll << 33)
+int64_t sync_check_targets(int64_t nparams);
 
 struct sync_config {
   int64_t every_steps;  /* start an exchange every N steps (0: off) */
