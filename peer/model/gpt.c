@@ -608,7 +608,7 @@ static int hf_int(const struct json_value *cfg, const char *name, const char *ke
 }
 
 static int gpt_hf_parse(const struct json_value *cfg, const char *name, struct model_spec *out, struct rumor_err *e) {
-  int64_t L, H, C, T, V;
+  int64_t L = 0, H = 0, C = 0, T = 0, V = 0; /* set by hf_int before use; zeros quiet -O3 */
   int rc;
   if ((rc = hf_int(cfg, name, "n_layer", 1, GPT_MAX_LAYERS, &L, e)) ||
       (rc = hf_int(cfg, name, "n_head", 1, 1024, &H, e)) ||

@@ -8,8 +8,10 @@
 #
 # Environment: PARTS (default "1 2 3 4 5"), ROUNDS (alternating runs per
 # throughput row, default 2), STEPS (training steps of parts 2 and 3,
-# default 300), VENV (default ~/.cache/rumor/bench-venv), DATA (a text file,
-# default the KJV corpus of deploy/install-deps.sh).
+# default 300), PEER_BATCH (each peer's batch in part 3, default 2; the
+# single process then takes 4 times it), VENV (default
+# ~/.cache/rumor/bench-venv), DATA (a text file, default the KJV corpus of
+# deploy/install-deps.sh).
 #
 #  1. Training tokens/s, rumor vs PyTorch, same model, AdamW, batch and
 #     threads: gpt:L6-H6-C384-T256-V256 at batch 8 and gpt2 at batch 2
@@ -23,7 +25,8 @@
 #     160 windows (target: within 0.03).
 #  3. 4 gossiping peers (rumor peer), each on a quarter of the windows at a
 #     quarter of the batch for the same steps (the same tokens in all), vs
-#     the single process of part 2: validation loss (target: within 0.05).
+#     one process at 4 times the batch (part 2's run when PEER_BATCH is 2):
+#     validation loss (target: within 0.05).
 #  4. Peak RSS of one gpt2 training step at batch 4, T 1024 (target: rumor's
 #     at most PyTorch's).
 #  5. transformers' GPT2LMHeadModel.from_pretrained loads a rumor checkpoint
@@ -37,6 +40,7 @@ peak_bin=$build/tests/bench/bench_fma_peak
 parts=${PARTS:-1 2 3 4 5}
 rounds=${ROUNDS:-2}
 steps=${STEPS:-300}
+peer_batch=${PEER_BATCH:-2}
 venv=${VENV:-$HOME/.cache/rumor/bench-venv}
 data=${DATA:-/usr/local/share/rumor/kjv.txt}
 ref=$root/tests/scripts/gpt_torch.py
@@ -132,12 +136,14 @@ part2() {
 
 part3() {
   echo
-  echo "3. 4 gossiping peers, each $steps steps of batch 2 on a quarter of the windows, vs one process"
-  [ -n "$single_loss" ] || single_loss=$(rumor_train $QUALITY 8 "$steps" "$cores" --lr 1e-3 --warmup 30 \
-    --weight-decay 0.1 --grad-clip 1.0 --eval-batches 20 | num val_loss)
+  b=$((4 * peer_batch)) # the validation loss is over the same 160 windows for both
+  echo "3. 4 gossiping peers, each $steps steps of batch $peer_batch on a quarter of the windows, vs one process" \
+    "at batch $b"
+  [ -n "$single_loss" ] && [ "$b" -eq 8 ] || single_loss=$(rumor_train $QUALITY "$b" "$steps" "$cores" --lr 1e-3 \
+    --warmup 30 --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / b)) | num val_loss)
   WORKDIR=$work/cluster RUMOR=$rumor "$root/deploy/local-cluster.sh" 4 -- --model gpt:L6-H6-C384-T256-V256 \
-    --data "$data" --optimizer adamw --batch 2 --max-steps "$steps" --lr 1e-3 --warmup 30 --weight-decay 0.1 \
-    --grad-clip 1.0 --eval-batches 80 --no-eval --log-every 0 | tail -5
+    --data "$data" --optimizer adamw --batch "$peer_batch" --max-steps "$steps" --lr 1e-3 --warmup 30 \
+    --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / peer_batch)) --no-eval --log-every 0 | tail -5
   worst=$(for i in 1 2 3 4; do num val_loss < "$work/cluster/peer-$i.out"; done | sort -g | tail -1)
   echo "worst peer's validation loss $worst vs one process $single_loss:" \
     "difference $(echo "$worst $single_loss" | awk '{printf "%+.4f", $1-$2}') (target: within 0.05)"

@@ -9,9 +9,10 @@
 #   env: MB (default 100), REPS (rounds per program after a warm-up, default 7),
 #        EXTRA=0 to skip the informative variants (no digest, bf16 wire, ChaCha20).
 # Builds bench_net_exchange and bench_net_tcp in BUILD_DIR (default
-# build-bench/, Release) and prints a table of medians and the two target
-# ratios: gloo_time / rumor_time (target >= 1.0) and rumor goodput / raw TCP
-# goodput (target >= 0.60).
+# build-bench/, Release) and prints a table of medians and the targets of
+# issue #15: the encrypted f32 exchange (digest off) at gloo_time /
+# rumor_time >= 1.25 and >= 75 % of raw TCP's goodput; with the transfer
+# digest, gloo/rumor >= 1.0; the digest costing at most 15 %.
 set -eu
 
 src=$(cd "$(dirname "$0")/../.." && pwd)
@@ -63,13 +64,12 @@ awk -v mb="$MB" -v raw="$raw" -v rumor="$rumor" -v gloo="$gloo" -v extra="$EXTRA
     row("rumor: tag digest, bf16 on the wire", bf16)
     row("rumor: ChaCha20-Poly1305, digest, f32", chacha)
   }
-  if (extra == 1)
-    printf "\ndigest cost: digest on / digest off = %.2f (<= 1.15: %s)", rumor / nodig, ((rumor / nodig <= 1.15) ? "met" : "MISSED")
-  printf "\ntargets (rumor as specified, digest on): gloo/rumor = %.2f (>= 1.0: %s), rumor/raw goodput = %.2f (>= 0.60: %s)\n",
-         gloo / rumor, ((gloo / rumor >= 1.0) ? "met" : "MISSED"), raw / rumor, ((raw / rumor >= 0.60) ? "met" : "MISSED")
-  if (extra == 1)
-    printf "targets (digest off):                   gloo/rumor = %.2f (>= 1.0: %s), rumor/raw goodput = %.2f (>= 0.60: %s)\n",
-           gloo / nodig, ((gloo / nodig >= 1.0) ? "met" : "MISSED"), raw / nodig, ((raw / nodig >= 0.60) ? "met" : "MISSED")
+  printf "\ntarget (digest on):  gloo/rumor = %.2f (>= 1.0: %s)\n", gloo / rumor, ((gloo / rumor >= 1.0) ? "met" : "MISSED")
+  if (extra == 1) {
+    printf "targets (digest off): gloo/rumor = %.2f (>= 1.25: %s), rumor/raw goodput = %.2f (>= 0.75: %s)\n",
+           gloo / nodig, ((gloo / nodig >= 1.25) ? "met" : "MISSED"), raw / nodig, ((raw / nodig >= 0.75) ? "met" : "MISSED")
+    printf "digest cost: digest on / digest off = %.2f (<= 1.15: %s)\n", rumor / nodig, ((rumor / nodig <= 1.15) ? "met" : "MISSED")
+  }
 }
 function row(name, ms) {
   printf "%-46s %10.1f %14.0f %10.2f %10.2f\n", name, ms, mb / (ms / 1000), gloo / ms, raw / ms
