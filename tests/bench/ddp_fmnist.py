@@ -82,7 +82,8 @@ def worker(rank, args, port):
     seconds = time.time() - t0
     with torch.no_grad():
         acc = (model(xt).argmax(1) == yt).float().mean().item()
-    print(json.dumps({"rank": rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2)}),
+    print(json.dumps({"rank": rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2)},
+                     separators=(",", ":")),
           flush=True)
     dist.destroy_process_group()
 
