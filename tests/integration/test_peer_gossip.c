@@ -149,8 +149,8 @@ Test(gossip, newcomer_starts_from_the_cluster_state_not_random_weights) {
                               NULL);
   cr_assert(cluster_wait_file(C.node[nw].log, "first step: loss", 60), "the newcomer did not start: %s",
             proc_slurp(C.node[nw].log));
-  /* "starting from the cluster's state at step S (epoch E): loss L on the
-   * first 2048 training samples" — find the donation of step S. */
+  /* "starting from the cluster's state at step S (epoch E): loss L on
+   * N training samples" (sync_check_targets) — find the donation of step S. */
   char *log = proc_slurp(C.node[nw].log);
   const char *p = strstr(log, "starting from the cluster's state at step ");
   cr_assert_not_null(p, "the newcomer did not take the cluster's state: %s", log);
