@@ -110,7 +110,7 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why) {
   a->status = status;
   memcpy(a->partner, g->xch.x.partner, NET_PUBKEY_BYTES); /* stable while the slot is APPLY */
   snprintf(a->why, sizeof a->why, "%s", why ? why : "");
-  if (status == 0) gossip_count(g, GOSSIP_EV_XCH_APPLIED, NULL);
+  if (status == 0) gossip_count_applied(g, g->xch.x.recv_bytes); /* x too is stable while APPLY */
   else gossip_count(g, GOSSIP_EV_XCH_REJECTED, a->why);
   slot_move(g, SLOT_APPLY, SLOT_IDLE);
   if (net_call(g->net, on_applied, a) != 0) free(a);
@@ -472,6 +472,7 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
   }
   x->receiving = true;
   x->recv_id = info->id;
+  x->recv_bytes = net_dtype_bytes(info->wire, info->count);
   x->recv_conn = c;
   *dst = g->xch.theirs;
   return 0;

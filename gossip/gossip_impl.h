@@ -181,6 +181,7 @@ struct gossip_xch {
   bool from_ready;          /* responder: answered with the snapshot kept ready */
   bool sending, receiving;  /* bulk transfers in flight */
   uint64_t send_id, recv_id;
+  uint64_t recv_bytes;      /* the partner's transfer on the wire (its dtype's encoded size), from its BEGIN */
   net_conn_t *recv_conn;    /* where the partner's buffer arrives */
   bool sent_ok, recv_ok;
   uint64_t deadline_ms, started_ms;
@@ -237,8 +238,6 @@ struct gossip_monitoring {
   /* For other threads, under lock. */
   struct gossip_stats counters;
   uint64_t last_exchange_ms; /* monotonic, 0 before the first */
-  uint64_t xch_rx_bytes;     /* encoded bytes of the partner's transfer accepted for the exchange
-                                under way (loop thread, at its BEGIN); counted when it applies */
   struct gossip_member_view *pub;
   size_t npub, pub_cap;
 };
@@ -429,7 +428,6 @@ void gossip_donation_on_close(struct gossip *g, net_conn_t *c);
 
 /* Events other parts report; counted here (any thread). */
 enum gossip_event {
-  GOSSIP_EV_XCH_APPLIED,      /* an exchange applied */
   GOSSIP_EV_XCH_FAILED,       /* abandoned (why: the reason) */
   GOSSIP_EV_XCH_REJECTED,     /* the partner's parameters refused (why) */
   GOSSIP_EV_XCH_REQUESTED,    /* we asked a partner */
@@ -440,6 +438,9 @@ enum gossip_event {
   GOSSIP_EV_CONN_RATE_LIMITED,
 };
 void gossip_count(struct gossip *g, enum gossip_event ev, const char *why);
+/* An exchange applied; the partner's parameters took `bytes_received` on
+ * the wire (ours: our --wire's size of them). Any thread. */
+void gossip_count_applied(struct gossip *g, uint64_t bytes_received);
 int gossip_monitoring_init(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
 void gossip_monitoring_free(struct gossip *g);
 /* The norm and sketch last published by the training thread into

@@ -188,12 +188,6 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
     /* malformed */
   } else if (kind == GBULK_EXCHANGE) {
     rc = gossip_xch_on_bulk_begin(g, c, info, xid, step, dst);
-    if (rc == 0) {
-      /* One exchange at a time: this is the transfer the next APPLIED counts. */
-      pthread_mutex_lock(&g->lock);
-      g->mon.xch_rx_bytes = net_dtype_bytes(info->wire, info->count);
-      pthread_mutex_unlock(&g->lock);
-    }
   } else if (kind == GBULK_STATE && !net_msg_get_uint(&meta, "epoch", &epoch) &&
              !net_msg_get_uint(&meta, "samples", &samples)) {
     struct gossip_train_pos pos = {step, epoch, samples};

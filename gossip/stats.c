@@ -36,16 +36,20 @@ void gossip_monitoring_free(struct gossip *g) {
   g->mon.pub = NULL;
 }
 
+void gossip_count_applied(struct gossip *g, uint64_t bytes_received) {
+  struct gossip_stats *c = &g->mon.counters;
+  pthread_mutex_lock(&g->lock);
+  c->exchanges_ok++;
+  g->mon.last_exchange_ms = clock_now_ns() / 1000000;
+  c->exchange_bytes_sent = net_dtype_bytes(g->cfg.wire, g->cfg.nparams);
+  c->exchange_bytes_received = bytes_received;
+  pthread_mutex_unlock(&g->lock);
+}
+
 void gossip_count(struct gossip *g, enum gossip_event ev, const char *why) {
   struct gossip_stats *c = &g->mon.counters;
   pthread_mutex_lock(&g->lock);
   switch (ev) {
-  case GOSSIP_EV_XCH_APPLIED:
-    c->exchanges_ok++;
-    g->mon.last_exchange_ms = clock_now_ns() / 1000000;
-    c->exchange_bytes_sent = net_dtype_bytes(g->cfg.wire, g->cfg.nparams);
-    c->exchange_bytes_received = g->mon.xch_rx_bytes;
-    break;
   case GOSSIP_EV_XCH_FAILED:
     c->exchanges_failed++;
     snprintf(c->last_failure, sizeof c->last_failure, "%.120s", why ? why : "");
