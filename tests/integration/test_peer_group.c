@@ -23,12 +23,6 @@ static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(group, .init = setup, .fini = teardown, .timeout = 240);
 
 
-/* A fresh identity file in the scratch directory. */
-static void make_identity(const char *name, char *path, size_t n) {
-  snprintf(path, n, "%s/%s.key", C.dir, name);
-  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
-}
-
 /* Runs `rumor args...` to completion; returns the wait status. */
 static int run(char **out, char **err, double secs, char *const *args) {
   char *argv[96];
@@ -93,7 +87,7 @@ static void expect_group_step_equals_single(int stages, const char *schedule, co
   bool lm = strncmp(model, "gpt", 3) == 0;
   if (!lm) SKIP_WITHOUT_DATA();
   char id[256], ref[256], grp[256], stages_s[8];
-  make_identity("group", id, sizeof id);
+  cluster_make_identity(&C, "group", id, sizeof id);
   snprintf(ref, sizeof ref, "%s/ref.safetensors", C.dir);
   snprintf(grp, sizeof grp, "%s/group.safetensors", C.dir);
   snprintf(stages_s, sizeof stages_s, "%d", stages);
@@ -358,7 +352,7 @@ static void expect_usage_error(char *const *args, int code, const char *needle) 
 
 Test(group, bad_flags_name_the_input_and_exit_2) {
   char id[256];
-  make_identity("cli", id, sizeof id);
+  cluster_make_identity(&C, "cli", id, sizeof id);
   char *keys[] = {"--cluster-key", C.key, "--identity", id};
 #define G(...)                                                                              \
   (char *[]) { "group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL }
@@ -387,7 +381,7 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
 Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
   SKIP_WITHOUT_DATA();
   char id[256];
-  make_identity("dev", id, sizeof id);
+  cluster_make_identity(&C, "dev", id, sizeof id);
   char *out, *err;
   char *args[] = {"group", "--stages", "2", "--devices", "cpu,nosuchdevice", "--cluster-key", C.key, "--identity", id,
                   "--model", "mlp:784-32-10", "--max-steps", "2", "--threads", "1", NULL};
@@ -400,40 +394,16 @@ Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
 }
 
 /* The per-process form, as a scheduler runs it: stage 1 dials stage 0. */
-static pid_t start_stage(const char *tag, const char *id, const char *stage, const char *prev, char *const *extra,
-                         char *out, char *log) {
-  snprintf(out, 256, "%s/%s.out", C.dir, tag);
-  snprintf(log, 256, "%s/%s.log", C.dir, tag);
-  char *argv[64] = {RUMOR_BIN, "peer", "--group", "sched", "--stage", (char *)stage, "--cluster-key", C.key,
-                    "--identity", (char *)id, "--model", "mlp:784-32-16-10", "--max-steps", "20", "--no-eval",
-                    "--threads", "1", "--link-wait-ms", "20000"};
-  int n = 19;
-  if (prev) argv[n++] = "--link-prev", argv[n++] = (char *)prev;
-  for (int i = 0; extra && extra[i]; i++) argv[n++] = extra[i];
-  argv[n] = NULL;
-  pid_t pid = proc_spawn(argv, out, log);
-  cr_assert_gt(pid, 0);
-  return pid;
-}
-
-static void link_addr(const char *out, char *addr, size_t n) {
-  cr_assert(cluster_wait_file(out, "\"link\":\"127", 60), "stage 0 printed no link address: %s", proc_slurp(out));
-  char *s = proc_slurp(out);
-  const char *p = strstr(s, "\"link\":\"") + 8;
-  snprintf(addr, n, "%.*s", (int)(strchr(p, '"') - p), p);
-  free(s);
-}
-
 Test(group, per_process_stages_train_and_refuse_a_mismatched_or_foreign_stage) {
   SKIP_WITHOUT_DATA();
   char id[256], other[256], out0[256], log0[256], out1[256], log1[256], addr[64];
-  make_identity("sched", id, sizeof id);
-  make_identity("foreign", other, sizeof other);
+  cluster_make_identity(&C, "sched", id, sizeof id);
+  cluster_make_identity(&C, "foreign", other, sizeof other);
 
   /* Matching stages train together. */
-  pid_t s0 = start_stage("ok0", id, "0/2", NULL, NULL, out0, log0);
-  link_addr(out0, addr, sizeof addr);
-  pid_t s1 = start_stage("ok1", id, "1/2", addr, NULL, out1, log1);
+  pid_t s0 = cluster_start_stage_proc(&C, "sched", "ok0", id, "0/2", NULL, NULL, out0, log0);
+  cluster_link_addr(out0, addr, sizeof addr);
+  pid_t s1 = cluster_start_stage_proc(&C, "sched", "ok1", id, "1/2", addr, NULL, out1, log1);
   int st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
   cr_assert(proc_exited_with(st0, 0) && proc_exited_with(st1, 0), "stages failed: %s\n%s", proc_slurp(log0),
             proc_slurp(log1));
@@ -441,9 +411,9 @@ Test(group, per_process_stages_train_and_refuse_a_mismatched_or_foreign_stage) {
 
   /* Stage 1 with another micro-batch count: both refuse, naming it. */
   char *m2[] = {"--micro-batches", "2", NULL};
-  s0 = start_stage("mm0", id, "0/2", NULL, NULL, out0, log0);
-  link_addr(out0, addr, sizeof addr);
-  s1 = start_stage("mm1", id, "1/2", addr, m2, out1, log1);
+  s0 = cluster_start_stage_proc(&C, "sched", "mm0", id, "0/2", NULL, NULL, out0, log0);
+  cluster_link_addr(out0, addr, sizeof addr);
+  s1 = cluster_start_stage_proc(&C, "sched", "mm1", id, "1/2", addr, m2, out1, log1);
   st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
   cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "mismatched stages should fail (%d, %d)", st0, st1);
   cr_assert(cluster_wait_file(log0, "it has micro-batches=2, stage 0 has micro-batches=4", 1), "%s", proc_slurp(log0));
@@ -451,9 +421,9 @@ Test(group, per_process_stages_train_and_refuse_a_mismatched_or_foreign_stage) {
 
   /* A process without the group's identity cannot be its stage 1. */
   char *quick[] = {"--link-wait-ms", "3000", NULL};
-  s0 = start_stage("id0", id, "0/2", NULL, quick, out0, log0);
-  link_addr(out0, addr, sizeof addr);
-  s1 = start_stage("id1", other, "1/2", addr, quick, out1, log1);
+  s0 = cluster_start_stage_proc(&C, "sched", "id0", id, "0/2", NULL, quick, out0, log0);
+  cluster_link_addr(out0, addr, sizeof addr);
+  s1 = cluster_start_stage_proc(&C, "sched", "id1", other, "1/2", addr, quick, out1, log1);
   st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
   cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "foreign stage: statuses %d, %d", st0, st1);
   cr_assert(cluster_wait_file(log1, "refused the handshake", 1), "%s", proc_slurp(log1));

@@ -58,45 +58,17 @@ Test(wire, four_i8_peers_reach_the_f32_accuracy_within_half_a_point) {
 
 /* ---- the pipeline: activations and their gradients ---- */
 
-static void make_identity(const char *name, char *path, size_t n) {
-  snprintf(path, n, "%s/%s.key", C.dir, name);
-  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
-}
-
-/* One stage of group "w" as its own process (20 steps, no evaluation). */
-static pid_t start_stage(const char *tag, const char *id, const char *stage, const char *prev, const char *wire,
-                         char *out, char *log) {
-  snprintf(out, 256, "%s/%s.out", C.dir, tag);
-  snprintf(log, 256, "%s/%s.log", C.dir, tag);
-  char *argv[64] = {RUMOR_BIN, "peer", "--group", "w", "--stage", (char *)stage, "--cluster-key", C.key,
-                    "--identity", (char *)id, "--model", "mlp:784-32-16-10", "--max-steps", "20", "--no-eval",
-                    "--threads", "1", "--link-wait-ms", "20000", "--wire", (char *)wire};
-  int n = 21;
-  if (prev) argv[n++] = "--link-prev", argv[n++] = (char *)prev;
-  argv[n] = NULL;
-  pid_t pid = proc_spawn(argv, out, log);
-  cr_assert_gt(pid, 0);
-  return pid;
-}
-
-static void link_addr(const char *out, char *addr, size_t n) {
-  cr_assert(cluster_wait_file(out, "\"link\":\"127", 60), "stage 0 printed no link address: %s", proc_slurp(out));
-  char *s = proc_slurp(out);
-  const char *p = strstr(s, "\"link\":\"") + 8;
-  snprintf(addr, n, "%.*s", (int)(strchr(p, '"') - p), p);
-  free(s);
-}
-
 /* A receiving stage refuses a transfer in any wire dtype but the agreed
  * one, so stages that train together sent their activations and gradients
  * in i8. */
 Test(wire, i8_stages_train_and_a_stage_with_another_wire_is_refused_naming_it) {
   SKIP_WITHOUT_DATA();
+  char *wire_i8[] = {"--wire", "i8", NULL}, *wire_f32[] = {"--wire", "f32", NULL};
   char id[256], out0[256], log0[256], out1[256], log1[256], addr[64];
-  make_identity("w", id, sizeof id);
-  pid_t s0 = start_stage("i8s0", id, "0/2", NULL, "i8", out0, log0);
-  link_addr(out0, addr, sizeof addr);
-  pid_t s1 = start_stage("i8s1", id, "1/2", addr, "i8", out1, log1);
+  cluster_make_identity(&C, "w", id, sizeof id);
+  pid_t s0 = cluster_start_stage_proc(&C, "w", "i8s0", id, "0/2", NULL, wire_i8, out0, log0);
+  cluster_link_addr(out0, addr, sizeof addr);
+  pid_t s1 = cluster_start_stage_proc(&C, "w", "i8s1", id, "1/2", addr, wire_i8, out1, log1);
   int st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
   cr_assert(proc_exited_with(st0, 0) && proc_exited_with(st1, 0), "i8 stages failed: %s\n%s", proc_slurp(log0),
             proc_slurp(log1));
@@ -104,9 +76,9 @@ Test(wire, i8_stages_train_and_a_stage_with_another_wire_is_refused_naming_it) {
   double loss = cluster_line_number(out1, "\"steps\":20", "train_loss");
   cr_assert(isfinite(loss), "stage 1's loss after 20 steps: %g: %s", loss, proc_slurp(out1));
 
-  s0 = start_stage("mix0", id, "0/2", NULL, "i8", out0, log0);
-  link_addr(out0, addr, sizeof addr);
-  s1 = start_stage("mix1", id, "1/2", addr, "f32", out1, log1);
+  s0 = cluster_start_stage_proc(&C, "w", "mix0", id, "0/2", NULL, wire_i8, out0, log0);
+  cluster_link_addr(out0, addr, sizeof addr);
+  s1 = cluster_start_stage_proc(&C, "w", "mix1", id, "1/2", addr, wire_f32, out1, log1);
   st0 = proc_wait(s0, 60), st1 = proc_wait(s1, 60);
   cr_assert(proc_exited_with(st0, 1) && proc_exited_with(st1, 1), "stages with different wires should fail (%d, %d)",
             st0, st1);
@@ -129,7 +101,7 @@ static void expect_usage_error(char *const *args, int code, const char *needle) 
 
 Test(wire, a_bad_wire_value_names_it_and_exits_2) {
   char id[256];
-  make_identity("cli", id, sizeof id);
+  cluster_make_identity(&C, "cli", id, sizeof id);
   const char *want = "--wire must be f32, f16, bf16 or i8, not 'i4'";
   expect_usage_error((char *[]){"peer", "--cluster-key", C.key, "--identity", id, "--wire", "i4", NULL}, 2, want);
   expect_usage_error(

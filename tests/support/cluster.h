@@ -197,6 +197,45 @@ static inline void cluster_start_group(struct cluster *c, struct cluster_group *
   cr_assert_gt(g->pid, 0);
 }
 
+/* A fresh identity key DIR/NAME.key; its path into `path`. */
+static inline void cluster_make_identity(const struct cluster *c, const char *name, char *path, size_t n) {
+  snprintf(path, n, "%s/%s.key", c->dir, name);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
+}
+
+/* One stage of group `group` as its own process, as a scheduler runs it:
+ * `<c->bin> peer --group GROUP --stage STAGE` on mlp:784-32-16-10 (20
+ * steps, no evaluation, one thread) with identity `id`, dialling `prev`
+ * (NULL for stage 0), plus `extra` options (NULL-terminated; may be NULL).
+ * stdout and stderr go to DIR/TAG.out and DIR/TAG.log, whose paths are
+ * written into `out` and `log` (256 bytes each). */
+static inline pid_t cluster_start_stage_proc(struct cluster *c, const char *group, const char *tag, const char *id,
+                                             const char *stage, const char *prev, char *const *extra, char *out,
+                                             char *log) {
+  snprintf(out, 256, "%s/%s.out", c->dir, tag);
+  snprintf(log, 256, "%s/%s.log", c->dir, tag);
+  char *argv[64] = {(char *)c->bin, "peer", "--group", (char *)group, "--stage", (char *)stage, "--cluster-key",
+                    c->key, "--identity", (char *)id, "--model", "mlp:784-32-16-10", "--max-steps", "20",
+                    "--no-eval", "--threads", "1", "--link-wait-ms", "20000"};
+  int n = 19;
+  if (prev) argv[n++] = "--link-prev", argv[n++] = (char *)prev;
+  for (int i = 0; extra && extra[i] && n < 63; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  pid_t pid = proc_spawn(argv, out, log);
+  cr_assert_gt(pid, 0);
+  return pid;
+}
+
+/* The link address ("link":"HOST:PORT") a stage prints on stdout, waited
+ * for up to 60 s. */
+static inline void cluster_link_addr(const char *out, char *addr, size_t n) {
+  cr_assert(cluster_wait_file(out, "\"link\":\"127", 60), "the stage printed no link address: %s", proc_slurp(out));
+  char *s = proc_slurp(out);
+  const char *p = strstr(s, "\"link\":\"") + 8;
+  snprintf(addr, n, "%.*s", (int)(strchr(p, '"') - p), p);
+  free(s);
+}
+
 /* A number from the last line of `path` that contains `has`, or NAN. */
 static inline double cluster_line_number(const char *path, const char *has, const char *key) {
   char *s = proc_slurp(path), pat[64];
