@@ -31,16 +31,6 @@ bool net_dtype_valid(enum net_dtype d) {
   return false;
 }
 
-size_t net_dtype_size(enum net_dtype d) {
-  switch (d) {
-  case NET_DTYPE_F32: return 4;
-  case NET_DTYPE_F16:
-  case NET_DTYPE_BF16: return 2;
-  case NET_DTYPE_I8: return 0;
-  }
-  return 0;
-}
-
 uint64_t net_dtype_bytes(enum net_dtype d, uint64_t n) {
   switch (d) {
   case NET_DTYPE_F32: return n > UINT64_MAX / 4 ? UINT64_MAX : n * 4;

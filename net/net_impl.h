@@ -235,10 +235,6 @@ struct net_rx_bulk {
 
 /* True for a dtype this build knows (the values of enum net_dtype). */
 bool net_dtype_valid(enum net_dtype d);
-/* Bytes per value of the fixed-width dtypes (f32 4, f16 and bf16 2); 0 for
- * i8, whose blocks carry scales (use net_dtype_bytes for wire lengths), and
- * for unknown values. */
-size_t net_dtype_size(enum net_dtype d);
 /* Conversions between float32 buffers and wire encodings (fast paths when the
  * CPU has F16C or AVX2). `dst` / `src` on the wire side hold exactly
  * net_dtype_bytes(d, n) bytes; i8 blocks start at element 0 (each call is

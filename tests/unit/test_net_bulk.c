@@ -256,7 +256,8 @@ static const uint8_t digest_key[NET_AEAD_KEY_BYTES] = {42};
 
 /* The digest a sender under `key` puts in END for the n bytes at p, sent
  * as DATA frames of `chunk` bytes (transfer 1, from position 0), the way
- * net_bulk_tx_produce and the connection compute it. */
+ * net_bulk_tx_produce and the connection compute it. `d`: a fixed-width
+ * dtype (not i8). */
 static void digest_keyed(uint8_t out[32], const uint8_t key[NET_AEAD_KEY_BYTES], const uint8_t *p, size_t n,
                          size_t chunk, uint64_t count, enum net_dtype d) {
   crypto_generichash_state root;
@@ -266,7 +267,7 @@ static void digest_keyed(uint8_t out[32], const uint8_t key[NET_AEAD_KEY_BYTES],
   net_digest_root_init(&root, count, d, (uint32_t)chunk);
   for (size_t off = 0; off < n; off += chunk) {
     size_t len = n - off < chunk ? n - off : chunk;
-    net_frame_hdr_write(frame, NET_FRAME_BULK_DATA, len, 1, off / net_dtype_size(d));
+    net_frame_hdr_write(frame, NET_FRAME_BULK_DATA, len, 1, off / net_dtype_bytes(d, 1));
     cr_assert_eq(net_aead_seal(&a, frame, p + off, len), 0);
     net_digest_add_tag(&root, frame + NET_FRAME_HDR + len);
   }
