@@ -22,17 +22,6 @@ static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(group, .init = setup, .fini = teardown, .timeout = 240);
 
-
-/* Runs `rumor args...` to completion; returns the wait status. */
-static int run(char **out, char **err, double secs, char *const *args) {
-  char *argv[96];
-  int n = 0;
-  argv[n++] = RUMOR_BIN;
-  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
-  argv[n] = NULL;
-  return proc_run(argv, secs, C.dir, out, err);
-}
-
 /* ---- one step equals one single-process step ---- */
 
 
@@ -102,7 +91,7 @@ static void expect_group_step_equals_single(int stages, const char *schedule, co
   for (int i = 0; common[i]; i++) single[n++] = common[i];
   single[n] = NULL;
   char *out, *err;
-  int st = run(&out, &err, 120, single);
+  int st = cluster_run(&C, single, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "single-process step failed: %s", err);
   free(out), free(err);
 
@@ -111,7 +100,7 @@ static void expect_group_step_equals_single(int stages, const char *schedule, co
   n = 13;
   for (int i = 0; common[i]; i++) group[n++] = common[i];
   group[n] = NULL;
-  st = run(&out, &err, 120, group);
+  st = cluster_run(&C, group, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "group step failed (status %d): %s\n%s", st, out, err);
   cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "no ok summary: %s", out);
   free(out), free(err);
@@ -341,40 +330,31 @@ Test(group, a_hung_stage_is_lost_after_the_link_timeout) {
 
 /* ---- bad input: a clear message naming it, a non-zero exit, no crash ---- */
 
-static void expect_usage_error(char *const *args, int code, const char *needle) {
-  char *out, *err;
-  int st = run(&out, &err, 60, args);
-  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", args[1], st, err);
-  cr_assert_eq(WEXITSTATUS(st), code, "exit %d, want %d: %s", WEXITSTATUS(st), code, err);
-  cr_assert(strstr(err, needle) != NULL, "stderr should mention '%s': %s", needle, err);
-  free(out), free(err);
-}
-
 Test(group, bad_flags_name_the_input_and_exit_2) {
   char id[256];
   cluster_make_identity(&C, "cli", id, sizeof id);
   char *keys[] = {"--cluster-key", C.key, "--identity", id};
 #define G(...)                                                                              \
   (char *[]) { "group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL }
-  expect_usage_error(G("--stages", "3", "--model", "mlp:784-64-10"), 2, "3 stages cannot split mlp:784-64-10: it has 2 layers");
-  expect_usage_error(G("--stages", "2", "--pipeline", "zigzag"), 2, "--pipeline must be gpipe or 1f1b, not 'zigzag'");
-  expect_usage_error(G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
-  expect_usage_error(G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
-  expect_usage_error(G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
-  expect_usage_error(G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
+  cluster_expect_exit(&C, G("--stages", "3", "--model", "mlp:784-64-10"), 2, "3 stages cannot split mlp:784-64-10: it has 2 layers");
+  cluster_expect_exit(&C, G("--stages", "2", "--pipeline", "zigzag"), 2, "--pipeline must be gpipe or 1f1b, not 'zigzag'");
+  cluster_expect_exit(&C, G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
+  cluster_expect_exit(&C, G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
+  cluster_expect_exit(&C, G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
-  expect_usage_error(G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
-  expect_usage_error(G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 64]");
-  expect_usage_error(G("--stages", "2", "--device", "cpu"), 2, "unknown option '--device'");
-  expect_usage_error((char *[]){"group", "--stages", "2", NULL}, 2, "--cluster-key FILE is required");
+  cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
+  cluster_expect_exit(&C, G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 64]");
+  cluster_expect_exit(&C, G("--stages", "2", "--device", "cpu"), 2, "unknown option '--device'");
+  cluster_expect_exit(&C, (char *[]){"group", "--stages", "2", NULL}, 2, "--cluster-key FILE is required");
 #undef G
-  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "2/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "2/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "--stage '2/2': expected s/S with 0 <= s < S");
-  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "stage 1/2 needs --link-prev HOST:PORT");
-  expect_usage_error((char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "--stage s/S is required with --group");
-  expect_usage_error((char *[]){"peer", "--group", "bad name", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], NULL},
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "bad name", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], NULL},
                      2, "group name 'bad name'");
 }
 
@@ -385,7 +365,7 @@ Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
   char *out, *err;
   char *args[] = {"group", "--stages", "2", "--devices", "cpu,nosuchdevice", "--cluster-key", C.key, "--identity", id,
                   "--model", "mlp:784-32-10", "--max-steps", "2", "--threads", "1", NULL};
-  int st = run(&out, &err, 60, args);
+  int st = cluster_run(&C, args, 60, &out, &err);
   cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
   cr_assert(strstr(err, "stage 1/2 failed") && strstr(err, "nosuchdevice"), "stderr should name stage 1 and the device: %s",
             err);

@@ -85,28 +85,15 @@ Test(wire, i8_stages_train_and_a_stage_with_another_wire_is_refused_naming_it) {
   cr_assert(cluster_wait_file(log0, "it has wire=f32, stage 0 has wire=i8", 1), "%s", proc_slurp(log0));
 }
 
-/* Runs `rumor args...`; checks the exit code and that stderr names the input. */
-static void expect_usage_error(char *const *args, int code, const char *needle) {
-  char *argv[32], *out, *err;
-  int n = 0;
-  argv[n++] = RUMOR_BIN;
-  for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
-  argv[n] = NULL;
-  int st = proc_run(argv, 60, C.dir, &out, &err);
-  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", args[0], st, err);
-  cr_assert_eq(WEXITSTATUS(st), code, "exit %d, want %d: %s", WEXITSTATUS(st), code, err);
-  cr_assert(strstr(err, needle) != NULL, "stderr should mention '%s': %s", needle, err);
-  free(out), free(err);
-}
-
 Test(wire, a_bad_wire_value_names_it_and_exits_2) {
   char id[256];
   cluster_make_identity(&C, "cli", id, sizeof id);
   const char *want = "--wire must be f32, f16, bf16 or i8, not 'i4'";
-  expect_usage_error((char *[]){"peer", "--cluster-key", C.key, "--identity", id, "--wire", "i4", NULL}, 2, want);
-  expect_usage_error(
-      (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--wire", "i4", NULL}, 2, want);
-  expect_usage_error((char *[]){"peer", "--group", "g", "--stage", "0/2", "--cluster-key", C.key, "--identity", id,
-                                "--wire", "i4", NULL},
-                     2, want);
+  cluster_expect_exit(&C, (char *[]){"peer", "--cluster-key", C.key, "--identity", id, "--wire", "i4", NULL}, 2, want);
+  cluster_expect_exit(&C, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--wire", "i4",
+                                     NULL},
+                      2, want);
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "0/2", "--cluster-key", C.key, "--identity",
+                                     id, "--wire", "i4", NULL},
+                      2, want);
 }

@@ -236,6 +236,29 @@ static inline void cluster_link_addr(const char *out, char *addr, size_t n) {
   free(s);
 }
 
+/* Runs `rumor ARGS...` (RUMOR_BIN; NULL-terminated, at most 94 arguments)
+ * to completion in the scratch directory, at most `secs`; returns the wait
+ * status, with stdout and stderr in *out and *err (the caller frees them). */
+static inline int cluster_run(const struct cluster *c, char *const *args, double secs, char **out, char **err) {
+  char *argv[96];
+  int n = 0;
+  argv[n++] = RUMOR_BIN;
+  for (int i = 0; args[i] && n < 95; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  return proc_run(argv, secs, c->dir, out, err);
+}
+
+/* Runs `rumor ARGS...` as cluster_run does and asserts that it exits with
+ * `code` and that its stderr contains `needle`. */
+static inline void cluster_expect_exit(const struct cluster *c, char *const *args, int code, const char *needle) {
+  char *out, *err;
+  int st = cluster_run(c, args, 60, &out, &err);
+  cr_assert(st >= 0 && WIFEXITED(st), "%s: did not exit normally (status %d): %s", args[0], st, err);
+  cr_assert_eq(WEXITSTATUS(st), code, "exit %d, want %d: %s", WEXITSTATUS(st), code, err);
+  cr_assert(strstr(err, needle) != NULL, "stderr should mention '%s': %s", needle, err);
+  free(out), free(err);
+}
+
 /* A number from the last line of `path` that contains `has`, or NAN. */
 static inline double cluster_line_number(const char *path, const char *has, const char *key) {
   char *s = proc_slurp(path), pat[64];
