@@ -42,8 +42,17 @@ static int count_lines(int i, const char *a, const char *b) {
   return n;
 }
 
-/* "127.0.0.1:PORT (" as log lines name a member. */
-static void who(int i, char *buf, size_t n) { snprintf(buf, n, "%s (", C.node[i].addr); }
+/* "(KEY8)": how log lines name node i, by the first 8 characters of its
+ * key (from the "id" of its first stdout line). Not by its address: a
+ * member that exchanges before the membership update about it arrives is
+ * logged as "? (KEY8)". */
+static void who(int i, char *buf, size_t n) {
+  char *s = proc_slurp(C.node[i].out);
+  const char *p = strstr(s, "\"id\":\"");
+  cr_assert_not_null(p, "node %d printed no id: %s", i, s);
+  snprintf(buf, n, "(%.8s)", p + 6);
+  free(s);
+}
 
 /* Starts a bootstrap, `honest` honest peers and one attacker (--attack kind)
  * on shards of the training set; all wait for each other. `flag` (may be
