@@ -363,6 +363,10 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
     send_reject(g, c, xid, "not ready");
     return;
   }
+  if (g->cfg.sync != GOSSIP_SYNC_GOSSIP) {
+    send_reject(g, c, xid, "exchanges are off (all-reduce)"); /* our buffers serve the ring */
+    return;
+  }
   if (n != g->cfg.nparams || mlen != strlen(g->model) || memcmp(model, g->model, mlen) != 0) {
     log_warn("exchange request from %s for another model (%.*s, %llu parameters); refused", net_conn_peer_name(c),
              (int)mlen, model, (unsigned long long)n);

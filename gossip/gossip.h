@@ -43,6 +43,12 @@ typedef struct gossip gossip_t;
 
 enum gossip_role { GOSSIP_ROLE_PEER = 0, GOSSIP_ROLE_BOOTSTRAP = 1 };
 
+/* How peers keep their replicas together (rumor peer --sync). */
+enum gossip_sync {
+  GOSSIP_SYNC_GOSSIP = 0,    /* averaging exchanges with random partners (the exchange slot) */
+  GOSSIP_SYNC_ALLREDUCE = 1, /* bulk-synchronous ring all-reduce of every step's gradient */
+};
+
 struct gossip_config {
   /* Identity and admission (required); copied. */
   const struct net_identity *identity;
@@ -69,7 +75,10 @@ struct gossip_config {
   uint64_t nparams;      /* floats in a parameter snapshot */
   uint64_t state_floats; /* floats in a donated state (parameters first) */
   const char *optimizer; /* must match for donations */
-  enum net_dtype wire;   /* encoding of exchanged parameters on the wire */
+  enum net_dtype wire;   /* encoding of exchanged parameters (or gradients) on the wire */
+  /* GOSSIP_SYNC_ALLREDUCE: xch_mine and xch_theirs hold nparams + 1 floats
+   * each and serve the all-reduce; exchange requests are refused. */
+  enum gossip_sync sync;
   float alpha;           /* averaging weight: x ← (1−α)·x + α·x_partner */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
@@ -187,6 +196,65 @@ void gossip_xch_refresh_done(gossip_t *g, uint64_t step);
  * rejected, but the sender is not backed off (it may be an honest peer that
  * drifted, which catches up by applying ours). */
 void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
+
+/* ---- all-reduce (cfg.sync == GOSSIP_SYNC_ALLREDUCE; training thread) ----
+ *
+ * One round sums a vector of nparams + 1 floats over every ready peer
+ * (alive or suspect, the caller included) along a ring ordered by key:
+ * reduce-scatter then all-gather, each segment cut into pieces of
+ * RING_PIECE_FLOATS that flow on as soon as they arrive, so every link of
+ * the ring carries data at once. A round is identified by its step and its
+ * ring (a hash of the members' keys): a member sends to its successor only
+ * after the successor said RING_READY for the same round, so members whose
+ * views of the membership differ never mix data; the round fails and is
+ * started again once the views agree.
+ *
+ * A round fails, and nothing of it is delivered, when a transfer fails, a
+ * neighbour it still needs fails or leaves (SWIM's verdict: a SIGSTOPped
+ * peer stalls the ring until it is declared failed), a ready peer outside
+ * the ring appears (a newcomer: the ring re-forms with it), another member
+ * aborts the round, or the exchange timeout passes. A member whose round
+ * failed after others completed it is told so (RING_AHEAD) and reports
+ * GOSSIP_AR_BEHIND: it takes the state of a member that is ahead
+ * (gossip_state_pull) instead of its own step.
+ *
+ * Buffers: the caller writes its contribution into gossip_ar_buf() before
+ * gossip_ar_start and must not touch it until the round ends (the ring adds
+ * partial sums into it); the sum is in gossip_ar_result() after
+ * GOSSIP_AR_DONE, until the next start. */
+enum gossip_ar_status {
+  GOSSIP_AR_IDLE = 0,
+  GOSSIP_AR_RUNNING,
+  GOSSIP_AR_DONE,
+  GOSSIP_AR_FAILED, /* try again (a new ring from the current membership) */
+  GOSSIP_AR_BEHIND, /* others completed this step: take their state */
+};
+struct gossip_ar_info {
+  uint64_t step;          /* of the last round */
+  size_t members;         /* in its ring */
+  char why[200];          /* why it failed */
+  uint8_t ahead[NET_PUBKEY_BYTES]; /* BEHIND: a member that is ahead ... */
+  uint64_t ahead_step;    /* ... and the step it is at */
+  uint64_t rounds_done, rounds_failed;
+};
+float *gossip_ar_buf(gossip_t *g);          /* nparams + 1 floats */
+const float *gossip_ar_result(gossip_t *g); /* nparams + 1 floats */
+/* Starts the round of `step` (the optimizer steps this member has applied)
+ * on the contribution in gossip_ar_buf(). Returns 0, or RUMOR_ECANCELED
+ * when the runtime is stopping. */
+int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
+/* Waits up to `ms` for the round to end; returns its status (RUNNING when
+ * it has not ended yet). */
+enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
+void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
+
+/* Takes the state of a live peer after joining (an all-reduce member that
+ * fell behind): asks `from` first (NULL: any ready peer), then others, as a
+ * newcomer does. Returns 0 with the state in state_buf and *pos, 1 when no
+ * other peer is left to take it from, or a negative code (stopped, no donor
+ * within twice the join timeout). */
+int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct gossip_train_pos *pos,
+                      const atomic_int *stop, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ---- the donation slot (training thread) ---- */
 

@@ -55,14 +55,18 @@ enum gossip_msg_type {
   GMSG_STATS_REQ = 15,   /* a monitor asks for a node's figures */
   GMSG_STATS = 16,
   GMSG_PARAMS_REQ = 17,  /* a monitor asks for the parameters (exact drift) */
+  GMSG_RING_READY = 18,  /* all-reduce: ready to receive round {step, ring} from our predecessor */
+  GMSG_RING_AHEAD = 19,  /* all-reduce: your round's step is done here; we are at "step" */
+  GMSG_RING_ABORT = 20,  /* all-reduce: round {step, ring} failed; nothing of it is applied */
 };
 _Static_assert(GMSG_JOIN == 1 && GMSG_PING == 4 && GMSG_XCH_REQ == 8 && GMSG_STATE_BUSY == 12 &&
-                   GMSG_MEMBERS_REQ == 13 && GMSG_STATS == 16 && GMSG_PARAMS_REQ == 17,
+                   GMSG_MEMBERS_REQ == 13 && GMSG_STATS == 16 && GMSG_PARAMS_REQ == 17 &&
+                   GMSG_RING_READY == 18 && GMSG_RING_ABORT == 20,
                "gossip message numbers are part of the protocol");
 #define GOSSIP_PROTO_VERSION 1
 
 /* Kinds of bulk transfer (the "k" field of the bulk metadata). */
-enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3 };
+enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3, GBULK_RING = 4 };
 
 #define GOSSIP_STATS_WAITERS 64
 #define GOSSIP_STATS_FRESH_MS 500   /* figures younger than this are answered at once */
@@ -166,6 +170,9 @@ struct gossip_join {
   struct gossip_train_pos pull_pos;
   net_conn_t *pull_conn;
   uint64_t pull_begin_ns; /* monotonic: when the donor's transfer began (its BEGIN arrived) */
+  /* A later pull (gossip_state_pull): the donor to ask first, if alive. */
+  uint8_t prefer[NET_PUBKEY_BYTES];
+  bool have_prefer;
 };
 
 /* ---- exchange (exchange.c) ---- */
@@ -213,6 +220,56 @@ struct gossip_donation {
   double norm;
   double *sketch;           /* sketch_k doubles */
   bool have_sketch;
+};
+
+/* ---- all-reduce (ring.c) ---- */
+
+#define RING_MAX_MEMBERS 1024
+#define RING_PIECE_FLOATS (1u << 20) /* at most this many floats per transfer (4 MiB in f32) */
+#define RING_READY_MAX 1024         /* READY messages remembered (the newest per member) */
+
+/* One transfer of a round: phase p (0 .. 2(n−1)−1), piece j. */
+struct ring_io {
+  uint8_t state; /* RING_IO_* */
+  uint64_t id;
+  net_conn_t *conn;
+};
+enum { RING_IO_NONE = 0, RING_IO_BUSY = 1, RING_IO_DONE = 2 };
+
+/* What a member said in its latest RING_READY. */
+struct ring_ready {
+  uint8_t id[NET_PUBKEY_BYTES];
+  uint64_t step, hash, nonce;
+};
+
+struct gossip_ring {
+  float *acc, *out;  /* the caller's buffers (xch_mine, xch_theirs): count floats each */
+  uint64_t count;    /* nparams + 1 */
+  /* The round in progress (loop thread). */
+  bool active, failing;
+  uint64_t gen;      /* rounds started: tells a stale callback from the current round's */
+  uint64_t step, hash;
+  uint8_t (*ids)[NET_PUBKEY_BYTES]; /* the ring, ordered by key */
+  size_t n, me;
+  uint64_t nonce;      /* this attempt's, in our RING_READY: pieces for another attempt are refused */
+  uint64_t succ_nonce; /* the successor's attempt, from its RING_READY */
+  uint32_t pieces;   /* per segment */
+  struct ring_io *recv, *send; /* 2(n−1)·pieces each */
+  uint32_t recv_left, send_left, inflight;
+  bool cancelling;
+  bool succ_ready;
+  net_conn_t *send_conn;
+  uint64_t started_ms, deadline_ms;
+  char why[200];
+  /* Between rounds (loop thread). */
+  uint64_t pos;      /* steps this member has completed, as far as the loop knows */
+  uint8_t ahead_id[NET_PUBKEY_BYTES];
+  uint64_t ahead_step; /* the highest step another member said it had reached (0: none) */
+  struct ring_ready *readies;
+  size_t nreadies;
+  /* Shared with the training thread, under lock. */
+  int status;          /* enum gossip_ar_status */
+  struct gossip_ar_info info;
 };
 
 /* ---- monitoring (stats.c) ---- */
@@ -286,6 +343,7 @@ struct gossip {
   struct gossip_join join;
   struct gossip_exchange xch;
   struct gossip_donation don;
+  struct gossip_ring ring;
   struct gossip_monitoring mon;
 #ifdef RUMOR_TESTING
   struct gossip_test test;
@@ -331,6 +389,9 @@ void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool g
 /* Sends an encoded message to member `id` (dialing its address if needed).
  * Returns 0 or a negative code; the message may still be lost. */
 int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b);
+/* The open connection to member `id`, or NULL after starting a dial to it
+ * (when none is under way and its backoff allows). */
+net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id);
 /* Picks a uniformly random ALIVE peer (not self, not backed off, not
  * `exclude`, and when `donors_only` not one that said it is still joining).
  * Returns false when there is none. */
@@ -415,6 +476,22 @@ void gossip_xch_on_close(struct gossip *g, net_conn_t *c, const uint8_t *link_id
 void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* Ends the exchange in progress, nothing applied (shutting down). */
 void gossip_xch_abandon(struct gossip *g, const char *why);
+
+/* ---- ring.c: all-reduce ---- */
+
+void gossip_ring_init(struct gossip *g);
+void gossip_ring_free(struct gossip *g);
+/* RING_READY, RING_AHEAD and RING_ABORT. */
+void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+/* A ring piece begins (metadata: round `step`, ring `hash`, phase, piece):
+ * 0 with *dst and *dst_arg set, or a negative code to refuse it. */
+int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
+                              const struct net_msg *meta, float **dst, void **dst_arg);
+/* A transfer ended: true when it was a ring piece (dst_arg set by the above). */
+bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status, void *dst_arg);
+void gossip_ring_tick(struct gossip *g, uint64_t now);
+/* Ends the round in progress, nothing applied (shutting down). */
+void gossip_ring_abandon(struct gossip *g, const char *why);
 
 /* ---- donation.c ---- */
 

@@ -306,7 +306,11 @@ static void pull_tick(struct gossip *g, uint64_t now) {
     return;
   }
   uint8_t donor[NET_PUBKEY_BYTES];
-  if (!gossip_pick_peer(g, donor, NULL, true)) {
+  const struct swim_member *pm = j->have_prefer ? swim_find(&g->swim, j->prefer) : NULL;
+  j->have_prefer = false; /* asked first, once */
+  if (pm && pm->info.state == SWIM_ALIVE && pm->info.ready && !gossip_backed_off(g, pm->info.id, now)) {
+    memcpy(donor, pm->info.id, sizeof donor);
+  } else if (!gossip_pick_peer(g, donor, NULL, true)) {
     if (first_of_the_cluster(g)) {
       log_info("no peer holds a state yet and ours is the smallest key: starting from our own initialisation");
       set_pull_result(g, true);
@@ -404,41 +408,85 @@ void gossip_join_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
 
 /* ---- the training thread's wait ---- */
 
-int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
+/* Waits, under g->lock, for the pull (or, without one and unless
+ * `must_pull`, the join) to end. */
+static int pull_wait(gossip_t *g, bool must_pull, struct gossip_train_pos *pos, const atomic_int *stop,
                      struct rumor_err *e) {
   struct gossip_join *j = &g->join;
-  pthread_mutex_lock(&g->lock);
-  j->pull_buf = state_buf;
-  j->pull_wanted = g->cfg.role == GOSSIP_ROLE_PEER && state_buf != NULL;
-  int rc;
   for (;;) {
-    if (stop && *stop) {
-      rc = rumor_err_set(e, RUMOR_ECANCELED, "interrupted while joining");
-      break;
-    }
-    if (j->failed) {
-      rc = rumor_err_set(e, RUMOR_EAUTH, "%s", j->error);
-      break;
-    }
+    if (stop && *stop) return rumor_err_set(e, RUMOR_ECANCELED, "interrupted while joining");
+    if (j->failed) return rumor_err_set(e, RUMOR_EAUTH, "%s", j->error);
     if (j->pull_done) {
-      if (j->first_peer) {
-        rc = 1;
-      } else {
-        *pos = j->pull_pos;
-        rc = 0;
-      }
-      break;
+      if (j->first_peer) return 1;
+      *pos = j->pull_pos;
+      return 0;
     }
-    if (j->joined && !j->pull_wanted) {
-      rc = 1;
-      break;
-    }
+    if (j->joined && !j->pull_wanted && !must_pull) return 1;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_nsec += 100 * 1000000;
     if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
     pthread_cond_timedwait(&g->cond, &g->lock, &ts);
   }
+}
+
+int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos, const atomic_int *stop,
+                     struct rumor_err *e) {
+  struct gossip_join *j = &g->join;
+  pthread_mutex_lock(&g->lock);
+  j->pull_buf = state_buf;
+  j->pull_wanted = g->cfg.role == GOSSIP_ROLE_PEER && state_buf != NULL;
+  int rc = pull_wait(g, false, pos, stop, e);
+  pthread_mutex_unlock(&g->lock);
+  return rc;
+}
+
+struct pull_req {
+  struct gossip *g;
+  float *buf;
+  uint8_t from[NET_PUBKEY_BYTES];
+  bool have_from;
+};
+
+static void pull_on_loop(net_t *n, void *arg, int status) {
+  struct pull_req *r = arg;
+  struct gossip *g = r->g;
+  struct gossip_join *j = &g->join;
+  if (status == 0) {
+    memcpy(j->prefer, r->from, NET_PUBKEY_BYTES);
+    j->have_prefer = r->have_from;
+    j->started_ms = gossip_now_ms(g); /* the donor deadline counts from now */
+    j->pull_attempts = 0;
+    j->pull_retry_ms = 0;
+    pthread_mutex_lock(&g->lock);
+    j->pull_buf = r->buf;
+    j->pull_done = j->first_peer = false;
+    j->pull_wanted = true;
+    pthread_mutex_unlock(&g->lock);
+  }
+  free(r);
+}
+
+int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct gossip_train_pos *pos,
+                      const atomic_int *stop, struct rumor_err *e) {
+  struct gossip_join *j = &g->join;
+  pthread_mutex_lock(&g->lock);
+  bool failed = j->failed;
+  j->pull_done = false; /* the wait below must not see the last pull's result */
+  pthread_mutex_unlock(&g->lock);
+  if (failed) return rumor_err_set(e, RUMOR_EAUTH, "%s", j->error);
+  struct pull_req *r = xcalloc(1, sizeof *r);
+  r->g = g;
+  r->buf = state_buf;
+  if (from) memcpy(r->from, from, NET_PUBKEY_BYTES);
+  r->have_from = from != NULL;
+  if (net_call(g->net, pull_on_loop, r) != 0) {
+    free(r);
+    return rumor_err_set(e, RUMOR_ECANCELED, "the gossip runtime is stopping");
+  }
+  pthread_mutex_lock(&g->lock);
+  int rc = pull_wait(g, true, pos, stop, e);
+  j->pull_wanted = false;
   pthread_mutex_unlock(&g->lock);
   return rc;
 }

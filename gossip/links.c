@@ -99,15 +99,39 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
   free(d);
 }
 
+/* Starts a dial to `l` unless one is under way or its backoff holds. */
+static int dial_link(struct gossip *g, struct gossip_link *l) {
+  if (l->dialing || gossip_now_ms(g) < l->next_dial_ms) return 0;
+  struct dial_ctx *d = xmalloc(sizeof *d);
+  d->g = g;
+  memcpy(d->id, l->id, NET_PUBKEY_BYTES);
+  int rc = net_dial(g->net, l->addr, on_link_dial, d);
+  if (rc) {
+    free(d);
+    drop_queue(l);
+    l->next_dial_ms = gossip_now_ms(g) + 1000;
+    return rc;
+  }
+  l->dialing = true;
+  return 0;
+}
+
+/* The link to `id` with its address known, or NULL. */
+static struct gossip_link *addressed_link(struct gossip *g, const uint8_t *id) {
+  struct gossip_link *l = gossip_link_get(g, id, true);
+  if (!l->addr[0]) {
+    struct swim_member *m = swim_find(&g->swim, id);
+    if (!m || !m->info.addr[0]) return NULL;
+    snprintf(l->addr, sizeof l->addr, "%s", m->info.addr);
+  }
+  return l;
+}
+
 int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
   if (!g->net) return -ENOTCONN;
   struct gossip_link *l = gossip_link_get(g, id, true);
   if (l->conn) return net_conn_send_msg(l->conn, b);
-  if (!l->addr[0]) {
-    struct swim_member *m = swim_find(&g->swim, id);
-    if (!m || !m->info.addr[0]) return -EHOSTUNREACH;
-    snprintf(l->addr, sizeof l->addr, "%s", m->info.addr);
-  }
+  if (!(l = addressed_link(g, id))) return -EHOSTUNREACH;
   if (l->nqueue < GOSSIP_LINK_QUEUE) {
     size_t len;
     const uint8_t *data = net_msgbuf_data(b, &len);
@@ -116,20 +140,15 @@ int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
     memcpy(l->queue[l->nqueue], data, len);
     l->queue_len[l->nqueue++] = len;
   }
-  if (!l->dialing && gossip_now_ms(g) >= l->next_dial_ms) {
-    struct dial_ctx *d = xmalloc(sizeof *d);
-    d->g = g;
-    memcpy(d->id, id, NET_PUBKEY_BYTES);
-    int rc = net_dial(g->net, l->addr, on_link_dial, d);
-    if (rc) {
-      free(d);
-      drop_queue(l);
-      l->next_dial_ms = gossip_now_ms(g) + 1000;
-      return rc;
-    }
-    l->dialing = true;
-  }
-  return 0;
+  return dial_link(g, l);
+}
+
+net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id) {
+  if (!g->net) return NULL;
+  struct gossip_link *l = gossip_link_get(g, id, true);
+  if (l->conn) return l->conn;
+  if ((l = addressed_link(g, id))) (void)dial_link(g, l);
+  return NULL;
 }
 
 /* ---- neighbour choice ---- */

@@ -165,6 +165,9 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_PARAMS_REQ: gossip_donation_on_msg(g, c, m); return;
   case GMSG_MEMBERS_REQ:
   case GMSG_STATS_REQ: gossip_stats_on_msg(g, c, m); return;
+  case GMSG_RING_READY:
+  case GMSG_RING_AHEAD:
+  case GMSG_RING_ABORT: gossip_ring_on_msg(g, c, m); return;
   default:
     log_debug("ignoring unknown message type %llu from %s", (unsigned long long)m->type, net_conn_peer_name(c));
     return;
@@ -186,6 +189,8 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   if (net_msg_get_uint(&meta, "k", &kind) || net_msg_get_uint(&meta, "x", &xid) ||
       net_msg_get_uint(&meta, "step", &step)) {
     /* malformed */
+  } else if (kind == GBULK_RING) {
+    rc = gossip_ring_on_bulk_begin(g, c, info, &meta, dst, dst_arg);
   } else if (kind == GBULK_EXCHANGE) {
     rc = gossip_xch_on_bulk_begin(g, c, info, xid, step, dst);
   } else if (kind == GBULK_STATE && !net_msg_get_uint(&meta, "epoch", &epoch) &&
@@ -199,6 +204,7 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
 
 static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, void *dst_arg, void *ud) {
   struct gossip *g = ud;
+  if (gossip_ring_on_bulk_done(g, c, id, status, dst_arg)) return;
   if (!gossip_xch_on_bulk_done(g, c, id, status)) (void)gossip_join_on_bulk_done(g, c, id, status);
 }
 
@@ -242,6 +248,7 @@ static void on_tick(uv_timer_t *t) {
     if (gossip_joined(g)) swim_tick(&g->swim, now);
   }
   gossip_xch_tick(g, now);
+  gossip_ring_tick(g, now);
   gossip_stats_tick(g, now);
 #ifdef RUMOR_TESTING
   gossip_testing_tick(g, now);
@@ -292,6 +299,7 @@ static void free_gossip(struct gossip *g) {
   gossip_guard_free(g);
   gossip_join_free(g);
   gossip_donation_free(g);
+  gossip_ring_free(g);
   gossip_monitoring_free(g);
   swim_free(&g->swim);
   net_identity_wipe(&g->identity);
@@ -334,6 +342,7 @@ static struct gossip *make_gossip(const struct gossip_config *cfg, struct rumor_
     rc = rumor_err_set(e, -EINVAL, "a gossip peer needs its parameter count and host buffers");
   if (rc == 0) rc = gossip_monitoring_init(g, e);
   if (rc == 0) gossip_donation_init(g);
+  if (rc == 0) gossip_ring_init(g);
 #ifdef RUMOR_TESTING
   if (rc == 0) rc = gossip_testing_start(g, e);
 #endif
@@ -442,6 +451,7 @@ static void stop_on_loop(net_t *n, void *arg, int status) {
   g->stopping = true;
   gossip_metrics_stop(g);
   gossip_xch_abandon(g, "shutting down");
+  gossip_ring_abandon(g, "shutting down");
   uint64_t now = gossip_now_ms(g);
   if (gossip_joined(g)) {
     swim_leave(&g->swim, now);

@@ -337,6 +337,17 @@ void net_dtype_decode(enum net_dtype d, float *dst, const uint8_t *src, size_t n
   }
 }
 
+void net_dtype_roundtrip(enum net_dtype d, float *x, size_t n) {
+  if (d == NET_DTYPE_F32 || !net_dtype_valid(d)) return;
+  enum { STRIP = 64 * NET_I8_BLOCK }; /* whole i8 blocks, so that blocks start where a transfer's do */
+  uint8_t enc[STRIP * 4];
+  for (size_t i = 0; i < n; i += STRIP) {
+    size_t k = n - i < STRIP ? n - i : STRIP;
+    net_dtype_encode(d, enc, x + i, k);
+    net_dtype_decode(d, x + i, enc, k);
+  }
+}
+
 /* ---- the transfer digest ------------------------------------------------------ */
 
 /* digest = BLAKE2b-256(personal "rumor.bulk.tags", u64 count | u8 dtype |

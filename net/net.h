@@ -202,6 +202,10 @@ enum net_dtype { NET_DTYPE_F32 = 1, NET_DTYPE_F16 = 2, NET_DTYPE_BF16 = 3, NET_D
 uint64_t net_dtype_bytes(enum net_dtype d, uint64_t n);
 /* "f32", "f16", "bf16", "i8", or "unknown". */
 const char *net_dtype_name(enum net_dtype d);
+/* Replaces x[0..n) by what a receiver gets when they travel as one
+ * transfer in dtype `d` (encoded and decoded in place; i8 blocks start at
+ * x[0]); f32 leaves them as they are. Any thread. */
+void net_dtype_roundtrip(enum net_dtype d, float *x, size_t n);
 
 /* Why a handshake failed (counted in net_stats.hs_fail). */
 enum net_hs_fail {

@@ -139,6 +139,7 @@ struct gossip_flags {
   int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
   double interval, alpha, max_distance;
   const char *wire, *name;
+  const char *sync;                  /* --sync: "gossip" or "allreduce" */
   bool no_state_pull;
   bool clip;                         /* clipped averaging (sync.h) */
   double clip_tau, max_xch_rate, max_conn_rate;

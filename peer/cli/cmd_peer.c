@@ -92,8 +92,10 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
 /* Joins the cluster and takes a live peer's state unless we resume. */
 static int join(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
-  char spec[MODEL_SPEC_MAX];
-  model_spec_format(&t->model.spec, spec, sizeof spec);
+  char spec[MODEL_SPEC_MAX + 32];
+  model_spec_format(&t->model.spec, spec, MODEL_SPEC_MAX);
+  /* The label peers must share: gossiping and all-reducing peers never mix. */
+  if (p->mb.setup.sync.allreduce) strcat(spec, " sync=allreduce");
   int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", "", e);
   if (rc) return rc;
   struct gossip_train_pos pos;
@@ -124,6 +126,7 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
   bool first = true;
   while (!trainer_done(t) && !signals_stop_requested()) {
     int rc = trainer_step(t, e);
+    if (rc == RUMOR_ECANCELED && signals_stop_requested()) break; /* stopped inside an all-reduce */
     if (rc) return rc;
     if (first) {
       log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);

@@ -12,6 +12,7 @@ void gossip_flags_default(struct gossip_flags *f) {
   f->alpha = 0.5;
   f->max_distance = 10.0;
   f->wire = "f32";
+  f->sync = "gossip";
   f->wait_peers_ms = 60000;
   f->sketch_k = 1024;
   f->max_hold_ms = 2000;
@@ -22,6 +23,9 @@ void gossip_flags_default(struct gossip_flags *f) {
 void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
   bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   const struct arg_spec specs[] = {
+      {"sync", ARG_STR, &f->sync, "SCHEME",
+       "how replicas stay together: gossip (averaging with random partners) or allreduce (ring all-reduce of every "
+       "step's gradient, bulk-synchronous)"},
       {"gossip-every", ARG_INT, &f->every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
       {"gossip-interval", ARG_FLOAT, &f->interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
       {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
@@ -71,8 +75,25 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   return 0;
 }
 
+/* --sync: the scheme, and the gossip-only options it rules out. */
+static int setup_sync(const struct gossip_flags *f, bool *allreduce, struct rumor_err *e) {
+  *allreduce = strcmp(f->sync, "allreduce") == 0;
+  if (strcmp(f->sync, "ps") == 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--sync ps: the parameter server is not built yet; use gossip or allreduce");
+  if (!*allreduce && strcmp(f->sync, "gossip") != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--sync must be gossip or allreduce, not '%s'", f->sync);
+  if (!*allreduce) return 0;
+  const char *clash = f->max_local_steps > 0 ? "--max-local-steps" : f->clip ? "--clip" : f->interval > 0 ? "--gossip-interval" : NULL;
+  if (clash)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s is a gossip option; --sync allreduce sums every step's gradient instead",
+                         clash);
+  return 0;
+}
+
 int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) {
   memset(out, 0, sizeof *out);
+  bool allreduce;
+  if (setup_sync(f, &allreduce, e)) return RUMOR_EFORMAT;
   if (f->max_local_steps > 0 && f->every == 0 && f->interval == 0)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--max-local-steps %lld bounds the steps between exchanges, but gossip is off "
@@ -90,12 +111,15 @@ int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, s
                                    .clip = f->clip,
                                    .clip_tau = f->clip_tau,
                                    .max_local_steps = f->max_local_steps,
-                                   .max_hold_s = (double)f->max_hold_ms / 1e3};
+                                   .max_hold_s = (double)f->max_hold_ms / 1e3,
+                                   .allreduce = allreduce};
+  if (allreduce) out->sync.every_steps = 0;
   return 0;
 }
 
 void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c) {
   c->wire = s->wire;
+  c->sync = s->sync.allreduce ? GOSSIP_SYNC_ALLREDUCE : GOSSIP_SYNC_GOSSIP;
   c->alpha = (float)f->alpha;
   c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
   c->sketch_k = (int)f->sketch_k;

@@ -11,21 +11,23 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
                  const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role, const char *extra,
                  struct rumor_err *e) {
   int64_t P = t->model.nparams, S = trainer_state_floats(t);
+  /* All-reduce: the gradient and the rows it is the mean over. */
+  int64_t X = mb->setup.sync.allreduce ? P + 1 : P;
   mb->be = t->be;
-  mb->mine = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
-  mb->theirs = tensor_host_alloc(t->be, (size_t)P * sizeof(float));
+  mb->mine = tensor_host_alloc(t->be, (size_t)X * sizeof(float));
+  mb->theirs = tensor_host_alloc(t->be, (size_t)X * sizeof(float));
   mb->donor = tensor_host_alloc(t->be, (size_t)S * sizeof(float));
   if (!mb->mine || !mb->theirs || !mb->donor)
     return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB of host buffers for gossip",
-                         (double)(2 * P + S) * 4 / (1 << 20));
+                         (double)(2 * X + S) * 4 / (1 << 20));
   /* Touch every page now, before joining: otherwise the kernel faults them
    * in during the first exchange or the state pull, on the network thread
    * (measured: a 436 MB pull at 0.3 GB/s, most of it clearing fresh pages
    * inside the transfer; tests/bench/bench-join.sh). The donor buffer is
    * the pull's destination and the donations' source, so it is touched
    * too, though a peer that neither pulls nor donates never reads it. */
-  memset(mb->mine, 0, (size_t)P * sizeof(float));
-  memset(mb->theirs, 0, (size_t)P * sizeof(float));
+  memset(mb->mine, 0, (size_t)X * sizeof(float));
+  memset(mb->theirs, 0, (size_t)X * sizeof(float));
   memset(mb->donor, 0, (size_t)S * sizeof(float));
   struct gossip_config gc;
   gossip_config_default(&gc);
@@ -56,9 +58,11 @@ int member_join(struct member *mb, struct trainer *t, const struct gossip_flags 
 }
 
 int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {
+  mb->setup.sync.stop = signals_stop_flag();
   int rc = sync_init(&mb->sync, mb->g, t, &mb->setup.sync, e);
   if (rc) return rc;
   mb->have_sync = true;
+  if (mb->setup.sync.allreduce) t->reducer = (struct train_reducer){sync_allreduce, &mb->sync};
   gossip_ready(mb->g);
   return 0;
 }

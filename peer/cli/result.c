@@ -57,6 +57,21 @@ void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const stru
   json_int(b, s->longest_local);
   json_key(b, "hold_s");
   json_num(b, s->hold_s);
+  json_key(b, "sync");
+  json_str(b, s->cfg.allreduce ? "allreduce" : "gossip");
+  if (!s->cfg.allreduce) return;
+  const struct {
+    const char *key;
+    uint64_t v;
+  } ar[] = {{"allreduce_rounds", s->ar_rounds},     {"allreduce_retries", s->ar_retries},
+            {"allreduce_catchups", s->ar_catchups}, {"allreduce_skipped", s->ar_skipped},
+            {"allreduce_members", s->ar_members}};
+  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) {
+    json_key(b, ar[i].key);
+    json_int(b, (int64_t)ar[i].v);
+  }
+  json_key(b, "allreduce_s");
+  json_num(b, s->ar_wait_s);
 }
 
 void result_print(struct json_buf *b) {

@@ -149,6 +149,10 @@ struct sync_config {
    * time (0: never hold; training never waits for the network). */
   int64_t max_local_steps;
   double max_hold_s;
+  /* --sync allreduce: no exchanges; every step's gradient is summed over
+   * the ring (sync_allreduce) instead. */
+  bool allreduce;
+  const atomic_int *stop; /* polled while a round waits; may be NULL */
 };
 
 struct sync {
@@ -190,6 +194,11 @@ struct sync {
   int64_t rate_samples;
   double samples_per_s;
   double param_norm;       /* at the last sketch */
+
+  /* All-reduce (cfg.allreduce). */
+  uint64_t ar_rounds, ar_retries, ar_catchups, ar_skipped;
+  double ar_wait_s;        /* time in rounds, from the start of the first attempt to the sum */
+  size_t ar_members;       /* in the last round's ring */
 };
 
 int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg,
@@ -209,5 +218,15 @@ void sync_idle(void *arg);
  * sync_boundary. */
 void sync_hold(struct sync *s, const atomic_int *stop);
 void sync_free(struct sync *s);
+
+/* The train_reducer of --sync allreduce (`arg` is the sync): sums the
+ * step's gradient, weighted by rows, over the ring and leaves the mean over
+ * every member's rows in model.grads (returns 0). While a round is under
+ * way it serves donations and figures; a failed round is tried again with
+ * the ring re-formed from the membership; a member left behind takes the
+ * state of one ahead and drops its step (returns 1); a sum that is not
+ * finite is dropped on every member alike (returns 1, the step counted).
+ * Whole replicas only. */
+int sync_allreduce(void *arg, int64_t rows, struct rumor_err *e);
 
 #endif /* RUMOR_PEER_SYNC_H */

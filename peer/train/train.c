@@ -381,6 +381,11 @@ void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_
   train_data_start_epoch(&t->data, epoch);
 }
 
+void trainer_take_step(struct trainer *t, int64_t step) {
+  t->optim.step = step;
+  t->st.step = step;
+}
+
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   struct ckpt_info info = make_info(t);
   int rc = checkpoint_save(path, &t->model, &t->optim, &info, e);
@@ -403,18 +408,25 @@ static void stage_batch(struct trainer *t, int buf) {
   t->rows[buf] = train_data_fill(&t->data, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
 }
 
-/* Enqueues a whole replica's step on the staged batch; returns its rows. */
-static int64_t step_whole(struct trainer *t, double lr) {
+/* Enqueues a whole replica's step on the staged batch: its rows into
+ * *rows_out. Returns 0, 1 when the reducer dropped the step (train_reducer),
+ * or a negative code. */
+static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct rumor_err *e) {
   int buf = t->cur;
   if (!t->staged) stage_batch(t, buf);
   int64_t rows = t->rows[buf];
+  *rows_out = rows;
   struct model *m = &t->model;
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
+  if (t->reducer.reduce) {
+    int rc = t->reducer.reduce(t->reducer.arg, rows, e);
+    if (rc) return rc;
+  }
   clip_gradients(t);
   optim_apply(&t->optim, &m->params, &m->grads, lr);
-  return rows;
+  return 0;
 }
 
 /* A stage's step: its share of the pipelined step, then its own update. */
@@ -431,10 +443,10 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   int rc = pipeline_step(&t->pipe, t->st.step, rows, first_stage(t) ? t->xh[0] : NULL,
                          trainer_has_loss(t) ? t->yh[0] : NULL, &loss_sum, e);
   if (rc) return rc;
+  *rows_out = rows;
   clip_gradients(t);
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
-  *rows_out = rows;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
   return 0;
 }
@@ -488,9 +500,11 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   double lr = optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), loss = NAN;
   int64_t rows = 0;
   int rc;
-  if (trainer_is_stage(t) && (rc = step_stage(t, lr, &rows, &loss, e))) return rc;
-  if (!trainer_is_stage(t)) rows = step_whole(t, lr);
-  t->st.step++;
+  rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, e);
+  if (rc < 0) return rc;
+  /* Dropped (rc 1): the batch is used up, but the step count is the
+   * state's that replaced ours. */
+  if (rc == 0) t->st.step++;
   t->st.samples += rows;
   bool epoch_end = ++t->st.step_in_epoch == t->steps_per_epoch;
   if (epoch_end) {

@@ -310,8 +310,21 @@ struct train_data {
   int64_t context;
 };
 
+/* Gradients summed across processes before each update (rumor peer --sync
+ * allreduce): called after the backward pass with the step's gradient in
+ * model.grads (the mean over this process's `rows` rows). Returns 0 when
+ * model.grads holds the gradient to apply (the same on every member), 1
+ * when the step is dropped because the state was replaced (the member fell
+ * behind and took another's: parameters, optimizer state and st.step are
+ * new, trainer_take_step), or a negative code with a message. */
+struct train_reducer {
+  int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
+  void *arg;
+};
+
 struct trainer {
   struct train_config cfg;
+  struct train_reducer reducer; /* none when reduce is NULL */
   struct train_stage stage; /* copied from cfg.stage (cfg.stage points here); stages 0 for a whole replica */
   struct stage_plan plan;   /* a stage's; for a whole replica: every unit, mb_rows = batch */
   tensor_backend_t be;
@@ -394,6 +407,11 @@ void trainer_load_state(struct trainer *t, const float *state);
  * `epoch`, having trained on `samples` rows (a newcomer taking a live
  * peer's state; a stage taking stage 0's position). */
 void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_t samples);
+
+/* Takes over optimizer step `step` with a state just loaded
+ * (trainer_load_state) from a member of the same bulk-synchronous run,
+ * keeping this process's place in its own data. */
+void trainer_take_step(struct trainer *t, int64_t step);
 
 /* Saves a checkpoint of the current state to `path`. */
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -1,0 +1,575 @@
+/*
+ * All-reduce over a ring of the ready peers (gossip.h, "all-reduce").
+ *
+ * Member i of a ring of n splits the vector into n segments and each
+ * segment into `pieces` pieces. Phase p < n−1 (reduce-scatter): it sends
+ * its partial sum of segment (i − p) mod n to its successor and receives
+ * segment (i − 1 − p) from its predecessor into `out`, adding it into
+ * `acc`; after phase n−2 segment (i + 1) holds the full sum. Phases n−1 to
+ * 2n−3 (all-gather): it sends the full segments on from `out` (its own
+ * first, copied from `acc` through the wire encoding so that every member
+ * ends with the same values) and receives the others into `out`. Piece j
+ * of phase p is sent as soon as piece j of phase p − 1 arrived, so the
+ * pieces stream around the ring.
+ *
+ *   member: start ─▶ RING_READY{step, hash} to the predecessor
+ *   successor's RING_READY for the same round ─▶ pieces may go to it
+ *   every piece received and every piece sent confirmed ─▶ DONE
+ *
+ * Buffers: `acc` is read by sends of reduce-scatter phases and written by
+ * the additions of received pieces, `out` written by receives and read by
+ * all-gather sends; a region is never written while a transfer reads it
+ * (each segment is received once per half, after the sends that read it).
+ * A failed round cancels every transfer and reports FAILED only once their
+ * callbacks have all run, so the caller may rewrite `acc` at once.
+ *
+ * Loop thread, except the functions marked "training thread".
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <sodium.h>
+
+#include "gossip/gossip_impl.h"
+
+static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, NET_PUBKEY_BYTES) == 0; }
+
+static int cmp_id(const void *a, const void *b) { return memcmp(a, b, NET_PUBKEY_BYTES); }
+
+void gossip_ring_init(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  memset(r, 0, sizeof *r);
+  r->acc = g->cfg.xch_mine;
+  r->out = g->cfg.xch_theirs;
+  r->count = g->cfg.nparams + 1;
+  r->readies = xcalloc(RING_READY_MAX, sizeof *r->readies);
+}
+
+void gossip_ring_free(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  free(r->ids);
+  free(r->recv);
+  free(r->send);
+  free(r->readies);
+  memset(r, 0, sizeof *r);
+}
+
+/* ---- the training thread's side ---- */
+
+float *gossip_ar_buf(gossip_t *g) { return g->ring.acc; }
+const float *gossip_ar_result(gossip_t *g) { return g->ring.out; }
+
+static void set_status(struct gossip *g, int status) {
+  pthread_mutex_lock(&g->lock);
+  g->ring.status = status;
+  pthread_cond_broadcast(&g->cond);
+  pthread_mutex_unlock(&g->lock);
+}
+
+struct ring_start {
+  struct gossip *g;
+  uint64_t step;
+};
+static void start_on_loop(net_t *n, void *arg, int status);
+
+int gossip_ar_start(gossip_t *g, uint64_t step) {
+  RUMOR_ASSERT(g->cfg.sync == GOSSIP_SYNC_ALLREDUCE);
+  set_status(g, GOSSIP_AR_RUNNING);
+  struct ring_start *s = xmalloc(sizeof *s);
+  *s = (struct ring_start){g, step};
+  if (net_call(g->net, start_on_loop, s) != 0) {
+    free(s);
+    set_status(g, GOSSIP_AR_FAILED);
+    return RUMOR_ECANCELED;
+  }
+  return 0;
+}
+
+enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (long)(ms % 1000) * 1000000;
+  if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+  pthread_mutex_lock(&g->lock);
+  while (g->ring.status == GOSSIP_AR_RUNNING)
+    if (pthread_cond_timedwait(&g->cond, &g->lock, &ts) != 0) break;
+  int st = g->ring.status;
+  pthread_mutex_unlock(&g->lock);
+  return (enum gossip_ar_status)st;
+}
+
+void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out) {
+  pthread_mutex_lock(&g->lock);
+  *out = g->ring.info;
+  pthread_mutex_unlock(&g->lock);
+}
+
+/* ---- geometry ---- */
+
+static uint32_t phases(const struct gossip_ring *r) { return (uint32_t)(2 * (r->n - 1)); }
+static size_t wrap(const struct gossip_ring *r, long long k) {
+  long long n = (long long)r->n;
+  return (size_t)(((k % n) + n) % n);
+}
+/* Segment s's piece j: [*lo, *hi). Segments differ by at most one float
+ * in length; pieces of one segment by at most one. */
+static void piece_range(const struct gossip_ring *r, size_t s, uint32_t j, uint64_t *lo, uint64_t *hi) {
+  uint64_t s0 = r->count * s / r->n, s1 = r->count * (s + 1) / r->n, len = s1 - s0;
+  *lo = s0 + len * j / r->pieces;
+  *hi = s0 + len * (j + 1) / r->pieces;
+}
+static size_t send_segment(const struct gossip_ring *r, uint32_t p) {
+  long long i = (long long)r->me, n = (long long)r->n;
+  return p < n - 1 ? wrap(r, i - p) : wrap(r, i + 1 - (p - (n - 1)));
+}
+static size_t recv_segment(const struct gossip_ring *r, uint32_t p) {
+  long long i = (long long)r->me, n = (long long)r->n;
+  return p < n - 1 ? wrap(r, i - 1 - p) : wrap(r, i - (p - (n - 1)));
+}
+static const uint8_t *pred(const struct gossip_ring *r) { return r->ids[wrap(r, (long long)r->me - 1)]; }
+static const uint8_t *succ(const struct gossip_ring *r) { return r->ids[wrap(r, (long long)r->me + 1)]; }
+
+/* ---- membership ---- */
+
+/* Ready peers that are alive or suspect, ourselves included, sorted by key:
+ * a new array (*n entries; the caller frees it). */
+static uint8_t (*view_ring(struct gossip *g, size_t *n))[NET_PUBKEY_BYTES] {
+  uint8_t(*ids)[NET_PUBKEY_BYTES] = xmalloc((g->swim.nmembers + 1) * NET_PUBKEY_BYTES);
+  size_t k = 0;
+  memcpy(ids[k++], g->identity.pk, NET_PUBKEY_BYTES);
+  for (size_t i = 0; i < g->swim.nmembers && k < RING_MAX_MEMBERS; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || !m->info.ready) continue;
+    if (m->info.state != SWIM_ALIVE && m->info.state != SWIM_SUSPECT) continue;
+    memcpy(ids[k++], m->info.id, NET_PUBKEY_BYTES);
+  }
+  qsort(ids, k, NET_PUBKEY_BYTES, cmp_id);
+  *n = k;
+  return ids;
+}
+
+static uint64_t ring_hash(uint8_t (*ids)[NET_PUBKEY_BYTES], size_t n) {
+  uint8_t h[8];
+  crypto_generichash(h, sizeof h, (const uint8_t *)ids, n * NET_PUBKEY_BYTES, NULL, 0);
+  uint64_t v = 0;
+  for (int k = 0; k < 8; k++) v = v << 8 | h[k];
+  return v;
+}
+
+static bool in_ring(const struct gossip_ring *r, const uint8_t *id) {
+  return bsearch(id, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) != NULL;
+}
+
+static bool member_gone(struct gossip *g, const uint8_t *id) {
+  if (same_id(id, g->identity.pk)) return false;
+  const struct swim_member *m = swim_find(&g->swim, id);
+  return !m || m->info.state == SWIM_DEAD || m->info.state == SWIM_LEFT;
+}
+
+static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool create) {
+  struct gossip_ring *r = &g->ring;
+  for (size_t i = 0; i < r->nreadies; i++)
+    if (same_id(r->readies[i].id, id)) return &r->readies[i];
+  if (!create) return NULL;
+  if (r->nreadies == RING_READY_MAX) r->nreadies = 0; /* a cluster this large starts over: rounds retry */
+  struct ring_ready *e = &r->readies[r->nreadies++];
+  memcpy(e->id, id, NET_PUBKEY_BYTES);
+  return e;
+}
+
+/* ---- ending a round ---- */
+
+static void finish(struct gossip *g, int status) {
+  struct gossip_ring *r = &g->ring;
+  r->active = false;
+  pthread_mutex_lock(&g->lock);
+  r->info.step = r->step;
+  r->info.members = r->n;
+  if (status == GOSSIP_AR_DONE) {
+    r->info.rounds_done++;
+    r->info.why[0] = '\0';
+  } else {
+    r->info.rounds_failed++;
+    snprintf(r->info.why, sizeof r->info.why, "%s", r->why);
+  }
+  memcpy(r->info.ahead, r->ahead_id, NET_PUBKEY_BYTES);
+  r->info.ahead_step = r->ahead_step;
+  r->status = status;
+  pthread_cond_broadcast(&g->cond);
+  pthread_mutex_unlock(&g->lock);
+}
+
+/* A failing round ends once no transfer callback is pending. */
+static void maybe_failed(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  if (!r->active || !r->failing || r->cancelling || r->inflight) return;
+  finish(g, r->ahead_step > r->step ? GOSSIP_AR_BEHIND : GOSSIP_AR_FAILED);
+}
+
+static void send_abort(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  for (size_t i = 0; i < r->n; i++) {
+    if (i == r->me) continue;
+    struct net_msgbuf b;
+    net_msgbuf_init(&b, GMSG_RING_ABORT, GOSSIP_PROTO_VERSION);
+    net_msgbuf_put_uint(&b, "step", r->step);
+    net_msgbuf_put_uint(&b, "ring", r->hash);
+    (void)gossip_send(g, r->ids[i], &b); /* best effort: the others time out otherwise */
+    net_msgbuf_free(&b);
+  }
+}
+
+/* Fails the round in progress: every transfer canceled, the other members
+ * told (`tell`), nothing delivered. */
+static void fail(struct gossip *g, bool tell, const char *fmt, ...) RUMOR_PRINTF(3, 4);
+static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
+  struct gossip_ring *r = &g->ring;
+  if (!r->active || r->failing) return;
+  r->failing = true;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(r->why, sizeof r->why, fmt, ap);
+  va_end(ap);
+  log_info("all-reduce of step %llu over %zu members failed: %s (nothing applied)", (unsigned long long)r->step,
+           r->n, r->why);
+  r->cancelling = true;
+  uint32_t total = phases(r) * r->pieces;
+  for (uint32_t k = 0; k < total; k++) {
+    if (r->send[k].state == RING_IO_BUSY) (void)net_conn_cancel_send(r->send[k].conn, r->send[k].id);
+    if (r->recv[k].state == RING_IO_BUSY) (void)net_conn_cancel_recv(r->recv[k].conn, r->recv[k].id);
+  }
+  r->cancelling = false;
+  if (tell) send_abort(g);
+  maybe_failed(g);
+}
+
+void gossip_ring_abandon(struct gossip *g, const char *why) { fail(g, false, "%s", why); }
+
+static void maybe_done(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  if (!r->active || r->failing || r->recv_left || r->send_left) return;
+  r->pos = r->step + 1;
+  log_debug("all-reduce of step %llu over %zu members done in %llu ms", (unsigned long long)r->step, r->n,
+            (unsigned long long)(gossip_now_ms(g) - r->started_ms));
+  finish(g, GOSSIP_AR_DONE);
+}
+
+/* ---- sending ---- */
+
+struct send_ctx {
+  struct gossip *g;
+  uint64_t gen;
+  uint32_t k;
+};
+
+static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
+  struct send_ctx *sc = arg;
+  struct gossip *g = sc->g;
+  struct gossip_ring *r = &g->ring;
+  uint32_t k = sc->k;
+  bool current = r->active && sc->gen == r->gen && r->send[k].state == RING_IO_BUSY && r->send[k].id == id;
+  free(sc);
+  if (!current) return;
+  r->inflight--;
+  if (status) {
+    r->send[k].state = RING_IO_NONE;
+    fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
+    maybe_failed(g);
+    return;
+  }
+  r->send[k].state = RING_IO_DONE;
+  r->send_left--;
+  maybe_done(g);
+}
+
+/* True when piece j of phase p may be sent: its data is final here. */
+static bool sendable(const struct gossip_ring *r, uint32_t p, uint32_t j) {
+  return p == 0 || r->recv[(p - 1) * r->pieces + j].state == RING_IO_DONE;
+}
+
+static int send_piece(struct gossip *g, uint32_t p, uint32_t j) {
+  struct gossip_ring *r = &g->ring;
+  uint64_t lo, hi;
+  piece_range(r, send_segment(r, p), j, &lo, &hi);
+  bool gather = p >= r->n - 1;
+  if (p == r->n - 1) {
+    /* Our own fully reduced piece: into `out` as the others will receive
+     * it, through the wire encoding. */
+    memcpy(r->out + lo, r->acc + lo, (hi - lo) * sizeof(float));
+    net_dtype_roundtrip(g->cfg.wire, r->out + lo, hi - lo);
+  }
+  struct net_msgbuf meta;
+  net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&meta, "k", GBULK_RING);
+  net_msgbuf_put_uint(&meta, "x", r->hash);
+  net_msgbuf_put_uint(&meta, "step", r->step);
+  net_msgbuf_put_uint(&meta, "p", p);
+  net_msgbuf_put_uint(&meta, "j", j);
+  net_msgbuf_put_uint(&meta, "a", r->succ_nonce);
+  size_t mlen;
+  const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
+  struct send_ctx *sc = xmalloc(sizeof *sc);
+  uint32_t k = p * r->pieces + j;
+  *sc = (struct send_ctx){g, r->gen, k};
+  struct net_bulk_send s = {.src = (gather ? r->out : r->acc) + lo, .count = hi - lo, .wire = g->cfg.wire,
+                            .no_digest = true, .meta = mdata, .meta_len = mlen, .done = on_piece_sent, .arg = sc};
+  int rc = net_conn_send_bulk(r->send_conn, &s, &r->send[k].id);
+  net_msgbuf_free(&meta);
+  if (rc) {
+    free(sc);
+    return rc;
+  }
+  r->send[k].state = RING_IO_BUSY;
+  r->send[k].conn = r->send_conn;
+  r->inflight++;
+  return 0;
+}
+
+/* Sends every piece whose data is ready, once the successor is ready and
+ * connected. */
+static void pump(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  if (!r->active || r->failing || !r->succ_ready) return;
+  if (!r->send_conn) {
+    r->send_conn = gossip_link_conn(g, succ(r));
+    if (!r->send_conn) return; /* dialing: the tick tries again */
+  }
+  for (uint32_t p = 0; p < phases(r); p++)
+    for (uint32_t j = 0; j < r->pieces; j++) {
+      if (r->send[p * r->pieces + j].state != RING_IO_NONE || !sendable(r, p, j)) continue;
+      int rc = send_piece(g, p, j);
+      if (rc) {
+        fail(g, true, "cannot send to the next member: %s", rumor_strerror(rc));
+        return;
+      }
+    }
+}
+
+/* ---- receiving ---- */
+
+int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
+                              const struct net_msg *meta, float **dst, void **dst_arg) {
+  struct gossip_ring *r = &g->ring;
+  uint64_t hash, step, p, j, nonce;
+  if (net_msg_get_uint(meta, "x", &hash) || net_msg_get_uint(meta, "step", &step) || net_msg_get_uint(meta, "p", &p) ||
+      net_msg_get_uint(meta, "j", &j) || net_msg_get_uint(meta, "a", &nonce))
+    return RUMOR_EPROTO;
+  /* Only the predecessor's pieces of the current attempt at the current
+   * round (the nonce of our RING_READY), each once. */
+  if (!r->active || r->failing || step != r->step || hash != r->hash || nonce != r->nonce ||
+      !same_id(net_conn_peer_key(c), pred(r)) || p >= phases(r) || j >= r->pieces)
+    return -ECONNREFUSED;
+  uint32_t k = (uint32_t)p * r->pieces + (uint32_t)j;
+  uint64_t lo, hi;
+  piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, &lo, &hi);
+  if (r->recv[k].state != RING_IO_NONE || info->count != hi - lo) return -ECONNREFUSED;
+  r->recv[k] = (struct ring_io){RING_IO_BUSY, info->id, c};
+  r->inflight++;
+  *dst = r->out + lo;
+  *dst_arg = (void *)(uintptr_t)(k + 1);
+  return 0;
+}
+
+bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status, void *dst_arg) {
+  struct gossip_ring *r = &g->ring;
+  if (!dst_arg) return false;
+  uint32_t k = (uint32_t)((uintptr_t)dst_arg - 1);
+  if (!r->active || k >= phases(r) * r->pieces || r->recv[k].state != RING_IO_BUSY || r->recv[k].id != id ||
+      r->recv[k].conn != c)
+    return true; /* a ring piece of a round already ended */
+  r->inflight--;
+  if (status) {
+    r->recv[k].state = RING_IO_NONE;
+    fail(g, true, "receiving from %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
+    maybe_failed(g);
+    return true;
+  }
+  uint32_t p = k / r->pieces, j = k % r->pieces;
+  if (p < r->n - 1) {
+    /* Reduce-scatter: add the predecessor's partial sum into ours. */
+    uint64_t lo, hi;
+    piece_range(r, recv_segment(r, p), j, &lo, &hi);
+    for (uint64_t x = lo; x < hi; x++) r->acc[x] += r->out[x];
+  }
+  r->recv[k].state = RING_IO_DONE;
+  r->recv_left--;
+  pump(g);
+  maybe_done(g);
+  return true;
+}
+
+/* ---- starting a round ---- */
+
+static void send_ready(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_RING_READY, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "step", r->step);
+  net_msgbuf_put_uint(&b, "ring", r->hash);
+  net_msgbuf_put_uint(&b, "n", r->n);
+  net_msgbuf_put_uint(&b, "a", r->nonce);
+  int rc = gossip_send(g, pred(r), &b);
+  net_msgbuf_free(&b);
+  if (rc) fail(g, false, "cannot reach the previous member: %s", rumor_strerror(rc));
+}
+
+static void start_round(struct gossip *g, uint64_t step) {
+  struct gossip_ring *r = &g->ring;
+  RUMOR_ASSERT(!r->active);
+  r->gen++;
+  r->step = step;
+  if (step > r->pos) r->pos = step;
+  free(r->ids);
+  r->ids = view_ring(g, &r->n);
+  r->me = (size_t)((uint8_t(*)[NET_PUBKEY_BYTES])bsearch(g->identity.pk, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) -
+                   r->ids);
+  r->nonce = rng_next_u64(&g->rng);
+  r->hash = ring_hash(r->ids, r->n);
+  r->active = true;
+  r->failing = false;
+  r->why[0] = '\0';
+  r->started_ms = gossip_now_ms(g);
+  r->deadline_ms = r->started_ms + g->cfg.exchange_timeout_ms;
+  if (r->ahead_step > step) {
+    /* Someone already completed this step: its round will never come. */
+    fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - step));
+    return;
+  }
+  if (r->n == 1) {
+    memcpy(r->out, r->acc, r->count * sizeof(float));
+    r->recv_left = r->send_left = 0;
+    maybe_done(g);
+    return;
+  }
+  uint64_t seg = (r->count + r->n - 1) / r->n;
+  r->pieces = (uint32_t)((seg + RING_PIECE_FLOATS - 1) / RING_PIECE_FLOATS);
+  RUMOR_ASSERT(r->count / r->n >= r->pieces); /* no empty piece */
+  uint32_t total = phases(r) * r->pieces;
+  free(r->recv);
+  free(r->send);
+  r->recv = xcalloc(total, sizeof *r->recv);
+  r->send = xcalloc(total, sizeof *r->send);
+  r->recv_left = r->send_left = total;
+  r->inflight = 0;
+  r->send_conn = NULL;
+  const struct ring_ready *sr = ready_of(g, succ(r), false);
+  r->succ_ready = sr && sr->step == step && sr->hash == r->hash;
+  if (r->succ_ready) r->succ_nonce = sr->nonce;
+  send_ready(g);
+  pump(g);
+}
+
+static void start_on_loop(net_t *n, void *arg, int status) {
+  struct ring_start *s = arg;
+  struct gossip *g = s->g;
+  uint64_t step = s->step;
+  free(s);
+  if (status || g->stopping) {
+    if (!status) set_status(g, GOSSIP_AR_FAILED);
+    return;
+  }
+  start_round(g, step);
+}
+
+/* ---- messages ---- */
+
+/* `from`, not in our round or in another view of it, said RING_READY. */
+static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t step, uint64_t hash,
+                     uint64_t nonce) {
+  struct gossip_ring *r = &g->ring;
+  struct ring_ready *e = ready_of(g, from, true);
+  e->step = step;
+  e->hash = hash;
+  e->nonce = nonce;
+  if (step < r->pos) {
+    /* We completed that step: it waits for a round that will not come. */
+    struct net_msgbuf b;
+    net_msgbuf_init(&b, GMSG_RING_AHEAD, GOSSIP_PROTO_VERSION);
+    net_msgbuf_put_uint(&b, "step", r->pos);
+    if (net_conn_send_msg(c, &b)) log_debug("cannot answer %s", net_conn_peer_name(c));
+    net_msgbuf_free(&b);
+    return;
+  }
+  if (!r->active || r->failing || step != r->step) return;
+  if (hash == r->hash) {
+    if (same_id(from, succ(r))) {
+      r->succ_ready = true;
+      r->succ_nonce = nonce; /* a new attempt: pieces already sent to the old one fail, and we start over */
+      pump(g);
+    }
+    return;
+  }
+  /* Another ring for the same step: when our own view now agrees with it,
+   * the membership changed since our round began, and ours is the stale one. */
+  size_t n;
+  uint8_t(*ids)[NET_PUBKEY_BYTES] = view_ring(g, &n);
+  uint64_t now_hash = ring_hash(ids, n);
+  free(ids);
+  if (now_hash == hash) fail(g, true, "the membership changed: the ring re-forms with %zu members", n);
+}
+
+void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  struct gossip_ring *r = &g->ring;
+  const uint8_t *from = net_conn_peer_key(c);
+  uint64_t step, hash = 0, nonce = 0;
+  if (net_msg_get_uint(m, "step", &step) || (m->type != GMSG_RING_AHEAD && net_msg_get_uint(m, "ring", &hash)) ||
+      (m->type == GMSG_RING_READY && net_msg_get_uint(m, "a", &nonce))) {
+    log_warn("malformed all-reduce message from %s; dropping the connection", net_conn_peer_name(c));
+    net_conn_close(c);
+    return;
+  }
+  if (g->cfg.sync != GOSSIP_SYNC_ALLREDUCE || !atomic_load(&g->ready)) return;
+  switch (m->type) {
+  case GMSG_RING_READY: on_ready(g, c, from, step, hash, nonce); return;
+  case GMSG_RING_AHEAD:
+    if (step <= r->pos || step <= r->ahead_step) return;
+    r->ahead_step = step;
+    memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+    /* The predecessor moved on: what we still wait for from it never comes. */
+    if (r->active && !r->failing && step > r->step && same_id(from, pred(r)) && r->recv_left)
+      fail(g, true, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
+    return;
+  default: /* GMSG_RING_ABORT */
+    if (r->active && !r->failing && step == r->step && hash == r->hash && in_ring(r, from))
+      fail(g, false, "%s gave the round up", net_conn_peer_name(c));
+    return;
+  }
+}
+
+/* ---- the tick ---- */
+
+void gossip_ring_tick(struct gossip *g, uint64_t now) {
+  struct gossip_ring *r = &g->ring;
+  if (!r->active || r->failing) return;
+  if (now >= r->deadline_ms) {
+    fail(g, true, "timed out after %u ms", g->cfg.exchange_timeout_ms);
+    return;
+  }
+  char who[200];
+  if (r->recv_left && member_gone(g, pred(r))) {
+    gossip_member_label(g, pred(r), who, sizeof who);
+    fail(g, true, "the previous member %s is gone", who);
+    return;
+  }
+  if ((r->send_left || !r->succ_ready) && member_gone(g, succ(r))) {
+    gossip_member_label(g, succ(r), who, sizeof who);
+    fail(g, true, "the next member %s is gone", who);
+    return;
+  }
+  /* A ready peer outside the ring (a newcomer, or a member back from a
+   * failure verdict): the ring re-forms with it. */
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || !m->info.ready || m->info.state != SWIM_ALIVE || in_ring(r, m->info.id))
+      continue;
+    gossip_member_label(g, m->info.id, who, sizeof who);
+    fail(g, true, "%s is ready: the ring re-forms with it", who);
+    return;
+  }
+  pump(g);
+}

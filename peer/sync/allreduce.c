@@ -1,0 +1,105 @@
+/* --sync allreduce: the training thread's side of the ring (gossip.h,
+ * "all-reduce"), as a train_reducer. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "peer/sync/sync.h"
+
+static bool stopped(const struct sync *s) { return s->cfg.stop && atomic_load(s->cfg.stop); }
+
+/* Sleeps about `secs` while serving donations and figures. */
+static void idle_for(struct sync *s, double secs) {
+  double end = clock_now_s() + secs;
+  while (clock_now_s() < end && !stopped(s)) {
+    const struct timespec tick = {0, 2 * 1000000};
+    nanosleep(&tick, NULL);
+    sync_idle(s);
+  }
+}
+
+/* Our contribution: the gradient times our rows, and the rows. */
+static void fill_contribution(struct sync *s, int64_t rows) {
+  struct trainer *t = s->t;
+  int64_t P = t->model.nparams;
+  float *buf = gossip_ar_buf(s->g);
+  tensor_copy_to_host(&t->model.grads, 0, buf, (size_t)P * sizeof(float));
+  float w = (float)rows;
+  for (int64_t i = 0; i < P; i++) buf[i] *= w;
+  buf[P] = w;
+}
+
+/* The sum arrived: the mean gradient into model.grads. Returns 0, or 1 when
+ * it is not finite (every member sees the same sum and drops the step). */
+static int take_sum(struct sync *s) {
+  struct trainer *t = s->t;
+  int64_t P = t->model.nparams;
+  const float *sum = gossip_ar_result(s->g);
+  double rows = sum[P];
+  bool finite = isfinite(rows) && rows >= 1;
+  for (int64_t i = 0; finite && i < P; i++) finite = isfinite(sum[i]);
+  if (!finite) {
+    log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
+             (long long)t->st.step, rows);
+    s->ar_skipped++;
+    trainer_take_step(t, t->st.step + 1);
+    return 1;
+  }
+  tensor_copy_from_host(&t->model.grads, 0, sum, (size_t)P * sizeof(float));
+  tensor_scale(&t->model.grads, (float)(1.0 / rows));
+  return 0;
+}
+
+/* Left behind: takes the state of a member that completed our step. */
+static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct rumor_err *e) {
+  struct trainer *t = s->t;
+  char ahead[NET_PUBKEY_STR_LEN + 1];
+  net_pubkey_format(ahead, info->ahead);
+  log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
+           (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
+  struct gossip_train_pos pos;
+  float *buf = gossip_donor_buf(s->g); /* free: we donate only from sync_idle, not while pulling */
+  int rc = gossip_state_pull(s->g, info->ahead, buf, &pos, s->cfg.stop, e);
+  if (rc < 0) return rc;
+  if (rc == 1) return 0; /* nobody left to take it from: go on with ours */
+  trainer_load_state(t, buf);
+  trainer_take_step(t, (int64_t)pos.step);
+  s->ar_catchups++;
+  log_info("all-reduce: now at step %llu; our step's gradient is dropped", (unsigned long long)pos.step);
+  return 1;
+}
+
+int sync_allreduce(void *arg, int64_t rows, struct rumor_err *e) {
+  struct sync *s = arg;
+  struct trainer *t = s->t;
+  double t0 = clock_now_s();
+  for (unsigned attempt = 0;; attempt++) {
+    if (stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped during the all-reduce of step %lld",
+                                         (long long)t->st.step);
+    fill_contribution(s, rows); /* again on every attempt: a failed round leaves partial sums */
+    int rc = gossip_ar_start(s->g, (uint64_t)t->st.step);
+    if (rc) return rumor_err_set(e, rc, "the gossip runtime stopped during an all-reduce");
+    enum gossip_ar_status st;
+    while ((st = gossip_ar_wait(s->g, 5)) == GOSSIP_AR_RUNNING) sync_idle(s);
+    struct gossip_ar_info info;
+    gossip_ar_info(s->g, &info);
+    if (st == GOSSIP_AR_DONE) {
+      s->ar_rounds++;
+      s->ar_members = info.members;
+      s->ar_wait_s += clock_now_s() - t0;
+      return take_sum(s);
+    }
+    if (st == GOSSIP_AR_BEHIND) {
+      rc = catch_up(s, &info, e);
+      if (rc) {
+        s->ar_wait_s += clock_now_s() - t0;
+        return rc;
+      }
+    }
+    /* Failed (a member failed, joined or left; views differ): try again
+     * once the membership has had time to settle, backing off a little. */
+    s->ar_retries++;
+    idle_for(s, 0.01 * (attempt < 10 ? attempt + 1 : 10));
+  }
+}

@@ -1,0 +1,203 @@
+/* `rumor peer --sync allreduce` as users run it: peers as separate
+ * processes on 127.0.0.1 sum every step's gradient over a ring. One step on
+ * N members equals one step of a single process on their N batches
+ * together; a member that is SIGSTOPped or killed is dropped and the ring
+ * re-forms without it; a newcomer pulls the state and enters the ring; and
+ * every member that finishes holds the same parameters. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "peer/train/train.h"
+#include "peer/train/train_impl.h"
+#include "../support/ckpt_params.h"
+#include "../support/fmnist.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(allreduce, .init = setup, .fini = teardown, .timeout = 240);
+
+#define MODEL "mlp:784-32-10"
+
+static float *load_params(const char *path, int64_t *n) {
+  struct checkpoint ck;
+  struct rumor_err e;
+  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
+  float *p = ckpt_params_copy(&ck, n);
+  checkpoint_close(&ck);
+  return p;
+}
+
+static void expect_clean_exit(int i) {
+  int st = cluster_wait(&C, i, 180);
+  cr_assert(proc_exited_with(st, 0), "peer %d did not finish cleanly (status %d): %s", i, st,
+            proc_slurp(C.node[i].log));
+}
+
+/* Every checkpoint in idx[0..n) holds exactly the same parameters. */
+static void expect_same_params(const int *idx, int n) {
+  int64_t P0, P;
+  float *a = load_params(C.node[idx[0]].ckpt, &P0);
+  for (int k = 1; k < n; k++) {
+    float *b = load_params(C.node[idx[k]].ckpt, &P);
+    cr_assert_eq(P, P0);
+    int64_t diff = 0;
+    for (int64_t j = 0; j < P; j++) diff += a[j] != b[j];
+    cr_assert_eq(diff, 0, "peer %d's parameters differ from peer %d's in %lld of %lld values", idx[k], idx[0],
+                 (long long)diff, (long long)P);
+    free(b);
+  }
+  free(a);
+}
+
+static int start_member(const char *shard, const char *max_steps, const char *wait_peers) {
+  return cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", shard, "--max-steps", max_steps,
+                            "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", wait_peers, "--checkpoint",
+                            C.node[C.n].ckpt, NULL);
+}
+
+/* The first step of a single process with `cfg` on the rows of every
+ * member's first batch (shards 0/n .. n−1/n, batch b each), concatenated. */
+static float *single_step_on_all_batches(int n, int64_t b, int64_t *P) {
+  struct train_config cfg;
+  train_config_default(&cfg);
+  cfg.model = MODEL;
+  cfg.batch = b;
+  cfg.max_steps = 1;
+  cfg.seed = 7;
+  cfg.threads = 1;
+  cfg.eval_each_epoch = false;
+  cfg.log_every_s = 0;
+  struct rumor_err e;
+  struct trainer one;
+  cfg.shard = (struct shard){0, 1};
+  cfg.batch = n * b;
+  cr_assert_eq(trainer_init(&one, &cfg, &e), 0, "%s", e.msg);
+  size_t xrow = one.data.x_bytes_per_row;
+  for (int i = 0; i < n; i++) {
+    struct trainer m;
+    cfg.shard = (struct shard){i, n};
+    cfg.batch = b;
+    cr_assert_eq(trainer_init(&m, &cfg, &e), 0, "%s", e.msg);
+    int64_t got = train_data_fill(&m.data, 0, b, (char *)one.xh[one.cur] + (size_t)(i * b) * xrow,
+                                  one.yh[one.cur] + i * b * one.data.y_per_row);
+    cr_assert_eq(got, b);
+    trainer_free(&m);
+  }
+  one.rows[one.cur] = n * b;
+  one.staged = true;
+  cr_assert_eq(trainer_step(&one, &e), 0, "%s", e.msg);
+  *P = one.model.nparams;
+  float *out = malloc((size_t)*P * sizeof(float));
+  tensor_copy_to_host(&one.model.params, 0, out, (size_t)*P * sizeof(float));
+  trainer_free(&one);
+  return out;
+}
+
+Test(allreduce, one_step_on_three_members_equals_one_step_on_their_three_batches_together) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[3];
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    peer[i] = start_member(shard[i], "1", "3");
+  }
+  for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_rounds"), 1);
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_members"), 3);
+  }
+  expect_same_params(peer, 3);
+  int64_t P, Q;
+  float *ring = load_params(C.node[peer[0]].ckpt, &P);
+  float *single = single_step_on_all_batches(3, 16, &Q);
+  cr_assert_eq(P, Q);
+  /* Summed in another order, so equal to rounding. */
+  double d2 = 0, s2 = 0;
+  for (int64_t j = 0; j < P; j++) {
+    double d = (double)ring[j] - single[j];
+    d2 += d * d;
+    s2 += (double)single[j] * single[j];
+  }
+  double rel = sqrt(d2 / s2);
+  fprintf(stderr, "ring step vs single step on the 48 rows: relative difference %.3g\n", rel);
+  cr_assert(rel < 1e-6, "the ring's step differs from the single process's by %.3g (relative)", rel);
+  free(ring);
+  free(single);
+}
+
+/* A SIGSTOPped member stalls the ring until it is declared failed; then the
+ * others go on without it and finish together. */
+Test(allreduce, a_sigstopped_member_is_dropped_after_the_failure_timeout) {
+  SKIP_WITHOUT_DATA();
+  char *timing[] = {"--suspect-ms", "1000", NULL};
+  cluster_start_bootstrap(&C, timing);
+  int peer[3];
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    peer[i] = start_member(shard[i], "600", "3");
+  }
+  for (int i = 0; i < 3; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+  usleep(300 * 1000);
+  kill(C.node[peer[2]].pid, SIGSTOP);
+  double t0 = cluster_now();
+  for (int i = 0; i < 2; i++) expect_clean_exit(peer[i]);
+  double took = cluster_now() - t0;
+  kill(C.node[peer[2]].pid, SIGKILL);
+  for (int i = 0; i < 2; i++) {
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_members"), 2, "peer %d's last ring", i);
+    cr_assert_eq(cluster_result(&C, peer[i], "steps"), 600);
+    cr_assert(cluster_log_has(&C, peer[i], "failed"), "peer %d logged no failed round", i);
+  }
+  fprintf(stderr, "the two others finished %.1f s after the SIGSTOP\n", took);
+  expect_same_params(peer, 2);
+}
+
+Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
+  SKIP_WITHOUT_DATA();
+  char *timing[] = {"--suspect-ms", "1000", NULL};
+  cluster_start_bootstrap(&C, timing);
+  int peer[4];
+  peer[0] = start_member("0/3", "1500", "3");
+  peer[1] = start_member("1/3", "1500", "3");
+  peer[2] = start_member("2/3", "1500", "3");
+  for (int i = 0; i < 3; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+  usleep(300 * 1000);
+  kill(C.node[peer[2]].pid, SIGKILL);
+  cr_assert(cluster_wait_file(C.node[peer[0]].log, "failed", 30), "no round failed after the kill");
+  /* A newcomer: it pulls the state, enters the ring, and all finish at the
+   * same step with the same parameters. */
+  peer[3] = start_member("2/3", "1500", "1");
+  cr_assert(cluster_wait_file(C.node[peer[3]].log, "starting from the cluster's state at step", 60),
+            "the newcomer did not take the state: %s", proc_slurp(C.node[peer[3]].log));
+  int alive[3] = {peer[0], peer[1], peer[3]};
+  for (int i = 0; i < 3; i++) expect_clean_exit(alive[i]);
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(cluster_result(&C, alive[i], "allreduce_members"), 3, "member %d's last ring", alive[i]);
+    cr_assert_eq(cluster_result(&C, alive[i], "steps"), 1500);
+  }
+  cr_assert(cluster_log_has(&C, peer[0], "the ring re-forms") || cluster_log_has(&C, peer[1], "the ring re-forms"),
+            "the newcomer did not re-form the ring");
+  expect_same_params(alive, 3);
+}
+
+Test(allreduce, bad_combinations_are_usage_errors) {
+  char *ps[] = {"peer", "--sync", "ps", NULL};
+  cluster_expect_exit(&C, ps, 2, "parameter server");
+  char *bad[] = {"peer", "--sync", "ring", NULL};
+  cluster_expect_exit(&C, bad, 2, "--sync must be gossip or allreduce, not 'ring'");
+  char *clip[] = {"peer", "--sync", "allreduce", "--clip", NULL};
+  cluster_expect_exit(&C, clip, 2, "--clip is a gossip option");
+  char *group[] = {"group", "--sync", "allreduce", "--stages", "2", NULL};
+  cluster_expect_exit(&C, group, 2, "--sync allreduce is for whole replicas");
+}
