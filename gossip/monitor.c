@@ -362,6 +362,11 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
       !OPT(net_msg_get_uint(msg, "x_bytes_in", &nr->exchange_bytes_in)))
     return RUMOR_EPROTO;
   copy_str(msg, "model", nr->model, sizeof nr->model);
+  copy_str(msg, "sync", nr->sync, sizeof nr->sync);
+  nr->round = nr->ring_members = nr->rounds_failed = 0;
+  if (!OPT(net_msg_get_uint(msg, "round", &nr->round)) || !OPT(net_msg_get_uint(msg, "ring_n", &nr->ring_members)) ||
+      !OPT(net_msg_get_uint(msg, "ar_failed", &nr->rounds_failed)))
+    return RUMOR_EPROTO;
   copy_str(msg, "last_failure", nr->last_failure, sizeof nr->last_failure);
   char role[sizeof nr->role];
   copy_str(msg, "role", role, sizeof role);

@@ -62,6 +62,12 @@ struct gossip_node_report {
    * (gossip_stats; 0 before the first, or from a node too old to say). */
   uint64_t exchange_bytes_out, exchange_bytes_in;
   uint64_t members;
+  /* How it keeps its replica together: "gossip" or "allreduce" (empty for
+   * a bootstrap node or one too old to say); for all-reduce, the steps it
+   * has completed through the ring, its last ring's size and the rounds
+   * that failed. */
+  char sync[16];
+  uint64_t round, ring_members, rounds_failed;
   bool have_train; /* the training figures below are set */
   int64_t step, epoch, samples;
   double loss, samples_per_s, param_norm;

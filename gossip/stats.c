@@ -207,6 +207,17 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_uint(&b, "donations", gs.donations);
   net_msgbuf_put_uint(&b, "x_bytes_out", gs.exchange_bytes_sent);
   net_msgbuf_put_uint(&b, "x_bytes_in", gs.exchange_bytes_received);
+  if (g->cfg.role == GOSSIP_ROLE_PEER) {
+    bool ar = g->cfg.sync == GOSSIP_SYNC_ALLREDUCE;
+    net_msgbuf_put_str(&b, "sync", ar ? "allreduce" : "gossip", ar ? 9 : 6);
+    if (ar) {
+      net_msgbuf_put_uint(&b, "round", g->ring.pos); /* the loop's own field: we are on the loop thread */
+      pthread_mutex_lock(&g->lock);
+      net_msgbuf_put_uint(&b, "ring_n", g->ring.info.members);
+      net_msgbuf_put_uint(&b, "ar_failed", g->ring.info.rounds_failed);
+      pthread_mutex_unlock(&g->lock);
+    }
+  }
   pthread_mutex_lock(&g->lock);
   uint64_t now = clock_now_ns() / 1000000;
   if (g->mon.have_stats) {
@@ -369,6 +380,17 @@ static void metrics_text(struct gossip *g, struct text *t) {
   if (gs.last_exchange_age_s >= 0) {
     metric(t, "rumor_last_exchange_age_seconds", "gauge", "Time since the last applied exchange.");
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);
+  }
+  if (g->cfg.sync == GOSSIP_SYNC_ALLREDUCE) {
+    pthread_mutex_lock(&g->lock);
+    struct gossip_ar_info ar = g->ring.info;
+    pthread_mutex_unlock(&g->lock);
+    metric(t, "rumor_allreduce_rounds_total", "counter", "All-reduce rounds completed.");
+    tprintf(t, "rumor_allreduce_rounds_total %llu\n", (unsigned long long)ar.rounds_done);
+    metric(t, "rumor_allreduce_rounds_failed_total", "counter", "All-reduce rounds that failed (and were tried again).");
+    tprintf(t, "rumor_allreduce_rounds_failed_total %llu\n", (unsigned long long)ar.rounds_failed);
+    metric(t, "rumor_allreduce_ring_members", "gauge", "Members in the last all-reduce round's ring.");
+    tprintf(t, "rumor_allreduce_ring_members %zu\n", ar.members);
   }
   pthread_mutex_lock(&g->lock);
   if (g->mon.have_stats) {

@@ -122,6 +122,11 @@ static void json_node(struct json_buf *b, const struct gossip_node_report *nd) {
   kv_int(b, "exchange_bytes_out", (int64_t)nd->exchange_bytes_out);
   kv_int(b, "exchange_bytes_in", (int64_t)nd->exchange_bytes_in);
   kv_int(b, "members", (int64_t)nd->members);
+  kv_str(b, "sync", nd->sync);
+  bool ar = strcmp(nd->sync, "allreduce") == 0;
+  kv_int_or_null(b, "round", ar, (int64_t)nd->round);
+  kv_int_or_null(b, "ring_members", ar, (int64_t)nd->ring_members);
+  kv_int_or_null(b, "rounds_failed", ar, (int64_t)nd->rounds_failed);
   kv_num(b, "stats_age_s", nd->reachable ? nd->stats_age_s : NAN);
   kv_int(b, "sketch_k", nd->sketch_k);
   if (nd->params || nd->params_error[0]) {
@@ -211,12 +216,15 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
   fprintf(f, "  mean loss %s\n", fmt_num(a, sizeof a, "%.4f", mean_loss));
   fprintf(f, "Ξ history %s\n", spark);
   if (r->drift_note[0]) fprintf(f, "note: %s\n", r->drift_note);
-  fprintf(f, "\n%-10s %-21s %-9s %-7s %8s %5s %8s %9s %7s %6s %7s %8s %8s %8s %8s %4s %9s\n", "ID", "ADDRESS", "ROLE",
-          "STATE", "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST", "XCHG-IN", "XCHG-OUT", "IN", "OUT",
+  fprintf(f, "\n%-10s %-21s %-9s %-7s %-9s %8s %8s %5s %8s %9s %7s %6s %7s %8s %8s %8s %8s %4s %9s\n", "ID", "ADDRESS",
+          "ROLE", "STATE", "SYNC", "ROUND", "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST", "XCHG-IN", "XCHG-OUT", "IN", "OUT",
           "MEMB", "NORM");
   for (size_t i = 0; i < r->n; i++) {
     const struct gossip_node_report *nd = &r->nodes[i];
-    fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s ", nd->id, nd->addr, nd->role, nd->state);
+    char round[24] = "-";
+    if (strcmp(nd->sync, "allreduce") == 0) snprintf(round, sizeof round, "%llu", (unsigned long long)nd->round);
+    fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s %-9.9s %8s ", nd->id, nd->addr, nd->role, nd->state,
+            nd->sync[0] ? nd->sync : "-", round);
     if (!nd->reachable) {
       const char *why = nd->error;
       if (strncmp(why, "unreachable: ", 13) == 0) why += 13;

@@ -201,3 +201,39 @@ Test(allreduce, bad_combinations_are_usage_errors) {
   char *group[] = {"group", "--sync", "allreduce", "--stages", "2", NULL};
   cluster_expect_exit(&C, group, 2, "--sync allreduce is for whole replicas");
 }
+
+/* `rumor top` names each member's scheme and the round it is at. */
+Test(allreduce, top_shows_the_scheme_and_the_round_of_each_member) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  peer[0] = start_member("0/2", "100000", "2");
+  peer[1] = start_member("1/2", "100000", "2");
+  for (int i = 0; i < 2; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+  usleep(500 * 1000);
+  char id[300];
+  snprintf(id, sizeof id, "%s/top.key", C.dir);
+  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, id);
+  char *json[] = {"top", "--bootstrap", C.boot, "--cluster-key", C.key, "--identity", id, "--once", "--json", NULL};
+  char *out, *err;
+  int st = cluster_run(&C, json, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor top failed: %s", err);
+  int members = 0;
+  for (const char *p = out; (p = strstr(p, "\"sync\":\"allreduce\"")); p++) {
+    members++;
+    const char *r = strstr(p, "\"round\":");
+    cr_assert_not_null(r);
+    long round = strtol(r + 8, NULL, 10);
+    cr_assert_gt(round, 0, "a member at round %ld: %s", round, out);
+    const char *n = strstr(p, "\"ring_members\":");
+    cr_assert_eq(strtol(n + 15, NULL, 10), 2, "%s", out);
+  }
+  cr_assert_eq(members, 2, "top should show two all-reduce members: %s", out);
+  free(out), free(err);
+  char *table[] = {"top", "--bootstrap", C.boot, "--cluster-key", C.key, "--identity", id, "--once", NULL};
+  st = cluster_run(&C, table, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor top failed: %s", err);
+  cr_assert(strstr(out, "SYNC") && strstr(out, "ROUND") && strstr(out, "allreduce"), "%s", out);
+  free(out), free(err);
+}
