@@ -7,6 +7,7 @@ void train_flags_default(struct train_flags *f) {
   struct train_config cfg;
   train_config_default(&cfg);
   memset(f, 0, sizeof *f);
+  f->slowdown = 1;
   f->model = "mlp:784-512-256-10";
   f->data = cfg.data_dir;
   f->device = cfg.device;
@@ -53,6 +54,8 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"weight-decay", ARG_FLOAT, &f->weight_decay, "X", "weight decay", 0, 1e6},
       {"schedule", ARG_STR, &f->schedule, "NAME", "learning-rate schedule: cosine or constant"},
       {"warmup", ARG_INT, &f->warmup, "N", "linear warm-up steps", 0, 1e15},
+      {"slowdown", ARG_FLOAT, &f->slowdown, "X",
+       "simulate a slower machine: each step takes X times its compute time (a straggler in benchmarks)", 1, 1000},
       {"grad-clip", ARG_FLOAT, &f->grad_clip, "X", "clip the gradients' global norm to X before each update; a pipeline stage clips its own "
        "slice's norm (0: off)",
        0, 1e12},
@@ -124,6 +127,7 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->eval_batches = f->eval_batches;
   cfg->val_fraction = f->val_fraction;
   cfg->grad_clip = f->grad_clip;
+  cfg->slowdown = f->slowdown;
   cfg->init_from = f->init_from;
   if (f->resume && f->init_from)
     return rumor_err_set(e, RUMOR_EFORMAT, "--resume and --init-from exclude each other (a resumed run has its weights)");

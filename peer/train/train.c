@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -421,7 +422,9 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct ru
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
   if (t->reducer.reduce) {
+    double r0 = clock_now_s();
     int rc = t->reducer.reduce(t->reducer.arg, rows, e);
+    t->reduce_s += clock_now_s() - r0;
     if (rc) return rc;
   }
   clip_gradients(t);
@@ -488,6 +491,15 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
   return 0;
 }
 
+/* --slowdown: stretches a step that computed for `compute_s` seconds to
+ * slowdown times that, as on a slower machine (the network's share, the
+ * reducer's wait, is not stretched). */
+static void straggle(struct trainer *t, double compute_s) {
+  double s = (t->cfg.slowdown - 1) * (compute_s > 0 ? compute_s : 0);
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
 int trainer_step(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(!trainer_done(t));
   if (!t->started) {
@@ -498,6 +510,8 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->samples_at_start = t->st.samples;
   }
   double lr = optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), loss = NAN;
+  double c0 = clock_now_s();
+  t->reduce_s = 0;
   int64_t rows = 0;
   int rc;
   rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, e);
@@ -519,6 +533,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     if (t->staged) stage_batch(t, t->cur);
     loss = model_mean_loss(&t->model, rows); /* waits for the device */
   }
+  if (t->cfg.slowdown > 1) straggle(t, clock_now_s() - c0 - t->reduce_s);
   if (trainer_has_loss(t)) {
     t->last_loss = loss;
     t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;

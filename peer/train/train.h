@@ -242,6 +242,8 @@ struct train_config {
   int64_t eval_batches;    /* batches of the evaluation set each evaluation reads (0: all of it) */
   int64_t eval_every;      /* steps between evaluations (0: at epoch ends only, when eval_each_epoch) */
   double grad_clip;        /* global gradient norm clipped to this before each update (0: off) */
+  double slowdown;         /* >= 1: each step takes this many times its compute time (a simulated straggler;
+                            * 0 or 1: full speed) */
   const char *device;      /* "auto", "cpu", "cuda", "cuda:N" */
   int threads;             /* CPU threads (0: all cores) */
   struct shard shard;
@@ -355,6 +357,7 @@ struct trainer {
   double *epoch_losses;  /* loss_avg at the end of each epoch this run trained (where the loss is) */
   int64_t nepoch_losses, epoch_losses_cap;
   double t_start, t_last_log;
+  double reduce_s;      /* of the current step: time in the reducer (not stretched by --slowdown) */
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
