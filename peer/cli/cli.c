@@ -17,6 +17,7 @@ static const struct subcommand commands[] = {
     {"eval", cmd_eval, "evaluate a checkpoint on a test set"},
     {"sample", cmd_sample, "continue a prompt with a language-model checkpoint"},
     {"peer", cmd_peer, "train as a member of a gossip cluster"},
+    {"ps", cmd_ps, "run a parameter server for workers of `rumor peer --sync ps`"},
     {"group", cmd_group, "train as a model-parallel peer group of S stage processes"},
     {"bootstrap", cmd_bootstrap, "run a bootstrap node that newcomers dial first"},
     {"top", cmd_top, "watch a cluster: every member's figures and the drift between replicas"},

@@ -139,7 +139,8 @@ struct gossip_flags {
   int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
   double interval, alpha, max_distance;
   const char *wire, *name;
-  const char *sync;                  /* --sync: "gossip" or "allreduce" */
+  const char *sync;                  /* --sync: "gossip", "allreduce" or "ps" */
+  const char *servers;               /* --servers A,B,...: the parameter servers of --sync ps */
   bool no_state_pull;
   bool clip;                         /* clipped averaging (sync.h) */
   double clip_tau, max_xch_rate, max_conn_rate;
@@ -148,6 +149,7 @@ struct gossip_flags {
 
 /* What the gossip flags decide beyond their ranges, checked. */
 struct gossip_setup {
+  bool ps; /* --sync ps: a worker of parameter servers, not a gossip member (cmd_ps.c) */
   enum net_dtype wire;
   struct sync_config sync;
   struct cpu_list train_cpus, net_cpus;
@@ -265,6 +267,14 @@ int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_top(int argc, char **argv);
+/* Parameter servers (cmd_ps.c): `rumor ps` runs one; `rumor peer --sync
+ * ps` is a worker, which cmd_peer hands to ps_worker_check (at parse time:
+ * the options a worker does not take) and ps_worker_run (the whole run). */
+int cmd_ps(int argc, char **argv);
+int ps_worker_check(const struct net_flags *nf, const struct gossip_flags *gf, struct rumor_err *e) RUMOR_MUST_CHECK;
+int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                  const struct gossip_flags *gf, const struct gossip_setup *setup,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Model-parallel mode: `rumor group` starts a peer group's stages on one
  * host; `rumor peer --group G --stage s/S` is one stage (cmd_peer hands such
  * a command line to cmd_stage). */

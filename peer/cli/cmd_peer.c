@@ -67,7 +67,8 @@ static int parse(struct peer_proc *p, int argc, char **argv, bool *done) {
   log_set_json(p->tf.log_json);
   if (p->gf.name) log_set_name(p->gf.name);
   struct rumor_err e = {0};
-  if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, &p->mb.setup, &e)) {
+  if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, &p->mb.setup, &e) ||
+      (p->mb.setup.ps && ps_worker_check(&p->nf, &p->gf, &e))) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     *done = true;
     return 2;
@@ -165,8 +166,10 @@ int cmd_peer(int argc, char **argv) {
   if (done) return status;
   struct rumor_err e = {0};
   int rc = prepare(p, &e);
-  if (rc == 0) rc = join(p, &e);
-  if (rc == 0) rc = run(p, &e);
+  /* A worker of parameter servers is no gossip member: it talks to the
+   * servers only (cmd_ps.c). */
+  if (rc == 0 && p->mb.setup.ps) rc = ps_worker_run(&p->t, &p->nf, &p->keys, &p->gf, &p->mb.setup, &e);
+  else if (rc == 0 && (rc = join(p, &e)) == 0) rc = run(p, &e);
   status = rc == 0 ? 0 : rc == RUMOR_EFORMAT ? 2 : 1;
   if (rc) fprintf(stderr, "rumor peer: %s\n", e.msg);
   member_free(&p->mb, p->nf.linger_ms);

@@ -24,8 +24,10 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
   bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   const struct arg_spec specs[] = {
       {"sync", ARG_STR, &f->sync, "SCHEME",
-       "how replicas stay together: gossip (averaging with random partners) or allreduce (ring all-reduce of every "
-       "step's gradient, bulk-synchronous)"},
+       "how replicas stay together: gossip (averaging with random partners), allreduce (ring all-reduce of every "
+       "step's gradient, bulk-synchronous) or ps (parameter servers: --servers)"},
+      {"servers", ARG_STR, &f->servers, "A,B,...",
+       "--sync ps: the parameter servers' addresses, in range order (rumor ps --range I/S)"},
       {"gossip-every", ARG_INT, &f->every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
       {"gossip-interval", ARG_FLOAT, &f->interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
       {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
@@ -75,25 +77,30 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   return 0;
 }
 
-/* --sync: the scheme, and the gossip-only options it rules out. */
-static int setup_sync(const struct gossip_flags *f, bool *allreduce, struct rumor_err *e) {
+/* --sync: the scheme, and the options it rules out. */
+static int setup_sync(const struct gossip_flags *f, bool *allreduce, bool *ps, struct rumor_err *e) {
   *allreduce = strcmp(f->sync, "allreduce") == 0;
-  if (strcmp(f->sync, "ps") == 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--sync ps: the parameter server is not built yet; use gossip or allreduce");
-  if (!*allreduce && strcmp(f->sync, "gossip") != 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--sync must be gossip or allreduce, not '%s'", f->sync);
-  if (!*allreduce) return 0;
+  *ps = strcmp(f->sync, "ps") == 0;
+  if (!*allreduce && !*ps && strcmp(f->sync, "gossip") != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--sync must be gossip, allreduce or ps, not '%s'", f->sync);
+  if (*ps && (!f->servers || !*f->servers))
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--sync ps needs --servers A,B,...: the parameter servers' addresses, in range order");
+  if (!*ps && f->servers)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--servers is for --sync ps (parameter servers), not --sync %s", f->sync);
+  if (!*allreduce && !*ps) return 0;
   const char *clash = f->max_local_steps > 0 ? "--max-local-steps" : f->clip ? "--clip" : f->interval > 0 ? "--gossip-interval" : NULL;
   if (clash)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s is a gossip option; --sync allreduce sums every step's gradient instead",
-                         clash);
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s is a gossip option; --sync %s %s instead", clash, f->sync,
+                         *ps ? "pushes every step's gradient to the parameter servers" : "sums every step's gradient");
   return 0;
 }
 
 int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) {
   memset(out, 0, sizeof *out);
-  bool allreduce;
-  if (setup_sync(f, &allreduce, e)) return RUMOR_EFORMAT;
+  bool allreduce, ps;
+  if (setup_sync(f, &allreduce, &ps, e)) return RUMOR_EFORMAT;
+  out->ps = ps;
   if (f->max_local_steps > 0 && f->every == 0 && f->interval == 0)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--max-local-steps %lld bounds the steps between exchanges, but gossip is off "
@@ -113,7 +120,7 @@ int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, s
                                    .max_local_steps = f->max_local_steps,
                                    .max_hold_s = (double)f->max_hold_ms / 1e3,
                                    .allreduce = allreduce};
-  if (allreduce) out->sync.every_steps = 0;
+  if (allreduce || ps) out->sync.every_steps = 0;
   return 0;
 }
 
