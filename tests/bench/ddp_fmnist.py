@@ -8,9 +8,17 @@ tests/bench/bench-ddp.sh (issue #15: rumor's 4 gossiping peers against DDP).
 
 Prints one JSON line per rank at the end:
   {"rank":0,"test_accuracy":0.8977,"steps":4690,"seconds":61.2}
+and, with --eval-every N, rank 0's test accuracy every N steps:
+  {"rank":0,"eval":true,"step":400,"t":12.5,"test_accuracy":0.84}
+(t: seconds since the first step). tests/bench/bench-sync.sh also uses it as
+the all-reduce anchor: --hidden sets the layers, --slowdown X makes rank
+--straggler's steps X times as long, and --rank R --master HOST:PORT runs
+one rank alone (the others elsewhere, e.g. in test hosts' namespaces).
 
 usage: ddp_fmnist.py --data DIR [--world 4] [--epochs 10] [--batch 32]
-                     [--lr 0.05] [--threads 1] [--seed 1]
+                     [--lr 0.05] [--threads 1] [--seed 1] [--hidden 512,256]
+                     [--eval-every N] [--slowdown X --straggler R]
+                     [--rank R --master HOST:PORT]
 """
 import argparse
 import gzip
@@ -52,15 +60,24 @@ def load(data_dir):
     return norm(xs), torch.from_numpy(ys.astype(np.int64)), norm(xt), torch.from_numpy(yt.astype(np.int64))
 
 
-def worker(rank, args, port):
+def evaluate(model, xt, yt):
+    with torch.no_grad():
+        return (model(xt).argmax(1) == yt).float().mean().item()
+
+
+def worker(rank, args, master):
     torch.set_num_threads(args.threads)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master.rsplit(":", 1)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     xs, ys, xt, yt = load(args.data)
     g = torch.Generator().manual_seed(args.seed)
     shard = torch.randperm(len(xs), generator=g).chunk(args.world)[rank]
     torch.manual_seed(args.seed)  # the same initial model on every rank (DDP also broadcasts rank 0's)
-    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    widths = [784] + [int(h) for h in args.hidden.split(",") if h] + [10]
+    layers = []
+    for i in range(len(widths) - 1):
+        layers += [nn.Linear(widths[i], widths[i + 1])] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+    model = nn.Sequential(*layers)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     per_epoch = len(shard) // args.batch
@@ -73,15 +90,21 @@ def worker(rank, args, port):
         order = shard[torch.randperm(len(shard), generator=g)]
         for i in range(per_epoch):
             idx = order[i * args.batch:(i + 1) * args.batch]
+            c0 = time.time()
             loss = F.cross_entropy(ddp(xs[idx]), ys[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             step += 1
+            if rank == args.straggler and args.slowdown > 1:
+                time.sleep((args.slowdown - 1) * (time.time() - c0))
+            if args.eval_every and rank == 0 and step % args.eval_every == 0:
+                print(json.dumps({"rank": 0, "eval": True, "step": step, "t": round(time.time() - t0, 3),
+                                  "test_accuracy": round(evaluate(model, xt, yt), 4)}, separators=(",", ":")),
+                      flush=True)
     seconds = time.time() - t0
-    with torch.no_grad():
-        acc = (model(xt).argmax(1) == yt).float().mean().item()
+    acc = evaluate(model, xt, yt)
     print(json.dumps({"rank": rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2)},
                      separators=(",", ":")),
           flush=True)
@@ -97,12 +120,23 @@ def main():
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hidden", default="512,256")
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--slowdown", type=float, default=1.0)
+    ap.add_argument("--straggler", type=int, default=-1)
+    ap.add_argument("--rank", type=int, default=-1)
+    ap.add_argument("--master", default="")
     args = ap.parse_args()
+    if args.rank >= 0:
+        if not args.master:
+            sys.exit("ddp_fmnist.py: --rank needs --master HOST:PORT")
+        worker(args.rank, args, args.master)
+        return
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.world, join=True)
+    mp.spawn(worker, args=(args, "127.0.0.1:%d" % port), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,343 @@
+#!/bin/sh
+# The data-parallel schemes head to head (issue #16, item 4): N workers, the
+# same model (mlp:784-256-10), data (each worker 1/N of Fashion-MNIST),
+# batch, SGD, schedule and total samples, under four conditions:
+#
+#   clean      every worker on 127.0.0.1
+#   straggler  worker N's steps take twice as long (rumor --slowdown 2, the
+#              anchors the same)
+#   slow       every worker on its own test host (deploy/testnet.sh: network
+#              namespaces), each host's traffic delayed 10 ms (20 ms RTT) and
+#              limited to 200 Mbit/s
+#   killed     worker N is SIGKILLed when worker 1 is half-way
+#
+# Schemes: gossip (rumor peer), gossip-mls (gossip with --max-local-steps 4),
+# allreduce (rumor peer --sync allreduce), ps0 / ps4 / psasp (two `rumor ps`
+# servers, each holding half the parameters, with --staleness 0, 4, none;
+# workers rumor peer --sync ps),
+# ddp (PyTorch DDP, gloo all-reduce every step: tests/bench/ddp_fmnist.py on
+# Debian's PyTorch) and hivemind (hivemind.Optimizer with local updates,
+# tests/bench/hivemind_fmnist.py in a virtual environment that
+# tests/bench/hivemind-venv.sh makes from PyPI; skipped with the reason when
+# it cannot be made).
+#
+# For each run: the time from the first step until every worker still
+# running has reached TARGET test accuracy (evaluations every ~1/10 of the
+# run), the final accuracy (mean and lowest over the workers that
+# finished), the wall time and how many workers finished. Then the
+# expectation, stated before measuring: gossip reaches the target at least
+# 1.3 times sooner than all-reduce under the straggler and on slow links,
+# and finishes where all-reduce cannot when a worker dies; all-reduce may win
+# on a clean fast link. A CSV of every evaluation (for
+# tests/bench/plot_sync.py, which draws accuracy against time, one line per
+# scheme and one panel per condition) goes to $OUT (default
+# bench-sync.csv).
+#
+#   tests/bench/bench-sync.sh [BUILD_DIR]
+#
+#   env: N (4), EPOCHS (2), BATCH (32), LR (0.05), TARGET (0.84),
+#        CONDITIONS ("clean straggler slow killed"),
+#        SCHEMES ("gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind"),
+#        RUN_TIMEOUT (600 s a run), OUT (bench-sync.csv), VENV (the Hivemind
+#        environment, default ~/.cache/rumor-bench/hivemind)
+set -eu
+src=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$src/build}
+rumor=$build/peer/rumor
+py=/usr/bin/python3
+n=${N:-4}
+epochs=${EPOCHS:-2}
+batch=${BATCH:-32}
+lr=${LR:-0.05}
+target=${TARGET:-0.84}
+conditions=${CONDITIONS:-clean straggler slow killed}
+schemes=${SCHEMES:-gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind}
+run_timeout=${RUN_TIMEOUT:-600}
+out_csv=${OUT:-bench-sync.csv}
+venv=${VENV:-$HOME/.cache/rumor-bench/hivemind}
+data=/usr/share/datasets/fashion-mnist
+model=mlp:784-256-10
+hidden=256
+[ -x "$rumor" ] || { echo "build first: $rumor is missing" >&2; exit 1; }
+per_epoch=$(((60000 / n + batch - 1) / batch)) # batches per epoch, the last one short, as rumor counts
+steps=$((per_epoch * epochs))
+eval_every=$((steps / 10))
+half=$((steps / 2))
+work=$(mktemp -d)
+pids=""
+net_up=false
+cleanup() {
+  for p in $pids; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if $net_up; then TESTNET_NAME=rbs "$src/deploy/testnet.sh" down >/dev/null 2>&1 || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+echo "bench-sync.sh: $n workers, $model, batch $batch, $epochs epochs ($steps steps each), target $target;" \
+  "$(nproc) CPUs ($(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo AVX2))" >&2
+echo "condition,scheme,worker,t,accuracy" > "$out_csv"
+: > "$work/table"
+
+now() { date +%s.%N; }
+# Seconds of the day of a log line's "HH:MM:SS.mmm" stamp.
+log_secs() { awk '{split($1, a, ":"); print a[1] * 3600 + a[2] * 60 + a[3]}'; }
+day_secs() { date +%H:%M:%S.%N | log_secs; }
+
+# The host (1..n) a worker runs on under condition $1; "" on loopback.
+wrap() { if [ "$1" = slow ]; then echo "$src/deploy/testnet.sh exec $2"; fi; }
+addr() { if [ "$1" = slow ]; then echo "10.77.0.$2"; else echo 127.0.0.1; fi; }
+
+# Waits for every PID in $1, SIGKILLing those still running after
+# RUN_TIMEOUT seconds.
+wait_all() {
+  # shellcheck disable=SC2016,SC2086
+  (trap 'kill $s 2>/dev/null; exit 0' TERM; sleep "$run_timeout" & s=$!; wait $s; kill -9 $1 2>/dev/null) &
+  watchdog=$!
+  for p in $1; do wait "$p" 2>/dev/null || true; done
+  kill "$watchdog" 2>/dev/null || true
+}
+
+# killed: SIGKILLs $2 once file $1 shows a step at or past half the run.
+killer() {
+  while :; do
+    s=$(sed -n 's/.*step \([0-9]*\): train loss.*/\1/p' "$1" 2>/dev/null | tail -1)
+    [ -n "$s" ] && [ "$s" -ge "$half" ] && break
+    kill -0 "$2" 2>/dev/null || return 0
+    sleep 0.2
+  done
+  kill -9 "$2" 2>/dev/null || true
+}
+
+# One rumor run: condition $1, scheme $2, extra peer flags in $3.
+run_rumor() {
+  cond=$1 scheme=$2 extra=$3 d=$work/$1-$2
+  mkdir -p "$d"
+  "$rumor" keygen --cluster -o "$d/cluster.key" >/dev/null 2>&1
+  for i in $(seq 0 "$n"); do "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1; done
+  h1=$(wrap "$cond" 1)
+  # shellcheck disable=SC2086
+  $h1 "$rumor" bootstrap --listen "$(addr "$cond" 1):0" --cluster-key "$d/cluster.key" --identity "$d/id0.key" \
+    > "$d/boot.out" 2> "$d/boot.log" &
+  boot_pid=$!
+  pids="$pids $boot_pid"
+  for _ in $(seq 1 100); do grep -q '"listen"' "$d/boot.out" 2>/dev/null && break; sleep 0.1; done
+  boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$d/boot.out")
+  run_pids=""
+  for i in $(seq 1 "$n"); do
+    slow=""
+    [ "$cond" = straggler ] && [ "$i" -eq "$n" ] && slow="--slowdown 2"
+    hi=$(wrap "$cond" "$i")
+    # shellcheck disable=SC2086
+    $hi "$rumor" peer --bootstrap "$boot" --cluster-key "$d/cluster.key" --identity "$d/id$i.key" \
+      --listen "$(addr "$cond" "$i"):0" --shard "$((i - 1))/$n" --model "$model" --epochs "$epochs" \
+      --batch "$batch" --lr "$lr" --threads 1 --eval-every "$eval_every" --log-every 0 --wait-peers "$n" \
+      --name "w$i" $slow $extra > "$d/w$i.out" 2> "$d/w$i.log" &
+    run_pids="$run_pids $!"
+    pids="$pids $!"
+  done
+  last=$!
+  [ "$cond" = killed ] && killer "$d/w1.log" "$last" &
+  wait_all "$run_pids"
+  kill "$boot_pid" 2>/dev/null || true
+  collect "$cond" "$scheme" "$d"
+}
+
+# The evaluations (seconds since worker 1's first step, accuracy) of the
+# rumor workers' logs in $3 into the CSV, and the run's row.
+collect() {
+  cond=$1 scheme=$2 d=$3
+  t0=$(grep -m1 "first step" "$d/w1.log" | log_secs)
+  for i in $(seq 1 "$n"); do
+    grep -E "step [0-9]+: train loss .* test accuracy|epoch .* done at step .* test accuracy" "$d/w$i.log" |
+      awk -v t0="$t0" -v c="$cond" -v s="$scheme" -v w="$i" '{
+        split($1, a, ":"); t = a[1] * 3600 + a[2] * 60 + a[3] - t0; if (t < 0) t += 86400
+        for (k = 1; k <= NF; k++) if ($k == "accuracy") acc = $(k + 1)
+        sub(/,$/, "", acc); printf "%s,%s,%d,%.3f,%s\n", c, s, w, t, acc }' >> "$out_csv"
+  done
+  finished=0 accs=""
+  for i in $(seq 1 "$n"); do
+    a=$(sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' "$d/w$i.out")
+    [ -n "$a" ] && finished=$((finished + 1)) && accs="$accs $a"
+  done
+  t1=$(for i in $(seq 1 "$n"); do tail -1 "$d/w$i.log"; done | log_secs | sort -n | tail -1)
+  report "$cond" "$scheme" "$finished" "$accs" "$(echo "$t1 $t0" | awk '{t = $1 - $2; if (t < 0) t += 86400; print t}')"
+}
+
+# One parameter-server run: condition $1, scheme $2, --staleness $3; two
+# servers (on hosts 1 and 2 under slow links), each holding half the
+# parameters.
+run_ps() {
+  cond=$1 scheme=$2 stale=$3 d=$work/$1-$2
+  mkdir -p "$d"
+  "$rumor" keygen --cluster -o "$d/cluster.key" >/dev/null 2>&1
+  servers="" srv_pids=""
+  for s in 1 2; do
+    "$rumor" keygen -o "$d/s$s.key" >/dev/null 2>&1
+    # shellcheck disable=SC2086
+    $(wrap "$cond" "$s") "$rumor" ps --listen "$(addr "$cond" "$s"):0" --cluster-key "$d/cluster.key" \
+      --identity "$d/s$s.key" --model "$model" --lr "$lr" --epochs "$epochs" --range "$((s - 1))/2" \
+      --staleness "$stale" --workers "$n" --checkpoint "$d/s$s.safetensors" --checkpoint-every 1000000 \
+      > "$d/s$s.out" 2> "$d/s$s.log" &
+    srv_pids="$srv_pids $!"
+    pids="$pids $!"
+    for _ in $(seq 1 100); do grep -q '"listen"' "$d/s$s.out" 2>/dev/null && break; sleep 0.1; done
+    servers="$servers${servers:+,}$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$d/s$s.out")"
+  done
+  run_pids=""
+  for i in $(seq 1 "$n"); do
+    "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1
+    slow=""
+    [ "$cond" = straggler ] && [ "$i" -eq "$n" ] && slow="--slowdown 2"
+    # shellcheck disable=SC2086
+    $(wrap "$cond" "$i") "$rumor" peer --sync ps --servers "$servers" --cluster-key "$d/cluster.key" \
+      --identity "$d/id$i.key" --shard "$((i - 1))/$n" --model "$model" --epochs "$epochs" --batch "$batch" \
+      --lr "$lr" --threads 1 --eval-every "$eval_every" --log-every 0 --name "w$i" $slow \
+      > "$d/w$i.out" 2> "$d/w$i.log" &
+    run_pids="$run_pids $!"
+    pids="$pids $!"
+  done
+  last=$!
+  [ "$cond" = killed ] && killer "$d/w1.log" "$last" &
+  wait_all "$run_pids"
+  for p in $srv_pids; do kill "$p" 2>/dev/null || true; done
+  collect "$cond" "$scheme" "$d"
+}
+
+# One DDP run (condition $1).
+run_ddp() {
+  cond=$1 d=$work/$1-ddp
+  mkdir -p "$d"
+  strag=""
+  [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
+  common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
+  run_pids=""
+  if [ "$cond" = slow ]; then
+    for i in $(seq 1 "$n"); do
+      # shellcheck disable=SC2086
+      $(wrap slow "$i") "$py" "$src/tests/bench/ddp_fmnist.py" $common --rank "$((i - 1))" \
+        --master "10.77.0.1:29500" > "$d/r$i.out" 2> "$d/r$i.err" &
+      run_pids="$run_pids $!"
+      pids="$pids $!"
+    done
+  else
+    # shellcheck disable=SC2086
+    "$py" "$src/tests/bench/ddp_fmnist.py" $common $strag > "$d/r1.out" 2> "$d/r1.err" &
+    run_pids=$!
+    pids="$pids $!"
+    if [ "$cond" = killed ]; then
+      # The last rank's process: mp.spawn's children, in start order.
+      sleep 1
+      victim=""
+      while [ -z "$victim" ] && kill -0 "$run_pids" 2>/dev/null; do
+        victim=$(pgrep -P "$run_pids" -f spawn_main 2>/dev/null | sort -n | tail -1 || true)
+        sleep 0.2
+      done
+      (while :; do
+        s=$(sed -n 's/.*"step":\([0-9]*\).*/\1/p' "$d/r1.out" 2>/dev/null | tail -1)
+        [ -n "$s" ] && [ "$s" -ge "$half" ] && break
+        kill -0 "$run_pids" 2>/dev/null || exit 0
+        sleep 0.2
+      done; kill -9 "$victim" 2>/dev/null) &
+    fi
+  fi
+  t0=$(now)
+  wait_all "$run_pids"
+  t1=$(now)
+  cat "$d"/r*.out > "$d/all.out"
+  grep '"eval":true' "$d/all.out" |
+    sed -n 's/.*"t":\([0-9.]*\),"test_accuracy":\([0-9.]*\).*/\1 \2/p' |
+    awk -v c="$cond" '{printf "%s,ddp,1,%s,%s\n", c, $1, $2}' >> "$out_csv"
+  accs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' | tr '\n' ' ')
+  finished=$(echo "$accs" | wc -w)
+  secs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"seconds":\([0-9.]*\).*/\1/p' | sort -n | tail -1)
+  [ -n "$secs" ] || secs=$(echo "$t1 $t0" | awk '{print $1 - $2}')
+  report "$cond" ddp "$finished" "$accs" "$secs"
+}
+
+run_hivemind() {
+  cond=$1 d=$work/$1-hivemind
+  mkdir -p "$d"
+  if [ ! -f "$src/tests/bench/hivemind_fmnist.py" ] || ! "$src/tests/bench/hivemind-venv.sh" "$venv" > "$d/venv.log" 2>&1
+  then
+    why=$(tail -1 "$d/venv.log" 2>/dev/null || echo "tests/bench/hivemind_fmnist.py is missing")
+    printf '%-10s %-11s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
+    return 0
+  fi
+  case $cond in
+  slow) printf '%-10s %-11s skipped: not run in test hosts yet\n' "$cond" hivemind >> "$work/table"; return 0 ;;
+  killed) printf '%-10s %-11s skipped: its launcher ends the run when a worker dies\n' "$cond" hivemind >> "$work/table"
+    return 0 ;;
+  esac
+  strag=""
+  [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
+  # shellcheck disable=SC2086
+  "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" --data "$data" --world "$n" --epochs "$epochs" \
+    --batch "$batch" --lr "$lr" --hidden "$hidden" --eval-every "$eval_every" $strag > "$d/all.out" 2> "$d/err" &
+  p=$!
+  pids="$pids $p"
+  wait_all "$p"
+  grep '"eval":true' "$d/all.out" |
+    sed -n 's/.*"t":\([0-9.]*\),"test_accuracy":\([0-9.]*\).*/\1 \2/p' |
+    awk -v c="$cond" '{printf "%s,hivemind,1,%s,%s\n", c, $1, $2}' >> "$out_csv"
+  accs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' | tr '\n' ' ')
+  secs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"seconds":\([0-9.]*\).*/\1/p' | sort -n | tail -1)
+  report "$cond" hivemind "$(echo "$accs" | wc -w)" "$accs" "${secs:-nan}"
+}
+
+# A table row: condition, scheme, workers finished, their accuracies, wall s.
+report() {
+  tt=$(awk -F, -v c="$1" -v s="$2" -v target="$target" '
+    $1 == c && $2 == s && $5 >= target && !($3 in first) {first[$3] = $4}
+    END {m = -1; for (w in first) if (first[w] > m) m = first[w]; if (m < 0) print "-"; else printf "%.1f", m}' \
+    "$out_csv")
+  stats=$(echo "$4" | awk '{lo = 2; s = 0; for (i = 1; i <= NF; i++) {s += $i; if ($i < lo) lo = $i}
+    if (NF) printf "%.4f %.4f", s / NF, lo; else print "- -"}')
+  # shellcheck disable=SC2086
+  printf '%-10s %-11s %9s %9s %9s %9.1f %6s\n' "$1" "$2" "$tt" $stats "$5" "$3/$n" >> "$work/table"
+  echo "  $1 $2: time to $target ${tt} s, accuracy $stats, $5 s, $3/$n finished" >&2
+}
+
+for cond in $conditions; do
+  if [ "$cond" = slow ]; then
+    if ! "$src/deploy/testnet.sh" check 2>"$work/why"; then
+      printf '%-10s %-11s skipped: %s\n' slow all "$(cat "$work/why")" >> "$work/table"
+      continue
+    fi
+    TESTNET_NAME=rbs TESTNET_OWNER=$$ "$src/deploy/testnet.sh" up "$n" >/dev/null
+    net_up=true
+    export TESTNET_NAME=rbs
+    "$src/deploy/testnet.sh" shape all delay 10 rate 200 >/dev/null
+  fi
+  for scheme in $schemes; do
+    case $scheme in
+    gossip) run_rumor "$cond" gossip "" ;;
+    gossip-mls) run_rumor "$cond" gossip-mls "--max-local-steps 4" ;;
+    allreduce) run_rumor "$cond" allreduce "--sync allreduce" ;;
+    ps0) run_ps "$cond" ps0 0 ;;
+    ps4) run_ps "$cond" ps4 4 ;;
+    psasp) run_ps "$cond" psasp none ;;
+    ddp) run_ddp "$cond" ;;
+    hivemind) run_hivemind "$cond" ;;
+    *) echo "bench-sync.sh: unknown scheme $scheme" >&2; exit 2 ;;
+    esac
+  done
+  if [ "$cond" = slow ]; then
+    "$src/deploy/testnet.sh" down >/dev/null 2>&1 || true
+    net_up=false
+    unset TESTNET_NAME
+  fi
+done
+
+printf '\n%-10s %-11s %9s %9s %9s %9s %6s\n' condition scheme "to $target" "acc mean" "acc min" "wall s" "done"
+cat "$work/table"
+# The expectation: gossip / all-reduce time to target.
+awk -v target="$target" '
+  $2 == "gossip" && $3 != "-" {g[$1] = $3} $2 == "allreduce" && $3 != "-" {a[$1] = $3}
+  $2 == "allreduce" {ad[$1] = $7} $2 == "gossip" {gd[$1] = $7}
+  END {
+    printf "\n"
+    for (c in g) if (c in a) printf "%-10s all-reduce / gossip time to %s: %.2f%s\n", c, target, a[c] / g[c],
+      (c == "straggler" || c == "slow") ? (a[c] / g[c] >= 1.3 ? " (expected >= 1.3: met)" : " (expected >= 1.3: NOT met)") : ""
+    if ("killed" in gd) printf "killed     gossip finished %s workers, all-reduce %s\n", gd["killed"], ad["killed"]
+  }' "$work/table"
+echo "evaluations: $out_csv (plot: $py tests/bench/plot_sync.py $out_csv docs/bench-sync.svg)"
