@@ -240,6 +240,7 @@ enum { RING_IO_NONE = 0, RING_IO_BUSY = 1, RING_IO_DONE = 2 };
 struct ring_ready {
   uint8_t id[NET_PUBKEY_BYTES];
   uint64_t step, hash, nonce;
+  bool answered; /* told RING_AHEAD for this READY */
 };
 
 struct gossip_ring {

@@ -279,12 +279,12 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   if (status) {
     r->send[k].state = RING_IO_NONE;
     fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
-    maybe_failed(g);
-    return;
+  } else {
+    r->send[k].state = RING_IO_DONE;
+    r->send_left--;
+    maybe_done(g);
   }
-  r->send[k].state = RING_IO_DONE;
-  r->send_left--;
-  maybe_done(g);
+  maybe_failed(g); /* a failing round ends with its last callback, whatever its status */
 }
 
 /* True when piece j of phase p may be sent: its data is final here. */
@@ -389,6 +389,10 @@ bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
     maybe_failed(g);
     return true;
   }
+  if (r->failing) {
+    maybe_failed(g);
+    return true;
+  }
   uint32_t p = k / r->pieces, j = k % r->pieces;
   if (p < r->n - 1) {
     /* Reduce-scatter: add the predecessor's partial sum into ours. */
@@ -404,6 +408,28 @@ bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
 }
 
 /* ---- starting a round ---- */
+
+static void send_ahead(struct gossip *g, const uint8_t *to, net_conn_t *c) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_RING_AHEAD, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "step", g->ring.pos);
+  int rc = c ? net_conn_send_msg(c, &b) : gossip_send(g, to, &b);
+  if (rc) log_debug("cannot tell a member that we are at step %llu", (unsigned long long)g->ring.pos);
+  net_msgbuf_free(&b);
+}
+
+/* Members whose last READY is for a step we have completed wait for a round
+ * that will not come: tell them (once per READY). Our position moved on
+ * since they asked, or they asked while we were behind too. */
+static void answer_stale_readies(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  for (size_t i = 0; i < r->nreadies; i++) {
+    struct ring_ready *e = &r->readies[i];
+    if (e->answered || e->step >= r->pos) continue;
+    e->answered = true;
+    send_ahead(g, e->id, NULL);
+  }
+}
 
 static void send_ready(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
@@ -424,6 +450,7 @@ static void start_round(struct gossip *g, uint64_t step) {
   r->gen++;
   r->step = step;
   if (step > r->pos) r->pos = step;
+  answer_stale_readies(g);
   free(r->ids);
   r->ids = view_ring(g, &r->n);
   r->me = (size_t)((uint8_t(*)[NET_PUBKEY_BYTES])bsearch(g->identity.pk, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) -
@@ -486,13 +513,10 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
   e->step = step;
   e->hash = hash;
   e->nonce = nonce;
-  if (step < r->pos) {
+  e->answered = step < r->pos;
+  if (e->answered) {
     /* We completed that step: it waits for a round that will not come. */
-    struct net_msgbuf b;
-    net_msgbuf_init(&b, GMSG_RING_AHEAD, GOSSIP_PROTO_VERSION);
-    net_msgbuf_put_uint(&b, "step", r->pos);
-    if (net_conn_send_msg(c, &b)) log_debug("cannot answer %s", net_conn_peer_name(c));
-    net_msgbuf_free(&b);
+    send_ahead(g, from, c);
     return;
   }
   if (!r->active || r->failing || step != r->step) return;
