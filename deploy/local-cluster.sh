@@ -94,15 +94,18 @@ kill "$boot_pid" 2>/dev/null || true
 # A classifier reports test_accuracy; a language model val_loss (per token).
 metric=test_accuracy
 grep -q '"val_loss"' "$work"/peer-*.out 2>/dev/null && metric=val_loss
-# exchanges: applied; per 100 steps: how often a step was followed by one.
+# exchanges: applied; per 100 steps: how often a step was followed by one
+# (with --sync allreduce: all-reduce rounds, one a step).
 printf '\n%-8s %-6s %14s %10s %13s %10s\n' peer shard "$metric" exchanges "per 100 steps" samples/s
 i=0
 for p in $peer_pids; do
   i=$((i + 1))
   line=$(grep "\"$metric\"" "$work/peer-$i.out" 2>/dev/null || true)
   num() { echo "$line" | sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
-  rate=$(echo "$(num exchanges) $(num steps)" | awk 'NF == 2 && $2 > 0 {printf "%.1f", 100 * $1 / $2}')
-  printf '%-8s %-6s %14s %10s %13s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num exchanges)" \
+  mixes=exchanges
+  case $line in *'"sync":"allreduce"'*) mixes=allreduce_rounds ;; esac
+  rate=$(echo "$(num $mixes) $(num steps)" | awk 'NF == 2 && $2 > 0 {printf "%.1f", 100 * $1 / $2}')
+  printf '%-8s %-6s %14s %10s %13s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num $mixes)" \
     "$rate" "$(num samples_per_s)"
 done
 exit $status

@@ -103,7 +103,7 @@ killer() {
     s=$(sed -n 's/.*step \([0-9]*\): train loss.*/\1/p' "$1" 2>/dev/null | tail -1)
     [ -n "$s" ] && [ "$s" -ge "$half" ] && break
     kill -0 "$2" 2>/dev/null || return 0
-    sleep 0.2
+    sleep 0.05
   done
   kill -9 "$2" 2>/dev/null || true
 }
@@ -142,25 +142,27 @@ run_rumor() {
   collect "$cond" "$scheme" "$d"
 }
 
-# The evaluations (seconds since worker 1's first step, accuracy) of the
-# rumor workers' logs in $3 into the CSV, and the run's row.
+# The evaluations (seconds since the first worker's first step, accuracy)
+# of the rumor workers' logs in $3 into the CSV, and the run's row (wall
+# time: from that first step to the last worker's last log line).
 collect() {
   cond=$1 scheme=$2 d=$3
-  t0=$(grep -m1 "first step" "$d/w1.log" | log_secs)
+  t0=$(for i in $(seq 1 "$n"); do grep -m1 "first step" "$d/w$i.log"; done | log_secs | sort -n | head -1)
   for i in $(seq 1 "$n"); do
     grep -E "step [0-9]+: train loss .* test accuracy|epoch .* done at step .* test accuracy" "$d/w$i.log" |
       awk -v t0="$t0" -v c="$cond" -v s="$scheme" -v w="$i" '{
-        split($1, a, ":"); t = a[1] * 3600 + a[2] * 60 + a[3] - t0; if (t < 0) t += 86400
+        split($1, a, ":"); t = a[1] * 3600 + a[2] * 60 + a[3] - t0; if (t < -43200) t += 86400
         for (k = 1; k <= NF; k++) if ($k == "accuracy") acc = $(k + 1)
         sub(/,$/, "", acc); printf "%s,%s,%d,%.3f,%s\n", c, s, w, t, acc }' >> "$out_csv"
   done
-  finished=0 accs=""
+  finished=0 accs="" done_list=""
   for i in $(seq 1 "$n"); do
     a=$(sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' "$d/w$i.out")
-    [ -n "$a" ] && finished=$((finished + 1)) && accs="$accs $a"
+    [ -n "$a" ] && finished=$((finished + 1)) && accs="$accs $a" && done_list="$done_list $i"
   done
   t1=$(for i in $(seq 1 "$n"); do tail -1 "$d/w$i.log"; done | log_secs | sort -n | tail -1)
-  report "$cond" "$scheme" "$finished" "$accs" "$(echo "$t1 $t0" | awk '{t = $1 - $2; if (t < 0) t += 86400; print t}')"
+  report "$cond" "$scheme" "$finished" "$accs" \
+    "$(echo "$t1 $t0" | awk '{t = $1 - $2; if (t < -43200) t += 86400; print t}')" "$done_list"
 }
 
 # One parameter-server run: condition $1, scheme $2, --staleness $3; two
@@ -214,7 +216,8 @@ run_ddp() {
   if [ "$cond" = slow ]; then
     for i in $(seq 1 "$n"); do
       # shellcheck disable=SC2086
-      $(wrap slow "$i") "$py" "$src/tests/bench/ddp_fmnist.py" $common --rank "$((i - 1))" \
+      # gloo finds its address from the host name (127.0.0.1 there): name the test host's interface.
+      $(wrap slow "$i") env GLOO_SOCKET_IFNAME=eth0 "$py" "$src/tests/bench/ddp_fmnist.py" $common --rank "$((i - 1))" \
         --master "10.77.0.1:29500" > "$d/r$i.out" 2> "$d/r$i.err" &
       run_pids="$run_pids $!"
       pids="$pids $!"
@@ -284,12 +287,16 @@ run_hivemind() {
   report "$cond" hivemind "$(echo "$accs" | wc -w)" "$accs" "${secs:-nan}"
 }
 
-# A table row: condition, scheme, workers finished, their accuracies, wall s.
+# A table row: condition, scheme, workers finished, their accuracies, wall
+# s, and (rumor) the finished workers' numbers. Time to target: when every
+# finished worker had reached it ("-" when one never did); the anchors
+# report worker 1's evaluations only.
 report() {
-  tt=$(awk -F, -v c="$1" -v s="$2" -v target="$target" '
+  tt=$(awk -F, -v c="$1" -v s="$2" -v target="$target" -v fin="${6:- 1}" '
+    BEGIN {nf = split(fin, f, " "); for (i = 1; i <= nf; i++) need[f[i]] = 1}
     $1 == c && $2 == s && $5 >= target && !($3 in first) {first[$3] = $4}
-    END {m = -1; for (w in first) if (first[w] > m) m = first[w]; if (m < 0) print "-"; else printf "%.1f", m}' \
-    "$out_csv")
+    END {m = -1; for (w in need) {if (!(w in first)) {print "-"; exit} if (first[w] > m) m = first[w]}
+      if (m < 0) print "-"; else printf "%.1f", m}' "$out_csv")
   stats=$(echo "$4" | awk '{lo = 2; s = 0; for (i = 1; i <= NF; i++) {s += $i; if ($i < lo) lo = $i}
     if (NF) printf "%.4f %.4f", s / NF, lo; else print "- -"}')
   # shellcheck disable=SC2086

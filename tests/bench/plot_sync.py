@@ -1,10 +1,12 @@
 """Draws tests/bench/bench-sync.sh's evaluations as an SVG: test accuracy
-against seconds since the first step, one line per scheme (worker 1's
-evaluations), one panel per condition. Standard library only.
+against seconds since the first step (logarithmic: the schemes' times differ
+by up to 100x), one line per scheme (worker 1's evaluations), one panel per
+condition. Standard library only.
 
 usage: plot_sync.py bench-sync.csv out.svg [--target 0.85]
 """
 import csv
+import math
 import sys
 
 COLOURS = {"gossip": "#1f77b4", "gossip-mls": "#17becf", "allreduce": "#d62728", "ps0": "#9467bd",
@@ -16,25 +18,30 @@ def panel(cond, series, x0, y0, tmax, lo, target):
     out = [f'<g transform="translate({x0},{y0})">',
            f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{cond}</text>']
     pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
-    sx = lambda t: PAD_L + pw * t / tmax
+    tmin = 0.1
+    span = math.log10(tmax) - math.log10(tmin)
+    sx = lambda t: PAD_L + pw * (math.log10(max(t, tmin)) - math.log10(tmin)) / span
     sy = lambda a: PAD_T + ph * (1 - (a - lo) / (1 - lo))
     out.append(f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>')
     for k in range(6):
         a = lo + (1 - lo) * k / 5
         out.append(f'<text x="{PAD_L - 4}" y="{sy(a) + 4:.1f}" text-anchor="end" font-size="10">{a:.2f}</text>')
-        t = tmax * k / 5
-        out.append(f'<text x="{sx(t):.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="10">{t:.0f}</text>')
+    t = tmin
+    while t <= tmax:
+        out.append(f'<text x="{sx(t):.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="10">{t:g}</text>')
+        out.append(f'<line x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{PAD_T}" y2="{PAD_T + ph}" stroke="#eee"/>')
+        t *= 10
     if lo < target < 1:
         out.append(f'<line x1="{PAD_L}" x2="{PAD_L + pw}" y1="{sy(target):.1f}" y2="{sy(target):.1f}" '
                    'stroke="#bbb" stroke-dasharray="4,3"/>')
-    out.append(f'<text x="{PAD_L + pw / 2}" y="{H - 6}" text-anchor="middle" font-size="11">seconds</text>')
-    ly = PAD_T + 12
+    out.append(f'<text x="{PAD_L + pw / 2}" y="{H - 6}" text-anchor="middle" font-size="11">seconds (log)</text>')
+    ly = PAD_T + ph - 4 - 12 * len(series)  # the legend in the lower right, where the curves rarely are
     for scheme, pts in sorted(series.items()):
         pts.sort()
         colour = COLOURS.get(scheme, "#444")
         path = " ".join(f"{sx(t):.1f},{sy(max(a, lo)):.1f}" for t, a in pts)
         out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
-        out.append(f'<text x="{PAD_L + pw - 4}" y="{ly + 60}" text-anchor="end" font-size="10" '
+        out.append(f'<text x="{PAD_L + pw - 4}" y="{ly + 12}" text-anchor="end" font-size="10" '
                    f'fill="{colour}">{scheme}</text>')
         ly += 12
     out.append("</g>")
