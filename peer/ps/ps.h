@@ -98,7 +98,8 @@ struct ps_server_stats {
 };
 
 /* Runs a server until *stop or until every worker is done (at least one
- * said so and none is live). Saves the checkpoint at the end. Returns 0 or
+ * said so, none is live, and --workers of them said so or were dropped).
+ * Saves the checkpoint at the end. Returns 0 or
  * a negative code with a message (bad flags or checkpoint: RUMOR_EFORMAT /
  * RUMOR_ECORRUPT; a network failure to listen). `st` gets the figures. */
 int ps_server_run(const struct ps_server_config *cfg, struct ps_server_stats *st,

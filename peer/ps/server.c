@@ -713,8 +713,14 @@ static void begin_stop(struct server *s, const char *why) {
 
 /* Asks the next tick to stop once every worker is done or gone (not now:
  * this runs inside net's callbacks, where the net must not be closed). */
+/* The run is over when no worker is live, one at least said DONE, and
+ * every worker of --workers has said DONE or was dropped: a fast worker
+ * that finishes before a slow one has even connected must not end it. */
 static void check_finished(struct server *s) {
-  if (!s->stopping && s->any_done && live_count(s) == 0) s->finish = true;
+  if (s->stopping || !s->any_done || live_count(s) > 0) return;
+  int ended = 0;
+  for (int i = 0; i < s->nw; i++) ended += s->w[i]->done || !s->w[i]->live;
+  if (ended >= s->cfg.workers) s->finish = true;
 }
 
 /* Drops workers silent for longer than the timeout, and restored ones that

@@ -247,14 +247,18 @@ run_ddp() {
   wait_all "$run_pids"
   t1=$(now)
   cat "$d"/r*.out > "$d/all.out"
-  grep '"eval":true' "$d/all.out" |
-    sed -n 's/.*"t":\([0-9.]*\),"test_accuracy":\([0-9.]*\).*/\1 \2/p' |
-    awk -v c="$cond" '{printf "%s,ddp,1,%s,%s\n", c, $1, $2}' >> "$out_csv"
-  accs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' | tr '\n' ' ')
-  finished=$(echo "$accs" | wc -w)
-  secs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"seconds":\([0-9.]*\).*/\1/p' | sort -n | tail -1)
-  [ -n "$secs" ] || secs=$(echo "$t1 $t0" | awk '{print $1 - $2}')
-  report "$cond" ddp "$finished" "$accs" "$secs"
+  anchor_rows "$cond" ddp "$d/all.out" "$(echo "$t1 $t0" | awk '{print $1 - $2}')"
+}
+
+# An anchor's JSON lines in $3 (ddp_fmnist.py's format): rank 0's
+# evaluations into the CSV, and the run's row; $4: the wall time when no
+# rank finished.
+anchor_rows() {
+  grep '"eval":true' "$3" | sed -n 's/.*"t":\([0-9.]*\),"test_accuracy":\([0-9.]*\).*/\1 \2/p' |
+    awk -v c="$1" -v s="$2" '{printf "%s,%s,1,%s,%s\n", c, s, $1, $2}' >> "$out_csv"
+  accs=$(grep -v '"eval"' "$3" | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' | tr '\n' ' ')
+  secs=$(grep -v '"eval"' "$3" | sed -n 's/.*"seconds":\([0-9.]*\).*/\1/p' | sort -n | tail -1)
+  report "$1" "$2" "$(echo "$accs" | wc -w)" "$accs" "${secs:-$4}"
 }
 
 run_hivemind() {
@@ -279,12 +283,7 @@ run_hivemind() {
   p=$!
   pids="$pids $p"
   wait_all "$p"
-  grep '"eval":true' "$d/all.out" |
-    sed -n 's/.*"t":\([0-9.]*\),"test_accuracy":\([0-9.]*\).*/\1 \2/p' |
-    awk -v c="$cond" '{printf "%s,hivemind,1,%s,%s\n", c, $1, $2}' >> "$out_csv"
-  accs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"test_accuracy":\([0-9.]*\).*/\1/p' | tr '\n' ' ')
-  secs=$(grep -v '"eval"' "$d/all.out" | sed -n 's/.*"seconds":\([0-9.]*\).*/\1/p' | sort -n | tail -1)
-  report "$cond" hivemind "$(echo "$accs" | wc -w)" "$accs" "${secs:-nan}"
+  anchor_rows "$cond" hivemind "$d/all.out" nan
 }
 
 # A table row: condition, scheme, workers finished, their accuracies, wall

@@ -44,7 +44,6 @@ usage: hivemind_fmnist.py --data DIR [--world 4] [--epochs 10] [--batch 32]
 Runs in the environment of tests/bench/hivemind-venv.sh.
 """
 import argparse
-import gzip
 import json
 import math
 import os
@@ -56,34 +55,14 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-def read_idx(path):
-    for p in (path, path + ".gz"):
-        if os.path.exists(p):
-            with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as f:
-                data = f.read()
-            break
-    else:
-        sys.exit(f"hivemind_fmnist.py: {path}[.gz] not found")
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
-def load(data_dir):
-    xs = read_idx(os.path.join(data_dir, "train-images-idx3-ubyte")).reshape(-1, 784)
-    ys = read_idx(os.path.join(data_dir, "train-labels-idx1-ubyte"))
-    xt = read_idx(os.path.join(data_dir, "t10k-images-idx3-ubyte")).reshape(-1, 784)
-    yt = read_idx(os.path.join(data_dir, "t10k-labels-idx1-ubyte"))
-    x = xs.astype(np.float64) / 255.0
-    mean, std = x.mean(), x.std()
-    norm = lambda a: torch.from_numpy(((a.astype(np.float32) / 255.0 - mean) / std).astype(np.float32))
-    return norm(xs), torch.from_numpy(ys.astype(np.int64)), norm(xt), torch.from_numpy(yt.astype(np.int64))
+# The data as the DDP anchor reads and normalises it (same directory).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_fmnist import load  # noqa: E402
 
 
 def evaluate(model, xt, yt):

@@ -16,6 +16,7 @@
 #include "peer/train/train_impl.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
+#include "../support/one_step.h"
 
 static struct cluster C;
 
@@ -24,15 +25,6 @@ static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(allreduce, .init = setup, .fini = teardown, .timeout = 240);
 
 #define MODEL "mlp:784-32-10"
-
-static float *load_params(const char *path, int64_t *n) {
-  struct checkpoint ck;
-  struct rumor_err e;
-  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
-  float *p = ckpt_params_copy(&ck, n);
-  checkpoint_close(&ck);
-  return p;
-}
 
 static void expect_clean_exit(int i) {
   int st = cluster_wait(&C, i, 180);
@@ -43,9 +35,9 @@ static void expect_clean_exit(int i) {
 /* Every checkpoint in idx[0..n) holds exactly the same parameters. */
 static void expect_same_params(const int *idx, int n) {
   int64_t P0, P;
-  float *a = load_params(C.node[idx[0]].ckpt, &P0);
+  float *a = ckpt_params_load(C.node[idx[0]].ckpt, &P0);
   for (int k = 1; k < n; k++) {
-    float *b = load_params(C.node[idx[k]].ckpt, &P);
+    float *b = ckpt_params_load(C.node[idx[k]].ckpt, &P);
     cr_assert_eq(P, P0);
     int64_t diff = 0;
     for (int64_t j = 0; j < P; j++) diff += a[j] != b[j];
@@ -60,44 +52,6 @@ static int start_member(const char *shard, const char *max_steps, const char *wa
   return cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", shard, "--max-steps", max_steps,
                             "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", wait_peers, "--checkpoint",
                             C.node[C.n].ckpt, NULL);
-}
-
-/* The first step of a single process with `cfg` on the rows of every
- * member's first batch (shards 0/n .. n−1/n, batch b each), concatenated. */
-static float *single_step_on_all_batches(int n, int64_t b, int64_t *P) {
-  struct train_config cfg;
-  train_config_default(&cfg);
-  cfg.model = MODEL;
-  cfg.batch = b;
-  cfg.max_steps = 1;
-  cfg.seed = 7;
-  cfg.threads = 1;
-  cfg.eval_each_epoch = false;
-  cfg.log_every_s = 0;
-  struct rumor_err e;
-  struct trainer one;
-  cfg.shard = (struct shard){0, 1};
-  cfg.batch = n * b;
-  cr_assert_eq(trainer_init(&one, &cfg, &e), 0, "%s", e.msg);
-  size_t xrow = one.data.x_bytes_per_row;
-  for (int i = 0; i < n; i++) {
-    struct trainer m;
-    cfg.shard = (struct shard){i, n};
-    cfg.batch = b;
-    cr_assert_eq(trainer_init(&m, &cfg, &e), 0, "%s", e.msg);
-    int64_t got = train_data_fill(&m.data, 0, b, (char *)one.xh[one.cur] + (size_t)(i * b) * xrow,
-                                  one.yh[one.cur] + i * b * one.data.y_per_row);
-    cr_assert_eq(got, b);
-    trainer_free(&m);
-  }
-  one.rows[one.cur] = n * b;
-  one.staged = true;
-  cr_assert_eq(trainer_step(&one, &e), 0, "%s", e.msg);
-  *P = one.model.nparams;
-  float *out = malloc((size_t)*P * sizeof(float));
-  tensor_copy_to_host(&one.model.params, 0, out, (size_t)*P * sizeof(float));
-  trainer_free(&one);
-  return out;
 }
 
 Test(allreduce, one_step_on_three_members_equals_one_step_on_their_three_batches_together) {
@@ -116,8 +70,8 @@ Test(allreduce, one_step_on_three_members_equals_one_step_on_their_three_batches
   }
   expect_same_params(peer, 3);
   int64_t P, Q;
-  float *ring = load_params(C.node[peer[0]].ckpt, &P);
-  float *single = single_step_on_all_batches(3, 16, &Q);
+  float *ring = ckpt_params_load(C.node[peer[0]].ckpt, &P);
+  float *single = one_step_on_all_batches(MODEL, 7, 3, 16, &Q);
   cr_assert_eq(P, Q);
   /* Summed in another order, so equal to rounding. */
   double d2 = 0, s2 = 0;

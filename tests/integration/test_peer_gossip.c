@@ -24,16 +24,6 @@ static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(gossip, .init = setup, .fini = teardown, .timeout = 240);
 
 
-/* Reads the parameters of a checkpoint into a new host array. */
-static float *load_params(const char *path, int64_t *n) {
-  struct checkpoint ck;
-  struct rumor_err e;
-  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
-  float *p = ckpt_params_copy(&ck, n);
-  checkpoint_close(&ck);
-  return p;
-}
-
 /* Ξ = sqrt((1/n) Σ‖θᵢ − θ̄‖²), and ‖θ̄‖. */
 static double consensus_distance(float **theta, int n, int64_t P, double *mean_norm) {
   double xi2 = 0, mn2 = 0;
@@ -86,7 +76,7 @@ Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
     memcpy(init[i], m.params.data, (size_t)P * sizeof(float));
     model_free(&m);
     int64_t np;
-    final[i] = load_params(C.node[peer[i]].ckpt, &np);
+    final[i] = ckpt_params_load(C.node[peer[i]].ckpt, &np);
     cr_assert_eq(np, P);
     exchanges += cluster_result(&C, peer[i], "exchanges");
   }
@@ -121,7 +111,7 @@ Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
     double acc = cluster_result(&C, peer[i], "test_accuracy");
     fprintf(stderr, "peer %d: test accuracy %.4f, %.0f exchanges\n", i, acc, cluster_result(&C, peer[i], "exchanges"));
     cr_assert(acc >= 0.85, "peer %d reached test accuracy %.4f < 0.85 after 2 epochs of its quarter", i, acc);
-    final[i] = load_params(C.node[peer[i]].ckpt, &P);
+    final[i] = ckpt_params_load(C.node[peer[i]].ckpt, &P);
   }
   double norm, xi = consensus_distance(final, n, P, &norm);
   fprintf(stderr, "final drift: Xi %.4g, relative %.4g\n", xi, xi / norm);
@@ -230,7 +220,7 @@ Test(gossip, sigkill_mid_exchange_is_failed_within_the_timeout_and_nothing_goes_
     if (k == 2) continue;
     expect_clean_exit(peer[k]);
     int64_t P;
-    float *p = load_params(C.node[peer[k]].ckpt, &P);
+    float *p = ckpt_params_load(C.node[peer[k]].ckpt, &P);
     for (int64_t j = 0; j < P; j++) cr_assert(isfinite(p[j]), "peer %d parameter %lld is %f", k, (long long)j, p[j]);
     free(p);
     cr_assert_eq(cluster_result(&C, peer[k], "steps"), 6000, "peer %d stopped early", k);

@@ -17,6 +17,7 @@
 #include "peer/train/train_impl.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
+#include "../support/one_step.h"
 
 static struct cluster C;
 
@@ -97,15 +98,6 @@ static void expect_exit_0(struct node *n, const char *what, double secs) {
 /* A number from the last line of n's stdout that has `key`, or NAN. */
 static double result(const struct node *n, const char *key) { return cluster_line_number(n->out, key, key); }
 
-static float *load_params(const char *path, int64_t *n) {
-  struct checkpoint ck;
-  struct rumor_err e;
-  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
-  float *p = ckpt_params_copy(&ck, n);
-  checkpoint_close(&ck);
-  return p;
-}
-
 /* A server checkpoint's slice of the parameters (the caller frees it). */
 static float *load_slice(const char *path, int64_t *n) {
   struct st_file f;
@@ -118,43 +110,6 @@ static float *load_slice(const char *path, int64_t *n) {
   memcpy(p, t->data, t->nbytes);
   safetensors_free(&f);
   return p;
-}
-
-/* The first step of a single process on the rows of every worker's first
- * batch (shards 0/n .. n−1/n, batch b each), concatenated. */
-static float *single_step_on_all_batches(int n, int64_t b, int64_t *P) {
-  struct train_config cfg;
-  train_config_default(&cfg);
-  cfg.model = MODEL;
-  cfg.max_steps = 1;
-  cfg.seed = 7;
-  cfg.threads = 1;
-  cfg.eval_each_epoch = false;
-  cfg.log_every_s = 0;
-  struct rumor_err e;
-  struct trainer one;
-  cfg.shard = (struct shard){0, 1};
-  cfg.batch = n * b;
-  cr_assert_eq(trainer_init(&one, &cfg, &e), 0, "%s", e.msg);
-  size_t xrow = one.data.x_bytes_per_row;
-  for (int i = 0; i < n; i++) {
-    struct trainer m;
-    cfg.shard = (struct shard){i, n};
-    cfg.batch = b;
-    cr_assert_eq(trainer_init(&m, &cfg, &e), 0, "%s", e.msg);
-    int64_t got = train_data_fill(&m.data, 0, b, (char *)one.xh[one.cur] + (size_t)(i * b) * xrow,
-                                  one.yh[one.cur] + i * b * one.data.y_per_row);
-    cr_assert_eq(got, b);
-    trainer_free(&m);
-  }
-  one.rows[one.cur] = n * b;
-  one.staged = true;
-  cr_assert_eq(trainer_step(&one, &e), 0, "%s", e.msg);
-  *P = one.model.nparams;
-  float *out = malloc((size_t)*P * sizeof(float));
-  tensor_copy_to_host(&one.model.params, 0, out, (size_t)*P * sizeof(float));
-  trainer_free(&one);
-  return out;
 }
 
 /* ‖a − b‖ / ‖b‖ over n values, printing the worst element. */
@@ -190,7 +145,7 @@ Test(ps, one_bsp_round_of_two_workers_on_two_servers_equals_one_step_on_both_bat
     cr_assert_eq(result(&s[i], "grads"), 2);
   }
   int64_t P, Q, n0, n1;
-  float *a = load_params(w[0].ckpt, &P), *b = load_params(w[1].ckpt, &Q);
+  float *a = ckpt_params_load(w[0].ckpt, &P), *b = ckpt_params_load(w[1].ckpt, &Q);
   cr_assert_eq(P, Q);
   cr_assert_eq(memcmp(a, b, (size_t)P * sizeof(float)), 0, "the two workers hold different parameters");
   /* The servers' checkpoints, side by side, are what the workers pulled. */
@@ -198,7 +153,7 @@ Test(ps, one_bsp_round_of_two_workers_on_two_servers_equals_one_step_on_both_bat
   cr_assert_eq(n0 + n1, P);
   cr_assert_eq(memcmp(lo, a, (size_t)n0 * sizeof(float)), 0);
   cr_assert_eq(memcmp(hi, a + n0, (size_t)n1 * sizeof(float)), 0);
-  float *single = single_step_on_all_batches(2, 16, &Q);
+  float *single = one_step_on_all_batches(MODEL, strtoull(SEED, NULL, 10), 2, 16, &Q);
   cr_assert_eq(P, Q);
   /* Summed in another order, so equal to rounding. */
   double rel = rel_diff(a, single, P, "BSP round vs single step on the 32 rows");
@@ -285,7 +240,7 @@ Test(ps, a_killed_server_restarted_from_its_checkpoint_lets_the_workers_finish) 
   cr_assert_eq(v0, 600);
   cr_assert_eq(v1, 600, "the restarted server skipped or repeated rounds");
   int64_t P, Q;
-  float *a = load_params(w[0].ckpt, &P), *b = load_params(w[1].ckpt, &Q);
+  float *a = ckpt_params_load(w[0].ckpt, &P), *b = ckpt_params_load(w[1].ckpt, &Q);
   cr_assert_eq(memcmp(a, b, (size_t)P * sizeof(float)), 0, "the workers ended with different parameters");
   free(a), free(b);
 }

@@ -20,4 +20,15 @@ static inline float *ckpt_params_copy(const struct checkpoint *ck, int64_t *n) {
   return p;
 }
 
+/* Opens the checkpoint at `path` (a failed open fails the test) and copies
+ * its parameters as ckpt_params_copy does. Needs criterion. */
+static inline float *ckpt_params_load(const char *path, int64_t *n) {
+  struct checkpoint ck;
+  struct rumor_err e;
+  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
+  float *p = ckpt_params_copy(&ck, n);
+  checkpoint_close(&ck);
+  return p;
+}
+
 #endif /* RUMOR_TESTS_CKPT_PARAMS_H */
