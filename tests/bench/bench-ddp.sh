@@ -54,12 +54,14 @@ while [ "$r" -lt "$rounds" ]; do
       r, $1, $2, $3, $4, $6 - $5, $7, $10 - $6 }' >&2
   echo "$acc $rate $t0 $t1 $dacc $t2" | awk '{print $1, $2, $6 - $5, $7, $10 - $6}' >> "$work/rows"
 done
-awk '{ra += $1; lo = (NR == 1 || $2 < lo) ? $2 : lo; rt += $3; da += $4; dt += $5; n++}
+label="rumor, $n gossiping peers"
+[ $# -gt 0 ] && label="rumor, $n peers $*"
+awk -v label="$label" '{ra += $1; lo = (NR == 1 || $2 < lo) ? $2 : lo; rt += $3; da += $4; dt += $5; n++}
   END {
     ra /= n; rt /= n; da /= n; dt /= n
     printf "\n%-40s %10s %10s\n", "means over " n " rounds", "accuracy", "seconds"
     printf "%-40s %10.4f %10.1f\n", "PyTorch DDP (gloo all-reduce every step)", da, dt
-    printf "%-40s %10.4f %10.1f\n", "rumor, 4 gossiping peers", ra, rt
+    printf "%-40s %10.4f %10.1f\n", label, ra, rt
     printf "\naccuracy gap DDP - rumor: %.2f points (target <= 0.30: %s); worst peer %.4f\n", 100 * (da - ra),
       (da - ra <= 0.003 ? "met" : "MISSED"), lo
     printf "time DDP / rumor: %.2f (target >= 3: %s)\n", dt / rt, (dt / rt >= 3 ? "met" : "MISSED")
