@@ -267,6 +267,11 @@ int cmd_peer(int argc, char **argv);
 int cmd_bootstrap(int argc, char **argv);
 int cmd_keygen(int argc, char **argv);
 int cmd_top(int argc, char **argv);
+/* `rumor top --servers A,B`: polls parameter servers (top_servers.c) every
+ * interval_s, `count` times (0: until a stop signal), as a table or JSON.
+ * Returns the exit status (1 when a single poll reached no server). */
+int top_servers(const struct net_keys *keys, const char *servers, double interval_s, int64_t count, bool json,
+                uint32_t timeout_ms);
 /* Parameter servers (cmd_ps.c): `rumor ps` runs one; `rumor peer --sync
  * ps` is a worker, which cmd_peer hands to ps_worker_check (at parse time:
  * the options a worker does not take) and ps_worker_run (the whole run). */

@@ -325,7 +325,7 @@ struct top_opts {
   double interval, exact_max_mb;
   int64_t timeout_ms, count;
   bool once, json, exact;
-  const char *csv_path, *plot_path;
+  const char *csv_path, *plot_path, *servers;
 };
 
 /* Refreshes until `count` polls, a stop signal, or (with --once) a failed
@@ -389,6 +389,9 @@ int cmd_top(int argc, char **argv) {
        1e7},
       {"csv", ARG_STR, &o.csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
       {"plot", ARG_STR, &o.plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (.svg or .png)"},
+      {"servers", ARG_STR, &o.servers, "A,B,...",
+       "watch parameter servers instead (rumor ps): each one's range, version and staleness bound, and its "
+       "workers' clocks"},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -403,8 +406,9 @@ int cmd_top(int argc, char **argv) {
   /* Connection chatter would scroll the view away; RUMOR_LOG_LEVEL overrides. */
   if (!getenv("RUMOR_LOG_LEVEL")) log_set_level(LOG_ERROR);
   log_set_name("top");
-  if (!nf.bootstrap) {
-    fprintf(stderr, "rumor top: --bootstrap ADDR is required (a bootstrap node or any member)\n");
+  if (!nf.bootstrap && !o.servers) {
+    fprintf(stderr, "rumor top: --bootstrap ADDR is required (a bootstrap node or any member), or --servers A,B "
+                    "for parameter servers\n");
     return 2;
   }
   if (o.plot_path && plot_format_of(o.plot_path) == PLOT_UNKNOWN) {
@@ -418,6 +422,11 @@ int cmd_top(int argc, char **argv) {
   if (net_flags_load_keys(&nf, &keys, &e)) {
     fprintf(stderr, "rumor top: %s\n", e.msg);
     return e.code == RUMOR_EFORMAT ? 2 : 1;
+  }
+  if (o.servers) {
+    int st = top_servers(&keys, o.servers, o.interval, o.count, o.json, (uint32_t)o.timeout_ms);
+    net_keys_free(&keys);
+    return st;
   }
   FILE *csv = NULL;
   if (o.csv_path && !(csv = csv_open(o.csv_path, &e))) {

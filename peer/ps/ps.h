@@ -157,4 +157,40 @@ void ps_client_stats_get(ps_client_t *c, struct ps_client_stats *st);
 /* Stops the loop thread (closing connections) and frees. NULL is fine. */
 void ps_client_free(ps_client_t *c);
 
+/* ============================================================================
+ * Watching servers (rumor top --servers)
+ * ========================================================================== */
+
+struct ps_status_worker {
+  char id[NET_PUBKEY_STR_LEN + 1];
+  int64_t clock; /* gradients the server took from it */
+  bool live, done;
+};
+
+/* One server as a monitor sees it. */
+struct ps_status {
+  char addr[128];
+  bool reachable;
+  char error[200]; /* why not, when !reachable */
+  int range, ranges, workers;
+  int64_t version, staleness, max_gap;
+  int nw;
+  struct ps_status_worker *w; /* nw entries */
+  struct query *q;            /* private */
+};
+
+struct ps_status_config {
+  const struct net_identity *identity; /* any identity; the cluster key admits us */
+  const uint8_t *cluster_key;
+  const char *servers;                 /* "A,B,..." */
+  uint32_t timeout_ms;                 /* for all answers together */
+};
+
+/* Asks every server at once. Returns 0 with *out (one entry per server, in
+ * list order; free with ps_status_free) and *n, or RUMOR_EFORMAT for a bad
+ * list. A server that does not answer is an entry with its reason. */
+int ps_status_query(const struct ps_status_config *cfg, struct ps_status **out, int *n,
+                    struct rumor_err *e) RUMOR_MUST_CHECK;
+void ps_status_free(struct ps_status *st, int n);
+
 #endif /* RUMOR_PEER_PS_H */

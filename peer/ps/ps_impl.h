@@ -13,6 +13,9 @@
  *           gradient number `clock`), final (the last pull: no bound), wire
  *   DONE    worker → server: clock
  *   PING    either way, every PS_PING_MS
+ *   STATUS_REQ  a monitor (rumor top --servers) → server, instead of HELLO
+ *   STATUS  server → monitor: range, ranges, version, staleness, workers
+ *           (expected), max_gap, w: [[key (bin 32), clock, live, done], ...]
  * Bulk transfers carry PS_META_BYTES of metadata (little-endian):
  *   u32 magic, u16 protocol version, u16 kind, i64 a, i64 b, i64 c
  *   GRAD   (worker → server): a = gradient number, b = rows, c = 0;
@@ -34,9 +37,11 @@ enum {
   PS_MSG_PULL = 4,
   PS_MSG_DONE = 5,
   PS_MSG_PING = 6,
+  PS_MSG_STATUS_REQ = 7,
+  PS_MSG_STATUS = 8,
 };
 _Static_assert(PS_MSG_HELLO == 1 && PS_MSG_WELCOME == 2 && PS_MSG_REJECT == 3 && PS_MSG_PULL == 4 &&
-                   PS_MSG_DONE == 5 && PS_MSG_PING == 6,
+                   PS_MSG_DONE == 5 && PS_MSG_PING == 6 && PS_MSG_STATUS_REQ == 7 && PS_MSG_STATUS == 8,
                "parameter-server message numbers travel on the wire");
 #define PS_PROTO_VERSION 1
 
@@ -47,6 +52,7 @@ _Static_assert(PS_KIND_GRAD == 1 && PS_KIND_PARAMS == 2, "transfer kinds travel 
 #define PS_META_BYTES 32
 #define PS_MAX_MSG_BYTES (64u << 10) /* our messages are tiny */
 #define PS_WHY_MAX 400
+#define PS_STATUS_MAX_WORKERS 1024 /* workers listed in a STATUS (about 46 bytes each) */
 #define PS_OPTIM_TEXT_MAX 256
 
 struct ps_meta {

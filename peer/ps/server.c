@@ -482,6 +482,33 @@ static void reject(net_conn_t *c, const char *fmt, ...) {
   net_conn_close(c);
 }
 
+/* A monitor's STATUS_REQ: where this server and each worker stand. The
+ * connection stays open for the monitor to close. */
+static void send_status(struct server *s, net_conn_t *c) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, PS_MSG_STATUS, PS_PROTO_VERSION);
+  net_msgbuf_put_int(&b, "range", s->cfg.range);
+  net_msgbuf_put_int(&b, "ranges", s->cfg.ranges);
+  net_msgbuf_put_int(&b, "version", s->version);
+  net_msgbuf_put_int(&b, "staleness", s->cfg.staleness);
+  net_msgbuf_put_int(&b, "workers", s->cfg.workers);
+  net_msgbuf_put_int(&b, "max_gap", s->st.max_gap);
+  int n = s->nw < PS_STATUS_MAX_WORKERS ? s->nw : PS_STATUS_MAX_WORKERS;
+  msgpack_packer *pk = net_msgbuf_put_key(&b, "w");
+  msgpack_pack_array(pk, (size_t)n);
+  for (int i = 0; i < n; i++) {
+    const struct worker *w = s->w[i];
+    msgpack_pack_array(pk, 4);
+    msgpack_pack_bin(pk, NET_PUBKEY_BYTES);
+    msgpack_pack_bin_body(pk, w->key, NET_PUBKEY_BYTES);
+    msgpack_pack_int64(pk, w->clock);
+    if (w->live) msgpack_pack_true(pk); else msgpack_pack_false(pk);
+    if (w->done) msgpack_pack_true(pk); else msgpack_pack_false(pk);
+  }
+  if (net_conn_send_msg(c, &b)) log_debug("cannot answer the status request of %s", net_conn_peer_name(c));
+  net_msgbuf_free(&b);
+}
+
 struct hello {
   char model[MODEL_SPEC_MAX], optim[PS_OPTIM_TEXT_MAX];
   uint64_t nparams, range, ranges, clock, steps;
@@ -623,6 +650,7 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   struct worker *w = net_conn_data(c);
   if (!w) {
     if (m->type == PS_MSG_HELLO) on_hello(s, c, m);
+    else if (m->type == PS_MSG_STATUS_REQ) send_status(s, c);
     else reject(c, "expected HELLO first, got message type %llu", (unsigned long long)m->type);
     return;
   }

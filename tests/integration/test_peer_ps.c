@@ -268,6 +268,44 @@ Test(ps, a_killed_worker_is_dropped_from_the_bound_and_the_others_finish) {
   for (int i = 0; i < 2; i++) cr_assert_eq(result(&w[i], "steps"), 400);
 }
 
+/* `rumor top --servers` shows each server's version and its workers'
+ * clocks and states, as JSON and as a table. */
+Test(ps, top_shows_the_servers_version_and_each_workers_clock) {
+  SKIP_WITHOUT_DATA();
+  struct node s = {0}, w[2] = {0};
+  start_server(&s, "s", "0/1", "2", "2", "100000", "127.0.0.1:0", NULL);
+  const char *shard[2] = {"0/2", "1/2"}, *tag[2] = {"w0", "w1"};
+  for (int i = 0; i < 2; i++) start_worker(&w[i], tag[i], s.addr, shard[i], "100000", NULL);
+  for (int i = 0; i < 2; i++)
+    cr_assert(cluster_wait_file(w[i].log, "first step", 60), "worker %d did not start: %s", i, proc_slurp(w[i].log));
+  usleep(300 * 1000);
+  char id[300];
+  cluster_make_identity(&C, "top", id, sizeof id);
+  char *json[] = {"top", "--servers", s.addr, "--cluster-key", C.key, "--identity", id, "--once", "--json", NULL};
+  char *out, *err;
+  int st = cluster_run(&C, json, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor top failed: %s", err);
+  cr_assert(strstr(out, "\"reachable\":true") && strstr(out, "\"staleness\":2"), "%s", out);
+  const char *v = strstr(out, "\"version\":");
+  cr_assert(v && strtol(v + 10, NULL, 10) > 0, "%s", out);
+  int live = 0;
+  for (const char *p = out; (p = strstr(p, "\"clock\":")); p++) {
+    cr_assert_gt(strtol(p + 8, NULL, 10), 0, "a worker at clock 0: %s", out);
+    live++;
+  }
+  cr_assert_eq(live, 2, "two workers expected: %s", out);
+  free(out), free(err);
+  char *table[] = {"top", "--servers", s.addr, "--cluster-key", C.key, "--identity", id, "--once", NULL};
+  st = cluster_run(&C, table, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor top failed: %s", err);
+  cr_assert(strstr(out, "VERSION") && strstr(out, "0/1"), "%s", out);
+  free(out), free(err);
+  char *nobody[] = {"top", "--servers", "127.0.0.1:1", "--cluster-key", C.key, "--identity", id, "--once", NULL};
+  st = cluster_run(&C, nobody, 60, &out, &err);
+  cr_assert(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1 && strstr(out, "UNREACHABLE"), "%s", out);
+  free(out), free(err);
+}
+
 Test(ps, bad_flags_are_usage_errors) {
   char ps_key[256];
   cluster_make_identity(&C, "usage", ps_key, sizeof ps_key);
