@@ -111,8 +111,8 @@ def worker(rank, args, master):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def job_args(ap):
+    """The job's options, shared with the other anchors (hivemind_fmnist.py)."""
     ap.add_argument("--data", required=True)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=10)
@@ -125,6 +125,11 @@ def main():
     ap.add_argument("--slowdown", type=float, default=1.0)
     ap.add_argument("--straggler", type=int, default=-1)
     ap.add_argument("--rank", type=int, default=-1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    job_args(ap)
     ap.add_argument("--master", default="")
     args = ap.parse_args()
     if args.rank >= 0:

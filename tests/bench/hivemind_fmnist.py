@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 # The data as the DDP anchor reads and normalises it (same directory).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_fmnist import load  # noqa: E402
+from ddp_fmnist import job_args, load  # noqa: E402
 
 
 def evaluate(model, xt, yt):
@@ -259,18 +259,7 @@ def watch_parent():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--hidden", default="512,256")
-    ap.add_argument("--eval-every", type=int, default=0)
-    ap.add_argument("--slowdown", type=float, default=1.0)
-    ap.add_argument("--straggler", type=int, default=-1)
-    ap.add_argument("--rank", type=int, default=-1)
+    job_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="the address p2pd listens on")
     ap.add_argument("--initial-peers", default="", help="worker 0's multiaddrs, comma-separated (ranks > 0)")
     ap.add_argument("--peers-file", default="", help="worker 0 writes its multiaddrs there, the others read them")
