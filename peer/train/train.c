@@ -432,7 +432,8 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct ru
   return 0;
 }
 
-/* A stage's step: its share of the pipelined step, then its own update. */
+/* A stage's step: its share of the pipelined step, then its own update.
+ * Returns 0, 1 when the reducer dropped the step, or a negative code. */
 static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *loss, struct rumor_err *e) {
   int64_t bs = t->cfg.batch;
   int64_t first = t->st.step_in_epoch * bs;
@@ -447,10 +448,16 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
                          trainer_has_loss(t) ? t->yh[0] : NULL, &loss_sum, e);
   if (rc) return rc;
   *rows_out = rows;
+  *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
+  if (t->reducer.reduce) {
+    double r0 = clock_now_s();
+    rc = t->reducer.reduce(t->reducer.arg, rows, e); /* this stage's slice, with the same stage of other groups */
+    t->reduce_s += clock_now_s() - r0;
+    if (rc) return rc;
+  }
   clip_gradients(t);
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
-  *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
   return 0;
 }
 

@@ -318,7 +318,9 @@ struct train_data {
  * model.grads holds the gradient to apply (the same on every member), 1
  * when the step is dropped because the state was replaced (the member fell
  * behind and took another's: parameters, optimizer state and st.step are
- * new, trainer_take_step), or a negative code with a message. */
+ * new, trainer_take_step), or a negative code with a message. A pipeline
+ * stage's reducer sums its own slice (with the same stage of the other
+ * groups), after the stage's share of the pipelined step. */
 struct train_reducer {
   int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
   void *arg;

@@ -150,8 +150,8 @@ Test(allreduce, bad_combinations_are_usage_errors) {
   cluster_expect_exit(&C, bad, 2, "--sync must be gossip, allreduce or ps, not 'ring'");
   char *clip[] = {"peer", "--sync", "allreduce", "--clip", NULL};
   cluster_expect_exit(&C, clip, 2, "--clip is a gossip option");
-  char *group[] = {"group", "--sync", "allreduce", "--stages", "2", NULL};
-  cluster_expect_exit(&C, group, 2, "--sync allreduce is for whole replicas");
+  char *group[] = {"group", "--sync", "allreduce", "--clip", "--stages", "2", NULL};
+  cluster_expect_exit(&C, group, 2, "--clip is a gossip option");
 }
 
 /* `rumor top` names each member's scheme and the round it is at. */

@@ -275,6 +275,45 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   }
 }
 
+/* --sync allreduce by stage: stage s of each group sums its slice's
+ * gradient with stage s of the other, so the two groups' slices stay
+ * identical, bit for bit. */
+Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
+  SKIP_WITHOUT_DATA();
+  char boot[160];
+  start_stage_bootstraps(boot, sizeof boot);
+  struct cluster_group g[2];
+  const char *names[2] = {"ga", "gb"};
+  for (int i = 0; i < 2; i++) {
+    char shard[8], ck[256];
+    snprintf(shard, sizeof shard, "%d/2", i);
+    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
+    char *args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-64-32-10", "--micro-batches", "4",
+                    "--pipeline", i ? "gpipe" : "1f1b", "--shard", shard, "--max-steps", "60", "--batch", "32",
+                    "--no-eval", "--wait-peers", "2", "--sync", "allreduce", "--checkpoint", ck, NULL};
+    start_group(&g[i], names[i], args);
+  }
+  for (int i = 0; i < 2; i++) {
+    int st = proc_wait(g[i].pid, 200);
+    cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
+    for (int s = 0; s < 2; s++) {
+      char has[64];
+      snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
+      cr_assert_eq(cluster_line_number(g[i].out, has, "allreduce_members"), 2, "group %s stage %d: %s", names[i], s,
+                   proc_slurp(g[i].out));
+    }
+  }
+  for (int s = 0; s < 2; s++) {
+    int64_t na, nb;
+    float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
+    cr_assert_eq(na, nb);
+    int64_t diff = 0;
+    for (int64_t j = 0; j < na; j++) diff += a[j] != b[j];
+    cr_assert_eq(diff, 0, "stage %d: %lld of %lld values differ between the groups", s, (long long)diff, (long long)na);
+    free(a), free(b);
+  }
+}
+
 Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {
   SKIP_WITHOUT_DATA();
   char boot[160];
