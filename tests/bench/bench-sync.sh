@@ -270,19 +270,39 @@ run_hivemind() {
     printf '%-10s %-11s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
     return 0
   fi
-  case $cond in
-  slow) printf '%-10s %-11s skipped: not run in test hosts yet\n' "$cond" hivemind >> "$work/table"; return 0 ;;
-  killed) printf '%-10s %-11s skipped: its launcher ends the run when a worker dies\n' "$cond" hivemind >> "$work/table"
-    return 0 ;;
-  esac
-  strag=""
-  [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
-  # shellcheck disable=SC2086
-  "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" --data "$data" --world "$n" --epochs "$epochs" \
-    --batch "$batch" --lr "$lr" --hidden "$hidden" --eval-every "$eval_every" $strag > "$d/all.out" 2> "$d/err" &
-  p=$!
-  pids="$pids $p"
-  wait_all "$p"
+  common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
+  if [ "$cond" = slow ] || [ "$cond" = killed ]; then
+    # One process per rank (on its test host under slow links): worker 0
+    # writes its multiaddrs to a file the others read; a killed rank does
+    # not end the others' run, as the launcher would.
+    run_pids=""
+    for i in $(seq 1 "$n"); do
+      # shellcheck disable=SC2086
+      $(wrap "$cond" "$i") "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" $common --rank "$((i - 1))" \
+        --host "$(addr "$cond" "$i")" --peers-file "$d/peers" > "$d/r$i.out" 2> "$d/r$i.err" &
+      run_pids="$run_pids $!"
+      pids="$pids $!"
+    done
+    if [ "$cond" = killed ]; then
+      victim=$!
+      (while :; do
+        s=$(sed -n 's/.*"step":\([0-9]*\).*/\1/p' "$d/r1.out" 2>/dev/null | tail -1)
+        [ -n "$s" ] && [ "$s" -ge "$half" ] && break
+        kill -0 "$victim" 2>/dev/null || exit 0
+        sleep 0.2
+      done; kill -9 "$victim" 2>/dev/null) &
+    fi
+    wait_all "$run_pids"
+    cat "$d"/r*.out > "$d/all.out"
+  else
+    strag=""
+    [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
+    # shellcheck disable=SC2086
+    "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" $common $strag > "$d/all.out" 2> "$d/err" &
+    p=$!
+    pids="$pids $p"
+    wait_all "$p"
+  fi
   anchor_rows "$cond" hivemind "$d/all.out" nan
 }
 
