@@ -409,6 +409,15 @@ static void stage_batch(struct trainer *t, int buf) {
   t->rows[buf] = train_data_fill(&t->data, t->st.step_in_epoch, t->cfg.batch, t->xh[buf], t->yh[buf]);
 }
 
+/* The reducer, when there is one (train_reducer), timed for --slowdown. */
+static int reduce(struct trainer *t, int64_t rows, struct rumor_err *e) {
+  if (!t->reducer.reduce) return 0;
+  double r0 = clock_now_s();
+  int rc = t->reducer.reduce(t->reducer.arg, rows, e);
+  t->reduce_s += clock_now_s() - r0;
+  return rc;
+}
+
 /* Enqueues a whole replica's step on the staged batch: its rows into
  * *rows_out. Returns 0, 1 when the reducer dropped the step (train_reducer),
  * or a negative code. */
@@ -421,12 +430,8 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct ru
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
-  if (t->reducer.reduce) {
-    double r0 = clock_now_s();
-    int rc = t->reducer.reduce(t->reducer.arg, rows, e);
-    t->reduce_s += clock_now_s() - r0;
-    if (rc) return rc;
-  }
+  int rc = reduce(t, rows, e);
+  if (rc) return rc;
   clip_gradients(t);
   optim_apply(&t->optim, &m->params, &m->grads, lr);
   return 0;
@@ -449,12 +454,7 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   if (rc) return rc;
   *rows_out = rows;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
-  if (t->reducer.reduce) {
-    double r0 = clock_now_s();
-    rc = t->reducer.reduce(t->reducer.arg, rows, e); /* this stage's slice, with the same stage of other groups */
-    t->reduce_s += clock_now_s() - r0;
-    if (rc) return rc;
-  }
+  if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
   clip_gradients(t);
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
