@@ -462,6 +462,7 @@ static void start_round(struct gossip *g, uint64_t step) {
   r->why[0] = '\0';
   r->started_ms = gossip_now_ms(g);
   r->deadline_ms = r->started_ms + g->cfg.exchange_timeout_ms;
+  r->pieces = 0; /* no transfers yet: the last round's arrays are for another ring */
   if (r->ahead_step > step) {
     /* Someone already completed this step: its round will never come. */
     fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - step));
