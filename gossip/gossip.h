@@ -49,6 +49,8 @@ enum gossip_sync {
   GOSSIP_SYNC_ALLREDUCE = 1, /* bulk-synchronous ring all-reduce of every step's gradient */
 };
 
+#define GOSSIP_LABEL_MAX 255 /* characters of the label peers must share (gossip_config.model) */
+
 struct gossip_config {
   /* Identity and admission (required); copied. */
   const struct net_identity *identity;
@@ -71,7 +73,7 @@ struct gossip_config {
   uint32_t join_timeout_ms;
 
   /* Peers only: what one replica is. Peers with another model are refused. */
-  const char *model;     /* model spec string */
+  const char *model;     /* model spec string (at most GOSSIP_LABEL_MAX characters) */
   uint64_t nparams;      /* floats in a parameter snapshot */
   uint64_t state_floats; /* floats in a donated state (parameters first) */
   const char *optimizer; /* must match for donations */

@@ -320,7 +320,7 @@ struct gossip {
   uint8_t cluster_key[NET_CLUSTER_KEY_BYTES];
   char self_id_text[NET_PUBKEY_STR_LEN + 1];
   char advertise[SWIM_ADDR_MAX];
-  char model[256];
+  char model[GOSSIP_LABEL_MAX + 1];
   char optimizer[32];
   uv_loop_t loop;
   uv_thread_t thread;

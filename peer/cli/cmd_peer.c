@@ -93,10 +93,8 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
 /* Joins the cluster and takes a live peer's state unless we resume. */
 static int join(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
-  char spec[MODEL_SPEC_MAX + 32];
-  model_spec_format(&t->model.spec, spec, MODEL_SPEC_MAX);
-  /* The label peers must share: gossiping and all-reducing peers never mix. */
-  if (p->mb.setup.sync.allreduce) strcat(spec, " sync=allreduce");
+  char spec[MODEL_SPEC_MAX];
+  model_spec_format(&t->model.spec, spec, sizeof spec);
   int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", "", e);
   if (rc) return rc;
   struct gossip_train_pos pos;

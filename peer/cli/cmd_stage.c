@@ -134,9 +134,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
   char label[256], extra[512];
-  if ((rc = train_stage_label(&p->tc, &p->plan, label, sizeof label - 16, e))) return rc;
-  /* Stages that all-reduce never mix with stages that gossip. */
-  if (p->mb.setup.sync.allreduce) strcat(label, " sync=allreduce");
+  if ((rc = train_stage_label(&p->tc, &p->plan, label, sizeof label, e))) return rc;
   snprintf(extra, sizeof extra, "\"group\":\"%s\",\"stage\":%d,\"cluster\":\"%s\"", p->st.group, p->st.stage, label);
   rc = member_start(&p->mb, &p->t, &p->f.net, &p->keys, &p->f.gossip, label, p->tc.seed + (uint64_t)p->st.stage, "stage",
                     extra, e);

@@ -34,7 +34,6 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   net_flags_gossip_config(nf, keys, &gc);
   gossip_flags_gossip_config(gf, &mb->setup, &gc);
   gc.role = GOSSIP_ROLE_PEER;
-  gc.model = label;
   gc.nparams = (uint64_t)P;
   gc.state_floats = (uint64_t)S;
   gc.optimizer = optim_kind_name(t->optim.cfg.kind);
@@ -42,6 +41,14 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   gc.xch_mine = mb->mine;
   gc.xch_theirs = mb->theirs;
   gc.donor_buf = mb->donor;
+  /* The label members must share: gossiping and all-reducing peers (or
+   * stages) never mix. gossip_start copies it. */
+  char full[GOSSIP_LABEL_MAX + 1];
+  const char *scheme = mb->setup.sync.allreduce ? " sync=allreduce" : "";
+  if ((size_t)snprintf(full, sizeof full, "%s%s", label, scheme) >= sizeof full)
+    return rumor_err_set(e, RUMOR_ETOOBIG, "the cluster label '%s%s' is longer than %d characters", label, scheme,
+                         GOSSIP_LABEL_MAX);
+  gc.model = full;
   int rc = gossip_start(&mb->g, &gc, e);
   if (rc) return rc;
   printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"%s\",\"metrics_port\":%d%s%s}\n", gossip_advertised(mb->g),
