@@ -25,7 +25,7 @@
 struct link {
   struct ps_client *cl;
   int index;
-  char addr[128];
+  char addr[PS_ADDR_MAX];
   /* Loop thread. */
   net_conn_t *conn; /* open and ours, from the dial until on_close */
   bool dialing;
@@ -477,25 +477,17 @@ static void loop_main(void *arg) {
 
 /* Splits "A,B,..." into the links. */
 static int parse_servers(struct ps_client *cl, const char *list, struct rumor_err *e) {
-  const char *p = list;
-  for (;;) {
-    const char *comma = strchr(p, ',');
-    size_t len = comma ? (size_t)(comma - p) : strlen(p);
-    if (cl->n == PS_MAX_SERVERS)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: more than %d servers", PS_MAX_SERVERS);
-    struct link *k = &cl->links[cl->n];
-    const char *colon = len ? memchr(p, ':', len) : NULL;
-    if (!len || len >= sizeof k->addr || !colon || colon == p + len - 1)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is not HOST:PORT", (int)(len > 200 ? 200 : len), p);
-    snprintf(k->addr, sizeof k->addr, "%.*s", (int)len, p);
+  char addrs[PS_MAX_SERVERS][PS_ADDR_MAX];
+  int rc = ps_servers_parse(list, addrs, &cl->n, e);
+  for (int i = 0; rc == 0 && i < cl->n; i++) {
+    struct link *k = &cl->links[i];
+    memcpy(k->addr, addrs[i], PS_ADDR_MAX);
     k->cl = cl;
-    k->index = cl->n++;
+    k->index = i;
     k->pushed = -1;
     k->backoff_ms = DIAL_BACKOFF_MIN_MS;
-    if (!comma) break;
-    p = comma + 1;
   }
-  return 0;
+  return rc;
 }
 
 static void client_free_mem(struct ps_client *cl) {

@@ -43,6 +43,21 @@ void ps_optim_text(const struct optim_config *o, char *buf, size_t n) {
            o->eps, optim_schedule_name(o->schedule), (long long)o->warmup_steps);
 }
 
+int ps_servers_parse(const char *list, char (*addrs)[PS_ADDR_MAX], int *n, struct rumor_err *e) {
+  *n = 0;
+  for (const char *p = list;;) {
+    const char *comma = strchr(p, ',');
+    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    if (*n == PS_MAX_SERVERS) return rumor_err_set(e, RUMOR_EFORMAT, "--servers: more than %d servers", PS_MAX_SERVERS);
+    const char *colon = len ? memchr(p, ':', len) : NULL;
+    if (!len || len >= PS_ADDR_MAX || !colon || colon == p + len - 1)
+      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is not HOST:PORT", (int)(len > 200 ? 200 : len), p);
+    snprintf(addrs[(*n)++], PS_ADDR_MAX, "%.*s", (int)len, p);
+    if (!comma) return 0;
+    p = comma + 1;
+  }
+}
+
 int ps_msg_str(const struct net_msg *m, const char *key, char *out, size_t n) {
   const char *s;
   size_t len;

@@ -169,7 +169,7 @@ struct ps_status_worker {
 
 /* One server as a monitor sees it. */
 struct ps_status {
-  char addr[128];
+  char addr[128]; /* PS_ADDR_MAX */
   bool reachable;
   char error[200]; /* why not, when !reachable */
   int range, ranges, workers;

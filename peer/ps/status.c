@@ -122,30 +122,13 @@ static void on_timeout(uv_timer_t *t) {
   close_all(q);
 }
 
-/* Splits the list into out[*n] (addresses only). */
-static int split(const char *list, struct ps_status *out, int *n, struct rumor_err *e) {
-  *n = 0;
-  for (const char *p = list;;) {
-    const char *comma = strchr(p, ',');
-    size_t len = comma ? (size_t)(comma - p) : strlen(p);
-    if (*n == PS_MAX_SERVERS) return rumor_err_set(e, RUMOR_EFORMAT, "--servers: more than %d servers", PS_MAX_SERVERS);
-    const char *colon = len ? memchr(p, ':', len) : NULL;
-    if (!len || len >= sizeof out->addr || !colon || colon == p + len - 1)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is not HOST:PORT", (int)(len > 200 ? 200 : len), p);
-    snprintf(out[(*n)++].addr, sizeof out->addr, "%.*s", (int)len, p);
-    if (!comma) return 0;
-    p = comma + 1;
-  }
-}
-
 int ps_status_query(const struct ps_status_config *cfg, struct ps_status **out, int *count, struct rumor_err *e) {
   struct query q = {0};
-  q.st = xcalloc(PS_MAX_SERVERS, sizeof *q.st);
-  int rc = split(cfg->servers, q.st, &q.n, e);
-  if (rc) {
-    free(q.st);
-    return rc;
-  }
+  char addrs[PS_MAX_SERVERS][PS_ADDR_MAX];
+  int rc = ps_servers_parse(cfg->servers, addrs, &q.n, e);
+  if (rc) return rc;
+  q.st = xcalloc((size_t)q.n, sizeof *q.st);
+  for (int i = 0; i < q.n; i++) memcpy(q.st[i].addr, addrs[i], PS_ADDR_MAX);
   RUMOR_ASSERT(uv_loop_init(&q.loop) == 0);
   struct net_config nc;
   net_config_defaults(&nc);
