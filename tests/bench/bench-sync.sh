@@ -108,6 +108,29 @@ killer() {
   kill -9 "$2" 2>/dev/null || true
 }
 
+# Starts the n rumor workers of the job (condition $1, files in $2: keys
+# idI.key and the cluster key; stdout wI.out, log wI.log), each listening on
+# its host when $3 is true, with the options after $3; worker n straggles or
+# is killed as the condition says; waits for them all.
+run_workers() {
+  cond=$1 d=$2 listen=$3
+  shift 3
+  run_pids=""
+  for i in $(seq 1 "$n"); do
+    own=""
+    [ "$cond" = straggler ] && [ "$i" -eq "$n" ] && own="--slowdown 2"
+    $listen && own="$own --listen $(addr "$cond" "$i"):0"
+    # shellcheck disable=SC2086
+    $(wrap "$cond" "$i") "$rumor" peer --cluster-key "$d/cluster.key" --identity "$d/id$i.key" \
+      --shard "$((i - 1))/$n" --model "$model" --epochs "$epochs" --batch "$batch" --lr "$lr" --threads 1 \
+      --eval-every "$eval_every" --log-every 0 --name "w$i" $own "$@" > "$d/w$i.out" 2> "$d/w$i.log" &
+    run_pids="$run_pids $!"
+    pids="$pids $!"
+  done
+  [ "$cond" = killed ] && killer "$d/w1.log" "$!" &
+  wait_all "$run_pids"
+}
+
 # One rumor run: condition $1, scheme $2, extra peer flags in $3.
 run_rumor() {
   cond=$1 scheme=$2 extra=$3 d=$work/$1-$2
@@ -122,22 +145,8 @@ run_rumor() {
   pids="$pids $boot_pid"
   for _ in $(seq 1 100); do grep -q '"listen"' "$d/boot.out" 2>/dev/null && break; sleep 0.1; done
   boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$d/boot.out")
-  run_pids=""
-  for i in $(seq 1 "$n"); do
-    slow=""
-    [ "$cond" = straggler ] && [ "$i" -eq "$n" ] && slow="--slowdown 2"
-    hi=$(wrap "$cond" "$i")
-    # shellcheck disable=SC2086
-    $hi "$rumor" peer --bootstrap "$boot" --cluster-key "$d/cluster.key" --identity "$d/id$i.key" \
-      --listen "$(addr "$cond" "$i"):0" --shard "$((i - 1))/$n" --model "$model" --epochs "$epochs" \
-      --batch "$batch" --lr "$lr" --threads 1 --eval-every "$eval_every" --log-every 0 --wait-peers "$n" \
-      --name "w$i" $slow $extra > "$d/w$i.out" 2> "$d/w$i.log" &
-    run_pids="$run_pids $!"
-    pids="$pids $!"
-  done
-  last=$!
-  [ "$cond" = killed ] && killer "$d/w1.log" "$last" &
-  wait_all "$run_pids"
+  # shellcheck disable=SC2086
+  run_workers "$cond" "$d" true --bootstrap "$boot" --wait-peers "$n" $extra
   kill "$boot_pid" 2>/dev/null || true
   collect "$cond" "$scheme" "$d"
 }
@@ -185,22 +194,8 @@ run_ps() {
     for _ in $(seq 1 100); do grep -q '"listen"' "$d/s$s.out" 2>/dev/null && break; sleep 0.1; done
     servers="$servers${servers:+,}$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$d/s$s.out")"
   done
-  run_pids=""
-  for i in $(seq 1 "$n"); do
-    "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1
-    slow=""
-    [ "$cond" = straggler ] && [ "$i" -eq "$n" ] && slow="--slowdown 2"
-    # shellcheck disable=SC2086
-    $(wrap "$cond" "$i") "$rumor" peer --sync ps --servers "$servers" --cluster-key "$d/cluster.key" \
-      --identity "$d/id$i.key" --shard "$((i - 1))/$n" --model "$model" --epochs "$epochs" --batch "$batch" \
-      --lr "$lr" --threads 1 --eval-every "$eval_every" --log-every 0 --name "w$i" $slow \
-      > "$d/w$i.out" 2> "$d/w$i.log" &
-    run_pids="$run_pids $!"
-    pids="$pids $!"
-  done
-  last=$!
-  [ "$cond" = killed ] && killer "$d/w1.log" "$last" &
-  wait_all "$run_pids"
+  for i in $(seq 1 "$n"); do "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1; done
+  run_workers "$cond" "$d" false --sync ps --servers "$servers"
   for p in $srv_pids; do kill "$p" 2>/dev/null || true; done
   collect "$cond" "$scheme" "$d"
 }

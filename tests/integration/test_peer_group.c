@@ -233,21 +233,33 @@ static float *stage_params(const char *base, int s, int64_t *n) {
 
 static void start_stage_bootstraps(char *list, size_t n) { cluster_start_stage_bootstraps(&C, list, n); }
 
-Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
-  SKIP_WITHOUT_DATA();
+/* Two 2-stage groups "ga" (1F1B) and "gb" (GPipe) on shards 0/2 and 1/2,
+ * 4 micro-batches, waiting for each other, each checkpointing to
+ * DIR/NAME.safetensors, with `extra` options (NULL-terminated). */
+static const char *const two_names[2] = {"ga", "gb"};
+static void start_two_groups(struct cluster_group *g, char *const *extra) {
   char boot[160];
   start_stage_bootstraps(boot, sizeof boot);
-  struct cluster_group g[2];
-  const char *names[2] = {"ga", "gb"};
   for (int i = 0; i < 2; i++) {
     char shard[8], ck[256];
     snprintf(shard, sizeof shard, "%d/2", i);
-    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
-    char *args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-256-128-10", "--micro-batches", "4",
-                    "--pipeline", i ? "gpipe" : "1f1b", "--shard", shard, "--epochs", "2", "--batch", "64", "--lr",
-                    "0.1", "--wait-peers", "2", "--gossip-every", "1", "--checkpoint", ck, NULL};
-    start_group(&g[i], names[i], args);
+    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, two_names[i]);
+    char *args[64] = {"--stages", "2", "--bootstrap", boot, "--micro-batches", "4", "--pipeline",
+                      i ? "gpipe" : "1f1b", "--shard", shard, "--wait-peers", "2", "--checkpoint", ck};
+    int n = 14;
+    for (int k = 0; extra[k] && n < 63; k++) args[n++] = extra[k];
+    args[n] = NULL;
+    start_group(&g[i], two_names[i], args);
   }
+}
+
+Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
+  SKIP_WITHOUT_DATA();
+  struct cluster_group g[2];
+  const char *const *names = two_names;
+  char *extra[] = {"--model", "mlp:784-256-128-10", "--epochs", "2", "--batch", "64", "--lr", "0.1", "--gossip-every",
+                   "1", NULL};
+  start_two_groups(g, extra);
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
     cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
@@ -280,19 +292,11 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
  * identical, bit for bit. */
 Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
   SKIP_WITHOUT_DATA();
-  char boot[160];
-  start_stage_bootstraps(boot, sizeof boot);
   struct cluster_group g[2];
-  const char *names[2] = {"ga", "gb"};
-  for (int i = 0; i < 2; i++) {
-    char shard[8], ck[256];
-    snprintf(shard, sizeof shard, "%d/2", i);
-    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
-    char *args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-64-32-10", "--micro-batches", "4",
-                    "--pipeline", i ? "gpipe" : "1f1b", "--shard", shard, "--max-steps", "60", "--batch", "32",
-                    "--no-eval", "--wait-peers", "2", "--sync", "allreduce", "--checkpoint", ck, NULL};
-    start_group(&g[i], names[i], args);
-  }
+  const char *const *names = two_names;
+  char *extra[] = {"--model", "mlp:784-64-32-10", "--max-steps", "60", "--batch", "32", "--no-eval", "--sync",
+                   "allreduce", NULL};
+  start_two_groups(g, extra);
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
     cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
