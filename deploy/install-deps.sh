@@ -9,6 +9,8 @@
 # bible-kjv is the default language-model corpus: its `bible` command prints
 # the King James Bible, which this script writes as plain text to
 # /usr/local/share/rumor/kjv.txt (deploy/make-corpus.sh).
+# chromium (headless) and a font render `rumor top --web`'s page in
+# test_peer_top_web and for docs/top-web.png.
 set -eu
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -18,13 +20,14 @@ fi
 
 packages="
   build-essential cmake pkg-config git
-  libuv1-dev libmsgpack-dev libsodium-dev libssl-dev zlib1g-dev libdnnl-dev
+  libuv1-dev libmsgpack-dev libsodium-dev libssl-dev zlib1g-dev libdnnl-dev libjansson-dev
   libcriterion-dev
   clang libclang-rt-14-dev
   libopenblas0-pthread
   dataset-fashion-mnist bible-kjv
   python3 python3-numpy python3-torch
   prometheus
+  chromium fonts-dejavu-core
   munge slurmctld slurmd slurm-client
   python3-venv shellcheck systemd
   iproute2

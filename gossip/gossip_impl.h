@@ -289,6 +289,7 @@ struct gossip_monitoring {
   double *psketch;           /* sketch_k doubles, valid when have_sketch */
   bool have_stats, have_sketch;
   uint64_t stats_ms;         /* monotonic ms of the last publish */
+  uint64_t sketch_ms;        /* monotonic ms of the last publish with a sketch (and norm) */
   _Atomic bool wanted;       /* a monitor asked for fresh figures */
   struct stats_waiter waiters[GOSSIP_STATS_WAITERS]; /* STATS requests waiting for them */
   size_t nwaiters;
@@ -537,11 +538,13 @@ void gossip_metrics_stop(struct gossip *g);
 
 /* ---- http.c: a minimal HTTP/1.0 server for GET requests on a libuv loop.
  * The handler fills *body (malloc'd, the server frees it) and returns the
- * status code. Loop thread only. ---- */
+ * status code. `what` names the option in error messages ("--metrics").
+ * Serves the metrics endpoint and the monitor's (gossip_monitor_serve).
+ * Loop thread only. ---- */
 struct gossip_http;
 typedef int (*gossip_http_handler)(void *ctx, const char *path, char **body, size_t *len, const char **type);
-int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler h, void *ctx, struct gossip_http **out,
-                      struct rumor_err *e) RUMOR_MUST_CHECK;
+int gossip_http_start(uv_loop_t *loop, const char *what, const char *addr, gossip_http_handler h, void *ctx,
+                      struct gossip_http **out, struct rumor_err *e) RUMOR_MUST_CHECK;
 int gossip_http_port(const struct gossip_http *h);
 /* Closes the listener and every client; frees `h` once all handles closed. */
 void gossip_http_stop(struct gossip_http *h);

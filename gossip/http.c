@@ -1,8 +1,9 @@
 /*
- * A minimal HTTP/1.0 server for the metrics endpoint: GET requests only, one
- * request per connection, bounded header size and time, a cap on concurrent
- * clients. It answers Prometheus scrapes and health probes; it is not a
- * general web server. Plain text and unauthenticated: bind it to an address
+ * A minimal HTTP/1.0 server for the metrics endpoint and `rumor top --web`
+ * (gossip_monitor_serve): GET requests only, one request per connection,
+ * bounded header size and time, a cap on concurrent clients. It answers
+ * Prometheus scrapes, health probes and the web view's page and polls; it is
+ * not a general web server. Plain text and unauthenticated: bind it to an address
  * that only the monitoring system reaches.
  */
 #include <stdio.h>
@@ -172,12 +173,12 @@ static int parse_addr(const char *s, struct sockaddr_storage *ss) {
   return uv_ip4_addr(hl ? host : "0.0.0.0", (int)port, (struct sockaddr_in *)ss);
 }
 
-int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler handler, void *ctx,
+int gossip_http_start(uv_loop_t *loop, const char *what, const char *addr, gossip_http_handler handler, void *ctx,
                       struct gossip_http **out, struct rumor_err *e) {
   struct sockaddr_storage ss;
   memset(&ss, 0, sizeof ss);
   int rc = parse_addr(addr, &ss);
-  if (rc) return rumor_err_set(e, RUMOR_EFORMAT, "bad --metrics address '%s' (expected host:port)", addr);
+  if (rc) return rumor_err_set(e, RUMOR_EFORMAT, "bad %s address '%s' (expected host:port)", what, addr);
   struct gossip_http *h = xcalloc(1, sizeof *h);
   h->handler = handler;
   h->ctx = ctx;
@@ -185,7 +186,7 @@ int gossip_http_start(uv_loop_t *loop, const char *addr, gossip_http_handler han
   h->listener.data = h;
   if ((rc = uv_tcp_bind(&h->listener, (const struct sockaddr *)&ss, 0)) ||
       (rc = uv_listen((uv_stream_t *)&h->listener, 64, on_connection))) {
-    rumor_err_set(e, rc, "cannot serve metrics on %s: %s", addr, uv_strerror(rc));
+    rumor_err_set(e, rc, "cannot listen on %s for %s: %s", addr, what, uv_strerror(rc));
     h->stopping = true; /* freed when the listener's close completes */
     uv_close((uv_handle_t *)&h->listener, on_listener_closed);
     return rc;

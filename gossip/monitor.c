@@ -84,6 +84,7 @@ struct gossip_monitor {
   int poll_rc;
   bool poll_over, loop_live;
   uint64_t sleep_until_ms; /* gossip_monitor_sleep runs until then (0: done) */
+  struct gossip_http *http; /* gossip_monitor_serve's server, or NULL */
 };
 
 static uint64_t now_ms(struct gossip_monitor *m) {
@@ -772,6 +773,15 @@ void gossip_monitor_sleep(gossip_monitor_t *m, uint32_t ms) {
   while (m->sleep_until_ms) uv_run(&m->loop, UV_RUN_ONCE);
 }
 
+int gossip_monitor_serve(gossip_monitor_t *m, const char *what, const char *addr, gossip_monitor_http_handler h,
+                         void *ctx, int *port, struct rumor_err *e) {
+  if (m->http) return rumor_err_set(e, -EBUSY, "%s %s: this monitor already serves HTTP", what, addr);
+  int rc = gossip_http_start(&m->loop, what, addr, h, ctx, &m->http, e);
+  if (rc) return rc;
+  *port = gossip_http_port(m->http);
+  return 0;
+}
+
 static void on_net_closed(void *arg) { (void)arg; }
 
 static void on_tick_closed(uv_handle_t *h) { (void)h; }
@@ -780,6 +790,7 @@ void gossip_monitor_close(gossip_monitor_t *m) {
   if (!m) return;
   if (m->loop_live) {
     if (m->net) net_close(m->net, on_net_closed, NULL);
+    gossip_http_stop(m->http);
     if (m->tick.data) uv_close((uv_handle_t *)&m->tick, on_tick_closed);
     uv_run(&m->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&m->loop)) log_warn("monitor: event loop not empty at close");

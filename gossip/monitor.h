@@ -109,4 +109,23 @@ int gossip_monitor_poll(gossip_monitor_t *m, struct gossip_cluster_report *r, st
 void gossip_monitor_sleep(gossip_monitor_t *m, uint32_t ms);
 void gossip_monitor_close(gossip_monitor_t *m);
 
+/* A page handler for gossip_monitor_serve: for a GET of `path` (the query
+ * cut off) it fills *body (malloc'd; the server frees it; NULL for none),
+ * *len and *type (a static Content-Type; text/plain unless set) and returns
+ * the HTTP status. Called on the monitor's thread, inside
+ * gossip_monitor_poll and gossip_monitor_sleep. */
+typedef int (*gossip_monitor_http_handler)(void *ctx, const char *path, char **body, size_t *len, const char **type);
+
+/* Serves read-only HTTP on `addr` ("host:port" or "[v6]:port"; port 0 picks
+ * a free one) from the monitor's own loop, with the metrics endpoint's
+ * server and limits: GET only (any other method: 405), requests up to 8 KiB,
+ * 5 s per client, 32 clients at once. Requests are answered while the
+ * caller is inside gossip_monitor_poll or gossip_monitor_sleep; a slow or
+ * silent client never holds the caller. `what` names the option in error
+ * messages ("--web"). Returns 0 and the bound port in *port, or a negative
+ * code with a message naming `addr`, and then serves nothing. One server per
+ * monitor; gossip_monitor_close stops it, so `ctx` must outlive the monitor. */
+int gossip_monitor_serve(gossip_monitor_t *m, const char *what, const char *addr, gossip_monitor_http_handler h,
+                         void *ctx, int *port, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 #endif /* RUMOR_GOSSIP_MONITOR_H */

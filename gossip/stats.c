@@ -85,6 +85,7 @@ void gossip_stats_publish(gossip_t *g, const struct gossip_peer_stats *s) {
   }
   mon->have_stats = true;
   mon->stats_ms = clock_now_ns() / 1000000;
+  if (s->sketch) mon->sketch_ms = mon->stats_ms;
   pthread_mutex_unlock(&g->lock);
   if (s->sketch && atomic_exchange(&mon->wanted, false)) {
     if (net_call(g->net, answer_waiters, g) != 0) log_debug("cannot hand fresh figures to the network thread");
@@ -252,7 +253,9 @@ static void handle_stats_req(struct gossip *g, net_conn_t *c, const struct net_m
   uint64_t q = 0;
   if (net_msg_get_uint(m, "q", &q)) q = 0;
   pthread_mutex_lock(&g->lock);
-  bool fresh = g->mon.have_sketch && clock_now_ns() / 1000000 - g->mon.stats_ms < GOSSIP_STATS_FRESH_MS;
+  /* The sketch's own age counts: training publishes its cheap figures every
+   * second without one, which must not make an old sketch look fresh. */
+  bool fresh = g->mon.have_sketch && clock_now_ns() / 1000000 - g->mon.sketch_ms < GOSSIP_STATS_FRESH_MS;
   pthread_mutex_unlock(&g->lock);
   /* Bootstrap nodes and peers not yet training have nothing to compute. */
   if (fresh || g->cfg.role != GOSSIP_ROLE_PEER || !atomic_load(&g->ready) ||
@@ -371,6 +374,10 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_exchange_requests_total %llu\n", (unsigned long long)gs.exchange_requests);
   metric(t, "rumor_exchange_refusals_total", "counter", "Exchange requests partners refused (busy, not ready).");
   tprintf(t, "rumor_exchange_refusals_total %llu\n", (unsigned long long)gs.exchange_refusals);
+  metric(t, "rumor_rate_limited_total", "counter",
+         "Partners' exchange requests and connections this node refused by its rate limits, by kind.");
+  tprintf(t, "rumor_rate_limited_total{kind=\"exchange\"} %llu\n", (unsigned long long)gs.exchange_rate_limited);
+  tprintf(t, "rumor_rate_limited_total{kind=\"connection\"} %llu\n", (unsigned long long)gs.conn_rate_limited);
   metric(t, "rumor_donations_total", "counter", "States donated to newcomers.");
   tprintf(t, "rumor_donations_total %llu\n", (unsigned long long)gs.donations);
   metric(t, "rumor_network_received_bytes_total", "counter", "Bytes received on cluster connections (wire bytes).");
@@ -436,7 +443,7 @@ static int metrics_handler(void *ctx, const char *path, char **body, size_t *len
 
 int gossip_metrics_start(struct gossip *g, struct rumor_err *e) {
   if (!g->cfg.metrics || !*g->cfg.metrics) return 0;
-  int rc = gossip_http_start(&g->loop, g->cfg.metrics, metrics_handler, g, &g->mon.http, e);
+  int rc = gossip_http_start(&g->loop, "--metrics", g->cfg.metrics, metrics_handler, g, &g->mon.http, e);
   if (rc == 0) log_info("metrics on http://%s/metrics (port %d)", g->cfg.metrics, gossip_http_port(g->mon.http));
   return rc;
 }

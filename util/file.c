@@ -10,7 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int write_full(int fd, const void *buf, size_t n) {
+int file_write_full(int fd, const void *buf, size_t n) {
   const uint8_t *p = buf;
   while (n > 0) {
     ssize_t w = write(fd, p, n > (1u << 30) ? (1u << 30) : n);
@@ -40,7 +40,7 @@ int file_write_atomic(const char *path, const struct file_part *parts, size_t np
   }
   for (size_t i = 0; i < nparts; i++) {
     if (parts[i].len == 0) continue;
-    rc = write_full(fd, parts[i].data, parts[i].len);
+    rc = file_write_full(fd, parts[i].data, parts[i].len);
     if (rc < 0) {
       rumor_err_set(e, rc, "cannot write %s: %s", tmp, strerror(-rc));
       goto out_unlink;

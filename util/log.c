@@ -4,9 +4,12 @@
 
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "json_text.h"
 
 static _Atomic int g_level = LOG_INFO;  /* process-wide: one log per process */
 static _Atomic bool g_json = false;
@@ -26,19 +29,26 @@ static const char *level_name(enum log_level l) {
   }
 }
 
-/* Appends `s` to buf[*n..cap) as a JSON string body (no quotes). */
-static void json_escape_into(char *buf, size_t cap, size_t *n, const char *s) {
-  for (; *s && *n + 7 < cap; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      buf[(*n)++] = '\\';
-      buf[(*n)++] = (char)c;
-    } else if (c < 0x20) {
-      *n += (size_t)snprintf(buf + *n, cap - *n, "\\u%04x", c);
-    } else {
-      buf[(*n)++] = (char)c;
-    }
-  }
+/* One --log-json line: {"ts","level","name","pid","msg"} and a newline,
+ * malloc'd. */
+static char *json_line(const char *ts, int ms, enum log_level level, const char *msg, size_t *len) {
+  char when[80];
+  snprintf(when, sizeof when, "%s.%03d", ts, ms);
+  json_t *o = json_object();
+  if (!o) rumor_panic(__FILE__, __LINE__, "out of memory building a log line");
+  json_text_set(o, "ts", json_string(when));
+  json_text_set(o, "level", json_string(level_name(level)));
+  json_text_set(o, "name", json_text_str(g_name));
+  json_text_set(o, "pid", json_integer(getpid()));
+  json_text_set(o, "msg", json_text_str(msg));
+  size_t n;
+  char *text = json_text_dump(o, &n);
+  json_decref(o);
+  char *line = xrealloc(text, n + 2);
+  line[n] = '\n';
+  line[n + 1] = '\0';
+  *len = n + 1;
+  return line;
 }
 
 void log_vmsg(enum log_level level, const char *fmt, va_list ap) {
@@ -53,27 +63,29 @@ void log_vmsg(enum log_level level, const char *fmt, va_list ap) {
   struct tm tm;
   localtime_r(&secs, &tm);
 
-  char line[4096];
-  size_t n = 0;
-  if (atomic_load(&g_json)) {
+  /* A panic while a JSON line is built (out of memory) logs itself in the
+   * plain form rather than recursing. */
+  static _Thread_local bool building_json;
+  if (atomic_load(&g_json) && !building_json) {
     char ts[64];
     strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
-    n += (size_t)snprintf(line, sizeof line, "{\"ts\":\"%s.%03d\",\"level\":\"%s\",\"name\":\"",
-                          ts, (int)(ms % 1000), level_name(level));
-    json_escape_into(line, sizeof line, &n, g_name);
-    n += (size_t)snprintf(line + n, sizeof line - n, "\",\"pid\":%d,\"msg\":\"", (int)getpid());
-    json_escape_into(line, sizeof line, &n, msg);
-    n += (size_t)snprintf(line + n, sizeof line - n, "\"}\n");
-  } else {
-    char ts[16];
-    strftime(ts, sizeof ts, "%H:%M:%S", &tm);
-    static const char *tags[] = {"DEBUG", "INFO ", "WARN ", "ERROR"};
-    if (g_name[0])
-      n = (size_t)snprintf(line, sizeof line, "%s.%03d %s [%s] %s\n", ts, (int)(ms % 1000),
-                           tags[level], g_name, msg);
-    else
-      n = (size_t)snprintf(line, sizeof line, "%s.%03d %s %s\n", ts, (int)(ms % 1000), tags[level], msg);
+    size_t n;
+    building_json = true;
+    char *line = json_line(ts, (int)(ms % 1000), level, msg, &n);
+    building_json = false;
+    ssize_t w = write(STDERR_FILENO, line, n);
+    (void)w; /* nothing sensible to do if stderr is gone */
+    free(line);
+    return;
   }
+  char line[4096], ts[16];
+  size_t n;
+  strftime(ts, sizeof ts, "%H:%M:%S", &tm);
+  static const char *tags[] = {"DEBUG", "INFO ", "WARN ", "ERROR"};
+  if (g_name[0])
+    n = (size_t)snprintf(line, sizeof line, "%s.%03d %s [%s] %s\n", ts, (int)(ms % 1000), tags[level], g_name, msg);
+  else
+    n = (size_t)snprintf(line, sizeof line, "%s.%03d %s %s\n", ts, (int)(ms % 1000), tags[level], msg);
   if (n >= sizeof line) {
     n = sizeof line - 1;
     line[n - 1] = '\n';

@@ -162,6 +162,9 @@ struct file_part {
 };
 int file_write_atomic(const char *path, const struct file_part *parts, size_t nparts,
                       unsigned mode, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Writes all n bytes to fd (retrying short writes and EINTR). Returns 0 or
+ * a negative errno. */
+int file_write_full(int fd, const void *buf, size_t n) RUMOR_MUST_CHECK;
 
 /* Reads a whole file of at most `max_len` bytes into a new buffer (caller
  * frees). Returns 0, or a negative errno / RUMOR_ETOOBIG with a message. */

@@ -14,9 +14,12 @@
 
 #include "gossip/gossip.h"
 #include "peer/cli/cli.h"
+#include "peer/ps/ps.h"
 #include "peer/sync/sync.h"
 #include "peer/train/train.h"
-#include "util/json.h"
+
+struct json_t; /* jansson's value: result lines are built with util/json_text.h */
+#include "util/tfevents.h"
 #include "util/util.h"
 
 /* ============================================================================
@@ -89,6 +92,7 @@ struct train_flags {
   int64_t threads, seed, data_seed, epochs, batch, max_steps, checkpoint_every, warmup, eval_every, eval_batches;
   double lr, momentum, weight_decay, log_every, val_fraction, grad_clip, slowdown;
   bool nesterov, no_eval, log_json;
+  const char *tensorboard; /* --tensorboard DIR, or NULL (tensorboard.c) */
 };
 
 /* Fills `f` with the defaults shown in --help. */
@@ -215,11 +219,12 @@ struct member {
 
 /* Starts the gossip runtime for trainer `t` under the model label `label`
  * (what partners must match), with `seed` for neighbour choice. Prints the
- * member's address and identity as one JSON line on stdout (`role` and the
- * `extra` JSON members, which may be ""). */
+ * member's announce line on stdout, one JSON object: "listen", "id", "role"
+ * (`role`), "metrics_port", then the members of the object `extra` in its
+ * order (NULL: none; borrowed; its keys must differ from those four). */
 int member_start(struct member *mb, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
-                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role, const char *extra,
-                 struct rumor_err *e) RUMOR_MUST_CHECK;
+                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role,
+                 const struct json_t *extra, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Joins: takes a live member's state into the trainer (unless --no-state-pull
  * or `own_state`). Returns 0 with *pos set when it did, 1 when it starts
  * from its own state, or a negative code. */
@@ -240,17 +245,21 @@ void member_free(struct member *mb, int64_t linger_ms);
 
 /* ============================================================================
  * Result lines (result.c): one JSON object on stdout, the same names
- * everywhere. The caller opens the object (json_buf_init, json_obj_begin),
- * adds pieces, and result_print closes, prints and frees it.
+ * everywhere, in the order they are added. The caller opens the object
+ * (result_open), adds pieces (the functions below, json_text_set), and
+ * result_print prints and releases it.
  * ========================================================================== */
 
+/* A new, empty result object. */
+struct json_t *result_open(void);
 /* steps, epochs, samples_per_s and, where the loss is, test_accuracy,
  * test_loss and train_losses (the training loss at each epoch's end). */
-void result_training(struct json_buf *b, const struct trainer *t, double secs, int64_t samples_at_start);
+void result_training(struct json_t *o, const struct trainer *t, double secs, int64_t samples_at_start);
 /* The exchange figures: exchanges (applied), _failed, _rejected, _clipped,
  * _skipped, requests, refusals, idle, rate limits, holds. */
-void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const struct sync *s);
-void result_print(struct json_buf *b);
+void result_gossip(struct json_t *o, const struct gossip_stats *gs, const struct sync *s);
+/* Prints `o` as one line on stdout, flushes, and releases it. */
+void result_print(struct json_t *o);
 /* "validation loss L, token accuracy A" for a language model, "test accuracy
  * A, test loss L" otherwise: the words of the final log line. */
 void result_describe_final(const struct trainer *t, char *buf, size_t len);
@@ -272,11 +281,41 @@ int cmd_top(int argc, char **argv);
  * Returns the exit status (1 when a single poll reached no server). */
 int top_servers(const struct net_keys *keys, const char *servers, double interval_s, int64_t count, bool json,
                 uint32_t timeout_ms);
+
+/* `rumor top --web [HOST:]PORT` (top_web.c): one self-contained page at "/"
+ * (peer/cli/top_web.html, embedded at build time as top_web_page) that polls
+ * "/state.json", the latest state top_web_set_state was given, and draws the
+ * member table and the Ξ and loss charts. Served read-only from the
+ * monitor's loop (gossip_monitor_serve), so only while top polls or sleeps.
+ * `spec` is "PORT" (127.0.0.1:PORT) or "HOST:PORT"; a host that is not a
+ * loopback address is served only when named, with a warning. Prints the URL
+ * on stderr (the port chosen for port 0). Returns 0 and *out, or a negative
+ * code (RUMOR_EFORMAT for a bad spec) with a message naming it. The web view
+ * must be freed (top_web_free) after the monitor is closed. */
+struct top_web;
+struct gossip_monitor;
+int top_web_start(struct gossip_monitor *m, const char *spec, struct top_web **out,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks a --web value as top_web_start would, serving nothing: 0, or
+ * RUMOR_EFORMAT with the message. For the command line's checks. */
+int top_web_check(const char *spec, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Replaces the state served at /state.json by json[0..len) (copied). */
+void top_web_set_state(struct top_web *w, const char *json, size_t len);
+void top_web_free(struct top_web *w);
+extern const unsigned char top_web_page[]; /* the page's bytes (generated) */
+extern const size_t top_web_page_len;
 /* Parameter servers (cmd_ps.c): `rumor ps` runs one; `rumor peer --sync
  * ps` is a worker, which cmd_peer hands to ps_worker_check (at parse time:
  * the options a worker does not take) and ps_worker_run (the whole run). */
 int cmd_ps(int argc, char **argv);
 int ps_worker_check(const struct net_flags *nf, const struct gossip_flags *gf, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* For a group's stage with --sync ps (cmd_stage.c): starts the client of
+ * the stage's servers and installs it as t's reducer; the caller joins
+ * (ps_client_join), trains, finishes and frees it. */
+int ps_worker_start(ps_client_t **out, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                    const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The result line's parameter-server figures: sync, ps_pushes, ... */
+void ps_result_fields(struct json_t *o, const struct ps_client_stats *st);
 int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
                   const struct gossip_flags *gf, const struct gossip_setup *setup,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
@@ -288,14 +327,61 @@ int cmd_stage(int argc, char **argv);
 bool cmd_stage_wanted(int argc, char **argv);
 
 /* ============================================================================
+ * TensorBoard (tensorboard.c): --tensorboard DIR
+ * ========================================================================== */
+
+/*
+ * A training process writes one run, DIR/RUN (util/tfevents.h): `rumor
+ * train` the run "train", a peer its --name or else tb_member_name of its
+ * key, a group's stage "NAME:sS" (its log name). Its trainer's observer
+ * writes the training figures at training steps, the evaluation's at each
+ * evaluation, and a member's exchange figures with them; `rumor top` writes
+ * the run "cluster" at refresh numbers. Training thread (top: its thread).
+ */
+
+/* Characters of a member's key that name it: what `rumor top` shows. */
+#define TB_MEMBER_ID_CHARS 8
+
+struct tb_train {
+  tb_writer_t *w;              /* NULL: no --tensorboard */
+  const struct member *mb;     /* its exchange figures go along; may be NULL */
+  int64_t loss_step, all_step; /* steps last written (-1: none) */
+  int64_t eval_step;           /* the last evaluation written: its step and figures */
+  double eval_loss, eval_accuracy;
+  double next_loss_s, next_all_s, next_norm_s; /* clock_now_s() when each is due */
+  double rate_s;               /* the throughput window's start (0: the trainer's start) */
+  int64_t rate_samples;
+};
+
+/* `name` as one path component: '/' and backslash become '_'; "", "." and ".."
+ * become "_". */
+void tb_run_name(const char *name, char *out, size_t n);
+/* A member's name from its key (NET_PUBKEY_STR_LEN base64 characters): the
+ * first TB_MEMBER_ID_CHARS, '/' as '_' and '+' as '-'. */
+void tb_member_name(const char *id, char *out, size_t n);
+/* Opens DIR/`name` (tb_run_name of it) for a training process. Returns 0,
+ * or the error of tb_open prefixed with the flag. */
+int tb_train_open(struct tb_train *tb, const char *dir, const char *name, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Makes `tb` the observer of `t` (after trainer_init), with the exchange
+ * figures of `mb` (NULL: none). Does nothing when tb has no file. */
+void tb_train_attach(struct tb_train *tb, struct trainer *t, const struct member *mb);
+/* Flushes and closes (a tb_train never opened, zeroed, is fine). */
+void tb_train_close(struct tb_train *tb);
+/* `rumor top --tensorboard`: one refresh's figures at step `refresh`. */
+struct gossip_cluster_report;
+void tb_top_write(tb_writer_t *w, int64_t refresh, const struct gossip_cluster_report *r, double mean_loss);
+
+/* ============================================================================
  * Charts
  * ========================================================================== */
 
 /*
- * Line charts of time series as SVG or PNG files, and terminal
- * sparklines, for `rumor top`. No plotting library: the SVG is written as
- * text, the PNG is rasterised here (lines, axes, a 5×7 bitmap font for the
- * labels) and compressed with zlib.
+ * Line charts of time series as SVG files, and terminal sparklines, for
+ * `rumor top`. No plotting library: the SVG is a few kinds of element
+ * written as text, and the viewer (any browser) draws its fonts and
+ * antialiasing. PNG is no longer written (docs/architecture.md, "Libraries
+ * and what we keep hand-made"): nothing read it, and `rumor top --web` shows
+ * the same charts live.
  *
  * A chart has one or more panels stacked vertically, all sharing the x axis
  * (seconds). NaN values are gaps in a line. Pure functions; any thread.
@@ -303,11 +389,16 @@ bool cmd_stage_wanted(int argc, char **argv);
 
 enum plot_format { PLOT_UNKNOWN = 0, PLOT_SVG, PLOT_PNG };
 
-/* The format named by a path's extension (".svg" or ".png", any case). */
+/* The format named by a path's extension (".svg" or ".png", any case).
+ * PLOT_PNG is recognised only so that its refusal can say why. */
 enum plot_format plot_format_of(const char *path);
+/* 0 when plot_write would take `path` as a name (it ends in .svg), else
+ * RUMOR_EFORMAT with a message naming it (for a .png: why, and what to use
+ * instead). Touches no file: for the command line's checks. */
+int plot_check_path(const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 struct plot_series {
-  const char *name; /* legend text (ASCII shows in PNGs) */
+  const char *name; /* legend text, UTF-8 */
   const double *y;  /* one value per x; NaN leaves a gap */
   uint32_t rgb;     /* 0xRRGGBB */
 };
@@ -319,9 +410,11 @@ struct plot_panel {
   size_t nseries;
 };
 
-/* Writes the chart to `path` in the format of its extension, atomically (a
- * temporary file renamed over it), so a viewer never reads half a file.
- * `x` holds n ≥ 1 times in seconds, non-decreasing. */
+/* Writes the chart to `path` as SVG, atomically (a temporary file renamed
+ * over it), so a viewer never reads half a file. `x` holds n ≥ 1 times in
+ * seconds, non-decreasing. Returns 0, or RUMOR_EFORMAT naming the path when
+ * it does not end in .svg (a .png is refused with the reason and what to do
+ * instead), or an I/O error. */
 int plot_write(const char *path, const double *x, size_t n, const struct plot_panel *panels, size_t npanels,
                struct rumor_err *e) RUMOR_MUST_CHECK;
 

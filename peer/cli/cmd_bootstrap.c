@@ -5,13 +5,17 @@
 
 #include "bootstrap/bootstrap.h"
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 
 /* Announces where we listen, as one JSON line on stdout, for scripts. */
 static void announce(gossip_t *g, void *arg) {
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"bootstrap\",\"metrics_port\":%d}\n", gossip_advertised(g), gossip_self_id(g),
-         gossip_metrics_port(g));
-  fflush(stdout);
+  json_t *o = result_open();
+  json_text_set(o, "listen", json_text_str(gossip_advertised(g)));
+  json_text_set(o, "id", json_string(gossip_self_id(g)));
+  json_text_set(o, "role", json_string("bootstrap"));
+  json_text_set(o, "metrics_port", json_integer(gossip_metrics_port(g)));
+  json_text_print(stdout, o);
 }
 
 int cmd_bootstrap(int argc, char **argv) {

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 /* A language model's loss per token and next-token accuracy on the
  * validation windows of `data` (as training splits it), in batches. */
@@ -36,9 +37,14 @@ static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data
     free(x);
     free(y);
     double targets = (double)(n * T);
-    printf("{\"checkpoint\":\"%s\",\"windows\":%lld,\"tokens\":%.0f,\"val_loss\":%.6f,\"val_token_accuracy\":%.6f,"
-           "\"step\":%lld}\n",
-           ckpt, (long long)n, targets, loss / targets, (double)correct / targets, (long long)ck->info.st.step);
+    json_t *o = result_open();
+    json_text_set(o, "checkpoint", json_text_str(ckpt));
+    json_text_set(o, "windows", json_integer(n));
+    json_text_set(o, "tokens", json_integer(n * T));
+    json_text_set(o, "val_loss", json_text_real(loss / targets));
+    json_text_set(o, "val_token_accuracy", json_text_real((double)correct / targets));
+    json_text_set(o, "step", json_integer(ck->info.st.step));
+    result_print(o);
   }
   model_free(&m);
   token_corpus_free(&c);
@@ -128,9 +134,14 @@ int cmd_eval(int argc, char **argv) {
   }
   free(x);
   free(y);
-  printf("{\"checkpoint\":\"%s\",\"split\":\"%s\",\"samples\":%lld,\"accuracy\":%.6f,\"loss\":%.6f,\"step\":%lld}\n",
-         ckpt, split, (long long)ds.count, (double)correct / (double)ds.count, loss / (double)ds.count,
-         (long long)ck.info.st.step);
+  json_t *o = result_open();
+  json_text_set(o, "checkpoint", json_text_str(ckpt));
+  json_text_set(o, "split", json_text_str(split));
+  json_text_set(o, "samples", json_integer(ds.count));
+  json_text_set(o, "accuracy", json_text_real((double)correct / (double)ds.count));
+  json_text_set(o, "loss", json_text_real(loss / (double)ds.count));
+  json_text_set(o, "step", json_integer(ck.info.st.step));
+  result_print(o);
   status = 0;
 done:
   if (status) fprintf(stderr, "rumor eval: %s\n", e.msg);

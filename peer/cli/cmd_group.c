@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "peer/cli/cli_impl.h"
-#include "util/json.h"
+#include "util/json_text.h"
 
 #define LINE_MAX_BYTES 65536
 #define NOTICE_S 3.0 /* after a stage failed, the others get this long to notice on their own */
@@ -40,8 +40,8 @@ struct group {
   int S;
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[PIPE_MAX_STAGES][32];
-  char bootstrap[PIPE_MAX_STAGES][1024];
-  bool have_bootstrap;
+  char bootstrap[PIPE_MAX_STAGES][1024]; /* --bootstrap's list for each stage */
+  char servers[PIPE_MAX_STAGES][1024];   /* --servers' list for each stage (--sync ps) */
   struct child kids[PIPE_MAX_STAGES];
   int nkids;
 };
@@ -82,10 +82,35 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
   return 0;
 }
 
+/* Splits `value` of --flag into one list per stage, separated by ';'.
+ * Returns 0, or RUMOR_EFORMAT naming the flag when there are not S lists
+ * or one is too long (`why`: what a stage's list is for). */
+static int stage_lists(const char *flag, const char *value, int S, char (*out)[1024], const char *why,
+                       struct rumor_err *e) {
+  int n = 0;
+  for (const char *p = value;; n++) {
+    const char *q = strchr(p, ';');
+    size_t len = q ? (size_t)(q - p) : strlen(p);
+    if (n < S) {
+      if (len >= 1024) return rumor_err_set(e, RUMOR_EFORMAT, "--%s: list %d is too long", flag, n);
+      snprintf(out[n], 1024, "%.*s", (int)len, p);
+    }
+    if (!q) break;
+    p = q + 1;
+  }
+  n++;
+  if (n != S)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--%s '%s' has %d list%s for %d stages: give one address list per stage, separated by ';' "
+                         "(%s)",
+                         flag, value, n, n == 1 ? "" : "s", S, why);
+  return 0;
+}
+
 /* Options the launcher sets per stage itself rather than passing on. */
 static bool launcher_only(const char *name) {
-  static const char *const own[] = {"stages", "devices", "listen", "advertise", "metrics", "bootstrap", "name", "group",
-                                    "threads"};
+  static const char *const own[] = {"stages",  "devices", "listen", "advertise", "metrics",
+                                    "bootstrap", "servers", "name", "group", "threads"};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
     if (strcmp(name, own[i]) == 0) return true;
   return false;
@@ -154,9 +179,13 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     push(out, &n, "--threads");
     push(out, &n, buf);
   }
-  if (g->have_bootstrap) {
+  if (g->f.net.bootstrap) {
     push(out, &n, "--bootstrap");
     push(out, &n, g->bootstrap[s]);
+  }
+  if (g->f.gossip.servers) {
+    push(out, &n, "--servers");
+    push(out, &n, g->servers[s]);
   }
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -210,24 +239,23 @@ static void child_line(struct child *k, const char *line, size_t len) {
   fwrite(line, 1, len, stdout);
   fputc('\n', stdout);
   fflush(stdout);
-  struct json_doc doc;
-  if (len == 0 || line[0] != '{' || json_parse(line, len, &doc, NULL) != 0) return;
-  const struct json_value *v;
-  if ((v = json_get(&doc.root, "link")) && v->type == JSON_STRING)
-    snprintf(k->link, sizeof k->link, "%s", v->string);
-  const struct json_value *stopped = json_get(&doc.root, "stopped");
-  bool on_signal = stopped && stopped->type == JSON_BOOL && stopped->boolean;
-  if ((v = json_get(&doc.root, "failed_stage")) && v->type == JSON_NUMBER && !on_signal) {
+  json_t *doc;
+  if (len == 0 || line[0] != '{' || json_text_parse(line, len, &doc, NULL) != 0) return;
+  const char *link = json_string_value(json_object_get(doc, "link")); /* NULL unless a string */
+  if (link) snprintf(k->link, sizeof k->link, "%s", link);
+  bool on_signal = json_is_true(json_object_get(doc, "stopped"));
+  const json_t *failed = json_object_get(doc, "failed_stage");
+  if (json_is_integer(failed) && !on_signal) {
     /* A stage that failed, or saw which stage failed (not one we stopped). */
-    k->failed_stage = (int)v->number;
-    const struct json_value *w = json_get(&doc.root, "error");
-    if (w && w->type == JSON_STRING) snprintf(k->error, sizeof k->error, "%s", w->string);
+    k->failed_stage = (int)json_integer_value(failed);
+    const char *why = json_string_value(json_object_get(doc, "error"));
+    if (why) snprintf(k->error, sizeof k->error, "%s", why);
   }
-  if (json_get(&doc.root, "steps") && len < sizeof k->result) {
+  if (json_object_get(doc, "steps") && len < sizeof k->result) {
     memcpy(k->result, line, len);
     k->result[len] = '\0';
   }
-  json_doc_free(&doc);
+  json_decref(doc);
 }
 
 /* Reads what is available from a stage's stdout. Returns false at EOF. */
@@ -316,27 +344,13 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
     bool gpus = tensor_cuda_device_count() >= g->S;
     for (int s = 0; s < g->S; s++) snprintf(g->devices[s], sizeof g->devices[s], gpus ? "cuda:%d" : "cpu", s);
   }
-  if (f->net.bootstrap) {
-    /* One list per stage, separated by ';'. */
-    g->have_bootstrap = true;
-    int n = 0;
-    for (const char *p = f->net.bootstrap;; n++) {
-      const char *q = strchr(p, ';');
-      size_t len = q ? (size_t)(q - p) : strlen(p);
-      if (n < g->S) {
-        if (len >= sizeof g->bootstrap[0]) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap: list %d is too long", n);
-        snprintf(g->bootstrap[n], sizeof g->bootstrap[0], "%.*s", (int)len, p);
-      }
-      if (!q) break;
-      p = q + 1;
-    }
-    n++;
-    if (n != g->S)
-      return rumor_err_set(e, RUMOR_EFORMAT,
-                           "--bootstrap '%s' has %d list%s for %d stages: give one address list per stage, separated "
-                           "by ';' (stage s joins stage s of other groups)",
-                           f->net.bootstrap, n, n == 1 ? "" : "s", g->S);
-  }
+  if (f->net.bootstrap &&
+      (rc = stage_lists("bootstrap", f->net.bootstrap, g->S, g->bootstrap, "stage s joins stage s of other groups", e)))
+    return rc;
+  if (f->gossip.servers &&
+      (rc = stage_lists("servers", f->gossip.servers, g->S, g->servers,
+                        "stage s talks to stage s's servers, rumor ps --stage s/S, in range order", e)))
+    return rc;
   /* Stage s listens on port + s: the last stage's port must exist. */
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
@@ -403,21 +417,22 @@ static int supervise(struct group *g) {
   for (;;) {
     pump(g, 100);
     reap(g);
-    bool all = true;
-    for (int i = 0; i < g->nkids; i++) all = all && g->kids[i].exited;
-    if (all) break;
     double now = clock_now_s();
     if (signals_stop_requested() && !stopping) {
       stopping = true;
       log_info("group %s: signal %d, stopping the stages", g->name, signals_stop_requested());
       term_at = now;
     }
+    /* Before the test below: stages that all failed at once still fail the group. */
     if (!failed && !stopping) /* a stage failing while we stop them is not the group failing */
       for (int i = 0; i < g->nkids; i++)
         if (child_bad(&g->kids[i])) {
           failed = true;
           if (!term_at) term_at = now + NOTICE_S;
         }
+    bool all = true;
+    for (int i = 0; i < g->nkids; i++) all = all && g->kids[i].exited;
+    if (all) break;
     if (term_at && now >= term_at && !kill_at) {
       if (!stopping) log_warn("group %s: stopping the stages still running", g->name);
       signal_all(g, SIGTERM);
@@ -462,41 +477,28 @@ static int culprit(const struct group *g, char *why, size_t n) {
 }
 
 static void print_summary(const struct group *g, int status) {
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
+  json_t *o = result_open();
   const struct child *last = &g->kids[g->S - 1];
-  struct json_doc doc;
-  bool have = status == 0 && last->result[0] && json_parse(last->result, strlen(last->result), &doc, NULL) == 0;
+  json_t *doc;
+  bool have = status == 0 && last->result[0] && json_text_parse(last->result, strlen(last->result), &doc, NULL) == 0;
   static const char *const keys[] = {"test_accuracy", "test_loss", "steps", "epochs", "samples_per_s"};
   if (have) {
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
-      const struct json_value *v = json_get(&doc.root, keys[i]);
-      if (v && v->type == JSON_NUMBER) {
-        json_key(&b, keys[i]);
-        json_num(&b, v->number);
-      }
+      json_t *v = json_object_get(doc, keys[i]);
+      if (json_is_number(v)) json_text_set(o, keys[i], json_incref(v)); /* as the stage wrote it */
     }
-    json_doc_free(&doc);
+    json_decref(doc);
   }
-  json_key(&b, "group");
-  json_str(&b, g->name);
-  json_key(&b, "stages");
-  json_int(&b, g->S);
-  json_key(&b, "status");
-  json_str(&b, status == 0 ? "ok" : "failed");
+  json_text_set(o, "group", json_text_str(g->name));
+  json_text_set(o, "stages", json_integer(g->S));
+  json_text_set(o, "status", json_string(status == 0 ? "ok" : "failed"));
   if (status != 0) {
     char why[512];
     int s = culprit(g, why, sizeof why);
-    json_key(&b, "failed_stage");
-    json_int(&b, s);
-    json_key(&b, "error");
-    json_str(&b, why);
+    json_text_set(o, "failed_stage", json_integer(s));
+    json_text_set(o, "error", json_text_str(why));
   }
-  json_obj_end(&b);
-  printf("%.*s\n", (int)b.len, b.data);
-  fflush(stdout);
-  json_buf_free(&b);
+  result_print(o);
 }
 
 int cmd_group(int argc, char **argv) {
@@ -516,9 +518,11 @@ int cmd_group(int argc, char **argv) {
                       "stage s of other groups (--bootstrap takes one address list per stage, separated by\n"
                       "';'), with the gossip options of `rumor peer` (--clip, --max-local-steps, rate\n"
                       "limits). Groups gossip only with groups of the same model and split, never with plain\n"
-                      "peers. If a stage dies, the group stops (non-zero exit, naming the stage); other\n"
-                      "groups keep training. Stage output lines pass through; the last line on stdout is\n"
-                      "the group's result as JSON.");
+                      "peers. Instead of gossip, --sync allreduce sums each step's gradient with stage s of\n"
+                      "the other groups, and --sync ps pushes it to stage s's parameter servers (--servers\n"
+                      "takes one list per stage, separated by ';'). If a stage dies, the group stops\n"
+                      "(non-zero exit, naming the stage); other groups keep training. Stage output lines\n"
+                      "pass through; the last line on stdout is the group's result as JSON.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

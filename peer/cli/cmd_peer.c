@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 /* Everything one peer process holds, for the clean-up ladder. */
 struct peer_proc {
@@ -15,6 +16,7 @@ struct peer_proc {
   struct trainer t;
   bool have_trainer;
   struct member mb;
+  struct tb_train tb; /* --tensorboard */
 };
 
 /* `gs` and `id`: the gossip figures and our key, taken before we left. */
@@ -33,14 +35,11 @@ static void print_result(struct peer_proc *p, const struct gossip_stats *gs, con
   if (s->holds)
     log_info("held training %llu times for an exchange (%.1f s in all, %llu gave up after --max-hold-ms)",
              (unsigned long long)s->holds, s->hold_s, (unsigned long long)s->hold_timeouts);
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  result_training(&b, t, secs, s0);
-  result_gossip(&b, gs, s);
-  json_key(&b, "id");
-  json_str(&b, id);
-  result_print(&b);
+  json_t *o = result_open();
+  result_training(o, t, secs, s0);
+  result_gossip(o, gs, s);
+  json_text_set(o, "id", json_string(id));
+  result_print(o);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a
@@ -85,8 +84,16 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
   int rc = net_flags_load_keys(&p->nf, &p->keys, e);
   if (rc) return rc;
   p->have_keys = true;
+  if (p->tf.tensorboard) {
+    /* The run is named like the peer: --name, else its key as top shows it. */
+    char id[NET_PUBKEY_STR_LEN + 1], name[TB_MEMBER_ID_CHARS + 1];
+    net_pubkey_format(id, p->keys.identity.pk);
+    tb_member_name(id, name, sizeof name);
+    if ((rc = tb_train_open(&p->tb, p->tf.tensorboard, p->gf.name ? p->gf.name : name, e))) return rc;
+  }
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
+  tb_train_attach(&p->tb, &p->t, &p->mb);
   return 0;
 }
 
@@ -95,7 +102,7 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&t->model.spec, spec, sizeof spec);
-  int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", "", e);
+  int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", NULL, e);
   if (rc) return rc;
   struct gossip_train_pos pos;
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
@@ -171,6 +178,7 @@ int cmd_peer(int argc, char **argv) {
   status = rc == 0 ? 0 : rc == RUMOR_EFORMAT ? 2 : 1;
   if (rc) fprintf(stderr, "rumor peer: %s\n", e.msg);
   member_free(&p->mb, p->nf.linger_ms);
+  tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);
   if (p->have_keys) net_keys_free(&p->keys);
   return status;

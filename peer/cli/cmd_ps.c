@@ -5,6 +5,7 @@
 
 #include "peer/cli/cli_impl.h"
 #include "peer/ps/ps.h"
+#include "util/json_text.h"
 
 #define PS_SERVER_TIMEOUT_MS 10000 /* a worker redials a server silent this long */
 #define PS_GIVE_UP_S 120.0         /* a worker fails when a server stays away this long */
@@ -15,14 +16,17 @@
 
 struct ps_flags {
   struct train_flags tf; /* the optimizer, the model, the seed and the schedule, as the workers take them */
-  const char *listen, *cluster_key, *identity, *allow_list, *range, *staleness, *name;
+  const char *listen, *cluster_key, *identity, *allow_list, *range, *staleness, *name, *stage;
   int64_t workers, handshake_timeout_ms, worker_timeout_ms;
 };
 
 static void announce(const char *addr, const char *id, void *arg) {
   (void)arg;
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"ps\"}\n", addr, id);
-  fflush(stdout);
+  json_t *line = result_open();
+  json_text_set(line, "listen", json_text_str(addr));
+  json_text_set(line, "id", json_string(id));
+  json_text_set(line, "role", json_string("ps"));
+  json_text_print(stdout, line);
 }
 
 static int parse_ps(struct ps_flags *f, struct arg_spec *specs, int argc, char **argv) {
@@ -41,6 +45,9 @@ static int parse_ps(struct ps_flags *f, struct arg_spec *specs, int argc, char *
       {"allow-list", ARG_STR, &f->allow_list, "FILE", "admit only the public keys listed in FILE"},
       {"handshake-timeout-ms", ARG_INT, &f->handshake_timeout_ms, "MS", "connection handshake deadline", 100, 600000},
       {"range", ARG_STR, &f->range, "I/S", "hold the I-th of S contiguous ranges of the parameters"},
+      {"stage", ARG_STR, &f->stage, "s/G",
+       "serve stage s of the G-stage peer groups of `rumor group --sync ps`: --range then cuts that stage's slice "
+       "of the model (the groups' balanced split), and the workers are stage s of every group"},
       {"staleness", ARG_STR, &f->staleness, "S",
        "0: BSP (every round waits for every live worker and applies their mean); S > 0: SSP (the fastest worker "
        "runs at most S steps ahead of the slowest); none: ASP"},
@@ -91,6 +98,8 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
   if ((rc = ps_range_parse(f->range, &c->range, &c->ranges, e)) ||
       (rc = ps_staleness_parse(f->staleness, &c->staleness, e)))
     return rc;
+  c->stages = 1;
+  if (f->stage && (rc = group_stage_parse(f->stage, &c->stage, &c->stages, e))) return rc;
   if (!args_given(specs, "workers")) return rumor_err_set(e, RUMOR_EFORMAT, "--workers N is required");
   if (!t->checkpoint)
     return rumor_err_set(e, RUMOR_EFORMAT, "--checkpoint PATH is required (a server must survive restarts)");
@@ -121,9 +130,7 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
 }
 
 static void print_server_result(const struct ps_server_stats *st) {
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
+  json_t *o = result_open();
   const struct {
     const char *key;
     int64_t v;
@@ -131,13 +138,9 @@ static void print_server_result(const struct ps_server_stats *st) {
               {"nonfinite", (int64_t)st->nonfinite}, {"pulls", (int64_t)st->pulls}, {"dropped", (int64_t)st->dropped},
               {"max_clock_gap", st->max_gap},  {"rounds_partial", st->rounds_partial},
               {"workers_seen", st->workers_seen}};
-  for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) {
-    json_key(&b, figs[i].key);
-    json_int(&b, figs[i].v);
-  }
-  json_key(&b, "resumed");
-  json_bool(&b, st->resumed);
-  result_print(&b);
+  for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) json_text_set(o, figs[i].key, json_integer(figs[i].v));
+  json_text_set(o, "resumed", json_boolean(st->resumed));
+  result_print(o);
 }
 
 int cmd_ps(int argc, char **argv) {
@@ -188,6 +191,18 @@ int ps_worker_check(const struct net_flags *nf, const struct gossip_flags *gf, s
   return 0;
 }
 
+void ps_result_fields(json_t *o, const struct ps_client_stats *st) {
+  json_text_set(o, "sync", json_string("ps"));
+  const struct {
+    const char *key;
+    int64_t v;
+  } figs[] = {{"ps_pushes", (int64_t)st->pushes},         {"ps_pulls", (int64_t)st->pulls},
+              {"ps_repushes", (int64_t)st->repushes},     {"ps_reconnects", (int64_t)st->reconnects},
+              {"ps_version", st->last_version},           {"ps_max_clock_gap", st->max_gap}};
+  for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) json_text_set(o, figs[i].key, json_integer(figs[i].v));
+  json_text_set(o, "ps_wait_s", json_text_real(st->wait_s));
+}
+
 static void print_worker_result(struct trainer *t, const struct ps_client_stats *st, const char *id, double secs,
                                 int64_t s0) {
   struct rumor_err e = {0};
@@ -197,27 +212,11 @@ static void print_worker_result(struct trainer *t, const struct ps_client_stats 
   log_info("final %s after %lld steps; %llu pushes, %llu pulls, %.1f s waiting, largest clock gap %lld", final,
            (long long)t->st.step, (unsigned long long)st->pushes, (unsigned long long)st->pulls, st->wait_s,
            (long long)st->max_gap);
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  result_training(&b, t, secs, s0);
-  json_key(&b, "sync");
-  json_str(&b, "ps");
-  const struct {
-    const char *key;
-    int64_t v;
-  } figs[] = {{"ps_pushes", (int64_t)st->pushes},         {"ps_pulls", (int64_t)st->pulls},
-              {"ps_repushes", (int64_t)st->repushes},     {"ps_reconnects", (int64_t)st->reconnects},
-              {"ps_version", st->last_version},           {"ps_max_clock_gap", st->max_gap}};
-  for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) {
-    json_key(&b, figs[i].key);
-    json_int(&b, figs[i].v);
-  }
-  json_key(&b, "ps_wait_s");
-  json_num(&b, st->wait_s);
-  json_key(&b, "id");
-  json_str(&b, id);
-  result_print(&b);
+  json_t *o = result_open();
+  result_training(o, t, secs, s0);
+  ps_result_fields(o, st);
+  json_text_set(o, "id", json_string(id));
+  result_print(o);
 }
 
 /* Trains until done or stopped. */
@@ -235,10 +234,8 @@ static int worker_loop(struct trainer *t, struct rumor_err *e) {
   return 0;
 }
 
-int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
-                  const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) {
-  char id[NET_PUBKEY_STR_LEN + 1];
-  net_pubkey_format(id, keys->identity.pk);
+int ps_worker_start(ps_client_t **out, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                    const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) {
   const struct ps_client_config cc = {.identity = &keys->identity,
                                       .cluster_key = keys->cluster_key,
                                       .allow = keys->have_allow ? &keys->allow : NULL,
@@ -248,12 +245,25 @@ int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct ne
                                       .handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms,
                                       .give_up_s = PS_GIVE_UP_S,
                                       .stop = signals_stop_flag()};
-  ps_client_t *cl;
-  int rc = ps_client_start(&cl, t, &cc, e);
+  int rc = ps_client_start(out, t, &cc, e);
   if (rc) return rc;
-  printf("{\"id\":\"%s\",\"role\":\"worker\",\"sync\":\"ps\",\"servers\":\"%s\"}\n", id, gf->servers);
-  fflush(stdout);
-  t->reducer = (struct train_reducer){ps_client_reduce, cl};
+  t->reducer = (struct train_reducer){ps_client_reduce, *out};
+  return 0;
+}
+
+int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
+                  const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) {
+  char id[NET_PUBKEY_STR_LEN + 1];
+  net_pubkey_format(id, keys->identity.pk);
+  ps_client_t *cl;
+  int rc = ps_worker_start(&cl, t, nf, keys, gf, setup, e);
+  if (rc) return rc;
+  json_t *line = result_open();
+  json_text_set(line, "id", json_string(id));
+  json_text_set(line, "role", json_string("worker"));
+  json_text_set(line, "sync", json_string("ps"));
+  json_text_set(line, "servers", json_text_str(gf->servers));
+  json_text_print(stdout, line);
   int64_t s0 = t->st.samples;
   double t0 = clock_now_s();
   if ((rc = ps_client_join(cl, e)) == 0) rc = worker_loop(t, e);

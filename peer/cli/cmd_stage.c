@@ -5,7 +5,7 @@
 #include <unistd.h>
 
 #include "peer/cli/cli_impl.h"
-#include "util/json.h"
+#include "util/json_text.h"
 
 bool cmd_stage_wanted(int argc, char **argv) {
   for (int i = 1; i < argc; i++)
@@ -25,16 +25,16 @@ struct stage_proc {
   bool have_trainer;
   struct member mb;
   stage_link_t *link;
+  struct tb_train tb; /* --tensorboard */
+  ps_client_t *ps; /* --sync ps: the client of this stage's servers (the member then gossips with no one) */
 };
 
 /* Opens a result line naming the group and this stage. */
-static void open_line(struct json_buf *b, const struct stage_proc *p) {
-  json_buf_init(b);
-  json_obj_begin(b);
-  json_key(b, "group");
-  json_str(b, p->st.group);
-  json_key(b, "stage");
-  json_int(b, p->st.stage);
+static json_t *open_line(const struct stage_proc *p) {
+  json_t *o = result_open();
+  json_text_set(o, "group", json_text_str(p->st.group));
+  json_text_set(o, "stage", json_integer(p->st.stage));
+  return o;
 }
 
 static void print_result(struct stage_proc *p, double secs, int64_t s0) {
@@ -49,33 +49,26 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
     result_describe_final(t, final, sizeof final);
     log_info("final %s after %lld steps", final, (long long)t->st.step);
   }
-  struct json_buf b;
-  open_line(&b, p);
-  json_key(&b, "stages");
-  json_int(&b, p->st.stages);
-  result_training(&b, t, secs, s0);
-  const struct {
-    const char *key;
-    double v;
-  } pipe[] = {
-      {"micro_batches", p->st.micro},
-      {"step_ms", ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0},
-      {"idle_fraction", idle},
-      {"bubble_theory", pipe_bubble_theory(p->st.stages, p->st.micro)},
-      {"timed_steps", (double)ps->steps},
-      {"act_slots", ps->slots},
-      {"act_peak_bytes", (double)ps->slots * (double)ps->slot_bytes},
-  };
-  for (size_t i = 0; i < sizeof pipe / sizeof pipe[0]; i++) {
-    json_key(&b, pipe[i].key);
-    json_num(&b, pipe[i].v);
+  json_t *o = open_line(p);
+  json_text_set(o, "stages", json_integer(p->st.stages));
+  result_training(o, t, secs, s0);
+  json_text_set(o, "micro_batches", json_integer(p->st.micro));
+  json_text_set(o, "step_ms", json_text_real(ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0));
+  json_text_set(o, "idle_fraction", json_text_real(idle));
+  json_text_set(o, "bubble_theory", json_text_real(pipe_bubble_theory(p->st.stages, p->st.micro)));
+  json_text_set(o, "timed_steps", json_integer(ps->steps));
+  json_text_set(o, "act_slots", json_integer(ps->slots));
+  json_text_set(o, "act_peak_bytes", json_integer((json_int_t)ps->slots * (json_int_t)ps->slot_bytes));
+  json_text_set(o, "schedule", json_string(pipe_schedule_name(p->st.sched)));
+  if (p->ps) {
+    struct ps_client_stats pst;
+    ps_client_stats_get(p->ps, &pst);
+    ps_result_fields(o, &pst);
+  } else {
+    result_gossip(o, &gs, s);
   }
-  json_key(&b, "schedule");
-  json_str(&b, pipe_schedule_name(p->st.sched));
-  result_gossip(&b, &gs, s);
-  json_key(&b, "id");
-  json_str(&b, gossip_self_id(p->mb.g));
-  result_print(&b);
+  json_text_set(o, "id", json_string(gossip_self_id(p->mb.g)));
+  result_print(o);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a
@@ -131,13 +124,23 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   int rc = net_flags_load_keys(&p->f.net, &p->keys, e);
   if (rc) return rc;
   p->have_keys = true;
+  if (p->f.train.tensorboard) {
+    char run[96]; /* named like the stage's log lines */
+    snprintf(run, sizeof run, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->st.stage);
+    if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
+  }
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
-  char label[256], extra[512];
+  tb_train_attach(&p->tb, &p->t, &p->mb);
+  char label[256];
   if ((rc = train_stage_label(&p->tc, &p->plan, label, sizeof label, e))) return rc;
-  snprintf(extra, sizeof extra, "\"group\":\"%s\",\"stage\":%d,\"cluster\":\"%s\"", p->st.group, p->st.stage, label);
+  json_t *extra = json_object();
+  json_text_set(extra, "group", json_text_str(p->st.group));
+  json_text_set(extra, "stage", json_integer(p->st.stage));
+  json_text_set(extra, "cluster", json_text_str(label));
   rc = member_start(&p->mb, &p->t, &p->f.net, &p->keys, &p->f.gossip, label, p->tc.seed + (uint64_t)p->st.stage, "stage",
                     extra, e);
+  json_decref(extra);
   if (rc) return rc;
   char agree[STAGE_LINK_AGREE_MAX + 1];
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
@@ -161,31 +164,58 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .stop = signals_stop_flag()};
   if ((rc = stage_link_start(&p->link, &lc, e))) return rc;
   trainer_set_link(&p->t, p->link);
-  printf("{\"group\":\"%s\",\"stage\":%d,\"stages\":%d,\"pid\":%d,\"link\":\"%s\"}\n", p->st.group, p->st.stage,
-         p->st.stages, (int)getpid(), stage_link_address(p->link));
-  fflush(stdout);
+  json_t *o = open_line(p);
+  json_text_set(o, "stages", json_integer(p->st.stages));
+  json_text_set(o, "pid", json_integer(getpid()));
+  json_text_set(o, "link", json_text_str(stage_link_address(p->link)));
+  json_text_print(stdout, o);
+  return 0;
+}
+
+/* --sync ps: takes this stage's slice and clock from its servers. Every
+ * stage of the group must be at the same step: stage 0's position is
+ * passed on, and a stage whose servers have it elsewhere stops the group. */
+static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  int rc = ps_worker_start(&p->ps, t, &p->f.net, &p->keys, &p->f.gossip, &p->mb.setup, e);
+  if (rc || (rc = ps_client_join(p->ps, e))) return rc;
+  *lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
+  log_info("took stage %d's slice from its servers at step %lld", p->st.stage, (long long)t->st.step);
+  if (p->st.stage == 0) return 0;
+  int64_t own = t->st.step;
+  if ((rc = stage_link_recv_start(p->link, lp, e))) return rc;
+  if (lp->step != own)
+    return rumor_err_set(e, RUMOR_EPROTO,
+                         "stage %d's servers have this group at step %lld but stage 0's at step %lld: the stages' "
+                         "servers were restarted from checkpoints of different rounds",
+                         p->st.stage, (long long)own, (long long)lp->step);
   return 0;
 }
 
 /* Joins the stage's cluster (taking a live stage's state when there is
- * one), then agrees on the starting position with the other stages. */
+ * one), or its servers, then agrees on the starting position with the
+ * other stages. */
 static int join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = stage_link_wait_ready(p->link, e);
   if (rc) return rc;
-  struct gossip_train_pos pos;
-  int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
-  if (jr < 0) return jr;
   struct stage_link_pos lp = {0, 0, 0};
-  if (jr == 0) {
-    lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
-    log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
-             (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
+  if (p->mb.setup.ps) {
+    if ((rc = join_servers(p, &lp, e))) return rc;
   } else {
-    log_info("starting from our own initialisation");
+    struct gossip_train_pos pos;
+    int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
+    if (jr < 0) return jr;
+    if (jr == 0) {
+      lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
+      log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
+               (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
+    } else {
+      log_info("starting from our own initialisation");
+    }
+    /* Stage 0's position wins: every stage must run the same steps. */
+    if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
   }
-  /* Stage 0's position wins: every stage must run the same steps. */
-  if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
   trainer_set_position(t, lp.step, lp.epoch, lp.samples);
   if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
   if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
@@ -223,6 +253,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
     sync_hold(&p->mb.sync, signals_stop_flag());
   }
   double secs = clock_now_s() - t0;
+  if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;
@@ -243,15 +274,11 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   }
   if (p->link) stage_link_abort(p->link, culprit, why);
   /* For the launcher (and schedulers): which stage took the group down. */
-  struct json_buf b;
-  open_line(&b, p);
-  json_key(&b, "failed_stage");
-  json_int(&b, culprit);
-  json_key(&b, "stopped");
-  json_bool(&b, signals_stop_requested() != 0);
-  json_key(&b, "error");
-  json_str(&b, why);
-  result_print(&b);
+  json_t *o = open_line(p);
+  json_text_set(o, "failed_stage", json_integer(culprit));
+  json_text_set(o, "stopped", json_boolean(signals_stop_requested() != 0));
+  json_text_set(o, "error", json_text_str(why));
+  result_print(o);
   if (signals_stop_requested()) {
     log_info("group %s stops: %s", p->st.group, why);
     return 0;
@@ -277,7 +304,10 @@ int cmd_stage(int argc, char **argv) {
   status = rc == 0 ? 0 : stop_group(p, &e);
   /* The links first: they ride on the gossip runtime's event loop. */
   stage_link_close(p->link, 10000);
+  ps_client_free(p->ps);
+  p->t.reducer = (struct train_reducer){0};
   member_free(&p->mb, p->f.net.linger_ms);
+  tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);
   if (p->have_keys) net_keys_free(&p->keys);
   return status;

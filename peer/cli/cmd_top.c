@@ -16,7 +16,7 @@
 
 #include "gossip/monitor.h"
 #include "peer/cli/cli_impl.h"
-#include "util/json.h"
+#include "util/json_text.h"
 
 /* ---- the series kept between polls ------------------------------------------ */
 
@@ -65,112 +65,124 @@ static double mean_loss_of(const struct gossip_cluster_report *r) {
   return k ? sum / (double)k : NAN;
 }
 
-/* ---- JSON (util/json.h: figures that do not exist are null) ---------------- */
+/* ---- JSON (util/json_text.h: figures that do not exist are null) ---------- */
 
-static void kv_str(struct json_buf *b, const char *k, const char *v) {
-  json_key(b, k);
-  json_str(b, v);
-}
-static void kv_num(struct json_buf *b, const char *k, double v) {
-  json_key(b, k);
-  json_num(b, v);
-}
-static void kv_int(struct json_buf *b, const char *k, int64_t v) {
-  json_key(b, k);
-  json_int(b, v);
-}
 /* An integer figure, or null when the node did not report it. */
-static void kv_int_or_null(struct json_buf *b, const char *k, bool have, int64_t v) {
-  json_key(b, k);
-  if (have)
-    json_int(b, v);
-  else
-    json_null(b);
-}
-static void kv_bool(struct json_buf *b, const char *k, bool v) {
-  json_key(b, k);
-  json_bool(b, v);
+static json_t *int_or_null(bool have, int64_t v) { return have ? json_integer(v) : json_null(); }
+
+static json_t *json_node(const struct gossip_node_report *nd) {
+  bool t = nd->reachable && nd->have_train;
+  json_t *o = json_object();
+  json_text_set(o, "id", json_text_str(nd->id));
+  json_text_set(o, "addr", json_text_str(nd->addr));
+  json_text_set(o, "role", json_text_str(nd->role));
+  json_text_set(o, "state", json_text_str(nd->state));
+  json_text_set(o, "reachable", json_boolean(nd->reachable));
+  json_text_set(o, "error", json_text_str(nd->error));
+  json_text_set(o, "rtt_ms", json_text_real(nd->reachable ? nd->rtt_ms : NAN));
+  json_text_set(o, "ready", json_boolean(nd->ready));
+  json_text_set(o, "model", json_text_str(nd->model));
+  json_text_set(o, "nparams", json_integer((json_int_t)nd->nparams));
+  json_text_set(o, "step", int_or_null(t, nd->step));
+  json_text_set(o, "epoch", int_or_null(t, nd->epoch));
+  json_text_set(o, "samples", int_or_null(t, nd->samples));
+  json_text_set(o, "loss", json_text_real(t ? nd->loss : NAN));
+  json_text_set(o, "samples_per_s", json_text_real(t ? nd->samples_per_s : NAN));
+  json_text_set(o, "param_norm", json_text_real(t ? nd->param_norm : NAN));
+  json_text_set(o, "exchanges_ok", json_integer((json_int_t)nd->exchanges_ok));
+  json_text_set(o, "exchanges_failed", json_integer((json_int_t)nd->exchanges_failed));
+  json_text_set(o, "exchanges_rejected", json_integer((json_int_t)nd->exchanges_rejected));
+  json_text_set(o, "donations", json_integer((json_int_t)nd->donations));
+  json_text_set(o, "last_failure", json_text_str(nd->last_failure));
+  json_text_set(o, "last_exchange_age_s",
+                json_text_real(nd->reachable && nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN));
+  json_text_set(o, "bytes_in", json_integer((json_int_t)nd->bytes_in));
+  json_text_set(o, "bytes_out", json_integer((json_int_t)nd->bytes_out));
+  json_text_set(o, "exchange_bytes_out", json_integer((json_int_t)nd->exchange_bytes_out));
+  json_text_set(o, "exchange_bytes_in", json_integer((json_int_t)nd->exchange_bytes_in));
+  json_text_set(o, "members", json_integer((json_int_t)nd->members));
+  json_text_set(o, "sync", json_text_str(nd->sync));
+  bool ar = strcmp(nd->sync, "allreduce") == 0;
+  json_text_set(o, "round", int_or_null(ar, (int64_t)nd->round));
+  json_text_set(o, "ring_members", int_or_null(ar, (int64_t)nd->ring_members));
+  json_text_set(o, "rounds_failed", int_or_null(ar, (int64_t)nd->rounds_failed));
+  json_text_set(o, "stats_age_s", json_text_real(nd->reachable ? nd->stats_age_s : NAN));
+  json_text_set(o, "sketch_k", json_integer(nd->sketch_k));
+  if (nd->params || nd->params_error[0]) {
+    json_t *x = json_object();
+    json_text_set(x, "have_params", json_boolean(nd->params != NULL));
+    json_text_set(x, "step", json_integer((json_int_t)nd->params_step));
+    json_text_set(x, "error", json_text_str(nd->params_error));
+    json_text_set(o, "exact", x);
+  }
+  return o;
 }
 
-static void json_node(struct json_buf *b, const struct gossip_node_report *nd) {
-  bool t = nd->reachable && nd->have_train;
-  json_obj_begin(b);
-  kv_str(b, "id", nd->id);
-  kv_str(b, "addr", nd->addr);
-  kv_str(b, "role", nd->role);
-  kv_str(b, "state", nd->state);
-  kv_bool(b, "reachable", nd->reachable);
-  kv_str(b, "error", nd->error);
-  kv_num(b, "rtt_ms", nd->reachable ? nd->rtt_ms : NAN);
-  kv_bool(b, "ready", nd->ready);
-  kv_str(b, "model", nd->model);
-  kv_int(b, "nparams", (int64_t)nd->nparams);
-  kv_int_or_null(b, "step", t, nd->step);
-  kv_int_or_null(b, "epoch", t, nd->epoch);
-  kv_int_or_null(b, "samples", t, nd->samples);
-  kv_num(b, "loss", t ? nd->loss : NAN);
-  kv_num(b, "samples_per_s", t ? nd->samples_per_s : NAN);
-  kv_num(b, "param_norm", t ? nd->param_norm : NAN);
-  kv_int(b, "exchanges_ok", (int64_t)nd->exchanges_ok);
-  kv_int(b, "exchanges_failed", (int64_t)nd->exchanges_failed);
-  kv_int(b, "exchanges_rejected", (int64_t)nd->exchanges_rejected);
-  kv_int(b, "donations", (int64_t)nd->donations);
-  kv_str(b, "last_failure", nd->last_failure);
-  kv_num(b, "last_exchange_age_s", nd->reachable && nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
-  kv_int(b, "bytes_in", (int64_t)nd->bytes_in);
-  kv_int(b, "bytes_out", (int64_t)nd->bytes_out);
-  kv_int(b, "exchange_bytes_out", (int64_t)nd->exchange_bytes_out);
-  kv_int(b, "exchange_bytes_in", (int64_t)nd->exchange_bytes_in);
-  kv_int(b, "members", (int64_t)nd->members);
-  kv_str(b, "sync", nd->sync);
-  bool ar = strcmp(nd->sync, "allreduce") == 0;
-  kv_int_or_null(b, "round", ar, (int64_t)nd->round);
-  kv_int_or_null(b, "ring_members", ar, (int64_t)nd->ring_members);
-  kv_int_or_null(b, "rounds_failed", ar, (int64_t)nd->rounds_failed);
-  kv_num(b, "stats_age_s", nd->reachable ? nd->stats_age_s : NAN);
-  kv_int(b, "sketch_k", nd->sketch_k);
-  if (nd->params || nd->params_error[0]) {
-    json_key(b, "exact");
-    json_obj_begin(b);
-    kv_bool(b, "have_params", nd->params != NULL);
-    kv_int(b, "step", nd->params_step);
-    kv_str(b, "error", nd->params_error);
-    json_obj_end(b);
-  }
-  json_obj_end(b);
+/* A snapshot as one object: what --json prints, and what the web view
+ * serves with more keys after these. Its "time" is a unix time (print it with
+ * json_text_dump_times). */
+static json_t *json_report(const struct gossip_cluster_report *r, double mean_loss) {
+  json_t *o = json_object();
+  json_text_set(o, "time", json_text_time(r->time_s));
+  json_text_set(o, "via", json_text_str(r->via));
+  json_text_set(o, "members", json_integer((json_int_t)r->n));
+  json_text_set(o, "peers", json_integer((json_int_t)r->peers));
+  json_text_set(o, "reachable_peers", json_integer((json_int_t)r->reachable_peers));
+  json_t *d = json_object();
+  json_text_set(d, "n", json_integer((json_int_t)r->drift_n));
+  json_text_set(d, "xi", json_text_real(r->xi));
+  json_text_set(d, "rel_drift", json_text_real(r->rel_drift));
+  json_text_set(d, "mean_norm", json_text_real(r->mean_norm));
+  json_text_set(d, "exact_n", json_integer((json_int_t)r->exact_n));
+  json_text_set(d, "xi_exact", json_text_real(r->xi_exact));
+  json_text_set(d, "note", json_text_str(r->drift_note));
+  json_text_set(o, "drift", d);
+  json_text_set(o, "mean_loss", json_text_real(mean_loss));
+  json_t *nodes = json_array();
+  for (size_t i = 0; i < r->n; i++) json_text_push(nodes, json_node(&r->nodes[i]));
+  json_text_set(o, "nodes", nodes);
+  return o;
 }
 
 static void print_json(FILE *f, const struct gossip_cluster_report *r, double mean_loss) {
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  char t[32];
-  int tn = snprintf(t, sizeof t, "%.3f", r->time_s); /* ms, which %.9g would drop */
-  json_key(&b, "time");
-  json_raw(&b, t, (size_t)tn);
-  kv_str(&b, "via", r->via);
-  kv_int(&b, "members", (int64_t)r->n);
-  kv_int(&b, "peers", (int64_t)r->peers);
-  kv_int(&b, "reachable_peers", (int64_t)r->reachable_peers);
-  json_key(&b, "drift");
-  json_obj_begin(&b);
-  kv_int(&b, "n", (int64_t)r->drift_n);
-  kv_num(&b, "xi", r->xi);
-  kv_num(&b, "rel_drift", r->rel_drift);
-  kv_num(&b, "mean_norm", r->mean_norm);
-  kv_int(&b, "exact_n", (int64_t)r->exact_n);
-  kv_num(&b, "xi_exact", r->xi_exact);
-  kv_str(&b, "note", r->drift_note);
-  json_obj_end(&b);
-  kv_num(&b, "mean_loss", mean_loss);
-  json_key(&b, "nodes");
-  json_arr_begin(&b);
-  for (size_t i = 0; i < r->n; i++) json_node(&b, &r->nodes[i]);
-  json_arr_end(&b);
-  json_obj_end(&b);
-  fprintf(f, "%.*s\n", (int)b.len, b.data);
+  json_t *o = json_report(r, mean_loss);
+  char *text = json_text_dump_times(o, NULL);
+  fprintf(f, "%s\n", text);
   fflush(f);
-  json_buf_free(&b);
+  free(text);
+  json_decref(o);
+}
+
+/* The most points of history the web view is sent (at the default 2 s: the
+ * last 2 hours and 40 minutes). */
+#define TOP_WEB_HISTORY 4800
+
+/* v[from..n) as an array of reals (null where a figure did not exist). */
+static json_t *json_series(const double *v, size_t from, size_t n, json_t *(*real)(double)) {
+  json_t *a = json_array();
+  for (size_t i = from; i < n; i++) json_text_push(a, real(v[i]));
+  return a;
+}
+
+/* Hands the web view its /state.json: the --json snapshot with the refresh
+ * interval and the series of the charts ("history": times, sketch and exact
+ * Ξ, mean loss; null where a figure did not exist). */
+static void web_update(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss,
+                       const struct history *h, double interval_s) {
+  json_t *o = json_report(r, mean_loss);
+  json_text_set(o, "interval_s", json_text_real(interval_s));
+  size_t from = h->n > TOP_WEB_HISTORY ? h->n - TOP_WEB_HISTORY : 0;
+  json_t *hist = json_object();
+  json_text_set(hist, "time", json_series(h->t, from, h->n, json_text_time));
+  json_text_set(hist, "xi", json_series(h->xi, from, h->n, json_text_real));
+  json_text_set(hist, "xi_exact", json_series(h->xi_exact, from, h->n, json_text_real));
+  json_text_set(hist, "mean_loss", json_series(h->loss, from, h->n, json_text_real));
+  json_text_set(o, "history", hist);
+  size_t len;
+  char *text = json_text_dump_times(o, &len);
+  top_web_set_state(w, text, len);
+  free(text);
+  json_decref(o);
 }
 
 /* ---- the terminal view ------------------------------------------------------ */
@@ -312,7 +324,7 @@ static int write_plot(const char *path, const struct history *h, struct rumor_er
   bool any_exact = false;
   for (size_t i = 0; i < h->n; i++) any_exact |= isfinite(h->xi_exact[i]);
   struct plot_panel panels[] = {
-      {"consensus distance Xi (log scale)", true, drift, any_exact ? 2 : 1},
+      {"consensus distance Ξ (log scale)", true, drift, any_exact ? 2 : 1},
       {"training loss, mean over peers", false, loss, 1},
   };
   return plot_write(path, h->t, h->n, panels, 2, e);
@@ -325,12 +337,15 @@ struct top_opts {
   double interval, exact_max_mb;
   int64_t timeout_ms, count;
   bool once, json, exact;
-  const char *csv_path, *plot_path, *servers;
+  const char *csv_path, *plot_path, *servers, *web;
+  const char *tensorboard; /* --tensorboard DIR */
+  tb_writer_t *tb;         /* its run "cluster", or NULL */
 };
 
 /* Refreshes until `count` polls, a stop signal, or (with --once) a failed
- * poll; returns the exit status. */
-static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv) {
+ * poll, handing every snapshot to the web view when there is one; returns
+ * the exit status. */
+static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv, struct top_web *web) {
   struct rumor_err e = {0};
   bool clear = !o->json && isatty(STDOUT_FILENO);
   struct history h = {0};
@@ -355,6 +370,8 @@ static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv) {
       print_json(stdout, &r, ml);
     else
       print_view(stdout, &r, &h, ml, o->interval, clear);
+    if (web) web_update(web, &r, ml, &h, o->interval);
+    if (o->tb) tb_top_write(o->tb, k, &r, ml);
     if (csv && csv_append(csv, o->csv_path, &r, ml, &e)) {
       fprintf(stderr, "rumor top: %s\n", e.msg);
       status = 1;
@@ -367,6 +384,83 @@ static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv) {
     if (status) break;
   }
   history_free(&h);
+  return status;
+}
+
+/* Flags that cannot go together, or whose value is wrong before anything
+ * starts: prints the reason and returns nonzero (exit 2). */
+static int check_opts(const struct top_opts *o) {
+  struct rumor_err plot_err = {0};
+  if (o->plot_path && plot_check_path(o->plot_path, &plot_err)) {
+    fprintf(stderr, "rumor top: --plot: %s\n", plot_err.msg);
+    return 1;
+  }
+  if (o->web && o->servers) {
+    fprintf(stderr, "rumor top: --web shows a gossip cluster (--bootstrap); it does not watch --servers\n");
+    return 1;
+  }
+  struct rumor_err web_err = {0};
+  if (o->web && top_web_check(o->web, &web_err)) {
+    fprintf(stderr, "rumor top: %s\n", web_err.msg);
+    return 1;
+  }
+  if (o->tensorboard && o->servers) {
+    fprintf(stderr, "rumor top: --tensorboard records a gossip cluster (--bootstrap), not --servers\n");
+    return 1;
+  }
+  return 0;
+}
+
+/* Watches a gossip cluster through its bootstrap list until the count or
+ * SIGINT; owns the CSV, TensorBoard writer, monitor and web view it opens.
+ * Returns the exit status. */
+static int watch_cluster(struct net_keys *keys, const struct net_flags *nf, struct top_opts *o) {
+  struct rumor_err e = {0};
+  FILE *csv = NULL;
+  if (o->csv_path && !(csv = csv_open(o->csv_path, &e))) {
+    fprintf(stderr, "rumor top: %s\n", e.msg);
+    return e.code == RUMOR_EFORMAT ? 2 : 1;
+  }
+  if (o->tensorboard && !(o->tb = tb_open(o->tensorboard, "cluster", &e))) {
+    fprintf(stderr, "rumor top: --tensorboard %s: %s\n", o->tensorboard, e.msg);
+    if (csv) fclose(csv);
+    return 1;
+  }
+
+  struct gossip_monitor_config mc;
+  gossip_monitor_config_default(&mc);
+  mc.identity = &keys->identity;
+  mc.cluster_key = keys->cluster_key;
+  mc.allow = keys->have_allow ? &keys->allow : NULL;
+  mc.bootstrap = nf->bootstrap;
+  mc.timeout_ms = (uint32_t)o->timeout_ms;
+  mc.handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms;
+  mc.exact = o->exact;
+  mc.exact_max_bytes = (uint64_t)(o->exact_max_mb * 1024 * 1024);
+  mc.stop = signals_stop_flag();
+  gossip_monitor_t *m = NULL;
+  if (gossip_monitor_open(&m, &mc, &e)) {
+    fprintf(stderr, "rumor top: %s\n", e.msg);
+    if (csv) fclose(csv);
+    tb_close(o->tb);
+    return 1;
+  }
+  struct top_web *web = NULL;
+  if (o->web && top_web_start(m, o->web, &web, &e)) {
+    fprintf(stderr, "rumor top: %s\n", e.msg);
+    gossip_monitor_close(m);
+    if (csv) fclose(csv);
+    tb_close(o->tb);
+    return e.code == RUMOR_EFORMAT ? 2 : 1;
+  }
+  int status = watch(m, o, csv, web);
+  gossip_monitor_close(m);
+  top_web_free(web); /* after the monitor: its server calls into the web view */
+  tb_close(o->tb);
+  if (csv && fclose(csv) != 0 && !status) {
+    fprintf(stderr, "rumor top: cannot close %s: %s\n", o->csv_path, strerror(errno));
+    status = 1;
+  }
   return status;
 }
 
@@ -388,7 +482,13 @@ int cmd_top(int argc, char **argv) {
       {"exact-max-mb", ARG_FLOAT, &o.exact_max_mb, "MB", "refuse --exact above this many MB of parameters in total", 1,
        1e7},
       {"csv", ARG_STR, &o.csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
-      {"plot", ARG_STR, &o.plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (.svg or .png)"},
+      {"plot", ARG_STR, &o.plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (SVG; the name must end in .svg)"},
+      {"web", ARG_STR, &o.web, "[HOST:]PORT",
+       "serve a live web view (the table, Ξ and loss charts) at http://HOST:PORT/ and its figures at "
+       "/state.json; PORT alone binds 127.0.0.1, port 0 picks one (printed on stderr)"},
+      {"tensorboard", ARG_STR, &o.tensorboard, "DIR",
+       "write TensorBoard event files to DIR/cluster (made when missing): Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, members "
+       "alive, and member/ID/loss, step, exchanges; the step axis is the refresh number, from 0"},
       {"servers", ARG_STR, &o.servers, "A,B,...",
        "watch parameter servers instead (rumor ps): each one's range, version and staleness bound, and its "
        "workers' clocks"},
@@ -411,10 +511,7 @@ int cmd_top(int argc, char **argv) {
                     "for parameter servers\n");
     return 2;
   }
-  if (o.plot_path && plot_format_of(o.plot_path) == PLOT_UNKNOWN) {
-    fprintf(stderr, "rumor top: --plot %s: the file name must end in .svg or .png\n", o.plot_path);
-    return 2;
-  }
+  if (check_opts(&o)) return 2;
   if (o.once) o.count = 1;
 
   struct rumor_err e = {0};
@@ -428,37 +525,7 @@ int cmd_top(int argc, char **argv) {
     net_keys_free(&keys);
     return st;
   }
-  FILE *csv = NULL;
-  if (o.csv_path && !(csv = csv_open(o.csv_path, &e))) {
-    fprintf(stderr, "rumor top: %s\n", e.msg);
-    net_keys_free(&keys);
-    return e.code == RUMOR_EFORMAT ? 2 : 1;
-  }
-
-  struct gossip_monitor_config mc;
-  gossip_monitor_config_default(&mc);
-  mc.identity = &keys.identity;
-  mc.cluster_key = keys.cluster_key;
-  mc.allow = keys.have_allow ? &keys.allow : NULL;
-  mc.bootstrap = nf.bootstrap;
-  mc.timeout_ms = (uint32_t)o.timeout_ms;
-  mc.handshake_timeout_ms = (uint32_t)nf.handshake_timeout_ms;
-  mc.exact = o.exact;
-  mc.exact_max_bytes = (uint64_t)(o.exact_max_mb * 1024 * 1024);
-  mc.stop = signals_stop_flag();
-  gossip_monitor_t *m = NULL;
-  if (gossip_monitor_open(&m, &mc, &e)) {
-    fprintf(stderr, "rumor top: %s\n", e.msg);
-    net_keys_free(&keys);
-    if (csv) fclose(csv);
-    return 1;
-  }
-  int status = watch(m, &o, csv);
-  gossip_monitor_close(m);
+  int status = watch_cluster(&keys, &nf, &o);
   net_keys_free(&keys);
-  if (csv && fclose(csv) != 0 && !status) {
-    fprintf(stderr, "rumor top: cannot close %s: %s\n", o.csv_path, strerror(errno));
-    status = 1;
-  }
   return status;
 }

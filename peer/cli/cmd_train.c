@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 
 int cmd_train(int argc, char **argv) {
@@ -26,11 +27,18 @@ int cmd_train(int argc, char **argv) {
     return 2;
   }
 
-  struct trainer t;
-  if (trainer_init(&t, &cfg, &e)) {
+  struct tb_train tb = {0};
+  if (f.tensorboard && tb_train_open(&tb, f.tensorboard, "train", &e)) {
     fprintf(stderr, "rumor train: %s\n", e.msg);
     return 1;
   }
+  struct trainer t;
+  if (trainer_init(&t, &cfg, &e)) {
+    fprintf(stderr, "rumor train: %s\n", e.msg);
+    tb_train_close(&tb);
+    return 1;
+  }
+  tb_train_attach(&tb, &t, NULL);
 
   int status = 0;
   double t0 = clock_now_s();
@@ -56,14 +64,13 @@ int cmd_train(int argc, char **argv) {
       result_describe_final(&t, final, sizeof final);
       log_info("final %s after %lld steps", final, (long long)t.st.step);
     }
-    struct json_buf b;
-    json_buf_init(&b);
-    json_obj_begin(&b);
+    json_t *o = result_open();
     t.accuracy = acc;
     t.test_loss = loss;
-    result_training(&b, &t, secs, s0);
-    result_print(&b);
+    result_training(o, &t, secs, s0);
+    result_print(o);
   }
   trainer_free(&t);
+  tb_train_close(&tb);
   return status;
 }

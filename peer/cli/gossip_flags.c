@@ -26,8 +26,12 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"sync", ARG_STR, &f->sync, "SCHEME",
        "how replicas stay together: gossip (averaging with random partners), allreduce (ring all-reduce of every "
        "step's gradient, bulk-synchronous) or ps (parameter servers: --servers)"},
-      {"servers", ARG_STR, &f->servers, "A,B,...",
-       "--sync ps: the parameter servers' addresses, in range order (rumor ps --range I/S)"},
+      {"servers", ARG_STR, &f->servers, who == FLAGS_LAUNCHER ? "A,B;C,D" : "A,B,...",
+       who == FLAGS_LAUNCHER ? "--sync ps: one list of server addresses per stage, separated by ';', each in range "
+                               "order (stage s's servers: rumor ps --stage s/S --range I/K)"
+       : who == FLAGS_STAGE  ? "--sync ps: this stage's parameter servers (rumor ps --stage s/S --range I/K), in "
+                               "range order"
+                             : "--sync ps: the parameter servers' addresses, in range order (rumor ps --range I/S)"},
       {"gossip-every", ARG_INT, &f->every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
       {"gossip-interval", ARG_FLOAT, &f->interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
       {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},

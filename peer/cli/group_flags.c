@@ -98,8 +98,6 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   cfg->stage = st;
   struct gossip_setup setup;
   if ((rc = gossip_flags_setup(&f->gossip, &setup, e))) return rc;
-  if (setup.ps)
-    return rumor_err_set(e, RUMOR_EFORMAT,
-                         "--sync ps is for whole replicas (rumor peer) so far; a group's stages gossip or all-reduce");
+  if (setup.ps && (rc = ps_worker_check(&f->net, &f->gossip, e))) return rc;
   return train_stage_plan(cfg, plan, e);
 }

@@ -6,10 +6,11 @@
 #include <time.h>
 
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 int member_start(struct member *mb, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
-                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role, const char *extra,
-                 struct rumor_err *e) {
+                 const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role,
+                 const struct json_t *extra, struct rumor_err *e) {
   int64_t P = t->model.nparams, S = trainer_state_floats(t);
   /* All-reduce: the gradient and the rows it is the mean over. */
   int64_t X = mb->setup.sync.allreduce ? P + 1 : P;
@@ -51,9 +52,18 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   gc.model = full;
   int rc = gossip_start(&mb->g, &gc, e);
   if (rc) return rc;
-  printf("{\"listen\":\"%s\",\"id\":\"%s\",\"role\":\"%s\",\"metrics_port\":%d%s%s}\n", gossip_advertised(mb->g),
-         gossip_self_id(mb->g), role, gossip_metrics_port(mb->g), extra[0] ? "," : "", extra);
-  fflush(stdout);
+  json_t *line = json_object();
+  json_text_set(line, "listen", json_text_str(gossip_advertised(mb->g)));
+  json_text_set(line, "id", json_text_str(gossip_self_id(mb->g)));
+  json_text_set(line, "role", json_text_str(role));
+  json_text_set(line, "metrics_port", json_integer(gossip_metrics_port(mb->g)));
+  if (extra) {
+    const char *key;
+    json_t *v;
+    /* json_object_foreach takes a non-const object; it only reads it. */
+    json_object_foreach((json_t *)extra, key, v) json_text_set(line, key, json_incref(v));
+  }
+  json_text_print(stdout, line);
   return 0;
 }
 

@@ -1,14 +1,12 @@
-/* plot — SVG and PNG line charts, terminal sparklines (declared in cli_impl.h, "Charts"). */
+/* plot — SVG line charts and terminal sparklines (declared in cli_impl.h, "Charts"). */
 #include "peer/cli/cli_impl.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <zlib.h>
 
 /* Geometry in pixels. */
 enum { CHART_W = 800, PANEL_H = 240, TOP = 10, BOTTOM = 34, LEFT = 76, RIGHT = 16, TITLE_H = 22 };
@@ -20,96 +18,31 @@ enum plot_format plot_format_of(const char *path) {
   return PLOT_UNKNOWN;
 }
 
-/* ---- the canvas: one drawing interface, two outputs ----------------------- */
-
-struct canvas {
-  enum plot_format fmt;
-  int w, h;
-  uint8_t *px; /* PNG: w*h*3 bytes, RGB */
-  FILE *svg;   /* SVG: the open temporary file */
-};
-
-static void px_set(struct canvas *c, int x, int y, uint32_t rgb) {
-  if (x < 0 || y < 0 || x >= c->w || y >= c->h) return;
-  uint8_t *p = c->px + ((size_t)y * (size_t)c->w + (size_t)x) * 3;
-  p[0] = (uint8_t)(rgb >> 16);
-  p[1] = (uint8_t)(rgb >> 8);
-  p[2] = (uint8_t)rgb;
+int plot_check_path(const char *path, struct rumor_err *e) {
+  enum plot_format fmt = plot_format_of(path);
+  if (fmt == PLOT_PNG)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "plot file %s: PNG charts are no longer written; name an .svg file (any browser shows it), "
+                         "or watch the charts live with rumor top --web",
+                         path);
+  if (fmt != PLOT_SVG) return rumor_err_set(e, RUMOR_EFORMAT, "plot file %s: the name must end in .svg", path);
+  return 0;
 }
 
-/* Bresenham, with a width×width pen. */
-static void px_line(struct canvas *c, int x0, int y0, int x1, int y1, uint32_t rgb, int width) {
-  int dx = abs(x1 - x0), sx = x0 < x1 ? 1 : -1;
-  int dy = -abs(y1 - y0), sy = y0 < y1 ? 1 : -1;
-  int err = dx + dy;
-  for (;;) {
-    for (int a = 0; a < width; a++)
-      for (int b = 0; b < width; b++) px_set(c, x0 + a, y0 + b, rgb);
-    if (x0 == x1 && y0 == y1) break;
-    int e2 = 2 * err;
-    if (e2 >= dy) {
-      err += dy;
-      x0 += sx;
-    }
-    if (e2 <= dx) {
-      err += dx;
-      y0 += sy;
-    }
-  }
-}
+/* ---- drawing: SVG elements on an open stream ------------------------------ */
 
-static void cv_line(struct canvas *c, double x0, double y0, double x1, double y1, uint32_t rgb, int width) {
-  if (c->fmt == PLOT_SVG)
-    fprintf(c->svg, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#%06x\" stroke-width=\"%d\"/>\n", x0,
-            y0, x1, y1, (unsigned)rgb, width);
-  else
-    px_line(c, (int)lround(x0), (int)lround(y0), (int)lround(x1), (int)lround(y1), rgb, width);
+static void cv_line(FILE *svg, double x0, double y0, double x1, double y1, uint32_t rgb, int width) {
+  fprintf(svg, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#%06x\" stroke-width=\"%d\"/>\n", x0, y0,
+          x1, y1, (unsigned)rgb, width);
 }
 
 /* A polyline through n points (no NaN among them). */
-static void cv_polyline(struct canvas *c, const double *xs, const double *ys, size_t n, uint32_t rgb) {
+static void cv_polyline(FILE *svg, const double *xs, const double *ys, size_t n, uint32_t rgb) {
   if (n == 0) return;
-  if (c->fmt == PLOT_SVG) {
-    fprintf(c->svg, "<polyline fill=\"none\" stroke=\"#%06x\" stroke-width=\"2\" points=\"", (unsigned)rgb);
-    for (size_t i = 0; i < n; i++) fprintf(c->svg, "%s%.1f,%.1f", i ? " " : "", xs[i], ys[i]);
-    fprintf(c->svg, "\"/>\n");
-    return;
-  }
-  if (n == 1) px_line(c, (int)lround(xs[0]) - 1, (int)lround(ys[0]), (int)lround(xs[0]) + 1, (int)lround(ys[0]), rgb, 2);
-  for (size_t i = 1; i < n; i++)
-    px_line(c, (int)lround(xs[i - 1]), (int)lround(ys[i - 1]), (int)lround(xs[i]), (int)lround(ys[i]), rgb, 2);
+  fprintf(svg, "<polyline fill=\"none\" stroke=\"#%06x\" stroke-width=\"2\" points=\"", (unsigned)rgb);
+  for (size_t i = 0; i < n; i++) fprintf(svg, "%s%.1f,%.1f", i ? " " : "", xs[i], ys[i]);
+  fprintf(svg, "\"/>\n");
 }
-
-/* 5×7 glyphs, one byte per row, bit 4 leftmost. Lowercase letters draw as
- * uppercase; characters without a glyph draw as blanks. */
-static const char GLYPH_CHARS[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-+()/:%_=,";
-static const uint8_t GLYPHS[][7] = {
-    {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11}, {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E},
-    {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E}, {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C},
-    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F}, {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10},
-    {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F}, {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11},
-    {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E}, {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C},
-    {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11}, {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F},
-    {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11}, {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11},
-    {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E}, {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10},
-    {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D}, {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11},
-    {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E}, {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04},
-    {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E}, {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04},
-    {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A}, {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11},
-    {0x11, 0x11, 0x11, 0x0A, 0x04, 0x04, 0x04}, {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F},
-    {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E}, {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E},
-    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F}, {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E},
-    {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02}, {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E},
-    {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E}, {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08},
-    {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E}, {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C},
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C}, {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00},
-    {0x00, 0x04, 0x04, 0x1F, 0x04, 0x04, 0x00}, {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02},
-    {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08}, {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00},
-    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00}, {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03},
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F}, {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00},
-    {0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08},
-};
-_Static_assert(sizeof GLYPHS / sizeof GLYPHS[0] == sizeof GLYPH_CHARS - 1, "one glyph per character");
 
 static void xml_escaped(FILE *f, const char *s) {
   for (; *s; s++) {
@@ -123,29 +56,16 @@ static void xml_escaped(FILE *f, const char *s) {
   }
 }
 
-/* Text centred vertically on y; anchor 0 left, 1 centre, 2 right of x. */
-static void cv_text(struct canvas *c, double x, double y, const char *s, int anchor, uint32_t rgb) {
-  if (c->fmt == PLOT_SVG) {
-    static const char *const anchors[] = {"start", "middle", "end"};
-    fprintf(c->svg,
-            "<text x=\"%.1f\" y=\"%.1f\" fill=\"#%06x\" font-family=\"sans-serif\" font-size=\"12\" "
-            "text-anchor=\"%s\" dominant-baseline=\"middle\">",
-            x, y, (unsigned)rgb, anchors[anchor]);
-    xml_escaped(c->svg, s);
-    fprintf(c->svg, "</text>\n");
-    return;
-  }
-  int len = (int)strlen(s), wpx = len * 6 - 1;
-  int x0 = (int)lround(x) - (anchor == 1 ? wpx / 2 : anchor == 2 ? wpx : 0);
-  int y0 = (int)lround(y) - 3;
-  for (int i = 0; i < len; i++) {
-    const char *g = strchr(GLYPH_CHARS, toupper((unsigned char)s[i]));
-    if (!g || !s[i]) continue;
-    const uint8_t *rows = GLYPHS[g - GLYPH_CHARS];
-    for (int r = 0; r < 7; r++)
-      for (int b = 0; b < 5; b++)
-        if (rows[r] & (0x10 >> b)) px_set(c, x0 + i * 6 + b, y0 + r, rgb);
-  }
+/* Text centred vertically on y; anchor 0 left, 1 centre, 2 right of x. The
+ * viewer's sans-serif font draws it (any UTF-8). */
+static void cv_text(FILE *svg, double x, double y, const char *s, int anchor, uint32_t rgb) {
+  static const char *const anchors[] = {"start", "middle", "end"};
+  fprintf(svg,
+          "<text x=\"%.1f\" y=\"%.1f\" fill=\"#%06x\" font-family=\"sans-serif\" font-size=\"12\" "
+          "text-anchor=\"%s\" dominant-baseline=\"middle\">",
+          x, y, (unsigned)rgb, anchors[anchor]);
+  xml_escaped(svg, s);
+  fprintf(svg, "</text>\n");
 }
 
 /* ---- scales ------------------------------------------------------------ */
@@ -200,7 +120,7 @@ static void tick_label(char *buf, size_t cap, double v, bool log_scale) {
 
 /* ---- one panel ------------------------------------------------------------- */
 
-static void draw_panel(struct canvas *c, int top, const double *x, size_t n, const struct axis *ax,
+static void draw_panel(FILE *c, int top, const double *x, size_t n, const struct axis *ax,
                        const struct plot_panel *p) {
   double x0 = LEFT, x1 = CHART_W - RIGHT, y0 = top + TITLE_H, y1 = top + PANEL_H - 8;
   cv_text(c, LEFT, top + TITLE_H / 2.0, p->title, 0, 0x222222);
@@ -259,63 +179,12 @@ static void draw_panel(struct canvas *c, int top, const double *x, size_t n, con
   free(ys);
 }
 
-/* ---- PNG encoding ------------------------------------------------------------ */
-
-static void be32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)(v >> 24);
-  p[1] = (uint8_t)(v >> 16);
-  p[2] = (uint8_t)(v >> 8);
-  p[3] = (uint8_t)v;
-}
-
-static int png_chunk(FILE *f, const char *type, const uint8_t *data, uint32_t len) {
-  uint8_t hdr[8];
-  be32(hdr, len);
-  memcpy(hdr + 4, type, 4);
-  uLong crc = crc32(0, (const Bytef *)type, 4);
-  if (len) crc = crc32(crc, data, len);
-  uint8_t tail[4];
-  be32(tail, (uint32_t)crc);
-  if (fwrite(hdr, 1, 8, f) != 8) return -1;
-  if (len && fwrite(data, 1, len, f) != len) return -1;
-  return fwrite(tail, 1, 4, f) == 4 ? 0 : -1;
-}
-
-static int png_write(FILE *f, const struct canvas *c) {
-  static const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-  uint8_t ihdr[13];
-  be32(ihdr, (uint32_t)c->w);
-  be32(ihdr + 4, (uint32_t)c->h);
-  ihdr[8] = 8;  /* bits per channel */
-  ihdr[9] = 2;  /* truecolour RGB */
-  ihdr[10] = 0; /* deflate */
-  ihdr[11] = 0; /* adaptive filtering (we use filter 0 on every row) */
-  ihdr[12] = 0; /* no interlace */
-  size_t row = (size_t)c->w * 3, raw_len = (row + 1) * (size_t)c->h;
-  uint8_t *raw = xmalloc(raw_len);
-  for (int y = 0; y < c->h; y++) {
-    raw[(size_t)y * (row + 1)] = 0;
-    memcpy(raw + (size_t)y * (row + 1) + 1, c->px + (size_t)y * row, row);
-  }
-  uLongf zlen = compressBound((uLong)raw_len);
-  uint8_t *z = xmalloc(zlen);
-  int rc = compress2(z, &zlen, raw, (uLong)raw_len, 6) == Z_OK ? 0 : -1;
-  free(raw);
-  if (rc == 0 && fwrite(sig, 1, 8, f) != 8) rc = -1;
-  if (rc == 0) rc = png_chunk(f, "IHDR", ihdr, sizeof ihdr);
-  if (rc == 0) rc = png_chunk(f, "IDAT", z, (uint32_t)zlen);
-  if (rc == 0) rc = png_chunk(f, "IEND", NULL, 0);
-  free(z);
-  return rc;
-}
-
 /* ---- the chart -------------------------------------------------------------- */
 
 int plot_write(const char *path, const double *x, size_t n, const struct plot_panel *panels, size_t npanels,
                struct rumor_err *e) {
-  enum plot_format fmt = plot_format_of(path);
-  if (fmt == PLOT_UNKNOWN)
-    return rumor_err_set(e, RUMOR_EFORMAT, "plot file %s: the name must end in .svg or .png", path);
+  int rc = plot_check_path(path, e);
+  if (rc) return rc;
   if (n == 0 || npanels == 0) return rumor_err_set(e, -EINVAL, "plot file %s: nothing to plot", path);
 
   /* Rendered in memory, then written with file_write_atomic. */
@@ -323,44 +192,30 @@ int plot_write(const char *path, const double *x, size_t n, const struct plot_pa
   size_t buf_len = 0;
   FILE *f = open_memstream(&buf, &buf_len);
   if (!f) return rumor_err_set(e, -errno, "plot file %s: %s", path, strerror(errno));
-
-  struct canvas c = {.fmt = fmt, .w = CHART_W, .h = TOP + (int)npanels * PANEL_H + BOTTOM};
-  if (fmt == PLOT_PNG) {
-    c.px = xmalloc((size_t)c.w * (size_t)c.h * 3);
-    memset(c.px, 0xff, (size_t)c.w * (size_t)c.h * 3);
-  } else {
-    c.svg = f;
-    fprintf(f,
-            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\">\n"
-            "<rect width=\"100%%\" height=\"100%%\" fill=\"#ffffff\"/>\n",
-            c.w, c.h, c.w, c.h);
-  }
+  int w = CHART_W, h = TOP + (int)npanels * PANEL_H + BOTTOM;
+  fprintf(f,
+          "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+          "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\">\n"
+          "<rect width=\"100%%\" height=\"100%%\" fill=\"#ffffff\"/>\n",
+          w, h, w, h);
 
   /* One x axis for every panel: seconds from the first sample. */
   double *rel = xmalloc(n * sizeof *rel);
   for (size_t i = 0; i < n; i++) rel[i] = x[i] - x[0];
   struct axis ax;
   (void)axis_fit(&ax, 0, rel[n - 1] > 0 ? rel[n - 1] : 1, false);
-  for (size_t p = 0; p < npanels; p++) draw_panel(&c, TOP + (int)p * PANEL_H, rel, n, &ax, &panels[p]);
+  for (size_t p = 0; p < npanels; p++) draw_panel(f, TOP + (int)p * PANEL_H, rel, n, &ax, &panels[p]);
   double y1 = TOP + (double)npanels * PANEL_H - 8;
   for (double t = ax.lo; t <= ax.hi + ax.step * 1e-9; t += ax.step) {
     double px = LEFT + (t - ax.lo) / (ax.hi - ax.lo) * (CHART_W - RIGHT - LEFT);
     char lab[32];
     tick_label(lab, sizeof lab, t, false);
-    cv_text(&c, px, y1 + 13, lab, 1, 0x444444);
+    cv_text(f, px, y1 + 13, lab, 1, 0x444444);
   }
-  cv_text(&c, (LEFT + CHART_W - RIGHT) / 2.0, c.h - 8, "time (s)", 1, 0x222222);
+  cv_text(f, (LEFT + CHART_W - RIGHT) / 2.0, h - 8, "time (s)", 1, 0x222222);
   free(rel);
-
-  int rc = 0;
-  if (fmt == PLOT_PNG) {
-    rc = png_write(f, &c);
-    free(c.px);
-  } else {
-    fprintf(f, "</svg>\n");
-  }
-  if (fclose(f) != 0 || rc != 0) {
+  fprintf(f, "</svg>\n");
+  if (fclose(f) != 0) {
     free(buf);
     return rumor_err_set(e, -EIO, "plot file %s: cannot render the chart", path);
   }

@@ -3,27 +3,29 @@
 #include <stdio.h>
 
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
-void result_training(struct json_buf *b, const struct trainer *t, double secs, int64_t samples_at_start) {
-  json_key(b, "steps");
-  json_int(b, t->st.step);
-  json_key(b, "epochs");
-  json_int(b, t->st.epoch);
-  json_key(b, "samples_per_s");
-  json_num(b, secs > 0 ? (double)(t->st.samples - samples_at_start) / secs : 0.0);
+json_t *result_open(void) {
+  json_t *o = json_object();
+  RUMOR_ASSERT(o);
+  return o;
+}
+
+void result_training(json_t *o, const struct trainer *t, double secs, int64_t samples_at_start) {
+  json_text_set(o, "steps", json_integer(t->st.step));
+  json_text_set(o, "epochs", json_integer(t->st.epoch));
+  json_text_set(o, "samples_per_s",
+                json_text_real(secs > 0 ? (double)(t->st.samples - samples_at_start) / secs : 0.0));
   if (!trainer_has_loss(t)) return;
   /* A language model's evaluation is on held-out tokens: its loss per token
    * and how often the likeliest next token is the right one. */
-  json_key(b, t->data.tokens ? "val_token_accuracy" : "test_accuracy");
-  json_num(b, t->accuracy);
-  json_key(b, t->data.tokens ? "val_loss" : "test_loss");
-  json_num(b, t->test_loss);
-  json_key(b, "train_loss");
-  json_num(b, t->loss_avg);
-  json_key(b, "train_losses");
-  json_arr_begin(b);
-  for (int64_t i = 0; i < t->nepoch_losses; i++) json_num(b, t->epoch_losses[i]);
-  json_arr_end(b);
+  json_text_set(o, t->data.tokens ? "val_token_accuracy" : "test_accuracy", json_text_real(t->accuracy));
+  json_text_set(o, t->data.tokens ? "val_loss" : "test_loss", json_text_real(t->test_loss));
+  json_text_set(o, "train_loss", json_text_real(t->loss_avg));
+  json_t *losses = json_array();
+  RUMOR_ASSERT(losses);
+  for (int64_t i = 0; i < t->nepoch_losses; i++) json_text_push(losses, json_text_real(t->epoch_losses[i]));
+  json_text_set(o, "train_losses", losses);
 }
 
 void result_describe_final(const struct trainer *t, char *buf, size_t len) {
@@ -31,7 +33,7 @@ void result_describe_final(const struct trainer *t, char *buf, size_t len) {
   else snprintf(buf, len, "test accuracy %.4f, test loss %.4f", t->accuracy, t->test_loss);
 }
 
-void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const struct sync *s) {
+void result_gossip(json_t *o, const struct gossip_stats *gs, const struct sync *s) {
   const struct {
     const char *key;
     uint64_t v;
@@ -49,16 +51,11 @@ void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const stru
       {"holds", s->holds},
       {"hold_timeouts", s->hold_timeouts},
   };
-  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
-    json_key(b, counts[i].key);
-    json_int(b, (int64_t)counts[i].v);
-  }
-  json_key(b, "longest_local_steps");
-  json_int(b, s->longest_local);
-  json_key(b, "hold_s");
-  json_num(b, s->hold_s);
-  json_key(b, "sync");
-  json_str(b, s->cfg.allreduce ? "allreduce" : "gossip");
+  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+    json_text_set(o, counts[i].key, json_integer((json_int_t)counts[i].v));
+  json_text_set(o, "longest_local_steps", json_integer(s->longest_local));
+  json_text_set(o, "hold_s", json_text_real(s->hold_s));
+  json_text_set(o, "sync", json_string(s->cfg.allreduce ? "allreduce" : "gossip"));
   if (!s->cfg.allreduce) return;
   const struct {
     const char *key;
@@ -66,17 +63,8 @@ void result_gossip(struct json_buf *b, const struct gossip_stats *gs, const stru
   } ar[] = {{"allreduce_rounds", s->ar_rounds},     {"allreduce_retries", s->ar_retries},
             {"allreduce_catchups", s->ar_catchups}, {"allreduce_skipped", s->ar_skipped},
             {"allreduce_members", s->ar_members}};
-  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) {
-    json_key(b, ar[i].key);
-    json_int(b, (int64_t)ar[i].v);
-  }
-  json_key(b, "allreduce_s");
-  json_num(b, s->ar_wait_s);
+  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) json_text_set(o, ar[i].key, json_integer((json_int_t)ar[i].v));
+  json_text_set(o, "allreduce_s", json_text_real(s->ar_wait_s));
 }
 
-void result_print(struct json_buf *b) {
-  json_obj_end(b);
-  printf("%.*s\n", (int)b->len, b->data);
-  fflush(stdout);
-  json_buf_free(b);
-}
+void result_print(json_t *o) { json_text_print(stdout, o); }

@@ -7,58 +7,58 @@
 
 #include "peer/cli/cli_impl.h"
 #include "peer/ps/ps.h"
+#include "util/json_text.h"
 
 static void print_json(FILE *f, const struct ps_status *st, int n) {
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  json_key(&b, "servers");
-  json_arr_begin(&b);
+  json_t *servers = json_array();
   for (int i = 0; i < n; i++) {
     const struct ps_status *s = &st[i];
-    json_obj_begin(&b);
-    json_key(&b, "addr"), json_str(&b, s->addr);
-    json_key(&b, "reachable"), json_bool(&b, s->reachable);
-    json_key(&b, "error"), json_str(&b, s->error);
+    json_t *o = json_object();
+    json_text_set(o, "addr", json_text_str(s->addr));
+    json_text_set(o, "reachable", json_boolean(s->reachable));
+    json_text_set(o, "error", json_text_str(s->error));
     if (s->reachable) {
-      json_key(&b, "range"), json_int(&b, s->range);
-      json_key(&b, "ranges"), json_int(&b, s->ranges);
-      json_key(&b, "version"), json_int(&b, s->version);
-      json_key(&b, "staleness"), json_int(&b, s->staleness); /* -1: none (ASP) */
-      json_key(&b, "workers_expected"), json_int(&b, s->workers);
-      json_key(&b, "max_gap"), json_int(&b, s->max_gap);
-      json_key(&b, "workers");
-      json_arr_begin(&b);
+      json_text_set(o, "range", json_integer(s->range));
+      json_text_set(o, "ranges", json_integer(s->ranges));
+      json_text_set(o, "stage", json_integer(s->stage));
+      json_text_set(o, "stages", json_integer(s->stages)); /* 1: the whole model */
+      json_text_set(o, "version", json_integer(s->version));
+      json_text_set(o, "staleness", json_integer(s->staleness)); /* -1: none (ASP) */
+      json_text_set(o, "workers_expected", json_integer(s->workers));
+      json_text_set(o, "max_gap", json_integer(s->max_gap));
+      json_t *workers = json_array();
       for (int k = 0; k < s->nw; k++) {
-        json_obj_begin(&b);
-        json_key(&b, "id"), json_str(&b, s->w[k].id);
-        json_key(&b, "clock"), json_int(&b, s->w[k].clock);
-        json_key(&b, "state"), json_str(&b, s->w[k].done ? "done" : s->w[k].live ? "live" : "dropped");
-        json_obj_end(&b);
+        json_t *w = json_object();
+        json_text_set(w, "id", json_text_str(s->w[k].id));
+        json_text_set(w, "clock", json_integer(s->w[k].clock));
+        json_text_set(w, "state", json_string(s->w[k].done ? "done" : s->w[k].live ? "live" : "dropped"));
+        json_text_push(workers, w);
       }
-      json_arr_end(&b);
+      json_text_set(o, "workers", workers);
     }
-    json_obj_end(&b);
+    json_text_push(servers, o);
   }
-  json_arr_end(&b);
-  json_obj_end(&b);
-  fprintf(f, "%.*s\n", (int)b.len, b.data);
-  json_buf_free(&b);
+  json_t *doc = json_object();
+  json_text_set(doc, "servers", servers);
+  json_text_print(f, doc);
 }
 
 static void print_table(FILE *f, const struct ps_status *st, int n) {
-  fprintf(f, "%-21s %-6s %9s %9s %7s  %s\n", "SERVER", "RANGE", "VERSION", "STALENESS", "MAX-GAP", "WORKERS (clock)");
+  fprintf(f, "%-21s %-5s %-6s %9s %9s %7s  %s\n", "SERVER", "STAGE", "RANGE", "VERSION", "STALENESS", "MAX-GAP",
+          "WORKERS (clock)");
   for (int i = 0; i < n; i++) {
     const struct ps_status *s = &st[i];
     if (!s->reachable) {
       fprintf(f, "%-21.21s UNREACHABLE: %s\n", s->addr, s->error);
       continue;
     }
-    char range[32], stale[24];
+    char range[32], stale[24], stage[32] = "-";
     snprintf(range, sizeof range, "%d/%d", s->range, s->ranges);
+    if (s->stages > 1) snprintf(stage, sizeof stage, "%d/%d", s->stage, s->stages);
     if (s->staleness < 0) snprintf(stale, sizeof stale, "none");
     else snprintf(stale, sizeof stale, "%lld", (long long)s->staleness);
-    fprintf(f, "%-21.21s %-6s %9lld %9s %7lld ", s->addr, range, (long long)s->version, stale, (long long)s->max_gap);
+    fprintf(f, "%-21.21s %-5s %-6s %9lld %9s %7lld ", s->addr, stage, range, (long long)s->version, stale,
+            (long long)s->max_gap);
     for (int k = 0; k < s->nw; k++)
       fprintf(f, " %.8s:%lld%s", s->w[k].id, (long long)s->w[k].clock,
               s->w[k].done ? "(done)" : s->w[k].live ? "" : "(dropped)");

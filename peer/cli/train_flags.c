@@ -73,6 +73,10 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"eval-batches", ARG_INT, &f->eval_batches, "N",
        "batches of the evaluation set per evaluation (-1: all test images; 20 batches of validation windows)", -1,
        1e15},
+      {"tensorboard", ARG_STR, &f->tensorboard, "DIR",
+       "write TensorBoard event files (loss, evaluation, learning rate, throughput, exchanges, bytes, parameter "
+       "norm) to the run directory DIR/RUN, made when missing; RUN: 'train' for rumor train, a peer's --name or "
+       "the first 8 characters of its key, NAME:sS for a group's stage"},
   };
   bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {

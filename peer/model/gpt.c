@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "peer/model/model_impl.h"
+#include "util/json_text.h"
 
 #define GP(s) (&(s)->u.gpt)
 
@@ -554,60 +555,44 @@ static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct ten
 
 /* ---- Hugging Face ---- */
 
-static void gpt_hf_config(const struct model_spec *s, struct json_buf *b) {
+static json_t *gpt_hf_config(const struct model_spec *s) {
   char spec[MODEL_SPEC_MAX];
   gpt_format(s, spec, sizeof spec);
-  json_obj_begin(b);
-  json_key(b, "architectures");
-  json_arr_begin(b);
-  json_str(b, "GPT2LMHeadModel");
-  json_arr_end(b);
-  json_key(b, "model_type");
-  json_str(b, "gpt2");
+  json_t *b = json_object();
+  RUMOR_ASSERT(b);
+  json_text_set(b, "architectures", json_pack("[s]", "GPT2LMHeadModel"));
+  json_text_set(b, "model_type", json_string("gpt2"));
   const struct {
     const char *key;
     int64_t v;
   } ints[] = {{"vocab_size", GP(s)->vocab}, {"n_positions", GP(s)->context}, {"n_ctx", GP(s)->context},
               {"n_embd", GP(s)->width},    {"n_layer", GP(s)->layers},      {"n_head", GP(s)->heads},
               {"bos_token_id", GP(s)->vocab - 1}, {"eos_token_id", GP(s)->vocab - 1}};
-  for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-    json_key(b, ints[i].key);
-    json_int(b, ints[i].v);
-  }
-  json_key(b, "n_inner");
-  json_null(b);
-  json_key(b, "activation_function");
-  json_str(b, "gelu_new"); /* GPT-2's tanh form */
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) json_text_set(b, ints[i].key, json_integer(ints[i].v));
+  json_text_set(b, "n_inner", json_null());
+  json_text_set(b, "activation_function", json_string("gelu_new")); /* GPT-2's tanh form */
   const char *zero[] = {"resid_pdrop", "embd_pdrop", "attn_pdrop"};
-  for (size_t i = 0; i < 3; i++) {
-    json_key(b, zero[i]);
-    json_num(b, 0.0);
-  }
-  json_key(b, "layer_norm_epsilon");
-  json_num(b, 1e-5); /* TENSOR_LAYERNORM_EPS, as the double Python reads */
-  json_key(b, "initializer_range");
-  json_num(b, 0.02);
-  json_key(b, "tie_word_embeddings");
-  json_bool(b, true);
-  json_key(b, "torch_dtype");
-  json_str(b, "float32");
-  json_key(b, "rumor_model");
-  json_str(b, spec);
-  json_obj_end(b);
+  for (size_t i = 0; i < 3; i++) json_text_set(b, zero[i], json_text_real(0.0));
+  json_text_set(b, "layer_norm_epsilon", json_text_real(1e-5)); /* TENSOR_LAYERNORM_EPS, as the double Python reads */
+  json_text_set(b, "initializer_range", json_text_real(0.02));
+  json_text_set(b, "tie_word_embeddings", json_true());
+  json_text_set(b, "torch_dtype", json_string("float32"));
+  json_text_set(b, "rumor_model", json_string(spec));
+  return b;
 }
 
 /* An integer field of a config, in [lo, hi]. */
-static int hf_int(const struct json_value *cfg, const char *name, const char *key, int64_t lo, int64_t hi,
-                  int64_t *out, struct rumor_err *e) {
-  const struct json_value *v = json_get(cfg, key);
-  if (!v || v->type != JSON_NUMBER || !v->is_integer || v->integer < lo || v->integer > hi)
+static int hf_int(const json_t *cfg, const char *name, const char *key, int64_t lo, int64_t hi, int64_t *out,
+                  struct rumor_err *e) {
+  const json_t *v = json_object_get(cfg, key);
+  if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: %s is missing or not an integer in [%lld, %lld]", name, key,
                          (long long)lo, (long long)hi);
-  *out = v->integer;
+  *out = json_integer_value(v);
   return 0;
 }
 
-static int gpt_hf_parse(const struct json_value *cfg, const char *name, struct model_spec *out, struct rumor_err *e) {
+static int gpt_hf_parse(const json_t *cfg, const char *name, struct model_spec *out, struct rumor_err *e) {
   int64_t L = 0, H = 0, C = 0, T = 0, V = 0; /* set by hf_int before use; zeros quiet -O3 */
   int rc;
   if ((rc = hf_int(cfg, name, "n_layer", 1, GPT_MAX_LAYERS, &L, e)) ||
@@ -618,15 +603,14 @@ static int gpt_hf_parse(const struct json_value *cfg, const char *name, struct m
     return rc;
   if (C % H != 0) return rumor_err_set(e, RUMOR_EFORMAT, "%s: n_embd %lld is not a multiple of n_head %lld", name,
                                        (long long)C, (long long)H);
-  const struct json_value *act = json_get(cfg, "activation_function");
-  if (act && (act->type != JSON_STRING || (strcmp(act->string, "gelu_new") != 0 &&
-                                           strcmp(act->string, "gelu_pytorch_tanh") != 0)))
+  const json_t *act = json_object_get(cfg, "activation_function");
+  if (act && (!json_is_string(act) || (strcmp(json_string_value(act), "gelu_new") != 0 &&
+                                       strcmp(json_string_value(act), "gelu_pytorch_tanh") != 0)))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: activation_function must be GPT-2's gelu_new (tanh)", name);
-  const struct json_value *inner = json_get(cfg, "n_inner");
-  if (inner && inner->type != JSON_NULL && !(inner->type == JSON_NUMBER && inner->number == 4.0 * (double)C))
+  const json_t *inner = json_object_get(cfg, "n_inner");
+  if (inner && !json_is_null(inner) && !(json_is_number(inner) && json_number_value(inner) == 4.0 * (double)C))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: n_inner must be null or 4·n_embd", name);
-  const struct json_value *tie = json_get(cfg, "tie_word_embeddings");
-  if (tie && tie->type == JSON_BOOL && !tie->boolean)
+  if (json_is_false(json_object_get(cfg, "tie_word_embeddings")))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: tie_word_embeddings is false; rumor's GPT ties the head", name);
   GP(out)->layers = (int)L;
   GP(out)->heads = (int)H;

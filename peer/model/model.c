@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "util/json_text.h"
+
 /* The registry: one entry per family, by spec prefix. */
 static const struct model_family_ops *const FAMILIES[] = {&model_mlp_ops, &model_gpt_ops};
 
@@ -85,36 +87,37 @@ void model_spec_describe_units(const struct model_spec *s, int u0, int u1, char 
 
 /* ---- Hugging Face configs and names ---- */
 
-bool model_hf_config(const struct model_spec *s, struct json_buf *out) {
+json_t *model_hf_config(const struct model_spec *s) {
   const struct model_family_ops *f = family_of(s);
-  if (!f->hf_config) return false;
-  f->hf_config(s, out);
-  return true;
+  return f->hf_config ? f->hf_config(s) : NULL;
 }
 
 int model_spec_from_hf_config(const char *text, size_t len, const char *name, struct model_spec *out,
                               struct rumor_err *e) {
-  struct json_doc doc;
+  json_t *doc;
   struct rumor_err je;
-  if (json_parse(text, len, &doc, &je))
+  if (json_text_parse(text, len, &doc, &je))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: not a JSON config: %s", name, je.msg);
-  const struct json_value *type = json_get(&doc.root, "model_type");
+  if (!json_is_object(doc)) {
+    json_decref(doc);
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: not a JSON config: the top level is not an object", name);
+  }
+  const char *type = json_string_value(json_object_get(doc, "model_type")); /* NULL unless a string */
   int rc = RUMOR_EFORMAT;
   for (size_t i = 0; i < NFAMILIES; i++) {
     const struct model_family_ops *f = FAMILIES[i];
-    if (!f->hf_parse || !type || type->type != JSON_STRING || strcmp(type->string, f->hf_model_type) != 0) continue;
+    if (!f->hf_parse || !type || strcmp(type, f->hf_model_type) != 0) continue;
     struct model_spec spec;
     memset(&spec, 0, sizeof spec);
     spec.family = (enum model_family)(i + 1);
-    rc = f->hf_parse(&doc.root, name, &spec, e);
+    rc = f->hf_parse(doc, name, &spec, e);
     if (rc == 0) *out = spec;
-    json_doc_free(&doc);
+    json_decref(doc);
     return rc;
   }
-  bool named = type && type->type == JSON_STRING;
-  rumor_err_set(e, rc, "%s: model_type %s%s%s is not one rumor trains (gpt2)", name, named ? "'" : "",
-                named ? type->string : "missing", named ? "'" : "");
-  json_doc_free(&doc);
+  rumor_err_set(e, rc, "%s: model_type %s%s%s is not one rumor trains (gpt2)", name, type ? "'" : "",
+                type ? type : "missing", type ? "'" : "");
+  json_decref(doc);
   return rc;
 }
 

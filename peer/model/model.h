@@ -27,7 +27,8 @@
 #include <stdint.h>
 
 #include "tensor/tensor.h"
-#include "util/json.h"
+
+struct json_t; /* jansson's value (util/json_text.h) */
 
 #define MODEL_SPEC_MAX 256  /* characters of a canonical spec string, with the NUL */
 #define MODEL_NAME_MAX 96   /* characters of a parameter's name, with the NUL */
@@ -124,9 +125,10 @@ const struct model_param *model_table_find(const struct model_table *t, const ch
 /* Elements of the whole model (builds the table). */
 int64_t model_spec_param_count(const struct model_spec *s);
 
-/* Hugging Face's config.json for the model into `out` (a JSON object), when
- * its family has one (GPT: GPT2Config). Returns false when it has none. */
-bool model_hf_config(const struct model_spec *s, struct json_buf *out);
+/* Hugging Face's config.json for the model, a new JSON object (the caller
+ * json_decref's it), when its family has one (GPT: GPT2Config); NULL when it
+ * has none. */
+struct json_t *model_hf_config(const struct model_spec *s);
 /* The spec a Hugging Face config.json describes (`text`, `len` bytes;
  * `name` for messages): model_type "gpt2" with n_layer, n_head, n_embd,
  * n_positions and vocab_size. Returns 0 or RUMOR_EFORMAT naming the file and

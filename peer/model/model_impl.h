@@ -48,9 +48,9 @@ struct model_family_ops {
   /* Optional (model_hf_config and friends): Hugging Face's config for a
    * spec, the spec from a config's parsed object (`name` for messages), and
    * whether a checkpoint name the table lacks is one to ignore. */
-  void (*hf_config)(const struct model_spec *s, struct json_buf *out);
+  struct json_t *(*hf_config)(const struct model_spec *s);
   const char *hf_model_type; /* config.json's model_type */
-  int (*hf_parse)(const struct json_value *cfg, const char *name, struct model_spec *out, struct rumor_err *e);
+  int (*hf_parse)(const struct json_t *cfg, const char *name, struct model_spec *out, struct rumor_err *e);
   bool (*hf_ignored)(const char *name);
   const char *hf_prefix; /* a prefix the table's names carry and a checkpoint's may lack */
 };

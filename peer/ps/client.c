@@ -247,6 +247,11 @@ static void on_dialed(net_t *n, net_conn_t *c, int status, const char *detail, v
   net_msgbuf_put_uint(&b, "nparams", (uint64_t)cl->P);
   net_msgbuf_put_uint(&b, "range", (uint64_t)k->index);
   net_msgbuf_put_uint(&b, "ranges", (uint64_t)cl->n);
+  const struct train_stage *st = cl->t->cfg.stage;
+  if (st) { /* a group's stage: its servers hold this stage's slice */
+    net_msgbuf_put_uint(&b, "stage", (uint64_t)st->stage);
+    net_msgbuf_put_uint(&b, "stages", (uint64_t)st->stages);
+  }
   pthread_mutex_lock(&cl->mu);
   net_msgbuf_put_uint(&b, "clock", (uint64_t)cl->clock);
   pthread_mutex_unlock(&cl->mu);
@@ -501,7 +506,7 @@ static void client_free_mem(struct ps_client *cl) {
 
 int ps_client_start(ps_client_t **out, struct trainer *t, const struct ps_client_config *cfg, struct rumor_err *e) {
   *out = NULL;
-  RUMOR_ASSERT(!trainer_is_stage(t) && cfg->server_timeout_ms >= PS_MIN_TIMEOUT_MS);
+  RUMOR_ASSERT(cfg->server_timeout_ms >= PS_MIN_TIMEOUT_MS);
   struct ps_client *cl = xcalloc(1, sizeof *cl);
   cl->cfg = *cfg;
   cl->t = t;

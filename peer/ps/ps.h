@@ -4,7 +4,11 @@
  *
  * The flat parameter vector of P floats is cut into S contiguous ranges;
  * server I of S holds range I, [P·I/S, P·(I+1)/S), and the optimizer state
- * of that range, and applies the updates to it. A worker holds no state of
+ * of that range, and applies the updates to it. For the stages of peer
+ * groups (`rumor group --sync ps`), a server is for one stage s of G: the
+ * vector it cuts is that stage's slice of the model (the units of the
+ * group's balanced split, pipe_split_balance), and its workers are stage s
+ * of every group; offsets on the wire are within that slice. A worker holds no state of
  * its own that matters: before each step it pulls the parameters from every
  * server, computes its gradient (the trainer's reducer hook), and pushes each
  * server its slice of it.
@@ -70,6 +74,7 @@ struct ps_server_config {
   uint64_t seed;           /* the initial parameters (model_init_params), as the workers' */
   int64_t schedule_steps;  /* the learning-rate schedule's length in rounds; 0: the workers' */
   int range, ranges;       /* this server holds range `range` of `ranges` */
+  int stage, stages;       /* of this stage's slice (stages <= 1: of the whole model) */
   int64_t staleness;       /* 0 BSP, > 0 SSP, PS_STALENESS_NONE ASP */
   int workers;             /* N: BSP waits for N workers before the first round; SSP/ASP scale by 1/N */
   const char *checkpoint;  /* required: resumed from when present, saved to */
@@ -173,6 +178,7 @@ struct ps_status {
   bool reachable;
   char error[200]; /* why not, when !reachable */
   int range, ranges, workers;
+  int stage, stages; /* stages 1: the whole model */
   int64_t version, staleness, max_gap;
   int nw;
   struct ps_status_worker *w; /* nw entries */

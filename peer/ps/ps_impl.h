@@ -5,17 +5,19 @@
  * Control messages (net msgpack maps, "v" = PS_PROTO_VERSION):
  *   HELLO   worker → server: model (canonical spec), nparams, range, ranges,
  *           clock (gradients pushed so far), steps (schedule length),
- *           optim (text of the optimizer settings, compared as is)
- *   WELCOME server → worker: lo, hi, version, clock (the server's clock for
- *           this worker), staleness (-1: none), workers
+ *           optim (text of the optimizer settings, compared as is), and for
+ *           a group's stage: stage, stages (absent: 0/1, a whole replica)
+ *   WELCOME server → worker: lo, hi (within the worker's vector), version,
+ *           clock (the server's clock for this worker), staleness (-1:
+ *           none), workers
  *   REJECT  server → worker: why (then the server closes)
  *   PULL    worker → server: clock (we want the parameters to compute
  *           gradient number `clock`), final (the last pull: no bound), wire
  *   DONE    worker → server: clock
  *   PING    either way, every PS_PING_MS
  *   STATUS_REQ  a monitor (rumor top --servers) → server, instead of HELLO
- *   STATUS  server → monitor: range, ranges, version, staleness, workers
- *           (expected), max_gap, w: [[key (bin 32), clock, live, done], ...]
+ *   STATUS  server → monitor: range, ranges, stage, stages, version,
+ *           staleness, workers (expected), max_gap, w: [[key (bin 32), clock, live, done], ...]
  * Bulk transfers carry PS_META_BYTES of metadata (little-endian):
  *   u32 magic, u16 protocol version, u16 kind, i64 a, i64 b, i64 c
  *   GRAD   (worker → server): a = gradient number, b = rows, c = 0;
@@ -28,6 +30,7 @@
 
 #include <string.h>
 
+#include "peer/pipeline/pipeline.h"
 #include "peer/ps/ps.h"
 
 enum {

@@ -44,7 +44,9 @@ struct server {
   struct ps_server_stats st;
   char spec[MODEL_SPEC_MAX];
   char optim_text[PS_OPTIM_TEXT_MAX];
-  int64_t P, lo, hi, len;
+  int64_t P, lo, hi, len; /* the model's parameters; [lo, hi) of them held here */
+  int64_t slice_lo, slice_len; /* the workers' vector within the model: a stage's slice, or all of it */
+  char stage_text[32];         /* "s/S", or "" for the whole model */
   bool bsp;
   tensor_backend_t be;
   struct tensor params, grad; /* (len) on the CPU */
@@ -188,6 +190,11 @@ static int check_identity(struct server *s, const struct st_file *f, struct rumo
   if (!range || strcmp(range, want_range) != 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s holds range %s, not --range %s", path, range ? range : "?",
                          want_range);
+  const char *stage = safetensors_meta(f, "rumor.stage");
+  if (strcmp(stage ? stage : "", s->stage_text) != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s holds %s%s, not %s%s", path, stage ? "stage " : "the whole model",
+                         stage ? stage : "", s->stage_text[0] ? "--stage " : "the whole model (no --stage)",
+                         s->stage_text);
   if (!opt || strcmp(opt, optim_kind_name(s->cfg.optim.kind)) != 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s holds %s state, not --optimizer %s", path, opt ? opt : "?",
                          optim_kind_name(s->cfg.optim.kind));
@@ -254,7 +261,7 @@ static int save_checkpoint(struct server *s, struct rumor_err *e) {
       {"rumor.format", CKPT_FORMAT},  {"rumor.model", s->spec},        {"rumor.range", range},
       {"rumor.version", version},     {"rumor.optim_step", ostep},     {"rumor.schedule_steps", sched},
       {"rumor.optimizer", optim_kind_name(s->cfg.optim.kind)},         {"rumor.staleness", stale},
-      {"rumor.ps.workers", workers},
+      {"rumor.ps.workers", workers},  {"rumor.stage", s->stage_text},
   };
   struct st_tensor ts[2] = {{.name = "ps.params", .dtype = TENSOR_F32, .ndim = 1}, {.name = "ps.optimizer"}};
   ts[0].shape[0] = s->len;
@@ -264,7 +271,8 @@ static int save_checkpoint(struct server *s, struct rumor_err *e) {
   ts[1].shape[0] = tensor_numel(&s->optim.state);
   ts[1].data = s->optim.state.data;
   ts[1].nbytes = (size_t)ts[1].shape[0] * sizeof(float);
-  int rc = safetensors_write(s->cfg.checkpoint, ts, 2, meta, sizeof meta / sizeof meta[0], e);
+  size_t nmeta = sizeof meta / sizeof meta[0] - (s->stage_text[0] ? 0 : 1); /* rumor.stage: for a stage only */
+  int rc = safetensors_write(s->cfg.checkpoint, ts, 2, meta, nmeta, e);
   free(workers);
   if (rc == 0) s->saved_version = s->version;
   return rc;
@@ -489,6 +497,8 @@ static void send_status(struct server *s, net_conn_t *c) {
   net_msgbuf_init(&b, PS_MSG_STATUS, PS_PROTO_VERSION);
   net_msgbuf_put_int(&b, "range", s->cfg.range);
   net_msgbuf_put_int(&b, "ranges", s->cfg.ranges);
+  net_msgbuf_put_int(&b, "stage", s->cfg.stage);
+  net_msgbuf_put_int(&b, "stages", s->cfg.stages > 1 ? s->cfg.stages : 1);
   net_msgbuf_put_int(&b, "version", s->version);
   net_msgbuf_put_int(&b, "staleness", s->cfg.staleness);
   net_msgbuf_put_int(&b, "workers", s->cfg.workers);
@@ -512,6 +522,7 @@ static void send_status(struct server *s, net_conn_t *c) {
 struct hello {
   char model[MODEL_SPEC_MAX], optim[PS_OPTIM_TEXT_MAX];
   uint64_t nparams, range, ranges, clock, steps;
+  uint64_t stage, stages; /* absent: 0/1, the whole model */
 };
 
 /* Reads and checks a HELLO against this server. Returns 0, or -1 after
@@ -529,8 +540,24 @@ static int hello_check(struct server *s, net_conn_t *c, const struct net_msg *m,
     reject(c, "malformed HELLO");
     return -1;
   }
-  if (strcmp(h->model, s->spec) != 0 || h->nparams != (uint64_t)s->P) {
-    reject(c, "this server holds model %s (%lld parameters), not %s", s->spec, (long long)s->P, h->model);
+  if (net_msg_get_uint(m, "stage", &h->stage) || net_msg_get_uint(m, "stages", &h->stages))
+    h->stage = 0, h->stages = 1;
+  int stages = s->cfg.stages > 1 ? s->cfg.stages : 1;
+  if (h->stages != (uint64_t)stages || h->stage != (uint64_t)s->cfg.stage) {
+    if (stages > 1 && h->stages > 1)
+      reject(c, "this server holds stage %d/%d's parameters; the worker trains stage %llu/%llu", s->cfg.stage, stages,
+             (unsigned long long)h->stage, (unsigned long long)h->stages);
+    else if (stages > 1)
+      reject(c, "this server holds stage %d/%d's parameters; the worker trains a whole replica", s->cfg.stage, stages);
+    else
+      reject(c, "this server holds the whole model's parameters; the worker is stage %llu/%llu of a group (start "
+                "servers with --stage s/S)",
+             (unsigned long long)h->stage, (unsigned long long)h->stages);
+    return -1;
+  }
+  if (strcmp(h->model, s->spec) != 0 || h->nparams != (uint64_t)s->slice_len) {
+    reject(c, "this server holds model %s (%lld parameters%s%s), not %s", s->spec, (long long)s->slice_len,
+           s->stage_text[0] ? " of stage " : "", s->stage_text, h->model);
     return -1;
   }
   if (h->range != (uint64_t)s->cfg.range || h->ranges != (uint64_t)s->cfg.ranges) {
@@ -600,8 +627,8 @@ static void on_hello(struct server *s, net_conn_t *c, const struct net_msg *m) {
   net_conn_set_data(c, w);
   struct net_msgbuf b;
   net_msgbuf_init(&b, PS_MSG_WELCOME, PS_PROTO_VERSION);
-  net_msgbuf_put_int(&b, "lo", s->lo);
-  net_msgbuf_put_int(&b, "hi", s->hi);
+  net_msgbuf_put_int(&b, "lo", s->lo - s->slice_lo); /* within the worker's vector */
+  net_msgbuf_put_int(&b, "hi", s->hi - s->slice_lo);
   net_msgbuf_put_int(&b, "version", s->version);
   net_msgbuf_put_int(&b, "clock", w->clock);
   net_msgbuf_put_int(&b, "staleness", s->cfg.staleness);
@@ -810,6 +837,22 @@ static void on_tick(uv_timer_t *h) {
   }
 }
 
+/* The workers' vector within the model: stage s's units under the group's
+ * balanced split (as every stage computes it), or the whole model. */
+static int stage_slice(struct server *s, const struct model_spec *spec, const struct model_table *tab,
+                       struct rumor_err *e) {
+  s->slice_lo = 0;
+  s->slice_len = tab->nparams;
+  if (s->cfg.stages <= 1) return 0;
+  struct pipe_split split;
+  int rc = pipe_split_balance(spec, s->cfg.stages, &split, e);
+  if (rc) return rumor_err_prefix(e, "--stage %d/%d", s->cfg.stage, s->cfg.stages);
+  s->slice_lo = tab->unit_offset[split.first[s->cfg.stage]];
+  s->slice_len = tab->unit_offset[split.first[s->cfg.stage + 1]] - s->slice_lo;
+  snprintf(s->stage_text, sizeof s->stage_text, "%d/%d", s->cfg.stage, s->cfg.stages);
+  return 0;
+}
+
 /* Builds the state: model, range, tensors, optimizer, and the checkpoint's
  * contents when it exists. */
 static int server_init(struct server *s, const struct ps_server_config *cfg, struct rumor_err *e) {
@@ -826,11 +869,15 @@ static int server_init(struct server *s, const struct ps_server_config *cfg, str
   struct model_table tab;
   model_table_build(&spec, &tab);
   s->P = tab.nparams;
-  if (s->P < cfg->ranges) {
-    model_table_free(&tab);
-    return rumor_err_set(e, RUMOR_EFORMAT, "--range: %d ranges for %lld parameters", cfg->ranges, (long long)s->P);
+  if ((rc = stage_slice(s, &spec, &tab, e))) goto out;
+  if (s->slice_len < cfg->ranges) {
+    rc = rumor_err_set(e, RUMOR_EFORMAT, "--range: %d ranges for %lld parameters%s%s", cfg->ranges,
+                       (long long)s->slice_len, s->stage_text[0] ? " of stage " : "", s->stage_text);
+    goto out;
   }
-  ps_range_bounds(s->P, cfg->range, cfg->ranges, &s->lo, &s->hi);
+  ps_range_bounds(s->slice_len, cfg->range, cfg->ranges, &s->lo, &s->hi);
+  s->lo += s->slice_lo;
+  s->hi += s->slice_lo;
   s->len = s->hi - s->lo;
   if ((rc = tensor_backend_open("cpu", &s->be, e))) goto out;
   if ((rc = tensor_alloc(&s->params, s->be, TENSOR_F32, 1, &s->len, e)) ||
@@ -908,8 +955,9 @@ int ps_server_run(const struct ps_server_config *cfg, struct ps_server_stats *st
   snprintf(addr, sizeof addr, "%.*s:%d", colon ? (int)(colon - cfg->listen) : 0, cfg->listen,
            net_listen_port(s->net));
   net_pubkey_format(id, cfg->identity->pk);
-  log_info("serving range %d/%d ([%lld, %lld) of %lld parameters) on %s, %s, %d workers", cfg->range, cfg->ranges,
-           (long long)s->lo, (long long)s->hi, (long long)s->P, addr,
+  log_info("serving range %d/%d%s%s ([%lld, %lld) of %lld parameters) on %s, %s, %d workers", cfg->range,
+           cfg->ranges, s->stage_text[0] ? " of stage " : "", s->stage_text, (long long)s->lo, (long long)s->hi,
+           (long long)s->P, addr,
            s->bsp ? "BSP" : cfg->staleness < 0 ? "ASP (no bound)" : "SSP", cfg->workers);
   if (cfg->on_listen) cfg->on_listen(addr, id, cfg->on_listen_arg);
   uv_timer_init(&s->loop, &s->tick);

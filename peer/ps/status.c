@@ -59,6 +59,11 @@ static int parse_status(const struct net_msg *m, struct ps_status *st) {
     return RUMOR_EPROTO;
   st->range = (int)range;
   st->ranges = (int)ranges;
+  int64_t stage, stages;
+  if (net_msg_get_int(m, "stage", &stage) || net_msg_get_int(m, "stages", &stages)) stage = 0, stages = 1;
+  if (stages < 1 || stages > PIPE_MAX_STAGES || stage < 0 || stage >= stages) return RUMOR_EPROTO;
+  st->stage = (int)stage;
+  st->stages = (int)stages;
   st->workers = (int)workers;
   st->w = xcalloc(n ? n : 1, sizeof *st->w);
   for (uint32_t i = 0; i < n; i++)

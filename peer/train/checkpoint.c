@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "util/json_text.h"
+
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 
 /* True when the process (or thread) `pid` started after Unix time `t`, so
@@ -200,16 +202,16 @@ void checkpoint_dir_file(const char *dir, const char *file, char *out, size_t n)
 
 /* A directory checkpoint's config.json, when the model has one. */
 static int save_config(const char *dir, const struct model_spec *spec, struct rumor_err *e) {
-  struct json_buf b;
-  json_buf_init(&b);
-  int rc = 0;
-  if (model_hf_config(spec, &b)) {
-    char path[1100];
-    checkpoint_dir_file(dir, CHECKPOINT_CONFIG_FILE, path, sizeof path);
-    struct file_part parts[2] = {{b.data, b.len}, {"\n", 1}};
-    rc = file_write_atomic(path, parts, 2, 0644, e);
-  }
-  json_buf_free(&b);
+  json_t *cfg = model_hf_config(spec);
+  if (!cfg) return 0;
+  size_t len;
+  char *text = json_text_dump(cfg, &len);
+  json_decref(cfg);
+  char path[1100];
+  checkpoint_dir_file(dir, CHECKPOINT_CONFIG_FILE, path, sizeof path);
+  struct file_part parts[2] = {{text, len}, {"\n", 1}};
+  int rc = file_write_atomic(path, parts, 2, 0644, e);
+  free(text);
   return rc;
 }
 

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "util/json_text.h"
+
 #define DIGEST_KEY "rumor.blake2b"
 #define DIGEST_BYTES 32
 #define DIGEST_HEX (2 * DIGEST_BYTES)
@@ -63,51 +65,44 @@ static void digest_file(const uint8_t *len8, const char *hdr, size_t hlen, long 
 int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
                       size_t nmeta, struct rumor_err *e) {
   if (sodium_init() < 0) return rumor_err_set(e, -EIO, "libsodium failed to initialise");
-  struct json_buf j;
-  json_buf_init(&j);
-  json_obj_begin(&j);
-  json_key(&j, "__metadata__");
-  json_obj_begin(&j);
+  json_t *root = json_object(), *md = json_object();
+  RUMOR_ASSERT(root && md);
   for (size_t i = 0; i < nmeta; i++) {
     RUMOR_ASSERT(strcmp(meta[i].key, DIGEST_KEY) != 0);
-    json_key(&j, meta[i].key);
-    json_str(&j, meta[i].value);
+    json_text_set(md, meta[i].key, json_text_str(meta[i].value));
   }
-  json_key(&j, DIGEST_KEY);
-  json_str(&j, "0000000000000000000000000000000000000000000000000000000000000000");
-  json_obj_end(&j);
+  /* A placeholder of DIGEST_HEX zeros, replaced in the text below. */
+  json_text_set(md, DIGEST_KEY, json_string("0000000000000000000000000000000000000000000000000000000000000000"));
+  json_text_set(root, "__metadata__", md);
   size_t off = 0;
   for (size_t i = 0; i < nts; i++) {
-    json_key(&j, ts[i].name);
-    json_obj_begin(&j);
-    json_key(&j, "dtype");
-    json_str(&j, tensor_dtype_name(ts[i].dtype));
-    json_key(&j, "shape");
-    json_arr_begin(&j);
+    json_t *shape = json_array(), *t = json_object();
+    RUMOR_ASSERT(shape && t);
     int64_t numel = 1;
     for (int d = 0; d < ts[i].ndim; d++) {
-      json_int(&j, ts[i].shape[d]);
+      json_text_push(shape, json_integer(ts[i].shape[d]));
       numel *= ts[i].shape[d];
     }
-    json_arr_end(&j);
     RUMOR_ASSERT((size_t)numel * tensor_dtype_size(ts[i].dtype) == ts[i].nbytes);
-    json_key(&j, "data_offsets");
-    json_arr_begin(&j);
-    json_int(&j, (int64_t)off);
-    json_int(&j, (int64_t)(off + ts[i].nbytes));
-    json_arr_end(&j);
-    json_obj_end(&j);
+    json_text_set(t, "dtype", json_string(tensor_dtype_name(ts[i].dtype)));
+    json_text_set(t, "shape", shape);
+    json_text_set(t, "data_offsets", json_pack("[I,I]", (json_int_t)off, (json_int_t)(off + ts[i].nbytes)));
+    /* Two tensors of one name would leave one out of the header. */
+    RUMOR_ASSERT(!json_object_get(root, ts[i].name));
+    json_text_set(root, ts[i].name, t);
     off += ts[i].nbytes;
   }
-  json_obj_end(&j);
+  size_t jlen;
+  char *text = json_text_dump(root, &jlen);
+  json_decref(root);
   /* Pad with spaces so the data starts 8-byte aligned, as the reference
    * implementation does. */
-  size_t hlen = (j.len + 7) & ~(size_t)7;
+  size_t hlen = (jlen + 7) & ~(size_t)7;
   char *hdr = xmalloc(hlen + 1);
-  memcpy(hdr, j.data, j.len);
-  memset(hdr + j.len, ' ', hlen - j.len);
+  memcpy(hdr, text, jlen);
+  memset(hdr + jlen, ' ', hlen - jlen);
   hdr[hlen] = '\0';
-  json_buf_free(&j);
+  free(text);
 
   uint8_t len8[8];
   for (int b = 0; b < 8; b++) len8[b] = (uint8_t)((uint64_t)hlen >> (8 * b));
@@ -169,67 +164,71 @@ static int check_digest(struct st_file *f, const char *name, const char *hdr, si
   return 0;
 }
 
-/* The __metadata__ object: string values, each key once. `digest_at` is
- * where the raw search found the digest (−1: nowhere). */
-static int parse_metadata(struct st_file *f, const char *name, const struct json_value *v, long digest_at,
+/* The __metadata__ object: string values (each key once: the parser refuses
+ * duplicates). `digest_at` is where the raw search found the digest (−1:
+ * nowhere). */
+static int parse_metadata(struct st_file *f, const char *name, json_t *v, long digest_at,
                           struct rumor_err *e) {
-  if (v->type != JSON_OBJECT) return corrupt(e, name, "__metadata__ is not an object");
-  f->meta = xcalloc(v->len ? v->len : 1, sizeof *f->meta);
-  for (size_t k = 0; k < v->len; k++) {
-    if (v->items[k].type != JSON_STRING) return corrupt(e, name, "metadata value is not a string");
-    /* Readers disagree on which of two equal keys counts (the first here,
-     * the last in Python's json): refused, so that every reader sees the
-     * same metadata. */
-    for (size_t j = 0; j < k; j++)
-      if (strcmp(v->keys[j], v->keys[k]) == 0)
-        return rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: metadata '%s' appears twice", name,
-                             v->keys[k]);
+  if (!json_is_object(v)) return corrupt(e, name, "__metadata__ is not an object");
+  f->meta = xcalloc(json_object_size(v) ? json_object_size(v) : 1, sizeof *f->meta);
+  const char *key;
+  json_t *value;
+  json_object_foreach(v, key, value) {
+    if (!json_is_string(value))
+      return rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: metadata '%s' is not a string", name, key);
     /* A digest spelt so that the raw search missed it (escapes, spaces)
      * would otherwise pass unchecked. */
-    if (digest_at < 0 && strcmp(v->keys[k], DIGEST_KEY) == 0)
+    if (digest_at < 0 && strcmp(key, DIGEST_KEY) == 0)
       return corrupt(e, name, "rumor.blake2b is not in the form the digest check reads");
-    f->meta[k] = (struct st_meta){v->keys[k], v->items[k].string};
+    f->meta[f->nmeta++] = (struct st_meta){key, json_string_value(value)};
   }
-  f->nmeta = v->len;
   return 0;
 }
 
+/* A non-negative integer no larger than `max`, or false. */
+static bool uint_at_most(const json_t *v, uint64_t max, uint64_t *out) {
+  if (!json_is_integer(v) || json_integer_value(v) < 0 || (uint64_t)json_integer_value(v) > max) return false;
+  *out = (uint64_t)json_integer_value(v);
+  return true;
+}
+
 /* One tensor entry `key` → t and its byte range in the data section. */
-static int parse_tensor(const char *name, const char *key, const struct json_value *v, const uint8_t *data,
-                        size_t dlen, struct st_tensor *t, struct range *r, struct rumor_err *e) {
+static int parse_tensor(const char *name, const char *key, const json_t *v, const uint8_t *data, size_t dlen,
+                        struct st_tensor *t, struct range *r, struct rumor_err *e) {
   if (strlen(key) >= SAFETENSORS_MAX_NAME) return corrupt(e, name, "tensor name too long");
   snprintf(t->name, sizeof t->name, "%s", key);
-  const struct json_value *dt = json_get(v, "dtype"), *shape = json_get(v, "shape"), *offs = json_get(v, "data_offsets");
-  if (!dt || dt->type != JSON_STRING || dtype_parse(dt->string, &t->dtype))
+  const json_t *dt = json_object_get(v, "dtype"), *shape = json_object_get(v, "shape"),
+               *offs = json_object_get(v, "data_offsets");
+  if (!json_is_string(dt) || dtype_parse(json_string_value(dt), &t->dtype))
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a missing or unsupported dtype", name, key);
-  if (!shape || shape->type != JSON_ARRAY || shape->len > TENSOR_MAX_DIMS)
+  if (!json_is_array(shape) || json_array_size(shape) > TENSOR_MAX_DIMS)
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad shape", name, key);
-  t->ndim = (int)shape->len;
+  t->ndim = (int)json_array_size(shape);
   uint64_t numel = 1;
-  for (size_t d = 0; d < shape->len; d++) {
-    const struct json_value *x = &shape->items[d];
-    if (x->type != JSON_NUMBER || !x->is_integer || x->integer < 0 || x->integer > (int64_t)1 << 40)
+  for (size_t d = 0; d < json_array_size(shape); d++) {
+    uint64_t x;
+    if (!uint_at_most(json_array_get(shape, d), (uint64_t)1 << 40, &x))
       return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has a bad extent", name, key);
-    t->shape[d] = x->integer;
+    t->shape[d] = (int64_t)x;
     /* Checked before multiplying: two extents of up to 2^40 would wrap the
      * count (2^40 * 2^24 is 0 modulo 2^64, which matches 0 bytes). */
-    if (x->integer != 0 && numel > ((uint64_t)1 << 40) / (uint64_t)x->integer)
+    if (x != 0 && numel > ((uint64_t)1 << 40) / x)
       return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' is too large", name, key);
-    numel *= (uint64_t)x->integer;
+    numel *= x;
   }
-  if (!offs || offs->type != JSON_ARRAY || offs->len != 2)
+  if (!json_is_array(offs) || json_array_size(offs) != 2)
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has bad data_offsets", name, key);
-  const struct json_value *b0 = &offs->items[0], *b1 = &offs->items[1];
-  if (b0->type != JSON_NUMBER || !b0->is_integer || b1->type != JSON_NUMBER || !b1->is_integer || b0->integer < 0 ||
-      b1->integer < b0->integer || (uint64_t)b1->integer > dlen)
+  uint64_t b0, b1;
+  if (!uint_at_most(json_array_get(offs, 0), dlen, &b0) || !uint_at_most(json_array_get(offs, 1), dlen, &b1) ||
+      b1 < b0)
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' lies outside the data section (truncated file?)", name,
                          key);
-  t->nbytes = (size_t)(b1->integer - b0->integer);
+  t->nbytes = (size_t)(b1 - b0);
   if (t->nbytes != numel * tensor_dtype_size(t->dtype))
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: tensor '%s' has %zu bytes for %llu elements of %s", name, key,
                          t->nbytes, (unsigned long long)numel, tensor_dtype_name(t->dtype));
-  t->data = data + b0->integer;
-  *r = (struct range){(size_t)b0->integer, (size_t)b1->integer};
+  t->data = data + b0;
+  *r = (struct range){(size_t)b0, (size_t)b1};
   return 0;
 }
 
@@ -266,28 +265,26 @@ int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_d
   long at;
   if ((rc = check_digest(f, name, hdr, (size_t)hlen, data, dlen, require_digest, &at, e))) goto fail;
   struct rumor_err je;
-  if (json_parse(hdr, (size_t)hlen, &f->doc, &je)) {
+  if (json_text_parse(hdr, (size_t)hlen, &f->header, &je)) {
     rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: header: %s", name, je.msg);
     goto fail;
   }
-  const struct json_value *root = &f->doc.root;
-  if (root->type != JSON_OBJECT) { rc = corrupt(e, name, "header is not a JSON object"); goto fail; }
-  if (root->len > SAFETENSORS_MAX_TENSORS + 1) { rc = corrupt(e, name, "too many tensors"); goto fail; }
-  f->tensors = xcalloc(root->len ? root->len : 1, sizeof *f->tensors);
-  ranges = xcalloc(root->len ? root->len : 1, sizeof *ranges);
-  for (size_t i = 0; i < root->len; i++) {
-    const char *key = root->keys[i];
-    for (size_t k = 0; k < i; k++)
-      if (strcmp(root->keys[k], key) == 0) {
-        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a valid checkpoint: '%s' appears twice", name, key);
-        goto fail;
-      }
+  json_t *root = f->header;
+  if (!json_is_object(root)) { rc = corrupt(e, name, "header is not a JSON object"); goto fail; }
+  size_t nkeys = json_object_size(root);
+  if (nkeys > SAFETENSORS_MAX_TENSORS + 1) { rc = corrupt(e, name, "too many tensors"); goto fail; }
+  f->tensors = xcalloc(nkeys ? nkeys : 1, sizeof *f->tensors);
+  ranges = xcalloc(nkeys ? nkeys : 1, sizeof *ranges);
+  const char *key;
+  json_t *value;
+  /* In the header's order; the parser refused repeated keys. */
+  json_object_foreach(root, key, value) {
     if (strcmp(key, "__metadata__") == 0) {
-      if ((rc = parse_metadata(f, name, &root->items[i], at, e))) goto fail;
+      if ((rc = parse_metadata(f, name, value, at, e))) goto fail;
       continue;
     }
     if (f->ntensors == SAFETENSORS_MAX_TENSORS) { rc = corrupt(e, name, "too many tensors"); goto fail; }
-    rc = parse_tensor(name, key, &root->items[i], data, dlen, &f->tensors[f->ntensors], &ranges[f->ntensors], e);
+    rc = parse_tensor(name, key, value, data, dlen, &f->tensors[f->ntensors], &ranges[f->ntensors], e);
     if (rc) goto fail;
     f->ntensors++;
   }
@@ -304,7 +301,7 @@ void safetensors_free(struct st_file *f) {
   free(f->buf);
   free(f->tensors);
   free(f->meta);
-  json_doc_free(&f->doc);
+  json_decref(f->header);
   memset(f, 0, sizeof *f);
 }
 

@@ -353,6 +353,7 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
     t->accuracy = (double)correct / targets;
     t->test_loss = loss / targets;
   }
+  if (t->observer.fn) t->observer.fn(t->observer.arg, t, true);
   return 0;
 }
 
@@ -555,5 +556,6 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     else snprintf(path, sizeof path, "%s", ck);
     if ((rc = trainer_save(t, path, e))) return rc;
   }
+  if (t->observer.fn) t->observer.fn(t->observer.arg, t, false);
   return 0;
 }

@@ -24,7 +24,8 @@
 #include "peer/model/model.h"
 #include "peer/pipeline/pipeline.h"
 #include "tensor/tensor.h"
-#include "util/json.h"
+
+struct json_t; /* jansson's value (util/json_text.h) */
 
 /* ============================================================================
  * Safetensors
@@ -36,6 +37,11 @@
  * length, a JSON header naming each tensor's dtype, shape and byte range, and
  * the raw little-endian data. PyTorch and the Hugging Face stack read the
  * files rumor writes.
+ *
+ * The header is untrusted input: its length is capped
+ * (SAFETENSORS_MAX_HEADER) before jansson parses it (util/json_text.h:
+ * duplicate keys at any depth, "\u0000" and invalid UTF-8 are refused), and
+ * every value is checked before it is used.
  *
  * Integrity: rumor adds "rumor.blake2b" to the header's __metadata__, a
  * BLAKE2b-256 digest of the whole file computed with that value's 64 hex
@@ -72,7 +78,7 @@ struct st_file {
   size_t ntensors;
   struct st_meta *meta;
   size_t nmeta;
-  struct json_doc doc; /* owns the strings meta points to */
+  struct json_t *header; /* the parsed header: owns the strings meta points to */
 };
 
 /* Reads and fully validates a file: header bounds, JSON shape, known dtypes,
@@ -326,9 +332,21 @@ struct train_reducer {
   void *arg;
 };
 
+/* Someone watching the run (--tensorboard): called on the training thread
+ * with `evaluated` false at the end of every trainer_step (after its
+ * evaluation and checkpoint, if any), and with `evaluated` true at the end
+ * of every trainer_evaluate, so also inside a step that evaluates. It reads
+ * the trainer and must not change it. */
+struct trainer;
+struct train_observer {
+  void (*fn)(void *arg, const struct trainer *t, bool evaluated);
+  void *arg;
+};
+
 struct trainer {
   struct train_config cfg;
   struct train_reducer reducer; /* none when reduce is NULL */
+  struct train_observer observer; /* none when fn is NULL; set after trainer_init */
   struct train_stage stage; /* copied from cfg.stage (cfg.stage points here); stages 0 for a whole replica */
   struct stage_plan plan;   /* a stage's; for a whole replica: every unit, mb_rows = batch */
   tensor_backend_t be;

@@ -5,7 +5,10 @@
 #
 #   clean      every worker on 127.0.0.1
 #   straggler  worker N's steps take twice as long (rumor --slowdown 2, the
-#              anchors the same)
+#              anchors the same); every worker is held to the same share
+#              of the host's CPUs (CPU_CAP, tests/bench/cpu-cap.sh: a
+#              cgroup each), as on machines of their own, so the
+#              straggler's idle time is not handed to the others
 #   slow       every worker on its own test host (deploy/testnet.sh: network
 #              namespaces), each host's traffic delayed 10 ms (20 ms RTT) and
 #              limited to 200 Mbit/s
@@ -22,8 +25,8 @@
 # it cannot be made).
 #
 # For each run: the time from the first step until every worker still
-# running has reached TARGET test accuracy (evaluations every ~1/10 of the
-# run), the final accuracy (mean and lowest over the workers that
+# running has reached TARGET test accuracy (evaluations every ~1/EVALS of
+# the run), the final accuracy (mean and lowest over the workers that
 # finished), the wall time and how many workers finished. Then the
 # expectation, stated before measuring: gossip reaches the target at least
 # 1.3 times sooner than all-reduce under the straggler and on slow links,
@@ -39,7 +42,11 @@
 #        CONDITIONS ("clean straggler slow killed"),
 #        SCHEMES ("gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind"),
 #        RUN_TIMEOUT (600 s a run), OUT (bench-sync.csv), VENV (the Hivemind
-#        environment, default ~/.cache/rumor-bench/hivemind)
+#        environment, default ~/.cache/rumor-bench/hivemind), CPU_CAP (the
+#        straggler condition's per-worker share in percent of one CPU,
+#        default 100 * CPUs / N; 0: no caps), EVALS (test-set evaluations
+#        per run, 10: the time to target is known to about a tenth of a
+#        run)
 set -eu
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$src/build}
@@ -53,6 +60,12 @@ target=${TARGET:-0.84}
 conditions=${CONDITIONS:-clean straggler slow killed}
 schemes=${SCHEMES:-gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind}
 run_timeout=${RUN_TIMEOUT:-600}
+cpu_cap=${CPU_CAP:-$((100 * $(nproc) / ${N:-4}))}
+if [ "$cpu_cap" -gt 0 ] && ! "$src/tests/bench/cpu-cap.sh" --check 2>/dev/null; then
+  echo "bench-sync.sh: cannot cap CPU shares here ($("$src/tests/bench/cpu-cap.sh" --check 2>&1)):" \
+    "the straggler condition runs uncapped" >&2
+  cpu_cap=0
+fi
 out_csv=${OUT:-bench-sync.csv}
 venv=${VENV:-$HOME/.cache/rumor-bench/hivemind}
 data=/usr/share/datasets/fashion-mnist
@@ -61,7 +74,8 @@ hidden=256
 [ -x "$rumor" ] || { echo "build first: $rumor is missing" >&2; exit 1; }
 per_epoch=$(((60000 / n + batch - 1) / batch)) # batches per epoch, the last one short, as rumor counts
 steps=$((per_epoch * epochs))
-eval_every=$((steps / 10))
+evals=${EVALS:-10}
+eval_every=$((steps / evals))
 half=$((steps / 2))
 work=$(mktemp -d)
 pids=""
@@ -70,11 +84,13 @@ cleanup() {
   for p in $pids; do kill -9 "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if $net_up; then TESTNET_NAME=rbs "$src/deploy/testnet.sh" down >/dev/null 2>&1 || true; fi
+  "$src/tests/bench/cpu-cap.sh" --remove
   rm -rf "$work"
 }
 trap cleanup EXIT INT TERM
 echo "bench-sync.sh: $n workers, $model, batch $batch, $epochs epochs ($steps steps each), target $target;" \
-  "$(nproc) CPUs ($(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo AVX2))" >&2
+  "$(nproc) CPUs ($(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo AVX2));" \
+  "straggler: $([ "$cpu_cap" -gt 0 ] && echo "each worker capped at $cpu_cap% of a CPU" || echo "no CPU caps")" >&2
 echo "condition,scheme,worker,t,accuracy" > "$out_csv"
 : > "$work/table"
 
@@ -83,8 +99,13 @@ now() { date +%s.%N; }
 log_secs() { awk '{split($1, a, ":"); print a[1] * 3600 + a[2] * 60 + a[3]}'; }
 day_secs() { date +%H:%M:%S.%N | log_secs; }
 
-# The host (1..n) a worker runs on under condition $1; "" on loopback.
-wrap() { if [ "$1" = slow ]; then echo "$src/deploy/testnet.sh exec $2"; fi; }
+# The host (1..n) a node runs on under condition $1; "" on loopback.
+host() { if [ "$1" = slow ]; then echo "$src/deploy/testnet.sh exec $2"; fi; }
+# ... and, for worker $2, its CPU share under the straggler condition.
+wrap() {
+  if [ "$1" = straggler ] && [ "$cpu_cap" -gt 0 ]; then echo "$src/tests/bench/cpu-cap.sh $cpu_cap w$2"
+  else host "$1" "$2"; fi
+}
 addr() { if [ "$1" = slow ]; then echo "10.77.0.$2"; else echo 127.0.0.1; fi; }
 
 # Waits for every PID in $1, SIGKILLing those still running after
@@ -137,7 +158,7 @@ run_rumor() {
   mkdir -p "$d"
   "$rumor" keygen --cluster -o "$d/cluster.key" >/dev/null 2>&1
   for i in $(seq 0 "$n"); do "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1; done
-  h1=$(wrap "$cond" 1)
+  h1=$(host "$cond" 1)
   # shellcheck disable=SC2086
   $h1 "$rumor" bootstrap --listen "$(addr "$cond" 1):0" --cluster-key "$d/cluster.key" --identity "$d/id0.key" \
     > "$d/boot.out" 2> "$d/boot.log" &
@@ -185,7 +206,7 @@ run_ps() {
   for s in 1 2; do
     "$rumor" keygen -o "$d/s$s.key" >/dev/null 2>&1
     # shellcheck disable=SC2086
-    $(wrap "$cond" "$s") "$rumor" ps --listen "$(addr "$cond" "$s"):0" --cluster-key "$d/cluster.key" \
+    $(host "$cond" "$s") "$rumor" ps --listen "$(addr "$cond" "$s"):0" --cluster-key "$d/cluster.key" \
       --identity "$d/s$s.key" --model "$model" --lr "$lr" --epochs "$epochs" --range "$((s - 1))/2" \
       --staleness "$stale" --workers "$n" --checkpoint "$d/s$s.safetensors" --checkpoint-every 1000000 \
       > "$d/s$s.out" 2> "$d/s$s.log" &
@@ -208,12 +229,16 @@ run_ddp() {
   [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
   common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
   run_pids=""
-  if [ "$cond" = slow ]; then
+  if [ "$cond" = slow ] || { [ "$cond" = straggler ] && [ "$cpu_cap" -gt 0 ]; }; then
+    # One process per rank: on its test host, or in its CPU share.
+    # gloo finds its address from the host name (127.0.0.1 on a test host):
+    # name the interface.
+    ifname=lo master=127.0.0.1:$((29500 + $$ % 1000))
+    [ "$cond" = slow ] && ifname=eth0 master=10.77.0.1:29500
     for i in $(seq 1 "$n"); do
       # shellcheck disable=SC2086
-      # gloo finds its address from the host name (127.0.0.1 there): name the test host's interface.
-      $(wrap slow "$i") env GLOO_SOCKET_IFNAME=eth0 "$py" "$src/tests/bench/ddp_fmnist.py" $common --rank "$((i - 1))" \
-        --master "10.77.0.1:29500" > "$d/r$i.out" 2> "$d/r$i.err" &
+      $(wrap "$cond" "$i") env GLOO_SOCKET_IFNAME=$ifname "$py" "$src/tests/bench/ddp_fmnist.py" $common $strag \
+        --rank "$((i - 1))" --master "$master" > "$d/r$i.out" 2> "$d/r$i.err" &
       run_pids="$run_pids $!"
       pids="$pids $!"
     done
@@ -266,14 +291,17 @@ run_hivemind() {
     return 0
   fi
   common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
-  if [ "$cond" = slow ] || [ "$cond" = killed ]; then
-    # One process per rank (on its test host under slow links): worker 0
+  strag=""
+  [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
+  if [ "$cond" = slow ] || [ "$cond" = killed ] || { [ "$cond" = straggler ] && [ "$cpu_cap" -gt 0 ]; }; then
+    # One process per rank (on its test host under slow links, in its CPU
+    # share under the straggler): worker 0
     # writes its multiaddrs to a file the others read; a killed rank does
     # not end the others' run, as the launcher would.
     run_pids=""
     for i in $(seq 1 "$n"); do
       # shellcheck disable=SC2086
-      $(wrap "$cond" "$i") "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" $common --rank "$((i - 1))" \
+      $(wrap "$cond" "$i") "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" $common $strag --rank "$((i - 1))" \
         --host "$(addr "$cond" "$i")" --peers-file "$d/peers" > "$d/r$i.out" 2> "$d/r$i.err" &
       run_pids="$run_pids $!"
       pids="$pids $!"
@@ -290,8 +318,6 @@ run_hivemind() {
     wait_all "$run_pids"
     cat "$d"/r*.out > "$d/all.out"
   else
-    strag=""
-    [ "$cond" = straggler ] && strag="--straggler $((n - 1)) --slowdown 2"
     # shellcheck disable=SC2086
     "$venv/bin/python" "$src/tests/bench/hivemind_fmnist.py" $common $strag > "$d/all.out" 2> "$d/err" &
     p=$!

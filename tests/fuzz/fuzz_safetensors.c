@@ -1,6 +1,7 @@
 /*
  * Fuzz harness: the safetensors reader (safetensors_parse, which
- * safetensors_read is a wrapper of), with and without a required digest.
+ * safetensors_read is a wrapper of; its header is parsed by jansson through
+ * util/json_text.h), with and without a required digest.
  * Any input must be either refused with RUMOR_ECORRUPT or accepted as a file
  * whose tensors and metadata keep the reader's promises: every tensor's bytes
  * inside the data section and as many as its shape and dtype say, names

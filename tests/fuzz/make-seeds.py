@@ -456,7 +456,6 @@ JSON_SEEDS = {
     "utf8_raw": '"h\u00f4te \u2603 \U0001f600"'.encode(),
     "utf8_invalid": b'"\xff\xfe\xfd"', "utf8_overlong": b'"\xc0\xaf"', "utf8_truncated": b'"\xe2\x82"',
     "utf8_surrogate": b'"\xed\xa0\x80"',
-    # Past the arena's 16 KiB block: a block of its own.
     "string_long": b'"' + b"x" * 20000 + b'"',
     "string_long_escapes": b'"' + b"\\u20ac" * 3000 + b'"',
     "array_empty": b"[]", "array_empty_ws": b"[ \t\r\n]", "object_empty": b"{}",
@@ -467,7 +466,9 @@ JSON_SEEDS = {
     "object_escaped_keys": b'{"\\u0061":1,"a":2,"\\ud83d\\ude00":3}',
     "array_many": b"[" + b"0," * 3000 + b"0]",
     "object_many": b"{" + b",".join(b'"k%d":%d' % (i, i) for i in range(600)) + b"}",
-    # The top value is at depth 0; JSON_MAX_DEPTH (32) is the deepest allowed.
+    # Depth 32 was the old reader's limit; jansson's is JSON_PARSER_MAX_DEPTH
+    # (2048) containers.
+    "depth_2048": b"[" * 2048 + b"]" * 2048, "depth_2049": b"[" * 2049 + b"]" * 2049,
     "value_at_depth_32": b"[" * 33 + b"]" * 33, "value_at_depth_33": b"[" * 34 + b"]" * 34,
     "value_at_depth_32_objects": b'{"a":' * 32 + b"1" + b"}" * 32,
     "value_at_depth_33_objects": b'{"a":' * 33 + b"1" + b"}" * 33,
@@ -480,7 +481,13 @@ JSON_SEEDS = {
     "empty": b"", "whitespace_only": b" \t\r\n", "bom": b"\xef\xbb\xbf{}", "vertical_tab": b"\x0b[]",
     "safetensors_header": b'{"__metadata__":{"rumor.format":"1"},"w":{"dtype":"F32","shape":[2,3],'
                           b'"data_offsets":[0,24]}}',
+    "config_gpt2": b'{"architectures":["GPT2LMHeadModel"],"model_type":"gpt2","vocab_size":300,"n_inner":null,'
+                   b'"layer_norm_epsilon":1e-5,"resid_pdrop":0.0,"tie_word_embeddings":true}',
 }
+# The reader takes an object or an array at the top (json_text.h): each scalar
+# above again inside an array, so that its number or string path is reached.
+JSON_SEEDS.update({"in_array_" + k: b"[" + v + b"]" for k, v in list(JSON_SEEDS.items())
+                   if v.strip()[:1] not in (b"[", b"{", b"")})
 
 # ---- llm.c token shards (fuzz_tokens) -----------------------------------------------
 # The first byte picks the vocabulary (low 3 bits: 50257, 65536, 256, 1, 50304,

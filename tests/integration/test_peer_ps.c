@@ -112,6 +112,30 @@ static float *load_slice(const char *path, int64_t *n) {
   return p;
 }
 
+/* The parameters of a group stage's checkpoint that holds unit `unit` of
+ * MODEL, in flat-buffer order (the caller frees them). */
+static float *stage_ckpt_params(const char *path, int unit, int64_t *n) {
+  struct model_spec spec;
+  struct model_table tab;
+  struct rumor_err e;
+  cr_assert_eq(model_spec_parse(MODEL, &spec, &e), 0);
+  model_table_build(&spec, &tab);
+  struct st_file f;
+  cr_assert_eq(safetensors_read(path, true, &f, &e), 0, "%s", e.msg);
+  int64_t lo = tab.unit_offset[unit];
+  *n = tab.unit_offset[unit + 1] - lo;
+  float *p = xmalloc((size_t)*n * sizeof(float));
+  for (size_t k = 0; k < tab.n; k++) {
+    if (tab.p[k].unit != unit) continue;
+    const struct st_tensor *t = safetensors_find(&f, tab.p[k].name);
+    cr_assert(t && t->nbytes == (size_t)tab.p[k].numel * sizeof(float), "%s: no entry %s", path, tab.p[k].name);
+    memcpy(p + (tab.p[k].offset - lo), t->data, t->nbytes);
+  }
+  safetensors_free(&f);
+  model_table_free(&tab);
+  return p;
+}
+
 /* ‖a − b‖ / ‖b‖ over n values, printing the worst element. */
 static double rel_diff(const float *a, const float *b, int64_t n, const char *what) {
   double d2 = 0, s2 = 0, worst = 0;
@@ -330,7 +354,88 @@ Test(ps, bad_flags_are_usage_errors) {
   char *clip[] = {"peer", "--sync", "ps", "--servers", "127.0.0.1:1", "--clip", NULL};
   cluster_expect_exit(&C, clip, 2, "--clip is a gossip option");
   char *group[] = {"group", "--sync", "ps", "--servers", "127.0.0.1:1", "--stages", "2", NULL};
-  cluster_expect_exit(&C, group, 2, "--sync ps is for whole replicas");
+  cluster_expect_exit(&C, group, 2, "--servers '127.0.0.1:1' has 1 list for 2 stages");
+  char *group_boot[] = {"group", "--sync", "ps", "--servers", "127.0.0.1:1;127.0.0.1:2", "--stages", "2",
+                        "--bootstrap", "127.0.0.1:3;127.0.0.1:4", NULL};
+  cluster_expect_exit(&C, group_boot, 2, "--bootstrap is for gossip members");
+  char *stage[] = {"ps", "--workers", "2", "--checkpoint", "x", "--stage", "2/2", NULL};
+  cluster_expect_exit(&C, stage, 2, "--stage '2/2': expected s/S");
+}
+
+/* Two 2-stage groups on stage servers (rumor ps --stage s/2) take, BSP,
+ * the same steps as two whole replicas on one server: the stage servers'
+ * slices side by side equal the whole server's parameters to rounding
+ * (a group sums its micro-batches' gradients in another order), and each
+ * group's stages end holding exactly what their servers hold. */
+Test(ps, two_groups_on_stage_servers_step_as_two_whole_workers) {
+  SKIP_WITHOUT_DATA();
+  struct node ss[2] = {0}, sw = {0}, w[2] = {0};
+  char *stage_flag[2][3] = {{"--stage", "0/2", NULL}, {"--stage", "1/2", NULL}};
+  for (int i = 0; i < 2; i++) {
+    char tag[16];
+    snprintf(tag, sizeof tag, "stage%d", i);
+    start_server(&ss[i], tag, "0/1", "0", "2", "8", "127.0.0.1:0", stage_flag[i]);
+  }
+  start_server(&sw, "whole", "0/1", "0", "2", "8", "127.0.0.1:0", NULL);
+  char lists[200], id[300];
+  snprintf(lists, sizeof lists, "%s,%s", ss[0].addr, ss[1].addr);
+  cluster_make_identity(&C, "top", id, sizeof id);
+  char *top[] = {"top", "--servers", lists, "--cluster-key", C.key, "--identity", id, "--once", NULL};
+  char *out, *err;
+  int rc = cluster_run(&C, top, 60, &out, &err);
+  cr_assert(proc_exited_with(rc, 0) && strstr(out, "STAGE") && strstr(out, " 0/2 ") && strstr(out, " 1/2 "),
+            "rumor top --servers shows no stages: %s %s", out, err);
+  free(out), free(err);
+  snprintf(lists, sizeof lists, "%s;%s", ss[0].addr, ss[1].addr);
+  struct cluster_group g[2];
+  const char *names[2] = {"ga", "gb"};
+  for (int i = 0; i < 2; i++) {
+    char shard[8], ck[256];
+    snprintf(shard, sizeof shard, "%d/2", i);
+    snprintf(ck, sizeof ck, "%s/%s.safetensors", C.dir, names[i]);
+    char *args[] = {"--stages", "2", "--sync", "ps", "--servers", lists, "--model", MODEL, "--seed", SEED, "--shard",
+                    shard, "--batch", "16", "--micro-batches", "2", "--max-steps", "8", "--no-eval", "--checkpoint",
+                    ck, NULL};
+    cluster_start_group(&C, &g[i], names[i], args);
+    start_worker(&w[i], i ? "w1" : "w0", sw.addr, shard, "8", NULL);
+  }
+  for (int i = 0; i < 2; i++) {
+    int st = proc_wait(g[i].pid, 90);
+    cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
+    expect_exit_0(&w[i], "whole worker", 60);
+    for (int s = 0; s < 2; s++) {
+      char has[64];
+      snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
+      cr_assert_eq(cluster_line_number(g[i].out, has, "ps_pushes"), 8, "group %s stage %d: %s", names[i], s,
+                   proc_slurp(g[i].out));
+    }
+  }
+  for (int i = 0; i < 2; i++) {
+    expect_exit_0(&ss[i], "stage server", 30);
+    cr_assert_eq(result(&ss[i], "version"), 8, "stage server %d applied %g rounds", i, result(&ss[i], "version"));
+  }
+  expect_exit_0(&sw, "whole server", 30);
+  int64_t n0, n1, P;
+  float *lo = load_slice(ss[0].ckpt, &n0), *hi = load_slice(ss[1].ckpt, &n1), *all = load_slice(sw.ckpt, &P);
+  cr_assert_eq(n0 + n1, P, "the stage slices hold %lld + %lld values, the model %lld", (long long)n0, (long long)n1,
+               (long long)P);
+  float *both = xmalloc((size_t)P * sizeof(float));
+  memcpy(both, lo, (size_t)n0 * sizeof(float));
+  memcpy(both + n0, hi, (size_t)n1 * sizeof(float));
+  double rel = rel_diff(both, all, P, "stage servers vs whole-model server after 8 BSP rounds");
+  cr_assert(rel < 1e-5, "the groups' rounds differ from the whole replicas' by %.3g (relative)", rel);
+  for (int i = 0; i < 2; i++)
+    for (int s = 0; s < 2; s++) {
+      char path[300];
+      snprintf(path, sizeof path, "%s/%s-stage%d.safetensors", C.dir, names[i], s);
+      int64_t n;
+      float *mine = stage_ckpt_params(path, s, &n); /* MODEL's two layers: one a stage */
+      cr_assert_eq(n, s ? n1 : n0);
+      cr_assert_eq(memcmp(mine, s ? hi : lo, (size_t)n * sizeof(float)), 0, "group %s stage %d holds other values "
+                   "than its servers", names[i], s);
+      free(mine);
+    }
+  free(lo), free(hi), free(all), free(both);
 }
 
 /* A worker whose list is malformed, whose model differs from the server's,
@@ -361,6 +466,20 @@ Test(ps, mismatched_workers_are_refused_with_a_reason) {
   char *lr[] = {"--servers", s.addr, "--model", MODEL, "--lr", "0.5", NULL};
   memcpy(args + nb, lr, sizeof lr);
   cluster_expect_exit(&C, args, 1, "optimizer settings differ");
+  /* Whole replicas and a group's stages never share a server. */
+  struct node st = {0};
+  char *stage0[] = {"--stage", "0/2", NULL};
+  start_server(&st, "s-stage", "0/1", "0", "1", "10", "127.0.0.1:0", stage0);
+  char *whole[] = {"--servers", st.addr, "--model", MODEL, NULL};
+  memcpy(args + nb, whole, sizeof whole);
+  cluster_expect_exit(&C, args, 1, "this server holds stage 0/2's parameters; the worker trains a whole replica");
+  char lists[200];
+  snprintf(lists, sizeof lists, "%s;%s", s.addr, s.addr);
+  char *group[] = {"group", "--stages", "2", "--sync", "ps", "--servers", lists, "--cluster-key", C.key, "--identity",
+                   wkey, "--threads", "1", "--no-eval", "--seed", SEED, "--max-steps", "10", "--model", MODEL, NULL};
+  cluster_expect_exit(&C, group, 1, "this server holds the whole model's parameters; the worker is stage");
+  kill(st.pid, SIGTERM);
+  expect_exit_0(&st, "stage server", 20);
   /* A worker with another cluster's key never gets in. */
   char other_key[256];
   snprintf(other_key, sizeof other_key, "%s/other.key", C.dir);

@@ -10,11 +10,12 @@
 #ifndef RUMOR_TESTS_CLUSTER_H
 #define RUMOR_TESTS_CLUSTER_H
 
+#include <math.h>
 #include <stdarg.h>
 #include <time.h>
 
 #include "proc.h"
-#include "util/json.h"
+#include "util/json_text.h"
 
 #define CLUSTER_MAX 16
 
@@ -302,12 +303,12 @@ static inline int cluster_result_array(const struct cluster *c, int i, const cha
   for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
     if (strstr(line, "\"test_accuracy\"")) last = line;
   int n = 0;
-  struct json_doc doc;
-  if (last && json_parse(last, strlen(last), &doc, NULL) == 0) {
-    const struct json_value *a = json_get(&doc.root, key);
-    for (size_t k = 0; a && a->type == JSON_ARRAY && k < a->len && n < max; k++)
-      if (a->items[k].type == JSON_NUMBER) out[n++] = a->items[k].number;
-    json_doc_free(&doc);
+  json_t *doc;
+  if (last && json_text_parse(last, strlen(last), &doc, NULL) == 0) {
+    const json_t *a = json_object_get(doc, key);
+    for (size_t k = 0; k < json_array_size(a) && n < max; k++) /* 0 unless an array */
+      if (json_is_number(json_array_get(a, k))) out[n++] = json_number_value(json_array_get(a, k));
+    json_decref(doc);
   }
   free(s);
   return n;

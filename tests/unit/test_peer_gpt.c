@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "peer/model/model.h"
+#include "util/json_text.h"
 
 #define TINY "gpt:L2-H2-C8-T5-V11"
 #define ROWS 3
@@ -109,14 +110,18 @@ Test(gpt, the_table_has_hugging_face_names_layouts_and_decay_on_matrices) {
 
 Test(gpt, config_json_round_trips_and_bad_configs_are_named) {
   struct model_spec s = parse("gpt:L3-H4-C32-T64-V300"), back;
-  struct json_buf b;
-  json_buf_init(&b);
-  cr_assert(model_hf_config(&s, &b));
+  json_t *cfg = model_hf_config(&s);
+  cr_assert_not_null(cfg);
+  size_t len;
+  char *text = json_text_dump(cfg, &len);
+  json_decref(cfg);
   struct rumor_err e = {0};
-  cr_assert_eq(model_spec_from_hf_config(b.data, b.len, "config.json", &back, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_spec_from_hf_config(text, len, "config.json", &back, &e), 0, "%s", e.msg);
   cr_assert(model_spec_equal(&s, &back));
-  cr_assert(strstr(b.data, "\"model_type\":\"gpt2\"") && strstr(b.data, "\"n_embd\":32"), "%.*s", (int)b.len, b.data);
-  json_buf_free(&b);
+  cr_assert(strstr(text, "\"model_type\":\"gpt2\"") && strstr(text, "\"n_embd\":32") &&
+                strstr(text, "\"layer_norm_epsilon\":1e-5") && strstr(text, "\"n_inner\":null"),
+            "%s", text);
+  free(text);
   const struct {
     const char *json, *says;
   } bad[] = {
@@ -128,6 +133,8 @@ Test(gpt, config_json_round_trips_and_bad_configs_are_named) {
        "\"activation_function\":\"relu\"}",
        "activation_function"},
       {"not json", "not a JSON config"},
+      {"[1,2]", "not an object"},
+      {"{\"model_type\":\"gpt2\",\"model_type\":\"llama\"}", "duplicate"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     struct model_spec x;

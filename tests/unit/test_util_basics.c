@@ -1,5 +1,5 @@
-/* util: JSON reader/writer, half-precision conversion, the seeded generator,
- * strict number parsing, atomic file writes and CPU lists. */
+/* util: half-precision conversion, the seeded generator, strict number
+ * parsing, atomic file writes and CPU lists. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -18,75 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "util/json.h"
 #include "util/util.h"
-
-Test(json, parses_nested_documents_and_escapes) {
-  const char *text = "{\"a\": [1, -2.5e3, true, null], \"s\": \"x\\u00e9\\n\\\"q\\\"\\ud83d\\ude00\", \"o\": {}}";
-  struct json_doc d;
-  struct rumor_err e;
-  cr_assert_eq(json_parse(text, strlen(text), &d, &e), 0, "%s", e.msg);
-  const struct json_value *a = json_get(&d.root, "a");
-  cr_assert(a && a->type == JSON_ARRAY && a->len == 4);
-  cr_assert(a->items[0].is_integer && a->items[0].integer == 1);
-  cr_assert_float_eq(a->items[1].number, -2500.0, 1e-9);
-  cr_assert(a->items[2].type == JSON_BOOL && a->items[2].boolean);
-  cr_assert_eq(a->items[3].type, JSON_NULL);
-  const struct json_value *s = json_get(&d.root, "s");
-  cr_assert_str_eq(s->string, "x\xc3\xa9\n\"q\"\xf0\x9f\x98\x80");
-  cr_assert_eq(json_get(&d.root, "o")->type, JSON_OBJECT);
-  cr_assert_null(json_get(&d.root, "missing"));
-  json_doc_free(&d);
-}
-
-Test(json, rejects_malformed_input_with_an_offset) {
-  const char *bad[] = {"", "{", "[1,]", "{\"a\" 1}", "\"abc", "01", "1.", "-", "tru", "[1] x", "\"\\ud800\"",
-                       "\"\\x\"", "{\"a\":\"\x01\"}", "nul"};
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    struct json_doc d;
-    struct rumor_err e;
-    cr_assert_eq(json_parse(bad[i], strlen(bad[i]), &d, &e), RUMOR_EFORMAT, "'%s' accepted", bad[i]);
-    cr_assert(strstr(e.msg, "at byte") != NULL, "%s", e.msg);
-  }
-  /* depth limit */
-  char deep[200];
-  memset(deep, '[', 40);
-  memset(deep + 40, ']', 40);
-  struct json_doc d;
-  struct rumor_err e;
-  cr_assert_eq(json_parse(deep, 80, &d, &e), RUMOR_EFORMAT);
-  cr_assert(strstr(e.msg, "deep") != NULL, "%s", e.msg);
-}
-
-Test(json, writer_round_trips) {
-  struct json_buf b;
-  json_buf_init(&b);
-  json_obj_begin(&b);
-  json_key(&b, "n");
-  json_num(&b, 0.1f);
-  json_key(&b, "i");
-  json_int(&b, -42);
-  json_key(&b, "s");
-  json_str(&b, "tab\there \"q\"");
-  json_key(&b, "inf");
-  json_num(&b, INFINITY);
-  json_key(&b, "arr");
-  json_arr_begin(&b);
-  json_bool(&b, false);
-  json_null(&b);
-  json_arr_end(&b);
-  json_obj_end(&b);
-  struct json_doc d;
-  struct rumor_err e;
-  cr_assert_eq(json_parse(b.data, b.len, &d, &e), 0, "%s: %s", e.msg, b.data);
-  cr_assert_eq((float)json_get(&d.root, "n")->number, 0.1f);
-  cr_assert_eq(json_get(&d.root, "i")->integer, -42);
-  cr_assert_str_eq(json_get(&d.root, "s")->string, "tab\there \"q\"");
-  cr_assert_eq(json_get(&d.root, "inf")->type, JSON_NULL);
-  cr_assert_eq(json_get(&d.root, "arr")->len, 2);
-  json_doc_free(&d);
-  json_buf_free(&b);
-}
 
 Test(half, f16_and_bf16_round_trip_and_special_values) {
   struct rng r;

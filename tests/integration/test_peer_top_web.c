@@ -1,0 +1,253 @@
+/* `rumor top --web` against a live 2-peer cluster on 127.0.0.1: the page and
+ * /state.json over a plain socket (every member, valid JSON, the chart
+ * series), read-only (any other method 405, unknown paths 404), a silent
+ * client and an oversized request that do not stop it; headless Chromium
+ * (Debian's `chromium`, installed by deploy/install-deps.sh) renders the
+ * page, and the rendered DOM holds both peers in the table and a chart drawn
+ * by the page's script; bad --web values are clear errors. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "../support/fmnist.h"
+#include "../support/http.h"
+#include "util/util.h"
+
+static struct cluster C;
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(top_web, .init = setup, .fini = teardown, .timeout = 300);
+
+#define HTTP_REQUEST_MAX 8192 /* gossip/http.c's HTTP_MAX_REQUEST: the longest request it reads */
+#define FLOOD_BYTES (1 << 20)
+
+struct top_run {
+  pid_t pid;
+  int port;
+  int peer[2];
+  char err[300];
+};
+
+/* A bootstrap node and two training peers, and `rumor top --web SPEC`
+ * refreshing every 0.5 s; waits for its URL on stderr. */
+static void start(struct top_run *t, const char *spec) {
+  cluster_start_bootstrap(&C, NULL);
+  for (int i = 0; i < 2; i++)
+    t->peer[i] = cluster_start_peer(&C, "--model", "mlp:784-32-10", "--shard", i ? "1/2" : "0/2", "--epochs",
+                                    "1000", "--max-steps", "1000000", "--no-eval", "--wait-peers", "2",
+                                    "--gossip-every", "4", NULL);
+  for (int i = 0; i < 2; i++)
+    cr_assert(cluster_wait_file(C.node[t->peer[i]].log, "first step", 60), "peer %d did not start training: %s", i,
+              proc_slurp(C.node[t->peer[i]].log));
+  char id[300], out[300];
+  cluster_make_identity(&C, "top", id, sizeof id);
+  snprintf(out, sizeof out, "%s/top.out", C.dir);
+  snprintf(t->err, sizeof t->err, "%s/top.err", C.dir);
+  char *argv[] = {RUMOR_BIN, "top", "--bootstrap", C.boot, "--cluster-key", C.key, "--identity", id,
+                  "--web", (char *)spec, "--interval", "0.5", NULL};
+  t->pid = proc_spawn(argv, out, t->err);
+  cr_assert_gt(t->pid, 0);
+  cr_assert(cluster_wait_file(t->err, "web view at http://127.0.0.1:", 30), "top printed no URL: %s",
+            proc_slurp(t->err));
+  char *err = proc_slurp(t->err);
+  t->port = atoi(strstr(err, "http://127.0.0.1:") + 17);
+  cr_assert_gt(t->port, 0, "no port in: %s", err);
+  free(err);
+}
+
+/* /state.json once both peers report training figures (at most 60 s):
+ * parsed, with the response's status checked. */
+static json_t *state_when_training(const struct top_run *t) {
+  double t0 = cluster_now();
+  for (;;) {
+    char *resp = http_get(t->port, "/state.json");
+    int status = http_status(resp);
+    cr_assert(status == 200 || status == 503, "/state.json: %.300s", resp);
+    cr_assert(kill(t->pid, 0) == 0, "top exited: %s", proc_slurp(t->err));
+    if (status == 200) {
+      cr_assert_not_null(strstr(resp, "Content-Type: application/json"), "%.300s", resp);
+      const char *body = http_body(resp);
+      json_t *s = NULL;
+      struct rumor_err e = {0};
+      cr_assert_eq(json_text_parse(body, strlen(body), &s, &e), 0, "/state.json is not JSON (%s): %s", e.msg, body);
+      size_t training = 0, i;
+      const json_t *nd;
+      json_array_foreach(json_object_get(s, "nodes"), i, nd) training += json_is_integer(json_object_get(nd, "step"));
+      free(resp);
+      if (training == 2) return s;
+      json_decref(s);
+    } else {
+      free(resp);
+    }
+    cr_assert(cluster_now() - t0 < 60, "the peers' figures never reached /state.json");
+    usleep(200000);
+  }
+}
+
+/* The node of `s` whose address is `addr`, or NULL. */
+static const json_t *node_at(const json_t *s, const char *addr) {
+  size_t i;
+  const json_t *nd;
+  json_array_foreach(json_object_get(s, "nodes"), i, nd) {
+    const char *a = json_string_value(json_object_get(nd, "addr"));
+    if (a && strcmp(a, addr) == 0) return nd;
+  }
+  return NULL;
+}
+
+static void expect_status(int port, const char *method, const char *path, int want) {
+  char *resp = http_request(port, method, path);
+  cr_assert_eq(http_status(resp), want, "%s %s: want %d, got: %.200s", method, path, want, resp);
+  free(resp);
+}
+
+Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
+  SKIP_WITHOUT_DATA();
+  struct top_run t;
+  start(&t, "127.0.0.1:0");
+
+  /* The page: HTML, self-contained (nothing fetched from elsewhere). */
+  char *resp = http_get(t.port, "/");
+  cr_assert_eq(http_status(resp), 200, "%.300s", resp);
+  cr_assert_not_null(strstr(resp, "Content-Type: text/html"), "%.300s", resp);
+  const char *page = http_body(resp);
+  cr_assert(strstr(page, "<svg") && strstr(page, "state.json") && strstr(page, "<table"), "%.500s", page);
+  static const char *const external[] = {"<script src", "<link", "@import", "url(", "@font-face", "src=\"http",
+                                         "href=\"http"};
+  for (size_t i = 0; i < sizeof external / sizeof external[0]; i++)
+    cr_assert_null(strstr(page, external[i]), "the page loads something from elsewhere: '%s'", external[i]);
+  free(resp);
+
+  /* The state: the --json snapshot, every member, and the charts' series. */
+  json_t *s = state_when_training(&t);
+  cr_assert_eq(json_integer_value(json_object_get(s, "members")), 3, "members");
+  cr_assert_eq(json_integer_value(json_object_get(s, "reachable_peers")), 2, "reachable peers");
+  cr_assert_not_null(json_object_get(json_object_get(s, "drift"), "xi"), "no drift.xi");
+  cr_assert_not_null(node_at(s, C.boot), "the bootstrap node %s is missing", C.boot);
+  for (int i = 0; i < 2; i++) {
+    const json_t *nd = node_at(s, C.node[t.peer[i]].addr);
+    cr_assert_not_null(nd, "peer %s is missing", C.node[t.peer[i]].addr);
+    cr_assert(json_is_true(json_object_get(nd, "reachable")), "peer %d unreachable", i);
+    cr_assert(json_is_number(json_object_get(nd, "loss")), "peer %d has no loss", i);
+  }
+  cr_assert(json_real_value(json_object_get(s, "interval_s")) == 0.5, "interval_s");
+  const json_t *h = json_object_get(s, "history");
+  size_t n = json_array_size(json_object_get(h, "time"));
+  cr_assert_geq(n, 1, "no history");
+  static const char *const series[] = {"xi", "xi_exact", "mean_loss"};
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_eq(json_array_size(json_object_get(h, series[i])), n, "history.%s has not %zu values", series[i], n);
+  json_decref(s);
+
+  /* Read-only. */
+  expect_status(t.port, "POST", "/", 405);
+  expect_status(t.port, "PUT", "/state.json", 405);
+  expect_status(t.port, "DELETE", "/state.json", 405);
+  expect_status(t.port, "GET", "/nope", 404);
+  expect_status(t.port, "GET", "/state.json/../etc/passwd", 404);
+
+  /* A client that connects and says nothing, a request as long as the
+   * server takes without its end, and a flood far beyond, hold nothing:
+   * the state is still served, and top still runs. */
+  int silent = http_connect(t.port);
+  char *flood = xmalloc(FLOOD_BYTES);
+  memset(flood, 'A', FLOOD_BYTES);
+  resp = http_raw(t.port, flood, HTTP_REQUEST_MAX - 1);
+  cr_assert_eq(http_status(resp), 400, "a request without its end: %.200s", resp);
+  free(resp);
+  free(http_raw(t.port, flood, FLOOD_BYTES)); /* answered 400 or reset: the server stops reading */
+  free(flood);
+  expect_status(t.port, "GET", "/state.json", 200);
+  close(silent);
+  cr_assert(kill(t.pid, 0) == 0, "top exited: %s", proc_slurp(t.err));
+}
+
+#define CHROMIUM "/usr/bin/chromium" /* Debian's package `chromium` */
+
+static bool have_chromium(void) { return access(CHROMIUM, X_OK) == 0; }
+
+/* Whether a <polyline> between `from` and `end` has points. */
+static bool has_drawn_polyline(const char *from, const char *end) {
+  for (const char *p = strstr(from, "<polyline points=\""); p && p < end; p = strstr(p + 1, "<polyline points=\"")) {
+    const char *v = p + 18;
+    if (*v >= '0' && *v <= '9') return true;
+  }
+  return false;
+}
+
+Test(top_web, headless_chromium_renders_the_members_and_a_chart) {
+  SKIP_WITHOUT_DATA();
+  if (!have_chromium())
+    cr_skip_test("chromium is not installed (apt-get install chromium; deploy/install-deps.sh installs it): the "
+                 "rendered page is not checked");
+  struct top_run t;
+  start(&t, "0"); /* PORT alone: 127.0.0.1 */
+  json_decref(state_when_training(&t));
+
+  char url[64], profile[300];
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/", t.port);
+  snprintf(profile, sizeof profile, "%s/chromium", C.dir);
+  char user_dir[320];
+  snprintf(user_dir, sizeof user_dir, "--user-data-dir=%s", profile);
+  char *argv[] = {CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", user_dir,
+                  "--virtual-time-budget=5000", "--dump-dom", url, NULL};
+  char *dom = NULL, *err = NULL;
+  int st = proc_run(argv, 120, C.dir, &dom, &err);
+  cr_assert(proc_exited_with(st, 0), "chromium failed (status %d): %s", st, err);
+
+  /* Both peers (and the bootstrap node) in the member table... */
+  const char *table = strstr(dom, "<table id=\"members\"");
+  cr_assert_not_null(table, "no member table in the rendered page:\n%s", dom);
+  for (int i = 0; i < 2; i++) {
+    char cell[96];
+    snprintf(cell, sizeof cell, "<td class=\"l\">%s</td>", C.node[t.peer[i]].addr);
+    cr_assert_not_null(strstr(table, cell), "peer %s is not in the rendered table:\n%s", C.node[t.peer[i]].addr,
+                       table);
+  }
+  /* ... and a chart the script drew: an <svg> holding a polyline with points. */
+  bool drawn = false;
+  static const char *const charts[] = {"<svg id=\"chart-loss\"", "<svg id=\"chart-xi\""};
+  for (int k = 0; k < 2; k++) {
+    const char *svg = strstr(dom, charts[k]);
+    cr_assert_not_null(svg, "no %s in the rendered page", charts[k]);
+    const char *end = strstr(svg, "</svg>");
+    cr_assert_not_null(end);
+    bool d = has_drawn_polyline(svg, end);
+    fprintf(stderr, "%s>: %s\n", charts[k], d ? "a line drawn" : "no line");
+    drawn |= d;
+  }
+  cr_assert(drawn, "no chart drawn in the rendered page:\n%s", dom);
+  cr_assert(has_drawn_polyline(strstr(dom, charts[0]), strstr(strstr(dom, charts[0]), "</svg>")),
+            "the loss chart has no line although both peers report a loss");
+  free(dom);
+  free(err);
+}
+
+Test(top_web, bad_web_values_are_clear_errors) {
+  char id[300];
+  cluster_make_identity(&C, "top", id, sizeof id);
+  struct {
+    const char *value, *needle;
+  } cases[] = {
+      {":8080", "--web :8080: name the host"},
+      {"70000", "--web 70000: expected PORT or HOST:PORT"},
+      {"127.0.0.1:http", "the port must be a number"},
+      {"1.2.3.4.5:8080", "--web 1.2.3.4.5:8080: the host must be an IPv4 address"},
+      {"[::1:8080", "--web [::1:8080: the host must be"},
+  };
+  char csv[300];
+  snprintf(csv, sizeof csv, "%s/top.csv", C.dir);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *args[] = {"top", "--bootstrap", "127.0.0.1:1", "--cluster-key", C.key, "--identity", id, "--csv", csv,
+                    "--web", (char *)cases[i].value, "--once", NULL};
+    cluster_expect_exit(&C, args, 2, cases[i].needle);
+    cr_assert_neq(access(csv, F_OK), 0, "--web %s was refused after --csv made %s", cases[i].value, csv);
+  }
+  char *servers[] = {"top", "--servers", "127.0.0.1:1", "--cluster-key", C.key, "--identity", id, "--web", "0",
+                     NULL};
+  cluster_expect_exit(&C, servers, 2, "--web shows a gossip cluster");
+}
