@@ -287,7 +287,10 @@ static int make_advertise(struct gossip *g, const char *listen, struct rumor_err
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--listen %s does not say which address others should dial; add --advertise HOST:PORT",
                          listen);
-  snprintf(g->advertise, sizeof g->advertise, "%s:%d", host, net_listen_port(g->net));
+  int n = snprintf(g->advertise, sizeof g->advertise, "%s:%d", host, net_listen_port(g->net));
+  if (n < 0 || (size_t)n >= sizeof g->advertise)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--listen %s: the host is too long to advertise; add --advertise HOST:PORT",
+                         listen);
   return 0;
 }
 

@@ -149,7 +149,7 @@ static void start_cluster(int n, enum timing tm, const char *model, int *peer) {
   char *bargs[] = {NULL};
   int b = spawn_on(1, "bootstrap", tm, bargs);
   snprintf(C.boot, sizeof C.boot, "%s", C.node[b].addr);
-  char wait[8], shard[16][8];
+  char wait[16], shard[16][24];
   snprintf(wait, sizeof wait, "%d", n);
   for (int i = 0; i < n; i++) {
     snprintf(shard[i], sizeof shard[i], "%d/%d", i, n);

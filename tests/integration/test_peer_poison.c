@@ -65,7 +65,7 @@ static int start(int honest, const char *kind, const char *model, const char *ep
                  bool bound) {
   cluster_start_bootstrap(&C, NULL);
   int n = honest + 1;
-  char shard[16][8], wait[8];
+  char shard[16][24], wait[16];
   snprintf(wait, sizeof wait, "%d", n);
   int attacker = -1;
   for (int i = 0; i < n; i++) {
