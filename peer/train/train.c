@@ -341,13 +341,14 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
   int64_t n = eval_rows(t);
   if (n == 0) return 0;
   int64_t correct = 0;
-  double loss = 0;
+  double loss = 0, t0 = clock_now_s();
   if (trainer_is_stage(t)) {
     int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, &correct, &loss, e);
     if (rc) return rc;
   } else {
     evaluate_whole(t, true, n, &correct, &loss);
   }
+  t->eval_seconds = clock_now_s() - t0;
   if (trainer_has_loss(t)) {
     double targets = (double)(n * t->data.y_per_row);
     t->accuracy = (double)correct / targets;
@@ -467,10 +468,11 @@ static int eval_now(struct trainer *t, struct rumor_err *e) {
   int rc = trainer_evaluate(t, e);
   if (rc || !trainer_has_loss(t)) return rc;
   if (t->data.tokens)
-    log_info("step %lld: train loss %.4f, val loss %.4f", (long long)t->st.step, t->loss_avg, t->test_loss);
+    log_info("step %lld: train loss %.4f, val loss %.4f (evaluated in %.3f s)", (long long)t->st.step, t->loss_avg,
+             t->test_loss, t->eval_seconds);
   else
-    log_info("step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f", (long long)t->st.step, t->loss_avg,
-             t->accuracy, t->test_loss);
+    log_info("step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f (evaluated in %.3f s)",
+             (long long)t->st.step, t->loss_avg, t->accuracy, t->test_loss, t->eval_seconds);
   return 0;
 }
 
@@ -487,13 +489,16 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
     int rc = trainer_evaluate(t, e);
     if (rc) return rc;
   }
+  char took[48] = "";
+  if (t->cfg.eval_each_epoch) snprintf(took, sizeof took, " (evaluated in %.3f s)", t->eval_seconds);
   if (trainer_has_loss(t) && t->data.tokens)
-    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f", (long long)t->st.epoch,
-             (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg, t->cfg.eval_each_epoch ? t->test_loss : NAN);
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f%s", (long long)t->st.epoch,
+             (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg, t->cfg.eval_each_epoch ? t->test_loss : NAN,
+             took);
   else if (trainer_has_loss(t))
-    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f",
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f%s",
              (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg,
-             t->cfg.eval_each_epoch ? t->accuracy : NAN, t->cfg.eval_each_epoch ? t->test_loss : NAN);
+             t->cfg.eval_each_epoch ? t->accuracy : NAN, t->cfg.eval_each_epoch ? t->test_loss : NAN, took);
   else
     log_info("epoch %lld/%lld done at step %lld", (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step);
   return 0;

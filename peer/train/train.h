@@ -374,6 +374,7 @@ struct trainer {
   double loss_avg;       /* exponential moving average of the training loss (NaN on stages without the loss) */
   double last_loss;
   double accuracy, test_loss; /* the last evaluation (NaN on stages without the loss) */
+  double eval_seconds;        /* how long the last evaluation took (wall clock) */
   double *epoch_losses;  /* loss_avg at the end of each epoch this run trained (where the loss is) */
   int64_t nepoch_losses, epoch_losses_cap;
   double t_start, t_last_log;

@@ -7,10 +7,11 @@ mean and standard deviation, as rumor does. The reference of
 tests/bench/bench-ddp.sh (issue #15: rumor's 4 gossiping peers against DDP).
 
 Prints one JSON line per rank at the end:
-  {"rank":0,"test_accuracy":0.8977,"steps":4690,"seconds":61.2}
+  {"rank":0,"test_accuracy":0.8977,"steps":4690,"seconds":61.2,"eval_seconds":0.0}
 and, with --eval-every N, rank 0's test accuracy every N steps:
   {"rank":0,"eval":true,"step":400,"t":12.5,"test_accuracy":0.84}
-(t: seconds since the first step). tests/bench/bench-sync.sh also uses it as
+(t: seconds since the first step, less the time of rank 0's earlier
+evaluations, whose total is eval_seconds; seconds counts them). tests/bench/bench-sync.sh also uses it as
 the all-reduce anchor: --hidden sets the layers, --slowdown X makes rank
 --straggler's steps X times as long, and --rank R --master HOST:PORT runs
 one rank alone (the others elsewhere, e.g. in test hosts' namespaces).
@@ -84,7 +85,7 @@ def worker(rank, args, master):
     total = per_epoch * args.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     dist.barrier()
-    t0 = time.time()
+    t0, eval_seconds = time.time(), 0.0
     step = 0
     for epoch in range(args.epochs):
         order = shard[torch.randperm(len(shard), generator=g)]
@@ -100,13 +101,16 @@ def worker(rank, args, master):
             if rank == args.straggler and args.slowdown > 1:
                 time.sleep((args.slowdown - 1) * (time.time() - c0))
             if args.eval_every and rank == 0 and step % args.eval_every == 0:
-                print(json.dumps({"rank": 0, "eval": True, "step": step, "t": round(time.time() - t0, 3),
-                                  "test_accuracy": round(evaluate(model, xt, yt), 4)}, separators=(",", ":")),
+                e0 = time.time()
+                acc = evaluate(model, xt, yt)
+                print(json.dumps({"rank": 0, "eval": True, "step": step, "t": round(e0 - t0 - eval_seconds, 3),
+                                  "test_accuracy": round(acc, 4)}, separators=(",", ":")),
                       flush=True)
+                eval_seconds += time.time() - e0
     seconds = time.time() - t0
     acc = evaluate(model, xt, yt)
-    print(json.dumps({"rank": rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2)},
-                     separators=(",", ":")),
+    print(json.dumps({"rank": rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2),
+                      "eval_seconds": round(eval_seconds, 3)}, separators=(",", ":")),
           flush=True)
     dist.destroy_process_group()
 

@@ -27,11 +27,12 @@ step. Without --rank the script starts the N workers itself, one process each,
 on 127.0.0.1.
 
 Output as ddp_fmnist.py's: one JSON line per worker at the end
-  {"rank":0,"test_accuracy":0.8977,"steps":4690,"seconds":61.2,"epoch":1172}
+  {"rank":0,"test_accuracy":0.8977,"steps":4690,"seconds":61.2,"eval_seconds":0.0,"epoch":1172}
 (epoch: the worker's Hivemind epoch at the end) and, with --eval-every N,
 worker 0's test accuracy every N of its steps:
   {"rank":0,"eval":true,"step":400,"t":12.5,"test_accuracy":0.84}
-(t: seconds since its first step, as the final line's seconds). --slowdown X
+(t: seconds since its first step, as the final line's seconds, less the
+time of its earlier evaluations, whose total is eval_seconds). --slowdown X
 makes worker --straggler's steps X times as long.
 
 usage: hivemind_fmnist.py --data DIR [--world 4] [--epochs 10] [--batch 32]
@@ -152,7 +153,7 @@ def worker(args):
     per_epoch = len(shard) // args.batch
     total = per_epoch * args.epochs
     barrier(dht, f"{args.run_id}_ready", args.rank, args.world, args.join_timeout)
-    t0 = time.time()
+    t0, eval_seconds = time.time(), 0.0
     step = 0
     for epoch in range(args.epochs):
         if args.max_steps and step >= args.max_steps:
@@ -177,12 +178,15 @@ def worker(args):
             if args.rank == args.straggler and args.slowdown > 1:
                 time.sleep((args.slowdown - 1) * (time.time() - c0))
             if args.eval_every and args.rank == 0 and step % args.eval_every == 0:
-                emit({"rank": 0, "eval": True, "step": step, "t": round(time.time() - t0, 3),
-                      "test_accuracy": round(evaluate(model, xt, yt), 4)})
+                e0 = time.time()
+                acc = evaluate(model, xt, yt)
+                emit({"rank": 0, "eval": True, "step": step, "t": round(e0 - t0 - eval_seconds, 3),
+                      "test_accuracy": round(acc, 4)})
+                eval_seconds += time.time() - e0
     seconds = time.time() - t0
     acc = evaluate(model, xt, yt)
     emit({"rank": args.rank, "test_accuracy": round(acc, 4), "steps": step, "seconds": round(seconds, 2),
-          "epoch": opt.local_epoch})
+          "eval_seconds": round(eval_seconds, 3), "epoch": opt.local_epoch})
     # Hivemind's shutdown may wait on a round in flight: bounded, then exit regardless. The pause lets
     # the tracker's goodbye (a DHT store it does not wait for) reach the others, who would otherwise
     # count this worker in and try to average with it until its record expires.
