@@ -198,7 +198,7 @@ collect() {
         split($1, a, ":"); t = a[1] * 3600 + a[2] * 60 + a[3] - t0; if (t < -43200) t += 86400
         for (k = 1; k <= NF; k++) {
           if ($k == "accuracy") acc = $(k + 1)
-          if ($k == "evaluated" && $(k + 1) == "in") spent += $(k + 2)
+          if ($k == "(evaluated" && $(k + 1) == "in") spent += $(k + 2)
         }
         sub(/,$/, "", acc); printf "%s,%s,%d,%.3f,%s\n", c, s, w, t - spent, acc }' >> "$out_csv"
     spent=$(sed -n 's/.*(evaluated in \([0-9.]*\) s).*/\1/p' "$d/w$i.log" | awk '{s += $1} END {print s + 0}')
