@@ -95,7 +95,7 @@ cleanup() {
   wait 2>/dev/null || true
   if $net_up; then TESTNET_NAME=rbs "$src/deploy/testnet.sh" down >/dev/null 2>&1 || true; fi
   "$src/tests/bench/cpu-cap.sh" --remove
-  rm -rf "$work"
+  if [ -n "${KEEP:-}" ]; then echo "bench-sync.sh: kept $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT INT TERM
 echo "bench-sync.sh: $n workers, $model, batch $batch, $epochs epochs ($steps steps each), target $target;" \
@@ -106,7 +106,7 @@ echo "condition,scheme,worker,t,accuracy" > "$out_csv"
 
 now() { date +%s.%N; }
 # Seconds of the day of a log line's "HH:MM:SS.mmm" stamp.
-log_secs() { awk '{split($1, a, ":"); print a[1] * 3600 + a[2] * 60 + a[3]}'; }
+log_secs() { awk '{split($1, a, ":"); printf "%.3f\n", a[1] * 3600 + a[2] * 60 + a[3]}'; }
 day_secs() { date +%H:%M:%S.%N | log_secs; }
 
 # The host (1..n) a node runs on under condition $1; "" on loopback.
@@ -186,8 +186,8 @@ run_rumor() {
 # accuracy) of the rumor workers' logs in $3 into the CSV, and the run's
 # row. Every time is less the time the worker itself spent evaluating
 # until then ("evaluated in X s" on each evaluation line), so the figures
-# do not depend on EVALS; wall: from that first step to the last worker's
-# last log line, the same way.
+# do not depend on EVALS; wall: from that first step to the end of the
+# last worker's training, the same way.
 collect() {
   cond=$1 scheme=$2 d=$3
   t0=$(for i in $(seq 1 "$n"); do grep -m1 "first step" "$d/w$i.log"; done | log_secs | sort -n | head -1)
@@ -202,7 +202,11 @@ collect() {
         }
         sub(/,$/, "", acc); printf "%s,%s,%d,%.3f,%s\n", c, s, w, t - spent, acc }' >> "$out_csv"
     spent=$(sed -n 's/.*(evaluated in \([0-9.]*\) s).*/\1/p' "$d/w$i.log" | awk '{s += $1} END {print s + 0}')
-    walls="$walls $(tail -1 "$d/w$i.log" | log_secs | awk -v t0="$t0" -v e="$spent" '{
+    # The end of training (the final evaluation after it is not counted, as
+    # for the anchors), or the last line of a worker that did not get there.
+    last=$(grep "training done after" "$d/w$i.log" | tail -1)
+    [ -n "$last" ] || last=$(tail -1 "$d/w$i.log")
+    walls="$walls $(echo "$last" | log_secs | awk -v t0="$t0" -v e="$spent" '{
       t = $1 - t0; if (t < -43200) t += 86400; print t - e }')"
   done
   finished=0 accs="" done_list=""
