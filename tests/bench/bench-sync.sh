@@ -84,7 +84,8 @@ work=$(mktemp -d)
 pids=""
 net_up=false
 # SIGKILLs process $1 and every descendant (an anchor's rank may have
-# children of its own: Hivemind's p2pd, a spawned worker).
+# children of its own: Hivemind's p2pd and its DHT and averager processes,
+# which outlive a rank killed alone).
 kill_tree() {
   for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
   kill -9 "$1" 2>/dev/null || true
@@ -282,7 +283,7 @@ run_ddp() {
         [ -n "$s" ] && [ "$s" -ge "$half" ] && break
         kill -0 "$run_pids" 2>/dev/null || exit 0
         sleep 0.2
-      done; kill -9 "$victim" 2>/dev/null) &
+      done; kill_tree "$victim") &
     fi
   fi
   t0=$(now)
@@ -338,7 +339,7 @@ run_hivemind() {
         [ -n "$s" ] && [ "$s" -ge "$half" ] && break
         kill -0 "$victim" 2>/dev/null || exit 0
         sleep 0.2
-      done; kill -9 "$victim" 2>/dev/null) &
+      done; kill_tree "$victim") &
     fi
     wait_all "$run_pids"
     cat "$d"/r*.out > "$d/all.out"
