@@ -285,7 +285,8 @@ int top_servers(const struct net_keys *keys, const char *servers, double interva
 /* `rumor top --web [HOST:]PORT` (top_web.c): one self-contained page at "/"
  * (peer/cli/top_web.html, embedded at build time as top_web_page) that polls
  * "/state.json", the latest state top_web_set_state was given, and draws the
- * member table and the Ξ and loss charts. Served read-only from the
+ * member table and the Ξ and loss charts; "/metrics" serves the cluster's
+ * figures to Prometheus (top_web_set_metrics). Served read-only from the
  * monitor's loop (gossip_monitor_serve), so only while top polls or sleeps.
  * `spec` is "PORT" (127.0.0.1:PORT) or "HOST:PORT"; a host that is not a
  * loopback address is served only when named, with a warning. Prints the URL
@@ -296,6 +297,13 @@ struct top_web;
 struct gossip_monitor;
 int top_web_start(struct gossip_monitor *m, const char *spec, struct top_web **out,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Hands the web view the figures of the last poll for "/metrics": the
+ * cluster's gauges in Prometheus' text format (rumor_cluster_xi,
+ * _xi_relative, _parameter_norm, _xi_exact, _drift_peers, _mean_loss,
+ * _peers, _peers_reachable, _poll_timestamp_seconds; a figure that is NaN
+ * is left out), so that Prometheus can scrape what no single node knows. */
+struct gossip_cluster_report;
+void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss);
 /* Checks a --web value as top_web_start would, serving nothing: 0, or
  * RUMOR_EFORMAT with the message. For the command line's checks. */
 int top_web_check(const char *spec, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -370,7 +370,10 @@ static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv, struc
       print_json(stdout, &r, ml);
     else
       print_view(stdout, &r, &h, ml, o->interval, clear);
-    if (web) web_update(web, &r, ml, &h, o->interval);
+    if (web) {
+      web_update(web, &r, ml, &h, o->interval);
+      top_web_set_metrics(web, &r, ml);
+    }
     if (o->tb) tb_top_write(o->tb, k, &r, ml);
     if (csv && csv_append(csv, o->csv_path, &r, ml, &e)) {
       fprintf(stderr, "rumor top: %s\n", e.msg);
@@ -484,8 +487,9 @@ int cmd_top(int argc, char **argv) {
       {"csv", ARG_STR, &o.csv_path, "FILE", "append one row per refresh (time, Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, ...)"},
       {"plot", ARG_STR, &o.plot_path, "FILE", "keep a chart of Ξ and mean loss over time in FILE (SVG; the name must end in .svg)"},
       {"web", ARG_STR, &o.web, "[HOST:]PORT",
-       "serve a live web view (the table, Ξ and loss charts) at http://HOST:PORT/ and its figures at "
-       "/state.json; PORT alone binds 127.0.0.1, port 0 picks one (printed on stderr)"},
+       "serve a live web view (the table, Ξ and loss charts) at http://HOST:PORT/, its figures at "
+       "/state.json and the cluster's gauges (Ξ, Ξ/‖θ̄‖, mean loss, peers) for Prometheus at /metrics; PORT "
+       "alone binds 127.0.0.1, port 0 picks one (printed on stderr)"},
       {"tensorboard", ARG_STR, &o.tensorboard, "DIR",
        "write TensorBoard event files to DIR/cluster (made when missing): Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, members "
        "alive, and member/ID/loss, step, exchanges; the step axis is the refresh number, from 0"},

@@ -6,6 +6,7 @@
  * script polls /state.json and draws the table and the charts; nothing here
  * formats figures for the browser.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +20,8 @@
 struct top_web {
   char *state; /* the latest /state.json body, or NULL before the first poll */
   size_t state_len;
+  char *metrics; /* the latest /metrics body (Prometheus text), or NULL before the first poll */
+  size_t metrics_len;
 };
 
 static char *copy_bytes(const void *p, size_t n) {
@@ -48,7 +51,14 @@ static int web_handler(void *ctx, const char *path, char **body, size_t *len, co
     *type = "application/json";
     return 200;
   }
-  static const char nf[] = "not found; the web view serves / and /state.json\n";
+  if (strcmp(path, "/metrics") == 0) {
+    static const char none[] = "# rumor top: no figures yet, the first poll has not finished\n";
+    *body = w->metrics ? copy_bytes(w->metrics, w->metrics_len) : copy_bytes(none, sizeof none - 1);
+    *len = w->metrics ? w->metrics_len : sizeof none - 1;
+    *type = "text/plain; version=0.0.4; charset=utf-8";
+    return 200;
+  }
+  static const char nf[] = "not found; the web view serves /, /state.json and /metrics\n";
   *body = copy_bytes(nf, sizeof nf - 1);
   *len = sizeof nf - 1;
   return 404;
@@ -128,8 +138,43 @@ void top_web_set_state(struct top_web *w, const char *json, size_t len) {
   w->state_len = len;
 }
 
+/* One gauge in Prometheus' text format, left out when v is NaN (a figure
+ * that does not exist now is absent, not a number). */
+static void put_gauge(FILE *f, const char *name, const char *help, double v) {
+  if (isnan(v)) return;
+  fprintf(f, "# HELP %s %s\n# TYPE %s gauge\n%s %.15g\n", name, help, name, name, v); /* 15: Unix ms survive */
+}
+
+void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *b = open_memstream(&text, &len);
+  RUMOR_ASSERT(b);
+  put_gauge(b, "rumor_cluster_xi",
+            "Consensus distance between the replicas, sqrt((1/n) sum |theta_i - mean theta|^2), estimated from "
+            "the peers' count-sketches (as rumor top shows it)",
+            r->xi);
+  put_gauge(b, "rumor_cluster_xi_relative", "The consensus distance over the norm of the mean parameters",
+            r->rel_drift);
+  put_gauge(b, "rumor_cluster_parameter_norm", "Norm of the peers' mean parameters", r->mean_norm);
+  put_gauge(b, "rumor_cluster_xi_exact",
+            "The consensus distance computed from the peers' parameters (rumor top --exact only)", r->xi_exact);
+  put_gauge(b, "rumor_cluster_drift_peers", "Peers whose sketches the consensus distance covers",
+            isnan(r->xi) ? NAN : (double)r->drift_n);
+  put_gauge(b, "rumor_cluster_mean_loss", "Mean training loss over the peers that report one", mean_loss);
+  put_gauge(b, "rumor_cluster_peers", "Peers in the member table", (double)r->peers);
+  put_gauge(b, "rumor_cluster_peers_reachable", "Peers that answered the last poll", (double)r->reachable_peers);
+  put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", r->time_s);
+  int closed = fclose(b); /* a memory stream fails only when out of memory */
+  RUMOR_ASSERT(closed == 0);
+  free(w->metrics);
+  w->metrics = text;
+  w->metrics_len = len;
+}
+
 void top_web_free(struct top_web *w) {
   if (!w) return;
   free(w->state);
+  free(w->metrics);
   free(w);
 }

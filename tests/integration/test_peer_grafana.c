@@ -2,8 +2,9 @@
  * parses, has a title, panels and a Prometheus datasource variable that
  * every query uses, and every metric its queries name is one that rumor
  * serves on /metrics — read from a gossip cluster of two training peers and
- * its bootstrap node, and from an all-reduce peer (the rumor_allreduce_*
- * series exist only there). promtool, when installed, checks the queries'
+ * its bootstrap node, from `rumor top --web` watching them (rumor_cluster_*:
+ * Ξ is the cluster's, no node's), and from an all-reduce peer (the
+ * rumor_allreduce_* series exist only there). promtool, when installed, checks the queries'
  * PromQL syntax. */
 #include <criterion/criterion.h>
 #include <ctype.h>
@@ -274,8 +275,9 @@ static void check_templating(const json_t *dash, struct check *ck) {
   cr_assert(have_ds, "no template variable \"datasource\" of type datasource for prometheus");
 }
 
-/* The metric names of a 2-peer gossip cluster (bootstrap included) and of an
- * all-reduce peer, once each serves what it ever will. */
+/* The metric names of a 2-peer gossip cluster (bootstrap included), of a
+ * `rumor top --web` watching it, and of an all-reduce peer, once each
+ * serves what it ever will. */
 static void live_names(struct names *served) {
   char *boot_args[] = {"--metrics", "127.0.0.1:0", NULL};
   cluster_start_bootstrap(&C, boot_args);
@@ -296,6 +298,23 @@ static void live_names(struct names *served) {
   char *body = scrape_until(0, boot_wants);
   names_add_text(served, body);
   free(body);
+
+  /* rumor top --web publishes what no node knows (Ξ), once a poll has
+   * both peers' sketches. */
+  char top_err[300];
+  int top_port = 0;
+  cluster_start_top_web(&C, "top", "0", top_err, sizeof top_err, &top_port);
+  double t0 = cluster_now();
+  for (;;) {
+    char *resp = http_get(top_port, "/metrics");
+    cr_assert_eq(http_status(resp), 200, "rumor top: /metrics: %.200s", resp);
+    bool all = strstr(resp, "\nrumor_cluster_xi ") && strstr(resp, "\nrumor_cluster_mean_loss ");
+    if (all) names_add_text(served, http_body(resp));
+    cr_assert(all || cluster_now() - t0 < 60, "rumor top never published Ξ; last /metrics:\n%s", resp);
+    free(resp);
+    if (all) break;
+    usleep(200000);
+  }
 
   /* An all-reduce peer joins a cluster of its own (sync=allreduce peers and
    * gossiping ones never share one), through a second bootstrap node. */

@@ -4,7 +4,8 @@
  * client and an oversized request that do not stop it; headless Chromium
  * (Debian's `chromium`, installed by deploy/install-deps.sh) renders the
  * page, and the rendered DOM holds both peers in the table and a chart drawn
- * by the page's script; bad --web values are clear errors. */
+ * by the page's script; /metrics publishes the cluster's gauges (Ξ, peers)
+ * in Prometheus' format; bad --web values are clear errors. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <signal.h>
@@ -43,20 +44,7 @@ static void start(struct top_run *t, const char *spec) {
   for (int i = 0; i < 2; i++)
     cr_assert(cluster_wait_file(C.node[t->peer[i]].log, "first step", 60), "peer %d did not start training: %s", i,
               proc_slurp(C.node[t->peer[i]].log));
-  char id[300], out[300];
-  cluster_make_identity(&C, "top", id, sizeof id);
-  snprintf(out, sizeof out, "%s/top.out", C.dir);
-  snprintf(t->err, sizeof t->err, "%s/top.err", C.dir);
-  char *argv[] = {RUMOR_BIN, "top", "--bootstrap", C.boot, "--cluster-key", C.key, "--identity", id,
-                  "--web", (char *)spec, "--interval", "0.5", NULL};
-  t->pid = proc_spawn(argv, out, t->err);
-  cr_assert_gt(t->pid, 0);
-  cr_assert(cluster_wait_file(t->err, "web view at http://127.0.0.1:", 30), "top printed no URL: %s",
-            proc_slurp(t->err));
-  char *err = proc_slurp(t->err);
-  t->port = atoi(strstr(err, "http://127.0.0.1:") + 17);
-  cr_assert_gt(t->port, 0, "no port in: %s", err);
-  free(err);
+  t->pid = cluster_start_top_web(&C, "top", spec, t->err, sizeof t->err, &t->port);
 }
 
 /* /state.json once both peers report training figures (at most 60 s):
@@ -142,6 +130,40 @@ Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
   for (size_t i = 0; i < 3; i++)
     cr_assert_eq(json_array_size(json_object_get(h, series[i])), n, "history.%s has not %zu values", series[i], n);
   json_decref(s);
+
+  /* The cluster's gauges for Prometheus: Ξ and the peer counts of the same
+   * poll, in a text that promtool (when installed) accepts. */
+  double t0 = cluster_now();
+  for (;;) { /* Ξ once both peers' sketches are in one poll */
+    resp = http_get(t.port, "/metrics");
+    cr_assert_eq(http_status(resp), 200, "/metrics: %.300s", resp);
+    if (strstr(resp, "\nrumor_cluster_xi ")) break;
+    cr_assert(cluster_now() - t0 < 30, "no rumor_cluster_xi in 30 s:\n%s", resp);
+    free(resp);
+    usleep(200000);
+  }
+  cr_assert_not_null(strstr(resp, "Content-Type: text/plain; version=0.0.4"), "%.300s", resp);
+  const char *m = http_body(resp);
+  static const char *const gauges[] = {"\nrumor_cluster_xi ", "\nrumor_cluster_xi_relative ",
+                                       "\nrumor_cluster_parameter_norm ", "\nrumor_cluster_mean_loss ",
+                                       "\nrumor_cluster_peers 2\n", "\nrumor_cluster_peers_reachable 2\n",
+                                       "# TYPE rumor_cluster_xi gauge\n"};
+  for (size_t i = 0; i < sizeof gauges / sizeof gauges[0]; i++)
+    cr_assert_not_null(strstr(m, gauges[i]), "/metrics lacks '%s':\n%s", gauges[i] + 1, m);
+  double xi = strtod(strstr(m, "\nrumor_cluster_xi ") + 18, NULL);
+  cr_assert(isfinite(xi) && xi > 0, "rumor_cluster_xi %g", xi);
+  cr_assert_null(strstr(m, "rumor_cluster_xi_exact"), "Ξ exact published without --exact:\n%s", m);
+  cr_assert_null(strstr(m, "NaN"), "a NaN gauge:\n%s", m);
+  if (system("command -v promtool >/dev/null 2>&1") == 0) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/top-metrics.txt", C.dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(m, f);
+    fclose(f);
+    cluster_sh("promtool check metrics < %s", path);
+  }
+  free(resp);
 
   /* Read-only. */
   expect_status(t.port, "POST", "/", 405);

@@ -204,6 +204,29 @@ static inline void cluster_make_identity(const struct cluster *c, const char *na
   cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, path);
 }
 
+/* `rumor top --web SPEC --interval 0.5` on the cluster (SPEC binding
+ * 127.0.0.1: "0" or "127.0.0.1:0"), with a new identity; its stdout and stderr go to DIR/NAME.out and DIR/NAME.err (the
+ * latter's path into err, n bytes). Waits for the URL it prints. Returns
+ * its PID (registered with proc.h, so the suite's .fini ends it) and sets
+ * *port. */
+static inline pid_t cluster_start_top_web(struct cluster *c, const char *name, const char *spec, char *err, size_t n,
+                                          int *port) {
+  char id[300], out[300];
+  cluster_make_identity(c, name, id, sizeof id);
+  snprintf(out, sizeof out, "%s/%s.out", c->dir, name);
+  snprintf(err, n, "%s/%s.err", c->dir, name);
+  char *argv[] = {RUMOR_BIN, "top", "--bootstrap", c->boot, "--cluster-key", c->key, "--identity", id,
+                  "--web", (char *)spec, "--interval", "0.5", NULL};
+  pid_t pid = proc_spawn(argv, out, err);
+  cr_assert_gt(pid, 0);
+  cr_assert(cluster_wait_file(err, "web view at http://127.0.0.1:", 30), "top printed no URL: %s", proc_slurp(err));
+  char *text = proc_slurp(err);
+  *port = atoi(strstr(text, "http://127.0.0.1:") + 17);
+  cr_assert_gt(*port, 0, "no port in: %s", text);
+  free(text);
+  return pid;
+}
+
 /* One stage of group `group` as its own process, as a scheduler runs it:
  * `<c->bin> peer --group GROUP --stage STAGE` on mlp:784-32-16-10 (20
  * steps, no evaluation, one thread) with identity `id`, dialling `prev`
