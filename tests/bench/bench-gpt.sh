@@ -32,6 +32,9 @@
 #     at most PyTorch's).
 #  5. transformers' GPT2LMHeadModel.from_pretrained loads a rumor checkpoint
 #     directory, and its logits match rumor's reference model.
+#  6. (PARTS=6, not by default) on a GPU: part 1's step in rumor --device
+#     cuda vs PyTorch on the same GPU; GPU_PY names a Python whose torch
+#     sees it. Skipped with the reason where there is none.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -184,6 +187,53 @@ with torch.no_grad():
 print(f"loaded {type(hf).__name__}: {sum(p.numel() for p in hf.parameters())} parameters; "
       f"largest logit difference from rumor's reference model {float((a - b).abs().max()):.2e}")
 EOF
+}
+
+# 6. On a GPU: the same training step in rumor (--device cuda: cuBLAS and
+# its kernels, FP32) and in PyTorch on that GPU (TF32 off), tokens/s for
+# both configurations of part 1. Skipped with the reason where there is no
+# GPU or rumor was built without CUDA. GPU_PY names the Python whose torch
+# sees the GPU (default: the benchmark's environment; on a machine with its
+# own CUDA PyTorch, e.g. GPU_PY=python3).
+part6() {
+  echo
+  echo "6. training throughput on a GPU (tokens/s), median of $rounds alternating runs"
+  gpy=${GPU_PY:-$py}
+  if ! gpu=$(nvidia-smi -L 2>/dev/null | head -1) || [ -z "$gpu" ]; then
+    echo "skipped: no GPU (nvidia-smi -L lists none)"
+    return 0
+  fi
+  if ! "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --device cuda --max-steps 1 --no-eval \
+    --log-every 0 >/dev/null 2>"$work/gpu.log"; then
+    echo "skipped: rumor cannot train on the GPU: $(tail -1 "$work/gpu.log")"
+    return 0
+  fi
+  if ! "$gpy" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "skipped: $gpy has no PyTorch that sees the GPU (set GPU_PY)"
+    return 0
+  fi
+  echo "$gpu; $("$gpy" -c 'import torch; print("PyTorch", torch.__version__)')"
+  printf '%-32s %5s %6s %12s %12s %7s\n' model batch steps rumor torch ratio
+  for cfg in "6 6 384 256 256 8 200" "12 12 768 1024 50257 4 30"; do
+    # shellcheck disable=SC2086
+    set -- $cfg
+    L=$1 H=$2 C=$3 T=$4 V=$5 B=$6 S=$7
+    rs="" ts="" ratios=""
+    i=0
+    while [ $i -lt "$rounds" ]; do
+      r=$(rumor_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-batches 1 | num samples_per_s)
+      r=$(echo "$r $T" | awk '{print $1*$2}')
+      cpu_py=$py py=$gpy
+      t=$(torch_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-windows 1 | num tokens_per_s)
+      py=$cpu_py
+      rs="$rs $r" ts="$ts $t" ratios="$ratios $(echo "$r $t" | awk '{print $1/$2}')"
+      i=$((i + 1))
+    done
+    # shellcheck disable=SC2086 # unquoted: the lists' leading space goes
+    printf '%-32s %5s %6s %12.0f %12.0f %7.2f\n' "gpt:L$L-H$H-C$C-T$T-V$V" "$B" "$S" \
+      "$(echo $rs | tr ' ' '\n' | median)" "$(echo $ts | tr ' ' '\n' | median)" \
+      "$(echo $ratios | tr ' ' '\n' | median)"
+  done
 }
 
 for p in $parts; do "part$p"; done

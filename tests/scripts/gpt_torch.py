@@ -222,9 +222,14 @@ def lr_at(step, total, peak, warmup):
 def cmd_train(args):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     cfg = json.loads(args.config)
     model = GPT(cfg)
     model.init_gpt2(args.seed)
+    model.to(dev)
     data = np.frombuffer(open(args.data, "rb").read(), dtype=np.uint8).astype(np.int64)
     cut = len(data) - int(round(len(data) * args.val_fraction))
     train, val = windows(data[:cut], cfg["n_positions"]), windows(data[cut:], cfg["n_positions"])
@@ -238,7 +243,7 @@ def cmd_train(args):
     for step in range(args.steps):
         if pos + args.batch > len(order):
             order, pos = rng.permutation(len(train)), 0
-        batch = torch.from_numpy(train[order[pos:pos + args.batch]])
+        batch = torch.from_numpy(train[order[pos:pos + args.batch]]).to(dev)
         pos += args.batch
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
@@ -249,10 +254,12 @@ def cmd_train(args):
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     secs = time.time() - t0
     with torch.no_grad():
         n = min(len(val), args.eval_windows)
-        v = torch.from_numpy(val[:n])
+        v = torch.from_numpy(val[:n]).to(dev)
         logits = model(v[:, :-1])
         vloss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), v[:, 1:].reshape(-1)).item()
     print(json.dumps({"val_loss": vloss, "steps": args.steps, "seconds": secs,
@@ -282,6 +289,7 @@ def main():
     tr.add_argument("--eval-windows", type=int, default=160)
     tr.add_argument("--threads", type=int, default=1)
     tr.add_argument("--seed", type=int, default=1)
+    tr.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (FP32, TF32 off, as rumor's cuBLAS)")
     args = ap.parse_args()
     {"logits": cmd_logits, "hub-style": cmd_hub_style, "train": cmd_train}[args.cmd](args)
 
