@@ -1,7 +1,9 @@
 /*
  * A minimal HTTP/1.0 server for the metrics endpoint and `rumor top --web`
- * (gossip_monitor_serve): GET requests only, one request per connection,
- * bounded header size and time, a cap on concurrent clients. It answers
+ * (gossip_monitor_serve): GET and HEAD only, one request per connection,
+ * bounded header size and time, a cap on concurrent clients (a full server
+ * drops its oldest unfinished client), and on a loopback bind only requests
+ * whose Host is a loopback name (DNS rebinding). It answers
  * Prometheus scrapes, health probes and the web view's page and polls; it is
  * not a general web server. Plain text and unauthenticated: bind it to an address
  * that only the monitoring system reaches.
@@ -9,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gossip/gossip_impl.h"
 
@@ -26,7 +29,7 @@ struct http_client {
   size_t len;
   char *resp;
   int handles;      /* open handles; freed at 0 */
-  bool responded;
+  bool responded, head_only;
 };
 
 struct gossip_http {
@@ -35,7 +38,8 @@ struct gossip_http {
   void *ctx;
   int port;
   int clients;
-  struct http_client *head;
+  struct http_client *head; /* newest first */
+  bool loopback;            /* bound to a loopback address: Host is checked */
   bool stopping, listener_closed;
 };
 
@@ -69,34 +73,81 @@ static void client_close(struct http_client *c) {
 
 static void on_written(uv_write_t *req, int status) { client_close(req->data); }
 
+/* Answers and closes: status line, headers (Content-Length is the body's
+ * even for HEAD, which gets no body) and the body. */
 static void respond(struct http_client *c, int status, const char *type, const char *body, size_t blen) {
   if (c->responded) return;
   c->responded = true;
   uv_read_stop((uv_stream_t *)&c->tcp);
-  const char *reason = status == 200 ? "OK" : status == 404 ? "Not Found" : status == 405 ? "Method Not Allowed"
-                     : status == 503 ? "Service Unavailable" : "Bad Request";
-  size_t cap = blen + 256;
-  c->resp = xmalloc(cap);
-  int n = snprintf(c->resp, cap,
-                   "HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", status,
-                   reason, type, blen);
-  memcpy(c->resp + n, body, blen);
+  const char *reason = status == 200   ? "OK"
+                       : status == 403 ? "Forbidden"
+                       : status == 404 ? "Not Found"
+                       : status == 405 ? "Method Not Allowed"
+                       : status == 503 ? "Service Unavailable"
+                                       : "Bad Request";
+  char head[512];
+  int n = snprintf(head, sizeof head,
+                   "HTTP/1.0 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nCache-Control: no-store\r\n"
+                   "X-Content-Type-Options: nosniff\r\n%sConnection: close\r\n\r\n",
+                   status, reason, type, blen, status == 405 ? "Allow: GET, HEAD\r\n" : "");
+  RUMOR_ASSERT(n > 0 && (size_t)n < sizeof head); /* handlers' types are short literals */
+  if (c->head_only) blen = 0;
+  c->resp = xmalloc((size_t)n + blen);
+  memcpy(c->resp, head, (size_t)n);
+  if (blen) memcpy(c->resp + n, body, blen);
   uv_buf_t buf = uv_buf_init(c->resp, (unsigned)((size_t)n + blen));
   c->wreq.data = c;
   if (uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &buf, 1, on_written) != 0) client_close(c);
 }
 
+/* Whether the request's Host header (when it has one) names a loopback
+ * address: a server bound to loopback answers only such requests, so that a
+ * web page whose name was re-bound to 127.0.0.1 (DNS rebinding) cannot read
+ * it from the operator's browser. Clients without Host (HTTP/1.0) pass. */
+static bool host_is_loopback(const char *req) {
+  const char *h = NULL;
+  for (const char *line = strchr(req, '\n'); line; line = strchr(line + 1, '\n'))
+    if (strncasecmp(line + 1, "Host:", 5) == 0) {
+      h = line + 6;
+      break;
+    }
+  if (!h) return true;
+  while (*h == ' ' || *h == '\t') h++;
+  size_t len = strcspn(h, "\r\n");
+  size_t host_len = len;
+  if (*h == '[') {
+    const char *close = memchr(h, ']', len);
+    host_len = close ? (size_t)(close - h) + 1 : len;
+  } else {
+    const char *colon = memchr(h, ':', len);
+    if (colon) host_len = (size_t)(colon - h);
+  }
+  if (host_len == 9 && strncasecmp(h, "localhost", 9) == 0) return true;
+  if (host_len == 5 && strncmp(h, "[::1]", 5) == 0) return true;
+  if (host_len < 4 || strncmp(h, "127.", 4) != 0) return false;
+  for (size_t i = 4; i < host_len; i++)
+    if (!((h[i] >= '0' && h[i] <= '9') || h[i] == '.')) return false;
+  return true;
+}
+
 static void handle_request(struct http_client *c) {
-  /* "GET /path HTTP/1.x" */
-  char *sp1 = memchr(c->req, ' ', c->len);
-  if (!sp1 || (size_t)(sp1 - c->req) != 3 || memcmp(c->req, "GET", 3) != 0) {
-    respond(c, 405, "text/plain", "only GET\n", 9);
+  /* "GET /path HTTP/1.x" (or HEAD), on the first line */
+  size_t first = strcspn(c->req, "\r\n");
+  char *sp1 = memchr(c->req, ' ', first);
+  size_t mlen = sp1 ? (size_t)(sp1 - c->req) : 0;
+  c->head_only = mlen == 4 && memcmp(c->req, "HEAD", 4) == 0;
+  if (!(mlen == 3 && memcmp(c->req, "GET", 3) == 0) && !c->head_only) {
+    respond(c, 405, "text/plain", "only GET and HEAD\n", 18);
     return;
   }
   char *path = sp1 + 1;
-  char *sp2 = memchr(path, ' ', c->len - (size_t)(path - c->req));
+  char *sp2 = memchr(path, ' ', first - (size_t)(path - c->req));
   if (!sp2 || sp2 == path) {
     respond(c, 400, "text/plain", "bad request line\n", 17);
+    return;
+  }
+  if (c->srv->loopback && !host_is_loopback(sp2)) {
+    respond(c, 403, "text/plain", "this server answers only requests for a loopback host\n", 55);
     return;
   }
   *sp2 = '\0';
@@ -147,9 +198,21 @@ static void on_connection(uv_stream_t *l, int status) {
   c->next = h->head;
   if (h->head) h->head->prev = c;
   h->head = c;
-  if (uv_accept(l, (uv_stream_t *)&c->tcp) != 0 || h->clients > HTTP_MAX_CLIENTS) {
-    client_close(c); /* too many at once: drop the newest */
+  if (uv_accept(l, (uv_stream_t *)&c->tcp) != 0) {
+    client_close(c);
     return;
+  }
+  if (h->clients > HTTP_MAX_CLIENTS) {
+    /* Full: the oldest client still sending its request goes, so that
+     * clients that connect and say nothing cannot keep everyone out. */
+    struct http_client *oldest = NULL;
+    for (struct http_client *o = h->head; o; o = o->next)
+      if (o != c && !o->responded && !uv_is_closing((uv_handle_t *)&o->tcp)) oldest = o;
+    if (!oldest) {
+      client_close(c);
+      return;
+    }
+    client_close(oldest);
   }
   uv_timer_start(&c->timer, on_timeout, HTTP_TIMEOUT_MS, 0);
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) client_close(c);
@@ -196,6 +259,12 @@ int gossip_http_start(uv_loop_t *loop, const char *what, const char *addr, gossi
   uv_tcp_getsockname(&h->listener, (struct sockaddr *)&bound, &blen);
   h->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                               : ((struct sockaddr_in *)&bound)->sin_port);
+  if (bound.ss_family == AF_INET6) {
+    const struct in6_addr *a6 = &((struct sockaddr_in6 *)&bound)->sin6_addr;
+    h->loopback = IN6_IS_ADDR_LOOPBACK(a6);
+  } else {
+    h->loopback = (ntohl(((struct sockaddr_in *)&bound)->sin_addr.s_addr) >> 24) == 127;
+  }
   *out = h;
   return 0;
 }

@@ -42,7 +42,8 @@ json_t *json_text_real(double v) {
 json_t *json_text_time(double unix_s) {
   /* k / 1000 with k an exact integer is the double nearest the decimal
    * with 3 places, which 15 digits print back exactly until the year 33658. */
-  json_t *j = isfinite(unix_s) ? json_real(round(unix_s * 1000) / 1000) : json_null();
+  double ms = unix_s * 1000; /* may overflow to Inf for absurd times: null then */
+  json_t *j = isfinite(ms) ? json_real(round(ms) / 1000) : json_null();
   if (!j) rumor_panic(__FILE__, __LINE__, "out of memory building JSON");
   return j;
 }

@@ -300,10 +300,17 @@ int top_web_start(struct gossip_monitor *m, const char *spec, struct top_web **o
 /* Hands the web view the figures of the last poll for "/metrics": the
  * cluster's gauges in Prometheus' text format (rumor_cluster_xi,
  * _xi_relative, _parameter_norm, _xi_exact, _drift_peers, _mean_loss,
- * _peers, _peers_reachable, _poll_timestamp_seconds; a figure that is NaN
- * is left out), so that Prometheus can scrape what no single node knows. */
+ * _peers, _peers_reachable, _poll_timestamp_seconds, _poll_success; a
+ * figure that is NaN is left out), so that Prometheus can scrape what no
+ * single node knows. */
 struct gossip_cluster_report;
 void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss);
+/* The last poll (at now_s, Unix seconds) failed for `why`: until the next
+ * good poll, /state.json answers 503 with {"error": why, "time": ...} (the
+ * page keeps its last table and says why) and /metrics holds only
+ * rumor_cluster_poll_success 0 and the poll's time, so that stale figures
+ * are never served as current. */
+void top_web_set_failure(struct top_web *w, double now_s, const char *why);
 /* Checks a --web value as top_web_start would, serving nothing: 0, or
  * RUMOR_EFORMAT with the message. For the command line's checks. */
 int top_web_check(const char *spec, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -358,6 +358,7 @@ static int watch(gossip_monitor_t *m, const struct top_opts *o, FILE *csv, struc
     if (rc == RUMOR_ECANCELED) break;
     if (rc) {
       fprintf(stderr, "rumor top: %s\n", e.msg);
+      if (web) top_web_set_failure(web, (double)time(NULL), e.msg);
       if (o->once) {
         status = 1;
         break;

@@ -14,6 +14,7 @@
 
 #include "gossip/monitor.h"
 #include "peer/cli/cli_impl.h"
+#include "util/json_text.h"
 
 #define TOP_WEB_ADDR_MAX 160
 
@@ -22,6 +23,8 @@ struct top_web {
   size_t state_len;
   char *metrics; /* the latest /metrics body (Prometheus text), or NULL before the first poll */
   size_t metrics_len;
+  char *failure; /* /state.json's body while the last poll failed ({"error": ...}), else NULL */
+  size_t failure_len;
 };
 
 static char *copy_bytes(const void *p, size_t n) {
@@ -39,6 +42,12 @@ static int web_handler(void *ctx, const char *path, char **body, size_t *len, co
     return 200;
   }
   if (strcmp(path, "/state.json") == 0) {
+    if (w->failure) { /* the figures held are stale: the page shows why instead */
+      *body = copy_bytes(w->failure, w->failure_len);
+      *len = w->failure_len;
+      *type = "application/json";
+      return 503;
+    }
     if (!w->state) {
       static const char none[] = "{\"error\":\"no figures yet: the first poll has not finished\"}\n";
       *body = copy_bytes(none, sizeof none - 1);
@@ -133,6 +142,8 @@ int top_web_start(struct gossip_monitor *m, const char *spec, struct top_web **o
 }
 
 void top_web_set_state(struct top_web *w, const char *json, size_t len) {
+  free(w->failure);
+  w->failure = NULL;
   free(w->state);
   w->state = copy_bytes(json, len);
   w->state_len = len;
@@ -143,6 +154,15 @@ void top_web_set_state(struct top_web *w, const char *json, size_t len) {
 static void put_gauge(FILE *f, const char *name, const char *help, double v) {
   if (isnan(v)) return;
   fprintf(f, "# HELP %s %s\n# TYPE %s gauge\n%s %.15g\n", name, help, name, name, v); /* 15: Unix ms survive */
+}
+
+/* Closes the memory stream b (over *text, *len) and makes it /metrics. */
+static void set_metrics(struct top_web *w, FILE *b, char **text, size_t *len) {
+  int closed = fclose(b); /* a memory stream fails only when out of memory */
+  RUMOR_ASSERT(closed == 0);
+  free(w->metrics);
+  w->metrics = *text;
+  w->metrics_len = *len;
 }
 
 void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss) {
@@ -165,16 +185,31 @@ void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *
   put_gauge(b, "rumor_cluster_peers", "Peers in the member table", (double)r->peers);
   put_gauge(b, "rumor_cluster_peers_reachable", "Peers that answered the last poll", (double)r->reachable_peers);
   put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", r->time_s);
-  int closed = fclose(b); /* a memory stream fails only when out of memory */
-  RUMOR_ASSERT(closed == 0);
-  free(w->metrics);
-  w->metrics = text;
-  w->metrics_len = len;
+  put_gauge(b, "rumor_cluster_poll_success", "1 when the last poll reached the cluster, 0 when it failed", 1);
+  set_metrics(w, b, &text, &len);
+}
+
+void top_web_set_failure(struct top_web *w, double now_s, const char *why) {
+  json_t *o = json_object();
+  RUMOR_ASSERT(o);
+  json_text_set(o, "error", json_text_str(why));
+  json_text_set(o, "time", json_text_time(now_s));
+  free(w->failure);
+  w->failure = json_text_dump_times(o, &w->failure_len);
+  json_decref(o);
+  char *text = NULL;
+  size_t len = 0;
+  FILE *b = open_memstream(&text, &len);
+  RUMOR_ASSERT(b);
+  put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", now_s);
+  put_gauge(b, "rumor_cluster_poll_success", "1 when the last poll reached the cluster, 0 when it failed", 0);
+  set_metrics(w, b, &text, &len);
 }
 
 void top_web_free(struct top_web *w) {
   if (!w) return;
   free(w->state);
   free(w->metrics);
+  free(w->failure);
   free(w);
 }

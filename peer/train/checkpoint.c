@@ -1,6 +1,10 @@
 /* Model, optimizer and training position ↔ safetensors. */
 #include "peer/train/train.h"
 
+/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
+ * file name added it still fits the 1024-byte names below. */
+#define CHECKPOINT_PATH_MAX 900
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -64,8 +68,9 @@ static void remove_stale_temporaries(const char *path) {
     char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
     long pid = strtol(rest + 5, &end, 10);
     if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
-    char full[1024];
-    snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    char full[1400];
+    int fl = snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
+    if (fl < 0 || (size_t)fl >= sizeof full) continue; /* never act on a cut name */
     struct stat st;
     bool gone = kill((pid_t)pid, 0) < 0 && errno == ESRCH;
     if (!gone && !(stat(full, &st) == 0 && started_after(pid, st.st_mtime))) continue; /* may still be at work */
@@ -235,6 +240,11 @@ static int save_dir(const char *dir, const struct model *m, const struct st_tens
 
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
+  /* Every name derived from it (.prev, staging, a directory's files) must
+   * fit its buffer: a cut name could unlink the wrong file. */
+  if (strlen(path) > CHECKPOINT_PATH_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "checkpoint path of %zu bytes is too long (at most %d): %.60s...",
+                         strlen(path), CHECKPOINT_PATH_MAX, path);
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);

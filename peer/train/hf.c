@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -20,13 +21,22 @@ static int read_spec(const char *dir, struct model_spec *spec, struct rumor_err 
   return rc;
 }
 
-/* Converts one tensor's values to F32 into `out`. */
+/* Converts one tensor's values to F32 into `out`. A file's data need not be
+ * aligned (any header length is valid), so 16-bit values are read through
+ * an aligned copy when they are not. */
 static int convert(const struct st_tensor *t, const char *path, float *out, int64_t numel, struct rumor_err *e) {
   size_t n = (size_t)numel;
+  const uint16_t *halves = t->data;
+  uint16_t *copy = NULL;
+  if ((t->dtype == TENSOR_F16 || t->dtype == TENSOR_BF16) && (uintptr_t)t->data % _Alignof(uint16_t)) {
+    copy = xmalloc(n ? n * sizeof *copy : 1);
+    memcpy(copy, t->data, n * sizeof *copy);
+    halves = copy;
+  }
   switch (t->dtype) {
   case TENSOR_F32: memcpy(out, t->data, n * sizeof(float)); return 0;
-  case TENSOR_F16: half_to_f32_n(out, t->data, n); return 0;
-  case TENSOR_BF16: bf16_to_f32_n(out, t->data, n); return 0;
+  case TENSOR_F16: half_to_f32_n(out, halves, n); free(copy); return 0;
+  case TENSOR_BF16: bf16_to_f32_n(out, halves, n); free(copy); return 0;
   default:
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: tensor %s is %s; F32, F16 or BF16 expected", path, t->name,
                          tensor_dtype_name(t->dtype));

@@ -289,6 +289,15 @@ int safetensors_parse(uint8_t *buf, size_t len, const char *name, bool require_d
     f->ntensors++;
   }
   if ((rc = check_ranges(name, ranges, f->ntensors, dlen, e))) goto fail;
+  if (at >= 0) {
+    /* The bytes the raw search checked must be __metadata__'s digest, not
+     * a look-alike inside another key or a tensor's entry. */
+    const char *dv = safetensors_meta(f, DIGEST_KEY);
+    if (!dv || strlen(dv) != DIGEST_HEX || memcmp(dv, hdr + at, DIGEST_HEX) != 0) {
+      rc = corrupt(e, name, "the digest checked is not __metadata__'s rumor.blake2b");
+      goto fail;
+    }
+  }
   free(ranges);
   return 0;
 fail:

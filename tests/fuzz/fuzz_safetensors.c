@@ -28,6 +28,16 @@ static uint8_t *copy_input(const uint8_t *data, size_t size) {
   return buf;
 }
 
+struct span {
+  size_t begin, end;
+};
+
+static int span_cmp(const void *a, const void *b) {
+  const struct span *x = a, *y = b;
+  if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+  return x->end < y->end ? -1 : x->end > y->end;
+}
+
 /* Checks what an accepted file promises; aborts on a broken promise. */
 static void walk(const struct st_file *f) {
   if (f->len < 8 || f->ntensors > SAFETENSORS_MAX_TENSORS) abort();
@@ -35,7 +45,8 @@ static void walk(const struct st_file *f) {
   for (int b = 0; b < 8; b++) hlen |= (uint64_t)f->buf[b] << (8 * b);
   if (hlen > f->len - 8) abort();
   const uint8_t *data = f->buf + 8 + hlen, *end = f->buf + f->len;
-  size_t covered = 0;
+  struct span *spans = calloc(f->ntensors ? f->ntensors : 1, sizeof *spans);
+  if (!spans) abort();
   for (size_t i = 0; i < f->ntensors; i++) {
     const struct st_tensor *t = &f->tensors[i];
     if (!memchr(t->name, '\0', sizeof t->name)) abort();
@@ -51,10 +62,18 @@ static void walk(const struct st_file *f) {
     const uint8_t *p = t->data;
     if (p < data || p > end || t->nbytes > (size_t)(end - p)) abort();
     if (t->nbytes) g_sink ^= p[0] ^ p[t->nbytes - 1];
-    covered += t->nbytes;
+    spans[i] = (struct span){(size_t)(p - data), (size_t)(p - data) + t->nbytes};
     if (safetensors_find(f, t->name) != t) abort(); /* names are unique */
   }
-  if (covered != (size_t)(end - data)) abort(); /* no gaps, no overlap */
+  /* No gaps, no overlap: sorted by start, the ranges tile the data. */
+  qsort(spans, f->ntensors, sizeof *spans, span_cmp);
+  size_t pos = 0;
+  for (size_t i = 0; i < f->ntensors; i++) {
+    if (spans[i].begin != pos) abort();
+    pos = spans[i].end;
+  }
+  free(spans);
+  if (pos != (size_t)(end - data)) abort();
   for (size_t i = 0; i < f->nmeta; i++) {
     const struct st_meta *m = &f->meta[i];
     if (!m->key || !m->value) abort();

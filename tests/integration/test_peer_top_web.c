@@ -1,7 +1,10 @@
 /* `rumor top --web` against a live 2-peer cluster on 127.0.0.1: the page and
  * /state.json over a plain socket (every member, valid JSON, the chart
  * series), read-only (any other method 405, unknown paths 404), a silent
- * client and an oversized request that do not stop it; headless Chromium
+ * client, an oversized request and a server full of silent clients that do
+ * not stop it, HEAD, headers against sniffing and caching, a foreign Host
+ * refused (DNS rebinding); a cluster gone is reported, never its stale
+ * figures; headless Chromium
  * (Debian's `chromium`, installed by deploy/install-deps.sh) renders the
  * page, and the rendered DOM holds both peers in the table and a chart drawn
  * by the page's script; /metrics publishes the cluster's gauges (Ξ, peers)
@@ -12,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "../support/cluster.h"
 #include "../support/fmnist.h"
@@ -24,6 +28,7 @@ static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(top_web, .init = setup, .fini = teardown, .timeout = 300);
 
 #define HTTP_REQUEST_MAX 8192 /* gossip/http.c's HTTP_MAX_REQUEST: the longest request it reads */
+#define HTTP_CLIENTS_MAX 32   /* gossip/http.c's HTTP_MAX_CLIENTS: clients it holds at once */
 #define FLOOD_BYTES (1 << 20)
 
 struct top_run {
@@ -32,6 +37,9 @@ struct top_run {
   int peer[2];
   char err[300];
 };
+
+/* Whether `rumor top` still runs (a zombie would still answer kill(pid, 0)). */
+static bool top_alive(const struct top_run *t) { return waitpid(t->pid, NULL, WNOHANG) == 0; }
 
 /* A bootstrap node and two training peers, and `rumor top --web SPEC`
  * refreshing every 0.5 s; waits for its URL on stderr. */
@@ -47,7 +55,8 @@ static void start(struct top_run *t, const char *spec) {
   t->pid = cluster_start_top_web(&C, "top", spec, t->err, sizeof t->err, &t->port);
 }
 
-/* /state.json once both peers report training figures (at most 60 s):
+/* /state.json once both peers report training figures and Ξ is known (at
+ * most 60 s):
  * parsed, with the response's status checked. */
 static json_t *state_when_training(const struct top_run *t) {
   double t0 = cluster_now();
@@ -55,7 +64,7 @@ static json_t *state_when_training(const struct top_run *t) {
     char *resp = http_get(t->port, "/state.json");
     int status = http_status(resp);
     cr_assert(status == 200 || status == 503, "/state.json: %.300s", resp);
-    cr_assert(kill(t->pid, 0) == 0, "top exited: %s", proc_slurp(t->err));
+    cr_assert(top_alive(t), "top exited: %s", proc_slurp(t->err));
     if (status == 200) {
       cr_assert_not_null(strstr(resp, "Content-Type: application/json"), "%.300s", resp);
       const char *body = http_body(resp);
@@ -66,7 +75,7 @@ static json_t *state_when_training(const struct top_run *t) {
       const json_t *nd;
       json_array_foreach(json_object_get(s, "nodes"), i, nd) training += json_is_integer(json_object_get(nd, "step"));
       free(resp);
-      if (training == 2) return s;
+      if (training == 2 && json_is_number(json_object_get(json_object_get(s, "drift"), "xi"))) return s;
       json_decref(s);
     } else {
       free(resp);
@@ -93,6 +102,61 @@ static void expect_status(int port, const char *method, const char *path, int wa
   free(resp);
 }
 
+/* HEAD: the headers alone; 405 says what is allowed; no sniffing, no
+ * caching; a Host that is not loopback is refused on a loopback bind (DNS
+ * rebinding), a loopback one with its port answered; as many silent clients
+ * as the server holds at once do not keep a new one out (the oldest
+ * unfinished one goes). */
+static void check_http_hardening(const struct top_run *t) {
+  char *resp;
+  resp = http_request(t->port, "HEAD", "/state.json");
+  cr_assert_eq(http_status(resp), 200, "HEAD: %.200s", resp);
+  cr_assert_str_empty(http_body(resp), "HEAD sent a body: %.200s", resp);
+  cr_assert(strstr(resp, "X-Content-Type-Options: nosniff\r\n") && strstr(resp, "Cache-Control: no-store\r\n"),
+            "%.300s", resp);
+  free(resp);
+  resp = http_request(t->port, "POST", "/");
+  cr_assert_not_null(strstr(resp, "Allow: GET, HEAD\r\n"), "405 without Allow: %.300s", resp);
+  free(resp);
+  static const char rebind[] = "GET /state.json HTTP/1.1\r\nHost: attacker.example:80\r\n\r\n";
+  resp = http_raw(t->port, rebind, sizeof rebind - 1);
+  cr_assert_eq(http_status(resp), 403, "a foreign Host was answered: %.200s", resp);
+  free(resp);
+  char local[200];
+  int n = snprintf(local, sizeof local, "GET /state.json HTTP/1.1\r\nhost: localhost:%d\r\n\r\n", t->port);
+  resp = http_raw(t->port, local, (size_t)n);
+  cr_assert_eq(http_status(resp), 200, "Host localhost refused: %.200s", resp);
+  free(resp);
+
+  int idle[HTTP_CLIENTS_MAX];
+  for (int i = 0; i < HTTP_CLIENTS_MAX; i++) idle[i] = http_connect(t->port);
+  usleep(200000);
+  expect_status(t->port, "GET", "/state.json", 200);
+  for (int i = 0; i < HTTP_CLIENTS_MAX; i++) close(idle[i]);
+}
+
+/* The cluster gone (its only bootstrap address killed): the figures are not
+ * served as current. /state.json says why, /metrics keeps only the poll's
+ * time and success 0. */
+static void check_cluster_gone_is_reported(const struct top_run *t) {
+  char *resp;
+  kill(C.node[0].pid, SIGKILL);
+  double t0 = cluster_now();
+  for (;;) {
+    resp = http_get(t->port, "/state.json");
+    if (http_status(resp) == 503) break;
+    cr_assert(cluster_now() - t0 < 30, "/state.json still served after the cluster went: %.200s", resp);
+    free(resp);
+    usleep(200000);
+  }
+  cr_assert_not_null(strstr(http_body(resp), "\"error\":"), "no error in: %s", resp);
+  free(resp);
+  resp = http_get(t->port, "/metrics");
+  cr_assert(strstr(resp, "\nrumor_cluster_poll_success 0\n") && !strstr(resp, "rumor_cluster_xi"),
+            "stale /metrics: %s", resp);
+  free(resp);
+}
+
 Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
   SKIP_WITHOUT_DATA();
   struct top_run t;
@@ -114,7 +178,7 @@ Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
   json_t *s = state_when_training(&t);
   cr_assert_eq(json_integer_value(json_object_get(s, "members")), 3, "members");
   cr_assert_eq(json_integer_value(json_object_get(s, "reachable_peers")), 2, "reachable peers");
-  cr_assert_not_null(json_object_get(json_object_get(s, "drift"), "xi"), "no drift.xi");
+  cr_assert(json_is_number(json_object_get(json_object_get(s, "drift"), "xi")), "drift.xi is not a number");
   cr_assert_not_null(node_at(s, C.boot), "the bootstrap node %s is missing", C.boot);
   for (int i = 0; i < 2; i++) {
     const json_t *nd = node_at(s, C.node[t.peer[i]].addr);
@@ -153,7 +217,15 @@ Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
   double xi = strtod(strstr(m, "\nrumor_cluster_xi ") + 18, NULL);
   cr_assert(isfinite(xi) && xi > 0, "rumor_cluster_xi %g", xi);
   cr_assert_null(strstr(m, "rumor_cluster_xi_exact"), "Ξ exact published without --exact:\n%s", m);
-  cr_assert_null(strstr(m, "NaN"), "a NaN gauge:\n%s", m);
+  cr_assert_not_null(strstr(m, "\nrumor_cluster_poll_success 1\n"), "no poll_success 1:\n%s", m);
+  for (const char *line = m; *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : line + strlen(line)) {
+    if (*line == '#' || *line == '\n') continue;
+    const char *sp = strchr(line, ' ');
+    cr_assert_not_null(sp, "a sample without a value: %.80s", line);
+    char *end;
+    double v = strtod(sp + 1, &end);
+    cr_assert(end > sp + 1 && (*end == '\n' || !*end) && isfinite(v), "not a finite value: %.80s", line);
+  }
   if (system("command -v promtool >/dev/null 2>&1") == 0) {
     char path[300];
     snprintf(path, sizeof path, "%s/top-metrics.txt", C.dir);
@@ -185,7 +257,10 @@ Test(top_web, page_and_state_are_served_read_only_and_survive_bad_clients) {
   free(flood);
   expect_status(t.port, "GET", "/state.json", 200);
   close(silent);
-  cr_assert(kill(t.pid, 0) == 0, "top exited: %s", proc_slurp(t.err));
+
+  check_http_hardening(&t);
+  check_cluster_gone_is_reported(&t);
+  cr_assert(top_alive(&t), "top exited: %s", proc_slurp(t.err));
 }
 
 #define CHROMIUM "/usr/bin/chromium" /* Debian's package `chromium` */

@@ -130,7 +130,8 @@ static inline void tfr_push(struct tfr_file *out, const struct tfr_scalar *s) {
   out->s[out->n++] = *s;
 }
 
-/* One Event: its scalars appended to out, its file_version kept. */
+/* One Event: its scalars appended to out; its file_version kept when it is
+ * the file's first record (TensorBoard reads the version from there only). */
 static inline bool tfr_event(const uint8_t *p, const uint8_t *end, struct tfr_file *out, char *err, size_t errn) {
   struct tfr_field f;
   struct tfr_scalar base = {.step = 0};
@@ -142,7 +143,7 @@ static inline bool tfr_event(const uint8_t *p, const uint8_t *end, struct tfr_fi
     }
     if (f.num == 1 && f.wire == 1) memcpy(&base.wall, &f.v, 8);
     else if (f.num == 2 && f.wire == 0) base.step = (int64_t)f.v;
-    else if (f.num == 3 && f.wire == 2 && f.len < sizeof out->version) {
+    else if (f.num == 3 && f.wire == 2 && out->records == 0 && f.len < sizeof out->version) {
       memcpy(out->version, f.data, f.len);
       out->version[f.len] = '\0';
     } else if (f.num == 5 && f.wire == 2) {

@@ -6,6 +6,7 @@
  * zero-size tensor may share its offset with the next tensor, whatever order
  * the header lists them in. */
 #include <criterion/criterion.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +114,29 @@ Test(safetensors, a_digest_key_the_digest_check_cannot_read_is_refused) {
   snprintf(hdr, sizeof hdr, "{\"__metadata__\":{\"rumor.blake2b\" : \"%064d\"}}", 1);
   cr_assert_eq(parse(hdr, 0, false, &e), RUMOR_ECORRUPT);
   cr_assert_not_null(strstr(e.msg, "rumor.blake2b"), "%s", e.msg);
+}
+
+/* A header holding a valid digest of itself where the raw search finds it,
+ * but not as __metadata__'s rumor.blake2b (here inside a tensor's entry,
+ * whose extra keys a reader ignores): refused, so that no file passes the
+ * check with a digest it does not declare. */
+Test(safetensors, a_valid_digest_outside_the_metadata_is_refused) {
+  char hdr[300];
+  int n = snprintf(hdr, sizeof hdr,
+                   "{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0],\"rumor.blake2b\":\"%064d\"}}", 0);
+  char *at = strstr(hdr, "\"rumor.blake2b\":\"") + 17;
+  size_t len;
+  uint8_t *buf = st_file(hdr, 0, &len);
+  cr_assert_eq(sodium_init() >= 0, true);
+  uint8_t d[32];
+  crypto_generichash(d, sizeof d, buf, len, NULL, 0); /* the digest's own 64 characters read as zeros */
+  sodium_bin2hex(at, 65, d, sizeof d);
+  at[64] = '"';
+  memcpy(buf + 8, hdr, (size_t)n);
+  struct st_file f;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_parse(buf, len, "mem", false, &f, &e), RUMOR_ECORRUPT, "accepted");
+  cr_assert_not_null(strstr(e.msg, "not __metadata__'s"), "%s", e.msg);
 }
 
 Test(safetensors, a_zero_size_tensor_may_share_an_offset_in_either_order) {
