@@ -278,6 +278,11 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   r->inflight--;
   if (status) {
     r->send[k].state = RING_IO_NONE;
+    /* The READY we sent on is spent: the next attempt waits for a fresh one
+     * instead of sending at once on the same (perhaps stale) nonce, which
+     * the successor would refuse again, attempt after attempt. */
+    struct ring_ready *e = ready_of(g, succ(r), false);
+    if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
     fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
   } else {
     r->send[k].state = RING_IO_DONE;
