@@ -231,6 +231,55 @@ Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
   cli_expect_fail(st, 1, err, "does not match --init-from", "--init-from with another --model");
 }
 
+/* BF16 weights whose data section starts at an odd offset (an odd header
+ * length, which the format allows): every value imports as exactly its
+ * BF16 value, read without unaligned 16-bit loads (UBSan builds abort on
+ * one). */
+Test(gptcli, init_from_bf16_weights_after_an_odd_header) {
+  SKIP_WITHOUT_TORCH();
+  const char *ck = train_dir("b", "10");
+  char hub[160], script[512], ft[160];
+  snprintf(hub, sizeof hub, "%s/hub-bf16", dir);
+  snprintf(ft, sizeof ft, "%s/ft-bf16/", dir);
+  snprintf(script, sizeof script, "%s/tests/scripts/gpt_torch.py", RUMOR_SOURCE_DIR);
+  char *argv[] = {PYTHON, script, "hub-style", (char *)ck, hub, "--dtype", "BF16", "--odd-header", NULL};
+  char *out, *err;
+  int st = run_argv(&out, &err, 60, argv);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  char a[200], b[200];
+  snprintf(b, sizeof b, "%s/model.safetensors", hub);
+  FILE *f = fopen(b, "rb");
+  cr_assert_not_null(f);
+  uint8_t len8[8];
+  cr_assert_eq(fread(len8, 1, 8, f), 8u);
+  fclose(f);
+  cr_assert(len8[0] & 1, "the header length is even: the data would be aligned");
+  st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
+             "--threads", "1", "--log-every", "0", "--eval-batches", "2", "--checkpoint", ft, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(out), free(err);
+  snprintf(a, sizeof a, "%smodel.safetensors", ck);
+  snprintf(b, sizeof b, "%smodel.safetensors", ft);
+  struct st_file fa, fb;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(a, true, &fa, &e), 0, "%s", e.msg);
+  cr_assert_eq(safetensors_read(b, true, &fb, &e), 0, "%s", e.msg);
+  for (size_t i = 0; i < fa.ntensors; i++) {
+    const struct st_tensor *t = safetensors_find(&fb, fa.tensors[i].name);
+    cr_assert(t && t->nbytes == fa.tensors[i].nbytes, "%s missing after --init-from", fa.tensors[i].name);
+    for (size_t k = 0; k < t->nbytes / 4; k++) {
+      uint32_t want, got;
+      memcpy(&want, (const uint8_t *)fa.tensors[i].data + 4 * k, 4);
+      memcpy(&got, (const uint8_t *)t->data + 4 * k, 4);
+      cr_assert_eq(got, want & 0xffff0000u, "%s[%zu]: %08x, not the BF16 value %08x", t->name, k, got,
+                   want & 0xffff0000u);
+    }
+  }
+  safetensors_free(&fa);
+  safetensors_free(&fb);
+}
+
 Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
   char *err;
   char shard[128], empty[128], missing[128];

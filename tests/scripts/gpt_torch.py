@@ -11,7 +11,7 @@ Debian's PyTorch 1.13 and on PyTorch 2.x.
   gpt_torch.py logits DIR TOKENS OUT
       TOKENS: little-endian int32 tokens, one sequence of at most n_positions.
       Writes the logits (positions x vocabulary, little-endian float32) to OUT.
-  gpt_torch.py hub-style SRC DST
+  gpt_torch.py hub-style SRC DST [--dtype BF16] [--odd-header]
       Rewrites a checkpoint directory the way GPT-2's files on the Hugging
       Face hub are laid out (no "transformer." prefix, attn.bias buffers,
       lm_head.weight stored), to test readers of such directories.
@@ -158,16 +158,24 @@ class GPT(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def write_safetensors(path, tensors):
-    """Writes numpy arrays (float32) as a safetensors file, names sorted."""
+def write_safetensors(path, tensors, dtype="F32", odd_header=False):
+    """Writes numpy arrays (float32) as a safetensors file, names sorted:
+    as F32, or as BF16 (each value's upper 16 bits). odd_header pads the
+    header to an odd length, so that the data that follows is unaligned (the
+    format allows any length; writers usually pad to 8)."""
     header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
     for name in sorted(tensors):
-        raw = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [off, off + len(raw)]}
+        raw = np.ascontiguousarray(tensors[name], dtype="<f4")
+        if dtype == "BF16":
+            raw = (raw.view("<u4") >> 16).astype("<u2")
+        raw = raw.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "data_offsets": [off, off + len(raw)]}
         blobs.append(raw)
         off += len(raw)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
+    if odd_header:
+        text += b" "
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
@@ -190,7 +198,7 @@ def cmd_hub_style(args):
         out[f"h.{i}.attn.bias"] = np.tril(np.ones((t, t), dtype=np.float32)).reshape(1, 1, t, t)
     out["lm_head.weight"] = out["wte.weight"]
     os.makedirs(args.dst, exist_ok=True)
-    write_safetensors(os.path.join(args.dst, "model.safetensors"), out)
+    write_safetensors(os.path.join(args.dst, "model.safetensors"), out, args.dtype, args.odd_header)
     with open(os.path.join(args.dst, "config.json"), "w") as f:
         json.dump(cfg, f)
 
@@ -276,6 +284,8 @@ def main():
     hs = sub.add_parser("hub-style")
     hs.add_argument("src")
     hs.add_argument("dst")
+    hs.add_argument("--dtype", choices=["F32", "BF16"], default="F32")
+    hs.add_argument("--odd-header", action="store_true", help="an odd header length: unaligned data")
     tr = sub.add_parser("train")
     tr.add_argument("--config", required=True, help="GPT2Config fields as JSON")
     tr.add_argument("--data", required=True, help="a text file (byte tokens)")
