@@ -73,12 +73,20 @@ static double run(bool clip, double *skipped) {
   return worst;
 }
 
-Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_at_085) {
+/* The bounds: with clipping the honest groups end at 0.86 on a quiet
+ * machine and were seen at 0.848 under the full suite's load (fewer of the
+ * attacker's updates arrive as outliers when exchanges are slow), so 0.84;
+ * without it the worst falls to 0.03-0.51, so below 0.80. The gap between
+ * the two is what the pair of tests shows. */
+#define PROTECTED_MIN 0.84
+#define UNPROTECTED_MAX 0.80
+
+Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_at_084) {
   SKIP_WITHOUT_DATA();
   double skipped, worst = run(true, &skipped);
   fprintf(stderr, "worst honest group with clipping: %.4f; %.0f attacker updates skipped as outliers\n", worst,
           skipped);
-  cr_assert(worst >= 0.85, "an honest group reached only %.4f with clipping on", worst);
+  cr_assert(worst >= PROTECTED_MIN, "an honest group reached only %.4f with clipping on", worst);
   cr_assert_gt(skipped, 0, "no honest stage skipped the attacker's outliers");
 }
 
@@ -87,5 +95,6 @@ Test(group_poison, without_clipping_a_signflipping_group_does_real_damage) {
   SKIP_WITHOUT_DATA();
   double skipped, worst = run(false, &skipped);
   fprintf(stderr, "worst honest group without clipping: %.4f\n", worst);
-  cr_assert(worst < 0.85, "without clipping every honest group still reached %.4f: the attack proves nothing", worst);
+  cr_assert(worst < UNPROTECTED_MAX, "without clipping every honest group still reached %.4f: the attack proves nothing",
+            worst);
 }
