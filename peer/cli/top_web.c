@@ -156,37 +156,41 @@ static void put_gauge(FILE *f, const char *name, const char *help, double v) {
   fprintf(f, "# HELP %s %s\n# TYPE %s gauge\n%s %.15g\n", name, help, name, name, v); /* 15: Unix ms survive */
 }
 
-/* Closes the memory stream b (over *text, *len) and makes it /metrics. */
-static void set_metrics(struct top_web *w, FILE *b, char **text, size_t *len) {
-  int closed = fclose(b); /* a memory stream fails only when out of memory */
-  RUMOR_ASSERT(closed == 0);
-  free(w->metrics);
-  w->metrics = *text;
-  w->metrics_len = *len;
-}
-
-void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss) {
+/* Makes /metrics: the figures of report r (NULL after a failed poll: none,
+ * so that nothing stale is served) and the poll's time and outcome. */
+static void set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss, double poll_s) {
   char *text = NULL;
   size_t len = 0;
   FILE *b = open_memstream(&text, &len);
   RUMOR_ASSERT(b);
-  put_gauge(b, "rumor_cluster_xi",
-            "Consensus distance between the replicas, sqrt((1/n) sum |theta_i - mean theta|^2), estimated from "
-            "the peers' count-sketches (as rumor top shows it)",
-            r->xi);
-  put_gauge(b, "rumor_cluster_xi_relative", "The consensus distance over the norm of the mean parameters",
-            r->rel_drift);
-  put_gauge(b, "rumor_cluster_parameter_norm", "Norm of the peers' mean parameters", r->mean_norm);
-  put_gauge(b, "rumor_cluster_xi_exact",
-            "The consensus distance computed from the peers' parameters (rumor top --exact only)", r->xi_exact);
-  put_gauge(b, "rumor_cluster_drift_peers", "Peers whose sketches the consensus distance covers",
-            isnan(r->xi) ? NAN : (double)r->drift_n);
-  put_gauge(b, "rumor_cluster_mean_loss", "Mean training loss over the peers that report one", mean_loss);
-  put_gauge(b, "rumor_cluster_peers", "Peers in the member table", (double)r->peers);
-  put_gauge(b, "rumor_cluster_peers_reachable", "Peers that answered the last poll", (double)r->reachable_peers);
-  put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", r->time_s);
-  put_gauge(b, "rumor_cluster_poll_success", "1 when the last poll reached the cluster, 0 when it failed", 1);
-  set_metrics(w, b, &text, &len);
+  if (r) {
+    put_gauge(b, "rumor_cluster_xi",
+              "Consensus distance between the replicas, sqrt((1/n) sum |theta_i - mean theta|^2), estimated from "
+              "the peers' count-sketches (as rumor top shows it)",
+              r->xi);
+    put_gauge(b, "rumor_cluster_xi_relative", "The consensus distance over the norm of the mean parameters",
+              r->rel_drift);
+    put_gauge(b, "rumor_cluster_parameter_norm", "Norm of the peers' mean parameters", r->mean_norm);
+    put_gauge(b, "rumor_cluster_xi_exact",
+              "The consensus distance computed from the peers' parameters (rumor top --exact only)", r->xi_exact);
+    put_gauge(b, "rumor_cluster_drift_peers", "Peers whose sketches the consensus distance covers",
+              isnan(r->xi) ? NAN : (double)r->drift_n);
+    put_gauge(b, "rumor_cluster_mean_loss", "Mean training loss over the peers that report one", mean_loss);
+    put_gauge(b, "rumor_cluster_peers", "Peers in the member table", (double)r->peers);
+    put_gauge(b, "rumor_cluster_peers_reachable", "Peers that answered the last poll", (double)r->reachable_peers);
+  }
+  put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", poll_s);
+  put_gauge(b, "rumor_cluster_poll_success", "1 when the last poll reached the cluster, 0 when it failed",
+            r ? 1 : 0);
+  int closed = fclose(b); /* a memory stream fails only when out of memory */
+  RUMOR_ASSERT(closed == 0);
+  free(w->metrics);
+  w->metrics = text;
+  w->metrics_len = len;
+}
+
+void top_web_set_metrics(struct top_web *w, const struct gossip_cluster_report *r, double mean_loss) {
+  set_metrics(w, r, mean_loss, r->time_s);
 }
 
 void top_web_set_failure(struct top_web *w, double now_s, const char *why) {
@@ -197,13 +201,7 @@ void top_web_set_failure(struct top_web *w, double now_s, const char *why) {
   free(w->failure);
   w->failure = json_text_dump_times(o, &w->failure_len);
   json_decref(o);
-  char *text = NULL;
-  size_t len = 0;
-  FILE *b = open_memstream(&text, &len);
-  RUMOR_ASSERT(b);
-  put_gauge(b, "rumor_cluster_poll_timestamp_seconds", "Unix time at which the last poll began", now_s);
-  put_gauge(b, "rumor_cluster_poll_success", "1 when the last poll reached the cluster, 0 when it failed", 0);
-  set_metrics(w, b, &text, &len);
+  set_metrics(w, NULL, NAN, now_s);
 }
 
 void top_web_free(struct top_web *w) {

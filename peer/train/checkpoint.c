@@ -1,10 +1,6 @@
 /* Model, optimizer and training position ↔ safetensors. */
 #include "peer/train/train.h"
 
-/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
- * file name added it still fits the 1024-byte names below. */
-#define CHECKPOINT_PATH_MAX 900
-
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -19,6 +15,10 @@
 #include <unistd.h>
 
 #include "util/json_text.h"
+
+/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
+ * file name added it still fits the 1024-byte names below. */
+#define CHECKPOINT_PATH_MAX 900
 
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 

@@ -189,21 +189,32 @@ Test(gptcli, sample_greedy_continues_with_the_argmax_tokens) {
   free(a), free(b), free(c);
 }
 
-Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
-  SKIP_WITHOUT_TORCH();
-  const char *ck = train_dir("c", "40");
-  char hub[160], script[512], ft[160];
-  snprintf(hub, sizeof hub, "%s/hub", dir);
-  snprintf(ft, sizeof ft, "%s/ft/", dir);
+/* gpt_torch.py hub-style: checkpoint directory ck rewritten as GPT-2's hub
+ * files in `hub`, with `extra` options (NULL-terminated; may be NULL). */
+static void make_hub(const char *ck, const char *hub, char *const *extra) {
+  char script[512];
   snprintf(script, sizeof script, "%s/tests/scripts/gpt_torch.py", RUMOR_SOURCE_DIR);
-  char *argv[] = {PYTHON, script, "hub-style", (char *)ck, hub, NULL};
+  char *argv[16] = {PYTHON, script, "hub-style", (char *)ck, (char *)hub};
+  int n = 5;
+  for (int k = 0; extra && extra[k] && n < 15; k++) argv[n++] = extra[k];
+  argv[n] = NULL;
   char *out, *err;
   int st = run_argv(&out, &err, 60, argv);
   cr_assert(proc_exited_with(st, 0), "%s", err);
   free(out), free(err);
+}
+
+Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
+  SKIP_WITHOUT_TORCH();
+  const char *ck = train_dir("c", "40");
+  char hub[160], ft[160];
+  snprintf(hub, sizeof hub, "%s/hub", dir);
+  snprintf(ft, sizeof ft, "%s/ft/", dir);
+  make_hub(ck, hub, NULL);
+  char *out, *err;
   /* A fine-tuning run of 0 further steps' worth: its first evaluation (the
    * weights as loaded) equals the source run's final one. */
-  st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
+  int st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
              "--threads", "1", "--log-every", "0", "--eval-batches", "2", "--checkpoint", ft, NULL);
   cr_assert(proc_exited_with(st, 0), "%s", err);
   cr_assert(strstr(err, "weights from"), "%s", err);
@@ -238,15 +249,12 @@ Test(gptcli, init_from_a_hub_style_directory_starts_from_its_weights) {
 Test(gptcli, init_from_bf16_weights_after_an_odd_header) {
   SKIP_WITHOUT_TORCH();
   const char *ck = train_dir("b", "10");
-  char hub[160], script[512], ft[160];
+  char hub[160], ft[160];
   snprintf(hub, sizeof hub, "%s/hub-bf16", dir);
   snprintf(ft, sizeof ft, "%s/ft-bf16/", dir);
-  snprintf(script, sizeof script, "%s/tests/scripts/gpt_torch.py", RUMOR_SOURCE_DIR);
-  char *argv[] = {PYTHON, script, "hub-style", (char *)ck, hub, "--dtype", "BF16", "--odd-header", NULL};
+  char *bf16[] = {"--dtype", "BF16", "--odd-header", NULL};
+  make_hub(ck, hub, bf16);
   char *out, *err;
-  int st = run_argv(&out, &err, 60, argv);
-  cr_assert(proc_exited_with(st, 0), "%s", err);
-  free(out), free(err);
   char a[200], b[200];
   snprintf(b, sizeof b, "%s/model.safetensors", hub);
   FILE *f = fopen(b, "rb");
@@ -255,7 +263,7 @@ Test(gptcli, init_from_bf16_weights_after_an_odd_header) {
   cr_assert_eq(fread(len8, 1, 8, f), 8u);
   fclose(f);
   cr_assert(len8[0] & 1, "the header length is even: the data would be aligned");
-  st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
+  int st = rumor(&out, &err, 120, "train", "--init-from", hub, "--data", text_path(), "--max-steps", "1", "--lr", "0",
              "--threads", "1", "--log-every", "0", "--eval-batches", "2", "--checkpoint", ft, NULL);
   cr_assert(proc_exited_with(st, 0), "%s", err);
   free(out), free(err);
