@@ -185,6 +185,16 @@ void tensor_copy_from_host_async(struct tensor *dst, int64_t offset, const void 
 void tensor_copy_to_host_async(const struct tensor *src, int64_t offset, void *host, size_t bytes) {
   src->be->ops->copy_d2h(src->be, host, elem_ptr(src, offset, bytes), bytes, true);
 }
+struct tensor_event {
+  tensor_backend_t be;
+  void *impl;
+};
+
+void tensor_copy_to_host_beside(const struct tensor *src, int64_t offset, void *host, size_t bytes,
+                                tensor_event_t done) {
+  RUMOR_ASSERT(done && done->be == src->be);
+  src->be->ops->copy_d2h_beside(src->be, host, elem_ptr(src, offset, bytes), bytes, done->impl);
+}
 void tensor_copy(struct tensor *dst, const struct tensor *src) {
   RUMOR_ASSERT(dst->be == src->be && dst->dtype == src->dtype);
   RUMOR_ASSERT(tensor_numel(dst) == tensor_numel(src));
@@ -192,11 +202,6 @@ void tensor_copy(struct tensor *dst, const struct tensor *src) {
 }
 
 /* ---- events ---- */
-
-struct tensor_event {
-  tensor_backend_t be;
-  void *impl;
-};
 
 tensor_event_t tensor_event_create(tensor_backend_t be) {
   void *impl = be->ops->ev_create(be);

@@ -114,6 +114,15 @@ void tensor_copy_from_host(struct tensor *dst, int64_t offset, const void *host,
 void tensor_copy_to_host(const struct tensor *src, int64_t offset, void *host, size_t bytes);
 void tensor_copy_from_host_async(struct tensor *dst, int64_t offset, const void *host, size_t bytes);
 void tensor_copy_to_host_async(const struct tensor *src, int64_t offset, void *host, size_t bytes);
+/* Copies `bytes` from element `offset` of src into `host` beside the
+ * backend's stream: the copy starts once everything enqueued so far has
+ * finished, but nothing enqueued later waits for it (on CUDA it runs on a
+ * second stream, so a copy engine moves it while kernels run). `done` is
+ * recorded when it has finished. Neither src's range nor `host` (from
+ * tensor_host_alloc) may be written until `done` completes. The CPU copies
+ * at once. Same thread as the rest of the backend's work. */
+void tensor_copy_to_host_beside(const struct tensor *src, int64_t offset, void *host, size_t bytes,
+                                tensor_event_t done);
 /* dst ← src, same numel and dtype, same backend. */
 void tensor_copy(struct tensor *dst, const struct tensor *src);
 

@@ -37,6 +37,10 @@ static void cpu_copy_d2d(tensor_backend_t be, void *dst, const void *src, size_t
   if (dst != src) memmove(dst, src, bytes);
 }
 
+static void cpu_copy_beside(tensor_backend_t be, void *dst, const void *src, size_t bytes, void *ev) {
+  if (dst != src) memmove(dst, src, bytes);
+}
+
 /* Events: the CPU runs ops synchronously, so an event is a placeholder. */
 static void *cpu_ev_create(tensor_backend_t be) { return xmalloc(1); }
 static void cpu_ev_destroy(tensor_backend_t be, void *ev) { free(ev); }
@@ -505,6 +509,7 @@ static const struct tensor_backend_ops cpu_ops = {
     .copy_h2d = cpu_copy,
     .copy_d2h = cpu_copy,
     .copy_d2d = cpu_copy_d2d,
+    .copy_d2h_beside = cpu_copy_beside,
     .ev_create = cpu_ev_create,
     .ev_destroy = cpu_ev_destroy,
     .ev_record = cpu_ev_record,

@@ -71,6 +71,8 @@ struct cuda_backend {
   struct tensor_backend base; /* first: the tensor layer casts */
   int device;                 /* CUDA device ordinal */
   cudaStream_t stream;        /* every op is enqueued here */
+  cudaStream_t beside;        /* copies that later ops must not wait for (copy_d2h_beside) */
+  cudaEvent_t beside_after;   /* orders a beside copy after the work on `stream` */
   cublasHandle_t blas;        /* bound to `stream` */
   float *d_partials;          /* device [KERN_REDUCE_MAX_BLOCKS]: reduction partials */
   float *h_partials;          /* pinned host [KERN_REDUCE_MAX_BLOCKS]: their copy */
@@ -148,6 +150,7 @@ int tensor_cuda_count(void) {
  * device current. */
 static void cuda_release(struct cuda_backend *b) {
   if (b->stream) (void)cudaStreamSynchronize(b->stream);
+  if (b->beside) (void)cudaStreamSynchronize(b->beside);
   if (b->blas) (void)cublasDestroy(b->blas);
   if (b->d_sketch) (void)cudaFree(b->d_sketch);
   struct cuda_scratch *scratch[] = {&b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
@@ -157,6 +160,8 @@ static void cuda_release(struct cuda_backend *b) {
   if (b->d_count) (void)cudaFree(b->d_count);
   if (b->h_partials) (void)cudaFreeHost(b->h_partials);
   if (b->h_count) (void)cudaFreeHost(b->h_count);
+  if (b->beside_after) (void)cudaEventDestroy(b->beside_after);
+  if (b->beside) (void)cudaStreamDestroy(b->beside);
   if (b->stream) (void)cudaStreamDestroy(b->stream);
   (void)cudaGetLastError();
   free(b);
@@ -165,6 +170,7 @@ static void cuda_release(struct cuda_backend *b) {
 static void cuda_close(tensor_backend_t be) {
   struct cuda_backend *b = enter(be);
   CUDA_CHECK(cudaStreamSynchronize(b->stream));
+  CUDA_CHECK(cudaStreamSynchronize(b->beside));
   cuda_release(b);
 }
 
@@ -228,6 +234,18 @@ static void cuda_copy_h2d(tensor_backend_t be, void *dst, const void *src, size_
 
 static void cuda_copy_d2h(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async) {
   cuda_copy(enter(be), dst, src, bytes, cudaMemcpyDeviceToHost, async);
+}
+
+/* Device → pinned host on the second stream: it waits for what `stream`
+ * holds now (an event recorded there; cudaStreamWaitEvent takes the
+ * event's state at the call, so re-recording it later is safe) and later
+ * work on `stream` does not wait for it. */
+static void cuda_copy_d2h_beside(tensor_backend_t be, void *dst, const void *src, size_t bytes, void *ev) {
+  struct cuda_backend *b = enter(be);
+  CUDA_CHECK(cudaEventRecord(b->beside_after, b->stream));
+  CUDA_CHECK(cudaStreamWaitEvent(b->beside, b->beside_after, 0));
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, b->beside));
+  CUDA_CHECK(cudaEventRecord((cudaEvent_t)ev, b->beside));
 }
 
 /* dst ← src on the device, stream-ordered. Overlapping ranges (views of one
@@ -626,6 +644,7 @@ static const struct tensor_backend_ops cuda_ops = {
     .copy_h2d = cuda_copy_h2d,
     .copy_d2h = cuda_copy_d2h,
     .copy_d2d = cuda_copy_d2d,
+    .copy_d2h_beside = cuda_copy_d2h_beside,
     .ev_create = cuda_ev_create,
     .ev_destroy = cuda_ev_destroy,
     .ev_record = cuda_ev_record,
@@ -699,6 +718,8 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
     goto fail;
   }
   OPEN_CUDA(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking));
+  OPEN_CUDA(cudaStreamCreateWithFlags(&b->beside, cudaStreamNonBlocking));
+  OPEN_CUDA(cudaEventCreateWithFlags(&b->beside_after, cudaEventDisableTiming));
   cublasStatus_t st = cublasCreate(&b->blas);
   if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(b->blas, b->stream);
   /* Default math: true FP32, no TF32 tensor cores (tests hold GEMMs to FP32

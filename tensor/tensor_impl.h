@@ -27,6 +27,9 @@ struct tensor_backend_ops {
   void (*copy_h2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2h)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes);
+  /* tensor_copy_to_host_beside: device → host off the backend's stream,
+   * after everything enqueued so far; `ev` (ev_create's) recorded after it. */
+  void (*copy_d2h_beside)(tensor_backend_t be, void *dst, const void *src, size_t bytes, void *ev);
 
   /* Events. `ev_create` returns backend-private state (NULL on failure). */
   void *(*ev_create)(tensor_backend_t be);

@@ -20,6 +20,13 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
     tensor_free(&s->staging);
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
+  if (tensor_backend_device(t->be) != TENSOR_DEVICE_CPU && !cfg->allreduce) {
+    struct rumor_err ignored = {0};
+    if (tensor_alloc(&s->snap_dev, t->be, TENSOR_F32, 1, &flat.shape[0], &ignored) != 0)
+      log_info("%s has no room for a second copy of the parameters (%.0f MB): the snapshots kept ready for "
+               "partners are copied to the host on the training stream instead",
+               tensor_backend_name(t->be), (double)t->model.nparams * 4e-6);
+  }
   s->last_start_s = clock_now_s();
   s->mix_step = t->st.step;
   s->refreshed_step = -1;
@@ -31,7 +38,11 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
 }
 
 void sync_free(struct sync *s) {
-  if (s->snap_ev) tensor_event_destroy(s->snap_ev);
+  if (s->snap_ev) {
+    tensor_event_wait(s->snap_ev); /* a copy beside the stream may still read snap_dev */
+    tensor_event_destroy(s->snap_ev);
+  }
+  tensor_free(&s->snap_dev);
   tensor_free(&s->staging);
   free(s->sketch);
   memset(s, 0, sizeof *s);
@@ -82,11 +93,21 @@ static void pace(struct sync *s, double now) {
 }
 
 /* Copies the parameters into gossip_xch_mine(): asynchronous on a GPU
- * (pinned host buffer, snap_ev says when), done at once on the CPU. */
+ * (pinned host buffer, snap_ev says when), done at once on the CPU. On a
+ * GPU with snap_dev, the training stream only copies device to device; the
+ * transfer to the host runs beside it, and snap_dev is not written again
+ * before snap_ev (the callers start a copy only when none is pending). */
 static void start_copy(struct sync *s) {
   struct trainer *t = s->t;
-  tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g), (size_t)t->model.nparams * sizeof(float));
-  tensor_event_record(s->snap_ev);
+  size_t bytes = (size_t)t->model.nparams * sizeof(float);
+  if (s->snap_dev.data) {
+    struct tensor flat = tensor_flat(&t->model.params);
+    tensor_copy(&s->snap_dev, &flat);
+    tensor_copy_to_host_beside(&s->snap_dev, 0, gossip_xch_mine(s->g), bytes, s->snap_ev);
+  } else {
+    tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g), bytes);
+    tensor_event_record(s->snap_ev);
+  }
   s->snap_pending = true;
   s->snap_step = t->st.step;
 }

@@ -165,6 +165,12 @@ struct sync {
    * at a later boundary on a GPU): for an exchange (GOSSIP_XCH_SNAPSHOT) or
    * to keep a snapshot ready for partners' requests (refresh). */
   tensor_event_t snap_ev;
+  /* On a GPU, the snapshot's copy on the device: the boundary copies the
+   * parameters here (device to device, fast, on the training stream) and
+   * this to gossip_xch_mine() beside the stream (tensor_copy_to_host_beside),
+   * so that the next steps do not wait for the transfer to the host.
+   * Unallocated (data NULL) on the CPU, or when the device had no room. */
+  struct tensor snap_dev;
   bool snap_pending, snap_refresh;
   int64_t snap_step;
   int64_t refreshed_step; /* of the last refresh begun; -1 after an apply */

@@ -14,6 +14,7 @@
 
 #include "../support/cluster.h"
 #include "peer/train/train.h"
+#include "tensor/tensor.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
 
@@ -44,15 +45,19 @@ static void expect_clean_exit(int i) {
             proc_slurp(C.node[i].log));
 }
 
-Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
-  SKIP_WITHOUT_DATA();
+/* Four peers from different initialisations, learning rate 0: only the
+ * averaging moves them, so Ξ must fall by averaging what the replicas really
+ * hold (snapshots of other parameters, or none, would not bring them
+ * together). */
+static void lr0_consensus(const char *device) {
   cluster_start_bootstrap(&C, NULL);
   const int n = 4;
   int peer[4];
   char seed[4][8];
   for (int i = 0; i < n; i++) {
     snprintf(seed[i], sizeof seed[i], "%d", i + 1);
-    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--lr", "0", "--no-state-pull", "--seed", seed[i],
+    peer[i] = cluster_start_peer(&C, "--device", device, "--model", "mlp:784-64-10", "--lr", "0", "--no-state-pull",
+                                 "--seed", seed[i],
                                  "--max-steps", "1500", "--epochs", "1000", "--wait-peers", "4", "--no-eval",
                                  "--gossip-every", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
   }
@@ -88,6 +93,19 @@ Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
   cr_assert(exchanges > 0 && exchanges <= 4.0 * 1500, "exchanges %.0f out of bounds", exchanges);
   for (int i = 0; i < n; i++) free(init[i]), free(final[i]);
   tensor_backend_close(be);
+}
+
+Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
+  SKIP_WITHOUT_DATA();
+  lr0_consensus("cpu");
+}
+
+Test(gossip, consensus_lr0_on_gpus_drift_falls_100_fold) {
+  SKIP_WITHOUT_DATA();
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no usable CUDA GPU here: averaging between GPU peers (snapshots copied beside the training "
+                 "stream) is not exercised");
+  lr0_consensus("cuda");
 }
 
 Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
@@ -452,16 +470,17 @@ static int transfers(int i, const char *what, double *median_ms) {
 
 /* Steps of a fifth of a second or more: a responder that waited for its
  * next step boundary would keep its partner waiting half a step on
- * average; with a snapshot kept ready it answers at once. */
-Test(gossip, a_responder_answers_with_its_ready_snapshot_not_at_its_next_step_boundary) {
-  SKIP_WITHOUT_DATA();
+ * average; with a snapshot kept ready it answers at once. On a GPU the
+ * snapshot goes device to device at the boundary and to the host beside the
+ * training stream (peer/sync/sync.h, snap_dev): the same must hold. */
+static void ready_snapshot_run(const char *device, const char *batch) {
   setenv("RUMOR_LOG_LEVEL", "debug", 1);
   cluster_start_bootstrap(&C, NULL);
   int peer[2];
   for (int i = 0; i < 2; i++)
-    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-512-512-10", "--batch", "1024", "--shard", i ? "1/2" : "0/2",
-                                 "--epochs", "1000", "--max-steps", "30", "--no-eval", "--wait-peers", "2",
-                                 "--gossip-every", "1", NULL);
+    peer[i] = cluster_start_peer(&C, "--device", device, "--model", "mlp:784-512-512-10", "--batch", batch, "--shard",
+                                 i ? "1/2" : "0/2", "--epochs", "1000", "--max-steps", "30", "--no-eval",
+                                 "--wait-peers", "2", "--gossip-every", "1", NULL);
   for (int i = 0; i < 2; i++) expect_clean_exit(peer[i]);
   int answered = 0, from_ready = 0;
   for (int i = 0; i < 2; i++) {
@@ -469,13 +488,34 @@ Test(gossip, a_responder_answers_with_its_ready_snapshot_not_at_its_next_step_bo
     int asked = transfers(peer[i], "(we asked)", &asked_ms);
     int ready = transfers(peer[i], "our snapshot was ready", &ready_ms);
     int all = transfers(peer[i], "we were asked", &any_ms);
-    fprintf(stderr, "figure: peer %d: %d exchanges asked for (median %.0f ms), %d answered, %d of them from the ready "
-                    "snapshot (median %.0f ms)\n",
-            i, asked, asked_ms, all, ready, ready_ms);
+    fprintf(stderr, "figure: %s: peer %d: %d exchanges asked for (median %.0f ms), %d answered, %d of them from the "
+                    "ready snapshot (median %.0f ms)\n",
+            device, i, asked, asked_ms, all, ready, ready_ms);
     answered += all;
     from_ready += ready;
   }
   cr_assert_geq(answered, 5, "only %d exchanges were answered in 30 steps", answered);
   cr_assert_geq(from_ready * 4, answered * 3, "only %d of %d answers came from the ready snapshot", from_ready,
                 answered);
+  /* What was sent passed the partner's checks (finite, within the distance
+   * limit of its own parameters) and was applied (that the snapshots are
+   * the replicas' own: lr0_consensus). */
+  for (int i = 0; i < 2; i++) {
+    double applied = cluster_result(&C, peer[i], "exchanges");
+    double rejected = cluster_result(&C, peer[i], "exchanges_rejected");
+    cr_assert(applied >= 5 && rejected == 0, "peer %d applied %.0f exchanges and rejected %.0f", i, applied, rejected);
+  }
+}
+
+Test(gossip, a_responder_answers_with_its_ready_snapshot_not_at_its_next_step_boundary) {
+  SKIP_WITHOUT_DATA();
+  ready_snapshot_run("cpu", "1024");
+}
+
+Test(gossip, a_gpu_responder_answers_with_its_ready_snapshot_copied_beside_the_training_stream) {
+  SKIP_WITHOUT_DATA();
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no usable CUDA GPU here: the GPU peers' ready snapshot (a device copy, then a copy to the host "
+                 "beside the training stream) is not exercised");
+  ready_snapshot_run("cuda", "8192"); /* steps long enough on a GPU for the boundary to matter */
 }

@@ -809,6 +809,53 @@ static void poll_event(tensor_event_t ev, const char *what) {
     cr_assert(clock_now_ns() < deadline, "%s: event not complete after 30 s", what);
 }
 
+/* The ready snapshot of a GPU peer (peer/sync): parameters copied device to
+ * device on the stream, then that copy to pinned memory beside the stream.
+ * The copy beside must see everything enqueued before it (the device copy
+ * and an op on the snapshot), while the stream goes on at once with the
+ * next step's work on the parameters (negated, then overwritten). Repeated
+ * with the same event, as a peer does at every step, so that a copy
+ * ordered after the wrong point or an event recorded too early shows. */
+Test(cuda, a_copy_beside_the_stream_sees_the_work_before_it_and_not_after) {
+  open_gpu();
+  const int64_t n = (1 << 22) + 5;
+  const size_t bytes = (size_t)n * sizeof(float);
+  float *src = tensor_host_alloc(g_be, bytes), *dst = tensor_host_alloc(g_be, bytes);
+  cr_assert_not_null(src);
+  cr_assert_not_null(dst);
+  for (int64_t i = 0; i < n; i++) src[i] = (float)(i % 65521) - 30000.0f;
+  struct dev params = dev_vec(n), snap = dev_vec(n);
+  tensor_event_t ev = tensor_event_create(g_be);
+  cr_assert_not_null(ev);
+  tensor_copy_from_host(&params.t, 0, src, bytes);
+  for (int round = 0; round < 3; round++) {
+    fill_value(dst, n, NAN);
+    float k = (float)(round + 2);
+    tensor_copy(&snap.t, &params.t);
+    tensor_scale(&snap.t, k); /* exact: a power of two or a small integer on these values */
+    tensor_copy_to_host_beside(&snap.t, 0, dst, bytes, ev);
+    for (int j = 0; j < 8; j++) tensor_scale(&params.t, -1.0f); /* later work on the stream */
+    tensor_fill(&params.t, 3.0f);
+    poll_event(ev, "copy beside the stream");
+    for (int64_t i = 0; i < n; i++)
+      cr_assert_eq(dst[i], k * src[i], "round %d, element %" PRId64 ": got %g, want %g", round, i, dst[i],
+                   k * src[i]);
+    tensor_copy_from_host(&params.t, 0, src, bytes);
+  }
+  /* At an element offset, only its bytes. */
+  fill_value(dst, n, NAN);
+  tensor_copy(&snap.t, &params.t);
+  tensor_copy_to_host_beside(&snap.t, 1000, dst, 77 * sizeof(float), ev);
+  tensor_event_wait(ev);
+  for (int64_t i = 0; i < 77; i++) cr_assert_eq(dst[i], src[1000 + i], "offset copy, element %" PRId64, i);
+  cr_assert(isnan(dst[77]), "the copy wrote past its byte count");
+  cr_assert(guards_intact(&snap, "copy beside"), "%s", g_why);
+  tensor_event_destroy(ev);
+  tensor_host_free(g_be, src);
+  tensor_host_free(g_be, dst);
+  close_gpu();
+}
+
 Test(cuda, async_copies_and_events_round_trip_through_pinned_memory) {
   open_gpu();
   const int64_t n = (1 << 22) + 3;

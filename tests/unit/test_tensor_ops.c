@@ -346,6 +346,30 @@ Test(tensor_cpu, events_are_complete_at_record_and_async_copies_have_landed) {
   tensor_free(&t);
 }
 
+/* tensor_copy_to_host_beside on the CPU: the copy has happened when the call
+ * returns, at the element offset asked, no further, and the event is
+ * complete. */
+Test(tensor_cpu, a_copy_beside_the_stream_lands_at_once_and_only_its_bytes) {
+  const int64_t n = 1000, off = 123, cnt = 456;
+  float *h = rand_host(n, 2);
+  struct tensor t = dev_from(h, 1, &n);
+  float *pinned = tensor_host_alloc(be, (size_t)n * sizeof(float));
+  cr_assert_not_null(pinned);
+  for (int64_t i = 0; i < n; i++) pinned[i] = 7.0f;
+  tensor_event_t ev = tensor_event_create(be);
+  cr_assert_not_null(ev);
+  tensor_copy_to_host_beside(&t, off, pinned, (size_t)cnt * sizeof(float), ev);
+  cr_assert(tensor_event_query(ev), "a CPU event must be complete when the copy returns");
+  int64_t bad = first_difference(pinned, h + off, cnt);
+  cr_assert_eq(bad, -1, "element %lld of the copy is %g, want %g", (long long)bad, bad >= 0 ? pinned[bad] : 0.0,
+               bad >= 0 ? h[off + bad] : 0.0);
+  cr_assert_eq(pinned[cnt], 7.0f, "the copy wrote past its byte count");
+  tensor_event_destroy(ev);
+  tensor_host_free(be, pinned);
+  free(h);
+  tensor_free(&t);
+}
+
 Test(tensor_cpu, device_specs) {
   tensor_backend_t b2;
   struct rumor_err e;
