@@ -227,6 +227,11 @@ struct gossip_donation {
 #define RING_MAX_MEMBERS 1024
 #define RING_PIECE_FLOATS (1u << 20) /* at most this many floats per transfer (4 MiB in f32) */
 #define RING_READY_MAX 1024         /* READY messages remembered (the newest per member) */
+/* While nothing of the predecessor's has arrived, our RING_READY is sent
+ * again this often: a READY queued on a link whose dial failed, or on a
+ * connection closed under it, is lost, and the predecessor would wait for
+ * it until the round's deadline (exchange_timeout_ms). */
+#define RING_READY_RESEND_MS 1000
 
 /* One transfer of a round: phase p (0 .. 2(n−1)−1), piece j. */
 struct ring_io {
@@ -261,6 +266,9 @@ struct gossip_ring {
   bool succ_ready;
   net_conn_t *send_conn;
   uint64_t started_ms, deadline_ms;
+  uint64_t ready_sent_ms; /* when our RING_READY of this attempt last went out */
+  bool heard_pred;        /* a piece of the predecessor's began arriving in this attempt */
+  uint32_t ready_sends;   /* our RING_READYs of this attempt so far */
   char why[200];
   /* Between rounds (loop thread). */
   uint64_t pos;      /* steps this member has completed, as far as the loop knows */
@@ -303,7 +311,7 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD };
+                          TEST_FLOOD, TEST_LOSE_READY };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -558,6 +566,8 @@ void gossip_testing_snapshot(struct gossip *g, uint64_t *step);
 /* How many of our `count` values to send. */
 uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count);
 void gossip_testing_tick(struct gossip *g, uint64_t now);
+/* True when the all-reduce READY about to go out is to be lost instead. */
+bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
 #endif
 
 #endif /* RUMOR_GOSSIP_IMPL_H */

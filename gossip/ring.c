@@ -366,15 +366,28 @@ int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_
     return RUMOR_EPROTO;
   /* Only the predecessor's pieces of the current attempt at the current
    * round (the nonce of our RING_READY), each once. */
-  if (!r->active || r->failing || step != r->step || hash != r->hash || nonce != r->nonce ||
-      !same_id(net_conn_peer_key(c), pred(r)) || p >= phases(r) || j >= r->pieces)
+  const char *why = !r->active || r->failing               ? "no round in progress"
+                    : step != r->step                       ? "another step"
+                    : hash != r->hash                       ? "another ring"
+                    : nonce != r->nonce                     ? "an earlier attempt"
+                    : !same_id(net_conn_peer_key(c), pred(r)) ? "not from the previous member"
+                    : p >= phases(r) || j >= r->pieces      ? "no such piece"
+                                                            : NULL;
+  uint32_t k = 0;
+  uint64_t lo = 0, hi = 0;
+  if (!why) {
+    k = (uint32_t)p * r->pieces + (uint32_t)j;
+    piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, &lo, &hi);
+    why = r->recv[k].state != RING_IO_NONE ? "that piece again" : info->count != hi - lo ? "a wrong length" : NULL;
+  }
+  if (why) {
+    log_debug("all-reduce piece (step %llu, phase %llu, piece %llu) from %s refused: %s", (unsigned long long)step,
+              (unsigned long long)p, (unsigned long long)j, net_conn_peer_name(c), why);
     return -ECONNREFUSED;
-  uint32_t k = (uint32_t)p * r->pieces + (uint32_t)j;
-  uint64_t lo, hi;
-  piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, &lo, &hi);
-  if (r->recv[k].state != RING_IO_NONE || info->count != hi - lo) return -ECONNREFUSED;
+  }
   r->recv[k] = (struct ring_io){RING_IO_BUSY, info->id, c};
   r->inflight++;
+  r->heard_pred = true;
   *dst = r->out + lo;
   *dst_arg = (void *)(uintptr_t)(k + 1);
   return 0;
@@ -444,6 +457,15 @@ static void send_ready(struct gossip *g) {
   net_msgbuf_put_uint(&b, "ring", r->hash);
   net_msgbuf_put_uint(&b, "n", r->n);
   net_msgbuf_put_uint(&b, "a", r->nonce);
+  r->ready_sent_ms = gossip_now_ms(g);
+  r->ready_sends++;
+#ifdef RUMOR_TESTING
+  if (gossip_testing_lose_ready(g, r->ready_sends == 1)) {
+    log_info("TESTING ONLY: this all-reduce READY is lost on purpose");
+    net_msgbuf_free(&b);
+    return;
+  }
+#endif
   int rc = gossip_send(g, pred(r), &b);
   net_msgbuf_free(&b);
   if (rc) fail(g, false, "cannot reach the previous member: %s", rumor_strerror(rc));
@@ -468,6 +490,8 @@ static void start_round(struct gossip *g, uint64_t step) {
   r->started_ms = gossip_now_ms(g);
   r->deadline_ms = r->started_ms + g->cfg.exchange_timeout_ms;
   r->pieces = 0; /* no transfers yet: the last round's arrays are for another ring */
+  r->heard_pred = false;
+  r->ready_sends = 0;
   if (r->ahead_step > step) {
     /* Someone already completed this step: its round will never come. */
     fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - step));
@@ -597,6 +621,15 @@ void gossip_ring_tick(struct gossip *g, uint64_t now) {
     gossip_member_label(g, succ(r), who, sizeof who);
     fail(g, true, "the next member %s is gone", who);
     return;
+  }
+  /* Nothing from the predecessor yet: perhaps our READY never reached it
+   * (RING_READY_RESEND_MS). The same attempt's READY again is harmless: a
+   * predecessor that had it already changes nothing. */
+  if (r->n > 1 && !r->heard_pred && r->recv_left && now >= r->ready_sent_ms + RING_READY_RESEND_MS) {
+    log_debug("all-reduce of step %llu: nothing from the previous member yet; telling it again that we are ready",
+              (unsigned long long)r->step);
+    send_ready(g);
+    if (!r->active || r->failing) return;
   }
   /* A ready peer outside the ring (a newcomer, or a member back from a
    * failure verdict): the ring re-forms with it. */

@@ -24,6 +24,9 @@
  *             exchange requests (for exchanges that never follow) and one new
  *             connection, closed as soon as it is up: about 1000 requests and
  *             50 connections a second per peer, far above the rate limits.
+ *   loseready the first RING_READY of each all-reduce attempt is not sent,
+ *             as if the link had lost it (only RING_READY_RESEND_MS's
+ *             repetitions go out)
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -37,7 +40,7 @@
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
 
-static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood"};
+static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood", "loseready"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -52,8 +55,12 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood (not '%s')",
+                       "flood, loseready (not '%s')",
                        kind);
+}
+
+bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
+  return g->test.attack == TEST_LOSE_READY && first_of_attempt;
 }
 
 void gossip_testing_free(struct gossip *g) {

@@ -145,6 +145,33 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
   expect_same_params(alive, 3);
 }
 
+/* Every member loses the first RING_READY of each attempt (the testing
+ * build's "loseready"): only the repetitions (RING_READY_RESEND_MS, 1 s)
+ * reach the predecessors. The rounds complete, each in about a second,
+ * instead of each waiting out the exchange timeout (60 s) and failing. */
+Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  for (int i = 0; i < 2; i++)
+    peer[i] = cluster_start_peer(&C, "--attack", "loseready", "--model", MODEL, "--sync", "allreduce", "--shard",
+                                 i ? "1/2" : "0/2", "--max-steps", "4", "--batch", "16", "--seed", "7", "--no-eval",
+                                 "--wait-peers", "2", "--checkpoint", C.node[C.n].ckpt, NULL);
+  for (int i = 0; i < 2; i++) {
+    int st = cluster_wait(&C, peer[i], 40); /* 4 rounds of ~1 s; one timed-out round alone takes 60 */
+    cr_assert(proc_exited_with(st, 0), "peer %d did not finish within 40 s (status %d): %s", i, st,
+              proc_slurp(C.node[peer[i]].log));
+  }
+  for (int i = 0; i < 2; i++) {
+    cr_assert(cluster_log_has(&C, peer[i], "lost on purpose"), "peer %d lost no READY", i);
+    cr_assert(cluster_log_has(&C, peer[i], "telling it again"), "peer %d sent no READY again", i);
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_rounds"), 4, "peer %d's rounds", i);
+    cr_assert_eq(cluster_result(&C, peer[i], "steps"), 4);
+  }
+  expect_same_params(peer, 2);
+}
+
 Test(allreduce, bad_combinations_are_usage_errors) {
   char *bad[] = {"peer", "--sync", "ring", NULL};
   cluster_expect_exit(&C, bad, 2, "--sync must be gossip, allreduce or ps, not 'ring'");

@@ -19,7 +19,8 @@ int main(int argc, char **argv) {
   for (int i = 0; i < argc; i++) {
     if (strcmp(argv[i], "--attack") == 0) {
       if (i + 1 >= argc) {
-        fprintf(stderr, "rumor-testing: --attack needs a KIND (nan, inf, scale, signflip, replay, short, flood)\n");
+        fprintf(stderr, "rumor-testing: --attack needs a KIND (nan, inf, scale, signflip, replay, short, flood, "
+                        "loseready)\n");
         return 2;
       }
       setenv("RUMOR_TEST_ATTACK", argv[++i], 1);
