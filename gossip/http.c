@@ -2,7 +2,9 @@
  * A minimal HTTP/1.0 server for the metrics endpoint and `rumor top --web`
  * (gossip_monitor_serve): GET and HEAD only, one request per connection,
  * bounded header size and time, a cap on concurrent clients (a full server
- * drops its oldest unfinished client), and on a loopback bind only requests
+ * drops its oldest unfinished client), a lingering close (on_shut: input
+ * after the request is drained, so that it cannot reset the connection
+ * under the answer), and on a loopback bind only requests
  * whose Host is a loopback name (DNS rebinding). It answers
  * Prometheus scrapes, health probes and the web view's page and polls; it is
  * not a general web server. Plain text and unauthenticated: bind it to an address
@@ -17,13 +19,16 @@
 
 #define HTTP_MAX_REQUEST 8192
 #define HTTP_MAX_CLIENTS 32
-#define HTTP_TIMEOUT_MS 5000
+#define HTTP_TIMEOUT_MS 5000        /* from the connection to the end of the request */
+#define HTTP_WRITE_TIMEOUT_MS 30000 /* from the answer to the end of its write (a large /state.json, a slow client) */
+#define HTTP_LINGER_MS 2000         /* after the answer: input read and dropped until the client closes */
 
 struct http_client {
   uv_tcp_t tcp;     /* first: the handle's data points here */
   struct http_client *prev, *next; /* the server's list of open clients */
   uv_timer_t timer;
   uv_write_t wreq;
+  uv_shutdown_t sreq;
   struct gossip_http *srv;
   char req[HTTP_MAX_REQUEST];
   size_t len;
@@ -66,12 +71,40 @@ static void on_client_handle_closed(uv_handle_t *hd) {
   maybe_free_server(h);
 }
 
+static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf);
+
 static void client_close(struct http_client *c) {
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_client_handle_closed);
   if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, on_client_handle_closed);
 }
 
-static void on_written(uv_write_t *req, int status) { client_close(req->data); }
+static void on_timeout(uv_timer_t *t) { client_close(t->data); }
+
+/* The answer is out and our side of the connection shut (FIN after the
+ * answer): keep reading, and dropping, what the client still sends until it
+ * closes or HTTP_LINGER_MS pass. Closing with unread input would make the
+ * kernel reset the connection and drop whatever of the answer it had not
+ * delivered yet (a request with a body, a client that pipelines, or one
+ * slow to read a large answer). */
+static void on_shut(uv_shutdown_t *req, int status) {
+  struct http_client *c = req->data;
+  if (status < 0 || uv_is_closing((uv_handle_t *)&c->tcp)) {
+    client_close(c);
+    return;
+  }
+  uv_timer_start(&c->timer, on_timeout, HTTP_LINGER_MS, 0);
+  c->len = 0;
+  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) client_close(c);
+}
+
+static void on_written(uv_write_t *req, int status) {
+  struct http_client *c = req->data;
+  c->sreq.data = c;
+  if (status < 0 || uv_is_closing((uv_handle_t *)&c->tcp) ||
+      uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shut) != 0)
+    client_close(c);
+}
 
 /* Answers and closes: status line, headers (Content-Length is the body's
  * even for HEAD, which gets no body) and the body. */
@@ -97,6 +130,7 @@ static void respond(struct http_client *c, int status, const char *type, const c
   if (blen) memcpy(c->resp + n, body, blen);
   uv_buf_t buf = uv_buf_init(c->resp, (unsigned)((size_t)n + blen));
   c->wreq.data = c;
+  uv_timer_start(&c->timer, on_timeout, HTTP_WRITE_TIMEOUT_MS, 0);
   if (uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &buf, 1, on_written) != 0) client_close(c);
 }
 
@@ -173,6 +207,7 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
     client_close(c);
     return;
   }
+  if (c->responded) return; /* lingering (on_shut): dropped; c->len stays 0 */
   c->len += (size_t)n;
   c->req[c->len] = '\0';
   if (strstr(c->req, "\r\n\r\n") || strstr(c->req, "\n\n")) {
@@ -181,8 +216,6 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
     respond(c, 400, "text/plain", "request too large\n", 18);
   }
 }
-
-static void on_timeout(uv_timer_t *t) { client_close(t->data); }
 
 static void on_connection(uv_stream_t *l, int status) {
   struct gossip_http *h = l->data;

@@ -1,7 +1,9 @@
-/* Logging: one line per call, written with a single write(2) so lines from
- * several threads or processes sharing a file never interleave. */
+/* Logging: one line per call, written with a single write(2) of at most
+ * PIPE_BUF bytes, so lines from several threads or processes sharing a file
+ * or a pipe never interleave (longer writes to a pipe may). */
 #include "util.h"
 
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,13 +74,23 @@ void log_vmsg(enum log_level level, const char *fmt, va_list ap) {
     size_t n;
     building_json = true;
     char *line = json_line(ts, (int)(ms % 1000), level, msg, &n);
+    /* Escapes can make the line several times the message (\u0001 for a
+     * control byte): cut the message until the line fits PIPE_BUF. */
+    while (n > PIPE_BUF && len > 16) {
+      free(line);
+      len = len * 3 / 4;
+      while (len > 0 && ((unsigned char)msg[len] & 0xC0) == 0x80) len--; /* not inside a character */
+      memcpy(msg + len, "...", 4);
+      len += 3;
+      line = json_line(ts, (int)(ms % 1000), level, msg, &n);
+    }
     building_json = false;
     ssize_t w = write(STDERR_FILENO, line, n);
     (void)w; /* nothing sensible to do if stderr is gone */
     free(line);
     return;
   }
-  char line[4096], ts[16];
+  char line[PIPE_BUF], ts[16];
   size_t n;
   strftime(ts, sizeof ts, "%H:%M:%S", &tm);
   static const char *tags[] = {"DEBUG", "INFO ", "WARN ", "ERROR"};

@@ -20,10 +20,23 @@
 #define TB_NORM_COST_SHARE 100.0
 
 void tb_run_name(const char *name, char *out, size_t n) {
+  RUMOR_ASSERT(n > 16);
+  bool changed = strlen(name) >= n;
   snprintf(out, n, "%s", name);
   for (char *c = out; *c; c++)
-    if (*c == '/' || *c == '\\') *c = '_';
-  if (!out[0] || strcmp(out, ".") == 0 || strcmp(out, "..") == 0) snprintf(out, n, "_");
+    if (*c == '/' || *c == '\\') *c = '_', changed = true;
+  if (!out[0] || strcmp(out, ".") == 0 || strcmp(out, "..") == 0) {
+    snprintf(out, n, "_");
+    changed = true;
+  }
+  if (!changed) return;
+  /* Names that the replacements or the cut made equal ("a/b" and "a_b")
+   * stay apart: the original's FNV-1a hash is appended. */
+  uint32_t h = 2166136261u;
+  for (const unsigned char *c = (const unsigned char *)name; *c; c++) h = (h ^ *c) * 16777619u;
+  size_t keep = strlen(out);
+  if (keep > n - 10) keep = n - 10;
+  snprintf(out + keep, n - keep, "-%08x", (unsigned)h);
 }
 
 void tb_member_name(const char *id, char *out, size_t n) {

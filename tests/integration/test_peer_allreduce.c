@@ -152,6 +152,7 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
 Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
   SKIP_WITHOUT_DATA();
   C.bin = RUMOR_TESTING_BIN;
+  setenv("RUMOR_LOG_LEVEL", "debug", 1); /* the repetitions are logged at debug level */
   cluster_start_bootstrap(&C, NULL);
   int peer[2];
   for (int i = 0; i < 2; i++)

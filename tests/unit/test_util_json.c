@@ -6,6 +6,7 @@
  * --log-json lines it builds read back. */
 #include <criterion/criterion.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -241,5 +242,40 @@ Test(json_text, log_json_lines_read_back) {
   cr_assert_str_eq(json_string_value(json_object_get(d, "msg")), "said \"hi\"\tand \x01 then ?");
   cr_assert_eq(json_integer_value(json_object_get(d, "pid")), getpid());
   cr_assert(strncmp(buf, "{\"ts\":\"", 7) == 0, "%s", buf);
+  json_decref(d);
+}
+
+/* A message of control bytes escapes to six times its length: the line is
+ * cut to PIPE_BUF (one atomic write to a pipe), still one valid JSON line
+ * whose message is the start of the original with "..." after it. */
+Test(json_text, a_log_json_line_longer_than_pipe_buf_is_cut_to_fit) {
+  char path[] = "/tmp/rumor-log-json-XXXXXX";
+  int fd = mkstemp(path);
+  cr_assert_geq(fd, 0);
+  int saved = dup(STDERR_FILENO);
+  cr_assert_geq(dup2(fd, STDERR_FILENO), 0);
+  char msg[2000];
+  memset(msg, '\x01', sizeof msg - 1);
+  msg[sizeof msg - 1] = '\0';
+  log_set_json(true);
+  log_info("%s", msg);
+  log_set_json(false);
+  dup2(saved, STDERR_FILENO);
+  close(saved);
+  char buf[3 * PIPE_BUF];
+  ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+  close(fd);
+  unlink(path);
+  cr_assert_gt(n, 0);
+  cr_assert_leq(n, PIPE_BUF, "a line of %zd bytes", n);
+  buf[n] = '\0';
+  cr_assert_null(memchr(buf, '\n', (size_t)n - 1), "one line: %s", buf);
+  json_t *d;
+  struct rumor_err e;
+  cr_assert_eq(json_text_parse(buf, (size_t)n, &d, &e), 0, "%s: %s", e.msg, buf);
+  const char *m = json_string_value(json_object_get(d, "msg"));
+  size_t ml = strlen(m);
+  cr_assert(ml > 100 && strcmp(m + ml - 3, "...") == 0, "message of %zu bytes: %.40s", ml, m);
+  for (size_t k = 0; k < ml - 3; k++) cr_assert_eq(m[k], '\x01', "byte %zu of the message", k);
   json_decref(d);
 }
