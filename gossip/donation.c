@@ -94,6 +94,9 @@ static void on_ready(net_t *n, void *arg, int status) {
   }
   size_t mlen;
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
+#ifdef RUMOR_TESTING
+  if (!params_only) gossip_testing_donation(g, d->buf, g->cfg.state_floats);
+#endif
   /* A state travels exactly (f32): it seeds a replica. */
   struct net_bulk_send s = {.src = d->buf, .count = params_only ? g->cfg.nparams : g->cfg.state_floats,
                             .wire = NET_DTYPE_F32, .meta = mdata, .meta_len = mlen, .done = on_sent, .arg = g};

@@ -188,10 +188,12 @@ static void start_send(struct gossip *g) {
    * one session, in order (net.md), and hashing each exchange twice costs
    * more CPU than the AEAD itself. State donations keep the digest. */
   uint64_t count = g->cfg.nparams;
+  const float *src = g->xch.mine;
 #ifdef RUMOR_TESTING
   count = gossip_testing_send_count(g, count);
+  src = gossip_testing_send_src(g);
 #endif
-  struct net_bulk_send s = {.src = g->xch.mine, .count = count, .wire = g->cfg.wire, .no_digest = true,
+  struct net_bulk_send s = {.src = src, .count = count, .wire = g->cfg.wire, .no_digest = true,
                             .meta = mdata, .meta_len = mlen, .done = on_xch_sent, .arg = g};
   int rc = net_conn_send_bulk(x->conn, &s, &x->send_id);
   net_msgbuf_free(&meta);

@@ -311,11 +311,12 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD, TEST_LOSE_READY };
+                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
   float *recorded; /* replay: the first snapshot taken after step 0 */
+  float *out;      /* the poisoned copy of our snapshot that is sent (NULL: none) */
   uint64_t recorded_step;
   uint64_t replay_from; /* replay once this many snapshots were taken */
 };
@@ -561,11 +562,16 @@ void gossip_http_stop(struct gossip_http *h);
 /* ---- testing.c: the testing build's misbehaving member (see there) ---- */
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
 void gossip_testing_free(struct gossip *g);
-/* Poisons our snapshot in `mine` once it is taken; may change *step. */
+/* Poisons a copy of our snapshot in `mine` once it is taken (the copy is
+ * sent: gossip_testing_send_src); may change *step. */
 void gossip_testing_snapshot(struct gossip *g, uint64_t *step);
+/* What to send: the poisoned copy, or our snapshot. */
+const float *gossip_testing_send_src(struct gossip *g);
 /* How many of our `count` values to send. */
 uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count);
 void gossip_testing_tick(struct gossip *g, uint64_t now);
+/* Poisons a state about to be donated (`n` floats). */
+void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
 #endif

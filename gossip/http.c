@@ -34,7 +34,7 @@ struct http_client {
   size_t len;
   char *resp;
   int handles;      /* open handles; freed at 0 */
-  bool responded, head_only;
+  bool responded, head_only, closing;
 };
 
 struct gossip_http {
@@ -42,7 +42,8 @@ struct gossip_http {
   gossip_http_handler handler;
   void *ctx;
   int port;
-  int clients;
+  int clients;              /* allocated, until their handles have closed */
+  int live;                 /* of them, not closing: what the cap counts */
   struct http_client *head; /* newest first */
   bool loopback;            /* bound to a loopback address: Host is checked */
   bool stopping, listener_closed;
@@ -75,6 +76,13 @@ static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf);
 static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf);
 
 static void client_close(struct http_client *c) {
+  if (!c->closing) {
+    /* Counted out now: its handles close at the end of this loop
+     * iteration, and a client accepted before then must not find the
+     * server full of clients that are already going. */
+    c->closing = true;
+    c->srv->live--;
+  }
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_client_handle_closed);
   if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, on_client_handle_closed);
 }
@@ -228,6 +236,7 @@ static void on_connection(uv_stream_t *l, int status) {
   c->timer.data = c;
   c->handles = 2;
   h->clients++;
+  h->live++;
   c->next = h->head;
   if (h->head) h->head->prev = c;
   h->head = c;
@@ -235,12 +244,12 @@ static void on_connection(uv_stream_t *l, int status) {
     client_close(c);
     return;
   }
-  if (h->clients > HTTP_MAX_CLIENTS) {
+  if (h->live > HTTP_MAX_CLIENTS) {
     /* Full: the oldest client still sending its request goes, so that
      * clients that connect and say nothing cannot keep everyone out. */
     struct http_client *oldest = NULL;
     for (struct http_client *o = h->head; o; o = o->next)
-      if (o != c && !o->responded && !uv_is_closing((uv_handle_t *)&o->tcp)) oldest = o;
+      if (o != c && !o->responded && !o->closing) oldest = o;
     if (!oldest) {
       client_close(c);
       return;

@@ -8,7 +8,8 @@
  * a peer's runtime starts (the testing binary's --attack KIND sets it, and
  * the stages a launcher starts inherit it). Kinds:
  *
- * Changing our snapshot once it is taken (loop thread, before it is sent):
+ * Changing a copy of our snapshot once it is taken (loop thread, before it
+ * is sent; the snapshot itself stays ours):
  *   nan       a few values set to NaN
  *   inf       a few values set to +Inf
  *   scale     the model multiplied by -1000
@@ -24,6 +25,8 @@
  *             exchange requests (for exchanges that never follow) and one new
  *             connection, closed as soon as it is up: about 1000 requests and
  *             50 connections a second per peer, far above the rate limits.
+ *   baddonor  a state donated to a newcomer is multiplied by -1000 (the
+ *             exchanges stay honest)
  *   loseready the first RING_READY of each all-reduce attempt is not sent,
  *             as if the link had lost it (only RING_READY_RESEND_MS's
  *             repetitions go out)
@@ -40,7 +43,7 @@
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
 
-static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood", "loseready"};
+static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood", "loseready", "baddonor"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -55,8 +58,14 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready (not '%s')",
+                       "flood, loseready, baddonor (not '%s')",
                        kind);
+}
+
+void gossip_testing_donation(struct gossip *g, float *state, uint64_t n) {
+  if (g->test.attack != TEST_BAD_DONOR) return;
+  log_warn("TESTING ONLY: donating a poisoned state");
+  for (uint64_t i = 0; i < n; i++) state[i] *= -1000.0f;
 }
 
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
@@ -66,13 +75,23 @@ bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
 void gossip_testing_free(struct gossip *g) {
   free(g->test.recorded);
   g->test.recorded = NULL;
+  free(g->test.out);
+  g->test.out = NULL;
 }
 
 void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
   struct gossip_test *t = &g->test;
-  float *p = g->xch.mine;
   uint64_t n = g->cfg.nparams;
   t->snapshots++;
+  bool poisons = t->attack == TEST_NAN || t->attack == TEST_INF || t->attack == TEST_SCALE ||
+                 t->attack == TEST_SIGNFLIP || t->attack == TEST_REPLAY;
+  if (!poisons) return;
+  /* A copy is poisoned and sent; our own snapshot stays what the training
+   * thread took (it averages from it, peer/sync/sync.h): the attacker keeps
+   * an honest state, as a real one would to pass the donation checks. */
+  if (!t->out) t->out = xmalloc((size_t)n * sizeof(float));
+  memcpy(t->out, g->xch.mine, (size_t)n * sizeof(float));
+  float *p = t->out;
   switch (t->attack) {
   case TEST_NAN:
   case TEST_INF:
@@ -101,6 +120,8 @@ void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
   default: return;
   }
 }
+
+const float *gossip_testing_send_src(struct gossip *g) { return g->test.out ? g->test.out : g->xch.mine; }
 
 uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count) {
   return g->test.attack == TEST_SHORT && count > 0 ? count - 1 : count;

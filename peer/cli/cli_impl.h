@@ -370,7 +370,8 @@ struct tb_train {
 
 /* `name` as one path component: '/' and backslash become '_'; "", "." and ".."
  * become "_"; cut to n − 1 bytes. A name so changed gets "-" and 8 hex
- * digits of its hash appended (within n), so that names stay apart. n > 16. */
+ * digits of its hash appended (within n, when n > 16), so that names stay
+ * apart. */
 void tb_run_name(const char *name, char *out, size_t n);
 /* A member's name from its key (NET_PUBKEY_STR_LEN base64 characters): the
  * first TB_MEMBER_ID_CHARS, '/' as '_' and '+' as '-'. */

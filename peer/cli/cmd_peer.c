@@ -1,5 +1,7 @@
 /* `rumor peer`: train one replica as a member of a gossip cluster. */
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
@@ -97,6 +99,54 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
   return 0;
 }
 
+/* A donated state is taken only when its loss on the check rows is at
+ * most this many times our own initialisation's: a broken or hostile donor
+ * (a valid key, a state of garbage) must not seed us with it. */
+#define DONATION_MAX_LOSS_RATIO 2.0
+
+/* Our initialisation's parameters, kept while a state may be pulled; NULL
+ * when there is nothing to keep or no memory for it (no check then). */
+static float *keep_own_start(struct trainer *t, bool may_pull) {
+  if (!may_pull) return NULL;
+  float *own = malloc((size_t)t->model.nparams * sizeof(float));
+  if (!own) {
+    log_warn("no memory to keep our initialisation: a donated state will be taken unchecked");
+    return NULL;
+  }
+  tensor_copy_to_host(&t->model.params, 0, own, (size_t)t->model.nparams * sizeof(float));
+  return own;
+}
+
+/* Takes the state pulled into `donated` (loaded already) at `pos`, or
+ * refuses it (returns false, our own initialisation back) when its loss on
+ * the check rows is not finite or above DONATION_MAX_LOSS_RATIO times our
+ * initialisation's. */
+static bool take_donation(struct trainer *t, const float *own, const float *donated,
+                          const struct gossip_train_pos *pos) {
+  int64_t rows, step = t->st.step, epoch = t->st.epoch, samples = t->st.samples;
+  int64_t targets = sync_check_targets(t->model.nparams);
+  double loss = trainer_check_loss(t, targets, &rows), own_loss = NAN;
+  if (own) {
+    trainer_load_fresh(t, own);
+    own_loss = trainer_check_loss(t, targets, &rows);
+    if (isfinite(own_loss) && !(loss <= DONATION_MAX_LOSS_RATIO * own_loss)) {
+      log_warn("refused the cluster's state at step %llu: loss %.4g on %lld training %s, more than %g times our "
+               "own initialisation's %.4f (a broken or hostile donor)",
+               (unsigned long long)pos->step, loss, (long long)rows, trainer_row_noun(t), DONATION_MAX_LOSS_RATIO,
+               own_loss);
+      trainer_set_position(t, step, epoch, samples);
+      return false;
+    }
+    trainer_load_state(t, donated);
+  }
+  trainer_set_position(t, (int64_t)pos->step, (int64_t)pos->epoch, samples);
+  log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %lld training %s (our own "
+           "initialisation: %.4f)",
+           (unsigned long long)pos->step, (unsigned long long)pos->epoch + 1, loss, (long long)rows,
+           trainer_row_noun(t), own_loss);
+  return true;
+}
+
 /* Joins the cluster and takes a live peer's state unless we resume. */
 static int join(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
@@ -104,17 +154,13 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   model_spec_format(&t->model.spec, spec, sizeof spec);
   int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", NULL, e);
   if (rc) return rc;
+  float *own = keep_own_start(t, !p->gf.no_state_pull && !p->tc.resume);
   struct gossip_train_pos pos;
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
+  if (jr == 0 && !take_donation(t, own, p->mb.donor, &pos)) jr = 1;
+  free(own);
   if (jr < 0) return jr;
-  if (jr == 0) {
-    trainer_set_position(t, (int64_t)pos.step, (int64_t)pos.epoch, t->st.samples);
-    int64_t rows;
-    double loss = trainer_check_loss(t, sync_check_targets(t->model.nparams), &rows);
-    log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %lld training %s",
-             (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1, loss, (long long)rows,
-             trainer_row_noun(t));
-  } else {
+  if (jr > 0) {
     log_info("starting from %s", p->tc.resume ? "the checkpoint" : "our own initialisation");
   }
   if ((rc = member_ready(&p->mb, t, e))) return rc;

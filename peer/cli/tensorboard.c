@@ -20,7 +20,6 @@
 #define TB_NORM_COST_SHARE 100.0
 
 void tb_run_name(const char *name, char *out, size_t n) {
-  RUMOR_ASSERT(n > 16);
   bool changed = strlen(name) >= n;
   snprintf(out, n, "%s", name);
   for (char *c = out; *c; c++)
@@ -29,7 +28,7 @@ void tb_run_name(const char *name, char *out, size_t n) {
     snprintf(out, n, "_");
     changed = true;
   }
-  if (!changed) return;
+  if (!changed || n <= 16) return; /* no room for the hash: tb_member_name's names never change */
   /* Names that the replacements or the cut made equal ("a/b" and "a_b")
    * stay apart: the original's FNV-1a hash is appended. */
   uint32_t h = 2166136261u;

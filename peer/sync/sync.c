@@ -27,6 +27,12 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
                "partners are copied to the host on the training stream instead",
                tensor_backend_name(t->be), (double)t->model.nparams * 4e-6);
   }
+  if (tensor_backend_device(t->be) == TENSOR_DEVICE_CPU) {
+    if (tensor_mirror_host(&s->sent, &flat, gossip_xch_mine(g), e) != 0) /* a view: cannot fail */
+      return rumor_err_prefix(e, "gossip snapshot view");
+  } else if (s->snap_dev.data) {
+    s->sent = tensor_flat(&s->snap_dev);
+  }
   s->last_start_s = clock_now_s();
   s->mix_step = t->st.step;
   s->refreshed_step = -1;
@@ -48,11 +54,12 @@ void sync_free(struct sync *s) {
   memset(s, 0, sizeof *s);
 }
 
-/* Validates the partner's parameters (in staging) against ours. Returns 0
- * or a negative code with the reason in `why`. */
-static int validate(struct sync *s, char *why, size_t n) {
+/* Validates the partner's parameters (in staging) against `ours` (the
+ * parameters, or the snapshot we sent). Returns 0 or a negative code with
+ * the reason in `why`. */
+static int validate(struct sync *s, const struct tensor *ours, char *why, size_t n) {
   struct tensor_diff_stats ds;
-  tensor_diff_stats(&s->t->model.params, &s->staging, &ds); /* one pass on the CPU */
+  tensor_diff_stats(ours, &s->staging, &ds); /* one pass on the CPU */
   if (ds.nonfinite_y) {
     snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)ds.nonfinite_y,
              (long long)tensor_numel(&s->staging));
@@ -162,8 +169,10 @@ static void exchange(struct sync *s) {
   case GOSSIP_XCH_APPLY: {
     tensor_mirror_refresh(&s->staging, gossip_xch_theirs(s->g));
     char why[200] = "";
-    int rc = validate(s, why, sizeof why);
-    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x_partner − x (sync.h, "Clipping"); far
+    bool from_sent = s->sent.data != NULL; /* sync.h, "Applying" */
+    struct tensor params = tensor_flat(&t->model.params);
+    int rc = validate(s, from_sent ? &s->sent : &params, why, sizeof why);
+    /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x'_s − x_s (sync.h, "Clipping"); far
      * outliers are skipped. */
     float w = gossip_xch_alpha(s->g);
     if (rc == 0 && s->cfg.clip) {
@@ -178,7 +187,14 @@ static void exchange(struct sync *s) {
       }
     }
     if (rc == 0) {
-      tensor_lerp(&t->model.params, &s->staging, w);
+      if (from_sent) {
+        /* θ + w·(θ'_s − θ_s) (sync.h, "Applying"); the difference first,
+         * in the partner's buffer (ours until the slot is idle again). */
+        tensor_axpby(-1.0f, &s->sent, 1.0f, &s->staging);
+        tensor_axpby(w, &s->staging, 1.0f, &params);
+      } else {
+        tensor_lerp(&t->model.params, &s->staging, w);
+      }
       s->refreshed_step = -1; /* the parameters changed within the step */
       s->applied++;
       int64_t run = t->st.step - s->mix_step;

@@ -374,6 +374,11 @@ void trainer_load_state(struct trainer *t, const float *state) {
   tensor_copy_from_host(&t->optim.state, 0, state + P, (size_t)(trainer_state_floats(t) - P) * sizeof(float));
 }
 
+void trainer_load_fresh(struct trainer *t, const float *params) {
+  tensor_copy_from_host(&t->model.params, 0, params, (size_t)t->model.nparams * sizeof(float));
+  tensor_fill(&t->optim.state, 0.0f); /* as optim_init leaves it */
+}
+
 void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_t samples) {
   t->optim.step = step;
   t->st.step = step;

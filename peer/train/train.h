@@ -427,6 +427,9 @@ int64_t trainer_state_floats(const struct trainer *t);
 void trainer_copy_state(struct trainer *t, float *out);
 /* Replaces parameters and optimizer state with `state` (state_floats). */
 void trainer_load_state(struct trainer *t, const float *state);
+/* Replaces the parameters with `params` (nparams floats, host) and zeroes
+ * the optimizer state, as a fresh trainer's. */
+void trainer_load_fresh(struct trainer *t, const float *params);
 /* Continues from optimizer step `step` at the start of this shard's epoch
  * `epoch`, having trained on `samples` rows (a newcomer taking a live
  * peer's state; a stage taking stage 0's position). */

@@ -5,7 +5,8 @@
  * (their loss keeps falling). With one sign-flipping attacker among 8 peers,
  * clipped averaging (--clip) keeps every honest peer at test accuracy
  * >= 0.85, and without it the attack does real damage. A flood of exchange
- * requests and connections hits the per-peer rate limits. */
+ * requests and connections hits the per-peer rate limits. A newcomer refuses
+ * a donated state of garbage and starts from its own initialisation. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -233,4 +234,31 @@ Test(poison, a_flood_of_requests_and_connections_hits_the_per_peer_rate_limits) 
                    "honest peer %d rate-limited honest peer %d", k, j);
     }
   }
+}
+
+/* A donor that holds valid keys and donates a state of garbage (the testing
+ * build's "baddonor": the state times -1000; its exchanges stay honest): the
+ * newcomer measures the state's loss against its own initialisation's,
+ * refuses it, starts from its own initialisation, and trains to a sound
+ * model with that peer. */
+Test(poison, a_newcomer_refuses_a_poisoned_donated_state_and_starts_from_its_own) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int bad = cluster_start_peer(&C, "--attack", "baddonor", "--model", "mlp:784-64-10", "--shard", "0/2", "--epochs",
+                               "1000", "--max-steps", "1000000", "--batch", "64", "--lr", "0.1", "--no-eval",
+                               "--gossip-every", "1", NULL);
+  cr_assert(cluster_wait_file(C.node[bad].log, "first step", 60), "the donor did not start training: %s",
+            proc_slurp(C.node[bad].log));
+  int newcomer = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--shard", "1/2", "--epochs", "1", "--batch",
+                                    "64", "--lr", "0.1", "--gossip-every", "1", NULL);
+  expect_clean_exit(newcomer);
+  cr_assert_gt(count_lines(bad, "donating a poisoned state", NULL), 0, "the donor donated nothing: %s",
+               proc_slurp(C.node[bad].log));
+  cr_assert_eq(count_lines(newcomer, "refused the cluster's state at step", "a broken or hostile donor"), 1,
+               "the newcomer did not refuse the state: %s", proc_slurp(C.node[newcomer].log));
+  cr_assert_eq(count_lines(newcomer, "starting from the cluster's state", NULL), 0);
+  cr_assert_gt(count_lines(newcomer, "starting from our own initialisation", NULL), 0);
+  double acc = cluster_result(&C, newcomer, "test_accuracy");
+  fprintf(stderr, "baddonor: the newcomer's test accuracy %.4f after one epoch of its half\n", acc);
+  cr_assert(acc >= 0.75, "the newcomer ended at test accuracy %.4f", acc);
 }
