@@ -81,7 +81,7 @@ struct gossip_config {
   /* GOSSIP_SYNC_ALLREDUCE: xch_mine and xch_theirs hold nparams + 1 floats
    * each and serve the all-reduce; exchange requests are refused. */
   enum gossip_sync sync;
-  float alpha;           /* averaging weight: x ← (1−α)·x + α·x_partner */
+  float alpha;           /* averaging weight: x ← x + α·(x'_s − x_s), the snapshots exchanged (sync.h) */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
    * floats each) and a donated state (state_floats floats). */

@@ -43,7 +43,8 @@
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
 
-static const char *const NAMES[] = {"none", "nan", "inf", "scale", "signflip", "replay", "short", "flood", "loseready", "baddonor"};
+static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",   "signflip", "replay",
+                                    "short", "flood", "loseready", "baddonor"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;

@@ -34,7 +34,7 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
                              : "--sync ps: the parameter servers' addresses, in range order (rumor ps --range I/S)"},
       {"gossip-every", ARG_INT, &f->every, "N", "start an exchange every N steps (0: off)", 0, 1e12},
       {"gossip-interval", ARG_FLOAT, &f->interval, "SEC", "... or every SEC seconds (0: off)", 0, 1e6},
-      {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- (1-X) x + X x_partner", 1e-6, 1},
+      {"alpha", ARG_FLOAT, &f->alpha, "X", "averaging weight: x <- x + X (x_partner - x), both as exchanged", 1e-6, 1},
       {"max-local-steps", ARG_INT, &f->max_local_steps, "N",
        "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
        1e12},
