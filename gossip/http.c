@@ -35,6 +35,7 @@ struct http_client {
   char *resp;
   int handles;      /* open handles; freed at 0 */
   bool responded, head_only, closing;
+  bool lingering; /* the answer handed over whole and our side shut (on_shut) */
 };
 
 struct gossip_http {
@@ -102,6 +103,7 @@ static void on_shut(uv_shutdown_t *req, int status) {
     return;
   }
   uv_timer_start(&c->timer, on_timeout, HTTP_LINGER_MS, 0);
+  c->lingering = true;
   c->len = 0;
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) client_close(c);
 }
@@ -246,10 +248,16 @@ static void on_connection(uv_stream_t *l, int status) {
   }
   if (h->live > HTTP_MAX_CLIENTS) {
     /* Full: the oldest client still sending its request goes, so that
-     * clients that connect and say nothing cannot keep everyone out. */
-    struct http_client *oldest = NULL;
-    for (struct http_client *o = h->head; o; o = o->next)
-      if (o != c && !o->responded && !o->closing) oldest = o;
+     * clients that connect and say nothing cannot keep everyone out; else
+     * the oldest lingering one (it has its whole answer). Only clients
+     * whose answer is still being written keep their place. */
+    struct http_client *oldest = NULL, *oldest_done = NULL;
+    for (struct http_client *o = h->head; o; o = o->next) {
+      if (o == c || o->closing) continue;
+      if (!o->responded) oldest = o;
+      else if (o->lingering) oldest_done = o;
+    }
+    if (!oldest) oldest = oldest_done;
     if (!oldest) {
       client_close(c);
       return;

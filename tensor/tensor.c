@@ -173,6 +173,12 @@ static char *elem_ptr(const struct tensor *t, int64_t offset, size_t bytes) {
   return (char *)t->data + start;
 }
 
+bool tensor_backend_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes) {
+  if (!be->ops->mem_info) return false;
+  be->ops->mem_info(be, free_bytes, total_bytes);
+  return true;
+}
+
 void tensor_copy_from_host(struct tensor *dst, int64_t offset, const void *host, size_t bytes) {
   dst->be->ops->copy_h2d(dst->be, elem_ptr(dst, offset, bytes), host, bytes, false);
 }

@@ -68,6 +68,9 @@ const char *tensor_backend_name(tensor_backend_t be);
 /* CPU: the number of threads oneDNN and the plain loops may use (>= 1).
  * Ignored by CUDA. */
 void tensor_backend_set_threads(tensor_backend_t be, int threads);
+/* The device's free and total memory in bytes; false where not known (the
+ * CPU: host memory is not the backend's to count). */
+bool tensor_backend_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes);
 /* Waits until every op enqueued on `be` has finished. */
 void tensor_backend_sync(tensor_backend_t be);
 /* Number of usable CUDA devices: 0 when built without CUDA or with no GPU. */

@@ -195,6 +195,11 @@ static void *cuda_mem_alloc(tensor_backend_t be, size_t bytes) {
   return p;
 }
 
+static void cuda_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes) {
+  enter(be);
+  CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
 /* cudaFree waits for the device, so no op still in flight can touch p. */
 static void cuda_mem_free(tensor_backend_t be, void *p) {
   enter(be);
@@ -639,6 +644,7 @@ static const struct tensor_backend_ops cuda_ops = {
     .sync = cuda_sync,
     .mem_alloc = cuda_mem_alloc,
     .mem_free = cuda_mem_free,
+    .mem_info = cuda_mem_info,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .copy_h2d = cuda_copy_h2d,

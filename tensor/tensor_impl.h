@@ -21,6 +21,8 @@ struct tensor_backend_ops {
   /* Device memory: NULL on failure (the caller reports it). */
   void *(*mem_alloc)(tensor_backend_t be, size_t bytes);
   void (*mem_free)(tensor_backend_t be, void *p);
+  /* Free and total device memory; NULL where not known (the CPU). */
+  void (*mem_info)(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes);
   /* Host memory for fast/async copies: NULL on failure. */
   void *(*host_alloc)(tensor_backend_t be, size_t bytes);
   void (*host_free)(tensor_backend_t be, void *p);

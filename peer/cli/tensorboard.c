@@ -28,6 +28,11 @@ void tb_run_name(const char *name, char *out, size_t n) {
     snprintf(out, n, "_");
     changed = true;
   }
+  if (strlen(name) >= n) { /* cut: not inside a character (name[k] is the first byte left out) */
+    size_t k = strlen(out);
+    while (k > 0 && ((unsigned char)name[k] & 0xC0) == 0x80) k--;
+    out[k] = '\0';
+  }
   if (!changed || n <= 16) return; /* no room for the hash: tb_member_name's names never change */
   /* Names that the replacements or the cut made equal ("a/b" and "a_b")
    * stay apart: the original's FNV-1a hash is appended. */
@@ -35,6 +40,7 @@ void tb_run_name(const char *name, char *out, size_t n) {
   for (const unsigned char *c = (const unsigned char *)name; *c; c++) h = (h ^ *c) * 16777619u;
   size_t keep = strlen(out);
   if (keep > n - 10) keep = n - 10;
+  while (keep > 0 && ((unsigned char)out[keep] & 0xC0) == 0x80) keep--; /* not inside a character */
   snprintf(out + keep, n - keep, "-%08x", (unsigned)h);
 }
 

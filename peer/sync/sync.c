@@ -7,6 +7,25 @@
 #include <string.h>
 #include <time.h>
 
+/* The device copy of the snapshot (sync.h, snap_dev), when the device has
+ * room for it beside SNAP_DEV_MARGIN of its memory: buffers that grow on
+ * first use (attention, LayerNorm backward) must still find theirs, since
+ * their allocation failing ends the process. */
+#define SNAP_DEV_MARGIN 8 /* keep 1/8 of the device free */
+static void alloc_snap_dev(struct sync *s) {
+  struct trainer *t = s->t;
+  size_t need = (size_t)t->model.nparams * sizeof(float), free_b = 0, total_b = 0;
+  bool known = tensor_backend_mem_info(t->be, &free_b, &total_b);
+  struct rumor_err ignored = {0};
+  struct tensor flat = tensor_flat(&t->model.params);
+  if ((known && free_b < need + total_b / SNAP_DEV_MARGIN) ||
+      tensor_alloc(&s->snap_dev, t->be, TENSOR_F32, 1, &flat.shape[0], &ignored) != 0)
+    log_warn("%s has no room for a second copy of the parameters (%.0f MB beside an eighth of its memory): the "
+             "snapshots kept ready for partners are copied to the host on the training stream, and exchanges "
+             "average with the current parameters instead of our snapshot (peer/sync/sync.h)",
+             tensor_backend_name(t->be), (double)need * 1e-6);
+}
+
 int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg, struct rumor_err *e) {
   memset(s, 0, sizeof *s);
   s->cfg = *cfg;
@@ -20,13 +39,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
     tensor_free(&s->staging);
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
-  if (tensor_backend_device(t->be) != TENSOR_DEVICE_CPU && !cfg->allreduce) {
-    struct rumor_err ignored = {0};
-    if (tensor_alloc(&s->snap_dev, t->be, TENSOR_F32, 1, &flat.shape[0], &ignored) != 0)
-      log_info("%s has no room for a second copy of the parameters (%.0f MB): the snapshots kept ready for "
-               "partners are copied to the host on the training stream instead",
-               tensor_backend_name(t->be), (double)t->model.nparams * 4e-6);
-  }
+  if (tensor_backend_device(t->be) != TENSOR_DEVICE_CPU && !cfg->allreduce) alloc_snap_dev(s);
   if (tensor_backend_device(t->be) == TENSOR_DEVICE_CPU) {
     if (tensor_mirror_host(&s->sent, &flat, gossip_xch_mine(g), e) != 0) /* a view: cannot fail */
       return rumor_err_prefix(e, "gossip snapshot view");

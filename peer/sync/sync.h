@@ -22,8 +22,9 @@
  * rejected with a log line and the sender is backed off; an accepted one
  * moves us by the snapshots' difference: θ ← θ + α·(θ'_s − θ_s), or with
  * clipping (below) θ ← θ + α·clip(θ'_s − θ_s, τ). The steps taken since our
- * snapshot are kept, and the pair's sum of parameters does not change (the
- * partner adds the opposite). Averaging with the current parameters
+ * snapshot are kept, and when both sides apply with the same weight (no
+ * clipping scale, skip or rejection on either side) the pair's sum of
+ * parameters does not change (the partner adds the opposite). Averaging with the current parameters
  * instead, θ ← θ + α·(θ'_s − θ), pulls each side back by α of the steps it
  * took since the partner's snapshot: measured on the README job (4 peers)
  * 0.8914 → 0.8936 mean accuracy (two rounds each), and on 4 GPT peers with AdamW +0.058 →

@@ -107,7 +107,7 @@ static void expect_status(int port, const char *method, const char *path, int wa
  * caching; a Host that is not loopback is refused on a loopback bind (DNS
  * rebinding), a loopback one with its port answered; as many silent clients
  * as the server holds at once do not keep a new one out (the oldest
- * unfinished one goes). */
+ * unfinished one goes), nor as many that were answered and never read. */
 static void check_http_hardening(const struct top_run *t) {
   char *resp;
   resp = http_request(t->port, "HEAD", "/state.json");
@@ -132,6 +132,17 @@ static void check_http_hardening(const struct top_run *t) {
   int idle[HTTP_CLIENTS_MAX];
   for (int i = 0; i < HTTP_CLIENTS_MAX; i++) idle[i] = http_connect(t->port);
   usleep(200000);
+  expect_status(t->port, "GET", "/state.json", 200);
+  for (int i = 0; i < HTTP_CLIENTS_MAX; i++) close(idle[i]);
+
+  /* As many clients that ask and never read nor close: their answers are
+   * out, so they are the ones to go when a new client comes. */
+  static const char ask[] = "GET /state.json HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  for (int i = 0; i < HTTP_CLIENTS_MAX; i++) {
+    idle[i] = http_connect(t->port);
+    cr_assert_eq(send(idle[i], ask, sizeof ask - 1, MSG_NOSIGNAL), (ssize_t)(sizeof ask - 1));
+  }
+  usleep(300000);
   expect_status(t->port, "GET", "/state.json", 200);
   for (int i = 0; i < HTTP_CLIENTS_MAX; i++) close(idle[i]);
 }

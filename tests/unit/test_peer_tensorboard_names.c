@@ -45,3 +45,21 @@ Test(tensorboard_names, names_that_must_change_stay_apart) {
   cr_assert_eq(strncmp(out[0], "a_b-", 4), 0, "a/b → %s", out[0]);
   cr_assert_eq(strlen(out[n - 1]), TB_RUN_MAX, "a long name is cut to the longest run name");
 }
+
+/* A cut never splits a UTF-8 character: names of 2-byte characters, cut at
+ * every parity, end in whole characters before the hash. */
+Test(tensorboard_names, a_cut_keeps_whole_characters) {
+  for (int extra = 0; extra < 2; extra++) {
+    char name[400] = "";
+    size_t len = 0;
+    if (extra) name[len++] = 'a';
+    while (len + 2 < sizeof name - 1) name[len++] = (char)0xC3, name[len++] = (char)0xA9; /* é */
+    name[len] = '\0';
+    char out[TB_RUN_MAX + 1];
+    run_name(name, out);
+    const char *dash = strrchr(out, '-');
+    cr_assert_not_null(dash, "%s", out);
+    size_t body = (size_t)(dash - out) - (size_t)extra;
+    cr_assert_eq(body % 2, 0, "a cut inside a character: %zu bytes of é", body);
+  }
+}

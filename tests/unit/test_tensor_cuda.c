@@ -809,6 +809,23 @@ static void poll_event(tensor_event_t ev, const char *what) {
     cr_assert(clock_now_ns() < deadline, "%s: event not complete after 30 s", what);
 }
 
+/* The device's memory figures (peer/sync sizes its snapshot copy by them):
+ * known, total above free, and free falling by an allocation's size. */
+Test(cuda, memory_figures_are_known_and_follow_an_allocation) {
+  open_gpu();
+  size_t free0 = 0, total = 0, free1 = 0;
+  cr_assert(tensor_backend_mem_info(g_be, &free0, &total), "no memory figures on a GPU");
+  cr_assert(total > 0 && free0 <= total, "free %zu of %zu", free0, total);
+  struct tensor big;
+  struct rumor_err e = {0};
+  int64_t n = (int64_t)64 << 20; /* 256 MiB */
+  cr_assert_eq(tensor_alloc(&big, g_be, TENSOR_F32, 1, &n, &e), 0, "%s", e.msg);
+  cr_assert(tensor_backend_mem_info(g_be, &free1, &total));
+  cr_assert(free1 + ((size_t)200 << 20) <= free0, "free %zu before, %zu after 256 MiB", free0, free1);
+  tensor_free(&big);
+  close_gpu();
+}
+
 /* The ready snapshot of a GPU peer (peer/sync): parameters copied device to
  * device on the stream, then that copy to pinned memory beside the stream.
  * The copy beside must see everything enqueued before it (the device copy

@@ -370,6 +370,11 @@ Test(tensor_cpu, a_copy_beside_the_stream_lands_at_once_and_only_its_bytes) {
   tensor_free(&t);
 }
 
+Test(tensor_cpu, the_cpu_has_no_device_memory_figures) {
+  size_t f = 1, t = 1;
+  cr_assert_not(tensor_backend_mem_info(be, &f, &t), "the CPU backend reports device memory");
+}
+
 Test(tensor_cpu, device_specs) {
   tensor_backend_t b2;
   struct rumor_err e;
