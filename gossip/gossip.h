@@ -250,6 +250,10 @@ int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
 void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
 
+/* The state just pulled (gossip_join_wait, gossip_state_pull) is refused
+ * (`why`): its donor is struck (backed off, longer each time), so that the
+ * next pull asks another peer first. Training thread. */
+void gossip_refuse_donation(gossip_t *g, const char *why);
 /* Takes the state of a live peer after joining (an all-reduce member that
  * fell behind): asks `from` first (NULL: any ready peer), then others, as a
  * newcomer does. Returns 0 with the state in state_buf and *pos, 1 when no

@@ -467,6 +467,24 @@ static void pull_on_loop(net_t *n, void *arg, int status) {
   free(r);
 }
 
+struct refusal {
+  struct gossip *g;
+  char why[160];
+};
+
+static void refuse_on_loop(net_t *n, void *arg, int status) {
+  struct refusal *r = arg;
+  if (status == 0) gossip_strike(r->g, r->g->join.donor, r->why, gossip_now_ms(r->g));
+  free(r);
+}
+
+void gossip_refuse_donation(gossip_t *g, const char *why) {
+  struct refusal *r = xcalloc(1, sizeof *r);
+  r->g = g;
+  snprintf(r->why, sizeof r->why, "%s", why);
+  if (net_call(g->net, refuse_on_loop, r) != 0) free(r); /* stopping */
+}
+
 int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct gossip_train_pos *pos,
                       const atomic_int *stop, struct rumor_err *e) {
   struct gossip_join *j = &g->join;

@@ -103,6 +103,7 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
  * most this many times our own initialisation's: a broken or hostile donor
  * (a valid key, a state of garbage) must not seed us with it. */
 #define DONATION_MAX_LOSS_RATIO 2.0
+#define DONATION_ASKS 2 /* donors asked before starting from our own initialisation */
 
 /* Our initialisation's parameters, kept while a state may be pulled; NULL
  * when there is nothing to keep or no memory for it (no check then). */
@@ -157,7 +158,21 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   float *own = keep_own_start(t, !p->gf.no_state_pull && !p->tc.resume);
   struct gossip_train_pos pos;
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
-  if (jr == 0 && !take_donation(t, own, p->mb.donor, &pos)) jr = 1;
+  for (int asked = 1; jr == 0 && !take_donation(t, own, p->mb.donor, &pos); asked++) {
+    /* Refused: the donor is struck, and another peer is asked, or after
+     * DONATION_ASKS donors we start from our own initialisation. */
+    gossip_refuse_donation(p->mb.g, "it donated a state worse than a fresh model");
+    if (asked == DONATION_ASKS) {
+      jr = 1;
+      break;
+    }
+    jr = gossip_state_pull(p->mb.g, NULL, p->mb.donor, &pos, signals_stop_flag(), e);
+    if (jr == 0) trainer_load_state(t, p->mb.donor);
+    else if (jr < 0 && !signals_stop_requested()) {
+      log_warn("no other donor: %s", e->msg);
+      jr = 1;
+    }
+  }
   free(own);
   if (jr < 0) return jr;
   if (jr > 0) {

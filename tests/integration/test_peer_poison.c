@@ -239,8 +239,8 @@ Test(poison, a_flood_of_requests_and_connections_hits_the_per_peer_rate_limits) 
 /* A donor that holds valid keys and donates a state of garbage (the testing
  * build's "baddonor": the state times -1000; its exchanges stay honest): the
  * newcomer measures the state's loss against its own initialisation's,
- * refuses it, starts from its own initialisation, and trains to a sound
- * model with that peer. */
+ * refuses it, strikes the donor and asks again, and with no honest donor
+ * starts from its own initialisation and trains to a sound model. */
 Test(poison, a_newcomer_refuses_a_poisoned_donated_state_and_starts_from_its_own) {
   SKIP_WITHOUT_DATA();
   cluster_start_bootstrap(&C, NULL);
@@ -254,11 +254,41 @@ Test(poison, a_newcomer_refuses_a_poisoned_donated_state_and_starts_from_its_own
   expect_clean_exit(newcomer);
   cr_assert_gt(count_lines(bad, "donating a poisoned state", NULL), 0, "the donor donated nothing: %s",
                proc_slurp(C.node[bad].log));
-  cr_assert_eq(count_lines(newcomer, "refused the cluster's state at step", "a broken or hostile donor"), 1,
-               "the newcomer did not refuse the state: %s", proc_slurp(C.node[newcomer].log));
+  /* Refused, the donor struck and asked again after its backoff (it is the
+   * only other peer), refused again: 2 donors asked (cmd_peer.c). */
+  cr_assert_eq(count_lines(newcomer, "refused the cluster's state at step", "a broken or hostile donor"), 2,
+               "the newcomer did not refuse the state twice: %s", proc_slurp(C.node[newcomer].log));
+  char bad_who[96];
+  who(bad, bad_who, sizeof bad_who);
+  cr_assert_geq(count_lines(newcomer, bad_who, "donated a state worse than a fresh model; no exchanges with it"), 1,
+                "the donor was not struck");
   cr_assert_eq(count_lines(newcomer, "starting from the cluster's state", NULL), 0);
   cr_assert_gt(count_lines(newcomer, "starting from our own initialisation", NULL), 0);
   double acc = cluster_result(&C, newcomer, "test_accuracy");
   fprintf(stderr, "baddonor: the newcomer's test accuracy %.4f after one epoch of its half\n", acc);
   cr_assert(acc >= 0.75, "the newcomer ended at test accuracy %.4f", acc);
+}
+
+/* The same donor beside an honest peer: whichever the newcomer asks first,
+ * it ends with the cluster's state (from the honest one; a refused donor is
+ * struck, so the second ask goes elsewhere), never its own initialisation. */
+Test(poison, a_poisoned_donor_beside_an_honest_one_does_not_keep_the_cluster_state_from_a_newcomer) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int old[2];
+  for (int i = 0; i < 2; i++)
+    old[i] = cluster_start_peer(&C, i ? "--attack" : "--name", i ? "baddonor" : "honest", "--model", "mlp:784-64-10",
+                                "--shard", i ? "1/3" : "0/3", "--epochs", "1000", "--max-steps", "1000000", "--batch",
+                                "64", "--lr", "0.1", "--no-eval", "--gossip-every", "1", "--wait-peers", "2", NULL);
+  for (int i = 0; i < 2; i++)
+    cr_assert(cluster_wait_file(C.node[old[i]].log, "first step", 60), "peer %d did not start training", i);
+  int newcomer = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--shard", "2/3", "--epochs", "1", "--batch",
+                                    "64", "--lr", "0.1", "--no-eval", "--gossip-every", "1", NULL);
+  expect_clean_exit(newcomer);
+  int refused = count_lines(newcomer, "refused the cluster's state at step", NULL);
+  fprintf(stderr, "baddonor beside an honest peer: %d refusal(s) before the honest state\n", refused);
+  cr_assert_leq(refused, 1, "%s", proc_slurp(C.node[newcomer].log));
+  cr_assert_eq(count_lines(newcomer, "starting from the cluster's state", NULL), 1, "%s",
+               proc_slurp(C.node[newcomer].log));
+  cr_assert_eq(count_lines(newcomer, "starting from our own initialisation", NULL), 0);
 }
