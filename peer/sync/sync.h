@@ -28,7 +28,7 @@
  * instead, θ ← θ + α·(θ'_s − θ), pulls each side back by α of the steps it
  * took since the partner's snapshot: measured on the README job (4 peers)
  * 0.8914 → 0.8936 mean accuracy (two rounds each), and on 4 GPT peers with AdamW +0.058 →
- * +0.051 from one process (docs/benchmarks.md). A GPU without room for
+ * +0.051 and +0.054 from one process (docs/benchmarks.md). A GPU without room for
  * snap_dev averages with the current parameters.
  *
  * Monitoring: cheap figures (step, loss, throughput) are published about
