@@ -24,12 +24,13 @@
  * clipping (below) θ ← θ + α·clip(θ'_s − θ_s, τ). The steps taken since our
  * snapshot are kept, and when both sides apply with the same weight (no
  * clipping scale, skip or rejection on either side) the pair's sum of
- * parameters does not change (the partner adds the opposite). Averaging with the current parameters
- * instead, θ ← θ + α·(θ'_s − θ), pulls each side back by α of the steps it
- * took since the partner's snapshot: measured on the README job (4 peers)
- * 0.8914 → 0.8936 mean accuracy (two rounds each), and on 4 GPT peers with AdamW +0.058 →
- * +0.051 and +0.054 from one process (docs/benchmarks.md). A GPU without room for
- * snap_dev averages with the current parameters.
+ * parameters does not change (the partner adds the opposite). Averaging
+ * with the current parameters instead, θ ← θ + α·(θ'_s − θ), pulls each
+ * side back by α of the steps it took since the partner's snapshot:
+ * measured on the README job (4 peers) 0.8914 → 0.8936 mean accuracy (two
+ * rounds each), and on 4 GPT peers with AdamW +0.058 → +0.051 and +0.054
+ * from one process (docs/benchmarks.md). A GPU without room for snap_dev
+ * averages with the current parameters.
  *
  * Monitoring: cheap figures (step, loss, throughput) are published about
  * once a second; the O(P) ones (parameter norm, count-sketch, on the
