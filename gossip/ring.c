@@ -357,6 +357,26 @@ static void pump(struct gossip *g) {
 
 /* ---- receiving ---- */
 
+/* Why piece j of phase p (`count` floats) from `from` is refused, or NULL
+ * with its index and range in *k, *lo, *hi. Only the predecessor's pieces
+ * of the current attempt at the current round (the nonce of our
+ * RING_READY) are taken, each once. */
+static const char *piece_refusal(const struct gossip_ring *r, const uint8_t *from, uint64_t step, uint64_t hash,
+                                 uint64_t nonce, uint64_t p, uint64_t j, uint64_t count, uint32_t *k, uint64_t *lo,
+                                 uint64_t *hi) {
+  if (!r->active || r->failing) return "no round in progress";
+  if (step != r->step) return "another step";
+  if (hash != r->hash) return "another ring";
+  if (nonce != r->nonce) return "an earlier attempt";
+  if (!same_id(from, pred(r))) return "not from the previous member";
+  if (p >= phases(r) || j >= r->pieces) return "no such piece";
+  *k = (uint32_t)p * r->pieces + (uint32_t)j;
+  piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, lo, hi);
+  if (r->recv[*k].state != RING_IO_NONE) return "that piece again";
+  if (count != *hi - *lo) return "a wrong length";
+  return NULL;
+}
+
 int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
                               const struct net_msg *meta, float **dst, void **dst_arg) {
   struct gossip_ring *r = &g->ring;
@@ -364,22 +384,9 @@ int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_
   if (net_msg_get_uint(meta, "x", &hash) || net_msg_get_uint(meta, "step", &step) || net_msg_get_uint(meta, "p", &p) ||
       net_msg_get_uint(meta, "j", &j) || net_msg_get_uint(meta, "a", &nonce))
     return RUMOR_EPROTO;
-  /* Only the predecessor's pieces of the current attempt at the current
-   * round (the nonce of our RING_READY), each once. */
-  const char *why = !r->active || r->failing               ? "no round in progress"
-                    : step != r->step                       ? "another step"
-                    : hash != r->hash                       ? "another ring"
-                    : nonce != r->nonce                     ? "an earlier attempt"
-                    : !same_id(net_conn_peer_key(c), pred(r)) ? "not from the previous member"
-                    : p >= phases(r) || j >= r->pieces      ? "no such piece"
-                                                            : NULL;
-  uint32_t k = 0;
-  uint64_t lo = 0, hi = 0;
-  if (!why) {
-    k = (uint32_t)p * r->pieces + (uint32_t)j;
-    piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, &lo, &hi);
-    why = r->recv[k].state != RING_IO_NONE ? "that piece again" : info->count != hi - lo ? "a wrong length" : NULL;
-  }
+  uint32_t k;
+  uint64_t lo, hi;
+  const char *why = piece_refusal(r, net_conn_peer_key(c), step, hash, nonce, p, j, info->count, &k, &lo, &hi);
   if (why) {
     log_debug("all-reduce piece (step %llu, phase %llu, piece %llu) from %s refused: %s", (unsigned long long)step,
               (unsigned long long)p, (unsigned long long)j, net_conn_peer_name(c), why);

@@ -105,16 +105,22 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
 #define DONATION_MAX_LOSS_RATIO 2.0
 #define DONATION_ASKS 2 /* donors asked before starting from our own initialisation */
 
-/* Our initialisation's parameters, kept while a state may be pulled; NULL
- * when there is nothing to keep or no memory for it (no check then). */
-static float *keep_own_start(struct trainer *t, bool may_pull) {
-  if (!may_pull) return NULL;
-  float *own = malloc((size_t)t->model.nparams * sizeof(float));
-  if (!own) {
+/* Our initialisation, kept while a state may be pulled: its parameters
+ * (NULL when there is nothing to keep or no memory for it: no check then)
+ * and its loss on the check rows (NaN until a donation needs it). */
+struct own_start {
+  float *params;
+  double loss;
+};
+
+static struct own_start keep_own_start(struct trainer *t, bool may_pull) {
+  struct own_start own = {NULL, NAN};
+  if (!may_pull) return own;
+  own.params = malloc((size_t)t->model.nparams * sizeof(float));
+  if (!own.params)
     log_warn("no memory to keep our initialisation: a donated state will be taken unchecked");
-    return NULL;
-  }
-  tensor_copy_to_host(&t->model.params, 0, own, (size_t)t->model.nparams * sizeof(float));
+  else
+    tensor_copy_to_host(&t->model.params, 0, own.params, (size_t)t->model.nparams * sizeof(float));
   return own;
 }
 
@@ -122,14 +128,15 @@ static float *keep_own_start(struct trainer *t, bool may_pull) {
  * refuses it (returns false, our own initialisation back) when its loss on
  * the check rows is not finite or above DONATION_MAX_LOSS_RATIO times our
  * initialisation's. */
-static bool take_donation(struct trainer *t, const float *own, const float *donated,
+static bool take_donation(struct trainer *t, struct own_start *own, const float *donated,
                           const struct gossip_train_pos *pos) {
   int64_t rows, step = t->st.step, epoch = t->st.epoch, samples = t->st.samples;
   int64_t targets = sync_check_targets(t->model.nparams);
-  double loss = trainer_check_loss(t, targets, &rows), own_loss = NAN;
-  if (own) {
-    trainer_load_fresh(t, own);
-    own_loss = trainer_check_loss(t, targets, &rows);
+  double loss = trainer_check_loss(t, targets, &rows);
+  if (own->params) {
+    trainer_load_fresh(t, own->params);
+    if (isnan(own->loss)) own->loss = trainer_check_loss(t, targets, &rows); /* once */
+    double own_loss = own->loss;
     if (isfinite(own_loss) && !(loss <= DONATION_MAX_LOSS_RATIO * own_loss)) {
       log_warn("refused the cluster's state at step %llu: loss %.4g on %lld training %s, more than %g times our "
                "own initialisation's %.4f (a broken or hostile donor)",
@@ -144,7 +151,7 @@ static bool take_donation(struct trainer *t, const float *own, const float *dona
   log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %lld training %s (our own "
            "initialisation: %.4f)",
            (unsigned long long)pos->step, (unsigned long long)pos->epoch + 1, loss, (long long)rows,
-           trainer_row_noun(t), own_loss);
+           trainer_row_noun(t), own->loss);
   return true;
 }
 
@@ -155,10 +162,10 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   model_spec_format(&t->model.spec, spec, sizeof spec);
   int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", NULL, e);
   if (rc) return rc;
-  float *own = keep_own_start(t, !p->gf.no_state_pull && !p->tc.resume);
+  struct own_start own = keep_own_start(t, !p->gf.no_state_pull && !p->tc.resume);
   struct gossip_train_pos pos;
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
-  for (int asked = 1; jr == 0 && !take_donation(t, own, p->mb.donor, &pos); asked++) {
+  for (int asked = 1; jr == 0 && !take_donation(t, &own, p->mb.donor, &pos); asked++) {
     /* Refused: the donor is struck, and another peer is asked, or after
      * DONATION_ASKS donors we start from our own initialisation. */
     gossip_refuse_donation(p->mb.g, "it donated a state worse than a fresh model");
@@ -173,7 +180,7 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
       jr = 1;
     }
   }
-  free(own);
+  free(own.params);
   if (jr < 0) return jr;
   if (jr > 0) {
     log_info("starting from %s", p->tc.resume ? "the checkpoint" : "our own initialisation");
