@@ -494,18 +494,18 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
     int rc = trainer_evaluate(t, e);
     if (rc) return rc;
   }
-  char took[48] = "";
-  if (t->cfg.eval_each_epoch) snprintf(took, sizeof took, " (evaluated in %.3f s)", t->eval_seconds);
-  if (trainer_has_loss(t) && t->data.tokens)
-    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f%s", (long long)t->st.epoch,
-             (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg, t->cfg.eval_each_epoch ? t->test_loss : NAN,
-             took);
-  else if (trainer_has_loss(t))
-    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f%s",
-             (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step, t->loss_avg,
-             t->cfg.eval_each_epoch ? t->accuracy : NAN, t->cfg.eval_each_epoch ? t->test_loss : NAN, took);
+  long long epoch = (long long)t->st.epoch, epochs = (long long)t->cfg.epochs, step = (long long)t->st.step;
+  if (!trainer_has_loss(t))
+    log_info("epoch %lld/%lld done at step %lld", epoch, epochs, step);
+  else if (!t->cfg.eval_each_epoch) /* --no-eval: no test figures to print */
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f", epoch, epochs, step, t->loss_avg);
+  else if (t->data.tokens)
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f (evaluated in %.3f s)", epoch, epochs,
+             step, t->loss_avg, t->test_loss, t->eval_seconds);
   else
-    log_info("epoch %lld/%lld done at step %lld", (long long)t->st.epoch, (long long)t->cfg.epochs, (long long)t->st.step);
+    log_info("epoch %lld/%lld done at step %lld: train loss %.4f, test accuracy %.4f, test loss %.4f (evaluated in "
+             "%.3f s)",
+             epoch, epochs, step, t->loss_avg, t->accuracy, t->test_loss, t->eval_seconds);
   return 0;
 }
 
