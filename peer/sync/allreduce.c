@@ -2,6 +2,7 @@
  * "all-reduce"), as a train_reducer. */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -51,7 +52,46 @@ static int take_sum(struct sync *s) {
   return 0;
 }
 
-/* Left behind: takes the state of a member that completed our step. */
+/* A state pulled to catch up is taken only when it is finite and (a whole
+ * replica) its loss on the check rows is at most this many times ours: we
+ * were a few steps behind with a trained state of our own, and a broken or
+ * hostile member ahead must not replace it with garbage. After CATCHUP_ASKS
+ * refused states the member gives up (it cannot rejoin the round). */
+#define CATCHUP_MAX_LOSS_RATIO 2.0
+#define CATCHUP_ASKS 2
+
+/* Loads `pulled` (state_floats floats) unless it fails the checks above;
+ * `own` (state_floats floats, or NULL: no memory, then only finiteness is
+ * checked, before loading) holds our state to go back to. Returns true
+ * when taken; on false our state is back and *why says what was wrong. */
+static bool take_pulled(struct sync *s, const float *pulled, float *own, char *why, size_t whylen) {
+  struct trainer *t = s->t;
+  int64_t S = trainer_state_floats(t);
+  for (int64_t i = 0; i < S; i++)
+    if (!isfinite(pulled[i])) {
+      snprintf(why, whylen, "value %lld of %lld is not finite", (long long)i, (long long)S);
+      return false;
+    }
+  if (!own || trainer_is_stage(t)) { /* a stage has no loss of its own to compare */
+    trainer_load_state(t, pulled);
+    return true;
+  }
+  int64_t rows, targets = sync_check_targets(t->model.nparams);
+  trainer_copy_state(t, own);
+  double own_loss = trainer_check_loss(t, targets, &rows);
+  trainer_load_state(t, pulled);
+  double loss = trainer_check_loss(t, targets, &rows);
+  if (!isfinite(own_loss) || loss <= CATCHUP_MAX_LOSS_RATIO * own_loss) return true;
+  snprintf(why, whylen, "its loss %.4g on %lld training %s is more than %g times ours (%.4f)", loss, (long long)rows,
+           trainer_row_noun(t), CATCHUP_MAX_LOSS_RATIO, own_loss);
+  trainer_load_state(t, own);
+  return false;
+}
+
+/* Left behind: takes the state of a member that completed our step (asked
+ * first), or of another when that one's state is refused. Returns 1 when
+ * taken, 0 when nobody is left to take it from (we go on with ours), or a
+ * negative code (stopped, or every state asked for was refused). */
 static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct rumor_err *e) {
   struct trainer *t = s->t;
   char ahead[NET_PUBKEY_STR_LEN + 1];
@@ -60,10 +100,29 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct ru
            (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
   struct gossip_train_pos pos;
   float *buf = gossip_donor_buf(s->g); /* free: we donate only from sync_idle, not while pulling */
-  int rc = gossip_state_pull(s->g, info->ahead, buf, &pos, s->cfg.stop, e);
-  if (rc < 0) return rc;
-  if (rc == 1) return 0; /* nobody left to take it from: go on with ours */
-  trainer_load_state(t, buf);
+  float *own = malloc((size_t)trainer_state_floats(t) * sizeof(float));
+  if (!own) log_warn("all-reduce: no memory to keep our state: a pulled state is checked for finite values only");
+  int rc = 0;
+  bool taken = false;
+  char why[160];
+  for (int asked = 1; !taken; asked++) {
+    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, buf, &pos, s->cfg.stop, e);
+    if (rc) break; /* 1: nobody left to take it from, go on with ours */
+    taken = take_pulled(s, buf, own, why, sizeof why);
+    if (taken) break;
+    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
+             (unsigned long long)pos.step, why);
+    gossip_refuse_donation(s->g, "it gave a state we refused");
+    if (asked == CATCHUP_ASKS) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT,
+                         "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
+                         "(the last: %s)",
+                         (long long)t->st.step, CATCHUP_ASKS, why);
+      break;
+    }
+  }
+  free(own);
+  if (!taken) return rc < 0 ? rc : 0;
   trainer_take_step(t, (int64_t)pos.step);
   s->ar_catchups++;
   log_info("all-reduce: now at step %llu; our step's gradient is dropped", (unsigned long long)pos.step);

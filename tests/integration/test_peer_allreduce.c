@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "../support/cluster.h"
 #include "peer/train/train.h"
@@ -171,6 +173,61 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
     cr_assert_eq(cluster_result(&C, peer[i], "steps"), 4);
   }
   expect_same_params(peer, 2);
+}
+
+/* Three members of the testing build, the first two with `attack`, for
+ * `max_steps`; the third is SIGSTOPped once all train, resumed after the
+ * others dropped it, and then finds itself behind. */
+static void leave_one_behind(int peer[3], const char *attack, const char *max_steps) {
+  C.bin = RUMOR_TESTING_BIN;
+  cluster_start_bootstrap(&C, NULL);
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    peer[i] = cluster_start_peer(&C, "--attack", i < 2 ? attack : "none", "--model", MODEL, "--sync", "allreduce",
+                                 "--shard", shard[i], "--max-steps", max_steps, "--batch", "16", "--seed", "7",
+                                 "--no-eval", "--wait-peers", "3", "--checkpoint", C.node[C.n].ckpt, NULL);
+  }
+  for (int i = 0; i < 3; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+  kill(C.node[peer[2]].pid, SIGSTOP);
+  cr_assert(cluster_wait_file(C.node[peer[0]].log, "is now failed", 30), "the stopped member was not dropped: %s",
+            proc_slurp(C.node[peer[0]].log));
+  usleep(500 * 1000); /* the two others go on without it */
+  kill(C.node[peer[2]].pid, SIGCONT);
+}
+
+/* The member left behind pulls the state of one ahead, checks it, takes it
+ * and finishes with the others, on the same parameters. */
+Test(allreduce, a_member_left_behind_catches_up_and_finishes_with_the_others) {
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  leave_one_behind(peer, "none", "3000");
+  for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
+  cr_assert(cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it did not catch up: %s",
+            proc_slurp(C.node[peer[2]].log));
+  cr_assert_geq(cluster_result(&C, peer[2], "allreduce_catchups"), 1);
+  for (int i = 0; i < 3; i++) cr_assert_eq(cluster_result(&C, peer[i], "steps"), 3000);
+  expect_same_params(peer, 3);
+}
+
+/* It checks the state as a newcomer does. Both others are "baddonor" (the
+ * state they donate × −1000, their own honest): it refuses each state,
+ * strikes its donor, and stops with the reason instead of training on
+ * from garbage. */
+Test(allreduce, a_member_left_behind_refuses_poisoned_states_and_stops) {
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  leave_one_behind(peer, "baddonor", "1000000");
+  int st = cluster_wait(&C, peer[2], 60);
+  const char *log = C.node[peer[2]].log;
+  cr_assert(proc_exited_with(st, 1), "the member left behind should stop (status %d): %s", st, proc_slurp(log));
+  cr_assert(cluster_log_has(&C, peer[2], "all-reduce: the cluster is at step"), "it did not try to catch up: %s",
+            proc_slurp(log));
+  cr_assert(cluster_log_has(&C, peer[2], "all-reduce: refused the state pulled at step"), "%s", proc_slurp(log));
+  cr_assert(cluster_log_has(&C, peer[2], "the 2 states pulled to catch up were refused"), "%s", proc_slurp(log));
+  cr_assert(!cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it took a poisoned state: %s", proc_slurp(log));
+  for (int i = 0; i < 2; i++) cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d stopped too", i);
 }
 
 Test(allreduce, bad_combinations_are_usage_errors) {
