@@ -15,8 +15,12 @@
 # 1/N shard, default 10: the cluster together sees 10 epochs' worth of data),
 # BATCH (each peer's batch, default 128/N and at least 16: the cluster then
 # takes as many steps as one peer with batch 128 would, on the same samples),
-# THREADS (CPU threads per peer, default: cores / N, at least 1).
-# A --batch among the peer options overrides BATCH.
+# THREADS (CPU threads per peer, default: cores / N, at least 1),
+# MAX_LOCAL_STEPS (gossiping peers' --max-local-steps, default 4: a peer that
+# took 4 steps without an applied exchange holds training until one applies,
+# which bounds the drift between replicas; 0: training never waits for the
+# network; not given to --sync allreduce or ps, or with --gossip-every 0).
+# A --batch or --max-local-steps among the peer options overrides ours.
 # Exit status: 0 when every peer finished, 1 otherwise.
 set -eu
 cd "$(dirname "$0")/.."
@@ -60,24 +64,36 @@ for _ in $(seq 1 100); do
 done
 boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 [ -n "$boot" ] || { echo "$0: the bootstrap node did not start; see $work/bootstrap.log" >&2; exit 1; }
-# What the peers will be told, for the line below: a --batch or --max-steps
-# among the peer options wins over ours (the last flag counts).
-steps="" prev=""
+# What the peers will be told, for the line below: a --batch, --max-steps or
+# --max-local-steps among the peer options wins over ours (the last flag
+# counts); the bound is only for gossip with exchanges on.
+steps="" prev="" sync=gossip every=""
+bound=${MAX_LOCAL_STEPS:-4}
 for a in "$@"; do
-  case $prev in --batch) batch=$a ;; --max-steps) steps=$a ;; esac
-  case $a in --batch=*) batch=${a#--batch=} ;; --max-steps=*) steps=${a#--max-steps=} ;; esac
+  case $prev in
+  --batch) batch=$a ;; --max-steps) steps=$a ;; --sync) sync=$a ;; --gossip-every) every=$a ;;
+  --max-local-steps) bound=$a ;;
+  esac
+  case $a in
+  --batch=*) batch=${a#--batch=} ;; --max-steps=*) steps=${a#--max-steps=} ;; --sync=*) sync=${a#--sync=} ;;
+  --gossip-every=*) every=${a#--gossip-every=} ;; --max-local-steps=*) bound=${a#--max-local-steps=} ;;
+  esac
   prev=$a
 done
+bound_flag=""
+[ "$sync" = gossip ] && [ "$every" != 0 ] && [ "$bound" != 0 ] && bound_flag="--max-local-steps"
 span="$epochs epochs"
 [ -z "$epochs_flag" ] && span="$steps steps"
-echo "bootstrap node on $boot; starting $n peers ($span each on 1/$n of the data, batch $batch, $threads thread(s) each)"
+how="batch $batch, $threads thread(s) each"
+[ -n "$bound_flag" ] && how="$how, at most $bound steps between applied exchanges"
+echo "bootstrap node on $boot; starting $n peers ($span each on 1/$n of the data, $how)"
 echo "logs: $work/peer-<i>.log"
 
 peer_pids=""
 for i in $(seq 1 "$n"); do
   "$rumor" peer --bootstrap "$boot" --cluster-key "$work/cluster.key" --identity "$work/id$i.key" \
     --listen 127.0.0.1:0 --shard "$((i - 1))/$n" ${epochs_flag:+"$epochs_flag" "$epochs"} --batch "$batch" \
-    --threads "$threads" \
+    --threads "$threads" ${bound_flag:+"$bound_flag" "$bound"} \
     --wait-peers "$n" --name "peer-$i" "$@" > "$work/peer-$i.out" 2> "$work/peer-$i.log" &
   peer_pids="$peer_pids $!"
   pids="$pids $!"

@@ -47,7 +47,7 @@ quality() {
   shift
   echo "== $n peers, 10 epochs of 1/$n each, batch $batch$label"
   q0=$(date +%s.%N)
-  RUMOR=$rumor WORKDIR=$work/q EPOCHS=10 "$src/deploy/local-cluster.sh" "$n" -- --batch "$batch" --log-every 0 "$@" \
+  RUMOR=$rumor WORKDIR=$work/q EPOCHS=10 MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$batch" --log-every 0 "$@" \
     | tail -n "$((n + 1))"
   q1=$(date +%s.%N)
   accs=$(cat "$work"/q/peer-*.out | num test_accuracy)
@@ -84,10 +84,10 @@ overhead() {
   ratios=""
   i=0
   while [ "$i" -lt "$rounds" ]; do
-    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
       --no-eval --gossip-every 0 "$@" > /dev/null
     off=$(total)
-    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
       --no-eval --gossip-every 1 $GOSSIP_ARGS "$@" > /dev/null
     on=$(total)
     r=$(echo "$on $off" | awk '{printf "%.3f", $1 / $2}')

@@ -1,7 +1,7 @@
 #!/bin/sh
 # The README's main job against PyTorch DDP (issue #15, item 4): rumor's 4
 # gossiping peers (deploy/local-cluster.sh 4: 10 epochs each on 1/4 of
-# Fashion-MNIST, batch 32) and DDP on the same job (tests/bench/ddp_fmnist.py:
+# Fashion-MNIST, batch 32, --max-local-steps MAX_LOCAL_STEPS, default 4) and DDP on the same job (tests/bench/ddp_fmnist.py:
 # 4 processes, gloo all-reduce of the gradients every step, the same model,
 # initialisation, SGD, schedule, batch and shards' size), alternating, ROUNDS
 # times. Prints each run's test accuracies and wall time (start to finish,
@@ -11,7 +11,8 @@
 #
 #   tests/bench/bench-ddp.sh [BUILD_DIR] [-- extra rumor peer options]
 #
-#   env: ROUNDS (2), N (4 peers / DDP processes), DATA (Fashion-MNIST directory)
+#   env: ROUNDS (2), N (4 peers / DDP processes), DATA (Fashion-MNIST directory),
+#   MAX_LOCAL_STEPS (local-cluster.sh's bound, default 4; 0: none)
 # DDP runs on Debian's PyTorch (python3-torch of deploy/install-deps.sh).
 set -eu
 src=$(cd "$(dirname "$0")/../.." && pwd)
@@ -54,8 +55,12 @@ while [ "$r" -lt "$rounds" ]; do
       r, $1, $2, $3, $4, $6 - $5, $7, $10 - $6 }' >&2
   echo "$acc $rate $t0 $t1 $dacc $t2" | awk '{print $1, $2, $6 - $5, $7, $10 - $6}' >> "$work/rows"
 done
-label="rumor, $n gossiping peers"
-[ $# -gt 0 ] && label="rumor, $n peers $*"
+label="rumor, $n peers"
+case " $* " in
+*" --sync allreduce "* | *" --sync ps "* | *" --sync=allreduce "* | *" --sync=ps "* | *" --max-local-steps "*) ;;
+*) [ "${MAX_LOCAL_STEPS:-4}" != 0 ] && label="$label, max-local-steps ${MAX_LOCAL_STEPS:-4}" ;;
+esac
+[ $# -gt 0 ] && label="$label $*"
 awk -v label="$label" '{ra += $1; lo = (NR == 1 || $2 < lo) ? $2 : lo; rt += $3; da += $4; dt += $5; n++}
   END {
     ra /= n; rt /= n; da /= n; dt /= n

@@ -10,7 +10,8 @@
 # throughput row, default 2), STEPS (training steps of parts 2 and 3,
 # default 300), PEER_BATCH (each peer's batch in part 3, default 2; the
 # single process then takes 4 times it), PEER_SYNC (part 3's scheme:
-# gossip, the default, or allreduce), VENV (default
+# gossip, the default, or allreduce), PEER_OPTS (more options for part 3's
+# peers, e.g. "--max-local-steps 2"), VENV (default
 # ~/.cache/rumor/bench-venv), DATA (a text file, default the KJV corpus of
 # deploy/install-deps.sh).
 #
@@ -46,6 +47,7 @@ rounds=${ROUNDS:-2}
 steps=${STEPS:-300}
 peer_batch=${PEER_BATCH:-2}
 peer_sync=${PEER_SYNC:-gossip}
+peer_opts=${PEER_OPTS:-}
 venv=${VENV:-$HOME/.cache/rumor/bench-venv}
 data=${DATA:-/usr/local/share/rumor/kjv.txt}
 ref=$root/tests/scripts/gpt_torch.py
@@ -142,13 +144,13 @@ part2() {
 part3() {
   echo
   b=$((4 * peer_batch)) # the validation loss is over the same 160 windows for both
-  echo "3. 4 peers (--sync $peer_sync), each $steps steps of batch $peer_batch on a quarter of the windows, vs one" \
+  echo "3. 4 peers (--sync $peer_sync${peer_opts:+ $peer_opts}), each $steps steps of batch $peer_batch on a quarter of the windows, vs one" \
     "process at batch $b"
   [ -n "$single_loss" ] && [ "$b" -eq 8 ] || single_loss=$(rumor_train $QUALITY "$b" "$steps" "$cores" --lr 1e-3 \
     --warmup 30 --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / b)) | num val_loss)
   WORKDIR=$work/cluster RUMOR=$rumor "$root/deploy/local-cluster.sh" 4 -- --model gpt:L6-H6-C384-T256-V256 \
     --data "$data" --sync "$peer_sync" --optimizer adamw --batch "$peer_batch" --max-steps "$steps" --lr 1e-3 --warmup 30 \
-    --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / peer_batch)) --no-eval --log-every 0 | tail -5
+    --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / peer_batch)) --no-eval --log-every 0 $peer_opts | tail -5
   worst=$(for i in 1 2 3 4; do num val_loss < "$work/cluster/peer-$i.out"; done | sort -g | tail -1)
   echo "worst peer's validation loss $worst vs one process $single_loss:" \
     "difference $(echo "$worst $single_loss" | awk '{printf "%+.4f", $1-$2}') (target: within 0.05)"
