@@ -170,9 +170,10 @@ struct gossip_join {
   struct gossip_train_pos pull_pos;
   net_conn_t *pull_conn;
   uint64_t pull_begin_ns; /* monotonic: when the donor's transfer began (its BEGIN arrived) */
-  /* A later pull (gossip_state_pull): the donor to ask first, if alive. */
+  /* A later pull (gossip_state_pull): the donor to ask first, if alive;
+   * later: such a pull is under way (loop thread), for its messages. */
   uint8_t prefer[NET_PUBKEY_BYTES];
-  bool have_prefer;
+  bool have_prefer, later;
 };
 
 /* ---- exchange (exchange.c) ---- */

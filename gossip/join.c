@@ -294,7 +294,8 @@ static void pull_tick(struct gossip *g, uint64_t now) {
   }
   if (now < j->pull_retry_ms) return;
   if (swim_count_live(&g->swim, SWIM_ROLE_PEER) == 0) {
-    log_info("no other peer in the cluster: starting from our own initialisation");
+    log_info("no other peer in the cluster: %s",
+             j->later ? "keeping our own state" : "starting from our own initialisation");
     set_pull_result(g, true);
     return;
   }
@@ -312,7 +313,8 @@ static void pull_tick(struct gossip *g, uint64_t now) {
     memcpy(donor, pm->info.id, sizeof donor);
   } else if (!gossip_pick_peer(g, donor, NULL, true)) {
     if (first_of_the_cluster(g)) {
-      log_info("no peer holds a state yet and ours is the smallest key: starting from our own initialisation");
+      log_info("no peer holds a state yet and ours is the smallest key: %s",
+               j->later ? "keeping our own state" : "starting from our own initialisation");
       set_pull_result(g, true);
       return;
     }
@@ -455,6 +457,7 @@ static void pull_on_loop(net_t *n, void *arg, int status) {
   if (status == 0) {
     memcpy(j->prefer, r->from, NET_PUBKEY_BYTES);
     j->have_prefer = r->have_from;
+    j->later = true;
     j->started_ms = gossip_now_ms(g); /* the donor deadline counts from now */
     j->pull_attempts = 0;
     j->pull_retry_ms = 0;
