@@ -144,8 +144,8 @@ part2() {
 part3() {
   echo
   b=$((4 * peer_batch)) # the validation loss is over the same 160 windows for both
-  echo "3. 4 peers (--sync $peer_sync${peer_opts:+ $peer_opts}), each $steps steps of batch $peer_batch on a quarter of the windows, vs one" \
-    "process at batch $b"
+  echo "3. 4 peers (--sync $peer_sync${peer_opts:+ $peer_opts}), each $steps steps of batch $peer_batch on a quarter" \
+    "of the windows, vs one process at batch $b"
   [ -n "$single_loss" ] && [ "$b" -eq 8 ] || single_loss=$(rumor_train $QUALITY "$b" "$steps" "$cores" --lr 1e-3 \
     --warmup 30 --weight-decay 0.1 --grad-clip 1.0 --eval-batches $((160 / b)) | num val_loss)
   WORKDIR=$work/cluster RUMOR=$rumor "$root/deploy/local-cluster.sh" 4 -- --model gpt:L6-H6-C384-T256-V256 \

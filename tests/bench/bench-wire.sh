@@ -2,8 +2,8 @@
 # Accuracy of gossip training by wire encoding (issue #15): N peers (default
 # 4) on Fashion-MNIST, each training EPOCHS (default 10) epochs of its 1/N
 # shard with deploy/local-cluster.sh's defaults (batch 128/N, an exchange
-# every step, at most MAX_LOCAL_STEPS (4) steps without one), once per encoding in WIRES (default "f32 i8"), ROUNDS times
-# (default 1) alternating. Prints every run's mean, lowest and highest peer
+# every step, at most MAX_LOCAL_STEPS (4) steps without one), once per
+# encoding in WIRES (default "f32 i8"), ROUNDS times (default 1) alternating. Prints every run's mean, lowest and highest peer
 # test accuracy, then each encoding's mean over the rounds and its gap to
 # the first encoding in points. Target for i8: within 0.5 point of f32.
 #
