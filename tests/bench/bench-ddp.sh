@@ -4,9 +4,10 @@
 # Fashion-MNIST, batch 32, --max-local-steps MAX_LOCAL_STEPS, default 4)
 # and DDP on the same job (tests/bench/ddp_fmnist.py: 4 processes, gloo
 # all-reduce of the gradients every step, the same model, initialisation,
-# SGD, schedule, batch and shards' size), alternating, ROUNDS times. Prints each run's test accuracies and wall time (start to finish,
-# process start-up included), then rumor's mean accuracy against DDP's and
-# DDP's time over rumor's. Targets: rumor's mean within 0.3 point of DDP's,
+# SGD, schedule, batch and shards' size), alternating, ROUNDS times.
+# Prints each run's test accuracies and wall time (start to finish, process
+# start-up included), then rumor's mean accuracy against DDP's and DDP's
+# time over rumor's. Targets: rumor's mean within 0.3 point of DDP's,
 # while finishing at least 3 times sooner.
 #
 #   tests/bench/bench-ddp.sh [BUILD_DIR] [-- extra rumor peer options]
