@@ -1,0 +1,75 @@
+#!/bin/bash
+# deploy/local-cluster.sh, the README's main job, in short runs: 2 peers of
+# a small MLP for a few steps, through a wrapper that records each peer's
+# command line. Checks that the runs finish and print their table, and the
+# drift bound the script adds: --max-local-steps 4 for gossiping peers by
+# default; none with MAX_LOCAL_STEPS=0, --sync allreduce or --gossip-every 0;
+# a --max-local-steps among the peer options comes last (it wins). About 20 s.
+#
+#   tests/scripts/local_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
+#
+# Exit status: 0 pass, 1 fail, 77 skip (no Fashion-MNIST).
+set -u
+rumor=${1:?usage: $0 RUMOR_BIN SOURCE_DIR [FMNIST_DIR]}
+src=${2:?usage: $0 RUMOR_BIN SOURCE_DIR [FMNIST_DIR]}
+data=${3:-/usr/share/datasets/fashion-mnist}
+ls "$data"/train-images-idx3-ubyte* >/dev/null 2>&1 || { echo "SKIP: no Fashion-MNIST in $data"; exit 77; }
+rumor=$(readlink -f "$rumor")
+
+T=$(mktemp -d /tmp/rumor-local-cluster.XXXXXX) || exit 1
+trap 'rm -rf "$T"' EXIT
+# The wrapper: each `rumor peer` writes its arguments, one per line, to
+# peer-args.N (N: its pid), then becomes the real binary.
+cat > "$T/rumor" <<EOF
+#!/bin/sh
+[ "\$1" = peer ] && printf '%s\n' "\$@" > "$T/peer-args.\$\$"
+exec "$rumor" "\$@"
+EOF
+chmod +x "$T/rumor"
+
+fail() { echo "FAIL: $*"; echo "--- output:"; cat "$T/out"; exit 1; }
+
+# run NAME [env ...] -- [peer options]: one short run; its peers' argument
+# files end up in $T/NAME/.
+run() {
+  local name=$1
+  shift
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  rm -f "$T"/peer-args.*
+  mkdir -p "$T/$name"
+  if ! env "${envs[@]}" RUMOR="$T/rumor" WORKDIR="$T/work" THREADS=1 timeout 120 "$src/deploy/local-cluster.sh" 2 -- \
+      --data "$data" --model mlp:784-16-10 --max-steps 5 --no-eval --log-every 0 "$@" > "$T/out" 2>&1; then
+    fail "$name: deploy/local-cluster.sh failed"
+  fi
+  grep -q '^peer-2 ' "$T/out" || fail "$name: no table row for peer-2"
+  mv "$T"/peer-args.* "$T/$name/" 2>/dev/null
+  local files=("$T/$name"/peer-args.*)
+  if [ "${#files[@]}" != 2 ] || [ ! -f "${files[0]}" ]; then fail "$name: expected the arguments of 2 peers"; fi
+}
+# bound NAME: the last --max-local-steps value each peer of run NAME got
+# (empty: none), one line per peer.
+bound() {
+  for f in "$T/$1"/peer-args.*; do awk 'p {v = $0; p = 0} $0 == "--max-local-steps" {p = 1} END {print v}' "$f"; done
+}
+expect_bound() {
+  local got
+  got=$(bound "$1" | sort -u)
+  [ "$got" = "$2" ] || fail "$1: peers got --max-local-steps '$got', expected '$2'"
+  echo "local_cluster: $1: --max-local-steps '${2}' as expected"
+}
+
+run default --
+grep -q "at most 4 steps between applied exchanges" "$T/out" || fail "default: the header does not name the bound"
+expect_bound default 4
+run off MAX_LOCAL_STEPS=0 --
+expect_bound off ""
+run mine -- --max-local-steps 2
+expect_bound mine 2
+run allreduce -- --sync allreduce
+expect_bound allreduce ""
+grep -q "at most" "$T/out" && fail "allreduce: the header names a bound"
+run nogossip -- --gossip-every 0
+expect_bound nogossip ""
+echo "local_cluster: PASS"
