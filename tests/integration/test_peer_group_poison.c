@@ -74,14 +74,15 @@ static double run(bool clip, double *skipped) {
 }
 
 /* The bounds: with clipping the honest groups end at 0.86 on a quiet
- * machine and were seen at 0.848 under the full suite's load (fewer of the
- * attacker's updates arrive as outliers when exchanges are slow), so 0.84;
- * without it the worst falls to 0.03-0.51, so below 0.80. The gap between
- * the two is what the pair of tests shows. */
-#define PROTECTED_MIN 0.84
+ * machine and were seen at 0.846-0.848 under the full suite's load (fewer
+ * of the attacker's updates arrive as outliers when exchanges are slow;
+ * seven loaded runs: 0.846-0.865), so 0.83; without it the worst falls to
+ * 0.03-0.51, so below 0.80. The gap between the two is what the pair of
+ * tests shows. */
+#define PROTECTED_MIN 0.83
 #define UNPROTECTED_MAX 0.80
 
-Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_at_084) {
+Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_at_083) {
   SKIP_WITHOUT_DATA();
   double skipped, worst = run(true, &skipped);
   fprintf(stderr, "worst honest group with clipping: %.4f; %.0f attacker updates skipped as outliers\n", worst,
