@@ -39,6 +39,10 @@ case " $* " in *" --max-steps "*|*" --max-steps="*) [ -z "${EPOCHS:-}" ] && epoc
 cores=$(nproc)
 threads=${THREADS:-$(( cores / n > 0 ? cores / n : 1 ))}
 batch=${BATCH:-$(( 128 / n > 16 ? 128 / n : 16 ))}
+bound=${MAX_LOCAL_STEPS:-4}
+case $bound in
+''|*[!0-9]*) echo "$0: MAX_LOCAL_STEPS must be a whole number of steps (0: no bound), not '$bound'" >&2; exit 2 ;;
+esac
 mkdir -p "$work"
 rm -f "$work"/*.log "$work"/*.out
 
@@ -68,7 +72,6 @@ boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 # --max-local-steps among the peer options wins over ours (the last flag
 # counts); the bound is only for gossip with exchanges on.
 steps="" prev="" sync=gossip every=""
-bound=${MAX_LOCAL_STEPS:-4}
 for a in "$@"; do
   case $prev in
   --batch) batch=$a ;; --max-steps) steps=$a ;; --sync) sync=$a ;; --gossip-every) every=$a ;;

@@ -4,7 +4,8 @@
 # command line. Checks that the runs finish and print their table, and the
 # drift bound the script adds: --max-local-steps 4 for gossiping peers by
 # default; none with MAX_LOCAL_STEPS=0, --sync allreduce or --gossip-every 0;
-# a --max-local-steps among the peer options comes last (it wins). About 20 s.
+# a --max-local-steps among the peer options comes last (it wins); a bad
+# MAX_LOCAL_STEPS is refused before anything starts. About 12 s.
 #
 #   tests/scripts/local_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
 #
@@ -72,4 +73,12 @@ expect_bound allreduce ""
 grep -q "at most" "$T/out" && fail "allreduce: the header names a bound"
 run nogossip -- --gossip-every 0
 expect_bound nogossip ""
+# A bad MAX_LOCAL_STEPS: exit 2 naming it, before anything starts.
+MAX_LOCAL_STEPS=four RUMOR="$T/rumor" WORKDIR="$T/bad" "$src/deploy/local-cluster.sh" 2 > "$T/out" 2>&1
+st=$?
+if [ "$st" != 2 ] || ! grep -q "MAX_LOCAL_STEPS must be a whole number of steps (0: no bound), not 'four'" "$T/out"; then
+  fail "MAX_LOCAL_STEPS=four: exit $st"
+fi
+[ -e "$T/bad" ] && fail "MAX_LOCAL_STEPS=four: the run started (made $T/bad)"
+echo "local_cluster: a bad MAX_LOCAL_STEPS is refused"
 echo "local_cluster: PASS"
