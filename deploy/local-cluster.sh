@@ -19,7 +19,8 @@
 # MAX_LOCAL_STEPS (gossiping peers' --max-local-steps, default 4: a peer that
 # took 4 steps without an applied exchange holds training until one applies,
 # which bounds the drift between replicas; 0: training never waits for the
-# network; not given to --sync allreduce or ps, or with --gossip-every 0).
+# network; not given to --sync allreduce or ps, or when gossip is off:
+# --gossip-every 0 and no --gossip-interval).
 # A --batch or --max-local-steps among the peer options overrides ours.
 # Exit status: 0 when every peer finished, 1 otherwise.
 set -eu
@@ -71,20 +72,25 @@ boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 # What the peers will be told, for the line below: a --batch, --max-steps or
 # --max-local-steps among the peer options wins over ours (the last flag
 # counts); the bound is only for gossip with exchanges on.
-steps="" prev="" sync=gossip every=""
+steps="" prev="" sync=gossip every="" interval=""
 for a in "$@"; do
   case $prev in
   --batch) batch=$a ;; --max-steps) steps=$a ;; --sync) sync=$a ;; --gossip-every) every=$a ;;
-  --max-local-steps) bound=$a ;;
+  --gossip-interval) interval=$a ;; --max-local-steps) bound=$a ;;
   esac
   case $a in
   --batch=*) batch=${a#--batch=} ;; --max-steps=*) steps=${a#--max-steps=} ;; --sync=*) sync=${a#--sync=} ;;
-  --gossip-every=*) every=${a#--gossip-every=} ;; --max-local-steps=*) bound=${a#--max-local-steps=} ;;
+  --gossip-every=*) every=${a#--gossip-every=} ;; --gossip-interval=*) interval=${a#--gossip-interval=} ;;
+  --max-local-steps=*) bound=${a#--max-local-steps=} ;;
   esac
   prev=$a
 done
+# zero VALUE: true for 0, 00, 0.0 and the like
+zero() { case $1 in *[!0.]*) return 1 ;; *) return 0 ;; esac; }
+gossips=true
+[ -n "$every" ] && zero "$every" && { [ -z "$interval" ] || zero "$interval"; } && gossips=false
 bound_flag=""
-[ "$sync" = gossip ] && [ "$every" != 0 ] && [ "$bound" != 0 ] && bound_flag="--max-local-steps"
+[ "$sync" = gossip ] && $gossips && ! zero "$bound" && bound_flag="--max-local-steps"
 span="$epochs epochs"
 [ -z "$epochs_flag" ] && span="$steps steps"
 how="batch $batch, $threads thread(s) each"

@@ -32,6 +32,7 @@ void gossip_donation_free(struct gossip *g) {
 
 bool gossip_donor_poll(gossip_t *g) { return atomic_load(&g->don.state) == SLOT_WANT; }
 float *gossip_donor_buf(gossip_t *g) { return g->don.buf; }
+bool gossip_donor_sending(gossip_t *g) { return atomic_load(&g->don.state) == SLOT_BUSY; }
 bool gossip_donor_params_only(gossip_t *g) { return atomic_load(&g->don.params_only); }
 
 void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {

@@ -268,6 +268,9 @@ int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct
  * state_floats floats and call gossip_donor_done. */
 bool gossip_donor_poll(gossip_t *g);
 float *gossip_donor_buf(gossip_t *g);
+/* True while a donation filled from gossip_donor_buf() is being sent: the
+ * buffer must not be written until it turns false (training thread). */
+bool gossip_donor_sending(gossip_t *g);
 void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos);
 /* True when the pending donation is a monitor's request for the parameters
  * alone (rumor top --exact): the training thread then copies only the

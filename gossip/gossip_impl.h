@@ -171,7 +171,8 @@ struct gossip_join {
   net_conn_t *pull_conn;
   uint64_t pull_begin_ns; /* monotonic: when the donor's transfer began (its BEGIN arrived) */
   /* A later pull (gossip_state_pull): the donor to ask first, if alive;
-   * later: such a pull is under way (loop thread), for its messages. */
+   * later: one was asked for, so a state of our own exists to keep (loop
+   * thread; for the messages). */
   uint8_t prefer[NET_PUBKEY_BYTES];
   bool have_prefer, later;
 };

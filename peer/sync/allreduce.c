@@ -53,17 +53,21 @@ static int take_sum(struct sync *s) {
 }
 
 /* A state pulled to catch up is taken only when it is finite and (a whole
- * replica) its loss on the check rows is at most this many times ours: we
- * were a few steps behind with a trained state of our own, and a broken or
- * hostile member ahead must not replace it with garbage. After CATCHUP_ASKS
- * refused states the member gives up (it cannot rejoin the round). */
+ * replica) its loss on the check rows is at most CATCHUP_MAX_LOSS_RATIO
+ * times ours, or CATCHUP_LOSS_SLACK above it when that is more (a loss near
+ * zero doubles on noise): we were a few steps behind with a trained state
+ * of our own, and a broken or hostile member ahead must not replace it with
+ * garbage. After CATCHUP_ASKS refused states the member gives up (it
+ * cannot rejoin the round). */
 #define CATCHUP_MAX_LOSS_RATIO 2.0
+#define CATCHUP_LOSS_SLACK 0.5 /* nats per target */
 #define CATCHUP_ASKS 2
 
 /* Loads `pulled` (state_floats floats) unless it fails the checks above;
- * `own` (state_floats floats, or NULL: no memory, then only finiteness is
- * checked, before loading) holds our state to go back to. Returns true
- * when taken; on false our state is back and *why says what was wrong. */
+ * `own` (state_floats floats, or NULL: a stage, or no memory; then only
+ * finiteness is checked, before loading) holds our state to go back to.
+ * Returns true when taken; on false our state is back and *why says what
+ * was wrong. */
 static bool take_pulled(struct sync *s, const float *pulled, float *own, char *why, size_t whylen) {
   struct trainer *t = s->t;
   int64_t S = trainer_state_floats(t);
@@ -81,9 +85,10 @@ static bool take_pulled(struct sync *s, const float *pulled, float *own, char *w
   double own_loss = trainer_check_loss(t, targets, &rows);
   trainer_load_state(t, pulled);
   double loss = trainer_check_loss(t, targets, &rows);
-  if (!isfinite(own_loss) || loss <= CATCHUP_MAX_LOSS_RATIO * own_loss) return true;
-  snprintf(why, whylen, "its loss %.4g on %lld training %s is more than %g times ours (%.4f)", loss, (long long)rows,
-           trainer_row_noun(t), CATCHUP_MAX_LOSS_RATIO, own_loss);
+  double most = fmax(CATCHUP_MAX_LOSS_RATIO * own_loss, own_loss + CATCHUP_LOSS_SLACK);
+  if (!isfinite(own_loss) || loss <= most) return true;
+  snprintf(why, whylen, "its loss %.4g on %lld training %s is above %.4f, the most we take beside ours (%.4f)", loss,
+           (long long)rows, trainer_row_noun(t), most, own_loss);
   trainer_load_state(t, own);
   return false;
 }
@@ -99,9 +104,18 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct ru
   log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
            (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
   struct gossip_train_pos pos;
-  float *buf = gossip_donor_buf(s->g); /* free: we donate only from sync_idle, not while pulling */
-  float *own = malloc((size_t)trainer_state_floats(t) * sizeof(float));
-  if (!own) log_warn("all-reduce: no memory to keep our state: a pulled state is checked for finite values only");
+  /* The pull lands in the donation buffer: a donation filled from it while
+   * we waited in the ring may still be on its way out; wait for it to end
+   * (no new one is filled until we serve donations again). */
+  while (gossip_donor_sending(s->g)) {
+    if (stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while catching up");
+    const struct timespec tick = {0, 2 * 1000000};
+    nanosleep(&tick, NULL);
+  }
+  float *buf = gossip_donor_buf(s->g);
+  float *own = NULL;
+  if (!trainer_is_stage(t) && !(own = malloc((size_t)trainer_state_floats(t) * sizeof(float))))
+    log_warn("all-reduce: no memory to keep our state: a pulled state is checked for finite values only");
   int rc = 0;
   bool taken = false;
   char why[160];

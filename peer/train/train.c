@@ -426,9 +426,12 @@ static int reduce(struct trainer *t, int64_t rows, struct rumor_err *e) {
 }
 
 /* Enqueues a whole replica's step on the staged batch: its rows into
- * *rows_out. Returns 0, 1 when the reducer dropped the step (train_reducer),
- * or a negative code. */
-static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct rumor_err *e) {
+ * *rows_out, and with a reducer its loss into *loss (read before the
+ * reducer runs: while it waits it may evaluate the check rows, for a
+ * donation or a catch-up, which overwrites the batch's losses; without one
+ * the caller reads the loss later, overlapping the device). Returns 0, 1
+ * when the reducer dropped the step (train_reducer), or a negative code. */
+static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *loss, struct rumor_err *e) {
   int buf = t->cur;
   if (!t->staged) stage_batch(t, buf);
   int64_t rows = t->rows[buf];
@@ -437,6 +440,7 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, struct ru
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
+  if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
   int rc = reduce(t, rows, e);
   if (rc) return rc;
   clip_gradients(t);
@@ -532,7 +536,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   t->reduce_s = 0;
   int64_t rows = 0;
   int rc;
-  rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, e);
+  rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, &loss, e);
   if (rc < 0) return rc;
   /* Dropped (rc 1): the batch is used up, but the step count is the
    * state's that replaced ours. */
@@ -549,7 +553,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->cur ^= 1;
     t->staged = !trainer_done(t);
     if (t->staged) stage_batch(t, t->cur);
-    loss = model_mean_loss(&t->model, rows); /* waits for the device */
+    if (!t->reducer.reduce) loss = model_mean_loss(&t->model, rows); /* waits for the device */
   }
   if (t->cfg.slowdown > 1) straggle(t, clock_now_s() - c0 - t->reduce_s);
   if (trainer_has_loss(t)) {

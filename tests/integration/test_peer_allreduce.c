@@ -202,12 +202,12 @@ static void leave_one_behind(int peer[3], const char *attack, const char *max_st
 Test(allreduce, a_member_left_behind_catches_up_and_finishes_with_the_others) {
   SKIP_WITHOUT_DATA();
   int peer[3];
-  leave_one_behind(peer, "none", "3000");
+  leave_one_behind(peer, "none", "6000");
   for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
   cr_assert(cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it did not catch up: %s",
             proc_slurp(C.node[peer[2]].log));
   cr_assert_geq(cluster_result(&C, peer[2], "allreduce_catchups"), 1);
-  for (int i = 0; i < 3; i++) cr_assert_eq(cluster_result(&C, peer[i], "steps"), 3000);
+  for (int i = 0; i < 3; i++) cr_assert_eq(cluster_result(&C, peer[i], "steps"), 6000);
   expect_same_params(peer, 3);
 }
 

@@ -3,9 +3,11 @@
 # a small MLP for a few steps, through a wrapper that records each peer's
 # command line. Checks that the runs finish and print their table, and the
 # drift bound the script adds: --max-local-steps 4 for gossiping peers by
-# default; none with MAX_LOCAL_STEPS=0, --sync allreduce or --gossip-every 0;
-# a --max-local-steps among the peer options comes last (it wins); a bad
-# MAX_LOCAL_STEPS is refused before anything starts. About 12 s.
+# default (also with --gossip-every 0 and a --gossip-interval); none with
+# MAX_LOCAL_STEPS=0, --sync allreduce or --gossip-every 0 alone; a
+# --max-local-steps (or --max-local-steps=N) among the peer options comes
+# last (it wins); a bad MAX_LOCAL_STEPS is refused before anything starts.
+# About 15 s.
 #
 #   tests/scripts/local_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
 #
@@ -40,7 +42,7 @@ run() {
   shift
   rm -f "$T"/peer-args.*
   mkdir -p "$T/$name"
-  if ! env "${envs[@]}" RUMOR="$T/rumor" WORKDIR="$T/work" THREADS=1 timeout 120 "$src/deploy/local-cluster.sh" 2 -- \
+  if ! env ${envs[@]+"${envs[@]}"} RUMOR="$T/rumor" WORKDIR="$T/work" THREADS=1 timeout 120 "$src/deploy/local-cluster.sh" 2 -- \
       --data "$data" --model mlp:784-16-10 --max-steps 5 --no-eval --log-every 0 "$@" > "$T/out" 2>&1; then
     fail "$name: deploy/local-cluster.sh failed"
   fi
@@ -52,7 +54,8 @@ run() {
 # bound NAME: the last --max-local-steps value each peer of run NAME got
 # (empty: none), one line per peer.
 bound() {
-  for f in "$T/$1"/peer-args.*; do awk 'p {v = $0; p = 0} $0 == "--max-local-steps" {p = 1} END {print v}' "$f"; done
+  for f in "$T/$1"/peer-args.*; do awk 'p {v = $0; p = 0} $0 == "--max-local-steps" {p = 1}
+    /^--max-local-steps=/ {v = substr($0, 19)} END {print v}' "$f"; done
 }
 expect_bound() {
   local got
@@ -73,6 +76,10 @@ expect_bound allreduce ""
 grep -q "at most" "$T/out" && fail "allreduce: the header names a bound"
 run nogossip -- --gossip-every 0
 expect_bound nogossip ""
+run interval -- --gossip-every=0 --gossip-interval 0.2
+expect_bound interval 4
+run mine_eq -- --max-local-steps=3
+expect_bound mine_eq 3
 # A bad MAX_LOCAL_STEPS: exit 2 naming it, before anything starts.
 MAX_LOCAL_STEPS=four RUMOR="$T/rumor" WORKDIR="$T/bad" "$src/deploy/local-cluster.sh" 2 > "$T/out" 2>&1
 st=$?
