@@ -99,12 +99,6 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
   return 0;
 }
 
-/* A donated state is taken only when its loss on the check rows is at
- * most this many times our own initialisation's: a broken or hostile donor
- * (a valid key, a state of garbage) must not seed us with it. */
-#define DONATION_MAX_LOSS_RATIO 2.0
-#define DONATION_ASKS 2 /* donors asked before starting from our own initialisation */
-
 /* Our initialisation, kept while a state may be pulled: its parameters
  * (NULL when there is nothing to keep or no memory for it: no check then)
  * and its loss on the check rows (NaN until a donation needs it). */
@@ -126,8 +120,8 @@ static struct own_start keep_own_start(struct trainer *t, bool may_pull) {
 
 /* Takes the state pulled into `donated` (loaded already) at `pos`, or
  * refuses it (returns false, our own initialisation back) when its loss on
- * the check rows is not finite or above DONATION_MAX_LOSS_RATIO times our
- * initialisation's. */
+ * the check rows is not finite or above sync_pull_max_loss of our
+ * initialisation's (sync.h). */
 static bool take_donation(struct trainer *t, struct own_start *own, const float *donated,
                           const struct gossip_train_pos *pos) {
   int64_t rows, step = t->st.step, epoch = t->st.epoch, samples = t->st.samples;
@@ -136,12 +130,11 @@ static bool take_donation(struct trainer *t, struct own_start *own, const float 
   if (own->params) {
     trainer_load_fresh(t, own->params);
     if (isnan(own->loss)) own->loss = trainer_check_loss(t, targets, &rows); /* once */
-    double own_loss = own->loss;
-    if (isfinite(own_loss) && !(loss <= DONATION_MAX_LOSS_RATIO * own_loss)) {
-      log_warn("refused the cluster's state at step %llu: loss %.4g on %lld training %s, more than %g times our "
-               "own initialisation's %.4f (a broken or hostile donor)",
-               (unsigned long long)pos->step, loss, (long long)rows, trainer_row_noun(t), DONATION_MAX_LOSS_RATIO,
-               own_loss);
+    double own_loss = own->loss, most = sync_pull_max_loss(own_loss);
+    if (isfinite(own_loss) && !(loss <= most)) {
+      log_warn("refused the cluster's state at step %llu: loss %.4g on %lld training %s, above %.4f, the most we "
+               "take beside our own initialisation's %.4f (a broken or hostile donor)",
+               (unsigned long long)pos->step, loss, (long long)rows, trainer_row_noun(t), most, own_loss);
       trainer_set_position(t, step, epoch, samples);
       return false;
     }
@@ -167,9 +160,9 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
   for (int asked = 1; jr == 0 && !take_donation(t, &own, p->mb.donor, &pos); asked++) {
     /* Refused: the donor is struck, and another peer is asked, or after
-     * DONATION_ASKS donors we start from our own initialisation. */
+     * SYNC_PULL_ASKS donors we start from our own initialisation. */
     gossip_refuse_donation(p->mb.g, "it donated a state worse than a fresh model");
-    if (asked == DONATION_ASKS) {
+    if (asked == SYNC_PULL_ASKS) {
       jr = 1;
       break;
     }

@@ -52,22 +52,13 @@ static int take_sum(struct sync *s) {
   return 0;
 }
 
-/* A state pulled to catch up is taken only when it is finite and (a whole
- * replica) its loss on the check rows is at most CATCHUP_MAX_LOSS_RATIO
- * times ours, or CATCHUP_LOSS_SLACK above it when that is more (a loss near
- * zero doubles on noise): we were a few steps behind with a trained state
- * of our own, and a broken or hostile member ahead must not replace it with
- * garbage. After CATCHUP_ASKS refused states the member gives up (it
- * cannot rejoin the round). */
-#define CATCHUP_MAX_LOSS_RATIO 2.0
-#define CATCHUP_LOSS_SLACK 0.5 /* nats per target */
-#define CATCHUP_ASKS 2
-
-/* Loads `pulled` (state_floats floats) unless it fails the checks above;
- * `own` (state_floats floats, or NULL: a stage, or no memory; then only
- * finiteness is checked, before loading) holds our state to go back to.
- * Returns true when taken; on false our state is back and *why says what
- * was wrong. */
+/* Loads `pulled` (state_floats floats) unless it fails the checks of
+ * sync.h's sync_pull_max_loss, against our own current state: we were a
+ * few steps behind with a trained state of our own. `own` (state_floats
+ * floats, or NULL: a stage, which has no loss to compare, or no memory;
+ * then only finiteness is checked, before loading) holds our state to go
+ * back to. Returns true when taken; on false our state is back and *why
+ * says what was wrong. */
 static bool take_pulled(struct sync *s, const float *pulled, float *own, char *why, size_t whylen) {
   struct trainer *t = s->t;
   int64_t S = trainer_state_floats(t);
@@ -76,7 +67,7 @@ static bool take_pulled(struct sync *s, const float *pulled, float *own, char *w
       snprintf(why, whylen, "value %lld of %lld is not finite", (long long)i, (long long)S);
       return false;
     }
-  if (!own || trainer_is_stage(t)) { /* a stage has no loss of its own to compare */
+  if (!own) {
     trainer_load_state(t, pulled);
     return true;
   }
@@ -85,7 +76,7 @@ static bool take_pulled(struct sync *s, const float *pulled, float *own, char *w
   double own_loss = trainer_check_loss(t, targets, &rows);
   trainer_load_state(t, pulled);
   double loss = trainer_check_loss(t, targets, &rows);
-  double most = fmax(CATCHUP_MAX_LOSS_RATIO * own_loss, own_loss + CATCHUP_LOSS_SLACK);
+  double most = sync_pull_max_loss(own_loss);
   if (!isfinite(own_loss) || loss <= most) return true;
   snprintf(why, whylen, "its loss %.4g on %lld training %s is above %.4f, the most we take beside ours (%.4f)", loss,
            (long long)rows, trainer_row_noun(t), most, own_loss);
@@ -94,9 +85,11 @@ static bool take_pulled(struct sync *s, const float *pulled, float *own, char *w
 }
 
 /* Left behind: takes the state of a member that completed our step (asked
- * first), or of another when that one's state is refused. Returns 1 when
- * taken, 0 when nobody is left to take it from (we go on with ours), or a
- * negative code (stopped, or every state asked for was refused). */
+ * first), or of another when that one's state is refused; after
+ * SYNC_PULL_ASKS refusals the member gives up (it cannot rejoin the round
+ * without one). Returns 1 when taken, 0 when nobody is left to take it
+ * from (we go on with ours), or a negative code (stopped, or every state
+ * asked for was refused). */
 static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct rumor_err *e) {
   struct trainer *t = s->t;
   char ahead[NET_PUBKEY_STR_LEN + 1];
@@ -127,11 +120,11 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct ru
     log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
              (unsigned long long)pos.step, why);
     gossip_refuse_donation(s->g, "it gave a state we refused");
-    if (asked == CATCHUP_ASKS) {
+    if (asked == SYNC_PULL_ASKS) {
       rc = rumor_err_set(e, RUMOR_ECORRUPT,
                          "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
                          "(the last: %s)",
-                         (long long)t->st.step, CATCHUP_ASKS, why);
+                         (long long)t->st.step, SYNC_PULL_ASKS, why);
       break;
     }
   }

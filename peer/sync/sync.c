@@ -286,6 +286,10 @@ int64_t sync_check_targets(int64_t nparams) {
   return n < 1 ? 1 : n > SYNC_CHECK_TARGETS ? SYNC_CHECK_TARGETS : n;
 }
 
+double sync_pull_max_loss(double own_loss) {
+  return fmax(SYNC_PULL_MAX_LOSS_RATIO * own_loss, own_loss + SYNC_PULL_LOSS_SLACK);
+}
+
 /* Serves a pending donation: a monitor's request for the parameters, or a
  * newcomer's for the whole state. */
 static void donate(struct sync *s, double now) {

@@ -151,6 +151,19 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
 #define SYNC_CHECK_MACS (1ll << 33)
 int64_t sync_check_targets(int64_t nparams);
 
+/* A state pulled from another member (a newcomer's donation, an all-reduce
+ * member's catch-up) is taken only when its loss on the check rows is
+ * finite and at most sync_pull_max_loss(ours), ours being that of the
+ * state we would keep (a newcomer's own initialisation, a member's own
+ * trained state): twice it, or SYNC_PULL_LOSS_SLACK above it when that is
+ * more (a trained loss near zero doubles on noise). A broken or hostile
+ * member (a valid key, a state of garbage) must not replace ours. After
+ * SYNC_PULL_ASKS refused states the puller stops asking. */
+#define SYNC_PULL_MAX_LOSS_RATIO 2.0
+#define SYNC_PULL_LOSS_SLACK 0.5 /* nats per target */
+#define SYNC_PULL_ASKS 2
+double sync_pull_max_loss(double own_loss);
+
 struct sync_config {
   int64_t every_steps;  /* start an exchange every N steps (0: off) */
   double every_s;       /* ... or every T seconds (0: off) */
