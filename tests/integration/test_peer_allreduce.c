@@ -130,7 +130,10 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
     cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
   usleep(300 * 1000);
   kill(C.node[peer[2]].pid, SIGKILL);
-  cr_assert(cluster_wait_file(C.node[peer[0]].log, "failed", 30), "no round failed after the kill");
+  /* The member's failure verdict, not a round's "failed": a newcomer
+   * started before the verdict joins the ring that still counts the killed
+   * member, and no ring re-forms with it (seen under load). */
+  cr_assert(cluster_wait_file(C.node[peer[0]].log, "is now failed", 30), "the killed member was not declared failed");
   /* A newcomer: it pulls the state, enters the ring, and all finish at the
    * same step with the same parameters. */
   peer[3] = start_member("2/3", "1500", "1");
