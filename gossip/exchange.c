@@ -182,6 +182,9 @@ static void start_send(struct gossip *g) {
   net_msgbuf_put_uint(&meta, "k", GBULK_EXCHANGE);
   net_msgbuf_put_uint(&meta, "x", x->xid);
   net_msgbuf_put_uint(&meta, "step", x->snapshot_step);
+  /* Optional (older peers ignore it): we took our last step, and linger
+   * only to average with partners still training (gossip_finished). */
+  if (atomic_load(&g->finished)) net_msgbuf_put_bool(&meta, "done", true);
   size_t mlen;
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
   /* No end-to-end digest: every chunk is already an authenticated frame of
@@ -464,7 +467,7 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
 }
 
 int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
-                             uint64_t step, float **dst) {
+                             uint64_t step, bool done, float **dst) {
   struct gossip_xch *x = &g->xch.x;
   /* Not the partner's transfer for this exchange: refused without blaming
    * anyone (a late transfer of an abandoned exchange). */
@@ -476,6 +479,7 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
     refuse(g, why);
     return -ECONNREFUSED;
   }
+  gossip_guard_note_finished(g, x->partner, done);
   x->receiving = true;
   x->recv_id = info->id;
   x->recv_bytes = net_dtype_bytes(info->wire, info->count);

@@ -157,6 +157,18 @@ size_t gossip_live_partners(gossip_t *g);
  * its model): from now on it may exchange and donate. */
 void gossip_ready(gossip_t *g);
 
+/* The end of a run (rumor peer --finish-wait-ms): the training thread took
+ * its last step and goes on only exchanging, so that partners still
+ * training are not left alone and the replicas end together. From now on
+ * our exchange transfers are marked done (an optional field that older
+ * peers ignore), and we note which partners' transfers were. Training
+ * thread. */
+void gossip_finished(gossip_t *g);
+/* Alive peers that hold a state, ourselves excluded, that have not told us
+ * they finished (counted as gossip_live_partners until gossip_finished).
+ * Any thread. */
+size_t gossip_training_partners(gossip_t *g);
+
 /* ---- the exchange slot (training thread) ---- */
 
 enum gossip_xch_work {
@@ -332,6 +344,9 @@ struct gossip_member_view {
   uint64_t incarnation;
   bool ready; /* holds a state: trains, exchanges and donates */
   bool self;
+  /* Known to have finished training (an exchange transfer from it said so
+   * since we called gossip_finished); always false before that. */
+  bool finished;
 };
 /* Copies up to `max` members (self first); returns how many there are. */
 size_t gossip_members(gossip_t *g, struct gossip_member_view *out, size_t max);

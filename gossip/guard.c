@@ -72,7 +72,21 @@ void gossip_back_off(struct gossip *g, const uint8_t *id, uint64_t until_ms) {
 
 void gossip_guard_on_return(struct gossip *g, const uint8_t *id) {
   struct gossip_guard_entry *en = entry(g, id, false);
-  if (en) en->backoff_until_ms = 0;
+  if (en) en->backoff_until_ms = 0, en->finished = false;
+}
+
+/* ---- finished members (rumor peer --finish-wait-ms) ---- */
+
+void gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished) {
+  struct gossip_guard_entry *en = entry(g, id, finished);
+  if (!en || en->finished == finished) return;
+  en->finished = finished;
+  gossip_publish(g);
+}
+
+bool gossip_guard_finished(struct gossip *g, const uint8_t *id) {
+  struct gossip_guard_entry *en = entry(g, id, false);
+  return en && en->finished;
 }
 
 /* ---- rate limits ---- */

@@ -183,16 +183,17 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   struct net_msg meta;
   struct rumor_err e;
   uint64_t kind, xid, step = 0, epoch = 0, samples = 0;
+  bool done = false; /* an exchange transfer's optional mark: the sender has finished training */
   *dst_arg = NULL;
   if (!info->meta || net_msg_decode(info->meta, info->meta_len, NULL, &meta, &e)) return RUMOR_EPROTO;
   int rc = RUMOR_EPROTO;
   if (net_msg_get_uint(&meta, "k", &kind) || net_msg_get_uint(&meta, "x", &xid) ||
-      net_msg_get_uint(&meta, "step", &step)) {
+      net_msg_get_uint(&meta, "step", &step) || net_msg_get_bool(&meta, "done", &done) == RUMOR_EPROTO) {
     /* malformed */
   } else if (kind == GBULK_RING) {
     rc = gossip_ring_on_bulk_begin(g, c, info, &meta, dst, dst_arg);
   } else if (kind == GBULK_EXCHANGE) {
-    rc = gossip_xch_on_bulk_begin(g, c, info, xid, step, dst);
+    rc = gossip_xch_on_bulk_begin(g, c, info, xid, step, done, dst);
   } else if (kind == GBULK_STATE && !net_msg_get_uint(&meta, "epoch", &epoch) &&
              !net_msg_get_uint(&meta, "samples", &samples)) {
     struct gossip_train_pos pos = {step, epoch, samples};
@@ -236,6 +237,15 @@ static void ready_on_loop(net_t *n, void *arg, int status) {
 void gossip_ready(gossip_t *g) {
   atomic_store(&g->ready, true);
   if (net_call(g->net, ready_on_loop, g) != 0) log_warn("cannot announce that we are ready");
+}
+
+static void finished_on_loop(net_t *n, void *arg, int status) {
+  if (status == 0) gossip_publish(arg); /* the view now marks the partners known to have finished */
+}
+
+void gossip_finished(gossip_t *g) {
+  atomic_store(&g->finished, true);
+  if (net_call(g->net, finished_on_loop, g) != 0) log_debug("cannot republish the member view");
 }
 
 /* ---- the loop thread ---- */

@@ -128,6 +128,8 @@ void gossip_publish(struct gossip *g) {
     v->incarnation = u->incarnation;
     v->ready = u->ready;
     v->self = i == 0;
+    /* Looked up only while we linger (the guard's table is a list). */
+    v->finished = i > 0 && atomic_load(&g->finished) && gossip_guard_finished(g, u->id);
   }
   struct gossip_stats *s = &mon->counters;
   s->members_alive = s->members_suspect = s->members_failed = s->members_left = 0;
@@ -170,6 +172,17 @@ size_t gossip_live_partners(gossip_t *g) {
   for (size_t i = 1; i < g->mon.npub; i++) /* pub[0] is ourselves */
     if (strcmp(g->mon.pub[i].role, "peer") == 0 && g->mon.pub[i].ready && strcmp(g->mon.pub[i].state, "alive") == 0)
       n++;
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+size_t gossip_training_partners(gossip_t *g) {
+  pthread_mutex_lock(&g->lock);
+  size_t n = 0;
+  for (size_t i = 1; i < g->mon.npub; i++) {
+    const struct gossip_member_view *v = &g->mon.pub[i];
+    if (strcmp(v->role, "peer") == 0 && v->ready && strcmp(v->state, "alive") == 0 && !v->finished) n++;
+  }
   pthread_mutex_unlock(&g->lock);
   return n;
 }

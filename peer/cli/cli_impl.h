@@ -141,6 +141,7 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
 struct gossip_flags {
   int64_t every, exchange_timeout_ms, wait_peers, wait_peers_ms, sketch_k;
   int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
+  int64_t finish_wait_ms;               /* rumor peer only: exchange on after the last step (sync_finish) */
   double interval, alpha, max_distance;
   const char *wire, *name;
   const char *sync;                  /* --sync: "gossip", "allreduce" or "ps" */
@@ -156,6 +157,7 @@ struct gossip_setup {
   bool ps; /* --sync ps: a worker of parameter servers, not a gossip member (cmd_ps.c) */
   enum net_dtype wire;
   struct sync_config sync;
+  double finish_wait_s; /* sync_finish's bound (0: leave at the last step) */
   struct cpu_list train_cpus, net_cpus;
   bool pin_train, pin_net;
 };

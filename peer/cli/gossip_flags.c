@@ -70,6 +70,13 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
     RUMOR_ASSERT(*n < max);
     out[(*n)++] = specs[i];
   }
+  if (who != FLAGS_PEER) return; /* a group's stages leave when their group finishes */
+  RUMOR_ASSERT(*n < max);
+  out[(*n)++] = (struct arg_spec){
+      "finish-wait-ms", ARG_INT, &f->finish_wait_ms, "MS",
+      "after the last step, keep averaging (without training) until no partner still trains, at most MS; then "
+      "evaluate, save and leave (0: leave at once)",
+      0, 86400000};
 }
 
 static int parse_wire(const char *s, enum net_dtype *out) {
@@ -93,7 +100,11 @@ static int setup_sync(const struct gossip_flags *f, bool *allreduce, bool *ps, s
   if (!*ps && f->servers)
     return rumor_err_set(e, RUMOR_EFORMAT, "--servers is for --sync ps (parameter servers), not --sync %s", f->sync);
   if (!*allreduce && !*ps) return 0;
-  const char *clash = f->max_local_steps > 0 ? "--max-local-steps" : f->clip ? "--clip" : f->interval > 0 ? "--gossip-interval" : NULL;
+  const char *clash = f->max_local_steps > 0 ? "--max-local-steps"
+                      : f->clip             ? "--clip"
+                      : f->interval > 0     ? "--gossip-interval"
+                      : f->finish_wait_ms > 0 ? "--finish-wait-ms"
+                                            : NULL;
   if (clash)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s is a gossip option; --sync %s %s instead", clash, f->sync,
                          *ps ? "pushes every step's gradient to the parameter servers" : "sums every step's gradient");
@@ -110,6 +121,12 @@ int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, s
                          "--max-local-steps %lld bounds the steps between exchanges, but gossip is off "
                          "(--gossip-every 0 and no --gossip-interval)",
                          (long long)f->max_local_steps);
+  if (f->finish_wait_ms > 0 && f->every == 0 && f->interval == 0)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--finish-wait-ms %lld keeps averaging after the last step, but gossip is off "
+                         "(--gossip-every 0 and no --gossip-interval)",
+                         (long long)f->finish_wait_ms);
+  out->finish_wait_s = (double)f->finish_wait_ms / 1e3;
   if (parse_wire(f->wire, &out->wire))
     return rumor_err_set(e, RUMOR_EFORMAT, "--wire must be f32, f16, bf16 or i8, not '%s'", f->wire);
   if (f->train_cpus && cpu_list_parse(f->train_cpus, &out->train_cpus, e)) return rumor_err_prefix(e, "--train-cpus");

@@ -55,6 +55,8 @@ void result_gossip(json_t *o, const struct gossip_stats *gs, const struct sync *
     json_text_set(o, counts[i].key, json_integer((json_int_t)counts[i].v));
   json_text_set(o, "longest_local_steps", json_integer(s->longest_local));
   json_text_set(o, "hold_s", json_text_real(s->hold_s));
+  json_text_set(o, "finish_wait_s", json_text_real(s->finish_s));
+  json_text_set(o, "finish_exchanges", json_integer((json_int_t)s->finish_applied));
   json_text_set(o, "sync", json_string(s->cfg.allreduce ? "allreduce" : "gossip"));
   if (!s->cfg.allreduce) return;
   const struct {

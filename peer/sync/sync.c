@@ -258,6 +258,50 @@ void sync_hold(struct sync *s, const atomic_int *stop) {
   s->hold_s += clock_now_s() - t0;
 }
 
+/* The exchange schedule while finishing: every_steps of our own mean
+ * step time (`step_s`), or the interval, whichever comes first; at least
+ * FINISH_MIN_INTERVAL_S apart. */
+#define FINISH_MIN_INTERVAL_S 1e-3
+static double finish_interval(const struct sync_config *c, double step_s) {
+  double by_steps = c->every_steps > 0 ? step_s * (double)c->every_steps : 0;
+  double every = c->every_s > 0 && (by_steps == 0 || c->every_s < by_steps) ? c->every_s : by_steps;
+  return every > FINISH_MIN_INTERVAL_S ? every : FINISH_MIN_INTERVAL_S;
+}
+
+void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop) {
+  gossip_finished(s->g);
+  struct sync_config saved = s->cfg;
+  double t0 = clock_now_s();
+  uint64_t applied = s->applied;
+  /* Exchanges on the time schedule only: the step does not move. */
+  s->cfg.every_s = finish_interval(&saved, step_s);
+  s->cfg.every_steps = 0;
+  const char *why = "stopped";
+  while (!(stop && atomic_load(stop))) {
+    /* Nobody left to wait for, and our last steps shared: one exchange
+     * after them, unless nobody is left at all (the last to finish tells the
+     * others so, and both end on the same average). Then no new exchange,
+     * and the one under way ends before we leave. */
+    if (gossip_training_partners(s->g) == 0 && (s->applied > applied || gossip_live_partners(s->g) == 0)) {
+      s->cfg.every_s = 0;
+      why = "no partner is still training";
+      if (!gossip_xch_in_flight(s->g)) break;
+    }
+    if (clock_now_s() - t0 >= max_s) {
+      why = "--finish-wait-ms passed";
+      break;
+    }
+    const struct timespec tick = {0, 1000 * 1000};
+    nanosleep(&tick, NULL);
+    sync_boundary(s);
+  }
+  s->cfg = saved;
+  s->finish_s = clock_now_s() - t0;
+  s->finish_applied = s->applied - applied;
+  log_info("finished waiting after %.2f s (%s): %llu exchanges applied meanwhile", s->finish_s, why,
+           (unsigned long long)s->finish_applied);
+}
+
 /* Publishes the training figures; with_sketch adds the O(P) ones. */
 static void publish_stats(struct sync *s, double now, bool with_sketch) {
   struct trainer *t = s->t;

@@ -221,6 +221,8 @@ struct sync {
   int hold_failures_in_row;
   int64_t hold_resume_step; /* no hold before this step (after holds that gave up) */
   double hold_s;            /* total time held */
+  double finish_s;          /* sync_finish: time spent after the last step */
+  uint64_t finish_applied;  /* ... and exchanges applied meanwhile */
   struct clip_state clip;
   double last_dist, last_norm; /* of the partner's parameters being validated */
 
@@ -254,6 +256,15 @@ void sync_idle(void *arg);
  * the next hold waits N·2^k steps, k the timeouts in a row). Call after
  * sync_boundary. */
 void sync_hold(struct sync *s, const atomic_int *stop);
+/* The end of a run (rumor peer --finish-wait-ms), after the last step:
+ * tells partners we finished (gossip_finished) and keeps exchanging without
+ * training, about as often as while training (every_steps of `step_s`, our
+ * mean step time in seconds, or the interval), until no live partner is
+ * still training (each has told us it finished, or left), `*stop` becomes
+ * non-zero, or `max_s` passes. Partners that train on are then not left
+ * without anyone to average with for their last steps, and every replica
+ * ends close to the others. finish_s and finish_applied say what it took. */
+void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop);
 void sync_free(struct sync *s);
 
 /* The train_reducer of --sync allreduce (`arg` is the sync): sums the

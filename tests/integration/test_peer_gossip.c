@@ -409,6 +409,70 @@ Test(gossip, max_local_steps_without_gossip_is_refused) {
   free(err);
 }
 
+/* Two peers on halves of the data, one four times slower (--slowdown),
+ * with --finish-wait-ms `wait`: the relative distance between their final
+ * checkpoints, and the fast peer's result figures. */
+static double run_fast_and_slow(const char *wait, double *fast_waited, double *fast_mixed, double *slow_mixed) {
+  cluster_start_bootstrap(&C, NULL);
+  int boot = C.n - 1, peer[2];
+  for (int i = 0; i < 2; i++)
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-128-10", "--shard", i ? "1/2" : "0/2", "--batch", "16",
+                                 "--epochs", "1000", "--max-steps", "300", "--no-eval", "--wait-peers", "2",
+                                 "--gossip-every", "1", "--max-local-steps", "4", "--slowdown", i ? "4" : "1",
+                                 "--finish-wait-ms", wait, "--checkpoint", C.node[C.n].ckpt, NULL);
+  float *final[2];
+  int64_t P = 0;
+  for (int i = 0; i < 2; i++) {
+    expect_clean_exit(peer[i]);
+    final[i] = ckpt_params_load(C.node[peer[i]].ckpt, &P);
+  }
+  *fast_waited = cluster_result(&C, peer[0], "finish_wait_s");
+  *fast_mixed = cluster_result(&C, peer[0], "finish_exchanges");
+  *slow_mixed = cluster_result(&C, peer[1], "finish_exchanges");
+  double norm, xi = consensus_distance(final, 2, P, &norm);
+  fprintf(stderr, "--finish-wait-ms %s: relative distance %.3g; the fast peer waited %.2f s and applied %.0f "
+          "exchanges meanwhile, the slow one %.0f\n", wait, xi / norm, *fast_waited, *fast_mixed, *slow_mixed);
+  for (int i = 0; i < 2; i++) free(final[i]);
+  kill(C.node[boot].pid, SIGTERM);
+  cluster_wait(&C, boot, 10);
+  return xi / norm;
+}
+
+Test(gossip, finish_wait_keeps_a_fast_peer_averaging_until_the_slow_one_finishes) {
+  SKIP_WITHOUT_DATA();
+  double waited, fast_mixed, slow_mixed;
+  /* Without it the fast peer leaves at its last step and the slow one
+   * trains its last three quarters alone. */
+  double apart = run_fast_and_slow("0", &waited, &fast_mixed, &slow_mixed);
+  cr_assert(waited == 0 && fast_mixed == 0, "--finish-wait-ms 0 waited %.2f s", waited);
+  cr_assert(apart > 1e-3, "the peers ended only %.3g apart without waiting: the check below would prove nothing",
+            apart);
+  double together = run_fast_and_slow("60000", &waited, &fast_mixed, &slow_mixed);
+  cr_assert(fast_mixed > 0 && waited > 0, "the fast peer applied no exchange after its last step");
+  cr_assert(slow_mixed >= 1, "the slow peer did not share its last steps (%.0f exchanges after them)", slow_mixed);
+  cr_assert(waited < 50, "the fast peer waited %.1f s: it should leave once the slow one finished", waited);
+  /* Both apply the last exchange, taken after both had finished: the same
+   * average, up to rounding. */
+  cr_assert(together < 1e-5, "the peers ended %.3g apart after waiting (%.3g without)", together, apart);
+}
+
+Test(gossip, finish_wait_is_refused_with_all_reduce_and_without_gossip) {
+  char *err = NULL;
+  int st = proc_run((char *[]){RUMOR_BIN, "peer", "--cluster-key", C.key, "--identity", "unused.key", "--sync",
+                               "allreduce", "--finish-wait-ms", "1000", NULL},
+                    30, C.dir, NULL, &err);
+  cr_assert(proc_exited_with(st, 2), "exit status %d: %s", st, err);
+  cr_assert(strstr(err, "--finish-wait-ms") && strstr(err, "allreduce"), "unclear message: %s", err);
+  free(err);
+  err = NULL;
+  st = proc_run((char *[]){RUMOR_BIN, "peer", "--cluster-key", C.key, "--identity", "unused.key", "--gossip-every",
+                           "0", "--finish-wait-ms", "1000", NULL},
+                30, C.dir, NULL, &err);
+  cr_assert(proc_exited_with(st, 2), "exit status %d: %s", st, err);
+  cr_assert(strstr(err, "--finish-wait-ms 1000") && strstr(err, "gossip is off"), "unclear message: %s", err);
+  free(err);
+}
+
 /* The CPUs a thread of `pid` may run on ("0", "0-1"), by thread id. */
 static void thread_cpus(pid_t pid, pid_t tid, char *out, size_t n) {
   char path[96], line[256];
