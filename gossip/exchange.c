@@ -175,6 +175,61 @@ static void refuse(struct gossip *g, const char *why) {
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg);
 
+/* ---- finished members (gossip_finished) ----
+ *
+ * An exchange transfer's metadata may say who finished training: "done"
+ * (true: the sender itself) and "fin" (other members it knows finished,
+ * at most GOSSIP_FIN_MAX keys). Both are optional, and older peers ignore
+ * them. Peers exchange along a bipartite graph (links.c), so two peers of
+ * one side never meet: they learn of each other through the other side.
+ * A false claim can only make a lingering peer leave sooner. */
+#define GOSSIP_FIN_MAX 256
+
+static bool listable(struct gossip *g, const struct gossip_guard_entry *en) {
+  const struct swim_member *m = en->finished ? swim_find(&g->swim, en->id) : NULL;
+  return m && m->info.state == SWIM_ALIVE;
+}
+
+static void put_finished(struct gossip *g, struct net_msgbuf *meta) {
+  if (atomic_load(&g->finished)) net_msgbuf_put_bool(meta, "done", true);
+  uint32_t n = 0;
+  for (size_t i = 0; i < g->guard.n && n < GOSSIP_FIN_MAX; i++) n += listable(g, &g->guard.v[i]);
+  if (n == 0) return;
+  msgpack_packer *pk = net_msgbuf_put_key(meta, "fin");
+  msgpack_pack_array(pk, n);
+  for (size_t i = 0, k = 0; i < g->guard.n && k < n; i++) {
+    if (!listable(g, &g->guard.v[i])) continue;
+    msgpack_pack_bin(pk, NET_PUBKEY_BYTES);
+    msgpack_pack_bin_body(pk, g->guard.v[i].id, NET_PUBKEY_BYTES);
+    k++;
+  }
+}
+
+/* Takes what `partner`'s transfer metadata says of finished members.
+ * Returns false, noting nothing, when that part is malformed. */
+static bool note_finished(struct gossip *g, const uint8_t *partner, const struct net_msg *meta) {
+  bool done = false;
+  int rc = net_msg_get_bool(meta, "done", &done);
+  if (rc && rc != RUMOR_ENOTFOUND) return false;
+  const msgpack_object *items = NULL;
+  uint32_t n = 0;
+  rc = net_msg_get_array(meta, "fin", &items, &n);
+  if ((rc && rc != RUMOR_ENOTFOUND) || n > GOSSIP_FIN_MAX) return false;
+  const uint8_t *id;
+  size_t len;
+  for (uint32_t i = 0; i < n; i++)
+    if (net_obj_bin(&items[i], &id, &len) || len != NET_PUBKEY_BYTES) return false;
+  bool changed = gossip_guard_note_finished(g, partner, done);
+  for (uint32_t i = 0; i < n; i++) {
+    id = (const uint8_t *)items[i].via.bin.ptr; /* checked above */
+    /* Its own state only from itself; ours we know; strangers are not noted. */
+    if (same_id(id, partner) || same_id(id, g->identity.pk) || !swim_find(&g->swim, id)) continue;
+    changed |= gossip_guard_note_finished(g, id, true);
+  }
+  if (changed) gossip_publish(g);
+  return true;
+}
+
 static void start_send(struct gossip *g) {
   struct gossip_xch *x = &g->xch.x;
   struct net_msgbuf meta;
@@ -182,9 +237,7 @@ static void start_send(struct gossip *g) {
   net_msgbuf_put_uint(&meta, "k", GBULK_EXCHANGE);
   net_msgbuf_put_uint(&meta, "x", x->xid);
   net_msgbuf_put_uint(&meta, "step", x->snapshot_step);
-  /* Optional (older peers ignore it): we took our last step, and linger
-   * only to average with partners still training (gossip_finished). */
-  if (atomic_load(&g->finished)) net_msgbuf_put_bool(&meta, "done", true);
+  put_finished(g, &meta);
   size_t mlen;
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
   /* No end-to-end digest: every chunk is already an authenticated frame of
@@ -466,8 +519,8 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
   net_conn_close(c);
 }
 
-int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
-                             uint64_t step, bool done, float **dst) {
+int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
+                             const struct net_msg *meta, uint64_t xid, uint64_t step, float **dst) {
   struct gossip_xch *x = &g->xch.x;
   /* Not the partner's transfer for this exchange: refused without blaming
    * anyone (a late transfer of an abandoned exchange). */
@@ -479,7 +532,10 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
     refuse(g, why);
     return -ECONNREFUSED;
   }
-  gossip_guard_note_finished(g, x->partner, done);
+  if (!note_finished(g, x->partner, meta)) {
+    refuse(g, "its list of finished members is malformed");
+    return -ECONNREFUSED;
+  }
   x->receiving = true;
   x->recv_id = info->id;
   x->recv_bytes = net_dtype_bytes(info->wire, info->count);

@@ -140,9 +140,10 @@ struct gossip_guard_entry {
    * (an older one is a replay). */
   uint64_t last_step, step_inc;
   bool have_step;
-  /* Its latest exchange transfer was marked done (it finished training and
-   * lingers: gossip_finished); cleared when it comes back after failing or
-   * leaving. Counted only while we linger ourselves. */
+  /* It finished training and lingers (gossip_finished): its own exchange
+   * transfer said so, or a partner's listed it; cleared when it comes back
+   * after failing or leaving, or when its own transfer is not marked done.
+   * Counted only while we linger ourselves. */
   bool finished;
 };
 
@@ -444,9 +445,10 @@ void gossip_back_off(struct gossip *g, const uint8_t *id, uint64_t until_ms);
 /* `id` came back (alive after failed or left): its backoff ends, and it is
  * no longer taken as finished. */
 void gossip_guard_on_return(struct gossip *g, const uint8_t *id);
-/* An exchange transfer from `id` was (not) marked done; republishes the
- * member view when that changes what we know. */
-void gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished);
+/* `id` finished training (or, false: its own transfer was not marked
+ * done). Returns true when that changes what we know (the caller then
+ * republishes the member view). */
+bool gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished);
 /* True when `id`'s latest exchange transfer was marked done. */
 bool gossip_guard_finished(struct gossip *g, const uint8_t *id);
 /* Rate limits: false when member `id` is over its budget of exchange
@@ -486,11 +488,12 @@ void gossip_join_wake(struct gossip *g);
 
 void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 /* The partner's exchange transfer begins (exchange `xid`, its snapshot of
- * `step`; `done`: marked as sent after the partner's last step): returns 0
- * with *dst set, or a negative code to refuse it (a refusal on the guard's
- * verdict ends the exchange and strikes the partner). */
-int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info, uint64_t xid,
-                             uint64_t step, bool done, float **dst);
+ * `step`, the rest of its metadata in `meta`: what it says of finished
+ * members, below): returns 0 with *dst set, or a negative code to refuse it
+ * (a refusal on the guard's verdict ends the exchange and strikes the
+ * partner). */
+int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
+                             const struct net_msg *meta, uint64_t xid, uint64_t step, float **dst);
 /* A transfer ended: true when it was the exchange's. */
 bool gossip_xch_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
 void gossip_xch_tick(struct gossip *g, uint64_t now);

@@ -77,11 +77,14 @@ void gossip_guard_on_return(struct gossip *g, const uint8_t *id) {
 
 /* ---- finished members (rumor peer --finish-wait-ms) ---- */
 
-void gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished) {
+bool gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished) {
   struct gossip_guard_entry *en = entry(g, id, finished);
-  if (!en || en->finished == finished) return;
+  if (!en || en->finished == finished) return false;
   en->finished = finished;
-  gossip_publish(g);
+  char label[200];
+  gossip_member_label(g, id, label, sizeof label);
+  log_debug("member %s %s", label, finished ? "finished training" : "trains");
+  return true;
 }
 
 bool gossip_guard_finished(struct gossip *g, const uint8_t *id) {

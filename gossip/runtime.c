@@ -183,17 +183,16 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   struct net_msg meta;
   struct rumor_err e;
   uint64_t kind, xid, step = 0, epoch = 0, samples = 0;
-  bool done = false; /* an exchange transfer's optional mark: the sender has finished training */
   *dst_arg = NULL;
   if (!info->meta || net_msg_decode(info->meta, info->meta_len, NULL, &meta, &e)) return RUMOR_EPROTO;
   int rc = RUMOR_EPROTO;
   if (net_msg_get_uint(&meta, "k", &kind) || net_msg_get_uint(&meta, "x", &xid) ||
-      net_msg_get_uint(&meta, "step", &step) || net_msg_get_bool(&meta, "done", &done) == RUMOR_EPROTO) {
+      net_msg_get_uint(&meta, "step", &step)) {
     /* malformed */
   } else if (kind == GBULK_RING) {
     rc = gossip_ring_on_bulk_begin(g, c, info, &meta, dst, dst_arg);
   } else if (kind == GBULK_EXCHANGE) {
-    rc = gossip_xch_on_bulk_begin(g, c, info, xid, step, done, dst);
+    rc = gossip_xch_on_bulk_begin(g, c, info, &meta, xid, step, dst);
   } else if (kind == GBULK_STATE && !net_msg_get_uint(&meta, "epoch", &epoch) &&
              !net_msg_get_uint(&meta, "samples", &samples)) {
     struct gossip_train_pos pos = {step, epoch, samples};

@@ -262,6 +262,7 @@ void sync_hold(struct sync *s, const atomic_int *stop) {
  * step time (`step_s`), or the interval, whichever comes first; at least
  * FINISH_MIN_INTERVAL_S apart. */
 #define FINISH_MIN_INTERVAL_S 1e-3
+#define FINISH_QUIET_EXCHANGES 2 /* applied once no partner trains, before leaving */
 static double finish_interval(const struct sync_config *c, double step_s) {
   double by_steps = c->every_steps > 0 ? step_s * (double)c->every_steps : 0;
   double every = c->every_s > 0 && (by_steps == 0 || c->every_s < by_steps) ? c->every_s : by_steps;
@@ -277,12 +278,16 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
   s->cfg.every_s = finish_interval(&saved, step_s);
   s->cfg.every_steps = 0;
   const char *why = "stopped";
+  bool quiet = false;          /* no partner trains */
+  uint64_t applied_quiet = 0;  /* exchanges applied when that was seen */
   while (!(stop && atomic_load(stop))) {
-    /* Nobody left to wait for, and our last steps shared: one exchange
-     * after them, unless nobody is left at all (the last to finish tells the
-     * others so, and both end on the same average). Then no new exchange,
+    /* Once nobody trains, FINISH_QUIET_EXCHANGES more exchanges (unless
+     * nobody is left at all): the last to finish shares its last steps, and
+     * the others average the finished replicas further (two peers end
+     * equal; four measured 0-0.01 apart, relative). Then no new exchange,
      * and the one under way ends before we leave. */
-    if (gossip_training_partners(s->g) == 0 && (s->applied > applied || gossip_live_partners(s->g) == 0)) {
+    if (!quiet && gossip_training_partners(s->g) == 0) quiet = true, applied_quiet = s->applied;
+    if (quiet && (s->applied >= applied_quiet + FINISH_QUIET_EXCHANGES || gossip_live_partners(s->g) == 0)) {
       s->cfg.every_s = 0;
       why = "no partner is still training";
       if (!gossip_xch_in_flight(s->g)) break;

@@ -260,10 +260,11 @@ void sync_hold(struct sync *s, const atomic_int *stop);
  * tells partners we finished (gossip_finished) and keeps exchanging without
  * training, about as often as while training (every_steps of `step_s`, our
  * mean step time in seconds, or the interval), until no live partner is
- * still training (each has told us it finished, or left), `*stop` becomes
- * non-zero, or `max_s` passes. Partners that train on are then not left
- * without anyone to average with for their last steps, and every replica
- * ends close to the others. finish_s and finish_applied say what it took. */
+ * still training (each has told us it finished, or left) and two more
+ * exchanges applied after that (sync.c), `*stop` becomes non-zero, or
+ * `max_s` passes. Partners that train on are then not left without anyone
+ * to average with for their last steps, and the replicas end close
+ * together. finish_s and finish_applied say what it took. */
 void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop);
 void sync_free(struct sync *s);
 
