@@ -192,6 +192,15 @@ static bool listable(struct gossip *g, const struct gossip_guard_entry *en) {
 
 static void put_finished(struct gossip *g, struct net_msgbuf *meta) {
   if (atomic_load(&g->finished)) net_msgbuf_put_bool(meta, "done", true);
+#ifdef RUMOR_TESTING
+  if (gossip_testing_bad_fin(g)) {
+    msgpack_packer *pk = net_msgbuf_put_key(meta, "fin");
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_bin(pk, 7);
+    msgpack_pack_bin_body(pk, "badkey!", 7);
+    return;
+  }
+#endif
   uint32_t n = 0;
   for (size_t i = 0; i < g->guard.n && n < GOSSIP_FIN_MAX; i++) n += listable(g, &g->guard.v[i]);
   if (n == 0) return;

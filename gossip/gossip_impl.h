@@ -318,7 +318,7 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR };
+                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -592,6 +592,9 @@ void gossip_testing_tick(struct gossip *g, uint64_t now);
 void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
+/* True when an exchange transfer's list of finished members is to be sent
+ * malformed (badfin). */
+bool gossip_testing_bad_fin(struct gossip *g);
 #endif
 
 #endif /* RUMOR_GOSSIP_IMPL_H */

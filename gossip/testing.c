@@ -30,6 +30,8 @@
  *   loseready the first RING_READY of each all-reduce attempt is not sent,
  *             as if the link had lost it (only RING_READY_RESEND_MS's
  *             repetitions go out)
+ *   badfin    every exchange transfer lists a finished member whose key is
+ *             7 bytes long (exchange.c, "finished members")
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -43,8 +45,8 @@
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
 
-static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",   "signflip", "replay",
-                                    "short", "flood", "loseready", "baddonor"};
+static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",
+                                    "short", "flood", "loseready", "baddonor", "badfin"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -59,7 +61,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor (not '%s')",
+                       "flood, loseready, baddonor, badfin (not '%s')",
                        kind);
 }
 
@@ -123,6 +125,8 @@ void gossip_testing_snapshot(struct gossip *g, uint64_t *step) {
 }
 
 const float *gossip_testing_send_src(struct gossip *g) { return g->test.out ? g->test.out : g->xch.mine; }
+
+bool gossip_testing_bad_fin(struct gossip *g) { return g->test.attack == TEST_BAD_FIN; }
 
 uint64_t gossip_testing_send_count(struct gossip *g, uint64_t count) {
   return g->test.attack == TEST_SHORT && count > 0 ? count - 1 : count;

@@ -127,6 +127,9 @@ static void poison_run(const char *kind, const char *reason) {
 Test(poison, nan_values_are_rejected_and_the_sender_backed_off) { poison_run("nan", "are NaN or infinite"); }
 Test(poison, inf_values_are_rejected_and_the_sender_backed_off) { poison_run("inf", "are NaN or infinite"); }
 Test(poison, a_wrong_length_is_rejected_and_the_sender_backed_off) { poison_run("short", "values for a model of"); }
+Test(poison, a_malformed_list_of_finished_members_is_rejected_and_the_sender_backed_off) {
+  poison_run("badfin", "its list of finished members is malformed");
+}
 Test(poison, a_model_times_minus_1000_is_rejected_and_the_sender_backed_off) {
   poison_run("scale", "times our norm");
 }
