@@ -160,9 +160,9 @@ void gossip_ready(gossip_t *g);
 /* The end of a run (rumor peer --finish-wait-ms): the training thread took
  * its last step and goes on only exchanging, so that partners still
  * training are not left alone and the replicas end together. From now on
- * our exchange transfers are marked done (an optional field that older
- * peers ignore), and we note which partners' transfers were. Training
- * thread. */
+ * our exchange transfers are marked done (optional metadata that older
+ * peers ignore, with the other members we know finished: exchange.c).
+ * Training thread. */
 void gossip_finished(gossip_t *g);
 /* Alive peers that hold a state, ourselves excluded, that have not told us
  * they finished (counted as gossip_live_partners until gossip_finished).
@@ -344,8 +344,8 @@ struct gossip_member_view {
   uint64_t incarnation;
   bool ready; /* holds a state: trains, exchanges and donates */
   bool self;
-  /* Known to have finished training (an exchange transfer from it said so
-   * since we called gossip_finished); always false before that. */
+  /* Known to have finished training (its exchange transfer said so, or a
+   * partner's listed it); always false before we called gossip_finished. */
   bool finished;
 };
 /* Copies up to `max` members (self first); returns how many there are. */

@@ -449,7 +449,7 @@ void gossip_guard_on_return(struct gossip *g, const uint8_t *id);
  * done). Returns true when that changes what we know (the caller then
  * republishes the member view). */
 bool gossip_guard_note_finished(struct gossip *g, const uint8_t *id, bool finished);
-/* True when `id`'s latest exchange transfer was marked done. */
+/* True when `id` is known to have finished (gossip_guard_note_finished). */
 bool gossip_guard_finished(struct gossip *g, const uint8_t *id);
 /* Rate limits: false when member `id` is over its budget of exchange
  * requests (connections); the refusal is counted and logged now and then. */
