@@ -141,7 +141,7 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
 struct gossip_flags {
   int64_t every, exchange_timeout_ms, wait_peers, wait_peers_ms, sketch_k;
   int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
-  int64_t finish_wait_ms;               /* rumor peer only: exchange on after the last step (sync_finish) */
+  int64_t finish_wait_ms;               /* exchange on after the last step (sync_finish) */
   double interval, alpha, max_distance;
   const char *wire, *name;
   const char *sync;                  /* --sync: "gossip", "allreduce" or "ps" */
@@ -239,6 +239,11 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMO
  * true with a message when waiting must end (a pipeline neighbour failed). */
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
                       bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* --finish-wait-ms, after the last step: averages on with partners that
+ * still train (sync_finish) and saves the checkpoint again when that
+ * changed the parameters. `secs` and `steps`: this process's training. */
+int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Leaves the cluster (telling it for up to `linger_ms`) and stops the
  * gossip runtime; the sync path's figures stay readable. */
 void member_leave(struct member *mb, int64_t linger_ms);

@@ -185,18 +185,6 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   return rc == RUMOR_ECANCELED && signals_stop_requested() ? 0 : rc;
 }
 
-/* --finish-wait-ms: averages on with partners that still train
- * (sync_finish), and saves the checkpoint again when that changed the
- * parameters. `secs` and `steps`: this process's training. */
-static int finish(struct peer_proc *p, double secs, int64_t steps, struct rumor_err *e) {
-  double max_s = p->mb.setup.finish_wait_s;
-  if (max_s <= 0) return 0;
-  log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
-  sync_finish(&p->mb.sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag());
-  if (p->mb.sync.finish_applied == 0 || !p->tc.checkpoint) return 0;
-  return trainer_save(&p->t, p->tc.checkpoint, e);
-}
-
 /* Trains until done or stopped; then leaves and prints the result. */
 static int run(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
@@ -224,7 +212,7 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
    * comes) while the test set is evaluated. */
   double secs = clock_now_s() - t0;
   log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
-  int rc = finish(p, secs, t->st.step - step0, e);
+  int rc = member_finish(&p->mb, t, secs, t->st.step - step0, e);
   if (rc) return rc;
   struct gossip_stats gs;
   gossip_stats_get(p->mb.g, &gs);

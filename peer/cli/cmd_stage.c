@@ -238,7 +238,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   int rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e);
   if (rc) return rc;
   double t0 = clock_now_s();
-  int64_t s0 = t->st.samples;
+  int64_t s0 = t->st.samples, step0 = t->st.step;
   bool first = true;
   while (!trainer_done(t)) {
     if (signals_stop_requested())
@@ -254,6 +254,9 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   }
   double secs = clock_now_s() - t0;
   if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */
+  /* The same stage of groups still training is not left alone (the links
+   * keep pinging meanwhile; our neighbours wait for us in the evaluation). */
+  if ((rc = member_finish(&p->mb, t, secs, t->st.step - step0, e))) return rc;
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;

@@ -39,6 +39,12 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
        1e12},
       {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
+      {"finish-wait-ms", ARG_INT, &f->finish_wait_ms, "MS",
+       group ? "after the last step, each stage keeps averaging (without training) until the same stage of every "
+               "other group has finished, at most MS; then saves, evaluates and leaves (0: leave at once)"
+             : "after the last step, keep averaging (without training) until no partner still trains, at most MS; "
+               "then save, evaluate and leave (0: leave at once)",
+       0, 86400000},
       {"wire", ARG_STR, &f->wire, "DTYPE",
        "parameters (and a group's activations and their gradients) on the wire: f32, f16, bf16 or i8 (8-bit, a "
        "scale per 128 values)"},
@@ -70,13 +76,6 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
     RUMOR_ASSERT(*n < max);
     out[(*n)++] = specs[i];
   }
-  if (who != FLAGS_PEER) return; /* a group's stages leave when their group finishes */
-  RUMOR_ASSERT(*n < max);
-  out[(*n)++] = (struct arg_spec){
-      "finish-wait-ms", ARG_INT, &f->finish_wait_ms, "MS",
-      "after the last step, keep averaging (without training) until no partner still trains, at most MS; then "
-      "evaluate, save and leave (0: leave at once)",
-      0, 86400000};
 }
 
 static int parse_wire(const char *s, enum net_dtype *out) {

@@ -105,6 +105,14 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
   return 0;
 }
 
+int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps, struct rumor_err *e) {
+  double max_s = mb->setup.finish_wait_s;
+  if (max_s <= 0) return 0;
+  log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
+  sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag());
+  return mb->sync.finish_applied > 0 ? trainer_checkpoint(t, e) : 0;
+}
+
 void member_leave(struct member *mb, int64_t linger_ms) {
   if (mb->g) gossip_stop(mb->g, (uint32_t)linger_ms);
   mb->g = NULL;

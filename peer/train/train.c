@@ -402,6 +402,15 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   return rc;
 }
 
+int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
+  const char *ck = t->cfg.checkpoint;
+  if (!ck) return 0;
+  char path[1024];
+  if (trainer_is_stage(t)) train_stage_checkpoint_path(ck, t->stage.stage, path, sizeof path);
+  else snprintf(path, sizeof path, "%s", ck);
+  return trainer_save(t, path, e);
+}
+
 /* ---- steps ---- */
 
 /* --grad-clip: scales the gradients so their global norm is at most
@@ -515,7 +524,9 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
 
 /* --slowdown: stretches a step that computed for `compute_s` seconds to
  * slowdown times that, as on a slower machine (the network's share, the
- * reducer's wait, is not stretched). */
+ * reducer's wait or a stage's wait for its neighbours, is not stretched:
+ * stretching a wait that includes the neighbour's own stretch compounds
+ * from step to step). */
 static void straggle(struct trainer *t, double compute_s) {
   double s = (t->cfg.slowdown - 1) * (compute_s > 0 ? compute_s : 0);
   struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
@@ -555,7 +566,10 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     if (t->staged) stage_batch(t, t->cur);
     if (!t->reducer.reduce) loss = model_mean_loss(&t->model, rows); /* waits for the device */
   }
-  if (t->cfg.slowdown > 1) straggle(t, clock_now_s() - c0 - t->reduce_s);
+  if (t->cfg.slowdown > 1) {
+    double waited = trainer_is_stage(t) ? t->pipe.cur_wait : 0; /* this step's */
+    straggle(t, clock_now_s() - c0 - t->reduce_s - waited);
+  }
   if (trainer_has_loss(t)) {
     t->last_loss = loss;
     t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
@@ -563,13 +577,8 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
   if (epoch_end && (rc = end_epoch(t, e))) return rc;
   if (!epoch_end && t->cfg.eval_every > 0 && t->st.step % t->cfg.eval_every == 0 && (rc = eval_now(t, e))) return rc;
-  const char *ck = t->cfg.checkpoint;
-  if (ck && (epoch_end || trainer_done(t) || (t->cfg.checkpoint_every > 0 && t->st.step % t->cfg.checkpoint_every == 0))) {
-    char path[1024];
-    if (trainer_is_stage(t)) train_stage_checkpoint_path(ck, t->stage.stage, path, sizeof path);
-    else snprintf(path, sizeof path, "%s", ck);
-    if ((rc = trainer_save(t, path, e))) return rc;
-  }
+  if (epoch_end || trainer_done(t) || (t->cfg.checkpoint_every > 0 && t->st.step % t->cfg.checkpoint_every == 0))
+    if ((rc = trainer_checkpoint(t, e))) return rc;
   if (t->observer.fn) t->observer.fn(t->observer.arg, t, false);
   return 0;
 }

@@ -442,5 +442,9 @@ void trainer_take_step(struct trainer *t, int64_t step);
 
 /* Saves a checkpoint of the current state to `path`. */
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Saves a checkpoint of the current state where cfg.checkpoint says (a
+ * stage: its own file beside it, train_stage_checkpoint_path); 0 without
+ * one. */
+int trainer_checkpoint(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_PEER_TRAIN_H */

@@ -235,9 +235,10 @@ static void start_stage_bootstraps(char *list, size_t n) { cluster_start_stage_b
 
 /* Two 2-stage groups "ga" (1F1B) and "gb" (GPipe) on shards 0/2 and 1/2,
  * 4 micro-batches, waiting for each other, each checkpointing to
- * DIR/NAME.safetensors, with `extra` options (NULL-terminated). */
+ * DIR/NAME.safetensors, with `extra` options (NULL-terminated), and gb
+ * with `extra_b` too (may be NULL). */
 static const char *const two_names[2] = {"ga", "gb"};
-static void start_two_groups(struct cluster_group *g, char *const *extra) {
+static void start_two_groups(struct cluster_group *g, char *const *extra, char *const *extra_b) {
   char boot[160];
   start_stage_bootstraps(boot, sizeof boot);
   for (int i = 0; i < 2; i++) {
@@ -248,6 +249,7 @@ static void start_two_groups(struct cluster_group *g, char *const *extra) {
                       i ? "gpipe" : "1f1b", "--shard", shard, "--wait-peers", "2", "--checkpoint", ck};
     int n = 14;
     for (int k = 0; extra[k] && n < 63; k++) args[n++] = extra[k];
+    for (int k = 0; i == 1 && extra_b && extra_b[k] && n < 63; k++) args[n++] = extra_b[k];
     args[n] = NULL;
     start_group(&g[i], two_names[i], args);
   }
@@ -266,7 +268,7 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   const char *const *names = two_names;
   char *extra[] = {"--model", "mlp:784-256-128-10", "--epochs", "2", "--batch", "64", "--lr", "0.1", "--gossip-every",
                    "1", "--max-local-steps", "20", "--max-hold-ms", "500", NULL};
-  start_two_groups(g, extra);
+  start_two_groups(g, extra, NULL);
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
     cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
@@ -294,6 +296,57 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   }
 }
 
+/* Stage s's relative distance |A - B| / |A| between the two groups'
+ * checkpoints. */
+static double slice_distance(int s) {
+  int64_t na, nb;
+  float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
+  cr_assert_eq(na, nb);
+  double d2 = 0, a2 = 0;
+  for (int64_t j = 0; j < na; j++) d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]), a2 += (double)a[j] * a[j];
+  free(a), free(b);
+  return sqrt(d2 / a2);
+}
+
+/* Two groups, gb four times slower, with --finish-wait-ms `wait`: the
+ * larger of the two slices' distances between the groups. */
+static double finish_wait_run(const char *wait) {
+  struct cluster_group g[2];
+  char *extra[] = {"--model", "mlp:784-128-10", "--epochs", "1000", "--max-steps", "150", "--batch", "16", "--lr",
+                   "0.1", "--no-eval", "--gossip-every", "1", "--max-local-steps", "4", "--finish-wait-ms",
+                   (char *)wait, NULL};
+  char *slow[] = {"--slowdown", "4", NULL};
+  start_two_groups(g, extra, slow);
+  for (int i = 0; i < 2; i++) {
+    int st = proc_wait(g[i].pid, 200);
+    cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", two_names[i], st, proc_slurp(g[i].log));
+    for (int s = 0; s < 2; s++) {
+      char has[64];
+      snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
+      double waited = cluster_line_number(g[i].out, has, "finish_wait_s");
+      fprintf(stderr, "--finish-wait-ms %s: group %s stage %d waited %.2f s and applied %.0f exchanges meanwhile\n",
+              wait, two_names[i], s, waited, cluster_line_number(g[i].out, has, "finish_exchanges"));
+      cr_assert(waited < 30, "group %s stage %d waited %.1f s: it never learnt that the other had finished",
+                two_names[i], s, waited);
+    }
+  }
+  double d = fmax(slice_distance(0), slice_distance(1));
+  fprintf(stderr, "--finish-wait-ms %s: the slices ended %.3g apart\n", wait, d);
+  return d;
+}
+
+/* Each stage of the group that finishes first keeps averaging with the
+ * same stage of the slower group until that one finishes too. */
+Test(group, with_finish_wait_the_stages_of_two_groups_end_together) {
+  SKIP_WITHOUT_DATA();
+  double apart = finish_wait_run("0");
+  cluster_fini(&C, false), cluster_init(&C); /* fresh bootstraps and keys for the second pair */
+  double together = finish_wait_run("60000");
+  cr_assert(apart > 1e-3, "the groups ended only %.3g apart without waiting: the check below proves nothing", apart);
+  cr_assert(together < apart / 10, "the groups ended %.3g apart with --finish-wait-ms (%.3g without)", together,
+            apart);
+}
+
 /* --sync allreduce by stage: stage s of each group sums its slice's
  * gradient with stage s of the other, so the two groups' slices stay
  * identical, bit for bit. */
@@ -303,7 +356,7 @@ Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
   const char *const *names = two_names;
   char *extra[] = {"--model", "mlp:784-64-32-10", "--max-steps", "60", "--batch", "32", "--no-eval", "--sync",
                    "allreduce", NULL};
-  start_two_groups(g, extra);
+  start_two_groups(g, extra, NULL);
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
     cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
