@@ -418,7 +418,8 @@ net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id);
  * Returns false when there is none. */
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only);
 /* The same, among passive peers only (the partners an active peer asks);
- * falls back to any peer when no passive one is free. */
+ * falls back to any peer when no passive one is free. Once we finished
+ * (gossip_finished), partners not known to have finished come first. */
 bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude);
 /* Recomputes our active/passive role from the member table. */
 void gossip_update_role(struct gossip *g);

@@ -173,8 +173,10 @@ void gossip_update_role(struct gossip *g) {
 
 /* A uniformly random alive peer other than `exclude` (may be NULL) that is
  * not backed off; `ready_only`: that has its state (a donor, a partner);
- * `passive_only`: that ranks odd (gossip_update_role). */
-static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool ready_only, bool passive_only) {
+ * `passive_only`: that ranks odd (gossip_update_role); `training_only`:
+ * not known to have finished (gossip_guard_finished). */
+static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool ready_only, bool passive_only,
+                        bool training_only) {
   uint64_t now = gossip_now_ms(g);
   size_t n = 0;
   size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
@@ -185,6 +187,7 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
     if (gossip_backed_off(g, m->info.id, now)) continue;
     if (ready_only && !m->info.ready) continue;
     if (passive_only && peer_rank(g, m->info.id) % 2 == 0) continue;
+    if (training_only && gossip_guard_finished(g, m->info.id)) continue;
     cand[n++] = i;
   }
   bool ok = n > 0;
@@ -194,9 +197,15 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
 }
 
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only) {
-  return pick_member(g, out, exclude, donors_only, false);
+  return pick_member(g, out, exclude, donors_only, false, false);
 }
 
 bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
-  return pick_member(g, out, exclude, true, true) || pick_member(g, out, exclude, true, false);
+  /* Finished (gossip_finished): partners that still train first (they are
+   * who we wait for); then the finished ones, which pass on what they took
+   * from those we cannot reach (the bipartite graph keeps one side apart). */
+  if (atomic_load(&g->finished) &&
+      (pick_member(g, out, exclude, true, true, true) || pick_member(g, out, exclude, true, false, true)))
+    return true;
+  return pick_member(g, out, exclude, true, true, false) || pick_member(g, out, exclude, true, false, false);
 }
