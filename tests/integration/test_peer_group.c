@@ -255,6 +255,18 @@ static void start_two_groups(struct cluster_group *g, char *const *extra, char *
   }
 }
 
+/* Stage s's relative distance |A - B| / |A| between the two groups'
+ * checkpoints. */
+static double slice_distance(int s) {
+  int64_t na, nb;
+  float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
+  cr_assert_eq(na, nb);
+  double d2 = 0, a2 = 0;
+  for (int64_t j = 0; j < na; j++) d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]), a2 += (double)a[j] * a[j];
+  free(a), free(b);
+  return sqrt(d2 / a2);
+}
+
 /* Each stage gossips with the same stage of the other group. A group that
  * finishes first leaves, and the other trains its last steps alone: under
  * the full suite's load one group once ran a third of the run alone (the
@@ -285,27 +297,10 @@ Test(group, two_groups_of_two_stages_gossip_by_stage_and_reach_085) {
   }
   /* Gossip by stage kept the two replicas close, slice by slice. */
   for (int s = 0; s < 2; s++) {
-    int64_t na, nb;
-    float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
-    cr_assert_eq(na, nb);
-    double d2 = 0, a2 = 0;
-    for (int64_t j = 0; j < na; j++) d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]), a2 += (double)a[j] * a[j];
-    fprintf(stderr, "stage %d: |A - B| / |A| = %.4g\n", s, sqrt(d2 / a2));
-    cr_assert(sqrt(d2 / a2) < 0.15, "stage %d slices drifted apart: %.4g", s, sqrt(d2 / a2));
-    free(a), free(b);
+    double d = slice_distance(s);
+    fprintf(stderr, "stage %d: |A - B| / |A| = %.4g\n", s, d);
+    cr_assert(d < 0.15, "stage %d slices drifted apart: %.4g", s, d);
   }
-}
-
-/* Stage s's relative distance |A - B| / |A| between the two groups'
- * checkpoints. */
-static double slice_distance(int s) {
-  int64_t na, nb;
-  float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
-  cr_assert_eq(na, nb);
-  double d2 = 0, a2 = 0;
-  for (int64_t j = 0; j < na; j++) d2 += ((double)a[j] - b[j]) * ((double)a[j] - b[j]), a2 += (double)a[j] * a[j];
-  free(a), free(b);
-  return sqrt(d2 / a2);
 }
 
 /* Two groups, gb four times slower, with --finish-wait-ms `wait`: the
