@@ -359,7 +359,9 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
       net_msg_get_double(msg, "last_x_age", &nr->last_exchange_age_s))
     return RUMOR_EPROTO;
   nr->exchange_bytes_out = nr->exchange_bytes_in = 0;
-  if (!OPT(net_msg_get_uint(msg, "x_bytes_out", &nr->exchange_bytes_out)) ||
+  nr->finished = false;
+  if (!OPT(net_msg_get_bool(msg, "done", &nr->finished)) ||
+      !OPT(net_msg_get_uint(msg, "x_bytes_out", &nr->exchange_bytes_out)) ||
       !OPT(net_msg_get_uint(msg, "x_bytes_in", &nr->exchange_bytes_in)))
     return RUMOR_EPROTO;
   copy_str(msg, "model", nr->model, sizeof nr->model);

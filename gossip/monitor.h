@@ -52,6 +52,7 @@ struct gossip_node_report {
 
   /* From its STATS answer. */
   bool ready;
+  bool finished; /* took its last step and lingers (--finish-wait-ms); false from older peers */
   char model[256];
   uint64_t nparams;
   uint64_t exchanges_ok, exchanges_failed, exchanges_rejected, donations;

@@ -210,6 +210,7 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
   net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
   net_msgbuf_put_bool(&b, "ready", atomic_load(&g->ready));
+  net_msgbuf_put_bool(&b, "done", atomic_load(&g->finished)); /* optional for monitors: newer than "ready" */
   net_msgbuf_put_uint(&b, "x_ok", gs.exchanges_ok);
   net_msgbuf_put_uint(&b, "x_failed", gs.exchanges_failed);
   net_msgbuf_put_uint(&b, "x_rejected", gs.exchanges_rejected);
@@ -369,6 +370,9 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_info{role=\"%s\",model=\"%s\",id=\"%s\",version=\"%s\"} 1\n", role_text(g), model, id, RUMOR_VERSION);
   metric(t, "rumor_ready", "gauge", "1 when the node holds a state and trains (peers), or has joined (bootstrap).");
   tprintf(t, "rumor_ready %d\n", g->cfg.role == GOSSIP_ROLE_PEER ? (int)atomic_load(&g->ready) : (int)gossip_joined(g));
+  metric(t, "rumor_finished", "gauge",
+         "1 when the peer took its last step and only averages with partners still training (--finish-wait-ms).");
+  tprintf(t, "rumor_finished %d\n", (int)atomic_load(&g->finished));
   metric(t, "rumor_members", "gauge", "Cluster members known to this node, by state (this node not included).");
   tprintf(t, "rumor_members{state=\"alive\"} %llu\nrumor_members{state=\"suspect\"} %llu\n",
           (unsigned long long)gs.members_alive, (unsigned long long)gs.members_suspect);

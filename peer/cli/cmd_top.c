@@ -81,6 +81,7 @@ static json_t *json_node(const struct gossip_node_report *nd) {
   json_text_set(o, "error", json_text_str(nd->error));
   json_text_set(o, "rtt_ms", json_text_real(nd->reachable ? nd->rtt_ms : NAN));
   json_text_set(o, "ready", json_boolean(nd->ready));
+  json_text_set(o, "finished", json_boolean(nd->reachable && nd->finished));
   json_text_set(o, "model", json_text_str(nd->model));
   json_text_set(o, "nparams", json_integer((json_int_t)nd->nparams));
   json_text_set(o, "step", int_or_null(t, nd->step));
@@ -235,7 +236,9 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
     const struct gossip_node_report *nd = &r->nodes[i];
     char round[24] = "-";
     if (strcmp(nd->sync, "allreduce") == 0) snprintf(round, sizeof round, "%llu", (unsigned long long)nd->round);
-    fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s %-9.9s %8s ", nd->id, nd->addr, nd->role, nd->state,
+    /* "done": alive, past its last step, averaging with those still training. */
+    const char *state = nd->reachable && nd->finished && strcmp(nd->state, "alive") == 0 ? "done" : nd->state;
+    fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s %-9.9s %8s ", nd->id, nd->addr, nd->role, state,
             nd->sync[0] ? nd->sync : "-", round);
     if (!nd->reachable) {
       const char *why = nd->error;

@@ -272,6 +272,48 @@ Test(top, bootstrap_with_every_listed_address_dead_starts_as_the_first_member) {
             proc_slurp(C.node[p].log));
 }
 
+/* A peer past its last step that lingers (--finish-wait-ms) while another
+ * trains: top shows it "done" (JSON "finished"), its metrics say
+ * rumor_finished 1; once the other leaves, it stops waiting and exits. */
+Test(top, a_peer_that_finished_and_lingers_is_shown_done_and_leaves_after_the_last) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int done = cluster_start_peer(&C, "--model", "mlp:784-32-10", "--shard", "0/2", "--epochs", "1000", "--max-steps",
+                                "20", "--no-eval", "--wait-peers", "2", "--finish-wait-ms", "120000", "--metrics",
+                                "127.0.0.1:0", NULL);
+  int trains = cluster_start_peer(&C, "--model", "mlp:784-32-10", "--shard", "1/2", "--epochs", "1000",
+                                  "--max-steps", "1000000", "--no-eval", "--wait-peers", "2", NULL);
+  cr_assert(cluster_wait_file(C.node[done].log, "averaging with partners that still train", 60),
+            "the short peer never finished its steps: %s", proc_slurp(C.node[done].log));
+  char *out, *err;
+  int st = run_top(&out, &err, "--once", "--json", NULL);
+  cr_assert(proc_exited_with(st, 0), "top failed (status %d): %s", st, err);
+  char *nodes[8];
+  int n = split_nodes(out, nodes, 8), peers = 0, finished = 0;
+  for (int i = 0; i < n; i++) {
+    peers += strstr(nodes[i], "\"role\":\"peer\"") != NULL;
+    finished += strstr(nodes[i], "\"finished\":true") != NULL;
+  }
+  cr_assert_eq(peers, 2, "top lists %d peers: %s", peers, out);
+  cr_assert_eq(finished, 1, "top should show exactly the short peer finished: %s", out);
+  free(out), free(err);
+  st = run_top(&out, &err, "--once", NULL);
+  cr_assert(proc_exited_with(st, 0), "top failed (status %d): %s", st, err);
+  cr_assert(strstr(out, " done "), "the table shows no peer in state done: %s", out);
+  free(out), free(err);
+  char *metrics = http_get(metrics_port(done), "/metrics");
+  cr_assert(strstr(metrics, "\nrumor_finished 1\n"), "the lingering peer's metrics: %s", metrics);
+  free(metrics);
+  /* The other leaves: nobody trains any more, so the lingering peer ends
+   * long before its 120 s. */
+  kill(C.node[trains].pid, SIGTERM);
+  st = cluster_wait(&C, done, 60);
+  cr_assert(proc_exited_with(st, 0), "the lingering peer did not end cleanly (status %d): %s", st,
+            proc_slurp(C.node[done].log));
+  cr_assert(cluster_log_has(&C, done, "no partner is still training"), "%s", proc_slurp(C.node[done].log));
+  cluster_wait(&C, trains, 30);
+}
+
 Test(top, bad_flags_and_dead_addresses_are_clear_errors) {
   char id[300];
   snprintf(id, sizeof id, "%s/top.key", C.dir);
