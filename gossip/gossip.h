@@ -164,9 +164,9 @@ void gossip_ready(gossip_t *g);
  * peers ignore, with the other members we know finished: exchange.c).
  * Training thread. */
 void gossip_finished(gossip_t *g);
-/* Alive peers that hold a state, ourselves excluded, that have not told us
- * they finished (counted as gossip_live_partners until gossip_finished).
- * Any thread. */
+/* Alive or suspect peers that hold a state, ourselves excluded, that have
+ * not told us they finished (finished ones are known only after
+ * gossip_finished). Any thread. */
 size_t gossip_training_partners(gossip_t *g);
 
 /* ---- the exchange slot (training thread) ---- */

@@ -181,7 +181,10 @@ size_t gossip_training_partners(gossip_t *g) {
   size_t n = 0;
   for (size_t i = 1; i < g->mon.npub; i++) {
     const struct gossip_member_view *v = &g->mon.pub[i];
-    if (strcmp(v->role, "peer") == 0 && v->ready && strcmp(v->state, "alive") == 0 && !v->finished) n++;
+    /* A suspect partner may be a slow one still training: it counts until
+     * it is declared failed. */
+    bool up = strcmp(v->state, "alive") == 0 || strcmp(v->state, "suspect") == 0;
+    if (strcmp(v->role, "peer") == 0 && v->ready && up && !v->finished) n++;
   }
   pthread_mutex_unlock(&g->lock);
   return n;

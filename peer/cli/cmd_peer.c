@@ -214,6 +214,12 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
   log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
   int rc = member_finish(&p->mb, t, secs, t->st.step - step0, e);
   if (rc) return rc;
+  if (signals_stop_requested()) {
+    /* Stopped while waiting for the others: leave at once, as on any stop
+     * (the checkpoint of the last step, or of the wait, is saved). */
+    log_info("signal %d: leaving the cluster after our last step", signals_stop_requested());
+    return 0;
+  }
   struct gossip_stats gs;
   gossip_stats_get(p->mb.g, &gs);
   char id[NET_PUBKEY_STR_LEN + 1];

@@ -43,7 +43,7 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        group ? "after the last step, each stage keeps averaging (without training) until the same stage of every "
                "other group has finished, at most MS; then saves, evaluates and leaves (0: leave at once)"
              : "after the last step, keep averaging (without training) until no partner still trains, at most MS; "
-               "then save, evaluate and leave (0: leave at once)",
+               "then save, leave and evaluate (0: leave at once)",
        0, 86400000},
       {"wire", ARG_STR, &f->wire, "DTYPE",
        "parameters (and a group's activations and their gradients) on the wire: f32, f16, bf16 or i8 (8-bit, a "

@@ -275,7 +275,7 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
   double t0 = clock_now_s();
   uint64_t applied = s->applied;
   /* Exchanges on the time schedule only: the step does not move. */
-  s->cfg.every_s = finish_interval(&saved, step_s);
+  double every = finish_interval(&saved, step_s);
   s->cfg.every_steps = 0;
   const char *why = "stopped";
   bool quiet = false;          /* no partner trains */
@@ -284,11 +284,17 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
     /* Once nobody trains, FINISH_QUIET_EXCHANGES more exchanges (unless
      * nobody is left at all): the last to finish shares its last steps, and
      * the others average the finished replicas further (two peers end
-     * equal; four measured 0-0.01 apart, relative). Then no new exchange,
-     * and the one under way ends before we leave. */
-    if (!quiet && gossip_training_partners(s->g) == 0) quiet = true, applied_quiet = s->applied;
-    if (quiet && (s->applied >= applied_quiet + FINISH_QUIET_EXCHANGES || gossip_live_partners(s->g) == 0)) {
-      s->cfg.every_s = 0;
+     * equal; four measured 0-0.01 apart, relative). Then no new exchange of
+     * ours, and the one under way ends before we leave (a partner may still
+     * take our ready snapshot meanwhile: it moves towards our final state,
+     * we do not move). A partner seen training again (back from suspect)
+     * starts the count over. */
+    bool nobody = gossip_training_partners(s->g) == 0;
+    if (nobody && !quiet) applied_quiet = s->applied;
+    quiet = nobody;
+    bool done = quiet && (s->applied >= applied_quiet + FINISH_QUIET_EXCHANGES || gossip_live_partners(s->g) == 0);
+    s->cfg.every_s = done ? 0 : every;
+    if (done) {
       why = "no partner is still training";
       if (!gossip_xch_in_flight(s->g)) break;
     }

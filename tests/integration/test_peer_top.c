@@ -285,14 +285,21 @@ Test(top, a_peer_that_finished_and_lingers_is_shown_done_and_leaves_after_the_la
                                   "--max-steps", "1000000", "--no-eval", "--wait-peers", "2", NULL);
   cr_assert(cluster_wait_file(C.node[done].log, "averaging with partners that still train", 60),
             "the short peer never finished its steps: %s", proc_slurp(C.node[done].log));
-  char *out, *err;
-  int st = run_top(&out, &err, "--once", "--json", NULL);
-  cr_assert(proc_exited_with(st, 0), "top failed (status %d): %s", st, err);
-  char *nodes[8];
-  int n = split_nodes(out, nodes, 8), peers = 0, finished = 0;
-  for (int i = 0; i < n; i++) {
-    peers += strstr(nodes[i], "\"role\":\"peer\"") != NULL;
-    finished += strstr(nodes[i], "\"finished\":true") != NULL;
+  char *out = NULL, *err = NULL;
+  int st, peers = 0, finished = 0;
+  /* The log line comes just before the peer marks itself finished. */
+  for (int attempt = 0; attempt < 5 && finished == 0; attempt++) {
+    if (attempt) free(out), free(err), usleep(200000);
+    st = run_top(&out, &err, "--once", "--json", NULL);
+    cr_assert(proc_exited_with(st, 0), "top failed (status %d): %s", st, err);
+    char *copy = xstrdup(out), *nodes[8];
+    int n = split_nodes(copy, nodes, 8);
+    peers = finished = 0;
+    for (int i = 0; i < n; i++) {
+      peers += strstr(nodes[i], "\"role\":\"peer\"") != NULL;
+      finished += strstr(nodes[i], "\"finished\":true") != NULL;
+    }
+    free(copy);
   }
   cr_assert_eq(peers, 2, "top lists %d peers: %s", peers, out);
   cr_assert_eq(finished, 1, "top should show exactly the short peer finished: %s", out);
