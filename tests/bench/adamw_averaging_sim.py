@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Why 4 gossiping AdamW peers trail one process on their pooled batch.
+
+A simulation in plain PyTorch (Debian's 1.13 will do), with the GPT of
+tests/scripts/gpt_torch.py: N replicas, each with its own AdamW state and its
+own quarter of the windows, take a step on their own batch and are then
+averaged exactly (the limit of perfect gossip), against one process at N
+times the batch. The second moment AdamW divides by can be each replica's own
+(what rumor peer does), the mean gradient's (an oracle: it needs every
+replica's gradient), or an estimate from the replica's own gradient noise
+(--vmode noise: v - (1 - 1/N)·s, s the variance of the gradient around its
+momentum, at least v/N). Prints the validation loss on 160 held-out windows.
+
+  adamw_averaging_sim.py --mode single --batch 8
+  adamw_averaging_sim.py --mode average --batch 8 --replicas 4 --vmode own
+
+The learning rate follows rumor's schedule (warm-up 30, cosine), weight decay
+0.1 on matrices, gradient clip 1.0 per replica, as tests/bench/bench-gpt.sh.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from gpt_torch import GPT, lr_at, windows  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["single", "average"], default="single")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="the pooled batch (each replica: batch / replicas)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--config", default="2 4 128 64 256", help="layers heads width context vocabulary")
+    ap.add_argument("--vmode", choices=["own", "mean", "noise"], default="own")
+    ap.add_argument("--every", type=int, default=1, help="average every N steps")
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--data", default="/usr/local/share/rumor/kjv.txt")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.manual_seed(1)
+    torch.set_num_threads(a.threads)
+    L, H, C, T, V = map(int, a.config.split())
+    model = GPT({"n_layer": L, "n_head": H, "n_embd": C, "n_positions": T, "vocab_size": V})
+    model.init_gpt2(1)
+    ps = list(model.hf_params().values())
+    decay = torch.cat([torch.full((p.numel(),), 1.0 if p.dim() >= 2 else 0.0) for p in ps])
+
+    def flat(ts):
+        return torch.cat([t.reshape(-1) for t in ts])
+
+    def load(vec):
+        o = 0
+        with torch.no_grad():
+            for p in ps:
+                p.copy_(vec[o:o + p.numel()].view_as(p))
+                o += p.numel()
+
+    data = np.frombuffer(open(a.data, "rb").read(), dtype=np.uint8).astype(np.int64)
+    cut = len(data) - int(round(len(data) * 0.1))
+    train, val = windows(data[:cut], T), windows(data[cut:], T)
+    n = 1 if a.mode == "single" else a.replicas
+    b = a.batch // n
+    shards = [train[i * len(train) // n:(i + 1) * len(train) // n] for i in range(n)]
+    rngs = [np.random.default_rng(1 + i) for i in range(n)]
+    theta = [flat([p.detach() for p in ps]).clone() for _ in range(n)]
+    m, v, s = ([torch.zeros_like(theta[0]) for _ in range(n)] for _ in range(3))
+    b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.1
+
+    def grad(i):
+        load(theta[i])
+        bt = torch.from_numpy(shards[i][rngs[i].integers(0, len(shards[i]), b)])
+        logits = model(bt[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, V), bt[:, 1:].reshape(-1))
+        for p in ps:
+            p.grad = None
+        loss.backward()
+        g = flat([p.grad for p in ps])
+        norm = g.norm()
+        return g * (a.grad_clip / norm) if 0 < a.grad_clip < norm else g
+
+    t0 = time.time()
+    for step in range(a.steps):
+        lr = lr_at(step, a.steps, a.lr, 30)
+        gs = [grad(i) for i in range(n)]
+        gmean = sum(gs) / n
+        for i in range(n):
+            if step > 0:  # the gradient's spread around the (bias-corrected) momentum
+                d = gs[i] - m[i] / (1 - b1 ** step)
+                s[i].mul_(b2).addcmul_(d, d, value=(1 - b2) / (1 + (1 - b1) / (1 + b1)))
+            m[i].mul_(b1).add_(gs[i], alpha=1 - b1)
+            g2 = gmean if a.vmode == "mean" else gs[i]
+            v[i].mul_(b2).addcmul_(g2, g2, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        for i in range(n):
+            theta[i].mul_(1 - lr * wd * decay)
+            u = v[i] / bc2
+            if a.vmode == "noise":
+                u = torch.maximum(u - (1 - 1 / n) * s[i] / bc2, u / n)
+            theta[i].addcdiv_(m[i] / bc1, u.sqrt().add_(eps), value=-lr)
+        if n > 1 and (step + 1) % a.every == 0:
+            mean = sum(theta) / n
+            for i in range(n):
+                theta[i].copy_(mean)
+    load(sum(theta) / n)
+    with torch.no_grad():
+        w = torch.from_numpy(val[:160])
+        vl = F.cross_entropy(model(w[:, :-1]).reshape(-1, V), w[:, 1:].reshape(-1)).item()
+    print(json.dumps({"mode": a.mode, "replicas": n, "batch": a.batch, "vmode": a.vmode, "lr": a.lr,
+                      "val_loss": round(vl, 4), "seconds": round(time.time() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()
