@@ -90,13 +90,13 @@ def main():
     for step in range(a.steps):
         lr = lr_at(step, a.steps, a.lr, 30)
         gs = [grad(i) for i in range(n)]
-        gmean = sum(gs) / n
+        gmean = sum(gs) / n if a.vmode == "mean" else None
         for i in range(n):
-            if step > 0:  # the gradient's spread around the (bias-corrected) momentum
+            if a.vmode == "noise" and step > 0:  # the gradient's spread around the (bias-corrected) momentum
                 d = gs[i] - m[i] / (1 - b1 ** step)
                 s[i].mul_(b2).addcmul_(d, d, value=(1 - b2) / (1 + (1 - b1) / (1 + b1)))
             m[i].mul_(b1).add_(gs[i], alpha=1 - b1)
-            g2 = gmean if a.vmode == "mean" else gs[i]
+            g2 = gmean if gmean is not None else gs[i]
             v[i].mul_(b2).addcmul_(g2, g2, value=1 - b2)
         bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
         for i in range(n):
