@@ -16,6 +16,7 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
   json_text_set(o, "epochs", json_integer(t->st.epoch));
   json_text_set(o, "samples_per_s",
                 json_text_real(secs > 0 ? (double)(t->st.samples - samples_at_start) / secs : 0.0));
+  if (t->cfg.grad_clip > 0) json_text_set(o, "clipped_steps", json_integer(t->clipped_steps));
   if (!trainer_has_loss(t)) return;
   /* A language model's evaluation is on held-out tokens: its loss per token
    * and how often the likeliest next token is the right one. */

@@ -117,6 +117,7 @@ static void write_all(struct tb_train *tb, const struct trainer *t, double now, 
     tb->rate_samples = t->st.samples;
   }
   tb_scalar(tb->w, "train/epoch", step, (double)t->st.epoch);
+  if (isfinite(t->grad_norm)) tb_scalar(tb->w, "train/grad_norm", step, t->grad_norm); /* --grad-clip only */
   if (force_norm || now >= tb->next_norm_s) {
     double c0 = clock_now_s();
     double norm = sqrt(tensor_sq_norm(&t->model.params));

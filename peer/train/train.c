@@ -157,7 +157,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     t->stage = *cfg->stage;
     t->cfg.stage = &t->stage;
   }
-  t->loss_avg = t->last_loss = t->accuracy = t->test_loss = NAN;
+  t->loss_avg = t->last_loss = t->accuracy = t->test_loss = t->grad_norm = NAN;
   struct checkpoint ck;
   bool resumed = false;
   int rc;
@@ -254,16 +254,17 @@ static void progress(struct trainer *t, double lr) {
   double el = now - t->t_start;
   double rate = el > 0 ? (double)(t->st.samples - t->samples_at_start) / el : 0;
   double remaining = rate > 0 ? (double)(t->stop_step - t->st.step) * (double)t->cfg.batch / rate : 0;
-  char eta[32], loss[32] = "", idle[32] = "";
+  char eta[32], loss[32] = "", idle[32] = "", norm[32] = "";
   format_duration(remaining, eta, sizeof eta);
   if (trainer_has_loss(t)) snprintf(loss, sizeof loss, "  loss %.4f", t->loss_avg);
+  if (t->cfg.grad_clip > 0) snprintf(norm, sizeof norm, "  grad norm %.3g", t->grad_norm);
   if (trainer_is_stage(t)) {
     const struct pipe_stats *ps = &t->pipe.st;
     snprintf(idle, sizeof idle, "  idle %.1f%%", 100 * (ps->step_s > 0 ? ps->wait_s / ps->step_s : 0));
   }
-  log_info("epoch %lld/%lld  step %lld/%lld%s  lr %.4g  %.0f samples/s%s  ETA %s", (long long)t->st.epoch + 1,
-           (long long)t->cfg.epochs, (long long)t->st.step_in_epoch, (long long)t->steps_per_epoch, loss, lr, rate, idle,
-           eta);
+  log_info("epoch %lld/%lld  step %lld/%lld%s%s  lr %.4g  %.0f samples/s%s  ETA %s", (long long)t->st.epoch + 1,
+           (long long)t->cfg.epochs, (long long)t->st.step_in_epoch, (long long)t->steps_per_epoch, loss, norm, lr, rate,
+           idle, eta);
   t->t_last_log = now;
 }
 
@@ -418,7 +419,11 @@ int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
 static void clip_gradients(struct trainer *t) {
   if (t->cfg.grad_clip <= 0) return;
   double norm = sqrt(tensor_sq_norm(&t->model.grads));
-  if (norm > t->cfg.grad_clip) tensor_scale(&t->model.grads, (float)(t->cfg.grad_clip / norm));
+  t->grad_norm = norm;
+  if (norm > t->cfg.grad_clip) {
+    tensor_scale(&t->model.grads, (float)(t->cfg.grad_clip / norm));
+    t->clipped_steps++;
+  }
 }
 
 static void stage_batch(struct trainer *t, int buf) {

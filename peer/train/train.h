@@ -379,6 +379,10 @@ struct trainer {
   int64_t nepoch_losses, epoch_losses_cap;
   double t_start, t_last_log;
   double reduce_s;      /* of the current step: time in the reducer (not stretched by --slowdown) */
+  /* --grad-clip only: the last step's global gradient norm before clipping
+   * (NaN until then) and the steps of this run whose norm was clipped. */
+  double grad_norm;
+  int64_t clipped_steps;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;

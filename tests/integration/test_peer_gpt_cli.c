@@ -318,3 +318,28 @@ Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
   st = rumor(NULL, &err, 60, "train", "--init-from", dir, "--data", text_path(), NULL);
   cli_expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
 }
+
+/* --grad-clip's figures: the result line counts the steps whose gradient
+ * norm was clipped (every one under a tiny bound, none under a huge one),
+ * and the progress line shows the last norm. */
+Test(gptcli, grad_clip_counts_the_clipped_steps) {
+  const char *data = text_path();
+  const char *bounds[] = {"1e-6", "1e6"};
+  for (int i = 0; i < 2; i++) {
+    char *out, *err;
+    int st = rumor(&out, &err, 120, "train", "--model", MODEL, "--data", data, "--optimizer", "adamw", "--batch", "4",
+                   "--max-steps", "5", "--threads", "1", "--log-every", "1e-9", "--no-eval", "--eval-batches", "1",
+                   "--grad-clip", bounds[i], NULL);
+    cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+    double clipped = cli_json_number(out, "clipped_steps");
+    cr_assert_eq(clipped, i == 0 ? 5 : 0, "--grad-clip %s: %g clipped steps of 5 (%s)", bounds[i], clipped, out);
+    cr_assert(strstr(err, "grad norm "), "no gradient norm in the progress lines: %s", err);
+    free(out), free(err);
+  }
+  char *out, *err;
+  int st = rumor(&out, &err, 120, "train", "--model", MODEL, "--data", data, "--batch", "4", "--max-steps", "1",
+                 "--threads", "1", "--log-every", "0", "--no-eval", "--eval-batches", "1", NULL);
+  cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+  cr_assert_null(strstr(out, "clipped_steps"), "clipped_steps without --grad-clip: %s", out);
+  free(out), free(err);
+}
