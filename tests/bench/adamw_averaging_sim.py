@@ -9,10 +9,16 @@ times the batch. The second moment AdamW divides by can be each replica's own
 (what rumor peer does), the mean gradient's (an oracle: it needs every
 replica's gradient), or an estimate from the replica's own gradient noise
 (--vmode noise: v - (1 - 1/N)·s, s the variance of the gradient around its
-momentum, at least v/N). Prints the validation loss on 160 held-out windows.
+momentum, at least v/N). Instead of the exact mean, --gossip P averages
+random disjoint pairs (each with probability P per tick), by the snapshots'
+difference as rumor peer does, --delay D ticks after the snapshots, and
+--speeds makes the replicas uneven (the fastest finishes first and averages
+on). Prints the validation loss of the replicas' mean on 160 held-out
+windows.
 
   adamw_averaging_sim.py --mode single --batch 8
   adamw_averaging_sim.py --mode average --batch 8 --replicas 4 --vmode own
+  adamw_averaging_sim.py --mode average --gossip 1 --delay 1 --speeds 0.87,0.78,0.92,1
 
 The learning rate follows rumor's schedule (warm-up 30, cosine), weight decay
 0.1 on matrices, gradient clip 1.0 per replica, as tests/bench/bench-gpt.sh.
@@ -42,6 +48,14 @@ def main():
     ap.add_argument("--vmode", choices=["own", "mean", "noise"], default="own")
     ap.add_argument("--every", type=int, default=1, help="average every N steps")
     ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--gossip", type=float, default=0.0,
+                    help="instead of the exact mean: random disjoint pairs, each averaging with this probability")
+    ap.add_argument("--speeds", default="", help="each replica's steps per tick, comma-separated, at most 1 "
+                    "(uneven workers: the fastest finishes first and averages on); default all 1")
+    ap.add_argument("--delay", type=int, default=0, help="ticks between an exchange's snapshots and their "
+                    "application (rumor: about 1, the transfer overlaps the next step)")
+    ap.add_argument("--alpha", type=float, default=0.5, help="the averaging weight of an exchange")
+    ap.add_argument("--noise-n", type=float, default=0.0, help="N in the noise estimate (default: --replicas)")
     ap.add_argument("--data", default="/usr/local/share/rumor/kjv.txt")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
@@ -73,6 +87,8 @@ def main():
     theta = [flat([p.detach() for p in ps]).clone() for _ in range(n)]
     m, v, s = ([torch.zeros_like(theta[0]) for _ in range(n)] for _ in range(3))
     b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.1
+    gossip_rng = np.random.default_rng(99)
+    nn = a.noise_n if a.noise_n > 0 else n
 
     def grad(i):
         load(theta[i])
@@ -87,25 +103,55 @@ def main():
         return g * (a.grad_clip / norm) if 0 < a.grad_clip < norm else g
 
     t0 = time.time()
-    for step in range(a.steps):
-        lr = lr_at(step, a.steps, a.lr, 30)
-        gs = [grad(i) for i in range(n)]
-        gmean = sum(gs) / n if a.vmode == "mean" else None
+    speeds = [float(x) for x in a.speeds.split(",")] if a.speeds else [1.0] * n
+    if len(speeds) != n or min(speeds) <= 0 or max(speeds) > 1 or (a.vmode == "mean" and min(speeds) < 1):
+        sys.exit("--speeds: %d values in (0, 1] (all 1 with --vmode mean)" % n)
+    done, credit, tick = [0] * n, [0.0] * n, 0
+    pending, busy = [], set()  # exchanges under way: (tick to apply, i, j, θ_j − θ_i at the snapshot)
+
+    def apply_due(pending, tick):  # x + α·(x'_s − x_s) on both sides; returns those still under way
+        for due, i, j, d in pending:
+            if due <= tick:
+                theta[i].add_(d, alpha=a.alpha)
+                theta[j].add_(d, alpha=-a.alpha)
+                busy.difference_update((i, j))
+        return [p for p in pending if p[0] > tick]
+    while min(done) < a.steps:  # a tick: each replica steps when its speed has added up to a step
+        tick += 1
+        active = []
         for i in range(n):
+            credit[i] += speeds[i]
+            if done[i] < a.steps and credit[i] >= 1:
+                credit[i] -= 1
+                active.append(i)
+        gs = {i: grad(i) for i in active}
+        gmean = sum(gs.values()) / n if a.vmode == "mean" else None
+        for i in active:
+            step = done[i]
+            lr = lr_at(step, a.steps, a.lr, 30)
             if a.vmode == "noise" and step > 0:  # the gradient's spread around the (bias-corrected) momentum
                 d = gs[i] - m[i] / (1 - b1 ** step)
                 s[i].mul_(b2).addcmul_(d, d, value=(1 - b2) / (1 + (1 - b1) / (1 + b1)))
             m[i].mul_(b1).add_(gs[i], alpha=1 - b1)
             g2 = gmean if gmean is not None else gs[i]
             v[i].mul_(b2).addcmul_(g2, g2, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
-        for i in range(n):
+            bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
             theta[i].mul_(1 - lr * wd * decay)
             u = v[i] / bc2
             if a.vmode == "noise":
-                u = torch.maximum(u - (1 - 1 / n) * s[i] / bc2, u / n)
+                u = torch.maximum(u - (1 - 1 / nn) * s[i] / bc2, u / nn)
             theta[i].addcdiv_(m[i] / bc1, u.sqrt().add_(eps), value=-lr)
-        if n > 1 and (step + 1) % a.every == 0:
+            done[i] += 1
+        if n > 1 and a.gossip > 0:  # finished replicas average on, as rumor peer --finish-wait-ms
+            pending = apply_due(pending, tick)
+            free = [i for i in gossip_rng.permutation(n) if i not in busy]
+            for k in range(0, len(free) - 1, 2):
+                if gossip_rng.random() < a.gossip:
+                    i, j = free[k], free[k + 1]
+                    pending.append((tick + a.delay, i, j, theta[j] - theta[i]))  # the snapshots' difference
+                    busy.update((i, j))
+            pending = apply_due(pending, tick)  # --delay 0: at once
+        elif n > 1 and tick % a.every == 0:
             mean = sum(theta) / n
             for i in range(n):
                 theta[i].copy_(mean)
@@ -113,7 +159,8 @@ def main():
     with torch.no_grad():
         w = torch.from_numpy(val[:160])
         vl = F.cross_entropy(model(w[:, :-1]).reshape(-1, V), w[:, 1:].reshape(-1)).item()
-    print(json.dumps({"mode": a.mode, "replicas": n, "batch": a.batch, "vmode": a.vmode, "lr": a.lr,
+    print(json.dumps({"mode": a.mode, "replicas": n, "batch": a.batch, "vmode": a.vmode, "lr": a.lr, "every": a.every,
+                      "gossip": a.gossip, "delay": a.delay, "alpha": a.alpha, "speeds": a.speeds, "config": a.config,
                       "val_loss": round(vl, 4), "seconds": round(time.time() - t0, 1)}))
 
 
