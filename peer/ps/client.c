@@ -649,10 +649,7 @@ int ps_client_join(ps_client_t *cl, struct rumor_err *e) {
 int ps_client_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct ps_client *cl = arg;
   struct trainer *t = cl->t;
-  if (t->cfg.grad_clip > 0) {
-    double norm = sqrt(tensor_sq_norm(&t->model.grads));
-    if (norm > t->cfg.grad_clip) tensor_scale(&t->model.grads, (float)(t->cfg.grad_clip / norm));
-  }
+  trainer_clip_gradients(t);
   tensor_copy_to_host(&t->model.grads, 0, cl->stage, (size_t)cl->P * sizeof(float));
   pthread_mutex_lock(&cl->mu);
   float *g = cl->grad;

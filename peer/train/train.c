@@ -414,9 +414,8 @@ int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
 
 /* ---- steps ---- */
 
-/* --grad-clip: scales the gradients so their global norm is at most
- * grad_clip (a stage: the norm of its own units' gradients). */
-static void clip_gradients(struct trainer *t) {
+/* A stage clips by the norm of its own units' gradients (train.h). */
+void trainer_clip_gradients(struct trainer *t) {
   if (t->cfg.grad_clip <= 0) return;
   double norm = sqrt(tensor_sq_norm(&t->model.grads));
   t->grad_norm = norm;
@@ -457,7 +456,7 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
   int rc = reduce(t, rows, e);
   if (rc) return rc;
-  clip_gradients(t);
+  trainer_clip_gradients(t);
   optim_apply(&t->optim, &m->params, &m->grads, lr);
   return 0;
 }
@@ -480,7 +479,7 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   *rows_out = rows;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
   if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
-  clip_gradients(t);
+  trainer_clip_gradients(t);
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
   return 0;

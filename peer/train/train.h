@@ -443,6 +443,12 @@ void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_
  * (trainer_load_state) from a member of the same bulk-synchronous run,
  * keeping this process's place in its own data. */
 void trainer_take_step(struct trainer *t, int64_t step);
+/* --grad-clip (nothing without it): scales model.grads so their global norm
+ * is at most cfg.grad_clip, noting the norm before (grad_norm) and counting
+ * a clipped step (clipped_steps). The trainer calls it before its update; a
+ * reducer that replaces the update (a parameter-server worker) calls it
+ * before it sends the gradient. Training thread. */
+void trainer_clip_gradients(struct trainer *t);
 
 /* Saves a checkpoint of the current state to `path`. */
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;
