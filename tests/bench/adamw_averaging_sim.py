@@ -116,6 +116,24 @@ def main():
                 theta[j].add_(d, alpha=-a.alpha)
                 busy.difference_update((i, j))
         return [p for p in pending if p[0] > tick]
+
+    def adamw_step(i, g, gmean):  # replica i's step number done[i], on its gradient g
+        step = done[i]
+        lr = lr_at(step, a.steps, a.lr, 30)
+        if a.vmode == "noise" and step > 0:  # the gradient's spread around the (bias-corrected) momentum
+            d = g - m[i] / (1 - b1 ** step)
+            s[i].mul_(b2).addcmul_(d, d, value=(1 - b2) / (1 + (1 - b1) / (1 + b1)))
+        m[i].mul_(b1).add_(g, alpha=1 - b1)
+        g2 = gmean if gmean is not None else g
+        v[i].mul_(b2).addcmul_(g2, g2, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        theta[i].mul_(1 - lr * wd * decay)
+        u = v[i] / bc2
+        if a.vmode == "noise":
+            u = torch.maximum(u - (1 - 1 / nn) * s[i] / bc2, u / nn)
+        theta[i].addcdiv_(m[i] / bc1, u.sqrt().add_(eps), value=-lr)
+        done[i] += 1
+
     while min(done) < a.steps:  # a tick: each replica steps when its speed has added up to a step
         tick += 1
         active = []
@@ -127,21 +145,7 @@ def main():
         gs = {i: grad(i) for i in active}
         gmean = sum(gs.values()) / n if a.vmode == "mean" else None
         for i in active:
-            step = done[i]
-            lr = lr_at(step, a.steps, a.lr, 30)
-            if a.vmode == "noise" and step > 0:  # the gradient's spread around the (bias-corrected) momentum
-                d = gs[i] - m[i] / (1 - b1 ** step)
-                s[i].mul_(b2).addcmul_(d, d, value=(1 - b2) / (1 + (1 - b1) / (1 + b1)))
-            m[i].mul_(b1).add_(gs[i], alpha=1 - b1)
-            g2 = gmean if gmean is not None else gs[i]
-            v[i].mul_(b2).addcmul_(g2, g2, value=1 - b2)
-            bc1, bc2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
-            theta[i].mul_(1 - lr * wd * decay)
-            u = v[i] / bc2
-            if a.vmode == "noise":
-                u = torch.maximum(u - (1 - 1 / nn) * s[i] / bc2, u / nn)
-            theta[i].addcdiv_(m[i] / bc1, u.sqrt().add_(eps), value=-lr)
-            done[i] += 1
+            adamw_step(i, gs[i], gmean)
         if n > 1 and a.gossip > 0:  # finished replicas average on, as rumor peer --finish-wait-ms
             pending = apply_due(pending, tick)
             free = [i for i in gossip_rng.permutation(n) if i not in busy]
