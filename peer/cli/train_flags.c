@@ -57,7 +57,7 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"slowdown", ARG_FLOAT, &f->slowdown, "X",
        "simulate a slower machine: each step takes X times its compute time (a straggler in benchmarks)", 1, 1000},
       {"grad-clip", ARG_FLOAT, &f->grad_clip, "X", "clip the gradients' global norm to X before each update; a pipeline stage clips its own "
-       "slice's norm (0: off)",
+       "slice's norm; the progress lines show the norm and the result line counts clipped_steps (0: off)",
        0, 1e12},
       {"checkpoint", ARG_STR, &f->checkpoint, "PATH",
        "save a checkpoint here, each epoch and at the end: a safetensors file, or a directory (DIR/) in the Hugging "
