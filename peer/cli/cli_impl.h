@@ -217,6 +217,9 @@ struct member {
   tensor_backend_t be;          /* where they came from */
   struct sync sync;
   bool have_sync;
+  /* Exchanges applied when the last step ended (and saved its checkpoint):
+   * one applied after it leaves that checkpoint stale (member_finish). */
+  uint64_t applied_at_end;
 };
 
 /* Starts the gossip runtime for trainer `t` under the model label `label`
@@ -239,9 +242,13 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMO
  * true with a message when waiting must end (a pipeline neighbour failed). */
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
                       bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* After each step: the exchanges of its boundary (sync_boundary), then
+ * the hold of --max-local-steps (sync_hold). */
+void member_boundary(struct member *mb, const struct trainer *t);
 /* --finish-wait-ms, after the last step: averages on with partners that
- * still train (sync_finish) and saves the checkpoint again when that
- * changed the parameters. `secs` and `steps`: this process's training. */
+ * still train (sync_finish). With or without it, saves the checkpoint
+ * again when an exchange changed the parameters after the last step saved
+ * them (at its boundary, its hold, or while waiting). `secs` and `steps`: this process's training. */
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Leaves the cluster (telling it for up to `linger_ms`) and stops the

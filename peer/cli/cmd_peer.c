@@ -199,8 +199,7 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
       log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
       first = false;
     }
-    sync_boundary(&p->mb.sync);
-    sync_hold(&p->mb.sync, signals_stop_flag());
+    member_boundary(&p->mb, t);
   }
   if (signals_stop_requested()) {
     log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t->st.step);

@@ -249,8 +249,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
       else log_info("first step done (the loss is on the last stage)");
       first = false;
     }
-    sync_boundary(&p->mb.sync);
-    sync_hold(&p->mb.sync, signals_stop_flag());
+    member_boundary(&p->mb, t);
   }
   double secs = clock_now_s() - t0;
   if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */

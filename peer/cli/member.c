@@ -105,12 +105,21 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
   return 0;
 }
 
+void member_boundary(struct member *mb, const struct trainer *t) {
+  if (trainer_done(t)) mb->applied_at_end = mb->sync.applied; /* the last step saved its checkpoint */
+  sync_boundary(&mb->sync);
+  sync_hold(&mb->sync, signals_stop_flag());
+}
+
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps, struct rumor_err *e) {
   double max_s = mb->setup.finish_wait_s;
-  if (max_s <= 0) return 0;
-  log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
-  sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag());
-  return mb->sync.finish_applied > 0 ? trainer_checkpoint(t, e) : 0;
+  if (max_s > 0) {
+    log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
+    sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag());
+  }
+  /* The result line evaluates the parameters as they are now: the
+   * checkpoint must hold the same. */
+  return mb->sync.applied != mb->applied_at_end ? trainer_checkpoint(t, e) : 0;
 }
 
 void member_leave(struct member *mb, int64_t linger_ms) {

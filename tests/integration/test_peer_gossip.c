@@ -409,6 +409,39 @@ Test(gossip, max_local_steps_without_gossip_is_refused) {
   free(err);
 }
 
+/* The result line evaluates the parameters a peer leaves with; its
+ * checkpoint must hold the same, although the last step saved it before
+ * the exchanges of its boundary and its hold were applied. Two peers that
+ * hold after every step without an exchange (--max-local-steps 1) apply one
+ * after their last step nearly every time. */
+Test(gossip, the_final_checkpoint_holds_the_parameters_the_result_line_evaluates) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  for (int i = 0; i < 2; i++)
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--shard", i ? "1/2" : "0/2", "--batch", "32",
+                                 "--epochs", "1000", "--max-steps", "200", "--wait-peers", "2", "--gossip-every", "1",
+                                 "--max-local-steps", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
+  for (int i = 0; i < 2; i++) {
+    expect_clean_exit(peer[i]);
+    double result = cluster_result(&C, peer[i], "test_loss"), applied = cluster_result(&C, peer[i], "exchanges");
+    char *out, *err;
+    int st = cluster_run(&C, (char *[]){"eval", "--checkpoint", C.node[peer[i]].ckpt, "--batch", "32", "--threads", "1",
+                                        NULL},
+                         60, &out, &err);
+    cr_assert(proc_exited_with(st, 0), "rumor eval failed (status %d): %s", st, err);
+    const char *p = strstr(out, "\"loss\":");
+    cr_assert(p, "no loss in rumor eval's output: %s", out);
+    double saved = strtod(p + 7, NULL);
+    fprintf(stderr, "peer %d: %.0f exchanges; test loss in its result line %.9f, of its checkpoint %.9f\n", i,
+            applied, result, saved);
+    cr_assert(applied > 0, "peer %d applied no exchange: the check proves nothing", i);
+    cr_assert(fabs(result - saved) <= 1e-6 * fabs(result),
+              "peer %d's checkpoint (test loss %.9f) is not the model it evaluated (%.9f)", i, saved, result);
+    free(out), free(err);
+  }
+}
+
 /* Two peers on halves of the data, one four times slower (--slowdown),
  * with --finish-wait-ms `wait`: the relative distance between their final
  * checkpoints, and the fast peer's result figures. */
