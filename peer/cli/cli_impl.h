@@ -246,11 +246,13 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
  * the hold of --max-local-steps (sync_hold). */
 void member_boundary(struct member *mb, const struct trainer *t);
 /* --finish-wait-ms, after the last step: averages on with partners that
- * still train (sync_finish). With or without it, saves the checkpoint
- * again when an exchange changed the parameters after the last step saved
- * them (at its boundary, its hold, or while waiting). `secs` and `steps`: this process's training. */
+ * still train (sync_finish; `failed`, which may be NULL, ends the wait as
+ * in member_wait_peers). With or without it, saves the checkpoint again
+ * when an exchange changed the parameters after the last step saved them
+ * (at its boundary, its hold, or while waiting). `secs` and `steps`: this
+ * process's training. */
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
-                  struct rumor_err *e) RUMOR_MUST_CHECK;
+                  bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Leaves the cluster (telling it for up to `linger_ms`) and stops the
  * gossip runtime; the sync path's figures stay readable. */
 void member_leave(struct member *mb, int64_t linger_ms);

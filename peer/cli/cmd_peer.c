@@ -211,7 +211,7 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
    * comes) while the test set is evaluated. */
   double secs = clock_now_s() - t0;
   log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
-  int rc = member_finish(&p->mb, t, secs, t->st.step - step0, e);
+  int rc = member_finish(&p->mb, t, secs, t->st.step - step0, NULL, NULL, e);
   if (rc) return rc;
   if (signals_stop_requested()) {
     /* Stopped while waiting for the others: leave at once, as on any stop

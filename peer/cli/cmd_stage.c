@@ -228,7 +228,7 @@ static bool link_failed(void *arg, struct rumor_err *e) {
   struct stage_proc *p = arg;
   char why[400];
   int culprit;
-  if (!stage_link_failed(p->link, &culprit, why, sizeof why)) return false;
+  if (!p->link || !stage_link_failed(p->link, &culprit, why, sizeof why)) return false;
   rumor_err_set(e, RUMOR_ECANCELED, "%s", why);
   return true;
 }
@@ -254,8 +254,9 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   double secs = clock_now_s() - t0;
   if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */
   /* The same stage of groups still training is not left alone (the links
-   * keep pinging meanwhile; our neighbours wait for us in the evaluation). */
-  if ((rc = member_finish(&p->mb, t, secs, t->st.step - step0, e))) return rc;
+   * keep pinging meanwhile; our neighbours wait for us in the evaluation).
+   * A neighbour that fails meanwhile ends the wait and the group. */
+  if ((rc = member_finish(&p->mb, t, secs, t->st.step - step0, link_failed, p, e))) return rc;
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;

@@ -111,11 +111,13 @@ void member_boundary(struct member *mb, const struct trainer *t) {
   sync_hold(&mb->sync, signals_stop_flag());
 }
 
-int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps, struct rumor_err *e) {
+int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
+                  bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) {
   double max_s = mb->setup.finish_wait_s;
   if (max_s > 0) {
     log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
-    sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag());
+    int rc = sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag(), failed, arg, e);
+    if (rc) return rc;
   }
   /* The result line evaluates the parameters as they are now: the
    * checkpoint must hold the same. */

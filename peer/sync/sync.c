@@ -269,7 +269,8 @@ static double finish_interval(const struct sync_config *c, double step_s) {
   return every > FINISH_MIN_INTERVAL_S ? every : FINISH_MIN_INTERVAL_S;
 }
 
-void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop) {
+int sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop,
+                bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) {
   gossip_finished(s->g);
   struct sync_config saved = s->cfg;
   double t0 = clock_now_s();
@@ -278,6 +279,7 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
   double every = finish_interval(&saved, step_s);
   s->cfg.every_steps = 0;
   const char *why = "stopped";
+  int rc = 0;
   bool quiet = false;          /* no partner trains */
   uint64_t applied_quiet = 0;  /* exchanges applied when that was seen */
   while (!(stop && atomic_load(stop))) {
@@ -302,6 +304,11 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
       why = "--finish-wait-ms passed";
       break;
     }
+    if (failed && failed(arg, e)) {
+      why = e->msg;
+      rc = RUMOR_ECANCELED;
+      break;
+    }
     const struct timespec tick = {0, 1000 * 1000};
     nanosleep(&tick, NULL);
     sync_boundary(s);
@@ -311,6 +318,7 @@ void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *
   s->finish_applied = s->applied - applied;
   log_info("finished waiting after %.2f s (%s): %llu exchanges applied meanwhile", s->finish_s, why,
            (unsigned long long)s->finish_applied);
+  return rc;
 }
 
 /* Publishes the training figures; with_sketch adds the O(P) ones. */

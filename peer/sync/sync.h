@@ -264,8 +264,12 @@ void sync_hold(struct sync *s, const atomic_int *stop);
  * exchanges applied after that (sync.c), `*stop` becomes non-zero, or
  * `max_s` passes. Partners that train on are then not left without anyone
  * to average with for their last steps, and the replicas end close
- * together. finish_s and finish_applied say what it took. */
-void sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop);
+ * together. finish_s and finish_applied say what it took. `failed` (may be
+ * NULL) is polled too: when it returns true (with its message in `e`; a
+ * stage's pipeline neighbour failed, say), the wait ends at once and
+ * sync_finish returns RUMOR_ECANCELED; otherwise 0. */
+int sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop,
+                bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e);
 void sync_free(struct sync *s);
 
 /* The train_reducer of --sync allreduce (`arg` is the sync): sums the

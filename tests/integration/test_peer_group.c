@@ -342,6 +342,49 @@ Test(group, with_finish_wait_the_stages_of_two_groups_end_together) {
             apart);
 }
 
+/* A stage that finished and waits for the same stage of groups still
+ * training (--finish-wait-ms) must still notice its pipeline neighbour
+ * dying: group ga's stages run as their own processes (as a scheduler
+ * starts them), gb trains on, and ga's stage 1 is killed while stage 0
+ * waits. Stage 0 stops its group at once, naming the failure, instead of
+ * lingering for the 60 s of its wait. */
+Test(group, a_stage_waiting_to_finish_stops_when_its_neighbour_dies) {
+  SKIP_WITHOUT_DATA();
+  char boot[160], b[2][80];
+  cluster_start_stage_bootstraps(&C, boot, sizeof boot);
+  const char *semi = strchr(boot, ';');
+  snprintf(b[0], sizeof b[0], "%.*s", (int)(semi - boot), boot);
+  snprintf(b[1], sizeof b[1], "%s", semi + 1);
+  struct cluster_group gb;
+  char *gb_args[] = {"--stages", "2", "--bootstrap", boot, "--model", "mlp:784-32-16-10", "--epochs", "100000",
+                     "--max-steps", "10000000", "--no-eval", "--gossip-every", "1", NULL};
+  cluster_start_group(&C, &gb, "gb", gb_args);
+  char id[256], out[2][256], log[2][256], addr[64];
+  cluster_make_identity(&C, "ga", id, sizeof id);
+  char *extra[2][12];
+  for (int s = 0; s < 2; s++) {
+    char *e[] = {"--bootstrap", b[s], "--wait-peers", "2", "--gossip-every", "1", "--finish-wait-ms", "60000", NULL};
+    memcpy(extra[s], e, sizeof e);
+  }
+  pid_t s0 = cluster_start_stage_proc(&C, "ga", "ga0", id, "0/2", NULL, extra[0], out[0], log[0]);
+  cluster_link_addr(out[0], addr, sizeof addr);
+  pid_t s1 = cluster_start_stage_proc(&C, "ga", "ga1", id, "1/2", addr, extra[1], out[1], log[1]);
+  bool waiting = cluster_wait_file(log[0], "averaging with partners that still train", 90);
+  double t0 = cluster_now();
+  kill(s1, SIGKILL);
+  proc_wait(s1, 10);
+  int st = proc_wait(s0, 30);
+  double took = cluster_now() - t0;
+  if (st < 0) kill(s0, SIGKILL), proc_wait(s0, 10);
+  kill(gb.pid, SIGTERM);
+  proc_wait(gb.pid, 30);
+  cr_assert(waiting, "ga's stage 0 never began its finish wait: %s", proc_slurp(log[0]));
+  fprintf(stderr, "ga's stage 0 ended %.2f s after its neighbour was killed (status %d)\n", took, st);
+  cr_assert(st >= 0, "ga's stage 0 still waited 30 s after its neighbour died: %s", proc_slurp(log[0]));
+  cr_assert(proc_exited_with(st, 1), "ga's stage 0 ended with status %d: %s", st, proc_slurp(log[0]));
+  cr_assert(cluster_wait_file(log[0], "stopping because", 1), "no reason given: %s", proc_slurp(log[0]));
+}
+
 /* --sync allreduce by stage: stage s of each group sums its slice's
  * gradient with stage s of the other, so the two groups' slices stay
  * identical, bit for bit. */
