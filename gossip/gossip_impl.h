@@ -522,6 +522,8 @@ bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
 void gossip_ring_tick(struct gossip *g, uint64_t now);
 /* Ends the round in progress, nothing applied (shutting down). */
 void gossip_ring_abandon(struct gossip *g, const char *why);
+/* Connection `c` closes (it is freed right after): the ring forgets it. */
+void gossip_ring_on_close(struct gossip *g, net_conn_t *c);
 
 /* ---- donation.c ---- */
 

@@ -216,6 +216,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
    * that member, pending on no bulk connection yet, is abandoned now rather
    * than at the failure verdict. */
   if (id && status != 0) gossip_xch_on_member_lost(g, id, "connection to the partner lost");
+  gossip_ring_on_close(g, c);
   gossip_join_on_close(g, c);
   gossip_donation_on_close(g, c);
   gossip_stats_on_close(g, c);
