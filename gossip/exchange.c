@@ -76,6 +76,7 @@ void gossip_xch_refresh_done(gossip_t *g, uint64_t step) {
 float *gossip_xch_mine(gossip_t *g) { return g->xch.mine; }
 float *gossip_xch_theirs(gossip_t *g) { return g->xch.theirs; }
 float gossip_xch_alpha(const gossip_t *g) { return g->xch.alpha; }
+const struct gossip_xch_delta *gossip_xch_delta(const gossip_t *g) { return &g->xch.delta; }
 const uint8_t *gossip_xch_partner(const gossip_t *g) { return g->xch.x.partner; /* stable while APPLY */ }
 
 /* What the training thread tells the loop when a snapshot is ready. */
@@ -271,14 +272,44 @@ static void start_send(struct gossip *g) {
   x->sending = true;
 }
 
+/* The difference of the partner's snapshot and ours, on a worker thread
+ * (libuv's pool), so that the training thread only adds it (sync.c): the
+ * slot stays BUSY meanwhile, with x inactive, so nothing else touches
+ * `mine`, `theirs` or x. */
+struct delta_job {
+  uv_work_t work;
+  struct gossip *g;
+};
+
+static void delta_work(uv_work_t *w) {
+  struct gossip *g = ((struct delta_job *)w->data)->g;
+  gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
+}
+
+static void delta_done(uv_work_t *w, int status) {
+  struct gossip *g = ((struct delta_job *)w->data)->g;
+  free(w->data);
+  if (status) { /* cancelled: never the case for queued work, but done here then */
+    gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
+  }
+  /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
+  slot_move(g, SLOT_BUSY, SLOT_APPLY);
+}
+
 static void maybe_complete(struct gossip *g) {
   struct gossip_xch *x = &g->xch.x;
   if (!x->active || !x->sent_ok || !x->recv_ok) return;
   x->active = false;
   log_debug("exchange %s after %llu ms (%s)", "transferred", (unsigned long long)(gossip_now_ms(g) - x->started_ms),
             x->initiator ? "we asked" : x->from_ready ? "we were asked; our snapshot was ready" : "we were asked");
-  /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
-  slot_move(g, SLOT_BUSY, SLOT_APPLY);
+  struct delta_job *j = xmalloc(sizeof *j);
+  j->g = g;
+  j->work.data = j;
+  if (uv_queue_work(&g->loop, &j->work, delta_work, delta_done) != 0) {
+    free(j);
+    gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
+    slot_move(g, SLOT_BUSY, SLOT_APPLY);
+  }
 }
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {

@@ -184,8 +184,19 @@ enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
 /* True while an exchange is under way (the slot holds more than a ready
  * snapshot). */
 bool gossip_xch_in_flight(gossip_t *g);
-float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
-float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
+float *gossip_xch_mine(gossip_t *g); /* nparams floats */
+/* nparams floats. From GOSSIP_XCH_APPLY to gossip_xch_apply_done it holds
+ * the partner's snapshot minus ours (θ'_s − θ_s: what averaging adds, times
+ * the weight), computed off the training thread when the transfers ended,
+ * together with gossip_xch_delta(). */
+float *gossip_xch_theirs(gossip_t *g);
+/* What the partner's snapshot is to ours (valid while APPLY, as above). */
+struct gossip_xch_delta {
+  int64_t nonfinite;   /* values the partner sent that are NaN or ±Inf */
+  double sq_dist;      /* ‖θ'_s − θ_s‖² (NaN when nonfinite > 0) */
+  double sq_norm_mine; /* ‖θ_s‖² */
+};
+const struct gossip_xch_delta *gossip_xch_delta(const gossip_t *g);
 float gossip_xch_alpha(const gossip_t *g);
 /* The key (NET_PUBKEY_BYTES) of the partner whose parameters
  * gossip_xch_theirs() holds; valid between GOSSIP_XCH_APPLY and

@@ -209,7 +209,16 @@ struct gossip_exchange {
   _Atomic uint64_t ready_step; /* the step of the snapshot in `mine` (WRITING → READY) */
   float alpha;
   struct gossip_xch x;
+  /* Written by a worker thread while the slot is BUSY after the transfers
+   * (x inactive), read by the training thread while it is APPLY. */
+  struct gossip_xch_delta delta;
 };
+
+/* ---- delta.c ---- */
+
+/* theirs[i] ← theirs[i] − mine[i] for i < n, in one pass, with the
+ * statistics of the difference in *out. Any thread. */
+void gossip_delta(float *theirs, const float *mine, uint64_t n, struct gossip_xch_delta *out);
 
 /* ---- donation (donation.c) ---- */
 

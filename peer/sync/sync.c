@@ -40,12 +40,6 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
     return rumor_err_set(e, RUMOR_EDEVICE, "cannot create a device event");
   }
   if (tensor_backend_device(t->be) != TENSOR_DEVICE_CPU && !cfg->allreduce) alloc_snap_dev(s);
-  if (tensor_backend_device(t->be) == TENSOR_DEVICE_CPU) {
-    if (tensor_mirror_host(&s->sent, &flat, gossip_xch_mine(g), e) != 0) /* a view: cannot fail */
-      return rumor_err_prefix(e, "gossip snapshot view");
-  } else if (s->snap_dev.data) {
-    s->sent = tensor_flat(&s->snap_dev);
-  }
   s->last_start_s = clock_now_s();
   s->mix_step = t->st.step;
   s->refreshed_step = -1;
@@ -67,19 +61,17 @@ void sync_free(struct sync *s) {
   memset(s, 0, sizeof *s);
 }
 
-/* Validates the partner's parameters (in staging) against `ours` (the
- * parameters, or the snapshot we sent). Returns 0 or a negative code with
- * the reason in `why`. */
-static int validate(struct sync *s, const struct tensor *ours, char *why, size_t n) {
-  struct tensor_diff_stats ds;
-  tensor_diff_stats(ours, &s->staging, &ds); /* one pass on the CPU */
-  if (ds.nonfinite_y) {
-    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)ds.nonfinite_y,
-             (long long)tensor_numel(&s->staging));
+/* Validates the partner's snapshot by the statistics of its difference
+ * from ours (gossip_xch_delta). Returns 0 or a negative code with the
+ * reason in `why`. */
+static int validate(struct sync *s, const struct gossip_xch_delta *d, char *why, size_t n) {
+  if (d->nonfinite) {
+    snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)d->nonfinite,
+             (long long)s->t->model.nparams);
     return RUMOR_ECORRUPT;
   }
-  double dist = sqrt(ds.sq_dist);
-  double norm = sqrt(ds.sq_norm_x);
+  double dist = sqrt(d->sq_dist);
+  double norm = sqrt(d->sq_norm_mine);
   s->last_dist = dist;
   s->last_norm = norm;
   double limit = s->cfg.max_distance * (norm > 1e-12 ? norm : 1e-12);
@@ -180,11 +172,8 @@ static void exchange(struct sync *s) {
     }
     return;
   case GOSSIP_XCH_APPLY: {
-    tensor_mirror_refresh(&s->staging, gossip_xch_theirs(s->g));
     char why[200] = "";
-    bool from_sent = s->sent.data != NULL; /* sync.h, "Applying" */
-    struct tensor params = tensor_flat(&t->model.params);
-    int rc = validate(s, from_sent ? &s->sent : &params, why, sizeof why);
+    int rc = validate(s, gossip_xch_delta(s->g), why, sizeof why);
     /* Clipped: x + α·min(1, τ/‖d‖)·d, d = x'_s − x_s (sync.h, "Clipping"); far
      * outliers are skipped. */
     float w = gossip_xch_alpha(s->g);
@@ -200,14 +189,11 @@ static void exchange(struct sync *s) {
       }
     }
     if (rc == 0) {
-      if (from_sent) {
-        /* θ + w·(θ'_s − θ_s) (sync.h, "Applying"); the difference first,
-         * in the partner's buffer (ours until the slot is idle again). */
-        tensor_axpby(-1.0f, &s->sent, 1.0f, &s->staging);
-        tensor_axpby(w, &s->staging, 1.0f, &params);
-      } else {
-        tensor_lerp(&t->model.params, &s->staging, w);
-      }
+      /* θ + w·(θ'_s − θ_s) (sync.h, "Applying"): the difference is in the
+       * partner's buffer already (gossip_xch_theirs). */
+      struct tensor params = tensor_flat(&t->model.params);
+      tensor_mirror_refresh(&s->staging, gossip_xch_theirs(s->g));
+      tensor_axpby(w, &s->staging, 1.0f, &params);
       s->refreshed_step = -1; /* the parameters changed within the step */
       s->applied++;
       int64_t run = t->st.step - s->mix_step;

@@ -29,8 +29,10 @@
  * side back by α of the steps it took since the partner's snapshot:
  * measured on the README job (4 peers) 0.8914 → 0.8936 mean accuracy (two
  * rounds each), and on 4 GPT peers with AdamW +0.058 → +0.051 and +0.054
- * from one process (docs/benchmarks.md). A GPU without room for snap_dev
- * averages with the current parameters.
+ * from one process (docs/benchmarks.md). The difference θ'_s − θ_s and its
+ * statistics are computed on the host in one pass, off the training thread
+ * (gossip_xch_theirs, gossip_xch_delta), so the training thread only adds
+ * it: one axpby, after a copy to the device on a GPU.
  *
  * Monitoring: cheap figures (step, loss, throughput) are published about
  * once a second; the O(P) ones (parameter norm, count-sketch, on the
@@ -104,7 +106,7 @@
  * sign-flipping attacker.
  *
  * Pure bookkeeping on scalars; the caller does the averaging in one op
- * (tensor_lerp with weight α·scale). Training thread.
+ * (an axpby of the difference with weight α·scale). Training thread.
  */
 
 #define CLIP_PARTNERS 64     /* partners remembered (the least recent is replaced) */
@@ -185,8 +187,9 @@ struct sync {
   struct sync_config cfg;
   gossip_t *g;
   struct trainer *t;
-  struct tensor staging; /* (P): the partner's parameters on our device (tensor_mirror_host
-                          * of the receive buffer: the buffer itself on the CPU) */
+  struct tensor staging; /* (P): the partner's snapshot minus ours, on our device
+                          * (tensor_mirror_host of the receive buffer: the buffer
+                          * itself on the CPU) */
   /* The copy of our parameters into gossip_xch_mine() in flight (finished
    * at a later boundary on a GPU): for an exchange (GOSSIP_XCH_SNAPSHOT) or
    * to keep a snapshot ready for partners' requests (refresh). */
@@ -197,11 +200,6 @@ struct sync {
    * so that the next steps do not wait for the transfer to the host.
    * Unallocated (data NULL) on the CPU, or when the device had no room. */
   struct tensor snap_dev;
-  /* Our snapshot that the partner got, on our device, while the slot is
-   * APPLY: a view of gossip_xch_mine() on the CPU, of snap_dev on a GPU (not
-   * written while an exchange holds the slot); data NULL on a GPU without
-   * snap_dev (then the average is taken with the current parameters). */
-  struct tensor sent;
   bool snap_pending, snap_refresh;
   int64_t snap_step;
   int64_t refreshed_step; /* of the last refresh begun; -1 after an apply */
