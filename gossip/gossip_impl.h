@@ -218,7 +218,7 @@ struct gossip_exchange {
 
 /* theirs[i] ← theirs[i] − mine[i] for i < n, in one pass, with the
  * statistics of the difference in *out. Any thread. */
-void gossip_delta(float *theirs, const float *mine, uint64_t n, struct gossip_xch_delta *out);
+void gossip_delta(float *restrict theirs, const float *restrict mine, uint64_t n, struct gossip_xch_delta *out);
 
 /* ---- donation (donation.c) ---- */
 
