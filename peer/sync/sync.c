@@ -21,8 +21,7 @@ static void alloc_snap_dev(struct sync *s) {
   if ((known && free_b < need + total_b / SNAP_DEV_MARGIN) ||
       tensor_alloc(&s->snap_dev, t->be, TENSOR_F32, 1, &flat.shape[0], &ignored) != 0)
     log_warn("%s has no room for a second copy of the parameters (%.0f MB beside an eighth of its memory): the "
-             "snapshots kept ready for partners are copied to the host on the training stream, and exchanges "
-             "average with the current parameters instead of our snapshot (peer/sync/sync.h)",
+             "snapshots kept ready for partners are copied to the host on the training stream (peer/sync/sync.h)",
              tensor_backend_name(t->be), (double)need * 1e-6);
 }
 
