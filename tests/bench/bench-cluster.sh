@@ -9,7 +9,9 @@
 #     and with --max-local-steps BOUND (default 4): training holds after BOUND
 #     steps without an applied exchange, which bounds drift at a price in
 #     time (both wall times are printed).
-#  2. overhead: the same N peers for 2 epochs (batch TBATCH, default 128) with
+#  2. overhead: the same N peers for TEPOCHS epochs (default 2; each run then
+#     trains about 3 s here, and start-up skew is a good part of its wall
+#     time: more epochs give steadier ratios) (batch TBATCH, default 128) with
 #     --gossip-every 1 and with gossip off (--gossip-every 0), alternating,
 #     ROUNDS times; the ratio of cluster throughput (all samples over the wall
 #     time from the first step to the last peer's end). Target: >= 0.90.
@@ -23,7 +25,8 @@
 #
 #   env: N (8), ROUNDS (2), TBATCH (128), BOUND (4; 0 skips the bounded run),
 #   GOSSIP_ARGS (extra peer options for the gossip-on runs, e.g. "--wire f16"),
-#   SKIP_QUALITY=1 (overhead only), SPLIT=1 (part 3 too)
+#   SKIP_QUALITY=1 (overhead only), SPLIT=1 (part 3 too), SPLIT=only (part 3
+#   alone), TEPOCHS (2)
 set -eu
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$src/build}
@@ -66,7 +69,8 @@ batch=$((128 / n))
 
 tbatch=${TBATCH:-128}
 GOSSIP_ARGS=${GOSSIP_ARGS:-}
-echo "== overhead: $n peers, 2 epochs, batch $tbatch, gossip every step vs off ($rounds rounds)"
+tepochs=${TEPOCHS:-2}
+echo "== overhead: $n peers, $tepochs epochs, batch $tbatch, gossip every step vs off ($rounds rounds)"
 # Cluster throughput: all samples trained, over the wall time from the first
 # peer's first step to the last peer's end of training (log stamps HH:MM:SS.mmm).
 total() {
@@ -84,10 +88,10 @@ overhead() {
   ratios=""
   i=0
   while [ "$i" -lt "$rounds" ]; do
-    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=$tepochs MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
       --no-eval --gossip-every 0 "$@" > /dev/null
     off=$(total)
-    RUMOR=$rumor WORKDIR=$work/t EPOCHS=2 MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
+    RUMOR=$rumor WORKDIR=$work/t EPOCHS=$tepochs MAX_LOCAL_STEPS=0 "$src/deploy/local-cluster.sh" "$n" -- --batch "$tbatch" --log-every 0 \
       --no-eval --gossip-every 1 $GOSSIP_ARGS "$@" > /dev/null
     on=$(total)
     r=$(echo "$on $off" | awk '{printf "%.3f", $1 / $2}')
@@ -98,7 +102,7 @@ overhead() {
   echo "$ratios" | tr ' ' '\n' | grep . | sort -g | awk -v l="$label" '{a[NR] = $1}
     END {printf "median ratio%s %.3f (target >= 0.90)\n", l, (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'
 }
-overhead ""
+[ "${SPLIT:-}" = only ] || overhead ""
 
 cores=$(nproc)
 if [ -n "${SPLIT:-}" ] && [ "$cores" -ge 2 ]; then
