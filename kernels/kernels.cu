@@ -26,13 +26,21 @@ static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "uint64_t counter 
 
 namespace {
 
-thread_local char g_last_error[320] = "no error";
+thread_local char g_last_error[512] = "no error";
 
 }  // namespace
 
 int rumor_kern::record_failure(cudaError_t err, const char *what, const char *file, int line) {
-  snprintf(g_last_error, sizeof g_last_error, "%s (%s:%d): %s: %s", what, file, line, cudaGetErrorName(err),
-           cudaGetErrorString(err));
+  // A fault inside a kernel is reported by whichever call comes next, so
+  // the launch named here may not be the one that faulted.
+  bool sticky = err == cudaErrorIllegalAddress || err == cudaErrorLaunchFailure ||
+                err == cudaErrorMisalignedAddress || err == cudaErrorIllegalInstruction ||
+                err == cudaErrorHardwareStackError || err == cudaErrorAssert;
+  snprintf(g_last_error, sizeof g_last_error, "%s (%s:%d): %s: %s%s", what, file, line, cudaGetErrorName(err),
+           cudaGetErrorString(err),
+           sticky ? " (an earlier kernel may have faulted: CUDA reports faults at the next call; "
+                    "CUDA_LAUNCH_BLOCKING=1 names the kernel)"
+                  : "");
   return (int)err;
 }
 
