@@ -281,17 +281,18 @@ struct delta_job {
   struct gossip *g;
 };
 
-static void delta_work(uv_work_t *w) {
-  struct gossip *g = ((struct delta_job *)w->data)->g;
+static void compute_delta(struct gossip *g) {
   gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
 }
 
+static void delta_work(uv_work_t *w) { compute_delta(((struct delta_job *)w->data)->g); }
+
+/* status non-zero: the job did not run (it could not be queued; nothing
+ * here cancels queued work), so the pass runs here, on the loop thread. */
 static void delta_done(uv_work_t *w, int status) {
   struct gossip *g = ((struct delta_job *)w->data)->g;
   free(w->data);
-  if (status) { /* cancelled: never the case for queued work, but done here then */
-    gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
-  }
+  if (status) compute_delta(g);
   /* x->partner stays put until the slot is IDLE again: apply_done reads it. */
   slot_move(g, SLOT_BUSY, SLOT_APPLY);
 }
@@ -305,11 +306,7 @@ static void maybe_complete(struct gossip *g) {
   struct delta_job *j = xmalloc(sizeof *j);
   j->g = g;
   j->work.data = j;
-  if (uv_queue_work(&g->loop, &j->work, delta_work, delta_done) != 0) {
-    free(j);
-    gossip_delta(g->xch.theirs, g->xch.mine, g->cfg.nparams, &g->xch.delta);
-    slot_move(g, SLOT_BUSY, SLOT_APPLY);
-  }
+  if (uv_queue_work(&g->loop, &j->work, delta_work, delta_done) != 0) delta_done(&j->work, UV_ECANCELED);
 }
 
 static void on_xch_sent(net_conn_t *c, uint64_t id, int status, void *arg) {

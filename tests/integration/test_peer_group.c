@@ -361,14 +361,11 @@ Test(group, a_stage_waiting_to_finish_stops_when_its_neighbour_dies) {
   cluster_start_group(&C, &gb, "gb", gb_args);
   char id[256], out[2][256], log[2][256], addr[64];
   cluster_make_identity(&C, "ga", id, sizeof id);
-  char *extra[2][12];
-  for (int s = 0; s < 2; s++) {
-    char *e[] = {"--bootstrap", b[s], "--wait-peers", "2", "--gossip-every", "1", "--finish-wait-ms", "60000", NULL};
-    memcpy(extra[s], e, sizeof e);
-  }
-  pid_t s0 = cluster_start_stage_proc(&C, "ga", "ga0", id, "0/2", NULL, extra[0], out[0], log[0]);
+  char *extra[] = {"--bootstrap", b[0], "--wait-peers", "2", "--gossip-every", "1", "--finish-wait-ms", "60000", NULL};
+  pid_t s0 = cluster_start_stage_proc(&C, "ga", "ga0", id, "0/2", NULL, extra, out[0], log[0]);
   cluster_link_addr(out[0], addr, sizeof addr);
-  pid_t s1 = cluster_start_stage_proc(&C, "ga", "ga1", id, "1/2", addr, extra[1], out[1], log[1]);
+  extra[1] = b[1]; /* stage 1 joins stage 1 of other groups */
+  pid_t s1 = cluster_start_stage_proc(&C, "ga", "ga1", id, "1/2", addr, extra, out[1], log[1]);
   bool waiting = cluster_wait_file(log[0], "averaging with partners that still train", 90);
   double t0 = cluster_now();
   kill(s1, SIGKILL);
