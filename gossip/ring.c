@@ -251,12 +251,26 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
 void gossip_ring_abandon(struct gossip *g, const char *why) { fail(g, false, "%s", why); }
 
 void gossip_ring_on_close(struct gossip *g, net_conn_t *c) {
-  /* Its transfers have all ended by now (the net calls every pending bulk
-   * callback, with an error, before on_close), so only the cached link to
-   * the successor can still point at it: the next piece goes out on
-   * whatever link is open then (pump asks for one again), and a link
-   * replaced between pieces costs the round nothing. */
-  if (g->ring.send_conn == c) g->ring.send_conn = NULL;
+  struct gossip_ring *r = &g->ring;
+  /* The next piece goes out on whatever link to the successor is open then
+   * (pump asks for one again): a link replaced between pieces costs the
+   * round nothing. */
+  if (r->send_conn == c) r->send_conn = NULL;
+  if (!r->active) return;
+  /* Transfers on it have normally ended (with an error) before it closes;
+   * one still marked busy could never end, and its connection is about to
+   * be freed: the round fails without touching it. */
+  bool lost = false;
+  for (uint32_t k = 0; k < phases(r) * r->pieces; k++) {
+    if (r->send[k].state == RING_IO_BUSY && r->send[k].conn == c)
+      r->send[k].state = RING_IO_NONE, r->send[k].conn = NULL, r->inflight--, lost = true;
+    if (r->recv[k].state == RING_IO_BUSY && r->recv[k].conn == c)
+      r->recv[k].state = RING_IO_NONE, r->recv[k].conn = NULL, r->inflight--, lost = true;
+  }
+  if (lost) {
+    fail(g, true, "the connection to %s closed mid-transfer", net_conn_peer_name(c));
+    maybe_failed(g);
+  }
 }
 
 static void maybe_done(struct gossip *g) {
