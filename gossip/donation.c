@@ -149,13 +149,17 @@ static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_m
     send_busy(c, why, true);
     return;
   }
-  if (!take_slot(g, c, false)) send_busy(c, "already donating", false);
+  /* A member catching up serves nothing until its pull ends (its training
+   * thread waits for it): two of them asking each other would each wait out
+   * the donor timeout. Its state is behind anyway. */
+  if (gossip_join_pulling(g)) send_busy(c, "catching up: pulling a state itself", false);
+  else if (!take_slot(g, c, false)) send_busy(c, "already donating", false);
 }
 
 /* A monitor wants our parameters (exact drift): served through the slot,
  * which the training thread fills at its next boundary. */
 static void handle_params_req(struct gossip *g, net_conn_t *c) {
-  bool can = g->cfg.role == GOSSIP_ROLE_PEER && atomic_load(&g->ready) && !g->stopping;
+  bool can = g->cfg.role == GOSSIP_ROLE_PEER && atomic_load(&g->ready) && !g->stopping && !gossip_join_pulling(g);
   if (!can || !take_slot(g, c, true)) send_busy(c, "busy", false);
 }
 

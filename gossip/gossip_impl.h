@@ -327,7 +327,7 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN };
+                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -335,6 +335,7 @@ struct gossip_test {
   float *out;      /* the poisoned copy of our snapshot that is sent (NULL: none) */
   uint64_t recorded_step;
   uint64_t replay_from; /* replay once this many snapshots were taken */
+  bool frozen;          /* freeze: stopped once already */
 };
 #endif
 
@@ -479,6 +480,10 @@ int gossip_join_init(struct gossip *g, const char *bootstrap, struct rumor_err *
 void gossip_join_free(struct gossip *g);
 /* True once we are a member (loop thread). */
 bool gossip_joined(struct gossip *g);
+/* True while the training thread waits for a state it asked for with
+ * gossip_state_pull (catching up): it serves no donation until then (loop
+ * thread). */
+bool gossip_join_pulling(struct gossip *g);
 void gossip_join_tick(struct gossip *g, uint64_t now);
 /* JOIN, JOIN_OK, JOIN_REJECT and STATE_BUSY. */
 void gossip_join_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
@@ -604,6 +609,8 @@ void gossip_testing_tick(struct gossip *g, uint64_t now);
 void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
+/* As an all-reduce round of `step` is about to start on the loop thread. */
+void gossip_testing_ring_start(struct gossip *g, uint64_t step);
 /* True when an exchange transfer's list of finished members is to be sent
  * malformed (badfin). */
 bool gossip_testing_bad_fin(struct gossip *g);

@@ -33,6 +33,13 @@ void gossip_join_free(struct gossip *g) {
 
 bool gossip_joined(struct gossip *g) { return g->join.joined; }
 
+bool gossip_join_pulling(struct gossip *g) {
+  pthread_mutex_lock(&g->lock);
+  bool pulling = g->join.later && g->join.pull_wanted && !g->join.pull_done;
+  pthread_mutex_unlock(&g->lock);
+  return pulling;
+}
+
 void gossip_join_wake(struct gossip *g) {
   pthread_mutex_lock(&g->lock);
   pthread_cond_broadcast(&g->cond);

@@ -567,6 +567,9 @@ static void start_on_loop(net_t *n, void *arg, int status) {
     if (!status) set_status(g, GOSSIP_AR_FAILED);
     return;
   }
+#ifdef RUMOR_TESTING
+  gossip_testing_ring_start(g, step);
+#endif
   start_round(g, step);
 }
 

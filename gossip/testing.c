@@ -32,10 +32,19 @@
  *             repetitions go out)
  *   badfin    every exchange transfer lists a finished member whose key is
  *             7 bytes long (exchange.c, "finished members")
+ *   freeze    all-reduce only: the whole process stops itself (SIGSTOP, as
+ *             `kill -STOP` would) once, as its loop thread is about to start
+ *             the round of step TEST_FREEZE_STEP, and waits for SIGCONT. Its
+ *             last round is complete: every piece it sent was confirmed, and
+ *             its confirmations of the pieces it received went to the
+ *             sockets in earlier callbacks. So every other member completes
+ *             that round too, and all are at one step: a test can tell
+ *             exactly when the others are ahead of it.
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,9 +53,10 @@
 #define TEST_FLOOD_REQS 20
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
+#define TEST_FREEZE_STEP 20
 
 static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",
-                                    "short", "flood", "loseready", "baddonor", "badfin"};
+                                    "short", "flood", "loseready", "baddonor", "badfin",   "freeze"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -61,7 +71,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze (not '%s')",
                        kind);
 }
 
@@ -73,6 +83,15 @@ void gossip_testing_donation(struct gossip *g, float *state, uint64_t n) {
 
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
   return g->test.attack == TEST_LOSE_READY && first_of_attempt;
+}
+
+void gossip_testing_ring_start(struct gossip *g, uint64_t step) {
+  if (g->test.attack != TEST_FREEZE || step != TEST_FREEZE_STEP || g->test.frozen) return;
+  g->test.frozen = true;
+  log_warn("TESTING ONLY: stopping this process (SIGSTOP) before the all-reduce of step %llu",
+           (unsigned long long)step);
+  raise(SIGSTOP);
+  log_warn("TESTING ONLY: resumed (SIGCONT)");
 }
 
 void gossip_testing_free(struct gossip *g) {

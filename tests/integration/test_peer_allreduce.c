@@ -18,6 +18,7 @@
 #include "peer/train/train_impl.h"
 #include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
+#include "../support/http.h"
 #include "../support/one_step.h"
 
 static struct cluster C;
@@ -179,26 +180,70 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
   expect_same_params(peer, 2);
 }
 
+/* The step node i serves on /metrics (published about once a second), or
+ * -1 when it has none yet. */
+static long long metrics_step(int i) {
+  char *resp = http_get(cluster_metrics_port(&C, i), "/metrics");
+  const char *p = strstr(resp, "\nrumor_training_step ");
+  long long step = p ? atoll(p + strlen("\nrumor_training_step ")) : -1;
+  free(resp);
+  return step;
+}
+
+/* True when process `pid` is stopped (state T in /proc/PID/stat). */
+static bool is_stopped(pid_t pid) {
+  char path[64], st[256] = "";
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  size_t n = fread(st, 1, sizeof st - 1, f);
+  fclose(f);
+  st[n] = '\0';
+  const char *close = strrchr(st, ')'); /* the name may hold spaces */
+  return close && (close[2] == 'T' || close[2] == 't');
+}
+
 /* Three members of the testing build, the first two with `attack`, for
- * `max_steps`; the third is SIGSTOPped once all train, resumed after the
- * others dropped it, and then finds itself behind. */
+ * `max_steps`. The third ("freeze") stops itself before its all-reduce of
+ * step FREEZE_STEP, when all three have completed the round before; it is
+ * resumed once the two others dropped it and went on to FREEZE_STEP + 2,
+ * and then finds itself behind. (A SIGSTOP from outside can land while
+ * one of the others still waits for a piece, or a confirmation, of a round
+ * the stopped one completed: that one is then a step behind the other and,
+ * when both are "baddonor", can catch up only from the stopped one: seen in
+ * CI.) */
+#define FREEZE_STEP 20 /* gossip/testing.c's TEST_FREEZE_STEP */
 static void leave_one_behind(int peer[3], const char *attack, const char *max_steps) {
   C.bin = RUMOR_TESTING_BIN;
   cluster_start_bootstrap(&C, NULL);
   char shard[3][8];
   for (int i = 0; i < 3; i++) {
     snprintf(shard[i], sizeof shard[i], "%d/3", i);
-    peer[i] = cluster_start_peer(&C, "--attack", i < 2 ? attack : "none", "--model", MODEL, "--sync", "allreduce",
-                                 "--shard", shard[i], "--max-steps", max_steps, "--batch", "16", "--seed", "7",
-                                 "--no-eval", "--wait-peers", "3", "--checkpoint", C.node[C.n].ckpt, NULL);
+    peer[i] = cluster_start_peer(&C, "--attack", i < 2 ? attack : "freeze", "--model", MODEL, "--sync",
+                                 "allreduce", "--shard", shard[i], "--max-steps", max_steps, "--batch", "16", "--seed",
+                                 "7", "--no-eval", "--wait-peers", "3", "--metrics", "127.0.0.1:0", "--checkpoint",
+                                 C.node[C.n].ckpt, NULL);
   }
-  for (int i = 0; i < 3; i++)
-    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
-  kill(C.node[peer[2]].pid, SIGSTOP);
+  pid_t behind = C.node[peer[2]].pid;
+  double t0 = cluster_now();
+  while (!is_stopped(behind)) {
+    cr_assert(cluster_now() - t0 < 60, "the third member did not stop itself: %s", proc_slurp(C.node[peer[2]].log));
+    usleep(20 * 1000);
+  }
   cr_assert(cluster_wait_file(C.node[peer[0]].log, "is now failed", 30), "the stopped member was not dropped: %s",
             proc_slurp(C.node[peer[0]].log));
-  usleep(500 * 1000); /* the two others go on without it */
-  kill(C.node[peer[2]].pid, SIGCONT);
+  for (int i = 0; i < 2; i++) {
+    long long step;
+    for (;;) {
+      cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d ended: %s", i,
+                   proc_slurp(C.node[peer[i]].log));
+      if ((step = metrics_step(peer[i])) >= FREEZE_STEP + 2) break;
+      cr_assert(cluster_now() - t0 < 90, "peer %d did not go on without the stopped member (at step %lld): %s", i,
+                step, proc_slurp(C.node[peer[i]].log));
+      usleep(100 * 1000);
+    }
+  }
+  kill(behind, SIGCONT);
 }
 
 /* The member left behind pulls the state of one ahead, checks it, takes it

@@ -57,19 +57,9 @@ static void names_free(struct names *s) {
   s->n = 0;
 }
 
-/* The metrics port node i announced on stdout ("metrics_port":N). */
-static int metrics_port(int i) {
-  char *out = proc_slurp(C.node[i].out);
-  const char *p = strstr(out, "\"metrics_port\":");
-  int port = p ? atoi(p + 15) : 0;
-  free(out);
-  cr_assert_gt(port, 0, "node %d announced no metrics port: %s", i, proc_slurp(C.node[i].out));
-  return port;
-}
-
 /* The body of node i's /metrics (malloc'd). */
 static char *scrape(int i) {
-  char *resp = http_get(metrics_port(i), "/metrics");
+  char *resp = http_get(cluster_metrics_port(&C, i), "/metrics");
   cr_assert_eq(http_status(resp), 200, "node %d: /metrics: %.200s", i, resp);
   char *body = xstrdup(http_body(resp));
   free(resp);

@@ -101,6 +101,17 @@ static inline bool cluster_log_has(const struct cluster *c, int i, const char *n
   return found;
 }
 
+/* The metrics port node i announced on stdout ("metrics_port":N; it was
+ * started with --metrics 127.0.0.1:0). */
+static inline int cluster_metrics_port(const struct cluster *c, int i) {
+  char *out = proc_slurp(c->node[i].out);
+  const char *p = strstr(out, "\"metrics_port\":");
+  int port = p ? atoi(p + 15) : 0;
+  cr_assert_gt(port, 0, "node %d announced no metrics port: %s", i, out);
+  free(out);
+  return port;
+}
+
 /* Starts `rumor <cmd> <args...> NULL` as node i (a new identity) and waits
  * for its {"listen": ...} line. Returns the node index. */
 static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const *args) {
