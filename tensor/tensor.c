@@ -237,7 +237,12 @@ static void check_same(const struct tensor *a, const struct tensor *b) {
   RUMOR_ASSERT(tensor_numel(a) == tensor_numel(b));
 }
 
-static int64_t rows_of(const struct tensor *t) { return t->ndim == 1 ? 1 : tensor_numel(t) / t->shape[t->ndim - 1]; }
+/* Rows of a matrix view: every extent but the last, multiplied (0 when the
+ * last is 0: nothing to do, and no division by it). */
+static int64_t rows_of(const struct tensor *t) {
+  int64_t cols = t->shape[t->ndim - 1];
+  return t->ndim == 1 ? 1 : cols ? tensor_numel(t) / cols : 0;
+}
 static int64_t cols_of(const struct tensor *t) { return t->shape[t->ndim - 1]; }
 
 void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,

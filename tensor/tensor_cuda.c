@@ -254,18 +254,29 @@ static void cuda_copy_d2h_beside(tensor_backend_t be, void *dst, const void *src
 }
 
 /* dst ← src on the device, stream-ordered. Overlapping ranges (views of one
- * buffer) go through a stream-ordered temporary, since cudaMemcpy does not
- * promise memmove semantics. */
+ * buffer) go through a temporary, since cudaMemcpy does not promise memmove
+ * semantics: stream-ordered from the device's memory pool, or, where the
+ * device or driver has none (cudaMallocAsync unsupported), a plain
+ * cudaMalloc, freed after the stream drains. */
 static void cuda_copy_d2d(tensor_backend_t be, void *dst, const void *src, size_t bytes) {
   struct cuda_backend *b = enter(be);
   if (bytes == 0 || dst == src) return;
   const char *d = dst, *s = src;
   if (d < s + bytes && s < d + bytes) {
     void *tmp = NULL;
-    CUDA_CHECK(cudaMallocAsync(&tmp, bytes, b->stream));
+    bool pooled = cudaMallocAsync(&tmp, bytes, b->stream) == cudaSuccess;
+    if (!pooled) {
+      (void)cudaGetLastError(); /* not sticky: clear it and take the plain allocator */
+      CUDA_CHECK(cudaMalloc(&tmp, bytes));
+    }
     CUDA_CHECK(cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, b->stream));
     CUDA_CHECK(cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, b->stream));
-    CUDA_CHECK(cudaFreeAsync(tmp, b->stream));
+    if (pooled) {
+      CUDA_CHECK(cudaFreeAsync(tmp, b->stream));
+    } else {
+      CUDA_CHECK(cudaStreamSynchronize(b->stream));
+      CUDA_CHECK(cudaFree(tmp));
+    }
     return;
   }
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b->stream));

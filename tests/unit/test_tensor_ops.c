@@ -46,6 +46,21 @@ Test(tensor_cpu, gemm_all_transposes_and_odd_shapes) {
   }
 }
 
+/* A matrix view with no columns: nothing to do, and rows_of must not divide
+ * by its zero extent (it did: SIGFPE). */
+Test(tensor_cpu, bias_ops_on_a_view_without_columns_do_nothing) {
+  const int64_t full_shape[2] = {4, 3}, empty[2] = {4, 0}, none = 0;
+  float *h = rand_host(12, 2);
+  struct tensor full = dev_from(h, 2, full_shape);
+  struct tensor y = tensor_view(&full, 0, 2, empty), b = tensor_view(&full, 0, 1, &none);
+  tensor_bias_add(&y, &b);
+  tensor_bias_grad(&y, &b, 0.0f);
+  float *got = to_host(&full);
+  cr_assert_eq(memcmp(got, h, 12 * sizeof *h), 0, "an op on an empty view changed the buffer");
+  free(got), free(h);
+  tensor_free(&full);
+}
+
 Test(tensor_cpu, bias_add_and_bias_grad) {
   const int64_t shapes[][2] = {{1, 1}, {3, 7}, {128, 512}, {300, 257}};
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
