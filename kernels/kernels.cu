@@ -219,13 +219,6 @@ __global__ void axpby_kernel(float a, const float *x, float b, float *y, int64_t
   GRID_STRIDE(i, n) { y[i] = a * x[i] + b * y[i]; }
 }
 
-__global__ void lerp_kernel(float *x, const float *y, float alpha, int64_t n) {
-  GRID_STRIDE(i, n) {
-    float xi = x[i];
-    x[i] = xi + alpha * (y[i] - xi);
-  }
-}
-
 __global__ void scale_kernel(float *x, float a, int64_t n) {
   GRID_STRIDE(i, n) { x[i] *= a; }
 }
@@ -403,13 +396,6 @@ extern "C" int kern_axpby(float a, const float *x, float b, float *y, int64_t n,
   if (n == 0) return 0;
   axpby_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, as_stream(stream)>>>(a, x, b, y, n);
   KERN_LAUNCHED(axpby_kernel);
-  return 0;
-}
-
-extern "C" int kern_lerp(float *x, const float *y, float alpha, int64_t n, void *stream) {
-  if (n == 0) return 0;
-  lerp_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, as_stream(stream)>>>(x, y, alpha, n);
-  KERN_LAUNCHED(lerp_kernel);
   return 0;
 }
 

@@ -83,8 +83,6 @@ int kern_adamw_step(float *p, const float *g, float *m, float *v, int64_t n, flo
 
 /* y ← a·x + b·y; y may alias x. */
 int kern_axpby(float a, const float *x, float b, float *y, int64_t n, void *stream);
-/* x ← x + alpha·(y − x), i.e. (1 − alpha)·x + alpha·y; x may alias y. */
-int kern_lerp(float *x, const float *y, float alpha, int64_t n, void *stream);
 /* x ← a·x. */
 int kern_scale(float *x, float a, int64_t n, void *stream);
 /* x ← v. */

@@ -463,11 +463,6 @@ void tensor_axpby(float a, const struct tensor *x, float b, struct tensor *y) {
   x->be->ops->axpby(x->be, a, x->data, b, y->data, tensor_numel(x));
 }
 
-void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha) {
-  check_same(x, y);
-  x->be->ops->lerp(x->be, x->data, y->data, alpha, tensor_numel(x));
-}
-
 void tensor_scale(struct tensor *x, float a) {
   check_f32(x);
   x->be->ops->scale(x->be, x->data, a, tensor_numel(x));

@@ -240,8 +240,6 @@ void tensor_adamw_step(struct tensor *params, const struct tensor *grads, struct
 
 /* y ← a·x + b·y. */
 void tensor_axpby(float a, const struct tensor *x, float b, struct tensor *y);
-/* x ← (1 − alpha)·x + alpha·y (gossip averaging). */
-void tensor_lerp(struct tensor *x, const struct tensor *y, float alpha);
 void tensor_scale(struct tensor *x, float a);
 void tensor_fill(struct tensor *x, float v);
 /* Reductions, accumulated in double (CPU) or float partials summed in double

@@ -257,13 +257,6 @@ static void cpu_axpby(tensor_backend_t be, float a, const float *x, float b, flo
   CPU_FOR(be, n, lo, hi, k_axpby(a, x + lo, b, y + lo, hi - lo));
 }
 
-CPU_KERNEL static void k_lerp(float *x, const float *y, float alpha, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] += alpha * (y[i] - x[i]);
-}
-static void cpu_lerp(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n) {
-  CPU_FOR(be, n, lo, hi, k_lerp(x + lo, y + lo, alpha, hi - lo));
-}
-
 CPU_KERNEL static void k_scale(float *x, float a, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] *= a;
 }
@@ -535,7 +528,6 @@ static const struct tensor_backend_ops cpu_ops = {
     .sgd_step = cpu_sgd_step,
     .adamw_step = cpu_adamw_step,
     .axpby = cpu_axpby,
-    .lerp = cpu_lerp,
     .scale = cpu_scale,
     .fill = cpu_fill,
     .sum = cpu_sum,

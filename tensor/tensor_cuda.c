@@ -411,11 +411,6 @@ static void cuda_axpby(tensor_backend_t be, float a, const float *x, float bb, f
   KERN_CHECK(kern_axpby(a, x, bb, y, n, stream_of(b)));
 }
 
-static void cuda_lerp(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n) {
-  struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_lerp(x, y, alpha, n, stream_of(b)));
-}
-
 static void cuda_scale(tensor_backend_t be, float *x, float a, int64_t n) {
   struct cuda_backend *b = enter(be);
   KERN_CHECK(kern_scale(x, a, n, stream_of(b)));
@@ -687,7 +682,6 @@ static const struct tensor_backend_ops cuda_ops = {
     .sgd_step = cuda_sgd_step,
     .adamw_step = cuda_adamw_step,
     .axpby = cuda_axpby,
-    .lerp = cuda_lerp,
     .scale = cuda_scale,
     .fill = cuda_fill,
     .sum = cuda_sum,

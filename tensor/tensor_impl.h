@@ -75,7 +75,6 @@ struct tensor_backend_ops {
   void (*adamw_step)(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,
                      const struct tensor_adamw *hp);
   void (*axpby)(tensor_backend_t be, float a, const float *x, float b, float *y, int64_t n);
-  void (*lerp)(tensor_backend_t be, float *x, const float *y, float alpha, int64_t n);
   void (*scale)(tensor_backend_t be, float *x, float a, int64_t n);
   void (*fill)(tensor_backend_t be, float *x, float v, int64_t n);
   double (*sum)(tensor_backend_t be, const float *x, int64_t n);

@@ -549,9 +549,9 @@ Test(cuda, adamw_step_matches_reference) {
   close_gpu();
 }
 
-/* ---- axpby, lerp, scale, fill ---- */
+/* ---- axpby, scale, fill ---- */
 
-Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
+Test(cuda, axpby_scale_fill_match_host_loops) {
   open_gpu();
   for (int s = 0; s < NSIZES; s++) {
     int64_t n = kSizes[s];
@@ -576,20 +576,6 @@ Test(cuda, axpby_lerp_scale_fill_match_host_loops) {
     snprintf(what, sizeof what, "axpby in place n=%" PRId64, n);
     cr_assert(matches(what, got, ref, n, 1e-6, 1e-6), "%s", g_why);
     cr_assert(guards_intact(&dx, what), "%s", g_why);
-
-    const float alphas[] = {0.5f, 0.3f, 1.0f};
-    for (int k = 0; k < 3; k++) {
-      struct dev lx = dev_from(1, &n, x), ly = dev_from(1, &n, y);
-      tensor_lerp(&lx.t, &ly.t, alphas[k]);
-      for (int64_t i = 0; i < n; i++) ref[i] = x[i] + alphas[k] * (y[i] - x[i]);
-      dev_download(&lx, got);
-      snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64, alphas[k], n);
-      cr_assert(matches(what, got, ref, n, 1e-6, 1e-6), "%s", g_why);
-      cr_assert(guards_intact(&lx, what), "%s", g_why);
-      dev_download(&ly, got);
-      snprintf(what, sizeof what, "lerp alpha=%g n=%" PRId64 ": y is input only", alphas[k], n);
-      cr_assert(matches_exactly(what, got, y, n), "%s", g_why);
-    }
 
     {
       /* Gossip's checks (three reductions on this backend), and no host
