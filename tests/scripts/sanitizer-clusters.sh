@@ -12,7 +12,11 @@
 # What runs: the soak's CI mode (8 peers, joins, SIGTERM and SIGKILL churn,
 # state donations), then for each testing-only attack (flood, signflip, nan,
 # short, replay) a bootstrap, 3 honest peers with clipping and 1 attacker for
-# 3 epochs of a quarter of Fashion-MNIST each.
+# 3 epochs of a quarter of Fashion-MNIST each; then two all-reduce clusters
+# of 3 in which one member freezes itself (SIGSTOP) before its round of step
+# 20, is dropped, and is resumed once the others went on: beside two honest
+# members it catches up and all finish; beside two "baddonor" members it
+# refuses both states and stops (exit 1).
 # Exit 0: no report and every peer finished; 1: otherwise; 77: no data set.
 set -u
 rumor=${1:?usage: $0 RUMOR_BINARY}
@@ -62,4 +66,58 @@ for kind in flood signflip nan short replay; do
   fi
   rm -rf "$work"
 done
+# A frozen all-reduce member, resumed: `others` is the two others' attack,
+# `want` the exit status expected of the frozen one.
+allreduce_behind() {
+  local others=$1 want=$2 steps=$3
+  local work
+  work=$(mktemp -d /tmp/rumor-san-XXXXXX)
+  "$rumor" keygen --cluster -o "$work/ck" >/dev/null 2>&1
+  for i in 0 1 2 3; do "$rumor" keygen -o "$work/id$i" >/dev/null 2>&1; done
+  T=(--period-ms 100 --ping-timeout-ms 60 --suspect-ms 1000)
+  "$rumor" bootstrap --listen 127.0.0.1:0 --cluster-key "$work/ck" --identity "$work/id0" "${T[@]}" \
+    > "$work/b.out" 2> "$work/b.log" &
+  local bp=$!
+  for _ in $(seq 100); do grep -q '"listen"' "$work/b.out" 2>/dev/null && break; sleep 0.1; done
+  local boot
+  boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/b.out")
+  local pids=() attack
+  for i in 1 2 3; do
+    attack=$others
+    [ $i = 3 ] && attack=freeze
+    "$rumor" peer --bootstrap "$boot" --cluster-key "$work/ck" --identity "$work/id$i" --listen 127.0.0.1:0 \
+      "${T[@]}" --threads 1 --shard $((i - 1))/3 --wait-peers 3 --model mlp:784-32-10 --sync allreduce \
+      --batch 16 --max-steps "$steps" --no-eval --attack "$attack" > "$work/p$i.out" 2> "$work/p$i.log" &
+    pids+=($!)
+  done
+  local ok=1 frozen=${pids[2]}
+  for _ in $(seq 600); do [ "$(awk '{print $3}' "/proc/$frozen/stat" 2>/dev/null)" = T ] && break; sleep 0.1; done
+  for _ in $(seq 300); do grep -q "is now failed" "$work/p1.log" && break; sleep 0.1; done
+  sleep 3 # the two others go on without it (no timing is asserted here)
+  kill -CONT "$frozen"
+  wait "$frozen"
+  [ $? = "$want" ] || ok=0
+  if [ "$want" = 0 ]; then
+    for p in "${pids[0]}" "${pids[1]}"; do wait "$p" || ok=0; done
+  else
+    kill -TERM "${pids[0]}" "${pids[1]}" 2>/dev/null
+    for p in "${pids[0]}" "${pids[1]}"; do wait "$p"; done
+  fi
+  kill -TERM "$bp" 2>/dev/null
+  wait "$bp" || ok=0
+  if grep -qE "$reports" "$work"/*.log; then
+    echo "== all-reduce, frozen member beside two '$others': sanitizer reports:"
+    grep -hE -A20 "$reports" "$work"/*.log | head -80
+    status=1
+  elif [ $ok = 0 ]; then
+    echo "== all-reduce, frozen member beside two '$others': a node ended otherwise than expected; logs in $work"
+    status=1
+  else
+    echo "== all-reduce, frozen member beside two '$others': ended as expected, no sanitizer report"
+    rm -rf "$work"
+  fi
+}
+allreduce_behind none 0 3000
+allreduce_behind baddonor 1 1000000
+
 exit $status
