@@ -279,11 +279,13 @@ void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
 void gossip_refuse_donation(gossip_t *g, const char *why);
 /* Takes the state of a live peer after joining (an all-reduce member that
  * fell behind): asks `from` first (NULL: any ready peer), then others, as a
- * newcomer does. Returns 0 with the state in state_buf and *pos, 1 when no
- * other peer is left to take it from, or a negative code (stopped, no donor
- * within twice the join timeout). */
-int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct gossip_train_pos *pos,
-                      const atomic_int *stop, struct rumor_err *e) RUMOR_MUST_CHECK;
+ * newcomer does. `min_step` > 0: only a donor at that step or later gives
+ * its state (an all-reduce member at an earlier step answers busy: it
+ * cannot help one that is behind). Returns 0 with the state in state_buf
+ * and *pos, 1 when no other peer is left to take it from, or a negative
+ * code (stopped, no donor within twice the join timeout). */
+int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float *state_buf,
+                      struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ---- the donation slot (training thread) ---- */
 

@@ -180,6 +180,7 @@ struct gossip_join {
    * thread; for the messages). */
   uint8_t prefer[NET_PUBKEY_BYTES];
   bool have_prefer, later;
+  uint64_t min_step; /* the step a donor must have reached (0: any); sent in STATE_REQ as "min" */
 };
 
 /* ---- exchange (exchange.c) ---- */

@@ -335,6 +335,7 @@ static void pull_tick(struct gossip *g, uint64_t now) {
   net_msgbuf_put_uint(&b, "n", g->cfg.nparams);
   net_msgbuf_put_uint(&b, "sf", g->cfg.state_floats);
   net_msgbuf_put_str(&b, "opt", g->optimizer, strlen(g->optimizer));
+  if (j->min_step) net_msgbuf_put_uint(&b, "min", j->min_step);
   int rc = gossip_send(g, donor, &b);
   net_msgbuf_free(&b);
   if (rc) {
@@ -455,6 +456,7 @@ struct pull_req {
   float *buf;
   uint8_t from[NET_PUBKEY_BYTES];
   bool have_from;
+  uint64_t min_step;
 };
 
 static void pull_on_loop(net_t *n, void *arg, int status) {
@@ -464,6 +466,7 @@ static void pull_on_loop(net_t *n, void *arg, int status) {
   if (status == 0) {
     memcpy(j->prefer, r->from, NET_PUBKEY_BYTES);
     j->have_prefer = r->have_from;
+    j->min_step = r->min_step;
     j->later = true;
     j->started_ms = gossip_now_ms(g); /* the donor deadline counts from now */
     j->pull_attempts = 0;
@@ -495,8 +498,8 @@ void gossip_refuse_donation(gossip_t *g, const char *why) {
   if (net_call(g->net, refuse_on_loop, r) != 0) free(r); /* stopping */
 }
 
-int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct gossip_train_pos *pos,
-                      const atomic_int *stop, struct rumor_err *e) {
+int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float *state_buf,
+                      struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) {
   struct gossip_join *j = &g->join;
   pthread_mutex_lock(&g->lock);
   bool failed = j->failed;
@@ -508,6 +511,7 @@ int gossip_state_pull(gossip_t *g, const uint8_t *from, float *state_buf, struct
   r->buf = state_buf;
   if (from) memcpy(r->from, from, NET_PUBKEY_BYTES);
   r->have_from = from != NULL;
+  r->min_step = min_step;
   if (net_call(g->net, pull_on_loop, r) != 0) {
     free(r);
     return rumor_err_set(e, RUMOR_ECANCELED, "the gossip runtime is stopping");

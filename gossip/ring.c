@@ -579,6 +579,16 @@ static void start_on_loop(net_t *n, void *arg, int status) {
 static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t step, uint64_t hash,
                      uint64_t nonce) {
   struct gossip_ring *r = &g->ring;
+  if (step >= r->pos + 2 && step > r->ahead_step) {
+    /* It completed step pos + 1, a round we never took part in: the
+     * cluster went on without us (a READY for pos + 1 is only a member a
+     * little quicker than us). We learn that we are behind as from
+     * RING_AHEAD, which only a READY of ours would have brought. */
+    r->ahead_step = step;
+    memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+    if (r->active && !r->failing && step > r->step)
+      fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
+  }
   struct ring_ready *e = ready_of(g, from, true);
   e->step = step;
   e->hash = hash;

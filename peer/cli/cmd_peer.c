@@ -166,7 +166,7 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
       jr = 1;
       break;
     }
-    jr = gossip_state_pull(p->mb.g, NULL, p->mb.donor, &pos, signals_stop_flag(), e);
+    jr = gossip_state_pull(p->mb.g, NULL, 0, p->mb.donor, &pos, signals_stop_flag(), e);
     if (jr == 0) trainer_load_state(t, p->mb.donor);
     else if (jr < 0 && !signals_stop_requested()) {
       log_warn("no other donor: %s", e->msg);

@@ -113,9 +113,12 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct ru
   bool taken = false;
   char why[160];
   for (int asked = 1; !taken; asked++) {
-    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, buf, &pos, s->cfg.stop, e);
+    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, (uint64_t)t->st.step + 1, buf, &pos, s->cfg.stop, e);
     if (rc) break; /* 1: nobody left to take it from, go on with ours */
-    taken = take_pulled(s, buf, own, why, sizeof why);
+    if (pos.step <= (uint64_t)t->st.step) /* asked for a later one: a donor that ignores it misbehaves */
+      snprintf(why, sizeof why, "it is no further than our step %lld", (long long)t->st.step);
+    else
+      taken = take_pulled(s, buf, own, why, sizeof why);
     if (taken) break;
     log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
              (unsigned long long)pos.step, why);

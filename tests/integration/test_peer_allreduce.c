@@ -203,47 +203,48 @@ static bool is_stopped(pid_t pid) {
   return close && (close[2] == 'T' || close[2] == 't');
 }
 
-/* Three members of the testing build, the first two with `attack`, for
- * `max_steps`. The third ("freeze") stops itself before its all-reduce of
- * step FREEZE_STEP, when all three have completed the round before; it is
- * resumed once the two others dropped it and went on to FREEZE_STEP + 2,
- * and then finds itself behind. (A SIGSTOP from outside can land while
- * one of the others still waits for a piece, or a confirmation, of a round
- * the stopped one completed: that one is then a step behind the other and,
- * when both are "baddonor", can catch up only from the stopped one: seen in
- * CI.) */
+/* Three members of the testing build: the first 3 − `frozen` with
+ * `attack`, the others with "freeze", for `max_steps`. A frozen member stops
+ * itself before its all-reduce of step FREEZE_STEP, when all three have
+ * completed the round before; it is resumed once the members not frozen
+ * dropped it and went on to FREEZE_STEP + 2, and then finds itself behind.
+ * (A SIGSTOP from outside can land while one of the others still waits for
+ * a piece, or a confirmation, of a round the stopped one completed: that
+ * one is then a step behind the other and, when both are "baddonor", can
+ * catch up only from the stopped one: seen in CI.) */
 #define FREEZE_STEP 20 /* gossip/testing.c's TEST_FREEZE_STEP */
-static void leave_one_behind(int peer[3], const char *attack, const char *max_steps) {
+static void leave_behind(int peer[3], const char *attack, const char *max_steps, int frozen) {
   C.bin = RUMOR_TESTING_BIN;
   cluster_start_bootstrap(&C, NULL);
   char shard[3][8];
+  int going = 3 - frozen;
   for (int i = 0; i < 3; i++) {
     snprintf(shard[i], sizeof shard[i], "%d/3", i);
-    peer[i] = cluster_start_peer(&C, "--attack", i < 2 ? attack : "freeze", "--model", MODEL, "--sync",
+    peer[i] = cluster_start_peer(&C, "--attack", i < going ? attack : "freeze", "--model", MODEL, "--sync",
                                  "allreduce", "--shard", shard[i], "--max-steps", max_steps, "--batch", "16", "--seed",
                                  "7", "--no-eval", "--wait-peers", "3", "--metrics", "127.0.0.1:0", "--checkpoint",
                                  C.node[C.n].ckpt, NULL);
   }
-  pid_t behind = C.node[peer[2]].pid;
   double t0 = cluster_now();
-  while (!is_stopped(behind)) {
-    cr_assert(cluster_now() - t0 < 60, "the third member did not stop itself: %s", proc_slurp(C.node[peer[2]].log));
-    usleep(20 * 1000);
-  }
+  for (int i = going; i < 3; i++)
+    while (!is_stopped(C.node[peer[i]].pid)) {
+      cr_assert(cluster_now() - t0 < 60, "peer %d did not stop itself: %s", i, proc_slurp(C.node[peer[i]].log));
+      usleep(20 * 1000);
+    }
   cr_assert(cluster_wait_file(C.node[peer[0]].log, "is now failed", 30), "the stopped member was not dropped: %s",
             proc_slurp(C.node[peer[0]].log));
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < going; i++) {
     long long step;
     for (;;) {
       cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d ended: %s", i,
                    proc_slurp(C.node[peer[i]].log));
       if ((step = metrics_step(peer[i])) >= FREEZE_STEP + 2) break;
-      cr_assert(cluster_now() - t0 < 90, "peer %d did not go on without the stopped member (at step %lld): %s", i,
+      cr_assert(cluster_now() - t0 < 90, "peer %d did not go on without the stopped members (at step %lld): %s", i,
                 step, proc_slurp(C.node[peer[i]].log));
       usleep(100 * 1000);
     }
   }
-  kill(behind, SIGCONT);
+  for (int i = going; i < 3; i++) kill(C.node[peer[i]].pid, SIGCONT);
 }
 
 /* The member left behind pulls the state of one ahead, checks it, takes it
@@ -251,7 +252,7 @@ static void leave_one_behind(int peer[3], const char *attack, const char *max_st
 Test(allreduce, a_member_left_behind_catches_up_and_finishes_with_the_others) {
   SKIP_WITHOUT_DATA();
   int peer[3];
-  leave_one_behind(peer, "none", "6000");
+  leave_behind(peer, "none", "6000", 1);
   for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
   cr_assert(cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it did not catch up: %s",
             proc_slurp(C.node[peer[2]].log));
@@ -267,7 +268,7 @@ Test(allreduce, a_member_left_behind_catches_up_and_finishes_with_the_others) {
 Test(allreduce, a_member_left_behind_refuses_poisoned_states_and_stops) {
   SKIP_WITHOUT_DATA();
   int peer[3];
-  leave_one_behind(peer, "baddonor", "1000000");
+  leave_behind(peer, "baddonor", "1000000", 1);
   int st = cluster_wait(&C, peer[2], 60);
   const char *log = C.node[peer[2]].log;
   cr_assert(proc_exited_with(st, 1), "the member left behind should stop (status %d): %s", st, proc_slurp(log));
@@ -277,6 +278,42 @@ Test(allreduce, a_member_left_behind_refuses_poisoned_states_and_stops) {
   cr_assert(cluster_log_has(&C, peer[2], "the 2 states pulled to catch up were refused"), "%s", proc_slurp(log));
   cr_assert(!cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it took a poisoned state: %s", proc_slurp(log));
   for (int i = 0; i < 2; i++) cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d stopped too", i);
+}
+
+/* Two members left behind at once, beside one "baddonor": each refuses its
+ * state, and the only other member is behind too, pulling. It answers
+ * "catching up" (STATE_BUSY) rather than take a request it cannot serve
+ * until its own pull ends: before, each asked the other and both waited out
+ * the 60 s donor timeout. Now each asks the donor again once its strike
+ * ends, refuses it again and stops with the reason, within seconds. And
+ * both learn that they are behind while both are still there: the one to
+ * which the donor sends its READY (for a step two or more ahead of it)
+ * from that READY, the other from the donor's RING_AHEAD; before, the first
+ * learnt it only once the other had left and the ring re-formed. */
+Test(allreduce, two_members_left_behind_at_once_do_not_wait_on_each_other) {
+  SKIP_WITHOUT_DATA();
+  int peer[3];
+  leave_behind(peer, "baddonor", "1000000", 2);
+  for (int i = 1; i < 3; i++) {
+    int st = cluster_wait(&C, peer[i], 45); /* the donor timeout is 60 s */
+    const char *log = C.node[peer[i]].log;
+    cr_assert(proc_exited_with(st, 1), "peer %d, left behind, should have stopped within 45 s (status %d): %s", i, st,
+              proc_slurp(log));
+    cr_assert(cluster_log_has(&C, peer[i], "the 2 states pulled to catch up were refused"), "%s", proc_slurp(log));
+    cr_assert(!cluster_log_has(&C, peer[i], "did not deliver its state in time"), "peer %d waited out a donor: %s", i,
+              proc_slurp(log));
+  }
+  cr_assert_eq(waitpid(C.node[peer[0]].pid, NULL, WNOHANG), 0, "the member ahead stopped too");
+  long first_stop = -1;
+  for (int i = 1; i < 3; i++) {
+    long at = cluster_log_first(&C, peer[i], "leaving: told", NULL);
+    if (at >= 0 && (first_stop < 0 || at < first_stop)) first_stop = at;
+  }
+  for (int i = 1; i < 3; i++) {
+    long learnt = cluster_log_first(&C, peer[i], "all-reduce: the cluster is at step", NULL);
+    cr_assert(learnt >= 0 && learnt < first_stop, "peer %d learnt that it was behind only once the other had left: %s",
+              i, proc_slurp(C.node[peer[i]].log));
+  }
 }
 
 Test(allreduce, bad_combinations_are_usage_errors) {
