@@ -147,8 +147,10 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
     cr_assert_eq(cluster_result(&C, alive[i], "allreduce_members"), 3, "member %d's last ring", alive[i]);
     cr_assert_eq(cluster_result(&C, alive[i], "steps"), 4000);
   }
-  cr_assert(cluster_log_has(&C, peer[0], "the ring re-forms") || cluster_log_has(&C, peer[1], "the ring re-forms"),
-            "the newcomer did not re-form the ring");
+  /* The two ran rings of 2 after the kill ("is now failed" above): their
+   * last rings of 3 are with the newcomer. Whether a round of theirs failed
+   * on its arrival ("the ring re-forms") depends on when they saw it ready:
+   * between two rounds, the next simply counts it (seen under ASan). */
   expect_same_params(alive, 3);
 }
 
