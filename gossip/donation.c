@@ -127,16 +127,6 @@ static bool take_slot(struct gossip *g, net_conn_t *c, bool params_only) {
   return true;
 }
 
-/* Our step as the loop thread knows it: the all-reduce ring's position
- * (exact), else the last figures published (at most a second old). */
-static uint64_t loop_step(struct gossip *g) {
-  if (g->cfg.sync == GOSSIP_SYNC_ALLREDUCE) return g->ring.pos;
-  pthread_mutex_lock(&g->lock);
-  int64_t step = g->mon.pstats.step;
-  pthread_mutex_unlock(&g->lock);
-  return step > 0 ? (uint64_t)step : 0;
-}
-
 static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   const char *model, *opt;
   size_t mlen, olen;
@@ -162,15 +152,16 @@ static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_m
   /* A member catching up serves nothing until its pull ends (its training
    * thread waits for it): two of them asking each other would each wait out
    * the donor timeout. Its state is behind anyway. And one that is not as
-   * far as the asker needs ("min": an all-reduce member left behind) would
-   * give a state that helps nothing. */
-  uint64_t min = 0, at = 0;
+   * far as the asker needs ("min": only an all-reduce member left behind
+   * sends it, and its ring position is where we are) would give a state
+   * that helps nothing. */
+  uint64_t min = 0;
   if (net_msg_get_uint(m, "min", &min)) min = 0; /* optional */
   if (gossip_join_pulling(g)) {
     send_busy(c, "catching up: pulling a state itself", false);
-  } else if (min && (at = loop_step(g)) < min) {
+  } else if (g->ring.pos < min) {
     char why[96];
-    snprintf(why, sizeof why, "at step %llu, before the step %llu asked for", (unsigned long long)at,
+    snprintf(why, sizeof why, "at step %llu, before the step %llu asked for", (unsigned long long)g->ring.pos,
              (unsigned long long)min);
     send_busy(c, why, false);
   } else if (!take_slot(g, c, false)) {

@@ -27,19 +27,46 @@ export TSAN_OPTIONS=${TSAN_OPTIONS:-"halt_on_error=0 second_deadlock_stack=1"}
 reports="AddressSanitizer|ThreadSanitizer|LeakSanitizer|runtime error:"
 status=0
 
-echo "== soak, CI mode"
-"$here/tests/scripts/soak.sh" --short --rumor "$rumor" || status=1
+T=(--period-ms 100 --ping-timeout-ms 60 --suspect-ms 1000)
 
-for kind in flood signflip nan short replay; do
+# start_cluster NPEERS: a scratch directory ($work) with a cluster key and
+# identities id0..idNPEERS, and a bootstrap node (PID $bp) at $boot.
+start_cluster() {
   work=$(mktemp -d /tmp/rumor-san-XXXXXX)
   "$rumor" keygen --cluster -o "$work/ck" >/dev/null 2>&1
-  for i in 0 1 2 3 4; do "$rumor" keygen -o "$work/id$i" >/dev/null 2>&1; done
-  T=(--period-ms 100 --ping-timeout-ms 60 --suspect-ms 1000)
+  for i in $(seq 0 "$1"); do "$rumor" keygen -o "$work/id$i" >/dev/null 2>&1; done
   "$rumor" bootstrap --listen 127.0.0.1:0 --cluster-key "$work/ck" --identity "$work/id0" "${T[@]}" \
     > "$work/b.out" 2> "$work/b.log" &
   bp=$!
   for _ in $(seq 100); do grep -q '"listen"' "$work/b.out" 2>/dev/null && break; sleep 0.1; done
   boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/b.out")
+}
+
+# report LABEL OK WHAT: stops the bootstrap node, then prints the sanitizer
+# reports of $work's logs, or that a node ended otherwise than expected (OK
+# 0; the logs are kept), or WHAT (the directory is removed).
+report() {
+  local ok=$2
+  kill -TERM "$bp" 2>/dev/null
+  wait "$bp" || ok=0
+  if grep -qE "$reports" "$work"/*.log; then
+    echo "== $1: sanitizer reports:"
+    grep -hE -A20 "$reports" "$work"/*.log | head -80
+    status=1
+  elif [ "$ok" = 0 ]; then
+    echo "== $1: a node ended otherwise than expected; logs in $work"
+    status=1
+  else
+    echo "== $1: $3, no sanitizer report"
+    rm -rf "$work"
+  fi
+}
+
+echo "== soak, CI mode"
+"$here/tests/scripts/soak.sh" --short --rumor "$rumor" || status=1
+
+for kind in flood signflip nan short replay; do
+  start_cluster 4
   pids=()
   for i in 1 2 3 4; do
     extra=()
@@ -51,36 +78,14 @@ for kind in flood signflip nan short replay; do
   done
   ok=1
   for p in "${pids[@]}"; do wait "$p" || ok=0; done
-  kill -TERM "$bp" 2>/dev/null
-  wait "$bp" || ok=0
-  if grep -qE "$reports" "$work"/*.log; then
-    echo "== $kind: sanitizer reports:"
-    grep -hE -A20 "$reports" "$work"/*.log | head -80
-    status=1
-  elif [ $ok = 0 ]; then
-    echo "== $kind: a node failed; logs in $work"
-    status=1
-    continue
-  else
-    echo "== $kind: 4 peers finished, no sanitizer report"
-  fi
-  rm -rf "$work"
+  report "$kind" $ok "4 peers finished"
 done
+
 # A frozen all-reduce member, resumed: `others` is the two others' attack,
 # `want` the exit status expected of the frozen one.
 allreduce_behind() {
   local others=$1 want=$2 steps=$3
-  local work
-  work=$(mktemp -d /tmp/rumor-san-XXXXXX)
-  "$rumor" keygen --cluster -o "$work/ck" >/dev/null 2>&1
-  for i in 0 1 2 3; do "$rumor" keygen -o "$work/id$i" >/dev/null 2>&1; done
-  T=(--period-ms 100 --ping-timeout-ms 60 --suspect-ms 1000)
-  "$rumor" bootstrap --listen 127.0.0.1:0 --cluster-key "$work/ck" --identity "$work/id0" "${T[@]}" \
-    > "$work/b.out" 2> "$work/b.log" &
-  local bp=$!
-  for _ in $(seq 100); do grep -q '"listen"' "$work/b.out" 2>/dev/null && break; sleep 0.1; done
-  local boot
-  boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/b.out")
+  start_cluster 3
   local pids=() attack
   for i in 1 2 3; do
     attack=$others
@@ -103,19 +108,7 @@ allreduce_behind() {
     kill -TERM "${pids[0]}" "${pids[1]}" 2>/dev/null
     for p in "${pids[0]}" "${pids[1]}"; do wait "$p"; done
   fi
-  kill -TERM "$bp" 2>/dev/null
-  wait "$bp" || ok=0
-  if grep -qE "$reports" "$work"/*.log; then
-    echo "== all-reduce, frozen member beside two '$others': sanitizer reports:"
-    grep -hE -A20 "$reports" "$work"/*.log | head -80
-    status=1
-  elif [ $ok = 0 ]; then
-    echo "== all-reduce, frozen member beside two '$others': a node ended otherwise than expected; logs in $work"
-    status=1
-  else
-    echo "== all-reduce, frozen member beside two '$others': ended as expected, no sanitizer report"
-    rm -rf "$work"
-  fi
+  report "all-reduce, frozen member beside two '$others'" $ok "ended as expected"
 }
 allreduce_behind none 0 3000
 allreduce_behind baddonor 1 1000000

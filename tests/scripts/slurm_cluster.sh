@@ -243,12 +243,11 @@ submit() {
   shift
   jobid=$(cd "$T/job" && env RUMOR="$rumor" RUMOR_KEYS="$T/job/keys" RUMOR_RUN_DIR="$run" RUMOR_IFACE=lo \
     RUMOR_DEVICE=cpu "$@" sbatch --parsable --ntasks=$ntasks --overcommit --time=10 \
-    --output="$T/job/slurm-%j.out" "$sbatch_script" --data "$data" "${peer_opts[@]}" ${resume_opts[@]+"${resume_opts[@]}"} \
-    2>"$T/log/sbatch.err") ||
+    --output="$T/job/slurm-%j.out" "$sbatch_script" --data "$data" "${peer_opts[@]}" 2>"$T/log/sbatch.err") ||
     fail "sbatch refused the job: $(cat "$T/log/sbatch.err")"
   jobid=${jobid%%;*}
   jobids="$jobids $jobid"
-  say "submitted job $jobid: $ntasks tasks, rumor peer ${peer_opts[*]}${resume_opts[*]:+ ${resume_opts[*]}}${*:+ ($*)}"
+  say "submitted job $jobid: $ntasks tasks, rumor peer ${peer_opts[*]}${*:+ ($*)}"
 }
 # wait_job: waits for $jobid to end, within what is left of job_deadline_s
 # since $start; sets $jstate.
@@ -354,7 +353,7 @@ start=$(date +%s)
 # replica that the others' last averaging never reached (0.849-0.866 seen,
 # against 0.87-0.877 for the others): as for a straggler (docs/benchmarks.md),
 # --finish-wait-ms keeps it averaging until the last one finished.
-resume_opts=(--finish-wait-ms 20000)
+peer_opts+=(--finish-wait-ms 20000)
 submit "$T/job/run3" RUMOR_CHECKPOINT_DIR="$ck"
 wait_job
 elapsed2=$(($(date +%s) - start))
