@@ -76,14 +76,17 @@ static double run(bool clip, double *skipped) {
 /* The bounds: with clipping the honest groups end at 0.843-0.866 on a
  * quiet machine (the same with the release before, built the same way:
  * 0.856-0.865) and were seen at 0.846-0.865 under the full suite's load,
- * and once, in CI's run on a fresh clone, at 0.828-0.838 (fewer of the
- * attacker's updates arrive as outliers when exchanges are slow), so 0.81;
- * without it the worst falls to 0.03-0.51 (0.10 in that run), so below
- * 0.80. The gap between the two is what the pair of tests shows. */
-#define PROTECTED_MIN 0.81
-#define UNPROTECTED_MAX 0.80
+ * once, in CI's run on a fresh clone, at 0.828-0.838, and once below 0.81
+ * under the full suite's load on 2 cores (fewer of the attacker's updates
+ * arrive as outliers when exchanges are slow); without it the worst falls
+ * to 0.03-0.51. The bounds sit between the two: 0.76 with clipping and
+ * 0.70 without, each about 0.07 and more from what was seen. A defence
+ * that stopped working would put the protected run among the unprotected
+ * ones, far below 0.76; the gap between the pair is what the tests show. */
+#define PROTECTED_MIN 0.76
+#define UNPROTECTED_MAX 0.70
 
-Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_at_081) {
+Test(group_poison, with_clipping_a_signflipping_group_leaves_every_honest_group_above_076) {
   SKIP_WITHOUT_DATA();
   double skipped, worst = run(true, &skipped);
   fprintf(stderr, "worst honest group with clipping: %.4f; %.0f attacker updates skipped as outliers\n", worst,
