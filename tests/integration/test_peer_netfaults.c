@@ -91,15 +91,8 @@ enum timing { FAST, DEFAULT };
 /* Starts `rumor <cmd>` on test host `h` as a new node (its own identity),
  * listening on the host's address. Returns the node index. */
 static int spawn_on(int h, const char *cmd, enum timing tm, char *const *args) {
-  cr_assert_lt(C.n, CLUSTER_MAX);
-  int i = C.n++;
+  int i = cluster_new_node(&C);
   struct cluster_node *nd = &C.node[i];
-  char dir[sizeof C.dir];
-  memcpy(dir, C.dir, sizeof dir);
-  snprintf(nd->id_file, sizeof nd->id_file, "%s/id%d.key", dir, i);
-  snprintf(nd->out, sizeof nd->out, "%s/node%d.out", dir, i);
-  snprintf(nd->log, sizeof nd->log, "%s/node%d.log", dir, i);
-  cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, nd->id_file);
   char host[16], listen[40];
   snprintf(host, sizeof host, "%d", h);
   snprintf(listen, sizeof listen, "10.77.0.%d:0", h);
@@ -130,15 +123,9 @@ static int spawn_on(int h, const char *cmd, enum timing tm, char *const *args) {
   }
   for (int k = 0; args && args[k] && n < 94; k++) argv[n++] = args[k];
   argv[n] = NULL;
-  nd->pid = proc_spawn(argv, nd->out, nd->log);
-  cr_assert_gt(nd->pid, 0);
-  cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d on host %d did not start: %s", i, h,
-            proc_slurp(nd->log));
-  char *out = proc_slurp(nd->out);
-  const char *p = strstr(out, "\"listen\":\"") + 10;
-  const char *q = strchr(p, '"');
-  snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
-  free(out);
+  char what[64];
+  snprintf(what, sizeof what, "%s on host %d", cmd, h);
+  cluster_start_node(&C, i, argv, what);
   return i;
 }
 

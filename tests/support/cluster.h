@@ -112,9 +112,8 @@ static inline int cluster_metrics_port(const struct cluster *c, int i) {
   return port;
 }
 
-/* Starts `rumor <cmd> <args...> NULL` as node i (a new identity) and waits
- * for its {"listen": ...} line. Returns the node index. */
-static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const *args) {
+/* Adds node i: its output and log paths and a new identity. Returns i. */
+static inline int cluster_new_node(struct cluster *c) {
   cr_assert_lt(c->n, CLUSTER_MAX);
   int i = c->n++;
   struct cluster_node *nd = &c->node[i];
@@ -124,6 +123,30 @@ static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const 
   snprintf(nd->out, sizeof nd->out, "%s/node%d.out", dir, i);
   snprintf(nd->log, sizeof nd->log, "%s/node%d.log", dir, i);
   cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, nd->id_file);
+  return i;
+}
+
+/* Runs argv (NULL-terminated) as node i and waits for its {"listen": ...}
+ * line, whose address goes to node i's addr; `what` names the node in a
+ * failure. */
+static inline void cluster_start_node(struct cluster *c, int i, char *const *argv, const char *what) {
+  struct cluster_node *nd = &c->node[i];
+  nd->pid = proc_spawn(argv, nd->out, nd->log);
+  cr_assert_gt(nd->pid, 0);
+  cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d (%s) did not start: %s", i, what,
+            proc_slurp(nd->log));
+  char *out = proc_slurp(nd->out);
+  const char *p = strstr(out, "\"listen\":\"") + 10;
+  const char *q = strchr(p, '"');
+  snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
+  free(out);
+}
+
+/* Starts `rumor <cmd> <args...> NULL` as node i (a new identity) and waits
+ * for its {"listen": ...} line. Returns the node index. */
+static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const *args) {
+  int i = cluster_new_node(c);
+  struct cluster_node *nd = &c->node[i];
   char period[16], ping[16], suspect[16];
   snprintf(period, sizeof period, "%d", CLUSTER_PERIOD_MS);
   snprintf(ping, sizeof ping, "%d", CLUSTER_PING_TIMEOUT_MS);
@@ -146,15 +169,7 @@ static inline int cluster_spawn(struct cluster *c, const char *cmd, char *const 
   argv[n++] = suspect;
   for (int k = 0; args && args[k] && n < 94; k++) argv[n++] = args[k];
   argv[n] = NULL;
-  nd->pid = proc_spawn(argv, nd->out, nd->log);
-  cr_assert_gt(nd->pid, 0);
-  cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d (%s) did not start: %s", i, cmd,
-            proc_slurp(nd->log));
-  char *out = proc_slurp(nd->out);
-  const char *p = strstr(out, "\"listen\":\"") + 10;
-  const char *q = strchr(p, '"');
-  snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
-  free(out);
+  cluster_start_node(c, i, argv, cmd);
   return i;
 }
 
