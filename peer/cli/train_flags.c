@@ -43,10 +43,11 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"seed", ARG_INT, &f->seed, "N", "seed for initialisation and shuffling", 0, 9007199254740991.0},
       {"data-seed", ARG_INT, &f->data_seed, "N", "seed of the shard split (same on every peer)", 0,
        9007199254740991.0},
-      {"epochs", ARG_INT, &f->epochs, "N", "passes over the shard", 1, 1000000},
-      {"batch", ARG_INT, &f->batch, "N", "batch size", 1, 1048576},
+      {"epochs", ARG_INT, &f->epochs, "N", "passes over the shard", 1, TRAIN_EPOCHS_MAX},
+      {"batch", ARG_INT, &f->batch, "N", "batch size", 1, TRAIN_BATCH_MAX},
       {"max-steps", ARG_INT, &f->max_steps, "N",
-       "stop after N updates (0: no limit); without --epochs, also the learning-rate schedule's length", 0, 1e15},
+       "stop after N updates (0: no limit); without --epochs, also the learning-rate schedule's length", 0,
+       (double)TRAIN_STEPS_MAX},
       {"optimizer", ARG_STR, &f->optimizer, "NAME", "sgd or adamw"},
       {"lr", ARG_FLOAT, &f->lr, "X", "peak learning rate", 0, 1e6},
       {"momentum", ARG_FLOAT, &f->momentum, "X", "SGD momentum", 0, 1},
@@ -63,7 +64,7 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
        "save a checkpoint here, each epoch and at the end: a safetensors file, or a directory (DIR/) in the Hugging "
        "Face layout (model.safetensors, optimizer.safetensors, config.json)"},
       {"checkpoint-every", ARG_INT, &f->checkpoint_every, "N", "also save every N steps (0: off)", 0, 1e15},
-      {"resume", ARG_STR, &f->resume, "PATH", "continue from a checkpoint (model, shard, seeds, position)"},
+      {"resume", ARG_STR, &f->resume, "PATH", "continue from a checkpoint (model, shard, batch, seeds, position; given ones must match it)"},
       {"init-from", ARG_STR, &f->init_from, "DIR",
        "start from the weights of a Hugging Face GPT-2 directory (config.json and model.safetensors) and train "
        "from step 0 (fine-tuning)"},
@@ -115,6 +116,10 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->epochs = f->epochs;
   cfg->epochs_given = args_given(specs, "epochs");
   cfg->optim_given = args_given(specs, "optimizer");
+  cfg->batch_given = args_given(specs, "batch");
+  cfg->shard_given = args_given(specs, "shard");
+  cfg->seed_given = args_given(specs, "seed");
+  cfg->data_seed_given = args_given(specs, "data-seed");
   cfg->batch = f->batch;
   cfg->max_steps = f->max_steps;
   cfg->optim.lr = f->lr;

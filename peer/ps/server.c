@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "peer/ps/ps_impl.h"
+#include "peer/train/train.h"
 
 #define TICK_MS 100
 #define PROGRESS_MS 5000
@@ -861,6 +862,12 @@ static int server_init(struct server *s, const struct ps_server_config *cfg, str
   s->bsp = cfg->staleness == 0;
   s->schedule_steps = cfg->schedule_steps;
   if (cfg->checkpoint_every < 1) s->cfg.checkpoint_every = 1;
+  /* The server saves one file; a bad destination is refused now, not at
+   * every save while it serves. */
+  if (checkpoint_is_dir(cfg->checkpoint))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--checkpoint %s: a parameter server saves one file, not a directory",
+                         cfg->checkpoint);
+  if (checkpoint_check_dest(cfg->checkpoint, e)) return rumor_err_prefix(e, "--checkpoint");
   struct model_spec spec;
   int rc = model_spec_parse(cfg->model, &spec, e);
   if (rc) return rumor_err_prefix(e, "--model");

@@ -200,6 +200,35 @@ bool checkpoint_is_dir(const char *path) {
   return (n > 0 && path[n - 1] == '/') || (stat(path, &st) == 0 && S_ISDIR(st.st_mode));
 }
 
+int checkpoint_check_dest(const char *path, struct rumor_err *e) {
+  size_t n = strlen(path);
+  if (n == 0) return rumor_err_set(e, RUMOR_EFORMAT, "empty path");
+  if (n > CHECKPOINT_PATH_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "a path of %zu bytes is too long (at most %d): %.60s...", n,
+                         CHECKPOINT_PATH_MAX, path);
+  bool dir = checkpoint_is_dir(path);
+  char bare[CHECKPOINT_PATH_MAX + 1], parent[CHECKPOINT_PATH_MAX + 1];
+  snprintf(bare, sizeof bare, "%s", path);
+  while (n > 1 && bare[n - 1] == '/') bare[--n] = '\0';
+  struct stat st;
+  bool exists = stat(bare, &st) == 0;
+  if (exists && dir && !S_ISDIR(st.st_mode))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: %s exists and is not a directory", path, bare);
+  if (exists && !dir && !S_ISREG(st.st_mode))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s exists and is not a regular file", path);
+  /* Where the files are created: the directory itself, or the one holding
+   * the file (or the directory checkpoint, which the first save makes). */
+  snprintf(parent, sizeof parent, "%s", exists && dir ? bare : dirname(bare));
+  if (stat(parent, &st) != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: directory %s: %s", path, parent, strerror(errno));
+  if (!S_ISDIR(st.st_mode))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: %s is not a directory", path, parent);
+  if (access(parent, W_OK | X_OK) != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: cannot write in directory %s: %s", path, parent,
+                         strerror(errno));
+  return 0;
+}
+
 void checkpoint_dir_file(const char *dir, const char *file, char *out, size_t n) {
   size_t len = strlen(dir);
   snprintf(out, n, "%s%s%s", dir, len && dir[len - 1] == '/' ? "" : "/", file);
@@ -280,11 +309,17 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   return rc;
 }
 
-static int meta_i64(const struct checkpoint *ck, const char *path, const char *key, int64_t min, int64_t *out,
-                    struct rumor_err *e) {
+/* An integer of the metadata within [min, max], the range the matching
+ * option takes: a value past it (a damaged or crafted file; the digest has
+ * no key) would size buffers that no command line can ask for. */
+static int meta_i64(const struct checkpoint *ck, const char *path, const char *key, int64_t min, int64_t max,
+                    int64_t *out, struct rumor_err *e) {
   const char *v = safetensors_meta(&ck->file, key);
-  if (!v || parse_i64(v, min, INT64_MAX, out))
+  if (!v || parse_i64(v, INT64_MIN, INT64_MAX, out))
     return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata %s is missing or not an integer", path, key);
+  if (*out < min || *out > max)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata %s is %lld, outside [%lld, %lld]", path, key,
+                         (long long)*out, (long long)min, (long long)max);
   return 0;
 }
 
@@ -314,22 +349,37 @@ static int expect_tensor(const struct checkpoint *ck, const char *path, const ch
 
 /* The optimizer state of a directory checkpoint whose weights are at step
  * `step`: optimizer.safetensors, or its .prev when a save was cut between
- * the two files. Returns false (and logs why) when neither matches. */
-static bool open_dir_state(struct checkpoint *ck, const char *dir, int64_t step) {
+ * the two files. Sets *found; neither file there is no error (the state
+ * starts from zero, with a warning), but a file that is there and unusable
+ * (damaged, or of another step) is: the caller then falls back to the
+ * previous checkpoint rather than drop the state that belongs to it. */
+static int open_dir_state(struct checkpoint *ck, const char *dir, int64_t step, bool *found, struct rumor_err *e) {
   char path[1100], prev[1110];
   checkpoint_dir_file(dir, CHECKPOINT_OPTIM_FILE, path, sizeof path);
   checkpoint_prev_path(path, prev, sizeof prev);
   const char *candidates[2] = {path, prev};
+  char why[2][512];
+  int absent = 0;
+  *found = false;
   for (int i = 0; i < 2; i++) {
-    struct rumor_err e = {0};
+    struct rumor_err fe = {0};
     int64_t got;
-    if (safetensors_read(candidates[i], true, &ck->state_file, &e) != 0) continue;
+    if (safetensors_read(candidates[i], true, &ck->state_file, &fe) != 0) {
+      absent += fe.code == -ENOENT;
+      snprintf(why[i], sizeof why[i], "%.500s", fe.msg);
+      continue;
+    }
     const char *v = safetensors_meta(&ck->state_file, "rumor.step");
-    if (v && parse_i64(v, 0, INT64_MAX, &got) == 0 && got == step) return true;
+    if (v && parse_i64(v, 0, INT64_MAX, &got) == 0 && got == step) return *found = true, 0;
+    snprintf(why[i], sizeof why[i], "%.400s holds the state of step %.40s", candidates[i], v ? v : "(none)");
     safetensors_free(&ck->state_file);
   }
-  log_warn("%s: no optimizer state of step %lld (in %s or %s)", dir, (long long)step, path, prev);
-  return false;
+  if (absent == 2) {
+    log_warn("%s: no optimizer state (neither %s nor %s exists)", dir, path, prev);
+    return 0;
+  }
+  return rumor_err_set(e, RUMOR_ECORRUPT, "%s: no usable optimizer state of step %lld: %s; %s", dir, (long long)step,
+                       why[0], why[1]);
 }
 
 /* A file whose optimizer state, when not in the file itself, is in the
@@ -361,16 +411,17 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
     goto fail;
   }
   int64_t seed, dseed;
-  if ((rc = meta_i64(ck, path, "rumor.step", 0, &in->st.step, e)) ||
-      (rc = meta_i64(ck, path, "rumor.epoch", 0, &in->st.epoch, e)) ||
-      (rc = meta_i64(ck, path, "rumor.step_in_epoch", 0, &in->st.step_in_epoch, e)) ||
-      (rc = meta_i64(ck, path, "rumor.samples", 0, &in->st.samples, e)) ||
-      (rc = meta_i64(ck, path, "rumor.seed", 0, &seed, e)) ||
-      (rc = meta_i64(ck, path, "rumor.data_seed", 0, &dseed, e)) ||
-      (rc = meta_i64(ck, path, "rumor.batch", 1, &in->batch, e)) ||
-      (safetensors_meta(&ck->file, "rumor.epochs") && (rc = meta_i64(ck, path, "rumor.epochs", 0, &in->epochs, e))) ||
+  if ((rc = meta_i64(ck, path, "rumor.step", 0, TRAIN_STEPS_MAX, &in->st.step, e)) ||
+      (rc = meta_i64(ck, path, "rumor.epoch", 0, TRAIN_STEPS_MAX, &in->st.epoch, e)) ||
+      (rc = meta_i64(ck, path, "rumor.step_in_epoch", 0, TRAIN_STEPS_MAX, &in->st.step_in_epoch, e)) ||
+      (rc = meta_i64(ck, path, "rumor.samples", 0, INT64_MAX, &in->st.samples, e)) ||
+      (rc = meta_i64(ck, path, "rumor.seed", 0, INT64_MAX, &seed, e)) ||
+      (rc = meta_i64(ck, path, "rumor.data_seed", 0, INT64_MAX, &dseed, e)) ||
+      (rc = meta_i64(ck, path, "rumor.batch", 1, TRAIN_BATCH_MAX, &in->batch, e)) ||
+      (safetensors_meta(&ck->file, "rumor.epochs") &&
+       (rc = meta_i64(ck, path, "rumor.epochs", 0, TRAIN_EPOCHS_MAX, &in->epochs, e))) ||
       (safetensors_meta(&ck->file, "rumor.schedule_steps") &&
-       (rc = meta_i64(ck, path, "rumor.schedule_steps", 0, &in->schedule_steps, e))) ||
+       (rc = meta_i64(ck, path, "rumor.schedule_steps", 0, TRAIN_STEPS_MAX, &in->schedule_steps, e))) ||
       (rc = meta_f64(ck, path, "rumor.norm_mean", &in->norm_mean, e)) ||
       (rc = meta_f64(ck, path, "rumor.norm_std", &in->norm_std, e)))
     goto fail;
@@ -399,7 +450,8 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
       rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: unknown optimizer '%s'", path, opt);
       goto fail;
     }
-    ck->has_optim = !state_dir || open_dir_state(ck, state_dir, in->st.step);
+    ck->has_optim = true;
+    if (state_dir && (rc = open_dir_state(ck, state_dir, in->st.step, &ck->has_optim, e))) goto fail;
     int64_t P = ck->table.nparams;
     for (int s = 0; ck->has_optim && s < optim_state_per_param(in->optim_kind); s++)
       if ((rc = expect_tensor(ck, path, optim_state_name(in->optim_kind, s), 1, &P, e))) goto fail;

@@ -37,6 +37,36 @@ static bool needs_batches(const struct trainer *t) { return first_stage(t) || tr
 
 /* ---- set-up ---- */
 
+/* A resumed run keeps the batches of the run it continues: its batch,
+ * shard and seeds come from the checkpoint. One given on the command line
+ * that differs is refused, not dropped without a word. */
+static int refuse_other_run(const struct train_config *cfg, const struct ckpt_info *in, struct rumor_err *e) {
+  const char *what = NULL;
+  char want[64], have[64];
+  if (cfg->batch_given && cfg->batch != in->batch) {
+    what = "--batch";
+    snprintf(want, sizeof want, "%lld", (long long)cfg->batch);
+    snprintf(have, sizeof have, "%lld", (long long)in->batch);
+  } else if (cfg->shard_given && (cfg->shard.index != in->shard.index || cfg->shard.count != in->shard.count)) {
+    what = "--shard";
+    snprintf(want, sizeof want, "%lld/%lld", (long long)cfg->shard.index, (long long)cfg->shard.count);
+    snprintf(have, sizeof have, "%lld/%lld", (long long)in->shard.index, (long long)in->shard.count);
+  } else if (cfg->seed_given && cfg->seed != in->seed) {
+    what = "--seed";
+    snprintf(want, sizeof want, "%llu", (unsigned long long)cfg->seed);
+    snprintf(have, sizeof have, "%llu", (unsigned long long)in->seed);
+  } else if (cfg->data_seed_given && cfg->data_seed != in->data_seed) {
+    what = "--data-seed";
+    snprintf(want, sizeof want, "%llu", (unsigned long long)cfg->data_seed);
+    snprintf(have, sizeof have, "%llu", (unsigned long long)in->data_seed);
+  }
+  if (!what) return 0;
+  return rumor_err_set(e, RUMOR_EFORMAT,
+                       "%s %s does not match the checkpoint %s, which was saved with %s %s (a resumed run keeps its "
+                       "batches: leave %s out, or start a new run without --resume)",
+                       what, want, cfg->resume, what, have, what);
+}
+
 /* Opens cfg->resume and takes the run's identity from it, so that the
  * resumed run sees the same batches in the same order. */
 static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_spec *spec, struct rumor_err *e) {
@@ -56,6 +86,7 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
       goto fail;
     }
   }
+  if ((rc = refuse_other_run(cfg, &ck->info, e))) goto fail;
   t->cfg.seed = ck->info.seed;
   t->cfg.data_seed = ck->info.data_seed;
   t->cfg.shard = ck->info.shard;
@@ -150,6 +181,8 @@ static void log_setup(const struct trainer *t) {
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
 }
 
+static void checkpoint_path_of(const struct trainer *t, char *path, size_t n);
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
@@ -161,6 +194,11 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   struct checkpoint ck;
   bool resumed = false;
   int rc;
+  if (cfg->checkpoint) {
+    char path[1024];
+    checkpoint_path_of(t, path, sizeof path);
+    if ((rc = checkpoint_check_dest(path, e))) return rumor_err_prefix(e, "--checkpoint");
+  }
   if ((rc = choose_model(t, &ck, &resumed, e))) return rc;
   const struct model_spec *spec = &t->plan.spec;
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
@@ -403,12 +441,17 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   return rc;
 }
 
+/* Where --checkpoint saves this process's part: the path itself, or a
+ * stage's file beside it. */
+static void checkpoint_path_of(const struct trainer *t, char *path, size_t n) {
+  if (trainer_is_stage(t)) train_stage_checkpoint_path(t->cfg.checkpoint, t->stage.stage, path, n);
+  else snprintf(path, n, "%s", t->cfg.checkpoint);
+}
+
 int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
-  const char *ck = t->cfg.checkpoint;
-  if (!ck) return 0;
+  if (!t->cfg.checkpoint) return 0;
   char path[1024];
-  if (trainer_is_stage(t)) train_stage_checkpoint_path(ck, t->stage.stage, path, sizeof path);
-  else snprintf(path, sizeof path, "%s", ck);
+  checkpoint_path_of(t, path, sizeof path);
   return trainer_save(t, path, e);
 }
 

@@ -180,6 +180,12 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
 
 /* True when `path` names a directory checkpoint (see above). */
 bool checkpoint_is_dir(const char *path);
+/* Checks at start-up that checkpoint_save can write `path` (a file, or a
+ * directory checkpoint): not too long, not of the wrong kind, and in an
+ * existing directory this process may write. An error names `path` and the
+ * fault (callers prefix the option), so that a bad destination is refused
+ * before any training, not at the first save. */
+int checkpoint_check_dest(const char *path, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* `dir`/`file`. */
 void checkpoint_dir_file(const char *dir, const char *file, char *out, size_t n);
 
@@ -239,6 +245,12 @@ struct train_stage {
   stage_link_t *link;   /* the connections to the neighbouring stages; not owned */
 };
 
+/* The ranges of the options that size a run (--batch, --epochs, --max-steps
+ * and the step counts); a checkpoint's metadata is held to them too. */
+#define TRAIN_BATCH_MAX 1048576
+#define TRAIN_EPOCHS_MAX 1000000
+#define TRAIN_STEPS_MAX 1000000000000000LL /* 1e15 */
+
 struct train_config {
   const char *model;       /* spec string; NULL → from the resumed checkpoint */
   const char *data_dir;    /* images: a directory with <split>-images-idx3-ubyte[.gz] ...; tokens: a text
@@ -264,9 +276,11 @@ struct train_config {
   int64_t checkpoint_every;/* steps between saves (0: at epoch ends only) */
   const char *init_from;   /* a Hugging Face model directory whose weights start the run (hf_import), or NULL */
   const char *resume;      /* checkpoint to resume from, or NULL (whole models only). The run's seeds,
-                            * shard, batch, and unless given on the command line its optimizer and
-                            * epochs, come from it. */
+                            * shard and batch come from it (given ones must agree), and unless given on
+                            * the command line its optimizer and epochs. */
   bool optim_given, epochs_given; /* --optimizer / --epochs were given (they must then match a resumed run) */
+  bool batch_given, shard_given, seed_given, data_seed_given; /* given on the command line: a resumed run
+                                                               * refuses a value other than its own */
   double log_every_s;      /* seconds between progress lines (0: none) */
   bool eval_each_epoch;
   const char *peer_id;     /* written into checkpoints; may be NULL */

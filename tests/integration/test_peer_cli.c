@@ -1,8 +1,9 @@
 /* The `rumor` command as a user runs it: one epoch of Fashion-MNIST reaches
  * the target accuracy; checkpoints evaluate and resume bit for bit, and
  * those written by release 0.1 still evaluate and resume; bad flags, bad
- * data, bad checkpoints and unknown devices give a clear message and a
- * non-zero exit, never a crash. */
+ * data, bad checkpoints, unusable checkpoint destinations, resumed runs
+ * given another batch, shard or seed, and unknown devices give a clear
+ * message and a non-zero exit, never a crash. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -188,6 +189,33 @@ Test(cli, bad_checkpoints_and_devices_are_reported) {
   cli_expect_fail(st, 1, err, ck, "truncated checkpoint");
   st = rumor(NULL, &err, 60, "eval", "--checkpoint", "/nonexistent.safetensors", NULL);
   cli_expect_fail(st, 1, err, "/nonexistent.safetensors", "missing checkpoint");
+  /* A run that resumes keeps its batches: a given --batch, --shard or seed
+   * that differs from the file's is refused, not dropped (a new run's file
+   * replaces the damaged ck). */
+  st = rumor(NULL, &err, 120, "train", "--model", "mlp:784-16-10", "--max-steps", "2", "--no-eval", "--log-every", "0",
+             "--shard", "1/4", "--batch", "8", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  st = rumor(NULL, &err, 60, "train", "--resume", ck, "--batch", "64", "--max-steps", "3", NULL);
+  cli_expect_fail(st, 1, err, "--batch 64 does not match the checkpoint", "resume with another batch");
+  st = rumor(NULL, &err, 60, "train", "--resume", ck, "--shard", "0/4", "--max-steps", "3", NULL);
+  cli_expect_fail(st, 1, err, "--shard 0/4 does not match the checkpoint", "resume with another shard");
+  st = rumor(NULL, &err, 60, "train", "--resume", ck, "--seed", "99", "--max-steps", "3", NULL);
+  cli_expect_fail(st, 1, err, "--seed 99 does not match the checkpoint", "resume with another seed");
+  st = rumor(NULL, &err, 60, "train", "--resume", ck, "--shard", "1/4", "--batch", "8", "--max-steps", "3", "--no-eval",
+             "--log-every", "0", NULL);
+  cr_assert(proc_exited_with(st, 0), "the same batch and shard as the file's were refused: %s", err);
+  free(err);
+  /* A destination that cannot be written is refused before any training,
+   * not at the first save after it. */
+  char bad[300];
+  snprintf(bad, sizeof bad, "%s/missing-dir/x.safetensors", dir);
+  st = rumor(NULL, &err, 60, "train", "--model", "mlp:784-16-10", "--epochs", "1", "--checkpoint", bad, NULL);
+  cr_assert(!strstr(err, "epoch 1/1 done"), "trained before refusing the checkpoint path: %s", err);
+  cli_expect_fail(st, 1, err, "missing-dir: No such file or directory", "checkpoint in a missing directory");
+  snprintf(bad, sizeof bad, "%s/", ck);
+  st = rumor(NULL, &err, 60, "train", "--model", "mlp:784-16-10", "--max-steps", "1", "--checkpoint", bad, NULL);
+  cli_expect_fail(st, 1, err, "exists and is not a directory", "a file given as a checkpoint directory");
   st = rumor(NULL, &err, 60, "train", "--device", "tpu:0", "--max-steps", "1", NULL);
   cli_expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
   st = rumor(NULL, &err, 60, "train", "--device", "cuda:7", "--max-steps", "1", NULL);

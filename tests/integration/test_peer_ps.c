@@ -345,6 +345,12 @@ Test(ps, bad_flags_are_usage_errors) {
   cluster_expect_exit(&C, no_key, 2, "--cluster-key FILE is required");
   char *model[] = {"ps", "--workers", "2", "--checkpoint", "x", "--model", "mlp:", NULL};
   cluster_expect_exit(&C, model, 2, "--model");
+  /* A checkpoint it could not write is refused before it serves. */
+  char *dest[] = {"ps", "--cluster-key", C.key, "--identity", ps_key, "--workers", "2", "--checkpoint",
+                  "/nonexistent-rumor/x", NULL};
+  cluster_expect_exit(&C, dest, 2, "--checkpoint: /nonexistent-rumor/x: directory /nonexistent-rumor: No such file");
+  char *dir_dest[] = {"ps", "--cluster-key", C.key, "--identity", ps_key, "--workers", "2", "--checkpoint", "/tmp/", NULL};
+  cluster_expect_exit(&C, dir_dest, 2, "a parameter server saves one file, not a directory");
   char *no_servers[] = {"peer", "--sync", "ps", NULL};
   cluster_expect_exit(&C, no_servers, 2, "--sync ps needs --servers");
   char *stray[] = {"peer", "--servers", "127.0.0.1:1", NULL};

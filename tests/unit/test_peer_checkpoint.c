@@ -1,8 +1,10 @@
 /* Checkpoints: a round trip restores parameters, optimizer state and the
  * training position exactly; truncated or bit-flipped files (anywhere: the
  * length prefix, the JSON header, the data) are rejected with a message, and
- * the writer leaves no temporary file behind; checkpoints written by release
- * 0.1 (tests/data) still open and restore bit for bit. */
+ * the writer leaves no temporary file behind; metadata past the options'
+ * ranges, and a directory's damaged optimizer file, are refused; a
+ * destination that cannot be written is refused up front; checkpoints
+ * written by release 0.1 (tests/data) still open and restore bit for bit. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -212,6 +214,99 @@ Test(checkpoint, failed_write_keeps_the_previous_file) {
   snprintf(cmd, sizeof cmd, "test $(ls %s | grep -v '[.]prev$' | wc -l) -eq 1", dir);
   cr_assert_eq(system(cmd), 0, "the failed write left a temporary file in %s", dir);
   model_free(&m), optim_free(&o);
+}
+
+Test(checkpoint, metadata_past_the_options_ranges_is_refused) {
+  /* The digest has no key: anyone can write a file whose digest matches.
+   * A batch no option allows sized the batch buffers past size_t (a crash
+   * on resume); it is refused when the file is opened. */
+  struct model m;
+  struct optim o;
+  struct rumor_err e;
+  make(&m, &o, OPTIM_SGD);
+  struct ckpt_info in = info_for(&m);
+  const int64_t bad[][2] = {{0, 4611686018427387904LL}, {0, 0}, {1, TRAIN_EPOCHS_MAX + 1}, {2, TRAIN_STEPS_MAX + 1}};
+  const char *needle[] = {"rumor.batch is 4611686018427387904, outside [1, 1048576]", "rumor.batch is 0, outside",
+                          "rumor.epochs is 1000001, outside", "rumor.step is 1000000000000001, outside"};
+  for (int i = 0; i < 4; i++) {
+    struct ckpt_info x = in;
+    if (bad[i][0] == 0) x.batch = bad[i][1];
+    if (bad[i][0] == 1) x.epochs = bad[i][1];
+    if (bad[i][0] == 2) x.st.step = bad[i][1];
+    const char *p = path("huge.safetensors");
+    cr_assert_eq(checkpoint_save(p, &m, &o, &x, &e), 0, "%s", e.msg);
+    struct checkpoint ck;
+    cr_assert_neq(checkpoint_open(p, &ck, &e), 0, "case %d opened", i);
+    cr_assert(strstr(e.msg, needle[i]) && strstr(e.msg, p), "case %d: %s", i, e.msg);
+  }
+  model_free(&m), optim_free(&o);
+}
+
+Test(checkpoint, a_damaged_optimizer_file_of_a_directory_is_an_error_a_missing_one_is_not) {
+  struct model m;
+  struct optim o;
+  struct rumor_err e;
+  make(&m, &o, OPTIM_ADAMW);
+  struct ckpt_info in = info_for(&m);
+  const char *d = path("dir/");
+  cr_assert_eq(checkpoint_save(d, &m, &o, &in, &e), 0, "%s", e.msg);
+  struct checkpoint ck;
+  cr_assert_eq(checkpoint_open(d, &ck, &e), 0, "%s", e.msg);
+  cr_assert(ck.has_optim);
+  checkpoint_close(&ck);
+  /* Damaged (cut to half): not silently replaced by zeros. */
+  char cmd[400];
+  snprintf(cmd, sizeof cmd, "f=%s/dir/optimizer.safetensors; truncate -s $(($(stat -c %%s $f) / 2)) $f", dir);
+  cr_assert_eq(system(cmd), 0);
+  cr_assert_neq(checkpoint_open(d, &ck, &e), 0, "a damaged optimizer file was accepted");
+  cr_assert(strstr(e.msg, "no usable optimizer state of step 1234") && strstr(e.msg, "optimizer.safetensors"), "%s",
+            e.msg);
+  /* Of another step (weights of step 1234, state of 1300): the same. */
+  cr_assert_eq(checkpoint_save(d, &m, &o, &in, &e), 0, "%s", e.msg);
+  snprintf(cmd, sizeof cmd, "cp %s/dir/model.safetensors %s/model-1234", dir, dir);
+  cr_assert_eq(system(cmd), 0);
+  struct ckpt_info later = in;
+  later.st.step = 1300;
+  cr_assert_eq(checkpoint_save(d, &m, &o, &later, &e), 0, "%s", e.msg);
+  snprintf(cmd, sizeof cmd, "cd %s && rm dir/*.prev && mv model-1234 dir/model.safetensors", dir);
+  cr_assert_eq(system(cmd), 0);
+  cr_assert_neq(checkpoint_open(d, &ck, &e), 0, "the state of another step was accepted");
+  cr_assert(strstr(e.msg, "holds the state of step 1300"), "%s", e.msg);
+  /* Missing altogether: the state starts from zero (with a warning). */
+  snprintf(cmd, sizeof cmd, "rm -f %s/dir/optimizer.safetensors*", dir);
+  cr_assert_eq(system(cmd), 0);
+  cr_assert_eq(checkpoint_open(d, &ck, &e), 0, "%s", e.msg);
+  cr_assert(!ck.has_optim);
+  checkpoint_close(&ck);
+  model_free(&m), optim_free(&o);
+}
+
+Test(checkpoint, a_destination_that_cannot_be_written_is_refused_up_front) {
+  struct rumor_err e;
+  char p[1000];
+  cr_assert_eq(checkpoint_check_dest(path("a.safetensors"), &e), 0, "%s", e.msg);
+  cr_assert_eq(checkpoint_check_dest(path("newdir/"), &e), 0, "%s", e.msg); /* the first save makes it */
+  snprintf(p, sizeof p, "%s/", dir);
+  cr_assert_eq(checkpoint_check_dest(p, &e), 0, "%s", e.msg);
+  cr_assert_neq(checkpoint_check_dest(path("no/such/x.safetensors"), &e), 0);
+  cr_assert(strstr(e.msg, "no/such: No such file or directory"), "%s", e.msg);
+  cr_assert_neq(checkpoint_check_dest(path("no/such/"), &e), 0);
+  cr_assert(strstr(e.msg, "/no: No such file or directory"), "%s", e.msg);
+  FILE *f = fopen(path("file"), "w");
+  cr_assert_not_null(f);
+  fclose(f);
+  cr_assert_neq(checkpoint_check_dest(path("file/"), &e), 0);
+  cr_assert(strstr(e.msg, "exists and is not a directory"), "%s", e.msg);
+  cr_assert_neq(checkpoint_check_dest(path("file/x.safetensors"), &e), 0);
+  cr_assert(strstr(e.msg, "is not a directory") || strstr(e.msg, "Not a directory"), "%s", e.msg);
+  cr_assert_eq(mkdir(path("sub"), 0755), 0);
+  snprintf(p, sizeof p, "%s/sub", dir); /* an existing directory, without the slash */
+  cr_assert_eq(checkpoint_check_dest(p, &e), 0, "%s", e.msg);
+  memset(p, 'a', sizeof p - 1);
+  p[sizeof p - 1] = '\0';
+  cr_assert_neq(checkpoint_check_dest(p, &e), 0);
+  cr_assert(strstr(e.msg, "too long"), "%s", e.msg);
+  cr_assert_neq(checkpoint_check_dest("", &e), 0);
 }
 
 /* ---- checkpoints written by release 0.1 (tests/data, see its README) ------------ */
