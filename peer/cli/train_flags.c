@@ -64,7 +64,9 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
        "save a checkpoint here, each epoch and at the end: a safetensors file, or a directory (DIR/) in the Hugging "
        "Face layout (model.safetensors, optimizer.safetensors, config.json)"},
       {"checkpoint-every", ARG_INT, &f->checkpoint_every, "N", "also save every N steps (0: off)", 0, 1e15},
-      {"resume", ARG_STR, &f->resume, "PATH", "continue from a checkpoint (model, shard, batch, seeds, position; given ones must match it)"},
+      {"resume", ARG_STR, &f->resume, "PATH",
+       "continue from a checkpoint (model, shard, batch, seeds, position; a given --batch, --shard or seed must match "
+       "it)"},
       {"init-from", ARG_STR, &f->init_from, "DIR",
        "start from the weights of a Hugging Face GPT-2 directory (config.json and model.safetensors) and train "
        "from step 0 (fine-tuning)"},
