@@ -146,18 +146,10 @@ out:
 /* Reads a small secret file into buf (NUL-terminated), refusing files that
  * group or others may read or write. The caller wipes buf. */
 static int secret_file_read(const char *path, char *buf, size_t cap, size_t *len, struct rumor_err *e) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return rumor_err_set(e, -errno, "cannot open %s: %s", path, strerror(errno));
   struct stat st;
+  int fd = file_open_regular(path, O_RDONLY, 0, &st, e);
+  if (fd < 0) return fd;
   int rc = 0;
-  if (fstat(fd, &st) < 0) {
-    rc = rumor_err_set(e, -errno, "cannot stat %s: %s", path, strerror(errno));
-    goto out;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    rc = rumor_err_set(e, -EINVAL, "%s is not a regular file", path);
-    goto out;
-  }
   if (st.st_mode & 077) {
     rc = rumor_err_set(e, -EACCES,
                        "%s holds a secret key but group or others may access it (mode %04o); "

@@ -77,20 +77,42 @@ out:
   return rc;
 }
 
-int file_read_all(const char *path, size_t max_len, uint8_t **out, size_t *out_len,
-                  struct rumor_err *e) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+/* What a path that is not a regular file is, for messages. */
+static const char *file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "of an unknown kind";
+}
+
+int file_open_regular(const char *path, int flags, unsigned mode, struct stat *st, struct rumor_err *e) {
+  /* O_NONBLOCK makes the open itself return at once: a FIFO without a
+   * writer would otherwise block here, before the check below, and no stop
+   * signal could end the wait (they are blocked in every thread). */
+  int fd = open(path, flags | O_NONBLOCK | O_CLOEXEC, mode);
   if (fd < 0) return rumor_err_set(e, -errno, "cannot open %s: %s", path, strerror(errno));
-  struct stat st;
-  if (fstat(fd, &st) < 0) {
-    int rc = rumor_err_set(e, -errno, "cannot stat %s: %s", path, strerror(errno));
+  struct stat own;
+  if (!st) st = &own;
+  int rc = 0, fl;
+  if (fstat(fd, st) < 0) rc = rumor_err_set(e, -errno, "cannot stat %s: %s", path, strerror(errno));
+  else if (!S_ISREG(st->st_mode))
+    rc = rumor_err_set(e, -EINVAL, "%s is not a regular file (it is %s)", path, file_kind(st->st_mode));
+  else if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0)
+    rc = rumor_err_set(e, -errno, "cannot clear O_NONBLOCK on %s: %s", path, strerror(errno));
+  if (rc) {
     close(fd);
     return rc;
   }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return rumor_err_set(e, -EINVAL, "%s is not a regular file", path);
-  }
+  return fd;
+}
+
+int file_read_all(const char *path, size_t max_len, uint8_t **out, size_t *out_len,
+                  struct rumor_err *e) {
+  struct stat st;
+  int fd = file_open_regular(path, O_RDONLY, 0, &st, e);
+  if (fd < 0) return fd;
   if ((uint64_t)st.st_size > max_len) {
     close(fd);
     return rumor_err_set(e, RUMOR_ETOOBIG, "%s is %lld bytes, more than the limit of %zu", path,

@@ -166,8 +166,23 @@ int file_write_atomic(const char *path, const struct file_part *parts, size_t np
  * a negative errno. */
 int file_write_full(int fd, const void *buf, size_t n) RUMOR_MUST_CHECK;
 
-/* Reads a whole file of at most `max_len` bytes into a new buffer (caller
- * frees). Returns 0, or a negative errno / RUMOR_ETOOBIG with a message. */
+/* Opens a path the user named, for reading: open(2) with `flags` (O_RDONLY,
+ * or e.g. O_RDWR | O_CREAT | O_APPEND with `mode`) plus O_NONBLOCK and
+ * O_CLOEXEC, so that opening a FIFO does not wait for a writer; then
+ * refuses anything but a regular file and clears O_NONBLOCK. Every read of
+ * a file given on the command line goes through here (or file_read_all):
+ * the stop signals are blocked in every thread, so an open(2) that waits
+ * for a FIFO's writer could not even be interrupted. Returns the descriptor
+ * (the caller closes it), with its fstat in `*st` when `st` is not NULL;
+ * or a negative errno with a message naming the path: -EINVAL and "PATH is
+ * not a regular file (it is a FIFO)" and the like. */
+struct stat;
+int file_open_regular(const char *path, int flags, unsigned mode, struct stat *st,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Reads a whole regular file (file_open_regular) of at most `max_len`
+ * bytes into a new buffer (caller frees). Returns 0, or a negative errno /
+ * RUMOR_ETOOBIG with a message. */
 int file_read_all(const char *path, size_t max_len, uint8_t **out, size_t *out_len,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
 

@@ -285,6 +285,12 @@ void result_describe_final(const struct trainer *t, char *buf, size_t len);
  * subcommand name), returns the exit status and prints its own --help.
  * ========================================================================== */
 
+/* The exit status of `rumor train`, `eval` and `sample` stopped by SIGINT,
+ * SIGTERM or SIGHUP before they finished (128 + SIGINT, as a shell reports
+ * a Ctrl-C), with no result line. (`rumor peer` and `rumor group` leave
+ * their cluster on a stop and exit 0 instead.) */
+#define CLI_EXIT_INTERRUPTED 130
+
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_sample(int argc, char **argv);

@@ -7,6 +7,13 @@
 #include "peer/cli/cli_impl.h"
 #include "util/json_text.h"
 
+/* A stop signal ended the evaluation after `done` of `total` rows: the
+ * command prints no result and exits as an interrupted `rumor train`. */
+static int interrupted(int64_t done, int64_t total, const char *rows, struct rumor_err *e) {
+  return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d after %lld of %lld %s", signals_stop_requested(),
+                       (long long)done, (long long)total, rows);
+}
+
 /* A language model's loss per token and next-token accuracy on the
  * validation windows of `data` (as training splits it), in batches. */
 static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data, double val_fraction, int64_t batch,
@@ -22,12 +29,12 @@ static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data
   int64_t T = io.input_per_row, n = token_split_windows(&c.val, T);
   if (max_batches > 0 && n > max_batches * batch) n = max_batches * batch;
   if (n == 0) rc = rumor_err_set(e, RUMOR_EFORMAT, "%s has no validation windows (--val-fraction 0?)", data);
+  int64_t correct = 0, first = 0;
+  double loss = 0;
   if (rc == 0 && (rc = model_init_full(&m, &ck->info.spec, be, batch, e)) == 0 &&
       (rc = checkpoint_restore(ck, &m, NULL, e)) == 0) {
     int32_t *x = xmalloc((size_t)(batch * T) * sizeof(int32_t)), *y = xmalloc((size_t)(batch * T) * sizeof(int32_t));
-    int64_t correct = 0;
-    double loss = 0;
-    for (int64_t first = 0; first < n; first += batch) {
+    for (; first < n && !signals_stop_requested(); first += batch) {
       int64_t rows = n - first < batch ? n - first : batch;
       token_split_gather(&c.val, T, first, rows, x, y);
       tensor_copy_from_host(model_act(&m, 0), 0, x, (size_t)(rows * T) * sizeof(int32_t));
@@ -36,6 +43,9 @@ static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data
     }
     free(x);
     free(y);
+    if (first < n) rc = interrupted(first, n, "windows", e);
+  }
+  if (rc == 0) {
     double targets = (double)(n * T);
     json_t *o = result_open();
     json_text_set(o, "checkpoint", json_text_str(ckpt));
@@ -48,6 +58,62 @@ static int eval_tokens(const char *ckpt, struct checkpoint *ck, const char *data
   }
   model_free(&m);
   token_corpus_free(&c);
+  return rc;
+}
+
+/* An MLP's accuracy and mean loss on the `split` images of `data`, in
+ * batches. Opens the backend into *be (the caller closes it) once the data
+ * fits the model, so that a bad data directory is reported first. */
+static int eval_images(const char *ckpt, struct checkpoint *ck, const char *data, const char *split, int64_t batch,
+                       const char *device, int threads, tensor_backend_t *be, struct rumor_err *e) {
+  struct model_io io;
+  model_spec_io(&ck->info.spec, &io);
+  struct dataset ds;
+  memset(&ds, 0, sizeof ds);
+  struct model m;
+  memset(&m, 0, sizeof m);
+  int rc = dataset_load_split(data, split, &ds, e);
+  if (rc) return rc;
+  if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1 || ds.features != io.input_per_row)
+    rc = rumor_err_set(e, RUMOR_ESHAPE, "the checkpoint's model takes %lld inputs but the images have %lld pixels",
+                       (long long)io.input_per_row, (long long)ds.features);
+  else if (ds.num_classes > io.classes)
+    rc = rumor_err_set(e, RUMOR_ESHAPE, "the checkpoint's model has %lld outputs but the labels go up to %d",
+                       (long long)io.classes, ds.num_classes - 1);
+  else if ((rc = tensor_backend_open(device, be, e)) == 0) {
+    if (threads > 0) tensor_backend_set_threads(*be, threads);
+    if ((rc = model_init_full(&m, &ck->info.spec, *be, batch, e)) == 0) rc = checkpoint_restore(ck, &m, NULL, e);
+  }
+  int64_t correct = 0, first = 0;
+  double loss = 0;
+  if (rc == 0) {
+    float lut[256];
+    dataset_norm_lut(ck->info.norm_mean, ck->info.norm_std, lut);
+    float *x = xmalloc((size_t)(batch * ds.features) * sizeof(float));
+    int32_t *y = xmalloc((size_t)batch * sizeof(int32_t));
+    for (; first < ds.count && !signals_stop_requested(); first += batch) {
+      int64_t rows = ds.count - first < batch ? ds.count - first : batch;
+      dataset_gather_range(&ds, lut, first, rows, x, y);
+      tensor_copy_from_host(model_act(&m, 0), 0, x, (size_t)(rows * ds.features) * sizeof(float));
+      tensor_copy_from_host(&m.labels, 0, y, (size_t)rows * sizeof(int32_t));
+      model_evaluate(&m, rows, y, &correct, &loss);
+    }
+    free(x);
+    free(y);
+    if (first < ds.count) rc = interrupted(first, ds.count, "samples", e);
+  }
+  if (rc == 0) {
+    json_t *o = result_open();
+    json_text_set(o, "checkpoint", json_text_str(ckpt));
+    json_text_set(o, "split", json_text_str(split));
+    json_text_set(o, "samples", json_integer(ds.count));
+    json_text_set(o, "accuracy", json_text_real((double)correct / (double)ds.count));
+    json_text_set(o, "loss", json_text_real(loss / (double)ds.count));
+    json_text_set(o, "step", json_integer(ck->info.st.step));
+    result_print(o);
+  }
+  model_free(&m);
+  dataset_free(&ds);
   return rc;
 }
 
@@ -71,7 +137,8 @@ int cmd_eval(int argc, char **argv) {
   };
   int ar = args_parse(specs, argc, argv, "rumor eval --checkpoint PATH [options]",
                       "Evaluates a checkpoint and prints accuracy and loss as JSON on stdout: an MLP's on a test "
-                      "set, a language model's loss per token on the validation windows of its text.");
+                      "set, a language model's loss per token on the validation windows of its text. "
+                      "SIGINT/SIGTERM stop it between batches: no result, exit status 130.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   if (!ckpt) {
     fprintf(stderr, "rumor eval: --checkpoint FILE is required\n");
@@ -83,71 +150,26 @@ int cmd_eval(int argc, char **argv) {
   }
   struct rumor_err e = {0};
   struct checkpoint ck;
-  struct dataset ds;
-  tensor_backend_t be = NULL;
-  struct model m;
-  memset(&m, 0, sizeof m);
-  memset(&ds, 0, sizeof ds);
-  int status = 1;
   if (checkpoint_open(ckpt, &ck, &e)) {
     fprintf(stderr, "rumor eval: %s\n", e.msg);
     return 1;
   }
   struct model_io io;
   model_spec_io(&ck.info.spec, &io);
+  tensor_backend_t be = NULL;
+  int rc;
   if (io.input_dtype == TENSOR_I32) {
-    if (tensor_backend_open(device, &be, &e)) goto done;
-    if (threads > 0) tensor_backend_set_threads(be, (int)threads);
-    if (eval_tokens(ckpt, &ck, data, val_fraction, batch ? batch : 8, max_batches, be, &e)) goto done;
-    status = 0;
-    goto done;
+    if ((rc = tensor_backend_open(device, &be, &e)) == 0) {
+      if (threads > 0) tensor_backend_set_threads(be, (int)threads);
+      rc = eval_tokens(ckpt, &ck, data, val_fraction, batch ? batch : 8, max_batches, be, &e);
+    }
+  } else {
+    rc = eval_images(ckpt, &ck, data ? data : TRAIN_DEFAULT_IMAGES, split, batch ? batch : 1000, device, (int)threads,
+                     &be, &e);
   }
-  if (!data) data = TRAIN_DEFAULT_IMAGES;
-  if (!batch) batch = 1000;
-  if (dataset_load_split(data, split, &ds, &e)) goto done;
-  if (io.input_dtype != TENSOR_F32 || io.labels_per_row != 1 || ds.features != io.input_per_row) {
-    rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model takes %lld inputs but the images have %lld pixels",
-                  (long long)io.input_per_row, (long long)ds.features);
-    goto done;
-  }
-  if (ds.num_classes > io.classes) {
-    rumor_err_set(&e, RUMOR_ESHAPE, "the checkpoint's model has %lld outputs but the labels go up to %d",
-                  (long long)io.classes, ds.num_classes - 1);
-    goto done;
-  }
-  if (tensor_backend_open(device, &be, &e)) goto done;
-  if (threads > 0) tensor_backend_set_threads(be, (int)threads);
-  if (model_init_full(&m, &ck.info.spec, be, batch, &e) || checkpoint_restore(&ck, &m, NULL, &e)) goto done;
-
-  float lut[256];
-  dataset_norm_lut(ck.info.norm_mean, ck.info.norm_std, lut);
-  float *x = xmalloc((size_t)(batch * ds.features) * sizeof(float));
-  int32_t *y = xmalloc((size_t)batch * sizeof(int32_t));
-  int64_t correct = 0;
-  double loss = 0;
-  for (int64_t first = 0; first < ds.count; first += batch) {
-    int64_t rows = ds.count - first < batch ? ds.count - first : batch;
-    dataset_gather_range(&ds, lut, first, rows, x, y);
-    tensor_copy_from_host(model_act(&m, 0), 0, x, (size_t)(rows * ds.features) * sizeof(float));
-    tensor_copy_from_host(&m.labels, 0, y, (size_t)rows * sizeof(int32_t));
-    model_evaluate(&m, rows, y, &correct, &loss);
-  }
-  free(x);
-  free(y);
-  json_t *o = result_open();
-  json_text_set(o, "checkpoint", json_text_str(ckpt));
-  json_text_set(o, "split", json_text_str(split));
-  json_text_set(o, "samples", json_integer(ds.count));
-  json_text_set(o, "accuracy", json_text_real((double)correct / (double)ds.count));
-  json_text_set(o, "loss", json_text_real(loss / (double)ds.count));
-  json_text_set(o, "step", json_integer(ck.info.st.step));
-  result_print(o);
-  status = 0;
-done:
-  if (status) fprintf(stderr, "rumor eval: %s\n", e.msg);
-  model_free(&m);
+  int status = rc == 0 ? 0 : rc == RUMOR_ECANCELED && signals_stop_requested() ? CLI_EXIT_INTERRUPTED : 1;
+  if (rc) fprintf(stderr, "rumor eval: %s\n", e.msg);
   tensor_backend_close(be);
-  dataset_free(&ds);
   checkpoint_close(&ck);
   return status;
 }

@@ -206,7 +206,14 @@ void ps_result_fields(json_t *o, const struct ps_client_stats *st) {
 static void print_worker_result(struct trainer *t, const struct ps_client_stats *st, const char *id, double secs,
                                 int64_t s0) {
   struct rumor_err e = {0};
-  if (trainer_evaluate(t, &e)) log_warn("final evaluation: %s", e.msg);
+  int er = trainer_evaluate(t, &e);
+  if (er == RUMOR_ECANCELED && signals_stop_requested()) {
+    /* As on any stop: no result line (figures of an earlier evaluation
+     * would pass for the final ones). */
+    log_info("signal %d: final %s; no result line", signals_stop_requested(), e.msg);
+    return;
+  }
+  if (er) log_warn("final evaluation: %s", e.msg);
   char final[96];
   result_describe_final(t, final, sizeof final);
   log_info("final %s after %lld steps; %llu pushes, %llu pulls, %.1f s waiting, largest clock gap %lld", final,

@@ -117,9 +117,11 @@ static void print_token(int32_t tok, bool bytes, bool first) {
   else printf(first ? "%d" : " %d", tok);
 }
 
-/* Generates `count` tokens after the prompt, printing each as it comes. */
-static void generate(struct model *m, int32_t *toks, int64_t n, int64_t count, double temperature, int64_t top_k,
-                     uint64_t seed) {
+/* Generates `count` tokens after the prompt, printing each as it comes.
+ * A stop signal ends it before the next token. Either way the output ends
+ * with a newline and is flushed. Returns the tokens generated. */
+static int64_t generate(struct model *m, int32_t *toks, int64_t n, int64_t count, double temperature, int64_t top_k,
+                        uint64_t seed) {
   int64_t T = m->io.input_per_row, V = m->io.classes;
   bool bytes = V == 256;
   float *row = xmalloc((size_t)V * sizeof(float));
@@ -127,7 +129,8 @@ static void generate(struct model *m, int32_t *toks, int64_t n, int64_t count, d
   rng_seed(&r, seed, 0x53414d50 /* "SAMP" */);
   for (int64_t i = 0; i < n; i++) print_token(toks[i], bytes, i == 0);
   fflush(stdout);
-  for (int64_t k = 0; k < count; k++) {
+  int64_t k;
+  for (k = 0; k < count && !signals_stop_requested(); k++) {
     int64_t len = n < T ? n : T, first = n - len; /* the last T tokens */
     model_set_positions(m, len);
     tensor_copy_from_host(model_act(m, 0), 0, toks + first, (size_t)len * sizeof(int32_t));
@@ -139,7 +142,9 @@ static void generate(struct model *m, int32_t *toks, int64_t n, int64_t count, d
     n++;
   }
   if (!bytes || (n > 0 && toks[n - 1] != '\n')) putchar('\n');
+  fflush(stdout);
   free(row);
+  return k;
 }
 
 int cmd_sample(int argc, char **argv) {
@@ -159,7 +164,8 @@ int cmd_sample(int argc, char **argv) {
   };
   int ar = args_parse(specs, argc, argv, "rumor sample --checkpoint PATH [--prompt TEXT] [options]",
                       "Prints the prompt and its continuation by a language model: bytes for a byte-level model "
-                      "(vocabulary 256), token ids otherwise.");
+                      "(vocabulary 256), token ids otherwise. SIGINT/SIGTERM stop it before the next token: "
+                      "the text so far stays printed, exit status 130.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   if (!ckpt) {
     fprintf(stderr, "rumor sample: --checkpoint PATH is required\n");
@@ -183,7 +189,14 @@ int cmd_sample(int argc, char **argv) {
     status = 2;
     goto done;
   }
-  generate(&m, toks, n, tokens, temperature, top_k, (uint64_t)seed);
+  int64_t made = generate(&m, toks, n, tokens, temperature, top_k, (uint64_t)seed);
+  if (made < tokens) {
+    /* The prompt and the tokens made so far are printed and flushed. */
+    rumor_err_set(&e, RUMOR_ECANCELED, "interrupted by signal %d after %lld of %lld tokens",
+                  signals_stop_requested(), (long long)made, (long long)tokens);
+    status = CLI_EXIT_INTERRUPTED;
+    goto done;
+  }
   status = 0;
 done:
   if (status) fprintf(stderr, "rumor sample: %s\n", e.msg);

@@ -6,6 +6,7 @@
  * a chart of Ξ and loss over time.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -296,9 +297,16 @@ static int csv_append(FILE *f, const char *path, const struct gossip_cluster_rep
 /* Opens the CSV file for appending; writes the header when it is new or
  * empty, and refuses a file whose first line is a different header. */
 static FILE *csv_open(const char *path, struct rumor_err *e) {
-  FILE *f = fopen(path, "a+");
+  /* A FIFO would block the header check's read below: regular files only. */
+  int fd = file_open_regular(path, O_RDWR | O_CREAT | O_APPEND, 0666, NULL, e);
+  if (fd < 0) {
+    rumor_err_prefix(e, "--csv");
+    return NULL;
+  }
+  FILE *f = fdopen(fd, "a+");
   if (!f) {
     rumor_err_set(e, -errno, "cannot open --csv file %s: %s", path, strerror(errno));
+    close(fd);
     return NULL;
   }
   char line[512] = "";

@@ -16,7 +16,8 @@ int cmd_train(int argc, char **argv) {
   specs[n] = (struct arg_spec){0};
   int ar = args_parse(specs, argc, argv, "rumor train [options]",
                       "Trains one replica on its own (no network) and prints the final test accuracy\n"
-                      "as JSON on stdout. Progress goes to stderr.");
+                      "as JSON on stdout. Progress goes to stderr. SIGINT/SIGTERM stop it, also during an\n"
+                      "evaluation, with its checkpoint saved (--checkpoint): no result, exit status 130.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(f.log_json);
 
@@ -54,10 +55,17 @@ int cmd_train(int argc, char **argv) {
   if (signals_stop_requested()) {
     log_warn("interrupted by signal %d at step %lld", signals_stop_requested(), (long long)t.st.step);
     if (cfg.checkpoint && trainer_save(&t, cfg.checkpoint, &e)) fprintf(stderr, "rumor train: %s\n", e.msg);
-    status = 130;
+    status = CLI_EXIT_INTERRUPTED;
   }
-  if (status == 0) {
-    if (trainer_evaluate(&t, &e)) log_warn("final evaluation: %s", e.msg);
+  int er = status == 0 ? trainer_evaluate(&t, &e) : 0;
+  if (status == 0 && er == RUMOR_ECANCELED && signals_stop_requested()) {
+    /* Stopped during the final evaluation: the last step's checkpoint is
+     * written already (trainer_step), so nothing is lost; exit as on any
+     * interruption, without a result line. */
+    log_warn("interrupted at step %lld: final %s", (long long)t.st.step, e.msg);
+    status = CLI_EXIT_INTERRUPTED;
+  } else if (status == 0) {
+    if (er) log_warn("final evaluation: %s", e.msg);
     double acc = t.data.have_eval ? t.accuracy : -1, loss = t.data.have_eval ? t.test_loss : -1;
     if (t.data.have_eval) {
       char final[96];

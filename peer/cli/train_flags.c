@@ -102,6 +102,7 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
 int train_flags_config(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,
                        struct rumor_err *e) {
   train_config_default(cfg);
+  cfg->stop = signals_stop_flag(); /* SIGINT/SIGTERM end an evaluation between batches */
   if (shard_parse(f->shard, &cfg->shard, e)) return rumor_err_prefix(e, "--shard");
   if (optim_kind_parse(f->optimizer, &cfg->optim.kind))
     return rumor_err_set(e, RUMOR_EFORMAT, "--optimizer must be sgd or adamw, not '%s'", f->optimizer);

@@ -3,11 +3,13 @@
 #include "peer/data/data_impl.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #define IDX_MAGIC_U8_1D 0x00000801u
@@ -44,11 +46,17 @@ static int gz_fail(gzFile f, const char *path, struct rumor_err *e) {
  * about its size cannot make us allocate more than the file holds. */
 static int idx_read(const char *path, uint32_t magic, int ndims, int64_t *dims, uint8_t **out,
                     struct rumor_err *e) {
-  struct stat st;
-  if (stat(path, &st) != 0) return rumor_err_set(e, -errno, "cannot open %s: %s", path, strerror(errno));
-  if (!S_ISREG(st.st_mode)) return rumor_err_set(e, -EINVAL, "%s is not a regular file", path);
-  gzFile f = gzopen(path, "rb");
-  if (!f) return rumor_err_set(e, -(errno ? errno : ENOMEM), "cannot open %s: %s", path, strerror(errno));
+  /* Opened and checked first (a FIFO must not block gzopen), then handed to
+   * zlib, which owns the descriptor from gzdopen on. */
+  int fd = file_open_regular(path, O_RDONLY, 0, NULL, e);
+  if (fd < 0) return fd;
+  errno = 0;
+  gzFile f = gzdopen(fd, "rb");
+  if (!f) {
+    int err = errno ? errno : ENOMEM;
+    close(fd);
+    return rumor_err_set(e, -err, "cannot open %s: %s", path, strerror(err));
+  }
   gzbuffer(f, 1 << 17);
   int rc = 0;
   uint8_t *data = NULL;

@@ -135,13 +135,11 @@ static int text_load(struct token_file *f, const uint8_t *bytes, size_t len, int
  * On failure f holds only its path. */
 static int file_load(struct token_file *f, char *path, int64_t vocab, int64_t *text_left, struct rumor_err *e) {
   f->path = path;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return rumor_err_set(e, -errno, "cannot open %s: %s", path, strerror(errno));
   struct stat st;
+  int fd = file_open_regular(path, O_RDONLY, 0, &st, e);
+  if (fd < 0) return fd;
   int rc = 0;
-  if (fstat(fd, &st) != 0) rc = rumor_err_set(e, -errno, "cannot stat %s: %s", path, strerror(errno));
-  else if (!S_ISREG(st.st_mode)) rc = rumor_err_set(e, -EINVAL, "%s is not a regular file", path);
-  else if (st.st_size == 0) rc = rumor_err_set(e, RUMOR_EFORMAT, "%s: empty file (no tokens)", path);
+  if (st.st_size == 0) rc = rumor_err_set(e, RUMOR_EFORMAT, "%s: empty file (no tokens)", path);
   else if ((uint64_t)st.st_size > SIZE_MAX / 2)
     rc = rumor_err_set(e, RUMOR_ETOOBIG, "%s: %lld bytes is too large", path, (long long)st.st_size);
   if (rc) {

@@ -338,13 +338,16 @@ static void gather_eval(void *arg, int64_t first, int64_t rows, void *x, int32_t
 }
 
 /* Loss and correct predictions over the first n rows of the evaluation or
- * the training set in file order, batch by batch (a whole replica). */
-static void evaluate_whole(struct trainer *t, bool eval, int64_t n, int64_t *correct, double *loss) {
-  int64_t bs = t->cfg.batch, ypr = t->data.y_per_row;
+ * the training set in file order, batch by batch (a whole replica). Before
+ * each batch a set `stop` (may be NULL) ends it early. Returns the rows
+ * evaluated: n, or fewer when stopped. */
+static int64_t evaluate_whole(struct trainer *t, bool eval, int64_t n, const atomic_int *stop, int64_t *correct,
+                              double *loss) {
+  int64_t bs = t->cfg.batch, ypr = t->data.y_per_row, first;
   void *x = tensor_host_alloc(t->be, (size_t)bs * t->data.x_bytes_per_row);
   int32_t *y = tensor_host_alloc(t->be, (size_t)(bs * ypr) * sizeof(int32_t));
   RUMOR_ASSERT(x && y);
-  for (int64_t first = 0; first < n; first += bs) {
+  for (first = 0; first < n && !(stop && atomic_load(stop)); first += bs) {
     int64_t rows = n - first < bs ? n - first : bs;
     train_data_gather(&t->data, eval, first, rows, x, y);
     tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)rows * t->data.x_bytes_per_row);
@@ -353,6 +356,7 @@ static void evaluate_whole(struct trainer *t, bool eval, int64_t n, int64_t *cor
   }
   tensor_host_free(t->be, x);
   tensor_host_free(t->be, y);
+  return first < n ? first : n;
 }
 
 double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows) {
@@ -363,7 +367,7 @@ double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows) {
   *rows = n;
   double loss = 0;
   int64_t correct = 0;
-  evaluate_whole(t, false, n, &correct, &loss);
+  evaluate_whole(t, false, n, NULL, &correct, &loss); /* a few rows, and a donation check needs all */
   return n > 0 ? loss / (double)(n * t->data.y_per_row) : 0.0;
 }
 
@@ -385,7 +389,10 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
     int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, &correct, &loss, e);
     if (rc) return rc;
   } else {
-    evaluate_whole(t, true, n, &correct, &loss);
+    int64_t done = evaluate_whole(t, true, n, t->cfg.stop, &correct, &loss);
+    if (done < n)
+      return rumor_err_set(e, RUMOR_ECANCELED, "evaluation stopped by signal %d after %lld of %lld %s",
+                           atomic_load(t->cfg.stop), (long long)done, (long long)n, trainer_row_noun(t));
   }
   t->eval_seconds = clock_now_s() - t0;
   if (trainer_has_loss(t)) {
@@ -528,10 +535,24 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   return 0;
 }
 
+/* An evaluation inside a step. One that a stop signal cut short is no
+ * failure here: the step's checkpoint may still be due, and the caller's
+ * loop sees the signal after the step. *evaluated: figures are new. */
+static int eval_in_step(struct trainer *t, bool *evaluated, struct rumor_err *e) {
+  int rc = trainer_evaluate(t, e);
+  *evaluated = rc == 0;
+  if (rc == RUMOR_ECANCELED && !trainer_is_stage(t)) {
+    log_warn("step %lld: %s", (long long)t->st.step, e->msg);
+    return 0;
+  }
+  return rc;
+}
+
 /* --eval-every: an evaluation between epoch ends, and its line. */
 static int eval_now(struct trainer *t, struct rumor_err *e) {
-  int rc = trainer_evaluate(t, e);
-  if (rc || !trainer_has_loss(t)) return rc;
+  bool evaluated;
+  int rc = eval_in_step(t, &evaluated, e);
+  if (rc || !evaluated || !trainer_has_loss(t)) return rc;
   if (t->data.tokens)
     log_info("step %lld: train loss %.4f, val loss %.4f (evaluated in %.3f s)", (long long)t->st.step, t->loss_avg,
              t->test_loss, t->eval_seconds);
@@ -550,14 +571,15 @@ static int end_epoch(struct trainer *t, struct rumor_err *e) {
     }
     t->epoch_losses[t->nepoch_losses++] = t->loss_avg;
   }
+  bool evaluated = false;
   if (t->cfg.eval_each_epoch) {
-    int rc = trainer_evaluate(t, e);
+    int rc = eval_in_step(t, &evaluated, e);
     if (rc) return rc;
   }
   long long epoch = (long long)t->st.epoch, epochs = (long long)t->cfg.epochs, step = (long long)t->st.step;
   if (!trainer_has_loss(t))
     log_info("epoch %lld/%lld done at step %lld", epoch, epochs, step);
-  else if (!t->cfg.eval_each_epoch) /* --no-eval: no test figures to print */
+  else if (!evaluated) /* --no-eval, or a stop cut it short: no test figures to print */
     log_info("epoch %lld/%lld done at step %lld: train loss %.4f", epoch, epochs, step, t->loss_avg);
   else if (t->data.tokens)
     log_info("epoch %lld/%lld done at step %lld: train loss %.4f, val loss %.4f (evaluated in %.3f s)", epoch, epochs,

@@ -285,6 +285,8 @@ struct train_config {
   bool eval_each_epoch;
   const char *peer_id;     /* written into checkpoints; may be NULL */
   const struct train_stage *stage; /* a pipeline stage, or NULL for a whole replica */
+  const atomic_int *stop;  /* polled between a whole replica's evaluation batches: non-zero cuts the evaluation
+                            * short (a stop signal; trainer_evaluate); may be NULL */
 };
 
 void train_config_default(struct train_config *c);
@@ -428,7 +430,12 @@ bool trainer_done(const struct trainer *t);
 int trainer_step(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Accuracy and mean loss of the current parameters on the test set, into
  * t->accuracy and t->test_loss (a stage's: pipelined, every stage of the
- * group at the same point; NaN on stages other than the last). */
+ * group at the same point; NaN on stages other than the last). A whole
+ * replica checks cfg.stop before each batch: when it is set the evaluation
+ * ends there and RUMOR_ECANCELED is returned with a message, t->accuracy
+ * and t->test_loss keep their previous values and the observer is not
+ * called. Inside trainer_step such a cut is no failure: the step goes on to
+ * its checkpoint, if one is due, and returns 0. */
 int trainer_evaluate(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Mean loss of the current parameters on the first rows of the training
  * set in file order that hold at most `targets` targets (at least one row;

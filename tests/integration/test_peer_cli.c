@@ -2,8 +2,9 @@
  * the target accuracy; checkpoints evaluate and resume bit for bit, and
  * those written by release 0.1 still evaluate and resume; bad flags, bad
  * data, bad checkpoints, unusable checkpoint destinations, resumed runs
- * given another batch, shard or seed, and unknown devices give a clear
- * message and a non-zero exit, never a crash. */
+ * given another batch, shard or seed, unknown devices and FIFOs given as
+ * input files give a clear message and a non-zero exit, never a crash or a
+ * hang. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -220,6 +221,63 @@ Test(cli, bad_checkpoints_and_devices_are_reported) {
   cli_expect_fail(st, 1, err, "unknown device 'tpu:0'", "unknown device");
   st = rumor(NULL, &err, 60, "train", "--device", "cuda:7", "--max-steps", "1", NULL);
   cli_expect_fail(st, 1, err, "cuda:7", "absent GPU");
+}
+
+/* Every input file a user names, given as a FIFO (no writer), used to block
+ * in open(2) with the stop signals blocked: only SIGKILL ended it. Each is
+ * now refused at once, exit 1, naming the path. A 15 s deadline per command
+ * turns a regression into a failure instead of a hung suite. */
+Test(cli, a_fifo_given_as_any_input_file_is_refused_not_waited_on) {
+  char f[128], d[128], idx[128], cfg[192], key[128], id[128], *err;
+  snprintf(f, sizeof f, "%s/fifo", dir);
+  snprintf(d, sizeof d, "%s/hub", dir);          /* a checkpoint directory whose config.json is a FIFO */
+  snprintf(idx, sizeof idx, "%s/idx", dir);      /* an IDX data directory whose files are FIFOs */
+  snprintf(cfg, sizeof cfg, "%s/config.json", d);
+  snprintf(key, sizeof key, "%s/cluster.key", dir);
+  snprintf(id, sizeof id, "%s/id", dir);
+  cr_assert_eq(mkfifo(f, 0600), 0);
+  cr_assert(mkdir(d, 0700) == 0 && mkfifo(cfg, 0600) == 0 && mkdir(idx, 0700) == 0);
+  const char *idx_names[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                             "t10k-labels-idx1-ubyte"};
+  for (size_t i = 0; i < 4; i++) {
+    char p[192];
+    snprintf(p, sizeof p, "%s/%s", idx, idx_names[i]);
+    cr_assert_eq(mkfifo(p, 0600), 0);
+  }
+  int st = rumor(NULL, &err, 30, "keygen", "--cluster", "-o", key, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  st = rumor(NULL, &err, 30, "keygen", "-o", id, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  struct {
+    const char *what, *args[14], *names; /* args: NULL-terminated */
+  } cases[] = {
+      {"peer --identity", {"peer", "--cluster-key", key, "--identity", f, "--model", "mlp:784-16-10"}, f},
+      {"peer --cluster-key", {"peer", "--cluster-key", f, "--identity", id, "--model", "mlp:784-16-10"}, f},
+      {"bootstrap --allow-list", {"bootstrap", "--listen", "127.0.0.1:0", "--cluster-key", key, "--identity", id,
+                                  "--allow-list", f}, f},
+      {"keygen --public", {"keygen", "--public", f}, f},
+      {"train --resume", {"train", "--resume", f}, f},
+      {"eval --checkpoint", {"eval", "--checkpoint", f}, f},
+      {"train --data (tokens)", {"train", "--model", "gpt:L1-H2-C32-T16-V256", "--data", f}, f},
+      {"train --data (IDX)", {"train", "--model", "mlp:784-16-10", "--data", idx}, idx},
+      {"sample --checkpoint DIR", {"sample", "--checkpoint", d}, cfg},
+      {"train --init-from DIR", {"train", "--init-from", d}, cfg},
+      {"ps --checkpoint", {"ps", "--listen", "127.0.0.1:0", "--cluster-key", key, "--identity", id, "--workers", "1",
+                           "--model", "mlp:784-16-10", "--checkpoint", f}, f},
+      {"top --csv", {"top", "--bootstrap", "127.0.0.1:1", "--cluster-key", key, "--identity", id, "--once", "--csv",
+                     f}, f},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const char *const *a = cases[i].args;
+    st = rumor(NULL, &err, 15, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
+               NULL);
+    cr_assert(st >= 0, "%s: still waiting after 15 s", cases[i].what);
+    cr_assert(strstr(err, "is not a regular file (it is a FIFO)") && strstr(err, cases[i].names),
+              "%s: stderr should refuse the FIFO by name: %s", cases[i].what, err);
+    cli_expect_fail(st, 1, err, cases[i].names, cases[i].what);
+  }
 }
 
 /* ---- checkpoints written by release 0.1 (tests/data, see its README) ------------ */

@@ -2,13 +2,15 @@
  * directory checkpoint, the logits of that checkpoint against a plain
  * PyTorch GPT-2 (tests/scripts/gpt_torch.py on Debian's PyTorch), `rumor
  * sample`, --init-from a directory laid out as GPT-2's files on the Hugging
- * Face hub, and bad input named with a clean exit. */
+ * Face hub, bad input named with a clean exit, and SIGINT/SIGTERM ending
+ * `rumor sample`, `rumor eval` and train's final evaluation promptly. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../support/proc.h"
 #include "../support/cli.h"
@@ -29,21 +31,27 @@ TestSuite(gptcli, .init = setup, .fini = teardown, .timeout = 300);
 
 static int run_argv(char **out, char **err, double secs, char **argv) { return proc_run(argv, secs, dir, out, err); }
 
-/* A text of words from a fixed generator: enough structure to learn a
- * little in a few steps, no package needed. */
-static const char *text_path(void) {
-  static char path[128];
-  snprintf(path, sizeof path, "%s/text.txt", dir);
+/* Writes `count` words from a fixed generator seeded with `seed` to
+ * dir/name into path[128]: enough structure to learn a little in a few
+ * steps, no package needed. Returns path. */
+static const char *write_words(char *path, const char *name, int count, uint64_t seed) {
+  snprintf(path, 128, "%s/%s", dir, name);
   FILE *f = fopen(path, "w");
   cr_assert_not_null(f);
   static const char *words[] = {"the ", "lord ", "said ", "unto ", "moses ", "and ", "it ", "was ", "so. ", "\n"};
-  uint64_t x = 2463534242ull;
-  for (int i = 0; i < 12000; i++) {
+  uint64_t x = seed;
+  for (int i = 0; i < count; i++) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
     fputs(words[x % 10], f);
   }
   fclose(f);
   return path;
+}
+
+/* 12000 words (about 50 kB). */
+static const char *text_path(void) {
+  static char path[128];
+  return write_words(path, "text.txt", 12000, 2463534242ull);
 }
 
 static double trained_val_loss; /* of the last train_dir */
@@ -317,6 +325,122 @@ Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
   cli_expect_fail(st, 1, err, "nope.txt", "sample from a missing checkpoint");
   st = rumor(NULL, &err, 60, "train", "--init-from", dir, "--data", text_path(), NULL);
   cli_expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
+}
+
+/* ---- stop signals: eval, sample and train's final evaluation end promptly ---------- */
+
+/* Big enough that evaluating half of big_text_path() (about 3350 windows)
+ * takes it tens of seconds on one core, far past the deadlines below. */
+#define BIG_MODEL "gpt:L4-H4-C256-T128-V256"
+#define STOP_DEADLINE_S 10.0 /* from the signal to the exit */
+
+/* 200000 words (about 860 kB). */
+static const char *big_text_path(void) {
+  static char path[128];
+  return write_words(path, "big.txt", 200000, 88172645463325252ull);
+}
+
+/* Starts rumor with `args` (NULL-terminated, at most 30) in the background,
+ * stdout and stderr to dir/<name>.out and .err (paths into out/err, 160
+ * bytes). The suite's teardown ends it if the test does not. */
+static pid_t spawn(const char *name, char *out, char *err, char *const *args) {
+  char *argv[32] = {RUMOR_BIN};
+  int n = 1;
+  for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  snprintf(out, 160, "%s/%s.out", dir, name);
+  snprintf(err, 160, "%s/%s.err", dir, name);
+  pid_t pid = proc_spawn(argv, out, err);
+  cr_assert_gt(pid, 0, "cannot start %s", RUMOR_BIN);
+  return pid;
+}
+
+/* Waits up to `secs` until the file at `path` holds `needle` (NULL: at
+ * least `min_bytes` bytes). */
+static bool wait_for_file(const char *path, const char *needle, size_t min_bytes, double secs) {
+  for (double waited = 0; waited < secs; waited += 0.05) {
+    size_t n;
+    char *text = proc_slurp_n(path, &n);
+    bool ok = needle ? strstr(text, needle) != NULL : n >= min_bytes;
+    free(text);
+    if (ok) return true;
+    usleep(50000);
+  }
+  return false;
+}
+
+/* Sends `sig` to `pid` and asserts that it exits within STOP_DEADLINE_S
+ * with the status of an interrupted command, 130, saying so on stderr. */
+static void expect_prompt_stop(pid_t pid, int sig, const char *err_path, const char *needle, const char *what) {
+  cr_assert_eq(kill(pid, sig), 0);
+  int st = proc_wait(pid, STOP_DEADLINE_S);
+  char *err = proc_slurp(err_path);
+  cr_assert(st >= 0, "%s: still running %.0f s after signal %d: %s", what, STOP_DEADLINE_S, sig, err);
+  cr_assert(proc_exited_with(st, 130), "%s: wait status %#x after signal %d, want exit 130: %s", what, st, sig, err);
+  cr_assert(strstr(err, needle), "%s: stderr should say '%s': %s", what, needle, err);
+  free(err);
+}
+
+Test(gptcli, sigint_stops_sample_before_its_next_token_with_status_130) {
+  const char *ck = train_dir("s", "2");
+  char out[160], err[160];
+  char *args[] = {"sample", "--checkpoint", (char *)ck, "--prompt", "the lord ", "--tokens", "1000000", "--threads",
+                  "1", NULL};
+  pid_t pid = spawn("sample", out, err, args);
+  cr_assert(wait_for_file(out, NULL, 200, 60), "sample printed under 200 bytes in 60 s");
+  expect_prompt_stop(pid, SIGINT, err, "rumor sample: interrupted by signal 2 after", "sample");
+  size_t n;
+  char *text = proc_slurp_n(out, &n);
+  cr_assert(strncmp(text, "the lord ", 9) == 0, "the prompt is not printed first: '%.40s'", text);
+  cr_assert(n > 200 && n < 9 + 1000000 && text[n - 1] == '\n',
+            "want what was generated, ended by a newline: %zu bytes ending in %d", n, n ? text[n - 1] : -1);
+  free(text);
+}
+
+Test(gptcli, sigint_stops_eval_between_batches_with_status_130_and_no_result) {
+  const char *text = big_text_path();
+  char ck[160], *out, *err;
+  snprintf(ck, sizeof ck, "%s/big/", dir);
+  int st = rumor(&out, &err, 200, "train", "--model", BIG_MODEL, "--data", text, "--batch", "4", "--max-steps", "1",
+                 "--threads", "1", "--log-every", "0", "--eval-batches", "1", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+  free(out), free(err);
+  char op[160], ep[160];
+  char *args[] = {"eval", "--checkpoint", ck, "--data", (char *)text, "--val-fraction", "0.5", "--threads", "1", NULL};
+  pid_t pid = spawn("eval", op, ep, args);
+  usleep(1000000); /* loading and a few batches; a signal before the first batch must stop it as well */
+  expect_prompt_stop(pid, SIGINT, ep, "rumor eval: interrupted by signal 2 after", "eval");
+  char *result = proc_slurp(op);
+  cr_assert_str_empty(result, "an interrupted eval printed a result: %s", result);
+  free(result);
+}
+
+/* SIGTERM while `rumor train` runs its final evaluation: it stops there,
+ * prints no result line, exits 130, and the checkpoint of its last step,
+ * written before the evaluation, is intact. */
+Test(gptcli, sigterm_in_the_final_evaluation_stops_train_and_keeps_its_checkpoint) {
+  const char *text = big_text_path();
+  char ck[160], op[160], ep[160];
+  snprintf(ck, sizeof ck, "%s/final/", dir);
+  char *args[] = {"train", "--model", BIG_MODEL, "--data", (char *)text, "--val-fraction", "0.5", "--batch", "4",
+                  "--max-steps", "2", "--eval-batches", "0", "--threads", "1", "--log-every", "0", "--checkpoint", ck,
+                  NULL};
+  pid_t pid = spawn("train", op, ep, args);
+  cr_assert(wait_for_file(ep, "checkpoint saved to", 0, 120), "no checkpoint saved in 120 s");
+  /* "interrupted at step 2: final evaluation stopped by signal 15 after N
+   * of 3351 windows"; or, should the signal land in the microseconds
+   * between the save and the evaluation, "interrupted by signal 15 at step
+   * 2". Without the fix the evaluation would run on for tens of seconds. */
+  expect_prompt_stop(pid, SIGTERM, ep, "interrupted", "train");
+  char *result = proc_slurp(op);
+  cr_assert_str_empty(result, "an interrupted train printed a result: %s", result);
+  free(result);
+  char *out, *err;
+  int st = rumor(&out, &err, 120, "eval", "--checkpoint", ck, "--data", text, "--eval-batches", "1", "--threads", "1",
+                 NULL);
+  cr_assert(proc_exited_with(st, 0), "the checkpoint does not evaluate: %s", err);
+  cr_assert_eq(cli_json_number(out, "step"), 2, "the checkpoint is not of step 2: %s", out);
+  free(out), free(err);
 }
 
 /* --grad-clip's figures: the result line counts the steps whose gradient

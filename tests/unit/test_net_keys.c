@@ -1,9 +1,10 @@
 /*
  * Key files and allow-lists: round trips, 0600 and refusal to overwrite,
- * refusal to load secrets others can read, and malformed input named by
- * file and line.
+ * refusal to load secrets others can read or that are not regular files, and
+ * malformed input named by file and line.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,6 +98,26 @@ Test(net_keys, a_secret_that_others_can_read_is_refused, .init = setup, .fini = 
   }
   cr_assert_eq(chmod(p, 0400), 0);
   cr_assert_eq(net_identity_load(p, &id, &e), 0, "0400 is fine");
+}
+
+/* `rumor peer --identity FIFO` waited for ever in open(2), deaf to SIGTERM:
+ * every key file reader now refuses a FIFO at once (the timeout turns a
+ * regression into a failure rather than a hung suite). */
+Test(net_keys, a_fifo_as_a_key_file_or_allow_list_is_refused_at_once, .init = setup, .fini = teardown,
+     .timeout = 10) {
+  char p[300];
+  path_of(p, sizeof p, "fifo");
+  cr_assert_eq(mkfifo(p, 0600), 0);
+  struct net_identity id;
+  uint8_t key[NET_CLUSTER_KEY_BYTES];
+  struct net_allowlist al;
+  struct rumor_err e = {0};
+  cr_assert_eq(net_identity_load(p, &id, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, p) && strstr(e.msg, "is not a regular file (it is a FIFO)"), "%s", e.msg);
+  cr_assert_eq(net_cluster_key_load(p, key, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, p) && strstr(e.msg, "is not a regular file"), "%s", e.msg);
+  cr_assert_eq(net_allowlist_load(p, &al, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, p) && strstr(e.msg, "is not a regular file"), "%s", e.msg);
 }
 
 Test(net_keys, malformed_identity_files_are_named_with_the_reason, .init = setup, .fini = teardown) {

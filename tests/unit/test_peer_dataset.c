@@ -1,10 +1,12 @@
-/* The IDX reader on good and bad files (plain and gzip), sharding and the
- * deterministic shuffle. Files are written to a fresh temporary directory. */
+/* The IDX reader on good and bad files (plain and gzip, and a FIFO),
+ * sharding and the deterministic shuffle. Files are written to a fresh
+ * temporary directory. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -134,6 +136,23 @@ Test(dataset, rejects_wrong_magic_truncation_trailing_bytes_and_count_mismatch) 
   cr_assert_neq(load(gz, good_l, &ds, &e), 0, "corrupt gzip accepted");
 
   expect_reject("/nonexistent/rumor/images", good_l, "/nonexistent/rumor/images");
+}
+
+/* An IDX file that is a FIFO used to be checked by stat(2) before gzopen
+ * (a FIFO swapped in between would block); the file is now opened without
+ * blocking, checked, then handed to zlib. Refused at once, named. */
+Test(dataset, a_fifo_as_an_idx_file_is_refused_at_once, .timeout = 10) {
+  size_t nl = make_labels(lab, 0x801, 100);
+  char *good_l = write_file("train-labels-idx1-ubyte", lab, nl, false);
+  char fifo[256];
+  snprintf(fifo, sizeof fifo, "%s/train-images-idx3-ubyte", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  expect_reject(fifo, good_l, "is not a regular file (it is a FIFO)");
+  expect_reject(fifo, good_l, fifo);
+  struct dataset ds;
+  struct rumor_err e = {0};
+  cr_assert_eq(dataset_load_split(dir, "train", &ds, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, fifo), "%s", e.msg);
 }
 
 Test(dataset, load_split_names_the_missing_file) {

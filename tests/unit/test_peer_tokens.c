@@ -323,6 +323,21 @@ Test(tokens, specs_that_match_nothing_and_bad_arguments_are_rejected) {
   expect_reject("", 50257, 8, 0, RUMOR_EFORMAT, "no token corpus", NULL);
 }
 
+/* `--data FIFO` blocked in open(2) for ever; a FIFO named directly (or by
+ * a glob, whose matches must be regular files) is refused at once. The
+ * timeout turns a regression into a failure rather than a hung suite. */
+Test(tokens, a_fifo_is_refused_at_once_naming_it, .timeout = 10) {
+  char *p = path_of("pipe.bin");
+  cr_assert_eq(mkfifo(p, 0600), 0);
+  expect_reject(p, 50257, 8, 0, -EINVAL, p, "is not a regular file (it is a FIFO)");
+  char *t = path_of("pipe.txt");
+  cr_assert_eq(mkfifo(t, 0600), 0);
+  expect_reject(t, 256, 8, 0, -EINVAL, t, "is not a regular file (it is a FIFO)");
+  char spec[256];
+  snprintf(spec, sizeof spec, "%s/pipe.*", dir);
+  expect_reject(spec, 256, 8, 0, RUMOR_ENOTFOUND, spec, "no regular files match");
+}
+
 Test(tokens, a_context_longer_than_a_split_is_rejected_naming_split_file_and_counts) {
   uint16_t t[100];
   char *p = write_shard("small.bin", ramp(t, 100, 0), 100);

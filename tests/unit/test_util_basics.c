@@ -1,5 +1,6 @@
 /* util: half-precision conversion, the seeded generator, strict number
- * parsing, atomic file writes and CPU lists. */
+ * parsing, atomic file writes, reads that refuse FIFOs and devices, and CPU
+ * lists. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -222,6 +223,56 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
   char names[512];
   int count = dir_entries(dir, names, sizeof names);
   cr_assert(count == 1 && strcmp(names, "f") == 0, "after the failed write, %s holds '%s', want only 'f'", dir, names);
+  scratch_remove(dir);
+}
+
+/* A FIFO without a writer used to block open(2) for ever (and the stop
+ * signals are blocked in rumor's threads, so nothing but SIGKILL ended it).
+ * Now it and a device are refused at once, naming the path and its kind;
+ * the timeout turns a regression into a failure instead of a hung suite. */
+Test(file, a_fifo_or_a_device_is_refused_at_once_naming_the_path, .timeout = 10) {
+  char dir[64];
+  scratch_make(dir);
+  char fifo[128];
+  snprintf(fifo, sizeof fifo, "%s/fifo", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0, "mkfifo %s: %s", fifo, strerror(errno));
+  uint8_t *buf;
+  size_t n;
+  struct rumor_err e = {0};
+  cr_assert_eq(file_read_all(fifo, 100, &buf, &n, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, fifo) && strstr(e.msg, "is not a regular file (it is a FIFO)"), "%s", e.msg);
+  /* Opened for appending, as `rumor top --csv` does (O_RDWR opens a FIFO
+   * without blocking, but the read of its header line would block). */
+  cr_assert_eq(file_open_regular(fifo, O_RDWR | O_CREAT | O_APPEND, 0644, NULL, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, "(it is a FIFO)"), "%s", e.msg);
+  cr_assert_eq(file_read_all("/dev/null", 100, &buf, &n, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, "/dev/null is not a regular file (it is a character device)"), "%s", e.msg);
+  cr_assert_eq(file_read_all(dir, 100, &buf, &n, &e), -EINVAL, "%s", e.msg);
+  cr_assert(strstr(e.msg, "(it is a directory)"), "%s", e.msg);
+  scratch_remove(dir);
+}
+
+/* A regular file comes back as a blocking, close-on-exec descriptor with
+ * its fstat: O_NONBLOCK was only for the open. */
+Test(file, a_regular_file_opens_blocking_and_close_on_exec) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  struct file_part part = {"12345", 5};
+  struct rumor_err e = {0};
+  cr_assert_eq(file_write_atomic(path, &part, 1, 0600, &e), 0, "%s", e.msg);
+  struct stat st;
+  int fd = file_open_regular(path, O_RDONLY, 0, &st, &e);
+  cr_assert_geq(fd, 0, "%s", e.msg);
+  cr_assert_eq(st.st_size, 5);
+  cr_assert_eq(fcntl(fd, F_GETFL) & O_NONBLOCK, 0, "O_NONBLOCK is still set");
+  cr_assert_neq(fcntl(fd, F_GETFD) & FD_CLOEXEC, 0, "FD_CLOEXEC is not set");
+  close(fd);
+  char missing[160];
+  snprintf(missing, sizeof missing, "%s/none", dir);
+  cr_assert_eq(file_open_regular(missing, O_RDONLY, 0, NULL, &e), -ENOENT);
+  cr_assert(strstr(e.msg, missing), "%s", e.msg);
   scratch_remove(dir);
 }
 
