@@ -78,7 +78,7 @@ out:
 }
 
 /* What a path that is not a regular file is, for messages. */
-static const char *file_kind(mode_t m) {
+const char *file_kind(unsigned m) {
   if (S_ISDIR(m)) return "a directory";
   if (S_ISFIFO(m)) return "a FIFO";
   if (S_ISCHR(m)) return "a character device";

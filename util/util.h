@@ -177,6 +177,8 @@ int file_write_full(int fd, const void *buf, size_t n) RUMOR_MUST_CHECK;
  * or a negative errno with a message naming the path: -EINVAL and "PATH is
  * not a regular file (it is a FIFO)" and the like. */
 struct stat;
+/* What a file of mode `m` is, for messages: "a directory", "a FIFO", ... */
+const char *file_kind(unsigned m);
 int file_open_regular(const char *path, int flags, unsigned mode, struct stat *st,
                       struct rumor_err *e) RUMOR_MUST_CHECK;
 

@@ -215,7 +215,7 @@ int checkpoint_check_dest(const char *path, struct rumor_err *e) {
   if (exists && dir && !S_ISDIR(st.st_mode))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: %s exists and is not a directory", path, bare);
   if (exists && !dir && !S_ISREG(st.st_mode))
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s exists and is not a regular file", path);
+    return rumor_err_set(e, -EINVAL, "%s is not a regular file (it is %s)", path, file_kind(st.st_mode));
   /* Where the files are created: the directory itself, or the one holding
    * the file (or the directory checkpoint, which the first save makes). */
   snprintf(parent, sizeof parent, "%s", exists && dir ? bare : dirname(bare));

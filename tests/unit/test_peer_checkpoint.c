@@ -299,6 +299,9 @@ Test(checkpoint, a_destination_that_cannot_be_written_is_refused_up_front) {
   cr_assert(strstr(e.msg, "exists and is not a directory"), "%s", e.msg);
   cr_assert_neq(checkpoint_check_dest(path("file/x.safetensors"), &e), 0);
   cr_assert(strstr(e.msg, "is not a directory") || strstr(e.msg, "Not a directory"), "%s", e.msg);
+  cr_assert_eq(mkfifo(path("fifo"), 0600), 0);
+  cr_assert_neq(checkpoint_check_dest(path("fifo"), &e), 0);
+  cr_assert(strstr(e.msg, "is not a regular file (it is a FIFO)"), "%s", e.msg);
   cr_assert_eq(mkdir(path("sub"), 0755), 0);
   snprintf(p, sizeof p, "%s/sub", dir); /* an existing directory, without the slash */
   cr_assert_eq(checkpoint_check_dest(p, &e), 0, "%s", e.msg);
