@@ -50,13 +50,12 @@ struct group {
 
 /* "host:port" with port + s (unchanged when port is 0). */
 static int offset_addr(const char *flag, const char *addr, int s, char *out, size_t n, struct rumor_err *e) {
-  const char *colon = strrchr(addr, ':');
-  int64_t port;
-  if (!colon || parse_i64(colon + 1, 0, 65535, &port))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': expected HOST:PORT", flag, addr);
+  char host[NET_HOST_MAX];
+  int port;
+  if (net_addr_parse(addr, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--%s", flag);
   if (port != 0 && port + s > 65535)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': port + %d is past 65535", flag, addr, s);
-  snprintf(out, n, "%.*s:%lld", (int)(colon - addr), addr, (long long)(port ? port + s : 0));
+  snprintf(out, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port ? port + s : 0);
   return 0;
 }
 
@@ -82,9 +81,10 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
   return 0;
 }
 
-/* Splits `value` of --flag into one list per stage, separated by ';'.
- * Returns 0, or RUMOR_EFORMAT naming the flag when there are not S lists
- * or one is too long (`why`: what a stage's list is for). */
+/* Splits `value` of --flag into one list per stage, separated by ';', and
+ * checks every address in them (net_addr_list_check). Returns 0, or
+ * RUMOR_EFORMAT naming the flag when there are not S lists, one is too
+ * long, or an entry is bad (`why`: what a stage's list is for). */
 static int stage_lists(const char *flag, const char *value, int S, char (*out)[1024], const char *why,
                        struct rumor_err *e) {
   int n = 0;
@@ -104,6 +104,8 @@ static int stage_lists(const char *flag, const char *value, int S, char (*out)[1
                          "--%s '%s' has %d list%s for %d stages: give one address list per stage, separated by ';' "
                          "(%s)",
                          flag, value, n, n == 1 ? "" : "s", S, why);
+  for (int s = 0; s < S; s++)
+    if (net_addr_list_check(out[s], e)) return rumor_err_prefix(e, "--%s: stage %d's list", flag, s);
   return 0;
 }
 
@@ -355,9 +357,11 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
   for (int i = 0; i < 3; i++) {
-    char buf[160];
+    char buf[NET_HOST_MAX + 8];
     if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], g->S - 1, buf, sizeof buf, e))) return rc;
   }
+  /* Others dial the advertised addresses: no port 0, no 0.0.0.0. */
+  if (f->net.advertise && (rc = gossip_advertise_check(f->net.advertise, e))) return rumor_err_prefix(e, "--advertise");
   /* Check the key files now rather than in S children. */
   struct net_keys keys;
   if ((rc = net_flags_load_keys(&f->net, &keys, e))) return rc;

@@ -680,6 +680,7 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
                          cfg->stage, cfg->stages);
   if (cfg->prev && strlen(cfg->prev) >= sizeof ((struct stage_link *)0)->prev)
     return rumor_err_set(e, RUMOR_EFORMAT, "--link-prev '%s' is too long", cfg->prev);
+  if (cfg->stage > 0 && net_addr_check_dial(cfg->prev, e)) return rumor_err_prefix(e, "--link-prev");
   const char *listen = cfg->listen ? cfg->listen : "127.0.0.1:0";
   if (strlen(listen) >= sizeof ((struct stage_link *)0)->listen || !strrchr(listen, ':'))
     return rumor_err_set(e, RUMOR_EFORMAT, "--link-listen '%s': expected HOST:PORT", listen);

@@ -479,6 +479,16 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
   cluster_expect_exit(&C, G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
   cluster_expect_exit(&C, G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
   cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;127.0.0.1:99999"), 2,
+                      "--bootstrap: stage 1's list: '127.0.0.1:99999': port must be in [1, 65535]");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "boot-0.example:7470,;boot-1.example:7470"), 2,
+                      "--bootstrap: stage 0's list: 'boot-0.example:7470,' has an empty entry");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;"), 2, "--bootstrap: stage 1's list: no address");
+  cluster_expect_exit(&C, G("--stages", "2", "--sync", "ps", "--servers", "127.0.0.1:9;127.0.0.1"), 2,
+                      "--servers: stage 1's list: '127.0.0.1': expected host:port");
+  cluster_expect_exit(&C, G("--stages", "2", "--advertise", "0.0.0.0:7000"), 2,
+                      "--advertise: '0.0.0.0:7000': 0.0.0.0 means every local address");
+  cluster_expect_exit(&C, G("--stages", "2", "--listen", "127.0.0.1"), 2, "--listen: '127.0.0.1': expected host:port");
   cluster_expect_exit(&C, G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
   cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
@@ -490,6 +500,9 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
                      "--stage '2/2': expected s/S with 0 <= s < S");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "stage 1/2 needs --link-prev HOST:PORT");
+  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", "--link-prev", "127.0.0.1:0", keys[0], keys[1],
+                                     keys[2], keys[3], NULL},
+                      2, "--link-prev: '127.0.0.1:0': port must be in [1, 65535]");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "--stage s/S is required with --group");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "bad name", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], NULL},
