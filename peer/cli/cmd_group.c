@@ -31,6 +31,7 @@ struct child {
   int status;
   bool signalled; /* the launcher sent it a signal */
   int failed_stage; /* −1, or the culprit it reported */
+  int64_t failed_at_us; /* when it failed (wall clock, its line's failed_at_us), with failed_stage */
   char error[512];
   char result[LINE_MAX_BYTES]; /* its result line (with "steps") */
 };
@@ -250,6 +251,8 @@ static void child_line(struct child *k, const char *line, size_t len) {
   if (json_is_integer(failed) && !on_signal) {
     /* A stage that failed, or saw which stage failed (not one we stopped). */
     k->failed_stage = (int)json_integer_value(failed);
+    const json_t *at = json_object_get(doc, "failed_at_us");
+    k->failed_at_us = json_is_integer(at) ? (int64_t)json_integer_value(at) : clock_wall_us();
     const char *why = json_string_value(json_object_get(doc, "error"));
     if (why) snprintf(k->error, sizeof k->error, "%s", why);
   }
@@ -457,8 +460,36 @@ static int supervise(struct group *g) {
   return failed ? 1 : 0;
 }
 
-/* The stage that took the group down: one killed by a signal, else the
- * culprit the stages named, else the first that failed. */
+/* Among the stages the failure lines blame, the one to report: blamed by
+ * the most lines; then one that blamed itself (a stage whose neighbour
+ * failed or left blames that neighbour, so a self-blame is a stage that
+ * failed on its own); then the one that failed first. Returns −1 when no
+ * line blames a stage of the group. */
+static int most_blamed(const struct group *g) {
+  int votes[PIPE_MAX_STAGES] = {0};
+  for (int i = 0; i < g->nkids; i++)
+    if (g->kids[i].failed_stage >= 0 && g->kids[i].failed_stage < g->S) votes[g->kids[i].failed_stage]++;
+  int best = -1;
+  int64_t best_at = 0;
+  bool best_self = false;
+  for (int s = 0; s < g->S; s++) {
+    if (!votes[s]) continue;
+    bool self = s < g->nkids && g->kids[s].failed_stage == s;
+    int64_t at = INT64_MAX; /* when it failed: its own line, else the first line blaming it */
+    for (int i = 0; i < g->nkids; i++) {
+      const struct child *k = &g->kids[i];
+      if (k->failed_stage == s && (!self || i == s) && k->failed_at_us < at) at = k->failed_at_us;
+    }
+    if (best < 0 || votes[s] > votes[best] || (votes[s] == votes[best] && self && !best_self) ||
+        (votes[s] == votes[best] && self == best_self && at < best_at))
+      best = s, best_at = at, best_self = self;
+  }
+  return best;
+}
+
+/* The stage that took the group down: one killed by a signal we did not
+ * send, else the most blamed stage (most_blamed) with its own error text
+ * when it reported one, else the first that failed. */
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
@@ -466,11 +497,17 @@ static int culprit(const struct group *g, char *why, size_t n) {
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
     }
-  for (int i = 0; i < g->nkids; i++)
-    if (g->kids[i].failed_stage >= 0) {
-      snprintf(why, n, "%s", g->kids[i].error);
-      return g->kids[i].failed_stage;
-    }
+  int s = most_blamed(g);
+  if (s >= 0) {
+    /* Its own words; else those of the first line that blamed it. */
+    const struct child *from = NULL;
+    if (s < g->nkids && g->kids[s].failed_stage == s) from = &g->kids[s];
+    else
+      for (int i = 0; i < g->nkids; i++)
+        if (g->kids[i].failed_stage == s && (!from || g->kids[i].failed_at_us < from->failed_at_us)) from = &g->kids[i];
+    snprintf(why, n, "%s", from->error);
+    return s;
+  }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
       snprintf(why, n, "stage %d/%d exited with status %d", i, g->S, WEXITSTATUS(g->kids[i].status));

@@ -275,8 +275,13 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
 }
 
 /* Ends the group after a failure: says which stage failed and why, and
- * tells the neighbours (they pass it on). Returns the exit status. */
+ * tells the neighbours (they pass it on). A failure the link carries (a
+ * neighbour's, or one passed on, or a neighbour that left) names that
+ * stage; any other names this one. The line's failed_at_us (wall clock)
+ * lets the launcher tell which of two stages that both failed on their own
+ * failed first. Returns the exit status. */
 static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
+  int64_t at_us = clock_wall_us();
   int me = p->st.stage, S = p->st.stages;
   char why[400];
   int culprit = me;
@@ -293,6 +298,7 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   json_text_set(o, "failed_stage", json_integer(culprit));
   json_text_set(o, "stopped", json_boolean(signals_stop_requested() != 0));
   json_text_set(o, "error", json_text_str(why));
+  json_text_set(o, "failed_at_us", json_integer(at_us));
   result_print(o);
   if (signals_stop_requested()) {
     log_info("group %s stops: %s", p->st.group, why);

@@ -524,6 +524,27 @@ Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
   free(out), free(err);
 }
 
+/* Stage 1 cannot write its checkpoint (its directory does not exist): the
+ * group blames stage 1 with stage 1's own error. Stage 0 only saw stage 1
+ * go, and names it rather than itself. */
+Test(group, a_stage_that_cannot_write_its_checkpoint_is_blamed_not_its_neighbour) {
+  SKIP_WITHOUT_DATA();
+  char id[256], ck[300];
+  cluster_make_identity(&C, "ckpt", id, sizeof id);
+  snprintf(ck, sizeof ck, "%s/no-such-dir/x.safetensors", C.dir);
+  char *out, *err;
+  char *args[] = {"group", "--stages", "2", "--cluster-key", C.key, "--identity", id, "--model", "mlp:784-16-16-10",
+                  "--max-steps", "2", "--batch", "4", "--threads", "1", "--checkpoint", ck, NULL};
+  int st = cluster_run(&C, args, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
+  const char *summary = strstr(out, "\"stages\":2,\"status\":\"failed\"");
+  cr_assert(summary && strstr(summary, "\"failed_stage\":1,\"error\":\"stage 1/2 failed: cannot create ") &&
+                strstr(summary, "no-such-dir/x-stage1.safetensors"),
+            "the summary should blame stage 1 with its checkpoint error: %s", out);
+  cr_assert(strstr(err, "stopped because stage 1/2 failed: cannot create "), "%s", err);
+  free(out), free(err);
+}
+
 /* The per-process form, as a scheduler runs it: stage 1 dials stage 0. */
 Test(group, per_process_stages_train_and_refuse_a_mismatched_or_foreign_stage) {
   SKIP_WITHOUT_DATA();
