@@ -27,7 +27,8 @@ static bool monitor_takes(const char *name) {
 
 static void net_flags_help_for(enum flags_for who, struct arg_spec *sp) {
   if (who == FLAGS_MONITOR) {
-    if (strcmp(sp->name, "bootstrap") == 0) sp->help = "cluster members to ask for the member table; required unless --servers";
+    if (strcmp(sp->name, "bootstrap") == 0)
+      sp->help = "cluster members to ask for the member table; required unless --servers";
     else if (strcmp(sp->name, "identity") == 0) sp->help = "this monitor's identity (rumor keygen); required";
     else if (strcmp(sp->name, "allow-list") == 0) sp->help = "talk only to members whose public keys FILE lists";
   } else if (who == FLAGS_LAUNCHER) {

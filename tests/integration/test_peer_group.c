@@ -483,7 +483,8 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
                       "--bootstrap: stage 1's list: '127.0.0.1:99999': port must be in [1, 65535]");
   cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "boot-0.example:7470,;boot-1.example:7470"), 2,
                       "--bootstrap: stage 0's list: 'boot-0.example:7470,' has an empty entry");
-  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;"), 2, "--bootstrap: stage 1's list: no address");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;"), 2,
+                      "--bootstrap: stage 1's list: no address");
   cluster_expect_exit(&C, G("--stages", "2", "--sync", "ps", "--servers", "127.0.0.1:9;127.0.0.1"), 2,
                       "--servers: stage 1's list: '127.0.0.1': expected host:port");
   cluster_expect_exit(&C, G("--stages", "2", "--advertise", "0.0.0.0:7000"), 2,
@@ -500,8 +501,9 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
                      "--stage '2/2': expected s/S with 0 <= s < S");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "stage 1/2 needs --link-prev HOST:PORT");
-  cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", "--link-prev", "127.0.0.1:0", keys[0], keys[1],
-                                     keys[2], keys[3], NULL},
+  cluster_expect_exit(&C,
+                      (char *[]){"peer", "--group", "g", "--stage", "1/2", "--link-prev", "127.0.0.1:0", keys[0],
+                                 keys[1], keys[2], keys[3], NULL},
                       2, "--link-prev: '127.0.0.1:0': port must be in [1, 65535]");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "--stage s/S is required with --group");
