@@ -120,6 +120,13 @@ void gossip_stop(gossip_t *g, uint32_t linger_ms);
  * when the runtime is stopping. */
 int gossip_on_loop(gossip_t *g, void (*fn)(uv_loop_t *loop, void *arg), void *arg) RUMOR_MUST_CHECK;
 
+/* Checks an address to advertise (--advertise) before anything starts: one
+ * others can dial (net_addr_check_dial: a host and a port in [1, 65535]),
+ * not an unspecified address (0.0.0.0, [::]), short enough for the member
+ * table. Returns 0, or RUMOR_EFORMAT with a message quoting it (the caller
+ * names the flag). Any thread. */
+int gossip_advertise_check(const char *addr, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 /* The address others dial us at ("127.0.0.1:40123"); valid after start. */
 const char *gossip_advertised(const gossip_t *g);
 /* Our public key in text form. */

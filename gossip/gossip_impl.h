@@ -393,8 +393,10 @@ void gossip_member_label(struct gossip *g, const uint8_t *id, char *buf, size_t 
 /* The cluster-wide count-sketch seed: a keyed hash of a fixed label under the
  * cluster key, so members and monitors agree without configuration. */
 uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYTES]);
-/* Splits a comma-separated address list into out[0..*n) (malloc'd; the
- * caller frees them, also on error). RUMOR_EFORMAT names a bad address. */
+/* Splits a comma-separated address list (--bootstrap) into out[0..*n)
+ * (malloc'd; the caller frees them, also on error). NULL or "" is no list.
+ * Every entry must pass net_addr_check_dial; RUMOR_EFORMAT names the flag
+ * and the bad entry. */
 int gossip_split_addrs(const char *list, char **out, size_t max, size_t *n, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Member updates travel under "u" as an array of [id (bin 32), addr (str),
  * role, state, incarnation, ready (bool)]. */

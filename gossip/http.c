@@ -268,30 +268,11 @@ static void on_connection(uv_stream_t *l, int status) {
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) client_close(c);
 }
 
-/* Parses "host:port", "[v6]:port" or ":port" (all addresses). */
-static int parse_addr(const char *s, struct sockaddr_storage *ss) {
-  const char *colon = strrchr(s, ':');
-  if (!colon) return UV_EINVAL;
-  int64_t port;
-  if (parse_i64(colon + 1, 0, 65535, &port)) return UV_EINVAL;
-  char host[128];
-  size_t hl = (size_t)(colon - s);
-  if (hl >= sizeof host) return UV_EINVAL;
-  memcpy(host, s, hl);
-  host[hl] = '\0';
-  if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') {
-    host[hl - 1] = '\0';
-    return uv_ip6_addr(host + 1, (int)port, (struct sockaddr_in6 *)ss);
-  }
-  return uv_ip4_addr(hl ? host : "0.0.0.0", (int)port, (struct sockaddr_in *)ss);
-}
-
 int gossip_http_start(uv_loop_t *loop, const char *what, const char *addr, gossip_http_handler handler, void *ctx,
                       struct gossip_http **out, struct rumor_err *e) {
   struct sockaddr_storage ss;
-  memset(&ss, 0, sizeof ss);
-  int rc = parse_addr(addr, &ss);
-  if (rc) return rumor_err_set(e, RUMOR_EFORMAT, "bad %s address '%s' (expected host:port)", what, addr);
+  int rc = net_addr_resolve(loop, addr, &ss, e);
+  if (rc) return rumor_err_prefix(e, "%s", what);
   struct gossip_http *h = xcalloc(1, sizeof *h);
   h->handler = handler;
   h->ctx = ctx;

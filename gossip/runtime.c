@@ -278,29 +278,38 @@ static void loop_main(void *arg) {
 
 /* ---- start ---- */
 
-/* The address to advertise: --advertise, else the listen host with the
- * bound port. A wildcard listen address cannot be dialed by others. */
+/* The addresses others are given, checked before anything listens or
+ * dials: --advertise and every --bootstrap entry (--listen is parsed by
+ * net_listen). */
+static int check_addrs(const struct gossip_config *cfg, struct rumor_err *e) {
+  if (cfg->advertise && *cfg->advertise && gossip_advertise_check(cfg->advertise, e))
+    return rumor_err_prefix(e, "--advertise");
+  if (cfg->bootstrap && *cfg->bootstrap && net_addr_list_check(cfg->bootstrap, e))
+    return rumor_err_prefix(e, "--bootstrap");
+  return 0;
+}
+
+/* The address to advertise: --advertise (check_addrs took it), else the
+ * listen host with the bound port. A wildcard listen address cannot be
+ * dialed by others. */
 static int make_advertise(struct gossip *g, const char *listen, struct rumor_err *e) {
   if (g->cfg.advertise && *g->cfg.advertise) {
-    if (strlen(g->cfg.advertise) >= sizeof g->advertise || !strrchr(g->cfg.advertise, ':'))
-      return rumor_err_set(e, RUMOR_EFORMAT, "bad --advertise '%s' (expected host:port)", g->cfg.advertise);
     snprintf(g->advertise, sizeof g->advertise, "%s", g->cfg.advertise);
     return 0;
   }
-  const char *colon = strrchr(listen, ':');
-  size_t hlen = colon ? (size_t)(colon - listen) : 0;
-  char host[SWIM_ADDR_MAX];
-  if (hlen >= sizeof host) hlen = sizeof host - 1;
-  memcpy(host, listen, hlen);
-  host[hlen] = '\0';
-  if (hlen == 0 || strcmp(host, "0.0.0.0") == 0 || strcmp(host, "[::]") == 0)
+  char host[NET_HOST_MAX], addr[NET_HOST_MAX + 8];
+  int port;
+  if (net_addr_parse(listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  /* The bound port, with the host written back the way net_addr_parse takes it. */
+  snprintf(addr, sizeof addr, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, net_listen_port(g->net));
+  if (strlen(addr) >= sizeof g->advertise)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--listen %s: the host is too long to advertise; add --advertise HOST:PORT",
+                         listen);
+  if (!host[0] || gossip_advertise_check(addr, NULL))
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--listen %s does not say which address others should dial; add --advertise HOST:PORT",
                          listen);
-  int n = snprintf(g->advertise, sizeof g->advertise, "%s:%d", host, net_listen_port(g->net));
-  if (n < 0 || (size_t)n >= sizeof g->advertise)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--listen %s: the host is too long to advertise; add --advertise HOST:PORT",
-                         listen);
+  snprintf(g->advertise, sizeof g->advertise, "%s", addr);
   return 0;
 }
 
@@ -406,8 +415,14 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
       .on_close = on_close,
   };
   if ((rc = net_init(&g->net, &g->loop, &nc, &cbs, g, e))) goto fail_loop;
-  if ((rc = net_listen(g->net, cfg->listen, e)) || (rc = make_advertise(g, cfg->listen, e)) ||
-      (rc = gossip_join_init(g, cfg->bootstrap, e)) || (rc = gossip_metrics_start(g, e)))
+  /* Every address is checked before anything is listened on or dialed. */
+  if ((rc = check_addrs(cfg, e))) goto fail_net;
+  if ((rc = net_listen(g->net, cfg->listen, e))) {
+    rumor_err_prefix(e, "--listen");
+    goto fail_net;
+  }
+  if ((rc = make_advertise(g, cfg->listen, e)) || (rc = gossip_join_init(g, cfg->bootstrap, e)) ||
+      (rc = gossip_metrics_start(g, e)))
     goto fail_net;
   start_swim(g);
   gossip_publish(g);

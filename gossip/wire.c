@@ -2,6 +2,7 @@
  * What gossip's messages carry, shared by the runtime and the monitor:
  * member updates, address lists and the sketch seed. Any thread: no state.
  */
+#include <arpa/inet.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,24 +22,46 @@ uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYT
 
 int gossip_split_addrs(const char *list, char **out, size_t max, size_t *nout, struct rumor_err *e) {
   *nout = 0;
-  if (!list) return 0;
-  const char *p = list;
-  while (*p) {
-    const char *comma = strchr(p, ',');
-    size_t len = comma ? (size_t)(comma - p) : strlen(p);
-    if (len > 0) {
-      if (*nout == max) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %zu addresses", max);
-      if (len >= SWIM_ADDR_MAX)
-        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%.*s' is too long", (int)len, p);
-      char *a = xmalloc(len + 1);
-      memcpy(a, p, len);
-      a[len] = '\0';
-      out[(*nout)++] = a;
-      if (!strrchr(a, ':'))
-        return rumor_err_set(e, RUMOR_EFORMAT, "bootstrap address '%s' has no port (expected host:port)", a);
-    }
-    p += len + (comma ? 1 : 0);
+  if (!list || !*list) return 0;
+  if (net_addr_list_check(list, e)) return rumor_err_prefix(e, "--bootstrap");
+  for (const char *p = list;;) {
+    size_t len = strcspn(p, ",");
+    if (*nout == max) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %zu addresses", max);
+    if (len >= SWIM_ADDR_MAX)
+      return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap: '%.*s' is longer than %d characters", (int)len, p,
+                           SWIM_ADDR_MAX - 1);
+    char *a = xmalloc(len + 1);
+    memcpy(a, p, len);
+    a[len] = '\0';
+    out[(*nout)++] = a;
+    if (!p[len]) return 0;
+    p += len + 1;
   }
+}
+
+/* True for 0.0.0.0 and ::, in any spelling inet_pton takes: "every
+ * address" to a listener, and no one's address to dial. */
+static bool unspecified_host(const char *host) {
+  struct in_addr a4;
+  struct in6_addr a6;
+  if (inet_pton(AF_INET, host, &a4) == 1) return a4.s_addr == htonl(INADDR_ANY);
+  if (inet_pton(AF_INET6, host, &a6) == 1) return IN6_IS_ADDR_UNSPECIFIED(&a6);
+  return false;
+}
+
+int gossip_advertise_check(const char *addr, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  int rc = net_addr_check_dial(addr, e);
+  if (rc == 0) rc = net_addr_parse(addr, 1, host, sizeof host, &port, e);
+  if (rc) return rc;
+  if (strlen(addr) >= SWIM_ADDR_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "'%s' is longer than %d characters", addr, SWIM_ADDR_MAX - 1);
+  if (unspecified_host(host))
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "'%s': %s means every local address, which others cannot dial; give this host's address or "
+                         "name",
+                         addr, host);
   return 0;
 }
 

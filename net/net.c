@@ -21,7 +21,6 @@
 #define NET_DEFAULT_IDLE_TIMEOUT_MS 120000
 #define NET_DEFAULT_LINGER_MS 2000
 #define NET_MAX_MSG_LIMIT (64u << 20)
-#define NET_HOST_MAX 256
 
 void net_config_defaults(struct net_config *c) {
   memset(c, 0, sizeof *c);
@@ -40,8 +39,9 @@ void net_config_defaults(struct net_config *c) {
   c->msg_limits.max_elems = NET_MSG_DEFAULT_MAX_ELEMS;
 }
 
-/* Splits "host:port", "[v6]:port" or ":port". Returns 0 or RUMOR_EFORMAT. */
-static int parse_hostport(const char *s, char *host, size_t hostcap, int *port, struct rumor_err *e) {
+/* ---- addresses ------------------------------------------------------------------- */
+
+int net_addr_parse(const char *s, int min_port, char *host, size_t hostcap, int *port, struct rumor_err *e) {
   const char *colon;
   size_t hl;
   const char *h = s;
@@ -59,12 +59,64 @@ static int parse_hostport(const char *s, char *host, size_t hostcap, int *port, 
     hl = (size_t)(colon - s);
   }
   if (hl >= hostcap) return rumor_err_set(e, RUMOR_EFORMAT, "'%s': host name too long", s);
+  for (size_t i = 0; i < hl; i++)
+    if ((unsigned char)h[i] <= ' ' || (unsigned char)h[i] >= 0x7f)
+      return rumor_err_set(e, RUMOR_EFORMAT, "'%s': the host has a space or a control character", s);
   int64_t p;
-  if (parse_i64(colon + 1, 0, 65535, &p) != 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "'%s': port must be a number in [0, 65535]", s);
+  if (parse_i64(colon + 1, min_port, 65535, &p) != 0) {
+    bool number = parse_i64(colon + 1, INT64_MIN, INT64_MAX, &p) == 0;
+    return rumor_err_set(e, RUMOR_EFORMAT, "'%s': port must be %sin [%d, 65535]", s, number ? "" : "a number ",
+                         min_port);
+  }
   memcpy(host, h, hl);
   host[hl] = '\0';
   *port = (int)p;
+  return 0;
+}
+
+int net_addr_check_dial(const char *s, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  int rc = net_addr_parse(s, 1, host, sizeof host, &port, e);
+  if (rc) return rc;
+  if (!host[0]) return rumor_err_set(e, RUMOR_EFORMAT, "'%s': the host is missing (expected host:port)", s);
+  return 0;
+}
+
+int net_addr_list_check(const char *list, struct rumor_err *e) {
+  if (!list || !*list) return rumor_err_set(e, RUMOR_EFORMAT, "no address (expected host:port,host:port,...)");
+  for (const char *p = list;;) {
+    size_t len = strcspn(p, ",");
+    if (len == 0)
+      return rumor_err_set(e, RUMOR_EFORMAT, "'%s' has an empty entry (expected host:port,host:port,...)", list);
+    char one[NET_HOST_MAX + 8];
+    if (len >= sizeof one) return rumor_err_set(e, RUMOR_EFORMAT, "'%.40s...': address too long", p);
+    memcpy(one, p, len);
+    one[len] = '\0';
+    int rc = net_addr_check_dial(one, e);
+    if (rc) return rc;
+    if (!p[len]) return 0;
+    p += len + 1;
+  }
+}
+
+int net_addr_resolve(uv_loop_t *loop, const char *s, struct sockaddr_storage *ss, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  int rc = net_addr_parse(s, 0, host, sizeof host, &port, e);
+  if (rc) return rc;
+  const char *h = host[0] ? host : "0.0.0.0";
+  memset(ss, 0, sizeof *ss);
+  if (uv_ip4_addr(h, port, (struct sockaddr_in *)ss) == 0) return 0;
+  if (uv_ip6_addr(h, port, (struct sockaddr_in6 *)ss) == 0) return 0;
+  uv_getaddrinfo_t req;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+  char ps[8];
+  snprintf(ps, sizeof ps, "%d", port);
+  rc = uv_getaddrinfo(loop, &req, NULL, h, ps, &hints);
+  if (rc < 0) return rumor_err_set(e, rc, "'%s': cannot resolve the host name '%s': %s", s, h, uv_strerror(rc));
+  memcpy(ss, req.addrinfo->ai_addr, req.addrinfo->ai_addrlen);
+  uv_freeaddrinfo(req.addrinfo);
   return 0;
 }
 
@@ -179,30 +231,11 @@ static void on_connection(uv_stream_t *server, int status) {
   net_conn_start_handshake(c);
 }
 
-static int resolve_sync(uv_loop_t *loop, const char *host, int port, struct sockaddr_storage *ss,
-                        struct rumor_err *e) {
-  if (uv_ip4_addr(host, port, (struct sockaddr_in *)ss) == 0) return 0;
-  if (uv_ip6_addr(host, port, (struct sockaddr_in6 *)ss) == 0) return 0;
-  uv_getaddrinfo_t req;
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-  char ps[8];
-  snprintf(ps, sizeof ps, "%d", port);
-  int rc = uv_getaddrinfo(loop, &req, NULL, host, ps, &hints);
-  if (rc < 0) return rumor_err_set(e, rc, "cannot resolve '%s': %s", host, uv_strerror(rc));
-  memcpy(ss, req.addrinfo->ai_addr, req.addrinfo->ai_addrlen);
-  uv_freeaddrinfo(req.addrinfo);
-  return 0;
-}
-
 int net_listen(net_t *n, const char *addr, struct rumor_err *e) {
   if (n->closing) return rumor_err_set(e, RUMOR_ECANCELED, "net: closing");
   if (n->listening) return rumor_err_set(e, -EALREADY, "net: already listening on port %d", n->port);
-  char host[NET_HOST_MAX];
-  int port;
-  int rc = parse_hostport(addr, host, sizeof host, &port, e);
-  if (rc < 0) return rc;
   struct sockaddr_storage ss;
-  rc = resolve_sync(n->loop, host[0] ? host : "0.0.0.0", port, &ss, e);
+  int rc = net_addr_resolve(n->loop, addr, &ss, e);
   if (rc < 0) return rc;
   rc = uv_tcp_bind(&n->listener, (const struct sockaddr *)&ss, 0);
   if (rc == 0) rc = uv_listen((uv_stream_t *)&n->listener, NET_LISTEN_BACKLOG, on_connection);
@@ -288,9 +321,9 @@ int net_dial(net_t *n, const char *addr, net_dial_cb cb, void *arg) {
   if (!cb) return -EINVAL;
   char host[NET_HOST_MAX], ps[8];
   int port;
-  int rc = parse_hostport(addr, host, sizeof host, &port, NULL);
+  int rc = net_addr_parse(addr, 1, host, sizeof host, &port, NULL);
   if (rc < 0) return rc;
-  if (port == 0 || !host[0]) return RUMOR_EFORMAT;
+  if (!host[0]) return RUMOR_EFORMAT;
   if (n->n_conns >= n->cfg.max_conns) return -EBUSY;
   struct net_conn *c = net_conn_new(n, false);
   snprintf(c->addr, sizeof c->addr, "%s", addr);

@@ -179,6 +179,33 @@ const uint8_t *net_msgbuf_data(struct net_msgbuf *b, size_t *len);
 void net_msgbuf_free(struct net_msgbuf *b);
 
 /* ============================================================================
+ * Addresses: "host:port", "[v6addr]:port", or ":port" (to listen on every
+ * IPv4 address). Hosts may be names. These parse and check text only and
+ * may be called from any thread, except net_addr_resolve (the caller's loop).
+ * Their messages quote the address; callers prefix the flag it came from.
+ * ========================================================================== */
+
+#define NET_HOST_MAX 256 /* bytes of a host, NUL included */
+
+/* Splits `s` into host[0..hostcap) (an IPv6 address without its brackets;
+ * "" for ":port") and *port, a number in [min_port, 65535]. A host with a
+ * space or a control character is refused. Returns 0, or RUMOR_EFORMAT. */
+int net_addr_parse(const char *s, int min_port, char *host, size_t hostcap, int *port,
+                   struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks that `s` can be dialed: a host and a port in [1, 65535] (names are
+ * not resolved). Returns 0, or RUMOR_EFORMAT. */
+int net_addr_check_dial(const char *s, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks a comma-separated list of addresses to dial (--bootstrap,
+ * --servers): no empty entry, each one passing net_addr_check_dial.
+ * Returns 0, or RUMOR_EFORMAT naming the first bad entry. */
+int net_addr_list_check(const char *list, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Parses an address to listen on (port 0: any) and resolves its host, names
+ * synchronously through `loop`'s resolver (":port" is 0.0.0.0). Returns 0,
+ * RUMOR_EFORMAT, or a libuv error when the name does not resolve. */
+int net_addr_resolve(uv_loop_t *loop, const char *s, struct sockaddr_storage *ss,
+                     struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ============================================================================
  * The transport
  * ========================================================================== */
 

@@ -29,6 +29,25 @@ static int cpu_number(const char **p, int *out) {
   return 0;
 }
 
+/* `set` as a CPU list ("0-3,8") in buf[0..n), cut with "..." if longer. */
+static void format_cpus(const cpu_set_t *set, char *buf, size_t n) {
+  size_t len = 0;
+  buf[0] = '\0';
+  for (int lo = 0; lo < CPU_SETSIZE && len < n; lo++) {
+    if (!CPU_ISSET(lo, set)) continue;
+    int hi = lo;
+    while (hi + 1 < CPU_SETSIZE && CPU_ISSET(hi + 1, set)) hi++;
+    int w = hi > lo ? snprintf(buf + len, n - len, "%s%d-%d", len ? "," : "", lo, hi)
+                    : snprintf(buf + len, n - len, "%s%d", len ? "," : "", lo);
+    if (w < 0 || (size_t)w >= n - len) {
+      if (n >= 4) memcpy(buf + n - 4, "...", 4);
+      return;
+    }
+    len += (size_t)w;
+    lo = hi;
+  }
+}
+
 int cpu_list_parse(const char *s, struct cpu_list *out, struct rumor_err *e) {
   struct cpu_list c;
   memset(&c, 0, sizeof c);
@@ -55,9 +74,12 @@ int cpu_list_parse(const char *s, struct cpu_list *out, struct rumor_err *e) {
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
     for (int i = 0; i < CPU_LIST_MAX; i++)
-      if (has_bit(&c, i) && (i >= CPU_SETSIZE || !CPU_ISSET(i, &allowed)))
-        return rumor_err_set(e, RUMOR_EFORMAT, "CPU %d in '%s' is not one this process may run on (it may use %d)", i,
-                             s, CPU_COUNT(&allowed));
+      if (has_bit(&c, i) && (i >= CPU_SETSIZE || !CPU_ISSET(i, &allowed))) {
+        char may[128];
+        format_cpus(&allowed, may, sizeof may);
+        return rumor_err_set(e, RUMOR_EFORMAT, "CPU %d in '%s' is not one this process may run on (it may use %s)",
+                             i, s, may);
+      }
   }
   *out = c;
   return 0;

@@ -109,6 +109,8 @@ uint64_t clock_now_ns(void);
 double clock_now_s(void);
 /* Wall-clock time in milliseconds since the Unix epoch (for logs and files). */
 int64_t clock_wall_ms(void);
+/* The same in microseconds (to order events of processes on one host). */
+int64_t clock_wall_us(void);
 
 /* ---- random numbers -----------------------------------------------------------
  * xoshiro256** seeded through splitmix64: fast, reproducible across platforms,

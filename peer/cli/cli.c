@@ -33,15 +33,30 @@ static void usage(FILE *f) {
   fprintf(f, "\nRun 'rumor <command> --help' for the options of one command.\n");
 }
 
+/* RUMOR_LOG_LEVEL: debug, info, warn or error. Another value is ignored
+ * with one warning, and removed from the environment so that the stage
+ * processes of `rumor group` do not repeat it and `rumor top` quietens its
+ * log as without it. Main thread, before any other exists. */
+static void log_level_from_env(void) {
+  const char *level = getenv("RUMOR_LOG_LEVEL");
+  if (!level) return;
+  static const struct {
+    const char *name;
+    enum log_level level;
+  } levels[] = {{"debug", LOG_DEBUG}, {"info", LOG_INFO}, {"warn", LOG_WARN}, {"error", LOG_ERROR}};
+  for (size_t i = 0; i < sizeof levels / sizeof levels[0]; i++)
+    if (strcmp(level, levels[i].name) == 0) {
+      log_set_level(levels[i].level);
+      return;
+    }
+  fprintf(stderr, "rumor: ignoring RUMOR_LOG_LEVEL='%.64s': not debug, info, warn or error\n", level);
+  unsetenv("RUMOR_LOG_LEVEL");
+}
+
 int cli_main(int argc, char **argv) {
+  log_level_from_env();
   /* Before any thread exists: every later thread inherits the blocked stop
    * signals, which only the signal thread receives (see util.h). */
-  const char *level = getenv("RUMOR_LOG_LEVEL"); /* debug, info, warn, error */
-  if (level) {
-    if (strcmp(level, "debug") == 0) log_set_level(LOG_DEBUG);
-    else if (strcmp(level, "warn") == 0) log_set_level(LOG_WARN);
-    else if (strcmp(level, "error") == 0) log_set_level(LOG_ERROR);
-  }
   if (signals_init() != 0) {
     fprintf(stderr, "rumor: cannot set up signal handling\n");
     return 1;

@@ -36,6 +36,10 @@ int cmd_bootstrap(int argc, char **argv) {
   log_set_json(log_json);
   log_set_name("bootstrap");
   struct rumor_err e = {0};
+  if (net_flags_check_addrs(&nf, NULL, &e)) {
+    fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
+    return 2;
+  }
   struct net_keys keys;
   if (net_flags_load_keys(&nf, &keys, &e)) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);

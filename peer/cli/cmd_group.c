@@ -31,6 +31,7 @@ struct child {
   int status;
   bool signalled; /* the launcher sent it a signal */
   int failed_stage; /* −1, or the culprit it reported */
+  int64_t failed_at_us; /* when it failed (wall clock, its line's failed_at_us), with failed_stage */
   char error[512];
   char result[LINE_MAX_BYTES]; /* its result line (with "steps") */
 };
@@ -50,13 +51,12 @@ struct group {
 
 /* "host:port" with port + s (unchanged when port is 0). */
 static int offset_addr(const char *flag, const char *addr, int s, char *out, size_t n, struct rumor_err *e) {
-  const char *colon = strrchr(addr, ':');
-  int64_t port;
-  if (!colon || parse_i64(colon + 1, 0, 65535, &port))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': expected HOST:PORT", flag, addr);
+  char host[NET_HOST_MAX];
+  int port;
+  if (net_addr_parse(addr, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--%s", flag);
   if (port != 0 && port + s > 65535)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': port + %d is past 65535", flag, addr, s);
-  snprintf(out, n, "%.*s:%lld", (int)(colon - addr), addr, (long long)(port ? port + s : 0));
+  snprintf(out, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port ? port + s : 0);
   return 0;
 }
 
@@ -82,9 +82,10 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
   return 0;
 }
 
-/* Splits `value` of --flag into one list per stage, separated by ';'.
- * Returns 0, or RUMOR_EFORMAT naming the flag when there are not S lists
- * or one is too long (`why`: what a stage's list is for). */
+/* Splits `value` of --flag into one list per stage, separated by ';', and
+ * checks every address in them (net_addr_list_check). Returns 0, or
+ * RUMOR_EFORMAT naming the flag when there are not S lists, one is too
+ * long, or an entry is bad (`why`: what a stage's list is for). */
 static int stage_lists(const char *flag, const char *value, int S, char (*out)[1024], const char *why,
                        struct rumor_err *e) {
   int n = 0;
@@ -104,6 +105,8 @@ static int stage_lists(const char *flag, const char *value, int S, char (*out)[1
                          "--%s '%s' has %d list%s for %d stages: give one address list per stage, separated by ';' "
                          "(%s)",
                          flag, value, n, n == 1 ? "" : "s", S, why);
+  for (int s = 0; s < S; s++)
+    if (net_addr_list_check(out[s], e)) return rumor_err_prefix(e, "--%s: stage %d's list", flag, s);
   return 0;
 }
 
@@ -248,6 +251,8 @@ static void child_line(struct child *k, const char *line, size_t len) {
   if (json_is_integer(failed) && !on_signal) {
     /* A stage that failed, or saw which stage failed (not one we stopped). */
     k->failed_stage = (int)json_integer_value(failed);
+    const json_t *at = json_object_get(doc, "failed_at_us");
+    k->failed_at_us = json_is_integer(at) ? (int64_t)json_integer_value(at) : clock_wall_us();
     const char *why = json_string_value(json_object_get(doc, "error"));
     if (why) snprintf(k->error, sizeof k->error, "%s", why);
   }
@@ -355,9 +360,11 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
   for (int i = 0; i < 3; i++) {
-    char buf[160];
+    char buf[NET_HOST_MAX + 8];
     if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], g->S - 1, buf, sizeof buf, e))) return rc;
   }
+  /* Others dial the advertised addresses: no port 0, no 0.0.0.0. */
+  if (f->net.advertise && (rc = gossip_advertise_check(f->net.advertise, e))) return rumor_err_prefix(e, "--advertise");
   /* Check the key files now rather than in S children. */
   struct net_keys keys;
   if ((rc = net_flags_load_keys(&f->net, &keys, e))) return rc;
@@ -453,8 +460,36 @@ static int supervise(struct group *g) {
   return failed ? 1 : 0;
 }
 
-/* The stage that took the group down: one killed by a signal, else the
- * culprit the stages named, else the first that failed. */
+/* Among the stages the failure lines blame, the one to report: blamed by
+ * the most lines; then one that blamed itself (a stage whose neighbour
+ * failed or left blames that neighbour, so a self-blame is a stage that
+ * failed on its own); then the one that failed first. Returns −1 when no
+ * line blames a stage of the group. */
+static int most_blamed(const struct group *g) {
+  int votes[PIPE_MAX_STAGES] = {0};
+  for (int i = 0; i < g->nkids; i++)
+    if (g->kids[i].failed_stage >= 0 && g->kids[i].failed_stage < g->S) votes[g->kids[i].failed_stage]++;
+  int best = -1;
+  int64_t best_at = 0;
+  bool best_self = false;
+  for (int s = 0; s < g->S; s++) {
+    if (!votes[s]) continue;
+    bool self = s < g->nkids && g->kids[s].failed_stage == s;
+    int64_t at = INT64_MAX; /* when it failed: its own line, else the first line blaming it */
+    for (int i = 0; i < g->nkids; i++) {
+      const struct child *k = &g->kids[i];
+      if (k->failed_stage == s && (!self || i == s) && k->failed_at_us < at) at = k->failed_at_us;
+    }
+    if (best < 0 || votes[s] > votes[best] || (votes[s] == votes[best] && self && !best_self) ||
+        (votes[s] == votes[best] && self == best_self && at < best_at))
+      best = s, best_at = at, best_self = self;
+  }
+  return best;
+}
+
+/* The stage that took the group down: one killed by a signal we did not
+ * send, else the most blamed stage (most_blamed) with its own error text
+ * when it reported one, else the first that failed. */
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
@@ -462,11 +497,17 @@ static int culprit(const struct group *g, char *why, size_t n) {
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
     }
-  for (int i = 0; i < g->nkids; i++)
-    if (g->kids[i].failed_stage >= 0) {
-      snprintf(why, n, "%s", g->kids[i].error);
-      return g->kids[i].failed_stage;
-    }
+  int s = most_blamed(g);
+  if (s >= 0) {
+    /* Its own words; else those of the first line that blamed it. */
+    const struct child *from = NULL;
+    if (s < g->nkids && g->kids[s].failed_stage == s) from = &g->kids[s];
+    else
+      for (int i = 0; i < g->nkids; i++)
+        if (g->kids[i].failed_stage == s && (!from || g->kids[i].failed_at_us < from->failed_at_us)) from = &g->kids[i];
+    snprintf(why, n, "%s", from->error);
+    return s;
+  }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
       snprintf(why, n, "stage %d/%d exited with status %d", i, g->S, WEXITSTATUS(g->kids[i].status));

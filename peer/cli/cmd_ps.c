@@ -100,6 +100,9 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
     return rc;
   c->stages = 1;
   if (f->stage && (rc = group_stage_parse(f->stage, &c->stage, &c->stages, e))) return rc;
+  char host[NET_HOST_MAX];
+  int port;
+  if (net_addr_parse(f->listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
   if (!args_given(specs, "workers")) return rumor_err_set(e, RUMOR_EFORMAT, "--workers N is required");
   if (!t->checkpoint)
     return rumor_err_set(e, RUMOR_EFORMAT, "--checkpoint PATH is required (a server must survive restarts)");

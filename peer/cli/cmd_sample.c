@@ -57,14 +57,16 @@ static int parse_prompt(const char *prompt, int64_t vocab, int32_t *out, int64_t
       p++;
       continue;
     }
+    /* The whole token up to the next separator, quoted whole when bad. */
+    size_t len = strcspn(p, " ,");
     char *end;
     errno = 0;
     long long v = strtoll(p, &end, 10);
-    if (end == p || errno || v < 0 || v >= vocab)
+    if (end != p + len || errno || v < 0 || v >= vocab)
       return rumor_err_set(e, RUMOR_EFORMAT,
-                           "--prompt: '%.20s' is not a token id in [0, %lld) (a model whose vocabulary is not 256 "
+                           "--prompt: '%.*s%s' is not a token id in [0, %lld) (a model whose vocabulary is not 256 "
                            "bytes takes token ids separated by spaces or commas)",
-                           p, (long long)vocab);
+                           len > 40 ? 40 : (int)len, p, len > 40 ? "..." : "", (long long)vocab);
     if (*n == cap) return rumor_err_set(e, RUMOR_EFORMAT, "--prompt: more than %lld tokens", (long long)cap);
     out[(*n)++] = (int32_t)v;
     p = end;

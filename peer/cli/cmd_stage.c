@@ -71,6 +71,17 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   result_print(o);
 }
 
+/* The links' addresses: --link-listen parses (port 0: any), --link-prev
+ * can be dialed. Returns 0, or RUMOR_EFORMAT naming the flag. */
+static int check_link_addrs(const struct pipe_flags *pf, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  if (pf->link_listen && net_addr_parse(pf->link_listen, 0, host, sizeof host, &port, e))
+    return rumor_err_prefix(e, "--link-listen");
+  if (pf->link_prev && net_addr_check_dial(pf->link_prev, e)) return rumor_err_prefix(e, "--link-prev");
+  return 0;
+}
+
 /* Parses and checks the command line. Returns 0, or the exit status of a
  * usage error or --help (with *done set). */
 static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
@@ -100,7 +111,8 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   }
   if (group_stage_parse(p->f.pipe.stage, &stage, &stages, &e) ||
       group_flags_config(&p->f, specs, stage, stages, &p->tc, &p->st, &p->plan, &e) ||
-      gossip_flags_setup(&p->f.gossip, &p->mb.setup, &e)) {
+      gossip_flags_setup(&p->f.gossip, &p->mb.setup, &e) || check_link_addrs(&p->f.pipe, &e) ||
+      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
@@ -263,8 +275,13 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
 }
 
 /* Ends the group after a failure: says which stage failed and why, and
- * tells the neighbours (they pass it on). Returns the exit status. */
+ * tells the neighbours (they pass it on). A failure the link carries (a
+ * neighbour's, or one passed on, or a neighbour that left) names that
+ * stage; any other names this one. The line's failed_at_us (wall clock)
+ * lets the launcher tell which of two stages that both failed on their own
+ * failed first. Returns the exit status. */
 static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
+  int64_t at_us = clock_wall_us();
   int me = p->st.stage, S = p->st.stages;
   char why[400];
   int culprit = me;
@@ -281,6 +298,7 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   json_text_set(o, "failed_stage", json_integer(culprit));
   json_text_set(o, "stopped", json_boolean(signals_stop_requested() != 0));
   json_text_set(o, "error", json_text_str(why));
+  json_text_set(o, "failed_at_us", json_integer(at_us));
   result_print(o);
   if (signals_stop_requested()) {
     log_info("group %s stops: %s", p->st.group, why);

@@ -506,8 +506,8 @@ int cmd_top(int argc, char **argv) {
        "write TensorBoard event files to DIR/cluster (made when missing): Ξ, Ξ/‖θ̄‖, exact Ξ, mean loss, members "
        "alive, and member/ID/loss, step, exchanges; the step axis is the refresh number, from 0"},
       {"servers", ARG_STR, &o.servers, "A,B,...",
-       "watch parameter servers instead (rumor ps): each one's range, version and staleness bound, and its "
-       "workers' clocks"},
+       "watch parameter servers instead of --bootstrap's cluster (rumor ps): each one's range, version and "
+       "staleness bound, and its workers' clocks"},
   };
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) specs[n++] = own[i];
   specs[n] = (struct arg_spec){0};
@@ -527,10 +527,19 @@ int cmd_top(int argc, char **argv) {
                     "for parameter servers\n");
     return 2;
   }
+  if (nf.bootstrap && o.servers) {
+    fprintf(stderr, "rumor top: give --bootstrap (a gossip cluster) or --servers (parameter servers), not both: "
+                    "one view watches one of them\n");
+    return 2;
+  }
   if (check_opts(&o)) return 2;
   if (o.once) o.count = 1;
 
   struct rumor_err e = {0};
+  if (net_flags_check_addrs(&nf, o.servers, &e)) {
+    fprintf(stderr, "rumor top: %s\n", e.msg);
+    return 2;
+  }
   struct net_keys keys;
   if (net_flags_load_keys(&nf, &keys, &e)) {
     fprintf(stderr, "rumor top: %s\n", e.msg);

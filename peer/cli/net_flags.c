@@ -27,7 +27,8 @@ static bool monitor_takes(const char *name) {
 
 static void net_flags_help_for(enum flags_for who, struct arg_spec *sp) {
   if (who == FLAGS_MONITOR) {
-    if (strcmp(sp->name, "bootstrap") == 0) sp->help = "cluster members to ask for the member table; required";
+    if (strcmp(sp->name, "bootstrap") == 0)
+      sp->help = "cluster members to ask for the member table; required unless --servers";
     else if (strcmp(sp->name, "identity") == 0) sp->help = "this monitor's identity (rumor keygen); required";
     else if (strcmp(sp->name, "allow-list") == 0) sp->help = "talk only to members whose public keys FILE lists";
   } else if (who == FLAGS_LAUNCHER) {
@@ -77,6 +78,17 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
     out[*n] = specs[i];
     net_flags_help_for(who, &out[(*n)++]);
   }
+}
+
+int net_flags_check_addrs(const struct net_flags *f, const char *servers, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  if (f->listen && net_addr_parse(f->listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  if (f->metrics && net_addr_parse(f->metrics, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--metrics");
+  if (f->advertise && gossip_advertise_check(f->advertise, e)) return rumor_err_prefix(e, "--advertise");
+  if (f->bootstrap && net_addr_list_check(f->bootstrap, e)) return rumor_err_prefix(e, "--bootstrap");
+  if (servers && net_addr_list_check(servers, e)) return rumor_err_prefix(e, "--servers");
+  return 0;
 }
 
 int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) {

@@ -39,7 +39,7 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
        "tokens: the end of the stream held out for validation, unless *_val* shards exist", 0, 0.9},
       {"device", ARG_STR, &f->device, "DEV", "auto, cpu, cuda or cuda:N"},
       {"threads", ARG_INT, &f->threads, "N", "CPU threads (0: all cores)", 0, 4096},
-      {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set"},
+      {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set (N <= 65536)"},
       {"seed", ARG_INT, &f->seed, "N", "seed for initialisation and shuffling", 0, 9007199254740991.0},
       {"data-seed", ARG_INT, &f->data_seed, "N", "seed of the shard split (same on every peer)", 0,
        9007199254740991.0},
@@ -74,8 +74,9 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
       {"no-eval", ARG_FLAG, &f->no_eval, NULL, "skip the test-set evaluation after each epoch"},
       {"eval-every", ARG_INT, &f->eval_every, "N", "also evaluate every N steps (0: at epoch ends only)", 0, 1e15},
       {"eval-batches", ARG_INT, &f->eval_batches, "N",
-       "batches of the evaluation set per evaluation (-1: all test images; 20 batches of validation windows)", -1,
-       1e15},
+       "batches of --batch rows of the evaluation set per evaluation (0: all of it; -1: all test images, or 20 "
+       "batches of validation windows)",
+       -1, 1e15},
       {"tensorboard", ARG_STR, &f->tensorboard, "DIR",
        "write TensorBoard event files (loss, evaluation, learning rate, throughput, exchanges, bytes, parameter "
        "norm) to the run directory DIR/RUN, made when missing; RUN: 'train' for rumor train, a peer's --name or "

@@ -47,7 +47,8 @@ void dataset_pixel_stats(const struct dataset *ds, double *mean, double *std);
 struct shard {
   int64_t index, count; /* this is shard index of count, 0 <= index < count */
 };
-/* Parses "i/n" with 0 <= i < n <= 65536. */
+#define SHARD_MAX 65536 /* the most shards a data set is cut into */
+/* Parses "i/n" with 0 <= i < n <= SHARD_MAX. */
 int shard_parse(const char *s, struct shard *out, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* Which rows (samples, windows) a shard trains on and in what order: its

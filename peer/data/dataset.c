@@ -208,12 +208,13 @@ int shard_parse(const char *s, struct shard *out, struct rumor_err *e) {
   if (!slash || (size_t)(slash - s) >= sizeof a) goto bad;
   memcpy(a, s, (size_t)(slash - s));
   a[slash - s] = '\0';
-  if (parse_i64(a, 0, 65535, &i) || parse_i64(slash + 1, 1, 65536, &n) || i >= n) goto bad;
+  if (parse_i64(a, 0, SHARD_MAX - 1, &i) || parse_i64(slash + 1, 1, SHARD_MAX, &n) || i >= n) goto bad;
   out->index = i;
   out->count = n;
   return 0;
 bad:
-  return rumor_err_set(e, RUMOR_EFORMAT, "bad shard '%s': expected i/n with 0 <= i < n (e.g. 0/4)", s ? s : "");
+  return rumor_err_set(e, RUMOR_EFORMAT, "bad shard '%s': expected i/n with 0 <= i < n <= %d (e.g. 0/4)", s ? s : "",
+                       SHARD_MAX);
 }
 
 int batcher_init(struct batcher *b, const struct dataset *ds, struct shard shard, uint64_t data_seed,

@@ -45,6 +45,9 @@
 #include "util/json_text.h"
 
 #define GP(s) (&(s)->u.gpt)
+/* The layer norms' epsilon as config.json states it: TENSOR_LAYERNORM_EPS
+ * (a float), written as the double Python reads. */
+#define GPT_HF_LAYERNORM_EPS 1e-5
 
 /* Table entries per block, in flat-buffer order. */
 enum {
@@ -573,7 +576,7 @@ static json_t *gpt_hf_config(const struct model_spec *s) {
   json_text_set(b, "activation_function", json_string("gelu_new")); /* GPT-2's tanh form */
   const char *zero[] = {"resid_pdrop", "embd_pdrop", "attn_pdrop"};
   for (size_t i = 0; i < 3; i++) json_text_set(b, zero[i], json_text_real(0.0));
-  json_text_set(b, "layer_norm_epsilon", json_text_real(1e-5)); /* TENSOR_LAYERNORM_EPS, as the double Python reads */
+  json_text_set(b, "layer_norm_epsilon", json_text_real(GPT_HF_LAYERNORM_EPS));
   json_text_set(b, "initializer_range", json_text_real(0.02));
   json_text_set(b, "tie_word_embeddings", json_true());
   json_text_set(b, "torch_dtype", json_string("float32"));
@@ -612,6 +615,17 @@ static int gpt_hf_parse(const json_t *cfg, const char *name, struct model_spec *
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: n_inner must be null or 4·n_embd", name);
   if (json_is_false(json_object_get(cfg, "tie_word_embeddings")))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: tie_word_embeddings is false; rumor's GPT ties the head", name);
+  /* Absent: GPT-2's default, which is ours. Another epsilon would give other
+   * activations than the model was trained with. */
+  const json_t *eps = json_object_get(cfg, "layer_norm_epsilon");
+  if (eps && !json_is_number(eps))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: layer_norm_epsilon is not a number; rumor's GPT uses %g", name,
+                         GPT_HF_LAYERNORM_EPS);
+  if (eps && fabs(json_number_value(eps) - GPT_HF_LAYERNORM_EPS) > 1e-6 * GPT_HF_LAYERNORM_EPS)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "%s: layer_norm_epsilon is %.9g; rumor's GPT normalises with %g (GPT-2's) and cannot use "
+                         "another",
+                         name, json_number_value(eps), GPT_HF_LAYERNORM_EPS);
   GP(out)->layers = (int)L;
   GP(out)->heads = (int)H;
   GP(out)->width = C;

@@ -222,7 +222,9 @@ int stage_link_send_start(stage_link_t *l, const struct stage_link_pos *pos, str
 int stage_link_recv_start(stage_link_t *l, struct stage_link_pos *pos, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* True once the link has failed; *stage and why[0..n) say which stage and
- * what happened (the stage may be this one, after stage_link_abort). */
+ * what happened (the stage may be this one, after stage_link_abort). A
+ * neighbour that closed the link while a call here still needed it has
+ * failed too: it left the group, and it is the stage named. */
 bool stage_link_failed(stage_link_t *l, int *stage, char *why, size_t n);
 /* Tells every connected neighbour that the group stops because `stage`
  * failed (or stopped) for `why`, and fails the link here too, unless it had

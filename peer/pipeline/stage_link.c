@@ -680,9 +680,13 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
                          cfg->stage, cfg->stages);
   if (cfg->prev && strlen(cfg->prev) >= sizeof ((struct stage_link *)0)->prev)
     return rumor_err_set(e, RUMOR_EFORMAT, "--link-prev '%s' is too long", cfg->prev);
+  if (cfg->stage > 0 && net_addr_check_dial(cfg->prev, e)) return rumor_err_prefix(e, "--link-prev");
   const char *listen = cfg->listen ? cfg->listen : "127.0.0.1:0";
-  if (strlen(listen) >= sizeof ((struct stage_link *)0)->listen || !strrchr(listen, ':'))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--link-listen '%s': expected HOST:PORT", listen);
+  if (strlen(listen) >= sizeof ((struct stage_link *)0)->listen)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--link-listen '%s' is too long", listen);
+  char lhost[NET_HOST_MAX];
+  int lport;
+  if (net_addr_parse(listen, 0, lhost, sizeof lhost, &lport, e)) return rumor_err_prefix(e, "--link-listen");
   struct stage_link *l = xcalloc(1, sizeof *l);
   l->cfg = *cfg;
   snprintf(l->group, sizeof l->group, "%s", cfg->group);
@@ -815,6 +819,21 @@ static int failure(struct stage_link *l, struct rumor_err *e) {
   return rumor_err_set(e, RUMOR_ECANCELED, "%s", l->why);
 }
 
+/* The neighbour in `dir` closed the link while this stage still needs it:
+ * it left the group. The link fails with that neighbour as the culprit
+ * (unless it had failed already), so this stage and those it tells blame
+ * the stage that left, not themselves. Training thread, mu held. */
+static int neighbour_left(struct stage_link *l, enum stage_link_dir dir, struct rumor_err *e) {
+  if (!l->failed) {
+    l->failed = true;
+    l->fail_stage = neighbour(l, dir);
+    snprintf(l->why, sizeof l->why, "stage %d/%d left the group (closed the link)", neighbour(l, dir),
+             l->cfg.stages);
+    pthread_cond_broadcast(&l->cond);
+  }
+  return failure(l, e);
+}
+
 int stage_link_wait_ready(stage_link_t *l, struct rumor_err *e) {
   double next_idle = 0;
   int rc = 0;
@@ -836,9 +855,7 @@ static int check_send(struct stage_link *l, enum stage_link_dir dir, struct rumo
   pthread_mutex_lock(&l->mu);
   int rc = 0;
   if (l->failed) rc = failure(l, e);
-  else if (l->closed[dir])
-    rc = rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d left the group (closed the link)", neighbour(l, dir),
-                       l->cfg.stages);
+  else if (l->closed[dir]) rc = neighbour_left(l, dir, e);
   else l->pending++;
   pthread_mutex_unlock(&l->mu);
   return rc;
@@ -892,8 +909,7 @@ int stage_link_recv(stage_link_t *l, enum stage_link_dir dir, enum stage_link_ki
       break;
     }
     if (l->closed[dir]) {
-      rc = rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d left the group (closed the link)", neighbour(l, dir),
-                         l->cfg.stages);
+      rc = neighbour_left(l, dir, e);
       break;
     }
     blocked = true;
@@ -956,8 +972,7 @@ int stage_link_recv_start(stage_link_t *l, struct stage_link_pos *pos, struct ru
       break;
     }
     if (l->closed[STAGE_LINK_PREV]) {
-      rc = rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d left the group (closed the link)", l->cfg.stage - 1,
-                         l->cfg.stages);
+      rc = neighbour_left(l, STAGE_LINK_PREV, e);
       break;
     }
     if ((rc = wait_tick(l, &next_idle, e))) break;
@@ -983,10 +998,17 @@ struct abort_req {
   char why[WHY_MAX];
 };
 
+/* Sends the ABORT also when the net is closing (status RUMOR_ECANCELED):
+ * net_close runs the queued calls before it closes the connections, and
+ * stage_link_close, queued on the host's loop right after the abort, may
+ * get there first. The ABORT then still goes out ahead of the BYE, and the
+ * neighbours learn who failed and why instead of only that the link
+ * closed. */
 static void abort_on_loop(net_t *n, void *arg, int status) {
+  (void)status;
   struct abort_req *r = arg;
   struct stage_link *l = r->l;
-  for (int d = 0; status == 0 && d < 2; d++) {
+  for (int d = 0; d < 2; d++) {
     net_conn_t *c = l->conn[d];
     if (!c) continue;
     struct net_msgbuf b;

@@ -45,16 +45,16 @@ void ps_optim_text(const struct optim_config *o, char *buf, size_t n) {
 
 int ps_servers_parse(const char *list, char (*addrs)[PS_ADDR_MAX], int *n, struct rumor_err *e) {
   *n = 0;
+  if (net_addr_list_check(list, e)) return rumor_err_prefix(e, "--servers");
   for (const char *p = list;;) {
-    const char *comma = strchr(p, ',');
-    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    size_t len = strcspn(p, ",");
     if (*n == PS_MAX_SERVERS) return rumor_err_set(e, RUMOR_EFORMAT, "--servers: more than %d servers", PS_MAX_SERVERS);
-    const char *colon = len ? memchr(p, ':', len) : NULL;
-    if (!len || len >= PS_ADDR_MAX || !colon || colon == p + len - 1)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is not HOST:PORT", (int)(len > 200 ? 200 : len), p);
+    if (len >= PS_ADDR_MAX)
+      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is longer than %d characters", (int)len, p,
+                           PS_ADDR_MAX - 1);
     snprintf(addrs[(*n)++], PS_ADDR_MAX, "%.*s", (int)len, p);
-    if (!comma) return 0;
-    p = comma + 1;
+    if (!p[len]) return 0;
+    p += len + 1;
   }
 }
 

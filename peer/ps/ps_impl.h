@@ -96,8 +96,9 @@ static inline int ps_meta_read(const uint8_t *p, size_t len, struct ps_meta *m) 
 
 #define PS_ADDR_MAX 128 /* bytes of a server address, NUL included */
 
-/* Splits --servers "A,B,..." into addrs[0..*n) (each HOST:PORT, at most
- * PS_MAX_SERVERS). Returns 0 or RUMOR_EFORMAT naming the bad entry. */
+/* Splits --servers "A,B,..." into addrs[0..*n) (each passing
+ * net_addr_check_dial, at most PS_MAX_SERVERS). Returns 0 or RUMOR_EFORMAT
+ * naming the flag and the bad entry. */
 int ps_servers_parse(const char *list, char (*addrs)[PS_ADDR_MAX], int *n, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* The optimizer settings a worker and a server must agree on, as text. */

@@ -257,7 +257,8 @@ struct train_config {
                             * file, a directory of token shards or a glob (token_corpus_load); NULL: the
                             * default for the model's input (TRAIN_DEFAULT_IMAGES, TOKEN_DEFAULT_CORPUS) */
   double val_fraction;     /* tokens: the part of the stream held out for validation (no _val files) */
-  int64_t eval_batches;    /* batches of the evaluation set each evaluation reads (0: all of it) */
+  int64_t eval_batches;    /* batches of the evaluation set each evaluation reads (0: all of it; -1: all test
+                              images, or 20 batches of validation windows) */
   int64_t eval_every;      /* steps between evaluations (0: at epoch ends only, when eval_each_epoch) */
   double grad_clip;        /* global gradient norm clipped to this before each update (0: off) */
   double slowdown;         /* >= 1: each step takes this many times its compute time (a simulated straggler;

@@ -116,6 +116,7 @@ Test(cli, bad_flags_are_usage_errors) {
       {"--lr", "nan", "--lr"},
       {"--batch", "-3", "--batch"},
       {"--shard", "5/4", "bad shard '5/4'"},
+      {"--shard", "0/1000000", "bad shard '0/1000000': expected i/n with 0 <= i < n <= 65536"},
       {"--model", "mlp:784-x-10", "mlp:784-x-10"},
       {"--optimizer", "rmsprop", "--optimizer"},
       {"--epochs", NULL, "needs a value"},
@@ -129,6 +130,33 @@ Test(cli, bad_flags_are_usage_errors) {
   cli_expect_fail(st, 2, err, "unknown command 'frobnicate'", "unknown command");
   st = rumor(NULL, &err, 30, "eval", NULL);
   cli_expect_fail(st, 2, err, "--checkpoint", "eval without checkpoint");
+}
+
+/* --eval-batches' help says what 0 and the default -1 mean. */
+Test(cli, eval_batches_help_says_what_0_and_minus_1_mean) {
+  char *out;
+  int st = rumor(&out, NULL, 30, "train", "--help", NULL);
+  cr_assert(proc_exited_with(st, 0));
+  const char *line = strstr(out, "--eval-batches");
+  cr_assert(line && strstr(line, "0: all of it") && strstr(line, "-1: all test images"), "%s", out);
+  free(out);
+}
+
+/* An unknown RUMOR_LOG_LEVEL is named once, with the accepted values, and
+ * ignored; a known one says nothing. */
+Test(cli, an_unknown_log_level_is_named_and_ignored) {
+  char *err;
+  cr_assert_eq(setenv("RUMOR_LOG_LEVEL", "verbose", 1), 0);
+  int st = rumor(NULL, &err, 30, "train", "--epochs", "0", NULL);
+  const char *warn = "ignoring RUMOR_LOG_LEVEL='verbose': not debug, info, warn or error";
+  const char *first = strstr(err, warn);
+  cr_assert(first && !strstr(first + 1, warn), "the warning should appear once: %s", err);
+  cli_expect_fail(st, 2, err, "--epochs", "a usage error under an unknown log level");
+  cr_assert_eq(setenv("RUMOR_LOG_LEVEL", "warn", 1), 0);
+  st = rumor(NULL, &err, 30, "train", "--epochs", "0", NULL);
+  cr_assert_null(strstr(err, "RUMOR_LOG_LEVEL"), "%s", err);
+  cli_expect_fail(st, 2, err, "--epochs", "a usage error under a known log level");
+  unsetenv("RUMOR_LOG_LEVEL");
 }
 
 static void copy_dataset(const char *to) {

@@ -367,6 +367,58 @@ Test(gossip, dead_first_bootstrap_address_still_joins_and_all_dead_is_a_clear_er
             "the error should name every address tried: %s", proc_slurp(C.node[q].log));
 }
 
+/* Every address flag is checked before anything listens or dials: a bad
+ * one exits 2 at once (a peer used to wait out its join timeout, a
+ * bootstrap node to start a cluster of its own), naming the flag and the
+ * entry. Host names pass, as the launchers give them; a --metrics name
+ * that does not resolve is said to be one. */
+Test(gossip, bad_addresses_are_refused_at_start_naming_the_flag_and_the_entry) {
+  char id[256];
+  cluster_make_identity(&C, "addr", id, sizeof id);
+  char *k[] = {"--cluster-key", C.key, "--identity", id};
+#define B(...)                                                                                    \
+  (char *[]) { "bootstrap", k[0], k[1], k[2], k[3], __VA_ARGS__, NULL }
+#define P(...)                                                                                    \
+  (char *[]) { "peer", k[0], k[1], k[2], k[3], "--model", "mlp:784-16-10", __VA_ARGS__, NULL }
+  const char *range = "port must be in [1, 65535]";
+  char want[160];
+  char *advertise[] = {"127.0.0.1:99999", "127.0.0.1:0"};
+  for (int i = 0; i < 2; i++) {
+    snprintf(want, sizeof want, "--advertise: '%s': %s", advertise[i], range);
+    cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--advertise", advertise[i]), 2, want);
+  }
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--advertise", "0.0.0.0:7000"), 2,
+                      "--advertise: '0.0.0.0:7000': 0.0.0.0 means every local address");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--advertise", "[::]:7000"), 2,
+                      "--advertise: '[::]:7000': :: means every local address");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--bootstrap", "127.0.0.1:99999"), 2,
+                      "--bootstrap: '127.0.0.1:99999': port must be in [1, 65535]");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--bootstrap", ","), 2, "--bootstrap: ',' has an empty entry");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--bootstrap", "127.0.0.1:1,,127.0.0.1:2"), 2,
+                      "--bootstrap: '127.0.0.1:1,,127.0.0.1:2' has an empty entry");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--bootstrap", ":7470"), 2,
+                      "--bootstrap: ':7470': the host is missing");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1"), 2, "--listen: '127.0.0.1': expected host:port");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--metrics", "127.0.0.1"), 2,
+                      "--metrics: '127.0.0.1': expected host:port");
+  cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--metrics", "nohost.invalid:1"), 1,
+                      "--metrics: 'nohost.invalid:1': cannot resolve the host name 'nohost.invalid'");
+  cluster_expect_exit(&C, P("--bootstrap", "127.0.0.1:99999"), 2, "--bootstrap: '127.0.0.1:99999': port must be in");
+  cluster_expect_exit(&C, P("--bootstrap", "127.0.0.1:7470,"), 2, "--bootstrap: '127.0.0.1:7470,' has an empty entry");
+  cluster_expect_exit(&C, P("--sync", "ps", "--servers", "127.0.0.1:1,127.0.0.1:0"), 2,
+                      "--servers: '127.0.0.1:0': port must be in [1, 65535]");
+#undef B
+#undef P
+  /* Names, as Kubernetes and Slurm give them: the bootstrap node starts,
+   * advertises its name, and reports the one it could not resolve. */
+  char *named[] = {"--advertise", "boot-0.rumor.example:7470", "--bootstrap", "nohost.invalid:7470",
+                   "--join-timeout-ms", "300", NULL};
+  int b = cluster_spawn(&C, "bootstrap", named);
+  cr_assert_str_eq(C.node[b].addr, "boot-0.rumor.example:7470");
+  cr_assert(cluster_wait_file(C.node[b].log, "starting as the first member", 20), "%s", proc_slurp(C.node[b].log));
+  cr_assert(cluster_log_has(&C, b, "nohost.invalid:7470 (cannot resolve"), "%s", proc_slurp(C.node[b].log));
+}
+
 /* Four peers (small model, batch 16) for 400 steps with --max-local-steps
  * `bound` ("0": none); the longest run of steps between applied exchanges
  * over the peers, and the holds and holds that gave up, summed. */

@@ -325,6 +325,36 @@ Test(gptcli, bad_text_data_and_sample_input_are_named_and_exit_cleanly) {
   cli_expect_fail(st, 1, err, "nope.txt", "sample from a missing checkpoint");
   st = rumor(NULL, &err, 60, "train", "--init-from", dir, "--data", text_path(), NULL);
   cli_expect_fail(st, 1, err, "config.json", "--init-from a directory without config.json");
+
+  /* A model whose vocabulary is not 256 bytes takes token ids: a bad one
+   * is quoted whole. */
+  char ck[160], cfg[200];
+  snprintf(ck, sizeof ck, "%s/v300/", dir);
+  st = rumor(NULL, &err, 60, "train", "--model", "gpt:L1-H2-C8-T8-V300", "--data", text_path(), "--max-steps", "1",
+             "--threads", "1", "--log-every", "0", "--eval-batches", "1", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  free(err);
+  const char *prompts[] = {"1.5", "12 7,1.5 3", "12 x7"};
+  const char *quoted[] = {"'1.5' is not a token id in [0, 300)", "'1.5' is not a token id", "'x7' is not a token id"};
+  for (int i = 0; i < 3; i++) {
+    st = rumor(NULL, &err, 60, "sample", "--checkpoint", ck, "--prompt", prompts[i], NULL);
+    cli_expect_fail(st, 2, err, quoted[i], prompts[i]);
+  }
+  /* Its config.json with another layer-norm epsilon than rumor computes
+   * with is refused, naming the file, the field and the value. */
+  snprintf(cfg, sizeof cfg, "%sconfig.json", ck);
+  char *text = proc_slurp(cfg);
+  char *eps = strstr(text, "\"layer_norm_epsilon\":");
+  cr_assert_not_null(eps, "%s", text);
+  FILE *f2 = fopen(cfg, "w");
+  cr_assert_not_null(f2);
+  fprintf(f2, "%.*s\"layer_norm_epsilon\":0.5%s", (int)(eps - text), text, eps + strcspn(eps, ",}"));
+  fclose(f2);
+  free(text);
+  st = rumor(NULL, &err, 60, "sample", "--checkpoint", ck, "--prompt", "12", NULL);
+  cli_expect_fail(st, 1, err, "config.json: layer_norm_epsilon is 0.5", "sample with epsilon 0.5");
+  st = rumor(NULL, &err, 60, "train", "--init-from", ck, "--data", text_path(), "--max-steps", "1", NULL);
+  cli_expect_fail(st, 1, err, "config.json: layer_norm_epsilon is 0.5", "--init-from with epsilon 0.5");
 }
 
 /* ---- stop signals: eval, sample and train's final evaluation end promptly ---------- */

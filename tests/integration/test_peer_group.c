@@ -479,6 +479,17 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
   cluster_expect_exit(&C, G("--stages", "2", "--schedule", "zigzag"), 2, "--schedule must be cosine or constant");
   cluster_expect_exit(&C, G("--stages", "2", "--devices", "cpu,cpu,cpu"), 2, "--devices 'cpu,cpu,cpu' names 3 entries for 2 stages");
   cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9"), 2, "has 1 list for 2 stages");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;127.0.0.1:99999"), 2,
+                      "--bootstrap: stage 1's list: '127.0.0.1:99999': port must be in [1, 65535]");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "boot-0.example:7470,;boot-1.example:7470"), 2,
+                      "--bootstrap: stage 0's list: 'boot-0.example:7470,' has an empty entry");
+  cluster_expect_exit(&C, G("--stages", "2", "--bootstrap", "127.0.0.1:9;"), 2,
+                      "--bootstrap: stage 1's list: no address");
+  cluster_expect_exit(&C, G("--stages", "2", "--sync", "ps", "--servers", "127.0.0.1:9;127.0.0.1"), 2,
+                      "--servers: stage 1's list: '127.0.0.1': expected host:port");
+  cluster_expect_exit(&C, G("--stages", "2", "--advertise", "0.0.0.0:7000"), 2,
+                      "--advertise: '0.0.0.0:7000': 0.0.0.0 means every local address");
+  cluster_expect_exit(&C, G("--stages", "2", "--listen", "127.0.0.1"), 2, "--listen: '127.0.0.1': expected host:port");
   cluster_expect_exit(&C, G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
   cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
@@ -490,6 +501,10 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
                      "--stage '2/2': expected s/S with 0 <= s < S");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "stage 1/2 needs --link-prev HOST:PORT");
+  cluster_expect_exit(&C,
+                      (char *[]){"peer", "--group", "g", "--stage", "1/2", "--link-prev", "127.0.0.1:0", keys[0],
+                                 keys[1], keys[2], keys[3], NULL},
+                      2, "--link-prev: '127.0.0.1:0': port must be in [1, 65535]");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", keys[0], keys[1], keys[2], keys[3], NULL}, 2,
                      "--stage s/S is required with --group");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "bad name", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], NULL},
@@ -508,6 +523,27 @@ Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
   cr_assert(strstr(err, "stage 1/2 failed") && strstr(err, "nosuchdevice"), "stderr should name stage 1 and the device: %s",
             err);
   cr_assert(strstr(out, "\"status\":\"failed\",\"failed_stage\":1"), "summary: %s", out);
+  free(out), free(err);
+}
+
+/* Stage 1 cannot write its checkpoint (its directory does not exist): the
+ * group blames stage 1 with stage 1's own error. Stage 0 only saw stage 1
+ * go, and names it rather than itself. */
+Test(group, a_stage_that_cannot_write_its_checkpoint_is_blamed_not_its_neighbour) {
+  SKIP_WITHOUT_DATA();
+  char id[256], ck[300];
+  cluster_make_identity(&C, "ckpt", id, sizeof id);
+  snprintf(ck, sizeof ck, "%s/no-such-dir/x.safetensors", C.dir);
+  char *out, *err;
+  char *args[] = {"group", "--stages", "2", "--cluster-key", C.key, "--identity", id, "--model", "mlp:784-16-16-10",
+                  "--max-steps", "2", "--batch", "4", "--threads", "1", "--checkpoint", ck, NULL};
+  int st = cluster_run(&C, args, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
+  const char *summary = strstr(out, "\"stages\":2,\"status\":\"failed\"");
+  cr_assert(summary && strstr(summary, "\"failed_stage\":1,\"error\":\"stage 1/2 failed: cannot create ") &&
+                strstr(summary, "no-such-dir/x-stage1.safetensors"),
+            "the summary should blame stage 1 with its checkpoint error: %s", out);
+  cr_assert(strstr(err, "stopped because stage 1/2 failed: cannot create "), "%s", err);
   free(out), free(err);
 }
 

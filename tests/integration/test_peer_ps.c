@@ -460,7 +460,7 @@ Test(ps, mismatched_workers_are_refused_with_a_reason) {
   memcpy(args, base, sizeof base);
   char *bad_list[] = {"--servers", "127.0.0.1", "--model", MODEL, NULL};
   memcpy(args + nb, bad_list, sizeof bad_list);
-  cluster_expect_exit(&C, args, 2, "is not HOST:PORT");
+  cluster_expect_exit(&C, args, 2, "--servers: '127.0.0.1': expected host:port");
   char *other_model[] = {"--servers", s.addr, "--model", "mlp:784-16-10", NULL};
   memcpy(args + nb, other_model, sizeof other_model);
   cluster_expect_exit(&C, args, 1, "this server holds model mlp:784-32-10");

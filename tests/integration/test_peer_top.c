@@ -370,4 +370,39 @@ Test(top, bad_flags_and_dead_addresses_are_clear_errors) {
   cr_assert_not_null(strstr(err, "--cluster-key"), "%s", err);
   free(out);
   free(err);
+
+  /* --servers watches servers instead of the cluster: not both. */
+  st = run_top(&out, &err, "--once", "--servers", "127.0.0.1:2", NULL);
+  cr_assert(proc_exited_with(st, 2), "status %d: %s", st, err);
+  cr_assert(strstr(err, "--bootstrap") && strstr(err, "--servers") && strstr(err, "not both"), "%s", err);
+  free(out);
+  free(err);
+
+  /* Addresses are checked before any is dialed, and named with the flag. */
+  const struct {
+    const char *boot, *servers, *says;
+  } bad_addrs[] = {
+      {"127.0.0.1:99999", NULL, "--bootstrap: '127.0.0.1:99999': port must be in [1, 65535]"},
+      {"127.0.0.1:1,", NULL, "--bootstrap: '127.0.0.1:1,' has an empty entry"},
+      {NULL, "127.0.0.1:2,127.0.0.1:0", "--servers: '127.0.0.1:0': port must be in [1, 65535]"},
+  };
+  for (size_t i = 0; i < sizeof bad_addrs / sizeof bad_addrs[0]; i++) {
+    char *a[] = {RUMOR_BIN, "top", "--cluster-key", C.key, "--identity", id, "--once",
+                 bad_addrs[i].boot ? "--bootstrap" : "--servers",
+                 (char *)(bad_addrs[i].boot ? bad_addrs[i].boot : bad_addrs[i].servers), NULL};
+    st = proc_run(a, 20, C.dir, &out, &err);
+    cr_assert(proc_exited_with(st, 2), "status %d: %s", st, err);
+    cr_assert_not_null(strstr(err, bad_addrs[i].says), "%s", err);
+    free(out);
+    free(err);
+  }
+
+  /* A host name passes the check; one that does not resolve is the
+   * address that failed. */
+  snprintf(C.boot, sizeof C.boot, "nohost.invalid:7470");
+  st = run_top(&out, &err, "--once", "--timeout-ms", "500", NULL);
+  cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
+  cr_assert_not_null(strstr(err, "nohost.invalid:7470"), "the address tried is not named: %s", err);
+  free(out);
+  free(err);
 }

@@ -132,6 +132,15 @@ Test(gpt, config_json_round_trips_and_bad_configs_are_named) {
       {"{\"model_type\":\"gpt2\",\"n_layer\":2,\"n_head\":2,\"n_embd\":8,\"n_positions\":4,\"vocab_size\":9,"
        "\"activation_function\":\"relu\"}",
        "activation_function"},
+      {"{\"model_type\":\"gpt2\",\"n_layer\":2,\"n_head\":2,\"n_embd\":8,\"n_positions\":4,\"vocab_size\":9,"
+       "\"layer_norm_epsilon\":0.5}",
+       "layer_norm_epsilon is 0.5"},
+      {"{\"model_type\":\"gpt2\",\"n_layer\":2,\"n_head\":2,\"n_embd\":8,\"n_positions\":4,\"vocab_size\":9,"
+       "\"layer_norm_epsilon\":1e-6}",
+       "layer_norm_epsilon is 1e-06"},
+      {"{\"model_type\":\"gpt2\",\"n_layer\":2,\"n_head\":2,\"n_embd\":8,\"n_positions\":4,\"vocab_size\":9,"
+       "\"layer_norm_epsilon\":\"1e-5\"}",
+       "layer_norm_epsilon is not a number"},
       {"not json", "not a JSON config"},
       {"[1,2]", "not an object"},
       {"{\"model_type\":\"gpt2\",\"model_type\":\"llama\"}", "duplicate"},
@@ -141,6 +150,19 @@ Test(gpt, config_json_round_trips_and_bad_configs_are_named) {
     cr_assert_neq(model_spec_from_hf_config(bad[i].json, strlen(bad[i].json), "cfg.json", &x, &e), 0, "%s",
                   bad[i].json);
     cr_assert(strstr(e.msg, "cfg.json") && strstr(e.msg, bad[i].says), "%s: %s", bad[i].json, e.msg);
+  }
+  /* GPT-2's epsilon, however written (PyTorch's float32 1e-5 widened to a
+   * double included), or none at all, is ours. */
+  const char *same_eps[] = {"1e-5", "1.0e-05", "0.00001", "9.999999747378752e-06"};
+  const size_t n_eps = sizeof same_eps / sizeof same_eps[0];
+  for (size_t i = 0; i <= n_eps; i++) { /* the last without the field */
+    char json[256];
+    snprintf(json, sizeof json,
+             "{\"model_type\":\"gpt2\",\"n_layer\":2,\"n_head\":2,\"n_embd\":8,\"n_positions\":4,"
+             "\"vocab_size\":9%s%s}",
+             i < n_eps ? ",\"layer_norm_epsilon\":" : "", i < n_eps ? same_eps[i] : "");
+    struct model_spec x;
+    cr_assert_eq(model_spec_from_hf_config(json, strlen(json), "cfg.json", &x, &e), 0, "%s: %s", json, e.msg);
   }
 }
 

@@ -307,3 +307,30 @@ Test(cpus, lists_parse_strictly_and_pinning_takes_effect) {
   cr_assert(CPU_ISSET(0, &now) && CPU_COUNT(&now) == 1, "pinned to %d CPUs", CPU_COUNT(&now));
   cr_assert_eq(sched_setaffinity(0, sizeof before, &before), 0);
 }
+
+/* A CPU the process may not use is refused with the CPUs it may use, as a
+ * list (not their count). */
+Test(cpus, a_cpu_outside_the_affinity_is_refused_naming_the_allowed_ones) {
+  cpu_set_t before;
+  cr_assert_eq(sched_getaffinity(0, sizeof before, &before), 0);
+  if (!CPU_ISSET(0, &before) || !CPU_ISSET(1, &before)) cr_skip_test("needs CPUs 0 and 1 in this process's affinity");
+  const struct {
+    int cpus[2], ncpus;
+    const char *list, *says;
+  } cases[] = {
+      {{0, 1}, 2, "0-99", "CPU 2 in '0-99' is not one this process may run on (it may use 0-1)"},
+      {{1, 0}, 1, "0", "CPU 0 in '0' is not one this process may run on (it may use 1)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    for (int k = 0; k < cases[i].ncpus; k++) CPU_SET(cases[i].cpus[k], &mine);
+    cr_assert_eq(sched_setaffinity(0, sizeof mine, &mine), 0);
+    struct cpu_list c;
+    struct rumor_err e = {0};
+    int rc = cpu_list_parse(cases[i].list, &c, &e);
+    cr_assert_eq(sched_setaffinity(0, sizeof before, &before), 0);
+    cr_assert_eq(rc, RUMOR_EFORMAT, "'%s' was accepted", cases[i].list);
+    cr_assert(strstr(e.msg, cases[i].says), "%s", e.msg);
+  }
+}
