@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../support/cluster.h"
 #include "peer/train/train.h"
@@ -530,20 +531,24 @@ Test(group, a_stage_that_cannot_start_fails_its_group_naming_it) {
  * group blames stage 1 with stage 1's own error. Stage 0 only saw stage 1
  * go, and names it rather than itself. */
 Test(group, a_stage_that_cannot_write_its_checkpoint_is_blamed_not_its_neighbour) {
+  /* Stage 1's checkpoint path is taken by a FIFO: stage 1 refuses it at
+   * start, and stage 0 fails because its neighbour left. */
   SKIP_WITHOUT_DATA();
-  char id[256], ck[300];
+  char id[256], ck[300], taken[320];
   cluster_make_identity(&C, "ckpt", id, sizeof id);
-  snprintf(ck, sizeof ck, "%s/no-such-dir/x.safetensors", C.dir);
+  snprintf(ck, sizeof ck, "%s/x.safetensors", C.dir);
+  snprintf(taken, sizeof taken, "%s/x-stage1.safetensors", C.dir);
+  cr_assert_eq(mkfifo(taken, 0600), 0);
   char *out, *err;
   char *args[] = {"group", "--stages", "2", "--cluster-key", C.key, "--identity", id, "--model", "mlp:784-16-16-10",
                   "--max-steps", "2", "--batch", "4", "--threads", "1", "--checkpoint", ck, NULL};
   int st = cluster_run(&C, args, 60, &out, &err);
   cr_assert(proc_exited_with(st, 1), "status %d: %s", st, err);
   const char *summary = strstr(out, "\"stages\":2,\"status\":\"failed\"");
-  cr_assert(summary && strstr(summary, "\"failed_stage\":1,\"error\":\"stage 1/2 failed: cannot create ") &&
-                strstr(summary, "no-such-dir/x-stage1.safetensors"),
+  cr_assert(summary && strstr(summary, "\"failed_stage\":1,\"error\":\"stage 1/2 failed: --checkpoint: ") &&
+                strstr(summary, "x-stage1.safetensors is not a regular file (it is a FIFO)"),
             "the summary should blame stage 1 with its checkpoint error: %s", out);
-  cr_assert(strstr(err, "stopped because stage 1/2 failed: cannot create "), "%s", err);
+  cr_assert(strstr(err, "stopped because stage 1/2 failed: --checkpoint: "), "%s", err);
   free(out), free(err);
 }
 
