@@ -184,7 +184,10 @@ static int save_file(const char *path, const struct st_tensor *ts, size_t nts, c
   char staging[1100];
   snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
   int rc = safetensors_write(staging, ts, nts, meta->m, meta->n, e);
-  if (rc) return rc;
+  if (rc) { /* its message names the staging file */
+    rumor_err_prefix(e, "cannot save %s", path);
+    return rc;
+  }
   (void)keep_previous(path);
   if (rename(staging, path) < 0) {
     rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
