@@ -22,13 +22,17 @@
 # network; not given to --sync allreduce or ps, or when gossip is off:
 # --gossip-every 0 and no --gossip-interval).
 # A --batch or --max-local-steps among the peer options overrides ours.
-# Exit status: 0 when every peer finished, 1 otherwise.
+# N is at most 256. Exit status: 0 when every peer finished, 1 otherwise
+# (each failed peer's last log line is shown), 2 for a bad N or
+# MAX_LOCAL_STEPS.
 set -eu
 cd "$(dirname "$0")/.."
 n=${1:-4}
 [ $# -gt 0 ] && shift
 [ "${1:-}" = "--" ] && shift
 case $n in ''|*[!0-9]*|0) echo "usage: $0 [N>0] [-- peer options]" >&2; exit 2;; esac
+# Every peer is a process (and an identity) on this machine.
+if [ "${#n}" -gt 3 ] || [ "$n" -gt 256 ]; then echo "$0: N is $n; at most 256 peers run on one machine" >&2; exit 2; fi
 rumor=${RUMOR:-build/peer/rumor}
 [ -x "$rumor" ] || { echo "$0: $rumor not found; run deploy/build.sh first" >&2; exit 1; }
 work=${WORKDIR:-cluster-run}
@@ -112,7 +116,8 @@ status=0
 i=0
 for p in $peer_pids; do
   i=$((i + 1))
-  wait "$p" || { status=1; echo "peer-$i failed; see $work/peer-$i.log" >&2; }
+  # The failure, as the peer's last log line says it (a bad option, a bad file).
+  wait "$p" || { status=1; echo "peer-$i failed: $(tail -n 1 "$work/peer-$i.log" 2>/dev/null); see $work/peer-$i.log" >&2; }
 done
 kill "$boot_pid" 2>/dev/null || true
 

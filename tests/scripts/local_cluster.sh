@@ -6,7 +6,8 @@
 # default (also with --gossip-every 0 and a --gossip-interval); none with
 # MAX_LOCAL_STEPS=0, --sync allreduce or --gossip-every 0 alone; a
 # --max-local-steps (or --max-local-steps=N) among the peer options comes
-# last (it wins); a bad MAX_LOCAL_STEPS is refused before anything starts.
+# last (it wins); a bad MAX_LOCAL_STEPS or N is refused before anything
+# starts; a bad peer option fails the run showing the peers' error.
 # About 15 s.
 #
 #   tests/scripts/local_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
@@ -88,4 +89,16 @@ if [ "$st" != 2 ] || ! grep -q "MAX_LOCAL_STEPS must be a whole number of steps 
 fi
 [ -e "$T/bad" ] && fail "MAX_LOCAL_STEPS=four: the run started (made $T/bad)"
 echo "local_cluster: a bad MAX_LOCAL_STEPS is refused"
+# Too many peers for one machine: refused before any key is made.
+RUMOR="$T/rumor" WORKDIR="$T/many" "$src/deploy/local-cluster.sh" 99999 > "$T/out" 2>&1
+st=$?
+if [ "$st" != 2 ] || ! grep -q "N is 99999; at most 256 peers" "$T/out"; then fail "N=99999: exit $st"; fi
+[ -e "$T/many" ] && fail "N=99999: the run started (made $T/many)"
+# A bad peer option: every peer fails, and the reason is shown.
+RUMOR="$T/rumor" WORKDIR="$T/opt" THREADS=1 timeout 60 "$src/deploy/local-cluster.sh" 2 -- --bogus > "$T/out" 2>&1
+st=$?
+if [ "$st" != 1 ] || ! grep -q "peer-2 failed: rumor peer: unknown option '--bogus'" "$T/out"; then
+  fail "a bad peer option: exit $st"
+fi
+echo "local_cluster: too many peers and a bad peer option are reported"
 echo "local_cluster: PASS"
