@@ -9,7 +9,8 @@
 #   tests/scripts/launch_cluster.sh RUMOR_BIN SOURCE_DIR [FMNIST_DIR]
 #
 # Checks: the keys step copies keys to mode 0600 and refuses a pod without
-# an identity in allow-list mode; bootstrap-0 starts the cluster and
+# an identity in allow-list mode; a bad RUMOR_SHARDS is refused;
+# bootstrap-0 starts the cluster and
 # bootstrap-1 joins it through discovery; /healthz turns 200; a peer stopped
 # with SIGTERM saves its checkpoint and leaves, and its restart resumes
 # from it; both peers finish (test accuracy >= 0.80 after 2 epochs on half
@@ -94,6 +95,17 @@ if env RUMOR="$rumor" RUMOR_KEYS="$T/k-none" POD_NAME=rumor-peer-7 "$launch" key
   fail "the keys step made an identity that the allow-list cannot hold"
 fi
 say "keys step: mode 0600 copies; refuses a pod with no listed identity ($(cut -c1-80 "$T/k-none.err"))"
+# A RUMOR_SHARDS that is not a number of shards: exit 2 naming it (it was a
+# shell arithmetic error, or a division by zero).
+for bad in abc 0 999999; do
+  env RUMOR="$rumor" RUMOR_KEYS="$T/k-check" POD_NAME=rumor-peer-1 RUMOR_SHARDS=$bad RUMOR_BOOTSTRAP=127.0.0.1:1 \
+    "$launch" peer >/dev/null 2>"$T/shards.err"
+  st=$?
+  if [ "$st" != 2 ] || ! grep -q "RUMOR_SHARDS must be a number of shards from 1 to 65536, not '$bad'" "$T/shards.err"; then
+    fail "RUMOR_SHARDS=$bad: exit $st: $(cat "$T/shards.err")"
+  fi
+done
+say "a bad RUMOR_SHARDS is refused naming it"
 
 # --- bootstrap nodes ------------------------------------------------------------
 boot_list=$ip_b0:$bp,$ip_b1:$bp
