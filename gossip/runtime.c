@@ -278,22 +278,12 @@ static void loop_main(void *arg) {
 
 /* ---- start ---- */
 
-/* The addresses others are given, checked before anything listens or
- * dials: --advertise and every --bootstrap entry (--listen is parsed by
- * net_listen). */
-static int check_addrs(const struct gossip_config *cfg, struct rumor_err *e) {
-  if (cfg->advertise && *cfg->advertise && gossip_advertise_check(cfg->advertise, e))
-    return rumor_err_prefix(e, "--advertise");
-  if (cfg->bootstrap && *cfg->bootstrap && net_addr_list_check(cfg->bootstrap, e))
-    return rumor_err_prefix(e, "--bootstrap");
-  return 0;
-}
-
-/* The address to advertise: --advertise (check_addrs took it), else the
- * listen host with the bound port. A wildcard listen address cannot be
- * dialed by others. */
+/* The address to advertise: --advertise, which others must be able to dial
+ * (gossip_advertise_check), else the listen host with the bound port. A
+ * wildcard listen address cannot be dialed by others. */
 static int make_advertise(struct gossip *g, const char *listen, struct rumor_err *e) {
   if (g->cfg.advertise && *g->cfg.advertise) {
+    if (gossip_advertise_check(g->cfg.advertise, e)) return rumor_err_prefix(e, "--advertise");
     snprintf(g->advertise, sizeof g->advertise, "%s", g->cfg.advertise);
     return 0;
   }
@@ -415,8 +405,9 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
       .on_close = on_close,
   };
   if ((rc = net_init(&g->net, &g->loop, &nc, &cbs, g, e))) goto fail_loop;
-  /* Every address is checked before anything is listened on or dialed. */
-  if ((rc = check_addrs(cfg, e))) goto fail_net;
+  /* Every address is checked before anything is dialed: --advertise by
+   * make_advertise, --bootstrap by gossip_join_init (gossip_split_addrs);
+   * the commands check them all before they start. */
   if ((rc = net_listen(g->net, cfg->listen, e))) {
     rumor_err_prefix(e, "--listen");
     goto fail_net;

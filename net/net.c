@@ -74,6 +74,12 @@ int net_addr_parse(const char *s, int min_port, char *host, size_t hostcap, int 
   return 0;
 }
 
+int net_addr_check_listen(const char *s, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  return net_addr_parse(s, 0, host, sizeof host, &port, e);
+}
+
 int net_addr_check_dial(const char *s, struct rumor_err *e) {
   char host[NET_HOST_MAX];
   int port;

@@ -192,6 +192,9 @@ void net_msgbuf_free(struct net_msgbuf *b);
  * space or a control character is refused. Returns 0, or RUMOR_EFORMAT. */
 int net_addr_parse(const char *s, int min_port, char *host, size_t hostcap, int *port,
                    struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks that `s` can be listened on: net_addr_parse's forms, port 0 (any)
+ * allowed (names are not resolved). Returns 0, or RUMOR_EFORMAT. */
+int net_addr_check_listen(const char *s, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Checks that `s` can be dialed: a host and a port in [1, 65535] (names are
  * not resolved). Returns 0, or RUMOR_EFORMAT. */
 int net_addr_check_dial(const char *s, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -283,6 +283,11 @@ void result_training(struct json_t *o, const struct trainer *t, double secs, int
 void result_gossip(struct json_t *o, const struct gossip_stats *gs, const struct sync *s);
 /* Prints `o` as one line on stdout, flushes, and releases it. */
 void result_print(struct json_t *o);
+/* The final evaluation of a peer or a worker that left its cluster. False
+ * when a stop signal cut it short (logged): then no result line, as on any
+ * stop, since an earlier evaluation's figures would pass for the final ones.
+ * Another failure is logged and the figures stay those of the last one. */
+bool result_final_evaluation(struct trainer *t);
 /* "validation loss L, token accuracy A" for a language model, "test accuracy
  * A, test loss L" otherwise: the words of the final log line. */
 void result_describe_final(const struct trainer *t, char *buf, size_t len);

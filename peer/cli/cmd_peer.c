@@ -25,15 +25,7 @@ struct peer_proc {
 static void print_result(struct peer_proc *p, const struct gossip_stats *gs, const char *id, double secs, int64_t s0) {
   struct trainer *t = &p->t;
   const struct sync *s = &p->mb.sync;
-  struct rumor_err e = {0};
-  int er = trainer_evaluate(t, &e);
-  if (er == RUMOR_ECANCELED && signals_stop_requested()) {
-    /* As on any stop: no result line (figures of an earlier evaluation
-     * would pass for the final ones). We left the cluster already. */
-    log_info("signal %d: final %s; no result line", signals_stop_requested(), e.msg);
-    return;
-  }
-  if (er) log_warn("final evaluation: %s", e.msg);
+  if (!result_final_evaluation(t)) return; /* we left the cluster already */
   char final[96];
   result_describe_final(t, final, sizeof final);
   log_info("final %s after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "

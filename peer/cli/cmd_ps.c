@@ -100,9 +100,7 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
     return rc;
   c->stages = 1;
   if (f->stage && (rc = group_stage_parse(f->stage, &c->stage, &c->stages, e))) return rc;
-  char host[NET_HOST_MAX];
-  int port;
-  if (net_addr_parse(f->listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  if (net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
   if (!args_given(specs, "workers")) return rumor_err_set(e, RUMOR_EFORMAT, "--workers N is required");
   if (!t->checkpoint)
     return rumor_err_set(e, RUMOR_EFORMAT, "--checkpoint PATH is required (a server must survive restarts)");
@@ -208,15 +206,7 @@ void ps_result_fields(json_t *o, const struct ps_client_stats *st) {
 
 static void print_worker_result(struct trainer *t, const struct ps_client_stats *st, const char *id, double secs,
                                 int64_t s0) {
-  struct rumor_err e = {0};
-  int er = trainer_evaluate(t, &e);
-  if (er == RUMOR_ECANCELED && signals_stop_requested()) {
-    /* As on any stop: no result line (figures of an earlier evaluation
-     * would pass for the final ones). */
-    log_info("signal %d: final %s; no result line", signals_stop_requested(), e.msg);
-    return;
-  }
-  if (er) log_warn("final evaluation: %s", e.msg);
+  if (!result_final_evaluation(t)) return;
   char final[96];
   result_describe_final(t, final, sizeof final);
   log_info("final %s after %lld steps; %llu pushes, %llu pulls, %.1f s waiting, largest clock gap %lld", final,

@@ -74,10 +74,7 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
 /* The links' addresses: --link-listen parses (port 0: any), --link-prev
  * can be dialed. Returns 0, or RUMOR_EFORMAT naming the flag. */
 static int check_link_addrs(const struct pipe_flags *pf, struct rumor_err *e) {
-  char host[NET_HOST_MAX];
-  int port;
-  if (pf->link_listen && net_addr_parse(pf->link_listen, 0, host, sizeof host, &port, e))
-    return rumor_err_prefix(e, "--link-listen");
+  if (pf->link_listen && net_addr_check_listen(pf->link_listen, e)) return rumor_err_prefix(e, "--link-listen");
   if (pf->link_prev && net_addr_check_dial(pf->link_prev, e)) return rumor_err_prefix(e, "--link-prev");
   return 0;
 }

@@ -81,10 +81,8 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
 }
 
 int net_flags_check_addrs(const struct net_flags *f, const char *servers, struct rumor_err *e) {
-  char host[NET_HOST_MAX];
-  int port;
-  if (f->listen && net_addr_parse(f->listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
-  if (f->metrics && net_addr_parse(f->metrics, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--metrics");
+  if (f->listen && net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
+  if (f->metrics && net_addr_check_listen(f->metrics, e)) return rumor_err_prefix(e, "--metrics");
   if (f->advertise && gossip_advertise_check(f->advertise, e)) return rumor_err_prefix(e, "--advertise");
   if (f->bootstrap && net_addr_list_check(f->bootstrap, e)) return rumor_err_prefix(e, "--bootstrap");
   if (servers && net_addr_list_check(servers, e)) return rumor_err_prefix(e, "--servers");

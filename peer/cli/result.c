@@ -29,6 +29,17 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
   json_text_set(o, "train_losses", losses);
 }
 
+bool result_final_evaluation(struct trainer *t) {
+  struct rumor_err e = {0};
+  int rc = trainer_evaluate(t, &e);
+  if (rc == RUMOR_ECANCELED && signals_stop_requested()) {
+    log_info("signal %d: final %s; no result line", signals_stop_requested(), e.msg);
+    return false;
+  }
+  if (rc) log_warn("final evaluation: %s", e.msg);
+  return true;
+}
+
 void result_describe_final(const struct trainer *t, char *buf, size_t len) {
   if (t->data.tokens) snprintf(buf, len, "validation loss %.4f, token accuracy %.4f", t->test_loss, t->accuracy);
   else snprintf(buf, len, "test accuracy %.4f, test loss %.4f", t->accuracy, t->test_loss);

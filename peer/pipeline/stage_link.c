@@ -684,9 +684,7 @@ int stage_link_start(stage_link_t **out, const struct stage_link_config *cfg, st
   const char *listen = cfg->listen ? cfg->listen : "127.0.0.1:0";
   if (strlen(listen) >= sizeof ((struct stage_link *)0)->listen)
     return rumor_err_set(e, RUMOR_EFORMAT, "--link-listen '%s' is too long", listen);
-  char lhost[NET_HOST_MAX];
-  int lport;
-  if (net_addr_parse(listen, 0, lhost, sizeof lhost, &lport, e)) return rumor_err_prefix(e, "--link-listen");
+  if (net_addr_check_listen(listen, e)) return rumor_err_prefix(e, "--link-listen");
   struct stage_link *l = xcalloc(1, sizeof *l);
   l->cfg = *cfg;
   snprintf(l->group, sizeof l->group, "%s", cfg->group);

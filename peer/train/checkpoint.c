@@ -210,7 +210,7 @@ int checkpoint_check_dest(const char *path, struct rumor_err *e) {
     return rumor_err_set(e, RUMOR_EFORMAT, "a path of %zu bytes is too long (at most %d): %.60s...", n,
                          CHECKPOINT_PATH_MAX, path);
   bool dir = checkpoint_is_dir(path);
-  char bare[CHECKPOINT_PATH_MAX + 1], parent[CHECKPOINT_PATH_MAX + 1];
+  char bare[CHECKPOINT_PATH_MAX + 1];
   snprintf(bare, sizeof bare, "%s", path);
   while (n > 1 && bare[n - 1] == '/') bare[--n] = '\0';
   struct stat st;
@@ -221,7 +221,7 @@ int checkpoint_check_dest(const char *path, struct rumor_err *e) {
     return rumor_err_set(e, -EINVAL, "%s is not a regular file (it is %s)", path, file_kind(st.st_mode));
   /* Where the files are created: the directory itself, or the one holding
    * the file (or the directory checkpoint, which the first save makes). */
-  snprintf(parent, sizeof parent, "%s", exists && dir ? bare : dirname(bare));
+  const char *parent = exists && dir ? bare : dirname(bare); /* in bare, or static */
   if (stat(parent, &st) != 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: directory %s: %s", path, parent, strerror(errno));
   if (!S_ISDIR(st.st_mode))

@@ -41,30 +41,25 @@ static bool needs_batches(const struct trainer *t) { return first_stage(t) || tr
  * shard and seeds come from the checkpoint. One given on the command line
  * that differs is refused, not dropped without a word. */
 static int refuse_other_run(const struct train_config *cfg, const struct ckpt_info *in, struct rumor_err *e) {
-  const char *what = NULL;
-  char want[64], have[64];
-  if (cfg->batch_given && cfg->batch != in->batch) {
-    what = "--batch";
-    snprintf(want, sizeof want, "%lld", (long long)cfg->batch);
-    snprintf(have, sizeof have, "%lld", (long long)in->batch);
-  } else if (cfg->shard_given && (cfg->shard.index != in->shard.index || cfg->shard.count != in->shard.count)) {
-    what = "--shard";
-    snprintf(want, sizeof want, "%lld/%lld", (long long)cfg->shard.index, (long long)cfg->shard.count);
-    snprintf(have, sizeof have, "%lld/%lld", (long long)in->shard.index, (long long)in->shard.count);
-  } else if (cfg->seed_given && cfg->seed != in->seed) {
-    what = "--seed";
-    snprintf(want, sizeof want, "%llu", (unsigned long long)cfg->seed);
-    snprintf(have, sizeof have, "%llu", (unsigned long long)in->seed);
-  } else if (cfg->data_seed_given && cfg->data_seed != in->data_seed) {
-    what = "--data-seed";
-    snprintf(want, sizeof want, "%llu", (unsigned long long)cfg->data_seed);
-    snprintf(have, sizeof have, "%llu", (unsigned long long)in->data_seed);
-  }
-  if (!what) return 0;
-  return rumor_err_set(e, RUMOR_EFORMAT,
-                       "%s %s does not match the checkpoint %s, which was saved with %s %s (a resumed run keeps its "
-                       "batches: leave %s out, or start a new run without --resume)",
-                       what, want, cfg->resume, what, have, what);
+  /* Each option as given and as saved, in the same words. */
+  char want[4][48], have[4][48];
+  snprintf(want[0], sizeof want[0], "%lld", (long long)cfg->batch);
+  snprintf(have[0], sizeof have[0], "%lld", (long long)in->batch);
+  snprintf(want[1], sizeof want[1], "%lld/%lld", (long long)cfg->shard.index, (long long)cfg->shard.count);
+  snprintf(have[1], sizeof have[1], "%lld/%lld", (long long)in->shard.index, (long long)in->shard.count);
+  snprintf(want[2], sizeof want[2], "%llu", (unsigned long long)cfg->seed);
+  snprintf(have[2], sizeof have[2], "%llu", (unsigned long long)in->seed);
+  snprintf(want[3], sizeof want[3], "%llu", (unsigned long long)cfg->data_seed);
+  snprintf(have[3], sizeof have[3], "%llu", (unsigned long long)in->data_seed);
+  const char *flag[4] = {"--batch", "--shard", "--seed", "--data-seed"};
+  const bool given[4] = {cfg->batch_given, cfg->shard_given, cfg->seed_given, cfg->data_seed_given};
+  for (int i = 0; i < 4; i++)
+    if (given[i] && strcmp(want[i], have[i]) != 0)
+      return rumor_err_set(e, RUMOR_EFORMAT,
+                           "%s %s does not match the checkpoint %s, which was saved with %s %s (a resumed run keeps "
+                           "its batches: leave %s out, or start a new run without --resume)",
+                           flag[i], want[i], cfg->resume, flag[i], have[i], flag[i]);
+  return 0;
 }
 
 /* Opens cfg->resume and takes the run's identity from it, so that the
