@@ -157,7 +157,8 @@ int gossip_join_wait(gossip_t *g, float *state_buf, struct gossip_train_pos *pos
 size_t gossip_ready_peers(gossip_t *g);
 
 /* Alive peers that hold a state, ourselves excluded: partners an exchange
- * could find now (as of the last published member view). Any thread. */
+ * could find now (as of the last published member view); after
+ * gossip_finished, not those struck (gossip_member_view). Any thread. */
 size_t gossip_live_partners(gossip_t *g);
 
 /* The training thread holds a state (after gossip_join_wait and building
@@ -172,8 +173,9 @@ void gossip_ready(gossip_t *g);
  * Training thread. */
 void gossip_finished(gossip_t *g);
 /* Alive or suspect peers that hold a state, ourselves excluded, that have
- * not told us they finished (finished ones are known only after
- * gossip_finished). Any thread. */
+ * not told us they finished and whose parameters we do not reject
+ * (finished and struck ones are known only after gossip_finished): those
+ * --finish-wait-ms waits for. Any thread. */
 size_t gossip_training_partners(gossip_t *g);
 
 /* ---- the exchange slot (training thread) ---- */
@@ -367,6 +369,10 @@ struct gossip_member_view {
   /* Known to have finished training (its exchange transfer said so, or a
    * partner's listed it); always false before we called gossip_finished. */
   bool finished;
+  /* We rejected its parameters and have not applied an exchange with it
+   * since (strikes, gossip/guard.c): while we linger we do not wait for
+   * it. Always false before we called gossip_finished. */
+  bool struck;
 };
 /* Copies up to `max` members (self first); returns how many there are. */
 size_t gossip_members(gossip_t *g, struct gossip_member_view *out, size_t max);

@@ -129,7 +129,9 @@ void gossip_publish(struct gossip *g) {
     v->ready = u->ready;
     v->self = i == 0;
     /* Looked up only while we linger (the guard's table is a list). */
-    v->finished = i > 0 && atomic_load(&g->finished) && gossip_guard_finished(g, u->id);
+    bool linger = i > 0 && atomic_load(&g->finished);
+    v->finished = linger && gossip_guard_finished(g, u->id);
+    v->struck = linger && gossip_strikes(g, u->id) > 0;
   }
   struct gossip_stats *s = &mon->counters;
   s->members_alive = s->members_suspect = s->members_failed = s->members_left = 0;
@@ -170,7 +172,8 @@ size_t gossip_live_partners(gossip_t *g) {
   pthread_mutex_lock(&g->lock);
   size_t n = 0;
   for (size_t i = 1; i < g->mon.npub; i++) /* pub[0] is ourselves */
-    if (strcmp(g->mon.pub[i].role, "peer") == 0 && g->mon.pub[i].ready && strcmp(g->mon.pub[i].state, "alive") == 0)
+    if (strcmp(g->mon.pub[i].role, "peer") == 0 && g->mon.pub[i].ready && !g->mon.pub[i].struck &&
+        strcmp(g->mon.pub[i].state, "alive") == 0)
       n++;
   pthread_mutex_unlock(&g->lock);
   return n;
@@ -184,7 +187,7 @@ size_t gossip_training_partners(gossip_t *g) {
     /* A suspect partner may be a slow one still training: it counts until
      * it is declared failed. */
     bool up = strcmp(v->state, "alive") == 0 || strcmp(v->state, "suspect") == 0;
-    if (strcmp(v->role, "peer") == 0 && v->ready && up && !v->finished) n++;
+    if (strcmp(v->role, "peer") == 0 && v->ready && up && !v->finished && !v->struck) n++;
   }
   pthread_mutex_unlock(&g->lock);
   return n;

@@ -41,9 +41,10 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
       {"finish-wait-ms", ARG_INT, &f->finish_wait_ms, "MS",
        group ? "after the last step, each stage keeps averaging (without training) until the same stage of every "
-               "other group has finished, at most MS; then saves, evaluates and leaves (0: leave at once)"
-             : "after the last step, keep averaging (without training) until no partner still trains, at most MS; "
-               "then save, leave and evaluate (0: leave at once)",
+               "other group has finished (one whose slices it rejected is not waited for), at most MS; then saves, "
+               "evaluates and leaves (0: leave at once)"
+             : "after the last step, keep averaging (without training) until no partner still trains (one whose "
+               "parameters it rejected is not waited for), at most MS; then save, leave and evaluate (0: leave at once)",
        0, 86400000},
       {"wire", ARG_STR, &f->wire, "DTYPE",
        "parameters (and a group's activations and their gradients) on the wire: f32, f16, bf16 or i8 (8-bit, a "

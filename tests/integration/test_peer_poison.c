@@ -6,12 +6,15 @@
  * clipped averaging (--clip) keeps every honest peer at test accuracy
  * >= 0.85, and without it the attack does real damage. A flood of exchange
  * requests and connections hits the per-peer rate limits. A newcomer refuses
- * a donated state of garbage and starts from its own initialisation. */
+ * a donated state of garbage and starts from its own initialisation. A
+ * peer that lingers after its last step (--finish-wait-ms) does not wait for
+ * a partner whose parameters it rejects. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "../support/cluster.h"
 #include "../support/fmnist.h"
@@ -67,10 +70,11 @@ static void who(int i, char *buf, size_t n) {
  * with about their model: in a CI run, 0.799 where the others reached
  * 0.86 (and here, with the two others 12 times slower, 0.84-0.86 against
  * 0.87). With it, it averages on until they finish, and the accuracy
- * checks measure the attack, not the timing. The attacker does not wait:
- * it leaves at its last step, so that honest peers need not learn that it
- * finished from transfers they refuse. Returns the attacker's node; honest
- * peers are peer[0..honest). */
+ * checks measure the attack, not the timing. A peer that struck the
+ * attacker does not wait for it (a_finished_peer_does_not_wait_...); one
+ * that never met it waits until it leaves. The attacker does not wait: it
+ * leaves at its last step. Returns the attacker's node; honest peers are
+ * peer[0..honest). */
 static int start(int honest, const char *kind, const char *model, const char *epochs, int *peer, const char *flag,
                  bool bound, bool finish_wait) {
   cluster_start_bootstrap(&C, NULL);
@@ -144,6 +148,35 @@ Test(poison, a_malformed_list_of_finished_members_is_rejected_and_the_sender_bac
 }
 Test(poison, a_model_times_minus_1000_is_rejected_and_the_sender_backed_off) {
   poison_run("scale", "times our norm");
+}
+
+/* --finish-wait-ms does not wait for a partner whose parameters it
+ * rejects: an honest peer's only partner sends NaN values and trains on
+ * for good. The honest peer strikes it, takes its last step and leaves at
+ * once ("no partner is still training"), instead of waiting the whole
+ * 60 s for a partner that still trains (as it did before struck members
+ * were left out: the poison runs above took 30 s, the attacker holding at
+ * every refused exchange). */
+Test(poison, a_finished_peer_does_not_wait_for_a_partner_whose_parameters_it_rejects) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int bad = cluster_start_peer(&C, "--attack", "nan", "--model", "mlp:784-64-10", "--shard", "0/2", "--epochs", "1000",
+                               "--max-steps", "1000000", "--batch", "64", "--lr", "0.1", "--no-eval", "--gossip-every",
+                               "1", "--wait-peers", "2", NULL);
+  int honest = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--shard", "1/2", "--epochs", "1", "--batch", "64",
+                                  "--lr", "0.1", "--no-eval", "--gossip-every", "1", "--wait-peers", "2",
+                                  "--finish-wait-ms", "60000", NULL);
+  expect_clean_exit(honest);
+  double rejected = cluster_result(&C, honest, "exchanges_rejected");
+  fprintf(stderr, "finish-wait beside an attacker: %.0f rejections, waited %.2f s\n", rejected,
+          cluster_result(&C, honest, "finish_wait_s"));
+  cr_assert_gt(rejected, 0, "the honest peer never rejected the attacker: the run proved nothing: %s",
+               proc_slurp(C.node[honest].log));
+  int st;
+  cr_assert_eq(waitpid(C.node[bad].pid, &st, WNOHANG), 0, "the attacker stopped: the run proved nothing: %s",
+               proc_slurp(C.node[bad].log));
+  cr_assert_gt(count_lines(honest, "finished waiting after", "(no partner is still training)"), 0,
+               "the honest peer waited for the partner it rejects: %s", proc_slurp(C.node[honest].log));
 }
 
 Test(poison, a_replayed_old_round_is_rejected_or_clipped_and_the_sender_backed_off) {
