@@ -126,6 +126,11 @@ int gossip_on_loop(gossip_t *g, void (*fn)(uv_loop_t *loop, void *arg), void *ar
  * table. Returns 0, or RUMOR_EFORMAT with a message quoting it (the caller
  * names the flag). Any thread. */
 int gossip_advertise_check(const char *addr, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Without --advertise, the --listen address stands for it (with the port
+ * bound): its host must be one others can dial, not missing (":7000") and
+ * not unspecified (0.0.0.0, [::]). Returns 0, or RUMOR_EFORMAT with a
+ * message naming --listen and suggesting --advertise. Any thread. */
+int gossip_listen_advertisable(const char *listen, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* The address others dial us at ("127.0.0.1:40123"); valid after start. */
 const char *gossip_advertised(const gossip_t *g);

@@ -289,15 +289,12 @@ static int make_advertise(struct gossip *g, const char *listen, struct rumor_err
   }
   char host[NET_HOST_MAX], addr[NET_HOST_MAX + 8];
   int port;
-  if (net_addr_parse(listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  int rc = gossip_listen_advertisable(listen, e);
+  if (rc || (rc = net_addr_parse(listen, 0, host, sizeof host, &port, e))) return rc;
   /* The bound port, with the host written back the way net_addr_parse takes it. */
   snprintf(addr, sizeof addr, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, net_listen_port(g->net));
-  if (strlen(addr) >= sizeof g->advertise)
+  if (strlen(addr) >= sizeof g->advertise || gossip_advertise_check(addr, NULL))
     return rumor_err_set(e, RUMOR_EFORMAT, "--listen %s: the host is too long to advertise; add --advertise HOST:PORT",
-                         listen);
-  if (!host[0] || gossip_advertise_check(addr, NULL))
-    return rumor_err_set(e, RUMOR_EFORMAT,
-                         "--listen %s does not say which address others should dial; add --advertise HOST:PORT",
                          listen);
   memcpy(g->advertise, addr, strlen(addr) + 1); /* fits: checked above */
   return 0;

@@ -65,6 +65,17 @@ int gossip_advertise_check(const char *addr, struct rumor_err *e) {
   return 0;
 }
 
+int gossip_listen_advertisable(const char *listen, struct rumor_err *e) {
+  char host[NET_HOST_MAX];
+  int port;
+  if (net_addr_parse(listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  if (!host[0] || unspecified_host(host))
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--listen %s does not say which address others should dial; add --advertise HOST:PORT",
+                         listen);
+  return 0;
+}
+
 void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n) {
   msgpack_packer *pk = net_msgbuf_put_key(b, "u");
   msgpack_pack_array(pk, (uint32_t)n);

@@ -132,10 +132,13 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
 /* Checks the address flags before anything starts: --listen and --metrics
  * parse (port 0: any), --advertise can be dialed by others
  * (gossip_advertise_check), and every entry of --bootstrap and of `servers`
- * (--servers, or NULL) is host:port with a port in [1, 65535]. For the
+ * (--servers, or NULL) is host:port with a port in [1, 65535]. `member`:
+ * the command joins a gossip cluster, so without --advertise the --listen
+ * host must be one others can dial (gossip_listen_advertisable). For the
  * commands that take one list each; the launcher checks its per-stage
  * forms itself. Returns 0, or RUMOR_EFORMAT naming the flag and the entry. */
-int net_flags_check_addrs(const struct net_flags *f, const char *servers, struct rumor_err *e) RUMOR_MUST_CHECK;
+int net_flags_check_addrs(const struct net_flags *f, const char *servers, bool member,
+                          struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Loads the key files (required: --cluster-key and --identity). */
 int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) RUMOR_MUST_CHECK;
 void net_keys_free(struct net_keys *k);

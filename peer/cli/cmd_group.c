@@ -365,6 +365,8 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   /* Others dial the advertised addresses: no port 0, no 0.0.0.0. */
   if (f->net.advertise && (rc = gossip_advertise_check(f->net.advertise, e))) return rumor_err_prefix(e, "--advertise");
+  bool member = !f->gossip.sync || strcmp(f->gossip.sync, "ps") != 0; /* ps workers join no gossip cluster */
+  if (member && !f->net.advertise && f->net.listen && (rc = gossip_listen_advertisable(f->net.listen, e))) return rc;
   /* Check the key files now rather than in S children. */
   struct net_keys keys;
   if ((rc = net_flags_load_keys(&f->net, &keys, e))) return rc;

@@ -109,7 +109,7 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   if (group_stage_parse(p->f.pipe.stage, &stage, &stages, &e) ||
       group_flags_config(&p->f, specs, stage, stages, &p->tc, &p->st, &p->plan, &e) ||
       gossip_flags_setup(&p->f.gossip, &p->mb.setup, &e) || check_link_addrs(&p->f.pipe, &e) ||
-      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, &e)) {
+      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, !p->mb.setup.ps, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }

@@ -536,7 +536,7 @@ int cmd_top(int argc, char **argv) {
   if (o.once) o.count = 1;
 
   struct rumor_err e = {0};
-  if (net_flags_check_addrs(&nf, o.servers, &e)) {
+  if (net_flags_check_addrs(&nf, o.servers, false, &e)) {
     fprintf(stderr, "rumor top: %s\n", e.msg);
     return 2;
   }

@@ -80,8 +80,9 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
   }
 }
 
-int net_flags_check_addrs(const struct net_flags *f, const char *servers, struct rumor_err *e) {
+int net_flags_check_addrs(const struct net_flags *f, const char *servers, bool member, struct rumor_err *e) {
   if (f->listen && net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
+  if (member && f->listen && !f->advertise && gossip_listen_advertisable(f->listen, e)) return RUMOR_EFORMAT;
   if (f->metrics && net_addr_check_listen(f->metrics, e)) return rumor_err_prefix(e, "--metrics");
   if (f->advertise && gossip_advertise_check(f->advertise, e)) return rumor_err_prefix(e, "--advertise");
   if (f->bootstrap && net_addr_list_check(f->bootstrap, e)) return rumor_err_prefix(e, "--bootstrap");

@@ -399,6 +399,11 @@ Test(gossip, bad_addresses_are_refused_at_start_naming_the_flag_and_the_entry) {
   cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--bootstrap", ":7470"), 2,
                       "--bootstrap: ':7470': the host is missing");
   cluster_expect_exit(&C, B("--listen", "127.0.0.1"), 2, "--listen: '127.0.0.1': expected host:port");
+  /* Without --advertise the listen address is the one others dial. */
+  cluster_expect_exit(&C, B("--listen", "0.0.0.0:7000"), 2,
+                      "--listen 0.0.0.0:7000 does not say which address others should dial; add --advertise");
+  cluster_expect_exit(&C, P("--listen", ":7000"), 2, "--listen :7000 does not say which address others should dial");
+  cluster_expect_exit(&C, P("--listen", "[::]:0"), 2, "--listen [::]:0 does not say which address others should dial");
   cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--metrics", "127.0.0.1"), 2,
                       "--metrics: '127.0.0.1': expected host:port");
   cluster_expect_exit(&C, B("--listen", "127.0.0.1:0", "--metrics", "nohost.invalid:1"), 1,

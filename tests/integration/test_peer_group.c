@@ -491,6 +491,8 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
   cluster_expect_exit(&C, G("--stages", "2", "--advertise", "0.0.0.0:7000"), 2,
                       "--advertise: '0.0.0.0:7000': 0.0.0.0 means every local address");
   cluster_expect_exit(&C, G("--stages", "2", "--listen", "127.0.0.1"), 2, "--listen: '127.0.0.1': expected host:port");
+  cluster_expect_exit(&C, G("--stages", "2", "--listen", "0.0.0.0:7000"), 2,
+                      "--listen 0.0.0.0:7000 does not say which address others should dial; add --advertise");
   cluster_expect_exit(&C, G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
   cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2, "unknown option '--resume'");
