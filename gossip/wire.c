@@ -68,7 +68,11 @@ int gossip_advertise_check(const char *addr, struct rumor_err *e) {
 int gossip_listen_advertisable(const char *listen, struct rumor_err *e) {
   char host[NET_HOST_MAX];
   int port;
-  if (net_addr_parse(listen, 0, host, sizeof host, &port, e)) return rumor_err_prefix(e, "--listen");
+  int rc = net_addr_parse(listen, 0, host, sizeof host, &port, e);
+  if (rc) {
+    rumor_err_prefix(e, "--listen"); /* returns 0 when e is NULL: rc is the code */
+    return rc;
+  }
   if (!host[0] || unspecified_host(host))
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--listen %s does not say which address others should dial; add --advertise HOST:PORT",
