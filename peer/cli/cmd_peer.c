@@ -68,7 +68,8 @@ static int parse(struct peer_proc *p, int argc, char **argv, bool *done) {
   if (p->gf.name) log_set_name(p->gf.name);
   struct rumor_err e = {0};
   if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, &p->mb.setup, &e) ||
-      (p->mb.setup.ps && ps_worker_check(&p->nf, &p->gf, &e)) || net_flags_check_addrs(&p->nf, p->gf.servers, !p->mb.setup.ps, &e)) {
+      (p->mb.setup.ps && ps_worker_check(&p->nf, &p->gf, &e)) ||
+      net_flags_check_addrs(&p->nf, p->gf.servers, !p->mb.setup.ps, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     *done = true;
     return 2;
