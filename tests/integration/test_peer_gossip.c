@@ -108,7 +108,13 @@ Test(gossip, consensus_lr0_on_gpus_drift_falls_100_fold) {
   lr0_consensus("cuda");
 }
 
-Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
+/* --finish-wait-ms: a peer that runs ahead (the others starved of CPU by
+ * the suite's other tests) spends its last epoch averaging with partners
+ * still in their early ones and ends with about their model. With two of
+ * the four 3 times slower the two fast ones ended at 0.846-0.848 (the slow
+ * ones 0.852-0.860); with it every peer averages on until the last one
+ * finishes, and they end together. */
+Test(gossip, four_peers_on_quarter_shards_reach_085_and_end_together) {
   SKIP_WITHOUT_DATA();
   cluster_start_bootstrap(&C, NULL);
   const int n = 4;
@@ -119,8 +125,8 @@ Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
     /* --max-local-steps: the mixing this test relies on does not depend on
      * how fast this machine trains against how fast it exchanges. */
     peer[i] = cluster_start_peer(&C, "--shard", shard[i], "--epochs", "2", "--batch", "64", "--lr", "0.1",
-                                 "--wait-peers", "4", "--gossip-every", "1", "--max-local-steps", "4", "--checkpoint",
-                                 C.node[C.n].ckpt, NULL);
+                                 "--wait-peers", "4", "--gossip-every", "1", "--max-local-steps", "4",
+                                 "--finish-wait-ms", "60000", "--checkpoint", C.node[C.n].ckpt, NULL);
   }
   float *final[4];
   int64_t P = 0;
@@ -133,7 +139,7 @@ Test(gossip, four_peers_on_quarter_shards_reach_085_with_bounded_drift) {
   }
   double norm, xi = consensus_distance(final, n, P, &norm);
   fprintf(stderr, "final drift: Xi %.4g, relative %.4g\n", xi, xi / norm);
-  cr_assert(xi / norm < 0.05, "relative drift Xi/|mean| = %.4f is not bounded by 0.05", xi / norm);
+  cr_assert(xi / norm < 0.05, "the peers ended %.4f apart (relative drift Xi/|mean|), not within 0.05", xi / norm);
   for (int i = 0; i < n; i++) free(final[i]);
 }
 
