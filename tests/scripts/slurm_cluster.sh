@@ -40,7 +40,13 @@ data=${3:-/usr/share/datasets/fashion-mnist}
 ntasks=4
 min_acc=0.85
 # 4 peers on 1/4 of Fashion-MNIST each, sharing 2 cores: about 15 s of training.
-peer_opts=(--epochs 3 --batch 64 --lr 0.1 --log-every 0 --max-local-steps 4)
+# --finish-wait-ms: a peer that finishes first (it ran ahead of peers starved
+# of CPU, or resumed at a later step: below) has spent its last steps
+# averaging with replicas that the others' last averaging leaves behind, and
+# would leave with that (0.849-0.866 seen for the resumed job, against
+# 0.87-0.877 for the others); as for a straggler (docs/benchmarks.md), it
+# keeps averaging until the last one finished.
+peer_opts=(--epochs 3 --batch 64 --lr 0.1 --log-every 0 --max-local-steps 4 --finish-wait-ms 20000)
 
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -349,11 +355,7 @@ grep -q "stopping (signal 15)" "$T/job/run2/bootstrap.log" 2>/dev/null ||
 budget_job
 start=$(date +%s)
 # The peers resume at different steps (each saved its checkpoint at its own
-# step when the SIGTERM came), so the first to finish would leave with a
-# replica that the others' last averaging never reached (0.849-0.866 seen,
-# against 0.87-0.877 for the others): as for a straggler (docs/benchmarks.md),
-# --finish-wait-ms keeps it averaging until the last one finished.
-peer_opts+=(--finish-wait-ms 20000)
+# step when the SIGTERM came): --finish-wait-ms (peer_opts) matters most here.
 submit "$T/job/run3" RUMOR_CHECKPOINT_DIR="$ck"
 wait_job
 elapsed2=$(($(date +%s) - start))
