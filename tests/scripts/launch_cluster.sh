@@ -119,8 +119,12 @@ has b1.log "joined through $ip_b0:$bp" || fail "bootstrap-1 did not join through
 say "bootstrap-0 started the cluster, bootstrap-1 joined it through discovery; both ready"
 
 # --- peers ----------------------------------------------------------------------
+# --finish-wait-ms: peer-0 trains on while peer-1 is stopped and restarted,
+# so it finishes first; without it, it would leave with a replica it had
+# been averaging with peer-1's older one (test_peer_poison's start()).
 peer_env=(RUMOR_BOOTSTRAP="$boot_list" RUMOR_SHARDS=2 RUMOR_CHECKPOINT_DIR="$T/ck" RUMOR_DONE=wait
-  RUMOR_DATA="$data" RUMOR_OPTS="--epochs 2 --batch 32 --lr 0.05 --threads 1 --log-every 0 --wait-peers 2")
+  RUMOR_DATA="$data"
+  RUMOR_OPTS="--epochs 2 --batch 32 --lr 0.05 --threads 1 --log-every 0 --wait-peers 2 --finish-wait-ms 60000")
 pod p0 rumor-peer-0 "$ip_p0" peer RUMOR_LISTEN="$ip_p0:$pp" "${peer_env[@]}" || fail "keys for p0"
 pod p1 rumor-peer-1 "$ip_p1" peer RUMOR_LISTEN="$ip_p1:$pp" "${peer_env[@]}" || fail "keys for p1"
 wait_for 30 "peer-1 ready" is_ready "$ip_p1"
