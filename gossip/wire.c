@@ -23,20 +23,13 @@ uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYT
 int gossip_split_addrs(const char *list, char **out, size_t max, size_t *nout, struct rumor_err *e) {
   *nout = 0;
   if (!list || !*list) return 0;
-  if (net_addr_list_check(list, e)) return rumor_err_prefix(e, "--bootstrap");
-  for (const char *p = list;;) {
-    size_t len = strcspn(p, ",");
-    if (*nout == max) return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap lists more than %zu addresses", max);
-    if (len >= SWIM_ADDR_MAX)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--bootstrap: '%.*s' is longer than %d characters", (int)len, p,
-                           SWIM_ADDR_MAX - 1);
-    char *a = xmalloc(len + 1);
-    memcpy(a, p, len);
-    a[len] = '\0';
-    out[(*nout)++] = a;
-    if (!p[len]) return 0;
-    p += len + 1;
-  }
+  RUMOR_ASSERT(max <= GOSSIP_MAX_BOOTSTRAP);
+  char addrs[GOSSIP_MAX_BOOTSTRAP][SWIM_ADDR_MAX]; /* what the member table can hold */
+  size_t n;
+  if (net_addr_list_split(list, &addrs[0][0], SWIM_ADDR_MAX, max, &n, e)) return rumor_err_prefix(e, "--bootstrap");
+  for (size_t i = 0; i < n; i++) out[i] = xstrdup(addrs[i]);
+  *nout = n;
+  return 0;
 }
 
 /* True for 0.0.0.0 and ::, in any spelling inet_pton takes: "every

@@ -106,6 +106,23 @@ int net_addr_list_check(const char *list, struct rumor_err *e) {
   }
 }
 
+int net_addr_list_split(const char *list, char *out, size_t width, size_t max, size_t *n, struct rumor_err *e) {
+  *n = 0;
+  int rc = net_addr_list_check(list, e);
+  if (rc) return rc;
+  for (const char *p = list;;) {
+    size_t len = strcspn(p, ",");
+    if (*n == max) return rumor_err_set(e, RUMOR_EFORMAT, "more than %zu addresses", max);
+    if (len >= width)
+      return rumor_err_set(e, RUMOR_EFORMAT, "'%.*s' is longer than %zu characters", (int)len, p, width - 1);
+    memcpy(out + *n * width, p, len);
+    out[*n * width + len] = '\0';
+    (*n)++;
+    if (!p[len]) return 0;
+    p += len + 1;
+  }
+}
+
 int net_addr_resolve(uv_loop_t *loop, const char *s, struct sockaddr_storage *ss, struct rumor_err *e) {
   char host[NET_HOST_MAX];
   int port;

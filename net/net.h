@@ -202,6 +202,13 @@ int net_addr_check_dial(const char *s, struct rumor_err *e) RUMOR_MUST_CHECK;
  * --servers): no empty entry, each one passing net_addr_check_dial.
  * Returns 0, or RUMOR_EFORMAT naming the first bad entry. */
 int net_addr_list_check(const char *list, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks `list` as net_addr_list_check does and copies its entries, in
+ * order, into `out`: at most `max` rows of `width` bytes each, entry i
+ * NUL-terminated at out + i·width; *n gets the count. More than `max`
+ * entries, or one of `width` bytes or more, is refused. Returns 0, or
+ * RUMOR_EFORMAT (out then holds nothing the caller may use). */
+int net_addr_list_split(const char *list, char *out, size_t width, size_t max, size_t *n,
+                        struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Parses an address to listen on (port 0: any) and resolves its host, names
  * synchronously through `loop`'s resolver (":port" is 0.0.0.0). Returns 0,
  * RUMOR_EFORMAT, or a libuv error when the name does not resolve. */

@@ -44,18 +44,10 @@ void ps_optim_text(const struct optim_config *o, char *buf, size_t n) {
 }
 
 int ps_servers_parse(const char *list, char (*addrs)[PS_ADDR_MAX], int *n, struct rumor_err *e) {
-  *n = 0;
-  if (net_addr_list_check(list, e)) return rumor_err_prefix(e, "--servers");
-  for (const char *p = list;;) {
-    size_t len = strcspn(p, ",");
-    if (*n == PS_MAX_SERVERS) return rumor_err_set(e, RUMOR_EFORMAT, "--servers: more than %d servers", PS_MAX_SERVERS);
-    if (len >= PS_ADDR_MAX)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--servers: '%.*s' is longer than %d characters", (int)len, p,
-                           PS_ADDR_MAX - 1);
-    snprintf(addrs[(*n)++], PS_ADDR_MAX, "%.*s", (int)len, p);
-    if (!p[len]) return 0;
-    p += len + 1;
-  }
+  size_t k;
+  int rc = net_addr_list_split(list, &addrs[0][0], PS_ADDR_MAX, PS_MAX_SERVERS, &k, e);
+  *n = rc ? 0 : (int)k;
+  return rc ? rumor_err_prefix(e, "--servers") : 0;
 }
 
 int ps_msg_str(const struct net_msg *m, const char *key, char *out, size_t n) {

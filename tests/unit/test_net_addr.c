@@ -84,6 +84,23 @@ Test(addr, lists_refuse_empty_entries_and_name_the_bad_one) {
 
 /* A listener's address resolves on the caller's loop; ":port" is every
  * IPv4 address. */
+Test(addr, lists_split_into_rows_and_refuse_too_many_or_too_long) {
+  struct rumor_err e = {0};
+  char out[3][16];
+  size_t n = 99;
+  cr_assert_eq(net_addr_list_split("a:1,[::1]:2,b.example:3", &out[0][0], 16, 3, &n, &e), 0, "%s", e.msg);
+  cr_assert_eq(n, 3);
+  cr_assert_str_eq(out[0], "a:1");
+  cr_assert_str_eq(out[1], "[::1]:2");
+  cr_assert_str_eq(out[2], "b.example:3");
+  cr_assert_eq(net_addr_list_split("a:1,b:2,c:3,d:4", &out[0][0], 16, 3, &n, &e), RUMOR_EFORMAT);
+  cr_assert_str_eq(e.msg, "more than 3 addresses");
+  cr_assert_eq(net_addr_list_split("a:1,averylonghostname:2", &out[0][0], 16, 3, &n, &e), RUMOR_EFORMAT);
+  cr_assert_str_eq(e.msg, "'averylonghostname:2' is longer than 15 characters");
+  cr_assert_eq(net_addr_list_split("a:1,,b:2", &out[0][0], 16, 3, &n, &e), RUMOR_EFORMAT);
+  cr_assert(strstr(e.msg, "has an empty entry"), "%s", e.msg);
+}
+
 Test(addr, listen_addresses_resolve_and_a_bad_one_is_named) {
   uv_loop_t loop;
   cr_assert_eq(uv_loop_init(&loop), 0);
