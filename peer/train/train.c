@@ -176,7 +176,12 @@ static void log_setup(const struct trainer *t) {
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
 }
 
-static void checkpoint_path_of(const struct trainer *t, char *path, size_t n);
+/* Where --checkpoint saves this process's part: the path itself, or a
+ * stage's file beside it. */
+static void checkpoint_path_of(const struct trainer *t, char *path, size_t n) {
+  if (trainer_is_stage(t)) train_stage_checkpoint_path(t->cfg.checkpoint, t->stage.stage, path, n);
+  else snprintf(path, n, "%s", t->cfg.checkpoint);
+}
 
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
@@ -441,13 +446,6 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   if (rc == 0) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
                         (long long)t->st.step);
   return rc;
-}
-
-/* Where --checkpoint saves this process's part: the path itself, or a
- * stage's file beside it. */
-static void checkpoint_path_of(const struct trainer *t, char *path, size_t n) {
-  if (trainer_is_stage(t)) train_stage_checkpoint_path(t->cfg.checkpoint, t->stage.stage, path, n);
-  else snprintf(path, n, "%s", t->cfg.checkpoint);
 }
 
 int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
