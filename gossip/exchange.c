@@ -98,6 +98,29 @@ void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
   }
 }
 
+bool gossip_xch_asked_by_partner(gossip_t *g) { return ws_state(atomic_load(&g->xch.word)) == SLOT_WANT_RESP; }
+
+bool gossip_xch_unready(gossip_t *g) {
+  if (slot_move(g, SLOT_READY, SLOT_IDLE)) return true;
+  return ws_state(atomic_load(&g->xch.word)) != SLOT_BUSY;
+}
+
+struct decline {
+  struct gossip *g;
+  uint64_t round;
+  char why[96];
+};
+static void on_decline(net_t *n, void *arg, int status);
+
+void gossip_xch_decline(gossip_t *g, const char *why) {
+  uint64_t w = atomic_load(&g->xch.word);
+  if (ws_state(w) != SLOT_WANT_RESP) return;
+  struct decline *d = xmalloc(sizeof *d);
+  *d = (struct decline){.g = g, .round = ws_round(w)};
+  snprintf(d->why, sizeof d->why, "%s", why);
+  if (net_call(g->net, on_decline, d) != 0) free(d);
+}
+
 struct applied {
   struct gossip *g;
   int status;
@@ -403,6 +426,23 @@ static void on_snapshot_ready(net_t *n, void *arg, int status) {
   gossip_testing_snapshot(g, &step);
 #endif
   snapshot_ready(g, initiator, step);
+}
+
+/* The training thread declined the request waiting for its snapshot: if
+ * the slot still waits for that round, the partner is told and the slot
+ * is free again. */
+static void on_decline(net_t *n, void *arg, int status) {
+  (void)n;
+  struct decline *d = arg;
+  struct gossip *g = d->g;
+  struct gossip_xch *x = &g->xch.x;
+  uint64_t w = ws_make(d->round, SLOT_WANT_RESP);
+  if (status == 0 && x->active && !x->initiator &&
+      atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(d->round, SLOT_IDLE))) {
+    if (x->conn) send_reject(g, x->conn, x->xid, d->why);
+    x->active = false;
+  }
+  free(d);
 }
 
 static void on_applied(net_t *n, void *arg, int status) {

@@ -81,6 +81,7 @@ struct gossip_config {
   /* GOSSIP_SYNC_ALLREDUCE: xch_mine and xch_theirs hold nparams + 1 floats
    * each and serve the all-reduce; exchange requests are refused. */
   enum gossip_sync sync;
+  uint64_t gather_floats; /* TEMP STUB (gather branch) */
   float alpha;           /* averaging weight: x ← x + α·(x'_s − x_s), the snapshots exchanged (sync.h) */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
@@ -228,6 +229,20 @@ void gossip_xch_snapshot_done(gossip_t *g, uint64_t step);
  * with it. */
 bool gossip_xch_refresh_begin(gossip_t *g);
 void gossip_xch_refresh_done(gossip_t *g, uint64_t step);
+/* True while a partner's request waits for our snapshot (the slot asks
+ * for one because a partner asked, not we). */
+bool gossip_xch_asked_by_partner(gossip_t *g);
+/* Refuses the partner's request that waits for our snapshot (`why` goes
+ * to the partner, who asks someone else): for a scheme that exchanges
+ * only at its own boundaries (NoLoCo between rounds). The slot returns to
+ * idle on the loop thread soon after; until then gossip_xch_poll may
+ * return GOSSIP_XCH_SNAPSHOT again, and declining again is harmless. */
+void gossip_xch_decline(gossip_t *g, const char *why);
+/* Withdraws the snapshot kept ready (READY → IDLE), so that no partner
+ * takes it any more: it no longer stands for our parameters (NoLoCo after
+ * a round's update). Returns false when a partner's request took it just
+ * now: that exchange goes on. */
+bool gossip_xch_unready(gossip_t *g);
 /* The partner's parameters were applied (status 0) or rejected (negative,
  * with `why`); the slot returns to idle and the outcome is counted and
  * logged (a rejection backs the sender off). Status > 0: not applied
@@ -286,6 +301,10 @@ int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
  * it has not ended yet). */
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
 void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
+/* TEMP STUB (gather branch) */
+float *gossip_ag_buf(gossip_t *g);
+int gossip_ag_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
+const float *gossip_ag_result(gossip_t *g, size_t *members, size_t *self);
 
 /* The state just pulled (gossip_join_wait, gossip_state_pull) is refused
  * (`why`): its donor is struck (backed off, longer each time), so that the
@@ -328,6 +347,11 @@ struct gossip_peer_stats {
   double samples_per_s;
   double param_norm;    /* ‖θ‖ */
   const double *sketch; /* sketch_k values; may be NULL */
+  /* An outer optimizer's (DiLoCo, NoLoCo): rounds applied (-1: none), the
+   * last round's ‖averaged pseudo-gradient‖ and its bytes sent and received,
+   * and the training thread's total wait for rounds in seconds. */
+  int64_t outer_round;
+  double outer_norm, outer_bytes, outer_wait_s;
 };
 /* True when someone asked for fresh figures since the last publish (so the
  * O(P) sketch is computed only when a monitor wants it). */

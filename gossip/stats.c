@@ -311,6 +311,16 @@ void gossip_stats_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *
 }
 
 void gossip_stats_tick(struct gossip *g, uint64_t now) {
+  /* The transport's byte counts, fresh for every tick: a round's bytes and
+   * the result line's are read from them. */
+  if (g->net) {
+    struct net_stats ns;
+    net_stats_get(g->net, &ns);
+    pthread_mutex_lock(&g->lock);
+    g->mon.counters.bytes_in = ns.total.bytes_in;
+    g->mon.counters.bytes_out = ns.total.bytes_out;
+    pthread_mutex_unlock(&g->lock);
+  }
   /* Requests whose figures did not come in time get what we have. */
   size_t w = 0;
   for (size_t i = 0; i < g->mon.nwaiters; i++) {

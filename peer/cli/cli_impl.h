@@ -160,13 +160,20 @@ struct gossip_flags {
   bool clip;                         /* clipped averaging (sync.h) */
   double clip_tau, max_xch_rate, max_conn_rate;
   const char *train_cpus, *net_cpus; /* CPU lists, or NULL */
+  /* The outer optimizer (sync.h, "Outer optimizers"). */
+  const char *outer, *outer_compress;
+  int64_t local_steps;
+  double outer_lr, outer_momentum;
+  bool outer_overlap;
 };
 
 /* What the gossip flags decide beyond their ranges, checked. */
 struct gossip_setup {
-  bool ps; /* --sync ps: a worker of parameter servers, not a gossip member (cmd_ps.c) */
-  enum net_dtype wire;
+  /* --sync and --outer, parsed once: sync.kind SYNC_PS is a worker of
+   * parameter servers, not a gossip member (cmd_ps.c); the others choose a
+   * scheme (sync_scheme_of). */
   struct sync_config sync;
+  enum net_dtype wire;
   double finish_wait_s; /* sync_finish's bound (0: leave at the last step) */
   struct cpu_list train_cpus, net_cpus;
   bool pin_train, pin_net;
@@ -174,9 +181,14 @@ struct gossip_setup {
 
 void gossip_flags_default(struct gossip_flags *f);
 void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max);
-/* Checks the values (wire, CPU lists, a drift bound with gossip off).
- * Returns 0 or RUMOR_EFORMAT with a message naming the option. */
-int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks the values (wire, CPU lists, a drift bound with gossip off, the
+ * outer optimizer's options; `specs`, what was parsed, tells which were
+ * given). Returns 0 or RUMOR_EFORMAT with a message naming the option. */
+int gossip_flags_setup(const struct gossip_flags *f, const struct arg_spec *specs, struct gossip_setup *out,
+                       struct rumor_err *e) RUMOR_MUST_CHECK;
+/* What the chosen scheme adds to the training configuration: the state it
+ * keeps with the model (train_config.extra; nothing for --sync ps). */
+void gossip_setup_train(const struct gossip_setup *s, struct train_config *tc);
 /* Fills the exchange, monitoring and rate-limit parts of a gossip
  * configuration (the caller sets the model and the buffers). */
 void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c);
@@ -227,9 +239,10 @@ struct member {
   tensor_backend_t be;          /* where they came from */
   struct sync sync;
   bool have_sync;
-  /* Exchanges applied when the last step ended (and saved its checkpoint):
-   * one applied after it leaves that checkpoint stale (member_finish). */
-  uint64_t applied_at_end;
+  /* The scheme's changes to the parameters when the last step ended (and
+   * saved its checkpoint): one after it leaves that checkpoint stale
+   * (member_finish). */
+  uint64_t changes_at_end;
 };
 
 /* Starts the gossip runtime for trainer `t` under the model label `label`
@@ -241,8 +254,10 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
                  const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role,
                  const struct json_t *extra, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Joins: takes a live member's state into the trainer (unless --no-state-pull
- * or `own_state`). Returns 0 with *pos set when it did, 1 when it starts
- * from its own state, or a negative code. */
+ * or `own_state`), by the one pull policy (sync_pull_take: a refused donor
+ * is struck and another asked). Returns 0 with *pos set when it did (the
+ * caller sets the trainer's position), 1 when it starts from its own
+ * state, or a negative code. */
 int member_join(struct member *mb, struct trainer *t, const struct gossip_flags *gf, bool own_state,
                 struct gossip_train_pos *pos, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Starts the sync path and says the member is ready to exchange. */
@@ -252,15 +267,15 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMO
  * true with a message when waiting must end (a pipeline neighbour failed). */
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
                       bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* After each step: the exchanges of its boundary (sync_boundary), then
- * the hold of --max-local-steps (sync_hold). */
-void member_boundary(struct member *mb, const struct trainer *t);
-/* --finish-wait-ms, after the last step: averages on with partners that
- * still train (sync_finish; `failed`, which may be NULL, ends the wait as
- * in member_wait_peers). With or without it, saves the checkpoint again
- * when an exchange changed the parameters after the last step saved them
- * (at its boundary, its hold, or while waiting). `secs` and `steps`: this
- * process's training. */
+/* After each step: the scheme's boundary (sync_boundary). Returns 0 or
+ * its error (the member stops). */
+int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* After the last step: the scheme's finish (sync_finish: gossip averaging
+ * waits --finish-wait-ms for partners that still train; `failed`, which
+ * may be NULL, ends the wait as in member_wait_peers). Then saves the
+ * checkpoint again when the scheme changed the parameters after the last
+ * step saved them (an exchange at its boundary, its hold or while
+ * waiting; an outer round). `secs` and `steps`: this process's training. */
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
                   bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Leaves the cluster (telling it for up to `linger_ms`) and stops the
@@ -281,9 +296,6 @@ struct json_t *result_open(void);
 /* steps, epochs, samples_per_s and, where the loss is, test_accuracy,
  * test_loss and train_losses (the training loss at each epoch's end). */
 void result_training(struct json_t *o, const struct trainer *t, double secs, int64_t samples_at_start);
-/* The exchange figures: exchanges (applied), _failed, _rejected, _clipped,
- * _skipped, requests, refusals, idle, rate limits, holds. */
-void result_gossip(struct json_t *o, const struct gossip_stats *gs, const struct sync *s);
 /* Prints `o` as one line on stdout, flushes, and releases it. */
 void result_print(struct json_t *o);
 /* The final evaluation of a peer or a worker that left its cluster. False

@@ -28,17 +28,17 @@ static void print_result(struct peer_proc *p, const struct gossip_stats *gs, con
   if (!result_final_evaluation(t)) return; /* we left the cluster already */
   char final[96];
   result_describe_final(t, final, sizeof final);
-  log_info("final %s after %lld steps; %llu exchanges applied, %llu failed, %llu rejected; "
-           "at most %lld steps between applied exchanges",
-           final, (long long)t->st.step, (unsigned long long)gs->exchanges_ok,
+  log_info("final %s after %lld steps (%s); %llu exchanges applied, %llu failed, %llu rejected; %.1f MB sent, "
+           "%.1f MB received",
+           final, (long long)t->st.step, s->scheme->name, (unsigned long long)gs->exchanges_ok,
            (unsigned long long)gs->exchanges_failed, (unsigned long long)gs->exchanges_rejected,
-           (long long)s->longest_local);
-  if (s->holds)
+           (double)gs->bytes_out / 1e6, (double)gs->bytes_in / 1e6);
+  if (s->avg.holds)
     log_info("held training %llu times for an exchange (%.1f s in all, %llu gave up after --max-hold-ms)",
-             (unsigned long long)s->holds, s->hold_s, (unsigned long long)s->hold_timeouts);
+             (unsigned long long)s->avg.holds, s->avg.hold_s, (unsigned long long)s->avg.hold_timeouts);
   json_t *o = result_open();
   result_training(o, t, secs, s0);
-  result_gossip(o, gs, s);
+  sync_result(s, gs, o);
   json_text_set(o, "id", json_string(id));
   result_print(o);
 }
@@ -67,13 +67,15 @@ static int parse(struct peer_proc *p, int argc, char **argv, bool *done) {
   log_set_json(p->tf.log_json);
   if (p->gf.name) log_set_name(p->gf.name);
   struct rumor_err e = {0};
-  if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, &p->mb.setup, &e) ||
-      (p->mb.setup.ps && ps_worker_check(&p->nf, &p->gf, &e)) ||
-      net_flags_check_addrs(&p->nf, p->gf.servers, !p->mb.setup.ps, &e)) {
+  bool ps = false;
+  if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, specs, &p->mb.setup, &e) ||
+      ((ps = p->mb.setup.sync.kind == SYNC_PS) && ps_worker_check(&p->nf, &p->gf, &e)) ||
+      net_flags_check_addrs(&p->nf, p->gf.servers, !ps, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     *done = true;
     return 2;
   }
+  gossip_setup_train(&p->mb.setup, &p->tc);
   return 0;
 }
 
@@ -99,55 +101,6 @@ static int prepare(struct peer_proc *p, struct rumor_err *e) {
   return 0;
 }
 
-/* Our initialisation, kept while a state may be pulled: its parameters
- * (NULL when there is nothing to keep or no memory for it: no check then)
- * and its loss on the check rows (NaN until a donation needs it). */
-struct own_start {
-  float *params;
-  double loss;
-};
-
-static struct own_start keep_own_start(struct trainer *t, bool may_pull) {
-  struct own_start own = {NULL, NAN};
-  if (!may_pull) return own;
-  own.params = malloc((size_t)t->model.nparams * sizeof(float));
-  if (!own.params)
-    log_warn("no memory to keep our initialisation: a donated state will be taken unchecked");
-  else
-    tensor_copy_to_host(&t->model.params, 0, own.params, (size_t)t->model.nparams * sizeof(float));
-  return own;
-}
-
-/* Takes the state pulled into `donated` (loaded already) at `pos`, or
- * refuses it (returns false, our own initialisation back) when its loss on
- * the check rows is not finite or above sync_pull_max_loss of our
- * initialisation's (sync.h). */
-static bool take_donation(struct trainer *t, struct own_start *own, const float *donated,
-                          const struct gossip_train_pos *pos) {
-  int64_t rows, step = t->st.step, epoch = t->st.epoch, samples = t->st.samples;
-  int64_t targets = sync_check_targets(t->model.nparams);
-  double loss = trainer_check_loss(t, targets, &rows);
-  if (own->params) {
-    trainer_load_fresh(t, own->params);
-    if (isnan(own->loss)) own->loss = trainer_check_loss(t, targets, &rows); /* once */
-    double own_loss = own->loss, most = sync_pull_max_loss(own_loss);
-    if (isfinite(own_loss) && !(loss <= most)) {
-      log_warn("refused the cluster's state at step %llu: loss %.4g on %lld training %s, above %.4f, the most we "
-               "take beside our own initialisation's %.4f (a broken or hostile donor)",
-               (unsigned long long)pos->step, loss, (long long)rows, trainer_row_noun(t), most, own_loss);
-      trainer_set_position(t, step, epoch, samples);
-      return false;
-    }
-    trainer_load_state(t, donated);
-  }
-  trainer_set_position(t, (int64_t)pos->step, (int64_t)pos->epoch, samples);
-  log_info("starting from the cluster's state at step %llu (epoch %llu): loss %.4f on %lld training %s (our own "
-           "initialisation: %.4f)",
-           (unsigned long long)pos->step, (unsigned long long)pos->epoch + 1, loss, (long long)rows,
-           trainer_row_noun(t), own->loss);
-  return true;
-}
-
 /* Joins the cluster and takes a live peer's state unless we resume. */
 static int join(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
@@ -155,27 +108,14 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   model_spec_format(&t->model.spec, spec, sizeof spec);
   int rc = member_start(&p->mb, t, &p->nf, &p->keys, &p->gf, spec, p->tc.seed, "peer", NULL, e);
   if (rc) return rc;
-  struct own_start own = keep_own_start(t, !p->gf.no_state_pull && !p->tc.resume);
   struct gossip_train_pos pos;
   int jr = member_join(&p->mb, t, &p->gf, p->tc.resume != NULL, &pos, e);
-  for (int asked = 1; jr == 0 && !take_donation(t, &own, p->mb.donor, &pos); asked++) {
-    /* Refused: the donor is struck, and another peer is asked, or after
-     * SYNC_PULL_ASKS donors we start from our own initialisation. */
-    gossip_refuse_donation(p->mb.g, "it donated a state worse than a fresh model");
-    if (asked == SYNC_PULL_ASKS) {
-      jr = 1;
-      break;
-    }
-    jr = gossip_state_pull(p->mb.g, NULL, 0, p->mb.donor, &pos, signals_stop_flag(), e);
-    if (jr == 0) trainer_load_state(t, p->mb.donor);
-    else if (jr < 0 && !signals_stop_requested()) {
-      log_warn("no other donor: %s", e->msg);
-      jr = 1;
-    }
-  }
-  free(own.params);
   if (jr < 0) return jr;
-  if (jr > 0) {
+  if (jr == 0) {
+    trainer_set_position(t, (int64_t)pos.step, (int64_t)pos.epoch, t->st.samples);
+    log_info("starting from the cluster's state at step %llu (epoch %llu)", (unsigned long long)pos.step,
+             (unsigned long long)pos.epoch + 1);
+  } else {
     log_info("starting from %s", p->tc.resume ? "the checkpoint" : "our own initialisation");
   }
   if ((rc = member_ready(&p->mb, t, e))) return rc;
@@ -199,7 +139,9 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
       log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
       first = false;
     }
-    member_boundary(&p->mb, t);
+    rc = member_boundary(&p->mb, t, e);
+    if (rc == RUMOR_ECANCELED && signals_stop_requested()) break; /* stopped inside an outer round */
+    if (rc) return rc;
   }
   if (signals_stop_requested()) {
     log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t->st.step);
@@ -241,7 +183,7 @@ int cmd_peer(int argc, char **argv) {
   int rc = prepare(p, &e);
   /* A worker of parameter servers is no gossip member: it talks to the
    * servers only (cmd_ps.c). */
-  if (rc == 0 && p->mb.setup.ps) rc = ps_worker_run(&p->t, &p->nf, &p->keys, &p->gf, &p->mb.setup, &e);
+  if (rc == 0 && p->mb.setup.sync.kind == SYNC_PS) rc = ps_worker_run(&p->t, &p->nf, &p->keys, &p->gf, &p->mb.setup, &e);
   else if (rc == 0 && (rc = join(p, &e)) == 0) rc = run(p, &e);
   status = rc == 0 ? 0 : rc == RUMOR_EFORMAT ? 2 : 1;
   if (rc) fprintf(stderr, "rumor peer: %s\n", e.msg);

@@ -65,7 +65,7 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
     ps_client_stats_get(p->ps, &pst);
     ps_result_fields(o, &pst);
   } else {
-    result_gossip(o, &gs, s);
+    sync_result(s, &gs, o);
   }
   json_text_set(o, "id", json_string(gossip_self_id(p->mb.g)));
   result_print(o);
@@ -108,8 +108,8 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   }
   if (group_stage_parse(p->f.pipe.stage, &stage, &stages, &e) ||
       group_flags_config(&p->f, specs, stage, stages, &p->tc, &p->st, &p->plan, &e) ||
-      gossip_flags_setup(&p->f.gossip, &p->mb.setup, &e) || check_link_addrs(&p->f.pipe, &e) ||
-      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, !p->mb.setup.ps, &e)) {
+      gossip_flags_setup(&p->f.gossip, specs, &p->mb.setup, &e) || check_link_addrs(&p->f.pipe, &e) ||
+      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, p->mb.setup.sync.kind != SYNC_PS, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
@@ -209,7 +209,7 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   int rc = stage_link_wait_ready(p->link, e);
   if (rc) return rc;
   struct stage_link_pos lp = {0, 0, 0};
-  if (p->mb.setup.ps) {
+  if (p->mb.setup.sync.kind == SYNC_PS) {
     if ((rc = join_servers(p, &lp, e))) return rc;
   } else {
     struct gossip_train_pos pos;
@@ -258,7 +258,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
       else log_info("first step done (the loss is on the last stage)");
       first = false;
     }
-    member_boundary(&p->mb, t);
+    if ((rc = member_boundary(&p->mb, t, e))) return rc;
   }
   double secs = clock_now_s() - t0;
   if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */

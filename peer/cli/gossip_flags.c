@@ -18,6 +18,11 @@ void gossip_flags_default(struct gossip_flags *f) {
   f->max_hold_ms = 2000;
   f->max_xch_rate = 100;
   f->max_conn_rate = 5;
+  f->outer = "none";
+  f->outer_compress = "none";
+  f->local_steps = OUTER_DEFAULT_LOCAL_STEPS;
+  f->outer_lr = OUTER_DEFAULT_LR;
+  f->outer_momentum = OUTER_DEFAULT_MOMENTUM;
 }
 
 void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
@@ -72,6 +77,17 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"train-cpus", ARG_STR, &f->train_cpus, "LIST",
        "run training (the main thread and its compute threads) on these CPUs, e.g. 0-6"},
       {"net-cpus", ARG_STR, &f->net_cpus, "LIST", "run the network thread and its encryption workers on these CPUs, e.g. 7"},
+      {"outer", ARG_STR, &f->outer, "KIND",
+       "an outer optimizer every --local-steps steps: none, sgd or nesterov; with --sync allreduce it is DiLoCo "
+       "(the ring averages pseudo-gradients), with --sync gossip NoLoCo (one random partner a round)"},
+      {"local-steps", ARG_INT, &f->local_steps, "H", "--outer: inner steps per outer round", 1, 1e9},
+      {"outer-lr", ARG_FLOAT, &f->outer_lr, "X", "--outer: the outer learning rate", 1e-6, 10},
+      {"outer-momentum", ARG_FLOAT, &f->outer_momentum, "M", "--outer: the outer momentum (0: none)", 0, 0.999},
+      {"outer-compress", ARG_STR, &f->outer_compress, "C",
+       "--outer: what a round sends: none, f16, i8 (8-bit, a scale per 128 values) or topk:F:BITS (DiLoCo: the "
+       "fraction F of largest entries per chunk at BITS = 2, 4 or 8 bits, the rest kept for the next round)"},
+      {"outer-overlap", ARG_FLAG, &f->outer_overlap, NULL,
+       "--outer: run a round's communication beside the next round's steps and apply it one round late"},
   };
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     RUMOR_ASSERT(*n < max);
@@ -88,18 +104,31 @@ static int parse_wire(const char *s, enum net_dtype *out) {
   return 0;
 }
 
+static int parse_sync(const char *s, enum sync_kind *out) {
+  if (strcmp(s, "gossip") == 0) *out = SYNC_GOSSIP;
+  else if (strcmp(s, "allreduce") == 0) *out = SYNC_ALLREDUCE;
+  else if (strcmp(s, "ps") == 0) *out = SYNC_PS;
+  else return RUMOR_EFORMAT;
+  return 0;
+}
+
+static int parse_outer(const char *s, enum outer_kind *out) {
+  if (strcmp(s, "none") == 0) *out = OUTER_NONE;
+  else if (strcmp(s, "sgd") == 0) *out = OUTER_SGD;
+  else if (strcmp(s, "nesterov") == 0) *out = OUTER_NESTEROV;
+  else return RUMOR_EFORMAT;
+  return 0;
+}
+
 /* --sync: the scheme, and the options it rules out. */
-static int setup_sync(const struct gossip_flags *f, bool *allreduce, bool *ps, struct rumor_err *e) {
-  *allreduce = strcmp(f->sync, "allreduce") == 0;
-  *ps = strcmp(f->sync, "ps") == 0;
-  if (!*allreduce && !*ps && strcmp(f->sync, "gossip") != 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--sync must be gossip, allreduce or ps, not '%s'", f->sync);
-  if (*ps && (!f->servers || !*f->servers))
+static int setup_sync(const struct gossip_flags *f, enum sync_kind kind, struct rumor_err *e) {
+  bool ps = kind == SYNC_PS, allreduce = kind == SYNC_ALLREDUCE;
+  if (ps && (!f->servers || !*f->servers))
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--sync ps needs --servers A,B,...: the parameter servers' addresses, in range order");
-  if (!*ps && f->servers)
+  if (!ps && f->servers)
     return rumor_err_set(e, RUMOR_EFORMAT, "--servers is for --sync ps (parameter servers), not --sync %s", f->sync);
-  if (!*allreduce && !*ps) return 0;
+  if (!allreduce && !ps) return 0;
   const char *clash = f->max_local_steps > 0 ? "--max-local-steps"
                       : f->clip             ? "--clip"
                       : f->interval > 0     ? "--gossip-interval"
@@ -107,15 +136,47 @@ static int setup_sync(const struct gossip_flags *f, bool *allreduce, bool *ps, s
                                             : NULL;
   if (clash)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s is a gossip option; --sync %s %s instead", clash, f->sync,
-                         *ps ? "pushes every step's gradient to the parameter servers" : "sums every step's gradient");
+                         ps ? "pushes every step's gradient to the parameter servers" : "sums every step's gradient");
   return 0;
 }
 
-int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, struct rumor_err *e) {
+/* --outer and its options: given without --outer, or with options of
+ * gossip averaging that an outer scheme replaces, they are refused. */
+static int setup_outer(const struct gossip_flags *f, const struct arg_spec *specs, struct sync_config *c,
+                       struct rumor_err *e) {
+  struct outer_config *o = &c->outer;
+  if (parse_outer(f->outer, &o->kind))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--outer must be none, sgd or nesterov, not '%s'", f->outer);
+  if (codec_parse(f->outer_compress, &o->compress, e)) return rumor_err_prefix(e, "--outer-compress");
+  o->local_steps = f->local_steps;
+  o->lr = f->outer_lr;
+  o->momentum = f->outer_momentum;
+  o->overlap = f->outer_overlap;
+  static const char *const outer_only[] = {"local-steps", "outer-lr", "outer-momentum", "outer-compress",
+                                           "outer-overlap"};
+  for (size_t i = 0; i < sizeof outer_only / sizeof outer_only[0]; i++)
+    if (o->kind == OUTER_NONE && specs && args_given(specs, outer_only[i]))
+      return rumor_err_set(e, RUMOR_EFORMAT, "--%s is an option of --outer sgd|nesterov, which is not given",
+                           outer_only[i]);
+  if (o->kind == OUTER_NONE) return 0;
+  static const char *const averaging_only[] = {"gossip-every", "gossip-interval", "max-local-steps",
+                                               "finish-wait-ms", "alpha"};
+  for (size_t i = 0; i < sizeof averaging_only / sizeof averaging_only[0]; i++)
+    if (specs && args_given(specs, averaging_only[i]))
+      return rumor_err_set(e, RUMOR_EFORMAT,
+                           "--%s is an option of gossip averaging; with --outer a member communicates once every "
+                           "--local-steps steps and ends with an outer round",
+                           averaging_only[i]);
+  return sync_config_check(c, e);
+}
+
+int gossip_flags_setup(const struct gossip_flags *f, const struct arg_spec *specs, struct gossip_setup *out,
+                       struct rumor_err *e) {
   memset(out, 0, sizeof *out);
-  bool allreduce, ps;
-  if (setup_sync(f, &allreduce, &ps, e)) return RUMOR_EFORMAT;
-  out->ps = ps;
+  enum sync_kind kind;
+  if (parse_sync(f->sync, &kind))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--sync must be gossip, allreduce or ps, not '%s'", f->sync);
+  if (setup_sync(f, kind, e)) return RUMOR_EFORMAT;
   if (f->max_local_steps > 0 && f->every == 0 && f->interval == 0)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--max-local-steps %lld bounds the steps between exchanges, but gossip is off "
@@ -133,21 +194,25 @@ int gossip_flags_setup(const struct gossip_flags *f, struct gossip_setup *out, s
   if (f->net_cpus && cpu_list_parse(f->net_cpus, &out->net_cpus, e)) return rumor_err_prefix(e, "--net-cpus");
   out->pin_train = f->train_cpus != NULL;
   out->pin_net = f->net_cpus != NULL;
-  out->sync = (struct sync_config){.every_steps = f->every,
+  out->sync = (struct sync_config){.kind = kind,
+                                   .every_steps = f->every,
                                    .every_s = f->interval,
                                    .max_distance = f->max_distance,
                                    .clip = f->clip,
                                    .clip_tau = f->clip_tau,
                                    .max_local_steps = f->max_local_steps,
                                    .max_hold_s = (double)f->max_hold_ms / 1e3,
-                                   .allreduce = allreduce};
-  if (allreduce || ps) out->sync.every_steps = 0;
-  return 0;
+                                   .wire = out->wire};
+  if (kind != SYNC_GOSSIP) out->sync.every_steps = 0;
+  return setup_outer(f, specs, &out->sync, e);
+}
+
+void gossip_setup_train(const struct gossip_setup *s, struct train_config *tc) {
+  memset(&tc->extra, 0, sizeof tc->extra);
+  if (s->sync.kind != SYNC_PS) sync_scheme_of(&s->sync)->extra(&s->sync, &tc->extra);
 }
 
 void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c) {
-  c->wire = s->wire;
-  c->sync = s->sync.allreduce ? GOSSIP_SYNC_ALLREDUCE : GOSSIP_SYNC_GOSSIP;
   c->alpha = (float)f->alpha;
   c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
   c->sketch_k = (int)f->sketch_k;

@@ -97,7 +97,8 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
     return rumor_err_set(e, RUMOR_EFORMAT, "--pipeline must be gpipe or 1f1b, not '%s'", f->pipe.schedule);
   cfg->stage = st;
   struct gossip_setup setup;
-  if ((rc = gossip_flags_setup(&f->gossip, &setup, e))) return rc;
-  if (setup.ps && (rc = ps_worker_check(&f->net, &f->gossip, e))) return rc;
+  if ((rc = gossip_flags_setup(&f->gossip, specs, &setup, e))) return rc;
+  if (setup.sync.kind == SYNC_PS && (rc = ps_worker_check(&f->net, &f->gossip, e))) return rc;
+  gossip_setup_train(&setup, cfg);
   return train_stage_plan(cfg, plan, e);
 }

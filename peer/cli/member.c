@@ -12,8 +12,9 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
                  const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role,
                  const struct json_t *extra, struct rumor_err *e) {
   int64_t P = t->model.nparams, S = trainer_state_floats(t);
-  /* All-reduce: the gradient and the rows it is the mean over. */
-  int64_t X = mb->setup.sync.allreduce ? P + 1 : P;
+  struct sync_gossip_plan plan;
+  sync_scheme_of(&mb->setup.sync)->plan(&mb->setup.sync, P, &plan);
+  int64_t X = (int64_t)plan.buf_floats;
   mb->be = t->be;
   mb->mine = tensor_host_alloc(t->be, (size_t)X * sizeof(float));
   mb->theirs = tensor_host_alloc(t->be, (size_t)X * sizeof(float));
@@ -34,6 +35,9 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   gossip_config_default(&gc);
   net_flags_gossip_config(nf, keys, &gc);
   gossip_flags_gossip_config(gf, &mb->setup, &gc);
+  gc.sync = plan.protocol;
+  gc.wire = plan.wire;
+  gc.gather_floats = plan.gather_floats;
   gc.role = GOSSIP_ROLE_PEER;
   gc.nparams = (uint64_t)P;
   gc.state_floats = (uint64_t)S;
@@ -42,10 +46,10 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   gc.xch_mine = mb->mine;
   gc.xch_theirs = mb->theirs;
   gc.donor_buf = mb->donor;
-  /* The label members must share: gossiping and all-reducing peers (or
-   * stages) never mix. gossip_start copies it. */
+  /* The label members must share: members of different schemes (or
+   * outer settings) never mix. gossip_start copies it. */
   char full[GOSSIP_LABEL_MAX + 1];
-  const char *scheme = mb->setup.sync.allreduce ? " sync=allreduce" : "";
+  const char *scheme = plan.label;
   if ((size_t)snprintf(full, sizeof full, "%s%s", label, scheme) >= sizeof full)
     return rumor_err_set(e, RUMOR_ETOOBIG, "the cluster label '%s%s' is longer than %d characters", label, scheme,
                          GOSSIP_LABEL_MAX);
@@ -67,10 +71,38 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   return 0;
 }
 
+/* Takes the state pulled into the donor buffer (at *pos) unless the pull
+ * policy refuses it (sync_pull_take); a refused donor is struck and
+ * another asked, and after SYNC_PULL_ASKS refusals we start from our own. */
+static int take_pulled(struct member *mb, struct trainer *t, int jr, struct gossip_train_pos *pos,
+                       struct rumor_err *e) {
+  struct sync_own_state own;
+  sync_own_keep(&own, t);
+  char why[200];
+  for (int asked = 1; jr == 0; asked++) {
+    if (sync_pull_take(t, &own, mb->donor, why, sizeof why)) break;
+    log_warn("refused the cluster's state at step %llu: %s (a broken or hostile donor)", (unsigned long long)pos->step,
+             why);
+    gossip_refuse_donation(mb->g, "it donated a state we refused");
+    if (asked == SYNC_PULL_ASKS) {
+      jr = 1;
+      break;
+    }
+    jr = gossip_state_pull(mb->g, NULL, 0, mb->donor, pos, signals_stop_flag(), e);
+    if (jr < 0 && !signals_stop_requested()) {
+      log_warn("no other donor: %s", e->msg);
+      jr = 1;
+    }
+  }
+  sync_own_free(&own);
+  return jr;
+}
+
 int member_join(struct member *mb, struct trainer *t, const struct gossip_flags *gf, bool own_state,
                 struct gossip_train_pos *pos, struct rumor_err *e) {
-  int jr = gossip_join_wait(mb->g, gf->no_state_pull || own_state ? NULL : mb->donor, pos, signals_stop_flag(), e);
-  if (jr == 0) trainer_load_state(t, mb->donor);
+  bool pull = !gf->no_state_pull && !own_state;
+  int jr = gossip_join_wait(mb->g, pull ? mb->donor : NULL, pos, signals_stop_flag(), e);
+  if (jr == 0) jr = take_pulled(mb, t, jr, pos, e);
   return jr;
 }
 
@@ -79,7 +111,6 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {
   int rc = sync_init(&mb->sync, mb->g, t, &mb->setup.sync, e);
   if (rc) return rc;
   mb->have_sync = true;
-  if (mb->setup.sync.allreduce) t->reducer = (struct train_reducer){sync_allreduce, &mb->sync};
   gossip_ready(mb->g);
   return 0;
 }
@@ -97,7 +128,8 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
     if (clock_now_s() > deadline)
       return rumor_err_set(e, RUMOR_ETIMEDOUT, "only %zu of %lld %s ready after %lld ms", gossip_ready_peers(mb->g),
                            (long long)gf->wait_peers, what, (long long)gf->wait_peers_ms);
-    sync_boundary(&mb->sync);
+    int rc = sync_boundary(&mb->sync, e);
+    if (rc) return rc;
     const struct timespec tick = {0, 10 * 1000000};
     nanosleep(&tick, NULL);
   }
@@ -105,23 +137,23 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
   return 0;
 }
 
-void member_boundary(struct member *mb, const struct trainer *t) {
-  if (trainer_done(t)) mb->applied_at_end = mb->sync.applied; /* the last step saved its checkpoint */
-  sync_boundary(&mb->sync);
-  sync_hold(&mb->sync, signals_stop_flag());
+int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) {
+  if (trainer_done(t)) mb->changes_at_end = mb->sync.changes; /* the last step saved its checkpoint */
+  return sync_boundary(&mb->sync, e);
 }
 
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
                   bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) {
-  double max_s = mb->setup.finish_wait_s;
-  if (max_s > 0) {
-    log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", max_s);
-    int rc = sync_finish(&mb->sync, steps > 0 ? secs / (double)steps : 0, max_s, signals_stop_flag(), failed, arg, e);
-    if (rc) return rc;
-  }
+  struct sync_finish_args f = {.max_s = mb->setup.finish_wait_s,
+                               .step_s = steps > 0 ? secs / (double)steps : 0,
+                               .stop = signals_stop_flag(),
+                               .failed = failed,
+                               .arg = arg};
+  int rc = sync_finish(&mb->sync, &f, e);
+  if (rc) return rc;
   /* The result line evaluates the parameters as they are now: the
    * checkpoint must hold the same. */
-  return mb->sync.applied != mb->applied_at_end ? trainer_checkpoint(t, e) : 0;
+  return mb->sync.changes != mb->changes_at_end ? trainer_checkpoint(t, e) : 0;
 }
 
 void member_leave(struct member *mb, int64_t linger_ms) {

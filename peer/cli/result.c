@@ -45,40 +45,4 @@ void result_describe_final(const struct trainer *t, char *buf, size_t len) {
   else snprintf(buf, len, "test accuracy %.4f, test loss %.4f", t->accuracy, t->test_loss);
 }
 
-void result_gossip(json_t *o, const struct gossip_stats *gs, const struct sync *s) {
-  const struct {
-    const char *key;
-    uint64_t v;
-  } counts[] = {
-      {"exchanges", gs->exchanges_ok},
-      {"exchanges_failed", gs->exchanges_failed},
-      {"exchanges_rejected", gs->exchanges_rejected},
-      {"exchange_requests", gs->exchange_requests},
-      {"exchange_refusals", gs->exchange_refusals},
-      {"exchange_idle", gs->exchange_idle},
-      {"exchanges_clipped", s->clip.clipped},
-      {"exchanges_skipped", s->skipped},
-      {"exchange_rate_limited", gs->exchange_rate_limited},
-      {"conn_rate_limited", gs->conn_rate_limited},
-      {"holds", s->holds},
-      {"hold_timeouts", s->hold_timeouts},
-  };
-  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
-    json_text_set(o, counts[i].key, json_integer((json_int_t)counts[i].v));
-  json_text_set(o, "longest_local_steps", json_integer(s->longest_local));
-  json_text_set(o, "hold_s", json_text_real(s->hold_s));
-  json_text_set(o, "finish_wait_s", json_text_real(s->finish_s));
-  json_text_set(o, "finish_exchanges", json_integer((json_int_t)s->finish_applied));
-  json_text_set(o, "sync", json_string(s->cfg.allreduce ? "allreduce" : "gossip"));
-  if (!s->cfg.allreduce) return;
-  const struct {
-    const char *key;
-    uint64_t v;
-  } ar[] = {{"allreduce_rounds", s->ar_rounds},     {"allreduce_retries", s->ar_retries},
-            {"allreduce_catchups", s->ar_catchups}, {"allreduce_skipped", s->ar_skipped},
-            {"allreduce_members", s->ar_members}};
-  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) json_text_set(o, ar[i].key, json_integer((json_int_t)ar[i].v));
-  json_text_set(o, "allreduce_s", json_text_real(s->ar_wait_s));
-}
-
 void result_print(json_t *o) { json_text_print(stdout, o); }

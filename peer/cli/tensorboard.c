@@ -79,6 +79,8 @@ static void write_gossip(struct tb_train *tb, int64_t step) {
   if (!mb || !mb->g) return; /* no member, or it has left */
   struct gossip_stats gs;
   gossip_stats_get(mb->g, &gs);
+  struct sync_figures sf = {0};
+  if (mb->have_sync) sync_figures(&mb->sync, &sf);
   const struct {
     const char *tag;
     double v;
@@ -86,15 +88,22 @@ static void write_gossip(struct tb_train *tb, int64_t step) {
       {"gossip/exchanges", (double)gs.exchanges_ok},
       {"gossip/exchanges_failed", (double)gs.exchanges_failed},
       {"gossip/exchanges_rejected", (double)gs.exchanges_rejected},
-      {"gossip/exchanges_clipped", mb->have_sync ? (double)mb->sync.clip.clipped : 0.0},
+      {"gossip/exchanges_clipped", (double)sf.clipped},
       {"gossip/bytes_in", (double)gs.bytes_in},
       {"gossip/bytes_out", (double)gs.bytes_out},
       {"gossip/members_alive", (double)gs.members_alive},
   };
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) tb_scalar(tb->w, f[i].tag, step, f[i].v);
-  if (mb->have_sync && mb->sync.cfg.allreduce) {
-    tb_scalar(tb->w, "allreduce/rounds", step, (double)mb->sync.ar_rounds);
-    tb_scalar(tb->w, "allreduce/retries", step, (double)mb->sync.ar_retries);
+  if (!mb->have_sync) return;
+  if (mb->sync.cfg.kind == SYNC_ALLREDUCE) {
+    tb_scalar(tb->w, "allreduce/rounds", step, (double)sf.ring_rounds);
+    tb_scalar(tb->w, "allreduce/retries", step, (double)sf.ring_retries);
+  }
+  if (mb->sync.cfg.outer.kind != OUTER_NONE) {
+    tb_scalar(tb->w, "outer/round", step, (double)sf.outer_rounds);
+    if (isfinite(sf.outer_norm)) tb_scalar(tb->w, "outer/pseudo_gradient_norm", step, sf.outer_norm);
+    tb_scalar(tb->w, "outer/bytes_per_round", step, sf.outer_bytes);
+    tb_scalar(tb->w, "outer/wait_s", step, sf.outer_wait_s);
   }
 }
 

@@ -1,29 +1,110 @@
-/* --sync allreduce: the training thread's side of the ring (gossip.h,
- * "all-reduce"), as a train_reducer. */
+/* Ring rounds on the training thread: `--sync allreduce`'s gradient
+ * reducer, and the round driver it shares with DiLoCo (sync_ring_round:
+ * retries, and the catch-up of a member left behind). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "peer/sync/sync.h"
+#include "peer/sync/sync_impl.h"
+#include "util/json_text.h"
 
-static bool stopped(const struct sync *s) { return s->cfg.stop && atomic_load(s->cfg.stop); }
-
-/* Sleeps about `secs` while serving donations and figures. */
-static void idle_for(struct sync *s, double secs) {
-  double end = clock_now_s() + secs;
-  while (clock_now_s() < end && !stopped(s)) {
+/* Left behind: takes the state of a member that completed our round (asked
+ * first), or of another when that one's state is refused (sync_pull_take);
+ * after SYNC_PULL_ASKS refusals the member gives up (it cannot rejoin the
+ * round without one). Returns 1 when taken, 0 when nobody is left to take
+ * it from (we go on with ours), or a negative code (stopped, or every
+ * state asked for was refused). */
+static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t min_step, struct rumor_err *e) {
+  struct trainer *t = s->t;
+  char ahead[NET_PUBKEY_STR_LEN + 1];
+  net_pubkey_format(ahead, info->ahead);
+  log_info("all-reduce: the cluster is at round %llu and we at %llu (step %lld): taking the state of %.8s",
+           (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step, ahead);
+  /* The pull lands in the donation buffer: a donation filled from it while
+   * we waited in the ring may still be on its way out; wait for it to end
+   * (no new one is filled until we serve donations again). */
+  while (gossip_donor_sending(s->g)) {
+    if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while catching up");
     const struct timespec tick = {0, 2 * 1000000};
     nanosleep(&tick, NULL);
-    sync_idle(s);
+  }
+  float *buf = gossip_donor_buf(s->g);
+  struct sync_own_state own;
+  sync_own_keep(&own, t);
+  int64_t step = t->st.step;
+  int rc = 0;
+  bool taken = false;
+  char why[200];
+  struct gossip_train_pos pos;
+  for (int asked = 1; !taken; asked++) {
+    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, min_step, buf, &pos, s->cfg.stop, e);
+    if (rc) break; /* 1: nobody left to take it from, go on with ours */
+    if (pos.step < min_step) /* asked for a later one: a donor that ignores it misbehaves */
+      snprintf(why, sizeof why, "it is at step %llu, before step %llu", (unsigned long long)pos.step,
+               (unsigned long long)min_step);
+    else
+      taken = sync_pull_take(t, &own, buf, why, sizeof why);
+    if (taken) break;
+    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
+             (unsigned long long)pos.step, why);
+    gossip_refuse_donation(s->g, "it gave a state we refused");
+    if (asked == SYNC_PULL_ASKS) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT,
+                         "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
+                         "(the last: %s)",
+                         (long long)step, SYNC_PULL_ASKS, why);
+      break;
+    }
+  }
+  sync_own_free(&own);
+  if (!taken) return rc < 0 ? rc : 0;
+  trainer_take_step(t, (int64_t)pos.step);
+  s->ring.catchups++;
+  log_info("all-reduce: now at step %llu; our round is dropped", (unsigned long long)pos.step);
+  return 1;
+}
+
+int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync_fill_fn fill, void *arg,
+                    uint64_t min_step, struct rumor_err *e) {
+  double t0 = clock_now_s();
+  for (unsigned attempt = 0;; attempt++) {
+    if (sync_stopped(s))
+      return rumor_err_set(e, RUMOR_ECANCELED, "stopped during the all-reduce of round %llu", (unsigned long long)id);
+    fill(s, arg); /* again on every attempt: a failed round leaves partial sums */
+    int rc = kind == SYNC_ROUND_GATHER ? gossip_ag_start(s->g, id) : gossip_ar_start(s->g, id);
+    if (rc) return rumor_err_set(e, rc, "the gossip runtime stopped during an all-reduce");
+    enum gossip_ar_status st;
+    while ((st = gossip_ar_wait(s->g, 5)) == GOSSIP_AR_RUNNING) sync_idle(s);
+    struct gossip_ar_info info;
+    gossip_ar_info(s->g, &info);
+    if (st == GOSSIP_AR_DONE) {
+      s->ring.rounds++;
+      s->ring.members = info.members;
+      s->ring.wait_s += clock_now_s() - t0;
+      return 0;
+    }
+    if (st == GOSSIP_AR_BEHIND) {
+      rc = catch_up(s, &info, min_step, e);
+      if (rc) {
+        s->ring.wait_s += clock_now_s() - t0;
+        return rc;
+      }
+    }
+    /* Failed (a member failed, joined or left; views differ): try again
+     * once the membership has had time to settle, backing off a little. */
+    s->ring.retries++;
+    sync_idle_for(s, 0.01 * (attempt < 10 ? attempt + 1 : 10));
   }
 }
 
+/* ---- --sync allreduce: every step's gradient ---- */
+
 /* Our contribution: the gradient times our rows, and the rows. */
-static void fill_contribution(struct sync *s, int64_t rows) {
+static void fill_gradient(struct sync *s, void *arg) {
   struct trainer *t = s->t;
-  int64_t P = t->model.nparams;
+  int64_t P = t->model.nparams, rows = *(const int64_t *)arg;
   float *buf = gossip_ar_buf(s->g);
   tensor_copy_to_host(&t->model.grads, 0, buf, (size_t)P * sizeof(float));
   float w = (float)rows;
@@ -43,7 +124,7 @@ static int take_sum(struct sync *s) {
   if (!finite) {
     log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
              (long long)t->st.step, rows);
-    s->ar_skipped++;
+    s->ring.skipped++;
     trainer_take_step(t, t->st.step + 1);
     return 1;
   }
@@ -52,123 +133,63 @@ static int take_sum(struct sync *s) {
   return 0;
 }
 
-/* Loads `pulled` (state_floats floats) unless it fails the checks of
- * sync.h's sync_pull_max_loss, against our own current state: we were a
- * few steps behind with a trained state of our own. `own` (state_floats
- * floats, or NULL: a stage, which has no loss to compare, or no memory;
- * then only finiteness is checked, before loading) holds our state to go
- * back to. Returns true when taken; on false our state is back and *why
- * says what was wrong. */
-static bool take_pulled(struct sync *s, const float *pulled, float *own, char *why, size_t whylen) {
-  struct trainer *t = s->t;
-  int64_t S = trainer_state_floats(t);
-  for (int64_t i = 0; i < S; i++)
-    if (!isfinite(pulled[i])) {
-      snprintf(why, whylen, "value %lld of %lld is not finite", (long long)i, (long long)S);
-      return false;
-    }
-  if (!own) {
-    trainer_load_state(t, pulled);
-    return true;
-  }
-  int64_t rows, targets = sync_check_targets(t->model.nparams);
-  trainer_copy_state(t, own);
-  double own_loss = trainer_check_loss(t, targets, &rows);
-  trainer_load_state(t, pulled);
-  double loss = trainer_check_loss(t, targets, &rows);
-  double most = sync_pull_max_loss(own_loss);
-  if (!isfinite(own_loss) || loss <= most) return true;
-  snprintf(why, whylen, "its loss %.4g on %lld training %s is above %.4f, the most we take beside ours (%.4f)", loss,
-           (long long)rows, trainer_row_noun(t), most, own_loss);
-  trainer_load_state(t, own);
-  return false;
-}
-
-/* Left behind: takes the state of a member that completed our step (asked
- * first), or of another when that one's state is refused; after
- * SYNC_PULL_ASKS refusals the member gives up (it cannot rejoin the round
- * without one). Returns 1 when taken, 0 when nobody is left to take it
- * from (we go on with ours), or a negative code (stopped, or every state
- * asked for was refused). */
-static int catch_up(struct sync *s, const struct gossip_ar_info *info, struct rumor_err *e) {
-  struct trainer *t = s->t;
-  char ahead[NET_PUBKEY_STR_LEN + 1];
-  net_pubkey_format(ahead, info->ahead);
-  log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
-           (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
-  struct gossip_train_pos pos;
-  /* The pull lands in the donation buffer: a donation filled from it while
-   * we waited in the ring may still be on its way out; wait for it to end
-   * (no new one is filled until we serve donations again). */
-  while (gossip_donor_sending(s->g)) {
-    if (stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while catching up");
-    const struct timespec tick = {0, 2 * 1000000};
-    nanosleep(&tick, NULL);
-  }
-  float *buf = gossip_donor_buf(s->g);
-  float *own = NULL;
-  if (!trainer_is_stage(t) && !(own = malloc((size_t)trainer_state_floats(t) * sizeof(float))))
-    log_warn("all-reduce: no memory to keep our state: a pulled state is checked for finite values only");
-  int rc = 0;
-  bool taken = false;
-  char why[160];
-  for (int asked = 1; !taken; asked++) {
-    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, (uint64_t)t->st.step + 1, buf, &pos, s->cfg.stop, e);
-    if (rc) break; /* 1: nobody left to take it from, go on with ours */
-    if (pos.step <= (uint64_t)t->st.step) /* asked for a later one: a donor that ignores it misbehaves */
-      snprintf(why, sizeof why, "it is no further than our step %lld", (long long)t->st.step);
-    else
-      taken = take_pulled(s, buf, own, why, sizeof why);
-    if (taken) break;
-    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
-             (unsigned long long)pos.step, why);
-    gossip_refuse_donation(s->g, "it gave a state we refused");
-    if (asked == SYNC_PULL_ASKS) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT,
-                         "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
-                         "(the last: %s)",
-                         (long long)t->st.step, SYNC_PULL_ASKS, why);
-      break;
-    }
-  }
-  free(own);
-  if (!taken) return rc < 0 ? rc : 0;
-  trainer_take_step(t, (int64_t)pos.step);
-  s->ar_catchups++;
-  log_info("all-reduce: now at step %llu; our step's gradient is dropped", (unsigned long long)pos.step);
-  return 1;
-}
-
-int sync_allreduce(void *arg, int64_t rows, struct rumor_err *e) {
+/* The train_reducer: sums the step's gradient, weighted by rows, over the
+ * ring and leaves the mean over every member's rows in model.grads (returns
+ * 0). A member left behind takes the state of one ahead and drops its step
+ * (returns 1); a sum that is not finite is dropped on every member alike
+ * (returns 1, the step counted). Whole replicas only. */
+static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct sync *s = arg;
-  struct trainer *t = s->t;
-  double t0 = clock_now_s();
-  for (unsigned attempt = 0;; attempt++) {
-    if (stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped during the all-reduce of step %lld",
-                                         (long long)t->st.step);
-    fill_contribution(s, rows); /* again on every attempt: a failed round leaves partial sums */
-    int rc = gossip_ar_start(s->g, (uint64_t)t->st.step);
-    if (rc) return rumor_err_set(e, rc, "the gossip runtime stopped during an all-reduce");
-    enum gossip_ar_status st;
-    while ((st = gossip_ar_wait(s->g, 5)) == GOSSIP_AR_RUNNING) sync_idle(s);
-    struct gossip_ar_info info;
-    gossip_ar_info(s->g, &info);
-    if (st == GOSSIP_AR_DONE) {
-      s->ar_rounds++;
-      s->ar_members = info.members;
-      s->ar_wait_s += clock_now_s() - t0;
-      return take_sum(s);
-    }
-    if (st == GOSSIP_AR_BEHIND) {
-      rc = catch_up(s, &info, e);
-      if (rc) {
-        s->ar_wait_s += clock_now_s() - t0;
-        return rc;
-      }
-    }
-    /* Failed (a member failed, joined or left; views differ): try again
-     * once the membership has had time to settle, backing off a little. */
-    s->ar_retries++;
-    idle_for(s, 0.01 * (attempt < 10 ? attempt + 1 : 10));
-  }
+  uint64_t step = (uint64_t)s->t->st.step;
+  int rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
+  return rc ? rc : take_sum(s);
 }
+
+static void ar_extra(const struct sync_config *c, struct train_extra_spec *out) {
+  (void)c;
+  out->n = 0;
+}
+
+static void ar_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
+  /* The gradient and the rows it is the mean over. */
+  *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_ALLREDUCE, .buf_floats = (uint64_t)nparams + 1,
+                                   .wire = c->wire};
+  snprintf(out->label, sizeof out->label, " sync=allreduce");
+}
+
+static int ar_init(struct sync *s, struct rumor_err *e) {
+  (void)s;
+  (void)e;
+  return 0;
+}
+
+static int ar_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
+  (void)s, (void)f, (void)e;
+  return 0;
+}
+
+static void ar_free(struct sync *s) { (void)s; }
+
+static void ar_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
+  (void)gs;
+  const struct {
+    const char *key;
+    uint64_t v;
+  } ar[] = {{"allreduce_rounds", s->ring.rounds},     {"allreduce_retries", s->ring.retries},
+            {"allreduce_catchups", s->ring.catchups}, {"allreduce_skipped", s->ring.skipped},
+            {"allreduce_members", s->ring.members}};
+  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) json_text_set(o, ar[i].key, json_integer((json_int_t)ar[i].v));
+  json_text_set(o, "allreduce_s", json_text_real(s->ring.wait_s));
+}
+
+const struct sync_scheme sync_scheme_allreduce = {
+    .name = "allreduce",
+    .extra = ar_extra,
+    .plan = ar_plan,
+    .init = ar_init,
+    .boundary = NULL,
+    .reduce = ar_reduce,
+    .finish = ar_finish,
+    .result = ar_result,
+    .free = ar_free,
+};

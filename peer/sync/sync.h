@@ -1,42 +1,50 @@
 /*
- * sync — the training thread's side of gossip, one implementation for whole
- * replicas and for pipeline stages: at each step boundary it starts
- * exchanges on schedule, takes snapshots (asynchronously on a GPU),
- * validates, clips and applies a partner's parameters, fills state
- * donations, publishes monitoring figures, and (bounded drift) holds
- * training until an exchange applies.
+ * sync — how a member keeps its replica together with the others: one
+ * interface (struct sync_scheme), one implementation per scheme, chosen in
+ * one place (sync_scheme_of) from `--sync` and `--outer`:
  *
- * A stage of a peer group runs the same path over its slice of the
- * parameters: its gossip runtime's model label names the model, the split
+ *   gossip     averaging exchanges with random partners   average.c
+ *   allreduce  ring all-reduce of every step's gradient    allreduce.c
+ *   diloco     --sync allreduce --outer K: outer rounds    diloco.c
+ *   noloco     --sync gossip --outer K: pairwise rounds    noloco.c
+ *
+ * (`--sync ps`, parameter servers, is a worker of peer/ps/, outside this
+ * table: it joins no gossip cluster.) The same path serves a whole replica
+ * and a pipeline stage: a stage's gossip label names the model, the split
  * and the stage (train_stage_label), so it meets only the same stage of
- * other groups, and stage s averages its slice with stage s elsewhere.
- * Between step boundaries (while a pipeline waits for a neighbour)
- * sync_idle serves donations and figures only: parameters and optimizer
- * state do not change during a step, so a donation there is the state at
- * the step's start.
+ * other groups, over its own slice of the parameters.
  *
- * Applying: both sides took their snapshots (θ_s ours, θ'_s the partner's)
- * at step boundaries before the transfer and apply at a later one, after
- * steps of their own. The partner's must be finite and within
- * `max_distance` × ‖θ_s‖ of ours (‖θ'_s − θ_s‖ ≤ R·‖θ_s‖), else it is
- * rejected with a log line and the sender is backed off; an accepted one
- * moves us by the snapshots' difference: θ ← θ + α·(θ'_s − θ_s), or with
- * clipping (below) θ ← θ + α·clip(θ'_s − θ_s, τ). The steps taken since our
- * snapshot are kept, and when both sides apply with the same weight (no
- * clipping scale, skip or rejection on either side) the pair's sum of
- * parameters does not change (the partner adds the opposite). Averaging
- * with the current parameters instead, θ ← θ + α·(θ'_s − θ), pulls each
- * side back by α of the steps it took since the partner's snapshot:
- * measured on the README job (4 peers) 0.8914 → 0.8936 mean accuracy (two
- * rounds each), and on 4 GPT peers with AdamW +0.058 → +0.051 and +0.054
- * from one process (docs/benchmarks.md). The difference θ'_s − θ_s and its
+ * What every scheme shares lives in sync.c: the scheme table, the
+ * monitoring figures it publishes, state donations (checked by the one
+ * pull policy, sync_pull_take) and sync_idle, which serves both in the
+ * middle of a step (while a pipeline waits for a neighbour) or while a
+ * scheme waits on the network. The training side of the exchange slot
+ * (snapshots, validation, clipping) is exchange.c, shared by gossip
+ * averaging and NoLoCo; a ring round with its retries and catch-up is
+ * allreduce.c's, shared by the gradient all-reduce and DiLoCo; the outer
+ * optimizer's state and update are outer.c's.
+ *
+ * Applying an exchange (average.c): both sides took their snapshots (θ_s
+ * ours, θ'_s the partner's) at step boundaries before the transfer and
+ * apply at a later one, after steps of their own. The partner's must be
+ * finite and within `max_distance` × ‖θ_s‖ of ours (‖θ'_s − θ_s‖ ≤
+ * R·‖θ_s‖), else it is rejected with a log line and the sender is backed
+ * off; an accepted one moves us by the snapshots' difference: θ ← θ +
+ * α·(θ'_s − θ_s), or with clipping (below) θ ← θ + α·clip(θ'_s − θ_s, τ).
+ * The steps taken since our snapshot are kept, and when both sides apply
+ * with the same weight the pair's sum of parameters does not change.
+ * Averaging with the current parameters instead, θ ← θ + α·(θ'_s − θ),
+ * pulls each side back by α of the steps it took since the partner's
+ * snapshot: measured on the README job (4 peers) 0.8914 → 0.8936 mean
+ * accuracy, and on 4 GPT peers with AdamW +0.058 → +0.051 and +0.054 from
+ * one process (docs/benchmarks.md). The difference θ'_s − θ_s and its
  * statistics are computed on the host in one pass, off the training thread
  * (gossip_xch_theirs, gossip_xch_delta), so the training thread only adds
  * it: one axpby, after a copy to the device on a GPU.
  *
- * Monitoring: cheap figures (step, loss, throughput) are published about
- * once a second; the O(P) ones (parameter norm, count-sketch, on the
- * training device) only when a monitor asked for them.
+ * Monitoring: cheap figures (step, loss, throughput, the outer round) are
+ * published about once a second; the O(P) ones (parameter norm,
+ * count-sketch, on the training device) only when a monitor asked for them.
  *
  * Threads: the training thread only.
  */
@@ -48,6 +56,7 @@
 #include <stdint.h>
 
 #include "gossip/gossip.h"
+#include "peer/sync/codec.h"
 #include "peer/train/train.h"
 
 /* ============================================================================
@@ -139,6 +148,89 @@ void clip_init(struct clip_state *c, double tau_fixed);
 double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double norm);
 
 /* ============================================================================
+ * Outer optimizers (DiLoCo over the ring, NoLoCo over gossip)
+ * ========================================================================== */
+
+/*
+ * `--outer sgd|nesterov` with `--local-steps H`: every H inner steps (the
+ * inner optimizer and its schedule as given: AdamW or SGD) a member ends an
+ * outer round. Its pseudo-gradient is Δ = θ − φ, θ the anchor (the
+ * parameters every member started the round from) and φ its parameters
+ * now. The outer step turns an averaged pseudo-gradient g into
+ *
+ *   sgd:       b ← μ·b + g;  θ ← θ − η·b           (heavy ball; μ 0: plain
+ *                                                    periodic averaging at η 1)
+ *   nesterov:  b ← μ·b + g;  θ ← θ − η·(g + μ·b)   (torch.optim.SGD's Nesterov)
+ *
+ * (η --outer-lr, μ --outer-momentum), and the parameters restart from the
+ * new anchor, φ ← θ. The inner optimizer's state carries on.
+ *
+ * DiLoCo (Douillard et al. 2023), `--sync allreduce`: g is the mean of
+ * every member's Δ, weighted by the rows each trained in the round, summed
+ * over the elastic ring; every member holds the same anchor and applies the
+ * same g, so they stay identical at round ends, and a run ends with an
+ * outer round (members finish with identical parameters).
+ *
+ * NoLoCo (Kolehmainen et al. 2025, arXiv:2506.10911; the rule of the
+ * authors' code, github.com/jkolehm/noloco, src/noloco/sparse_optimizer_c.py,
+ * groups of two): after H inner steps a member exchanges with one random
+ * partner j and its momentum takes the pair's mean pseudo-gradient plus the
+ * pull towards the pair's mean anchor, both at the outer rate:
+ *
+ *   g_i = (Δ_i + Δ_j)/2 − ((θ_i + θ_j)/2 − θ_i)
+ *
+ * which simplifies to g_i = θ_i − (φ_i + φ_j)/2: the anchors cancel, so a
+ * member sends only its parameters φ, exactly what a gossip exchange
+ * sends (the partner's arrives as φ_j − φ_i). No collective: nobody waits
+ * for more than one partner. Without a partner within --max-hold-ms, or
+ * when the partner's parameters are rejected, the round's update is its
+ * own: g_i = Δ_i. Anchors differ between members; the pull keeps them
+ * together.
+ *
+ * --outer-overlap (one-round-delayed outer step, as Streaming DiLoCo's
+ * and Psyche's): the communication of round k runs beside round k+1's inner
+ * steps, and its update is applied at the next boundary, keeping the inner
+ * progress made meanwhile: φ ← θ' + (φ − φ_k). Training waits for the
+ * network only when a round is still in flight when the next is due
+ * (outer_wait_s).
+ *
+ * --outer-compress (DiLoCo): f16 and i8 change the ring's encoding (each
+ * hop re-encodes its partial sum: INTELLECT-1's int8 all-reduce);
+ * topk:F:BITS makes the round an all-gather of every member's top-k
+ * encoding (peer/sync/codec.h) with error feedback: what a member did not
+ * send is added to its next pseudo-gradient. NoLoCo sends parameters, not
+ * pseudo-gradients: f16 and i8 set the exchange's encoding; top-k does not
+ * apply and is refused.
+ *
+ * The outer state (anchor, momentum, rounds, and the residual and the round
+ * in flight where they exist) is kept with the model (train_config.extra):
+ * in checkpoints (resumed bit for bit), and in donated states, checked
+ * like the rest. With --outer-overlap a full state is donated only at a
+ * round boundary, after the round in flight was applied: a state taken in
+ * the middle of a round would lack that round's update.
+ */
+
+/* Defaults of --local-steps, --outer-lr and --outer-momentum, chosen by
+ * measurement (docs/benchmarks.md, "Low-communication training"). */
+#define OUTER_DEFAULT_LOCAL_STEPS 50
+#define OUTER_DEFAULT_LR 0.7
+#define OUTER_DEFAULT_MOMENTUM 0.5
+
+enum sync_kind { SYNC_GOSSIP = 0, SYNC_ALLREDUCE = 1, SYNC_PS = 2 };
+enum outer_kind { OUTER_NONE = 0, OUTER_SGD = 1, OUTER_NESTEROV = 2 };
+
+struct outer_config {
+  enum outer_kind kind;
+  int64_t local_steps;  /* H: inner steps per outer round */
+  double lr, momentum;  /* η, μ */
+  struct codec compress;
+  bool overlap;
+};
+
+/* "none", "sgd", "nesterov". */
+const char *outer_kind_name(enum outer_kind k);
+
+/* ============================================================================
  * The sync path
  * ========================================================================== */
 
@@ -153,40 +245,125 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
 #define SYNC_CHECK_MACS (1ll << 33)
 int64_t sync_check_targets(int64_t nparams);
 
-/* A state pulled from another member (a newcomer's donation, an all-reduce
- * member's catch-up) is taken only when its loss on the check rows is
- * finite and at most sync_pull_max_loss(ours), ours being that of the
- * state we would keep (a newcomer's own initialisation, a member's own
- * trained state): twice it, or SYNC_PULL_LOSS_SLACK above it when that is
- * more (a trained loss near zero doubles on noise). A broken or hostile
- * member (a valid key, a state of garbage) must not replace ours. After
- * SYNC_PULL_ASKS refused states the puller stops asking. */
+/* The one policy for a state pulled from another member (a newcomer's
+ * donation, an all-reduce member's catch-up): it is taken only when every
+ * value is finite and (a whole replica) its loss on the check rows is at
+ * most sync_pull_max_loss(ours), ours being that of the state we would
+ * keep (a newcomer's own initialisation, a member's own trained state):
+ * twice it, or SYNC_PULL_LOSS_SLACK above it when that is more (a trained
+ * loss near zero doubles on noise). A broken or hostile member (a valid
+ * key, a state of garbage) must not replace ours. After SYNC_PULL_ASKS
+ * refused states the puller stops asking. */
 #define SYNC_PULL_MAX_LOSS_RATIO 2.0
 #define SYNC_PULL_LOSS_SLACK 0.5 /* nats per target */
 #define SYNC_PULL_ASKS 2
 double sync_pull_max_loss(double own_loss);
 
+/* The state we would keep while a state is pulled: a copy of it (NULL when
+ * there is no memory for one: then only finiteness is checked) and its loss
+ * on the check rows (NaN until first needed). */
+struct sync_own_state {
+  float *state; /* trainer_state_floats */
+  double loss;
+};
+/* Keeps the trainer's current state (sync_pull_take compares with it). */
+void sync_own_keep(struct sync_own_state *own, struct trainer *t);
+void sync_own_free(struct sync_own_state *own);
+/* Loads `pulled` (trainer_state_floats floats) into the trainer unless it
+ * fails the policy above against `own` (a stage, which has no loss of its
+ * own, checks finiteness only). Returns true when taken; on false the
+ * trainer holds `own` again and why[0..n) says what was wrong. The
+ * trainer's position is left to the caller. */
+bool sync_pull_take(struct trainer *t, struct sync_own_state *own, const float *pulled, char *why, size_t n);
+
 struct sync_config {
-  int64_t every_steps;  /* start an exchange every N steps (0: off) */
+  enum sync_kind kind;  /* --sync */
+  struct outer_config outer; /* --outer ... (kind OUTER_NONE: none) */
+  int64_t every_steps;  /* gossip: start an exchange every N steps (0: off) */
   double every_s;       /* ... or every T seconds (0: off) */
   double max_distance;  /* R, relative to our parameter norm */
   bool clip;            /* clipped averaging (above) */
   double clip_tau;      /* its fixed τ (0: adaptive) */
   /* Bounded drift: after this many steps without an applied exchange,
-   * sync_hold holds training until one applies, at most max_hold_s at a
-   * time (0: never hold; training never waits for the network). */
+   * training holds until one applies, at most max_hold_s at a time (0:
+   * never hold; training never waits for the network). NoLoCo waits at most
+   * max_hold_s at a round boundary for a partner. */
   int64_t max_local_steps;
   double max_hold_s;
-  /* --sync allreduce: no exchanges; every step's gradient is summed over
-   * the ring (sync_allreduce) instead. */
-  bool allreduce;
+  enum net_dtype wire;  /* --wire: exchanges and ring pieces */
   const atomic_int *stop; /* polled while a round waits; may be NULL */
 };
 
-struct sync {
-  struct sync_config cfg;
-  gossip_t *g;
-  struct trainer *t;
+struct sync;
+
+/* What a scheme gives the gossip runtime (member.c sizes its buffers by it). */
+struct sync_gossip_plan {
+  enum gossip_sync protocol;
+  uint64_t buf_floats;    /* xch_mine and xch_theirs, each */
+  uint64_t gather_floats; /* one member's all-gather block (0: none) */
+  enum net_dtype wire;    /* of exchanges and ring pieces */
+  char label[160];        /* appended to the model label peers must share */
+};
+
+/* The end of a run (member_finish): --finish-wait-ms's bound, our mean
+ * step time, and a check of the pipeline's neighbours. */
+struct sync_finish_args {
+  double max_s, step_s;
+  const atomic_int *stop;
+  bool (*failed)(void *arg, struct rumor_err *e); /* may be NULL */
+  void *arg;
+};
+
+/* One scheme. `boundary` and `reduce` may be NULL; the others are required. */
+struct sync_scheme {
+  const char *name; /* the result line's "sync" */
+  /* From the configuration alone, before anything exists: the state the
+   * scheme keeps with the model (checkpoints, donations). */
+  void (*extra)(const struct sync_config *c, struct train_extra_spec *out);
+  /* The gossip runtime's protocol, buffers, encoding and label suffix for
+   * a replica (or slice) of `nparams` floats. */
+  void (*plan)(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out);
+  /* After the trainer holds its state (a donation, a checkpoint or its own
+   * initialisation): the scheme's own set-up. */
+  int (*init)(struct sync *s, struct rumor_err *e);
+  /* After every step (and while --wait-peers waits): exchanges, rounds,
+   * holds. Returns 0, or a negative code with a message when the member
+   * must stop (a stop signal during a round, or every state pulled to
+   * catch up refused). */
+  int (*boundary)(struct sync *s, struct rumor_err *e);
+  /* The trainer's reducer (train_reducer), or NULL. */
+  int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
+  /* After the last step: what the scheme does before the member leaves. */
+  int (*finish)(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e);
+  /* The scheme's fields of the result line; `gs`: the runtime's figures,
+   * taken before the member left. */
+  void (*result)(const struct sync *s, const struct gossip_stats *gs, struct json_t *o);
+  void (*free)(struct sync *s);
+};
+
+/* The scheme of a configuration: gossip, allreduce, diloco or noloco. */
+const struct sync_scheme *sync_scheme_of(const struct sync_config *c);
+/* Checks the combination of --sync and --outer options (f16 or i8 with
+ * NoLoCo, top-k with DiLoCo, ...). Returns 0 or RUMOR_EFORMAT naming the
+ * options. */
+int sync_config_check(const struct sync_config *c, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Figures every scheme reports (TensorBoard, results, metrics); zero where
+ * a scheme has none. */
+struct sync_figures {
+  uint64_t applied, rejected, clipped, skipped; /* exchanges */
+  uint64_t holds, hold_timeouts;
+  uint64_t ring_rounds, ring_retries, ring_catchups;
+  /* Outer rounds (DiLoCo, NoLoCo). */
+  uint64_t outer_rounds, outer_alone; /* rounds applied; of them, NoLoCo's without a partner */
+  double outer_norm;        /* ‖g‖ of the last round's averaged pseudo-gradient */
+  double outer_bytes;       /* payload bytes this member sent and received in the last round */
+  double outer_wait_s;      /* training's total wait for rounds (the boundary's communication) */
+};
+
+/* The training side of the exchange slot (exchange.c): gossip averaging
+ * and NoLoCo. */
+struct sync_xch {
   struct tensor staging; /* (P): the partner's snapshot minus ours, on our device
                           * (tensor_mirror_host of the receive buffer: the buffer
                           * itself on the CPU) */
@@ -206,11 +383,17 @@ struct sync {
   double last_start_s;
   uint64_t applied, rejected;
   uint64_t skipped;         /* of the rejected: far outliers skipped by clipping */
+  struct clip_state clip;
+  double last_dist, last_norm; /* of the partner's parameters being validated */
+};
+
+/* Gossip averaging's schedule, holds and finish (average.c). */
+struct sync_avg {
   int64_t mix_step;         /* step of the last applied exchange (or of the start) */
   int64_t longest_local;    /* most steps between applied exchanges seen */
-  bool holding;             /* in sync_hold: ask for an exchange whatever the schedule */
-  /* Pacing (sync.c): the exchange we asked for, followed to its end; after
-   * one that applied nothing, no new one before next_ask_s. */
+  bool holding;             /* in a hold: ask for an exchange whatever the schedule */
+  /* Pacing: the exchange we asked for, followed to its end; after one that
+   * applied nothing, no new one before next_ask_s. */
   bool asked;
   uint64_t applied_at_ask;
   unsigned failed_asks;
@@ -219,10 +402,51 @@ struct sync {
   int hold_failures_in_row;
   int64_t hold_resume_step; /* no hold before this step (after holds that gave up) */
   double hold_s;            /* total time held */
-  double finish_s;          /* sync_finish: time spent after the last step */
+  double finish_s;          /* finish: time spent after the last step */
   uint64_t finish_applied;  /* ... and exchanges applied meanwhile */
-  struct clip_state clip;
-  double last_dist, last_norm; /* of the partner's parameters being validated */
+};
+
+/* Ring rounds (allreduce.c): the gradient all-reduce's and DiLoCo's. */
+struct sync_ring {
+  uint64_t rounds, retries, catchups, skipped;
+  double wait_s;  /* time in rounds, from the start of the first attempt to the result */
+  size_t members; /* in the last round's ring */
+};
+
+/* An outer optimizer's state and figures (outer.c). The device tensors are
+ * views of the trainer's extra state (train_config.extra). */
+struct sync_outer {
+  struct tensor anchor, momentum; /* θ, b: (P) */
+  struct tensor residual;         /* top-k's error feedback (P), or unallocated */
+  struct tensor prev;             /* --outer-overlap: φ at the round in flight's boundary (P), or unallocated */
+  struct tensor round_meta;       /* the round counters below as floats, for the state kept with the model */
+  struct tensor work;             /* (P) scratch on the device: a pseudo-gradient */
+  float *host;                    /* (P + 1) scratch on the host (top-k encoding) */
+  uint64_t rounds;                /* rounds applied (kept with the model) */
+  bool in_flight;                 /* overlap: the round `rounds` was started and is not applied yet */
+  int64_t flight_rows;            /* ... with this weight */
+  int64_t round_rows0;            /* t->st.samples when the current round began */
+  uint64_t alone;                 /* NoLoCo rounds applied without a partner */
+  double last_norm, last_bytes, wait_s;
+};
+
+struct sync {
+  struct sync_config cfg;
+  const struct sync_scheme *scheme;
+  gossip_t *g;
+  struct trainer *t;
+  struct sync_xch x;
+  struct sync_avg avg;
+  struct sync_ring ring;
+  struct sync_outer outer;
+  /* Times the scheme changed the parameters outside the trainer's update
+   * (an applied exchange, an outer round): a checkpoint saved before such a
+   * change is stale (member_finish). */
+  uint64_t changes;
+  /* Full-state donations are held back while false (--outer-overlap
+   * between round boundaries); a monitor's request for the parameters is
+   * served anyway. */
+  bool donate_state_ok;
 
   /* Monitoring figures (gossip_stats_publish). */
   double *sketch;          /* gossip_sketch_k doubles */
@@ -231,53 +455,24 @@ struct sync {
   int64_t rate_samples;
   double samples_per_s;
   double param_norm;       /* at the last sketch */
-
-  /* All-reduce (cfg.allreduce). */
-  uint64_t ar_rounds, ar_retries, ar_catchups, ar_skipped;
-  double ar_wait_s;        /* time in rounds, from the start of the first attempt to the sum */
-  size_t ar_members;       /* in the last round's ring */
 };
 
+/* Starts the scheme for trainer `t` on runtime `g` (ready to exchange:
+ * the caller then calls gossip_ready) and installs its reducer, if any. */
 int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg,
               struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Does whatever gossip needs at this step boundary (exchanges, donations,
- * monitoring figures); never waits on the network. */
-void sync_boundary(struct sync *s);
-/* Donations and figures only, for the middle of a step; `arg` is the sync.
- * Suits stage_link_set_idle. */
+/* Whatever the scheme does at this step boundary, then sync_idle.
+ * Returns 0 or the scheme's error (the member stops). */
+int sync_boundary(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Donations and figures only, for the middle of a step or a wait; `arg` is
+ * the sync. Suits stage_link_set_idle. */
 void sync_idle(void *arg);
-/* With cfg.max_local_steps > 0: when that many steps have passed since the
- * last applied exchange and some partner is alive, keeps exchanging (and
- * serving donations) without training until an exchange applies, `*stop`
- * becomes non-zero, or cfg.max_hold_s passes (then training goes on: a
- * cluster whose exchanges all fail must not stop, and after such a timeout
- * the next hold waits N·2^k steps, k the timeouts in a row). Call after
- * sync_boundary. */
-void sync_hold(struct sync *s, const atomic_int *stop);
-/* The end of a run (rumor peer --finish-wait-ms), after the last step:
- * tells partners we finished (gossip_finished) and keeps exchanging without
- * training, about as often as while training (every_steps of `step_s`, our
- * mean step time in seconds, or the interval), until no live partner is
- * still training (each has told us it finished, or left) and two more
- * exchanges applied after that (sync.c), `*stop` becomes non-zero, or
- * `max_s` passes. Partners that train on are then not left without anyone
- * to average with for their last steps, and the replicas end close
- * together. finish_s and finish_applied say what it took. `failed` (may be
- * NULL) is polled too: when it returns true (with its message in `e`; a
- * stage's pipeline neighbour failed, say), the wait ends at once and
- * sync_finish returns RUMOR_ECANCELED; otherwise 0. */
-int sync_finish(struct sync *s, double step_s, double max_s, const atomic_int *stop,
-                bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e);
+/* The end of a run, after the last step (the scheme's finish). */
+int sync_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The scheme's result fields: "sync" (its name), its counters, and every
+ * scheme's bytes_out and bytes_in (all bytes of the runtime's transport). */
+void sync_result(const struct sync *s, const struct gossip_stats *gs, struct json_t *o);
+void sync_figures(const struct sync *s, struct sync_figures *out);
 void sync_free(struct sync *s);
-
-/* The train_reducer of --sync allreduce (`arg` is the sync): sums the
- * step's gradient, weighted by rows, over the ring and leaves the mean over
- * every member's rows in model.grads (returns 0). While a round is under
- * way it serves donations and figures; a failed round is tried again with
- * the ring re-formed from the membership; a member left behind takes the
- * state of one ahead and drops its step (returns 1); a sum that is not
- * finite is dropped on every member alike (returns 1, the step counted).
- * Whole replicas only. */
-int sync_allreduce(void *arg, int64_t rows, struct rumor_err *e);
 
 #endif /* RUMOR_PEER_SYNC_H */

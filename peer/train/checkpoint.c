@@ -285,8 +285,12 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   tensor_copy_to_host(&m->params, 0, host, pbytes);
   if (o) tensor_copy_to_host(&o->state, 0, host + P, pbytes * (size_t)nstate);
 
-  /* The model's entries for the units it holds, then the optimizer state. */
-  struct st_tensor *ts = xcalloc(m->table.n + (size_t)nstate, sizeof *ts);
+  /* The model's entries for the units it holds, then the optimizer state,
+   * then the sync scheme's tensors. */
+  const struct ckpt_extra *x = info->extra;
+  size_t nextra = x ? x->n : 0;
+  RUMOR_ASSERT(nextra <= CKPT_EXTRA_MAX);
+  struct st_tensor *ts = xcalloc(m->table.n + (size_t)nstate + nextra, sizeof *ts);
   size_t nts = 0;
   for (size_t i = 0; i < m->table.n; i++) {
     const struct model_param *p = &m->table.p[i];
@@ -302,6 +306,12 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
     struct st_tensor *t = &ts[nts++];
     *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = host + P * (1 + s), .nbytes = pbytes};
     snprintf(t->name, sizeof t->name, "%s", optim_state_name(o->cfg.kind, s));
+  }
+  for (size_t i = 0; i < nextra; i++) {
+    struct st_tensor *t = &ts[nts++];
+    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {x->t[i].len}, .data = x->t[i].data,
+                            .nbytes = (size_t)x->t[i].len * sizeof(float)};
+    snprintf(t->name, sizeof t->name, "%s", x->t[i].name);
   }
   struct meta_text meta;
   make_meta(m, o, info, &meta);
@@ -494,6 +504,12 @@ void checkpoint_close(struct checkpoint *ck) {
   safetensors_free(&ck->state_file);
   model_table_free(&ck->table);
   memset(ck, 0, sizeof *ck);
+}
+
+const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int64_t len) {
+  const struct st_tensor *t = ck_find(ck, name);
+  if (!t || t->dtype != TENSOR_F32 || t->ndim != 1 || t->shape[0] != len) return NULL;
+  return t->data;
 }
 
 void checkpoint_params(const struct checkpoint *ck, float *out) {

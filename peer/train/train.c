@@ -183,6 +183,48 @@ static void checkpoint_path_of(const struct trainer *t, char *path, size_t n) {
   else snprintf(path, n, "%s", t->cfg.checkpoint);
 }
 
+/* The sync scheme's state (train_config.extra): zeroed, on the device. */
+static int alloc_extra(struct trainer *t, struct rumor_err *e) {
+  const struct train_extra_spec *x = &t->cfg.extra;
+  RUMOR_ASSERT(x->n >= 0 && x->n <= TRAIN_EXTRA_MAX);
+  int64_t off = 0;
+  for (int i = 0; i < x->n; i++) {
+    t->extra_off[i] = off;
+    off += x->seg[i].per_param * t->model.nparams + x->seg[i].fixed;
+  }
+  t->extra_off[x->n] = off;
+  if (off == 0) return 0;
+  int rc = tensor_alloc(&t->extra, t->be, TENSOR_F32, 1, &off, e);
+  if (rc) return rumor_err_prefix(e, "the sync scheme's state (%lld floats)", (long long)off);
+  tensor_fill(&t->extra, 0.0f);
+  return 0;
+}
+
+/* --resume: the scheme's segments from the checkpoint, by name and length;
+ * when one is missing (a checkpoint of a run without them) they all stay
+ * zero and the scheme starts its state afresh (extra_resumed false). */
+static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
+  const struct train_extra_spec *x = &t->cfg.extra;
+  for (int i = 0; i < x->n; i++)
+    if (!checkpoint_extra(ck, x->seg[i].name, t->extra_off[i + 1] - t->extra_off[i])) {
+      if (x->n) log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
+                         x->seg[i].name);
+      return;
+    }
+  for (int i = 0; i < x->n; i++) {
+    int64_t len = t->extra_off[i + 1] - t->extra_off[i];
+    tensor_copy_from_host(&t->extra, t->extra_off[i], checkpoint_extra(ck, x->seg[i].name, len),
+                          (size_t)len * sizeof(float));
+  }
+  t->extra_resumed = x->n > 0;
+}
+
+struct tensor trainer_extra(struct trainer *t, int i) {
+  RUMOR_ASSERT(i >= 0 && i < t->cfg.extra.n);
+  int64_t len = t->extra_off[i + 1] - t->extra_off[i];
+  return tensor_view(&t->extra, t->extra_off[i], 1, &len);
+}
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
@@ -206,8 +248,10 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
   if ((rc = model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e))) goto fail;
   if ((rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e))) goto fail;
+  if ((rc = alloc_extra(t, e))) goto fail;
   if (resumed) {
     rc = checkpoint_restore(&ck, &t->model, &t->optim, e);
+    if (rc == 0) restore_extra(t, &ck);
     checkpoint_close(&ck);
     resumed = false;
     if (rc) goto fail;
@@ -254,6 +298,7 @@ fail:
 
 void trainer_free(struct trainer *t) {
   pipeline_free(&t->pipe);
+  tensor_free(&t->extra);
   free(t->init_params);
   if (t->be) {
     for (int i = 0; i < 2; i++) {
@@ -404,25 +449,33 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
   return 0;
 }
 
+/* Floats of the optimizer's state. */
+static int64_t optim_floats(const struct trainer *t) {
+  return t->model.nparams * optim_state_per_param(t->optim.cfg.kind);
+}
+
 int64_t trainer_state_floats(const struct trainer *t) {
-  return t->model.nparams * (1 + optim_state_per_param(t->optim.cfg.kind));
+  return t->model.nparams + optim_floats(t) + t->extra_off[t->cfg.extra.n];
 }
 
 void trainer_copy_state(struct trainer *t, float *out) {
-  int64_t P = t->model.nparams;
+  int64_t P = t->model.nparams, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
   tensor_copy_to_host(&t->model.params, 0, out, (size_t)P * sizeof(float));
-  tensor_copy_to_host(&t->optim.state, 0, out + P, (size_t)(trainer_state_floats(t) - P) * sizeof(float));
+  tensor_copy_to_host(&t->optim.state, 0, out + P, (size_t)O * sizeof(float));
+  if (X) tensor_copy_to_host(&t->extra, 0, out + P + O, (size_t)X * sizeof(float));
 }
 
 void trainer_load_state(struct trainer *t, const float *state) {
-  int64_t P = t->model.nparams;
+  int64_t P = t->model.nparams, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
   tensor_copy_from_host(&t->model.params, 0, state, (size_t)P * sizeof(float));
-  tensor_copy_from_host(&t->optim.state, 0, state + P, (size_t)(trainer_state_floats(t) - P) * sizeof(float));
+  tensor_copy_from_host(&t->optim.state, 0, state + P, (size_t)O * sizeof(float));
+  if (X) tensor_copy_from_host(&t->extra, 0, state + P + O, (size_t)X * sizeof(float));
 }
 
 void trainer_load_fresh(struct trainer *t, const float *params) {
   tensor_copy_from_host(&t->model.params, 0, params, (size_t)t->model.nparams * sizeof(float));
   tensor_fill(&t->optim.state, 0.0f); /* as optim_init leaves it */
+  if (t->extra.data) tensor_fill(&t->extra, 0.0f);
 }
 
 void trainer_set_position(struct trainer *t, int64_t step, int64_t epoch, int64_t samples) {
@@ -442,7 +495,21 @@ void trainer_take_step(struct trainer *t, int64_t step) {
 
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   struct ckpt_info info = make_info(t);
+  const struct train_extra_spec *xs = &t->cfg.extra;
+  int64_t X = t->extra_off[xs->n];
+  float *host = NULL;
+  struct ckpt_extra x = {.n = (size_t)xs->n};
+  if (X) {
+    if (!(host = malloc((size_t)X * sizeof(float))))
+      return rumor_err_set(e, -ENOMEM, "cannot save %s: no memory for the sync scheme's %lld floats", path,
+                           (long long)X);
+    tensor_copy_to_host(&t->extra, 0, host, (size_t)X * sizeof(float));
+    for (int i = 0; i < xs->n; i++)
+      x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, host + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
+    info.extra = &x;
+  }
   int rc = checkpoint_save(path, &t->model, &t->optim, &info, e);
+  free(host);
   if (rc == 0) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
                         (long long)t->st.step);
   return rc;

@@ -160,6 +160,22 @@ struct ckpt_info {
   char group[72];
   int stage, stages;
   char split[PIPE_MAX_STAGES * 4 + 8];
+  /* Tensors a sync scheme keeps with the model (an outer optimizer's
+   * state), saved after the optimizer's: NULL for none. */
+  const struct ckpt_extra *extra;
+};
+
+/* Named float vectors saved beside the optimizer state (in a directory
+ * checkpoint, in its optimizer.safetensors), each as a 1-D F32 tensor. */
+#define CKPT_EXTRA_MAX 6
+#define CKPT_EXTRA_NAME_MAX 32
+struct ckpt_extra {
+  size_t n;
+  struct ckpt_extra_tensor {
+    const char *name;  /* e.g. "outer.anchor" */
+    const float *data; /* host memory */
+    int64_t len;
+  } t[CKPT_EXTRA_MAX];
 };
 
 /* Writes the parameters model `m` holds (its units' table entries), the
@@ -216,6 +232,10 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
  * (whose step is set from the file). */
 int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o,
                        struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The extra tensor `name` of an open checkpoint (ckpt_info.extra when it
+ * was saved) when it holds exactly `len` F32 values, else NULL. Valid
+ * until checkpoint_close. */
+const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int64_t len);
 /* The whole model's parameters from an open checkpoint into `out`
  * (table.nparams floats, flat-buffer order). */
 void checkpoint_params(const struct checkpoint *ck, float *out);
@@ -250,6 +270,22 @@ struct train_stage {
 #define TRAIN_BATCH_MAX 1048576
 #define TRAIN_EPOCHS_MAX 1000000
 #define TRAIN_STEPS_MAX 1000000000000000LL /* 1e15 */
+
+/* State a sync scheme keeps with the model (an outer optimizer's anchor,
+ * momentum and round): floats on the trainer's device, in named segments
+ * of per_param × nparams + fixed floats each. The trainer owns them
+ * (trainer_extra), zeroes them at start, saves each segment in checkpoints
+ * under its name and restores it on --resume, and carries them in the full
+ * state (trainer_state_floats: after the optimizer's) that donations and
+ * state pulls move. */
+#define TRAIN_EXTRA_MAX CKPT_EXTRA_MAX
+struct train_extra_spec {
+  int n;
+  struct train_extra_seg {
+    char name[CKPT_EXTRA_NAME_MAX];
+    int64_t per_param, fixed;
+  } seg[TRAIN_EXTRA_MAX];
+};
 
 struct train_config {
   const char *model;       /* spec string; NULL → from the resumed checkpoint */
@@ -288,6 +324,7 @@ struct train_config {
   const struct train_stage *stage; /* a pipeline stage, or NULL for a whole replica */
   const atomic_int *stop;  /* polled between a whole replica's evaluation batches: non-zero cuts the evaluation
                             * short (a stop signal; trainer_evaluate); may be NULL */
+  struct train_extra_spec extra; /* a sync scheme's state kept with the model (n 0: none) */
 };
 
 void train_config_default(struct train_config *c);
@@ -400,6 +437,12 @@ struct trainer {
    * (NaN until then) and the steps of this run whose norm was clipped. */
   double grad_norm;
   int64_t clipped_steps;
+  /* The sync scheme's state (cfg.extra): one allocation on the device,
+   * segment i at extra_off[i]; extra_resumed when --resume found every
+   * segment in the checkpoint (else they start at zero). */
+  struct tensor extra;
+  int64_t extra_off[TRAIN_EXTRA_MAX + 1];
+  bool extra_resumed;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
@@ -447,14 +490,18 @@ double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows);
 /* "samples" or "windows": what a row of the trainer's data is, for messages. */
 const char *trainer_row_noun(const struct trainer *t);
 
-/* Floats in the full state: parameters, then optimizer state. */
+/* Segment i of the sync scheme's state (train_config.extra), a flat view
+ * of per_param × nparams + fixed floats on the trainer's device. */
+struct tensor trainer_extra(struct trainer *t, int i);
+/* Floats in the full state: parameters, then optimizer state, then the
+ * sync scheme's (train_config.extra). */
 int64_t trainer_state_floats(const struct trainer *t);
 /* Copies parameters and optimizer state to host memory (state_floats). */
 void trainer_copy_state(struct trainer *t, float *out);
 /* Replaces parameters and optimizer state with `state` (state_floats). */
 void trainer_load_state(struct trainer *t, const float *state);
 /* Replaces the parameters with `params` (nparams floats, host) and zeroes
- * the optimizer state, as a fresh trainer's. */
+ * the optimizer state and the sync scheme's, as a fresh trainer's. */
 void trainer_load_fresh(struct trainer *t, const float *params);
 /* Continues from optimizer step `step` at the start of this shard's epoch
  * `epoch`, having trained on `samples` rows (a newcomer taking a live

@@ -1,0 +1,250 @@
+/* `--sync gossip`: averaging exchanges with random partners (sync.h,
+ * "Applying"), the drift bound's holds and the finish wait. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "peer/sync/sync_impl.h"
+#include "util/json_text.h"
+
+/* After an exchange we asked for applied nothing (no partner free, refused,
+ * failed), the next is asked for no sooner than this, doubling up to the
+ * maximum, whatever the schedule: a peer that steps a thousand times a
+ * second, or holds and polls every 200 µs, must not flood its partners with
+ * requests (they would rate-limit an honest peer). */
+#define RETRY_MIN_S 0.002
+#define RETRY_MAX_S 0.02
+
+/* Follows the exchange we asked for to its end, and paces the next. */
+static void pace(struct sync *s, double now) {
+  struct sync_avg *a = &s->avg;
+  if (!a->asked || gossip_xch_in_flight(s->g)) return;
+  a->asked = false;
+  if (s->x.applied > a->applied_at_ask) {
+    a->failed_asks = 0;
+    return;
+  }
+  a->failed_asks++;
+  double wait = RETRY_MIN_S * (double)(1u << (a->failed_asks < 7 ? a->failed_asks - 1 : 6));
+  a->next_ask_s = now + (wait < RETRY_MAX_S ? wait : RETRY_MAX_S);
+}
+
+/* θ + w·(θ'_s − θ_s) (sync.h, "Applying"): the difference is in the
+ * partner's buffer already (gossip_xch_theirs). */
+static void apply(struct sync *s) {
+  struct trainer *t = s->t;
+  char why[200];
+  float w;
+  int rc = sync_xch_judge(s, gossip_xch_alpha(s->g), &w, why, sizeof why);
+  if (rc == 0) {
+    struct tensor params = tensor_flat(&t->model.params);
+    tensor_axpby(w, sync_xch_delta_dev(s), 1.0f, &params);
+    s->changes++;
+    int64_t run = t->st.step - s->avg.mix_step;
+    if (run > s->avg.longest_local) s->avg.longest_local = run;
+    s->avg.mix_step = t->st.step;
+  }
+  sync_xch_done(s, rc, why);
+  sync_xch_keep_ready(s); /* the slot is idle again: a snapshot for the next request */
+}
+
+static void exchange(struct sync *s) {
+  struct trainer *t = s->t;
+  struct sync_avg *a = &s->avg;
+  double now = clock_now_s();
+  pace(s, now);
+  bool want = a->holding || (s->cfg.every_steps > 0 && t->st.step % s->cfg.every_steps == 0) ||
+              (s->cfg.every_s > 0 && now - s->x.last_start_s >= s->cfg.every_s);
+  want = want && !a->asked && now >= a->next_ask_s;
+  bool idle = want && !gossip_xch_in_flight(s->g);
+  enum gossip_xch_work work = gossip_xch_poll(s->g, want);
+  if (idle && work == GOSSIP_XCH_SNAPSHOT) {
+    a->asked = true; /* ours (or a partner's request that came first: followed all the same) */
+    a->applied_at_ask = s->x.applied;
+  }
+  switch (work) {
+  case GOSSIP_XCH_NONE: sync_xch_keep_ready(s); return;
+  case GOSSIP_XCH_SNAPSHOT:
+    if (sync_xch_snapshot(s)) s->x.last_start_s = now;
+    return;
+  case GOSSIP_XCH_APPLY: apply(s); return;
+  }
+}
+
+/* With max_local_steps > 0: when that many steps have passed since the
+ * last applied exchange and some partner is alive, keeps exchanging (and
+ * serving donations) without training until an exchange applies, a stop,
+ * or max_hold_s passes (then training goes on: a cluster whose exchanges
+ * all fail must not stop, and after such a timeout the next hold waits
+ * N·2^k steps, k the timeouts in a row). */
+static void hold(struct sync *s) {
+  struct sync_avg *a = &s->avg;
+  int64_t step = s->t->st.step;
+  if (s->cfg.max_local_steps <= 0 || step - a->mix_step < s->cfg.max_local_steps || step < a->hold_resume_step)
+    return;
+  if (gossip_live_partners(s->g) == 0) return; /* alone: nobody to mix with */
+  double t0 = clock_now_s();
+  uint64_t applied = s->x.applied;
+  unsigned polls = 0;
+  a->holding = true;
+  a->holds++;
+  while (s->x.applied == applied && !sync_stopped(s)) {
+    if (clock_now_s() - t0 >= s->cfg.max_hold_s) {
+      /* Exchanges keep failing (partners backed off, busy or gone): train
+       * on, and hold again only after N·2^k more steps (k: holds in a row
+       * that gave up, at most 10), so a cluster that cannot mix is slowed
+       * by a vanishing fraction, not stopped. */
+      a->hold_timeouts++;
+      a->hold_failures_in_row++;
+      int k = a->hold_failures_in_row < 10 ? a->hold_failures_in_row : 10;
+      a->hold_resume_step = step + (s->cfg.max_local_steps << k);
+      log_info("no exchange applied after %lld steps and %.2f s of holding: training on; next hold after step %lld",
+               (long long)(step - a->mix_step), s->cfg.max_hold_s, (long long)a->hold_resume_step);
+      break;
+    }
+    const struct timespec tick = {0, 200 * 1000};
+    nanosleep(&tick, NULL);
+    exchange(s); /* asks for exchanges, paced (above) */
+    sync_idle(s);
+    if (++polls % 25 == 0 && gossip_live_partners(s->g) == 0) break; /* the others left */
+  }
+  a->holding = false;
+  if (s->x.applied != applied) a->hold_failures_in_row = 0;
+  a->hold_s += clock_now_s() - t0;
+}
+
+static int avg_boundary(struct sync *s, struct rumor_err *e) {
+  (void)e;
+  exchange(s);
+  hold(s);
+  return 0;
+}
+
+/* The exchange schedule while finishing: every_steps of our own mean
+ * step time (`step_s`), or the interval, whichever comes first; at least
+ * FINISH_MIN_INTERVAL_S apart. */
+#define FINISH_MIN_INTERVAL_S 1e-3
+#define FINISH_QUIET_EXCHANGES 2 /* applied once no partner trains, before leaving */
+static double finish_interval(const struct sync_config *c, double step_s) {
+  double by_steps = c->every_steps > 0 ? step_s * (double)c->every_steps : 0;
+  double every = c->every_s > 0 && (by_steps == 0 || c->every_s < by_steps) ? c->every_s : by_steps;
+  return every > FINISH_MIN_INTERVAL_S ? every : FINISH_MIN_INTERVAL_S;
+}
+
+/* --finish-wait-ms, after the last step: tells partners we finished
+ * (gossip_finished) and keeps exchanging without training, about as often
+ * as while training, until no live partner is still training (each has
+ * told us it finished, or left) and two more exchanges applied after that,
+ * a stop, or max_s passes. Partners that train on are then not left
+ * without anyone to average with for their last steps, and the replicas end
+ * close together. */
+static int avg_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
+  if (f->max_s <= 0) return 0;
+  log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", f->max_s);
+  gossip_finished(s->g);
+  struct sync_config saved = s->cfg;
+  double t0 = clock_now_s();
+  uint64_t applied = s->x.applied;
+  /* Exchanges on the time schedule only: the step does not move. */
+  double every = finish_interval(&saved, f->step_s);
+  s->cfg.every_steps = 0;
+  const char *why = "stopped";
+  int rc = 0;
+  bool quiet = false;          /* no partner trains */
+  uint64_t applied_quiet = 0;  /* exchanges applied when that was seen */
+  while (!(f->stop && atomic_load(f->stop))) {
+    /* Once nobody trains, FINISH_QUIET_EXCHANGES more exchanges (unless
+     * nobody is left at all): the last to finish shares its last steps, and
+     * the others average the finished replicas further (two peers end
+     * equal; four measured 0-0.01 apart, relative). Then no new exchange of
+     * ours, and the one under way ends before we leave (a partner may still
+     * take our ready snapshot meanwhile: it moves towards our final state,
+     * we do not move). A partner seen training again (back from suspect)
+     * starts the count over. */
+    bool nobody = gossip_training_partners(s->g) == 0;
+    if (nobody && !quiet) applied_quiet = s->x.applied;
+    quiet = nobody;
+    bool done = quiet && (s->x.applied >= applied_quiet + FINISH_QUIET_EXCHANGES || gossip_live_partners(s->g) == 0);
+    s->cfg.every_s = done ? 0 : every;
+    if (done) {
+      why = "no partner is still training";
+      if (!gossip_xch_in_flight(s->g)) break;
+    }
+    if (clock_now_s() - t0 >= f->max_s) {
+      why = "--finish-wait-ms passed";
+      break;
+    }
+    if (f->failed && f->failed(f->arg, e)) {
+      why = e->msg;
+      rc = RUMOR_ECANCELED;
+      break;
+    }
+    const struct timespec tick = {0, 1000 * 1000};
+    nanosleep(&tick, NULL);
+    exchange(s);
+    sync_idle(s);
+  }
+  s->cfg = saved;
+  s->avg.finish_s = clock_now_s() - t0;
+  s->avg.finish_applied = s->x.applied - applied;
+  log_info("finished waiting after %.2f s (%s): %llu exchanges applied meanwhile", s->avg.finish_s, why,
+           (unsigned long long)s->avg.finish_applied);
+  return rc;
+}
+
+static void avg_extra(const struct sync_config *c, struct train_extra_spec *out) {
+  (void)c;
+  out->n = 0;
+}
+
+static void avg_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
+  *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_GOSSIP, .buf_floats = (uint64_t)nparams, .wire = c->wire};
+}
+
+static int avg_init(struct sync *s, struct rumor_err *e) {
+  s->avg.mix_step = s->t->st.step;
+  return sync_xch_init(s, true, e);
+}
+
+static void avg_free(struct sync *s) { sync_xch_free(s); }
+
+/* The exchange figures: exchanges (applied), _failed, _rejected, _clipped,
+ * _skipped, requests, refusals, idle, rate limits, holds. */
+static void avg_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
+  const struct {
+    const char *key;
+    uint64_t v;
+  } counts[] = {
+      {"exchanges", gs->exchanges_ok},
+      {"exchanges_failed", gs->exchanges_failed},
+      {"exchanges_rejected", gs->exchanges_rejected},
+      {"exchange_requests", gs->exchange_requests},
+      {"exchange_refusals", gs->exchange_refusals},
+      {"exchange_idle", gs->exchange_idle},
+      {"exchanges_clipped", s->x.clip.clipped},
+      {"exchanges_skipped", s->x.skipped},
+      {"exchange_rate_limited", gs->exchange_rate_limited},
+      {"conn_rate_limited", gs->conn_rate_limited},
+      {"holds", s->avg.holds},
+      {"hold_timeouts", s->avg.hold_timeouts},
+  };
+  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+    json_text_set(o, counts[i].key, json_integer((json_int_t)counts[i].v));
+  json_text_set(o, "longest_local_steps", json_integer(s->avg.longest_local));
+  json_text_set(o, "hold_s", json_text_real(s->avg.hold_s));
+  json_text_set(o, "finish_wait_s", json_text_real(s->avg.finish_s));
+  json_text_set(o, "finish_exchanges", json_integer((json_int_t)s->avg.finish_applied));
+}
+
+const struct sync_scheme sync_scheme_gossip = {
+    .name = "gossip",
+    .extra = avg_extra,
+    .plan = avg_plan,
+    .init = avg_init,
+    .boundary = avg_boundary,
+    .reduce = NULL,
+    .finish = avg_finish,
+    .result = avg_result,
+    .free = avg_free,
+};

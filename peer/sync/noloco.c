@@ -1,0 +1,217 @@
+/* `--sync gossip --outer K`: NoLoCo (sync.h, "Outer optimizers"). Every H
+ * steps a member exchanges its parameters with one random partner through
+ * the exchange slot and takes g = θ − (φ + φ_j)/2 as its outer gradient:
+ *
+ *   g = θ − φ − w·(φ_j − φ),   w = ½ (times clipping's scale with --clip)
+ *
+ * the difference φ_j − φ arriving as gossip averaging's does. Between
+ * rounds a member answers no request (its parameters are not a round's
+ * end); at a round boundary it keeps its snapshot ready, and an active
+ * member asks a passive one (the bipartite graph of links.c), so the pairs
+ * form among members at the same boundary. Without --outer-overlap the
+ * member waits there for one exchange, at most --max-hold-ms while none is
+ * under way; with it, the snapshot of the boundary is what it answers all
+ * round long, and the exchange that lands is applied at the next boundary. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "peer/sync/sync_impl.h"
+#include "util/json_text.h"
+
+#define NOLOCO_ASK_MIN_S 0.002 /* pacing of a member's own requests, doubling ... */
+#define NOLOCO_ASK_MAX_S 0.05  /* ... up to this */
+
+/* The snapshot the partner gets: the parameters at this round's boundary
+ * (with --outer-overlap, kept in outer.prev while training goes on). */
+static void snapshot(struct sync *s) {
+  struct trainer *t = s->t;
+  const struct tensor *src = s->cfg.outer.overlap ? &s->outer.prev : &t->model.params;
+  tensor_copy_to_host(src, 0, gossip_xch_mine(s->g), (size_t)t->model.nparams * sizeof(float));
+}
+
+/* The step of this round's boundary (the snapshot's tag). */
+static uint64_t boundary_step(const struct sync *s) {
+  int64_t H = s->cfg.outer.local_steps, step = s->t->st.step;
+  return (uint64_t)(s->cfg.outer.overlap ? step - (step % H == 0 ? 0 : step % H) : step);
+}
+
+/* Serves the slot: copies our snapshot when an exchange wants one (our own
+ * request, or with --outer-overlap a partner's), declines a partner's
+ * request between rounds without one. Returns the work left: APPLY or
+ * NONE. */
+static enum gossip_xch_work serve(struct sync *s, bool want, bool have_snapshot) {
+  enum gossip_xch_work w = gossip_xch_poll(s->g, want);
+  if (w != GOSSIP_XCH_SNAPSHOT) return w;
+  if (!have_snapshot && gossip_xch_asked_by_partner(s->g)) {
+    gossip_xch_decline(s->g, "not at an outer round's boundary");
+    return GOSSIP_XCH_NONE;
+  }
+  snapshot(s);
+  gossip_xch_snapshot_done(s->g, boundary_step(s));
+  return GOSSIP_XCH_NONE;
+}
+
+/* Makes our snapshot ready for passive partners' requests. */
+static void offer(struct sync *s) {
+  if (!gossip_xch_refresh_begin(s->g)) return;
+  snapshot(s);
+  gossip_xch_refresh_done(s->g, boundary_step(s));
+}
+
+/* The round's outer gradient into outer.work: θ − φ_b − w·d, φ_b our
+ * snapshot (the parameters now, or outer.prev overlapping), d the
+ * partner's difference when an exchange is to be applied (`apply`). A
+ * rejected one is reported and the round is our own. */
+static void gradient(struct sync *s, bool apply) {
+  struct sync_outer *o = &s->outer;
+  struct tensor params = tensor_flat(&s->t->model.params);
+  tensor_copy(&o->work, &o->anchor);
+  tensor_axpby(-1.0f, s->cfg.outer.overlap ? &o->prev : &params, 1.0f, &o->work);
+  int rc = -1;
+  if (apply) {
+    char why[200];
+    float w;
+    rc = sync_xch_judge(s, 0.5f, &w, why, sizeof why);
+    if (rc == 0) tensor_axpby(-w, sync_xch_delta_dev(s), 1.0f, &o->work);
+    sync_xch_done(s, rc, why);
+  }
+  /* Our parameters went out and the partner's came in, in the exchange's
+   * encoding (nothing when no exchange completed). */
+  struct gossip_stats gs;
+  gossip_stats_get(s->g, &gs);
+  o->last_bytes = apply ? (double)(gs.exchange_bytes_sent + gs.exchange_bytes_received) : 0.0;
+  if (rc != 0) o->alone++;
+}
+
+/* Without --outer-overlap: at the boundary, until one exchange lands (or
+ * none is under way after --max-hold-ms, or no partner is left). Returns
+ * true when one is to be applied. */
+static bool wait_for_partner(struct sync *s) {
+  double t0 = clock_now_s(), next_ask = t0, pause = NOLOCO_ASK_MIN_S;
+  offer(s);
+  while (!sync_stopped(s)) {
+    double now = clock_now_s();
+    bool in_flight = gossip_xch_in_flight(s->g);
+    bool ask = !in_flight && now >= next_ask;
+    if (ask) next_ask = now + pause, pause = fmin(2 * pause, NOLOCO_ASK_MAX_S);
+    if (serve(s, ask, true) == GOSSIP_XCH_APPLY) return true;
+    if (!gossip_xch_in_flight(s->g) && (now - t0 >= s->cfg.max_hold_s || gossip_live_partners(s->g) == 0)) {
+      if (gossip_xch_unready(s->g)) break; /* else a partner just took our snapshot: see it through */
+    }
+    const struct timespec tick = {0, 200 * 1000};
+    nanosleep(&tick, NULL);
+    sync_idle(s);
+  }
+  gossip_xch_unready(s->g);
+  return false;
+}
+
+/* With --outer-overlap: the exchange of the round that ends here, when one
+ * is still under way (counted in outer_wait_s). Returns true when one is
+ * to be applied. */
+static bool land(struct sync *s) {
+  double t0 = clock_now_s();
+  enum gossip_xch_work w;
+  while ((w = serve(s, false, true)) != GOSSIP_XCH_APPLY && gossip_xch_in_flight(s->g) && !sync_stopped(s)) {
+    const struct timespec tick = {0, 200 * 1000};
+    nanosleep(&tick, NULL);
+    sync_idle(s);
+  }
+  s->outer.wait_s += clock_now_s() - t0;
+  gossip_xch_unready(s->g);
+  return w == GOSSIP_XCH_APPLY;
+}
+
+static int noloco_boundary(struct sync *s, struct rumor_err *e) {
+  (void)e;
+  struct sync_outer *o = &s->outer;
+  bool overlap = s->cfg.outer.overlap;
+  if (!sync_outer_due(s)) {
+    /* Between boundaries: overlapping, our ready snapshot still serves (and
+     * a failed exchange of ours is asked again); otherwise requests are
+     * declined, and an exchange landing late is not ours to apply. */
+    double now = clock_now_s();
+    bool want = overlap && o->in_flight && !gossip_xch_in_flight(s->g) && now >= s->avg.next_ask_s;
+    if (want) s->avg.next_ask_s = now + NOLOCO_ASK_MAX_S;
+    if (serve(s, want, overlap && o->in_flight) == GOSSIP_XCH_APPLY && !overlap)
+      gossip_xch_apply_done(s->g, 1, "it arrived after our round ended"); /* not ours to apply; no blame */
+    return 0;
+  }
+  if (o->in_flight) { /* overlapping: the round that ends here */
+    bool got = land(s);
+    gradient(s, got);
+    sync_outer_step(s);
+  }
+  struct tensor params = tensor_flat(&s->t->model.params);
+  o->round_rows0 = s->t->st.samples;
+  if (overlap && !trainer_done(s->t)) {
+    tensor_copy(&o->prev, &params);
+    o->in_flight = true;
+    o->flight_rows = 0;
+    sync_outer_store(s);
+    offer(s);
+    return 0;
+  }
+  double t0 = clock_now_s();
+  bool got = wait_for_partner(s);
+  o->wait_s += clock_now_s() - t0;
+  gradient(s, got);
+  sync_outer_step(s);
+  return 0;
+}
+
+static void noloco_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
+  const struct outer_config *o = &c->outer;
+  enum net_dtype wire = o->compress.kind == CODEC_F16 ? NET_DTYPE_F16 : o->compress.kind == CODEC_I8 ? NET_DTYPE_I8 : c->wire;
+  *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_GOSSIP, .buf_floats = (uint64_t)nparams, .wire = wire};
+  char comp[CODEC_TEXT_MAX];
+  codec_format(&o->compress, comp, sizeof comp);
+  snprintf(out->label, sizeof out->label, " sync=noloco outer=%s H=%lld lr=%g mu=%g compress=%s%s",
+           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp,
+           o->overlap ? " overlap" : "");
+}
+
+static int noloco_init(struct sync *s, struct rumor_err *e) {
+  int rc = sync_outer_init(s, e);
+  if (rc) return rc;
+  if ((rc = sync_xch_init(s, false, e))) {
+    sync_outer_free(s);
+    return rc;
+  }
+  return 0;
+}
+
+static void noloco_extra(const struct sync_config *c, struct train_extra_spec *out) { sync_outer_extra(c, out); }
+
+static int noloco_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
+  (void)s, (void)f, (void)e;
+  return 0; /* the last step's boundary ran the last round */
+}
+
+static void noloco_free(struct sync *s) {
+  sync_xch_free(s);
+  sync_outer_free(s);
+}
+
+static void noloco_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
+  json_text_set(o, "exchanges", json_integer((json_int_t)gs->exchanges_ok));
+  json_text_set(o, "exchanges_failed", json_integer((json_int_t)gs->exchanges_failed));
+  json_text_set(o, "exchanges_rejected", json_integer((json_int_t)gs->exchanges_rejected));
+  json_text_set(o, "exchanges_clipped", json_integer((json_int_t)s->x.clip.clipped));
+  sync_outer_result(s, o);
+  json_text_set(o, "outer_alone", json_integer((json_int_t)s->outer.alone));
+}
+
+const struct sync_scheme sync_scheme_noloco = {
+    .name = "noloco",
+    .extra = noloco_extra,
+    .plan = noloco_plan,
+    .init = noloco_init,
+    .boundary = noloco_boundary,
+    .reduce = NULL,
+    .finish = noloco_finish,
+    .result = noloco_result,
+    .free = noloco_free,
+};

@@ -1,0 +1,169 @@
+/* The outer optimizer's state and update (sync.h, "Outer optimizers"),
+ * shared by DiLoCo (diloco.c) and NoLoCo (noloco.c). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "peer/sync/sync_impl.h"
+#include "util/json_text.h"
+
+/* The segments of the state kept with the model (train_config.extra), in
+ * this order; "outer.round" holds the counters as floats of at most 24
+ * bits each, so they are exact: [rounds mod 2^24, rounds / 2^24, a round
+ * in flight (0 or 1), its rows mod 2^24, its rows / 2^24, 1 once the state
+ * was set up]. */
+enum { SEG_ANCHOR, SEG_MOMENTUM, SEG_ROUND, SEG_OPTIONAL };
+enum { META_ROUNDS_LO, META_ROUNDS_HI, META_IN_FLIGHT, META_ROWS_LO, META_ROWS_HI, META_VALID, META_FLOATS };
+#define META_UNIT 16777216.0 /* 2^24 */
+
+static bool has_residual(const struct sync_config *c) {
+  return c->kind == SYNC_ALLREDUCE && c->outer.compress.kind == CODEC_TOPK;
+}
+
+void sync_outer_extra(const struct sync_config *c, struct train_extra_spec *out) {
+  memset(out, 0, sizeof *out);
+  const struct train_extra_seg segs[] = {{"outer.anchor", 1, 0}, {"outer.momentum", 1, 0}, {"outer.round", 0, META_FLOATS}};
+  for (size_t i = 0; i < sizeof segs / sizeof segs[0]; i++) out->seg[out->n++] = segs[i];
+  if (has_residual(c)) out->seg[out->n++] = (struct train_extra_seg){"outer.residual", 1, 0};
+  if (c->outer.overlap) out->seg[out->n++] = (struct train_extra_seg){"outer.prev", 1, 0};
+}
+
+void sync_outer_store(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  float meta[META_FLOATS] = {
+      [META_ROUNDS_LO] = (float)fmod((double)o->rounds, META_UNIT),
+      [META_ROUNDS_HI] = (float)floor((double)o->rounds / META_UNIT),
+      [META_IN_FLIGHT] = o->in_flight ? 1.0f : 0.0f,
+      [META_ROWS_LO] = (float)fmod((double)o->flight_rows, META_UNIT),
+      [META_ROWS_HI] = (float)floor((double)o->flight_rows / META_UNIT),
+      [META_VALID] = 1.0f,
+  };
+  tensor_copy_from_host(&o->round_meta, 0, meta, sizeof meta);
+}
+
+/* Reads the counters; false when the state was never set up (all zero). */
+static bool load_meta(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  float meta[META_FLOATS];
+  tensor_copy_to_host(&o->round_meta, 0, meta, sizeof meta);
+  if (meta[META_VALID] != 1.0f) return false;
+  o->rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
+  o->in_flight = meta[META_IN_FLIGHT] != 0.0f;
+  o->flight_rows = (int64_t)meta[META_ROWS_LO] + (int64_t)meta[META_ROWS_HI] * (int64_t)META_UNIT;
+  return true;
+}
+
+/* A fresh outer state: the anchor is the parameters, no momentum, and the
+ * rounds the step implies (a run resumed from a checkpoint without an
+ * outer state goes on at the next boundary). */
+static void start_fresh(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  struct tensor params = tensor_flat(&s->t->model.params);
+  tensor_copy(&o->anchor, &params);
+  tensor_fill(&o->momentum, 0.0f);
+  if (o->residual.data) tensor_fill(&o->residual, 0.0f);
+  o->rounds = (uint64_t)(s->t->st.step / s->cfg.outer.local_steps);
+  o->in_flight = false;
+  o->flight_rows = 0;
+  sync_outer_store(s);
+}
+
+void sync_outer_reload(struct sync *s) {
+  if (!load_meta(s)) start_fresh(s);
+  s->outer.round_rows0 = s->t->st.samples;
+}
+
+int sync_outer_init(struct sync *s, struct rumor_err *e) {
+  struct sync_outer *o = &s->outer;
+  struct trainer *t = s->t;
+  RUMOR_ASSERT(t->cfg.extra.n >= SEG_OPTIONAL && s->cfg.outer.local_steps > 0);
+  o->anchor = trainer_extra(t, SEG_ANCHOR);
+  o->momentum = trainer_extra(t, SEG_MOMENTUM);
+  o->round_meta = trainer_extra(t, SEG_ROUND);
+  int next = SEG_OPTIONAL;
+  if (has_residual(&s->cfg)) o->residual = trainer_extra(t, next++);
+  if (s->cfg.outer.overlap) o->prev = trainer_extra(t, next++);
+  int64_t P = t->model.nparams;
+  int rc = tensor_alloc(&o->work, t->be, TENSOR_F32, 1, &P, e);
+  if (rc) return rumor_err_prefix(e, "the outer optimizer's scratch");
+  /* P + 1 floats (a dense contribution), or a top-k block, which is
+   * shorter but for its header and a chunk's padding. */
+  o->host = malloc(((size_t)P + 8) * sizeof(float));
+  if (!o->host) {
+    tensor_free(&o->work);
+    return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB for the outer optimizer", (double)P * 4 / (1 << 20));
+  }
+  o->last_norm = NAN;
+  sync_outer_reload(s);
+  char comp[CODEC_TEXT_MAX];
+  codec_format(&s->cfg.outer.compress, comp, sizeof comp);
+  log_info("outer %s every %lld steps (lr %g, momentum %g, compress %s%s): %llu rounds done", 
+           outer_kind_name(s->cfg.outer.kind), (long long)s->cfg.outer.local_steps, s->cfg.outer.lr,
+           s->cfg.outer.momentum, comp, s->cfg.outer.overlap ? ", overlapped" : "", (unsigned long long)o->rounds);
+  return 0;
+}
+
+void sync_outer_free(struct sync *s) {
+  tensor_free(&s->outer.work);
+  free(s->outer.host);
+  s->outer.host = NULL;
+}
+
+bool sync_outer_due(const struct sync *s) {
+  int64_t step = s->t->st.step, H = s->cfg.outer.local_steps;
+  if (step <= 0) return false;
+  bool boundary = step % H == 0 || trainer_done(s->t);
+  uint64_t target = (uint64_t)((step + H - 1) / H); /* rounds that end at or before this step */
+  return boundary && target > s->outer.rounds + (s->outer.in_flight ? 1 : 0);
+}
+
+int64_t sync_outer_round_rows(const struct sync *s) { return s->t->st.samples - s->outer.round_rows0; }
+
+void sync_outer_pseudo_gradient(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  struct tensor params = tensor_flat(&s->t->model.params);
+  tensor_copy(&o->work, &o->anchor);
+  tensor_axpby(-1.0f, &params, 1.0f, &o->work);
+}
+
+void sync_outer_step(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  const struct outer_config *c = &s->cfg.outer;
+  float lr = (float)c->lr, mu = (float)c->momentum;
+  o->last_norm = sqrt(tensor_sq_norm(&o->work));
+  tensor_axpby(1.0f, &o->work, mu, &o->momentum); /* b ← μ·b + g */
+  if (c->kind == OUTER_NESTEROV) {
+    tensor_axpby(-lr, &o->work, 1.0f, &o->anchor);
+    tensor_axpby(-lr * mu, &o->momentum, 1.0f, &o->anchor);
+  } else {
+    tensor_axpby(-lr, &o->momentum, 1.0f, &o->anchor);
+  }
+  struct tensor params = tensor_flat(&s->t->model.params);
+  if (o->prev.data && o->in_flight) {
+    /* Delayed: keep the inner progress made since the round's boundary. */
+    tensor_axpby(-1.0f, &o->prev, 1.0f, &params);
+    tensor_axpby(1.0f, &o->anchor, 1.0f, &params);
+    o->in_flight = false;
+  } else {
+    tensor_copy(&params, &o->anchor);
+  }
+  o->rounds++;
+  s->changes++;
+  sync_outer_store(s);
+}
+
+void sync_outer_result(const struct sync *s, json_t *o) {
+  const struct sync_outer *so = &s->outer;
+  const struct outer_config *c = &s->cfg.outer;
+  char comp[CODEC_TEXT_MAX];
+  codec_format(&c->compress, comp, sizeof comp);
+  json_text_set(o, "outer", json_string(outer_kind_name(c->kind)));
+  json_text_set(o, "local_steps", json_integer(c->local_steps));
+  json_text_set(o, "outer_compress", json_string(comp));
+  json_text_set(o, "outer_overlap", json_boolean(c->overlap));
+  json_text_set(o, "outer_rounds", json_integer((json_int_t)so->rounds));
+  json_text_set(o, "outer_norm", json_text_real(so->last_norm));
+  json_text_set(o, "outer_bytes_round", json_text_real(so->last_bytes));
+  json_text_set(o, "outer_wait_s", json_text_real(so->wait_s));
+}

@@ -1,0 +1,92 @@
+/*
+ * sync_impl.h — what the scheme files of peer/sync/ share; private to the
+ * folder. Training thread only.
+ */
+#ifndef RUMOR_PEER_SYNC_IMPL_H
+#define RUMOR_PEER_SYNC_IMPL_H
+
+#include "peer/sync/sync.h"
+
+/* The schemes (one table entry each; sync.c chooses). */
+extern const struct sync_scheme sync_scheme_gossip;    /* average.c */
+extern const struct sync_scheme sync_scheme_allreduce; /* allreduce.c */
+extern const struct sync_scheme sync_scheme_diloco;    /* diloco.c */
+extern const struct sync_scheme sync_scheme_noloco;    /* noloco.c */
+
+bool sync_stopped(const struct sync *s);
+/* Sleeps about `secs` while serving donations and figures (sync_idle). */
+void sync_idle_for(struct sync *s, double secs);
+
+/* ---- the exchange slot's training side (exchange.c) ---- */
+
+/* Sets up staging and the snapshot's copies; `dev_copy` asks for the
+ * device copy of the snapshot on a GPU (sync.h, snap_dev). */
+int sync_xch_init(struct sync *s, bool dev_copy, struct rumor_err *e) RUMOR_MUST_CHECK;
+void sync_xch_free(struct sync *s);
+/* Starts copying the parameters into gossip_xch_mine() (asynchronous on a
+ * GPU: snap_ev says when). */
+void sync_xch_start_copy(struct sync *s);
+/* GOSSIP_XCH_SNAPSHOT: starts the copy unless one is pending, and hands
+ * the snapshot to the loop once it landed (gossip_xch_snapshot_done).
+ * Returns true when the copy was started now. */
+bool sync_xch_snapshot(struct sync *s);
+/* Keeps the snapshot of this boundary ready in gossip_xch_mine() (one copy
+ * per state of the parameters), and finishes a refresh in flight. */
+void sync_xch_keep_ready(struct sync *s);
+/* GOSSIP_XCH_APPLY: validates the partner's snapshot and applies clipping.
+ * Returns 0 with *weight (α times the clipping scale: what to scale
+ * θ'_s − θ_s by), a negative code (rejected: the sender is backed off) or
+ * 1 (a far outlier skipped by clipping), with the reason in why[0..n). */
+int sync_xch_judge(struct sync *s, float alpha, float *weight, char *why, size_t n);
+/* The partner's difference θ'_s − θ_s on our device (refreshed from the
+ * receive buffer). */
+const struct tensor *sync_xch_delta_dev(struct sync *s);
+/* Reports the outcome (gossip_xch_apply_done) and counts it; rc as
+ * sync_xch_judge's. */
+void sync_xch_done(struct sync *s, int rc, const char *why);
+
+/* ---- ring rounds (allreduce.c) ---- */
+
+enum sync_round_kind { SYNC_ROUND_REDUCE, SYNC_ROUND_GATHER };
+/* Fills this member's contribution before each attempt (the ring adds into
+ * the buffer, so a retry must fill it again). */
+typedef void (*sync_fill_fn)(struct sync *s, void *arg);
+/* Runs ring round `id` (gossip_ar_start or gossip_ag_start) until it is
+ * done, retrying a failed one with the ring re-formed from the membership
+ * and serving donations and figures meanwhile. Returns 0 when done (the
+ * result in gossip_ar_result or gossip_ag_result), 1 when the member was
+ * left behind and took the state of one ahead (catch_up: the round is
+ * dropped), or a negative code (stopped, every pulled state refused).
+ * `min_step`: the catch-up asks for a donor at that step or later. */
+int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync_fill_fn fill, void *arg,
+                    uint64_t min_step, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- the outer optimizer (outer.c) ---- */
+
+/* The segments of the state an outer scheme keeps with the model. */
+void sync_outer_extra(const struct sync_config *c, struct train_extra_spec *out);
+/* Binds the outer state to the trainer's extra state and starts it: a
+ * fresh one (no state was resumed or donated: the anchor is the
+ * parameters) or the one the trainer holds. */
+int sync_outer_init(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
+void sync_outer_free(struct sync *s);
+/* Reads the round counters back from the trainer's extra state (after a
+ * state was loaded into it). */
+void sync_outer_reload(struct sync *s);
+/* Writes the round counters into the trainer's extra state. */
+void sync_outer_store(struct sync *s);
+/* True when this boundary ends a round: every local_steps steps, and at
+ * the last step. */
+bool sync_outer_due(const struct sync *s);
+/* Rows trained since the current round began (its weight). */
+int64_t sync_outer_round_rows(const struct sync *s);
+/* work ← θ − φ (this member's pseudo-gradient, on the device). */
+void sync_outer_pseudo_gradient(struct sync *s);
+/* The outer step with the averaged pseudo-gradient in outer.work: updates
+ * the momentum and the anchor, then φ ← θ (or, overlapping, φ ← θ + (φ −
+ * prev)); counts the round and stores the counters. */
+void sync_outer_step(struct sync *s);
+/* The result line's outer figures. */
+void sync_outer_result(const struct sync *s, struct json_t *o);
+
+#endif /* RUMOR_PEER_SYNC_IMPL_H */
