@@ -81,7 +81,9 @@ struct gossip_config {
   /* GOSSIP_SYNC_ALLREDUCE: xch_mine and xch_theirs hold nparams + 1 floats
    * each and serve the all-reduce; exchange requests are refused. */
   enum gossip_sync sync;
-  uint64_t gather_floats; /* TEMP STUB (gather branch) */
+  /* The sync scheme's name, for monitors ("gossip", "allreduce", "diloco",
+   * "noloco"; NULL: the protocol's). Copied; at most 15 characters. */
+  const char *scheme;
   float alpha;           /* averaging weight: x ← x + α·(x'_s − x_s), the snapshots exchanged (sync.h) */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
@@ -301,10 +303,6 @@ int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
  * it has not ended yet). */
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
 void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
-/* TEMP STUB (gather branch) */
-float *gossip_ag_buf(gossip_t *g);
-int gossip_ag_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
-const float *gossip_ag_result(gossip_t *g, size_t *members, size_t *self);
 
 /* The state just pulled (gossip_join_wait, gossip_state_pull) is refused
  * (`why`): its donor is struck (backed off, longer each time), so that the

@@ -350,6 +350,7 @@ struct gossip {
   char advertise[SWIM_ADDR_MAX];
   char model[GOSSIP_LABEL_MAX + 1];
   char optimizer[32];
+  char scheme[16]; /* cfg.scheme, or the protocol's name */
   uv_loop_t loop;
   uv_thread_t thread;
   uv_timer_t tick;

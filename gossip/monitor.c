@@ -300,6 +300,8 @@ static void on_members(struct gossip_monitor *m, const struct net_msg *msg) {
     snprintf(nr->state, sizeof nr->state, "%s", swim_state_name(tab[i].state));
     nr->last_exchange_age_s = -1;
     nr->loss = nr->samples_per_s = nr->param_norm = NAN;
+    nr->outer_round = -1;
+    nr->outer_norm = nr->outer_bytes = nr->outer_wait_s = NAN;
   }
   qsort(r->nodes, r->n, sizeof *r->nodes, node_order);
   m->reqs = xcalloc(r->n + 1, sizeof *m->reqs);
@@ -383,6 +385,16 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
           OPT(net_msg_get_double(msg, "age", &nr->stats_age_s))))
       return RUMOR_EPROTO;
     nr->have_train = true;
+  }
+  nr->outer_round = -1;
+  nr->outer_norm = nr->outer_bytes = nr->outer_wait_s = NAN;
+  if (net_msg_get(msg, "o_round")) {
+    if (!(OPT(net_msg_get_int(msg, "o_round", &nr->outer_round)) &&
+          OPT(net_msg_get_double(msg, "o_norm", &nr->outer_norm)) &&
+          OPT(net_msg_get_double(msg, "o_bytes", &nr->outer_bytes)) &&
+          OPT(net_msg_get_double(msg, "o_wait", &nr->outer_wait_s))) ||
+        nr->outer_round < 0)
+      return RUMOR_EPROTO;
   }
   uint64_t k = 0;
   if (net_msg_get_uint(msg, "sk_k", &k) == 0) {

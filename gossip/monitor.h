@@ -69,6 +69,11 @@ struct gossip_node_report {
    * that failed. */
   char sync[16];
   uint64_t round, ring_members, rounds_failed;
+  /* An outer optimizer's (DiLoCo, NoLoCo): rounds applied (-1: none or not
+   * said), the last round's ‖pseudo-gradient‖ and payload bytes, and the
+   * training's total wait for rounds in seconds. */
+  int64_t outer_round;
+  double outer_norm, outer_bytes, outer_wait_s;
   bool have_train; /* the training figures below are set */
   int64_t step, epoch, samples;
   double loss, samples_per_s, param_norm;

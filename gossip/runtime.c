@@ -329,6 +329,8 @@ static struct gossip *make_gossip(const struct gossip_config *cfg, struct rumor_
   g->cfg.identity = &g->identity;
   g->cfg.cluster_key = g->cluster_key;
   snprintf(g->model, sizeof g->model, "%s", cfg->model ? cfg->model : "");
+  snprintf(g->scheme, sizeof g->scheme, "%s",
+           cfg->scheme ? cfg->scheme : cfg->sync == GOSSIP_SYNC_ALLREDUCE ? "allreduce" : "gossip");
   snprintf(g->optimizer, sizeof g->optimizer, "%s", cfg->optimizer ? cfg->optimizer : "");
   g->cfg.model = g->model;
   g->cfg.optimizer = g->optimizer;

@@ -230,7 +230,7 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_uint(&b, "x_bytes_in", gs.exchange_bytes_received);
   if (g->cfg.role == GOSSIP_ROLE_PEER) {
     bool ar = g->cfg.sync == GOSSIP_SYNC_ALLREDUCE;
-    net_msgbuf_put_str(&b, "sync", ar ? "allreduce" : "gossip", ar ? 9 : 6);
+    net_msgbuf_put_str(&b, "sync", g->scheme, strlen(g->scheme));
     if (ar) {
       net_msgbuf_put_uint(&b, "round", g->ring.pos); /* the loop's own field: we are on the loop thread */
       pthread_mutex_lock(&g->lock);
@@ -249,6 +249,12 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
     net_msgbuf_put_double(&b, "sps", g->mon.pstats.samples_per_s);
     net_msgbuf_put_double(&b, "norm", g->mon.pstats.param_norm);
     net_msgbuf_put_double(&b, "age", (double)(now - g->mon.stats_ms) / 1e3);
+    if (g->mon.pstats.outer_round >= 0) { /* optional: an outer optimizer's round */
+      net_msgbuf_put_int(&b, "o_round", g->mon.pstats.outer_round);
+      net_msgbuf_put_double(&b, "o_norm", g->mon.pstats.outer_norm);
+      net_msgbuf_put_double(&b, "o_bytes", g->mon.pstats.outer_bytes);
+      net_msgbuf_put_double(&b, "o_wait", g->mon.pstats.outer_wait_s);
+    }
   }
   if (g->mon.have_sketch) {
     net_msgbuf_put_uint(&b, "sk_k", (uint64_t)g->mon.sketch_k);
@@ -448,6 +454,16 @@ static void metrics_text(struct gossip *g, struct text *t) {
     tprintf(t, "rumor_training_samples_per_second %.3f\n", s.samples_per_s);
     metric(t, "rumor_parameter_norm", "gauge", "L2 norm of the parameters at the last figures.");
     tprintf(t, "rumor_parameter_norm %.6g\n", s.param_norm);
+    if (s.outer_round >= 0) {
+      metric(t, "rumor_outer_rounds_total", "counter", "Outer rounds applied (DiLoCo, NoLoCo).");
+      tprintf(t, "rumor_outer_rounds_total %lld\n", (long long)s.outer_round);
+      metric(t, "rumor_outer_pseudo_gradient_norm", "gauge", "L2 norm of the last round's averaged pseudo-gradient.");
+      tprintf(t, "rumor_outer_pseudo_gradient_norm %.6g\n", isfinite(s.outer_norm) ? s.outer_norm : 0.0);
+      metric(t, "rumor_outer_round_bytes", "gauge", "Payload bytes sent and received in the last outer round.");
+      tprintf(t, "rumor_outer_round_bytes %.0f\n", s.outer_bytes);
+      metric(t, "rumor_outer_wait_seconds_total", "counter", "Seconds training waited for outer rounds' communication.");
+      tprintf(t, "rumor_outer_wait_seconds_total %.3f\n", s.outer_wait_s);
+    }
   } else {
     pthread_mutex_unlock(&g->lock);
   }

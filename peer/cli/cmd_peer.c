@@ -113,8 +113,6 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
   if (jr < 0) return jr;
   if (jr == 0) {
     trainer_set_position(t, (int64_t)pos.step, (int64_t)pos.epoch, t->st.samples);
-    log_info("starting from the cluster's state at step %llu (epoch %llu)", (unsigned long long)pos.step,
-             (unsigned long long)pos.epoch + 1);
   } else {
     log_info("starting from %s", p->tc.resume ? "the checkpoint" : "our own initialisation");
   }

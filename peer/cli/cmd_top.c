@@ -108,6 +108,11 @@ static json_t *json_node(const struct gossip_node_report *nd) {
   json_text_set(o, "round", int_or_null(ar, (int64_t)nd->round));
   json_text_set(o, "ring_members", int_or_null(ar, (int64_t)nd->ring_members));
   json_text_set(o, "rounds_failed", int_or_null(ar, (int64_t)nd->rounds_failed));
+  bool outer = nd->outer_round >= 0;
+  json_text_set(o, "outer_round", int_or_null(outer, nd->outer_round));
+  json_text_set(o, "outer_norm", json_text_real(outer ? nd->outer_norm : NAN));
+  json_text_set(o, "outer_bytes_round", json_text_real(outer ? nd->outer_bytes : NAN));
+  json_text_set(o, "outer_wait_s", json_text_real(outer ? nd->outer_wait_s : NAN));
   json_text_set(o, "stats_age_s", json_text_real(nd->reachable ? nd->stats_age_s : NAN));
   json_text_set(o, "sketch_k", json_integer(nd->sketch_k));
   if (nd->params || nd->params_error[0]) {
@@ -236,7 +241,8 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
   for (size_t i = 0; i < r->n; i++) {
     const struct gossip_node_report *nd = &r->nodes[i];
     char round[24] = "-";
-    if (strcmp(nd->sync, "allreduce") == 0) snprintf(round, sizeof round, "%llu", (unsigned long long)nd->round);
+    if (nd->outer_round >= 0) snprintf(round, sizeof round, "%lld", (long long)nd->outer_round);
+    else if (strcmp(nd->sync, "allreduce") == 0) snprintf(round, sizeof round, "%llu", (unsigned long long)nd->round);
     /* "done": alive, past its last step, averaging with those still training. */
     const char *state = nd->reachable && nd->finished && strcmp(nd->state, "alive") == 0 ? "done" : nd->state;
     fprintf(f, "%-10.8s %-21.21s %-9.9s %-7.7s %-9.9s %8s ", nd->id, nd->addr, nd->role, state,

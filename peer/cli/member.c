@@ -1,6 +1,7 @@
 /* A gossiping member: the gossip runtime, its buffers and the sync path of
  * one trainer, as `rumor peer` and each stage of a group run them. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -38,6 +39,7 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
   gc.sync = plan.protocol;
   gc.wire = plan.wire;
   gc.gather_floats = plan.gather_floats;
+  gc.scheme = sync_scheme_of(&mb->setup.sync)->name;
   gc.role = GOSSIP_ROLE_PEER;
   gc.nparams = (uint64_t)P;
   gc.state_floats = (uint64_t)S;
@@ -80,7 +82,15 @@ static int take_pulled(struct member *mb, struct trainer *t, int jr, struct goss
   sync_own_keep(&own, t);
   char why[200];
   for (int asked = 1; jr == 0; asked++) {
-    if (sync_pull_take(t, &own, mb->donor, why, sizeof why)) break;
+    if (sync_pull_take(t, &own, mb->donor, why, sizeof why)) {
+      char loss[96] = "";
+      if (!isnan(own.pulled_loss))
+        snprintf(loss, sizeof loss, ": loss %.4f on %lld training %s (our own: %.4f)", own.pulled_loss,
+                 (long long)own.rows, trainer_row_noun(t), own.loss);
+      log_info("starting from the cluster's state at step %llu (epoch %llu)%s", (unsigned long long)pos->step,
+               (unsigned long long)pos->epoch + 1, loss);
+      break;
+    }
     log_warn("refused the cluster's state at step %llu: %s (a broken or hostile donor)", (unsigned long long)pos->step,
              why);
     gossip_refuse_donation(mb->g, "it donated a state we refused");
@@ -102,8 +112,7 @@ int member_join(struct member *mb, struct trainer *t, const struct gossip_flags 
                 struct gossip_train_pos *pos, struct rumor_err *e) {
   bool pull = !gf->no_state_pull && !own_state;
   int jr = gossip_join_wait(mb->g, pull ? mb->donor : NULL, pos, signals_stop_flag(), e);
-  if (jr == 0) jr = take_pulled(mb, t, jr, pos, e);
-  return jr;
+  return jr == 0 ? take_pulled(mb, t, jr, pos, e) : jr;
 }
 
 int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {
@@ -112,7 +121,7 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {
   if (rc) return rc;
   mb->have_sync = true;
   gossip_ready(mb->g);
-  return 0;
+  return sync_start(&mb->sync, e);
 }
 
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,

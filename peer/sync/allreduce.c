@@ -16,12 +16,18 @@
  * round without one). Returns 1 when taken, 0 when nobody is left to take
  * it from (we go on with ours), or a negative code (stopped, or every
  * state asked for was refused). */
-static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t min_step, struct rumor_err *e) {
+static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t min_round, uint64_t min_step,
+                    struct rumor_err *e) {
   struct trainer *t = s->t;
   char ahead[NET_PUBKEY_STR_LEN + 1];
   net_pubkey_format(ahead, info->ahead);
-  log_info("all-reduce: the cluster is at round %llu and we at %llu (step %lld): taking the state of %.8s",
-           (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step, ahead);
+  if (s->cfg.outer.kind != OUTER_NONE)
+    log_info("all-reduce: the cluster completed round %llu and we are at round %llu (step %lld): taking the state of "
+             "%.8s",
+             (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step, ahead);
+  else
+    log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
+             (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
   /* The pull lands in the donation buffer: a donation filled from it while
    * we waited in the ring may still be on its way out; wait for it to end
    * (no new one is filled until we serve donations again). */
@@ -39,7 +45,7 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   char why[200];
   struct gossip_train_pos pos;
   for (int asked = 1; !taken; asked++) {
-    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, min_step, buf, &pos, s->cfg.stop, e);
+    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, min_round, buf, &pos, s->cfg.stop, e);
     if (rc) break; /* 1: nobody left to take it from, go on with ours */
     if (pos.step < min_step) /* asked for a later one: a donor that ignores it misbehaves */
       snprintf(why, sizeof why, "it is at step %llu, before step %llu", (unsigned long long)pos.step,
@@ -86,7 +92,7 @@ int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync
       return 0;
     }
     if (st == GOSSIP_AR_BEHIND) {
-      rc = catch_up(s, &info, min_step, e);
+      rc = catch_up(s, &info, id + 1, min_step, e);
       if (rc) {
         s->ring.wait_s += clock_now_s() - t0;
         return rc;

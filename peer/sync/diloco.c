@@ -142,9 +142,9 @@ static void apply(struct sync *s) {
 
 static enum sync_round_kind round_kind(const struct sync *s) { return topk(s) ? SYNC_ROUND_GATHER : SYNC_ROUND_REDUCE; }
 
-/* The catch-up's donor: one mid-round ahead of us (a later step), or with
- * --outer-overlap one at the same boundary (full states are donated only
- * there). */
+/* The catch-up's state: one that completed our round, in the middle of
+ * the next (a later step), or with --outer-overlap at the same boundary
+ * (full states are donated only there). */
 static uint64_t catch_up_step(const struct sync *s) {
   return (uint64_t)s->t->st.step + (s->cfg.outer.overlap ? 0 : 1);
 }

@@ -17,7 +17,8 @@ double sync_pull_max_loss(double own_loss) {
 }
 
 void sync_own_keep(struct sync_own_state *own, struct trainer *t) {
-  own->loss = NAN;
+  own->loss = own->pulled_loss = NAN;
+  own->rows = 0;
   own->state = NULL;
   if (trainer_is_stage(t)) return; /* no loss of its own to compare: finiteness only */
   own->state = malloc((size_t)trainer_state_floats(t) * sizeof(float));
@@ -50,12 +51,10 @@ bool sync_pull_take(struct trainer *t, struct sync_own_state *own, const float *
   }
   trainer_load_state(t, pulled);
   double loss = trainer_check_loss(t, targets, &rows);
+  own->pulled_loss = loss;
+  own->rows = rows;
   double most = sync_pull_max_loss(own->loss);
-  if (!isfinite(own->loss) || loss <= most) {
-    log_info("the pulled state's loss is %.4f on %lld training %s (ours: %.4f)", loss, (long long)rows,
-             trainer_row_noun(t), own->loss);
-    return true;
-  }
+  if (!isfinite(own->loss) || loss <= most) return true;
   snprintf(why, n, "its loss %.4g on %lld training %s is above %.4f, the most we take beside ours (%.4f)", loss,
            (long long)rows, trainer_row_noun(t), most, own->loss);
   trainer_load_state(t, own->state);

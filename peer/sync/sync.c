@@ -139,6 +139,13 @@ int sync_boundary(struct sync *s, struct rumor_err *e) {
   return rc;
 }
 
+int sync_start(struct sync *s, struct rumor_err *e) {
+  /* Only an outer scheme's boundary can be due before a step: the others
+   * act on a schedule of steps taken from now on. */
+  if (s->cfg.outer.kind == OUTER_NONE || !s->scheme->boundary) return 0;
+  return s->scheme->boundary(s, e);
+}
+
 int sync_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
   return s->scheme->finish(s, f, e);
 }

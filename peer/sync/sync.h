@@ -265,6 +265,10 @@ double sync_pull_max_loss(double own_loss);
 struct sync_own_state {
   float *state; /* trainer_state_floats */
   double loss;
+  /* The last state sync_pull_take checked: its loss on `rows` check rows
+   * (NaN when only finiteness was checked). */
+  double pulled_loss;
+  int64_t rows;
 };
 /* Keeps the trainer's current state (sync_pull_take compares with it). */
 void sync_own_keep(struct sync_own_state *own, struct trainer *t);
@@ -461,6 +465,11 @@ struct sync {
  * the caller then calls gossip_ready) and installs its reducer, if any. */
 int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg,
               struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Once the member is ready (gossip_ready), before its first step: a round
+ * that the state it holds left due (a checkpoint saved at a round boundary
+ * before the round ran, a state donated while a round was under way) runs
+ * now, with the others. Returns 0 or the scheme's error. */
+int sync_start(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Whatever the scheme does at this step boundary, then sync_idle.
  * Returns 0 or the scheme's error (the member stops). */
 int sync_boundary(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -57,7 +57,8 @@ typedef void (*sync_fill_fn)(struct sync *s, void *arg);
  * result in gossip_ar_result or gossip_ag_result), 1 when the member was
  * left behind and took the state of one ahead (catch_up: the round is
  * dropped), or a negative code (stopped, every pulled state refused).
- * `min_step`: the catch-up asks for a donor at that step or later. */
+ * The catch-up asks for a donor that completed round `id` (its ring
+ * position past it) and takes a state of step `min_step` or later. */
 int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync_fill_fn fill, void *arg,
                     uint64_t min_step, struct rumor_err *e) RUMOR_MUST_CHECK;
 

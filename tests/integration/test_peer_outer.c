@@ -1,0 +1,207 @@
+/* Outer optimizers as users run them (sync.h, "Outer optimizers"): DiLoCo
+ * members (`--sync allreduce --outer K`) end every run with the same
+ * parameters, a newcomer takes the anchor and momentum with the rest of
+ * the state and ends with them too, a DiLoCo run resumed from a checkpoint
+ * (a round pending or in flight at the save) ends bit for bit where the
+ * uninterrupted run did, NoLoCo members (`--sync gossip --outer K`) pair up
+ * at their round boundaries, and bad combinations of options are refused
+ * before anything starts. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../support/cluster.h"
+#include "../support/ckpt_params.h"
+#include "../support/fmnist.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(outer, .init = setup, .fini = teardown, .timeout = 240);
+
+#define MODEL "mlp:784-32-10"
+
+static void expect_clean_exit(int i) {
+  int st = cluster_wait(&C, i, 180);
+  cr_assert(proc_exited_with(st, 0), "peer %d did not finish cleanly (status %d): %s", i, st,
+            proc_slurp(C.node[i].log));
+}
+
+/* The number of values in which two checkpoints' parameters differ. */
+static int64_t params_differ(const char *a_path, const char *b_path) {
+  int64_t P, Q;
+  float *a = ckpt_params_load(a_path, &P), *b = ckpt_params_load(b_path, &Q);
+  cr_assert_eq(P, Q);
+  int64_t diff = 0;
+  for (int64_t j = 0; j < P; j++) diff += memcmp(&a[j], &b[j], sizeof a[j]) != 0;
+  free(a);
+  free(b);
+  return diff;
+}
+
+/* A DiLoCo member on shard `shard`, `steps` steps, H 20; each step takes
+ * 30 times its compute (a few ms), so that members overlap in time. */
+static int start_diloco(const char *shard, const char *steps, const char *wait_peers) {
+  return cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--outer", "nesterov", "--local-steps",
+                            "20", "--shard", shard, "--max-steps", steps, "--batch", "16", "--seed", "7",
+                            "--no-eval", "--wait-peers", wait_peers, "--slowdown", "30", "--checkpoint",
+                            C.node[C.n].ckpt, NULL);
+}
+
+Test(outer, diloco_members_end_with_the_same_parameters_after_an_outer_round_each_h_steps) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[3];
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    peer[i] = start_diloco(shard[i], "150", "3");
+  }
+  for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
+  for (int i = 0; i < 3; i++) {
+    /* 7 rounds every 20 steps, and the last at step 150. */
+    cr_assert_eq(cluster_result(&C, peer[i], "outer_rounds"), 8, "peer %d's rounds", i);
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_members"), 3);
+    cr_assert(cluster_result(&C, peer[i], "outer_bytes_round") > 0);
+    cr_assert(cluster_result(&C, peer[i], "bytes_out") > 0 && cluster_result(&C, peer[i], "bytes_in") > 0);
+    if (i) cr_assert_eq(params_differ(C.node[peer[0]].ckpt, C.node[peer[i]].ckpt), 0, "peer %d differs", i);
+  }
+  /* Trained: far better than chance (0.1) after 150 steps of batch 16 each. */
+  double acc = cluster_result(&C, peer[0], "test_accuracy");
+  cr_assert(acc > 0.7, "DiLoCo members reached only %.3f", acc);
+}
+
+Test(outer, a_newcomer_takes_the_outer_state_and_ends_with_the_others) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int a = start_diloco("0/3", "400", "2"), b = start_diloco("1/3", "400", "2");
+  cr_assert(cluster_wait_file(C.node[a].log, "first step", 60), "peer a did not start: %s", proc_slurp(C.node[a].log));
+  int c = start_diloco("2/3", "400", "1");
+  expect_clean_exit(a);
+  expect_clean_exit(b);
+  expect_clean_exit(c);
+  cr_assert(cluster_log_has(&C, c, "starting from the cluster's state"), "the newcomer did not pull a state: %s",
+            proc_slurp(C.node[c].log));
+  double ra = cluster_result(&C, a, "outer_rounds"), rc = cluster_result(&C, c, "outer_rounds");
+  cr_assert_eq(ra, rc, "the newcomer counts %g rounds, the others %g", rc, ra);
+  cr_assert_eq(params_differ(C.node[a].ckpt, C.node[c].ckpt), 0, "the newcomer ended elsewhere");
+  cr_assert_eq(params_differ(C.node[a].ckpt, C.node[b].ckpt), 0);
+}
+
+/* One member alone (its ring is itself) trains 100 steps, saving at step
+ * 60, a round boundary (the save comes before that round runs) and, with
+ * --outer-overlap, a point with a round in flight; the save of step 60 is
+ * copied aside (the peer is stopped meanwhile), and a run resumed from it
+ * to step 100 must end where the first did. */
+static void resume_case(const char *overlap) {
+  char full[300], part[300];
+  snprintf(full, sizeof full, "%s/full%s.safetensors", C.dir, overlap ? "-ov" : "");
+  snprintf(part, sizeof part, "%s/part%s.safetensors", C.dir, overlap ? "-ov" : "");
+  char *common[] = {"--model", MODEL, "--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20",
+                    "--batch", "16", "--seed", "7", "--no-eval", "--checkpoint-every", "60", "--max-steps", "100"};
+  char *argv[40];
+  int n = 0;
+  argv[n++] = "--bootstrap";
+  argv[n++] = C.boot;
+  for (size_t k = 0; k < sizeof common / sizeof common[0]; k++) argv[n++] = common[k];
+  if (overlap) argv[n++] = (char *)overlap;
+  int base = n;
+  argv[n++] = "--slowdown";
+  argv[n++] = "100";
+  argv[n++] = "--checkpoint";
+  argv[n++] = full;
+  argv[n] = NULL;
+  int p = cluster_spawn(&C, "peer", argv);
+  cr_assert(cluster_wait_file(C.node[p].log, "(step 60)", 60), "no save at step 60: %s", proc_slurp(C.node[p].log));
+  kill(C.node[p].pid, SIGSTOP);
+  cluster_sh("cp %s %s", full, part);
+  kill(C.node[p].pid, SIGCONT);
+  expect_clean_exit(p);
+  cr_assert_eq(cluster_result(&C, p, "outer_rounds"), 5);
+  struct checkpoint ck;
+  struct rumor_err e;
+  cr_assert_eq(checkpoint_open(part, &ck, &e), 0, "%s", e.msg);
+  int64_t saved = ck.info.st.step;
+  checkpoint_close(&ck);
+  cr_assert_eq(saved, 60, "the copy holds step %lld: the peer went on past step 60 before it was stopped",
+               (long long)saved);
+  n = base;
+  argv[n++] = "--checkpoint";
+  argv[n++] = part;
+  argv[n++] = "--resume";
+  argv[n++] = part;
+  argv[n] = NULL;
+  int q = cluster_spawn(&C, "peer", argv);
+  expect_clean_exit(q);
+  cr_assert(cluster_log_has(&C, q, overlap ? ": 1 rounds done" : ": 2 rounds done"),
+            "the resumed run did not take the outer state from the checkpoint: %s", proc_slurp(C.node[q].log));
+  cr_assert_eq(cluster_result(&C, q, "outer_rounds"), 5);
+  int64_t diff = params_differ(full, part);
+  cr_assert_eq(diff, 0, "the resumed run%s ends %lld values away from the uninterrupted one", overlap ? " (overlap)" : "",
+               (long long)diff);
+}
+
+Test(outer, a_diloco_run_resumed_from_a_checkpoint_ends_bit_for_bit_where_it_would_have) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  resume_case(NULL);
+  resume_case("--outer-overlap");
+}
+
+Test(outer, noloco_members_pair_up_at_round_boundaries) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[4];
+  char shard[4][8];
+  for (int i = 0; i < 4; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/4", i);
+    peer[i] = cluster_start_peer(&C, "--model", MODEL, "--outer", "nesterov", "--local-steps", "10", "--shard",
+                                 shard[i], "--max-steps", "150", "--batch", "16", "--seed", "7", "--no-eval",
+                                 "--wait-peers", "4", "--max-hold-ms", "5000", "--slowdown", "30", NULL);
+  }
+  for (int i = 0; i < 4; i++) expect_clean_exit(peer[i]);
+  for (int i = 0; i < 4; i++) {
+    double rounds = cluster_result(&C, peer[i], "outer_rounds"), alone = cluster_result(&C, peer[i], "outer_alone");
+    double xch = cluster_result(&C, peer[i], "exchanges");
+    fprintf(stderr, "noloco peer %d: %g rounds, %g alone, %g exchanges, accuracy %.4f\n", i, rounds, alone, xch,
+            cluster_result(&C, peer[i], "test_accuracy"));
+    cr_assert_eq(rounds, 15);
+    /* Members at one boundary find a partner: at most a few rounds alone
+     * (the first, while the others start, or the last). */
+    cr_assert(alone <= 4 && xch >= rounds - alone, "peer %d: %g of %g rounds alone, %g exchanges", i, alone, rounds, xch);
+    cr_assert(cluster_result(&C, peer[i], "test_accuracy") > 0.7);
+  }
+}
+
+Test(outer, bad_outer_options_are_refused_before_anything_starts) {
+  struct {
+    const char *a, *b, *c, *d, *needle;
+  } cases[] = {
+      {"--outer", "adam", NULL, NULL, "--outer must be none, sgd or nesterov"},
+      {"--outer", "nesterov", "--local-steps", "0", "--local-steps"},
+      {"--outer-lr", "0.5", NULL, NULL, "--outer-lr is an option of --outer"},
+      {"--outer", "sgd", "--outer-compress", "topk:0.03:2", "NoLoCo (--sync gossip) sends parameters"},
+      {"--outer", "sgd", "--outer-compress", "topk:2:2", "--outer-compress"},
+      {"--outer", "sgd", "--outer-compress", "f32", "--outer-compress"},
+      {"--outer", "nesterov", "--gossip-every", "2", "--gossip-every is an option of gossip averaging"},
+      {"--outer", "nesterov", "--finish-wait-ms", "100", "--finish-wait-ms is an option of gossip averaging"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *argv[16] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--model", MODEL};
+    int n = 7;
+    argv[n++] = (char *)cases[i].a;
+    argv[n++] = (char *)cases[i].b;
+    if (cases[i].c) argv[n++] = (char *)cases[i].c, argv[n++] = (char *)cases[i].d;
+    argv[n] = NULL;
+    cluster_expect_exit(&C, argv, 2, cases[i].needle);
+  }
+  char *ps[] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--sync", "ps", "--servers", "127.0.0.1:9",
+                "--outer", "nesterov", NULL};
+  cluster_expect_exit(&C, ps, 2, "--outer is for --sync allreduce (DiLoCo) or --sync gossip (NoLoCo)");
+}
