@@ -50,6 +50,9 @@ enum gossip_sync {
 };
 
 #define GOSSIP_LABEL_MAX 255 /* characters of the label peers must share (gossip_config.model) */
+/* Words in an all-gather round's result (every member's block: n ×
+ * gather_floats), at most: 8 GiB. A larger ring fails its rounds. */
+#define GOSSIP_GATHER_MAX_FLOATS (UINT64_C(1) << 31)
 
 struct gossip_config {
   /* Identity and admission (required); copied. */
@@ -84,6 +87,9 @@ struct gossip_config {
   /* The sync scheme's name, for monitors ("gossip", "allreduce", "diloco",
    * "noloco"; NULL: the protocol's). Copied; at most 15 characters. */
   const char *scheme;
+  /* GOSSIP_SYNC_ALLREDUCE: words in one member's all-gather block, the same
+   * on every member (0: no all-gather rounds; at most GOSSIP_GATHER_MAX_FLOATS). */
+  uint64_t gather_floats;
   float alpha;           /* averaging weight: x ← x + α·(x'_s − x_s), the snapshots exchanged (sync.h) */
   /* Host buffers owned by the caller (pinned memory for GPU peers), kept
    * until gossip_stop: our snapshot and the partner's parameters (nparams
@@ -277,7 +283,19 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
  * Buffers: the caller writes its contribution into gossip_ar_buf() before
  * gossip_ar_start and must not touch it until the round ends (the ring adds
  * partial sums into it); the sum is in gossip_ar_result() after
- * GOSSIP_AR_DONE, until the next start. */
+ * GOSSIP_AR_DONE, until the next start.
+ *
+ * The same ring also runs all-gather rounds (cfg.gather_floats > 0; DiLoCo's
+ * compressed pseudo-gradients): every member contributes one opaque block of
+ * gather_floats 32-bit words, and every member receives the n blocks of the
+ * ring's members in ring (key) order, bit-exact: blocks always travel as
+ * f32, whatever cfg.wire, and are never added or converted. A round is of one
+ * kind: its kind (and block size) is part of its name, so a reduce round
+ * and a gather round never exchange pieces or READYs, even at one step.
+ * Both kinds count steps on one position: a member's rounds, of whichever
+ * kind, take consecutive steps, and RING_AHEAD and BEHIND mean the same for
+ * both. A gather round ends, fails and is reported exactly as a reduce round
+ * (gossip_ar_wait, gossip_ar_info). */
 enum gossip_ar_status {
   GOSSIP_AR_IDLE = 0,
   GOSSIP_AR_RUNNING,
@@ -303,6 +321,21 @@ int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
  * it has not ended yet). */
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
 void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
+
+/* Our all-gather block: gather_floats words (NULL when gather_floats is 0),
+ * written before gossip_ag_start and untouched until the round ends. */
+float *gossip_ag_buf(gossip_t *g);
+/* Starts the all-gather round of `step` on the block in gossip_ag_buf()
+ * (consecutive with the reduce rounds' steps, as gossip_ar_start's). Needs
+ * gather_floats > 0. Returns 0, or RUMOR_ECANCELED when the runtime is
+ * stopping. The round ends as a reduce round does: gossip_ar_wait and
+ * gossip_ar_info report it (DONE, FAILED, BEHIND). */
+int gossip_ag_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
+/* After a gather round's GOSSIP_AR_DONE: the members' blocks, n ×
+ * gather_floats words in ring order, with *members = n and *self = our
+ * index; valid until the next start (of either kind). NULL with
+ * *members = 0 when the last round was not a gather round that ended DONE. */
+const float *gossip_ag_result(gossip_t *g, size_t *members, size_t *self);
 
 /* The state just pulled (gossip_join_wait, gossip_state_pull) is refused
  * (`why`): its donor is struck (backed off, longer each time), so that the

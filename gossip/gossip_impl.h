@@ -250,7 +250,12 @@ struct gossip_donation {
  * it until the round's deadline (exchange_timeout_ms). */
 #define RING_READY_RESEND_MS 1000
 
-/* One transfer of a round: phase p (0 .. 2(n−1)−1), piece j. */
+/* What a round moves (gossip.h): a reduce round sums `count` floats
+ * (reduce-scatter then all-gather, 2(n−1) phases); a gather round collects
+ * every member's block of ag_words words (all-gather only, n−1 phases). */
+enum ring_kind { RING_REDUCE = 0, RING_GATHER = 1 };
+
+/* One transfer of a round: phase p (0 .. phases − 1), piece j. */
 struct ring_io {
   uint8_t state; /* RING_IO_* */
   uint64_t id;
@@ -268,7 +273,13 @@ struct ring_ready {
 struct gossip_ring {
   float *acc, *out;  /* the caller's buffers (xch_mine, xch_theirs): count floats each */
   uint64_t count;    /* nparams + 1 */
+  /* Gather rounds: our block (ag_words = gather_floats words, the training
+   * thread's gossip_ag_buf; NULL when 0) and the result, n blocks in ring
+   * order (ag_cap words), grown on the loop thread when a round starts. */
+  float *ag_mine, *ag_out;
+  uint64_t ag_words, ag_cap;
   /* The round in progress (loop thread). */
+  uint8_t kind;      /* enum ring_kind */
   bool active, failing;
   uint64_t gen;      /* rounds started: tells a stale callback from the current round's */
   uint64_t step, hash;
@@ -296,6 +307,10 @@ struct gossip_ring {
   /* Shared with the training thread, under lock. */
   int status;          /* enum gossip_ar_status */
   struct gossip_ar_info info;
+  /* The last gather round's result, set when it ends DONE (ag_out, its
+   * ring's size and our index) and cleared when the next round starts. */
+  const float *ag_result;
+  size_t ag_members, ag_self;
 };
 
 /* ---- monitoring (stats.c) ---- */
@@ -527,11 +542,15 @@ void gossip_xch_abandon(struct gossip *g, const char *why);
 
 /* ---- ring.c: all-reduce ---- */
 
-void gossip_ring_init(struct gossip *g);
+/* Sets the ring up from the configuration; a gather block larger than
+ * GOSSIP_GATHER_MAX_FLOATS, or one without GOSSIP_SYNC_ALLREDUCE, is refused
+ * with a message. */
+int gossip_ring_init(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
 void gossip_ring_free(struct gossip *g);
 /* RING_READY, RING_AHEAD and RING_ABORT. */
 void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
-/* A ring piece begins (metadata: round `step`, ring `hash`, phase, piece):
+/* A ring piece begins (metadata: round `step`, ring `hash` (which names the
+ * round's kind), phase, piece):
  * 0 with *dst and *dst_arg set, or a negative code to refuse it. */
 int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,
                               const struct net_msg *meta, float **dst, void **dst_arg);

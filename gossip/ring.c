@@ -1,27 +1,44 @@
 /*
- * All-reduce over a ring of the ready peers (gossip.h, "all-reduce").
+ * All-reduce and all-gather over a ring of the ready peers (gossip.h,
+ * "all-reduce").
  *
- * Member i of a ring of n splits the vector into n segments and each
- * segment into `pieces` pieces. Phase p < n−1 (reduce-scatter): it sends
- * its partial sum of segment (i − p) mod n to its successor and receives
- * segment (i − 1 − p) from its predecessor into `out`, adding it into
- * `acc`; after phase n−2 segment (i + 1) holds the full sum. Phases n−1 to
- * 2n−3 (all-gather): it sends the full segments on from `out` (its own
- * first, copied from `acc` through the wire encoding so that every member
- * ends with the same values) and receives the others into `out`. Piece j
- * of phase p is sent as soon as piece j of phase p − 1 arrived, so the
- * pieces stream around the ring.
+ * A reduce round: member i of a ring of n splits the vector into n
+ * segments and each segment into `pieces` pieces. Phase p < n−1
+ * (reduce-scatter): it sends its partial sum of segment (i − p) mod n to
+ * its successor and receives segment (i − 1 − p) from its predecessor into
+ * `out`, adding it into `acc`; after phase n−2 segment (i + 1) holds the
+ * full sum. Phases n−1 to 2n−3 (all-gather): it sends the full segments on
+ * from `out` (its own first, copied from `acc` through the wire encoding so
+ * that every member ends with the same values) and receives the others
+ * into `out`.
+ *
+ * A gather round: the segments are the members' blocks (ag_words words
+ * each) in `ag_out`, block i our own, copied in at the start. Phase q <
+ * n−1: member i sends block (i − q) mod n to its successor and receives
+ * block (i − 1 − q) from its predecessor; nothing is added, and the words
+ * travel as f32 whatever --wire is, so they arrive bit-exact.
+ *
+ * In both, piece j of phase p is sent as soon as piece j of phase p − 1
+ * arrived (phase 0 at once), so the pieces stream around the ring.
  *
  *   member: start ─▶ RING_READY{step, hash} to the predecessor
  *   successor's RING_READY for the same round ─▶ pieces may go to it
  *   every piece received and every piece sent confirmed ─▶ DONE
  *
+ * A round is named by its step and its hash: the ring's keys and, for a
+ * gather round, its kind and block size (ring_hash). READYs, pieces and
+ * ABORTs carry the hash, so rounds of another kind never match ours. Both
+ * kinds share the position (`pos`, RING_AHEAD): steps count rounds of
+ * either kind.
+ *
  * Buffers: `acc` is read by sends of reduce-scatter phases and written by
  * the additions of received pieces, `out` written by receives and read by
  * all-gather sends; a region is never written while a transfer reads it
  * (each segment is received once per half, after the sends that read it).
- * A failed round cancels every transfer and reports FAILED only once their
- * callbacks have all run, so the caller may rewrite `acc` at once.
+ * A gather round writes each block of `ag_out` once (a receive) before the
+ * sends that read it. A failed round cancels every transfer and reports
+ * FAILED only once their callbacks have all run, so the caller may rewrite
+ * `acc` (or its block) at once.
  *
  * Loop thread, except the functions marked "training thread".
  */
@@ -40,13 +57,26 @@ static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, NE
 
 static int cmp_id(const void *a, const void *b) { return memcmp(a, b, NET_PUBKEY_BYTES); }
 
-void gossip_ring_init(struct gossip *g) {
+int gossip_ring_init(struct gossip *g, struct rumor_err *e) {
   struct gossip_ring *r = &g->ring;
   memset(r, 0, sizeof *r);
   r->acc = g->cfg.xch_mine;
   r->out = g->cfg.xch_theirs;
   r->count = g->cfg.nparams + 1;
   r->readies = xcalloc(RING_READY_MAX, sizeof *r->readies);
+  uint64_t words = g->cfg.gather_floats;
+  if (words == 0) return 0;
+  if (g->cfg.role != GOSSIP_ROLE_PEER || g->cfg.sync != GOSSIP_SYNC_ALLREDUCE)
+    return rumor_err_set(e, -EINVAL, "all-gather rounds need a peer with sync=allreduce");
+  if (words > GOSSIP_GATHER_MAX_FLOATS)
+    return rumor_err_set(e, RUMOR_ETOOBIG, "an all-gather block of %llu words is more than %llu",
+                         (unsigned long long)words, (unsigned long long)GOSSIP_GATHER_MAX_FLOATS);
+  r->ag_mine = calloc(words, sizeof(float));
+  if (!r->ag_mine)
+    return rumor_err_set(e, -ENOMEM, "cannot allocate an all-gather block of %.1f MiB",
+                         (double)words * sizeof(float) / (1 << 20));
+  r->ag_words = words;
+  return 0;
 }
 
 void gossip_ring_free(struct gossip *g) {
@@ -55,6 +85,8 @@ void gossip_ring_free(struct gossip *g) {
   free(r->recv);
   free(r->send);
   free(r->readies);
+  free(r->ag_mine);
+  free(r->ag_out);
   memset(r, 0, sizeof *r);
 }
 
@@ -62,10 +94,21 @@ void gossip_ring_free(struct gossip *g) {
 
 float *gossip_ar_buf(gossip_t *g) { return g->ring.acc; }
 const float *gossip_ar_result(gossip_t *g) { return g->ring.out; }
+float *gossip_ag_buf(gossip_t *g) { return g->ring.ag_mine; }
+
+const float *gossip_ag_result(gossip_t *g, size_t *members, size_t *self) {
+  pthread_mutex_lock(&g->lock);
+  const float *res = g->ring.ag_result;
+  *members = res ? g->ring.ag_members : 0;
+  *self = res ? g->ring.ag_self : 0;
+  pthread_mutex_unlock(&g->lock);
+  return res;
+}
 
 static void set_status(struct gossip *g, int status) {
   pthread_mutex_lock(&g->lock);
   g->ring.status = status;
+  if (status == GOSSIP_AR_RUNNING) g->ring.ag_result = NULL; /* the loop may reallocate it now */
   pthread_cond_broadcast(&g->cond);
   pthread_mutex_unlock(&g->lock);
 }
@@ -73,20 +116,30 @@ static void set_status(struct gossip *g, int status) {
 struct ring_start {
   struct gossip *g;
   uint64_t step;
+  enum ring_kind kind;
 };
 static void start_on_loop(net_t *n, void *arg, int status);
 
-int gossip_ar_start(gossip_t *g, uint64_t step) {
-  RUMOR_ASSERT(g->cfg.sync == GOSSIP_SYNC_ALLREDUCE);
+static int round_start(gossip_t *g, uint64_t step, enum ring_kind kind) {
   set_status(g, GOSSIP_AR_RUNNING);
   struct ring_start *s = xmalloc(sizeof *s);
-  *s = (struct ring_start){g, step};
+  *s = (struct ring_start){g, step, kind};
   if (net_call(g->net, start_on_loop, s) != 0) {
     free(s);
     set_status(g, GOSSIP_AR_FAILED);
     return RUMOR_ECANCELED;
   }
   return 0;
+}
+
+int gossip_ar_start(gossip_t *g, uint64_t step) {
+  RUMOR_ASSERT(g->cfg.sync == GOSSIP_SYNC_ALLREDUCE);
+  return round_start(g, step, RING_REDUCE);
+}
+
+int gossip_ag_start(gossip_t *g, uint64_t step) {
+  RUMOR_ASSERT(g->cfg.sync == GOSSIP_SYNC_ALLREDUCE && g->ring.ag_words > 0);
+  return round_start(g, step, RING_GATHER);
 }
 
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms) {
@@ -111,25 +164,35 @@ void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out) {
 
 /* ---- geometry ---- */
 
-static uint32_t phases(const struct gossip_ring *r) { return (uint32_t)(2 * (r->n - 1)); }
+static bool gathering(const struct gossip_ring *r) { return r->kind == RING_GATHER; }
+static uint32_t phases(const struct gossip_ring *r) {
+  return (uint32_t)(gathering(r) ? r->n - 1 : 2 * (r->n - 1));
+}
 static size_t wrap(const struct gossip_ring *r, long long k) {
   long long n = (long long)r->n;
   return (size_t)(((k % n) + n) % n);
 }
-/* Segment s's piece j: [*lo, *hi). Segments differ by at most one float
- * in length; pieces of one segment by at most one. */
+/* Where segment s (0 .. n) begins: a reduce round's segments differ by at
+ * most one float in length; a gather round's are the blocks. */
+static uint64_t segment_start(const struct gossip_ring *r, size_t s) {
+  return gathering(r) ? r->ag_words * s : r->count * s / r->n;
+}
+/* Segment s's piece j: [*lo, *hi). Pieces of one segment differ by at most
+ * one float in length. */
 static void piece_range(const struct gossip_ring *r, size_t s, uint32_t j, uint64_t *lo, uint64_t *hi) {
-  uint64_t s0 = r->count * s / r->n, s1 = r->count * (s + 1) / r->n, len = s1 - s0;
+  uint64_t s0 = segment_start(r, s), len = segment_start(r, s + 1) - s0;
   *lo = s0 + len * j / r->pieces;
   *hi = s0 + len * (j + 1) / r->pieces;
 }
+/* The segment sent (received) in phase p. A gather round is the
+ * reduce-scatter's pattern throughout. */
 static size_t send_segment(const struct gossip_ring *r, uint32_t p) {
   long long i = (long long)r->me, n = (long long)r->n;
-  return p < n - 1 ? wrap(r, i - p) : wrap(r, i + 1 - (p - (n - 1)));
+  return gathering(r) || p < n - 1 ? wrap(r, i - p) : wrap(r, i + 1 - (p - (n - 1)));
 }
 static size_t recv_segment(const struct gossip_ring *r, uint32_t p) {
   long long i = (long long)r->me, n = (long long)r->n;
-  return p < n - 1 ? wrap(r, i - 1 - p) : wrap(r, i - (p - (n - 1)));
+  return gathering(r) || p < n - 1 ? wrap(r, i - 1 - p) : wrap(r, i - (p - (n - 1)));
 }
 static const uint8_t *pred(const struct gossip_ring *r) { return r->ids[wrap(r, (long long)r->me - 1)]; }
 static const uint8_t *succ(const struct gossip_ring *r) { return r->ids[wrap(r, (long long)r->me + 1)]; }
@@ -153,9 +216,23 @@ static uint8_t (*view_ring(struct gossip *g, size_t *n))[NET_PUBKEY_BYTES] {
   return ids;
 }
 
-static uint64_t ring_hash(uint8_t (*ids)[NET_PUBKEY_BYTES], size_t n) {
-  uint8_t h[8];
-  crypto_generichash(h, sizeof h, (const uint8_t *)ids, n * NET_PUBKEY_BYTES, NULL, 0);
+/* The round's name besides its step: a hash of the ring's keys, followed
+ * for a gather round by a tag and its block size, so that a reduce round, a
+ * gather round and a gather round of another size never take one another's
+ * READYs, pieces or ABORTs. A reduce round's hash is that of the keys
+ * alone, as before gather rounds existed. */
+static uint64_t ring_hash(const struct gossip_ring *r, uint8_t (*ids)[NET_PUBKEY_BYTES], size_t n) {
+  static const char tag[] = "rumor ring all-gather";
+  uint8_t h[8], words[8];
+  crypto_generichash_state st;
+  crypto_generichash_init(&st, NULL, 0, sizeof h);
+  crypto_generichash_update(&st, (const uint8_t *)ids, n * NET_PUBKEY_BYTES);
+  if (gathering(r)) {
+    for (int k = 0; k < 8; k++) words[k] = (uint8_t)(r->ag_words >> (8 * k));
+    crypto_generichash_update(&st, (const uint8_t *)tag, sizeof tag - 1);
+    crypto_generichash_update(&st, words, sizeof words);
+  }
+  crypto_generichash_final(&st, h, sizeof h);
   uint64_t v = 0;
   for (int k = 0; k < 8; k++) v = v << 8 | h[k];
   return v;
@@ -193,6 +270,7 @@ static void finish(struct gossip *g, int status) {
   if (status == GOSSIP_AR_DONE) {
     r->info.rounds_done++;
     r->info.why[0] = '\0';
+    if (gathering(r)) r->ag_result = r->ag_out, r->ag_members = r->n, r->ag_self = r->me;
   } else {
     r->info.rounds_failed++;
     snprintf(r->info.why, sizeof r->info.why, "%s", r->why);
@@ -235,8 +313,8 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(r->why, sizeof r->why, fmt, ap);
   va_end(ap);
-  log_info("all-reduce of step %llu over %zu members failed: %s (nothing applied)", (unsigned long long)r->step,
-           r->n, r->why);
+  log_info("%s of step %llu over %zu members failed: %s (nothing applied)", gathering(r) ? "all-gather" : "all-reduce",
+           (unsigned long long)r->step, r->n, r->why);
   r->cancelling = true;
   uint32_t total = phases(r) * r->pieces;
   for (uint32_t k = 0; k < total; k++) {
@@ -277,8 +355,8 @@ static void maybe_done(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   if (!r->active || r->failing || r->recv_left || r->send_left) return;
   r->pos = r->step + 1;
-  log_debug("all-reduce of step %llu over %zu members done in %llu ms", (unsigned long long)r->step, r->n,
-            (unsigned long long)(gossip_now_ms(g) - r->started_ms));
+  log_debug("%s of step %llu over %zu members done in %llu ms", gathering(r) ? "all-gather" : "all-reduce",
+            (unsigned long long)r->step, r->n, (unsigned long long)(gossip_now_ms(g) - r->started_ms));
   finish(g, GOSSIP_AR_DONE);
 }
 
@@ -320,17 +398,29 @@ static bool sendable(const struct gossip_ring *r, uint32_t p, uint32_t j) {
   return p == 0 || r->recv[(p - 1) * r->pieces + j].state == RING_IO_DONE;
 }
 
-static int send_piece(struct gossip *g, uint32_t p, uint32_t j) {
+/* Where piece j of phase p is sent from, in which encoding. */
+static const float *send_source(struct gossip *g, uint32_t p, uint64_t lo, uint64_t hi, enum net_dtype *wire) {
   struct gossip_ring *r = &g->ring;
-  uint64_t lo, hi;
-  piece_range(r, send_segment(r, p), j, &lo, &hi);
-  bool gather = p >= r->n - 1;
+  if (gathering(r)) {
+    *wire = NET_DTYPE_F32; /* opaque words: bit-exact, never converted */
+    return r->ag_out;
+  }
+  *wire = g->cfg.wire;
   if (p == r->n - 1) {
     /* Our own fully reduced piece: into `out` as the others will receive
      * it, through the wire encoding. */
     memcpy(r->out + lo, r->acc + lo, (hi - lo) * sizeof(float));
     net_dtype_roundtrip(g->cfg.wire, r->out + lo, hi - lo);
   }
+  return p >= r->n - 1 ? r->out : r->acc;
+}
+
+static int send_piece(struct gossip *g, uint32_t p, uint32_t j) {
+  struct gossip_ring *r = &g->ring;
+  uint64_t lo, hi;
+  piece_range(r, send_segment(r, p), j, &lo, &hi);
+  enum net_dtype wire;
+  const float *src = send_source(g, p, lo, hi, &wire);
   struct net_msgbuf meta;
   net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&meta, "k", GBULK_RING);
@@ -344,7 +434,7 @@ static int send_piece(struct gossip *g, uint32_t p, uint32_t j) {
   struct send_ctx *sc = xmalloc(sizeof *sc);
   uint32_t k = p * r->pieces + j;
   *sc = (struct send_ctx){g, r->gen, k};
-  struct net_bulk_send s = {.src = (gather ? r->out : r->acc) + lo, .count = hi - lo, .wire = g->cfg.wire,
+  struct net_bulk_send s = {.src = src + lo, .count = hi - lo, .wire = wire,
                             .no_digest = true, .meta = mdata, .meta_len = mlen, .done = on_piece_sent, .arg = sc};
   int rc = net_conn_send_bulk(r->send_conn, &s, &r->send[k].id);
   net_msgbuf_free(&meta);
@@ -380,13 +470,14 @@ static void pump(struct gossip *g) {
 
 /* ---- receiving ---- */
 
-/* Why piece j of phase p (`count` floats) from `from` is refused, or NULL
- * with its index and range in *k, *lo, *hi. Only the predecessor's pieces
- * of the current attempt at the current round (the nonce of our
- * RING_READY) are taken, each once. */
+/* Why piece j of phase p (`count` floats in `wire`) from `from` is
+ * refused, or NULL with its index and range in *k, *lo, *hi. Only the
+ * predecessor's pieces of the current attempt at the current round (the
+ * nonce of our RING_READY; the hash names the kind) are taken, each once,
+ * of exactly the piece's length; a gather round's only as f32. */
 static const char *piece_refusal(const struct gossip_ring *r, const uint8_t *from, uint64_t step, uint64_t hash,
-                                 uint64_t nonce, uint64_t p, uint64_t j, uint64_t count, uint32_t *k, uint64_t *lo,
-                                 uint64_t *hi) {
+                                 uint64_t nonce, uint64_t p, uint64_t j, uint64_t count, enum net_dtype wire,
+                                 uint32_t *k, uint64_t *lo, uint64_t *hi) {
   if (!r->active || r->failing) return "no round in progress";
   if (step != r->step) return "another step";
   if (hash != r->hash) return "another ring";
@@ -397,6 +488,7 @@ static const char *piece_refusal(const struct gossip_ring *r, const uint8_t *fro
   piece_range(r, recv_segment(r, (uint32_t)p), (uint32_t)j, lo, hi);
   if (r->recv[*k].state != RING_IO_NONE) return "that piece again";
   if (count != *hi - *lo) return "a wrong length";
+  if (gathering(r) && wire != NET_DTYPE_F32) return "all-gather words in a lossy encoding";
   return NULL;
 }
 
@@ -409,16 +501,17 @@ int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_
     return RUMOR_EPROTO;
   uint32_t k;
   uint64_t lo, hi;
-  const char *why = piece_refusal(r, net_conn_peer_key(c), step, hash, nonce, p, j, info->count, &k, &lo, &hi);
+  const char *why =
+      piece_refusal(r, net_conn_peer_key(c), step, hash, nonce, p, j, info->count, info->wire, &k, &lo, &hi);
   if (why) {
-    log_debug("all-reduce piece (step %llu, phase %llu, piece %llu) from %s refused: %s", (unsigned long long)step,
+    log_debug("ring piece (step %llu, phase %llu, piece %llu) from %s refused: %s", (unsigned long long)step,
               (unsigned long long)p, (unsigned long long)j, net_conn_peer_name(c), why);
     return -ECONNREFUSED;
   }
   r->recv[k] = (struct ring_io){RING_IO_BUSY, info->id, c};
   r->inflight++;
   r->heard_pred = true;
-  *dst = r->out + lo;
+  *dst = (gathering(r) ? r->ag_out : r->out) + lo;
   *dst_arg = (void *)(uintptr_t)(k + 1);
   return 0;
 }
@@ -442,7 +535,7 @@ bool gossip_ring_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
     return true;
   }
   uint32_t p = k / r->pieces, j = k % r->pieces;
-  if (p < r->n - 1) {
+  if (!gathering(r) && p < r->n - 1) {
     /* Reduce-scatter: add the predecessor's partial sum into ours. */
     uint64_t lo, hi;
     piece_range(r, recv_segment(r, p), j, &lo, &hi);
@@ -501,11 +594,64 @@ static void send_ready(struct gossip *g) {
   if (rc) fail(g, false, "cannot reach the previous member: %s", rumor_strerror(rc));
 }
 
-static void start_round(struct gossip *g, uint64_t step) {
+/* A gather round's result: room for the ring's n blocks (kept across
+ * rounds, grown when the ring is larger), with our own block copied into
+ * its slot. False when there is no room (the round fails, and says so to
+ * the others). */
+static bool gather_prepare(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  uint64_t words = r->ag_words;
+  if (r->n > GOSSIP_GATHER_MAX_FLOATS / words) {
+    fail(g, true, "%zu blocks of %llu words are more than the %llu words an all-gather may hold", r->n,
+         (unsigned long long)words, (unsigned long long)GOSSIP_GATHER_MAX_FLOATS);
+    return false;
+  }
+  uint64_t need = words * r->n;
+  if (need > r->ag_cap) {
+    /* No transfer of an earlier round is pending: it ended DONE, or FAILED
+     * once every callback ran. */
+    free(r->ag_out);
+    r->ag_out = malloc(need * sizeof(float));
+    r->ag_cap = r->ag_out ? need : 0;
+    if (!r->ag_out) {
+      fail(g, true, "no memory for %zu blocks of the all-gather (%.1f MiB)", r->n,
+           (double)need * sizeof(float) / (1 << 20));
+      return false;
+    }
+  }
+  memcpy(r->ag_out + words * r->me, r->ag_mine, words * sizeof(float));
+  return true;
+}
+
+/* The round's transfers, none begun: `pieces` per segment, 2(n−1) or n−1
+ * phases; empty pieces (a reduce ring with more members than floats)
+ * count as done. */
+static void transfers_init(struct gossip_ring *r) {
+  uint64_t seg = gathering(r) ? r->ag_words : (r->count + r->n - 1) / r->n;
+  r->pieces = (uint32_t)((seg + RING_PIECE_FLOATS - 1) / RING_PIECE_FLOATS);
+  uint32_t total = phases(r) * r->pieces;
+  free(r->recv);
+  free(r->send);
+  r->recv = xcalloc(total, sizeof *r->recv);
+  r->send = xcalloc(total, sizeof *r->send);
+  r->recv_left = r->send_left = total;
+  for (uint32_t k = 0; k < total; k++) {
+    uint64_t lo, hi;
+    piece_range(r, recv_segment(r, k / r->pieces), k % r->pieces, &lo, &hi);
+    if (lo == hi) r->recv[k].state = RING_IO_DONE, r->recv_left--;
+    piece_range(r, send_segment(r, k / r->pieces), k % r->pieces, &lo, &hi);
+    if (lo == hi) r->send[k].state = RING_IO_DONE, r->send_left--;
+  }
+  r->inflight = 0;
+  r->send_conn = NULL;
+}
+
+static void start_round(struct gossip *g, uint64_t step, enum ring_kind kind) {
   struct gossip_ring *r = &g->ring;
   RUMOR_ASSERT(!r->active);
   r->gen++;
   r->step = step;
+  r->kind = (uint8_t)kind;
   if (step > r->pos) r->pos = step;
   answer_stale_readies(g);
   free(r->ids);
@@ -513,7 +659,7 @@ static void start_round(struct gossip *g, uint64_t step) {
   r->me = (size_t)((uint8_t(*)[NET_PUBKEY_BYTES])bsearch(g->identity.pk, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) -
                    r->ids);
   r->nonce = rng_next_u64(&g->rng);
-  r->hash = ring_hash(r->ids, r->n);
+  r->hash = ring_hash(r, r->ids, r->n);
   r->active = true;
   r->failing = false;
   r->why[0] = '\0';
@@ -527,30 +673,14 @@ static void start_round(struct gossip *g, uint64_t step) {
     fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - step));
     return;
   }
+  if (gathering(r) && !gather_prepare(g)) return;
   if (r->n == 1) {
-    memcpy(r->out, r->acc, r->count * sizeof(float));
+    if (!gathering(r)) memcpy(r->out, r->acc, r->count * sizeof(float));
     r->recv_left = r->send_left = 0;
     maybe_done(g);
     return;
   }
-  uint64_t seg = (r->count + r->n - 1) / r->n;
-  r->pieces = (uint32_t)((seg + RING_PIECE_FLOATS - 1) / RING_PIECE_FLOATS);
-  uint32_t total = phases(r) * r->pieces;
-  free(r->recv);
-  free(r->send);
-  r->recv = xcalloc(total, sizeof *r->recv);
-  r->send = xcalloc(total, sizeof *r->send);
-  r->recv_left = r->send_left = total;
-  /* Empty pieces (a ring with more members than floats) travel as done. */
-  for (uint32_t k = 0; k < total; k++) {
-    uint64_t lo, hi;
-    piece_range(r, recv_segment(r, k / r->pieces), k % r->pieces, &lo, &hi);
-    if (lo == hi) r->recv[k].state = RING_IO_DONE, r->recv_left--;
-    piece_range(r, send_segment(r, k / r->pieces), k % r->pieces, &lo, &hi);
-    if (lo == hi) r->send[k].state = RING_IO_DONE, r->send_left--;
-  }
-  r->inflight = 0;
-  r->send_conn = NULL;
+  transfers_init(r);
   const struct ring_ready *sr = ready_of(g, succ(r), false);
   r->succ_ready = sr && sr->step == step && sr->hash == r->hash;
   if (r->succ_ready) r->succ_nonce = sr->nonce;
@@ -562,6 +692,7 @@ static void start_on_loop(net_t *n, void *arg, int status) {
   struct ring_start *s = arg;
   struct gossip *g = s->g;
   uint64_t step = s->step;
+  enum ring_kind kind = s->kind;
   free(s);
   if (status || g->stopping) {
     if (!status) set_status(g, GOSSIP_AR_FAILED);
@@ -570,7 +701,7 @@ static void start_on_loop(net_t *n, void *arg, int status) {
 #ifdef RUMOR_TESTING
   gossip_testing_ring_start(g, step);
 #endif
-  start_round(g, step);
+  start_round(g, step, kind);
 }
 
 /* ---- messages ---- */
@@ -612,7 +743,7 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
    * the membership changed since our round began, and ours is the stale one. */
   size_t n;
   uint8_t(*ids)[NET_PUBKEY_BYTES] = view_ring(g, &n);
-  uint64_t now_hash = ring_hash(ids, n);
+  uint64_t now_hash = ring_hash(r, ids, n);
   free(ids);
   if (now_hash == hash) fail(g, true, "the membership changed: the ring re-forms with %zu members", n);
 }

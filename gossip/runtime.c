@@ -353,7 +353,7 @@ static struct gossip *make_gossip(const struct gossip_config *cfg, struct rumor_
     rc = rumor_err_set(e, -EINVAL, "a gossip peer needs its parameter count and host buffers");
   if (rc == 0) rc = gossip_monitoring_init(g, e);
   if (rc == 0) gossip_donation_init(g);
-  if (rc == 0) gossip_ring_init(g);
+  if (rc == 0) rc = gossip_ring_init(g, e);
 #ifdef RUMOR_TESTING
   if (rc == 0) rc = gossip_testing_start(g, e);
 #endif
