@@ -19,10 +19,11 @@
  *   i8    per block of CODEC_I8_BLOCK values (the last block shorter): a
  *         float32 scale s = absmax / 127 (lowered by one ulp where 127·s
  *         would overflow), then one int8 q per value, q = x / s rounded to
- *         nearest even and clamped to [−127, 127]; the value is q·s. A block
- *         whose absmax is below 127·FLT_MIN is sent as s = 0 and q = 0. A
- *         block holding a NaN or an infinity is sent with s = NaN and q = 0,
- *         which every decoder refuses.
+ *         nearest even and clamped to [−127, 127]; the value is q·s, within
+ *         absmax/254 of x plus the roundings of s and q·s (a few 2^-24 of
+ *         absmax). A block whose absmax is below 127·FLT_MIN is sent as
+ *         s = 0 and q = 0. A block holding a NaN or an infinity is sent with
+ *         s = NaN and q = 0, which every decoder refuses.
  *   topk  per chunk of CODEC_TOPK_CHUNK values (the last chunk shorter, len
  *         values), k = codec_topk_keep(c, len) kept entries: those of
  *         largest |v|, ties to the lower index. A float32 scale s = the
@@ -30,19 +31,21 @@
  *         increasing) as a bit stream of 12-bit fields; then the k values as
  *         a bit stream of `bits`-bit codes u in [0, L], L = 2^bits − 1, the
  *         value being s · ((2u − L) / L), the fraction rounded to float
- *         before the product: 2^bits levels from −s to s, symmetric about 0 and
- *         without it, as kept entries are the large ones. Each kept value is
- *         sent as its nearest level. Entries not
- *         kept decode as 0. A chunk holding a NaN or an infinity is sent
- *         with s = NaN, indices 0 .. k−1 and codes 0, which every decoder
- *         refuses.
+ *         before the product: 2^bits levels from −s to s, symmetric about 0
+ *         and without it, as kept entries are the large ones. Each kept
+ *         value is sent as its nearest level (within s/L, plus a few 2^-24
+ *         of s for the roundings). Entries not kept decode as 0. A chunk
+ *         holding a NaN or an infinity is sent with s = NaN, indices
+ *         0 .. k−1 and codes 0, which every decoder refuses.
  *
  * Error feedback: with a residual r, the encoder encodes v = x + r and
  * leaves r = v − decode(v), computed in float with the decoder's own
  * arithmetic, so what a round could not send is added to the next. A
  * non-finite v leaves r = 0 (one bad round is dropped instead of poisoning
  * every later one); the other entries of an i8 block or top-k chunk that a
- * non-finite value spoilt keep r = v, as nothing of them was sent.
+ * non-finite value spoilt keep r = v, as nothing of them was sent. (Any
+ * non-finite input makes the stream one that receivers refuse whole: a
+ * caller checks its vector is finite before it sends.)
  *
  * Threads: every function is pure over its arguments (no global state);
  * calls on disjoint buffers may run concurrently.

@@ -10,7 +10,8 @@
  *   - re-encoding the decoded values gives a stream the decoder accepts;
  *   - none and f16: that stream is the input, byte for byte (every finite
  *     float and half survives the round trip);
- *   - i8: its values are within absmax/254 per block of the decoded ones;
+ *   - i8: its values are within absmax/254 per block of the decoded ones
+ *     (plus 2^-20 of absmax for the rounding of the scale and q·s);
  *   - top-k: at most k values per chunk are nonzero, and the re-encoded
  *     stream is a fixed point (encoding its decoded values gives it back)
  *     where each chunk's scale is 0 or at least 2^-100 (below that, kept
@@ -59,14 +60,14 @@ static uint8_t *encode(const struct codec *c, const float *y, uint64_t n, uint64
   return out;
 }
 
-/* i8: y2 (decoded from the encoding of y) is within absmax/254 per block,
- * or 0 for a block below the encoder's tiny limit. */
+/* i8: y2 (decoded from the encoding of y) is within absmax/254 per block
+ * (and roundings), or 0 for a block below the encoder's tiny limit. */
 static void check_i8(const float *y, const float *y2, uint64_t n) {
   for (uint64_t off = 0; off < n; off += CODEC_I8_BLOCK) {
     uint64_t end = off + CODEC_I8_BLOCK < n ? off + CODEC_I8_BLOCK : n;
     float m = 0.0f;
     for (uint64_t i = off; i < end; i++) m = fmaxf(m, fabsf(y[i]));
-    double bound = m < 127.0f * FLT_MIN ? m : m / 254.0 * (1 + 1e-6);
+    double bound = m < 127.0f * FLT_MIN ? m : m / 254.0 + m * 0x1p-20; /* + the rounding of s and q·s */
     for (uint64_t i = off; i < end; i++)
       if (fabs((double)y2[i] - y[i]) > bound) abort();
   }

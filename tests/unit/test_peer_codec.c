@@ -255,6 +255,8 @@ Test(peer_codec, i8_is_within_absmax_over_254_per_block) {
   uint64_t n = 1000; /* 7 blocks of 128 and one of 104 */
   float *x = random_vector(n, 3);
   for (uint64_t i = 256; i < 384; i++) x[i] *= 1e-38f; /* a block below 127·FLT_MIN: sent as zeros */
+  for (uint64_t i = 384; i < 512; i++) /* x/s = ±63.5 (ties) where s = absmax/127 is rounded */
+    x[i] = (i == 384 ? 0x1.8a8566p-15f : 0x1.8a8566p-16f) * (i % 2 ? -1.0f : 1.0f);
   struct codec c = codec_of("i8");
   uint64_t len;
   uint8_t *b = encode(&c, x, n, &len);
@@ -263,7 +265,9 @@ Test(peer_codec, i8_is_within_absmax_over_254_per_block) {
     uint64_t end = off + 128 < n ? off + 128 : n;
     float m = 0;
     for (uint64_t i = off; i < end; i++) m = fmaxf(m, fabsf(x[i]));
-    double bound = m < 127.0f * FLT_MIN ? m : m / 254.0 * (1 + 1e-6), worst = 0;
+    /* half a step, plus the rounding of s (up to |q| = 127 times) and of
+     * q·s: a few 2^-24 of m */
+    double bound = m < 127.0f * FLT_MIN ? m : m / 254.0 + m * 0x1p-20, worst = 0;
     uint64_t at = off;
     for (uint64_t i = off; i < end; i++) {
       double err = fabs((double)y[i] - x[i]);
@@ -316,7 +320,7 @@ static void check_topk(const char *text, const float *x, uint64_t n) {
         continue;
       }
       cr_assert(y[at] != 0.0f, "%s: value %llu (%g) should be kept", text, (unsigned long long)at, x[at]);
-      double err = fabs((double)y[at] - x[at]), bound = s / L * (1 + 1e-6);
+      double err = fabs((double)y[at] - x[at]), bound = s / L + s * 0x1p-20; /* + the rounding of lv and s·lv */
       cr_assert(err <= bound, "%s: value %llu: %g -> %g, error %g above s/L = %g", text, (unsigned long long)at,
                 x[at], y[at], err, bound);
     }
