@@ -321,6 +321,11 @@ int gossip_ar_start(gossip_t *g, uint64_t step) RUMOR_MUST_CHECK;
  * it has not ended yet). */
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms);
 void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
+/* After GOSSIP_AR_BEHIND, when no member is left to take a later state
+ * from (the ones ahead finished and left): the ring forgets that others
+ * were ahead, so that the next rounds run with whoever is there (else
+ * every round would fail as behind). Training thread. */
+void gossip_ar_forget_ahead(gossip_t *g);
 
 /* Our all-gather block: gather_floats words (NULL when gather_floats is 0),
  * written before gossip_ag_start and untouched until the round ends. */

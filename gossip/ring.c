@@ -142,6 +142,17 @@ int gossip_ag_start(gossip_t *g, uint64_t step) {
   return round_start(g, step, RING_GATHER);
 }
 
+static void forget_on_loop(net_t *n, void *arg, int status) {
+  (void)n, (void)status;
+  struct gossip *g = arg;
+  g->ring.ahead_step = 0;
+}
+
+void gossip_ar_forget_ahead(gossip_t *g) {
+  /* Calls run in the order queued: the next start sees it done. */
+  if (net_call(g->net, forget_on_loop, g) != 0) log_debug("the runtime is stopping: nothing to forget");
+}
+
 enum gossip_ar_status gossip_ar_wait(gossip_t *g, uint32_t ms) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);

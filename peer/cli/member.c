@@ -93,7 +93,7 @@ static int take_pulled(struct member *mb, struct trainer *t, int jr, struct goss
     }
     log_warn("refused the cluster's state at step %llu: %s (a broken or hostile donor)", (unsigned long long)pos->step,
              why);
-    gossip_refuse_donation(mb->g, "it donated a state we refused");
+    gossip_refuse_donation(mb->g, "it donated a state worse than a fresh model");
     if (asked == SYNC_PULL_ASKS) {
       jr = 1;
       break;

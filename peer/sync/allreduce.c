@@ -97,6 +97,7 @@ int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync
         s->ring.wait_s += clock_now_s() - t0;
         return rc;
       }
+      gossip_ar_forget_ahead(s->g); /* nobody left who is ahead: go on with ours */
     }
     /* Failed (a member failed, joined or left; views differ): try again
      * once the membership has had time to settle, backing off a little. */

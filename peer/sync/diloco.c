@@ -1,8 +1,7 @@
 /* `--sync allreduce --outer K`: DiLoCo (sync.h, "Outer optimizers"). Every
- * H steps the members sum their pseudo-gradients, weighted by the rows each
- * trained in the round, over the ring (an all-gather of top-k encodings
- * with --outer-compress topk), and apply the same outer step to the same
- * anchor. */
+ * H steps the members average their pseudo-gradients over the ring (an
+ * all-gather of top-k encodings with --outer-compress topk) and apply the
+ * same outer step to the same anchor. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,30 +11,29 @@
 #include "peer/sync/sync_impl.h"
 #include "util/json_text.h"
 
-/* The rows a member may claim for one round: more than any run trains
- * (TRAIN_STEPS_MAX × TRAIN_BATCH_MAX is beyond a float's exact range; this
- * bounds a hostile claim's weight, not an honest one). */
-#define DILOCO_MAX_ROUND_ROWS 1e15
-
 static bool topk(const struct sync *s) { return s->cfg.outer.compress.kind == CODEC_TOPK; }
 
-/* An all-gather block: the rows (one float) and the encoding, in words. */
+/* An all-gather block: a version word (DILOCO_BLOCK_V1) and the encoding,
+ * in words. */
+#define DILOCO_BLOCK_V1 1.0f
 static uint64_t block_words(const struct sync_config *c, int64_t P) {
   return 1 + (codec_bytes(&c->outer.compress, (uint64_t)P) + 3) / 4;
 }
 
 /* The round's contribution, made once per round (error feedback must see
  * each round once however often the ring retries): dense, the
- * pseudo-gradient times the rows on the host (outer.host, P + 1 floats);
- * top-k, the block in outer.host. `work` holds the pseudo-gradient. */
-static void encode(struct sync *s, int64_t rows) {
+ * pseudo-gradient and a 1 that counts the members (outer.host, P + 1
+ * floats); top-k, the block in outer.host. Every member weighs the same:
+ * members run the same steps on the same batch, and a newcomer's first
+ * round counts the donor's progress again, which does no harm. `work`
+ * holds the pseudo-gradient. */
+static void encode(struct sync *s) {
   struct sync_outer *o = &s->outer;
   int64_t P = s->t->model.nparams;
   float *h = o->host;
   if (!topk(s)) {
     tensor_copy_to_host(&o->work, 0, h, (size_t)P * sizeof(float));
-    for (int64_t i = 0; i < P; i++) h[i] *= (float)rows;
-    h[P] = (float)rows;
+    h[P] = 1.0f;
     return;
   }
   /* Top-k with error feedback: the residual is host-side for the encoder
@@ -45,7 +43,7 @@ static void encode(struct sync *s, int64_t rows) {
   tensor_copy_to_host(&o->residual, 0, r, (size_t)P * sizeof(float));
   uint64_t words = block_words(&s->cfg, P);
   memset(h, 0, (size_t)words * sizeof(float));
-  h[0] = (float)rows;
+  h[0] = DILOCO_BLOCK_V1;
   codec_encode(&s->cfg.outer.compress, x, r, (uint64_t)P, (uint8_t *)(h + 1));
   tensor_copy_from_host(&o->residual, 0, r, (size_t)P * sizeof(float));
   free(x);
@@ -64,44 +62,45 @@ static void fill(struct sync *s, void *arg) {
 static bool take_sum(struct sync *s) {
   int64_t P = s->t->model.nparams;
   const float *sum = gossip_ar_result(s->g);
-  double rows = sum[P];
-  bool finite = isfinite(rows) && rows > 0;
+  double members = sum[P];
+  bool finite = isfinite(members) && members >= 1;
   for (int64_t i = 0; finite && i < P; i++) finite = isfinite(sum[i]);
   if (!finite) return false;
   tensor_copy_from_host(&s->outer.work, 0, sum, (size_t)P * sizeof(float));
-  tensor_scale(&s->outer.work, (float)(1.0 / rows));
+  tensor_scale(&s->outer.work, (float)(1.0 / members));
   return true;
 }
 
-/* The gathered blocks: their weighted mean into outer.work. A block that
- * does not decode (a broken or hostile member) is left out, by every member
- * alike, since every member holds the same blocks. False when no rows are
- * left. */
+/* The gathered blocks: their mean into outer.work. A block that does not
+ * decode (a broken or hostile member) is left out, by every member alike,
+ * since every member holds the same blocks. False when none is left. */
 static bool take_blocks(struct sync *s) {
   int64_t P = s->t->model.nparams;
   size_t n, self;
   const float *b = gossip_ag_result(s->g, &n, &self);
   uint64_t words = block_words(&s->cfg, P), len = codec_bytes(&s->cfg.outer.compress, (uint64_t)P);
-  double total = 0;
-  bool *ok = xcalloc(n, sizeof *ok);
-  for (size_t i = 0; i < n; i++) {
-    double rows = b[i * words];
-    ok[i] = isfinite(rows) && rows >= 0 && rows <= DILOCO_MAX_ROUND_ROWS;
-    if (ok[i]) total += rows;
-    else log_warn("DiLoCo: member %zu of the ring claims %g rows: its block is left out", i, rows);
-  }
-  float *acc = s->outer.host;
+  float *acc = s->outer.host, *one = xmalloc((size_t)P * sizeof(float));
   memset(acc, 0, (size_t)P * sizeof(float));
-  for (size_t i = 0; i < n && total > 0; i++) {
-    if (!ok[i] || b[i * words] == 0) continue;
+  size_t good = 0;
+  for (size_t i = 0; b && i < n; i++) {
     struct rumor_err e = {0};
-    float w = (float)(b[i * words] / total);
-    if (codec_decode_add(&s->cfg.outer.compress, (const uint8_t *)(b + i * words + 1), len, (uint64_t)P, w, acc, &e))
-      log_warn("DiLoCo: the block of member %zu of the ring is left out: %s", i, e.msg); /* acc unchanged */
+    memset(one, 0, (size_t)P * sizeof(float));
+    if (b[i * words] != DILOCO_BLOCK_V1)
+      rumor_err_set(&e, RUMOR_ECORRUPT, "its block's version word is %g", (double)b[i * words]);
+    else
+      (void)codec_decode_add(&s->cfg.outer.compress, (const uint8_t *)(b + i * words + 1), len, (uint64_t)P, 1.0f,
+                             one, &e);
+    if (e.code) {
+      log_warn("DiLoCo: the block of member %zu of the ring is left out: %s", i, e.msg);
+      continue;
+    }
+    for (int64_t j = 0; j < P; j++) acc[j] += one[j];
+    good++;
   }
-  free(ok);
-  if (!(total > 0)) return false;
+  free(one);
+  if (!good) return false;
   tensor_copy_from_host(&s->outer.work, 0, acc, (size_t)P * sizeof(float));
+  tensor_scale(&s->outer.work, (float)(1.0 / (double)good));
   return true;
 }
 
@@ -149,11 +148,10 @@ static uint64_t catch_up_step(const struct sync *s) {
   return (uint64_t)s->t->st.step + (s->cfg.outer.overlap ? 0 : 1);
 }
 
-/* One whole round now: work = this member's pseudo-gradient, `rows` its
- * weight. Returns 0 (applied), 1 (left behind: a state was taken), or a
- * negative code. */
-static int round_now(struct sync *s, int64_t rows, struct rumor_err *e) {
-  encode(s, rows);
+/* One whole round now: work = this member's pseudo-gradient. Returns 0
+ * (applied), 1 (left behind: a state was taken), or a negative code. */
+static int round_now(struct sync *s, struct rumor_err *e) {
+  encode(s);
   uint64_t id = s->outer.rounds;
   double t0 = clock_now_s();
   int rc = sync_ring_round(s, round_kind(s), id, fill, NULL, catch_up_step(s), e);
@@ -182,48 +180,55 @@ static int land_flight(struct sync *s, struct rumor_err *e) {
   /* Failed or left behind: again, synchronously, from what was sent. */
   tensor_copy(&o->work, &o->anchor);
   tensor_axpby(-1.0f, &o->prev, 1.0f, &o->work);
-  return round_now(s, o->flight_rows, e);
+  return round_now(s, e);
 }
 
 /* --outer-overlap: starts round `rounds` on this boundary's pseudo-gradient
  * and goes back to training. */
-static void launch(struct sync *s, int64_t rows) {
+static void launch(struct sync *s) {
   struct sync_outer *o = &s->outer;
   struct tensor params = tensor_flat(&s->t->model.params);
   sync_outer_pseudo_gradient(s);
   tensor_copy(&o->prev, &params);
   o->in_flight = true;
-  o->flight_rows = rows;
   s->donate_state_ok = false; /* a state now would lack the round in flight's update */
   sync_outer_store(s);
-  encode(s, rows);
+  encode(s);
   fill(s, NULL);
   uint64_t id = o->rounds;
   int rc = topk(s) ? gossip_ag_start(s->g, id) : gossip_ar_start(s->g, id);
   if (rc) log_warn("DiLoCo: cannot start round %llu (the runtime is stopping)", (unsigned long long)id);
 }
 
+/* A round ends here: the one in flight lands (overlapping), a state may be
+ * donated, and the next starts (overlapping) or runs now. A member left
+ * behind takes a state from one ahead: when that state is at a round
+ * boundary still due (its donor was in the round), the round runs again
+ * with the state taken. */
 static int diloco_boundary(struct sync *s, struct rumor_err *e) {
   struct sync_outer *o = &s->outer;
-  if (!sync_outer_due(s)) return 0;
-  int64_t rows = sync_outer_round_rows(s);
-  int rc = o->in_flight ? land_flight(s, e) : 0;
-  if (rc < 0) return rc;
-  if (rc == 1) sync_outer_reload(s); /* a state taken from a member ahead: none of our rows in it */
-  /* Nothing in flight: a full state may be donated (now, before the next
-   * round starts, if a newcomer waits). */
-  s->donate_state_ok = true;
-  sync_idle(s);
-  if (!sync_outer_due(s)) return 0; /* the state taken is past this boundary */
-  o->round_rows0 = s->t->st.samples;
-  if (s->cfg.outer.overlap && !trainer_done(s->t)) {
-    launch(s, rc == 1 ? 0 : rows);
-    return 0;
+  for (int tries = 0; sync_outer_due(s); tries++) {
+    RUMOR_ASSERT(tries < 1000);
+    int rc = o->in_flight ? land_flight(s, e) : 0;
+    if (rc < 0) return rc;
+    if (rc == 1) {
+      sync_outer_reload(s); /* a state taken from a member ahead */
+      continue;
+    }
+    /* Nothing in flight: a full state may be donated (now, before the next
+     * round starts, if a newcomer waits). */
+    s->donate_state_ok = true;
+    sync_idle(s);
+    if (s->cfg.outer.overlap && !trainer_done(s->t)) {
+      launch(s);
+      return 0;
+    }
+    sync_outer_pseudo_gradient(s);
+    rc = round_now(s, e);
+    if (rc < 0) return rc;
+    if (rc == 1) sync_outer_reload(s);
   }
-  sync_outer_pseudo_gradient(s);
-  rc = round_now(s, rc == 1 ? 0 : rows, e);
-  if (rc == 1) sync_outer_reload(s);
-  return rc < 0 ? rc : 0;
+  return 0;
 }
 
 static void diloco_extra(const struct sync_config *c, struct train_extra_spec *out) { sync_outer_extra(c, out); }

@@ -82,6 +82,7 @@ static void gradient(struct sync *s, bool apply) {
   struct gossip_stats gs;
   gossip_stats_get(s->g, &gs);
   o->last_bytes = apply ? (double)(gs.exchange_bytes_sent + gs.exchange_bytes_received) : 0.0;
+  o->alone_last = rc != 0;
   if (rc != 0) o->alone++;
 }
 
@@ -145,11 +146,9 @@ static int noloco_boundary(struct sync *s, struct rumor_err *e) {
     sync_outer_step(s);
   }
   struct tensor params = tensor_flat(&s->t->model.params);
-  o->round_rows0 = s->t->st.samples;
   if (overlap && !trainer_done(s->t)) {
     tensor_copy(&o->prev, &params);
     o->in_flight = true;
-    o->flight_rows = 0;
     sync_outer_store(s);
     offer(s);
     return 0;

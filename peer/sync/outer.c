@@ -11,10 +11,9 @@
 /* The segments of the state kept with the model (train_config.extra), in
  * this order; "outer.round" holds the counters as floats of at most 24
  * bits each, so they are exact: [rounds mod 2^24, rounds / 2^24, a round
- * in flight (0 or 1), its rows mod 2^24, its rows / 2^24, 1 once the state
- * was set up]. */
+ * in flight (0 or 1), 1 once the state was set up]. */
 enum { SEG_ANCHOR, SEG_MOMENTUM, SEG_ROUND, SEG_OPTIONAL };
-enum { META_ROUNDS_LO, META_ROUNDS_HI, META_IN_FLIGHT, META_ROWS_LO, META_ROWS_HI, META_VALID, META_FLOATS };
+enum { META_ROUNDS_LO, META_ROUNDS_HI, META_IN_FLIGHT, META_VALID, META_FLOATS };
 #define META_UNIT 16777216.0 /* 2^24 */
 
 static bool has_residual(const struct sync_config *c) {
@@ -35,8 +34,6 @@ void sync_outer_store(struct sync *s) {
       [META_ROUNDS_LO] = (float)fmod((double)o->rounds, META_UNIT),
       [META_ROUNDS_HI] = (float)floor((double)o->rounds / META_UNIT),
       [META_IN_FLIGHT] = o->in_flight ? 1.0f : 0.0f,
-      [META_ROWS_LO] = (float)fmod((double)o->flight_rows, META_UNIT),
-      [META_ROWS_HI] = (float)floor((double)o->flight_rows / META_UNIT),
       [META_VALID] = 1.0f,
   };
   tensor_copy_from_host(&o->round_meta, 0, meta, sizeof meta);
@@ -50,7 +47,6 @@ static bool load_meta(struct sync *s) {
   if (meta[META_VALID] != 1.0f) return false;
   o->rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
   o->in_flight = meta[META_IN_FLIGHT] != 0.0f;
-  o->flight_rows = (int64_t)meta[META_ROWS_LO] + (int64_t)meta[META_ROWS_HI] * (int64_t)META_UNIT;
   return true;
 }
 
@@ -65,13 +61,11 @@ static void start_fresh(struct sync *s) {
   if (o->residual.data) tensor_fill(&o->residual, 0.0f);
   o->rounds = (uint64_t)(s->t->st.step / s->cfg.outer.local_steps);
   o->in_flight = false;
-  o->flight_rows = 0;
   sync_outer_store(s);
 }
 
 void sync_outer_reload(struct sync *s) {
   if (!load_meta(s)) start_fresh(s);
-  s->outer.round_rows0 = s->t->st.samples;
 }
 
 int sync_outer_init(struct sync *s, struct rumor_err *e) {
@@ -118,13 +112,35 @@ bool sync_outer_due(const struct sync *s) {
   return boundary && target > s->outer.rounds + (s->outer.in_flight ? 1 : 0);
 }
 
-int64_t sync_outer_round_rows(const struct sync *s) { return s->t->st.samples - s->outer.round_rows0; }
-
 void sync_outer_pseudo_gradient(struct sync *s) {
   struct sync_outer *o = &s->outer;
   struct tensor params = tensor_flat(&s->t->model.params);
   tensor_copy(&o->work, &o->anchor);
   tensor_axpby(-1.0f, &params, 1.0f, &o->work);
+}
+
+/* A progress line for the round just applied, and with --eval-every at
+ * this step an evaluation of the parameters after it (the trainer's own of
+ * this step came before the round: a DiLoCo member's model is the one
+ * after). Whole replicas only (a stage evaluates with its group). */
+static void after_round(struct sync *s) {
+  struct sync_outer *o = &s->outer;
+  struct trainer *t = s->t;
+  log_info("outer round %llu at step %lld: pseudo-gradient norm %.4g, %.2f MB sent and received, %.2f s waited in all%s",
+           (unsigned long long)o->rounds, (long long)t->st.step, o->last_norm, o->last_bytes / 1e6, o->wait_s,
+           s->scheme == &sync_scheme_noloco && o->alone_last ? " (no partner: our own)" : "");
+  if (trainer_is_stage(t) || t->cfg.eval_every <= 0 || t->st.step % t->cfg.eval_every != 0) return;
+  struct rumor_err e = {0};
+  if (trainer_evaluate(t, &e)) {
+    log_warn("evaluation after outer round %llu: %s", (unsigned long long)o->rounds, e.msg);
+    return;
+  }
+  if (t->data.tokens)
+    log_info("step %lld: val loss %.4f after outer round %llu (evaluated in %.3f s)", (long long)t->st.step,
+             t->test_loss, (unsigned long long)o->rounds, t->eval_seconds);
+  else
+    log_info("step %lld: test accuracy %.4f, test loss %.4f after outer round %llu (evaluated in %.3f s)",
+             (long long)t->st.step, t->accuracy, t->test_loss, (unsigned long long)o->rounds, t->eval_seconds);
 }
 
 void sync_outer_step(struct sync *s) {
@@ -151,6 +167,7 @@ void sync_outer_step(struct sync *s) {
   o->rounds++;
   s->changes++;
   sync_outer_store(s);
+  after_round(s);
 }
 
 void sync_outer_result(const struct sync *s, json_t *o) {

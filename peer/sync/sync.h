@@ -166,8 +166,8 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * new anchor, φ ← θ. The inner optimizer's state carries on.
  *
  * DiLoCo (Douillard et al. 2023), `--sync allreduce`: g is the mean of
- * every member's Δ, weighted by the rows each trained in the round, summed
- * over the elastic ring; every member holds the same anchor and applies the
+ * every member's Δ, summed over the elastic ring (the members of a round's
+ * ring, each weighing the same); every member holds the same anchor and applies the
  * same g, so they stay identical at round ends, and a run ends with an
  * outer round (members finish with identical parameters).
  *
@@ -428,9 +428,8 @@ struct sync_outer {
   float *host;                    /* (P + 1) scratch on the host (top-k encoding) */
   uint64_t rounds;                /* rounds applied (kept with the model) */
   bool in_flight;                 /* overlap: the round `rounds` was started and is not applied yet */
-  int64_t flight_rows;            /* ... with this weight */
-  int64_t round_rows0;            /* t->st.samples when the current round began */
   uint64_t alone;                 /* NoLoCo rounds applied without a partner */
+  bool alone_last;                /* ... the last one was */
   double last_norm, last_bytes, wait_s;
 };
 

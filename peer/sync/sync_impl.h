@@ -79,8 +79,6 @@ void sync_outer_store(struct sync *s);
 /* True when this boundary ends a round: every local_steps steps, and at
  * the last step. */
 bool sync_outer_due(const struct sync *s);
-/* Rows trained since the current round began (its weight). */
-int64_t sync_outer_round_rows(const struct sync *s);
 /* work ← θ − φ (this member's pseudo-gradient, on the device). */
 void sync_outer_pseudo_gradient(struct sync *s);
 /* The outer step with the averaged pseudo-gradient in outer.work: updates

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Low-communication training side by side (issue #29, item 5): N peers train
+one small GPT (AdamW inner, the same tokens in every row) under every sync
+scheme, on loopback and on slow test hosts, and the table says what each
+scheme buys: final validation loss, bytes sent per peer per training token,
+wall time, and on the slow links the time to reach all-reduce's final loss.
+
+Rows (each condition):
+  one-4x       one process at N times the batch (rumor train; no network)
+  alone        one peer alone on its 1/N of the tokens (rumor train --shard)
+  allreduce    all-reduce of every step's gradient (--sync allreduce)
+  gossip       gossip averaging every step (--sync gossip)
+  diloco-H     DiLoCo, H inner steps a round (--sync allreduce --outer nesterov)
+  diloco-50-i8, diloco-50-topk   ... with --outer-compress i8 or topk:0.03:2
+  diloco-50-overlap              ... with --outer-overlap
+  noloco-H     NoLoCo (--sync gossip --outer nesterov)
+
+Targets (printed PASS or MISS beside the figures; loopback):
+  recovery (alone - scheme) / (alone - allreduce) >= 0.7 for diloco-50 and
+  noloco-50; bytes per token at least 45x below allreduce for diloco-50 and
+  1000x for diloco-50-topk, which is at most 0.02 above diloco-50's loss;
+  slow links: the outer schemes reach allreduce's final loss at least 3x
+  sooner than allreduce does (they may train past the token budget:
+  SLOW_FACTOR times the steps).
+
+Run as root for the slow condition (deploy/testnet.sh: network namespaces;
+skipped with the reason otherwise). Writes a CSV of every row and every
+evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
+
+  tests/bench/bench-lowcomm.sh [BUILD_DIR]
+  env: N (4), MODEL (gpt:L2-H4-C128-T64-V256), BATCH (8), STEPS (1000),
+       LR (3e-3), HS ("10 50 200"), CONDITIONS ("loopback slow"),
+       ROWS (all), OUTER_LR (rumor's default), OUTER_MOMENTUM (default),
+       SLOW_DELAY_MS (25: each host's egress, so 50 ms RTT), SLOW_RATE_MBIT (50),
+       SLOW_FACTOR (2), THREADS (1), RUN_TIMEOUT (3600 s), OUT, DATA (the KJV text)
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(SRC, "build")
+RUMOR = os.path.join(BUILD, "peer", "rumor")
+TESTNET = os.path.join(SRC, "deploy", "testnet.sh")
+ENV = os.environ
+N = int(ENV.get("N", "4"))
+MODEL = ENV.get("MODEL", "gpt:L2-H4-C128-T64-V256")
+BATCH = int(ENV.get("BATCH", "8"))
+STEPS = int(ENV.get("STEPS", "1000"))
+LR = ENV.get("LR", "3e-3")
+HS = [int(h) for h in ENV.get("HS", "10 50 200").split()]
+CONDITIONS = ENV.get("CONDITIONS", "loopback slow").split()
+THREADS = ENV.get("THREADS", "1")
+RUN_TIMEOUT = float(ENV.get("RUN_TIMEOUT", "3600"))
+SLOW_DELAY = ENV.get("SLOW_DELAY_MS", "25")
+SLOW_RATE = ENV.get("SLOW_RATE_MBIT", "50")
+SLOW_FACTOR = float(ENV.get("SLOW_FACTOR", "2"))
+OUT = ENV.get("OUT", "bench-lowcomm.csv")
+DATA = ENV.get("DATA", "/usr/local/share/rumor/kjv.txt")
+CONTEXT = int(re.search(r"-T(\d+)", MODEL).group(1)) if re.search(r"-T(\d+)", MODEL) else 1024
+TESTNET_NAME = "rlc"
+
+COMMON = ["--model", MODEL, "--data", DATA, "--optimizer", "adamw", "--lr", LR, "--warmup", "20",
+          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1", "--threads", THREADS, "--log-every", "0"]
+
+
+def outer_flags(extra):
+    flags = list(extra)
+    if "OUTER_LR" in ENV:
+        flags += ["--outer-lr", ENV["OUTER_LR"]]
+    if "OUTER_MOMENTUM" in ENV:
+        flags += ["--outer-momentum", ENV["OUTER_MOMENTUM"]]
+    return flags
+
+
+def rows():
+    """(name, kind, flags): kind 'train' (one process) or 'peers'."""
+    out = [("one-4x", "train", ["--batch", str(BATCH * N)]),
+           ("alone", "train", ["--batch", str(BATCH), "--shard", f"0/{N}"]),
+           ("allreduce", "peers", ["--sync", "allreduce"]),
+           ("gossip", "peers", ["--sync", "gossip"])]
+    for h in HS:
+        out.append((f"diloco-{h}", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
+                                                          "--local-steps", str(h)])))
+    out += [("diloco-50-i8", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps",
+                                                  "50", "--outer-compress", "i8"])),
+            ("diloco-50-topk", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps",
+                                                    "50", "--outer-compress", "topk:0.03:2"])),
+            ("diloco-50-overlap", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
+                                                       "--local-steps", "50", "--outer-overlap"]))]
+    for h in HS:
+        out.append((f"noloco-{h}", "peers", outer_flags(["--outer", "nesterov", "--local-steps", str(h)])))
+    wanted = ENV.get("ROWS")
+    return [r for r in out if not wanted or r[0] in wanted.split()]
+
+
+def testnet(*args, check=True):
+    env = dict(ENV, TESTNET_NAME=TESTNET_NAME, TESTNET_OWNER=str(os.getpid()))
+    return subprocess.run([TESTNET, *args], env=env, check=check, capture_output=True, text=True)
+
+
+def host_prefix(cond, i):
+    if cond != "slow":
+        return []
+    return ["env", f"TESTNET_NAME={TESTNET_NAME}", TESTNET, "exec", str(i)]
+
+
+def addr(cond, i):
+    return f"10.77.0.{i}" if cond == "slow" else "127.0.0.1"
+
+
+def wait_for(path, needle, secs):
+    end = time.time() + secs
+    while time.time() < end:
+        if os.path.exists(path) and needle in open(path, errors="replace").read():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) ")
+EVAL = re.compile(r"step (\d+): train loss [0-9.naninf]+, val loss ([0-9.]+)")
+ROUND_EVAL = re.compile(r"step (\d+): val loss ([0-9.]+) after outer round")
+
+
+def log_secs(line):
+    m = LOG_TIME.match(line)
+    return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3)) if m else None
+
+
+def read_log(path):
+    """(first step time, training done time, [(t, val_loss)]) of a log, times in
+    seconds of the day; evaluations after outer rounds where there are any,
+    else the trainer's own."""
+    first = done = None
+    plain, after = [], []
+    for line in open(path, errors="replace"):
+        t = log_secs(line)
+        if t is None:
+            continue
+        if first is None and "first step" in line:
+            first = t
+        if "training done after" in line:
+            done = t
+        m = ROUND_EVAL.search(line)
+        if m:
+            after.append((t, float(m.group(2))))
+            continue
+        m = EVAL.search(line)
+        if m:
+            plain.append((t, float(m.group(2))))
+    return first, done, after or plain
+
+
+def result_line(path):
+    for line in reversed(open(path, errors="replace").read().splitlines()):
+        if line.startswith("{") and '"val_loss"' in line:
+            return json.loads(line)
+    return None
+
+
+def run_train(work, name, flags, steps):
+    d = os.path.join(work, name)
+    os.makedirs(d, exist_ok=True)
+    t0 = time.time()
+    with open(os.path.join(d, "out"), "w") as out, open(os.path.join(d, "log"), "w") as log:
+        subprocess.run([RUMOR, "train", *COMMON, "--max-steps", str(steps), "--eval-every", str(max(steps // 20, 1)),
+                        *flags], stdout=out, stderr=log, timeout=RUN_TIMEOUT, check=False)
+    r = result_line(os.path.join(d, "out"))
+    _, _, evals = read_log(os.path.join(d, "log"))
+    return {"val_loss": r["val_loss"] if r else float("nan"), "bytes_per_token": 0.0, "wall_s": time.time() - t0,
+            "finished": 1 if r else 0, "evals": [(t - evals[0][0] if evals else 0, v) for t, v in evals]}
+
+
+def run_peers(work, cond, name, flags, steps):
+    d = os.path.join(work, f"{cond}-{name}")
+    os.makedirs(d, exist_ok=True)
+    subprocess.run([RUMOR, "keygen", "--cluster", "-o", f"{d}/cluster.key"], capture_output=True, check=True)
+    for i in range(N + 1):
+        subprocess.run([RUMOR, "keygen", "-o", f"{d}/id{i}.key"], capture_output=True, check=True)
+    procs = []
+    try:
+        boot = subprocess.Popen(host_prefix(cond, 1) + [RUMOR, "bootstrap", "--listen", f"{addr(cond, 1)}:0",
+                                "--cluster-key", f"{d}/cluster.key", "--identity", f"{d}/id0.key"],
+                                stdout=open(f"{d}/boot.out", "w"), stderr=open(f"{d}/boot.log", "w"))
+        procs.append(boot)
+        if not wait_for(f"{d}/boot.out", '"listen"', 30):
+            raise RuntimeError(f"bootstrap did not start: {open(f'{d}/boot.log').read()}")
+        baddr = re.search(r'"listen":"([^"]*)"', open(f"{d}/boot.out").read()).group(1)
+        h = next((int(flags[k + 1]) for k in range(len(flags) - 1) if flags[k] == "--local-steps"), 0)
+        every = h if h else max(steps // 20, 1)
+        peers = []
+        for i in range(1, N + 1):
+            cmd = host_prefix(cond, i) + [RUMOR, "peer", *COMMON, "--bootstrap", baddr, "--listen",
+                                          f"{addr(cond, i)}:0", "--cluster-key", f"{d}/cluster.key",
+                                          "--identity", f"{d}/id{i}.key", "--shard", f"{i - 1}/{N}", "--batch",
+                                          str(BATCH), "--max-steps", str(steps), "--eval-every", str(every),
+                                          "--wait-peers", str(N), "--name", f"w{i}", *flags]
+            p = subprocess.Popen(cmd, stdout=open(f"{d}/w{i}.out", "w"), stderr=open(f"{d}/w{i}.log", "w"))
+            procs.append(p)
+            peers.append(p)
+        end = time.time() + RUN_TIMEOUT
+        for p in peers:
+            try:
+                p.wait(timeout=max(end - time.time(), 1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    losses, bpt, firsts, dones, evals = [], [], [], [], []
+    for i in range(1, N + 1):
+        r = result_line(f"{d}/w{i}.out")
+        first, done, ev = read_log(f"{d}/w{i}.log")
+        if first is not None:
+            firsts.append(first)
+        if done is not None:
+            dones.append(done)
+        if r:
+            losses.append(r["val_loss"])
+            bpt.append(r.get("bytes_out", 0) / (r["steps"] * BATCH * CONTEXT))
+        evals.append(ev)
+    t0 = min(firsts) if firsts else 0
+    # A scheme's loss curve: at each evaluation time, the mean of every
+    # peer's latest evaluation.
+    merged = sorted((t - t0, i, v) for i, ev in enumerate(evals) for t, v in ev)
+    latest, curve = {}, []
+    for t, i, v in merged:
+        latest[i] = v
+        if len(latest) == len(evals):
+            curve.append((t, sum(latest.values()) / len(latest)))
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+    return {"val_loss": mean(losses), "bytes_per_token": mean(bpt),
+            "wall_s": (max(dones) - t0) if dones else float("nan"), "finished": len(losses), "evals": curve}
+
+
+def time_to(curve, target):
+    for t, v in curve:
+        if v <= target:
+            return t
+    return float("nan")
+
+
+def main():
+    if not os.access(RUMOR, os.X_OK):
+        sys.exit(f"build first: {RUMOR} is missing")
+    work = tempfile.mkdtemp(prefix="bench-lowcomm-")
+    conds = list(CONDITIONS)
+    if "slow" in conds:
+        chk = testnet("check", check=False)
+        if chk.returncode != 0:
+            print(f"bench-lowcomm: slow condition skipped: {chk.stderr.strip()}", file=sys.stderr)
+            conds.remove("slow")
+    cpu = "AVX-512" if "avx512f" in open("/proc/cpuinfo").read() else "AVX2"
+    print(f"bench-lowcomm: {N} peers, {MODEL}, batch {BATCH} x {CONTEXT} tokens, {STEPS} steps, AdamW lr {LR}; "
+          f"{os.cpu_count()} CPUs ({cpu}); conditions {' '.join(conds)}", file=sys.stderr)
+    results = {}
+    csv = open(OUT, "w")
+    csv.write("condition,row,val_loss,bytes_per_token,wall_s,finished,t,eval_loss\n")
+    try:
+        for cond in conds:
+            if cond == "slow":
+                testnet("up", str(N))
+                testnet("shape", "all", "delay", SLOW_DELAY, "rate", SLOW_RATE)
+            for name, kind, flags in rows():
+                if kind == "train" and cond != conds[0]:
+                    results[(cond, name)] = results[(conds[0], name)]  # no network: the same run
+                    continue
+                outer = "--outer" in flags
+                steps = int(STEPS * SLOW_FACTOR) if cond == "slow" and outer else STEPS
+                print(f"bench-lowcomm: {cond} {name} ...", file=sys.stderr, flush=True)
+                r = run_train(work, name, flags, steps) if kind == "train" else run_peers(work, cond, name, flags,
+                                                                                        steps)
+                results[(cond, name)] = r
+                csv.write(f"{cond},{name},{r['val_loss']:.5f},{r['bytes_per_token']:.4f},{r['wall_s']:.2f},"
+                          f"{r['finished']},,\n")
+                for t, v in r["evals"]:
+                    csv.write(f"{cond},{name},,,,,{t:.3f},{v:.5f}\n")
+                csv.flush()
+                print(f"  val_loss {r['val_loss']:.4f}  bytes/token {r['bytes_per_token']:.2f}  wall "
+                      f"{r['wall_s']:.1f} s  finished {r['finished']}", file=sys.stderr, flush=True)
+            if cond == "slow":
+                testnet("down", check=False)
+    finally:
+        if "slow" in conds:
+            testnet("down", check=False)
+        if ENV.get("KEEP"):
+            print(f"bench-lowcomm: kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    report(results, conds)
+
+
+def report(results, conds):
+    for cond in conds:
+        ar = results.get((cond, "allreduce"))
+        alone = results.get((cond, "alone"))
+        print(f"\n### {cond}\n")
+        hdr = "| row | val loss | recovery | bytes/token/peer | vs allreduce | wall s |"
+        if cond == "slow":
+            hdr += " s to allreduce's loss | speed-up |"
+        print(hdr)
+        print("|" + "---|" * (hdr.count("|") - 1))
+        for name, _, _ in rows():
+            r = results.get((cond, name))
+            if not r:
+                continue
+            rec = (alone["val_loss"] - r["val_loss"]) / (alone["val_loss"] - ar["val_loss"]) if ar and alone else float("nan")
+            ratio = ar["bytes_per_token"] / r["bytes_per_token"] if ar and r["bytes_per_token"] > 0 else float("nan")
+            line = (f"| {name} | {r['val_loss']:.4f} | {rec:.2f} | {r['bytes_per_token']:.2f} | "
+                    f"{ratio:.0f}x | {r['wall_s']:.1f} |")
+            if cond == "slow" and ar:
+                t_ar = time_to(ar["evals"], ar["val_loss"] + 1e-9)
+                t = time_to(r["evals"], ar["val_loss"] + 1e-9)
+                line += f" {t:.1f} | {t_ar / t if t == t and t > 0 else float('nan'):.1f}x |"
+            print(line)
+        checks = []
+        d50, n50, topk = results.get((cond, "diloco-50")), results.get((cond, "noloco-50")), results.get(
+            (cond, "diloco-50-topk"))
+        if ar and alone:
+            for name, r in (("diloco-50", d50), ("noloco-50", n50)):
+                if r:
+                    rec = (alone["val_loss"] - r["val_loss"]) / (alone["val_loss"] - ar["val_loss"])
+                    checks.append((f"{name} recovers >= 0.7 of the alone-to-allreduce gap", rec >= 0.7, f"{rec:.2f}"))
+            if d50 and d50["bytes_per_token"] > 0:
+                x = ar["bytes_per_token"] / d50["bytes_per_token"]
+                checks.append(("diloco-50 sends >= 45x fewer bytes per token than allreduce", x >= 45, f"{x:.0f}x"))
+            if topk and topk["bytes_per_token"] > 0:
+                x = ar["bytes_per_token"] / topk["bytes_per_token"]
+                checks.append(("diloco-50-topk sends >= 1000x fewer", x >= 1000, f"{x:.0f}x"))
+                if d50:
+                    extra = topk["val_loss"] - d50["val_loss"]
+                    checks.append(("diloco-50-topk at most 0.02 above diloco-50", extra <= 0.02, f"{extra:+.4f}"))
+        if cond == "slow" and ar:
+            t_ar = time_to(ar["evals"], ar["val_loss"] + 1e-9)
+            for name in ("diloco-50", "noloco-50", "diloco-50-overlap"):
+                r = results.get((cond, name))
+                if r:
+                    t = time_to(r["evals"], ar["val_loss"] + 1e-9)
+                    ok = t == t and t_ar / t >= 3
+                    checks.append((f"{name} reaches allreduce's loss >= 3x sooner", ok,
+                                   f"{t_ar:.1f} s vs {t:.1f} s" if t == t else "never"))
+        for what, ok, fig in checks:
+            print(f"{'PASS' if ok else 'MISS'}  {what}: {fig}")
+
+
+if __name__ == "__main__":
+    main()
