@@ -373,13 +373,10 @@ extern const size_t top_web_page_len;
  * the options a worker does not take) and ps_worker_run (the whole run). */
 int cmd_ps(int argc, char **argv);
 int ps_worker_check(const struct net_flags *nf, const struct gossip_flags *gf, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* For a group's stage with --sync ps (cmd_stage.c): starts the client of
- * the stage's servers and installs it as t's reducer; the caller joins
- * (ps_client_join), trains, finishes and frees it. */
-int ps_worker_start(ps_client_t **out, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
-                    const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* The result line's parameter-server figures: sync, ps_pushes, ... */
-void ps_result_fields(struct json_t *o, const struct ps_client_stats *st);
+/* The parameter servers' connection settings of a worker (our keys and
+ * --servers) into a sync configuration (its `net`), for the ps scheme. */
+void ps_worker_net(const struct net_flags *nf, const struct net_keys *keys, const struct gossip_flags *gf,
+                   struct sync_config *c);
 int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
                   const struct gossip_flags *gf, const struct gossip_setup *setup,
                   struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -7,8 +7,6 @@
 #include "peer/ps/ps.h"
 #include "util/json_text.h"
 
-#define PS_SERVER_TIMEOUT_MS 10000 /* a worker redials a server silent this long */
-#define PS_GIVE_UP_S 120.0         /* a worker fails when a server stays away this long */
 
 /* ============================================================================
  * The server
@@ -192,29 +190,19 @@ int ps_worker_check(const struct net_flags *nf, const struct gossip_flags *gf, s
   return 0;
 }
 
-void ps_result_fields(json_t *o, const struct ps_client_stats *st) {
-  json_text_set(o, "sync", json_string("ps"));
-  const struct {
-    const char *key;
-    int64_t v;
-  } figs[] = {{"ps_pushes", (int64_t)st->pushes},         {"ps_pulls", (int64_t)st->pulls},
-              {"ps_repushes", (int64_t)st->repushes},     {"ps_reconnects", (int64_t)st->reconnects},
-              {"ps_version", st->last_version},           {"ps_max_clock_gap", st->max_gap}};
-  for (size_t i = 0; i < sizeof figs / sizeof figs[0]; i++) json_text_set(o, figs[i].key, json_integer(figs[i].v));
-  json_text_set(o, "ps_wait_s", json_text_real(st->wait_s));
-}
-
-static void print_worker_result(struct trainer *t, const struct ps_client_stats *st, const char *id, double secs,
-                                int64_t s0) {
+static void print_worker_result(struct trainer *t, const struct sync *sy, const char *id, double secs, int64_t s0) {
   if (!result_final_evaluation(t)) return;
+  struct ps_client_stats st;
+  ps_client_stats_get(sy->scheme_state, &st);
   char final[96];
   result_describe_final(t, final, sizeof final);
   log_info("final %s after %lld steps; %llu pushes, %llu pulls, %.1f s waiting, largest clock gap %lld", final,
-           (long long)t->st.step, (unsigned long long)st->pushes, (unsigned long long)st->pulls, st->wait_s,
-           (long long)st->max_gap);
+           (long long)t->st.step, (unsigned long long)st.pushes, (unsigned long long)st.pulls, st.wait_s,
+           (long long)st.max_gap);
   json_t *o = result_open();
   result_training(o, t, secs, s0);
-  ps_result_fields(o, st);
+  struct gossip_stats none = {0}; /* no gossip runtime */
+  sync_result(sy, &none, o);
   json_text_set(o, "id", json_string(id));
   result_print(o);
 }
@@ -234,29 +222,25 @@ static int worker_loop(struct trainer *t, struct rumor_err *e) {
   return 0;
 }
 
-int ps_worker_start(ps_client_t **out, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
-                    const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) {
-  const struct ps_client_config cc = {.identity = &keys->identity,
-                                      .cluster_key = keys->cluster_key,
-                                      .allow = keys->have_allow ? &keys->allow : NULL,
-                                      .servers = gf->servers,
-                                      .wire = setup->wire,
-                                      .server_timeout_ms = PS_SERVER_TIMEOUT_MS,
-                                      .handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms,
-                                      .give_up_s = PS_GIVE_UP_S,
-                                      .stop = signals_stop_flag()};
-  int rc = ps_client_start(out, t, &cc, e);
-  if (rc) return rc;
-  t->reducer = (struct train_reducer){ps_client_reduce, *out};
-  return 0;
+void ps_worker_net(const struct net_flags *nf, const struct net_keys *keys, const struct gossip_flags *gf,
+                   struct sync_config *c) {
+  c->net = (struct sync_net){.identity = &keys->identity,
+                             .cluster_key = keys->cluster_key,
+                             .allow = keys->have_allow ? &keys->allow : NULL,
+                             .servers = gf->servers,
+                             .handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms};
 }
 
+/* A whole replica's worker: the ps scheme with no gossip runtime. */
 int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
                   const struct gossip_flags *gf, const struct gossip_setup *setup, struct rumor_err *e) {
   char id[NET_PUBKEY_STR_LEN + 1];
   net_pubkey_format(id, keys->identity.pk);
-  ps_client_t *cl;
-  int rc = ps_worker_start(&cl, t, nf, keys, gf, setup, e);
+  struct sync_config cfg = setup->sync;
+  ps_worker_net(nf, keys, gf, &cfg);
+  cfg.stop = signals_stop_flag();
+  struct sync sy;
+  int rc = sync_init(&sy, NULL, t, &cfg, e);
   if (rc) return rc;
   json_t *line = result_open();
   json_text_set(line, "id", json_string(id));
@@ -266,22 +250,21 @@ int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct ne
   json_text_print(stdout, line);
   int64_t s0 = t->st.samples;
   double t0 = clock_now_s();
-  if ((rc = ps_client_join(cl, e)) == 0) rc = worker_loop(t, e);
+  if ((rc = sync_join(&sy, e)) == 0) rc = worker_loop(t, e);
   if (rc == RUMOR_ECANCELED && signals_stop_requested()) rc = 0;
   double secs = clock_now_s() - t0;
-  struct ps_client_stats st;
-  ps_client_stats_get(cl, &st);
   bool stopped = signals_stop_requested() != 0;
-  if (rc == 0 && !stopped) ps_client_finish(cl); /* DONE: a stopped worker is dropped instead, and may come back */
-  ps_client_free(cl);
-  t->reducer = (struct train_reducer){0};
+  struct sync_finish_args fin = {0};
+  if (rc == 0 && !stopped) rc = sync_finish(&sy, &fin, e); /* DONE: a stopped worker is dropped instead, and may come back */
+  if (rc == 0 && !stopped) {
+    log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
+    print_worker_result(t, &sy, id, secs, s0);
+  }
+  sync_free(&sy);
   if (rc) return rc;
   if (stopped) {
     log_info("signal %d: stopping at step %lld", signals_stop_requested(), (long long)t->st.step);
     if (t->cfg.checkpoint && trainer_save(t, t->cfg.checkpoint, e)) fprintf(stderr, "rumor peer: %s\n", e->msg);
-    return 0;
   }
-  log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
-  print_worker_result(t, &st, id, secs, s0);
   return 0;
 }

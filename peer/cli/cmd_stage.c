@@ -26,7 +26,6 @@ struct stage_proc {
   struct member mb;
   stage_link_t *link;
   struct tb_train tb; /* --tensorboard */
-  ps_client_t *ps; /* --sync ps: the client of this stage's servers (the member then gossips with no one) */
 };
 
 /* Opens a result line naming the group and this stage. */
@@ -60,13 +59,7 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   json_text_set(o, "act_slots", json_integer(ps->slots));
   json_text_set(o, "act_peak_bytes", json_integer((json_int_t)ps->slots * (json_int_t)ps->slot_bytes));
   json_text_set(o, "schedule", json_string(pipe_schedule_name(p->st.sched)));
-  if (p->ps) {
-    struct ps_client_stats pst;
-    ps_client_stats_get(p->ps, &pst);
-    ps_result_fields(o, &pst);
-  } else {
-    sync_result(s, &gs, o);
-  }
+  sync_result(s, &gs, o);
   json_text_set(o, "id", json_string(gossip_self_id(p->mb.g)));
   result_print(o);
 }
@@ -181,13 +174,15 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
-/* --sync ps: takes this stage's slice and clock from its servers. Every
- * stage of the group must be at the same step: stage 0's position is
- * passed on, and a stage whose servers have it elsewhere stops the group. */
+/* --sync ps: takes this stage's slice and clock from its servers (the
+ * scheme's join, once it started: member_ready). Every stage of the group
+ * must be at the same step: stage 0's position is passed on, and a stage
+ * whose servers have it elsewhere stops the group. */
 static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct rumor_err *e) {
   struct trainer *t = &p->t;
-  int rc = ps_worker_start(&p->ps, t, &p->f.net, &p->keys, &p->f.gossip, &p->mb.setup, e);
-  if (rc || (rc = ps_client_join(p->ps, e))) return rc;
+  ps_worker_net(&p->f.net, &p->keys, &p->f.gossip, &p->mb.setup.sync);
+  int rc = member_ready(&p->mb, t, e);
+  if (rc || (rc = sync_join(&p->mb.sync, e))) return rc;
   *lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
   log_info("took stage %d's slice from its servers at step %lld", p->st.stage, (long long)t->st.step);
   if (p->st.stage == 0) return 0;
@@ -228,7 +223,7 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   trainer_set_position(t, lp.step, lp.epoch, lp.samples);
   if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
   if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
-  if ((rc = member_ready(&p->mb, t, e))) return rc;
+  if (!p->mb.have_sync && (rc = member_ready(&p->mb, t, e))) return rc;
   stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
   return 0;
 }
@@ -261,7 +256,6 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
     if ((rc = member_boundary(&p->mb, t, e))) return rc;
   }
   double secs = clock_now_s() - t0;
-  if (p->ps) ps_client_finish(p->ps); /* DONE: the servers stop counting this stage in their bound */
   /* The same stage of groups still training is not left alone (the links
    * keep pinging meanwhile; our neighbours wait for us in the evaluation).
    * A neighbour that fails meanwhile ends the wait and the group. */
@@ -322,8 +316,6 @@ int cmd_stage(int argc, char **argv) {
   status = rc == 0 ? 0 : stop_group(p, &e);
   /* The links first: they ride on the gossip runtime's event loop. */
   stage_link_close(p->link, 10000);
-  ps_client_free(p->ps);
-  p->t.reducer = (struct train_reducer){0};
   member_free(&p->mb, p->f.net.linger_ms);
   tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);

@@ -413,6 +413,13 @@ static void on_tick(uv_timer_t *h) {
     }
     pump(k);
   }
+  /* The transport's byte counts, for the result line (every tick). */
+  struct net_stats ns;
+  net_stats_get(cl->net, &ns);
+  pthread_mutex_lock(&cl->mu);
+  cl->stats.bytes_in = ns.total.bytes_in;
+  cl->stats.bytes_out = ns.total.bytes_out;
+  pthread_mutex_unlock(&cl->mu);
 }
 
 /* ============================================================================

@@ -140,6 +140,7 @@ struct ps_client_stats {
   double wait_s;       /* in pulls: the time the staleness bound (and the network) held us */
   int64_t last_version; /* the largest server version seen in a pull */
   int64_t max_gap;     /* the largest clock gap a server reported at our release */
+  uint64_t bytes_in, bytes_out; /* every byte of the client's transport (as of its last tick) */
 };
 
 /* Starts the client's loop thread and dials every server. `t` must outlive
@@ -161,6 +162,9 @@ void ps_client_finish(ps_client_t *c);
 void ps_client_stats_get(ps_client_t *c, struct ps_client_stats *st);
 /* Stops the loop thread (closing connections) and frees. NULL is fine. */
 void ps_client_free(ps_client_t *c);
+/* The result line's fields of a worker: sync "ps", ps_pushes, ps_pulls,
+ * ps_repushes, ps_reconnects, ps_version, ps_max_clock_gap, ps_wait_s. */
+void ps_client_result(const struct ps_client_stats *st, struct json_t *o);
 
 /* ============================================================================
  * Watching servers (rumor top --servers)

@@ -85,12 +85,11 @@ static bool take_blocks(struct sync *s) {
   for (size_t i = 0; b && i < n; i++) {
     struct rumor_err e = {0};
     memset(one, 0, (size_t)P * sizeof(float));
-    if (b[i * words] != DILOCO_BLOCK_V1)
-      rumor_err_set(&e, RUMOR_ECORRUPT, "its block's version word is %g", (double)b[i * words]);
-    else
-      (void)codec_decode_add(&s->cfg.outer.compress, (const uint8_t *)(b + i * words + 1), len, (uint64_t)P, 1.0f,
-                             one, &e);
-    if (e.code) {
+    int rc = b[i * words] != DILOCO_BLOCK_V1
+                 ? rumor_err_set(&e, RUMOR_ECORRUPT, "its block's version word is %g", (double)b[i * words])
+                 : codec_decode_add(&s->cfg.outer.compress, (const uint8_t *)(b + i * words + 1), len, (uint64_t)P,
+                                    1.0f, one, &e);
+    if (rc) {
       log_warn("DiLoCo: the block of member %zu of the ring is left out: %s", i, e.msg);
       continue;
     }

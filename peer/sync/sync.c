@@ -14,9 +14,9 @@ const struct sync_scheme *sync_scheme_of(const struct sync_config *c) {
   switch (c->kind) {
   case SYNC_GOSSIP: return outer ? &sync_scheme_noloco : &sync_scheme_gossip;
   case SYNC_ALLREDUCE: return outer ? &sync_scheme_diloco : &sync_scheme_allreduce;
-  case SYNC_PS: break;
+  case SYNC_PS: return &sync_scheme_ps;
   }
-  RUMOR_ASSERT(!"--sync ps is no gossip member's scheme");
+  RUMOR_ASSERT(!"an unknown --sync");
   return NULL;
 }
 
@@ -47,7 +47,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
   s->g = g;
   s->t = t;
   s->donate_state_ok = true;
-  s->sketch = xcalloc((size_t)gossip_sketch_k(g), sizeof(double));
+  s->sketch = xcalloc(g ? (size_t)gossip_sketch_k(g) : 1, sizeof(double));
   s->stats_s = s->rate_s = clock_now_s();
   s->rate_samples = t->st.samples;
   int rc = s->scheme->init(s, e);
@@ -127,6 +127,7 @@ static void donate(struct sync *s, double now) {
 
 void sync_idle(void *arg) {
   struct sync *s = arg;
+  if (!s->g) return; /* no gossip member: nothing to publish or donate */
   double now = clock_now_s();
   if (gossip_stats_wanted(s->g)) publish_stats(s, now, true);
   else if (now - s->stats_s >= 1.0) publish_stats(s, now, false);
@@ -138,6 +139,8 @@ int sync_boundary(struct sync *s, struct rumor_err *e) {
   sync_idle(s);
   return rc;
 }
+
+int sync_join(struct sync *s, struct rumor_err *e) { return s->scheme->join ? s->scheme->join(s, e) : 0; }
 
 int sync_start(struct sync *s, struct rumor_err *e) {
   /* Only an outer scheme's boundary can be due before a step: the others
@@ -153,6 +156,7 @@ int sync_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_e
 void sync_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
   s->scheme->result(s, gs, o);
   json_text_set(o, "sync", json_string(s->scheme->name));
+  if (s->scheme == &sync_scheme_ps) return; /* its bytes are its own connections' (its result) */
   json_text_set(o, "bytes_out", json_integer((json_int_t)gs->bytes_out));
   json_text_set(o, "bytes_in", json_integer((json_int_t)gs->bytes_in));
 }

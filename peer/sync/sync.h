@@ -8,8 +8,11 @@
  *   diloco     --sync allreduce --outer K: outer rounds    diloco.c
  *   noloco     --sync gossip --outer K: pairwise rounds    noloco.c
  *
- * (`--sync ps`, parameter servers, is a worker of peer/ps/, outside this
- * table: it joins no gossip cluster.) The same path serves a whole replica
+ *   ps         a worker of parameter servers            peer/ps/ps_scheme.c
+ *
+ * (A whole replica's `--sync ps` worker joins no gossip cluster and runs
+ * the scheme without a gossip runtime, g NULL: cmd_ps.c.) The same path
+ * serves a whole replica
  * and a pipeline stage: a stage's gossip label names the model, the split
  * and the stage (train_stage_label), so it meets only the same stage of
  * other groups, over its own slice of the parameters.
@@ -296,6 +299,15 @@ struct sync_config {
   double max_hold_s;
   enum net_dtype wire;  /* --wire: exchanges and ring pieces */
   const atomic_int *stop; /* polled while a round waits; may be NULL */
+  /* For a scheme that opens connections of its own (--sync ps: its
+   * servers), set by the member before sync_init; borrowed. */
+  struct sync_net {
+    const struct net_identity *identity;
+    const uint8_t *cluster_key;
+    const struct net_allowlist *allow; /* may be NULL */
+    const char *servers;               /* --servers */
+    uint32_t handshake_timeout_ms;
+  } net;
 };
 
 struct sync;
@@ -318,7 +330,8 @@ struct sync_finish_args {
   void *arg;
 };
 
-/* One scheme. `boundary` and `reduce` may be NULL; the others are required. */
+/* One scheme. `boundary`, `reduce` and `join` may be NULL; the others are
+ * required. */
 struct sync_scheme {
   const char *name; /* the result line's "sync" */
   /* From the configuration alone, before anything exists: the state the
@@ -337,6 +350,10 @@ struct sync_scheme {
   int (*boundary)(struct sync *s, struct rumor_err *e);
   /* The trainer's reducer (train_reducer), or NULL. */
   int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
+  /* After init, for a scheme whose members take their starting state from
+   * elsewhere than a gossip donor (parameter servers): takes it into the
+   * trainer (parameters and step). NULL: nothing to take. */
+  int (*join)(struct sync *s, struct rumor_err *e);
   /* After the last step: what the scheme does before the member leaves. */
   int (*finish)(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e);
   /* The scheme's fields of the result line; `gs`: the runtime's figures,
@@ -442,6 +459,7 @@ struct sync {
   struct sync_avg avg;
   struct sync_ring ring;
   struct sync_outer outer;
+  void *scheme_state; /* a scheme's own (ps: its client); owned by the scheme */
   /* Times the scheme changed the parameters outside the trainer's update
    * (an applied exchange, an outer round): a checkpoint saved before such a
    * change is stale (member_finish). */
@@ -461,9 +479,13 @@ struct sync {
 };
 
 /* Starts the scheme for trainer `t` on runtime `g` (ready to exchange:
- * the caller then calls gossip_ready) and installs its reducer, if any. */
+ * the caller then calls gossip_ready) and installs its reducer, if any. `g`
+ * is NULL only for --sync ps (a whole replica's worker, no gossip member):
+ * then nothing is published or donated. */
 int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_config *cfg,
               struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The scheme's join, if it has one (sync_scheme.join); 0 otherwise. */
+int sync_join(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Once the member is ready (gossip_ready), before its first step: a round
  * that the state it holds left due (a checkpoint saved at a round boundary
  * before the round ran, a state donated while a round was under way) runs

@@ -12,6 +12,7 @@ extern const struct sync_scheme sync_scheme_gossip;    /* average.c */
 extern const struct sync_scheme sync_scheme_allreduce; /* allreduce.c */
 extern const struct sync_scheme sync_scheme_diloco;    /* diloco.c */
 extern const struct sync_scheme sync_scheme_noloco;    /* noloco.c */
+extern const struct sync_scheme sync_scheme_ps;        /* peer/ps/ps_scheme.c */
 
 bool sync_stopped(const struct sync *s);
 /* Sleeps about `secs` while serving donations and figures (sync_idle). */

@@ -104,6 +104,7 @@ Test(outer, a_newcomer_takes_the_outer_state_and_ends_with_the_others) {
  * copied aside (the peer is stopped meanwhile), and a run resumed from it
  * to step 100 must end where the first did. */
 static void resume_case(const char *overlap) {
+  cluster_start_bootstrap(&C, NULL); /* a bootstrap node keeps its cluster's label: one per setting */
   char full[300], part[300];
   snprintf(full, sizeof full, "%s/full%s.safetensors", C.dir, overlap ? "-ov" : "");
   snprintf(part, sizeof part, "%s/part%s.safetensors", C.dir, overlap ? "-ov" : "");
@@ -153,7 +154,6 @@ static void resume_case(const char *overlap) {
 
 Test(outer, a_diloco_run_resumed_from_a_checkpoint_ends_bit_for_bit_where_it_would_have) {
   SKIP_WITHOUT_DATA();
-  cluster_start_bootstrap(&C, NULL);
   resume_case(NULL);
   resume_case("--outer-overlap");
 }
