@@ -267,6 +267,12 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMO
  * true with a message when waiting must end (a pipeline neighbour failed). */
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
                       bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The training loop of `rumor peer` and of a group's stage: steps until
+ * the trainer is done or a stop signal, each followed by member_boundary.
+ * *secs and *steps: this run's. Returns 0 (done, or stopped:
+ * signals_stop_requested says which) or the error that ends the member. */
+int member_train(struct member *mb, struct trainer *t, double *secs, int64_t *steps,
+                 struct rumor_err *e) RUMOR_MUST_CHECK;
 /* After each step: the scheme's boundary (sync_boundary). Returns 0 or
  * its error (the member stops). */
 int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -126,21 +126,10 @@ static int join(struct peer_proc *p, struct rumor_err *e) {
 /* Trains until done or stopped; then leaves and prints the result. */
 static int run(struct peer_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
-  double t0 = clock_now_s();
-  int64_t s0 = t->st.samples, step0 = t->st.step;
-  bool first = true;
-  while (!trainer_done(t) && !signals_stop_requested()) {
-    int rc = trainer_step(t, e);
-    if (rc == RUMOR_ECANCELED && signals_stop_requested()) break; /* stopped inside an all-reduce */
-    if (rc) return rc;
-    if (first) {
-      log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
-      first = false;
-    }
-    rc = member_boundary(&p->mb, t, e);
-    if (rc == RUMOR_ECANCELED && signals_stop_requested()) break; /* stopped inside an outer round */
-    if (rc) return rc;
-  }
+  int64_t s0 = t->st.samples, steps;
+  double secs;
+  int rc = member_train(&p->mb, t, &secs, &steps, e);
+  if (rc) return rc;
   if (signals_stop_requested()) {
     log_info("signal %d: leaving the cluster at step %lld", signals_stop_requested(), (long long)t->st.step);
     if (p->tc.checkpoint && trainer_save(t, p->tc.checkpoint, e)) fprintf(stderr, "rumor peer: %s\n", e->msg);
@@ -149,10 +138,8 @@ static int run(struct peer_proc *p, struct rumor_err *e) {
   /* Leave first, then evaluate: partners stop asking a peer that no longer
    * trains (an exchange request would wait for a step boundary that never
    * comes) while the test set is evaluated. */
-  double secs = clock_now_s() - t0;
   log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
-  int rc = member_finish(&p->mb, t, secs, t->st.step - step0, NULL, NULL, e);
-  if (rc) return rc;
+  if ((rc = member_finish(&p->mb, t, secs, steps, NULL, NULL, e))) return rc;
   if (signals_stop_requested()) {
     /* Stopped while waiting for the others: leave at once, as on any stop
      * (the checkpoint of the last step, or of the wait, is saved). */

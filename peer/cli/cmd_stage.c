@@ -241,25 +241,15 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e);
   if (rc) return rc;
-  double t0 = clock_now_s();
-  int64_t s0 = t->st.samples, step0 = t->st.step;
-  bool first = true;
-  while (!trainer_done(t)) {
-    if (signals_stop_requested())
-      return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
-    if ((rc = trainer_step(t, e))) return rc;
-    if (first) {
-      if (trainer_has_loss(t)) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
-      else log_info("first step done (the loss is on the last stage)");
-      first = false;
-    }
-    if ((rc = member_boundary(&p->mb, t, e))) return rc;
-  }
-  double secs = clock_now_s() - t0;
+  int64_t s0 = t->st.samples, steps;
+  double secs;
+  if ((rc = member_train(&p->mb, t, &secs, &steps, e))) return rc;
+  if (signals_stop_requested())
+    return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
   /* The same stage of groups still training is not left alone (the links
    * keep pinging meanwhile; our neighbours wait for us in the evaluation).
    * A neighbour that fails meanwhile ends the wait and the group. */
-  if ((rc = member_finish(&p->mb, t, secs, t->st.step - step0, link_failed, p, e))) return rc;
+  if ((rc = member_finish(&p->mb, t, secs, steps, link_failed, p, e))) return rc;
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;

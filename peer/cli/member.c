@@ -146,6 +146,28 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
   return 0;
 }
 
+int member_train(struct member *mb, struct trainer *t, double *secs, int64_t *steps, struct rumor_err *e) {
+  double t0 = clock_now_s();
+  int64_t step0 = t->st.step;
+  bool first = true;
+  int rc = 0;
+  while (!trainer_done(t) && !signals_stop_requested()) {
+    rc = trainer_step(t, e);
+    if (rc) break;
+    if (first) {
+      if (trainer_has_loss(t)) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
+      else log_info("first step done (the loss is on the last stage)");
+      first = false;
+    }
+    if ((rc = member_boundary(mb, t, e))) break;
+  }
+  *secs = clock_now_s() - t0;
+  *steps = t->st.step - step0;
+  /* A stop inside a step or a round (an all-reduce, a pipeline's wait) is
+   * no failure: the caller sees the signal. */
+  return rc == RUMOR_ECANCELED && signals_stop_requested() ? 0 : rc;
+}
+
 int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) {
   if (trainer_done(t)) mb->changes_at_end = mb->sync.changes; /* the last step saved its checkpoint */
   return sync_boundary(&mb->sync, e);
