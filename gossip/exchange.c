@@ -44,17 +44,28 @@ static void on_applied(net_t *n, void *arg, int status);
 
 /* ==== the exchange slot: training thread ==== */
 
-enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want) {
+void gossip_xch_begin(gossip_t *g, bool want, bool refresh, struct gossip_xch_turn *out) {
+  *out = (struct gossip_xch_turn){.work = GOSSIP_XCH_NONE};
   uint64_t w = atomic_load(&g->xch.word);
   /* Only active peers start exchanges (see gossip_impl.h). */
   bool open = ws_state(w) == SLOT_IDLE || ws_state(w) == SLOT_READY;
-  if (open && want && atomic_load(&g->ready) && atomic_load(&g->active)) {
-    if (atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT)))
-      return GOSSIP_XCH_SNAPSHOT;
+  if (open && want && atomic_load(&g->ready) && atomic_load(&g->active) &&
+      atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w) + 1, SLOT_WANT))) {
+    out->work = GOSSIP_XCH_SNAPSHOT;
+    out->started = true;
+  } else if (ws_wanting(w)) {
+    out->work = GOSSIP_XCH_SNAPSHOT;
+    out->partner_asked = ws_state(w) == SLOT_WANT_RESP;
+  } else if (ws_state(w) == SLOT_APPLY) {
+    /* x (the partner) and the delta are stable while the slot is APPLY. */
+    out->work = GOSSIP_XCH_APPLY;
+    out->delta = &g->xch.delta;
+    out->partner = g->xch.x.partner;
+    out->alpha = g->xch.alpha;
+  } else if (refresh && atomic_load(&g->ready)) {
+    out->refresh = slot_move(g, SLOT_READY, SLOT_WRITING) || slot_move(g, SLOT_IDLE, SLOT_WRITING);
   }
-  if (ws_wanting(w)) return GOSSIP_XCH_SNAPSHOT;
-  if (ws_state(w) == SLOT_APPLY) return GOSSIP_XCH_APPLY;
-  return GOSSIP_XCH_NONE;
+  out->in_flight = gossip_xch_in_flight(g);
 }
 
 bool gossip_xch_in_flight(gossip_t *g) {
@@ -62,22 +73,8 @@ bool gossip_xch_in_flight(gossip_t *g) {
   return st != SLOT_IDLE && st != SLOT_READY && st != SLOT_WRITING;
 }
 
-bool gossip_xch_refresh_begin(gossip_t *g) {
-  if (!atomic_load(&g->ready)) return false;
-  return slot_move(g, SLOT_READY, SLOT_WRITING) || slot_move(g, SLOT_IDLE, SLOT_WRITING);
-}
-
-void gossip_xch_refresh_done(gossip_t *g, uint64_t step) {
-  atomic_store(&g->xch.ready_step, step);
-  if (slot_move(g, SLOT_WRITING, SLOT_READY)) return;
-  /* A partner asked during the copy (WRITING → WANT_RESP): answer with it. */
-  gossip_xch_snapshot_done(g, step);
-}
 float *gossip_xch_mine(gossip_t *g) { return g->xch.mine; }
 float *gossip_xch_theirs(gossip_t *g) { return g->xch.theirs; }
-float gossip_xch_alpha(const gossip_t *g) { return g->xch.alpha; }
-const struct gossip_xch_delta *gossip_xch_delta(const gossip_t *g) { return &g->xch.delta; }
-const uint8_t *gossip_xch_partner(const gossip_t *g) { return g->xch.x.partner; /* stable while APPLY */ }
 
 /* What the training thread tells the loop when a snapshot is ready. */
 struct snap_ready {
@@ -86,7 +83,8 @@ struct snap_ready {
   bool initiator;
 };
 
-void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
+/* The snapshot asked for by SNAPSHOT is in `mine`: to the loop. */
+static void snapshot_done(gossip_t *g, uint64_t step) {
   uint64_t w = atomic_load(&g->xch.word);
   if (!ws_wanting(w)) return; /* abandoned meanwhile */
   if (!atomic_compare_exchange_strong(&g->xch.word, &w, ws_make(ws_round(w), SLOT_BUSY))) return;
@@ -97,8 +95,6 @@ void gossip_xch_snapshot_done(gossip_t *g, uint64_t step) {
     slot_move(g, SLOT_BUSY, SLOT_IDLE);
   }
 }
-
-bool gossip_xch_asked_by_partner(gossip_t *g) { return ws_state(atomic_load(&g->xch.word)) == SLOT_WANT_RESP; }
 
 bool gossip_xch_unready(gossip_t *g) {
   if (slot_move(g, SLOT_READY, SLOT_IDLE)) return true;
@@ -119,6 +115,14 @@ void gossip_xch_decline(gossip_t *g, const char *why) {
   *d = (struct decline){.g = g, .round = ws_round(w)};
   snprintf(d->why, sizeof d->why, "%s", why);
   if (net_call(g->net, on_decline, d) != 0) free(d);
+}
+
+void gossip_xch_copied(gossip_t *g, uint64_t step) {
+  atomic_store(&g->xch.ready_step, step);
+  if (slot_move(g, SLOT_WRITING, SLOT_READY)) return; /* a refresh: ready for partners */
+  /* An exchange's snapshot, or a refresh that a partner's request took
+   * during the copy (WRITING → WANT_RESP): answer with it. */
+  snapshot_done(g, step);
 }
 
 struct applied {

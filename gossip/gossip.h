@@ -200,51 +200,54 @@ enum gossip_xch_work {
   GOSSIP_XCH_APPLY,    /* validate and average in gossip_xch_theirs() */
 };
 
-/* Called at each step boundary. `want` asks to start an exchange (every k
- * steps or t seconds: the caller's schedule); it is ignored unless the slot
- * is idle. Returns what the training thread should do now. */
-enum gossip_xch_work gossip_xch_poll(gossip_t *g, bool want);
-/* True while an exchange is under way (the slot holds more than a ready
- * snapshot). */
-bool gossip_xch_in_flight(gossip_t *g);
-float *gossip_xch_mine(gossip_t *g); /* nparams floats */
-/* nparams floats. From GOSSIP_XCH_APPLY to gossip_xch_apply_done it holds
- * the partner's snapshot minus ours (θ'_s − θ_s: what averaging adds, times
- * the weight), computed off the training thread when the transfers ended,
- * together with gossip_xch_delta(). */
-float *gossip_xch_theirs(gossip_t *g);
-/* What the partner's snapshot is to ours (valid while APPLY, as above). */
+/* What the partner's snapshot is to ours (valid while APPLY, below). */
 struct gossip_xch_delta {
   int64_t nonfinite;   /* values the partner sent that are NaN or ±Inf */
   double sq_dist;      /* ‖θ'_s − θ_s‖² (NaN when nonfinite > 0) */
   double sq_norm_mine; /* ‖θ_s‖² */
 };
-const struct gossip_xch_delta *gossip_xch_delta(const gossip_t *g);
-float gossip_xch_alpha(const gossip_t *g);
-/* The key (NET_PUBKEY_BYTES) of the partner whose parameters
- * gossip_xch_theirs() holds; valid between GOSSIP_XCH_APPLY and
- * gossip_xch_apply_done. */
-const uint8_t *gossip_xch_partner(const gossip_t *g);
-/* The snapshot asked for by GOSSIP_XCH_SNAPSHOT is complete in `mine`
- * (taken at `step`). */
-void gossip_xch_snapshot_done(gossip_t *g, uint64_t step);
-/* Keeping a snapshot ready, so that a partner's request is answered at once
- * rather than at our next step boundary: at a boundary where
- * gossip_xch_poll returned NONE, true when `mine` may be refreshed now (no
- * exchange holds it); then copy the parameters into it and call
- * gossip_xch_refresh_done with their step (a later boundary may finish an
- * asynchronous copy). A request that arrived during the copy is answered
- * with it. */
-bool gossip_xch_refresh_begin(gossip_t *g);
-void gossip_xch_refresh_done(gossip_t *g, uint64_t step);
-/* True while a partner's request waits for our snapshot (the slot asks
- * for one because a partner asked, not we). */
-bool gossip_xch_asked_by_partner(gossip_t *g);
+
+/* One step boundary's dealings with the slot: gossip_xch_begin says what
+ * the training thread does now, and it answers once, when its part is done:
+ * gossip_xch_copied after copying its parameters into gossip_xch_mine()
+ * (GOSSIP_XCH_SNAPSHOT, or a refresh the slot took), possibly at a later
+ * boundary (an asynchronous copy on a GPU), or gossip_xch_apply_done after
+ * averaging in the partner's difference (GOSSIP_XCH_APPLY). */
+struct gossip_xch_turn {
+  enum gossip_xch_work work;
+  bool started;       /* this call started an exchange of ours (IDLE or READY → WANT) */
+  bool partner_asked; /* SNAPSHOT: a partner's request waits for it (not one of ours) */
+  bool refresh;       /* NONE: the slot is ours to refresh the ready snapshot (then gossip_xch_copied) */
+  bool in_flight;     /* an exchange is under way after this call (the slot holds more than a ready snapshot) */
+  /* APPLY, stable until gossip_xch_apply_done: gossip_xch_theirs() holds
+   * the partner's snapshot minus ours (θ'_s − θ_s), computed off the
+   * training thread when the transfers ended; its statistics, the
+   * partner's key (NET_PUBKEY_BYTES) and the averaging weight α. */
+  const struct gossip_xch_delta *delta;
+  const uint8_t *partner;
+  float alpha;
+};
+/* At a step boundary. `want` asks to start an exchange (every k steps or t
+ * seconds: the caller's schedule), taken only when the slot is free;
+ * `refresh` lets the slot hand out a refresh of the snapshot kept ready (so
+ * that a partner's request is answered at once rather than at our next
+ * boundary), taken only when there is nothing else to do. A partner's
+ * request that arrives during a refresh is answered with it. */
+void gossip_xch_begin(gossip_t *g, bool want, bool refresh, struct gossip_xch_turn *out);
+/* The copy the slot asked for (SNAPSHOT or a refresh) is complete in
+ * `mine`, taken at `step`. A copy for an exchange abandoned meanwhile is
+ * dropped. */
+void gossip_xch_copied(gossip_t *g, uint64_t step);
+/* True while an exchange is under way (as gossip_xch_turn.in_flight), for
+ * a caller waiting between boundaries. */
+bool gossip_xch_in_flight(gossip_t *g);
+float *gossip_xch_mine(gossip_t *g);   /* nparams floats */
+float *gossip_xch_theirs(gossip_t *g); /* nparams floats */
 /* Refuses the partner's request that waits for our snapshot (`why` goes
  * to the partner, who asks someone else): for a scheme that exchanges
  * only at its own boundaries (NoLoCo between rounds). The slot returns to
- * idle on the loop thread soon after; until then gossip_xch_poll may
- * return GOSSIP_XCH_SNAPSHOT again, and declining again is harmless. */
+ * idle on the loop thread soon after; until then gossip_xch_begin may
+ * say GOSSIP_XCH_SNAPSHOT again, and declining again is harmless. */
 void gossip_xch_decline(gossip_t *g, const char *why);
 /* Withdraws the snapshot kept ready (READY → IDLE), so that no partner
  * takes it any more: it no longer stands for our parameters (NoLoCo after

@@ -32,11 +32,11 @@ static void pace(struct sync *s, double now) {
 
 /* θ + w·(θ'_s − θ_s) (sync.h, "Applying"): the difference is in the
  * partner's buffer already (gossip_xch_theirs). */
-static void apply(struct sync *s) {
+static void apply(struct sync *s, const struct gossip_xch_turn *turn) {
   struct trainer *t = s->t;
   char why[200];
   float w;
-  int rc = sync_xch_judge(s, gossip_xch_alpha(s->g), &w, why, sizeof why);
+  int rc = sync_xch_judge(s, turn, turn->alpha, &w, why, sizeof why);
   if (rc == 0) {
     struct tensor params = tensor_flat(&t->model.params);
     tensor_axpby(w, sync_xch_delta_dev(s), 1.0f, &params);
@@ -46,7 +46,10 @@ static void apply(struct sync *s) {
     s->avg.mix_step = t->st.step;
   }
   sync_xch_done(s, rc, why);
-  sync_xch_keep_ready(s); /* the slot is idle again: a snapshot for the next request */
+  /* The slot is idle again: a snapshot for the next request. */
+  struct gossip_xch_turn again;
+  bool started;
+  sync_xch_turn(s, false, &again, &started);
 }
 
 static void exchange(struct sync *s) {
@@ -57,19 +60,15 @@ static void exchange(struct sync *s) {
   bool want = a->holding || (s->cfg.every_steps > 0 && t->st.step % s->cfg.every_steps == 0) ||
               (s->cfg.every_s > 0 && now - s->x.last_start_s >= s->cfg.every_s);
   want = want && !a->asked && now >= a->next_ask_s;
-  bool idle = want && !gossip_xch_in_flight(s->g);
-  enum gossip_xch_work work = gossip_xch_poll(s->g, want);
-  if (idle && work == GOSSIP_XCH_SNAPSHOT) {
-    a->asked = true; /* ours (or a partner's request that came first: followed all the same) */
+  struct gossip_xch_turn turn;
+  bool copy_started;
+  sync_xch_turn(s, want, &turn, &copy_started);
+  if (turn.started) {
+    a->asked = true;
     a->applied_at_ask = s->x.applied;
   }
-  switch (work) {
-  case GOSSIP_XCH_NONE: sync_xch_keep_ready(s); return;
-  case GOSSIP_XCH_SNAPSHOT:
-    if (sync_xch_snapshot(s)) s->x.last_start_s = now;
-    return;
-  case GOSSIP_XCH_APPLY: apply(s); return;
-  }
+  if (copy_started) s->x.last_start_s = now;
+  if (turn.work == GOSSIP_XCH_APPLY) apply(s, &turn);
 }
 
 /* With max_local_steps > 0: when that many steps have passed since the

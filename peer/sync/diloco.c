@@ -41,6 +41,10 @@ static void encode(struct sync *s) {
   float *x = xmalloc((size_t)P * sizeof(float)), *r = xmalloc((size_t)P * sizeof(float));
   tensor_copy_to_host(&o->work, 0, x, (size_t)P * sizeof(float));
   tensor_copy_to_host(&o->residual, 0, r, (size_t)P * sizeof(float));
+  /* SparseLoCo: the accumulator decays by the outer momentum, e ← μ·e + Δ,
+   * and stands for it (sync_outer_step then has none). */
+  float mu = (float)s->cfg.outer.momentum;
+  for (int64_t i = 0; i < P; i++) r[i] *= mu;
   uint64_t words = block_words(&s->cfg, P);
   memset(h, 0, (size_t)words * sizeof(float));
   h[0] = DILOCO_BLOCK_V1;

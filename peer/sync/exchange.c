@@ -59,7 +59,7 @@ void sync_xch_free(struct sync *s) {
  * GPU with snap_dev, the training stream only copies device to device; the
  * transfer to the host runs beside it, and snap_dev is not written again
  * before snap_ev (the callers start a copy only when none is pending). */
-void sync_xch_start_copy(struct sync *s) {
+static void start_copy(struct sync *s) {
   struct sync_xch *x = &s->x;
   struct trainer *t = s->t;
   size_t bytes = (size_t)t->model.nparams * sizeof(float);
@@ -75,36 +75,32 @@ void sync_xch_start_copy(struct sync *s) {
   x->snap_step = t->st.step;
 }
 
-bool sync_xch_snapshot(struct sync *s) {
+/* A copy in flight that landed goes to the slot. A refresh's copy that an
+ * exchange took over (SNAPSHOT during it) serves that exchange as well;
+ * the copy of an exchange abandoned meanwhile is dropped by the slot. */
+static void finish_copy(struct sync *s) {
   struct sync_xch *x = &s->x;
-  /* A refresh in flight (a partner asked during it) serves as well. */
+  if (!x->snap_pending || !tensor_event_query(x->snap_ev)) return;
+  x->snap_pending = false;
   x->snap_refresh = false;
-  bool started = !x->snap_pending;
-  if (started) sync_xch_start_copy(s);
-  if (tensor_event_query(x->snap_ev)) {
-    x->snap_pending = false;
-    gossip_xch_snapshot_done(s->g, (uint64_t)x->snap_step);
-  }
-  return started;
+  gossip_xch_copied(s->g, (uint64_t)x->snap_step);
 }
 
-/* One copy of the parameters per step: on the CPU a memcpy of 4·P bytes
- * against a step's 6·P·batch FLOPs at least. */
-void sync_xch_keep_ready(struct sync *s) {
+void sync_xch_turn(struct sync *s, bool want, struct gossip_xch_turn *turn, bool *copy_started) {
   struct sync_xch *x = &s->x;
-  if (!x->snap_pending) {
-    /* Holding polls every 200 µs: one copy per state of the parameters. */
-    if (x->refreshed_step == s->t->st.step) return;
-    if (!gossip_xch_refresh_begin(s->g)) return;
+  /* Holding polls every 200 µs: one refresh per state of the parameters. */
+  bool refresh = !x->snap_pending && x->refreshed_step != s->t->st.step;
+  gossip_xch_begin(s->g, want, refresh, turn);
+  *copy_started = false;
+  if (turn->work == GOSSIP_XCH_SNAPSHOT && !x->snap_pending) {
+    start_copy(s);
+    *copy_started = true;
+  } else if (turn->refresh) {
     x->refreshed_step = s->t->st.step;
-    sync_xch_start_copy(s);
+    start_copy(s);
     x->snap_refresh = true;
   }
-  if (!tensor_event_query(x->snap_ev)) return;
-  x->snap_pending = false;
-  if (x->snap_refresh) gossip_xch_refresh_done(s->g, (uint64_t)x->snap_step);
-  /* else the copy of an exchange abandoned meanwhile: dropped */
-  x->snap_refresh = false;
+  finish_copy(s);
 }
 
 /* Validates the partner's snapshot by the statistics of its difference
@@ -129,15 +125,16 @@ static int validate(struct sync *s, const struct gossip_xch_delta *d, char *why,
   return 0;
 }
 
-int sync_xch_judge(struct sync *s, float alpha, float *weight, char *why, size_t n) {
+int sync_xch_judge(struct sync *s, const struct gossip_xch_turn *turn, float alpha, float *weight, char *why,
+                   size_t n) {
   struct sync_xch *x = &s->x;
   why[0] = '\0';
-  int rc = validate(s, gossip_xch_delta(s->g), why, n);
+  int rc = validate(s, turn->delta, why, n);
   *weight = alpha;
   if (rc || !s->cfg.clip) return rc;
   /* Clipped: α·min(1, τ/‖d‖)·d, d = x'_s − x_s (sync.h, "Clipping"); far
    * outliers are skipped. */
-  double scale = clip_scale(&x->clip, gossip_xch_partner(s->g), x->last_dist, x->last_norm);
+  double scale = clip_scale(&x->clip, turn->partner, x->last_dist, x->last_norm);
   *weight = alpha * (float)scale;
   log_debug("clip: distance %.4g, tau %.4g (%.3g tau), scale %.3g", x->last_dist, x->clip.last_tau,
             x->last_dist / x->clip.last_tau, scale);

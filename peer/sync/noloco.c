@@ -37,34 +37,27 @@ static uint64_t boundary_step(const struct sync *s) {
   return (uint64_t)(s->cfg.outer.overlap ? step - (step % H == 0 ? 0 : step % H) : step);
 }
 
-/* Serves the slot: copies our snapshot when an exchange wants one (our own
- * request, or with --outer-overlap a partner's), declines a partner's
- * request between rounds without one. Returns the work left: APPLY or
- * NONE. */
-static enum gossip_xch_work serve(struct sync *s, bool want, bool have_snapshot) {
-  enum gossip_xch_work w = gossip_xch_poll(s->g, want);
-  if (w != GOSSIP_XCH_SNAPSHOT) return w;
-  if (!have_snapshot && gossip_xch_asked_by_partner(s->g)) {
+/* One turn of the slot (gossip_xch_begin): copies our snapshot when an
+ * exchange wants one (our own request, or a partner's while we have one:
+ * `have_snapshot`), makes it ready for passive partners' requests when
+ * `offer`, and declines a partner's request between rounds. The turn is
+ * the caller's (an APPLY in particular). */
+static void serve(struct sync *s, bool want, bool have_snapshot, bool offer, struct gossip_xch_turn *turn) {
+  gossip_xch_begin(s->g, want, offer && have_snapshot, turn);
+  if (turn->work == GOSSIP_XCH_SNAPSHOT && !have_snapshot && turn->partner_asked) {
     gossip_xch_decline(s->g, "not at an outer round's boundary");
-    return GOSSIP_XCH_NONE;
+    turn->work = GOSSIP_XCH_NONE;
+  } else if (turn->work == GOSSIP_XCH_SNAPSHOT || turn->refresh) {
+    snapshot(s);
+    gossip_xch_copied(s->g, boundary_step(s));
   }
-  snapshot(s);
-  gossip_xch_snapshot_done(s->g, boundary_step(s));
-  return GOSSIP_XCH_NONE;
-}
-
-/* Makes our snapshot ready for passive partners' requests. */
-static void offer(struct sync *s) {
-  if (!gossip_xch_refresh_begin(s->g)) return;
-  snapshot(s);
-  gossip_xch_refresh_done(s->g, boundary_step(s));
 }
 
 /* The round's outer gradient into outer.work: θ − φ_b − w·d, φ_b our
  * snapshot (the parameters now, or outer.prev overlapping), d the
  * partner's difference when an exchange is to be applied (`apply`). A
  * rejected one is reported and the round is our own. */
-static void gradient(struct sync *s, bool apply) {
+static void gradient(struct sync *s, const struct gossip_xch_turn *apply) {
   struct sync_outer *o = &s->outer;
   struct tensor params = tensor_flat(&s->t->model.params);
   tensor_copy(&o->work, &o->anchor);
@@ -73,7 +66,7 @@ static void gradient(struct sync *s, bool apply) {
   if (apply) {
     char why[200];
     float w;
-    rc = sync_xch_judge(s, 0.5f, &w, why, sizeof why);
+    rc = sync_xch_judge(s, apply, 0.5f, &w, why, sizeof why);
     if (rc == 0) tensor_axpby(-w, sync_xch_delta_dev(s), 1.0f, &o->work);
     sync_xch_done(s, rc, why);
   }
@@ -88,17 +81,18 @@ static void gradient(struct sync *s, bool apply) {
 
 /* Without --outer-overlap: at the boundary, until one exchange lands (or
  * none is under way after --max-hold-ms, or no partner is left). Returns
- * true when one is to be applied. */
-static bool wait_for_partner(struct sync *s) {
+ * true with its turn in *turn when one is to be applied. */
+static bool wait_for_partner(struct sync *s, struct gossip_xch_turn *turn) {
   double t0 = clock_now_s(), next_ask = t0, pause = NOLOCO_ASK_MIN_S;
-  offer(s);
+  bool offer = true;
   while (!sync_stopped(s)) {
     double now = clock_now_s();
-    bool in_flight = gossip_xch_in_flight(s->g);
-    bool ask = !in_flight && now >= next_ask;
+    bool ask = !gossip_xch_in_flight(s->g) && now >= next_ask;
     if (ask) next_ask = now + pause, pause = fmin(2 * pause, NOLOCO_ASK_MAX_S);
-    if (serve(s, ask, true) == GOSSIP_XCH_APPLY) return true;
-    if (!gossip_xch_in_flight(s->g) && (now - t0 >= s->cfg.max_hold_s || gossip_live_partners(s->g) == 0)) {
+    serve(s, ask, true, offer, turn);
+    offer = false;
+    if (turn->work == GOSSIP_XCH_APPLY) return true;
+    if (!turn->in_flight && (now - t0 >= s->cfg.max_hold_s || gossip_live_partners(s->g) == 0)) {
       if (gossip_xch_unready(s->g)) break; /* else a partner just took our snapshot: see it through */
     }
     const struct timespec tick = {0, 200 * 1000};
@@ -110,25 +104,27 @@ static bool wait_for_partner(struct sync *s) {
 }
 
 /* With --outer-overlap: the exchange of the round that ends here, when one
- * is still under way (counted in outer_wait_s). Returns true when one is
- * to be applied. */
-static bool land(struct sync *s) {
+ * is still under way (counted in outer_wait_s). Returns true with its turn
+ * in *turn when one is to be applied. */
+static bool land(struct sync *s, struct gossip_xch_turn *turn) {
   double t0 = clock_now_s();
-  enum gossip_xch_work w;
-  while ((w = serve(s, false, true)) != GOSSIP_XCH_APPLY && gossip_xch_in_flight(s->g) && !sync_stopped(s)) {
+  for (;;) {
+    serve(s, false, true, false, turn);
+    if (turn->work == GOSSIP_XCH_APPLY || !turn->in_flight || sync_stopped(s)) break;
     const struct timespec tick = {0, 200 * 1000};
     nanosleep(&tick, NULL);
     sync_idle(s);
   }
   s->outer.wait_s += clock_now_s() - t0;
   gossip_xch_unready(s->g);
-  return w == GOSSIP_XCH_APPLY;
+  return turn->work == GOSSIP_XCH_APPLY;
 }
 
 static int noloco_boundary(struct sync *s, struct rumor_err *e) {
   (void)e;
   struct sync_outer *o = &s->outer;
   bool overlap = s->cfg.outer.overlap;
+  struct gossip_xch_turn turn;
   if (!sync_outer_due(s)) {
     /* Between boundaries: overlapping, our ready snapshot still serves (and
      * a failed exchange of ours is asked again); otherwise requests are
@@ -136,27 +132,28 @@ static int noloco_boundary(struct sync *s, struct rumor_err *e) {
     double now = clock_now_s();
     bool want = overlap && o->in_flight && !gossip_xch_in_flight(s->g) && now >= s->avg.next_ask_s;
     if (want) s->avg.next_ask_s = now + NOLOCO_ASK_MAX_S;
-    if (serve(s, want, overlap && o->in_flight) == GOSSIP_XCH_APPLY && !overlap)
+    serve(s, want, overlap && o->in_flight, false, &turn);
+    if (turn.work == GOSSIP_XCH_APPLY && !overlap)
       gossip_xch_apply_done(s->g, 1, "it arrived after our round ended"); /* not ours to apply; no blame */
     return 0;
   }
   if (o->in_flight) { /* overlapping: the round that ends here */
-    bool got = land(s);
-    gradient(s, got);
+    bool got = land(s, &turn);
+    gradient(s, got ? &turn : NULL);
     sync_outer_step(s);
   }
-  struct tensor params = tensor_flat(&s->t->model.params);
   if (overlap && !trainer_done(s->t)) {
+    struct tensor params = tensor_flat(&s->t->model.params);
     tensor_copy(&o->prev, &params);
     o->in_flight = true;
     sync_outer_store(s);
-    offer(s);
+    serve(s, false, true, true, &turn); /* offered; the next boundary asks, when active */
     return 0;
   }
   double t0 = clock_now_s();
-  bool got = wait_for_partner(s);
+  bool got = wait_for_partner(s, &turn);
   o->wait_s += clock_now_s() - t0;
-  gradient(s, got);
+  gradient(s, got ? &turn : NULL);
   sync_outer_step(s);
   return 0;
 }

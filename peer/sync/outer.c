@@ -148,11 +148,16 @@ void sync_outer_step(struct sync *s) {
   const struct outer_config *c = &s->cfg.outer;
   float lr = (float)c->lr, mu = (float)c->momentum;
   o->last_norm = sqrt(tensor_sq_norm(&o->work));
-  tensor_axpby(1.0f, &o->work, mu, &o->momentum); /* b ← μ·b + g */
-  if (c->kind == OUTER_NESTEROV) {
+  if (o->residual.data) {
+    /* Top-k (SparseLoCo): the error-feedback accumulator carried the
+     * momentum; the step is plain. */
+    tensor_axpby(-lr, &o->work, 1.0f, &o->anchor);
+  } else if (c->kind == OUTER_NESTEROV) {
+    tensor_axpby(1.0f, &o->work, mu, &o->momentum); /* b ← μ·b + g */
     tensor_axpby(-lr, &o->work, 1.0f, &o->anchor);
     tensor_axpby(-lr * mu, &o->momentum, 1.0f, &o->anchor);
   } else {
+    tensor_axpby(1.0f, &o->work, mu, &o->momentum);
     tensor_axpby(-lr, &o->momentum, 1.0f, &o->anchor);
   }
   struct tensor params = tensor_flat(&s->t->model.params);

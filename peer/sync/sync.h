@@ -200,8 +200,11 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * --outer-compress (DiLoCo): f16 and i8 change the ring's encoding (each
  * hop re-encodes its partial sum: INTELLECT-1's int8 all-reduce);
  * topk:F:BITS makes the round an all-gather of every member's top-k
- * encoding (peer/sync/codec.h) with error feedback: what a member did not
- * send is added to its next pseudo-gradient. NoLoCo sends parameters, not
+ * encoding (peer/sync/codec.h) with error feedback, as SparseLoCo (Sarfi et
+ * al. 2025, arXiv:2508.15706): a member accumulates e ← μ·e + Δ, sends the
+ * top-k of e and keeps the rest, e ← e − sent, and the outer step is a
+ * plain θ ← θ − η·mean(sent): the decaying accumulator stands for the
+ * outer momentum (--outer sgd and nesterov alike). NoLoCo sends parameters, not
  * pseudo-gradients: f16 and i8 set the exchange's encoding; top-k does not
  * apply and is refused.
  *

@@ -24,21 +24,22 @@ void sync_idle_for(struct sync *s, double secs);
  * device copy of the snapshot on a GPU (sync.h, snap_dev). */
 int sync_xch_init(struct sync *s, bool dev_copy, struct rumor_err *e) RUMOR_MUST_CHECK;
 void sync_xch_free(struct sync *s);
-/* Starts copying the parameters into gossip_xch_mine() (asynchronous on a
- * GPU: snap_ev says when). */
-void sync_xch_start_copy(struct sync *s);
-/* GOSSIP_XCH_SNAPSHOT: starts the copy unless one is pending, and hands
- * the snapshot to the loop once it landed (gossip_xch_snapshot_done).
- * Returns true when the copy was started now. */
-bool sync_xch_snapshot(struct sync *s);
-/* Keeps the snapshot of this boundary ready in gossip_xch_mine() (one copy
- * per state of the parameters), and finishes a refresh in flight. */
-void sync_xch_keep_ready(struct sync *s);
-/* GOSSIP_XCH_APPLY: validates the partner's snapshot and applies clipping.
- * Returns 0 with *weight (α times the clipping scale: what to scale
- * θ'_s − θ_s by), a negative code (rejected: the sender is backed off) or
- * 1 (a far outlier skipped by clipping), with the reason in why[0..n). */
-int sync_xch_judge(struct sync *s, float alpha, float *weight, char *why, size_t n);
+/* The slot's turn at this boundary (gossip_xch_begin; `want`: start an
+ * exchange), and the copies it asks for: our parameters into
+ * gossip_xch_mine() for an exchange (GOSSIP_XCH_SNAPSHOT) or to keep a
+ * snapshot ready for partners (one copy per state of the parameters;
+ * asynchronous on a GPU, finished at a later boundary), handed back with
+ * gossip_xch_copied once they landed. Returns the turn; an APPLY is left to
+ * the caller (sync_xch_judge, then sync_xch_done). *copy_started: a copy for
+ * an exchange began now. */
+void sync_xch_turn(struct sync *s, bool want, struct gossip_xch_turn *turn, bool *copy_started);
+/* GOSSIP_XCH_APPLY: validates the partner's snapshot (the turn's delta) and
+ * applies clipping. Returns 0 with *weight (α times the clipping scale:
+ * what to scale θ'_s − θ_s by), a negative code (rejected: the sender is
+ * backed off) or 1 (a far outlier skipped by clipping), with the reason in
+ * why[0..n). */
+int sync_xch_judge(struct sync *s, const struct gossip_xch_turn *turn, float alpha, float *weight, char *why,
+                   size_t n);
 /* The partner's difference θ'_s − θ_s on our device (refreshed from the
  * receive buffer). */
 const struct tensor *sync_xch_delta_dev(struct sync *s);

@@ -23,6 +23,8 @@ Targets (printed PASS or MISS beside the figures; loopback):
   sooner than allreduce does (they may train past the token budget:
   SLOW_FACTOR times the steps).
 
+Every peer starts from the same seed (--no-state-pull: nobody pulls a state
+at the start, so the bytes are the scheme's and the membership's alone).
 Run as root for the slow condition (deploy/testnet.sh: network namespaces;
 skipped with the reason otherwise). Writes a CSV of every row and every
 evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
@@ -200,7 +202,7 @@ def run_peers(work, cond, name, flags, steps):
                                           f"{addr(cond, i)}:0", "--cluster-key", f"{d}/cluster.key",
                                           "--identity", f"{d}/id{i}.key", "--shard", f"{i - 1}/{N}", "--batch",
                                           str(BATCH), "--max-steps", str(steps), "--eval-every", str(every),
-                                          "--wait-peers", str(N), "--name", f"w{i}", *flags]
+                                          "--wait-peers", str(N), "--no-state-pull", "--name", f"w{i}", *flags]
             p = subprocess.Popen(cmd, stdout=open(f"{d}/w{i}.out", "w"), stderr=open(f"{d}/w{i}.log", "w"))
             procs.append(p)
             peers.append(p)
