@@ -76,16 +76,16 @@ boot=$(sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' "$work/bootstrap.out")
 # What the peers will be told, for the line below: a --batch, --max-steps or
 # --max-local-steps among the peer options wins over ours (the last flag
 # counts); the bound is only for gossip with exchanges on.
-steps="" prev="" sync=gossip every="" interval=""
+steps="" prev="" sync=gossip every="" interval="" outer=none
 for a in "$@"; do
   case $prev in
   --batch) batch=$a ;; --max-steps) steps=$a ;; --sync) sync=$a ;; --gossip-every) every=$a ;;
-  --gossip-interval) interval=$a ;; --max-local-steps) bound=$a ;;
+  --gossip-interval) interval=$a ;; --max-local-steps) bound=$a ;; --outer) outer=$a ;;
   esac
   case $a in
   --batch=*) batch=${a#--batch=} ;; --max-steps=*) steps=${a#--max-steps=} ;; --sync=*) sync=${a#--sync=} ;;
   --gossip-every=*) every=${a#--gossip-every=} ;; --gossip-interval=*) interval=${a#--gossip-interval=} ;;
-  --max-local-steps=*) bound=${a#--max-local-steps=} ;;
+  --max-local-steps=*) bound=${a#--max-local-steps=} ;; --outer=*) outer=${a#--outer=} ;;
   esac
   prev=$a
 done
@@ -94,7 +94,8 @@ zero() { case $1 in *[!0.]*) return 1 ;; *) return 0 ;; esac; }
 gossips=true
 [ -n "$every" ] && zero "$every" && { [ -z "$interval" ] || zero "$interval"; } && gossips=false
 bound_flag=""
-[ "$sync" = gossip ] && $gossips && ! zero "$bound" && bound_flag="--max-local-steps"
+# An outer optimizer (--outer) communicates once a round: no bound then.
+[ "$sync" = gossip ] && [ "$outer" = none ] && $gossips && ! zero "$bound" && bound_flag="--max-local-steps"
 span="$epochs epochs"
 [ -z "$epochs_flag" ] && span="$steps steps"
 how="batch $batch, $threads thread(s) each"
@@ -124,18 +125,24 @@ kill "$boot_pid" 2>/dev/null || true
 # A classifier reports test_accuracy; a language model val_loss (per token).
 metric=test_accuracy
 grep -q '"val_loss"' "$work"/peer-*.out 2>/dev/null && metric=val_loss
-# exchanges: applied; per 100 steps: how often a step was followed by one
-# (with --sync allreduce: all-reduce rounds, one a step).
-printf '\n%-8s %-6s %14s %10s %13s %10s\n' peer shard "$metric" exchanges "per 100 steps" samples/s
+# mixes: how the peers mixed (gossip: exchanges applied; --sync allreduce:
+# all-reduce rounds, one a step; --outer: outer rounds); per 100 steps: how
+# often a step was followed by one.
+mixes=exchanges label=exchanges
+case $sync,$outer in
+allreduce,none) mixes=allreduce_rounds label=rounds ;;
+*,none) ;;
+*) mixes=outer_rounds label="outer rounds" ;;
+esac
+printf '\n%-8s %-6s %14s %12s %13s %10s\n' peer shard "$metric" "$label" "per 100 steps" samples/s
 i=0
 for p in $peer_pids; do
   i=$((i + 1))
   line=$(grep "\"$metric\"" "$work/peer-$i.out" 2>/dev/null || true)
   num() { echo "$line" | sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
-  mixes=exchanges
-  case $line in *'"sync":"allreduce"'*) mixes=allreduce_rounds ;; esac
   rate=$(echo "$(num $mixes) $(num steps)" | awk 'NF == 2 && $2 > 0 {printf "%.1f", 100 * $1 / $2}')
-  printf '%-8s %-6s %14s %10s %13s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num $mixes)" \
-    "$rate" "$(num samples_per_s)"
+  sps=$(num samples_per_s | awk 'NF {printf "%.0f", $1}')
+  printf '%-8s %-6s %14s %12s %13s %10s\n' "peer-$i" "$((i - 1))/$n" "$(num "$metric")" "$(num $mixes)" \
+    "$rate" "$sps"
 done
 exit $status

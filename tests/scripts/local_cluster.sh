@@ -81,6 +81,17 @@ run interval -- --gossip-every=0 --gossip-interval 0.2
 expect_bound interval 4
 run mine_eq -- --max-local-steps=3
 expect_bound mine_eq 3
+# An outer optimizer communicates once a round: no bound, and the table
+# counts outer rounds. The table's rows end where its header does, and
+# samples/s is a whole number.
+run outer -- --outer nesterov --local-steps 2
+expect_bound outer ""
+grep -q "outer rounds" "$T/out" || fail "outer: the table does not count outer rounds"
+head=$(grep '^peer  *shard' "$T/out")
+row=$(grep '^peer-1 ' "$T/out")
+[ "${#head}" = "${#row}" ] || fail "outer: the header ($head) and a row ($row) end in different columns"
+echo "$row" | awk '{exit !($NF ~ /^[0-9]+$/)}' || fail "outer: samples/s is not a whole number: $row"
+echo "local_cluster: outer: no bound, outer rounds counted, header and rows aligned"
 # A bad MAX_LOCAL_STEPS: exit 2 naming it, before anything starts.
 MAX_LOCAL_STEPS=four RUMOR="$T/rumor" WORKDIR="$T/bad" "$src/deploy/local-cluster.sh" 2 > "$T/out" 2>&1
 st=$?
