@@ -219,7 +219,7 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
 /* Defaults of --local-steps, --outer-lr and --outer-momentum, chosen by
  * measurement (docs/benchmarks.md, "Low-communication training"). */
 #define OUTER_DEFAULT_LOCAL_STEPS 50
-#define OUTER_DEFAULT_LR 0.7
+#define OUTER_DEFAULT_LR 1.0
 #define OUTER_DEFAULT_MOMENTUM 0.5
 
 enum sync_kind { SYNC_GOSSIP = 0, SYNC_ALLREDUCE = 1, SYNC_PS = 2 };

@@ -12,7 +12,7 @@ Rows (each condition):
   gossip       gossip averaging every step (--sync gossip)
   diloco-H     DiLoCo, H inner steps a round (--sync allreduce --outer nesterov)
   diloco-50-i8, diloco-50-topk   ... with --outer-compress i8 or topk:0.03:2
-  diloco-50-overlap              ... with --outer-overlap
+  diloco-H-overlap               ... with --outer-overlap
   noloco-H     NoLoCo (--sync gossip --outer nesterov)
 
 Targets (printed PASS or MISS beside the figures; loopback):
@@ -30,7 +30,7 @@ skipped with the reason otherwise). Writes a CSV of every row and every
 evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
 
   tests/bench/bench-lowcomm.sh [BUILD_DIR]
-  env: N (4), MODEL (gpt:L2-H4-C128-T64-V256), BATCH (8), STEPS (1000),
+  env: N (4), MODEL (gpt:L2-H2-C64-T64-V256), BATCH (8), STEPS (1000),
        LR (3e-3), HS ("10 50 200"), CONDITIONS ("loopback slow"),
        ROWS (all), OUTER_LR (rumor's default), OUTER_MOMENTUM (default),
        SLOW_DELAY_MS (25: each host's egress, so 50 ms RTT), SLOW_RATE_MBIT (50),
@@ -51,7 +51,7 @@ RUMOR = os.path.join(BUILD, "peer", "rumor")
 TESTNET = os.path.join(SRC, "deploy", "testnet.sh")
 ENV = os.environ
 N = int(ENV.get("N", "4"))
-MODEL = ENV.get("MODEL", "gpt:L2-H4-C128-T64-V256")
+MODEL = ENV.get("MODEL", "gpt:L2-H2-C64-T64-V256")
 BATCH = int(ENV.get("BATCH", "8"))
 STEPS = int(ENV.get("STEPS", "1000"))
 LR = ENV.get("LR", "3e-3")
@@ -93,8 +93,10 @@ def rows():
                                                   "50", "--outer-compress", "i8"])),
             ("diloco-50-topk", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps",
                                                     "50", "--outer-compress", "topk:0.03:2"])),
-            ("diloco-50-overlap", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
-                                                       "--local-steps", "50", "--outer-overlap"]))]
+            ]
+    for h in HS:
+        out.append((f"diloco-{h}-overlap", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
+                                                                "--local-steps", str(h), "--outer-overlap"])))
     for h in HS:
         out.append((f"noloco-{h}", "peers", outer_flags(["--outer", "nesterov", "--local-steps", str(h)])))
     wanted = ENV.get("ROWS")
