@@ -305,6 +305,11 @@ struct optim {
 /* An optimiser for the parameters model `m` holds. */
 int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m,
                struct rumor_err *e) RUMOR_MUST_CHECK;
+/* An optimiser for the flat positions [lo, hi) of table `tab`'s buffer (a
+ * parameter server's range): the single process's update restricted to
+ * them, its decay mask cut to the range; state on backend `be`. */
+int optim_init_range(struct optim *o, const struct optim_config *cfg, const struct model_table *tab, int64_t lo,
+                     int64_t hi, tensor_backend_t be, struct rumor_err *e) RUMOR_MUST_CHECK;
 void optim_free(struct optim *o);
 
 /* The learning rate for update number `step` (0-based) of `total_steps`. */

@@ -46,25 +46,35 @@ const char *optim_state_name(enum optim_kind k, int part) {
   return k == OPTIM_ADAMW ? STATE_ADAMW[part] : STATE_SGD[part];
 }
 
-int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m, struct rumor_err *e) {
+int optim_init_range(struct optim *o, const struct optim_config *cfg, const struct model_table *tab, int64_t lo,
+                     int64_t hi, tensor_backend_t be, struct rumor_err *e) {
+  RUMOR_ASSERT(0 <= lo && lo <= hi);
   memset(o, 0, sizeof *o);
   o->cfg = *cfg;
-  o->nparams = m->nparams;
-  int64_t n = m->nparams * optim_state_per_param(cfg->kind);
+  o->nparams = hi - lo;
+  int64_t n = o->nparams * optim_state_per_param(cfg->kind);
   if (n < 1) n = 1;
-  int rc = tensor_alloc(&o->state, m->be, TENSOR_F32, 1, &n, e);
+  int rc = tensor_alloc(&o->state, be, TENSOR_F32, 1, &n, e);
   if (rc) return rumor_err_prefix(e, "optimizer state");
   tensor_fill(&o->state, 0.0f);
-  /* The decay mask: the held table entries merged into runs of one setting. */
-  o->spans = xcalloc(m->table.n ? m->table.n : 1, sizeof *o->spans);
-  for (size_t i = 0; i < m->table.n; i++) {
-    const struct model_param *p = &m->table.p[i];
-    if (p->unit < m->u0 || p->unit >= m->u1) continue;
+  /* The decay mask: the table entries' parts inside [lo, hi), merged into
+   * runs of one setting, at offsets within the range. */
+  o->spans = xcalloc(tab->n ? tab->n : 1, sizeof *o->spans);
+  for (size_t i = 0; i < tab->n; i++) {
+    const struct model_param *p = &tab->p[i];
+    int64_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+    if (a >= b) continue;
     struct optim_span *last = o->nspans ? &o->spans[o->nspans - 1] : NULL;
-    if (last && last->decay == p->decay) last->count += p->numel;
-    else o->spans[o->nspans++] = (struct optim_span){p->offset - m->param_base, p->numel, p->decay};
+    if (last && last->decay == p->decay && last->offset + last->count == a - lo) last->count += b - a;
+    else o->spans[o->nspans++] = (struct optim_span){a - lo, b - a, p->decay};
   }
   return 0;
+}
+
+int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m, struct rumor_err *e) {
+  /* The units a model holds are one contiguous range of the table's
+   * buffer (model.h), and no other unit's entry lies inside it. */
+  return optim_init_range(o, cfg, &m->table, m->param_base, m->param_base + m->nparams, m->be, e);
 }
 
 void optim_free(struct optim *o) {

@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "peer/ps/ps_impl.h"
 #include "peer/train/train.h"
@@ -91,30 +90,6 @@ static int64_t min_live_clock(const struct server *s) {
 /* ============================================================================
  * State: initial parameters, the optimizer over the range, checkpoints
  * ========================================================================== */
-
-/* The optimizer of the single process restricted to [lo, hi): the same
- * kind and settings, its decay mask cut to the range. */
-static int optim_for_range(struct server *s, const struct model_table *tab, struct rumor_err *e) {
-  struct optim *o = &s->optim;
-  memset(o, 0, sizeof *o);
-  o->cfg = s->cfg.optim;
-  o->nparams = s->len;
-  int64_t n = s->len * optim_state_per_param(o->cfg.kind);
-  int rc = tensor_alloc(&o->state, s->be, TENSOR_F32, 1, &n, e);
-  if (rc) return rumor_err_prefix(e, "optimizer state");
-  tensor_fill(&o->state, 0.0f);
-  o->spans = xcalloc(tab->n + 1, sizeof *o->spans);
-  for (size_t i = 0; i < tab->n; i++) {
-    const struct model_param *p = &tab->p[i];
-    int64_t a = p->offset > s->lo ? p->offset : s->lo;
-    int64_t b = p->offset + p->numel < s->hi ? p->offset + p->numel : s->hi;
-    if (a >= b) continue;
-    struct optim_span *last = o->nspans ? &o->spans[o->nspans - 1] : NULL;
-    if (last && last->decay == p->decay) last->count += b - a;
-    else o->spans[o->nspans++] = (struct optim_span){a - s->lo, b - a, p->decay};
-  }
-  return 0;
-}
 
 /* Parameters as a fresh run of the same model and seed starts them. */
 static int init_params(struct server *s, const struct model_spec *spec, struct rumor_err *e) {
@@ -205,11 +180,11 @@ static int check_identity(struct server *s, const struct st_file *f, struct rumo
 /* Resumes from the checkpoint. Returns 0, 1 when there is none, or an
  * error naming the file and the fault. */
 static int load_checkpoint(struct server *s, struct rumor_err *e) {
-  struct stat sb;
-  if (stat(s->cfg.checkpoint, &sb) != 0 && errno == ENOENT) return 1;
   struct st_file f;
-  int rc = safetensors_read(s->cfg.checkpoint, true, &f, e);
-  if (rc) return rc;
+  char used[CHECKPOINT_PATH_MAX + 8];
+  int rc = checkpoint_read_tensors(s->cfg.checkpoint, &f, used, sizeof used, e);
+  if (rc) return rc; /* 1: none yet */
+  if (strcmp(used, s->cfg.checkpoint) != 0) log_warn("resuming from %s", used);
   if ((rc = check_identity(s, &f, e))) goto out;
   const struct st_tensor *p = safetensors_find(&f, "ps.params"), *o = safetensors_find(&f, "ps.optimizer");
   size_t want_o = (size_t)tensor_numel(&s->optim.state) * sizeof(float);
@@ -273,7 +248,7 @@ static int save_checkpoint(struct server *s, struct rumor_err *e) {
   ts[1].data = s->optim.state.data;
   ts[1].nbytes = (size_t)ts[1].shape[0] * sizeof(float);
   size_t nmeta = sizeof meta / sizeof meta[0] - (s->stage_text[0] ? 0 : 1); /* rumor.stage: for a stage only */
-  int rc = safetensors_write(s->cfg.checkpoint, ts, 2, meta, nmeta, e);
+  int rc = checkpoint_save_tensors(s->cfg.checkpoint, ts, 2, meta, nmeta, e);
   free(workers);
   if (rc == 0) s->saved_version = s->version;
   return rc;
@@ -888,7 +863,8 @@ static int server_init(struct server *s, const struct ps_server_config *cfg, str
   s->len = s->hi - s->lo;
   if ((rc = tensor_backend_open("cpu", &s->be, e))) goto out;
   if ((rc = tensor_alloc(&s->params, s->be, TENSOR_F32, 1, &s->len, e)) ||
-      (rc = tensor_alloc(&s->grad, s->be, TENSOR_F32, 1, &s->len, e)) || (rc = optim_for_range(s, &tab, e)))
+      (rc = tensor_alloc(&s->grad, s->be, TENSOR_F32, 1, &s->len, e)) ||
+      (rc = optim_init_range(&s->optim, &s->cfg.optim, &tab, s->lo, s->hi, s->be, e)))
     goto out;
   s->sum = xcalloc((size_t)s->len, sizeof(float));
   rc = load_checkpoint(s, e);

@@ -46,6 +46,7 @@ static void encode(struct sync *s) {
   float mu = (float)s->cfg.outer.momentum;
   for (int64_t i = 0; i < P; i++) r[i] *= mu;
   uint64_t words = block_words(&s->cfg, P);
+  RUMOR_ASSERT(words <= (uint64_t)P + 8); /* outer.host's size (outer.c) */
   memset(h, 0, (size_t)words * sizeof(float));
   h[0] = DILOCO_BLOCK_V1;
   codec_encode(&s->cfg.outer.compress, x, r, (uint64_t)P, (uint8_t *)(h + 1));

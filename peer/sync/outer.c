@@ -1,5 +1,6 @@
 /* The outer optimizer's state and update (sync.h, "Outer optimizers"),
  * shared by DiLoCo (diloco.c) and NoLoCo (noloco.c). */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,7 +93,7 @@ int sync_outer_init(struct sync *s, struct rumor_err *e) {
   sync_outer_reload(s);
   char comp[CODEC_TEXT_MAX];
   codec_format(&s->cfg.outer.compress, comp, sizeof comp);
-  log_info("outer %s every %lld steps (lr %g, momentum %g, compress %s%s): %llu rounds done", 
+  log_info("outer %s every %lld steps (lr %g, momentum %g, compress %s%s): %llu rounds done",
            outer_kind_name(s->cfg.outer.kind), (long long)s->cfg.outer.local_steps, s->cfg.outer.lr,
            s->cfg.outer.momentum, comp, s->cfg.outer.overlap ? ", overlapped" : "", (unsigned long long)o->rounds);
   return 0;

@@ -16,9 +16,6 @@
 
 #include "util/json_text.h"
 
-/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
- * file name added it still fits the 1024-byte names below. */
-#define CHECKPOINT_PATH_MAX 900
 
 void checkpoint_prev_path(const char *path, char *out, size_t n) { snprintf(out, n, "%s.prev", path); }
 
@@ -175,15 +172,15 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
 
 /* Writes one safetensors file to `path` with the durability described at
  * checkpoint_save: staged, the current file kept as .prev, renamed. */
-static int save_file(const char *path, const struct st_tensor *ts, size_t nts, const struct meta_text *meta,
-                     struct rumor_err *e) {
+static int save_file(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                     size_t nmeta, struct rumor_err *e) {
   remove_stale_temporaries(path);
   /* The new file is complete and durable under a staging name before the
    * current one becomes the previous one and the new one takes its place:
    * a failed write (full disk) changes neither. */
   char staging[1100];
   snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
-  int rc = safetensors_write(staging, ts, nts, meta->m, meta->n, e);
+  int rc = safetensors_write(staging, ts, nts, meta, nmeta, e);
   if (rc) { /* its message names the staging file */
     rumor_err_prefix(e, "cannot save %s", path);
     return rc;
@@ -195,6 +192,34 @@ static int save_file(const char *path, const struct st_tensor *ts, size_t nts, c
     return rc;
   }
   return sync_dir(path, e);
+}
+
+int checkpoint_save_tensors(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                            size_t nmeta, struct rumor_err *e) {
+  if (strlen(path) > CHECKPOINT_PATH_MAX)
+    return rumor_err_set(e, RUMOR_EFORMAT, "checkpoint path of %zu bytes is too long (at most %d): %.60s...",
+                         strlen(path), CHECKPOINT_PATH_MAX, path);
+  return save_file(path, ts, nts, meta, nmeta, e);
+}
+
+int checkpoint_read_tensors(const char *path, struct st_file *f, char *used, size_t used_len, struct rumor_err *e) {
+  struct rumor_err first = {0}, second = {0};
+  int rc = safetensors_read(path, true, f, &first);
+  if (rc == 0) {
+    if (used) snprintf(used, used_len, "%s", path);
+    return 0;
+  }
+  char prev[CHECKPOINT_PATH_MAX + 8];
+  checkpoint_prev_path(path, prev, sizeof prev);
+  int rc2 = safetensors_read(prev, true, f, &second);
+  if (rc2 == 0) {
+    if (rc != -ENOENT) log_warn("checkpoint rejected: %s; using the previous checkpoint %s", first.msg, prev);
+    if (used) snprintf(used, used_len, "%s", prev);
+    return 0;
+  }
+  if (rc == -ENOENT && rc2 == -ENOENT) return 1;
+  if (rc2 == -ENOENT) return rumor_err_set(e, rc, "%s", first.msg);
+  return rumor_err_set(e, rc, "%s; the previous checkpoint is unusable too: %s", first.msg, second.msg);
 }
 
 bool checkpoint_is_dir(const char *path) {
@@ -262,10 +287,10 @@ static int save_dir(const char *dir, const struct model *m, const struct st_tens
   int rc = 0;
   if (nstate) {
     checkpoint_dir_file(dir, CHECKPOINT_OPTIM_FILE, path, sizeof path);
-    rc = save_file(path, ts + nweights, nstate, meta, e);
+    rc = save_file(path, ts + nweights, nstate, meta->m, meta->n, e);
   }
   checkpoint_dir_file(dir, CHECKPOINT_MODEL_FILE, path, sizeof path);
-  if (rc == 0) rc = save_file(path, ts, nweights, meta, e);
+  if (rc == 0) rc = save_file(path, ts, nweights, meta->m, meta->n, e);
   if (rc == 0) rc = save_config(dir, &m->spec, e);
   return rc;
 }
@@ -316,7 +341,7 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   struct meta_text meta;
   make_meta(m, o, info, &meta);
   int rc = checkpoint_is_dir(path) ? save_dir(path, m, ts, nweights, nts - nweights, &meta, e)
-                                   : save_file(path, ts, nts, &meta, e);
+                                   : save_file(path, ts, nts, meta.m, meta.n, e);
   free(ts);
   tensor_host_free(m->be, host);
   return rc;

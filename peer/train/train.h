@@ -133,6 +133,10 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
 #define CHECKPOINT_OPTIM_FILE "optimizer.safetensors"
 #define CHECKPOINT_CONFIG_FILE "config.json"
 
+/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
+ * file name added it still fits 1024-byte names. */
+#define CHECKPOINT_PATH_MAX 900
+
 #define CHECKPOINT_FORMAT "1"
 #define CHECKPOINT_STAGE_FORMAT "stage-1"
 
@@ -194,6 +198,19 @@ struct ckpt_extra {
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 
+/* A checkpoint of another layout than a trainer's (a parameter server's
+ * range): exactly the tensors and metadata given, in one file, with
+ * checkpoint_save's durability (staged and fsynced, the previous file kept
+ * as `path`.prev, renamed over `path`). Returns 0 or an error naming the
+ * path. */
+int checkpoint_save_tensors(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                            size_t nmeta, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Reads such a file (the digest required); when it is damaged, logs why
+ * and reads `path`.prev instead. *used (may be NULL) gets the path read.
+ * Returns 0, 1 when neither exists (a first start), or an error with both
+ * reasons. The caller frees `f` (safetensors_free). */
+int checkpoint_read_tensors(const char *path, struct st_file *f, char *used, size_t used_len,
+                            struct rumor_err *e) RUMOR_MUST_CHECK;
 /* True when `path` names a directory checkpoint (see above). */
 bool checkpoint_is_dir(const char *path);
 /* Checks at start-up that checkpoint_save can write `path` (a file, or a
