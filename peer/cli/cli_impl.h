@@ -150,7 +150,7 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
 
 struct gossip_flags {
   int64_t every, exchange_timeout_ms, wait_peers, wait_peers_ms, sketch_k;
-  int64_t max_local_steps, max_hold_ms; /* bounded drift (sync_hold) */
+  int64_t max_local_steps, max_hold_ms; /* bounded drift (average.c's hold; NoLoCo's wait) */
   int64_t finish_wait_ms;               /* exchange on after the last step (sync_finish) */
   double interval, alpha, max_distance;
   const char *wire, *name;

@@ -238,17 +238,10 @@ static int diloco_boundary(struct sync *s, struct rumor_err *e) {
 static void diloco_extra(const struct sync_config *c, struct train_extra_spec *out) { sync_outer_extra(c, out); }
 
 static void diloco_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
-  const struct outer_config *o = &c->outer;
-  enum net_dtype wire = o->compress.kind == CODEC_F16 ? NET_DTYPE_F16 : o->compress.kind == CODEC_I8 ? NET_DTYPE_I8 : c->wire;
-  *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_ALLREDUCE, .buf_floats = (uint64_t)nparams + 1,
-                                   .gather_floats = o->compress.kind == CODEC_TOPK ? block_words(c, nparams) : 0,
-                                   .wire = wire};
-  char comp[CODEC_TEXT_MAX];
-  codec_format(&o->compress, comp, sizeof comp);
-  /* Members must share every setting that decides their rounds. */
-  snprintf(out->label, sizeof out->label, " sync=diloco outer=%s H=%lld lr=%g mu=%g compress=%s%s",
-           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp,
-           o->overlap ? " overlap" : "");
+  sync_outer_plan(c, "diloco", out);
+  out->protocol = GOSSIP_SYNC_ALLREDUCE;
+  out->buf_floats = (uint64_t)nparams + 1;
+  out->gather_floats = c->outer.compress.kind == CODEC_TOPK ? block_words(c, nparams) : 0;
 }
 
 static int diloco_init(struct sync *s, struct rumor_err *e) {

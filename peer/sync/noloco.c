@@ -159,14 +159,9 @@ static int noloco_boundary(struct sync *s, struct rumor_err *e) {
 }
 
 static void noloco_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
-  const struct outer_config *o = &c->outer;
-  enum net_dtype wire = o->compress.kind == CODEC_F16 ? NET_DTYPE_F16 : o->compress.kind == CODEC_I8 ? NET_DTYPE_I8 : c->wire;
-  *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_GOSSIP, .buf_floats = (uint64_t)nparams, .wire = wire};
-  char comp[CODEC_TEXT_MAX];
-  codec_format(&o->compress, comp, sizeof comp);
-  snprintf(out->label, sizeof out->label, " sync=noloco outer=%s H=%lld lr=%g mu=%g compress=%s%s",
-           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp,
-           o->overlap ? " overlap" : "");
+  sync_outer_plan(c, "noloco", out);
+  out->protocol = GOSSIP_SYNC_GOSSIP;
+  out->buf_floats = (uint64_t)nparams;
 }
 
 static int noloco_init(struct sync *s, struct rumor_err *e) {

@@ -176,6 +176,18 @@ void sync_outer_step(struct sync *s) {
   after_round(s);
 }
 
+void sync_outer_plan(const struct sync_config *c, const char *scheme, struct sync_gossip_plan *out) {
+  const struct outer_config *o = &c->outer;
+  memset(out, 0, sizeof *out);
+  out->wire = o->compress.kind == CODEC_F16 ? NET_DTYPE_F16 : o->compress.kind == CODEC_I8 ? NET_DTYPE_I8 : c->wire;
+  char comp[CODEC_TEXT_MAX];
+  codec_format(&o->compress, comp, sizeof comp);
+  /* Members must share every setting that decides their rounds. */
+  snprintf(out->label, sizeof out->label, " sync=%s outer=%s H=%lld lr=%g mu=%g compress=%s%s", scheme,
+           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp,
+           o->overlap ? " overlap" : "");
+}
+
 void sync_outer_result(const struct sync *s, json_t *o) {
   const struct sync_outer *so = &s->outer;
   const struct outer_config *c = &s->cfg.outer;

@@ -87,6 +87,11 @@ void sync_outer_pseudo_gradient(struct sync *s);
  * the momentum and the anchor, then φ ← θ (or, overlapping, φ ← θ + (φ −
  * prev)); counts the round and stores the counters. */
 void sync_outer_step(struct sync *s);
+/* What an outer scheme's gossip plan shares: the encoding (f16 and i8
+ * from --outer-compress) and the label, which names the scheme and every
+ * setting members must agree on. The caller sets the protocol and the
+ * buffers. */
+void sync_outer_plan(const struct sync_config *c, const char *scheme, struct sync_gossip_plan *out);
 /* The result line's outer figures. */
 void sync_outer_result(const struct sync *s, struct json_t *o);
 

@@ -386,15 +386,12 @@ Test(group, a_stage_waiting_to_finish_stops_when_its_neighbour_dies) {
   cr_assert(cluster_wait_file(log[0], "stopping because", 1), "no reason given: %s", proc_slurp(log[0]));
 }
 
-/* --sync allreduce by stage: stage s of each group sums its slice's
- * gradient with stage s of the other, so the two groups' slices stay
- * identical, bit for bit. */
-Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
-  SKIP_WITHOUT_DATA();
+/* Two groups of 2 stages training with `extra`: both finish, each stage's
+ * result has `key` == `want`, and the groups' slices end identical, bit
+ * for bit. */
+static void two_groups_end_identical(char **extra, const char *key, double want) {
   struct cluster_group g[2];
   const char *const *names = two_names;
-  char *extra[] = {"--model", "mlp:784-64-32-10", "--max-steps", "60", "--batch", "32", "--no-eval", "--sync",
-                   "allreduce", NULL};
   start_two_groups(g, extra, NULL);
   for (int i = 0; i < 2; i++) {
     int st = proc_wait(g[i].pid, 200);
@@ -402,7 +399,7 @@ Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
     for (int s = 0; s < 2; s++) {
       char has[64];
       snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
-      cr_assert_eq(cluster_line_number(g[i].out, has, "allreduce_members"), 2, "group %s stage %d: %s", names[i], s,
+      cr_assert_eq(cluster_line_number(g[i].out, has, key), want, "group %s stage %d: %s", names[i], s,
                    proc_slurp(g[i].out));
     }
   }
@@ -417,36 +414,25 @@ Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
   }
 }
 
+/* --sync allreduce by stage: stage s of each group sums its slice's
+ * gradient with stage s of the other, so the two groups' slices stay
+ * identical, bit for bit. */
+Test(group, two_groups_all_reducing_by_stage_hold_identical_slices) {
+  SKIP_WITHOUT_DATA();
+  char *extra[] = {"--model", "mlp:784-64-32-10", "--max-steps", "60", "--batch", "32", "--no-eval", "--sync",
+                   "allreduce", NULL};
+  two_groups_end_identical(extra, "allreduce_members", 2);
+}
+
 /* DiLoCo by stage (`--sync allreduce --outer nesterov`): stage s of each
  * group averages its slice's pseudo-gradient with stage s of the other
  * every 20 steps; the groups end with identical slices after the last
  * round. */
 Test(group, two_diloco_groups_end_with_identical_slices) {
   SKIP_WITHOUT_DATA();
-  struct cluster_group g[2];
-  const char *const *names = two_names;
   char *extra[] = {"--model", "mlp:784-64-32-10", "--max-steps", "60", "--batch", "32", "--no-eval", "--sync",
                    "allreduce", "--outer", "nesterov", "--local-steps", "20", NULL};
-  start_two_groups(g, extra, NULL);
-  for (int i = 0; i < 2; i++) {
-    int st = proc_wait(g[i].pid, 200);
-    cr_assert(proc_exited_with(st, 0), "group %s failed (status %d): %s", names[i], st, proc_slurp(g[i].log));
-    for (int s = 0; s < 2; s++) {
-      char has[64];
-      snprintf(has, sizeof has, "\"stage\":%d,\"stages\":2,\"steps\"", s);
-      cr_assert_eq(cluster_line_number(g[i].out, has, "outer_rounds"), 3, "group %s stage %d: %s", names[i], s,
-                   proc_slurp(g[i].out));
-    }
-  }
-  for (int s = 0; s < 2; s++) {
-    int64_t na, nb;
-    float *a = stage_params("ga", s, &na), *b = stage_params("gb", s, &nb);
-    cr_assert_eq(na, nb);
-    int64_t diff = 0;
-    for (int64_t j = 0; j < na; j++) diff += a[j] != b[j];
-    cr_assert_eq(diff, 0, "stage %d: %lld of %lld values differ between the groups", s, (long long)diff, (long long)na);
-    free(a), free(b);
-  }
+  two_groups_end_identical(extra, "outer_rounds", 3);
 }
 
 Test(group, killed_stage_stops_its_group_and_the_other_group_trains_on) {

@@ -118,14 +118,20 @@ static void resume_case(const char *overlap) {
   for (size_t k = 0; k < sizeof common / sizeof common[0]; k++) argv[n++] = common[k];
   if (overlap) argv[n++] = (char *)overlap;
   int base = n;
-  argv[n++] = "--slowdown";
-  argv[n++] = "100";
+  argv[n++] = "--slowdown"; /* 40 steps from the save of step 60 to the next: a wide window to stop it in */
+  argv[n++] = "20";
   argv[n++] = "--checkpoint";
   argv[n++] = full;
   argv[n] = NULL;
   int p = cluster_spawn(&C, "peer", argv);
-  cr_assert(cluster_wait_file(C.node[p].log, "(step 60)", 60), "no save at step 60: %s", proc_slurp(C.node[p].log));
+  bool seen = false;
+  for (double t0 = cluster_now(); !seen && cluster_now() - t0 < 180; usleep(2000)) {
+    char *log = proc_slurp(C.node[p].log);
+    seen = strstr(log, "(step 60)") != NULL;
+    free(log);
+  }
   kill(C.node[p].pid, SIGSTOP);
+  cr_assert(seen, "no save at step 60: %s", proc_slurp(C.node[p].log));
   cluster_sh("cp %s %s", full, part);
   kill(C.node[p].pid, SIGCONT);
   expect_clean_exit(p);
