@@ -34,7 +34,8 @@ evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
        LR (3e-3), HS ("10 50 200"), CONDITIONS ("loopback slow"),
        ROWS (all), OUTER_LR (rumor's default), OUTER_MOMENTUM (default),
        SLOW_DELAY_MS (25: each host's egress, so 50 ms RTT), SLOW_RATE_MBIT (50),
-       SLOW_FACTOR (2), THREADS (1), RUN_TIMEOUT (3600 s), OUT, DATA (the KJV text)
+       SLOW_FACTOR (2), THREADS (1), RUN_TIMEOUT (3600 s), OUT, DATA (the KJV text),
+       TOPK (topk:0.03:2: the diloco-50-topk row's --outer-compress)
 """
 import json
 import os
@@ -63,6 +64,7 @@ SLOW_DELAY = ENV.get("SLOW_DELAY_MS", "25")
 SLOW_RATE = ENV.get("SLOW_RATE_MBIT", "50")
 SLOW_FACTOR = float(ENV.get("SLOW_FACTOR", "2"))
 OUT = ENV.get("OUT", "bench-lowcomm.csv")
+TOPK = ENV.get("TOPK", "topk:0.03:2")
 DATA = ENV.get("DATA", "/usr/local/share/rumor/kjv.txt")
 CONTEXT = int(re.search(r"-T(\d+)", MODEL).group(1)) if re.search(r"-T(\d+)", MODEL) else 1024
 TESTNET_NAME = "rlc"
@@ -92,7 +94,7 @@ def rows():
     out += [("diloco-50-i8", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps",
                                                   "50", "--outer-compress", "i8"])),
             ("diloco-50-topk", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps",
-                                                    "50", "--outer-compress", "topk:0.03:2"])),
+                                                    "50", "--outer-compress", TOPK])),
             ]
     for h in HS:
         out.append((f"diloco-{h}-overlap", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
