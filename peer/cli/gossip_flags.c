@@ -209,7 +209,8 @@ int gossip_flags_setup(const struct gossip_flags *f, const struct arg_spec *spec
 
 void gossip_setup_train(const struct gossip_setup *s, struct train_config *tc) {
   memset(&tc->extra, 0, sizeof tc->extra);
-  if (s->sync.kind != SYNC_PS) sync_scheme_of(&s->sync)->extra(&s->sync, &tc->extra);
+  const struct sync_scheme *scheme = sync_scheme_of(&s->sync);
+  if (scheme->extra) scheme->extra(&s->sync, &tc->extra);
 }
 
 void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c) {

@@ -76,8 +76,8 @@ int member_start(struct member *mb, struct trainer *t, const struct net_flags *n
 /* Takes the state pulled into the donor buffer (at *pos) unless the pull
  * policy refuses it (sync_pull_take); a refused donor is struck and
  * another asked, and after SYNC_PULL_ASKS refusals we start from our own. */
-static int take_pulled(struct member *mb, struct trainer *t, int jr, struct gossip_train_pos *pos,
-                       struct rumor_err *e) {
+static int take_pulled(struct member *mb, struct trainer *t, struct gossip_train_pos *pos, struct rumor_err *e) {
+  int jr = 0;
   struct sync_own_state own;
   sync_own_keep(&own, t);
   char why[200];
@@ -112,7 +112,7 @@ int member_join(struct member *mb, struct trainer *t, const struct gossip_flags 
                 struct gossip_train_pos *pos, struct rumor_err *e) {
   bool pull = !gf->no_state_pull && !own_state;
   int jr = gossip_join_wait(mb->g, pull ? mb->donor : NULL, pos, signals_stop_flag(), e);
-  return jr == 0 ? take_pulled(mb, t, jr, pos, e) : jr;
+  return jr == 0 ? take_pulled(mb, t, pos, e) : jr;
 }
 
 int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) {

@@ -28,11 +28,6 @@ void ps_client_result(const struct ps_client_stats *st, json_t *o) {
   json_text_set(o, "ps_wait_s", json_text_real(st->wait_s));
 }
 
-static void ps_extra(const struct sync_config *c, struct train_extra_spec *out) {
-  (void)c;
-  out->n = 0;
-}
-
 static void ps_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
   *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_GOSSIP, .buf_floats = (uint64_t)nparams, .wire = c->wire};
   snprintf(out->label, sizeof out->label, " sync=ps");
@@ -72,13 +67,19 @@ static int ps_finish(struct sync *s, const struct sync_finish_args *f, struct ru
 }
 
 static void ps_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
+  (void)gs;
   struct ps_client_stats st;
   ps_client_stats_get(s->scheme_state, &st);
   ps_client_result(&st, o);
-  /* Every byte of this process's transports: the servers' connections,
-   * and a stage's gossip runtime (gs: zero without one). */
-  json_text_set(o, "bytes_out", json_integer((json_int_t)(st.bytes_out + gs->bytes_out)));
-  json_text_set(o, "bytes_in", json_integer((json_int_t)(st.bytes_in + gs->bytes_in)));
+}
+
+/* The servers' connections, beside a stage's gossip runtime (none for a
+ * whole worker). */
+static void ps_own_bytes(const struct sync *s, uint64_t *in, uint64_t *out) {
+  struct ps_client_stats st;
+  ps_client_stats_get(s->scheme_state, &st);
+  *in += st.bytes_in;
+  *out += st.bytes_out;
 }
 
 static void ps_free(struct sync *s) {
@@ -88,13 +89,12 @@ static void ps_free(struct sync *s) {
 
 const struct sync_scheme sync_scheme_ps = {
     .name = "ps",
-    .extra = ps_extra,
     .plan = ps_plan,
     .init = ps_init,
-    .boundary = NULL,
     .reduce = ps_reduce,
     .join = ps_join,
     .finish = ps_finish,
     .result = ps_result,
+    .own_bytes = ps_own_bytes,
     .free = ps_free,
 };

@@ -119,25 +119,28 @@ static void fill_gradient(struct sync *s, void *arg) {
   buf[P] = w;
 }
 
+bool sync_ring_mean(struct sync *s, struct tensor *dst) {
+  int64_t P = s->t->model.nparams;
+  const float *sum = gossip_ar_result(s->g);
+  double weight = sum[P];
+  bool finite = isfinite(weight) && weight >= 1;
+  for (int64_t i = 0; finite && i < P; i++) finite = isfinite(sum[i]);
+  if (!finite) return false;
+  tensor_copy_from_host(dst, 0, sum, (size_t)P * sizeof(float));
+  tensor_scale(dst, (float)(1.0 / weight));
+  return true;
+}
+
 /* The sum arrived: the mean gradient into model.grads. Returns 0, or 1 when
  * it is not finite (every member sees the same sum and drops the step). */
 static int take_sum(struct sync *s) {
   struct trainer *t = s->t;
-  int64_t P = t->model.nparams;
-  const float *sum = gossip_ar_result(s->g);
-  double rows = sum[P];
-  bool finite = isfinite(rows) && rows >= 1;
-  for (int64_t i = 0; finite && i < P; i++) finite = isfinite(sum[i]);
-  if (!finite) {
-    log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
-             (long long)t->st.step, rows);
-    s->ring.skipped++;
-    trainer_take_step(t, t->st.step + 1);
-    return 1;
-  }
-  tensor_copy_from_host(&t->model.grads, 0, sum, (size_t)P * sizeof(float));
-  tensor_scale(&t->model.grads, (float)(1.0 / rows));
-  return 0;
+  if (sync_ring_mean(s, &t->model.grads)) return 0;
+  log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
+           (long long)t->st.step, (double)gossip_ar_result(s->g)[t->model.nparams]);
+  s->ring.skipped++;
+  trainer_take_step(t, t->st.step + 1);
+  return 1;
 }
 
 /* The train_reducer: sums the step's gradient, weighted by rows, over the
@@ -152,30 +155,12 @@ static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   return rc ? rc : take_sum(s);
 }
 
-static void ar_extra(const struct sync_config *c, struct train_extra_spec *out) {
-  (void)c;
-  out->n = 0;
-}
-
 static void ar_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
   /* The gradient and the rows it is the mean over. */
   *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_ALLREDUCE, .buf_floats = (uint64_t)nparams + 1,
                                    .wire = c->wire};
   snprintf(out->label, sizeof out->label, " sync=allreduce");
 }
-
-static int ar_init(struct sync *s, struct rumor_err *e) {
-  (void)s;
-  (void)e;
-  return 0;
-}
-
-static int ar_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
-  (void)s, (void)f, (void)e;
-  return 0;
-}
-
-static void ar_free(struct sync *s) { (void)s; }
 
 static void ar_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
   (void)gs;
@@ -191,12 +176,7 @@ static void ar_result(const struct sync *s, const struct gossip_stats *gs, json_
 
 const struct sync_scheme sync_scheme_allreduce = {
     .name = "allreduce",
-    .extra = ar_extra,
     .plan = ar_plan,
-    .init = ar_init,
-    .boundary = NULL,
     .reduce = ar_reduce,
-    .finish = ar_finish,
     .result = ar_result,
-    .free = ar_free,
 };

@@ -192,11 +192,6 @@ static int avg_finish(struct sync *s, const struct sync_finish_args *f, struct r
   return rc;
 }
 
-static void avg_extra(const struct sync_config *c, struct train_extra_spec *out) {
-  (void)c;
-  out->n = 0;
-}
-
 static void avg_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
   *out = (struct sync_gossip_plan){.protocol = GOSSIP_SYNC_GOSSIP, .buf_floats = (uint64_t)nparams, .wire = c->wire};
 }
@@ -238,11 +233,9 @@ static void avg_result(const struct sync *s, const struct gossip_stats *gs, json
 
 const struct sync_scheme sync_scheme_gossip = {
     .name = "gossip",
-    .extra = avg_extra,
     .plan = avg_plan,
     .init = avg_init,
     .boundary = avg_boundary,
-    .reduce = NULL,
     .finish = avg_finish,
     .result = avg_result,
     .free = avg_free,

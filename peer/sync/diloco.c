@@ -62,20 +62,6 @@ static void fill(struct sync *s, void *arg) {
   else memcpy(gossip_ar_buf(s->g), s->outer.host, ((size_t)P + 1) * sizeof(float));
 }
 
-/* The dense sum: its mean into outer.work. False when it is not finite
- * (every member sees the same sum). */
-static bool take_sum(struct sync *s) {
-  int64_t P = s->t->model.nparams;
-  const float *sum = gossip_ar_result(s->g);
-  double members = sum[P];
-  bool finite = isfinite(members) && members >= 1;
-  for (int64_t i = 0; finite && i < P; i++) finite = isfinite(sum[i]);
-  if (!finite) return false;
-  tensor_copy_from_host(&s->outer.work, 0, sum, (size_t)P * sizeof(float));
-  tensor_scale(&s->outer.work, (float)(1.0 / members));
-  return true;
-}
-
 /* The gathered blocks: their mean into outer.work. A block that does not
  * decode (a broken or hostile member) is left out, by every member alike,
  * since every member holds the same blocks. False when none is left. */
@@ -84,31 +70,26 @@ static bool take_blocks(struct sync *s) {
   size_t n, self;
   const float *b = gossip_ag_result(s->g, &n, &self);
   uint64_t words = block_words(&s->cfg, P), len = codec_bytes(&s->cfg.outer.compress, (uint64_t)P);
-  float *acc = s->outer.host, *one = xmalloc((size_t)P * sizeof(float));
+  float *acc = s->outer.host;
   memset(acc, 0, (size_t)P * sizeof(float));
   size_t good = 0;
   for (size_t i = 0; b && i < n; i++) {
+    /* A refused block adds nothing (codec_decode_add validates first). */
     struct rumor_err e = {0};
-    memset(one, 0, (size_t)P * sizeof(float));
     int rc = b[i * words] != DILOCO_BLOCK_V1
                  ? rumor_err_set(&e, RUMOR_ECORRUPT, "its block's version word is %g", (double)b[i * words])
                  : codec_decode_add(&s->cfg.outer.compress, (const uint8_t *)(b + i * words + 1), len, (uint64_t)P,
-                                    1.0f, one, &e);
-    if (rc) {
-      log_warn("DiLoCo: the block of member %zu of the ring is left out: %s", i, e.msg);
-      continue;
-    }
-    for (int64_t j = 0; j < P; j++) acc[j] += one[j];
-    good++;
+                                    1.0f, acc, &e);
+    if (rc) log_warn("DiLoCo: the block of member %zu of the ring is left out: %s", i, e.msg);
+    else good++;
   }
-  free(one);
   if (!good) return false;
   tensor_copy_from_host(&s->outer.work, 0, acc, (size_t)P * sizeof(float));
   tensor_scale(&s->outer.work, (float)(1.0 / (double)good));
   return true;
 }
 
-static bool take_result(struct sync *s) { return topk(s) ? take_blocks(s) : take_sum(s); }
+static bool take_result(struct sync *s) { return topk(s) ? take_blocks(s) : sync_ring_mean(s, &s->outer.work); }
 
 /* The payload bytes this member sent and received in a round over a ring
  * of n: a ring all-reduce sends and receives 2(n − 1)/n of the vector in
@@ -211,8 +192,9 @@ static void launch(struct sync *s) {
  * with the state taken. */
 static int diloco_boundary(struct sync *s, struct rumor_err *e) {
   struct sync_outer *o = &s->outer;
-  for (int tries = 0; sync_outer_due(s); tries++) {
-    RUMOR_ASSERT(tries < 1000);
+  /* Each pass applies a round or takes a state past the round we were at
+   * (a donor that completed it): the rounds done only grow. */
+  while (sync_outer_due(s)) {
     int rc = o->in_flight ? land_flight(s, e) : 0;
     if (rc < 0) return rc;
     if (rc == 1) {
@@ -235,8 +217,6 @@ static int diloco_boundary(struct sync *s, struct rumor_err *e) {
   return 0;
 }
 
-static void diloco_extra(const struct sync_config *c, struct train_extra_spec *out) { sync_outer_extra(c, out); }
-
 static void diloco_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
   sync_outer_plan(c, "diloco", out);
   out->protocol = GOSSIP_SYNC_ALLREDUCE;
@@ -251,11 +231,6 @@ static int diloco_init(struct sync *s, struct rumor_err *e) {
   return 0;
 }
 
-static int diloco_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
-  (void)s, (void)f, (void)e;
-  return 0; /* the last step's boundary ran the last round */
-}
-
 static void diloco_free(struct sync *s) { sync_outer_free(s); }
 
 static void diloco_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
@@ -265,12 +240,10 @@ static void diloco_result(const struct sync *s, const struct gossip_stats *gs, j
 
 const struct sync_scheme sync_scheme_diloco = {
     .name = "diloco",
-    .extra = diloco_extra,
+    .extra = sync_outer_extra, /* a run ends with the last step's round: no finish */
     .plan = diloco_plan,
     .init = diloco_init,
     .boundary = diloco_boundary,
-    .reduce = NULL,
-    .finish = diloco_finish,
     .result = diloco_result,
     .free = diloco_free,
 };

@@ -33,8 +33,8 @@ static void snapshot(struct sync *s) {
 
 /* The step of this round's boundary (the snapshot's tag). */
 static uint64_t boundary_step(const struct sync *s) {
-  int64_t H = s->cfg.outer.local_steps, step = s->t->st.step;
-  return (uint64_t)(s->cfg.outer.overlap ? step - (step % H == 0 ? 0 : step % H) : step);
+  int64_t step = s->t->st.step;
+  return (uint64_t)(s->cfg.outer.overlap ? step - step % s->cfg.outer.local_steps : step);
 }
 
 /* One turn of the slot (gossip_xch_begin): copies our snapshot when an
@@ -130,8 +130,8 @@ static int noloco_boundary(struct sync *s, struct rumor_err *e) {
      * a failed exchange of ours is asked again); otherwise requests are
      * declined, and an exchange landing late is not ours to apply. */
     double now = clock_now_s();
-    bool want = overlap && o->in_flight && !gossip_xch_in_flight(s->g) && now >= s->avg.next_ask_s;
-    if (want) s->avg.next_ask_s = now + NOLOCO_ASK_MAX_S;
+    bool want = overlap && o->in_flight && !gossip_xch_in_flight(s->g) && now >= o->next_ask_s;
+    if (want) o->next_ask_s = now + NOLOCO_ASK_MAX_S;
     serve(s, want, overlap && o->in_flight, false, &turn);
     if (turn.work == GOSSIP_XCH_APPLY && !overlap)
       gossip_xch_apply_done(s->g, 1, "it arrived after our round ended"); /* not ours to apply; no blame */
@@ -174,13 +174,6 @@ static int noloco_init(struct sync *s, struct rumor_err *e) {
   return 0;
 }
 
-static void noloco_extra(const struct sync_config *c, struct train_extra_spec *out) { sync_outer_extra(c, out); }
-
-static int noloco_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
-  (void)s, (void)f, (void)e;
-  return 0; /* the last step's boundary ran the last round */
-}
-
 static void noloco_free(struct sync *s) {
   sync_xch_free(s);
   sync_outer_free(s);
@@ -197,12 +190,10 @@ static void noloco_result(const struct sync *s, const struct gossip_stats *gs, j
 
 const struct sync_scheme sync_scheme_noloco = {
     .name = "noloco",
-    .extra = noloco_extra,
+    .extra = sync_outer_extra, /* a run ends with the last step's round: no finish */
     .plan = noloco_plan,
     .init = noloco_init,
     .boundary = noloco_boundary,
-    .reduce = NULL,
-    .finish = noloco_finish,
     .result = noloco_result,
     .free = noloco_free,
 };

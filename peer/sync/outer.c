@@ -129,7 +129,7 @@ static void after_round(struct sync *s) {
   struct trainer *t = s->t;
   log_info("outer round %llu at step %lld: pseudo-gradient norm %.4g, %.2f MB sent and received, %.2f s waited in all%s",
            (unsigned long long)o->rounds, (long long)t->st.step, o->last_norm, o->last_bytes / 1e6, o->wait_s,
-           s->scheme == &sync_scheme_noloco && o->alone_last ? " (no partner: our own)" : "");
+           o->alone_last ? " (no partner: our own)" : "");
   if (trainer_is_stage(t) || t->cfg.eval_every <= 0 || t->st.step % t->cfg.eval_every != 0) return;
   struct rumor_err e = {0};
   if (trainer_evaluate(t, &e)) {

@@ -50,7 +50,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
   s->sketch = xcalloc(g ? (size_t)gossip_sketch_k(g) : 1, sizeof(double));
   s->stats_s = s->rate_s = clock_now_s();
   s->rate_samples = t->st.samples;
-  int rc = s->scheme->init(s, e);
+  int rc = s->scheme->init ? s->scheme->init(s, e) : 0;
   if (rc) {
     free(s->sketch);
     memset(s, 0, sizeof *s);
@@ -63,7 +63,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
 void sync_free(struct sync *s) {
   if (!s->scheme) return;
   if (s->t && s->t->reducer.arg == s) s->t->reducer = (struct train_reducer){0};
-  s->scheme->free(s);
+  if (s->scheme->free) s->scheme->free(s);
   free(s->sketch);
   memset(s, 0, sizeof *s);
 }
@@ -150,15 +150,16 @@ int sync_start(struct sync *s, struct rumor_err *e) {
 }
 
 int sync_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
-  return s->scheme->finish(s, f, e);
+  return s->scheme->finish ? s->scheme->finish(s, f, e) : 0;
 }
 
 void sync_result(const struct sync *s, const struct gossip_stats *gs, json_t *o) {
   s->scheme->result(s, gs, o);
   json_text_set(o, "sync", json_string(s->scheme->name));
-  if (s->scheme == &sync_scheme_ps) return; /* its bytes are its own connections' (its result) */
-  json_text_set(o, "bytes_out", json_integer((json_int_t)gs->bytes_out));
-  json_text_set(o, "bytes_in", json_integer((json_int_t)gs->bytes_in));
+  uint64_t in = gs->bytes_in, out = gs->bytes_out;
+  if (s->scheme->own_bytes) s->scheme->own_bytes(s, &in, &out);
+  json_text_set(o, "bytes_out", json_integer((json_int_t)out));
+  json_text_set(o, "bytes_in", json_integer((json_int_t)in));
 }
 
 void sync_figures(const struct sync *s, struct sync_figures *out) {

@@ -333,8 +333,8 @@ struct sync_finish_args {
   void *arg;
 };
 
-/* One scheme. `boundary`, `reduce` and `join` may be NULL; the others are
- * required. */
+/* One scheme. `name`, `plan` and `result` are required; any other entry may
+ * be NULL: the scheme has nothing to do there. */
 struct sync_scheme {
   const char *name; /* the result line's "sync" */
   /* From the configuration alone, before anything exists: the state the
@@ -362,6 +362,10 @@ struct sync_scheme {
   /* The scheme's fields of the result line; `gs`: the runtime's figures,
    * taken before the member left. */
   void (*result)(const struct sync *s, const struct gossip_stats *gs, struct json_t *o);
+  /* Adds the bytes of connections the scheme opened itself (--sync ps: its
+   * servers') to *in and *out, for the result line's bytes_in and
+   * bytes_out. */
+  void (*own_bytes)(const struct sync *s, uint64_t *in, uint64_t *out);
   void (*free)(struct sync *s);
 };
 
@@ -450,6 +454,7 @@ struct sync_outer {
   bool in_flight;                 /* overlap: the round `rounds` was started and is not applied yet */
   uint64_t alone;                 /* NoLoCo rounds applied without a partner */
   bool alone_last;                /* ... the last one was */
+  double next_ask_s;              /* NoLoCo overlapping: no request of ours before this (pacing) */
   double last_norm, last_bytes, wait_s;
 };
 
@@ -503,7 +508,8 @@ void sync_idle(void *arg);
 /* The end of a run, after the last step (the scheme's finish). */
 int sync_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The scheme's result fields: "sync" (its name), its counters, and every
- * scheme's bytes_out and bytes_in (all bytes of the runtime's transport). */
+ * scheme's bytes_out and bytes_in (all bytes of this process's transports:
+ * the runtime's and the scheme's own). */
 void sync_result(const struct sync *s, const struct gossip_stats *gs, struct json_t *o);
 void sync_figures(const struct sync *s, struct sync_figures *out);
 void sync_free(struct sync *s);

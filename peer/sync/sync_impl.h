@@ -64,6 +64,13 @@ typedef void (*sync_fill_fn)(struct sync *s, void *arg);
 int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync_fill_fn fill, void *arg,
                     uint64_t min_step, struct rumor_err *e) RUMOR_MUST_CHECK;
 
+/* After a reduce round: the sum (gossip_ar_result: P values and their
+ * weight, the rows or members summed, as the last float) divided by its
+ * weight into dst (P floats on the trainer's device). False, dst untouched,
+ * when it is not finite or weighs less than 1 (every member sees the same
+ * sum, so every member decides alike). */
+bool sync_ring_mean(struct sync *s, struct tensor *dst);
+
 /* ---- the outer optimizer (outer.c) ---- */
 
 /* The segments of the state an outer scheme keeps with the model. */

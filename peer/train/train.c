@@ -202,13 +202,13 @@ static int alloc_extra(struct trainer *t, struct rumor_err *e) {
 
 /* --resume: the scheme's segments from the checkpoint, by name and length;
  * when one is missing (a checkpoint of a run without them) they all stay
- * zero and the scheme starts its state afresh (extra_resumed false). */
+ * zero, and the scheme starts its state afresh. */
 static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
   const struct train_extra_spec *x = &t->cfg.extra;
   for (int i = 0; i < x->n; i++)
     if (!checkpoint_extra(ck, x->seg[i].name, t->extra_off[i + 1] - t->extra_off[i])) {
-      if (x->n) log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
-                         x->seg[i].name);
+      log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
+               x->seg[i].name);
       return;
     }
   for (int i = 0; i < x->n; i++) {
@@ -216,7 +216,6 @@ static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
     tensor_copy_from_host(&t->extra, t->extra_off[i], checkpoint_extra(ck, x->seg[i].name, len),
                           (size_t)len * sizeof(float));
   }
-  t->extra_resumed = x->n > 0;
 }
 
 struct tensor trainer_extra(struct trainer *t, int i) {

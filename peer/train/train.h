@@ -455,11 +455,9 @@ struct trainer {
   double grad_norm;
   int64_t clipped_steps;
   /* The sync scheme's state (cfg.extra): one allocation on the device,
-   * segment i at extra_off[i]; extra_resumed when --resume found every
-   * segment in the checkpoint (else they start at zero). */
+   * segment i at extra_off[i]. */
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
-  bool extra_resumed;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
