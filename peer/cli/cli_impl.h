@@ -267,15 +267,18 @@ int member_ready(struct member *mb, struct trainer *t, struct rumor_err *e) RUMO
  * true with a message when waiting must end (a pipeline neighbour failed). */
 int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const char *what,
                       bool (*failed)(void *arg, struct rumor_err *e), void *arg, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* The training loop of `rumor peer` and of a group's stage: steps until
- * the trainer is done or a stop signal, each followed by member_boundary.
- * *secs and *steps: this run's. Returns 0 (done, or stopped:
- * signals_stop_requested says which) or the error that ends the member. */
+/* The training loop of `rumor peer`, a group's stage and a parameter-server
+ * worker (cmd_ps.c, with no member): steps until the trainer is done or a
+ * stop signal, each followed by the scheme's boundary (sync_boundary).
+ * *changes_at_end (may be NULL) gets the scheme's changes when the last
+ * step ended (member_finish). *secs and *steps: this run's. Returns 0
+ * (done, or stopped: signals_stop_requested says which) or the error that
+ * ends the member. */
+int sync_train(struct sync *s, struct trainer *t, uint64_t *changes_at_end, double *secs, int64_t *steps,
+               struct rumor_err *e) RUMOR_MUST_CHECK;
+/* sync_train on the member's scheme. */
 int member_train(struct member *mb, struct trainer *t, double *secs, int64_t *steps,
                  struct rumor_err *e) RUMOR_MUST_CHECK;
-/* After each step: the scheme's boundary (sync_boundary). Returns 0 or
- * its error (the member stops). */
-int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* After the last step: the scheme's finish (sync_finish: gossip averaging
  * waits --finish-wait-ms for partners that still train; `failed`, which
  * may be NULL, ends the wait as in member_wait_peers). Then saves the

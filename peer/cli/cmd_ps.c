@@ -207,21 +207,6 @@ static void print_worker_result(struct trainer *t, const struct sync *sy, const 
   result_print(o);
 }
 
-/* Trains until done or stopped. */
-static int worker_loop(struct trainer *t, struct rumor_err *e) {
-  bool first = true;
-  while (!trainer_done(t) && !signals_stop_requested()) {
-    int rc = trainer_step(t, e);
-    if (rc == RUMOR_ECANCELED && signals_stop_requested()) break; /* stopped while waiting for the servers */
-    if (rc) return rc;
-    if (first) {
-      log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
-      first = false;
-    }
-  }
-  return 0;
-}
-
 void ps_worker_net(const struct net_flags *nf, const struct net_keys *keys, const struct gossip_flags *gf,
                    struct sync_config *c) {
   c->net = (struct sync_net){.identity = &keys->identity,
@@ -248,14 +233,13 @@ int ps_worker_run(struct trainer *t, const struct net_flags *nf, const struct ne
   json_text_set(line, "sync", json_string("ps"));
   json_text_set(line, "servers", json_text_str(gf->servers));
   json_text_print(stdout, line);
-  int64_t s0 = t->st.samples;
-  double t0 = clock_now_s();
-  if ((rc = sync_join(&sy, e)) == 0) rc = worker_loop(t, e);
-  if (rc == RUMOR_ECANCELED && signals_stop_requested()) rc = 0;
-  double secs = clock_now_s() - t0;
+  int64_t s0 = t->st.samples, steps;
+  double secs = 0;
+  if ((rc = sync_join(&sy, e)) == 0) rc = sync_train(&sy, t, NULL, &secs, &steps, e);
   bool stopped = signals_stop_requested() != 0;
   struct sync_finish_args fin = {0};
-  if (rc == 0 && !stopped) rc = sync_finish(&sy, &fin, e); /* DONE: a stopped worker is dropped instead, and may come back */
+  /* DONE to the servers; a stopped worker is dropped instead, and may come back. */
+  if (rc == 0 && !stopped) rc = sync_finish(&sy, &fin, e);
   if (rc == 0 && !stopped) {
     log_info("training done after %lld steps (%.1f s)", (long long)t->st.step, secs);
     print_worker_result(t, &sy, id, secs, s0);

@@ -43,7 +43,10 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"max-local-steps", ARG_INT, &f->max_local_steps, "N",
        "bound drift: after N steps without an applied exchange, hold training until one applies (0: never hold)", 0,
        1e12},
-      {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS", "... holding at most this long at a time", 1, 86400000},
+      {"max-hold-ms", ARG_INT, &f->max_hold_ms, "MS",
+       "... holding at most this long at a time (with --outer and --sync gossip: the wait for a partner at a round's "
+       "boundary)",
+       1, 86400000},
       {"finish-wait-ms", ARG_INT, &f->finish_wait_ms, "MS",
        group ? "after the last step, each stage keeps averaging (without training) until the same stage of every "
                "other group has finished (one whose slices it rejected is not waited for), at most MS; then saves, "
@@ -82,7 +85,10 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "(the ring averages pseudo-gradients), with --sync gossip NoLoCo (one random partner a round)"},
       {"local-steps", ARG_INT, &f->local_steps, "H", "--outer: inner steps per outer round", 1, 1e9},
       {"outer-lr", ARG_FLOAT, &f->outer_lr, "X", "--outer: the outer learning rate", 1e-6, 10},
-      {"outer-momentum", ARG_FLOAT, &f->outer_momentum, "M", "--outer: the outer momentum (0: none)", 0, 0.999},
+      {"outer-momentum", ARG_FLOAT, &f->outer_momentum, "M",
+       "--outer: the outer momentum (0: none); with topk, the decay of the error-feedback accumulator that stands for "
+       "it (SparseLoCo)",
+       0, 0.999},
       {"outer-compress", ARG_STR, &f->outer_compress, "C",
        "--outer: what a round sends: none, f16, i8 (8-bit, a scale per 128 values) or topk:F:BITS (DiLoCo: the "
        "fraction F of largest entries per chunk at BITS = 2, 4 or 8 bits, the rest kept for the next round)"},

@@ -147,6 +147,11 @@ int member_wait_peers(struct member *mb, const struct gossip_flags *gf, const ch
 }
 
 int member_train(struct member *mb, struct trainer *t, double *secs, int64_t *steps, struct rumor_err *e) {
+  return sync_train(&mb->sync, t, &mb->changes_at_end, secs, steps, e);
+}
+
+int sync_train(struct sync *s, struct trainer *t, uint64_t *changes_at_end, double *secs, int64_t *steps,
+               struct rumor_err *e) {
   double t0 = clock_now_s();
   int64_t step0 = t->st.step;
   bool first = true;
@@ -159,18 +164,15 @@ int member_train(struct member *mb, struct trainer *t, double *secs, int64_t *st
       else log_info("first step done (the loss is on the last stage)");
       first = false;
     }
-    if ((rc = member_boundary(mb, t, e))) break;
+    /* The last step saved its checkpoint: a change after it makes it stale. */
+    if (trainer_done(t) && changes_at_end) *changes_at_end = s->changes;
+    if ((rc = sync_boundary(s, e))) break;
   }
   *secs = clock_now_s() - t0;
   *steps = t->st.step - step0;
   /* A stop inside a step or a round (an all-reduce, a pipeline's wait) is
    * no failure: the caller sees the signal. */
   return rc == RUMOR_ECANCELED && signals_stop_requested() ? 0 : rc;
-}
-
-int member_boundary(struct member *mb, const struct trainer *t, struct rumor_err *e) {
-  if (trainer_done(t)) mb->changes_at_end = mb->sync.changes; /* the last step saved its checkpoint */
-  return sync_boundary(&mb->sync, e);
 }
 
 int member_finish(struct member *mb, struct trainer *t, double secs, int64_t steps,
