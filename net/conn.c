@@ -127,7 +127,7 @@ struct net_conn *net_conn_new(net_t *n, bool inbound) {
   return c;
 }
 
-static void stats_add(struct net_conn_stats *to, const struct net_conn_stats *s) {
+void net_conn_stats_add(struct net_conn_stats *to, const struct net_conn_stats *s) {
   to->bytes_in += s->bytes_in;
   to->bytes_out += s->bytes_out;
   to->frames_in += s->frames_in;
@@ -144,7 +144,7 @@ static void finish(struct net_conn *c) {
   net_t *n = c->net;
   struct net_conn_stats s;
   net_conn_stats_get(c, &s);
-  stats_add(&n->stats.total, &s);
+  net_conn_stats_add(c->circ ? &n->stats.relayed : &n->stats.total, &s);
   if (c->surfaced) {
     if (n->cbs.on_close) n->cbs.on_close(c, c->close_status, c->close_detail, n->ud);
   } else if (c->dial_cb) {
@@ -217,11 +217,18 @@ static void cancel_outbound(struct net_conn *c, int status) {
   }
 }
 
+/* A frame that will never be written: the circuit frame it ends fails. */
+static void frame_drop(struct net_txframe *f) {
+  struct net_txframe *carried = f->carried;
+  free(f);
+  if (carried) net_conn_write_done(carried, RUMOR_ECANCELED);
+}
+
 static void free_ctl_queue(struct net_conn *c) {
   while (c->ctl_head) {
     struct net_txframe *f = c->ctl_head;
     c->ctl_head = f->next;
-    free(f);
+    frame_drop(f);
   }
   c->ctl_tail = NULL;
   c->ctl_bytes = 0;
@@ -241,7 +248,7 @@ static void drop_txq(struct net_conn *c) {
         f->t->unflushed--;
         tx_release_zombie(c, f->t);
       }
-      free(f);
+      frame_drop(f);
     }
     f = next;
   }
@@ -275,6 +282,7 @@ void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt
   }
   c->sess.stop = true;
   uv_timer_stop(&c->timer);
+  if (c->circ || c->carrier || c->circ_wait) net_relay_conn_gone(c, status);
   free_ctl_queue(c);
   int st = status ? status : RUMOR_ECANCELED;
   cancel_outbound(c, st);
@@ -287,8 +295,7 @@ void net_conn_abort(struct net_conn *c, int status, int hs_fail, const char *fmt
 
 /* ---- writing ------------------------------------------------------------------------ */
 
-static void on_write(uv_write_t *req, int status) {
-  struct net_txframe *f = req->data;
+static void write_done(struct net_txframe *f, int status) {
   struct net_conn *c = f->conn;
   c->inflight_bytes -= f->len;
   bool bye = f->is_bye;
@@ -297,11 +304,14 @@ static void on_write(uv_write_t *req, int status) {
     if (f->transport) c->st.frames_out++;
     c->last_activity = uv_now(c->net->loop);
   }
+  struct net_txframe *carried = f->carried;
+  f->carried = NULL;
   frame_release(c, f);
+  if (carried) net_conn_write_done(carried, status);
   if (c->state == CONN_CLOSED) return;
   if (status < 0) {
     net_conn_abort(c, status, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
-                   uv_strerror(status));
+                   c->circ ? rumor_strerror(status) : uv_strerror(status));
     return;
   }
   if (c->reject_then_close && c->state == CONN_HANDSHAKE) {
@@ -319,17 +329,28 @@ static void on_write(uv_write_t *req, int status) {
   pump(c);
 }
 
-/* Hands a complete frame to libuv. On failure the connection is aborted. */
+void net_conn_write_done(struct net_txframe *f, int status) {
+  struct net_conn *c = f->conn;
+  bool circ = c->circ;
+  write_done(f, status);
+  if (circ) net_conn_unref(c); /* net_circuit_write's reference; may free c: last */
+}
+
+static void on_write(uv_write_t *req, int status) { write_done(req->data, status); }
+
+/* Hands a complete frame to libuv (or to the circuit it runs over). On
+ * failure the connection is aborted. */
 static void conn_write(struct net_conn *c, struct net_txframe *f) {
   uv_buf_t b = uv_buf_init((char *)f->data, (unsigned)f->len);
   f->conn = c;
   f->req.data = f;
   c->inflight_bytes += f->len;
-  int rc = uv_write(&f->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
+  int rc = c->circ ? net_circuit_write(c, f) : uv_write(&f->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
   if (rc < 0) {
     c->inflight_bytes -= f->len;
     frame_release(c, f);
-    net_conn_abort(c, rc, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s", uv_strerror(rc));
+    net_conn_abort(c, rc, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
+                   c->circ ? rumor_strerror(rc) : uv_strerror(rc));
   }
 }
 
@@ -342,9 +363,8 @@ static void send_hs(struct net_conn *c, const uint8_t *body, size_t len) {
   conn_write(c, f);
 }
 
-/* Queues a control frame if the queue stays within `limit` bytes. */
-static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
-                     size_t limit) {
+int net_conn_queue_frame(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
+                         size_t limit, struct net_txframe *carried) {
   if (c->bye_sealed) return -ENOTCONN; /* nothing may follow our BYE */
   size_t fl = NET_FRAME_OVERHEAD + len;
   if (queued(c) + fl > limit) return -ENOBUFS;
@@ -353,12 +373,22 @@ static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, c
   if (len) memcpy(f->data + NET_FRAME_HDR, pt, len);
   f->len = fl;
   f->transport = true;
+  f->carried = carried;
   if (c->ctl_tail) c->ctl_tail->next = f;
   else c->ctl_head = f;
   c->ctl_tail = f;
   c->ctl_bytes += fl;
   return 0;
 }
+
+/* Queues a control frame if the queue stays within `limit` bytes. */
+static int queue_ctl(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
+                     size_t limit) {
+  return net_conn_queue_frame(c, type, a, b, pt, len, limit, NULL);
+}
+
+void net_conn_pump(struct net_conn *c) { pump(c); }
+size_t net_conn_queued(const struct net_conn *c) { return queued(c); }
 
 /* Our own small frames (RESULT, ABORT) may use the reserve; a peer that makes
  * us exceed even that is not reading, and is dropped. */
@@ -555,7 +585,8 @@ static void check_close_done(struct net_conn *c) {
   if (!c->shutdown_started) {
     c->shutdown_started = true;
     c->sreq.data = c;
-    if (uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shutdown) == 0) return;
+    if (c->circ) net_circuit_shutdown(c);
+    else if (uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, on_shutdown) == 0) return;
   }
   if (c->eof) net_conn_abort(c, 0, -1, "%s", c->local_close ? "closed" : "closed by the peer");
 }
@@ -779,7 +810,14 @@ static int op_send_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   return rc;
 }
 
+static int op_relay(void *ctx, uint8_t type, uint64_t a, uint64_t b, const uint8_t *pt, size_t len) {
+  struct net_conn *c = ctx;
+  if (c->state != CONN_OPEN && c->state != CONN_CLOSING) return 0;
+  return net_relay_on_frame(c, type, a, b, pt, len);
+}
+
 static const struct net_sess_ops sess_ops = {
+    .on_relay = op_relay,
     .on_ready = op_ready,
     .on_msg = op_msg,
     .on_bulk_begin = op_bulk_begin,
@@ -837,8 +875,9 @@ static void on_hs_message(struct net_conn *c) {
   if (!c->inbound) {
     uint8_t out[NET_HS_AUTH_LEN];
     rc = net_hs_client_on_welcome(&c->hs, body, len, out, &e);
+    if (rc == 0 && c->circ_check_target) rc = net_circuit_check_peer(c, &e); /* before we authenticate */
     if (rc < 0) {
-      net_conn_abort(c, rc, (int)c->hs.fail, "%s", e.msg);
+      net_conn_abort(c, rc, rc == RUMOR_EAUTH ? NET_HS_FAIL_AUTH : (int)c->hs.fail, "%s", e.msg);
       return;
     }
     send_hs(c, out, sizeof out);
@@ -855,7 +894,7 @@ static void on_hs_message(struct net_conn *c) {
       c->reject_then_close = true;
       c->close_status = rc;
       snprintf(c->close_detail, sizeof c->close_detail, "%s", e.msg);
-      uv_read_stop((uv_stream_t *)&c->tcp);
+      if (!c->circ) uv_read_stop((uv_stream_t *)&c->tcp); /* net_conn_feed drops the rest */
       send_hs(c, out, out_len);
       return;
     }
@@ -916,7 +955,7 @@ static void session_violation(struct net_conn *c) {
   net_conn_abort(c, e->code ? e->code : RUMOR_EPROTO, -1, "%s", e->msg);
 }
 
-static void on_eof(struct net_conn *c) {
+void net_conn_on_eof(struct net_conn *c) {
   log_debug("net: end of stream from %s", c->name);
   c->eof = true;
   switch (c->state) {
@@ -941,7 +980,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   if (c->state == CONN_CLOSED || nread == 0) return;
   if (nread < 0) {
     if (nread == UV_EOF) {
-      on_eof(c);
+      net_conn_on_eof(c);
       return;
     }
     net_conn_abort(c, (int)nread, c->state == CONN_HANDSHAKE ? NET_HS_FAIL_CLOSED : -1, "read failed: %s",
@@ -969,34 +1008,70 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   }
 }
 
-static void resume_reading(struct net_conn *c) {
-  if (!c->rx_paused || c->sess.paused || c->state == CONN_CLOSED) return;
-  c->rx_paused = false;
+/* Starts reading the socket again when no reason to hold it remains. */
+static void restart_reading(struct net_conn *c) {
+  if (c->rx_paused || c->read_held || c->eof || c->circ || c->state == CONN_CLOSED) return;
 #ifdef RUMOR_TESTING
   if (c->test_paused) return; /* net_test_conn_pause_read */
 #endif
-  if (c->eof) return;
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (rc < 0) net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
+}
+
+static void resume_reading(struct net_conn *c) {
+  if (!c->rx_paused || c->sess.paused || c->state == CONN_CLOSED) return;
+  c->rx_paused = false;
+  restart_reading(c);
+}
+
+void net_conn_hold_read(struct net_conn *c, bool hold) {
+  if (hold == c->read_held || c->circ || c->state == CONN_CLOSED) return;
+  c->read_held = hold;
+  if (hold) uv_read_stop((uv_stream_t *)&c->tcp);
+  else restart_reading(c);
+}
+
+/* A circuit connection's input: what on_read does with a socket's bytes (a
+ * circuit needs no read buffer of its own: the session keeps what arrives
+ * while it waits for its workers). */
+void net_conn_feed(struct net_conn *c, const uint8_t *p, size_t len) {
+  c->st.bytes_in += len;
+  c->last_activity = uv_now(c->net->loop);
+  while (len && c->state != CONN_CLOSED && !c->reject_then_close) {
+    if (hs_mode(c)) {
+      size_t k = c->hs_want - c->hs_got;
+      if (k > len) k = len;
+      memcpy(c->hs_buf + c->hs_got, p, k);
+      c->hs_got += k;
+      p += k;
+      len -= k;
+      on_hs_bytes(c);
+      continue;
+    }
+    if (net_sess_rx_feed(&c->sess, p, len) < 0) session_violation(c);
+    return;
+  }
 }
 
 void net_conn_start_handshake(struct net_conn *c) {
   net_t *n = c->net;
   c->state = CONN_HANDSHAKE;
-  uv_tcp_nodelay(&c->tcp, 1);
-  if (n->cfg.sock_buf_bytes > 0) {
-    int v = n->cfg.sock_buf_bytes;
-    uv_send_buffer_size((uv_handle_t *)&c->tcp, &v);
-    v = n->cfg.sock_buf_bytes;
-    uv_recv_buffer_size((uv_handle_t *)&c->tcp, &v);
-  }
-  set_peer_addr(c);
   c->hs_got = 0;
   c->hs_want = NET_HS_LEN_BYTES;
-  int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-  if (rc < 0) {
-    net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
-    return;
+  if (!c->circ) {
+    uv_tcp_nodelay(&c->tcp, 1);
+    if (n->cfg.sock_buf_bytes > 0) {
+      int v = n->cfg.sock_buf_bytes;
+      uv_send_buffer_size((uv_handle_t *)&c->tcp, &v);
+      v = n->cfg.sock_buf_bytes;
+      uv_recv_buffer_size((uv_handle_t *)&c->tcp, &v);
+    }
+    set_peer_addr(c);
+    int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+    if (rc < 0) {
+      net_conn_abort(c, rc, -1, "cannot read: %s", uv_strerror(rc));
+      return;
+    }
   }
   c->reading = true;
   if (c->inbound) {
@@ -1110,8 +1185,8 @@ int net_test_conn_pause_read(net_conn_t *c, bool pause) {
   if (pause == c->test_paused) return 0;
   c->test_paused = pause;
   if (pause) return uv_read_stop((uv_stream_t *)&c->tcp);
-  if (c->rx_paused) return 0; /* resume_reading restarts it */
-  return uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  restart_reading(c);
+  return 0;
 }
 
 int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len) {

@@ -253,6 +253,10 @@ static const char *frame_name(uint8_t t) {
   case NET_FRAME_BULK_ABORT: return "BULK_ABORT";
   case NET_FRAME_BULK_RESULT: return "BULK_RESULT";
   case NET_FRAME_BYE: return "BYE";
+  case NET_FRAME_RELAY_LISTEN: return "RELAY_LISTEN";
+  case NET_FRAME_CIRCUIT_OPEN: return "CIRCUIT_OPEN";
+  case NET_FRAME_CIRCUIT_DATA: return "CIRCUIT_DATA";
+  case NET_FRAME_CIRCUIT_END: return "CIRCUIT_END";
   default: return "unknown";
   }
 }
@@ -307,12 +311,23 @@ static int on_header(struct net_sess *s) {
   case NET_FRAME_BULK_ABORT:
   case NET_FRAME_BULK_RESULT:
   case NET_FRAME_BYE:
+  case NET_FRAME_RELAY_LISTEN:
+  case NET_FRAME_CIRCUIT_END:
     if (h->ct_len != 0)
       return violation(s, RUMOR_EPROTO, "%s frame carries %zu bytes, expected none", frame_name(h->type), h->ct_len);
     break;
   case NET_FRAME_MSG:
     if (h->ct_len == 0 || h->ct_len > s->max_msg_bytes)
       return violation(s, RUMOR_ETOOBIG, "control message of %zu bytes (limit %zu)", h->ct_len, s->max_msg_bytes);
+    break;
+  case NET_FRAME_CIRCUIT_OPEN:
+    if (h->ct_len != NET_PUBKEY_BYTES)
+      return violation(s, RUMOR_EPROTO, "CIRCUIT_OPEN carries %zu bytes, expected a %d-byte key", h->ct_len,
+                       NET_PUBKEY_BYTES);
+    break;
+  case NET_FRAME_CIRCUIT_DATA:
+    if (h->ct_len == 0 || h->ct_len > NET_CIRCUIT_PIECE_MAX)
+      return violation(s, RUMOR_ETOOBIG, "CIRCUIT_DATA of %zu bytes (limit %u)", h->ct_len, NET_CIRCUIT_PIECE_MAX);
     break;
   case NET_FRAME_BULK_BEGIN:
     if (h->ct_len < NET_BULK_BEGIN_FIXED || h->ct_len > NET_BULK_BEGIN_FIXED + NET_BULK_META_MAX)
@@ -575,6 +590,16 @@ static int open_and_dispatch(struct net_sess *s) {
     s->bye = true;
     if (s->ops->on_bye) s->ops->on_bye(s->ctx);
     return 0;
+  case NET_FRAME_RELAY_LISTEN:
+  case NET_FRAME_CIRCUIT_OPEN:
+  case NET_FRAME_CIRCUIT_DATA:
+  case NET_FRAME_CIRCUIT_END: {
+    if (!s->ops->on_relay) return 0;
+    int rc = s->ops->on_relay(s->ctx, h->type, h->a, h->b, pt, h->ct_len);
+    return rc < 0 ? violation(s, rc, "%s frame for circuit %llu: %s", frame_name(h->type),
+                              (unsigned long long)h->a, rumor_strerror(rc))
+                  : 0;
+  }
   default: return violation(s, RUMOR_EPROTO, "unknown frame type %u", h->type); /* checked in on_header */
   }
 }

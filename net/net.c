@@ -210,6 +210,7 @@ int net_init(net_t **out, uv_loop_t *loop, const struct net_config *cfg, const s
   RUMOR_ASSERT(uv_tcp_init(loop, &n->listener) == 0);
   n->listener.data = n;
   n->handles = 2;
+  net_relay_init(n);
   n->chunk_frame_cap = NET_FRAME_OVERHEAD + cfg->bulk_chunk_bytes;
   n->bulk_window = NET_BULK_WINDOW_CHUNKS * n->chunk_frame_cap;
   if (n->bulk_window > cfg->max_queued_bytes - NET_CTRL_RESERVE) n->bulk_window = cfg->max_queued_bytes - NET_CTRL_RESERVE;
@@ -416,17 +417,11 @@ void net_stats_get(const net_t *n, struct net_stats *s) {
   for (const struct net_conn *c = n->conns; c; c = c->next) {
     struct net_conn_stats cs;
     net_conn_stats_get(c, &cs);
-    s->total.bytes_in += cs.bytes_in;
-    s->total.bytes_out += cs.bytes_out;
-    s->total.frames_in += cs.frames_in;
-    s->total.frames_out += cs.frames_out;
-    s->total.msgs_in += cs.msgs_in;
-    s->total.msgs_out += cs.msgs_out;
-    s->total.bulk_in_ok += cs.bulk_in_ok;
-    s->total.bulk_in_failed += cs.bulk_in_failed;
-    s->total.bulk_out_ok += cs.bulk_out_ok;
-    s->total.bulk_out_failed += cs.bulk_out_failed;
-    if (c->surfaced && c->state != CONN_CLOSED) s->conns_open++;
+    net_conn_stats_add(c->circ ? &s->relayed : &s->total, &cs);
+    if (c->surfaced && c->state != CONN_CLOSED) {
+      s->conns_open++;
+      if (c->circ) s->relayed_open++;
+    }
   }
 }
 
@@ -470,6 +465,7 @@ void net_close(net_t *n, void (*cb)(void *arg), void *arg) {
   run_calls(n, it, RUMOR_ECANCELED);
   uv_close((uv_handle_t *)&n->async, on_net_handle_closed);
   uv_close((uv_handle_t *)&n->listener, on_net_handle_closed);
+  net_relay_close(n, on_net_handle_closed);
   /* Connections leave the list only in close callbacks, so walking it while
    * closing them is safe. */
   for (struct net_conn *c = n->conns; c; c = c->next) {

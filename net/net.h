@@ -282,6 +282,10 @@ struct net_config {
   uint32_t close_linger_ms;      /* graceful close waits this long for the peer (default 2000) */
   uint32_t suites;               /* enum net_suite mask allowed (default both) */
   int sock_buf_bytes;            /* SO_SNDBUF/SO_RCVBUF; 0 = the system's (default 0) */
+  bool relay;                    /* relay circuits for members that cannot accept connections
+                                    (net_relay_listen; default false) */
+  uint64_t relay_rate_bytes;     /* a relay forwards at most this many bytes per second from one
+                                    peer (0 = no cap; default 0): a peer over it is read no faster */
   bool offload;                  /* seal and open bulk chunks on libuv's thread pool, so
                                     crypto and hashing use more than the loop's core
                                     (default true; UV_THREADPOOL_SIZE sets the pool) */
@@ -302,8 +306,9 @@ struct net_bulk_info {
 /* Application callbacks. Any may be NULL except where said. `ud` is the
  * pointer given to net_init. */
 struct net_callbacks {
-  /* An inbound connection finished its handshake. The peer's key, address
-   * and user data are available through the net_conn_* getters. */
+  /* An inbound connection finished its handshake, or the net opened one to
+   * a relay for itself (net_dial_via, net_relay_listen). The peer's key,
+   * address and user data are available through the net_conn_* getters. */
   void (*on_accept)(net_conn_t *c, void *ud);
   /* A control message arrived on an open connection. `m` is valid only
    * during the call. */
@@ -347,6 +352,36 @@ int net_listen_port(const net_t *n);
  * handshake failure is RUMOR_EAUTH, RUMOR_EPROTO or RUMOR_ETIMEDOUT). */
 typedef void (*net_dial_cb)(net_t *n, net_conn_t *c, int status, const char *detail, void *arg);
 int net_dial(net_t *n, const char *addr, net_dial_cb cb, void *arg) RUMOR_MUST_CHECK;
+
+/* ---- relays ----------------------------------------------------------------
+ * A peer that cannot accept connections (behind a NAT) keeps a connection to
+ * a relay (a member with net_config.relay) and is reached through it: a
+ * circuit carries a whole connection — handshake, frames, bulk — sealed end
+ * to end, so the relay forwards bytes it can drop but can neither read nor
+ * forge (docs/net.md, "Relays"). Such a peer's address is written
+ * "@HOST:PORT", the relay's address behind NET_RELAY_ADDR_PREFIX. */
+#define NET_RELAY_ADDR_PREFIX '@'
+
+/* Dials `target` through the relay at `relay` ("host:port"): reuses this
+ * net's connection to the relay or dials one (which the application then
+ * learns of through on_accept, as an ordinary connection to that member).
+ * `cb` as for net_dial; a relay that holds no registration for the target
+ * fails it with -EHOSTUNREACH, a peer that answers with another key with
+ * RUMOR_EAUTH. */
+int net_dial_via(net_t *n, const char *relay, const uint8_t target[NET_PUBKEY_BYTES], net_dial_cb cb,
+                 void *arg) RUMOR_MUST_CHECK;
+/* net_dial for "host:port", net_dial_via for "@host:port" (the peer `pk`). */
+int net_dial_peer(net_t *n, const char *addr, const uint8_t pk[NET_PUBKEY_BYTES], net_dial_cb cb,
+                  void *arg) RUMOR_MUST_CHECK;
+/* Asks the relay at `relay` to take circuits for us. `cb` gets 0 once it
+ * accepted (then circuits to us arrive through on_accept), or a negative
+ * status (-EPERM: not a relay; a dial failure); after a 0 it is called once
+ * more, with a negative status, if the registration ends (the connection
+ * to the relay closed). Returns -EALREADY when one is under way there. */
+typedef void (*net_relay_cb)(net_t *n, int status, const char *detail, void *arg);
+int net_relay_listen(net_t *n, const char *relay, net_relay_cb cb, void *arg) RUMOR_MUST_CHECK;
+/* True for a connection that runs over a relay's circuit. */
+bool net_conn_relayed(const net_conn_t *c);
 
 /* Queues a control message (the bytes are copied). Control messages go ahead
  * of bulk chunks not yet made (behind the few already being sealed). Returns
@@ -420,11 +455,17 @@ struct net_conn_stats {
   uint64_t bulk_in_ok, bulk_in_failed, bulk_out_ok, bulk_out_failed;
 };
 struct net_stats {
-  struct net_conn_stats total; /* all connections, closed ones included */
+  struct net_conn_stats total; /* all connections, closed ones included: wire bytes (what runs
+                                  over a relay is inside its carrier connection's bytes) */
   uint64_t conns_accepted, conns_dialed, conns_open;
   uint64_t hs_ok, hs_failed;
   uint64_t hs_fail[NET_HS_FAIL__COUNT];
   uint64_t dropped_violation; /* open connections dropped for a protocol violation */
+  uint64_t relay_bytes;       /* a relay: circuit bytes forwarded */
+  uint64_t relay_circuits;    /* a relay: circuits open through it now */
+  uint64_t relay_refused;     /* a relay: circuits refused for lack of room */
+  uint64_t relayed_open;      /* our open connections that run over a relay */
+  struct net_conn_stats relayed; /* the part of `total` that ran over relays */
 };
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s);
 void net_stats_get(const net_t *n, struct net_stats *s);

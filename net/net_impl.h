@@ -63,11 +63,32 @@ enum net_frame_type {
   NET_FRAME_BULK_ABORT = 6,  /* a = id: the sender gave up on this transfer */
   NET_FRAME_BULK_RESULT = 7, /* a = id, b = enum net_bulk_result: the receiver's verdict */
   NET_FRAME_BYE = 8,         /* graceful close */
+  /* 9: reserved for the heartbeat. Relays (docs/net.md, "Relays"): these
+   * travel hop by hop, between a peer and a relay; a circuit's own stream
+   * (a whole inner connection: its handshake and frames, sealed end to end)
+   * rides in CIRCUIT_DATA. */
+  NET_FRAME_RELAY_LISTEN = 10, /* to a relay, a = 1: take circuits for me; from it, a = 1 accepted, 0 refused */
+  NET_FRAME_CIRCUIT_OPEN = 11, /* a = circuit id; a public key: the target (to a relay) or the origin (from one) */
+  NET_FRAME_CIRCUIT_DATA = 12, /* a = circuit id; bytes of the circuit's stream */
+  NET_FRAME_CIRCUIT_END = 13,  /* a = circuit id, b = enum net_circuit_end */
 };
 _Static_assert(NET_FRAME_READY == 1 && NET_FRAME_MSG == 2 && NET_FRAME_BULK_BEGIN == 3 &&
                    NET_FRAME_BULK_DATA == 4 && NET_FRAME_BULK_END == 5 && NET_FRAME_BULK_ABORT == 6 &&
                    NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8,
                "frame types are wire values");
+
+/* Why a circuit ended (CIRCUIT_END's b). FIN half-closes: no more bytes
+ * from this side. */
+enum net_circuit_end {
+  NET_CIRCUIT_FIN = 0,
+  NET_CIRCUIT_RESET = 1,       /* the endpoint dropped its connection */
+  NET_CIRCUIT_UNREACHABLE = 2, /* the relay holds no registration for the target */
+  NET_CIRCUIT_NOT_RELAY = 3,   /* the other side does not relay (or does not take circuits) */
+  NET_CIRCUIT_BUSY = 4,        /* too many circuits or connections */
+  NET_CIRCUIT_LOST = 5,        /* the relay lost its connection to the other end */
+  NET_CIRCUIT_END__MAX = 5,
+};
+#define NET_CIRCUIT_PIECE_MAX (256u << 10) /* bytes of one CIRCUIT_DATA frame */
 
 enum net_bulk_result {
   NET_BULK_OK = 0,
@@ -319,6 +340,10 @@ struct net_sess_ops {
   void (*on_bulk_done)(void *ctx, uint64_t id, int status, float *dst, void *dst_arg);
   void (*on_bulk_result)(void *ctx, uint64_t id, enum net_bulk_result r);
   void (*on_bye)(void *ctx);
+  /* A relay frame (RELAY_LISTEN, CIRCUIT_*), its size already checked.
+   * Returns 0, or a negative code with the reason (a violation: the session
+   * stops). `pt` is valid during the call. */
+  int (*on_relay)(void *ctx, uint8_t type, uint64_t a, uint64_t b, const uint8_t *pt, size_t len);
   /* Queue a small frame (RESULT) to the peer; returns 0 or a negative code. */
   int (*send_result)(void *ctx, uint64_t id, enum net_bulk_result r);
   /* Optional: run a chunk's authentication elsewhere (a worker thread); the
@@ -439,6 +464,11 @@ int net_test_conn_send_frame(net_conn_t *c, uint8_t type, uint64_t a, uint64_t b
 /* Writes raw bytes to the connection's socket, bypassing framing and
  * encryption (to send what no honest peer would). */
 int net_test_conn_write_raw(net_conn_t *c, const void *p, size_t len) RUMOR_MUST_CHECK;
+
+/* A dishonest relay: `flip` flips one bit of every forwarded CIRCUIT_DATA
+ * frame's bytes past the first `flip_after` forwarded bytes; `any_target`
+ * sends every circuit to the first registered peer whatever key was asked. */
+void net_test_relay_misbehave(net_t *n, bool flip, uint64_t flip_after, bool any_target);
 #endif /* RUMOR_TESTING */
 
 #endif /* RUMOR_NET_IMPL_H */

@@ -50,6 +50,10 @@ struct net_txframe {
   bool is_bye;
   bool transport;/* counts as a frame in the stats (handshake messages do not) */
   struct net_tx_bulk *t;  /* bulk DATA frames: their transfer (for the digest leaf) */
+  /* A CIRCUIT_DATA piece that ends a frame of a connection running over the
+   * circuit: that frame's write completes when this piece is written (or
+   * fails when it is dropped). relay.c. */
+  struct net_txframe *carried;
   struct net_tx_job job;
   uint8_t *data;
 };
@@ -108,6 +112,18 @@ struct net_conn {
   char close_detail[NET_DETAIL_STR];
   uint64_t last_activity; /* uv_now, ms */
   struct net_conn_stats st;
+  /* relays (relay.c). A connection over a circuit has no socket: its bytes
+   * travel in CIRCUIT_DATA frames of `circ_carrier`, its connection to the
+   * relay, under circuit id `circ_id` there. */
+  struct net_conn *circ_carrier; /* NULL: a TCP connection, or the carrier is gone */
+  uint64_t circ_id;
+  bool circ;                     /* runs over a circuit (for its whole life) */
+  bool circ_fin_sent;            /* our FIN (the end of our stream) is out */
+  bool circ_check_target;        /* dialed through a relay: the peer must be circ_target */
+  uint8_t circ_target[NET_PUBKEY_BYTES];
+  struct net_relay_link *circ_wait; /* dialed: waiting for the carrier to open */
+  struct net_carrier *carrier;   /* the circuits this connection carries (relay.c), or NULL */
+  bool read_held;                /* a relay stopped reading it (backpressure, rate cap) */
 };
 
 struct net_call_item {
@@ -137,6 +153,13 @@ struct net {
   void *close_arg;
   size_t chunk_frame_cap; /* frame bytes of one full outbound bulk chunk */
   size_t bulk_window;     /* outbound bytes a bulk transfer may have queued */
+  struct net_relay_link *rlinks; /* carriers this net dialed, by relay address (relay.c) */
+  uv_timer_t relay_timer;        /* a relay: refills rate budgets and releases held readers */
+  bool relay_timer_on;
+#ifdef RUMOR_TESTING
+  bool test_relay_flip, test_relay_any_target; /* net_test_relay_misbehave */
+  uint64_t test_relay_flip_after;
+#endif
   struct net_stats stats; /* closed connections folded in; live ones added on read */
 };
 
@@ -151,6 +174,35 @@ void net_conn_on_handle_closed(uv_handle_t *h);
 void net_conn_unref(struct net_conn *c);
 void net_conn_set_name(struct net_conn *c);
 void *net_alloc_aligned(size_t n);
+/* Queues a frame (sealed when it leaves the control queue) if the queue
+ * stays within `limit` bytes: -ENOBUFS otherwise, -ENOTCONN after our BYE.
+ * `carried`: see struct net_txframe. Call net_conn_pump after. */
+int net_conn_queue_frame(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const void *pt, size_t len,
+                         size_t limit, struct net_txframe *carried);
+void net_conn_pump(struct net_conn *c);
+void net_conn_stats_add(struct net_conn_stats *to, const struct net_conn_stats *s);
+size_t net_conn_queued(const struct net_conn *c);
+/* A circuit connection: bytes of its stream arrived / its stream ended. */
+void net_conn_feed(struct net_conn *c, const uint8_t *p, size_t len);
+void net_conn_on_eof(struct net_conn *c);
+/* The write of frame `f` (of f->conn) completed with `status`. */
+void net_conn_write_done(struct net_txframe *f, int status);
+/* Stops (hold) or allows reading from c's socket, beside its other reasons. */
+void net_conn_hold_read(struct net_conn *c, bool hold);
+/* relay.c */
+struct net_relay_link;
+struct net_carrier;
+void net_relay_init(net_t *n);
+void net_relay_close(net_t *n, uv_close_cb cb);
+int net_relay_on_frame(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b, const uint8_t *pt, size_t len);
+/* c is being aborted: ends the circuit it runs over and the circuits it carries. */
+void net_relay_conn_gone(struct net_conn *c, int status);
+/* A circuit connection's I/O: a frame to write (completes through
+ * net_conn_write_done), and the end of our stream (FIN). */
+int net_circuit_write(struct net_conn *c, struct net_txframe *f);
+void net_circuit_shutdown(struct net_conn *c);
+/* Our outbound circuit connection finished its handshake: checks the peer. */
+int net_circuit_check_peer(struct net_conn *c, struct rumor_err *e);
 /* net.c */
 void net_conn_unlink(struct net_conn *c);
 void net_try_connect(struct net_conn *c);
