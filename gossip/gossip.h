@@ -61,7 +61,12 @@ struct gossip_config {
   const struct net_allowlist *allow; /* optional */
   struct net_config net;             /* transport tuning; identity fields are set from above */
 
-  const char *listen;    /* "host:port" (port 0: any free port) */
+  const char *listen;    /* "host:port" (port 0: any free port); unused with no_inbound */
+  /* We cannot accept connections (behind a NAT): listen nowhere, register
+   * with a relay and advertise "@RELAY" (net.h, relays). A member that
+   * listens but that a bootstrap node cannot dial back does the same. */
+  bool no_inbound;
+  bool relay;            /* relay for such members (sets net.relay; net.relay_rate_bytes caps it) */
   const char *advertise; /* address others dial us at; NULL: the listen host and bound port */
   const char *bootstrap; /* comma-separated addresses; NULL or "": we are the first member */
   enum gossip_role role;
@@ -422,6 +427,12 @@ struct gossip_stats {
    * dtype; frame headers and tags, about 40 bytes a MiB, left out). 0
    * before the first. */
   uint64_t exchange_bytes_sent, exchange_bytes_received;
+  /* Relays: our open connections that run over one and their bytes (in +
+   * out, inside bytes_in/out's wire bytes); as a relay, the bytes we
+   * forwarded and the circuits open through us; the relay we are reached
+   * through ("" when dialed directly). */
+  uint64_t relayed_links, relayed_bytes, relay_bytes, relay_circuits;
+  char via[128];
 };
 void gossip_stats_get(gossip_t *g, struct gossip_stats *s);
 

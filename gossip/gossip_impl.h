@@ -58,6 +58,7 @@ enum gossip_msg_type {
   GMSG_RING_READY = 18,  /* all-reduce: ready to receive round {step, ring} from our predecessor */
   GMSG_RING_AHEAD = 19,  /* all-reduce: your round's step is done here; we are at "step" */
   GMSG_RING_ABORT = 20,  /* all-reduce: round {step, ring} failed; nothing of it is applied */
+  GMSG_REACH = 21,       /* a bootstrap node dialed a joiner back: {ok, addr, why} */
 };
 _Static_assert(GMSG_JOIN == 1 && GMSG_PING == 4 && GMSG_XCH_REQ == 8 && GMSG_STATE_BUSY == 12 &&
                    GMSG_MEMBERS_REQ == 13 && GMSG_STATS == 16 && GMSG_PARAMS_REQ == 17 &&
@@ -153,6 +154,16 @@ struct gossip_guard {
 };
 
 /* ---- join (join.c) ---- */
+
+/* A member that cannot accept connections (relay.c). Loop thread. */
+struct gossip_relay {
+  bool needed;             /* we are reached through a relay (--no-inbound, or REACH said so) */
+  bool registered, pending;
+  char via[SWIM_ADDR_MAX];    /* the relay we are registered with */
+  char trying[SWIM_ADDR_MAX]; /* the candidate asked last */
+  size_t next;             /* round-robin over the candidates */
+  uint64_t retry_ms;
+};
 
 struct gossip_join {
   char *boot[GOSSIP_MAX_BOOTSTRAP];
@@ -392,6 +403,7 @@ struct gossip {
   struct gossip_exchange xch;
   struct gossip_donation don;
   struct gossip_ring ring;
+  struct gossip_relay relay;
   struct gossip_monitoring mon;
 #ifdef RUMOR_TESTING
   struct gossip_test test;
@@ -504,6 +516,11 @@ bool gossip_joined(struct gossip *g);
  * thread). */
 bool gossip_join_pulling(struct gossip *g);
 void gossip_join_tick(struct gossip *g, uint64_t now);
+/* relay.c: registering with a relay when we cannot be dialed. */
+void gossip_relay_tick(struct gossip *g, uint64_t now);
+bool gossip_relay_blocks_join(const struct gossip *g); /* no address yet: the JOIN waits */
+void gossip_relay_dial_back(struct gossip *g, const uint8_t *id, const char *addr);
+void gossip_relay_on_reach(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 /* JOIN, JOIN_OK, JOIN_REJECT and STATE_BUSY. */
 void gossip_join_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 /* The donor's state transfer begins (position from its metadata): returns 0

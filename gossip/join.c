@@ -70,7 +70,8 @@ static void join_fail_message(struct gossip *g) {
 static void send_join(struct gossip *g, net_conn_t *c) {
   struct net_msgbuf b;
   net_msgbuf_init(&b, GMSG_JOIN, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_str(&b, "addr", g->advertise, strlen(g->advertise));
+  /* The address we advertise now: the relay's once we go through one. */
+  net_msgbuf_put_str(&b, "addr", g->swim.self.addr, strlen(g->swim.self.addr));
   net_msgbuf_put_uint(&b, "role", (uint64_t)g->cfg.role);
   net_msgbuf_put_uint(&b, "inc", g->swim.self.incarnation);
   net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
@@ -130,7 +131,7 @@ static void join_dial_tick(struct gossip *g, uint64_t now) {
     join_fail(g);
     return;
   }
-  if (now < j->retry_ms) return;
+  if (now < j->retry_ms || gossip_relay_blocks_join(g)) return;
   /* A reply overdue from a connected bootstrap counts as a failure. */
   int rc = net_dial(g->net, j->boot[j->boot_next], on_join_dial, g);
   if (rc) {
@@ -231,6 +232,7 @@ static void handle_join(struct gossip *g, net_conn_t *c, const struct net_msg *m
   if (rc) log_warn("cannot answer JOIN from %s: %s", net_conn_peer_name(c), rumor_strerror(rc));
   net_msgbuf_free(&b);
   free(tab);
+  if (rc == 0) gossip_relay_dial_back(g, u.id, u.addr);
 }
 
 /* ---- the state pull ---- */

@@ -105,7 +105,7 @@ static int dial_link(struct gossip *g, struct gossip_link *l) {
   struct dial_ctx *d = xmalloc(sizeof *d);
   d->g = g;
   memcpy(d->id, l->id, NET_PUBKEY_BYTES);
-  int rc = net_dial(g->net, l->addr, on_link_dial, d);
+  int rc = net_dial_peer(g->net, l->addr, l->id, on_link_dial, d);
   if (rc) {
     free(d);
     drop_queue(l);

@@ -165,7 +165,7 @@ static void nodes_kick(struct gossip_monitor *m, struct mon_link *only) {
     if (l->conn) {
       node_send_stats(m, i);
     } else if (!l->dialing) {
-      int rc = net_dial(m->net, l->addr, on_node_dial, l);
+      int rc = net_dial_peer(m->net, l->addr, l->id, on_node_dial, l);
       if (rc) node_fail(m, i, "cannot dial %s: %s", l->addr, rumor_strerror(rc));
       else l->dialing = true;
     }
@@ -361,12 +361,17 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
       net_msg_get_double(msg, "last_x_age", &nr->last_exchange_age_s))
     return RUMOR_EPROTO;
   nr->exchange_bytes_out = nr->exchange_bytes_in = 0;
+  nr->relayed_links = nr->relayed_bytes = nr->relay_bytes = 0;
   nr->finished = false;
   if (!OPT(net_msg_get_bool(msg, "done", &nr->finished)) ||
       !OPT(net_msg_get_uint(msg, "x_bytes_out", &nr->exchange_bytes_out)) ||
-      !OPT(net_msg_get_uint(msg, "x_bytes_in", &nr->exchange_bytes_in)))
+      !OPT(net_msg_get_uint(msg, "x_bytes_in", &nr->exchange_bytes_in)) ||
+      !OPT(net_msg_get_uint(msg, "relayed_links", &nr->relayed_links)) ||
+      !OPT(net_msg_get_uint(msg, "relayed_bytes", &nr->relayed_bytes)) ||
+      !OPT(net_msg_get_uint(msg, "relay_bytes", &nr->relay_bytes)))
     return RUMOR_EPROTO;
   copy_str(msg, "model", nr->model, sizeof nr->model);
+  copy_str(msg, "via", nr->via, sizeof nr->via);
   copy_str(msg, "sync", nr->sync, sizeof nr->sync);
   nr->round = nr->ring_members = nr->rounds_failed = 0;
   if (!OPT(net_msg_get_uint(msg, "round", &nr->round)) || !OPT(net_msg_get_uint(msg, "ring_n", &nr->ring_members)) ||

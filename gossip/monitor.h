@@ -62,6 +62,11 @@ struct gossip_node_report {
   /* Encoded parameter bytes of its last applied exchange, each way
    * (gossip_stats; 0 before the first, or from a node too old to say). */
   uint64_t exchange_bytes_out, exchange_bytes_in;
+  /* Relays (0 and "" from nodes that do not report them): its open
+   * connections over a relay and their bytes, what it forwarded as a
+   * relay, and the relay it is reached through. */
+  uint64_t relayed_links, relayed_bytes, relay_bytes;
+  char via[128];
   uint64_t members;
   /* How it keeps its replica together: "gossip" or "allreduce" (empty for
    * a bootstrap node or one too old to say); for all-reduce, the steps it

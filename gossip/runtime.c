@@ -168,6 +168,7 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_RING_READY:
   case GMSG_RING_AHEAD:
   case GMSG_RING_ABORT: gossip_ring_on_msg(g, c, m); return;
+  case GMSG_REACH: gossip_relay_on_reach(g, c, m); return;
   default:
     log_debug("ignoring unknown message type %llu from %s", (unsigned long long)m->type, net_conn_peer_name(c));
     return;
@@ -254,6 +255,7 @@ static void on_tick(uv_timer_t *t) {
   struct gossip *g = t->data;
   uint64_t now = gossip_now_ms(g);
   if (!g->stopping) {
+    gossip_relay_tick(g, now);
     gossip_join_tick(g, now);
     if (gossip_joined(g)) swim_tick(&g->swim, now);
   }
@@ -379,6 +381,7 @@ static void start_swim(struct gossip *g) {
                              .incarnation = (uint64_t)clock_wall_ms()};
   memcpy(self.id, g->identity.pk, SWIM_ID_BYTES);
   snprintf(self.addr, sizeof self.addr, "%s", g->advertise);
+  self.relay = g->cfg.relay;
   uv_update_time(&g->loop);
   swim_init(&g->swim, &sc, &io, &self, g->cfg.seed + 17, gossip_now_ms(g));
 }
@@ -393,6 +396,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
     return rumor_err_set(e, rc, "uv_loop_init: %s", uv_strerror(rc));
   }
   struct net_config nc = cfg->net;
+  nc.relay = cfg->relay;
   nc.identity = &g->identity;
   nc.cluster_key = g->cluster_key;
   nc.allow = cfg->allow;
@@ -407,11 +411,12 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
   /* Every address is checked before anything is dialed: --advertise by
    * make_advertise, --bootstrap by gossip_join_init (gossip_split_addrs);
    * the commands check them all before they start. */
-  if ((rc = net_listen(g->net, cfg->listen, e))) {
+  if (!cfg->no_inbound && (rc = net_listen(g->net, cfg->listen, e))) {
     rumor_err_prefix(e, "--listen");
     goto fail_net;
   }
-  if ((rc = make_advertise(g, cfg->listen, e)) || (rc = gossip_join_init(g, cfg->bootstrap, e)) ||
+  g->relay.needed = cfg->no_inbound;
+  if ((rc = cfg->no_inbound ? 0 : make_advertise(g, cfg->listen, e)) || (rc = gossip_join_init(g, cfg->bootstrap, e)) ||
       (rc = gossip_metrics_start(g, e)))
     goto fail_net;
   start_swim(g);
@@ -424,8 +429,9 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
     uv_close((uv_handle_t *)&g->tick, on_closed_handle);
     goto fail_net;
   }
-  log_info("listening on %s as %.12s... (%s)", g->advertise, g->self_id_text,
-           g->cfg.role == GOSSIP_ROLE_BOOTSTRAP ? "bootstrap" : "peer");
+  log_info("%s %s as %.12s... (%s%s)", cfg->no_inbound ? "reached through a relay, not" : "listening on",
+           cfg->no_inbound ? "listening" : g->advertise, g->self_id_text,
+           g->cfg.role == GOSSIP_ROLE_BOOTSTRAP ? "bootstrap" : "peer", cfg->relay ? ", relay" : "");
   *out = g;
   return 0;
 

@@ -220,6 +220,10 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
   net_msgbuf_put_uint(&b, "bytes_out", gs.bytes_out);
   net_msgbuf_put_uint(&b, "members", gs.members_alive + gs.members_suspect + 1);
   net_msgbuf_put_uint(&b, "donations", gs.donations);
+  net_msgbuf_put_uint(&b, "relayed_links", gs.relayed_links); /* relays: optional for monitors */
+  net_msgbuf_put_uint(&b, "relayed_bytes", gs.relayed_bytes);
+  net_msgbuf_put_uint(&b, "relay_bytes", gs.relay_bytes);
+  net_msgbuf_put_str(&b, "via", gs.via, strlen(gs.via));
   net_msgbuf_put_uint(&b, "x_bytes_out", gs.exchange_bytes_sent);
   net_msgbuf_put_uint(&b, "x_bytes_in", gs.exchange_bytes_received);
   if (g->cfg.role == GOSSIP_ROLE_PEER) {
@@ -319,6 +323,11 @@ void gossip_stats_tick(struct gossip *g, uint64_t now) {
     pthread_mutex_lock(&g->lock);
     g->mon.counters.bytes_in = ns.total.bytes_in;
     g->mon.counters.bytes_out = ns.total.bytes_out;
+    g->mon.counters.relayed_links = ns.relayed_open;
+    g->mon.counters.relayed_bytes = ns.relayed.bytes_in + ns.relayed.bytes_out;
+    g->mon.counters.relay_bytes = ns.relay_bytes;
+    g->mon.counters.relay_circuits = ns.relay_circuits;
+    snprintf(g->mon.counters.via, sizeof g->mon.counters.via, "%s", g->relay.registered ? g->relay.via : "");
     pthread_mutex_unlock(&g->lock);
   }
   /* Requests whose figures did not come in time get what we have. */
@@ -417,6 +426,15 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_network_received_bytes_total %llu\n", (unsigned long long)gs.bytes_in);
   metric(t, "rumor_network_sent_bytes_total", "counter", "Bytes sent on cluster connections (wire bytes).");
   tprintf(t, "rumor_network_sent_bytes_total %llu\n", (unsigned long long)gs.bytes_out);
+  metric(t, "rumor_relayed_links", "gauge", "Open connections of this node that run over a relay.");
+  tprintf(t, "rumor_relayed_links %llu\n", (unsigned long long)gs.relayed_links);
+  metric(t, "rumor_relayed_bytes_total", "counter",
+         "Bytes in and out on connections that ran over a relay (inside the wire bytes above).");
+  tprintf(t, "rumor_relayed_bytes_total %llu\n", (unsigned long long)gs.relayed_bytes);
+  metric(t, "rumor_relay_forwarded_bytes_total", "counter", "Circuit bytes this node forwarded as a relay.");
+  tprintf(t, "rumor_relay_forwarded_bytes_total %llu\n", (unsigned long long)gs.relay_bytes);
+  metric(t, "rumor_relay_circuits", "gauge", "Circuits open through this node as a relay.");
+  tprintf(t, "rumor_relay_circuits %llu\n", (unsigned long long)gs.relay_circuits);
   if (gs.last_exchange_age_s >= 0) {
     metric(t, "rumor_last_exchange_age_seconds", "gauge", "Time since the last applied exchange.");
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 const char *swim_state_name(enum swim_state s) {
@@ -164,7 +165,7 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
   if (!m->info.addr[0]) memcpy(m->info.addr, addr, sizeof addr); /* keep a known address */
   if (old != u->state) m->since_ms = now_ms;
   enqueue(s, &m->info);
-  if (old != u->state || was_ready != m->info.ready) notify(s, m, old, false);
+  if (old != u->state || was_ready != m->info.ready || strcmp(addr, m->info.addr) != 0) notify(s, m, old, false);
   return true;
 }
 
@@ -185,6 +186,13 @@ static void heard(struct swim *s, const uint8_t *from, uint64_t now_ms) {
 void swim_set_ready(struct swim *s) {
   if (s->self.ready || s->self.state == SWIM_LEFT) return;
   s->self.ready = true;
+  s->self.incarnation++;
+  enqueue(s, &s->self);
+}
+
+void swim_set_addr(struct swim *s, const char *addr) {
+  if (s->self.state == SWIM_LEFT || strcmp(s->self.addr, addr) == 0) return;
+  snprintf(s->self.addr, sizeof s->self.addr, "%s", addr);
   s->self.incarnation++;
   enqueue(s, &s->self);
 }

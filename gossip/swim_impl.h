@@ -52,6 +52,7 @@ struct swim_update {
   uint64_t incarnation;
   bool ready; /* a peer holding a state (it can donate and exchange); set by
                  its owner with a new incarnation, so it spreads like any news */
+  bool relay; /* it relays for members that cannot accept connections (--relay) */
 };
 
 struct swim_member {
@@ -146,6 +147,10 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms);
 
 /* Marks us ready (see swim_update.ready) with a new incarnation. */
 void swim_set_ready(struct swim *s);
+
+/* Changes the address we advertise (a relay's "@HOST:PORT"), with a new
+ * incarnation. */
+void swim_set_addr(struct swim *s, const char *addr);
 
 /* Marks us as leaving: our state becomes LEFT and is queued for gossip. */
 void swim_leave(struct swim *s, uint64_t now_ms);

@@ -170,6 +170,6 @@ void gossip_testing_tick(struct gossip *g, uint64_t now) {
       (void)gossip_send(g, m->info.id, &b);
       net_msgbuf_free(&b);
     }
-    if (net_dial(g->net, m->info.addr, on_flood_dial, NULL)) log_debug("flood: cannot dial %s", m->info.addr);
+    if (net_dial_peer(g->net, m->info.addr, m->info.id, on_flood_dial, NULL)) log_debug("flood: cannot dial %s", m->info.addr);
   }
 }

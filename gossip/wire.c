@@ -78,7 +78,7 @@ void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_
   msgpack_pack_array(pk, (uint32_t)n);
   for (size_t i = 0; i < n; i++) {
     size_t alen = strnlen(u[i].addr, SWIM_ADDR_MAX - 1);
-    msgpack_pack_array(pk, 6);
+    msgpack_pack_array(pk, u[i].relay ? 7 : 6); /* the relay flag: only when set, so older builds read the rest */
     msgpack_pack_bin(pk, SWIM_ID_BYTES);
     msgpack_pack_bin_body(pk, u[i].id, SWIM_ID_BYTES);
     msgpack_pack_str(pk, alen);
@@ -88,6 +88,7 @@ void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_
     msgpack_pack_uint64(pk, u[i].incarnation);
     if (u[i].ready) msgpack_pack_true(pk);
     else msgpack_pack_false(pk);
+    if (u[i].relay) msgpack_pack_true(pk);
   }
 }
 
@@ -106,13 +107,14 @@ int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_upd
   if (n > max) return RUMOR_EPROTO;
   for (uint32_t i = 0; i < n; i++) {
     const msgpack_object *o = &items[i];
-    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 6) return RUMOR_EPROTO;
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size < 6 || o->via.array.size > 7) return RUMOR_EPROTO;
     const msgpack_object *f = o->via.array.ptr;
     const uint8_t *id;
     const char *addr;
     size_t idlen, alen;
     uint64_t role, state, inc;
-    bool ready;
+    bool ready, relay = false;
+    if (o->via.array.size == 7 && net_obj_bool(&o->via.array.ptr[6], &relay)) return RUMOR_EPROTO;
     if (net_obj_bin(&f[0], &id, &idlen) || idlen != SWIM_ID_BYTES || net_obj_str(&f[1], &addr, &alen) ||
         alen >= SWIM_ADDR_MAX || !gossip_printable(addr, alen) || net_obj_uint(&f[2], &role) ||
         role > SWIM_ROLE_BOOTSTRAP || net_obj_uint(&f[3], &state) || state > SWIM_LEFT || net_obj_uint(&f[4], &inc) ||
@@ -125,6 +127,7 @@ int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_upd
     out[i].state = (enum swim_state)state;
     out[i].incarnation = inc;
     out[i].ready = ready;
+    out[i].relay = relay;
   }
   return (int)n;
 }

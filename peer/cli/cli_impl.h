@@ -112,6 +112,8 @@ struct net_flags {
   const char *listen, *advertise, *bootstrap, *cluster_key, *identity, *allow_list, *metrics;
   int64_t period_ms, ping_timeout_ms, suspect_ms, join_timeout_ms, handshake_timeout_ms;
   int64_t linger_ms; /* members: time to spread LEAVE on exit */
+  bool no_inbound, relay; /* rumor peer and bootstrap: reached through a relay / serve as one */
+  double relay_rate_mbit; /* a relay's cap per peer, Mbit/s (0: none) */
 };
 
 /* Keys loaded from the files the flags name; wiped by net_keys_free. */

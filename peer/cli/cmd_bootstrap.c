@@ -23,10 +23,10 @@ int cmd_bootstrap(int argc, char **argv) {
   net_flags_default(&nf);
   nf.listen = "0.0.0.0:7470";
   bool log_json = false;
-  struct arg_spec specs[32];
+  struct arg_spec specs[36];
   size_t n = 0;
-  net_flags_specs(&nf, FLAGS_PEER, true, specs, &n, 29);
-  args_log_json_spec(&log_json, specs, &n, 31);
+  net_flags_specs(&nf, FLAGS_PEER, true, specs, &n, 33);
+  args_log_json_spec(&log_json, specs, &n, 35);
   specs[n] = (struct arg_spec){0};
   int ar = args_parse(specs, argc, argv, "rumor bootstrap --listen HOST:PORT --cluster-key FILE --identity FILE [options]",
                       "Runs a bootstrap node: a long-lived member without a model that newcomers dial\n"
@@ -36,6 +36,10 @@ int cmd_bootstrap(int argc, char **argv) {
   log_set_json(log_json);
   log_set_name("bootstrap");
   struct rumor_err e = {0};
+  if (nf.no_inbound) {
+    fprintf(stderr, "rumor bootstrap: --no-inbound: a bootstrap node is what newcomers dial; it must accept connections\n");
+    return 2;
+  }
   if (net_flags_check_addrs(&nf, NULL, true, &e)) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
     return 2;

@@ -102,6 +102,10 @@ static json_t *json_node(const struct gossip_node_report *nd) {
   json_text_set(o, "bytes_out", json_integer((json_int_t)nd->bytes_out));
   json_text_set(o, "exchange_bytes_out", json_integer((json_int_t)nd->exchange_bytes_out));
   json_text_set(o, "exchange_bytes_in", json_integer((json_int_t)nd->exchange_bytes_in));
+  json_text_set(o, "relayed_links", json_integer((json_int_t)nd->relayed_links));
+  json_text_set(o, "relayed_bytes", json_integer((json_int_t)nd->relayed_bytes));
+  json_text_set(o, "relay_forwarded_bytes", json_integer((json_int_t)nd->relay_bytes));
+  json_text_set(o, "relay_via", json_text_str(nd->via));
   json_text_set(o, "members", json_integer((json_int_t)nd->members));
   json_text_set(o, "sync", json_text_str(nd->sync));
   bool ar = strcmp(nd->sync, "allreduce") == 0;
@@ -269,6 +273,12 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
             human_bytes(in, sizeof in, nd->bytes_in), human_bytes(out, sizeof out, nd->bytes_out),
             (unsigned long long)nd->members, norm);
     if (nd->last_failure[0]) fprintf(f, "%-10s last failure: %s\n", "", nd->last_failure);
+    if (nd->relayed_links || nd->relayed_bytes || nd->relay_bytes || nd->via[0]) {
+      char rb[16], fb[16];
+      fprintf(f, "%-10s relays: %llu link(s) relayed, %s over relays%s%s, %s forwarded as a relay\n", "",
+              (unsigned long long)nd->relayed_links, human_bytes(rb, sizeof rb, nd->relayed_bytes),
+              nd->via[0] ? "; reached through " : "", nd->via, human_bytes(fb, sizeof fb, nd->relay_bytes));
+    }
   }
   fflush(f);
 }

@@ -66,11 +66,23 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
       {"handshake-timeout-ms", ARG_INT, &f->handshake_timeout_ms, "MS", "connection handshake deadline", 100,
        600000},
   };
+  const struct arg_spec relay_specs[] = {
+      {"no-inbound", ARG_FLAG, &f->no_inbound, NULL,
+       "this host cannot accept connections (behind a NAT): listen nowhere and be reached through a relay"},
+      {"relay", ARG_FLAG, &f->relay, NULL, "relay for members that cannot accept connections"},
+      {"relay-rate", ARG_FLOAT, &f->relay_rate_mbit, "MBIT",
+       "as a relay, forward at most this many Mbit/s from one peer (0: no cap)", 0, 1e6},
+  };
   if (with_listen)
     for (size_t i = 0; i < sizeof listen_specs / sizeof listen_specs[0]; i++) {
       RUMOR_ASSERT(*n < max);
       out[*n] = listen_specs[i];
       net_flags_help_for(who, &out[(*n)++]);
+    }
+  if (with_listen && who == FLAGS_PEER) /* rumor peer and rumor bootstrap */
+    for (size_t i = 0; i < sizeof relay_specs / sizeof relay_specs[0]; i++) {
+      RUMOR_ASSERT(*n < max);
+      out[(*n)++] = relay_specs[i];
     }
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     if (who == FLAGS_MONITOR && !monitor_takes(specs[i].name)) continue;
@@ -81,8 +93,14 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
 }
 
 int net_flags_check_addrs(const struct net_flags *f, const char *servers, bool member, struct rumor_err *e) {
-  if (f->listen && net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
-  if (member && f->listen && !f->advertise && gossip_listen_advertisable(f->listen, e)) return RUMOR_EFORMAT;
+  if (f->no_inbound && f->relay)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--relay needs a member others can dial; it cannot go with --no-inbound");
+  if (f->no_inbound && f->advertise)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--no-inbound: the address is the relay's; drop --advertise");
+  if (f->no_inbound && !f->bootstrap)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--no-inbound needs --bootstrap: a relay is found through the cluster");
+  if (!f->no_inbound && f->listen && net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
+  if (!f->no_inbound && member && f->listen && !f->advertise && gossip_listen_advertisable(f->listen, e)) return RUMOR_EFORMAT;
   if (f->metrics && net_addr_check_listen(f->metrics, e)) return rumor_err_prefix(e, "--metrics");
   if (f->advertise && gossip_advertise_check(f->advertise, e)) return rumor_err_prefix(e, "--advertise");
   if (f->bootstrap && net_addr_list_check(f->bootstrap, e)) return rumor_err_prefix(e, "--bootstrap");
@@ -120,6 +138,9 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
   c->allow = k->have_allow ? &k->allow : NULL;
   c->listen = f->listen;
   c->advertise = f->advertise;
+  c->no_inbound = f->no_inbound;
+  c->relay = f->relay;
+  c->net.relay_rate_bytes = (uint64_t)(f->relay_rate_mbit * 1e6 / 8);
   c->metrics = f->metrics;
   c->bootstrap = f->bootstrap;
   c->period_ms = (uint32_t)f->period_ms;

@@ -160,6 +160,9 @@ void sync_result(const struct sync *s, const struct gossip_stats *gs, json_t *o)
   if (s->scheme->own_bytes) s->scheme->own_bytes(s, &in, &out);
   json_text_set(o, "bytes_out", json_integer((json_int_t)out));
   json_text_set(o, "bytes_in", json_integer((json_int_t)in));
+  /* Of those, what ran over relays (in + out), and the relay we were reached through. */
+  json_text_set(o, "relayed_bytes", json_integer((json_int_t)gs->relayed_bytes));
+  json_text_set(o, "relay_via", json_text_str(gs->via));
 }
 
 void sync_figures(const struct sync *s, struct sync_figures *out) {
