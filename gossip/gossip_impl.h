@@ -518,7 +518,6 @@ bool gossip_join_pulling(struct gossip *g);
 void gossip_join_tick(struct gossip *g, uint64_t now);
 /* relay.c: registering with a relay when we cannot be dialed. */
 void gossip_relay_tick(struct gossip *g, uint64_t now);
-bool gossip_relay_blocks_join(const struct gossip *g); /* no address yet: the JOIN waits */
 void gossip_relay_dial_back(struct gossip *g, const uint8_t *id, const char *addr);
 void gossip_relay_on_reach(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 /* JOIN, JOIN_OK, JOIN_REJECT and STATE_BUSY. */

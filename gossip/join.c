@@ -131,7 +131,7 @@ static void join_dial_tick(struct gossip *g, uint64_t now) {
     join_fail(g);
     return;
   }
-  if (now < j->retry_ms || gossip_relay_blocks_join(g)) return;
+  if (now < j->retry_ms) return;
   /* A reply overdue from a connected bootstrap counts as a failure. */
   int rc = net_dial(g->net, j->boot[j->boot_next], on_join_dial, g);
   if (rc) {

@@ -80,8 +80,6 @@ void gossip_relay_tick(struct gossip *g, uint64_t now) {
   r->pending = true;
 }
 
-bool gossip_relay_blocks_join(const struct gossip *g) { return g->relay.needed && !g->relay.registered; }
-
 /* ---- the dial-back: a bootstrap node checks that a joiner can be dialed ---- */
 
 struct dial_back {

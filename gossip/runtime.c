@@ -416,6 +416,9 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
     goto fail_net;
   }
   g->relay.needed = cfg->no_inbound;
+  /* Until a relay takes us, our address is "@" alone: no one can dial us
+   * yet, and we join and dial out meanwhile. */
+  if (cfg->no_inbound) snprintf(g->advertise, sizeof g->advertise, "%c", NET_RELAY_ADDR_PREFIX);
   if ((rc = cfg->no_inbound ? 0 : make_advertise(g, cfg->listen, e)) || (rc = gossip_join_init(g, cfg->bootstrap, e)) ||
       (rc = gossip_metrics_start(g, e)))
     goto fail_net;

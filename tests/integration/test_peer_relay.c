@@ -1,0 +1,126 @@
+/*
+ * Peers that cannot accept connections (--no-inbound: they listen nowhere,
+ * so every connection to them must come through a relay) train with the
+ * cluster: they register with a bootstrap node that relays, advertise
+ * "@RELAY", and exchange with each other through it, authenticated and
+ * encrypted end to end. A relay killed mid-run costs the exchanges in
+ * flight through it, not the run: the NATed peers move to the next relay.
+ * (deploy/testnet.sh's `nat` hosts show the same behind a real NAT:
+ * tests/scripts/relay_nat.sh.)
+ */
+#include <criterion/criterion.h>
+#include <signal.h>
+
+#include "../support/cluster.h"
+
+static struct cluster C;
+
+static void setup(void) {
+  cluster_init(&C);
+  C.bin = RUMOR_BIN;
+}
+
+static void teardown(void) { cluster_fini(&C, getenv("RUMOR_TEST_KEEP") != NULL); }
+
+/* The first 12 characters of node i's key (what log lines name it by). */
+static void key_prefix(int i, char out[13]) {
+  char *o = proc_slurp(C.node[i].out);
+  const char *p = strstr(o, "\"id\":\"");
+  cr_assert(p, "node %d printed no id", i);
+  snprintf(out, 13, "%.12s", p + 6);
+  free(o);
+}
+
+/* True when node i's log shows a connection with node j over a relay
+ * (over the relay at `via`, when not NULL). */
+static bool relayed_link(int i, int j, const char *via) {
+  char k[13], needle[32], at[80];
+  key_prefix(j, k);
+  snprintf(at, sizeof at, " @%s ", via ? via : "");
+  char *log = proc_slurp(C.node[i].log);
+  bool found = false;
+  for (const char *p = log; (p = strstr(p, via ? at : " @")) != NULL; p++) {
+    const char *eol = strchr(p, '\n');
+    snprintf(needle, sizeof needle, "key=%s", k);
+    const char *hit = strstr(p, needle);
+    if (hit && (!eol || hit < eol)) {
+      found = true;
+      break;
+    }
+  }
+  free(log);
+  return found;
+}
+
+#define PEER_ARGS(shard, epochs) \
+  "--model", "mlp:784-64-10", "--shard", shard, "--epochs", epochs, "--batch", "64", "--lr", "0.1", "--wait-peers", "3"
+
+static int start_peer(const char *shard, bool natted, const char *epochs) {
+  if (natted) return cluster_start_peer(&C, PEER_ARGS(shard, epochs), "--no-inbound", NULL);
+  return cluster_start_peer(&C, PEER_ARGS(shard, epochs), NULL);
+}
+
+Test(peer_relay, natted_peers_train_and_exchange_through_a_relay, .init = setup, .fini = teardown, .timeout = 240) {
+  char *boot_args[] = {"--relay", NULL};
+  cluster_start_bootstrap(&C, boot_args);
+  int pub = start_peer("0/3", false, "4");
+  int a = start_peer("1/3", true, "4");
+  int b = start_peer("2/3", true, "4");
+  int peers[] = {pub, a, b};
+  for (int k = 0; k < 3; k++) cr_assert_eq(cluster_wait(&C, peers[k], 200), 0, "peer %d: %s", k, proc_slurp(C.node[peers[k]].log));
+  for (int k = 0; k < 3; k++) {
+    double acc = cluster_result(&C, peers[k], "test_accuracy");
+    fprintf(stderr, "peer %d: accuracy %.4f, %.0f exchanges, %.0f relayed bytes\n", k, acc,
+            cluster_result(&C, peers[k], "exchanges"), cluster_result(&C, peers[k], "relayed_bytes"));
+    cr_assert_gt(acc, 0.80, "peer %d trains to the usual accuracy", k);
+    cr_assert_gt(cluster_result(&C, peers[k], "exchanges"), 0);
+  }
+  cr_assert_gt(cluster_result(&C, a, "relayed_bytes"), 0, "a NATed peer's traffic went through the relay");
+  cr_assert_gt(cluster_result(&C, b, "relayed_bytes"), 0);
+  cr_assert(cluster_log_has(&C, a, "reachable through the relay"), "%s", proc_slurp(C.node[a].log));
+  cr_assert(relayed_link(a, b, NULL) || relayed_link(b, a, NULL), "the two NATed peers connected through the relay");
+  cr_assert(cluster_log_has(&C, 0, "relaying for"), "the bootstrap node relayed");
+}
+
+Test(peer_relay, a_relay_killed_mid_run_costs_only_its_exchanges, .init = setup, .fini = teardown, .timeout = 240) {
+  /* Two bootstrap nodes that relay: the NATed peers take the first. */
+  char *boot_args[] = {"--relay", NULL};
+  cluster_start_bootstrap(&C, boot_args);
+  int b1 = 0;
+  char first[sizeof C.boot];
+  snprintf(first, sizeof first, "%s", C.boot);
+  char *second_args[] = {"--relay", "--bootstrap", first, NULL};
+  int b2 = cluster_spawn(&C, "bootstrap", second_args);
+  snprintf(C.boot, sizeof C.boot, "%s,%s", first, C.node[b2].addr);
+  int pub = start_peer("0/3", false, "30");
+  int a = start_peer("1/3", true, "30");
+  int b = start_peer("2/3", true, "30");
+  /* Mid-run: the NATed pair is connected through the first relay and the
+   * run is under way (two epochs of thirty in). */
+  double end = cluster_now() + 120;
+  while (cluster_now() < end && !((relayed_link(a, b, first) || relayed_link(b, a, first)) &&
+                                  cluster_log_has(&C, a, "epoch 2/30 done")))
+    usleep(100 * 1000);
+  cr_assert(relayed_link(a, b, first) || relayed_link(b, a, first), "no link through the relay before the kill");
+  cr_assert(kill(C.node[a].pid, 0) == 0 && kill(C.node[b].pid, 0) == 0, "the run ended before the kill");
+  cr_assert(cluster_log_has(&C, b1, "relaying for"), "the first relay took the NATed peers");
+  cr_assert_eq(kill(C.node[b1].pid, SIGKILL), 0);
+  int peers[] = {pub, a, b};
+  for (int k = 0; k < 3; k++) cr_assert_eq(cluster_wait(&C, peers[k], 200), 0, "peer %d: %s", k, proc_slurp(C.node[peers[k]].log));
+  for (int k = 0; k < 3; k++) {
+    double acc = cluster_result(&C, peers[k], "test_accuracy");
+    double failed = cluster_result(&C, peers[k], "exchanges_failed");
+    fprintf(stderr, "peer %d: accuracy %.4f, %.0f exchanges, %.0f failed\n", k, acc,
+            cluster_result(&C, peers[k], "exchanges"), failed);
+    cr_assert_gt(acc, 0.80, "peer %d still trains to the usual accuracy", k);
+    cr_assert_leq(failed, 3, "peer %d lost more than the exchanges in flight", k);
+  }
+  /* The NATed peers moved to the second relay and kept going through it. */
+  cr_assert(cluster_log_has(&C, a, "is lost"), "%s", proc_slurp(C.node[a].log));
+  cr_assert(cluster_log_has(&C, b2, "relaying for"), "the second relay took over");
+  char via[96];
+  snprintf(via, sizeof via, "reachable through the relay %s", C.node[b2].addr);
+  cr_assert(cluster_log_has(&C, a, via) && cluster_log_has(&C, b, via), "both moved to %s", C.node[b2].addr);
+  cr_assert(relayed_link(a, b, C.node[b2].addr) || relayed_link(b, a, C.node[b2].addr),
+            "the NATed pair connected again through the second relay");
+}
