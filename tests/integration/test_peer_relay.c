@@ -87,11 +87,11 @@ Test(peer_relay, a_relay_killed_mid_run_costs_only_its_exchanges, .init = setup,
   char *boot_args[] = {"--relay", NULL};
   cluster_start_bootstrap(&C, boot_args);
   int b1 = 0;
-  char first[sizeof C.boot];
+  char first[64];
   snprintf(first, sizeof first, "%s", C.boot);
   char *second_args[] = {"--relay", "--bootstrap", first, NULL};
   int b2 = cluster_spawn(&C, "bootstrap", second_args);
-  snprintf(C.boot, sizeof C.boot, "%s,%s", first, C.node[b2].addr);
+  snprintf(C.boot, sizeof C.boot, "%.31s,%.31s", first, C.node[b2].addr); /* two 127.0.0.1:PORT */
   int pub = start_peer("0/3", false, "30");
   int a = start_peer("1/3", true, "30");
   int b = start_peer("2/3", true, "30");
