@@ -30,7 +30,7 @@ packages="
   chromium fonts-dejavu-core
   munge slurmctld slurmd slurm-client
   python3-venv shellcheck systemd
-  iproute2
+  iproute2 nftables
 "
 
 export DEBIAN_FRONTEND=noninteractive

@@ -13,8 +13,12 @@
 #                                        no arguments: clear
 #   deploy/testnet.sh cut H|all          cut host H off (every frame to or from it is lost)
 #   deploy/testnet.sh heal H|all         undo the cut
+#   deploy/testnet.sh nat H              put host H behind a NAT: H's namespace becomes its
+#                                        router (masquerading, no inbound connections) and
+#                                        the host moves inside, on 192.168.H.2; needs nft
 #   deploy/testnet.sh exec H CMD...      run CMD on host H (ip netns exec: the PID is CMD's)
-#   deploy/testnet.sh ns H | addr H      the namespace name / the address of host H
+#   deploy/testnet.sh ns H | addr H      the namespace name / the address of host H (behind a
+#                                        NAT: the inner host's private address)
 #   deploy/testnet.sh status             backend, hosts, impairments, link counters
 #   deploy/testnet.sh down               end everything; safe to repeat
 #   deploy/testnet.sh gc                 take down test networks whose owner process is gone
@@ -99,7 +103,7 @@ down() {
       kill "$pid" 2>/dev/null || true
     fi
   fi
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$name-(h[0-9]+|sw)\$" || true); do
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$name-(h[0-9]+|h[0-9]+-in|sw)\$" || true); do
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
   done
@@ -195,6 +199,42 @@ apply() {
   fi
 }
 
+# Host i behind a NAT. Its namespace keeps eth0 on the switch (so shapes and
+# cuts work as before) and becomes the router; the host proper lives in
+# $name-h<i>-in on 192.168.<i>.2/24, routed through 192.168.<i>.1. The
+# router masquerades what leaves through eth0 and forwards inwards only
+# packets of connections the inside opened: nothing outside can connect in.
+nat() {
+  i=$1
+  h=$(host_ns "$i")
+  in=$h-in
+  command -v nft >/dev/null 2>&1 || die "nat: needs nft (apt-get install nftables)"
+  ip netns list | awk '{print $1}' | grep -qx "$in" && die "nat: host $i is already behind a NAT"
+  ip netns add "$in"
+  ns_sysctl "$in" net/ipv6/conf/all/disable_ipv6 1
+  ip -n "$in" link set lo up
+  ip link add lan0 netns "$h" type veth peer name eth0 netns "$in"
+  ip -n "$h" addr add "192.168.$i.1/24" dev lan0
+  ip -n "$h" link set lan0 up
+  ip -n "$in" addr add "192.168.$i.2/24" dev eth0
+  ip -n "$in" link set eth0 up
+  ip -n "$in" route add default via "192.168.$i.1"
+  ns_sysctl "$h" net/ipv4/ip_forward 1
+  ip netns exec "$h" nft -f - <<NFT
+table ip rtn_nat {
+  chain outward { type nat hook postrouting priority 100; oifname "eth0" masquerade; }
+  chain inward {
+    type filter hook forward priority 0; policy drop;
+    iifname "lan0" accept
+    ct state established,related accept
+  }
+}
+NFT
+  echo 1 > "$state/h$i.nat"
+}
+
+is_nat() { [ -f "$state/h$1.nat" ]; }
+
 shape() {
   t=$1
   shift
@@ -255,13 +295,16 @@ case $cmd in
   shape) [ $# -ge 1 ] || die "usage: $0 shape H|all [delay MS] [loss PCT] [rate MBIT]"; shape "$@";;
   cut) [ $# -eq 1 ] || die "usage: $0 cut H|all"; setcut "$1" 1;;
   heal) [ $# -eq 1 ] || die "usage: $0 heal H|all"; setcut "$1" 0;;
-  ns) targets "${1:-}" >/dev/null; host_ns "$1";;
-  addr) targets "${1:-}" >/dev/null; echo "$subnet.$1";;
+  nat) [ $# -eq 1 ] || die "usage: $0 nat H"; nat "$(targets "$1")";;
+  ns) targets "${1:-}" >/dev/null; if is_nat "$1"; then echo "$(host_ns "$1")-in"; else host_ns "$1"; fi;;
+  addr) targets "${1:-}" >/dev/null; if is_nat "$1"; then echo "192.168.$1.2"; else echo "$subnet.$1"; fi;;
   exec)
     [ $# -ge 2 ] || die "usage: $0 exec H CMD..."
     t=$(targets "$1")
     shift
-    exec ip netns exec "$(host_ns "$t")" "$@";;
+    ns=$(host_ns "$t")
+    is_nat "$t" && ns=$ns-in
+    exec ip netns exec "$ns" "$@";;
   status) status;;
   run)
     k=${1:-}
@@ -277,5 +320,5 @@ case $cmd in
     rc=$?
     set -e
     exit $rc;;
-  *) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2;;
+  *) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2;;
 esac
