@@ -464,6 +464,7 @@ struct net_stats {
   uint64_t relay_bytes;       /* a relay: circuit bytes forwarded */
   uint64_t relay_circuits;    /* a relay: circuits open through it now */
   uint64_t relay_refused;     /* a relay: circuits refused for lack of room */
+  uint64_t relay_holds;       /* a relay: times it stopped reading a peer (rate cap, full queue) */
   uint64_t relayed_open;      /* our open connections that run over a relay */
   struct net_conn_stats relayed; /* the part of `total` that ran over relays */
 };

@@ -216,6 +216,7 @@ static void relay_forward(struct net_conn *c, struct net_hop *h, const uint8_t *
   net_conn_pump(to);
   bool over = !spend(c, len);
   if (over || net_conn_queued(to) > RELAY_HIGH_WATER) {
+    if (!c->read_held) n->stats.relay_holds++;
     net_conn_hold_read(c, true);
     relay_tick_start(n);
   }

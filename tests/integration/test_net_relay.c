@@ -256,3 +256,25 @@ Test(net_relay, a_relay_that_dies_costs_its_circuits_only, .init = setup, .timeo
   finish();
   free(natted.rx_buf);
 }
+
+Test(net_relay, a_relay_over_its_rate_cap_reads_no_faster_and_loses_nothing, .init = setup, .timeout = 60) {
+  relay.cfg.relay_rate_bytes = 4u << 20; /* 4 MB/s from one peer: 12 MB cannot pass in one bucket */
+  register_natted();
+  net_conn_t *out = dial_natted();
+  natted.conn = relayed_in;
+  natted.rx_buf = calloc(COUNT, sizeof(float));
+  natted.rx_cap = COUNT;
+  float *a = pattern(COUNT, 0.75f);
+  dialer.conn = out;
+  cr_assert_eq(tpeer_send_bulk(&dialer, a, COUNT, NET_DTYPE_F32), 0);
+  RUN_UNTIL(dialer.sent_done && natted.bulk_done, 30);
+  cr_assert_eq(dialer.sent_status, 0);
+  cr_assert_eq(natted.bulk_ok, 1);
+  cr_assert_eq(memcmp(natted.rx_buf, a, COUNT * sizeof(float)), 0, "bit-exact through a capped relay");
+  struct net_stats rs;
+  net_stats_get(relay.net, &rs);
+  cr_assert_gt(rs.relay_holds, 0, "the cap held the sender back (holds %llu)", (unsigned long long)rs.relay_holds);
+  free(a);
+  finish();
+  free(natted.rx_buf);
+}

@@ -10,6 +10,7 @@
  */
 #include <criterion/criterion.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include "../support/cluster.h"
 
@@ -123,4 +124,59 @@ Test(peer_relay, a_relay_killed_mid_run_costs_only_its_exchanges, .init = setup,
   cr_assert(cluster_log_has(&C, a, via) && cluster_log_has(&C, b, via), "both moved to %s", C.node[b2].addr);
   cr_assert(relayed_link(a, b, C.node[b2].addr) || relayed_link(b, a, C.node[b2].addr),
             "the NATed pair connected again through the second relay");
+}
+
+/* `rumor top --once --json` with the cluster's keys; returns its output. */
+static char *top_json(void) {
+  char id[300];
+  snprintf(id, sizeof id, "%s/top.key", C.dir);
+  if (access(id, F_OK) != 0) cluster_sh("%s keygen -o %s >/dev/null 2>&1", RUMOR_BIN, id);
+  char *argv[] = {RUMOR_BIN, "top", "--bootstrap", C.boot, "--cluster-key", C.key, "--identity", id,
+                  "--once", "--json", NULL};
+  char *out, *err;
+  int st = proc_run(argv, 60, C.dir, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "top failed (status %d): %s", st, err);
+  free(err);
+  return out;
+}
+
+static int count(const char *s, const char *needle) {
+  int n = 0;
+  for (const char *p = s; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+Test(peer_relay, all_reduce_rounds_and_rumor_top_work_through_a_relay, .init = setup, .fini = teardown,
+     .timeout = 240) {
+  char *boot_args[] = {"--relay", NULL};
+  cluster_start_bootstrap(&C, boot_args);
+  int peers[3];
+  for (int k = 0; k < 3; k++) {
+    char shard[8];
+    snprintf(shard, sizeof shard, "%d/3", k);
+    peers[k] = cluster_start_peer(&C, "--model", "mlp:784-64-10", "--sync", "allreduce", "--shard", shard,
+                                  "--max-steps", "1500", "--batch", "32", "--lr", "0.05", "--wait-peers", "3",
+                                  k ? "--no-inbound" : NULL, NULL);
+  }
+  for (int k = 0; k < 3; k++)
+    cr_assert(cluster_wait_file(C.node[peers[k]].log, "first step", 60), "peer %d did not start", k);
+  /* rumor top reaches every member, the NATed ones through the relay. */
+  char *out = top_json();
+  fprintf(stderr, "%.2000s\n", out);
+  cr_assert(strstr(out, "\"reachable_peers\":3"), "%s", out);
+  cr_assert_eq(count(out, "\"addr\":\"@"), 2, "two members advertise a relay: %s", out);
+  cr_assert_geq(count(out, "\"relay_via\":\"127.0.0.1:"), 2, "%s", out);
+  free(out);
+  for (int k = 0; k < 3; k++) cr_assert_eq(cluster_wait(&C, peers[k], 200), 0, "peer %d: %s", k, proc_slurp(C.node[peers[k]].log));
+  double rounds[3];
+  for (int k = 0; k < 3; k++) {
+    rounds[k] = cluster_result(&C, peers[k], "allreduce_rounds");
+    double acc = cluster_result(&C, peers[k], "test_accuracy");
+    fprintf(stderr, "peer %d: %.0f rounds, accuracy %.4f, %.0f relayed bytes\n", k, rounds[k], acc,
+            cluster_result(&C, peers[k], "relayed_bytes"));
+    cr_assert_gt(rounds[k], 1000, "peer %d: the ring ran through the relay", k);
+    cr_assert_gt(acc, 0.75);
+  }
+  cr_assert_gt(cluster_result(&C, peers[1], "relayed_bytes"), 0);
+  cr_assert_gt(cluster_result(&C, peers[2], "relayed_bytes"), 0);
 }
