@@ -7,7 +7,7 @@
 #
 # usage: tests/bench/bench-net.sh [BUILD_DIR]
 #   env: MB (default 100), REPS (rounds per program after a warm-up, default 7),
-#        EXTRA=0 to skip the informative variants (no digest, bf16 wire, ChaCha20).
+#        EXTRA=0 to skip the informative variants (no digest, bf16 wire, ChaCha20, through a relay).
 # Builds bench_net_exchange and bench_net_tcp in BUILD_DIR (default
 # build-bench/, Release) and prints a table of medians and the targets of
 # issue #15: the encrypted f32 exchange (digest off) at gloo_time /
@@ -50,11 +50,12 @@ if [ "$EXTRA" = 1 ]; then
   nodig=$(run "rumor, digest off" "$bin/bench_net_exchange" --mb "$MB" --reps "$REPS" --no-digest)
   bf16=$(run "rumor, bf16 on the wire" "$bin/bench_net_exchange" --mb "$MB" --reps "$REPS" --wire bf16)
   chacha=$(run "rumor, ChaCha20-Poly1305" "$bin/bench_net_exchange" --mb "$MB" --reps "$REPS" --suite chacha)
+  relayed=$(run "rumor, through a relay (a third process)" "$bin/bench_net_exchange" --mb "$MB" --reps "$REPS" --relay)
 fi
 
 echo "(load average at the end: $(cut -d' ' -f1-3 /proc/loadavg); other processes on this machine disturb the figures)" >&2
 awk -v mb="$MB" -v raw="$raw" -v rumor="$rumor" -v gloo="$gloo" -v extra="$EXTRA" \
-    -v nodig="${nodig:-0}" -v bf16="${bf16:-0}" -v chacha="${chacha:-0}" 'BEGIN {
+    -v nodig="${nodig:-0}" -v bf16="${bf16:-0}" -v chacha="${chacha:-0}" -v relayed="${relayed:-0}" 'BEGIN {
   printf "\n%-46s %10s %14s %10s %10s\n", "two-way exchange of " mb " MB (medians)", "ms", "MB/s each way", "gloo/this", "raw/this"
   row("raw TCP, no encryption (bench_net_tcp)", raw)
   row("gloo all_reduce (reference)", gloo)
@@ -63,12 +64,14 @@ awk -v mb="$MB" -v raw="$raw" -v rumor="$rumor" -v gloo="$gloo" -v extra="$EXTRA
     row("rumor: digest off (AEAD only), f32", nodig)
     row("rumor: tag digest, bf16 on the wire", bf16)
     row("rumor: ChaCha20-Poly1305, digest, f32", chacha)
+    row("rumor: through a relay (net/relay.c)", relayed)
   }
   printf "\ntarget (digest on):  gloo/rumor = %.2f (>= 1.0: %s)\n", gloo / rumor, ((gloo / rumor >= 1.0) ? "met" : "MISSED")
   if (extra == 1) {
     printf "targets (digest off): gloo/rumor = %.2f (>= 1.25: %s), rumor/raw goodput = %.2f (>= 0.75: %s)\n",
            gloo / nodig, ((gloo / nodig >= 1.25) ? "met" : "MISSED"), raw / nodig, ((raw / nodig >= 0.75) ? "met" : "MISSED")
     printf "digest cost: digest on / digest off = %.2f (<= 1.15: %s)\n", rumor / nodig, ((rumor / nodig <= 1.15) ? "met" : "MISSED")
+    printf "relay cost: relayed / direct = %.2f (each byte crosses loopback twice and is sealed twice; no target)\n", relayed / rumor
   }
 }
 function row(name, ms) {

@@ -10,9 +10,13 @@
  * and a machine-readable summary line:
  *   bench_net_exchange: median_ms=... min_ms=... mb=... reps=...
  *
+ * --relay: the server listens nowhere; a third process relays (net/relay.c)
+ * and the client reaches the server through it, so every byte crosses
+ * loopback twice and is sealed twice (end to end and hop by hop).
+ *
  * usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16|i8]
  *                           [--no-digest] [--suite aes|chacha]
- *                           [--sock-buf BYTES] [--chunk BYTES]
+ *                           [--sock-buf BYTES] [--chunk BYTES] [--relay]
  */
 #include <signal.h>
 #include <stdio.h>
@@ -35,6 +39,7 @@ struct opts {
   unsigned suites;
   int sock_buf;
   size_t chunk;
+  bool relay;
 };
 
 struct side {
@@ -48,6 +53,10 @@ struct side {
   bool closed;
   bool is_server;
 };
+
+/* Made before the fork: the client must know the server's key to reach it
+ * through a relay. */
+static struct net_identity g_server_id, g_client_id;
 
 static void die(const char *what, int rc) {
   fprintf(stderr, "bench_net_exchange: %s: %s\n", what, rumor_strerror(rc));
@@ -91,10 +100,16 @@ static void on_done(net_conn_t *c, uint64_t id, int status, float *dst, void *ar
   s->recv_status = status;
 }
 
-static void on_accept(net_conn_t *c, void *ud) { ((struct side *)ud)->conn = c; }
+/* With --relay the server also learns of its connection to the relay:
+ * the exchange is the relayed one. */
+static void on_accept(net_conn_t *c, void *ud) {
+  struct side *s = ud;
+  if (!s->o->relay || net_conn_relayed(c)) s->conn = c;
+}
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   struct side *s = ud;
-  (void)c, (void)status, (void)detail;
+  (void)status, (void)detail;
+  if (c != s->conn) return;
   s->conn = NULL;
   s->closed = true;
 }
@@ -116,11 +131,9 @@ static void side_init(struct side *s, const struct opts *o, const uint8_t *clust
   rng_seed(&r, server ? 1 : 2, 0);
   for (uint64_t i = 0; i < s->count; i++) s->src[i] = rng_uniform(&r) - 0.5f;
   memset(s->dst, 0, s->count * sizeof(float)); /* touch it: no page faults while timing */
-  static struct net_identity id;
-  if (net_identity_generate(&id)) die("identity", -1);
   struct net_config cfg;
   net_config_defaults(&cfg);
-  cfg.identity = &id;
+  cfg.identity = server ? &g_server_id : &g_client_id;
   cfg.cluster_key = cluster;
   cfg.suites = o->suites;
   cfg.sock_buf_bytes = o->sock_buf;
@@ -157,15 +170,64 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-static void server_main(const struct opts *o, const uint8_t *cluster, int port_fd) {
+static void on_listen(net_t *n, int status, const char *detail, void *arg) {
+  (void)n;
+  if (status) {
+    fprintf(stderr, "bench_net_exchange: relay registration: %s\n", detail);
+    exit(1);
+  }
+  *(bool *)arg = true;
+}
+
+/* The relay (--relay): a net that only relays; serves until killed. */
+static void relay_main(const struct opts *o, const uint8_t *cluster, int port_fd) {
+  uv_loop_t loop;
+  uv_loop_init(&loop);
+  struct net_identity id;
+  if (net_identity_generate(&id)) die("identity", -1);
+  struct net_config cfg;
+  net_config_defaults(&cfg);
+  cfg.identity = &id;
+  cfg.cluster_key = cluster;
+  cfg.suites = o->suites;
+  cfg.sock_buf_bytes = o->sock_buf;
+  cfg.relay = true;
+  cfg.idle_timeout_ms = 0;
+  net_t *n;
+  struct rumor_err e = {0};
+  if (net_init(&n, &loop, &cfg, NULL, NULL, &e) || net_listen(n, "127.0.0.1:0", &e)) {
+    fprintf(stderr, "bench_net_exchange: relay: %s\n", e.msg);
+    exit(1);
+  }
+  int port = net_listen_port(n);
+  if (write(port_fd, &port, sizeof port) != sizeof port) exit(1);
+  close(port_fd);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  _exit(0);
+}
+
+/* The server: listens (and reports its port), or with --relay registers
+ * with the relay at `relay_port` (and reports that it did). */
+static void server_main(const struct opts *o, const uint8_t *cluster, int port_fd, int relay_port) {
   struct side s;
   side_init(&s, o, cluster, true);
   struct rumor_err e = {0};
-  if (net_listen(s.net, "127.0.0.1:0", &e)) {
-    fprintf(stderr, "bench_net_exchange: %s\n", e.msg);
-    exit(1);
+  int port = 0;
+  if (relay_port) {
+    char ra[64];
+    bool ok = false;
+    snprintf(ra, sizeof ra, "127.0.0.1:%d", relay_port);
+    int rc = net_relay_listen(s.net, ra, on_listen, &ok);
+    if (rc) die("relay listen", rc);
+    while (!ok) uv_run(s.loop, UV_RUN_ONCE);
+    port = relay_port;
+  } else {
+    if (net_listen(s.net, "127.0.0.1:0", &e)) {
+      fprintf(stderr, "bench_net_exchange: %s\n", e.msg);
+      exit(1);
+    }
+    port = net_listen_port(s.net);
   }
-  int port = net_listen_port(s.net);
   if (write(port_fd, &port, sizeof port) != sizeof port) exit(1);
   close(port_fd);
   /* Serve until the client closes the connection. */
@@ -175,7 +237,7 @@ static void server_main(const struct opts *o, const uint8_t *cluster, int port_f
 
 static void usage(void) {
   fprintf(stderr, "usage: bench_net_exchange [--mb N] [--reps N] [--wire f32|f16|bf16|i8] [--no-digest]\n"
-                  "                          [--suite aes|chacha] [--sock-buf BYTES] [--chunk BYTES]\n");
+                  "                          [--suite aes|chacha] [--sock-buf BYTES] [--chunk BYTES] [--relay]\n");
   exit(2);
 }
 
@@ -185,6 +247,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--no-digest")) o.no_digest = true;
+    else if (!strcmp(a, "--relay")) o.relay = true;
     else if (!v) usage();
     else if (!strcmp(a, "--mb")) o.mb = strtoull(v, NULL, 10), i++;
     else if (!strcmp(a, "--reps")) o.reps = atoi(v), i++;
@@ -205,15 +268,29 @@ int main(int argc, char **argv) {
   log_set_level(LOG_WARN);
   if (net_crypto_init()) die("libsodium", -1);
   uint8_t cluster[NET_CLUSTER_KEY_BYTES];
-  if (net_cluster_key_generate(cluster)) die("cluster key", -1);
+  if (net_cluster_key_generate(cluster) || net_identity_generate(&g_server_id) || net_identity_generate(&g_client_id))
+    die("keys", -1);
 
-  int pfd[2];
+  int pfd[2], relay_port = 0;
+  pid_t relay = 0;
+  if (o.relay) {
+    if (pipe(pfd)) die("pipe", -1);
+    relay = fork();
+    if (relay < 0) die("fork", -1);
+    if (relay == 0) {
+      close(pfd[0]);
+      relay_main(&o, cluster, pfd[1]);
+    }
+    close(pfd[1]);
+    if (read(pfd[0], &relay_port, sizeof relay_port) != sizeof relay_port) die("the relay did not start", -1);
+    close(pfd[0]);
+  }
   if (pipe(pfd)) die("pipe", -1);
   pid_t child = fork();
   if (child < 0) die("fork", -1);
   if (child == 0) {
     close(pfd[0]);
-    server_main(&o, cluster, pfd[1]);
+    server_main(&o, cluster, pfd[1], relay_port);
   }
   close(pfd[1]);
   struct side s;
@@ -223,12 +300,13 @@ int main(int argc, char **argv) {
   close(pfd[0]);
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  int rc = net_dial(s.net, addr, on_dial, &s);
+  int rc = o.relay ? net_dial_via(s.net, addr, g_server_id.pk, on_dial, &s) : net_dial(s.net, addr, on_dial, &s);
   if (rc) die("dial", rc);
   while (!s.conn) uv_run(s.loop, UV_RUN_ONCE);
 
   double times[MAX_REPS];
-  printf("rumor exchange: %llu MB each way, wire %s, digest %s, cipher %s\n", (unsigned long long)o.mb,
+  printf("rumor exchange%s: %llu MB each way, wire %s, digest %s, cipher %s\n",
+         o.relay ? " through a relay" : "", (unsigned long long)o.mb,
          net_dtype_name(o.wire), o.no_digest ? "off" : "on",
          net_conn_suite(s.conn) == NET_SUITE_AES256GCM ? "aes256gcm" : "chacha20poly1305");
   for (int r = -1; r < o.reps; r++) { /* round -1 warms up and is not counted */
@@ -249,6 +327,7 @@ int main(int argc, char **argv) {
               s.recv_status);
       kill(child, SIGKILL);
       waitpid(child, NULL, 0);
+      if (relay) kill(relay, SIGKILL), waitpid(relay, NULL, 0);
       return 1;
     }
     if (r < 0) continue;
@@ -260,6 +339,10 @@ int main(int argc, char **argv) {
   while (!s.closed) uv_run(s.loop, UV_RUN_ONCE);
   int st = 0;
   waitpid(child, &st, 0);
+  if (relay) {
+    kill(relay, SIGKILL);
+    waitpid(relay, NULL, 0);
+  }
   qsort(times, (size_t)o.reps, sizeof times[0], cmp_double);
   printf("bench_net_exchange: median_ms=%.1f min_ms=%.1f mb=%llu reps=%d\n", times[o.reps / 2], times[0],
          (unsigned long long)o.mb, o.reps);
