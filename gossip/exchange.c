@@ -626,6 +626,9 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
   x->recv_bytes = net_dtype_bytes(info->wire, info->count);
   x->recv_conn = c;
   *dst = g->xch.theirs;
+#ifdef RUMOR_TESTING
+  gossip_testing_xch_receiving(g);
+#endif
   return 0;
 }
 

@@ -127,6 +127,28 @@ static void expect_contents(const char *path, const char *want, size_t len, cons
   free(buf);
 }
 
+/* Writes `text` to `path` (an atomic replace of mode `mode`), or fails the
+ * test. */
+static void put_text(const char *path, const char *text, unsigned mode) {
+  struct file_part part = {text, strlen(text)};
+  struct rumor_err e;
+  cr_assert_eq(file_write_atomic(path, &part, 1, mode, 0, &e), 0, "%s", e.msg);
+}
+
+/* After a write that failed: `path` holds exactly `len` bytes of `want`,
+ * still as inode `ino`, and `dir` holds nothing else (no temporary left). */
+static void expect_intact(const char *dir, const char *path, const char *want, size_t len, ino_t ino,
+                          const char *what) {
+  expect_contents(path, want, len, what);
+  struct stat st;
+  cr_assert_eq(stat(path, &st), 0);
+  cr_assert_eq(st.st_ino, ino, "%s: the old file was replaced", what);
+  char names[512];
+  int count = dir_entries(dir, names, sizeof names);
+  const char *base = strrchr(path, '/') + 1;
+  cr_assert(count == 1 && strcmp(names, base) == 0, "%s: %s holds '%s', want only '%s'", what, dir, names, base);
+}
+
 Test(file, atomic_write_creates_the_file_with_its_mode_and_reads_back) {
   char dir[64];
   scratch_make(dir);
@@ -197,7 +219,7 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
   struct file_part old_part = {old_text, strlen(old_text)};
   struct rumor_err e;
   cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, 0, &e), 0, "%s", e.msg);
-  struct stat before, after;
+  struct stat before;
   cr_assert_eq(stat(path, &before), 0);
 
   pid_t pid = fork();
@@ -217,12 +239,7 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
   cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
             "a 4 KiB write under a 64-byte file-size limit did not fail with -EFBIG (status %d)", status);
 
-  expect_contents(path, old_text, strlen(old_text), "after the failed write");
-  cr_assert_eq(stat(path, &after), 0);
-  cr_assert_eq(after.st_ino, before.st_ino, "the failed write replaced the file");
-  char names[512];
-  int count = dir_entries(dir, names, sizeof names);
-  cr_assert(count == 1 && strcmp(names, "f") == 0, "after the failed write, %s holds '%s', want only 'f'", dir, names);
+  expect_intact(dir, path, old_text, strlen(old_text), before.st_ino, "after the failed write");
   scratch_remove(dir);
 }
 
@@ -262,7 +279,7 @@ Test(file, no_replace_gives_eexist_and_leaves_the_old_file_intact) {
   struct rumor_err e;
   struct file_part old_part = {STR_LIT("the old key")}, new_part = {STR_LIT("new")};
   cr_assert_eq(file_write_atomic(path, &old_part, 1, 0600, 0, &e), 0, "%s", e.msg);
-  struct stat before, after;
+  struct stat before;
   cr_assert_eq(stat(path, &before), 0);
   cr_assert_eq(file_write_atomic(path, &new_part, 1, 0600, FILE_ATOMIC_NO_REPLACE, &e), -EEXIST);
   cr_assert(strstr(e.msg, path) && strstr(e.msg, "already exists"), "%s", e.msg);
@@ -274,12 +291,7 @@ Test(file, no_replace_gives_eexist_and_leaves_the_old_file_intact) {
   cr_assert(strstr(e.msg, path), "%s", e.msg);
   file_atomic_abort(&fa); /* after a commit: nothing to do */
 
-  expect_contents(path, old_part.data, old_part.len, "after the refused writes");
-  cr_assert_eq(stat(path, &after), 0);
-  cr_assert_eq(after.st_ino, before.st_ino, "the old file was replaced");
-  char names[512];
-  int count = dir_entries(dir, names, sizeof names);
-  cr_assert(count == 1 && strcmp(names, "f") == 0, "%s holds '%s', want only 'f'", dir, names);
+  expect_intact(dir, path, old_part.data, old_part.len, before.st_ino, "after the refused writes");
   scratch_remove(dir);
 }
 
@@ -299,8 +311,9 @@ Test(file, nothing_is_written_through_a_symlink_at_the_path) {
   snprintf(victim, sizeof victim, "%s/victim", elsewhere);
   snprintf(absent, sizeof absent, "%s/absent", elsewhere);
   struct rumor_err e;
-  struct file_part victim_part = {STR_LIT("victim's bytes")}, part = {STR_LIT("secret")};
-  cr_assert_eq(file_write_atomic(victim, &victim_part, 1, 0644, 0, &e), 0, "%s", e.msg);
+  static const char victim_text[] = "victim's bytes";
+  struct file_part part = {STR_LIT("secret")};
+  put_text(victim, victim_text, 0644);
   const char *targets[] = {victim, absent};
   for (size_t i = 0; i < 2; i++) {
     unlink(path);
@@ -317,7 +330,7 @@ Test(file, nothing_is_written_through_a_symlink_at_the_path) {
     cr_assert_eq(lstat(path, &st), 0);
     cr_assert(S_ISLNK(st.st_mode), "the symlink at %s was replaced", path);
   }
-  expect_contents(victim, victim_part.data, victim_part.len, "the symlink's target");
+  expect_contents(victim, victim_text, sizeof victim_text - 1, "the symlink's target");
   struct stat st;
   cr_assert_neq(stat(absent, &st), 0, "a file was created through a dangling symlink");
   char names[512];
@@ -328,7 +341,7 @@ Test(file, nothing_is_written_through_a_symlink_at_the_path) {
   cr_assert_eq(lstat(path, &st), 0);
   cr_assert(S_ISREG(st.st_mode), "replacing left the symlink at %s", path);
   expect_contents(path, part.data, part.len, "the replaced link");
-  expect_contents(victim, victim_part.data, victim_part.len, "the old link's target");
+  expect_contents(victim, victim_text, sizeof victim_text - 1, "the old link's target");
   scratch_remove(dir);
   scratch_remove(elsewhere);
 }
@@ -433,15 +446,14 @@ Test(file, a_link_replaces_its_old_name_atomically) {
   snprintf(a, sizeof a, "%s/a", dir);
   snprintf(b, sizeof b, "%s/b", dir);
   snprintf(none, sizeof none, "%s/none", dir);
+  put_text(a, "aaa", 0644);
+  put_text(b, "bbbb", 0644);
   struct rumor_err e;
-  struct file_part pa = {STR_LIT("aaa")}, pb = {STR_LIT("bbbb")};
-  cr_assert_eq(file_write_atomic(a, &pa, 1, 0644, 0, &e), 0, "%s", e.msg);
-  cr_assert_eq(file_write_atomic(b, &pb, 1, 0644, 0, &e), 0, "%s", e.msg);
   cr_assert_eq(file_link_atomic(a, b, &e), 0, "%s", e.msg);
   struct stat sa, sb;
   cr_assert(stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_ino == sb.st_ino, "b is not another name of a");
   cr_assert_eq(file_link_atomic(none, b, &e), -ENOENT, "%s", e.msg);
-  expect_contents(b, pa.data, pa.len, "the link after a failed relink");
+  expect_contents(b, STR_LIT("aaa"), "the link after a failed relink");
   char names[512];
   int count = dir_entries(dir, names, sizeof names);
   cr_assert(count == 2 && (strcmp(names, "a b") == 0 || strcmp(names, "b a") == 0), "%s holds '%s'", dir, names);
