@@ -22,6 +22,10 @@
 
 #include "gossip/gossip_impl.h"
 
+/* The reason of the XCH_REJECT that withdraws a request (the initiator took
+ * another partner's request instead): not a failure on either side. */
+#define XCH_WITHDRAWN "withdrawn"
+
 static bool same_id(const uint8_t *a, const uint8_t *b) { return memcmp(a, b, NET_PUBKEY_BYTES) == 0; }
 
 /* ---- the exchange slot's word: round << 3 | state ---- */
@@ -224,8 +228,8 @@ static void put_finished(struct gossip *g, struct net_msgbuf *meta) {
   if (gossip_testing_bad_fin(g)) {
     msgpack_packer *pk = net_msgbuf_put_key(meta, "fin");
     msgpack_pack_array(pk, 1);
-    msgpack_pack_bin(pk, 7);
-    msgpack_pack_bin_body(pk, "badkey!", 7);
+    msgpack_pack_bin(pk, STR_LEN("badkey!"));
+    msgpack_pack_bin_body(pk, STR_LIT("badkey!"));
     return;
   }
 #endif
@@ -549,7 +553,7 @@ static void handle_req(struct gossip *g, net_conn_t *c, const struct net_msg *m)
       struct net_msgbuf b;
       net_msgbuf_init(&b, GMSG_XCH_REJECT, GOSSIP_PROTO_VERSION);
       net_msgbuf_put_uint(&b, "x", x->xid);
-      net_msgbuf_put_str(&b, "why", "withdrawn", 9);
+      net_msgbuf_put_str(&b, "why", STR_LIT(XCH_WITHDRAWN));
       (void)gossip_send(g, x->partner, &b); /* best effort: it times out otherwise */
       net_msgbuf_free(&b);
     }
@@ -589,7 +593,7 @@ void gossip_xch_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m)
       snprintf(msg, sizeof msg, "partner gave up: %.*s", (int)(n < 60 ? n : 60), why);
       /* A request withdrawn (the initiator took another partner's request
        * instead) or given up before any transfer is not a failure. */
-      bool quiet = (n == 9 && memcmp(why, "withdrawn", 9) == 0) ||
+      bool quiet = STR_EQ_LIT(why, n, XCH_WITHDRAWN) ||
                    (!x->sending && !x->receiving && !x->sent_ok && !x->recv_ok);
       xch_end(g, quiet ? NULL : msg, false);
     }
@@ -622,6 +626,9 @@ int gossip_xch_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_b
   x->recv_bytes = net_dtype_bytes(info->wire, info->count);
   x->recv_conn = c;
   *dst = g->xch.theirs;
+#ifdef RUMOR_TESTING
+  gossip_testing_xch_receiving(g);
+#endif
   return 0;
 }
 

@@ -354,7 +354,7 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE };
+                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE, TEST_FREEZE_XCH };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -362,7 +362,7 @@ struct gossip_test {
   float *out;      /* the poisoned copy of our snapshot that is sent (NULL: none) */
   uint64_t recorded_step;
   uint64_t replay_from; /* replay once this many snapshots were taken */
-  bool frozen;          /* freeze: stopped once already */
+  bool frozen;          /* freeze, freezexch: stopped once already */
 };
 #endif
 
@@ -650,6 +650,8 @@ void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
 /* As an all-reduce round of `step` is about to start on the loop thread. */
 void gossip_testing_ring_start(struct gossip *g, uint64_t step);
+/* As the partner's transfer of an exchange begins (it is accepted). */
+void gossip_testing_xch_receiving(struct gossip *g);
 /* True when an exchange transfer's list of finished members is to be sent
  * malformed (badfin). */
 bool gossip_testing_bad_fin(struct gossip *g);

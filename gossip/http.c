@@ -8,16 +8,16 @@
  * whose Host is a loopback name (DNS rebinding). It answers
  * Prometheus scrapes, health probes and the web view's page and polls; it is
  * not a general web server. Plain text and unauthenticated: bind it to an address
- * that only the monitoring system reaches.
+ * that only the monitoring system reaches. The request's bytes are read by
+ * net's net_http_parse (a pure function, fuzzed): this file is the I/O
+ * around it and the answers.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "gossip/gossip_impl.h"
 
-#define HTTP_MAX_REQUEST 8192
 #define HTTP_MAX_CLIENTS 32
 #define HTTP_TIMEOUT_MS 5000        /* from the connection to the end of the request */
 #define HTTP_WRITE_TIMEOUT_MS 30000 /* from the answer to the end of its write (a large /state.json, a slow client) */
@@ -30,7 +30,7 @@ struct http_client {
   uv_write_t wreq;
   uv_shutdown_t sreq;
   struct gossip_http *srv;
-  char req[HTTP_MAX_REQUEST];
+  char req[NET_HTTP_HEAD_MAX]; /* the request as read; not NUL-terminated */
   size_t len;
   char *resp;
   int handles;      /* open handles; freed at 0 */
@@ -126,6 +126,7 @@ static void respond(struct http_client *c, int status, const char *type, const c
                        : status == 403 ? "Forbidden"
                        : status == 404 ? "Not Found"
                        : status == 405 ? "Method Not Allowed"
+                       : status == 431 ? "Request Header Fields Too Large"
                        : status == 503 ? "Service Unavailable"
                                        : "Bad Request";
   char head[512];
@@ -144,71 +145,33 @@ static void respond(struct http_client *c, int status, const char *type, const c
   if (uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &buf, 1, on_written) != 0) client_close(c);
 }
 
-/* Whether the request's Host header (when it has one) names a loopback
- * address: a server bound to loopback answers only such requests, so that a
- * web page whose name was re-bound to 127.0.0.1 (DNS rebinding) cannot read
- * it from the operator's browser. Clients without Host (HTTP/1.0) pass. */
-static bool host_is_loopback(const char *req) {
-  const char *h = NULL;
-  for (const char *line = strchr(req, '\n'); line; line = strchr(line + 1, '\n'))
-    if (strncasecmp(line + 1, "Host:", 5) == 0) {
-      h = line + 6;
-      break;
-    }
-  if (!h) return true;
-  while (*h == ' ' || *h == '\t') h++;
-  size_t len = strcspn(h, "\r\n");
-  size_t host_len = len;
-  if (*h == '[') {
-    const char *close = memchr(h, ']', len);
-    host_len = close ? (size_t)(close - h) + 1 : len;
-  } else {
-    const char *colon = memchr(h, ':', len);
-    if (colon) host_len = (size_t)(colon - h);
-  }
-  if (host_len == 9 && strncasecmp(h, "localhost", 9) == 0) return true;
-  if (host_len == 5 && strncmp(h, "[::1]", 5) == 0) return true;
-  if (host_len < 4 || strncmp(h, "127.", 4) != 0) return false;
-  for (size_t i = 4; i < host_len; i++)
-    if (!((h[i] >= '0' && h[i] <= '9') || h[i] == '.')) return false;
-  return true;
-}
+#define HTTP_FORBIDDEN_BODY "this server answers only requests for a loopback host\n"
 
-static void handle_request(struct http_client *c) {
-  /* "GET /path HTTP/1.x" (or HEAD), on the first line */
-  size_t first = strcspn(c->req, "\r\n");
-  char *sp1 = memchr(c->req, ' ', first);
-  size_t mlen = sp1 ? (size_t)(sp1 - c->req) : 0;
-  c->head_only = mlen == 4 && memcmp(c->req, "HEAD", 4) == 0;
-  if (!(mlen == 3 && memcmp(c->req, "GET", 3) == 0) && !c->head_only) {
-    respond(c, 405, "text/plain", "only GET and HEAD\n", 18);
+/* A complete, well-formed request head (net_http_parse): the Host check on
+ * a loopback bind, then the handler's answer. */
+static void handle_request(struct http_client *c, const struct net_http_request *r) {
+  c->head_only = r->method == NET_HTTP_HEAD;
+  /* Clients without Host (HTTP/1.0) pass. */
+  if (c->srv->loopback && r->host && !net_http_host_is_loopback(r->host, r->host_len)) {
+    respond(c, 403, "text/plain", STR_LIT(HTTP_FORBIDDEN_BODY));
     return;
   }
-  char *path = sp1 + 1;
-  char *sp2 = memchr(path, ' ', first - (size_t)(path - c->req));
-  if (!sp2 || sp2 == path) {
-    respond(c, 400, "text/plain", "bad request line\n", 17);
-    return;
-  }
-  if (c->srv->loopback && !host_is_loopback(sp2)) {
-    respond(c, 403, "text/plain", "this server answers only requests for a loopback host\n", 55);
-    return;
-  }
-  *sp2 = '\0';
-  char *q = strchr(path, '?');
-  if (q) *q = '\0';
+  /* The handler takes a string: the path ends in place, at the '?' or the
+   * space after it (the request is answered once and not parsed again). */
+  c->req[(size_t)(r->path - c->req) + r->path_len] = '\0';
   char *body = NULL;
   size_t blen = 0;
   const char *type = "text/plain; charset=utf-8";
-  int status = c->srv->handler(c->srv->ctx, path, &body, &blen, &type);
+  int status = c->srv->handler(c->srv->ctx, r->path, &body, &blen, &type);
   respond(c, status, type, body ? body : "", body ? blen : 0);
   free(body);
 }
 
 static void on_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf) {
   struct http_client *c = hd->data;
-  size_t room = HTTP_MAX_REQUEST - 1 - c->len;
-  *buf = uv_buf_init(c->req + c->len, (unsigned)room);
+  /* Never full while a request is read: the parser answers 431 once
+   * NET_HTTP_HEAD_MAX bytes hold no whole head. */
+  *buf = uv_buf_init(c->req + c->len, (unsigned)(sizeof c->req - c->len));
 }
 
 static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
@@ -219,12 +182,10 @@ static void on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
   }
   if (c->responded) return; /* lingering (on_shut): dropped; c->len stays 0 */
   c->len += (size_t)n;
-  c->req[c->len] = '\0';
-  if (strstr(c->req, "\r\n\r\n") || strstr(c->req, "\n\n")) {
-    handle_request(c);
-  } else if (c->len >= HTTP_MAX_REQUEST - 1) {
-    respond(c, 400, "text/plain", "request too large\n", 18);
-  }
+  struct net_http_request r;
+  net_http_parse(c->req, c->len, &r);
+  if (r.status) respond(c, r.status, "text/plain", r.reason, strlen(r.reason));
+  else if (r.complete) handle_request(c, &r);
 }
 
 static void on_connection(uv_stream_t *l, int status) {

@@ -40,6 +40,13 @@
  *             sockets in earlier callbacks. So every other member completes
  *             that round too, and all are at one step: a test can tell
  *             exactly when the others are ahead of it.
+ *   freezexch gossip averaging: the whole process stops itself (SIGSTOP)
+ *             once, in its first exchange of a snapshot of step
+ *             TEST_FREEZE_XCH_STEP or later (training, with a steady stream
+ *             of exchanges, by then), as the partner's parameters begin to
+ *             arrive: the exchange is agreed on both sides and under way,
+ *             its transfers unfinished. It logs the partner first. A test
+ *             that kills it then kills a member mid-exchange, for certain.
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -54,9 +61,10 @@
 #define TEST_REPLAY_AFTER 30
 #define TEST_REPLAY_STEP 50
 #define TEST_FREEZE_STEP 20
+#define TEST_FREEZE_XCH_STEP 100
 
-static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",
-                                    "short", "flood", "loseready", "baddonor", "badfin",   "freeze"};
+static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",   "short",
+                                    "flood", "loseready", "baddonor", "badfin", "freeze", "freezexch"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -71,7 +79,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin, freeze (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze, freezexch (not '%s')",
                        kind);
 }
 
@@ -90,6 +98,18 @@ void gossip_testing_ring_start(struct gossip *g, uint64_t step) {
   g->test.frozen = true;
   log_warn("TESTING ONLY: stopping this process (SIGSTOP) before the all-reduce of step %llu",
            (unsigned long long)step);
+  raise(SIGSTOP);
+  log_warn("TESTING ONLY: resumed (SIGCONT)");
+}
+
+void gossip_testing_xch_receiving(struct gossip *g) {
+  struct gossip_test *t = &g->test;
+  if (t->attack != TEST_FREEZE_XCH || t->frozen || g->xch.x.snapshot_step < TEST_FREEZE_XCH_STEP) return;
+  t->frozen = true;
+  char who[200];
+  gossip_member_label(g, g->xch.x.partner, who, sizeof who);
+  log_warn("TESTING ONLY: stopping this process (SIGSTOP) mid-exchange with %s, as its parameters begin to arrive",
+           who);
   raise(SIGSTOP);
   log_warn("TESTING ONLY: resumed (SIGCONT)");
 }

@@ -1,7 +1,6 @@
 /* Identities, cluster keys, allow-lists and their files. */
 #include <errno.h>
 #include <fcntl.h>
-#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,88 +57,16 @@ int net_pubkey_parse(const char *s, size_t len, uint8_t pk[NET_PUBKEY_BYTES]) {
 
 /* ---- secret files -------------------------------------------------------- */
 
-/* Writes `len` bytes to `path` with mode 0600: a new temporary file in the
- * same directory (O_EXCL), fsync, then rename over `path` (force) or link to
- * `path` (which fails if it exists, so an existing key is never replaced by
- * a race), then fsync of the directory. */
-static int secret_file_write(const char *path, const void *data, size_t len, bool force,
-                             struct rumor_err *e) {
-  size_t plen = strlen(path);
-  char *tmp = xmalloc(plen + 48);
-  uint32_t rnd = randombytes_random();
-  snprintf(tmp, plen + 48, "%s.tmp.%d.%08x", path, (int)getpid(), rnd);
-  char *dircopy = xstrdup(path);
-  const char *dir = dirname(dircopy);
-  int rc = 0, fd = -1;
-
-  if (!force) {
-    struct stat st;
-    if (lstat(path, &st) == 0) {
-      rc = rumor_err_set(e, -EEXIST, "%s already exists; refusing to overwrite it (use --force)", path);
-      goto out;
-    }
-  }
-  fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    rc = rumor_err_set(e, -errno, "cannot write %s: %s", path, strerror(errno));
-    goto out;
-  }
-  if (fchmod(fd, 0600) < 0) { /* the umask could only have removed bits; be explicit */
-    rc = rumor_err_set(e, -errno, "cannot chmod %s: %s", tmp, strerror(errno));
-    goto out_unlink;
-  }
-  const uint8_t *p = data;
-  size_t left = len;
-  while (left > 0) {
-    ssize_t w = write(fd, p, left);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) {
-      rc = rumor_err_set(e, -errno, "cannot write %s: %s", tmp, strerror(errno));
-      goto out_unlink;
-    }
-    p += w;
-    left -= (size_t)w;
-  }
-  if (fsync(fd) < 0) {
-    rc = rumor_err_set(e, -errno, "cannot fsync %s: %s", tmp, strerror(errno));
-    goto out_unlink;
-  }
-  if (close(fd) < 0) {
-    fd = -1;
-    rc = rumor_err_set(e, -errno, "cannot close %s: %s", tmp, strerror(errno));
-    goto out_unlink;
-  }
-  fd = -1;
-  if (force) {
-    if (rename(tmp, path) < 0) {
-      rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-      goto out_unlink;
-    }
-  } else {
-    if (link(tmp, path) < 0) {
-      if (errno == EEXIST)
-        rc = rumor_err_set(e, -EEXIST, "%s already exists; refusing to overwrite it (use --force)", path);
-      else
-        rc = rumor_err_set(e, -errno, "cannot create %s: %s", path, strerror(errno));
-      goto out_unlink;
-    }
-    unlink(tmp);
-  }
-  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    if (fsync(dfd) < 0) rc = rumor_err_set(e, -errno, "cannot fsync directory %s: %s", dir, strerror(errno));
-    close(dfd);
-  }
-  goto out;
-
-out_unlink:
-  if (fd >= 0) close(fd);
-  fd = -1;
-  unlink(tmp);
-out:
-  if (fd >= 0) close(fd);
-  free(tmp);
-  free(dircopy);
+/* Writes `len` bytes to `path` with mode 0600, atomically (util's
+ * file_write_atomic: an unpredictable temporary created with O_EXCL |
+ * O_NOFOLLOW, fsync, then rename over `path` (force) or link to `path`,
+ * which fails if anything is there, so an existing key is never replaced,
+ * even by a race). */
+static int secret_file_write(const char *path, const void *data, size_t len, bool force, struct rumor_err *e) {
+  struct file_part part = {data, len};
+  int rc = file_write_atomic(path, &part, 1, 0600, force ? 0 : FILE_ATOMIC_NO_REPLACE, e);
+  if (rc == -EEXIST && !force)
+    rumor_err_set(e, -EEXIST, "%s already exists; refusing to overwrite it (use --force)", path);
   return rc;
 }
 

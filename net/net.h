@@ -3,13 +3,17 @@
  * a mutually authenticated handshake bound to a cluster key, AEAD framing,
  * msgpack control messages and streaming of large float buffers.
  *
+ * It also holds the parser of HTTP request heads that the metrics endpoint
+ * and `rumor top --web` read (a pure function, below).
+ *
  * net knows nothing of tensors, models or gossip. It depends on util, libuv,
  * libsodium, OpenSSL's libcrypto (the frames' AEAD) and msgpack-c. The wire
  * format and the security argument are in docs/net.md.
  *
  * Threads: every function here must be called on the thread that runs the
  * net's loop ("the loop thread"), except the key/file helpers, the message
- * builder and decoder (any thread, no shared state) and net_call (any thread).
+ * builder and decoder and the HTTP parser (any thread, no shared state) and
+ * net_call (any thread).
  * Every callback runs on the loop thread.
  *
  * Errors: functions return 0 or a negative code (-errno or RUMOR_E*, see
@@ -214,6 +218,59 @@ int net_addr_list_split(const char *list, char *out, size_t width, size_t max, s
  * RUMOR_EFORMAT, or a libuv error when the name does not resolve. */
 int net_addr_resolve(uv_loop_t *loop, const char *s, struct sockaddr_storage *ss,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ============================================================================
+ * HTTP requests: the parser behind gossip's small HTTP server (the metrics
+ * endpoint, `rumor top --web`). A pure function over untrusted bytes: no
+ * allocation, no I/O, no state, any thread; every pointer it returns points
+ * into the input. It reads the head of one HTTP/1.x request (the request
+ * line and the header fields, up to the blank line); a body, and whatever
+ * follows the head (a pipelined request), are the caller's, which answers
+ * one request per connection. Fuzzed (tests/fuzz/fuzz_http.c).
+ * ========================================================================== */
+
+/* The longest head read: one that has not ended within this many bytes is
+ * answered 431. */
+#define NET_HTTP_HEAD_MAX 8192
+
+enum net_http_method { NET_HTTP_OTHER = 0, NET_HTTP_GET, NET_HTTP_HEAD };
+
+struct net_http_request {
+  /* 0 while the request is good so far; else the status to answer now:
+   * 400 (a control byte or NUL, a CR not before LF, a malformed request
+   * line or header line, a folded line, a second Host, an HTTP/1.1
+   * request without Host), 405 (a method other than GET and HEAD) or 431
+   * (no blank line within NET_HTTP_HEAD_MAX bytes). Decided in the order
+   * the bytes come: the first fault in the stream is the one reported. */
+  int status;
+  const char *reason;  /* with a status: a static line for the answer's body, e.g. "bad request line\n" */
+  bool complete;       /* the head ended within the input, at head_len bytes */
+  size_t head_len;     /* bytes of the head, its blank line included */
+  enum net_http_method method;
+  int minor_version;   /* 0 or 1: HTTP/1.0 or HTTP/1.1 */
+  const char *target;  /* the request target as sent ("/state.json?x=1") */
+  size_t target_len;
+  const char *path;    /* the target before any '?' */
+  size_t path_len;
+  const char *host;    /* the Host field's value without surrounding white space; NULL when absent */
+  size_t host_len;
+};
+
+/* Parses the request head at the start of buf[0..len). `len` may be any
+ * prefix of what the client sent so far, and the answer is one of: need
+ * more bytes (status 0, !complete), answer now with `status`, or a
+ * complete, good head (status 0, complete: method, target, path and host
+ * are set). Results are stable as bytes arrive: a prefix of a good head is
+ * never refused, and a refusal stays the same refusal with more bytes. Reads
+ * at most NET_HTTP_HEAD_MAX bytes of `buf`. */
+void net_http_parse(const void *buf, size_t len, struct net_http_request *req);
+
+/* Whether a Host value (the parser's `host`) names a loopback address:
+ * "localhost", "[::1]" or "127." followed by digits and dots, each with or
+ * without ":port" (case-insensitive for localhost). A server bound to
+ * loopback answers only those, so that a web page whose name was re-bound
+ * to 127.0.0.1 (DNS rebinding) cannot read it from a browser. */
+bool net_http_host_is_loopback(const char *host, size_t len);
 
 /* ============================================================================
  * The transport

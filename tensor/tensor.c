@@ -72,12 +72,13 @@ int tensor_backend_open(const char *spec, tensor_backend_t *out, struct rumor_er
     return tensor_cpu_open(out, e);
   }
   if (strcmp(spec, "cpu") == 0) return tensor_cpu_open(out, e);
-  if (strncmp(spec, "cuda", 4) == 0) {
+  if (STR_PREFIX(spec, "cuda")) {
     int64_t dev = 0;
-    if (spec[4] == ':') {
-      if (parse_i64(spec + 5, 0, 1023, &dev) != 0)
+    const char *rest = spec + STR_LEN("cuda");
+    if (*rest == ':') {
+      if (parse_i64(rest + 1, 0, 1023, &dev) != 0)
         return rumor_err_set(e, RUMOR_EFORMAT, "unknown device '%s': expected cuda:N with N a device number", spec);
-    } else if (spec[4] != '\0') {
+    } else if (*rest != '\0') {
       return rumor_err_set(e, RUMOR_EFORMAT, "unknown device '%s' (expected cpu, cuda, cuda:N or auto)", spec);
     }
     if (!tensor_cuda_compiled())

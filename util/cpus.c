@@ -40,7 +40,7 @@ static void format_cpus(const cpu_set_t *set, char *buf, size_t n) {
     int w = hi > lo ? snprintf(buf + len, n - len, "%s%d-%d", len ? "," : "", lo, hi)
                     : snprintf(buf + len, n - len, "%s%d", len ? "," : "", lo);
     if (w < 0 || (size_t)w >= n - len) {
-      if (n >= 4) memcpy(buf + n - 4, "...", 4);
+      if (n >= sizeof "...") memcpy(buf + n - sizeof "...", "...", sizeof "..."); /* with its NUL */
       return;
     }
     len += (size_t)w;

@@ -43,13 +43,15 @@ int rumor_err_prefix(struct rumor_err *e, const char *fmt, ...) {
   vsnprintf(prefix, sizeof prefix, fmt, ap);
   va_end(ap);
   memcpy(old, e->msg, sizeof old);
+  /* "prefix: old", the prefix cut so that the separator and a NUL fit. */
+  const size_t sep = STR_LEN(": ");
   size_t n = strlen(prefix);
-  if (n > sizeof e->msg - 3) n = sizeof e->msg - 3;
+  if (n > sizeof e->msg - sep - 1) n = sizeof e->msg - sep - 1;
   memcpy(e->msg, prefix, n);
-  memcpy(e->msg + n, ": ", 2);
-  size_t rest = sizeof e->msg - n - 3;
+  memcpy(e->msg + n, STR_LIT(": "));
+  size_t rest = sizeof e->msg - n - sep - 1;
   size_t olen = strnlen(old, rest);
-  memcpy(e->msg + n + 2, old, olen);
-  e->msg[n + 2 + olen] = '\0';
+  memcpy(e->msg + n + sep, old, olen);
+  e->msg[n + sep + olen] = '\0';
   return e->code;
 }

@@ -80,8 +80,8 @@ void log_vmsg(enum log_level level, const char *fmt, va_list ap) {
       free(line);
       len = len * 3 / 4;
       while (len > 0 && ((unsigned char)msg[len] & 0xC0) == 0x80) len--; /* not inside a character */
-      memcpy(msg + len, "...", 4);
-      len += 3;
+      memcpy(msg + len, "...", sizeof "..."); /* with its NUL */
+      len += STR_LEN("...");
       line = json_line(ts, (int)(ms % 1000), level, msg, &n);
     }
     building_json = false;

@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__GNUC__)
 #define RUMOR_PRINTF(fmt_idx, arg_idx) __attribute__((format(printf, fmt_idx, arg_idx)))
@@ -22,6 +23,17 @@
 #define RUMOR_MUST_CHECK
 #define RUMOR_NORETURN
 #endif
+
+/* ---- lengths from the compiler -----------------------------------------------
+ * A literal and its length for calls that take both: the compiler counts,
+ * never a hand. `"" s ""` makes anything but a string literal a compile
+ * error (sizeof of a pointer would be 8). */
+#define STR_LEN(s) (sizeof("" s "") - 1)
+#define STR_LIT(s) ("" s ""), STR_LEN(s)
+/* Whether the bytes p[0..n) (no NUL needed) are exactly the literal `s`. */
+#define STR_EQ_LIT(p, n, s) ((n) == STR_LEN(s) && memcmp((p), (s), STR_LEN(s)) == 0)
+/* Whether the NUL-terminated string `p` starts with the literal `s`. */
+#define STR_PREFIX(p, s) (strncmp((p), (s), STR_LEN(s)) == 0)
 
 /* ---- error codes -----------------------------------------------------------
  * Functions that can fail at run time return 0 on success and a negative code
@@ -149,21 +161,76 @@ int cpu_list_parse(const char *s, struct cpu_list *out, struct rumor_err *e) RUM
 int cpu_pin_self(const struct cpu_list *c, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ---- files ----------------------------------------------------------------------
- * Writes `n` bytes to `path` atomically: a temporary file in the same
- * directory, fsync, rename over `path`, fsync of the directory. On a failure
- * before the rename the previous file at `path` (if any) is untouched, the
+ * Atomic files: every file that must appear whole (keys, checkpoints,
+ * config.json, charts) is written here, never in place. The data goes to a
+ * new temporary file beside `path`, named `path`.tmp.PID.HEX (HEX: 16
+ * random hex digits from getrandom(2), so the name cannot be guessed in
+ * advance; the PID lets a later writer remove what a dead one left),
+ * created with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC (nothing planted at
+ * that name is opened, written or followed) and given exactly `mode` with
+ * fchmod (the umask neither widens nor narrows it: secrets are 0600). Then
+ * the data, fsync of the file, and either rename over `path` or, with
+ * FILE_ATOMIC_NO_REPLACE, link(2) to `path`, which fails with -EEXIST when
+ * anything is there (a file, a directory, a symlink, dangling or not), so an
+ * existing file is never replaced, even by a race; then fsync of the
+ * directory.
+ *
+ * On a failure before the rename or link, `path` is untouched, the
  * temporary is removed and a negative errno is returned with a message in
- * `e`. A failed fsync of the directory after the rename is reported the same
- * way, but then `path` already holds the new content (whether the rename
- * survives a crash is what is unknown). `mode` is the new file's
- * permission bits (e.g. 0600 for secrets). The data is given as `nparts`
- * pieces written in order, so callers need not concatenate large buffers. */
+ * `e` naming `path` (an unwritable directory: "cannot create a temporary
+ * file in DIR for PATH: Permission denied"). A failed fsync of the
+ * directory after the rename is reported the same way, but then `path`
+ * already holds the new content (whether the rename survives a crash is
+ * what is unknown). Not thread-safe on one handle; distinct handles are
+ * independent. */
+#define FILE_ATOMIC_NO_REPLACE 1u /* link, not rename: -EEXIST when `path` exists */
+
+/* A whole-buffer write: the data is given as `nparts` pieces written in
+ * order, so callers need not concatenate large buffers. `flags`: 0 or
+ * FILE_ATOMIC_NO_REPLACE. */
 struct file_part {
   const void *data;
   size_t len;
 };
-int file_write_atomic(const char *path, const struct file_part *parts, size_t nparts,
-                      unsigned mode, struct rumor_err *e) RUMOR_MUST_CHECK;
+int file_write_atomic(const char *path, const struct file_part *parts, size_t nparts, unsigned mode, unsigned flags,
+                      struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* The streaming form, for a file written in pieces as it is made:
+ * file_atomic_open creates the temporary; file_atomic_write (or
+ * file_write_full on `fd`) appends to it; file_atomic_sync fsyncs and
+ * closes it (the data is then durable under the temporary name: a caller
+ * may do something between that and the rename, as a checkpoint keeps its
+ * previous file); file_atomic_commit syncs when that was not done and puts
+ * the file in place; file_atomic_abort removes the temporary. Commit and
+ * abort both release the handle, whatever the outcome; abort after a
+ * commit, or twice, does nothing, so a clean-up path may always call it. A
+ * handle that file_atomic_open refused needs neither. */
+struct file_atomic {
+  int fd;      /* the temporary, open for writing; -1 once synced */
+  char *path;  /* where the file goes; NULL once released */
+  char *tmp;   /* the temporary's name */
+  unsigned mode;
+};
+int file_atomic_open(struct file_atomic *fa, const char *path, unsigned mode, struct rumor_err *e) RUMOR_MUST_CHECK;
+int file_atomic_write(struct file_atomic *fa, const void *buf, size_t n, struct rumor_err *e) RUMOR_MUST_CHECK;
+int file_atomic_sync(struct file_atomic *fa, struct rumor_err *e) RUMOR_MUST_CHECK;
+int file_atomic_commit(struct file_atomic *fa, unsigned flags, struct rumor_err *e) RUMOR_MUST_CHECK;
+void file_atomic_abort(struct file_atomic *fa);
+
+/* Makes `linkpath` another name (a hard link) of the file at `target`,
+ * replacing whatever `linkpath` was, atomically: the link is made under a
+ * temporary name as above and renamed over `linkpath`, so `linkpath` is
+ * never missing or partial. Returns 0, -ENOENT (with a message) when there
+ * is no `target`, or another negative errno with a message; on a failure
+ * `linkpath` is untouched and no temporary is left. */
+int file_link_atomic(const char *target, const char *linkpath, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Whether `name` is a temporary this writer makes for a file named `base`
+ * (in the same directory): `base`.tmp.PID.HEX, or the older forms
+ * `base`.tmp.PID and `base`.tmp.PID.tmp.PID. Returns the writer's PID (> 0),
+ * or 0 when it is not one. */
+long file_atomic_temp_pid(const char *name, const char *base);
+
 /* Writes all n bytes to fd (retrying short writes and EINTR). Returns 0 or
  * a negative errno. */
 int file_write_full(int fd, const void *buf, size_t n) RUMOR_MUST_CHECK;

@@ -96,7 +96,7 @@ int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *
       print_help(specs, synopsis, about);
       return ARGS_HELP;
     }
-    if (strncmp(a, "--", 2) != 0) {
+    if (!STR_PREFIX(a, "--")) {
       fprintf(stderr, "rumor %s: unexpected argument '%s' (options start with --; see --help)\n", cmd, a);
       return ARGS_ERROR;
     }

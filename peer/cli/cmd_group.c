@@ -192,7 +192,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   }
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    const char *name = a + 2, *eq = strchr(name, '=');
+    const char *name = a + STR_LEN("--"), *eq = strchr(name, '=');
     size_t len = eq ? (size_t)(eq - name) : strlen(name);
     const struct arg_spec *sp = find_spec(specs, name, len);
     RUMOR_ASSERT(sp); /* args_parse accepted the command line */

@@ -9,7 +9,7 @@
 
 bool cmd_stage_wanted(int argc, char **argv) {
   for (int i = 1; i < argc; i++)
-    if (strcmp(argv[i], "--group") == 0 || strncmp(argv[i], "--group=", 8) == 0) return true;
+    if (strcmp(argv[i], "--group") == 0 || STR_PREFIX(argv[i], "--group=")) return true;
   return false;
 }
 

@@ -253,7 +253,7 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
             nd->sync[0] ? nd->sync : "-", round);
     if (!nd->reachable) {
       const char *why = nd->error;
-      if (strncmp(why, "unreachable: ", 13) == 0) why += 13;
+      if (STR_PREFIX(why, "unreachable: ")) why += STR_LEN("unreachable: ");
       fprintf(f, "UNREACHABLE: %s\n", why);
       continue;
     }

@@ -220,7 +220,7 @@ int plot_write(const char *path, const double *x, size_t n, const struct plot_pa
     return rumor_err_set(e, -EIO, "plot file %s: cannot render the chart", path);
   }
   struct file_part part = {buf, buf_len};
-  rc = file_write_atomic(path, &part, 1, 0644, e);
+  rc = file_write_atomic(path, &part, 1, 0644, 0, e);
   free(buf);
   return rc ? rumor_err_prefix(e, "plot file %s", path) : 0;
 }

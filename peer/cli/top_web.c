@@ -96,7 +96,7 @@ static int web_addr(const char *spec, char *addr, size_t cap, bool *loopback, st
     return rumor_err_set(e, RUMOR_EFORMAT, "--web %s: the port must be a number in [0, 65535]", spec);
   size_t hl = (size_t)(colon - spec);
   if (hl + 8 > cap) return rumor_err_set(e, RUMOR_EFORMAT, "--web %s: the host is too long", spec);
-  if (hl == 9 && strncmp(spec, "localhost", 9) == 0) {
+  if (STR_EQ_LIT(spec, hl, "localhost")) {
     snprintf(addr, cap, "127.0.0.1:%d", (int)port);
     *loopback = true;
     return 0;
@@ -110,7 +110,7 @@ static int web_addr(const char *spec, char *addr, size_t cap, bool *loopback, st
     return rumor_err_set(e, RUMOR_EFORMAT, "--web %s: the host must be an IPv4 address or [IPv6] (or localhost)",
                          spec);
   snprintf(addr, cap, "%.*s:%d", (int)hl, spec, (int)port);
-  *loopback = strncmp(spec, "127.", 4) == 0 || (hl == 5 && strncmp(spec, "[::1]", 5) == 0);
+  *loopback = net_http_host_is_loopback(spec, hl); /* the rule the server applies to Host */
   return 0;
 }
 

@@ -108,7 +108,7 @@ static bool is_val_name(const char *path) {
   const char *base = strrchr(path, '/');
   base = base ? base + 1 : path;
   for (const char *p = base; (p = strstr(p, "_val")) != NULL; p++)
-    if (p[4] == '_' || p[4] == '.') return true;
+    if (p[STR_LEN("_val")] == '_' || p[STR_LEN("_val")] == '.') return true;
   return false;
 }
 

@@ -141,7 +141,7 @@ int codec_parse(const char *text, struct codec *out, struct rumor_err *e) {
   if (strcmp(text, "none") == 0) c.kind = CODEC_NONE;
   else if (strcmp(text, "f16") == 0) c.kind = CODEC_F16;
   else if (strcmp(text, "i8") == 0) c.kind = CODEC_I8;
-  else if (strncmp(text, "topk:", sizeof("topk:") - 1) == 0) rc = parse_topk(text + sizeof("topk:") - 1, &c, &why);
+  else if (STR_PREFIX(text, "topk:")) rc = parse_topk(text + STR_LEN("topk:"), &c, &why);
   else if (strcmp(text, "topk") == 0) rc = rumor_err_set(&why, RUMOR_EFORMAT, "topk needs :F:BITS");
   else rc = RUMOR_EFORMAT;
   if (rc) return rumor_err_set(e, RUMOR_EFORMAT, "codec \"%.100s\": %s; " CODEC_ALLOWED, text, why.msg);

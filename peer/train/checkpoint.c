@@ -48,23 +48,22 @@ static bool started_after(long pid, time_t t) {
   return (double)btime + (double)start / (double)hz > (double)t + 1.0;
 }
 
-/* Removes `path`.tmp.PID and `path`.prev.tmp.PID files whose writer (PID)
- * no longer runs: what a process killed mid-write leaves behind. A PID that
- * runs again, but in a process started after the file was last written, is
- * a reused one (pid_max is 32768 on some machines). Best effort. */
+/* Removes the temporaries of `path` and of `path`.prev (util's atomic
+ * files: `path`.tmp.PID.HEX, and the older `path`.tmp.PID) whose writer
+ * (PID) no longer runs: what a process killed mid-write leaves behind. A PID
+ * that runs again, but in a process started after the file was last
+ * written, is a reused one (pid_max is 32768 on some machines). Best
+ * effort. */
 static void remove_stale_temporaries(const char *path) {
   char *dcopy = xstrdup(path), *bcopy = xstrdup(path);
   const char *dir = dirname(dcopy), *base = basename(bcopy);
+  char prev[CHECKPOINT_PATH_MAX + 8];
+  checkpoint_prev_path(base, prev, sizeof prev);
   DIR *d = opendir(dir);
   for (struct dirent *de; d && (de = readdir(d)) != NULL;) {
-    size_t blen = strlen(base);
-    if (strncmp(de->d_name, base, blen) != 0) continue;
-    const char *rest = de->d_name + blen;
-    if (strncmp(rest, ".prev", 5) == 0) rest += 5;
-    if (strncmp(rest, ".tmp.", 5) != 0) continue;
-    char *end; /* "PID", or safetensors' own "PID.tmp.PID" */
-    long pid = strtol(rest + 5, &end, 10);
-    if ((*end && strncmp(end, ".tmp.", 5) != 0) || pid <= 0 || pid == (long)getpid()) continue;
+    long pid = file_atomic_temp_pid(de->d_name, base);
+    if (!pid) pid = file_atomic_temp_pid(de->d_name, prev);
+    if (!pid || pid == (long)getpid()) continue;
     char full[1400];
     int fl = snprintf(full, sizeof full, "%s/%s", dir, de->d_name);
     if (fl < 0 || (size_t)fl >= sizeof full) continue; /* never act on a cut name */
@@ -78,39 +77,18 @@ static void remove_stale_temporaries(const char *path) {
   free(bcopy);
 }
 
-/* Makes a rename in the directory of `path` durable. */
-static int sync_dir(const char *path, struct rumor_err *e) {
-  char *dcopy = xstrdup(path);
-  const char *dir = dirname(dcopy);
-  int rc = 0, fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0 || fsync(fd) < 0) rc = rumor_err_set(e, -errno, "cannot fsync directory %s: %s", dir, strerror(errno));
-  if (fd >= 0) close(fd);
-  free(dcopy);
-  return rc;
-}
-
 /* Makes `path`.prev another name of the current file at `path` (a hard link,
  * put in place by rename so `path`.prev is never missing or partial).
  * Returns 0 when there is no current file; logs and returns an error code
  * when the link cannot be made (the new checkpoint is still written). */
 static int keep_previous(const char *path) {
-  char prev[1024], tmp[1100];
+  char prev[CHECKPOINT_PATH_MAX + 8];
   checkpoint_prev_path(path, prev, sizeof prev);
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", prev, (int)getpid());
-  unlink(tmp);
-  if (link(path, tmp) < 0) {
-    if (errno == ENOENT) return 0;
-    int rc = -errno;
-    log_warn("cannot keep the previous checkpoint as %s: link: %s", prev, strerror(errno));
-    return rc;
-  }
-  if (rename(tmp, prev) < 0) {
-    int rc = -errno;
-    log_warn("cannot keep the previous checkpoint as %s: rename: %s", prev, strerror(errno));
-    unlink(tmp);
-    return rc;
-  }
-  return 0;
+  struct rumor_err e;
+  int rc = file_link_atomic(path, prev, &e);
+  if (rc == -ENOENT) return 0;
+  if (rc) log_warn("cannot keep the previous checkpoint as %s: %s", prev, e.msg);
+  return rc;
 }
 
 /* The metadata strings of a checkpoint; `b` holds their text. */
@@ -175,23 +153,17 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
 static int save_file(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
                      size_t nmeta, struct rumor_err *e) {
   remove_stale_temporaries(path);
-  /* The new file is complete and durable under a staging name before the
-   * current one becomes the previous one and the new one takes its place:
-   * a failed write (full disk) changes neither. */
-  char staging[1100];
-  snprintf(staging, sizeof staging, "%s.tmp.%d", path, (int)getpid());
-  int rc = safetensors_write(staging, ts, nts, meta, nmeta, e);
-  if (rc) { /* its message names the staging file */
-    rumor_err_prefix(e, "cannot save %s", path);
-    return rc;
-  }
+  /* The new file is complete and durable under its temporary name before
+   * the current one becomes the previous one and the new one takes its
+   * place: a failed write (full disk) changes neither. */
+  struct file_atomic fa;
+  int rc = file_atomic_open(&fa, path, 0644, e);
+  if (rc == 0) rc = safetensors_write_to(&fa, ts, nts, meta, nmeta, e);
+  if (rc == 0) rc = file_atomic_sync(&fa, e);
+  if (rc) /* the message names the temporary file */
+    return rumor_err_prefix(e, "cannot save %s", path);
   (void)keep_previous(path);
-  if (rename(staging, path) < 0) {
-    rc = rumor_err_set(e, -errno, "cannot rename %s to %s: %s", staging, path, strerror(errno));
-    unlink(staging);
-    return rc;
-  }
-  return sync_dir(path, e);
+  return file_atomic_commit(&fa, 0, e);
 }
 
 int checkpoint_save_tensors(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
@@ -271,8 +243,8 @@ static int save_config(const char *dir, const struct model_spec *spec, struct ru
   json_decref(cfg);
   char path[1100];
   checkpoint_dir_file(dir, CHECKPOINT_CONFIG_FILE, path, sizeof path);
-  struct file_part parts[2] = {{text, len}, {"\n", 1}};
-  int rc = file_write_atomic(path, parts, 2, 0644, e);
+  struct file_part parts[2] = {{text, len}, {STR_LIT("\n")}};
+  int rc = file_write_atomic(path, parts, 2, 0644, 0, e);
   free(text);
   return rc;
 }

@@ -12,6 +12,9 @@
 #define DIGEST_KEY "rumor.blake2b"
 #define DIGEST_BYTES 32
 #define DIGEST_HEX (2 * DIGEST_BYTES)
+/* What the digest's value holds while the digest is computed. */
+#define DIGEST_ZEROS "0000000000000000000000000000000000000000000000000000000000000000"
+_Static_assert(STR_LEN(DIGEST_ZEROS) == DIGEST_HEX, "one zero per hex digit of the digest");
 #define MAX_FILE_BYTES ((size_t)1 << 42)
 
 static int dtype_parse(const char *s, enum tensor_dtype *dt) {
@@ -50,9 +53,8 @@ static void digest_file(const uint8_t *len8, const char *hdr, size_t hlen, long 
   crypto_generichash_state st;
   crypto_generichash_init(&st, NULL, 0, DIGEST_BYTES);
   crypto_generichash_update(&st, len8, 8);
-  static const char zeros[DIGEST_HEX] = "0000000000000000000000000000000000000000000000000000000000000000";
   crypto_generichash_update(&st, (const uint8_t *)hdr, (size_t)digest_at);
-  crypto_generichash_update(&st, (const uint8_t *)zeros, DIGEST_HEX);
+  crypto_generichash_update(&st, (const uint8_t *)DIGEST_ZEROS, DIGEST_HEX);
   crypto_generichash_update(&st, (const uint8_t *)hdr + digest_at + DIGEST_HEX, hlen - (size_t)digest_at - DIGEST_HEX);
   if (data) {
     crypto_generichash_update(&st, data, dlen);
@@ -62,17 +64,19 @@ static void digest_file(const uint8_t *len8, const char *hdr, size_t hlen, long 
   crypto_generichash_final(&st, out, DIGEST_BYTES);
 }
 
-int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
-                      size_t nmeta, struct rumor_err *e) {
-  if (sodium_init() < 0) return rumor_err_set(e, -EIO, "libsodium failed to initialise");
+/* The header of a file of these tensors: its 8-byte length into `len8`,
+ * and the JSON, padded, with the file's digest (a new buffer, `*hlen`
+ * bytes). */
+static char *make_header(const struct st_tensor *ts, size_t nts, const struct st_meta *meta, size_t nmeta,
+                         uint8_t len8[8], size_t *hlen_out) {
   json_t *root = json_object(), *md = json_object();
   RUMOR_ASSERT(root && md);
   for (size_t i = 0; i < nmeta; i++) {
     RUMOR_ASSERT(strcmp(meta[i].key, DIGEST_KEY) != 0);
     json_text_set(md, meta[i].key, json_text_str(meta[i].value));
   }
-  /* A placeholder of DIGEST_HEX zeros, replaced in the text below. */
-  json_text_set(md, DIGEST_KEY, json_string("0000000000000000000000000000000000000000000000000000000000000000"));
+  /* A placeholder of zeros, replaced in the text below. */
+  json_text_set(md, DIGEST_KEY, json_string(DIGEST_ZEROS));
   json_text_set(root, "__metadata__", md);
   size_t off = 0;
   for (size_t i = 0; i < nts; i++) {
@@ -104,7 +108,6 @@ int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, 
   hdr[hlen] = '\0';
   free(text);
 
-  uint8_t len8[8];
   for (int b = 0; b < 8; b++) len8[b] = (uint8_t)((uint64_t)hlen >> (8 * b));
   long at = find_digest(hdr, hlen);
   RUMOR_ASSERT(at >= 0);
@@ -112,15 +115,33 @@ int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, 
   digest_file(len8, hdr, hlen, at, ts, nts, NULL, 0, digest);
   sodium_bin2hex(hdr + at, DIGEST_HEX + 1, digest, DIGEST_BYTES);
   hdr[at + DIGEST_HEX] = '"'; /* bin2hex wrote a NUL over the closing quote */
+  *hlen_out = hlen;
+  return hdr;
+}
 
-  struct file_part *parts = xmalloc((nts + 2) * sizeof *parts);
-  parts[0] = (struct file_part){len8, 8};
-  parts[1] = (struct file_part){hdr, hlen};
-  for (size_t i = 0; i < nts; i++) parts[i + 2] = (struct file_part){ts[i].data, ts[i].nbytes};
-  int rc = file_write_atomic(path, parts, nts + 2, 0644, e);
-  free(parts);
+int safetensors_write_to(struct file_atomic *fa, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                         size_t nmeta, struct rumor_err *e) {
+  if (sodium_init() < 0) {
+    file_atomic_abort(fa);
+    return rumor_err_set(e, -EIO, "libsodium failed to initialise");
+  }
+  uint8_t len8[8];
+  size_t hlen;
+  char *hdr = make_header(ts, nts, meta, nmeta, len8, &hlen);
+  int rc = file_atomic_write(fa, len8, sizeof len8, e);
+  if (rc == 0) rc = file_atomic_write(fa, hdr, hlen, e);
+  for (size_t i = 0; rc == 0 && i < nts; i++)
+    if (ts[i].nbytes) rc = file_atomic_write(fa, ts[i].data, ts[i].nbytes, e);
   free(hdr);
   return rc;
+}
+
+int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                      size_t nmeta, struct rumor_err *e) {
+  struct file_atomic fa;
+  int rc = file_atomic_open(&fa, path, 0644, e);
+  if (rc == 0) rc = safetensors_write_to(&fa, ts, nts, meta, nmeta, e);
+  return rc ? rc : file_atomic_commit(&fa, 0, e);
 }
 
 static int corrupt(struct rumor_err *e, const char *path, const char *why) {

@@ -46,7 +46,7 @@ struct json_t; /* jansson's value (util/json_text.h) */
  * Integrity: rumor adds "rumor.blake2b" to the header's __metadata__, a
  * BLAKE2b-256 digest of the whole file computed with that value's 64 hex
  * digits set to '0'. Any flipped bit or lost byte is therefore detected.
- * Files are written atomically (util's file_write_atomic).
+ * Files are written atomically (util's atomic files).
  */
 
 #define SAFETENSORS_MAX_HEADER (16u << 20)
@@ -70,6 +70,11 @@ struct st_meta {
  * integrity digest, atomically to `path` (mode 0644). */
 int safetensors_write(const char *path, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
                       size_t nmeta, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The same file's bytes into an atomic file the caller opened
+ * (file_atomic_open) and commits; on a failure the handle is released and
+ * its temporary removed, as util's calls do. */
+int safetensors_write_to(struct file_atomic *fa, const struct st_tensor *ts, size_t nts, const struct st_meta *meta,
+                         size_t nmeta, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 struct st_file {
   uint8_t *buf; /* the whole file */
@@ -133,8 +138,8 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
 #define CHECKPOINT_OPTIM_FILE "optimizer.safetensors"
 #define CHECKPOINT_CONFIG_FILE "config.json"
 
-/* The longest checkpoint path saved: with ".prev.tmp.PID" or a directory's
- * file name added it still fits 1024-byte names. */
+/* The longest checkpoint path saved: with ".prev.tmp.PID.HEX" (util's atomic
+ * files) or a directory's file name added it still fits 1024-byte names. */
 #define CHECKPOINT_PATH_MAX 900
 
 #define CHECKPOINT_FORMAT "1"
@@ -193,8 +198,8 @@ struct ckpt_extra {
  * is renamed over `path`, and the directory fsynced. At every instant `path`
  * is a complete checkpoint (the old one or the new one), and a failed write
  * (a full disk) changes neither `path` nor `path`.prev. Temporary files left
- * by processes that died mid-write (`path`.tmp.PID, PID no longer running)
- * are removed. */
+ * by processes that died mid-write (`path`.tmp.PID.HEX and
+ * `path`.prev.tmp.PID.HEX, PID no longer running) are removed. */
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 

@@ -535,6 +535,48 @@ TOKENS_SEEDS = {
     "empty_file": tok_seed(0, 8, b""),
 }
 
+# ---- HTTP request heads (fuzz_http) ------------------------------------------------
+# What clients of the metrics endpoint and `rumor top --web` send, good and bad
+# (net/http_parse.c); NET_HTTP_HEAD_MAX is 8192.
+HTTP_HEAD_MAX = 8192
+HTTP_SEEDS = {
+    "get_metrics": b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:9470\r\nUser-Agent: Prometheus/2.45\r\n"
+                   b"Accept: text/plain\r\n\r\n",
+    "get_state_query": b"GET /state.json?since=12 HTTP/1.1\r\nHost: localhost:8080\r\n\r\n",
+    "get_http10_no_host": b"GET / HTTP/1.0\r\n\r\n",
+    "get_bare_lf": b"GET /healthz HTTP/1.0\nHost: [::1]:9470\n\n",
+    "head": b"HEAD /state.json HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n",
+    "chromium": b"GET / HTTP/1.1\r\nHost: localhost:8080\r\nConnection: keep-alive\r\n"
+                b"sec-ch-ua: \"Chromium\";v=\"120\"\r\nUser-Agent: Mozilla/5.0 (X11; Linux x86_64)\r\n"
+                b"Accept: text/html,*/*;q=0.8\r\nAccept-Encoding: gzip, deflate\r\n\r\n",
+    "bad_method_post": b"POST /state.json HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\nhello",
+    "bad_method_lowercase": b"get / HTTP/1.0\r\n\r\n",
+    "bad_method_pri_h2": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "no_crlf": b"GET /metrics HTTP/1.1",
+    "no_blank_line": b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n",
+    "huge_header": b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * HTTP_HEAD_MAX + b"\r\n\r\n",
+    "head_at_limit": b"GET / HTTP/1.0\r\nX: " + b"b" * (HTTP_HEAD_MAX - 23) + b"\r\n\r\n",
+    "flood_no_newline": b"A" * (HTTP_HEAD_MAX + 100),
+    "host_foreign": b"GET /state.json HTTP/1.1\r\nHost: attacker.example:80\r\n\r\n",
+    "host_rebind_ip": b"GET /state.json HTTP/1.1\r\nHost: 127.evil.example\r\n\r\n",
+    "host_twice": b"GET / HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example\r\n\r\n",
+    "host_missing_http11": b"GET / HTTP/1.1\r\nAccept: */*\r\n\r\n",
+    "host_space_before_colon": b"GET / HTTP/1.1\r\nHost : localhost\r\n\r\n",
+    "nul_in_path": b"GET /sta\x00te.json HTTP/1.0\r\n\r\n",
+    "nul_in_header": b"GET / HTTP/1.0\r\nX-A: \x00\r\n\r\n",
+    "nul_only": b"\x00" * 64,
+    "bare_cr": b"GET / HTTP/1.0\r\nX: a\rb\r\n\r\n",
+    "folded_header": b"GET / HTTP/1.0\r\nX: a\r\n  b\r\n\r\n",
+    "pipelined": b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\nGET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    "pipelined_then_garbage": b"GET / HTTP/1.0\r\n\r\n\x00\xff\r\n\r\n",
+    "leading_blank_line": b"\r\nGET / HTTP/1.0\r\n\r\n",
+    "http_version_9": b"GET /\r\n\r\n",
+    "http_version_12": b"GET / HTTP/1.2\r\n\r\n",
+    "utf8_target": b"GET /\xc3\xa9t\xc3\xa9 HTTP/1.0\r\n\r\n",
+    "del_byte": b"GET / HTTP/1.0\r\nX: \x7f\r\n\r\n",
+    "empty": b"",
+}
+
 def write(kind, seeds):
     d = os.path.join(HERE, "corpus", kind)
     os.makedirs(d, exist_ok=True)
@@ -549,5 +591,7 @@ if __name__ == "__main__":
     write("safetensors", ST_SEEDS)
     write("json", JSON_SEEDS)
     write("tokens", TOKENS_SEEDS)
-    print("wrote %d msg, %d frame, %d updates, %d safetensors, %d json and %d tokens seeds" %
-          (len(MSG_SEEDS), len(FRAME_SEEDS), len(UPDATE_SEEDS), len(ST_SEEDS), len(JSON_SEEDS), len(TOKENS_SEEDS)))
+    write("http", HTTP_SEEDS)
+    print("wrote %d msg, %d frame, %d updates, %d safetensors, %d json, %d tokens and %d http seeds" %
+          (len(MSG_SEEDS), len(FRAME_SEEDS), len(UPDATE_SEEDS), len(ST_SEEDS), len(JSON_SEEDS), len(TOKENS_SEEDS),
+           len(HTTP_SEEDS)))

@@ -20,7 +20,7 @@ case $total in '' | *[!0-9]*) echo "run-fuzzers.sh: SECONDS must be a positive i
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=${RUMOR_FUZZ_BUILD:-$src/build-fuzz}
 # <module>:<harness>, as in RUMOR_FUZZ_HARNESSES (tests/fuzz/CMakeLists.txt).
-harnesses="net:frame net:msg peer:safetensors peer:tokens peer:codec util:json gossip:updates"
+harnesses="net:frame net:msg net:http peer:safetensors peer:tokens peer:codec util:json gossip:updates"
 count=$(echo "$harnesses" | wc -w)
 per=$((total / count))
 [ "$per" -ge 1 ] || per=1

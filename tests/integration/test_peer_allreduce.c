@@ -51,11 +51,51 @@ static void expect_same_params(const int *idx, int n) {
   free(a);
 }
 
+/* A member; its progress lines come every 50 ms (--log-every 0.05), so a
+ * test sees that a run is under way before it strikes. */
 static int start_member(const char *shard, const char *max_steps, const char *wait_peers) {
   return cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", shard, "--max-steps", max_steps,
-                            "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", wait_peers, "--checkpoint",
-                            C.node[C.n].ckpt, NULL);
+                            "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", wait_peers, "--log-every",
+                            "0.05", "--checkpoint", C.node[C.n].ckpt, NULL);
 }
+
+/* The step in the epoch of node i's last progress line, or -1 before the
+ * first. */
+static long long progress_step(int i) {
+  char *s = proc_slurp(C.node[i].log);
+  long long step = -1;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n")) {
+    const char *p = strstr(line, "  step ");
+    if (p && strstr(line, " samples/s")) step = atoll(p + STR_LEN("  step "));
+  }
+  free(s);
+  return step;
+}
+
+/* A member in mid-run: past its first step, still running, not done. */
+struct mid_run {
+  int node;
+  long long step; /* the last progress line's */
+};
+static bool in_mid_run(void *arg) {
+  struct mid_run *m = arg;
+  m->step = progress_step(m->node);
+  return m->step >= 2 && cluster_alive(&C, m->node) && !cluster_log_has(&C, m->node, "training done");
+}
+
+static bool is_stopped_cond(void *arg) { return cluster_stopped(&C, *(int *)arg); }
+
+/* Waits until member i trains past its first step and still runs, so that
+ * a fault sent next strikes a run under way (a fixed sleep cannot tell). */
+static void wait_mid_run(int i, const char *what) {
+  struct mid_run m = {i, -1};
+  cr_assert(cluster_poll(in_mid_run, &m, 60), "%s was not training past its first step (last progress at step %lld): %s",
+            what, m.step, proc_slurp(C.node[i].log));
+  fprintf(stderr, "%s runs, at step %lld or later\n", what, m.step);
+}
+
+/* "ADDR (": how logs name node i (its address, then its key). */
+static void member_pattern(int i, char *pat, size_t n) { snprintf(pat, n, "%s (", C.node[i].addr); }
 
 Test(allreduce, one_step_on_three_members_equals_one_step_on_their_three_batches_together) {
   SKIP_WITHOUT_DATA();
@@ -104,16 +144,25 @@ Test(allreduce, a_sigstopped_member_is_dropped_after_the_failure_timeout) {
   }
   for (int i = 0; i < 3; i++)
     cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
-  usleep(300 * 1000);
+  wait_mid_run(peer[2], "peer 2");
   kill(C.node[peer[2]].pid, SIGSTOP);
   double t0 = cluster_now();
+  cr_assert(cluster_poll(is_stopped_cond, &peer[2], 10), "SIGSTOP did not stop peer 2");
   for (int i = 0; i < 2; i++) expect_clean_exit(peer[i]);
   double took = cluster_now() - t0;
+  /* The stop hit the run: the stopped member had not finished, and each
+   * other one declared it failed and ended in a ring without it. */
+  cr_assert(!cluster_log_has(&C, peer[2], "training done"), "peer 2 had finished before the SIGSTOP: %s",
+            proc_slurp(C.node[peer[2]].log));
   kill(C.node[peer[2]].pid, SIGKILL);
+  char stopped[80];
+  member_pattern(peer[2], stopped, sizeof stopped);
   for (int i = 0; i < 2; i++) {
     cr_assert_eq(cluster_result(&C, peer[i], "allreduce_members"), 2, "peer %d's last ring", i);
     cr_assert_eq(cluster_result(&C, peer[i], "steps"), 600);
     cr_assert(cluster_log_has(&C, peer[i], "failed"), "peer %d logged no failed round", i);
+    cr_assert_geq(cluster_log_first(&C, peer[i], stopped, "is now failed"), 0,
+                  "peer %d never declared the stopped member failed: %s", i, proc_slurp(C.node[peer[i]].log));
   }
   fprintf(stderr, "the two others finished %.1f s after the SIGSTOP\n", took);
   expect_same_params(peer, 2);
@@ -129,13 +178,20 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
   peer[2] = start_member("2/3", "4000", "3");
   for (int i = 0; i < 3; i++)
     cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
-  usleep(300 * 1000);
+  wait_mid_run(peer[2], "peer 2");
   kill(C.node[peer[2]].pid, SIGKILL);
+  /* The kill hit the running member (not one that had exited). */
+  int st = cluster_wait(&C, peer[2], 10);
+  cr_assert(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "peer 2 was not killed mid-run (status %d): %s", st,
+            proc_slurp(C.node[peer[2]].log));
   /* The member's failure verdict, not a round's "failed": a newcomer
    * started before the verdict joins the ring that still counts the killed
    * member, and no ring re-forms with it (seen under load). The two left
    * run quickly meanwhile: 4000 steps leave the newcomer time to enter. */
-  cr_assert(cluster_wait_file(C.node[peer[0]].log, "is now failed", 30), "the killed member was not declared failed");
+  char killed[80];
+  member_pattern(peer[2], killed, sizeof killed);
+  cr_assert(cluster_wait_log_line(&C, peer[0], killed, "is now failed", 30),
+            "the killed member was not declared failed: %s", proc_slurp(C.node[peer[0]].log));
   /* A newcomer: it pulls the state, enters the ring, and all finish at the
    * same step with the same parameters. */
   peer[3] = start_member("2/3", "4000", "1");
@@ -185,24 +241,8 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
 /* The step node i serves on /metrics (published about once a second), or
  * -1 when it has none yet. */
 static long long metrics_step(int i) {
-  char *resp = http_get(cluster_metrics_port(&C, i), "/metrics");
-  const char *p = strstr(resp, "\nrumor_training_step ");
-  long long step = p ? atoll(p + strlen("\nrumor_training_step ")) : -1;
-  free(resp);
-  return step;
-}
-
-/* True when process `pid` is stopped (state T in /proc/PID/stat). */
-static bool is_stopped(pid_t pid) {
-  char path[64], st[256] = "";
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return false;
-  size_t n = fread(st, 1, sizeof st - 1, f);
-  fclose(f);
-  st[n] = '\0';
-  const char *close = strrchr(st, ')'); /* the name may hold spaces */
-  return close && (close[2] == 'T' || close[2] == 't');
+  double step = http_metric(cluster_metrics_port(&C, i), "rumor_training_step");
+  return isnan(step) ? -1 : (long long)step;
 }
 
 /* Three members of the testing build: the first 3 − `frozen` with
@@ -229,7 +269,7 @@ static void leave_behind(int peer[3], const char *attack, const char *max_steps,
   }
   double t0 = cluster_now();
   for (int i = going; i < 3; i++)
-    while (!is_stopped(C.node[peer[i]].pid)) {
+    while (!cluster_stopped(&C, peer[i])) {
       cr_assert(cluster_now() - t0 < 60, "peer %d did not stop itself: %s", i, proc_slurp(C.node[peer[i]].log));
       usleep(20 * 1000);
     }

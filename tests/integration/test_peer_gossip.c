@@ -191,19 +191,28 @@ Test(gossip, newcomer_starts_from_the_cluster_state_not_random_weights) {
   cr_assert(first < 1.0, "first-step loss %.4f looks like random weights (about 2.3)", first);
 }
 
-static void start_four(int *peer, const char *max_steps, const char *extra_flag, const char *extra_val) {
+/* Four peers training `max_steps`, with `extra_flag extra_val`; peer
+ * `attacker` (of the testing build: C.bin) with --attack `attack`, or none
+ * when `attack` is NULL. */
+static void start_four_attacking(int *peer, const char *max_steps, const char *extra_flag, const char *extra_val,
+                                 int attacker, const char *attack) {
   /* The bootstrap takes part in membership: it gets the same timing. */
   char *boot_args[] = {extra_flag ? (char *)extra_flag : NULL, (char *)extra_val, NULL};
   cluster_start_bootstrap(&C, strcmp(extra_flag, "--suspect-ms") == 0 ? boot_args : NULL);
   char shard[4][8];
   for (int i = 0; i < 4; i++) {
     snprintf(shard[i], sizeof shard[i], "%d/4", i);
+    bool attacks = attack && i == attacker;
     peer[i] = cluster_start_peer(&C, "--model", "mlp:784-128-10", "--shard", shard[i], "--epochs", "1000",
                                  "--max-steps", max_steps, "--no-eval", "--wait-peers", "4", "--checkpoint",
-                                 C.node[C.n].ckpt, extra_flag, extra_val, NULL);
+                                 C.node[C.n].ckpt, extra_flag, extra_val, attacks ? "--attack" : NULL, attack, NULL);
   }
   for (int i = 0; i < 4; i++)
     cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+}
+
+static void start_four(int *peer, const char *max_steps, const char *extra_flag, const char *extra_val) {
+  start_four_attacking(peer, max_steps, extra_flag, extra_val, -1, NULL);
 }
 
 /* Lines of node i's log that mention `addr` and `what`. */
@@ -216,39 +225,6 @@ static int count_lines(int i, const char *addr, const char *what) {
     if (strstr(line, pat) && strstr(line, what)) n++;
   free(s);
   return n;
-}
-
-Test(gossip, sigkill_mid_exchange_is_failed_within_the_timeout_and_nothing_goes_nan) {
-  SKIP_WITHOUT_DATA();
-  int peer[4];
-  start_four(peer, "6000", "--gossip-every", "1");
-  usleep(1500000); /* exchanges are under way (every step, ~1 ms each) */
-  long killed_at = cluster_wall_ms_of_day();
-  kill(C.node[peer[2]].pid, SIGKILL);
-  cluster_wait(&C, peer[2], 5);
-  const char *victim = C.node[peer[2]].addr;
-  for (int k = 0; k < 4; k++) {
-    if (k == 2) continue;
-    char pat[96];
-    snprintf(pat, sizeof pat, "%s (", victim);
-    cr_assert(cluster_wait_file(C.node[peer[k]].log, "is now failed", 15), "peer %d never declared the victim failed", k);
-    long at = cluster_log_first(&C, peer[k], pat, "is now failed");
-    long took = at - killed_at;
-    fprintf(stderr, "peer %d declared the killed peer failed after %ld ms\n", k, took);
-    /* Suspicion timeout plus a few probe periods to notice, with slack for
-     * a loaded 2-core machine. */
-    cr_assert(took >= 0 && took <= CLUSTER_SUSPECT_MS + 10 * CLUSTER_PERIOD_MS + 2000,
-              "failure detected after %ld ms", took);
-  }
-  for (int k = 0; k < 4; k++) {
-    if (k == 2) continue;
-    expect_clean_exit(peer[k]);
-    int64_t P;
-    float *p = ckpt_params_load(C.node[peer[k]].ckpt, &P);
-    for (int64_t j = 0; j < P; j++) cr_assert(isfinite(p[j]), "peer %d parameter %lld is %f", k, (long long)j, p[j]);
-    free(p);
-    cr_assert_eq(cluster_result(&C, peer[k], "steps"), 6000, "peer %d stopped early", k);
-  }
 }
 
 /* The stamp (ms of day) of node i's first log line stamped at or after
@@ -264,6 +240,71 @@ static long first_line_from(int i, const char *addr, const char *what, long from
   }
   free(s);
   return at;
+}
+
+static bool is_stopped_cond(void *arg) { return cluster_stopped(&C, *(int *)arg); }
+
+/* A member killed mid-exchange, for certain: the testing build's
+ * "freezexch" member stops itself in an exchange once it trains (its
+ * snapshot of step 100 or later), as its partner's parameters begin to
+ * arrive, and names that partner; the test then kills
+ * it (a stopped process is killed just the same). Every other member
+ * declares it failed within the suspicion time, the partner abandons that
+ * exchange with nothing applied, and no parameter goes NaN. */
+Test(gossip, sigkill_mid_exchange_is_failed_within_the_timeout_and_nothing_goes_nan) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  int peer[4], v = 2; /* v: the victim */
+  start_four_attacking(peer, "6000", "--gossip-every", "1", v, "freezexch");
+  cr_assert(cluster_poll(is_stopped_cond, &peer[v], 60), "peer %d did not stop itself mid-exchange: %s", v,
+            proc_slurp(C.node[peer[v]].log));
+  /* Its partner, as it named it: "... mid-exchange with ADDR (KEY), as ...". */
+  char *vlog = proc_slurp(C.node[peer[v]].log);
+  const char *with = strstr(vlog, "mid-exchange with ");
+  cr_assert_not_null(with, "the victim did not name its partner: %s", vlog);
+  with += STR_LEN("mid-exchange with ");
+  int partner = -1;
+  for (int k = 0; k < 4; k++) {
+    size_t alen = strlen(C.node[peer[k]].addr);
+    if (k != v && strncmp(with, C.node[peer[k]].addr, alen) == 0 && with[alen] == ' ') partner = k;
+  }
+  cr_assert_geq(partner, 0, "the victim's partner is none of the peers: %s", vlog);
+  free(vlog);
+  long killed_at = cluster_wall_ms_of_day();
+  kill(C.node[peer[v]].pid, SIGKILL);
+  int st = cluster_wait(&C, peer[v], 5);
+  cr_assert(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "peer %d was not killed (status %d)", v, st);
+  const char *victim = C.node[peer[v]].addr;
+  char victim_pat[96];
+  snprintf(victim_pat, sizeof victim_pat, "%s (", victim);
+  for (int k = 0; k < 4; k++) {
+    if (k == v) continue;
+    cr_assert(cluster_wait_log_line(&C, peer[k], victim_pat, "is now failed", 15),
+              "peer %d never declared the victim failed", k);
+    long at = cluster_log_first(&C, peer[k], victim_pat, "is now failed");
+    long took = at - killed_at;
+    fprintf(stderr, "peer %d declared the killed peer failed after %ld ms\n", k, took);
+    /* Suspicion timeout plus a few probe periods to notice, with slack for
+     * a loaded 2-core machine. */
+    cr_assert(took >= 0 && took <= CLUSTER_SUSPECT_MS + 10 * CLUSTER_PERIOD_MS + 2000,
+              "failure detected after %ld ms", took);
+  }
+  /* The kill cut the exchange in flight: the partner abandoned it. */
+  cr_assert(cluster_wait_log_line(&C, peer[partner], victim_pat, "abandoned", 15),
+            "peer %d, mid-exchange with the killed peer, did not abandon that exchange: %s", partner,
+            proc_slurp(C.node[peer[partner]].log));
+  cr_assert_geq(first_line_from(peer[partner], victim, "abandoned", killed_at), 0,
+                "peer %d abandoned its exchange with the victim before the kill: %s", partner,
+                proc_slurp(C.node[peer[partner]].log));
+  for (int k = 0; k < 4; k++) {
+    if (k == v) continue;
+    expect_clean_exit(peer[k]);
+    int64_t P;
+    float *p = ckpt_params_load(C.node[peer[k]].ckpt, &P);
+    for (int64_t j = 0; j < P; j++) cr_assert(isfinite(p[j]), "peer %d parameter %lld is %f", k, (long long)j, p[j]);
+    free(p);
+    cr_assert_eq(cluster_result(&C, peer[k], "steps"), 6000, "peer %d stopped early", k);
+  }
 }
 
 /* A peer told to stop (SIGTERM) says goodbye: every other member records

@@ -169,9 +169,10 @@ static float *load_params(const char *path, int64_t *n, int64_t *step) {
 /* Relative drift Ξ/‖θ̄‖ over the peers' latest checkpoints; steps[] gets
  * each one's step. */
 static double rel_drift(const int *peer, int n, int64_t *steps) {
-  float *theta[16];
+  float *theta[16] = {NULL};
   int64_t P = 0;
   double norms[16];
+  cr_assert(n >= 1 && n <= 16);
   for (int i = 0; i < n; i++) {
     theta[i] = load_params(C.node[peer[i]].ckpt, &P, &steps[i]);
     double s = 0;
@@ -182,6 +183,39 @@ static double rel_drift(const int *peer, int n, int64_t *steps) {
   double mean_norm = drift_mean_norm(norms, (size_t)n, xi);
   for (int i = 0; i < n; i++) free(theta[i]);
   return xi / mean_norm;
+}
+
+#define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
+#define CUT_S 30         /* how long the cut host stays cut off */
+
+/* Every peer of peer[0..n) has saved a checkpoint of step `min_step` or
+ * later (they save every 20 steps), and their relative drift is under
+ * DRIFT_BOUND: the run is under way and the replicas agree. */
+struct converged {
+  const int *peer;
+  int n;
+  int64_t min_step;
+  double drift; /* out: the last one measured */
+  int64_t steps[16];
+};
+static bool all_converged(void *arg) {
+  struct converged *cv = arg;
+  for (int i = 0; i < cv->n; i++) {
+    struct checkpoint ck;
+    struct rumor_err e;
+    if (checkpoint_open(C.node[cv->peer[i]].ckpt, &ck, &e) != 0) return false;
+    int64_t step = ck.info.st.step;
+    checkpoint_close(&ck);
+    if (step < cv->min_step) return false;
+  }
+  cv->drift = rel_drift(cv->peer, cv->n, cv->steps);
+  return cv->drift < DRIFT_BOUND;
+}
+
+/* Sleeps until `t0` + `secs` (cluster_now's clock). */
+static void sleep_until(double t0, double secs) {
+  double left = t0 + secs - cluster_now();
+  if (left > 0) usleep((useconds_t)(left * 1e6));
 }
 
 /* The log stamp (ms of day) of node i's first line at or after `since` with
@@ -205,6 +239,16 @@ static int count_lines(int i, const char *a, const char *b) {
   int n = 0;
   for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
     if (strstr(line, a) && (!b || strstr(line, b))) n++;
+  free(s);
+  return n;
+}
+
+/* Lines of node i's log stamped at or after `since` with `a` and `b`. */
+static int count_lines_after(int i, long since, const char *a, const char *b) {
+  char *s = proc_slurp(C.node[i].log);
+  int n = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    if (cluster_log_ms(line) >= since && strstr(line, a) && (!b || strstr(line, b))) n++;
   free(s);
   return n;
 }
@@ -233,7 +277,6 @@ static void stop_all(const int *peer, int n) {
   }
 }
 
-#define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
 
 Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_its_bound_after_the_heal) {
   const int n = 4, cut = 4; /* peers on hosts 2..5; host 5 (peer 3) is cut off */
@@ -241,13 +284,23 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
   int peer[4];
   setenv("RUMOR_LOG_LEVEL", "info", 1);
   start_cluster(n, FAST, "mlp:784-64-10", peer);
-  sleep(6);
+  /* Training and exchanging under way, and the replicas close: every peer
+   * saved step 100 or later, and the drift is under its bound. */
+  struct converged cv = {peer, n, 100, NAN, {0}};
+  cr_assert(cluster_poll(all_converged, &cv, 60), "the peers did not train together before the cut (drift %.4f)",
+            cv.drift);
   int64_t s0[4], s1[4], s2[4];
-  double before = rel_drift(peer, n, s0);
+  double before = cv.drift;
+  memcpy(s0, cv.steps, sizeof s0);
   long cut_at = cluster_wall_ms_of_day();
+  double cut_t0 = cluster_now();
   cr_assert_eq(testnet("cut %d", cut + 1), 0);
-  fprintf(stderr, "figure: cut host %d off; relative drift before %.4f\n", cut + 1, before);
-  sleep(30);
+  fprintf(stderr, "figure: cut host %d off at steps %lld-%lld; relative drift before %.4f\n", cut + 1,
+          (long long)s0[0], (long long)s0[n - 1], before);
+  /* The cut lasts CUT_S (the fault itself, not a wait for something): long
+   * past the suspicion time, so that the drift grows. That it hit the host
+   * it names shows in both sides' verdicts, checked after the heal. */
+  sleep_until(cut_t0, CUT_S);
   double during = rel_drift(peer, n, s1);
   long heal_at = cluster_wall_ms_of_day();
   cr_assert_eq(testnet("heal %d", cut + 1), 0);
@@ -303,7 +356,7 @@ static int exchange_times(int i, double *median_ms) {
   int n = 0;
   for (char *line = strtok(s, "\n"); line && n < 100000; line = strtok(NULL, "\n")) {
     const char *p = strstr(line, "exchange transferred after ");
-    if (p) ms[n++] = strtod(p + 27, NULL);
+    if (p) ms[n++] = strtod(p + STR_LEN("exchange transferred after "), NULL);
   }
   free(s);
   for (int a = 1; a < n; a++) /* insertion sort: n is small */
@@ -372,7 +425,7 @@ Test(netfaults, at_1pct_loss_no_exchange_is_stuck_and_no_live_member_is_declared
   char b[256];
   snprintf(b, sizeof b, "/run/rumor-testnet/%s/backend", net_name);
   char *backend = proc_slurp(b);
-  if (strncmp(backend, "netsim", 6) == 0) cr_assert_gt(lost, 0, "no frame was lost: the links were not shaped");
+  if (STR_PREFIX(backend, "netsim")) cr_assert_gt(lost, 0, "no frame was lost: the links were not shaped");
   free(backend);
   for (int i = 0; i < n; i++) {
     double med;
@@ -395,10 +448,53 @@ static unsigned long long incarnation_in(int i, const char *addr_pat, const char
   for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
     if (strstr(line, addr_pat) && strstr(line, what)) {
       const char *p = strstr(line, "incarnation ");
-      if (p) inc = strtoull(p + 12, NULL, 10);
+      if (p) inc = strtoull(p + STR_LEN("incarnation "), NULL, 10);
     }
   free(s);
   return inc;
+}
+
+/* The roles of peer[0..n), judged by the exchanges each transferred (debug
+ * lines "exchange transferred after N ms (we asked)" or "(we were asked...)")
+ * since the log stamp `since`: an initiator and a responder, once every peer
+ * transferred a few. */
+struct roles {
+  const int *peer;
+  int n;
+  long since;
+  int victim[2]; /* out: an initiator, a responder */
+};
+static bool roles_known(void *arg) {
+  struct roles *r = arg;
+  r->victim[0] = r->victim[1] = -1;
+  for (int i = 0; i < r->n; i++) {
+    if (count_lines_after(r->peer[i], r->since, "exchange transferred", NULL) < 3) return false;
+    int role = count_lines_after(r->peer[i], r->since, "exchange transferred", "(we asked)") > 0 ? 0 : 1;
+    if (r->victim[role] < 0) r->victim[role] = i;
+  }
+  return r->victim[0] >= 0 && r->victim[1] >= 0;
+}
+
+static bool is_stopped_cond(void *arg) { return cluster_stopped(&C, *(int *)arg); }
+
+/* Every peer of peer[0..n) but the victims logged `what` ("is now failed")
+ * about both victims (their "ADDR (" in pat) at or after `since`. */
+struct verdicts {
+  const int *peer;
+  int n;
+  const int *victim;
+  char (*pat)[80];
+  long since;
+  const char *what;
+};
+static bool all_declared(void *arg) {
+  const struct verdicts *d = arg;
+  for (int i = 0; i < d->n; i++) {
+    if (i == d->victim[0] || i == d->victim[1]) continue;
+    for (int v = 0; v < 2; v++)
+      if (first_line_after(d->peer[i], d->since, d->pat[v], d->what) < 0) return false;
+  }
+  return true;
 }
 
 /* Peers take roles by key (gossip_impl.h): active ones ask for exchanges,
@@ -411,15 +507,17 @@ Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_wit
   setenv("RUMOR_LOG_LEVEL", "debug", 1);
   int peer[4];
   start_cluster(n, FAST, "mlp:784-64-10", peer);
-  sleep(3);
-  int victim[2] = {-1, -1}; /* an initiator, a responder */
-  long recent = cluster_wall_ms_of_day() - 1500; /* roles shift while peers join: judge by the last 1.5 s */
+  /* Roles shift while peers join: judge them once all train (the last
+   * "first step"), by exchanges transferred since, which every peer must
+   * have done a few times. */
+  struct roles r = {peer, n, -1, {-1, -1}};
   for (int i = 0; i < n; i++) {
-    int role = first_line_after(peer[i], recent, "(we asked)", NULL) >= 0 ? 0 : 1;
-    if (victim[role] < 0) victim[role] = i;
+    long t = cluster_log_first(&C, peer[i], "first step", NULL);
+    if (t > r.since) r.since = t;
   }
-  cr_assert(victim[0] >= 0 && victim[1] >= 0, "expected initiating and answering peers; got %d and %d", victim[0],
-            victim[1]);
+  cr_assert(cluster_poll(roles_known, &r, 30), "expected initiating and answering peers, each exchanging; got %d and %d",
+            r.victim[0], r.victim[1]);
+  int victim[2] = {r.victim[0], r.victim[1]}; /* an initiator, a responder */
   int watcher = 0;
   while (watcher == victim[0] || watcher == victim[1]) watcher++;
   char pat[2][80];
@@ -430,8 +528,16 @@ Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_wit
     cr_assert_gt(joined[v], 0, "peer %d never logged peer %d joining", watcher, victim[v]);
   }
   long stop_at = cluster_wall_ms_of_day();
-  for (int v = 0; v < 2; v++) kill(C.node[peer[victim[v]]].pid, SIGSTOP);
-  sleep(4); /* the suspicion time is 1 s */
+  for (int v = 0; v < 2; v++) {
+    cr_assert(cluster_alive(&C, peer[victim[v]]), "peer %d ended before the SIGSTOP: %s", victim[v],
+              proc_slurp(C.node[peer[victim[v]]].log));
+    kill(C.node[peer[victim[v]]].pid, SIGSTOP);
+  }
+  for (int v = 0; v < 2; v++)
+    cr_assert(cluster_poll(is_stopped_cond, &peer[victim[v]], 10), "SIGSTOP did not stop peer %d", victim[v]);
+  /* Wait for every verdict (the suspicion time is 1 s). */
+  struct verdicts vd = {peer, n, victim, pat, stop_at, "is now failed"};
+  cr_assert(cluster_poll(all_declared, &vd, 30), "not every peer declared both stopped peers failed");
   for (int i = 0; i < n; i++) {
     if (i == victim[0] || i == victim[1]) continue;
     for (int v = 0; v < 2; v++) {
@@ -448,7 +554,8 @@ Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_wit
     before[v] = exchange_times(peer[victim[v]], &med);
     kill(C.node[peer[victim[v]]].pid, SIGCONT);
   }
-  sleep(4);
+  struct verdicts back = {peer, n, victim, pat, cont_at, "is now alive"};
+  cr_assert(cluster_poll(all_declared, &back, 30), "not every peer took both resumed peers back");
   for (int i = 0; i < n; i++)
     for (int v = 0; v < 2; v++) {
       if (i == victim[0] || i == victim[1]) continue;

@@ -81,17 +81,63 @@ static inline double cluster_now(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* Waits until `path` contains `needle`; returns true when it does. */
-static inline bool cluster_wait_file(const char *path, const char *needle, double secs) {
+/* ---- waiting for conditions ------------------------------------------------------
+ * A test waits for what it needs, never for a fixed time: `ready(arg)` is
+ * asked about every 50 ms until it says yes or `secs` pass. Returns
+ * whether it said yes (it is asked once more at the deadline). */
+typedef bool (*cluster_cond_fn)(void *arg);
+static inline bool cluster_poll(cluster_cond_fn ready, void *arg, double secs) {
   double t0 = cluster_now();
-  while (cluster_now() - t0 < secs) {
-    char *s = proc_slurp(path);
-    bool found = strstr(s, needle) != NULL;
-    free(s);
-    if (found) return true;
+  for (;;) {
+    bool late = cluster_now() - t0 >= secs;
+    if (ready(arg)) return true;
+    if (late) return false;
     usleep(50000);
   }
-  return false;
+}
+
+struct cluster_file_has {
+  const char *path, *needle;
+};
+static inline bool cluster_file_has_cond(void *arg) {
+  const struct cluster_file_has *f = arg;
+  char *s = proc_slurp(f->path);
+  bool found = strstr(s, f->needle) != NULL;
+  free(s);
+  return found;
+}
+
+/* Waits until `path` contains `needle`; returns true when it does. */
+static inline bool cluster_wait_file(const char *path, const char *needle, double secs) {
+  struct cluster_file_has f = {path, needle};
+  return cluster_poll(cluster_file_has_cond, &f, secs);
+}
+
+/* The state letter of process `pid` (/proc/PID/stat: R, S, D, T for
+ * stopped, Z for a zombie...), or 0 when there is no such process. */
+static inline char cluster_proc_state(pid_t pid) {
+  char path[64], st[512] = "";
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(st, 1, sizeof st - 1, f);
+  fclose(f);
+  st[n] = '\0';
+  const char *close = strrchr(st, ')'); /* the name may hold spaces */
+  return close && close[1] == ' ' ? close[2] : 0;
+}
+
+/* Whether node i's process still runs (stopped counts; exited, zombie or
+ * reaped does not). Reaps nothing, so cluster_wait still gets its status. */
+static inline bool cluster_alive(const struct cluster *c, int i) {
+  char s = cluster_proc_state(c->node[i].pid);
+  return s && s != 'Z' && s != 'X';
+}
+
+/* Whether node i's process is stopped (SIGSTOP: state T). */
+static inline bool cluster_stopped(const struct cluster *c, int i) {
+  char s = cluster_proc_state(c->node[i].pid);
+  return s == 'T' || s == 't';
 }
 
 static inline bool cluster_log_has(const struct cluster *c, int i, const char *needle) {
@@ -106,7 +152,7 @@ static inline bool cluster_log_has(const struct cluster *c, int i, const char *n
 static inline int cluster_metrics_port(const struct cluster *c, int i) {
   char *out = proc_slurp(c->node[i].out);
   const char *p = strstr(out, "\"metrics_port\":");
-  int port = p ? atoi(p + 15) : 0;
+  int port = p ? atoi(p + STR_LEN("\"metrics_port\":")) : 0;
   cr_assert_gt(port, 0, "node %d announced no metrics port: %s", i, out);
   free(out);
   return port;
@@ -136,7 +182,7 @@ static inline void cluster_start_node(struct cluster *c, int i, char *const *arg
   cr_assert(cluster_wait_file(nd->out, "\"listen\":", 60), "node %d (%s) did not start: %s", i, what,
             proc_slurp(nd->log));
   char *out = proc_slurp(nd->out);
-  const char *p = strstr(out, "\"listen\":\"") + 10;
+  const char *p = strstr(out, "\"listen\":\"") + STR_LEN("\"listen\":\"");
   const char *q = strchr(p, '"');
   snprintf(nd->addr, sizeof nd->addr, "%.*s", (int)(q - p), p);
   free(out);
@@ -371,7 +417,7 @@ static inline int cluster_epoch_losses(const struct cluster *c, int i, double *o
   int n = 0;
   for (char *line = strtok(s, "\n"); line && n < max; line = strtok(NULL, "\n")) {
     const char *p = strstr(line, "train loss ");
-    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + 11, NULL);
+    if (strstr(line, " done at step ") && p) out[n++] = strtod(p + STR_LEN("train loss "), NULL);
   }
   free(s);
   return n;
@@ -404,6 +450,23 @@ static inline long cluster_log_first(const struct cluster *c, int i, const char 
     }
   free(s);
   return at;
+}
+
+struct cluster_log_line {
+  const struct cluster *c;
+  int i;
+  const char *a, *b;
+};
+static inline bool cluster_log_line_cond(void *arg) {
+  const struct cluster_log_line *l = arg;
+  return cluster_log_first(l->c, l->i, l->a, l->b) >= 0;
+}
+
+/* Waits until one line of node i's log contains both `a` and `b` (b may be
+ * NULL); returns whether one did within `secs`. */
+static inline bool cluster_wait_log_line(const struct cluster *c, int i, const char *a, const char *b, double secs) {
+  struct cluster_log_line l = {c, i, a, b};
+  return cluster_poll(cluster_log_line_cond, &l, secs);
 }
 
 #endif /* RUMOR_TESTS_CLUSTER_H */

@@ -11,6 +11,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +71,19 @@ static inline char *http_get(int port, const char *path) { return http_request(p
 static inline int http_status(const char *resp) {
   int code;
   return sscanf(resp, "HTTP/1.%*d %d", &code) == 1 ? code : -1;
+}
+
+/* The value of `series` (a metric's name with its labels, as printed:
+ * `rumor_exchanges_total{result="applied"}`) on the /metrics page served on
+ * `port`, or NAN when the page does not have it. */
+static inline double http_metric(int port, const char *series) {
+  char *resp = http_get(port, "/metrics");
+  char pat[256];
+  snprintf(pat, sizeof pat, "\n%s ", series);
+  const char *p = strstr(resp, pat);
+  double v = p ? strtod(p + strlen(pat), NULL) : NAN;
+  free(resp);
+  return v;
 }
 
 /* The body of a response (after the blank line), or "" when there is none. */

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "peer/cli/cli.h"
+#include "util/util.h"
 
 int main(int argc, char **argv) {
   int n = 0;
@@ -20,14 +21,14 @@ int main(int argc, char **argv) {
     if (strcmp(argv[i], "--attack") == 0) {
       if (i + 1 >= argc) {
         fprintf(stderr, "rumor-testing: --attack needs a KIND (nan, inf, scale, signflip, replay, short, flood, "
-                        "loseready, baddonor, badfin, freeze)\n");
+                        "loseready, baddonor, badfin, freeze, freezexch)\n");
         return 2;
       }
       setenv("RUMOR_TEST_ATTACK", argv[++i], 1);
       continue;
     }
-    if (strncmp(argv[i], "--attack=", 9) == 0) {
-      setenv("RUMOR_TEST_ATTACK", argv[i] + 9, 1);
+    if (STR_PREFIX(argv[i], "--attack=")) {
+      setenv("RUMOR_TEST_ATTACK", argv[i] + STR_LEN("--attack="), 1);
       continue;
     }
     argv[n++] = argv[i];

@@ -347,8 +347,15 @@ Test(durable, temporaries_are_removed_only_when_their_writer_is_gone) {
   if (gone == 0) _exit(0);
   cr_assert_eq(waitpid(gone, NULL, 0), gone);
   snprintf(dead, sizeof dead, "%s.prev.tmp.%d", p, (int)gone);
-  const char *files[] = {mine_running, reused, dead};
-  for (int i = 0; i < 3; i++) {
+  /* The same in the names util's atomic files use now (PATH.tmp.PID.HEX). */
+  char new_running[512], new_dead[512], new_prev_dead[512], not_ours[512];
+  snprintf(new_running, sizeof new_running, "%s.tmp.1.0123456789abcdef", p);
+  snprintf(new_dead, sizeof new_dead, "%s.tmp.%d.0123456789abcdef", p, (int)gone);
+  snprintf(new_prev_dead, sizeof new_prev_dead, "%s.prev.tmp.%d.fedcba9876543210", p, (int)gone);
+  /* Not a temporary of ours (a name that only starts like one): kept. */
+  snprintf(not_ours, sizeof not_ours, "%s.tmp.%d.notes", p, (int)gone);
+  const char *files[] = {mine_running, reused, dead, new_running, new_dead, new_prev_dead, not_ours};
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
     FILE *f = fopen(files[i], "w");
     cr_assert_not_null(f);
     fputs("partial", f);
@@ -365,6 +372,12 @@ Test(durable, temporaries_are_removed_only_when_their_writer_is_gone) {
   cr_assert_eq(stat(mine_running, &st), 0, "the temporary of a running writer was removed");
   cr_assert_neq(stat(reused, &st), 0, "the temporary of a writer whose PID was reused was kept");
   cr_assert_neq(stat(dead, &st), 0, "the temporary of a dead writer was kept");
+  cr_assert_eq(stat(new_running, &st), 0, "the temporary (PATH.tmp.PID.HEX) of a running writer was removed");
+  cr_assert_neq(stat(new_dead, &st), 0, "the temporary (PATH.tmp.PID.HEX) of a dead writer was kept");
+  cr_assert_neq(stat(new_prev_dead, &st), 0, "the temporary (PATH.prev.tmp.PID.HEX) of a dead writer was kept");
+  cr_assert_eq(stat(not_ours, &st), 0, "a file that is no temporary of ours was removed");
   unlink(mine_running);
+  unlink(new_running);
+  unlink(not_ours);
   model_free(&m), optim_free(&o);
 }

@@ -1,6 +1,6 @@
 /* util: half-precision conversion, the seeded generator, strict number
- * parsing, atomic file writes, reads that refuse FIFOs and devices, and CPU
- * lists. */
+ * parsing, atomic file writes (modes, no-replace, symlinks, temporaries,
+ * errors), reads that refuse FIFOs and devices, and CPU lists. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -127,6 +127,28 @@ static void expect_contents(const char *path, const char *want, size_t len, cons
   free(buf);
 }
 
+/* Writes `text` to `path` (an atomic replace of mode `mode`), or fails the
+ * test. */
+static void put_text(const char *path, const char *text, unsigned mode) {
+  struct file_part part = {text, strlen(text)};
+  struct rumor_err e;
+  cr_assert_eq(file_write_atomic(path, &part, 1, mode, 0, &e), 0, "%s", e.msg);
+}
+
+/* After a write that failed: `path` holds exactly `len` bytes of `want`,
+ * still as inode `ino`, and `dir` holds nothing else (no temporary left). */
+static void expect_intact(const char *dir, const char *path, const char *want, size_t len, ino_t ino,
+                          const char *what) {
+  expect_contents(path, want, len, what);
+  struct stat st;
+  cr_assert_eq(stat(path, &st), 0);
+  cr_assert_eq(st.st_ino, ino, "%s: the old file was replaced", what);
+  char names[512];
+  int count = dir_entries(dir, names, sizeof names);
+  const char *base = strrchr(path, '/') + 1;
+  cr_assert(count == 1 && strcmp(names, base) == 0, "%s: %s holds '%s', want only '%s'", what, dir, names, base);
+}
+
 Test(file, atomic_write_creates_the_file_with_its_mode_and_reads_back) {
   char dir[64];
   scratch_make(dir);
@@ -134,7 +156,7 @@ Test(file, atomic_write_creates_the_file_with_its_mode_and_reads_back) {
   snprintf(path, sizeof path, "%s/f", dir);
   struct file_part parts[] = {{"hello ", 6}, {"world", 5}};
   struct rumor_err e;
-  cr_assert_eq(file_write_atomic(path, parts, 2, 0600, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_write_atomic(path, parts, 2, 0600, 0, &e), 0, "%s", e.msg);
   struct stat st;
   cr_assert_eq(stat(path, &st), 0);
   cr_assert_eq(st.st_mode & 0777, 0600);
@@ -158,14 +180,14 @@ Test(file, atomic_write_replaces_an_existing_file_whole_and_leaves_no_temporary)
   const char *old_text = "the old contents, longer than the new";
   struct file_part old_part = {old_text, strlen(old_text)};
   struct rumor_err e;
-  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, 0, &e), 0, "%s", e.msg);
   struct stat before, after;
   cr_assert_eq(stat(path, &before), 0);
   int reader = open(path, O_RDONLY);
   cr_assert_geq(reader, 0);
 
   struct file_part parts[] = {{"new ", 4}, {"bytes", 5}};
-  cr_assert_eq(file_write_atomic(path, parts, 2, 0600, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_write_atomic(path, parts, 2, 0600, 0, &e), 0, "%s", e.msg);
   expect_contents(path, "new bytes", 9, "replaced file");
   cr_assert_eq(stat(path, &after), 0);
   cr_assert_neq(after.st_ino, before.st_ino, "the old file was rewritten in place (inode %llu), not replaced",
@@ -196,8 +218,8 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
   const char *old_text = "the old contents";
   struct file_part old_part = {old_text, strlen(old_text)};
   struct rumor_err e;
-  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, &e), 0, "%s", e.msg);
-  struct stat before, after;
+  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0644, 0, &e), 0, "%s", e.msg);
+  struct stat before;
   cr_assert_eq(stat(path, &before), 0);
 
   pid_t pid = fork();
@@ -209,7 +231,7 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
     static char big[4096];
     memset(big, 'x', sizeof big);
     struct file_part part = {big, sizeof big};
-    int rc = file_write_atomic(path, &part, 1, 0644, &e);
+    int rc = file_write_atomic(path, &part, 1, 0644, 0, &e);
     _exit(rc == -EFBIG && strstr(e.msg, "File too large") ? 0 : 1);
   }
   int status;
@@ -217,12 +239,224 @@ Test(file, failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary) {
   cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
             "a 4 KiB write under a 64-byte file-size limit did not fail with -EFBIG (status %d)", status);
 
-  expect_contents(path, old_text, strlen(old_text), "after the failed write");
-  cr_assert_eq(stat(path, &after), 0);
-  cr_assert_eq(after.st_ino, before.st_ino, "the failed write replaced the file");
+  expect_intact(dir, path, old_text, strlen(old_text), before.st_ino, "after the failed write");
+  scratch_remove(dir);
+}
+
+/* The file gets exactly the mode asked for: a umask that would remove bits
+ * (077 on a 0644 file) or one that removes none (0 on a 0600 secret)
+ * changes nothing. */
+Test(file, atomic_write_gives_exactly_its_mode_whatever_the_umask) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  struct rumor_err e;
+  struct file_part part = {STR_LIT("x")};
+  const unsigned masks[] = {077, 0, 0277}, modes[] = {0644, 0600, 0640};
+  for (size_t i = 0; i < sizeof masks / sizeof masks[0]; i++) {
+    mode_t old = umask(masks[i]);
+    int rc = file_write_atomic(path, &part, 1, modes[i], 0, &e);
+    umask(old);
+    cr_assert_eq(rc, 0, "%s", e.msg);
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0);
+    cr_assert_eq(st.st_mode & 07777, modes[i], "umask %03o: mode %04o, want %04o", masks[i], st.st_mode & 07777,
+                 modes[i]);
+  }
+  scratch_remove(dir);
+}
+
+/* No-replace (how keys are written without --force): -EEXIST naming the
+ * path, the old file intact (same bytes, same inode), nothing left behind.
+ * The streaming form meets a file that appeared while it wrote the same
+ * way: link(2) refuses, the temporary goes. */
+Test(file, no_replace_gives_eexist_and_leaves_the_old_file_intact) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  struct rumor_err e;
+  struct file_part old_part = {STR_LIT("the old key")}, new_part = {STR_LIT("new")};
+  cr_assert_eq(file_write_atomic(path, &old_part, 1, 0600, 0, &e), 0, "%s", e.msg);
+  struct stat before;
+  cr_assert_eq(stat(path, &before), 0);
+  cr_assert_eq(file_write_atomic(path, &new_part, 1, 0600, FILE_ATOMIC_NO_REPLACE, &e), -EEXIST);
+  cr_assert(strstr(e.msg, path) && strstr(e.msg, "already exists"), "%s", e.msg);
+
+  struct file_atomic fa;
+  cr_assert_eq(file_atomic_open(&fa, path, 0600, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_atomic_write(&fa, STR_LIT("new"), &e), 0, "%s", e.msg);
+  cr_assert_eq(file_atomic_commit(&fa, FILE_ATOMIC_NO_REPLACE, &e), -EEXIST, "%s", e.msg);
+  cr_assert(strstr(e.msg, path), "%s", e.msg);
+  file_atomic_abort(&fa); /* after a commit: nothing to do */
+
+  expect_intact(dir, path, old_part.data, old_part.len, before.st_ino, "after the refused writes");
+  scratch_remove(dir);
+}
+
+/* A symlink planted at the path, to a file elsewhere (a key an attacker
+ * would have us overwrite, or create): with no-replace nothing is written
+ * through it, whether the link dangles or not, in either form; with
+ * replace, the rename replaces the link itself and the target is never
+ * touched. The temporary (whose name cannot be guessed, so no link can
+ * wait at it) is opened O_EXCL | O_NOFOLLOW: it is a new regular file with
+ * one link, and no failure leaves it behind. */
+Test(file, nothing_is_written_through_a_symlink_at_the_path) {
+  char dir[64], elsewhere[64];
+  scratch_make(dir);
+  scratch_make(elsewhere);
+  char path[128], victim[128], absent[128];
+  snprintf(path, sizeof path, "%s/key", dir);
+  snprintf(victim, sizeof victim, "%s/victim", elsewhere);
+  snprintf(absent, sizeof absent, "%s/absent", elsewhere);
+  struct rumor_err e;
+  static const char victim_text[] = "victim's bytes";
+  struct file_part part = {STR_LIT("secret")};
+  put_text(victim, victim_text, 0644);
+  const char *targets[] = {victim, absent};
+  for (size_t i = 0; i < 2; i++) {
+    unlink(path);
+    cr_assert_eq(symlink(targets[i], path), 0, "symlink: %s", strerror(errno));
+    cr_assert_eq(file_write_atomic(path, &part, 1, 0600, FILE_ATOMIC_NO_REPLACE, &e), -EEXIST, "%s", e.msg);
+    struct file_atomic fa;
+    cr_assert_eq(file_atomic_open(&fa, path, 0600, &e), 0, "%s", e.msg);
+    struct stat st;
+    cr_assert_eq(lstat(fa.tmp, &st), 0, "the temporary %s is missing", fa.tmp);
+    cr_assert(S_ISREG(st.st_mode) && st.st_nlink == 1, "the temporary is not a new regular file");
+    cr_assert_eq(file_atomic_temp_pid(strrchr(fa.tmp, '/') + 1, "key"), (long)getpid(), "temporary %s", fa.tmp);
+    cr_assert_eq(file_atomic_write(&fa, part.data, part.len, &e), 0, "%s", e.msg);
+    cr_assert_eq(file_atomic_commit(&fa, FILE_ATOMIC_NO_REPLACE, &e), -EEXIST, "%s", e.msg);
+    cr_assert_eq(lstat(path, &st), 0);
+    cr_assert(S_ISLNK(st.st_mode), "the symlink at %s was replaced", path);
+  }
+  expect_contents(victim, victim_text, sizeof victim_text - 1, "the symlink's target");
+  struct stat st;
+  cr_assert_neq(stat(absent, &st), 0, "a file was created through a dangling symlink");
   char names[512];
   int count = dir_entries(dir, names, sizeof names);
-  cr_assert(count == 1 && strcmp(names, "f") == 0, "after the failed write, %s holds '%s', want only 'f'", dir, names);
+  cr_assert(count == 1 && strcmp(names, "key") == 0, "%s holds '%s', want only the link 'key'", dir, names);
+
+  cr_assert_eq(file_write_atomic(path, &part, 1, 0600, 0, &e), 0, "%s", e.msg);
+  cr_assert_eq(lstat(path, &st), 0);
+  cr_assert(S_ISREG(st.st_mode), "replacing left the symlink at %s", path);
+  expect_contents(path, part.data, part.len, "the replaced link");
+  expect_contents(victim, victim_text, sizeof victim_text - 1, "the old link's target");
+  scratch_remove(dir);
+  scratch_remove(elsewhere);
+}
+
+/* Two writers of one path draw different temporaries, both named
+ * PATH.tmp.PID.HEX; abort removes one, and a commit that fails (a
+ * directory stands at the path) removes the other. The names of older
+ * writers (PATH.tmp.PID, PATH.tmp.PID.tmp.PID) are recognised too, so that
+ * checkpoints still clean them up; other names are not. */
+Test(file, temporaries_are_unpredictable_and_never_left_behind) {
+  char dir[64];
+  scratch_make(dir);
+  char path[128];
+  snprintf(path, sizeof path, "%s/f", dir);
+  struct rumor_err e;
+  struct file_atomic a, b;
+  cr_assert_eq(file_atomic_open(&a, path, 0644, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_atomic_open(&b, path, 0644, &e), 0, "%s", e.msg);
+  cr_assert_str_neq(a.tmp, b.tmp, "two temporaries of one path share a name");
+  char names[512];
+  cr_assert_eq(dir_entries(dir, names, sizeof names), 2, "%s", names);
+  file_atomic_abort(&a);
+  file_atomic_abort(&a); /* twice: nothing more */
+  cr_assert_eq(mkdir(path, 0755), 0);
+  char inside[160];
+  snprintf(inside, sizeof inside, "%s/x", path);
+  cr_assert_eq(mkdir(inside, 0755), 0); /* a non-empty directory: rename fails */
+  cr_assert_eq(file_atomic_write(&b, STR_LIT("data"), &e), 0, "%s", e.msg);
+  cr_assert_lt(file_atomic_commit(&b, 0, &e), 0, "a rename over a non-empty directory succeeded");
+  cr_assert(strstr(e.msg, path), "%s", e.msg);
+  int count = dir_entries(dir, names, sizeof names);
+  cr_assert(count == 1 && strcmp(names, "f") == 0, "%s holds '%s', want only the directory 'f'", dir, names);
+
+  char pid[32];
+  snprintf(pid, sizeof pid, "%d", (int)getpid());
+  struct {
+    const char *suffix;
+    long pid;
+  } cases[] = {{".tmp.123", 123},
+               {".tmp.123.tmp.123", 123},
+               {".tmp.123.0123456789abcdef", 123},
+               {".tmp.123.0123456789abcde", 0},
+               {".tmp.123.0123456789ABCDEF", 0},
+               {".tmp.123.0123456789abcdef0", 0},
+               {".tmp.123x", 0},
+               {".tmp.-5", 0},
+               {".tmp.0", 0},
+               {".tmp.", 0},
+               {".prev.tmp.123", 0},
+               {"", 0}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char name[96];
+    snprintf(name, sizeof name, "ck%s", cases[i].suffix);
+    cr_assert_eq(file_atomic_temp_pid(name, "ck"), cases[i].pid, "%s", name);
+  }
+  scratch_remove(dir);
+}
+
+/* A directory the writer may not write in, and one that does not exist:
+ * a clear error naming the path, the directory and the reason, and
+ * nothing created. Root may write anywhere, so a root test drops to
+ * nobody in a child process. */
+Test(file, an_unwritable_directory_gives_an_error_naming_the_path) {
+  char dir[64];
+  scratch_make(dir);
+  cr_assert_eq(chmod(dir, 0755), 0);
+  char locked[128], path[160], missing[160];
+  snprintf(locked, sizeof locked, "%s/locked", dir);
+  cr_assert_eq(mkdir(locked, 0555), 0);
+  snprintf(path, sizeof path, "%s/f", locked);
+  snprintf(missing, sizeof missing, "%s/none/f", dir);
+  struct rumor_err e;
+  struct file_part part = {STR_LIT("x")};
+  cr_assert_eq(file_write_atomic(missing, &part, 1, 0644, 0, &e), -ENOENT, "%s", e.msg);
+  cr_assert(strstr(e.msg, missing) && strstr(e.msg, "No such file or directory"), "%s", e.msg);
+
+  pid_t pid = fork();
+  cr_assert_neq(pid, -1);
+  if (pid == 0) {
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(2);
+    int rc = file_write_atomic(path, &part, 1, 0644, 0, &e);
+    bool clear = rc == -EACCES && strstr(e.msg, path) && strstr(e.msg, locked) && strstr(e.msg, "Permission denied");
+    if (!clear) fprintf(stderr, "rc %d: %s\n", rc, e.msg);
+    _exit(clear ? 0 : 1);
+  }
+  int status;
+  cr_assert_eq(waitpid(pid, &status, 0), pid);
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 2, "cannot drop root to test an unwritable directory");
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "no clear error for an unwritable directory");
+  char names[512];
+  cr_assert_eq(dir_entries(locked, names, sizeof names), 0, "%s holds '%s'", locked, names);
+  scratch_remove(dir);
+}
+
+/* A second name put in place atomically (a checkpoint's .prev): the link
+ * is replaced whole, it is the same file as its target, a missing target is
+ * -ENOENT, and no temporary is left either way. */
+Test(file, a_link_replaces_its_old_name_atomically) {
+  char dir[64];
+  scratch_make(dir);
+  char a[128], b[128], none[128];
+  snprintf(a, sizeof a, "%s/a", dir);
+  snprintf(b, sizeof b, "%s/b", dir);
+  snprintf(none, sizeof none, "%s/none", dir);
+  put_text(a, "aaa", 0644);
+  put_text(b, "bbbb", 0644);
+  struct rumor_err e;
+  cr_assert_eq(file_link_atomic(a, b, &e), 0, "%s", e.msg);
+  struct stat sa, sb;
+  cr_assert(stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_ino == sb.st_ino, "b is not another name of a");
+  cr_assert_eq(file_link_atomic(none, b, &e), -ENOENT, "%s", e.msg);
+  expect_contents(b, STR_LIT("aaa"), "the link after a failed relink");
+  char names[512];
+  int count = dir_entries(dir, names, sizeof names);
+  cr_assert(count == 2 && (strcmp(names, "a b") == 0 || strcmp(names, "b a") == 0), "%s holds '%s'", dir, names);
   scratch_remove(dir);
 }
 
@@ -261,7 +495,7 @@ Test(file, a_regular_file_opens_blocking_and_close_on_exec) {
   snprintf(path, sizeof path, "%s/f", dir);
   struct file_part part = {"12345", 5};
   struct rumor_err e = {0};
-  cr_assert_eq(file_write_atomic(path, &part, 1, 0600, &e), 0, "%s", e.msg);
+  cr_assert_eq(file_write_atomic(path, &part, 1, 0600, 0, &e), 0, "%s", e.msg);
   struct stat st;
   int fd = file_open_regular(path, O_RDONLY, 0, &st, &e);
   cr_assert_geq(fd, 0, "%s", e.msg);
