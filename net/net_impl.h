@@ -18,9 +18,13 @@
 /* Protocol versions this build speaks. Version 2 (bulk frames sealed with
  * OpenSSL's AEAD, the transfer digest over the chunks' AEAD tags) replaced
  * version 1 (libsodium's AEAD, a BLAKE2b tree over the chunks' bytes); a
- * version-1 peer is refused with a message that says so. */
+ * version-1 peer is refused with a message that says so. Version 3 adds the
+ * heartbeat (NET_FRAME_PING): a session of version 2 neither sends nor
+ * accepts one, so a build without it, which would drop the connection on an
+ * unknown frame type, still talks to this one (without verdicts). */
 #define NET_PROTO_MIN 2
-#define NET_PROTO_MAX 2
+#define NET_PROTO_MAX 3
+#define NET_PROTO_PING 3 /* the first version with NET_FRAME_PING */
 #define NET_PROTO_RETIRED 1 /* the last version this build no longer accepts */
 #define NET_HS_LEN_BYTES 2     /* each handshake message: u16 length, then body */
 #define NET_HS_FRAME_MAX 512   /* cap on a pre-authentication message body */
@@ -63,10 +67,12 @@ enum net_frame_type {
   NET_FRAME_BULK_ABORT = 6,  /* a = id: the sender gave up on this transfer */
   NET_FRAME_BULK_RESULT = 7, /* a = id, b = enum net_bulk_result: the receiver's verdict */
   NET_FRAME_BYE = 8,         /* graceful close */
+  NET_FRAME_PING = 9,        /* a = the sender's heartbeat interval in ms: it is alive (version 3) */
+  /* 10..15 are reserved for relayed frames. */
 };
 _Static_assert(NET_FRAME_READY == 1 && NET_FRAME_MSG == 2 && NET_FRAME_BULK_BEGIN == 3 &&
                    NET_FRAME_BULK_DATA == 4 && NET_FRAME_BULK_END == 5 && NET_FRAME_BULK_ABORT == 6 &&
-                   NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8,
+                   NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8 && NET_FRAME_PING == 9,
                "frame types are wire values");
 
 enum net_bulk_result {
@@ -319,6 +325,9 @@ struct net_sess_ops {
   void (*on_bulk_done)(void *ctx, uint64_t id, int status, float *dst, void *dst_arg);
   void (*on_bulk_result)(void *ctx, uint64_t id, enum net_bulk_result r);
   void (*on_bye)(void *ctx);
+  /* The peer's heartbeat: it pings every `interval_ms` while it sends
+   * nothing else (the frame's `a`, as it claims it). */
+  void (*on_ping)(void *ctx, uint64_t interval_ms);
   /* Queue a small frame (RESULT) to the peer; returns 0 or a negative code. */
   int (*send_result)(void *ctx, uint64_t id, enum net_bulk_result r);
   /* Optional: run a chunk's authentication elsewhere (a worker thread); the
@@ -332,6 +341,8 @@ enum net_rx_state { NET_RX_HDR, NET_RX_BODY, NET_RX_TAG };
 struct net_sess {
   struct net_aead tx, rx;
   bool client;       /* the client's first frame must be READY */
+  uint8_t version;   /* the session's protocol version: PING only from NET_PROTO_PING
+                        (net_sess_init sets NET_PROTO_MAX; the owner sets the negotiated one) */
   bool ready;        /* READY seen (client) or sent (server) */
   bool bye;          /* the peer said BYE: nothing may follow */
   bool stop;         /* set by the owner to stop processing input (closing) */
@@ -365,6 +376,7 @@ struct net_sess {
   void *ctx;
   /* counters */
   uint64_t frames_in, msgs_in, bulk_in_ok, bulk_in_failed;
+  uint64_t pings_in; /* PING frames (NET_FRAME_OVERHEAD bytes each) */
   struct rumor_err err; /* the violation that stopped the session */
 };
 
