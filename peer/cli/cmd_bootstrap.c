@@ -36,7 +36,7 @@ int cmd_bootstrap(int argc, char **argv) {
   log_set_json(log_json);
   log_set_name("bootstrap");
   struct rumor_err e = {0};
-  if (net_flags_check_addrs(&nf, NULL, true, &e)) {
+  if (net_flags_check(&nf, NULL, true, &e)) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
     return 2;
   }
