@@ -272,19 +272,21 @@ void gossip_finished(gossip_t *g) {
 /* ---- the loop thread ---- */
 
 /* The tick came `gap` ms after the last one. A gap the others' heartbeat
- * verdicts may have seen (a stopped process, a blocked loop: more than half
- * the time between our last PING and their verdict) means they may hold us
- * suspect: say at once that we are alive, and take the cuts that follow for
- * their verdicts on us. */
+ * verdicts may have seen (a stopped process, a blocked or starved loop: half
+ * their limit or more, since our last PING may have left up to an interval
+ * before it began) means they may hold us suspect: say at once that we are
+ * alive, and for a while take the cuts that follow for their verdicts on us,
+ * not as evidence against them. */
 static void check_stall(struct gossip *g, uint64_t now) {
   const struct net_config *nc = &g->cfg.net;
   uint64_t gap = now - g->last_tick_ms;
   g->last_tick_ms = now;
-  if (!nc->heartbeat_ms || gap < (nc->dead_after_ms - nc->heartbeat_ms) / 2) return;
+  if (!nc->heartbeat_ms || gap < nc->dead_after_ms / 2) return;
   g->stalled_until_ms = now + nc->dead_after_ms;
   if (g->stopping || !gossip_joined(g)) return;
-  log_info("our loop stalled for %llu ms (stopped, or starved of CPU): telling every member that we are alive",
-           (unsigned long long)gap);
+  log_msg(gap >= nc->dead_after_ms ? LOG_INFO : LOG_DEBUG,
+          "our loop stalled for %llu ms (stopped, or starved of CPU): telling every member that we are alive",
+          (unsigned long long)gap);
   swim_announce(&g->swim);
 }
 
