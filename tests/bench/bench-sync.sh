@@ -376,7 +376,7 @@ run_hivemind() {
   if [ ! -f "$src/tests/bench/hivemind_fmnist.py" ] || ! "$src/tests/bench/hivemind-venv.sh" "$venv" > "$d/venv.log" 2>&1
   then
     why=$(tail -1 "$d/venv.log" 2>/dev/null || echo "tests/bench/hivemind_fmnist.py is missing")
-    printf '%-10s %-11s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
+    printf '%-10s %-14s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
     return 0
   fi
   common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
@@ -429,14 +429,14 @@ report() {
   stats=$(echo "$4" | awk '{lo = 2; s = 0; for (i = 1; i <= NF; i++) {s += $i; if ($i < lo) lo = $i}
     if (NF) printf "%.4f %.4f", s / NF, lo; else print "- -"}')
   # shellcheck disable=SC2086
-  printf '%-10s %-11s %9s %9s %9s %9.1f %6s\n' "$1" "$2" "$tt" $stats "$5" "$3/$n" >> "$work/table"
+  printf '%-10s %-14s %9s %9s %9s %9.1f %6s\n' "$1" "$2" "$tt" $stats "$5" "$3/$n" >> "$work/table"
   echo "  $1 $2: time to $target ${tt} s, accuracy $stats, $5 s, $3/$n finished" >&2
 }
 
 for cond in $conditions; do
   if [ "$cond" = slow ]; then
     if ! "$src/deploy/testnet.sh" check 2>"$work/why"; then
-      printf '%-10s %-11s skipped: %s\n' slow all "$(cat "$work/why")" >> "$work/table"
+      printf '%-10s %-14s skipped: %s\n' slow all "$(cat "$work/why")" >> "$work/table"
       continue
     fi
     TESTNET_NAME=rbs TESTNET_OWNER=$$ "$src/deploy/testnet.sh" up "$n" >/dev/null
@@ -452,7 +452,7 @@ for cond in $conditions; do
     allreduce-swim)
       case $cond in
       killed | stopped) run_rumor "$cond" allreduce-swim "--sync allreduce --heartbeat-ms 0" ;;
-      *) printf '%-10s %-11s skipped: the same as allreduce without a failure\n' "$cond" allreduce-swim >> "$work/table" ;;
+      *) printf '%-10s %-14s skipped: the same as allreduce without a failure\n' "$cond" allreduce-swim >> "$work/table" ;;
       esac
       ;;
     ps0) run_ps "$cond" ps0 0 ;;
@@ -470,7 +470,7 @@ for cond in $conditions; do
   fi
 done
 
-printf '\n%-10s %-11s %9s %9s %9s %9s %6s\n' condition scheme "to $target" "acc mean" "acc min" "wall s" "done"
+printf '\n%-10s %-14s %9s %9s %9s %9s %6s\n' condition scheme "to $target" "acc mean" "acc min" "wall s" "done"
 cat "$work/table"
 # The expectation: gossip / all-reduce time to target.
 awk -v target="$target" '
