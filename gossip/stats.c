@@ -319,6 +319,7 @@ void gossip_stats_tick(struct gossip *g, uint64_t now) {
     pthread_mutex_lock(&g->lock);
     g->mon.counters.bytes_in = ns.total.bytes_in;
     g->mon.counters.bytes_out = ns.total.bytes_out;
+    g->mon.counters.dead_verdicts = ns.dead_verdicts;
     pthread_mutex_unlock(&g->lock);
   }
   /* Requests whose figures did not come in time get what we have. */
@@ -417,6 +418,9 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_network_received_bytes_total %llu\n", (unsigned long long)gs.bytes_in);
   metric(t, "rumor_network_sent_bytes_total", "counter", "Bytes sent on cluster connections (wire bytes).");
   tprintf(t, "rumor_network_sent_bytes_total %llu\n", (unsigned long long)gs.bytes_out);
+  metric(t, "rumor_network_dead_verdicts_total", "counter",
+         "Connections this node closed on the heartbeat's verdict: the peer pinged, then fell silent.");
+  tprintf(t, "rumor_network_dead_verdicts_total %llu\n", (unsigned long long)gs.dead_verdicts);
   if (gs.last_exchange_age_s >= 0) {
     metric(t, "rumor_last_exchange_age_seconds", "gauge", "Time since the last applied exchange.");
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);

@@ -295,7 +295,7 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms) {
   u.state = SWIM_SUSPECT;
   s->suspicions++;
   swim_apply(s, &u, now_ms);
-  tell_all(s, &m->info);
+  tell_all(s, &u);
   return true;
 }
 
