@@ -419,6 +419,7 @@ struct gossip_stats {
   double last_exchange_age_s; /* -1 before the first */
   uint64_t members_alive, members_suspect, members_failed, members_left;
   uint64_t bytes_in, bytes_out;
+  uint64_t dead_verdicts; /* connections closed on the heartbeat's verdict (net_stats.dead_verdicts) */
   uint64_t donations;
   uint64_t exchange_rate_limited; /* partners' requests refused by our rate limit */
   uint64_t conn_rate_limited;     /* connections closed by our rate limit */

@@ -311,6 +311,7 @@ struct gossip_ring {
   char why[200];
   /* Between rounds (loop thread). */
   uint64_t pos;      /* steps this member has completed, as far as the loop knows */
+  size_t done_members; /* the ring's size in the last round done (logged when it changes) */
   uint8_t ahead_id[NET_PUBKEY_BYTES];
   uint64_t ahead_step; /* the highest step another member said it had reached (0: none) */
   struct ring_ready *readies;
@@ -384,6 +385,10 @@ struct gossip {
   struct swim swim;
   struct rng rng;
   bool stopping;
+  /* Our own stalls (loop time, ms): when the last tick ran, and until when
+   * connections cut by others are taken as their verdicts on us, not as
+   * evidence against them (runtime.c, on_tick and on_close). */
+  uint64_t last_tick_ms, stalled_until_ms;
   /* Holding a state: the training thread sets it after joining and
    * building its model (gossip_ready); from then on we exchange and donate. */
   _Atomic bool ready;
@@ -528,7 +533,10 @@ int gossip_join_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_
                               const struct gossip_train_pos *pos, float **dst);
 /* A transfer ended: true when it was the pull's. */
 bool gossip_join_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int status);
-void gossip_join_on_close(struct gossip *g, net_conn_t *c);
+/* Connection `c` closed with `status`: a pull receiving on it, or waiting
+ * for the donor's answer when it was cut (not closed gracefully), asks
+ * another member at once. */
+void gossip_join_on_close(struct gossip *g, net_conn_t *c, int status);
 /* Member `id` failed or left: a pull from it moves on. */
 void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left);
 /* Wakes the training thread's waits (a stop). Any thread. */

@@ -382,12 +382,24 @@ bool gossip_join_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
   return true;
 }
 
-void gossip_join_on_close(struct gossip *g, net_conn_t *c) {
+void gossip_join_on_close(struct gossip *g, net_conn_t *c, int status) {
   struct gossip_join *j = &g->join;
-  if (j->pulling && j->pull_conn == c) {
+  if (!j->pulling) return;
+  if (j->pull_conn == c) {
     j->pulling = false;
     j->pull_conn = NULL;
     j->pull_retry_ms = gossip_now_ms(g) + 200;
+  } else if (!j->pull_conn && status != 0 && same_id(net_conn_peer_key(c), j->donor)) {
+    /* The request, or the donor's answer, went with the connection: waiting
+     * for the donor's deadline (the exchange timeout) would leave us
+     * without a state for a minute. */
+    char who[200];
+    gossip_member_label(g, j->donor, who, sizeof who);
+    log_info("the connection to our donor %s was lost before its state began (%s); asking another peer", who,
+             rumor_strerror(status));
+    gossip_back_off(g, j->donor, gossip_now_ms(g) + 5000);
+    j->pulling = false;
+    j->pull_retry_ms = gossip_now_ms(g);
   }
 }
 

@@ -708,6 +708,10 @@ void gossip_monitor_config_default(struct gossip_monitor_config *c) {
   memset(c, 0, sizeof *c);
   c->timeout_ms = 3000;
   c->handshake_timeout_ms = 3000;
+  struct net_config nc;
+  net_config_defaults(&nc);
+  c->heartbeat_ms = nc.heartbeat_ms;
+  c->dead_after_ms = nc.dead_after_ms;
   c->exact_max_bytes = 4ull << 30;
 }
 
@@ -745,6 +749,8 @@ int gossip_monitor_open(gossip_monitor_t **out, const struct gossip_monitor_conf
   nc.cluster_key = m->cluster_key;
   nc.allow = cfg->allow;
   nc.handshake_timeout_ms = m->cfg.handshake_timeout_ms;
+  nc.heartbeat_ms = m->cfg.heartbeat_ms;
+  nc.dead_after_ms = m->cfg.dead_after_ms;
   nc.max_msg_bytes = 4u << 20; /* member tables of large clusters */
   const struct net_callbacks cbs = {.on_message = on_message, .on_bulk_begin = on_bulk_begin,
                                     .on_bulk_done = on_bulk_done, .on_close = on_close};

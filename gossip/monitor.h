@@ -34,6 +34,7 @@ struct gossip_monitor_config {
   const char *bootstrap;               /* comma-separated addresses; the first that answers is used */
   uint32_t timeout_ms;                 /* per poll (default 3000) */
   uint32_t handshake_timeout_ms;       /* default 3000 */
+  uint32_t heartbeat_ms, dead_after_ms; /* net_config's (defaults: net_config_defaults') */
   bool exact;                          /* also pull every peer's parameters */
   uint64_t exact_max_bytes;            /* refuse `exact` above this in total (default 4 GiB) */
   const atomic_int *stop;              /* optional: nonzero ends poll and sleep early */

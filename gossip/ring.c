@@ -210,16 +210,18 @@ static const uint8_t *succ(const struct gossip_ring *r) { return r->ids[wrap(r, 
 
 /* ---- membership ---- */
 
-/* Ready peers that are alive or suspect, ourselves included, sorted by key:
- * a new array (*n entries; the caller frees it). */
+/* Ready peers that are alive, ourselves included, sorted by key: a new
+ * array (*n entries; the caller frees it). A suspect is left out: it may
+ * be dead (its heartbeat stopped, its connection was cut: runtime.c), and
+ * a ring with a dead member waits for its deadline; one that is alive
+ * refutes within a round trip (swim.c) and the ring re-forms with it. */
 static uint8_t (*view_ring(struct gossip *g, size_t *n))[NET_PUBKEY_BYTES] {
   uint8_t(*ids)[NET_PUBKEY_BYTES] = xmalloc((g->swim.nmembers + 1) * NET_PUBKEY_BYTES);
   size_t k = 0;
   memcpy(ids[k++], g->identity.pk, NET_PUBKEY_BYTES);
   for (size_t i = 0; i < g->swim.nmembers && k < RING_MAX_MEMBERS; i++) {
     const struct swim_member *m = &g->swim.members[i];
-    if (m->info.role != SWIM_ROLE_PEER || !m->info.ready) continue;
-    if (m->info.state != SWIM_ALIVE && m->info.state != SWIM_SUSPECT) continue;
+    if (m->info.role != SWIM_ROLE_PEER || !m->info.ready || m->info.state != SWIM_ALIVE) continue;
     memcpy(ids[k++], m->info.id, NET_PUBKEY_BYTES);
   }
   qsort(ids, k, NET_PUBKEY_BYTES, cmp_id);
@@ -253,10 +255,22 @@ static bool in_ring(const struct gossip_ring *r, const uint8_t *id) {
   return bsearch(id, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) != NULL;
 }
 
-static bool member_gone(struct gossip *g, const uint8_t *id) {
+/* True when member `id` of the ring is no longer in our view of it:
+ * suspect, failed, left or forgotten. */
+static bool out_of_view(struct gossip *g, const uint8_t *id) {
   if (same_id(id, g->identity.pk)) return false;
   const struct swim_member *m = swim_find(&g->swim, id);
-  return !m || m->info.state == SWIM_DEAD || m->info.state == SWIM_LEFT;
+  return !m || m->info.state != SWIM_ALIVE;
+}
+
+/* A member of the round's ring that is no longer in our view, or NULL. */
+static const uint8_t *ring_member_out(struct gossip *g) {
+  const struct gossip_ring *r = &g->ring;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.state != SWIM_ALIVE && in_ring(r, m->info.id)) return m->info.id;
+  }
+  return NULL;
 }
 
 static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool create) {
@@ -366,6 +380,10 @@ static void maybe_done(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   if (!r->active || r->failing || r->recv_left || r->send_left) return;
   r->pos = r->step + 1;
+  if (r->n != r->done_members)
+    log_info("%s of step %llu done over %zu members (the last before it: over %zu)",
+             gathering(r) ? "all-gather" : "all-reduce", (unsigned long long)r->step, r->n, r->done_members);
+  r->done_members = r->n;
   log_debug("%s of step %llu over %zu members done in %llu ms", gathering(r) ? "all-gather" : "all-reduce",
             (unsigned long long)r->step, r->n, (unsigned long long)(gossip_now_ms(g) - r->started_ms));
   finish(g, GOSSIP_AR_DONE);
@@ -796,15 +814,16 @@ void gossip_ring_tick(struct gossip *g, uint64_t now) {
     fail(g, true, "timed out after %u ms", g->cfg.exchange_timeout_ms);
     return;
   }
+  /* A member out of our view (suspect, failed, left): what we still wait
+   * for passes through it (every piece does, while we receive), or it is
+   * the next member we still send to. The ring re-forms without it. */
   char who[200];
-  if (r->recv_left && member_gone(g, pred(r))) {
-    gossip_member_label(g, pred(r), who, sizeof who);
-    fail(g, true, "the previous member %s is gone", who);
-    return;
-  }
-  if ((r->send_left || !r->succ_ready) && member_gone(g, succ(r))) {
-    gossip_member_label(g, succ(r), who, sizeof who);
-    fail(g, true, "the next member %s is gone", who);
+  const uint8_t *out = r->recv_left ? ring_member_out(g) : NULL;
+  if (!out && (r->send_left || !r->succ_ready) && out_of_view(g, succ(r))) out = succ(r);
+  if (out) {
+    const struct swim_member *m = swim_find(&g->swim, out);
+    gossip_member_label(g, out, who, sizeof who);
+    fail(g, true, "%s is %s: the ring re-forms without it", who, m ? swim_state_name(m->info.state) : "gone");
     return;
   }
   /* Nothing from the predecessor yet: perhaps our READY never reached it

@@ -209,8 +209,29 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
   if (!gossip_xch_on_bulk_done(g, c, id, status)) (void)gossip_join_on_bulk_done(g, c, id, status);
 }
 
+/* A connection cut (a reset, EOF without BYE: the process died) or judged
+ * dead by the heartbeat is evidence against its member: SWIM suspects it at
+ * once (and tells everyone), so that the ring re-forms without it in a
+ * second rather than after the suspicion SWIM's own probes would raise.
+ * Not with the heartbeat off (SWIM's verdicts alone, as before it), not
+ * while we stop, and not right after a stall of our own: those cuts are the
+ * others' verdicts on us. */
+static void suspect_on_close(struct gossip *g, net_conn_t *c, int status, const char *detail) {
+  bool cut = status == -ECONNRESET || status == -EPIPE || net_conn_judged_dead(c);
+  uint64_t now = gossip_now_ms(g);
+  if (!cut || !g->cfg.net.heartbeat_ms || g->stopping || !gossip_joined(g) || now < g->stalled_until_ms) return;
+  const uint8_t *id = net_conn_peer_key(c);
+  if (!swim_suspect(&g->swim, id, now)) return;
+  char label[200];
+  gossip_member_label(g, id, label, sizeof label);
+  log_info("member %s is suspected at once: its connection %s (%s)", label,
+           net_conn_judged_dead(c) ? "fell silent" : "was cut", detail);
+  gossip_publish(g);
+}
+
 static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   struct gossip *g = ud;
+  suspect_on_close(g, c, status, detail);
   const uint8_t *id = gossip_link_forget(g, c);
   gossip_xch_on_close(g, c, id);
   /* Cut by an error (a reset, EOF from a dead process): an exchange with
@@ -218,7 +239,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
    * than at the failure verdict. */
   if (id && status != 0) gossip_xch_on_member_lost(g, id, "connection to the partner lost");
   gossip_ring_on_close(g, c);
-  gossip_join_on_close(g, c);
+  gossip_join_on_close(g, c, status);
   gossip_donation_on_close(g, c);
   gossip_stats_on_close(g, c);
 }
@@ -251,9 +272,29 @@ void gossip_finished(gossip_t *g) {
 
 /* ---- the loop thread ---- */
 
+/* The tick came `gap` ms after the last one. A gap the others' heartbeat
+ * verdicts may have seen (a stopped process, a blocked or starved loop: half
+ * their limit or more, since our last PING may have left up to an interval
+ * before it began) means they may hold us suspect: say at once that we are
+ * alive, and for a while take the cuts that follow for their verdicts on us,
+ * not as evidence against them. */
+static void check_stall(struct gossip *g, uint64_t now) {
+  const struct net_config *nc = &g->cfg.net;
+  uint64_t gap = now - g->last_tick_ms;
+  g->last_tick_ms = now;
+  if (!nc->heartbeat_ms || gap < nc->dead_after_ms / 2) return;
+  g->stalled_until_ms = now + nc->dead_after_ms;
+  if (g->stopping || !gossip_joined(g)) return;
+  log_msg(gap >= nc->dead_after_ms ? LOG_INFO : LOG_DEBUG,
+          "our loop stalled for %llu ms (stopped, or starved of CPU): telling every member that we are alive",
+          (unsigned long long)gap);
+  swim_announce(&g->swim);
+}
+
 static void on_tick(uv_timer_t *t) {
   struct gossip *g = t->data;
   uint64_t now = gossip_now_ms(g);
+  check_stall(g, now);
   if (!g->stopping) {
     gossip_relay_tick(g, now);
     gossip_join_tick(g, now);
@@ -424,6 +465,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
     goto fail_net;
   start_swim(g);
   gossip_publish(g);
+  g->last_tick_ms = gossip_now_ms(g);
   uv_timer_init(&g->loop, &g->tick);
   g->tick.data = g;
   uv_timer_start(&g->tick, on_tick, GOSSIP_TICK_MS, GOSSIP_TICK_MS);

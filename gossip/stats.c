@@ -328,6 +328,7 @@ void gossip_stats_tick(struct gossip *g, uint64_t now) {
     g->mon.counters.relay_bytes = ns.relay_bytes;
     g->mon.counters.relay_circuits = ns.relay_circuits;
     snprintf(g->mon.counters.via, sizeof g->mon.counters.via, "%s", g->relay.registered ? g->relay.via : "");
+    g->mon.counters.dead_verdicts = ns.dead_verdicts;
     pthread_mutex_unlock(&g->lock);
   }
   /* Requests whose figures did not come in time get what we have. */
@@ -435,6 +436,9 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_relay_forwarded_bytes_total %llu\n", (unsigned long long)gs.relay_bytes);
   metric(t, "rumor_relay_circuits", "gauge", "Circuits open through this node as a relay.");
   tprintf(t, "rumor_relay_circuits %llu\n", (unsigned long long)gs.relay_circuits);
+  metric(t, "rumor_network_dead_verdicts_total", "counter",
+         "Connections this node closed on the heartbeat's verdict: the peer pinged, then fell silent.");
+  tprintf(t, "rumor_network_dead_verdicts_total %llu\n", (unsigned long long)gs.dead_verdicts);
   if (gs.last_exchange_age_s >= 0) {
     metric(t, "rumor_last_exchange_age_seconds", "gauge", "Time since the last applied exchange.");
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);

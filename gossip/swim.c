@@ -107,6 +107,7 @@ void swim_init(struct swim *s, const struct swim_config *cfg, const struct swim_
   s->next_seq = 1;
   s->period_started_ms = now_ms;
   s->last_reconnect_ms = now_ms;
+  s->last_tick_ms = now_ms;
   enqueue(s, &s->self);
 }
 
@@ -121,12 +122,30 @@ static void notify(struct swim *s, const struct swim_member *m, enum swim_state 
   if (s->io.on_change) s->io.on_change(s->io.ctx, m, old, added);
 }
 
+/* Tells every live member the news `u` at once, in a PING of its own
+ * (sequence numbers no probe waits for: the ACKs only bring their news):
+ * a suspicion or a refutation reaches everyone within a round trip rather
+ * than after a few periods of piggybacking. One message per member, once
+ * per such event. */
+static void tell_all(struct swim *s, const struct swim_update *u) {
+  for (size_t i = 0; i < s->nmembers; i++)
+    if (is_live(s->members[i].info.state)) s->io.send_ping(s->io.ctx, &s->members[i], s->next_seq++, u, 1);
+}
+
 static void refute(struct swim *s, uint64_t their_incarnation) {
   if (s->self.state == SWIM_LEFT) return; /* we are leaving: let it stand */
   if (their_incarnation >= s->self.incarnation) s->self.incarnation = their_incarnation + 1;
   else s->self.incarnation++;
   s->refutations++;
   enqueue(s, &s->self);
+  tell_all(s, &s->self);
+}
+
+void swim_announce(struct swim *s) {
+  if (s->self.state == SWIM_LEFT) return;
+  s->self.incarnation++;
+  enqueue(s, &s->self);
+  tell_all(s, &s->self);
 }
 
 bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
@@ -277,18 +296,36 @@ static void send_indirect(struct swim *s, struct swim_member *target) {
   }
 }
 
+bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms) {
+  struct swim_member *m = swim_find(s, id);
+  if (!m || m->info.state != SWIM_ALIVE) return false;
+  struct swim_update u = m->info;
+  u.state = SWIM_SUSPECT;
+  s->suspicions++;
+  swim_apply(s, &u, now_ms);
+  tell_all(s, &u);
+  return true;
+}
+
 static void end_period(struct swim *s, uint64_t now_ms) {
   if (!s->probing) return;
   s->probing = false;
   if (s->probe_acked) return;
   s->probes_failed++;
-  struct swim_member *m = swim_find(s, s->probe_id);
-  if (m && m->info.state == SWIM_ALIVE) {
-    struct swim_update u = m->info;
-    u.state = SWIM_SUSPECT;
-    s->suspicions++;
-    swim_apply(s, &u, now_ms);
-  }
+  (void)swim_suspect(s, s->probe_id, now_ms);
+}
+
+static uint64_t later_by(uint64_t t, uint64_t gap, uint64_t now_ms) { return t + gap < now_ms ? t + gap : now_ms; }
+
+/* The owner did not tick for `gap` ms until now: we could not hear anyone
+ * meanwhile (their answers wait in our sockets), so the probe in flight
+ * and the suspicions we hold get that time back. */
+static void forgive_stall(struct swim *s, uint64_t gap, uint64_t now_ms) {
+  s->stalls++;
+  s->period_started_ms = later_by(s->period_started_ms, gap, now_ms);
+  s->probe_started_ms = later_by(s->probe_started_ms, gap, now_ms);
+  for (size_t i = 0; i < s->nmembers; i++)
+    if (s->members[i].info.state == SWIM_SUSPECT) s->members[i].since_ms = later_by(s->members[i].since_ms, gap, now_ms);
 }
 
 /* Pings one random DEAD member (LEFT members said goodbye: never). The
@@ -314,6 +351,8 @@ static void reconnect_probe(struct swim *s, uint64_t now_ms) {
 }
 
 void swim_tick(struct swim *s, uint64_t now_ms) {
+  if (now_ms > s->last_tick_ms + s->cfg.ping_timeout_ms) forgive_stall(s, now_ms - s->last_tick_ms, now_ms);
+  s->last_tick_ms = now_ms;
   /* Suspicion timeouts and tombstone expiry. */
   for (size_t i = 0; i < s->nmembers;) {
     struct swim_member *m = &s->members[i];

@@ -17,7 +17,14 @@
  *    update retransmitted about 3·log2(n+1) times;
  *  - every reconnect_ms, one random DEAD member is pinged anyway, so that
  *    two sides of a healed partition, each holding the other failed, find
- *    each other again (plain SWIM never probes a dead member).
+ *    each other again (plain SWIM never probes a dead member);
+ *  - a suspicion (ours, or the transport's verdict: swim_suspect) and a
+ *    refutation are also told at once to every live member, the suspect
+ *    included, in a PING each: views agree within a round trip, which the
+ *    all-reduce ring needs (its members must agree on who is in a round);
+ *  - time during which the owner could not tick (our own stall: a stopped
+ *    process, a blocked loop) is not held against anyone: the probe in
+ *    flight and the suspicions' timers move on by it.
  *
  * Update precedence, for one member: a higher incarnation wins; at equal
  * incarnation LEFT > DEAD > SUSPECT > ALIVE.
@@ -100,6 +107,7 @@ struct swim {
   bool probing, probe_acked, probe_indirect_sent;
   uint64_t probe_seq, probe_started_ms, period_started_ms;
   uint64_t last_reconnect_ms;
+  uint64_t last_tick_ms; /* a longer gap than ping_timeout_ms to the next tick is our own stall */
   uint64_t next_seq;
   size_t rr_pos; /* position in the round-robin order */
   uint8_t (*rr)[SWIM_ID_BYTES];
@@ -120,7 +128,7 @@ struct swim {
   size_t nqueue, qcap;
 
   /* Counters for monitoring and tests. */
-  uint64_t probes, probes_failed, suspicions, refutations, reconnects;
+  uint64_t probes, probes_failed, suspicions, refutations, reconnects, stalls;
 };
 
 /* Starts with only `self` known (state ALIVE). `seed` drives probe order. */
@@ -144,6 +152,19 @@ void swim_on_ping_req(struct swim *s, const uint8_t *from, const uint8_t *target
 /* Applies one update (from a message, a join reply, ...). Returns true when
  * it changed what we know. Updates about ourselves trigger refutation. */
 bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms);
+
+/* Suspects member `id` now, on evidence from outside SWIM (the transport
+ * judged our connection to it dead): ALIVE → SUSPECT at its incarnation,
+ * told at once to every live member, the suspect included, so that one
+ * that is only slow refutes; SWIM's own timer declares it failed after
+ * suspect_timeout as for any suspicion. Returns false (nothing done) when
+ * it is unknown or not ALIVE. */
+bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
+
+/* We may have been suspected or declared failed without hearing it (our
+ * owner saw its loop stall: a stopped process): raises our incarnation and
+ * tells every live member at once that we are alive. */
+void swim_announce(struct swim *s);
 
 /* Marks us ready (see swim_update.ready) with a new incarnation. */
 void swim_set_ready(struct swim *s);

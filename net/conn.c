@@ -65,7 +65,7 @@ static struct net_txframe *chunk_frame_get(struct net_conn *c, size_t size) {
   }
   f->sealed = true;
   f->transport = true;
-  f->is_bye = false;
+  f->is_bye = f->is_ping = false;
   return f;
 }
 
@@ -302,7 +302,8 @@ static void write_done(struct net_txframe *f, int status) {
   if (status == 0) {
     c->st.bytes_out += f->len;
     if (f->transport) c->st.frames_out++;
-    c->last_activity = uv_now(c->net->loop);
+    c->last_tx = uv_now(c->net->loop);
+    if (!f->is_ping) c->last_activity = c->last_tx;
   }
   struct net_txframe *carried = f->carried;
   f->carried = NULL;
@@ -345,6 +346,7 @@ static void conn_write(struct net_conn *c, struct net_txframe *f) {
   f->conn = c;
   f->req.data = f;
   c->inflight_bytes += f->len;
+  c->last_tx = uv_now(c->net->loop);
   int rc = c->circ ? net_circuit_write(c, f) : uv_write(&f->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
   if (rc < 0) {
     c->inflight_bytes -= f->len;
@@ -611,6 +613,108 @@ void net_conn_close(net_conn_t *c) {
 
 /* ---- timers ------------------------------------------------------------------------------ */
 
+static bool heartbeat_on(const struct net_conn *c) {
+  return c->net->cfg.heartbeat_ms && c->version >= NET_PROTO_PING;
+}
+
+/* The silence after which the peer is judged dead: dead_after_ms, or 4
+ * times the interval it announced when that is longer; 0 when it is not
+ * judged (no heartbeat on this side or this version, or no PING from it
+ * yet: a peer whose heartbeat is off is never judged). */
+static uint64_t dead_limit(const struct net_conn *c) {
+  if (!heartbeat_on(c) || !c->peer_ping_ms) return 0;
+  uint64_t own = c->net->cfg.dead_after_ms, theirs = 4 * (uint64_t)c->peer_ping_ms;
+  return own > theirs ? own : theirs;
+}
+
+/* Arms an open connection's timer for the nearest of: the idle limit, our
+ * next PING (nothing sent for heartbeat_ms; while frames are queued, they
+ * are the life the peer sees, so only look again later) and the verdict on
+ * a silent peer. Events between firings only move these later, so a timer
+ * that fires early just arms itself again. */
+static void open_timer_arm(struct net_conn *c, uint64_t now) {
+  const struct net_config *cfg = &c->net->cfg;
+  uint64_t due = UINT64_MAX;
+  if (cfg->idle_timeout_ms) due = c->last_activity + cfg->idle_timeout_ms;
+  if (heartbeat_on(c)) {
+    uint64_t ping = (queued(c) ? now : c->last_tx) + cfg->heartbeat_ms;
+    if (ping < due) due = ping;
+  }
+  uint64_t limit = dead_limit(c);
+  if (limit && c->last_rx + limit < due) due = c->last_rx + limit;
+  if (c->verdict_pending) due = now + 1; /* after this iteration's reads */
+  if (due == UINT64_MAX) {
+    uv_timer_stop(&c->timer);
+    return;
+  }
+  if (due <= now) due = now + 1;
+  c->timer_due = due;
+  uv_timer_start(&c->timer, on_timer, due - now, 0);
+}
+
+static void send_ping(struct net_conn *c) {
+  const struct net_config *cfg = &c->net->cfg;
+  if (queue_ctl(c, NET_FRAME_PING, cfg->heartbeat_ms, 0, NULL, 0, cfg->max_queued_bytes) != 0) return;
+  c->ctl_tail->is_ping = true;
+  pump(c);
+}
+
+static void abort_idle(struct net_conn *c, uint64_t idle) {
+  struct net_tx_bulk *tb = c->tx_head;
+  log_debug("net: %s idle: ctl %zu txq %zu (head ready %d) inflight %zu; tx %s phase %d jobs %u unflushed %u; "
+            "rx paused %d/%d deferred %d jobs %u state %d chunk %llu leaf_next %llu backlog %zu",
+            c->name, c->ctl_bytes, c->txq_bytes, c->txq_head ? c->txq_head->ready : -1, c->inflight_bytes,
+            tb ? "active" : "none", tb ? (int)tb->phase : -1, tb ? tb->jobs : 0, tb ? tb->unflushed : 0,
+            c->sess.paused, c->rx_paused, c->sess.deferred, c->sess.jobs, (int)c->sess.rx_state,
+            (unsigned long long)c->sess.ib.chunk_index, (unsigned long long)c->sess.ib.leaf_next,
+            c->sess.backlog_len);
+  net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "idle for %llu ms (limit %u ms)", (unsigned long long)idle,
+                 c->net->cfg.idle_timeout_ms);
+}
+
+/* True while we do not read this connection (chunks wait for workers, or
+ * a test paused it): its silence is then ours, not the peer's. */
+static bool not_reading(const struct net_conn *c) {
+#ifdef RUMOR_TESTING
+  if (c->test_paused) return true;
+#endif
+  return c->rx_paused || c->read_held; /* a relay holding a source back reads it no faster */
+}
+
+/* An open connection's timer fired: idle limit, verdict, PING. Time our
+ * loop spent stalled past the timer (a stopped process, a blocked or
+ * starved loop: lateness above a quarter of the limit) is not counted as
+ * the peer's silence, and a verdict waits for one more read of the socket,
+ * since the timers of an iteration run before its reads. */
+static void open_timer_fired(struct net_conn *c) {
+  const struct net_config *cfg = &c->net->cfg;
+  uint64_t now = uv_now(c->net->loop), limit = dead_limit(c);
+  if (limit && now > c->timer_due && now - c->timer_due >= cfg->dead_after_ms / 4) {
+    uint64_t late = now - c->timer_due;
+    c->last_rx = c->last_rx + late < now ? c->last_rx + late : now;
+    c->verdict_pending = false;
+  }
+  if (cfg->idle_timeout_ms && now - c->last_activity >= cfg->idle_timeout_ms) {
+    abort_idle(c, now - c->last_activity);
+    return;
+  }
+  if (not_reading(c)) c->last_rx = now;
+  if (limit && now - c->last_rx >= limit) {
+    if (c->verdict_pending) {
+      c->judged_dead = true;
+      c->net->stats.dead_verdicts++;
+      net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "silent for %llu ms (heartbeat verdict; limit %llu ms)",
+                     (unsigned long long)(now - c->last_rx), (unsigned long long)limit);
+      return;
+    }
+    c->verdict_pending = true;
+  } else {
+    c->verdict_pending = false;
+  }
+  if (heartbeat_on(c) && !queued(c) && now - c->last_tx >= cfg->heartbeat_ms) send_ping(c);
+  if (c->state == CONN_OPEN) open_timer_arm(c, now);
+}
+
 static void on_timer(uv_timer_t *t) {
   struct net_conn *c = t->data;
   const struct net_config *cfg = &c->net->cfg;
@@ -623,25 +727,7 @@ static void on_timer(uv_timer_t *t) {
     net_conn_abort(c, RUMOR_ETIMEDOUT, NET_HS_FAIL_TIMEOUT, "handshake not completed within %u ms",
                    cfg->handshake_timeout_ms);
     break;
-  case CONN_OPEN: {
-    if (!cfg->idle_timeout_ms) break;
-    uint64_t now = uv_now(c->net->loop), idle = now - c->last_activity;
-    if (idle >= cfg->idle_timeout_ms) {
-      struct net_tx_bulk *tb = c->tx_head;
-      log_debug("net: %s idle: ctl %zu txq %zu (head ready %d) inflight %zu; tx %s phase %d jobs %u unflushed %u; "
-                "rx paused %d/%d deferred %d jobs %u state %d chunk %llu leaf_next %llu backlog %zu",
-                c->name, c->ctl_bytes, c->txq_bytes, c->txq_head ? c->txq_head->ready : -1, c->inflight_bytes,
-                tb ? "active" : "none", tb ? (int)tb->phase : -1, tb ? tb->jobs : 0, tb ? tb->unflushed : 0,
-                c->sess.paused, c->rx_paused, c->sess.deferred, c->sess.jobs, (int)c->sess.rx_state,
-                (unsigned long long)c->sess.ib.chunk_index, (unsigned long long)c->sess.ib.leaf_next,
-                c->sess.backlog_len);
-      net_conn_abort(c, RUMOR_ETIMEDOUT, -1, "idle for %llu ms (limit %u ms)", (unsigned long long)idle,
-                     cfg->idle_timeout_ms);
-      break;
-    }
-    uv_timer_start(&c->timer, on_timer, cfg->idle_timeout_ms - idle, 0);
-    break;
-  }
+  case CONN_OPEN: open_timer_fired(c); break;
   case CONN_CLOSING:
     net_conn_abort(c, 0, -1, "the peer did not finish the close within %u ms", cfg->close_linger_ms);
     break;
@@ -650,11 +736,6 @@ static void on_timer(uv_timer_t *t) {
 }
 
 /* ---- session ops (called from inside net_sess_rx_feed) ------------------------------------ */
-
-static void arm_idle(struct net_conn *c) {
-  uv_timer_stop(&c->timer);
-  if (c->net->cfg.idle_timeout_ms) uv_timer_start(&c->timer, on_timer, c->net->cfg.idle_timeout_ms, 0);
-}
 
 static void became_open(struct net_conn *c) {
   net_t *n = c->net;
@@ -666,9 +747,21 @@ static void became_open(struct net_conn *c) {
   }
   n->stats.hs_ok++;
   net_conn_set_name(c);
-  arm_idle(c);
+  uint64_t now = uv_now(n->loop);
+  c->last_rx = c->last_tx = c->last_activity = now;
+  c->app_bytes_in = c->st.bytes_in;
   log_info("net: %s %s (%s)", c->inbound ? "accepted" : "connected to", c->name,
            c->suite == NET_SUITE_AES256GCM ? "aes256gcm" : "chacha20poly1305");
+  /* A PING at once tells the peer that we heartbeat: it judges us from then on. */
+  if (heartbeat_on(c)) send_ping(c);
+  if (c->state == CONN_OPEN) open_timer_arm(c, now);
+}
+
+static void op_ping(void *ctx, uint64_t interval_ms) {
+  struct net_conn *c = ctx;
+  bool first = !c->peer_ping_ms;
+  c->peer_ping_ms = interval_ms == 0 ? 1 : interval_ms > UINT32_MAX ? UINT32_MAX : (uint32_t)interval_ms;
+  if (first && c->state == CONN_OPEN) open_timer_arm(c, uv_now(c->net->loop)); /* the verdict's deadline */
 }
 
 static void op_ready(void *ctx) {
@@ -824,6 +917,7 @@ static const struct net_sess_ops sess_ops = {
     .on_bulk_done = op_bulk_done,
     .on_bulk_result = op_bulk_result,
     .on_bye = op_bye,
+    .on_ping = op_ping,
     .send_result = op_send_result,
     .submit = op_submit,
 };
@@ -855,8 +949,10 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 static void start_session(struct net_conn *c) {
   net_t *n = c->net;
   c->suite = c->hs.suite;
+  c->version = c->hs.version;
   memcpy(c->peer_pk, c->hs.peer_pk, NET_PUBKEY_BYTES);
   net_sess_init(&c->sess, !c->inbound, &n->cfg, &sess_ops, c);
+  c->sess.version = c->version;
   if (c->inbound) net_sess_set_keys(&c->sess, c->suite, c->hs.k_s2c, c->hs.k_c2s);
   else net_sess_set_keys(&c->sess, c->suite, c->hs.k_c2s, c->hs.k_s2c);
   net_hs_wipe(&c->hs);
@@ -975,6 +1071,16 @@ void net_conn_on_eof(struct net_conn *c) {
   }
 }
 
+/* Activity for the idle timeout: bytes beyond the PINGs received. (A
+ * PING split across reads counts once, at most 39 bytes of it.) */
+static void count_activity(struct net_conn *c, uint64_t now) {
+  uint64_t app = c->st.bytes_in - c->sess.pings_in * NET_FRAME_OVERHEAD;
+  if (app > c->app_bytes_in) {
+    c->app_bytes_in = app;
+    c->last_activity = now;
+  }
+}
+
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   struct net_conn *c = s->data;
   if (c->state == CONN_CLOSED || nread == 0) return;
@@ -988,12 +1094,18 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     return;
   }
   c->st.bytes_in += (uint64_t)nread;
-  c->last_activity = uv_now(c->net->loop);
+  uint64_t now = uv_now(c->net->loop);
   if (hs_mode(c)) {
+    c->last_activity = now;
     c->hs_got += (size_t)nread;
     on_hs_bytes(c);
     return;
   }
+  /* Any byte is life, those of a frame still arriving too (a 1 MiB chunk
+   * on a slow link takes seconds); it authenticates, or the connection is
+   * dropped anyway. */
+  c->last_rx = now;
+  c->verdict_pending = false;
   int rc;
   if (buf->base == (char *)c->stage) rc = net_sess_rx_feed(&c->sess, c->stage, (size_t)nread);
   else rc = net_sess_rx_commit(&c->sess, (size_t)nread);
@@ -1001,6 +1113,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     session_violation(c);
     return;
   }
+  count_activity(c, now);
   if (c->sess.paused && c->state != CONN_CLOSED && !c->rx_paused) {
     /* chunks are being authenticated on workers: wait for them */
     c->rx_paused = true;
@@ -1011,6 +1124,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
 /* Starts reading the socket again when no reason to hold it remains. */
 static void restart_reading(struct net_conn *c) {
   if (c->rx_paused || c->read_held || c->eof || c->circ || c->state == CONN_CLOSED) return;
+  c->last_rx = uv_now(c->net->loop); /* the silence while we did not read was ours */
 #ifdef RUMOR_TESTING
   if (c->test_paused) return; /* net_test_conn_pause_read */
 #endif
@@ -1035,10 +1149,13 @@ void net_conn_hold_read(struct net_conn *c, bool hold) {
  * circuit needs no read buffer of its own: the session keeps what arrives
  * while it waits for its workers). */
 void net_conn_feed(struct net_conn *c, const uint8_t *p, size_t len) {
+  uint64_t now = uv_now(c->net->loop);
   c->st.bytes_in += len;
-  c->last_activity = uv_now(c->net->loop);
+  c->last_rx = now; /* any byte is life, as on a socket */
+  c->verdict_pending = false;
   while (len && c->state != CONN_CLOSED && !c->reject_then_close) {
     if (hs_mode(c)) {
+      c->last_activity = now;
       size_t k = c->hs_want - c->hs_got;
       if (k > len) k = len;
       memcpy(c->hs_buf + c->hs_got, p, k);
@@ -1049,6 +1166,7 @@ void net_conn_feed(struct net_conn *c, const uint8_t *p, size_t len) {
       continue;
     }
     if (net_sess_rx_feed(&c->sess, p, len) < 0) session_violation(c);
+    else count_activity(c, now);
     return;
   }
 }
@@ -1168,6 +1286,7 @@ void *net_conn_data(const net_conn_t *c) { return c->data; }
 net_t *net_conn_net(const net_conn_t *c) { return c->net; }
 size_t net_conn_queued_bytes(const net_conn_t *c) { return queued(c); }
 unsigned net_conn_suite(const net_conn_t *c) { return c->suite; }
+bool net_conn_judged_dead(const net_conn_t *c) { return c->judged_dead; }
 
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s) {
   *s = c->st;
@@ -1184,6 +1303,7 @@ int net_test_conn_pause_read(net_conn_t *c, bool pause) {
   if (c->state == CONN_CLOSED) return -ENOTCONN;
   if (pause == c->test_paused) return 0;
   c->test_paused = pause;
+  c->last_rx = uv_now(c->net->loop); /* our own pause is not the peer's silence */
   if (pause) return uv_read_stop((uv_stream_t *)&c->tcp);
   restart_reading(c);
   return 0;

@@ -189,6 +189,7 @@ void net_sess_init(struct net_sess *s, bool client, const struct net_config *cfg
                    void *ctx) {
   memset(s, 0, sizeof *s);
   s->client = client;
+  s->version = NET_PROTO_MAX;
   s->ready = !client; /* the server has sent READY before it reads a frame */
   s->max_msg_bytes = cfg->max_msg_bytes;
   s->max_bulk_bytes = cfg->max_bulk_bytes;
@@ -253,6 +254,7 @@ static const char *frame_name(uint8_t t) {
   case NET_FRAME_BULK_ABORT: return "BULK_ABORT";
   case NET_FRAME_BULK_RESULT: return "BULK_RESULT";
   case NET_FRAME_BYE: return "BYE";
+  case NET_FRAME_PING: return "PING";
   case NET_FRAME_RELAY_LISTEN: return "RELAY_LISTEN";
   case NET_FRAME_CIRCUIT_OPEN: return "CIRCUIT_OPEN";
   case NET_FRAME_CIRCUIT_DATA: return "CIRCUIT_DATA";
@@ -307,6 +309,10 @@ static int on_header(struct net_sess *s) {
   switch (h->type) {
   case NET_FRAME_READY:
     if (!s->client || s->ready) return violation(s, RUMOR_EPROTO, "unexpected READY frame");
+    /* fall through */
+  case NET_FRAME_PING:
+    if (s->version < NET_PROTO_PING)
+      return violation(s, RUMOR_EPROTO, "PING frame in a protocol version %u session", s->version);
     /* fall through */
   case NET_FRAME_BULK_ABORT:
   case NET_FRAME_BULK_RESULT:
@@ -589,6 +595,10 @@ static int open_and_dispatch(struct net_sess *s) {
   case NET_FRAME_BYE:
     s->bye = true;
     if (s->ops->on_bye) s->ops->on_bye(s->ctx);
+    return 0;
+  case NET_FRAME_PING:
+    s->pings_in++;
+    if (s->ops->on_ping) s->ops->on_ping(s->ctx, h->a);
     return 0;
   case NET_FRAME_RELAY_LISTEN:
   case NET_FRAME_CIRCUIT_OPEN:

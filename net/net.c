@@ -20,6 +20,8 @@
 #define NET_DEFAULT_HS_TIMEOUT_MS 10000
 #define NET_DEFAULT_IDLE_TIMEOUT_MS 120000
 #define NET_DEFAULT_LINGER_MS 2000
+#define NET_DEFAULT_HEARTBEAT_MS 250
+#define NET_DEFAULT_DEAD_AFTER_MS 1000
 #define NET_MAX_MSG_LIMIT (64u << 20)
 
 void net_config_defaults(struct net_config *c) {
@@ -33,6 +35,8 @@ void net_config_defaults(struct net_config *c) {
   c->handshake_timeout_ms = NET_DEFAULT_HS_TIMEOUT_MS;
   c->idle_timeout_ms = NET_DEFAULT_IDLE_TIMEOUT_MS;
   c->close_linger_ms = NET_DEFAULT_LINGER_MS;
+  c->heartbeat_ms = NET_DEFAULT_HEARTBEAT_MS;
+  c->dead_after_ms = NET_DEFAULT_DEAD_AFTER_MS;
   c->suites = NET_SUITE_AES256GCM | NET_SUITE_CHACHA20POLY1305;
   c->offload = true;
   c->msg_limits.max_depth = NET_MSG_MAX_DEPTH;
@@ -162,6 +166,11 @@ static int check_config(const struct net_config *c, struct rumor_err *e) {
                          need + NET_CTRL_RESERVE, c->bulk_chunk_bytes);
   if (!c->handshake_timeout_ms || !c->max_pending_handshakes || !c->max_conns || !c->close_linger_ms)
     return rumor_err_set(e, -EINVAL, "net: timeouts and connection limits must be positive");
+  if (c->heartbeat_ms && c->dead_after_ms <= c->heartbeat_ms)
+    return rumor_err_set(e, -EINVAL,
+                         "net: dead_after_ms (%u) must exceed heartbeat_ms (%u): a peer is judged dead after "
+                         "dead_after_ms of silence, and it pings every heartbeat_ms (heartbeat_ms 0 turns both off)",
+                         c->dead_after_ms, c->heartbeat_ms);
   if (c->msg_limits.max_depth > NET_MSG_MAX_DEPTH)
     return rumor_err_set(e, -EINVAL, "net: message depth limit above %d", NET_MSG_MAX_DEPTH);
   return 0;

@@ -337,6 +337,16 @@ struct net_config {
   uint32_t idle_timeout_ms;      /* no byte in or out for this long drops an open connection;
                                     0 = never (default 120000) */
   uint32_t close_linger_ms;      /* graceful close waits this long for the peer (default 2000) */
+  /* The heartbeat (protocol version 3; docs/net.md, "Heartbeat"). An open
+   * connection that has sent nothing for heartbeat_ms sends a PING; a peer
+   * that pings us and from which nothing has arrived for dead_after_ms (or
+   * 4 times the interval it announced, when that is longer) is judged dead:
+   * the connection is aborted with RUMOR_ETIMEDOUT (net_conn_judged_dead).
+   * Any byte received counts as life, the bytes of a frame still arriving
+   * too. heartbeat_ms 0 turns it off on this side: no PINGs, no verdicts.
+   * Otherwise dead_after_ms must exceed heartbeat_ms. */
+  uint32_t heartbeat_ms;         /* default 250 */
+  uint32_t dead_after_ms;        /* default 1000 */
   uint32_t suites;               /* enum net_suite mask allowed (default both) */
   int sock_buf_bytes;            /* SO_SNDBUF/SO_RCVBUF; 0 = the system's (default 0) */
   bool relay;                    /* relay circuits for members that cannot accept connections
@@ -503,6 +513,9 @@ net_t *net_conn_net(const net_conn_t *c);
 size_t net_conn_queued_bytes(const net_conn_t *c);
 /* The transport cipher chosen for this connection (enum net_suite). */
 unsigned net_conn_suite(const net_conn_t *c);
+/* True when the connection was aborted on the heartbeat verdict (the peer
+ * pinged, then fell silent for the limit): valid in on_close. */
+bool net_conn_judged_dead(const net_conn_t *c);
 
 /* Statistics. Bytes are wire bytes (headers, tags and handshake included). */
 struct net_conn_stats {
@@ -518,6 +531,7 @@ struct net_stats {
   uint64_t hs_ok, hs_failed;
   uint64_t hs_fail[NET_HS_FAIL__COUNT];
   uint64_t dropped_violation; /* open connections dropped for a protocol violation */
+  uint64_t dead_verdicts;     /* open connections aborted on the heartbeat verdict (silent peer) */
   uint64_t relay_bytes;       /* a relay: circuit bytes forwarded */
   uint64_t relay_circuits;    /* a relay: circuits open through it now */
   uint64_t relay_refused;     /* a relay: circuits refused for lack of room */

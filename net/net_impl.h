@@ -18,9 +18,13 @@
 /* Protocol versions this build speaks. Version 2 (bulk frames sealed with
  * OpenSSL's AEAD, the transfer digest over the chunks' AEAD tags) replaced
  * version 1 (libsodium's AEAD, a BLAKE2b tree over the chunks' bytes); a
- * version-1 peer is refused with a message that says so. */
+ * version-1 peer is refused with a message that says so. Version 3 adds the
+ * heartbeat (NET_FRAME_PING): a session of version 2 neither sends nor
+ * accepts one, so a build without it, which would drop the connection on an
+ * unknown frame type, still talks to this one (without verdicts). */
 #define NET_PROTO_MIN 2
-#define NET_PROTO_MAX 2
+#define NET_PROTO_MAX 3
+#define NET_PROTO_PING 3 /* the first version with NET_FRAME_PING */
 #define NET_PROTO_RETIRED 1 /* the last version this build no longer accepts */
 #define NET_HS_LEN_BYTES 2     /* each handshake message: u16 length, then body */
 #define NET_HS_FRAME_MAX 512   /* cap on a pre-authentication message body */
@@ -63,7 +67,8 @@ enum net_frame_type {
   NET_FRAME_BULK_ABORT = 6,  /* a = id: the sender gave up on this transfer */
   NET_FRAME_BULK_RESULT = 7, /* a = id, b = enum net_bulk_result: the receiver's verdict */
   NET_FRAME_BYE = 8,         /* graceful close */
-  /* 9: reserved for the heartbeat. Relays (docs/net.md, "Relays"): these
+  NET_FRAME_PING = 9,        /* a = the sender's heartbeat interval in ms: it is alive (version 3) */
+  /* Relays (docs/net.md, "Relays"): these
    * travel hop by hop, between a peer and a relay; a circuit's own stream
    * (a whole inner connection: its handshake and frames, sealed end to end)
    * rides in CIRCUIT_DATA. */
@@ -74,7 +79,7 @@ enum net_frame_type {
 };
 _Static_assert(NET_FRAME_READY == 1 && NET_FRAME_MSG == 2 && NET_FRAME_BULK_BEGIN == 3 &&
                    NET_FRAME_BULK_DATA == 4 && NET_FRAME_BULK_END == 5 && NET_FRAME_BULK_ABORT == 6 &&
-                   NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8,
+                   NET_FRAME_BULK_RESULT == 7 && NET_FRAME_BYE == 8 && NET_FRAME_PING == 9,
                "frame types are wire values");
 
 /* Why a circuit ended (CIRCUIT_END's b). FIN half-closes: no more bytes
@@ -340,6 +345,9 @@ struct net_sess_ops {
   void (*on_bulk_done)(void *ctx, uint64_t id, int status, float *dst, void *dst_arg);
   void (*on_bulk_result)(void *ctx, uint64_t id, enum net_bulk_result r);
   void (*on_bye)(void *ctx);
+  /* The peer's heartbeat: it pings every `interval_ms` while it sends
+   * nothing else (the frame's `a`, as it claims it). */
+  void (*on_ping)(void *ctx, uint64_t interval_ms);
   /* A relay frame (RELAY_LISTEN, CIRCUIT_*), its size already checked.
    * Returns 0, or a negative code with the reason (a violation: the session
    * stops). `pt` is valid during the call. */
@@ -357,6 +365,8 @@ enum net_rx_state { NET_RX_HDR, NET_RX_BODY, NET_RX_TAG };
 struct net_sess {
   struct net_aead tx, rx;
   bool client;       /* the client's first frame must be READY */
+  uint8_t version;   /* the session's protocol version: PING only from NET_PROTO_PING
+                        (net_sess_init sets NET_PROTO_MAX; the owner sets the negotiated one) */
   bool ready;        /* READY seen (client) or sent (server) */
   bool bye;          /* the peer said BYE: nothing may follow */
   bool stop;         /* set by the owner to stop processing input (closing) */
@@ -390,6 +400,7 @@ struct net_sess {
   void *ctx;
   /* counters */
   uint64_t frames_in, msgs_in, bulk_in_ok, bulk_in_failed;
+  uint64_t pings_in; /* PING frames (NET_FRAME_OVERHEAD bytes each) */
   struct rumor_err err; /* the violation that stopped the session */
 };
 

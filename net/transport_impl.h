@@ -48,6 +48,7 @@ struct net_txframe {
   bool ready;    /* in txq: sealed and writable */
   bool orphan;   /* its connection dropped it while a worker was sealing it */
   bool is_bye;
+  bool is_ping;  /* our heartbeat: not activity for the idle timeout */
   bool transport;/* counts as a frame in the stats (handshake messages do not) */
   struct net_tx_bulk *t;  /* bulk DATA frames: their transfer (for the digest leaf) */
   /* A CIRCUIT_DATA piece that ends a frame of a connection running over the
@@ -110,7 +111,16 @@ struct net_conn {
   /* closing */
   int close_status;
   char close_detail[NET_DETAIL_STR];
-  uint64_t last_activity; /* uv_now, ms */
+  uint64_t last_activity; /* uv_now, ms: the last byte in or out other than PINGs (the idle timeout) */
+  /* Liveness of an open connection (docs/net.md, "Heartbeat"), loop time in ms. */
+  uint64_t last_rx;      /* a byte last arrived (or reading was paused by us) */
+  uint64_t last_tx;      /* a frame last went to the socket, or finished writing */
+  uint64_t timer_due;    /* when the open connection's timer was due: lateness is our own stall */
+  uint64_t app_bytes_in; /* bytes received less PING frames, at the last read: growth is activity */
+  uint32_t peer_ping_ms; /* the interval the peer announced in its PINGs; 0: none seen, never judged */
+  uint8_t version;       /* the session's protocol version */
+  bool verdict_pending;  /* silent past the limit: the socket is read once more before the verdict */
+  bool judged_dead;      /* aborted on the heartbeat verdict */
   struct net_conn_stats st;
   /* relays (relay.c). A connection over a circuit has no socket: its bytes
    * travel in CIRCUIT_DATA frames of `circ_carrier`, its connection to the

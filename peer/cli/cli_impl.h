@@ -111,6 +111,7 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
 struct net_flags {
   const char *listen, *advertise, *bootstrap, *cluster_key, *identity, *allow_list, *metrics;
   int64_t period_ms, ping_timeout_ms, suspect_ms, join_timeout_ms, handshake_timeout_ms;
+  int64_t heartbeat_ms, dead_after_ms; /* the transport's heartbeat (net_config) */
   int64_t linger_ms; /* members: time to spread LEAVE on exit */
   bool no_inbound, relay; /* rumor peer and bootstrap: reached through a relay / serve as one */
   double relay_rate_mbit; /* a relay's cap per peer, Mbit/s (0: none) */
@@ -131,16 +132,23 @@ void net_flags_default(struct net_flags *f);
  * stage. */
 void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, struct arg_spec *out, size_t *n,
                      size_t max);
-/* Checks the address flags before anything starts: --listen and --metrics
+/* Checks the flags before anything starts: --listen and --metrics
  * parse (port 0: any), --advertise can be dialed by others
- * (gossip_advertise_check), and every entry of --bootstrap and of `servers`
- * (--servers, or NULL) is host:port with a port in [1, 65535]. `member`:
- * the command joins a gossip cluster, so without --advertise the --listen
- * host must be one others can dial (gossip_listen_advertisable). For the
- * commands that take one list each; the launcher checks its per-stage
- * forms itself. Returns 0, or RUMOR_EFORMAT naming the flag and the entry. */
-int net_flags_check_addrs(const struct net_flags *f, const char *servers, bool member,
-                          struct rumor_err *e) RUMOR_MUST_CHECK;
+ * (gossip_advertise_check), every entry of --bootstrap and of `servers`
+ * (--servers, or NULL) is host:port with a port in [1, 65535], and
+ * --dead-after-ms exceeds --heartbeat-ms (net_flags_check_heartbeat).
+ * `member`: the command joins a gossip cluster, so without --advertise the
+ * --listen host must be one others can dial (gossip_listen_advertisable).
+ * For the commands that take one list each; the launcher checks its
+ * per-stage forms itself. Returns 0, or RUMOR_EFORMAT naming the flag and
+ * the entry. */
+int net_flags_check(const struct net_flags *f, const char *servers, bool member,
+                    struct rumor_err *e) RUMOR_MUST_CHECK;
+/* --heartbeat-ms and --dead-after-ms, for a command with an option table of
+ * its own (rumor ps): appends their specs to out[*n..max), and checks them
+ * (Returns 0, or RUMOR_EFORMAT naming both). */
+void net_flags_heartbeat_specs(struct net_flags *f, struct arg_spec *out, size_t *n, size_t max);
+int net_flags_check_heartbeat(const struct net_flags *f, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Loads the key files (required: --cluster-key and --identity). */
 int net_flags_load_keys(const struct net_flags *f, struct net_keys *k, struct rumor_err *e) RUMOR_MUST_CHECK;
 void net_keys_free(struct net_keys *k);

@@ -40,7 +40,7 @@ int cmd_bootstrap(int argc, char **argv) {
     fprintf(stderr, "rumor bootstrap: --no-inbound: a bootstrap node is what newcomers dial; it must accept connections\n");
     return 2;
   }
-  if (net_flags_check_addrs(&nf, NULL, true, &e)) {
+  if (net_flags_check(&nf, NULL, true, &e)) {
     fprintf(stderr, "rumor bootstrap: %s\n", e.msg);
     return 2;
   }

@@ -70,7 +70,7 @@ static int parse(struct peer_proc *p, int argc, char **argv, bool *done) {
   bool ps = false;
   if (train_flags_config(&p->tf, specs, &p->tc, &e) || gossip_flags_setup(&p->gf, specs, &p->mb.setup, &e) ||
       ((ps = p->mb.setup.sync.kind == SYNC_PS) && ps_worker_check(&p->nf, &p->gf, &e)) ||
-      net_flags_check_addrs(&p->nf, p->gf.servers, !ps, &e)) {
+      net_flags_check(&p->nf, p->gf.servers, !ps, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     *done = true;
     return 2;

@@ -14,7 +14,8 @@
 
 struct ps_flags {
   struct train_flags tf; /* the optimizer, the model, the seed and the schedule, as the workers take them */
-  const char *listen, *cluster_key, *identity, *allow_list, *range, *staleness, *name, *stage;
+  struct net_flags nf;   /* the keys' files and the heartbeat (--heartbeat-ms, --dead-after-ms) */
+  const char *listen, *range, *staleness, *name, *stage;
   int64_t workers, handshake_timeout_ms, worker_timeout_ms;
 };
 
@@ -29,6 +30,7 @@ static void announce(const char *addr, const char *id, void *arg) {
 
 static int parse_ps(struct ps_flags *f, struct arg_spec *specs, int argc, char **argv) {
   train_flags_default(&f->tf);
+  net_flags_default(&f->nf);
   f->tf.checkpoint_every = 10;
   f->listen = "0.0.0.0:7480";
   f->range = "0/1";
@@ -38,9 +40,9 @@ static int parse_ps(struct ps_flags *f, struct arg_spec *specs, int argc, char *
   struct train_flags *t = &f->tf;
   const struct arg_spec list[] = {
       {"listen", ARG_STR, &f->listen, "HOST:PORT", "address to listen on (port 0: any free port)"},
-      {"cluster-key", ARG_STR, &f->cluster_key, "FILE", "the cluster's key (rumor keygen --cluster); required"},
-      {"identity", ARG_STR, &f->identity, "FILE", "this server's identity (rumor keygen); required"},
-      {"allow-list", ARG_STR, &f->allow_list, "FILE", "admit only the public keys listed in FILE"},
+      {"cluster-key", ARG_STR, &f->nf.cluster_key, "FILE", "the cluster's key (rumor keygen --cluster); required"},
+      {"identity", ARG_STR, &f->nf.identity, "FILE", "this server's identity (rumor keygen); required"},
+      {"allow-list", ARG_STR, &f->nf.allow_list, "FILE", "admit only the public keys listed in FILE"},
       {"handshake-timeout-ms", ARG_INT, &f->handshake_timeout_ms, "MS", "connection handshake deadline", 100, 600000},
       {"range", ARG_STR, &f->range, "I/S", "hold the I-th of S contiguous ranges of the parameters"},
       {"stage", ARG_STR, &f->stage, "s/G",
@@ -75,6 +77,7 @@ static int parse_ps(struct ps_flags *f, struct arg_spec *specs, int argc, char *
   };
   size_t n = 0;
   for (; n < sizeof list / sizeof list[0]; n++) specs[n] = list[n];
+  net_flags_heartbeat_specs(&f->nf, specs, &n, 62);
   args_log_json_spec(&t->log_json, specs, &n, 63);
   specs[n] = (struct arg_spec){0};
   return args_parse(specs, argc, argv,
@@ -99,6 +102,7 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
   c->stages = 1;
   if (f->stage && (rc = group_stage_parse(f->stage, &c->stage, &c->stages, e))) return rc;
   if (net_addr_check_listen(f->listen, e)) return rumor_err_prefix(e, "--listen");
+  if ((rc = net_flags_check_heartbeat(&f->nf, e))) return rc;
   if (!args_given(specs, "workers")) return rumor_err_set(e, RUMOR_EFORMAT, "--workers N is required");
   if (!t->checkpoint)
     return rumor_err_set(e, RUMOR_EFORMAT, "--checkpoint PATH is required (a server must survive restarts)");
@@ -123,6 +127,8 @@ static int ps_config(const struct ps_flags *f, const struct arg_spec *specs, str
   c->checkpoint_every = t->checkpoint_every;
   c->worker_timeout_ms = (uint32_t)f->worker_timeout_ms;
   c->handshake_timeout_ms = (uint32_t)f->handshake_timeout_ms;
+  c->heartbeat_ms = (uint32_t)f->nf.heartbeat_ms;
+  c->dead_after_ms = (uint32_t)f->nf.dead_after_ms;
   c->stop = signals_stop_flag();
   c->on_listen = announce;
   return 0;
@@ -151,15 +157,10 @@ int cmd_ps(int argc, char **argv) {
   log_set_json(f.tf.log_json);
   log_set_name(f.name ? f.name : "ps");
   struct rumor_err e = {0};
-  struct net_flags nf;
-  net_flags_default(&nf);
-  nf.cluster_key = f.cluster_key;
-  nf.identity = f.identity;
-  nf.allow_list = f.allow_list;
   struct ps_server_config cfg;
   struct net_keys keys;
   int rc = ps_config(&f, specs, &cfg, &e);
-  if (rc == 0 && (rc = net_flags_load_keys(&nf, &keys, &e)) == 0) {
+  if (rc == 0 && (rc = net_flags_load_keys(&f.nf, &keys, &e)) == 0) {
     cfg.identity = &keys.identity;
     cfg.cluster_key = keys.cluster_key;
     cfg.allow = keys.have_allow ? &keys.allow : NULL;
@@ -213,7 +214,9 @@ void ps_worker_net(const struct net_flags *nf, const struct net_keys *keys, cons
                              .cluster_key = keys->cluster_key,
                              .allow = keys->have_allow ? &keys->allow : NULL,
                              .servers = gf->servers,
-                             .handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms};
+                             .handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms,
+                             .heartbeat_ms = (uint32_t)nf->heartbeat_ms,
+                             .dead_after_ms = (uint32_t)nf->dead_after_ms};
 }
 
 /* A whole replica's worker: the ps scheme with no gossip runtime. */

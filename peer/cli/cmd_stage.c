@@ -102,7 +102,7 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   if (group_stage_parse(p->f.pipe.stage, &stage, &stages, &e) ||
       group_flags_config(&p->f, specs, stage, stages, &p->tc, &p->st, &p->plan, &e) ||
       gossip_flags_setup(&p->f.gossip, specs, &p->mb.setup, &e) || check_link_addrs(&p->f.pipe, &e) ||
-      net_flags_check_addrs(&p->f.net, p->f.gossip.servers, p->mb.setup.sync.kind != SYNC_PS, &e)) {
+      net_flags_check(&p->f.net, p->f.gossip.servers, p->mb.setup.sync.kind != SYNC_PS, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
@@ -163,6 +163,8 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .wire = p->mb.setup.wire,
                                  .connect_timeout_ms = (uint32_t)pf->link_wait_ms,
                                  .idle_timeout_ms = (uint32_t)pf->link_timeout_ms,
+                                 .heartbeat_ms = (uint32_t)p->f.net.heartbeat_ms,
+                                 .dead_after_ms = (uint32_t)p->f.net.dead_after_ms,
                                  .stop = signals_stop_flag()};
   if ((rc = stage_link_start(&p->link, &lc, e))) return rc;
   trainer_set_link(&p->t, p->link);

@@ -466,6 +466,8 @@ static int watch_cluster(struct net_keys *keys, const struct net_flags *nf, stru
   mc.bootstrap = nf->bootstrap;
   mc.timeout_ms = (uint32_t)o->timeout_ms;
   mc.handshake_timeout_ms = (uint32_t)nf->handshake_timeout_ms;
+  mc.heartbeat_ms = (uint32_t)nf->heartbeat_ms;
+  mc.dead_after_ms = (uint32_t)nf->dead_after_ms;
   mc.exact = o->exact;
   mc.exact_max_bytes = (uint64_t)(o->exact_max_mb * 1024 * 1024);
   mc.stop = signals_stop_flag();
@@ -552,7 +554,7 @@ int cmd_top(int argc, char **argv) {
   if (o.once) o.count = 1;
 
   struct rumor_err e = {0};
-  if (net_flags_check_addrs(&nf, o.servers, false, &e)) {
+  if (net_flags_check(&nf, o.servers, false, &e)) {
     fprintf(stderr, "rumor top: %s\n", e.msg);
     return 2;
   }

@@ -14,12 +14,15 @@ void net_flags_default(struct net_flags *f) {
   f->suspect_ms = c.suspect_timeout_ms;
   f->join_timeout_ms = c.join_timeout_ms;
   f->handshake_timeout_ms = c.net.handshake_timeout_ms;
+  f->heartbeat_ms = c.net.heartbeat_ms;
+  f->dead_after_ms = c.net.dead_after_ms;
   f->linger_ms = 500;
 }
 
 /* The options `rumor top` takes: it joins nothing and listens nowhere. */
 static bool monitor_takes(const char *name) {
-  static const char *const names[] = {"bootstrap", "cluster-key", "identity", "allow-list", "handshake-timeout-ms"};
+  static const char *const names[] = {"bootstrap",          "cluster-key",  "identity",      "allow-list",
+                                      "handshake-timeout-ms", "heartbeat-ms", "dead-after-ms"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if (strcmp(name, names[i]) == 0) return true;
   return false;
@@ -73,6 +76,7 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
       {"relay-rate", ARG_FLOAT, &f->relay_rate_mbit, "MBIT",
        "as a relay, forward at most this many Mbit/s from one peer (0: no cap)", 0, 1e6},
   };
+  size_t nspecs = sizeof specs / sizeof specs[0];
   if (with_listen)
     for (size_t i = 0; i < sizeof listen_specs / sizeof listen_specs[0]; i++) {
       RUMOR_ASSERT(*n < max);
@@ -84,15 +88,43 @@ void net_flags_specs(struct net_flags *f, enum flags_for who, bool with_listen, 
       RUMOR_ASSERT(*n < max);
       out[(*n)++] = relay_specs[i];
     }
-  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+  for (size_t i = 0; i < nspecs; i++) {
     if (who == FLAGS_MONITOR && !monitor_takes(specs[i].name)) continue;
     RUMOR_ASSERT(*n < max);
     out[*n] = specs[i];
     net_flags_help_for(who, &out[(*n)++]);
   }
+  net_flags_heartbeat_specs(f, out, n, max);
 }
 
-int net_flags_check_addrs(const struct net_flags *f, const char *servers, bool member, struct rumor_err *e) {
+void net_flags_heartbeat_specs(struct net_flags *f, struct arg_spec *out, size_t *n, size_t max) {
+  const struct arg_spec specs[] = {
+      {"heartbeat-ms", ARG_INT, &f->heartbeat_ms, "MS",
+       "send a heartbeat on a connection that has sent nothing for this long (0: no heartbeat, and no verdicts: "
+       "failures are found by the membership probes alone)",
+       0, 60000},
+      {"dead-after-ms", ARG_INT, &f->dead_after_ms, "MS",
+       "a connected peer silent this long is judged dead: the exchange, all-reduce round or state pull with it "
+       "ends at once and the membership suspects it (above --heartbeat-ms)",
+       1, 600000},
+  };
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    RUMOR_ASSERT(*n < max);
+    out[(*n)++] = specs[i];
+  }
+}
+
+int net_flags_check_heartbeat(const struct net_flags *f, struct rumor_err *e) {
+  if (f->heartbeat_ms && f->dead_after_ms <= f->heartbeat_ms)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--dead-after-ms %lld must exceed --heartbeat-ms %lld (a peer that heartbeats is judged "
+                         "dead after that much silence; --heartbeat-ms 0 turns both off)",
+                         (long long)f->dead_after_ms, (long long)f->heartbeat_ms);
+  return 0;
+}
+
+int net_flags_check(const struct net_flags *f, const char *servers, bool member, struct rumor_err *e) {
+  if (net_flags_check_heartbeat(f, e)) return RUMOR_EFORMAT;
   if (f->no_inbound && f->relay)
     return rumor_err_set(e, RUMOR_EFORMAT, "--relay needs a member others can dial; it cannot go with --no-inbound");
   if (f->no_inbound && f->advertise)
@@ -148,4 +180,6 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
   c->suspect_timeout_ms = (uint32_t)f->suspect_ms;
   c->join_timeout_ms = (uint32_t)f->join_timeout_ms;
   c->net.handshake_timeout_ms = (uint32_t)f->handshake_timeout_ms;
+  c->net.heartbeat_ms = (uint32_t)f->heartbeat_ms;
+  c->net.dead_after_ms = (uint32_t)f->dead_after_ms;
 }

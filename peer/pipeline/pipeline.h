@@ -176,6 +176,8 @@ struct stage_link_config {
                             agreement: both neighbours must use the same. */
   uint32_t connect_timeout_ms; /* neighbours must connect and agree within this */
   uint32_t idle_timeout_ms;    /* a connected neighbour silent this long is lost */
+  uint32_t heartbeat_ms, dead_after_ms; /* the transport's heartbeat (net_config's; 0 heartbeat: none):
+                                           a neighbour whose loop stops is lost after dead_after_ms */
   const atomic_int *stop;      /* polled by waits: non-zero ends them (a stop signal); may be NULL */
 };
 

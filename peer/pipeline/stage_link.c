@@ -614,6 +614,8 @@ static void start_on_loop(uv_loop_t *loop, void *arg) {
   nc.cluster_key = l->cluster_key;
   nc.allow = &allow;
   nc.idle_timeout_ms = l->cfg.idle_timeout_ms;
+  nc.heartbeat_ms = l->cfg.heartbeat_ms;
+  nc.dead_after_ms = l->cfg.dead_after_ms;
   nc.max_conns = 16;
   nc.max_pending_handshakes = 8;
   /* One transfer per micro-batch: latency matters more here than spreading

@@ -452,6 +452,8 @@ static int net_start(struct ps_client *cl, struct rumor_err *e) {
   nc.max_bulk_bytes = (uint64_t)cl->P * sizeof(float) + 4096;
   nc.idle_timeout_ms = 0; /* our own check, on bytes received (ours go out as PINGs) */
   if (cl->cfg.handshake_timeout_ms) nc.handshake_timeout_ms = cl->cfg.handshake_timeout_ms;
+  nc.heartbeat_ms = cl->cfg.heartbeat_ms;
+  nc.dead_after_ms = cl->cfg.dead_after_ms;
   const struct net_callbacks cbs = {.on_message = on_message,
                                     .on_bulk_begin = on_bulk_begin,
                                     .on_bulk_done = on_bulk_done,

@@ -81,6 +81,7 @@ struct ps_server_config {
   int64_t checkpoint_every; /* updates between saves (also at exit); >= 1 */
   uint32_t worker_timeout_ms;    /* a worker silent this long is dropped */
   uint32_t handshake_timeout_ms; /* 0: net's default */
+  uint32_t heartbeat_ms, dead_after_ms; /* net_config's, as given (0 heartbeat: none) */
   const atomic_int *stop;        /* polled; non-zero ends the run (may be NULL) */
   /* Called once listening, with the bound address and our public key (text);
    * the CLI prints its JSON line there. */
@@ -129,6 +130,7 @@ struct ps_client_config {
   enum net_dtype wire;               /* gradients and parameters on the wire */
   uint32_t server_timeout_ms;        /* a server silent this long is redialed */
   uint32_t handshake_timeout_ms;     /* 0: net's default */
+  uint32_t heartbeat_ms, dead_after_ms; /* net_config's, as given (0 heartbeat: none) */
   double give_up_s;                  /* fail when a server is unreachable this long */
   const atomic_int *stop;            /* polled while waiting (may be NULL) */
 };

@@ -43,6 +43,8 @@ static int ps_init(struct sync *s, struct rumor_err *e) {
                                       .wire = s->cfg.wire,
                                       .server_timeout_ms = PS_SCHEME_SERVER_TIMEOUT_MS,
                                       .handshake_timeout_ms = n->handshake_timeout_ms,
+                                      .heartbeat_ms = n->heartbeat_ms,
+                                      .dead_after_ms = n->dead_after_ms,
                                       .give_up_s = PS_SCHEME_GIVE_UP_S,
                                       .stop = s->cfg.stop};
   ps_client_t *cl;

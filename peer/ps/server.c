@@ -904,6 +904,8 @@ static int server_listen(struct server *s, struct rumor_err *e) {
   nc.max_bulk_bytes = (uint64_t)s->len * sizeof(float) + 4096;
   nc.idle_timeout_ms = s->cfg.worker_timeout_ms; /* connections that never say HELLO */
   if (s->cfg.handshake_timeout_ms) nc.handshake_timeout_ms = s->cfg.handshake_timeout_ms;
+  nc.heartbeat_ms = s->cfg.heartbeat_ms;
+  nc.dead_after_ms = s->cfg.dead_after_ms;
   const struct net_callbacks cbs = {.on_message = on_message,
                                     .on_bulk_begin = on_bulk_begin,
                                     .on_bulk_done = on_bulk_done,

@@ -310,6 +310,7 @@ struct sync_config {
     const struct net_allowlist *allow; /* may be NULL */
     const char *servers;               /* --servers */
     uint32_t handshake_timeout_ms;
+    uint32_t heartbeat_ms, dead_after_ms; /* net_config's (0 heartbeat: none) */
   } net;
 };
 

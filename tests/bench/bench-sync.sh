@@ -13,9 +13,13 @@
 #              namespaces), each host's traffic delayed 10 ms (20 ms RTT) and
 #              limited to 200 Mbit/s
 #   killed     worker N is SIGKILLed when worker 1 is half-way
+#   stopped    worker N is SIGSTOPped when worker 1 is half-way, and
+#              SIGCONTed STOP_S seconds later
 #
 # Schemes: gossip (rumor peer), gossip-mls (gossip with --max-local-steps 4),
-# allreduce (rumor peer --sync allreduce), ps0 / ps4 / psasp (two `rumor ps`
+# allreduce (rumor peer --sync allreduce), allreduce-swim (the same with
+# --heartbeat-ms 0 on every node: failures found by SWIM's probes alone;
+# killed and stopped only), ps0 / ps4 / psasp (two `rumor ps`
 # servers, each holding half the parameters, with --staleness 0, 4, none;
 # workers rumor peer --sync ps),
 # ddp (PyTorch DDP, gloo all-reduce every step: tests/bench/ddp_fmnist.py on
@@ -39,11 +43,19 @@
 # scheme and one panel per condition) goes to $OUT (default
 # bench-sync.csv).
 #
+# Recovery (issue 30, item 2), for the all-reduce schemes under killed and
+# stopped: from the fault to the survivors' first round over the N − 1 of
+# them ("out": the latest over the survivors, from their log lines "done
+# over N members"), and for stopped from the SIGCONT to their first round
+# over all N again ("back"), beside the same with SWIM-only verdicts
+# (allreduce-swim) as a ratio. The promises: out within 2 s of a kill and
+# 1.5 s of a stop, back within a round of the SIGCONT.
+#
 #   tests/bench/bench-sync.sh [BUILD_DIR]
 #
 #   env: N (4), EPOCHS (2), BATCH (32), LR (0.05), TARGET (0.84),
-#        CONDITIONS ("clean straggler slow killed"),
-#        SCHEMES ("gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind"),
+#        CONDITIONS ("clean straggler slow killed stopped"), STOP_S (10),
+#        SCHEMES ("gossip gossip-mls allreduce allreduce-swim ps0 ps4 psasp ddp hivemind"),
 #        RUN_TIMEOUT (600 s a run), OUT (bench-sync.csv), VENV (the Hivemind
 #        environment, default ~/.cache/rumor-bench/hivemind), CPU_CAP (the
 #        straggler condition's per-worker share in percent of one CPU,
@@ -60,8 +72,9 @@ epochs=${EPOCHS:-2}
 batch=${BATCH:-32}
 lr=${LR:-0.05}
 target=${TARGET:-0.84}
-conditions=${CONDITIONS:-clean straggler slow killed}
-schemes=${SCHEMES:-gossip gossip-mls allreduce ps0 ps4 psasp ddp hivemind}
+conditions=${CONDITIONS:-clean straggler slow killed stopped}
+schemes=${SCHEMES:-gossip gossip-mls allreduce allreduce-swim ps0 ps4 psasp ddp hivemind}
+stop_s=${STOP_S:-10}
 run_timeout=${RUN_TIMEOUT:-600}
 cpu_cap=${CPU_CAP:-$((100 * $(nproc) / ${N:-4}))}
 if [ "$cpu_cap" -gt 0 ] && ! "$src/tests/bench/cpu-cap.sh" --check 2>/dev/null; then
@@ -104,6 +117,7 @@ echo "bench-sync.sh: $n workers, $model, batch $batch, $epochs epochs ($steps st
   "straggler: $([ "$cpu_cap" -gt 0 ] && echo "each worker capped at $cpu_cap% of a CPU" || echo "no CPU caps")" >&2
 echo "condition,scheme,worker,t,accuracy" > "$out_csv"
 : > "$work/table"
+: > "$work/recovery"
 
 now() { date +%s.%N; }
 # Seconds of the day of a log line's "HH:MM:SS.mmm" stamp.
@@ -129,7 +143,10 @@ wait_all() {
   kill "$watchdog" 2>/dev/null || true
 }
 
-# killed: SIGKILLs $2 once file $1 shows a step at or past half the run.
+# killed: SIGKILLs $2 once file $1 shows a step at or past half the run;
+# stopped: SIGSTOPs it then, and SIGCONTs it STOP_S seconds later. The
+# times (seconds of the day, as log lines stamp them) go to $3/fault_at and
+# $3/cont_at.
 killer() {
   while :; do
     s=$(sed -n 's/.*step \([0-9]*\): train loss.*/\1/p' "$1" 2>/dev/null | tail -1)
@@ -137,7 +154,16 @@ killer() {
     kill -0 "$2" 2>/dev/null || return 0
     sleep 0.05
   done
-  kill -9 "$2" 2>/dev/null || true
+  if [ "$4" = stopped ]; then
+    day_secs > "$3/fault_at"
+    kill -STOP "$2" 2>/dev/null || true
+    sleep "$stop_s"
+    day_secs > "$3/cont_at"
+    kill -CONT "$2" 2>/dev/null || true
+  else
+    day_secs > "$3/fault_at"
+    kill -9 "$2" 2>/dev/null || true
+  fi
 }
 
 # Starts the n rumor workers of the job (condition $1, files in $2: keys
@@ -159,7 +185,7 @@ run_workers() {
     run_pids="$run_pids $!"
     pids="$pids $!"
   done
-  [ "$cond" = killed ] && killer "$d/w1.log" "$!" &
+  case $cond in killed | stopped) killer "$d/w1.log" "$!" "$d" "$cond" & ;; esac
   wait_all "$run_pids"
 }
 
@@ -170,9 +196,11 @@ run_rumor() {
   "$rumor" keygen --cluster -o "$d/cluster.key" >/dev/null 2>&1
   for i in $(seq 0 "$n"); do "$rumor" keygen -o "$d/id$i.key" >/dev/null 2>&1; done
   h1=$(host "$cond" 1)
+  boot_extra=""
+  case $extra in *--heartbeat-ms*) boot_extra="--heartbeat-ms 0" ;; esac
   # shellcheck disable=SC2086
   $h1 "$rumor" bootstrap --listen "$(addr "$cond" 1):0" --cluster-key "$d/cluster.key" --identity "$d/id0.key" \
-    > "$d/boot.out" 2> "$d/boot.log" &
+    $boot_extra > "$d/boot.out" 2> "$d/boot.log" &
   boot_pid=$!
   pids="$pids $boot_pid"
   for _ in $(seq 1 100); do grep -q '"listen"' "$d/boot.out" 2>/dev/null && break; sleep 0.1; done
@@ -181,6 +209,41 @@ run_rumor() {
   run_workers "$cond" "$d" true --bootstrap "$boot" --wait-peers "$n" $extra
   kill "$boot_pid" 2>/dev/null || true
   collect "$cond" "$scheme" "$d"
+  case $cond in killed | stopped) recovery "$cond" "$scheme" "$d" ;; esac
+}
+
+# Seconds from time $3 (seconds of the day) to the first line of log $1 at
+# or after it that holds $2, or nothing.
+first_after() {
+  grep -F "$2" "$1" 2>/dev/null | log_secs | awk -v t0="$3" '{
+    d = $1 - t0; if (d < -43200) d += 86400; if (d >= 0) {printf "%.3f\n", d; exit}}'
+}
+
+# The latest over the survivors (workers 1 .. n-1) of first_after, or "-"
+# when one never logged it.
+survivors_after() {
+  worst=0
+  for i in $(seq 1 $((n - 1))); do
+    t=$(first_after "$1/w$i.log" "$2" "$3")
+    [ -n "$t" ] || { echo -; return 0; }
+    worst=$(echo "$worst $t" | awk '{print ($2 > $1) ? $2 : $1}')
+  done
+  echo "$worst"
+}
+
+# The recovery row of an all-reduce run under killed or stopped (header).
+recovery() {
+  cond=$1 scheme=$2 d=$3
+  case $scheme in allreduce*) ;; *) return 0 ;; esac
+  [ -s "$d/fault_at" ] || { printf '%-10s %-15s no fault (the run ended first)\n' "$cond" "$scheme" >> "$work/recovery"; return 0; }
+  out=$(survivors_after "$d" "done over $((n - 1)) members" "$(cat "$d/fault_at")")
+  back=-
+  [ "$cond" = stopped ] && [ -s "$d/cont_at" ] && back=$(survivors_after "$d" "done over $n members" "$(cat "$d/cont_at")")
+  # A step's mean time over the run, from the survivors' samples a second.
+  step_ms=$(for i in $(seq 1 $((n - 1))); do sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p' "$d/w$i.out"; done |
+    awk -v b="$batch" '$1 > 0 {s += 1000 * b / $1; k++} END {if (k) printf "%.1f", s / k; else print "-"}')
+  printf '%-10s %-15s %9s %9s %9s\n' "$cond" "$scheme" "$out" "$back" "$step_ms" >> "$work/recovery"
+  echo "  $cond $scheme: out of the survivors' rounds after $out s, back after $back s; a step takes $step_ms ms" >&2
 }
 
 # The evaluations (training seconds since the first worker's first step,
@@ -313,7 +376,7 @@ run_hivemind() {
   if [ ! -f "$src/tests/bench/hivemind_fmnist.py" ] || ! "$src/tests/bench/hivemind-venv.sh" "$venv" > "$d/venv.log" 2>&1
   then
     why=$(tail -1 "$d/venv.log" 2>/dev/null || echo "tests/bench/hivemind_fmnist.py is missing")
-    printf '%-10s %-11s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
+    printf '%-10s %-14s skipped: %s\n' "$cond" hivemind "$why" >> "$work/table"
     return 0
   fi
   common="--data $data --world $n --epochs $epochs --batch $batch --lr $lr --hidden $hidden --eval-every $eval_every"
@@ -366,14 +429,14 @@ report() {
   stats=$(echo "$4" | awk '{lo = 2; s = 0; for (i = 1; i <= NF; i++) {s += $i; if ($i < lo) lo = $i}
     if (NF) printf "%.4f %.4f", s / NF, lo; else print "- -"}')
   # shellcheck disable=SC2086
-  printf '%-10s %-11s %9s %9s %9s %9.1f %6s\n' "$1" "$2" "$tt" $stats "$5" "$3/$n" >> "$work/table"
+  printf '%-10s %-14s %9s %9s %9s %9.1f %6s\n' "$1" "$2" "$tt" $stats "$5" "$3/$n" >> "$work/table"
   echo "  $1 $2: time to $target ${tt} s, accuracy $stats, $5 s, $3/$n finished" >&2
 }
 
 for cond in $conditions; do
   if [ "$cond" = slow ]; then
     if ! "$src/deploy/testnet.sh" check 2>"$work/why"; then
-      printf '%-10s %-11s skipped: %s\n' slow all "$(cat "$work/why")" >> "$work/table"
+      printf '%-10s %-14s skipped: %s\n' slow all "$(cat "$work/why")" >> "$work/table"
       continue
     fi
     TESTNET_NAME=rbs TESTNET_OWNER=$$ "$src/deploy/testnet.sh" up "$n" >/dev/null
@@ -386,6 +449,12 @@ for cond in $conditions; do
     gossip) run_rumor "$cond" gossip "" ;;
     gossip-mls) run_rumor "$cond" gossip-mls "--max-local-steps 4" ;;
     allreduce) run_rumor "$cond" allreduce "--sync allreduce" ;;
+    allreduce-swim)
+      case $cond in
+      killed | stopped) run_rumor "$cond" allreduce-swim "--sync allreduce --heartbeat-ms 0" ;;
+      *) printf '%-10s %-14s skipped: the same as allreduce without a failure\n' "$cond" allreduce-swim >> "$work/table" ;;
+      esac
+      ;;
     ps0) run_ps "$cond" ps0 0 ;;
     ps4) run_ps "$cond" ps4 4 ;;
     psasp) run_ps "$cond" psasp none ;;
@@ -401,7 +470,7 @@ for cond in $conditions; do
   fi
 done
 
-printf '\n%-10s %-11s %9s %9s %9s %9s %6s\n' condition scheme "to $target" "acc mean" "acc min" "wall s" "done"
+printf '\n%-10s %-14s %9s %9s %9s %9s %6s\n' condition scheme "to $target" "acc mean" "acc min" "wall s" "done"
 cat "$work/table"
 # The expectation: gossip / all-reduce time to target.
 awk -v target="$target" '
@@ -413,4 +482,18 @@ awk -v target="$target" '
       (c == "straggler" || c == "slow") ? (a[c] / g[c] >= 1.3 ? " (expected >= 1.3: met)" : " (expected >= 1.3: NOT met)") : ""
     if ("killed" in gd) printf "killed     gossip finished %s workers, all-reduce %s\n", gd["killed"], ad["killed"]
   }' "$work/table"
+if [ -s "$work/recovery" ]; then
+  printf '\nrecovery: killed: from the SIGKILL to the survivors'"'"' first round without worker %d; stopped: from the\n' "$n"
+  printf 'SIGSTOP to the same ("out"), and from the SIGCONT (%s s later) to their first round over all %d ("back")\n' \
+    "$stop_s" "$n"
+  printf '%-10s %-15s %9s %9s %9s\n' condition scheme "out s" "back s" "step ms"
+  cat "$work/recovery"
+  # SWIM-only / heartbeat, per condition and figure.
+  awk '$2 == "allreduce" {o[$1] = $3; b[$1] = $4} $2 == "allreduce-swim" {so[$1] = $3; sb[$1] = $4}
+    END {for (c in o) if (c in so) {
+      r = (o[c] > 0 && so[c] != "-") ? sprintf("%.1f", so[c] / o[c]) : "-"
+      printf "%-10s out: %s s with the heartbeat, %s s with SWIM alone (%s times as long)", c, o[c], so[c], r
+      if (c == "stopped") printf "; back: %s s and %s s", b[c], sb[c]
+      printf "\n"}}' "$work/recovery"
+fi
 echo "evaluations: $out_csv (plot: $py tests/bench/plot_sync.py $out_csv docs/bench-sync.svg)"

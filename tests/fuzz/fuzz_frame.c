@@ -9,7 +9,8 @@
  *   1  sealed: the input is a list of records, each sealed with the peer's
  *      key before it is fed, so the fuzzer reaches what comes after
  *      authentication: frame dispatch, msgpack messages, the bulk transfer
- *      state machine, the digest check. Record: u8 type, u32 a, u32 b,
+ *      state machine, the digest check, the heartbeat (PING: the session
+ *      speaks protocol version 3). Record: u8 type, u32 a, u32 b,
  *      u16 len, len bytes of payload (all big-endian).
  *   2  handshake: the input is offered to a server as a HELLO and to a client
  *      (after its own HELLO) as a WELCOME.
@@ -57,8 +58,12 @@ static int f_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   (void)ctx, (void)id, (void)r;
   return 0;
 }
+static void f_ping(void *ctx, uint64_t interval_ms) {
+  (void)ctx;
+  if (g_verbose) fprintf(stderr, "PING (every %llu ms)\n", (unsigned long long)interval_ms);
+}
 static const struct net_sess_ops ops = {.on_msg = f_msg, .on_bulk_begin = f_begin, .on_bulk_done = f_done,
-                                        .send_result = f_result};
+                                        .send_result = f_result, .on_ping = f_ping};
 
 /* The async mode's pretend worker pool. */
 #define MAX_PENDING 64
@@ -71,7 +76,7 @@ static int f_submit(void *ctx, struct net_rx_job *job) {
   return 0;
 }
 static const struct net_sess_ops async_ops = {.on_msg = f_msg, .on_bulk_begin = f_begin, .on_bulk_done = f_done,
-                                              .send_result = f_result, .submit = f_submit};
+                                              .send_result = f_result, .on_ping = f_ping, .submit = f_submit};
 
 /* Runs and completes every pending job, last first when `reverse`. */
 static void complete_jobs(struct net_sess *s, bool reverse) {

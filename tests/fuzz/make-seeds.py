@@ -78,7 +78,7 @@ MSG_SEEDS = {
 }
 
 # ---- frames --------------------------------------------------------------------------
-READY, MSG, BEGIN, DATA, END, ABORT, RESULT, BYE = range(1, 9)
+READY, MSG, BEGIN, DATA, END, ABORT, RESULT, BYE, PING = range(1, 10)
 F32, F16, BF16 = 1, 2, 3
 
 # Sealed-mode inputs are lists of records (type, a, b, payload) that the
@@ -163,12 +163,16 @@ FRAME_SEEDS = {
         rec(ABORT, 1, 0)),
     "sealed_results": sealed(b"\x02", rec(RESULT, 1, 0) + rec(RESULT, 2, 1) + rec(RESULT, 3, 3) + rec(RESULT, 9, 0)),
     "sealed_ready_on_server": sealed(b"\x02", rec(READY, 0, 0)),
+    # the heartbeat (protocol version 3): PINGs between the frames of a transfer, then one with a payload
+    "sealed_pings": sealed(b"\x02", rec(PING, 250, 0) + (lambda t: t[:2] + rec(PING, 250, 0) + t[2:])(
+        transfer(1, 24, F32, 8)) + rec(MSG, 0, 0, MSG_SEEDS["minimal"]) + rec(PING, 0, 0) + rec(PING, 1, 0, b"x")),
     "raw_4GiB_header": b"\x00\x00" + b"\xff\xff\xff\xff" + bytes([MSG]) + b"\x00" * 19,
     "raw_unsealed_frame": b"\x00\x03" + struct.pack(">IBBHQQ", 20 + 4 + 16, MSG, 0, 0, 0, 0) + b"\x80\x00\x00\x00" +
         b"\x00" * 16,
     "raw_garbage": b"\x00\x07" + bytes(range(256)),
     "hs_hello_shape": b"\x02" + b"rumr" + bytes([1, 2, 2, 3]) + bytes(32) + bytes(16),
-    "hs_hello_future": b"\x02" + b"rumr" + bytes([1, 3, 4, 3]) + bytes(48),
+    "hs_hello_v3": b"\x02" + b"rumr" + bytes([1, 2, 3, 3]) + bytes(32) + bytes(16),
+    "hs_hello_future": b"\x02" + b"rumr" + bytes([1, 4, 5, 3]) + bytes(48),
     "hs_hello_v1": b"\x02" + b"rumr" + bytes([1, 1, 1, 3]) + bytes(32) + bytes(16),
     "hs_reject": b"\x02" + b"rumr" + bytes([0x7f, 2, 2, 2]),
     "hs_reject_v1": b"\x02" + b"rumr" + bytes([0x7f, 1, 1, 1]),

@@ -120,10 +120,10 @@ Test(net_auth, a_peer_with_our_own_identity_is_rejected, .init = setup) {
 
 Test(net_auth, unknown_or_retired_protocol_versions_get_a_clear_reject, .init = setup) {
   tpeer_start(&srv, true);
-  /* HELLOs from a future rumor speaking versions 3..4 only, and from an old
+  /* HELLOs from a future rumor speaking versions 4..5 only, and from an old
    * one speaking only version 1 (retired: its bulk frames were sealed with
    * libsodium and checked by a BLAKE2b digest). */
-  const uint8_t ranges[2][2] = {{3, 4}, {1, 1}};
+  const uint8_t ranges[2][2] = {{4, 5}, {1, 1}};
   for (int i = 0; i < 2; i++) {
     uint8_t hello[NET_HS_LEN_BYTES + NET_HS_HELLO_LEN] = {0};
     net_be16_put(hello, NET_HS_HELLO_LEN);

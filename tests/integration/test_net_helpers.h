@@ -5,7 +5,8 @@
  *   - RUN_UNTIL: run the loop until a condition holds or a deadline passes;
  *   - tproxy: a TCP proxy on the same loop that can record, flip a bit at a
  *     byte offset, cut the stream, or duplicate / swap / drop whole transport
- *     frames of the client-to-server direction;
+ *     frames of the client-to-server direction, or hold that direction to a
+ *     rate (a slow link);
  *   - tnet_finish: closes everything and checks the loop closes clean.
  * Everything runs on 127.0.0.1 with ephemeral ports.
  */
@@ -353,8 +354,17 @@ struct tproxy {
   /* recording of c2s */
   uint8_t *rec;
   size_t rec_len;
+  /* c2s rate limit (tproxy_throttle): bytes wait in `slow` and leave in
+   * 10 ms slices; reading from the client stops while more than
+   * TP_SLOW_HIGH bytes wait, so that its socket fills as on a slow link */
+  uint64_t rate_c2s;
+  uint8_t *slow;
+  size_t slow_len, slow_cap;
+  uv_timer_t slow_timer;
+  bool throttled, down_stopped, down_eof;
   int handles;
 };
+#define TP_SLOW_HIGH (64u << 10)
 
 TN_FN void px_handle_closed(uv_handle_t *h) {
   struct tproxy_side *s = h->data;
@@ -428,6 +438,38 @@ TN_FN void px_frames(struct tproxy *px, const uint8_t *p, size_t n) {
   px->fbuf_len -= off;
 }
 
+/* c2s bytes through the rate limit. */
+TN_FN void px_slow_add(struct tproxy *px, const uint8_t *p, size_t n) {
+  if (px->slow_len + n > px->slow_cap) {
+    px->slow_cap = (px->slow_len + n) * 2;
+    px->slow = realloc(px->slow, px->slow_cap);
+  }
+  memcpy(px->slow + px->slow_len, p, n);
+  px->slow_len += n;
+  if (px->slow_len > TP_SLOW_HIGH && !px->down_stopped && px->down.open) {
+    uv_read_stop((uv_stream_t *)&px->down.tcp);
+    px->down_stopped = true;
+  }
+}
+
+TN_FN void px_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b);
+TN_FN void px_alloc(uv_handle_t *h, size_t sz, uv_buf_t *b);
+
+TN_FN void px_slow_tick(uv_timer_t *t) {
+  struct tproxy *px = t->data;
+  size_t k = (size_t)(px->rate_c2s / 100);
+  if (k == 0) k = 1;
+  if (k > px->slow_len) k = px->slow_len;
+  px_send(px, TP_C2S, px->slow, k);
+  memmove(px->slow, px->slow + k, px->slow_len - k);
+  px->slow_len -= k;
+  if (px->down_eof && px->slow_len == 0) px_close_sides(px); /* the client's last bytes are through */
+  if (px->down_stopped && px->slow_len < TP_SLOW_HIGH / 2 && px->down.open) {
+    uv_read_start((uv_stream_t *)&px->down.tcp, px_alloc, px_read);
+    px->down_stopped = false;
+  }
+}
+
 TN_FN void px_forward(struct tproxy *px, int dir, uint8_t *p, size_t n) {
   uint64_t start = px->count[dir];
   if (dir == px->flip_dir && px->flip_at >= start && px->flip_at < start + n) p[px->flip_at - start] ^= px->flip_mask;
@@ -452,6 +494,10 @@ TN_FN void px_forward(struct tproxy *px, int dir, uint8_t *p, size_t n) {
     px_frames(px, p + hs_left, n - hs_left);
     return;
   }
+  if (dir == TP_C2S && px->throttled) {
+    px_slow_add(px, p, n);
+    return;
+  }
   px_send(px, dir, p, n);
 }
 
@@ -466,7 +512,12 @@ TN_FN void px_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b) {
   struct tproxy *px = side->px;
   if (nread > 0 && side->open) px_forward(px, side->dir, (uint8_t *)b->base, (size_t)nread);
   free(b->base);
-  if (nread < 0) px_close_sides(px); /* either side ended: end both */
+  if (nread < 0 && side == &px->down && px->slow_len > 0) {
+    uv_read_stop(s);
+    px->down_eof = true; /* the bytes still held go first */
+  } else if (nread < 0) {
+    px_close_sides(px); /* either side ended: end both */
+  }
 }
 
 TN_FN void px_connected(uv_connect_t *req, int status) {
@@ -529,15 +580,28 @@ TN_FN void px_listener_closed(uv_handle_t *h) {
   px->handles--;
 }
 
+/* Limits the client-to-server direction to `bytes_per_s` (and no more
+ * than TP_SLOW_HIGH bytes held in the proxy). Call before the client dials. */
+TN_FN void tproxy_throttle(struct tproxy *px, uint64_t bytes_per_s) {
+  px->rate_c2s = bytes_per_s;
+  px->throttled = true;
+  uv_timer_init(&g_loop, &px->slow_timer);
+  px->slow_timer.data = px;
+  px->handles++;
+  uv_timer_start(&px->slow_timer, px_slow_tick, 10, 10);
+}
+
 /* Closes the proxy's handles and waits for their callbacks. */
 TN_FN void tproxy_stop(struct tproxy *px) {
   px_close_sides(px);
+  if (px->throttled) uv_close((uv_handle_t *)&px->slow_timer, px_listener_closed);
   uv_close((uv_handle_t *)&px->listener, px_listener_closed);
   RUN_UNTIL(px->handles == 0, 5);
   cr_assert_eq(px->handles, 0, "proxy handles closed");
   free(px->fbuf);
   free(px->held);
   free(px->rec);
+  free(px->slow);
 }
 
 /* ---- a raw TCP client (no rumor protocol): writes given bytes ------------------------------------ */

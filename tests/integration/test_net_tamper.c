@@ -31,6 +31,9 @@ static void setup(void) {
     p->cfg.idle_timeout_ms = 400;
     p->cfg.close_linger_ms = 200;
     p->cfg.bulk_chunk_bytes = CHUNK_BYTES;
+    /* The offsets and frame numbers below are those of a stream without
+     * heartbeats; a_flipped_bit_in_a_ping_... turns them on. */
+    p->cfg.heartbeat_ms = 0;
   }
   tpeer_start(&srv, true);
   tpeer_start(&cli, false);
@@ -171,6 +174,29 @@ Test(net_tamper, a_flipped_bit_in_the_receivers_answers_drops_the_connection, .i
     struct flip f = {TP_S2C, TP_HS_S2C + NET_FRAME_OVERHEAD + i, (uint8_t)(1u << (i % 8))};
     struct outcome o = run_once(cfg_flip, &f, true);
     cr_assert(o.dialed && !o.sender_ok, "s2c byte %llu", (unsigned long long)f.at);
+  }
+  finish();
+}
+
+Test(net_tamper, a_flipped_bit_in_a_ping_drops_the_connection, .init = setup, .timeout = 60) {
+  /* Each side's first frame after the handshake is a PING (protocol
+   * version 3), the client's at the start of its transport stream, the
+   * server's right after READY. */
+  for (struct tpeer *p = &srv; p; p = p == &srv ? &cli : NULL) {
+    net_close(p->net, tp_net_closed, p);
+    RUN_UNTIL(p->closed_net, 5);
+    p->closed_net = false;
+    p->cfg.heartbeat_ms = 250;
+  }
+  tpeer_start(&srv, true);
+  tpeer_start(&cli, false);
+  srv_port = net_listen_port(srv.net);
+  for (uint64_t i = 0; i < NET_FRAME_OVERHEAD; i += 3) {
+    struct flip f = {i % 2 ? TP_S2C : TP_C2S, (i % 2 ? TP_HS_S2C + NET_FRAME_OVERHEAD : TP_HS_C2S) + i,
+                     (uint8_t)(1u << (i % 8))};
+    struct outcome o = run_once(cfg_flip, &f, false);
+    cr_assert(o.dropped, "%s byte %llu of the PING: the connection must be dropped", i % 2 ? "s2c" : "c2s",
+              (unsigned long long)i);
   }
   finish();
 }

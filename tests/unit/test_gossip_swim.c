@@ -2,7 +2,10 @@
  * other, a crashed member is declared failed within period + suspicion
  * timeout, a paused member refutes and stays, a leaving member is recorded
  * as left and never suspected, message loss causes no false verdicts, and a
- * member declared failed comes back with a higher incarnation. */
+ * member declared failed comes back with a higher incarnation. A suspicion
+ * raised from outside (the transport's verdict) reaches everyone at once and
+ * a live suspect refutes within a round trip; a member whose own loop
+ * stalled blames no one for it. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
@@ -322,5 +325,71 @@ Test(swim, without_reconnect_probes_a_partition_never_heals) {
   /* The failure the reconnect probes fix: both sides stay split. */
   uint64_t took = partition_then_heal(0, 20000);
   cr_assert_eq(took, 0, "healed without reconnect probes after %llu ms", (unsigned long long)took);
+  sim_fini();
+}
+
+/* The transport judged node 0's connection to node 3 dead (swim_suspect):
+ * every member hears of the suspicion within one message's latency, not
+ * after periods of piggybacking, and node 3, alive, refutes within a round
+ * trip, which every member hears as soon. */
+Test(swim, a_suspicion_is_told_to_everyone_and_a_live_suspect_refutes_within_a_round_trip) {
+  sim_init(6, 200, 60, 1000);
+  sim_run(2000);
+  uint8_t id3[SWIM_ID_BYTES];
+  make_id(id3, 3);
+  uint64_t t = S.now, inc = S.node[3].self.incarnation;
+  cr_assert(swim_suspect(&S.node[0], id3, t));
+  cr_assert_not(swim_suspect(&S.node[0], id3, t), "already suspect: nothing to do");
+  sim_run(t + 4 * S.latency_ms);
+  for (int i = 0; i < 6; i++) {
+    if (i == 3) continue;
+    cr_assert_neq(S.first_seen[i][3][SWIM_SUSPECT], 0, "node %d never heard the suspicion", i);
+    cr_assert_leq(S.first_seen[i][3][SWIM_SUSPECT], t + S.latency_ms, "node %d heard it at +%llu ms", i,
+                  (unsigned long long)(S.first_seen[i][3][SWIM_SUSPECT] - t));
+    cr_assert_eq(view(i, 3), SWIM_ALIVE, "node %d still holds the live suspect %s", i, swim_state_name(view(i, 3)));
+  }
+  cr_assert_gt(S.node[3].self.incarnation, inc, "the suspect refuted");
+  sim_fini();
+}
+
+/* The same for a suspect that is stopped: everyone holds it suspect at
+ * once, and SWIM's own timer, not the suspicion, declares it failed. */
+Test(swim, a_stopped_suspect_is_failed_after_the_suspicion_time) {
+  sim_init(6, 200, 60, 1000);
+  sim_run(2000);
+  S.paused[3] = true;
+  uint8_t id3[SWIM_ID_BYTES];
+  make_id(id3, 3);
+  uint64_t t = S.now;
+  cr_assert(swim_suspect(&S.node[0], id3, t));
+  sim_run(t + 2 * S.latency_ms);
+  for (int i = 0; i < 6; i++)
+    if (i != 3) cr_assert_eq(view(i, 3), SWIM_SUSPECT, "node %d: %s", i, swim_state_name(view(i, 3)));
+  sim_run(t + 1000 + 500);
+  for (int i = 0; i < 6; i++) {
+    if (i == 3) continue;
+    cr_assert_eq(view(i, 3), SWIM_DEAD, "node %d: %s", i, swim_state_name(view(i, 3)));
+    cr_assert_geq(S.first_seen[i][3][SWIM_DEAD], t + 1000, "node %d declared it failed before its suspicion time", i);
+  }
+  sim_fini();
+}
+
+/* A member whose owner could not tick for 3 s (a stopped process) comes
+ * back with its timers running before it reads what waited for it, as on
+ * a libuv loop: the probe it had in flight, whose answer is among what
+ * waits, does not make it suspect anyone. */
+Test(swim, a_member_that_stalls_blames_no_one_for_it) {
+  sim_init(5, 200, 60, 1000);
+  sim_run(2000 + 100); /* mid-period: node 2's probe is in flight */
+  S.paused[2] = true;
+  sim_run(S.now + 3000);
+  S.paused[2] = false;
+  swim_tick(&S.node[2], S.now); /* the timers first */
+  sim_run(S.now + 2000);
+  cr_assert_eq(S.node[2].stalls, 1);
+  for (int j = 0; j < 5; j++)
+    if (j != 2) cr_assert_eq(S.first_seen[2][j][SWIM_SUSPECT], 0, "node 2 suspected node %d for its own stall", j);
+  for (int i = 0; i < 5; i++)
+    if (i != 2) cr_assert_eq(view(i, 2), SWIM_ALIVE, "node %d sees the resumed node as %s", i, swim_state_name(view(i, 2)));
   sim_fini();
 }

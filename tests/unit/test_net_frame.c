@@ -19,7 +19,8 @@
 /* ---- a receiving session with recording ops ----------------------------------- */
 
 struct sink {
-  int ready, msgs, begins, done, results_sent, bye;
+  int ready, msgs, begins, done, results_sent, bye, pings;
+  uint64_t ping_interval;
   int done_status;
   uint64_t last_result_id;
   enum net_bulk_result last_result;
@@ -47,6 +48,11 @@ static void s_done(void *ctx, uint64_t id, int status, float *dst, void *arg) {
   k->done_status = status;
 }
 static void s_bye(void *ctx) { ((struct sink *)ctx)->bye++; }
+static void s_ping(void *ctx, uint64_t interval_ms) {
+  struct sink *k = ctx;
+  k->pings++;
+  k->ping_interval = interval_ms;
+}
 static int s_send_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   struct sink *k = ctx;
   k->results_sent++;
@@ -55,7 +61,7 @@ static int s_send_result(void *ctx, uint64_t id, enum net_bulk_result r) {
   return 0;
 }
 static const struct net_sess_ops sink_ops = {.on_ready = s_ready, .on_msg = s_msg, .on_bulk_begin = s_begin,
-                                              .on_bulk_done = s_done, .on_bye = s_bye,
+                                              .on_bulk_done = s_done, .on_bye = s_bye, .on_ping = s_ping,
                                               .send_result = s_send_result};
 
 static uint8_t key_c2s[32], key_s2c[32];
@@ -295,7 +301,7 @@ Test(net_frame, duplicated_reordered_dropped_and_reflected_frames_fail, .init = 
 
 Test(net_frame, lengths_are_checked_before_anything_is_allocated, .init = setup) {
   const uint8_t types[] = {NET_FRAME_MSG, NET_FRAME_BULK_BEGIN, NET_FRAME_BULK_DATA, NET_FRAME_BULK_END,
-                           NET_FRAME_BYE, NET_FRAME_BULK_RESULT, 0, 99};
+                           NET_FRAME_BYE, NET_FRAME_BULK_RESULT, NET_FRAME_PING, 0, 99};
   for (size_t i = 0; i < sizeof types; i++) {
     struct net_aead tx;
     struct net_sess rx;
@@ -351,6 +357,38 @@ Test(net_frame, a_client_accepts_nothing_before_ready_and_nothing_after_bye, .in
   cr_assert_eq(k.bye, 1);
   n = seal_msg(&tx, f, 1);
   cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
+  net_sess_free(&rx);
+}
+
+Test(net_frame, a_ping_is_taken_from_version_3_on_and_carries_nothing, .init = setup) {
+  struct net_aead tx;
+  struct net_sess rx;
+  struct sink k;
+  uint8_t f[256];
+  /* version 3: taken, with the interval its sender announces; what follows is read as usual */
+  pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
+  cr_assert_eq(rx.version, NET_PROTO_MAX);
+  size_t n = seal(&tx, f, NET_FRAME_PING, 250, 0, NULL, 0);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), 0);
+  cr_assert_eq(k.pings, 1);
+  cr_assert_eq(k.ping_interval, 250);
+  cr_assert_eq(rx.pings_in, 1);
+  n = seal_msg(&tx, f, 1);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), 0);
+  cr_assert_eq(k.msgs, 1);
+  /* a PING with a payload is a violation, refused from its header */
+  uint8_t pad[8] = {0};
+  n = seal(&tx, f, NET_FRAME_PING, 250, 0, pad, sizeof pad);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
+  cr_assert(strstr(rx.err.msg, "PING frame carries 8 bytes"), "%s", rx.err.msg);
+  net_sess_free(&rx);
+  /* version 2 (a build without the heartbeat) never sends one: a violation */
+  pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
+  rx.version = 2;
+  n = seal(&tx, f, NET_FRAME_PING, 250, 0, NULL, 0);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
+  cr_assert(strstr(rx.err.msg, "version 2"), "%s", rx.err.msg);
+  cr_assert_eq(k.pings, 0);
   net_sess_free(&rx);
 }
 

@@ -152,17 +152,27 @@ Test(net_handshake, versions_and_ciphers_are_negotiated, .init = setup, .fini = 
   struct net_hs c, s;
   struct transcript t;
   struct rumor_err e = {0};
-  /* a client speaking 1..2 gets version 2 */
+  /* a client speaking 1..2 (a build without the heartbeat) gets version 2 */
   cr_assert_eq(net_hs_client_start(&c, &kr_a, t.hello), 0);
+  cr_assert_eq(t.hello[5], 2, "we offer 2..3");
+  cr_assert_eq(t.hello[6], 3, "we offer 2..3");
   t.hello[5] = 1;
+  t.hello[6] = 2;
   net_hs_server_start(&s, &kr_b);
   /* the range is covered by the tag, so recompute it as the client would */
   crypto_generichash(t.hello + 40, 16, t.hello, 40, kr_a.tag_key, 32);
   cr_assert_eq(net_hs_server_on_hello(&s, t.hello, sizeof t.hello, t.welcome, &t.welcome_len, &e), 0);
   cr_assert_eq(t.welcome[5], 2);
-  /* a client speaking only 3..4 gets a REJECT naming our range */
-  t.hello[5] = 3;
+  /* a client speaking 2..4 gets our highest, 3 (the heartbeat) */
+  t.hello[5] = 2;
   t.hello[6] = 4;
+  net_hs_server_start(&s, &kr_b);
+  crypto_generichash(t.hello + 40, 16, t.hello, 40, kr_a.tag_key, 32);
+  cr_assert_eq(net_hs_server_on_hello(&s, t.hello, sizeof t.hello, t.welcome, &t.welcome_len, &e), 0);
+  cr_assert_eq(t.welcome[5], NET_PROTO_PING);
+  /* a client speaking only 4..5 gets a REJECT naming our range */
+  t.hello[5] = 4;
+  t.hello[6] = 5;
   net_hs_server_start(&s, &kr_b);
   cr_assert_eq(net_hs_server_on_hello(&s, t.hello, sizeof t.hello, t.welcome, &t.welcome_len, &e), RUMOR_EPROTO);
   cr_assert_eq(s.fail, NET_HS_FAIL_VERSION);
@@ -201,13 +211,13 @@ Test(net_handshake, a_version_1_peer_is_refused_with_a_message_that_says_so, .in
   cr_assert_eq(t.welcome_len, NET_HS_REJECT_LEN);
   cr_assert_eq(t.welcome[4], NET_HS_REJECT);
   cr_assert_eq(t.welcome[5], NET_REJECT_VERSION);
-  cr_assert_eq(t.welcome[6], 2);
-  cr_assert_eq(t.welcome[7], 2);
+  cr_assert_eq(t.welcome[6], NET_PROTO_MIN);
+  cr_assert_eq(t.welcome[7], NET_PROTO_MAX);
   cr_log_info("server: %s", e.msg);
   cr_assert(strstr(e.msg, "the peer speaks protocol version 1, which this rumor no longer accepts"), "%s", e.msg);
   cr_assert(strstr(e.msg, "OpenSSL"), "%s", e.msg);
   cr_assert(strstr(e.msg, "upgrade it"), "%s", e.msg);
-  /* we are the client: an old server answers our HELLO (2..2) with REJECT/version 1..1 */
+  /* we are the client: an old server answers our HELLO (2..3) with REJECT/version 1..1 */
   const uint8_t old_reject[NET_HS_REJECT_LEN] = {'r', 'u', 'm', 'r', NET_HS_REJECT, NET_REJECT_VERSION, 1, 1};
   struct rumor_err e2 = {0};
   cr_assert_eq(net_hs_client_on_welcome(&c, old_reject, sizeof old_reject, t.auth, &e2), RUMOR_EPROTO);
@@ -218,6 +228,7 @@ Test(net_handshake, a_version_1_peer_is_refused_with_a_message_that_says_so, .in
   /* and a peer that speaks 1..2 is not refused: it gets version 2 */
   cr_assert_eq(net_hs_client_start(&c, &kr_a, t.hello), 0);
   t.hello[5] = 1;
+  t.hello[6] = 2;
   crypto_generichash(t.hello + 40, 16, t.hello, 40, kr_a.tag_key, 32);
   net_hs_server_start(&s, &kr_b);
   cr_assert_eq(net_hs_server_on_hello(&s, t.hello, sizeof t.hello, t.welcome, &t.welcome_len, &e), 0);
