@@ -316,7 +316,9 @@ static int endpoint_on_end(struct net_conn *c, struct net_hop *h, enum net_circu
   }
   hop_remove(c, h->id);
   in->circ_carrier = NULL;
-  net_conn_abort(in, why == NET_CIRCUIT_UNREACHABLE ? -EHOSTUNREACH : -ECONNRESET,
+  /* Only the far end's own reset is evidence against it (as a TCP reset
+   * is); what the relay says of its own state is not. */
+  net_conn_abort(in, why == NET_CIRCUIT_UNREACHABLE ? -EHOSTUNREACH : why == NET_CIRCUIT_RESET ? -ECONNRESET : -ENETRESET,
                  in->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "circuit through %s: %s", c->name,
                  end_reason(why));
   return 0;
@@ -599,7 +601,8 @@ void net_relay_conn_gone(struct net_conn *c, int status) {
       struct net_hop *h = &kc->hops[i];
       if (h->inner) {
         h->inner->circ_carrier = NULL;
-        net_conn_abort(h->inner, -ECONNRESET, h->inner->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1,
+        /* -ENETRESET: the relay went, not the peer at the other end. */
+        net_conn_abort(h->inner, -ENETRESET, h->inner->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1,
                        "the connection to the relay %s closed", c->name);
       } else if (h->peer) {
         send_end(h->peer, h->peer_id, NET_CIRCUIT_LOST);
