@@ -101,6 +101,20 @@ static float *pattern(uint64_t n, float scale) {
   return v;
 }
 
+/* Registers, dials through the relay and starts a COUNT-float transfer
+ * from the dialer to the NATed peer; returns its source (free it after). */
+static float *relayed_transfer(float scale) {
+  register_natted();
+  net_conn_t *out = dial_natted();
+  natted.conn = relayed_in;
+  natted.rx_buf = calloc(COUNT, sizeof(float));
+  natted.rx_cap = COUNT;
+  float *a = pattern(COUNT, scale);
+  dialer.conn = out;
+  cr_assert_eq(tpeer_send_bulk(&dialer, a, COUNT, NET_DTYPE_F32), 0);
+  return a;
+}
+
 Test(net_relay, circuit_carries_messages_and_bulk_both_ways_end_to_end, .init = setup, .timeout = 60) {
   register_natted();
   net_conn_t *out = dial_natted();
@@ -228,14 +242,7 @@ Test(net_relay, unregistered_target_is_unreachable, .init = setup, .timeout = 30
 }
 
 Test(net_relay, a_relay_that_dies_costs_its_circuits_only, .init = setup, .timeout = 60) {
-  register_natted();
-  net_conn_t *out = dial_natted();
-  natted.conn = relayed_in;
-  natted.rx_buf = calloc(COUNT, sizeof(float));
-  natted.rx_cap = COUNT;
-  float *a = pattern(COUNT, 2.0f);
-  dialer.conn = out;
-  cr_assert_eq(tpeer_send_bulk(&dialer, a, COUNT, NET_DTYPE_F32), 0);
+  float *a = relayed_transfer(2.0f);
   RUN_UNTIL(natted.bulk_begins > 0, 10);
   /* the relay goes away mid-transfer */
   net_close(relay.net, tp_net_closed, &relay);
@@ -259,14 +266,7 @@ Test(net_relay, a_relay_that_dies_costs_its_circuits_only, .init = setup, .timeo
 
 Test(net_relay, a_relay_over_its_rate_cap_reads_no_faster_and_loses_nothing, .init = setup, .timeout = 60) {
   relay.cfg.relay_rate_bytes = 4u << 20; /* 4 MB/s from one peer: 12 MB cannot pass in one bucket */
-  register_natted();
-  net_conn_t *out = dial_natted();
-  natted.conn = relayed_in;
-  natted.rx_buf = calloc(COUNT, sizeof(float));
-  natted.rx_cap = COUNT;
-  float *a = pattern(COUNT, 0.75f);
-  dialer.conn = out;
-  cr_assert_eq(tpeer_send_bulk(&dialer, a, COUNT, NET_DTYPE_F32), 0);
+  float *a = relayed_transfer(0.75f);
   RUN_UNTIL(dialer.sent_done && natted.bulk_done, 30);
   cr_assert_eq(dialer.sent_status, 0);
   cr_assert_eq(natted.bulk_ok, 1);
