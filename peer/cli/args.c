@@ -146,6 +146,13 @@ bool args_given(const struct arg_spec *specs, const char *name) {
   return false;
 }
 
+void args_append(struct arg_spec *out, size_t *n, size_t max, const struct arg_spec *specs, size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    RUMOR_ASSERT(*n < max);
+    out[(*n)++] = specs[i];
+  }
+}
+
 void args_log_json_spec(bool *log_json, struct arg_spec *out, size_t *n, size_t max) {
   RUMOR_ASSERT(*n < max);
   out[(*n)++] = (struct arg_spec){"log-json", ARG_FLAG, log_json, NULL, "log one JSON object per line"};

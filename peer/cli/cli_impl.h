@@ -53,6 +53,9 @@ struct arg_spec {
 
 enum { ARGS_OK = 0, ARGS_HELP = 1, ARGS_ERROR = 2 };
 
+/* Appends specs[0..count) to out[*n..max) (not terminated). */
+void args_append(struct arg_spec *out, size_t *n, size_t max, const struct arg_spec *specs, size_t count);
+
 /* Appends --log-json (every subcommand that logs at length takes it). */
 void args_log_json_spec(bool *log_json, struct arg_spec *out, size_t *n, size_t max);
 

@@ -95,10 +95,7 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"outer-overlap", ARG_FLAG, &f->outer_overlap, NULL,
        "--outer: run a round's communication beside the next round's steps and apply it one round late"},
   };
-  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-    RUMOR_ASSERT(*n < max);
-    out[(*n)++] = specs[i];
-  }
+  args_append(out, n, max, specs, sizeof specs / sizeof specs[0]);
 }
 
 static int parse_wire(const char *s, enum net_dtype *out) {

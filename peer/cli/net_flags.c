@@ -108,10 +108,7 @@ void net_flags_heartbeat_specs(struct net_flags *f, struct arg_spec *out, size_t
        "ends at once and the membership suspects it (above --heartbeat-ms)",
        1, 600000},
   };
-  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-    RUMOR_ASSERT(*n < max);
-    out[(*n)++] = specs[i];
-  }
+  args_append(out, n, max, specs, sizeof specs / sizeof specs[0]);
 }
 
 int net_flags_check_heartbeat(const struct net_flags *f, struct rumor_err *e) {

@@ -9,8 +9,8 @@ import csv
 import math
 import sys
 
-COLOURS = {"gossip": "#1f77b4", "gossip-mls": "#17becf", "allreduce": "#d62728", "ps0": "#9467bd",
-           "ps4": "#8c564b", "psasp": "#e377c2", "ddp": "#ff7f0e", "hivemind": "#2ca02c"}
+COLOURS = {"gossip": "#1f77b4", "gossip-mls": "#17becf", "allreduce": "#d62728", "allreduce-swim": "#ff9896",
+           "ps0": "#9467bd", "ps4": "#8c564b", "psasp": "#e377c2", "ddp": "#ff7f0e", "hivemind": "#2ca02c"}
 W, H, PAD_L, PAD_B, PAD_T, PAD_R = 420, 300, 52, 40, 28, 12
 
 
@@ -61,8 +61,8 @@ def main():
                 (float(row["t"]), float(row["accuracy"])))
     if not data:
         sys.exit(f"plot_sync.py: no evaluations in {sys.argv[1]}")
-    conds = [c for c in ("clean", "straggler", "slow", "killed") if c in data] + \
-            [c for c in data if c not in ("clean", "straggler", "slow", "killed")]
+    order = ("clean", "straggler", "slow", "killed", "stopped")
+    conds = [c for c in order if c in data] + [c for c in data if c not in order]
     cols = 2
     rows = (len(conds) + cols - 1) // cols
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W * cols}" height="{H * rows}" '

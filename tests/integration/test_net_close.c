@@ -4,33 +4,12 @@
  * and transfers pending (every callback runs once), and a truncated stream
  * reported as a cut rather than a close.
  */
-#include <signal.h>
-#include <sys/wait.h>
-
 #include "test_net_helpers.h"
 
 static struct tpeer srv, cli;
-static pid_t g_child = -1;
 
-static void reap_child(void) {
-  if (g_child > 0) {
-    kill(g_child, SIGKILL);
-    waitpid(g_child, NULL, 0);
-    g_child = -1;
-  }
-}
-
-static void setup(void) {
-  tloop_init();
-  tkeys_init();
-  tpeer_setup(&srv, "server");
-  tpeer_setup(&cli, "client");
-}
-
-static void finish(void) {
-  struct tpeer *ps[] = {&srv, &cli};
-  tnet_finish(ps, 2);
-}
+static void setup(void) { tpair_setup(&srv, &cli); }
+static void finish(void) { tpair_finish(&srv, &cli); }
 
 /* ---- a sender process killed mid-transfer -------------------------------------------- */
 
@@ -38,54 +17,24 @@ static void finish(void) {
 
 static void child_sent(net_conn_t *c, uint64_t id, int status, void *arg) { (void)c, (void)id, (void)status, (void)arg; }
 
+/* In the child: streams a buffer until killed. */
 static void child_dialed(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
-  (void)n, (void)detail;
+  (void)n, (void)detail, (void)arg;
   if (status != 0) _exit(3);
-  struct net_bulk_send s = {.src = arg, .count = CHILD_COUNT, .wire = NET_DTYPE_F32, .done = child_sent};
-  uint64_t id;
-  if (net_conn_send_bulk(c, &s, &id) != 0) _exit(4);
-}
-
-/* The child: its own loop and net, dials the parent and streams until killed. */
-static void child_main(int port_fd) {
-  int port = 0;
-  if (read(port_fd, &port, sizeof port) != sizeof port) _exit(2);
-  uv_loop_t loop;
-  uv_loop_init(&loop);
-  struct net_identity id;
-  if (net_identity_generate(&id) != 0) _exit(2);
-  struct net_config cfg;
-  net_config_defaults(&cfg);
-  cfg.identity = &id;
-  cfg.cluster_key = g_cluster;
-  net_t *n;
-  if (net_init(&n, &loop, &cfg, NULL, NULL, NULL) != 0) _exit(2);
   float *src = calloc(CHILD_COUNT, sizeof(float));
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  if (!src || net_dial(n, addr, child_dialed, src) != 0) _exit(2);
-  uv_run(&loop, UV_RUN_DEFAULT);
-  _exit(0);
+  struct net_bulk_send s = {.src = src, .count = CHILD_COUNT, .wire = NET_DTYPE_F32, .done = child_sent};
+  uint64_t id;
+  if (!src || net_conn_send_bulk(c, &s, &id) != 0) _exit(4);
 }
 
-Test(net_close, a_sender_killed_mid_buffer_delivers_nothing, .fini = reap_child, .timeout = 60) {
+Test(net_close, a_sender_killed_mid_buffer_delivers_nothing, .fini = tchild_reap, .timeout = 60) {
   tkeys_init();
-  int pfd[2];
-  cr_assert_eq(pipe(pfd), 0);
-  g_child = fork();
-  cr_assert_geq(g_child, 0);
-  if (g_child == 0) {
-    close(pfd[1]);
-    child_main(pfd[0]);
-  }
-  close(pfd[0]);
+  tchild_start(child_dialed, NULL);
   tloop_init();
   tpeer_setup(&srv, "server");
   tpeer_setup(&cli, "unused");
   tpeer_start(&srv, true);
-  int port = net_listen_port(srv.net);
-  cr_assert_eq(write(pfd[1], &port, sizeof port), (ssize_t)sizeof port);
-  close(pfd[1]);
+  tchild_tell_port(net_listen_port(srv.net));
   srv.rx_buf = malloc((size_t)CHILD_COUNT * sizeof(float));
   memset(srv.rx_buf, 0x7f, (size_t)CHILD_COUNT * sizeof(float));
   srv.rx_cap = CHILD_COUNT;
@@ -105,8 +54,7 @@ Test(net_close, a_sender_killed_mid_buffer_delivers_nothing, .fini = reap_child,
   cr_assert_eq(srv.bulk_ok, 0);
   cr_assert_eq(srv.closed, 1);
   cr_assert_neq(srv.close_status, 0, "a dead peer is not a graceful close: %s", srv.close_detail);
-  struct tpeer *ps[] = {&srv, &cli};
-  tnet_finish(ps, 2);
+  finish();
 }
 
 /* ---- graceful closes ------------------------------------------------------------------ */

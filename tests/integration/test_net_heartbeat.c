@@ -11,33 +11,12 @@
  * after 1000 ms of silence): the figures are the ones docs/net.md states.
  * Timings are asserted only as generous bounds around them.
  */
-#include <signal.h>
-#include <sys/wait.h>
-
 #include "test_net_helpers.h"
 
 static struct tpeer srv, cli;
-static pid_t g_child = -1;
 
-static void reap_child(void) {
-  if (g_child > 0) {
-    kill(g_child, SIGKILL);
-    waitpid(g_child, NULL, 0);
-    g_child = -1;
-  }
-}
-
-static void setup(void) {
-  tloop_init();
-  tkeys_init();
-  tpeer_setup(&srv, "server");
-  tpeer_setup(&cli, "client");
-}
-
-static void finish(void) {
-  struct tpeer *ps[] = {&srv, &cli};
-  tnet_finish(ps, 2);
-}
+static void setup(void) { tpair_setup(&srv, &cli); }
+static void finish(void) { tpair_finish(&srv, &cli); }
 
 static uint64_t frames_in(net_conn_t *c) {
   struct net_conn_stats st;
@@ -47,48 +26,22 @@ static uint64_t frames_in(net_conn_t *c) {
 
 /* ---- a peer whose loop stops ------------------------------------------------------------ */
 
-/* The child: its own loop and net with the default heartbeat; dials the
- * parent and then only heartbeats, until it is stopped and killed. */
-static void child_main(int port_fd) {
-  int port = 0;
-  if (read(port_fd, &port, sizeof port) != sizeof port) _exit(2);
-  uv_loop_t loop;
-  uv_loop_init(&loop);
-  struct net_identity id;
-  if (net_identity_generate(&id) != 0) _exit(2);
-  struct net_config cfg;
-  net_config_defaults(&cfg);
-  cfg.identity = &id;
-  cfg.cluster_key = g_cluster;
-  net_t *n;
-  if (net_init(&n, &loop, &cfg, NULL, NULL, NULL) != 0) _exit(2);
-  char addr[64];
-  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-  if (net_dial(n, addr, tp_dial_cb, &cli) != 0) _exit(2);
-  uv_run(&loop, UV_RUN_DEFAULT);
-  _exit(0);
+/* In the child: connected, it only heartbeats until it is stopped and killed. */
+static void child_dialed(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
+  (void)n, (void)c, (void)detail, (void)arg;
+  if (status != 0) _exit(3);
 }
 
-Test(net_heartbeat, a_stopped_peer_is_judged_dead_after_a_second_of_silence, .fini = reap_child, .timeout = 60) {
+Test(net_heartbeat, a_stopped_peer_is_judged_dead_after_a_second_of_silence, .fini = tchild_reap, .timeout = 60) {
   tkeys_init();
-  int pfd[2];
-  cr_assert_eq(pipe(pfd), 0);
-  g_child = fork();
-  cr_assert_geq(g_child, 0);
-  if (g_child == 0) {
-    close(pfd[1]);
-    child_main(pfd[0]);
-  }
-  close(pfd[0]);
+  tchild_start(child_dialed, NULL);
   tloop_init();
   tpeer_setup(&srv, "server");
   tpeer_setup(&cli, "unused");
   cr_assert_eq(srv.cfg.heartbeat_ms, 250, "the default interval");
   cr_assert_eq(srv.cfg.dead_after_ms, 1000, "the default verdict");
   tpeer_start(&srv, true);
-  int port = net_listen_port(srv.net);
-  cr_assert_eq(write(pfd[1], &port, sizeof port), (ssize_t)sizeof port);
-  close(pfd[1]);
+  tchild_tell_port(net_listen_port(srv.net));
   /* Its first frame is a PING: from then on it is judged. */
   RUN_UNTIL(srv.conn && frames_in(srv.conn) >= 1, 20);
   cr_assert(srv.conn && frames_in(srv.conn) >= 1, "the child connected and pinged");
@@ -115,9 +68,8 @@ Test(net_heartbeat, a_stopped_peer_is_judged_dead_after_a_second_of_silence, .fi
    * stop), and within it plus a generous allowance for a loaded machine. */
   cr_assert(dt >= 0.7, "judged after %.3f s: before a second of silence", dt);
   cr_assert(dt < 4.0, "judged after %.3f s", dt);
-  reap_child();
-  struct tpeer *ps[] = {&srv, &cli};
-  tnet_finish(ps, 2);
+  tchild_reap();
+  finish();
 }
 
 /* ---- a busy slow link is not silence ------------------------------------------------------ */

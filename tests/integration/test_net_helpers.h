@@ -7,7 +7,8 @@
  *     byte offset, cut the stream, or duplicate / swap / drop whole transport
  *     frames of the client-to-server direction, or hold that direction to a
  *     rate (a slow link);
- *   - tnet_finish: closes everything and checks the loop closes clean.
+ *   - tnet_finish: closes everything and checks the loop closes clean;
+ *   - tchild: a peer in a child process of its own (to be stopped or killed).
  * Everything runs on 127.0.0.1 with ephemeral ports.
  */
 #ifndef RUMOR_TEST_NET_HELPERS_H
@@ -20,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "net/net.h"
@@ -285,6 +287,75 @@ TN_FN void tnet_finish(struct tpeer **peers, int n) {
     net_identity_wipe(&peers[i]->id);
     free(peers[i]->rx_buf);
     peers[i]->rx_buf = NULL;
+  }
+}
+
+/* A suite's usual start and end: the loop, the keys, a server and a client
+ * peer set up (not started); then their nets closed and the loop checked. */
+TN_FN void tpair_setup(struct tpeer *srv, struct tpeer *cli) {
+  tloop_init();
+  tkeys_init();
+  tpeer_setup(srv, "server");
+  tpeer_setup(cli, "client");
+}
+
+TN_FN void tpair_finish(struct tpeer *srv, struct tpeer *cli) {
+  struct tpeer *ps[] = {srv, cli};
+  tnet_finish(ps, 2);
+}
+
+/* ---- a peer in a child process -------------------------------------------------------- */
+
+static pid_t g_child = -1;
+static int g_child_port_fd = -1;
+
+/* Forks a child that waits for the parent's listening port
+ * (tchild_tell_port), then makes a loop and a net of its own (the default
+ * configuration, the test's cluster key, a fresh identity), dials
+ * 127.0.0.1:PORT with `cb` (`arg`, in the child's memory) and runs its loop
+ * until it is killed. Call tkeys_init first; end it with tchild_reap. */
+TN_FN void tchild_start(net_dial_cb cb, void *arg) {
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  g_child = fork();
+  cr_assert_geq(g_child, 0);
+  if (g_child > 0) {
+    close(pfd[0]);
+    g_child_port_fd = pfd[1];
+    return;
+  }
+  close(pfd[1]);
+  int port = 0;
+  if (read(pfd[0], &port, sizeof port) != sizeof port) _exit(2);
+  uv_loop_t loop;
+  uv_loop_init(&loop);
+  struct net_identity id;
+  if (net_identity_generate(&id) != 0) _exit(2);
+  struct net_config cfg;
+  net_config_defaults(&cfg);
+  cfg.identity = &id;
+  cfg.cluster_key = g_cluster;
+  net_t *n;
+  if (net_init(&n, &loop, &cfg, NULL, NULL, NULL) != 0) _exit(2);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  if (net_dial(n, addr, cb, arg) != 0) _exit(2);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  _exit(0);
+}
+
+TN_FN void tchild_tell_port(int port) {
+  cr_assert_eq(write(g_child_port_fd, &port, sizeof port), (ssize_t)sizeof port);
+  close(g_child_port_fd);
+  g_child_port_fd = -1;
+}
+
+/* SIGKILLs and reaps the child, if any (a suite's .fini too). */
+TN_FN void tchild_reap(void) {
+  if (g_child > 0) {
+    kill(g_child, SIGKILL);
+    waitpid(g_child, NULL, 0);
+    g_child = -1;
   }
 }
 

@@ -112,45 +112,43 @@ static void start_ring(int peer[MEMBERS]) {
   usleep(500 * 1000); /* a few hundred rounds of the four */
 }
 
+/* Sends `sig` to member 3 and waits for the survivors' first round over
+ * the three of them. Prints the time from the signal (`what`, the promise)
+ * and asserts it within a generous bound, and that some other node logged
+ * `verdict`: the cause the test is about. Returns the time. */
+static double survivors_go_on(const int peer[MEMBERS], int sig, const char *what, const char *promise,
+                              const char *verdict) {
+  double t0 = day_secs_now();
+  cr_assert_eq(kill(C.node[peer[3]].pid, sig), 0);
+  double took = all_after(peer, 3, "done over 3 members", t0, 30);
+  fprintf(stderr, "figure: the survivors' first round without the %s member %.3f s after the signal (promise: %s)\n",
+          what, took, promise);
+  cr_assert(took >= 0, "the survivors completed no round without the %s member: %s", what,
+            proc_slurp(C.node[peer[0]].log));
+  cr_assert(took < 6.0, "the survivors' first round without the %s member came %.3f s after the signal", what, took);
+  cr_assert(another_logged(peer[3], verdict), "no node logged '%s'", verdict);
+  return took;
+}
+
 Test(heartbeat, the_survivors_of_a_killed_member_complete_a_round_without_it) {
   SKIP_WITHOUT_DATA();
   int peer[MEMBERS];
   start_ring(peer);
-  double t_kill = day_secs_now();
-  cr_assert_eq(kill(C.node[peer[3]].pid, SIGKILL), 0);
-  int survivors[3] = {peer[0], peer[1], peer[2]};
-  double took = all_after(survivors, 3, "done over 3 members", t_kill, 30);
-  fprintf(stderr, "figure: the survivors' first round without the killed member %.3f s after the kill (promise: 2 s)\n",
-          took);
-  cr_assert(took >= 0, "a survivor completed no round without the killed member: %s",
-            proc_slurp(C.node[peer[0]].log));
-  cr_assert(took < 6.0, "the survivors' first round without it came %.3f s after the kill", took);
-  cr_assert(another_logged(peer[3], "is suspected at once: its connection was cut"),
-            "no node took the cut for a verdict");
+  survivors_go_on(peer, SIGKILL, "killed", "2 s", "is suspected at once: its connection was cut");
 }
 
 Test(heartbeat, a_stopped_member_is_out_of_the_ring_at_once_and_back_after_it_resumes) {
   SKIP_WITHOUT_DATA();
   int peer[MEMBERS];
   start_ring(peer);
-  double t_stop = day_secs_now();
-  cr_assert_eq(kill(C.node[peer[3]].pid, SIGSTOP), 0);
-  int survivors[3] = {peer[0], peer[1], peer[2]};
-  double out = all_after(survivors, 3, "done over 3 members", t_stop, 30);
-  fprintf(stderr, "figure: the stopped member out of the survivors' rounds %.3f s after SIGSTOP (promise: 1.5 s)\n",
-          out);
-  cr_assert(out >= 0, "the survivors completed no round without the stopped member: %s",
-            proc_slurp(C.node[peer[0]].log));
-  cr_assert(out < 6.0, "the stopped member was out %.3f s after SIGSTOP", out);
-  cr_assert(another_logged(peer[3], "is suspected at once: its connection fell silent"),
-            "no node gave the heartbeat verdict");
+  survivors_go_on(peer, SIGSTOP, "stopped", "1.5 s", "is suspected at once: its connection fell silent");
   /* Stopped past the verdict for another two seconds, then resumed. */
   usleep(2000 * 1000);
   double t_cont = day_secs_now();
   cr_assert_eq(kill(C.node[peer[3]].pid, SIGCONT), 0);
   /* A round over four completed by a survivor had the resumed member's
    * part in it (its own log says nothing: its last round was over four). */
-  double back = all_after(survivors, 3, "done over 4 members", t_cont, 60);
+  double back = all_after(peer, 3, "done over 4 members", t_cont, 60);
   fprintf(stderr, "figure: the resumed member back in a round of all four %.3f s after SIGCONT\n", back);
   cr_assert(back >= 0, "the resumed member never took part in a round again: %s", proc_slurp(C.node[peer[3]].log));
   cr_assert(back < 20.0, "the resumed member was back %.3f s after SIGCONT", back);
