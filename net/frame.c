@@ -309,7 +309,8 @@ static int on_header(struct net_sess *s) {
   switch (h->type) {
   case NET_FRAME_READY:
     if (!s->client || s->ready) return violation(s, RUMOR_EPROTO, "unexpected READY frame");
-    /* fall through */
+    if (h->ct_len != 0) return violation(s, RUMOR_EPROTO, "READY frame carries %zu bytes, expected none", h->ct_len);
+    break; /* in every version: READY must not fall into PING's version check */
   case NET_FRAME_PING:
     if (s->version < NET_PROTO_PING)
       return violation(s, RUMOR_EPROTO, "PING frame in a protocol version %u session", s->version);
@@ -317,8 +318,13 @@ static int on_header(struct net_sess *s) {
   case NET_FRAME_BULK_ABORT:
   case NET_FRAME_BULK_RESULT:
   case NET_FRAME_BYE:
+    if (h->ct_len != 0)
+      return violation(s, RUMOR_EPROTO, "%s frame carries %zu bytes, expected none", frame_name(h->type), h->ct_len);
+    break;
   case NET_FRAME_RELAY_LISTEN:
   case NET_FRAME_CIRCUIT_END:
+    if (s->version < NET_PROTO_RELAY)
+      return violation(s, RUMOR_EPROTO, "%s frame in a protocol version %u session", frame_name(h->type), s->version);
     if (h->ct_len != 0)
       return violation(s, RUMOR_EPROTO, "%s frame carries %zu bytes, expected none", frame_name(h->type), h->ct_len);
     break;
@@ -327,11 +333,15 @@ static int on_header(struct net_sess *s) {
       return violation(s, RUMOR_ETOOBIG, "control message of %zu bytes (limit %zu)", h->ct_len, s->max_msg_bytes);
     break;
   case NET_FRAME_CIRCUIT_OPEN:
+    if (s->version < NET_PROTO_RELAY)
+      return violation(s, RUMOR_EPROTO, "CIRCUIT_OPEN frame in a protocol version %u session", s->version);
     if (h->ct_len != NET_PUBKEY_BYTES)
       return violation(s, RUMOR_EPROTO, "CIRCUIT_OPEN carries %zu bytes, expected a %d-byte key", h->ct_len,
                        NET_PUBKEY_BYTES);
     break;
   case NET_FRAME_CIRCUIT_DATA:
+    if (s->version < NET_PROTO_RELAY)
+      return violation(s, RUMOR_EPROTO, "CIRCUIT_DATA frame in a protocol version %u session", s->version);
     if (h->ct_len == 0 || h->ct_len > NET_CIRCUIT_PIECE_MAX)
       return violation(s, RUMOR_ETOOBIG, "CIRCUIT_DATA of %zu bytes (limit %u)", h->ct_len, NET_CIRCUIT_PIECE_MAX);
     break;

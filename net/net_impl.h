@@ -25,6 +25,7 @@
 #define NET_PROTO_MIN 2
 #define NET_PROTO_MAX 3
 #define NET_PROTO_PING 3 /* the first version with NET_FRAME_PING */
+#define NET_PROTO_RELAY 3 /* the first version with relay frames (RELAY_LISTEN, CIRCUIT_*) */
 #define NET_PROTO_RETIRED 1 /* the last version this build no longer accepts */
 #define NET_HS_LEN_BYTES 2     /* each handshake message: u16 length, then body */
 #define NET_HS_FRAME_MAX 512   /* cap on a pre-authentication message body */

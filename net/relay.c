@@ -396,6 +396,11 @@ int net_relay_on_frame(struct net_conn *c, uint8_t type, uint64_t a, uint64_t b,
 
 /* Opens circuit connection `in` on carrier c: OPEN, then the handshake. */
 static void circuit_start(struct net_conn *c, struct net_conn *in) {
+  if (c->state == CONN_OPEN && c->version < NET_PROTO_RELAY) {
+    net_conn_abort(in, -EPROTONOSUPPORT, -1, "no circuit through %s: its build has no relays (protocol version %u)",
+                   c->name, c->version);
+    return;
+  }
   struct net_hop *h = c->state == CONN_OPEN ? hop_add(c, 0) : NULL;
   if (!h) {
     net_conn_abort(in, -EBUSY, -1, "no circuit through %s: %s", c->name,
@@ -414,6 +419,23 @@ static void circuit_start(struct net_conn *c, struct net_conn *in) {
   }
   net_conn_pump(c);
   net_conn_start_handshake(in);
+}
+
+/* Sends our RELAY_LISTEN on the link's open carrier (a relay of an older
+ * build, without relays, is refused here with a message that says so). */
+static void send_listen(struct net_relay_link *l) {
+  struct net_conn *c = l->conn;
+  if (c->version < NET_PROTO_RELAY) {
+    net_relay_cb cb = l->listen_cb;
+    void *arg = l->listen_arg;
+    l->listen_cb = NULL;
+    char why[160];
+    snprintf(why, sizeof why, "its build has no relays (protocol version %u)", c->version);
+    cb(l->net, -EPROTONOSUPPORT, why, arg);
+    return;
+  }
+  l->listen_sent = true;
+  if (net_conn_queue_frame(c, NET_FRAME_RELAY_LISTEN, 1, 0, NULL, 0, SIZE_MAX, NULL) == 0) net_conn_pump(c);
 }
 
 static void link_free(net_t *n, struct net_relay_link *l) {
@@ -448,10 +470,7 @@ static void on_carrier_dialed(net_t *n, net_conn_t *c, int status, const char *d
   /* The carrier is an ordinary connection to a member: the application
    * learns of it like of an inbound one, and may use it. */
   if (n->cbs.on_accept) n->cbs.on_accept(c, n->ud);
-  if (c->state == CONN_OPEN && l->listen_cb && !l->listen_sent) {
-    l->listen_sent = true;
-    if (net_conn_queue_frame(c, NET_FRAME_RELAY_LISTEN, 1, 0, NULL, 0, SIZE_MAX, NULL) == 0) net_conn_pump(c);
-  }
+  if (c->state == CONN_OPEN && l->listen_cb && !l->listen_sent) send_listen(l);
   for (size_t i = 0; i < nw; i++) circuit_start(c, waiting[i]);
   free(waiting);
 }
@@ -524,11 +543,7 @@ int net_relay_listen(net_t *n, const char *relay, net_relay_cb cb, void *arg) {
   if (l->listen_cb) return -EALREADY;
   l->listen_cb = cb;
   l->listen_arg = arg;
-  if (l->conn && l->conn->state == CONN_OPEN) {
-    l->listen_sent = true;
-    if (net_conn_queue_frame(l->conn, NET_FRAME_RELAY_LISTEN, 1, 0, NULL, 0, SIZE_MAX, NULL) == 0)
-      net_conn_pump(l->conn);
-  }
+  if (l->conn && l->conn->state == CONN_OPEN) send_listen(l);
   return 0;
 }
 

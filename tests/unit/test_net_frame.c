@@ -350,6 +350,20 @@ Test(net_frame, a_client_accepts_nothing_before_ready_and_nothing_after_bye, .in
   n = seal(&tx, f, NET_FRAME_READY, 0, 0, NULL, 0);
   cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO, "a second READY");
   net_sess_free(&rx);
+  /* a version-2 session (a peer without the heartbeat) opens with READY too */
+  memset(&k, 0, sizeof k);
+  net_sess_init(&rx, true, &cfg, &sink_ops, &k);
+  net_sess_set_keys(&rx, NET_SUITE_AES256GCM, key_c2s, key_s2c);
+  rx.version = 2;
+  net_aead_init(&tx, NET_SUITE_AES256GCM, key_s2c);
+  n = seal(&tx, f, NET_FRAME_READY, 0, 0, NULL, 0);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), 0, "READY in version 2: %s", rx.err.msg);
+  cr_assert_eq(k.ready, 1);
+  /* relay frames are version 3's too */
+  n = seal(&tx, f, NET_FRAME_CIRCUIT_END, 1, 0, NULL, 0);
+  cr_assert_eq(net_sess_rx_feed(&rx, f, n), RUMOR_EPROTO);
+  cr_assert(strstr(rx.err.msg, "version 2"), "%s", rx.err.msg);
+  net_sess_free(&rx);
   /* BYE, then anything */
   pair(&rx, &k, &tx, NET_SUITE_AES256GCM);
   n = seal(&tx, f, NET_FRAME_BYE, 0, 0, NULL, 0);
