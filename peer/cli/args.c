@@ -100,7 +100,7 @@ int args_parse(const struct arg_spec *specs, int argc, char **argv, const char *
       fprintf(stderr, "rumor %s: unexpected argument '%s' (options start with --; see --help)\n", cmd, a);
       return ARGS_ERROR;
     }
-    const char *name = a + 2;
+    const char *name = a + STR_LEN("--");
     const char *eq = strchr(name, '=');
     size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
     const struct arg_spec *s = NULL;
