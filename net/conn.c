@@ -971,9 +971,12 @@ static void on_hs_message(struct net_conn *c) {
   if (!c->inbound) {
     uint8_t out[NET_HS_AUTH_LEN];
     rc = net_hs_client_on_welcome(&c->hs, body, len, out, &e);
-    if (rc == 0 && c->circ_check_target) rc = net_circuit_check_peer(c, &e); /* before we authenticate */
     if (rc < 0) {
-      net_conn_abort(c, rc, rc == RUMOR_EAUTH ? NET_HS_FAIL_AUTH : (int)c->hs.fail, "%s", e.msg);
+      net_conn_abort(c, rc, (int)c->hs.fail, "%s", e.msg);
+      return;
+    }
+    if (c->circ_check_target && (rc = net_circuit_check_peer(c, &e)) < 0) { /* before we authenticate */
+      net_conn_abort(c, rc, NET_HS_FAIL_AUTH, "%s", e.msg);
       return;
     }
     send_hs(c, out, sizeof out);
