@@ -149,10 +149,16 @@ done
 # ---- clean-up: every process we started, then the test network ----------
 net=rcx$$
 export TESTNET_NAME=$net TESTNET_OWNER=$$
-all_pids=""
+# The processes of the run in progress: every one runs in a test host's
+# namespace, and `testnet.sh down` kills whatever runs there too.
+declare -a pid
+boot_pid=""
 cleanup() {
   trap - EXIT INT TERM
-  for p in $all_pids; do kill -9 "$p" 2>/dev/null; done
+  local p
+  for p in "${pid[@]}" "$boot_pid"; do
+    [ -n "$p" ] && [ "$(cat "/proc/$p/comm" 2>/dev/null)" = rumor ] && kill -9 "$p" 2>/dev/null
+  done
   wait 2>/dev/null
   "$testnet" down > /dev/null 2>&1
   if [ -z "${KEEP_CKPT:-}" ]; then rm -f "$out"/runs/*/*.safetensors*; fi
@@ -204,7 +210,7 @@ target_pct() { case $1 in gossip | noloco) echo 95 ;; *) echo 85 ;; esac; }
 # Per peer i (1..peers): pid[i] (empty once its last process ended), inc[i]
 # (its process count - 1: restarts), busy[i] (under a fault: 0/1),
 # killed[i] (1 once killed: not long-lived).
-declare -a pid inc busy killed
+declare -a inc busy killed
 # Pending ends of faults: at end_at[k] ms, run end_cmd[k] for peer end_peer[k].
 declare -a end_at end_cmd end_peer
 
@@ -227,7 +233,6 @@ start_peer() {
     $run_job_args $run_scheme_args $role $more ${PEER_ARGS:-} \
     > "$d/p$i.${inc[$i]}.out" 2> "$d/p$i.${inc[$i]}.log" &
   pid[$i]=$!
-  all_pids="$all_pids $!"
 }
 
 alive() { [ -r "/proc/$1/stat" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)" != Z ]; }
@@ -356,6 +361,9 @@ end_faults() {
 sample() {
   local i p t
   t=$(t_rel)
+  # The host's load (1-minute average) beside: other work on the machine
+  # moves the throughput figures.
+  echo "$run_id,$t,load,0,0,$(cut -d' ' -f1 /proc/loadavg),0" >> "$out/samples.csv"
   for i in $(seq 1 "$peers") boot; do
     if [ "$i" = boot ]; then p=$boot_pid; else p=${pid[$i]}; fi
     [ -n "$p" ] && alive "$p" || continue
@@ -382,7 +390,6 @@ run() {
   ip netns exec "$boot_ns" "$rumor" bootstrap --listen "$boot_addr" --cluster-key "$d/cluster.key" \
     --identity "$d/id0.key" > "$d/boot.out" 2> "$d/boot.log" &
   boot_pid=$!
-  all_pids="$all_pids $boot_pid"
   for _ in $(seq 1 100); do grep -q '"listen"' "$d/boot.out" 2>/dev/null && break; sleep 0.1; done
   grep -q '"listen"' "$d/boot.out" || die "the bootstrap node did not start: $(tail -n 3 "$d/boot.log")"
   for i in $(seq 1 "$peers"); do
@@ -439,7 +446,7 @@ run() {
   local rc=$?
   if [ "$rc" != 0 ]; then
     crashes=$((crashes + 1))
-    event "$(t_rel)" crash boot "the bootstrap node exited with status $rc on SIGTERM"
+    event "$(t_rel)" crash boot "the bootstrap node exited with status $rc"
   fi
 }
 
@@ -482,20 +489,23 @@ summarize() {
   fi
   # Long-lived: the bootstrap node and the peers never killed. Growth from
   # the first sample after the warm-up to the last one.
-  read -r rss_growth fd_growth <<< "$(awk -F, -v r="$run_id" -v k=" ${killed_list:-}" '
+  read -r rss_growth rss_node fd_growth load <<< "$(awk -F, -v r="$run_id" -v k=" ${killed_list:-}" '
+    $1 == r && $3 == "load" {ls += $6; ln++; next}
     $1 == r && $6 != "" {
       key = $3; if (!(key in first)) {first[key] = $6; ffd[key] = $7} last[key] = $6; lfd[key] = $7 }
-    END {g = -1e9; fg = -1e9
+    END {g = -1e9; fg = -1e9; who = "-"
       for (key in first) { if (index(k, " " key " ")) continue
-        x = 100 * (last[key] - first[key]) / first[key]; if (x > g) g = x
+        x = 100 * (last[key] - first[key]) / first[key]; if (x > g) {g = x; who = key}
         y = lfd[key] - ffd[key]; if (y > fg) fg = y }
-      if (g == -1e9) print "nan nan"; else printf "%.1f %+d\n", g, fg}' "$out/samples.csv")"
+      if (who != "boot" && who != "-") who = "peer-" who
+      if (g == -1e9) printf "nan - nan"; else printf "%.1f %s %+d", g, who, fg
+      printf " %.1f\n", ln ? ls / ln : 0}' "$out/samples.csv")"
 }
 
 # ---- the benchmark ----------------------------------------------------
 echo "run_id,t,kind,peer,what" > "$out/faults.csv"
 echo "run_id,t,node,process,pid,rss_kb,fds" > "$out/samples.csv"
-echo "job,scheme,run,peers,epochs_or_steps,wall_s,samples,samples_per_s,retained_pct,target_pct,metric,quality_mean,quality_worst,quality_delta,finished,faults,kill,stop,cut,loss,relay,restarts,resumed,resumed_from_prev,checkpoints_lost,crashes,rss_growth_pct,fd_growth,timed_out,duration_s,fault_every_s,seed" \
+echo "job,scheme,run,peers,epochs_or_steps,wall_s,samples,samples_per_s,retained_pct,target_pct,metric,quality_mean,quality_worst,quality_delta,finished,faults,kill,stop,cut,loss,relay,restarts,resumed,resumed_from_prev,checkpoints_lost,crashes,rss_growth_pct,fd_growth,load_avg,timed_out,duration_s,fault_every_s,seed" \
   > "$out/bench-chaos.csv"
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 say "bench-chaos.sh: $peers peers on test hosts ($backend backend), jobs: $jobs; schemes: $schemes;" \
@@ -547,7 +557,7 @@ for job in $jobs; do
       killed_list=""
       for i in $(seq 1 "$peers"); do [ "${killed[$i]}" = 1 ] && killed_list="$killed_list$i "; done
       summarize "$job" "$scheme" "$mode"
-      for v in sps wall samples quality qworst finished lost crashes rss_growth fd_growth resumed fallbacks \
+      for v in sps wall samples quality qworst finished lost crashes rss_growth rss_node fd_growth load resumed fallbacks \
         restarts timed_out nfaults n_kill n_stop n_cut n_loss n_relay; do
         R[$mode,$v]=${!v}
       done
@@ -582,14 +592,16 @@ for job in $jobs; do
     row "checkpoints lost" "${R[free,lost]}" "${R[chaos,lost]}" 0 "$(verdict "$([ "${R[chaos,lost]}" = 0 ] && echo 1)")"
     row "survivor crashes" "${R[free,crashes]}" "${R[chaos,crashes]}" 0 \
       "$(verdict "$([ "${R[chaos,crashes]}" = 0 ] && [ "${R[free,crashes]}" = 0 ] && echo 1)")"
-    row "RSS growth after warm-up" "max ${R[free,rss_growth]} %" "max ${R[chaos,rss_growth]} %" "< 10 % (flat)" \
+    row "RSS growth after warm-up" "max ${R[free,rss_growth]} % (${R[free,rss_node]})" \
+      "max ${R[chaos,rss_growth]} % (${R[chaos,rss_node]})" "< 10 % (flat)" \
       "$(verdict "$(awk -v a="${R[chaos,rss_growth]}" -v b="${R[free,rss_growth]}" 'BEGIN {print (a == a && a < 10 && b < 10)}')")"
     row "fd growth after warm-up" "max ${R[free,fd_growth]}" "max ${R[chaos,fd_growth]}" "(reported)" ""
+    row "host load average (1 min)" "${R[free,load]}" "${R[chaos,load]}" "" ""
     [ "${R[chaos,timed_out]}" = 1 ] && say "  the chaos run hit RUN_TIMEOUT ($run_timeout s): the peers left were sent SIGTERM"
     for mode in free chaos; do
       ret=100.0 dq=0
       [ "$mode" = chaos ] && ret=$retained dq=${delta% points}
-      echo "$job,$scheme,$mode,$peers,$work,${R[$mode,wall]},${R[$mode,samples]},${R[$mode,sps]},$ret,$tgt,$metric,${R[$mode,quality]},${R[$mode,qworst]},$dq,${R[$mode,finished]},${R[$mode,nfaults]},${R[$mode,n_kill]},${R[$mode,n_stop]},${R[$mode,n_cut]},${R[$mode,n_loss]},${R[$mode,n_relay]},${R[$mode,restarts]},${R[$mode,resumed]},${R[$mode,fallbacks]},${R[$mode,lost]},${R[$mode,crashes]},${R[$mode,rss_growth]},${R[$mode,fd_growth]},${R[$mode,timed_out]},$duration,$every,$seed" \
+      echo "$job,$scheme,$mode,$peers,$work,${R[$mode,wall]},${R[$mode,samples]},${R[$mode,sps]},$ret,$tgt,$metric,${R[$mode,quality]},${R[$mode,qworst]},$dq,${R[$mode,finished]},${R[$mode,nfaults]},${R[$mode,n_kill]},${R[$mode,n_stop]},${R[$mode,n_cut]},${R[$mode,n_loss]},${R[$mode,n_relay]},${R[$mode,restarts]},${R[$mode,resumed]},${R[$mode,fallbacks]},${R[$mode,lost]},${R[$mode,crashes]},${R[$mode,rss_growth]},${R[$mode,fd_growth]},${R[$mode,load]},${R[$mode,timed_out]},$duration,$every,$seed" \
         >> "$out/bench-chaos.csv"
     done
   done
