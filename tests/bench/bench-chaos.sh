@@ -23,10 +23,11 @@
 # namespaces; the bootstrap node on host 1, peer i on host i+1, none of them
 # reachable from outside), with its own identity key and a checkpoint file
 # saved about every CKPT_SECS seconds (--checkpoint-every, from the probe's
-# rate). After WARMUP seconds of training, every FAULT_EVERY seconds one
-# fault is drawn (SEED: the kinds come from a shuffled deck, so that every
-# kind comes once in each round of draws) and hits one peer drawn among
-# those training and under no other fault:
+# rate). Once every peer trains, every FAULT_EVERY seconds one fault is
+# drawn (SEED: the kinds come from a shuffled deck, so that every kind comes
+# once in each round of draws; a kind no peer can take now is drawn again
+# next time) and hits one peer drawn among those training and under no
+# other fault:
 #
 #   kill   kill -9, then at once a restart with --resume, the same identity
 #          key, address, shard and checkpoint file
@@ -62,20 +63,26 @@
 #                 send. Target 0.
 #   RSS, fds      of the long-lived processes (the bootstrap node and every
 #                 peer never killed), sampled every SAMPLE_S seconds from
-#                 /proc: growth from the first sample after the warm-up to
-#                 the last before the process ended its training. "Flat":
-#                 every one grew less than 10 % (as tests/scripts/soak.sh).
-#                 fd growth is reported, with no target.
+#                 /proc (VmRSS, entries of fd/): growth from the first
+#                 sample after the warm-up (the first WARMUP seconds of
+#                 training: buffers and allocator arenas grow until then)
+#                 to the last one before the process ended its training.
+#                 "Flat": every one grew less than 10 % (as
+#                 tests/scripts/soak.sh). fd growth is reported, with no
+#                 target. The host's load average is sampled beside (on a
+#                 shared machine other work moves the throughput figures).
 #
 # Environment: DURATION (600 s), SEED (1), PEERS (8), SCHEMES ("gossip
 # allreduce diloco"), JOBS ("mlp gpt"), FAULT_EVERY (15 s), FAULTS (the kinds
-# to draw from: "kill stop cut loss relay"), WARMUP (DURATION / 10, 5 to
-# 30 s), STOP_S (10), CUT_S (10), LOSS_S (30), LOSS_PCT (5), CKPT_SECS (5),
+# to draw from: "kill stop cut loss relay"), WARMUP (DURATION / 5, 5 to
+# 120 s), STOP_S (10), CUT_S (10), LOSS_S (30), LOSS_PCT (5), CKPT_SECS (5),
 # SAMPLE_S (2), EPOCHS, STEPS, PEER_ARGS (more options for every peer),
 # RUN_TIMEOUT (per run, default 3 * DURATION + 120 s: then the peers left
 # are sent SIGTERM), OUT (a directory, default bench-chaos: report.txt,
-# bench-chaos.csv, faults.csv, samples.csv and every process's log under
-# runs/), RUMOR (the binary; default BUILD_DIR/peer/rumor), DATA (Fashion-
+# bench-chaos.csv, faults.csv, samples.csv (run, t, node, process, pid,
+# rss_kb, fds; node "load": the load average in rss_kb's place) and every
+# process's log under runs/), CKPT_EVERY (steps between checkpoints, instead
+# of CKPT_SECS), RUMOR (the binary; default BUILD_DIR/peer/rumor), DATA (Fashion-
 # MNIST directory), CORPUS (text for gpt; made with deploy/make-corpus.sh
 # when missing), KEEP_CKPT=1 (keep the checkpoints).
 #
@@ -94,7 +101,7 @@ schemes=${SCHEMES:-gossip allreduce diloco}
 jobs=${JOBS:-mlp gpt}
 every=${FAULT_EVERY:-15}
 kinds=${FAULTS:-kill stop cut loss relay}
-warmup=${WARMUP:-$((duration / 10 < 5 ? 5 : duration / 10 > 30 ? 30 : duration / 10))}
+warmup=${WARMUP:-$((duration / 5 < 5 ? 5 : duration / 5 > 120 ? 120 : duration / 5))}
 stop_s=${STOP_S:-10} cut_s=${CUT_S:-10} loss_s=${LOSS_S:-30} loss_pct=${LOSS_PCT:-5}
 ckpt_secs=${CKPT_SECS:-5}
 sample_s=${SAMPLE_S:-2}
@@ -414,8 +421,8 @@ run() {
     [ "$running" = 0 ] && break
     if [ "$started" = 0 ] && [ "$any" = 0 ]; then
       started=1 t_train=$now
-      next_fault=$((now + warmup * 1000)) next_sample=$((now + warmup * 1000))
-      echo "  $run_id: every peer training; $([ "$mode" = chaos ] && echo "faults from t=$warmup s, every $every s" || echo "no faults")" >&2
+      next_fault=$((now + every * 1000)) next_sample=$now
+      echo "  $run_id: every peer training; $([ "$mode" = chaos ] && echo "a fault every $every s" || echo "no faults")" >&2
     fi
     if [ "$started" = 1 ]; then
       end_faults
@@ -489,9 +496,9 @@ summarize() {
   fi
   # Long-lived: the bootstrap node and the peers never killed. Growth from
   # the first sample after the warm-up to the last one.
-  read -r rss_growth rss_node fd_growth load <<< "$(awk -F, -v r="$run_id" -v k=" ${killed_list:-}" '
+  read -r rss_growth rss_node fd_growth load <<< "$(awk -F, -v r="$run_id" -v k=" ${killed_list:-}" -v w="$warmup" '
     $1 == r && $3 == "load" {ls += $6; ln++; next}
-    $1 == r && $6 != "" {
+    $1 == r && $6 != "" && $2 >= w {
       key = $3; if (!(key in first)) {first[key] = $6; ffd[key] = $7} last[key] = $6; lfd[key] = $7 }
     END {g = -1e9; fg = -1e9; who = "-"
       for (key in first) { if (index(k, " " key " ")) continue
@@ -509,7 +516,7 @@ echo "job,scheme,run,peers,epochs_or_steps,wall_s,samples,samples_per_s,retained
   > "$out/bench-chaos.csv"
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 say "bench-chaos.sh: $peers peers on test hosts ($backend backend), jobs: $jobs; schemes: $schemes;" \
-  "DURATION $duration s, a fault every $every s after $warmup s (kinds:$deck_kinds; SEED $seed);" \
+  "DURATION $duration s, a fault every $every s (kinds:$deck_kinds; SEED $seed), RSS and fds from t=$warmup s;" \
   "$(nproc) CPUs: $cpu"
 
 for job in $jobs; do
@@ -524,29 +531,27 @@ for job in $jobs; do
   esac
   for scheme in $schemes; do
     scheme_args "$scheme" > /dev/null
-    # Size the job: a probe run's samples/s (the peers' result lines) sets
-    # the epochs or steps for DURATION seconds of training.
-    if [ "$job" = mlp ]; then work=${EPOCHS:-}; probe_work=1; else work=${STEPS:-}; probe_work=60; fi
-    ckpt_every=1000000
-    if [ -z "$work" ]; then
+    # Size the job: a probe run's cluster samples/s (measured as the runs'
+    # are) sets the epochs or steps for DURATION seconds of training, and
+    # the checkpoint interval for one about every CKPT_SECS seconds of a
+    # peer's training. EPOCHS / STEPS and CKPT_EVERY, when given, win.
+    if [ "$job" = mlp ]; then work=${EPOCHS:-}; probe_work=2; else work=${STEPS:-}; probe_work=100; fi
+    ckpt_every=${CKPT_EVERY:-}
+    if [ -z "$work" ] || [ -z "$ckpt_every" ]; then
+      ckpt_every=1000000
       killed_list=""
       run "$job" "$scheme" probe "$probe_work"
-      killed_list=""
       summarize "$job" "$scheme" probe
       rate=$sps
       [ "$finished" = "$peers" ] && [ "$rate" -gt 0 ] || die "the probe run of $job/$scheme did not finish: see $d"
-      if [ "$job" = mlp ]; then
-        work=$(awk -v r="$rate" -v t="$duration" 'BEGIN {e = int(r * t / 60000 + 0.5); print e < 1 ? 1 : e}')
-      else
-        work=$(awk -v r="$rate" -v t="$duration" -v p="$peers" 'BEGIN {s = int(r * t / (8 * p) + 0.5); print s < 100 ? 100 : s}')
+      if [ -z "$work" ] && [ "$job" = mlp ]; then
+        work=$(awk -v r="$rate" -v t="$duration" 'BEGIN {e = int(r * t / 60000 + 0.5); print (e < 1 ? 1 : e)}')
+      elif [ -z "$work" ]; then
+        work=$(awk -v r="$rate" -v t="$duration" -v p="$peers" 'BEGIN {s = int(r * t / (8 * p) + 0.5); print (s < 100 ? 100 : s)}')
       fi
-    else
-      rate=0
+      ckpt_every=${CKPT_EVERY:-$(awk -v r="$rate" -v p="$peers" -v b="$(job_batch "$job")" -v s="$ckpt_secs" \
+        'BEGIN {n = int(r / p / b * s); print (n < 20 ? 20 : n)}')}
     fi
-    # Checkpoints about every CKPT_SECS seconds of a peer's training.
-    per_peer_steps=$(awk -v r="$rate" -v p="$peers" -v b="$(job_batch "$job")" -v s="$ckpt_secs" \
-      'BEGIN {n = int(r / p / b * s); print n < 20 ? 20 : n}')
-    ckpt_every=$per_peer_steps
     unit=$([ "$job" = mlp ] && echo epochs || echo steps)
     say ""
     say "== $job, $scheme: $peers peers, $work $unit each ($( [ "$job" = mlp ] && echo "1/$peers of Fashion-MNIST, batch $batch" || echo "1/$peers of the windows, batch 8")), checkpoint every $ckpt_every steps"
