@@ -163,6 +163,12 @@ struct gossip_relay {
   char trying[SWIM_ADDR_MAX]; /* the candidate asked last */
   size_t next;             /* round-robin over the candidates */
   uint64_t retry_ms;
+  bool none_logged;        /* said once that no candidate is left */
+  /* Candidates that refused (not relays), skipped for a while. */
+#define GOSSIP_RELAY_REFUSED 8
+  char refused[GOSSIP_RELAY_REFUSED][SWIM_ADDR_MAX];
+  uint64_t refused_until[GOSSIP_RELAY_REFUSED];
+  size_t refused_next;
 };
 
 struct gossip_join {

@@ -76,6 +76,7 @@ static void send_join(struct gossip *g, net_conn_t *c) {
   net_msgbuf_put_uint(&b, "inc", g->swim.self.incarnation);
   net_msgbuf_put_str(&b, "model", g->model, strlen(g->model));
   net_msgbuf_put_uint(&b, "nparams", g->cfg.nparams);
+  if (g->cfg.relay) net_msgbuf_put_bool(&b, "relay", true); /* optional: we relay (--relay) */
   int rc = net_conn_send_msg(c, &b);
   if (rc) log_warn("cannot send JOIN to %s: %s", net_conn_peer_name(c), rumor_strerror(rc));
   net_msgbuf_free(&b);
@@ -214,7 +215,9 @@ static void handle_join(struct gossip *g, net_conn_t *c, const struct net_msg *m
       return;
     }
   }
-  struct swim_update u = {.role = (enum swim_role)role, .state = SWIM_ALIVE, .incarnation = inc};
+  bool relay = false;
+  if (net_msg_get_bool(m, "relay", &relay) == RUMOR_EPROTO) relay = false;
+  struct swim_update u = {.role = (enum swim_role)role, .state = SWIM_ALIVE, .incarnation = inc, .relay = relay};
   memcpy(u.id, net_conn_peer_key(c), SWIM_ID_BYTES);
   memcpy(u.addr, addr, alen);
   swim_apply(&g->swim, &u, gossip_now_ms(g));

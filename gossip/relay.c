@@ -18,17 +18,38 @@
 
 #include "gossip/gossip_impl.h"
 
-#define RELAY_RETRY_MS 250 /* after a refusal or a loss, before the next candidate */
+#define RELAY_RETRY_MS 250     /* after a refusal or a loss, before the next candidate */
+#define RELAY_REFUSED_MS 30000 /* a candidate that refused is skipped this long */
+
+/* Whether `addr` refused to relay for us lately (and is skipped). */
+static bool refused_lately(const struct gossip *g, const char *addr, uint64_t now) {
+  const struct gossip_relay *r = &g->relay;
+  for (size_t i = 0; i < GOSSIP_RELAY_REFUSED; i++)
+    if (r->refused_until[i] > now && strcmp(r->refused[i], addr) == 0) return true;
+  return false;
+}
+
+/* Remembers that `addr` refused; true the first time in a while. */
+static bool note_refusal(struct gossip *g, const char *addr, uint64_t now) {
+  struct gossip_relay *r = &g->relay;
+  if (refused_lately(g, addr, now)) return false;
+  size_t k = r->refused_next++ % GOSSIP_RELAY_REFUSED;
+  snprintf(r->refused[k], sizeof r->refused[k], "%s", addr);
+  r->refused_until[k] = now + RELAY_REFUSED_MS;
+  return true;
+}
 
 /* Candidate relays: the bootstrap list, then members that relay (reachable
- * directly, alive, not us). Writes at most `max` addresses. */
-static size_t candidates(struct gossip *g, const char **out, size_t max) {
+ * directly, alive, not us), less those that refused lately. Writes at most
+ * `max` addresses. */
+static size_t candidates(struct gossip *g, const char **out, size_t max, uint64_t now) {
   size_t n = 0;
-  for (size_t i = 0; i < g->join.nboot && n < max; i++) out[n++] = g->join.boot[i];
+  for (size_t i = 0; i < g->join.nboot && n < max; i++)
+    if (!refused_lately(g, g->join.boot[i], now)) out[n++] = g->join.boot[i];
   for (size_t i = 0; i < g->swim.nmembers && n < max; i++) {
     const struct swim_member *m = &g->swim.members[i];
     if (m->info.relay && m->info.state == SWIM_ALIVE && m->info.addr[0] &&
-        m->info.addr[0] != NET_RELAY_ADDR_PREFIX)
+        m->info.addr[0] != NET_RELAY_ADDR_PREFIX && !refused_lately(g, m->info.addr, now))
       out[n++] = m->info.addr;
   }
   return n;
@@ -55,21 +76,26 @@ static void on_registered(net_t *n, int status, const char *detail, void *arg) {
     set_address(g, addr);
     return;
   }
+  uint64_t now = gossip_now_ms(g);
   if (r->registered) log_warn("the relay %s is lost (%s); looking for another", r->via, detail);
-  else log_warn("relay %s: %s", r->trying, detail && *detail ? detail : rumor_strerror(status));
+  else if (status != -EPERM || note_refusal(g, r->trying, now))
+    log_warn("relay %s: %s", r->trying, detail && *detail ? detail : rumor_strerror(status));
   r->registered = false;
-  r->retry_ms = gossip_now_ms(g) + RELAY_RETRY_MS;
+  r->retry_ms = now + RELAY_RETRY_MS;
 }
 
 void gossip_relay_tick(struct gossip *g, uint64_t now) {
   struct gossip_relay *r = &g->relay;
   if (!r->needed || r->registered || r->pending || now < r->retry_ms || g->stopping) return;
   const char *cand[GOSSIP_MAX_BOOTSTRAP + 64];
-  size_t n = candidates(g, cand, sizeof cand / sizeof cand[0]);
+  size_t n = candidates(g, cand, sizeof cand / sizeof cand[0], now);
   if (n == 0) {
+    if (!r->none_logged) log_warn("no relay can take us yet (no bootstrap node or member with --relay accepts)");
+    r->none_logged = true;
     r->retry_ms = now + 1000;
     return;
   }
+  r->none_logged = false;
   snprintf(r->trying, sizeof r->trying, "%s", cand[r->next++ % n]);
   int rc = net_relay_listen(g->net, r->trying, on_registered, g);
   if (rc) {
