@@ -171,8 +171,17 @@ void gossip_update_role(struct gossip *g) {
   atomic_store(&g->active, peer_rank(g, g->identity.pk) % 2 == 0);
 }
 
+/* False for a member that advertises "@" alone (it cannot accept connections
+ * and has no relay yet: relay.c) and to which no connection is open: no one
+ * can reach it until its relay's address arrives. */
+static bool reachable(struct gossip *g, const struct swim_member *m) {
+  if (m->info.addr[0] != NET_RELAY_ADDR_PREFIX || m->info.addr[1]) return true;
+  const struct gossip_link *l = gossip_link_get(g, m->info.id, false);
+  return l && l->conn;
+}
+
 /* A uniformly random alive peer other than `exclude` (may be NULL) that is
- * not backed off; `ready_only`: that has its state (a donor, a partner);
+ * not backed off and can be reached; `ready_only`: that has its state (a donor, a partner);
  * `passive_only`: that ranks odd (gossip_update_role); `training_only`:
  * not known to have finished (gossip_guard_finished). */
 static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool ready_only, bool passive_only,
@@ -184,7 +193,7 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
     const struct swim_member *m = &g->swim.members[i];
     if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
-    if (gossip_backed_off(g, m->info.id, now)) continue;
+    if (gossip_backed_off(g, m->info.id, now) || !reachable(g, m)) continue;
     if (ready_only && !m->info.ready) continue;
     if (passive_only && peer_rank(g, m->info.id) % 2 == 0) continue;
     if (training_only && gossip_guard_finished(g, m->info.id)) continue;

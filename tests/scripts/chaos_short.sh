@@ -36,7 +36,7 @@ fail() {
   echo "FAIL: $*"
   echo "--- report:"; cat "$T/out/report.txt" 2>/dev/null
   echo "--- faults:"; cat "$T/out/faults.csv" 2>/dev/null
-  for f in "$T"/out/runs/*-chaos/p*.log; do echo "--- $f (last lines):"; tail -n 5 "$f"; done
+  for f in "$T"/out/runs/*/p*.log; do echo "--- $f (last lines):"; tail -n 5 "$f"; done
   exit 1
 }
 
