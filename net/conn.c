@@ -311,8 +311,12 @@ static void write_done(struct net_txframe *f, int status) {
   if (carried) net_conn_write_done(carried, status);
   if (c->state == CONN_CLOSED) return;
   if (status < 0) {
-    net_conn_abort(c, status, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
-                   c->circ ? rumor_strerror(status) : uv_strerror(status));
+    if (c->circ) /* the carrier dropped the frame: the relay connection went */
+      net_conn_abort(c, -ENETRESET, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1,
+                     "the circuit through the relay closed (%s)", rumor_strerror(status));
+    else
+      net_conn_abort(c, status, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
+                     uv_strerror(status));
     return;
   }
   if (c->reject_then_close && c->state == CONN_HANDSHAKE) {
@@ -351,8 +355,11 @@ static void conn_write(struct net_conn *c, struct net_txframe *f) {
   if (rc < 0) {
     c->inflight_bytes -= f->len;
     frame_release(c, f);
-    net_conn_abort(c, rc, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s",
-                   c->circ ? rumor_strerror(rc) : uv_strerror(rc));
+    if (c->circ)
+      net_conn_abort(c, -ENETRESET, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1,
+                     "the circuit through the relay closed (%s)", rumor_strerror(rc));
+    else
+      net_conn_abort(c, rc, c->state < CONN_OPEN ? NET_HS_FAIL_CLOSED : -1, "write failed: %s", uv_strerror(rc));
   }
 }
 

@@ -49,7 +49,7 @@ for _ in $(seq 1 100); do grep -q '"listen"' "$T/boot.out" 2>/dev/null && break;
 for i in 2 3 4; do
   addr=$("$testnet" addr "$i"):7471
   "$testnet" exec "$i" "$rumor" peer --bootstrap "$boot" --listen "$addr" --cluster-key "$T/cluster.key" \
-    --identity "$T/id$i.key" $timing --data "$data" --model mlp:784-64-10 --shard "$((i - 2))/3" --epochs 4 \
+    --identity "$T/id$i.key" $timing --data "$data" --model mlp:784-64-10 --shard "$((i - 2))/3" --epochs 3 \
     --batch 64 --lr 0.1 --threads 1 --wait-peers 3 > "$T/peer$i.out" 2> "$T/peer$i.log" &
   pids="$pids $!"
   peer_pids="${peer_pids:-} $!"
