@@ -56,8 +56,10 @@
 #                 peer's last process; the mean. Target: within 0.5 point
 #                 (mlp) or 0.05 (gpt) of fault-free.
 #   lost          checkpoints lost: restarts with --resume that did not
-#                 resume from the checkpoint (resumed from FILE.prev counts
-#                 apart, as a fallback). Target 0.
+#                 resume, or resumed from a step older than the last
+#                 checkpoint the killed process logged as saved (from
+#                 FILE.prev, say; such fallbacks are also counted apart).
+#                 Target 0.
 #   crashes       processes (peers, restarted peers, the bootstrap node)
 #                 that exited non-zero or by a signal this script did not
 #                 send. Target 0.
@@ -480,16 +482,27 @@ summarize() {
     q=$(json_num "$metric" "$f")
     [ -n "$q" ] && finished=$((finished + 1)) && qs="$qs $q"
   done
-  # Every restart (process k >= 1 of a peer) must say it resumed.
+  # Every restart (process k >= 1 of a peer) must have resumed from the
+  # last checkpoint its killed predecessor logged as saved (or a later one,
+  # when the kill fell between a save's rename and its log line).
+  local k from saved peer
   for f in "$d"/p*.[1-9]*.log; do
     [ -e "$f" ] || continue
-    if grep -q "resumed from .* at step" "$f"; then
-      resumed=$((resumed + 1))
-      grep -q "resumed from .*\.prev at step" "$f" && fallbacks=$((fallbacks + 1))
-    else
+    k=${f%.log}
+    k=${k##*.}
+    peer=$(basename "$f" | cut -d. -f1 | tr -d p)
+    from=$(sed -n 's/.*resumed from .* at step \([0-9]*\).*/\1/p' "$f" | head -1)
+    saved=$(sed -n 's/.*checkpoint saved to .* (step \([0-9]*\)).*/\1/p' "$d/p$peer.$((k - 1)).log" | tail -1)
+    if [ -z "$from" ]; then
       lost=$((lost + 1))
-      event "$(t_rel)" lost "$(basename "$f" | cut -d. -f1 | tr -d p)" "$(basename "$f"): no resume: $(grep -m1 -E 'ERROR|rumor peer:' "$f" | cut -c1-200)"
+      event "$(t_rel)" lost "$peer" "$(basename "$f"): did not resume: $(grep -m1 -E 'ERROR|rumor peer:' "$f" | cut -c1-200)"
+    elif [ "$from" -lt "${saved:-0}" ]; then
+      lost=$((lost + 1))
+      event "$(t_rel)" lost "$peer" "$(basename "$f"): resumed at step $from, but step $saved had been saved"
+    else
+      resumed=$((resumed + 1))
     fi
+    grep -q "resumed from .*\.prev at step" "$f" && fallbacks=$((fallbacks + 1))
   done
   t0=$(cat "$d"/p*.0.log | grep "first step" | log_secs | sort -n | head -1)
   t1=$(cat "$d"/p*.log | grep "training done" | log_secs | sort -n | tail -1)
