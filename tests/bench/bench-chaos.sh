@@ -56,8 +56,10 @@
 #                 peer's last process; the mean. Target: within 0.5 point
 #                 (mlp) or 0.05 (gpt) of fault-free.
 #   lost          checkpoints lost: restarts with --resume that did not
-#                 resume from the checkpoint (resumed from FILE.prev counts
-#                 apart, as a fallback). Target 0.
+#                 resume, or resumed from a step older than the last
+#                 checkpoint the killed process logged as saved (from
+#                 FILE.prev, say; such fallbacks are also counted apart).
+#                 Target 0.
 #   crashes       processes (peers, restarted peers, the bootstrap node)
 #                 that exited non-zero or by a signal this script did not
 #                 send. Target 0.
@@ -122,14 +124,10 @@ rumor=$(readlink -f "$rumor")
 case $peers in ''|*[!0-9]*) die "PEERS must be a number";; esac
 [ "$peers" -ge 2 ] && [ "$peers" -le 50 ] || die "PEERS must be 2..50"
 # Test hosts, or a skip with testnet.sh's reason.
-if ! "$testnet" check 2> /tmp/bench-chaos-why.$$; then
-  rc=$?
-  why=$(cat /tmp/bench-chaos-why.$$)
-  rm -f /tmp/bench-chaos-why.$$
-  if [ "$rc" = 77 ]; then echo "bench-chaos.sh: skipped: $why" >&2; exit 77; fi
-  die "testnet.sh check failed: $why"
-fi
-rm -f /tmp/bench-chaos-why.$$
+why=$("$testnet" check 2>&1)
+rc=$?
+if [ "$rc" = 77 ]; then echo "bench-chaos.sh: skipped: $why" >&2; exit 77; fi
+[ "$rc" = 0 ] || die "testnet.sh check failed: $why"
 mkdir -p "$out/runs" || die "cannot make $out"
 out=$(cd "$out" && pwd)
 : > "$out/report.txt"
@@ -201,12 +199,13 @@ ckpt_samples() {
 
 # ---- jobs and schemes -------------------------------------------------
 batch=$((128 / peers > 16 ? 128 / peers : 16))
-# job_args JOB WORK: the job's peer options; WORK: "epochs N" or "steps N".
+# job_args JOB WORK: the job's peer options; WORK: its epochs (mlp) or
+# steps (gpt).
 job_args() {
   case $1 in
-  mlp) echo "--model mlp:784-512-256-10 --data $data --batch $batch --lr 0.05 --no-eval --epochs $3" ;;
+  mlp) echo "--model mlp:784-512-256-10 --data $data --batch $batch --lr 0.05 --no-eval --epochs $2" ;;
   gpt) echo "--model gpt:L2-H2-C64-T64-V256 --data $corpus --optimizer adamw --lr 3e-3 --warmup 20 --weight-decay 0.1
-             --grad-clip 1.0 --batch 8 --no-eval --max-steps $3" ;;
+             --grad-clip 1.0 --batch 8 --no-eval --max-steps $2" ;;
   esac
 }
 job_batch() { if [ "$1" = mlp ]; then echo "$batch"; else echo 8; fi; }
@@ -294,7 +293,7 @@ do_kill() { # KIND I
 deck=()
 draw_kind() {
   if [ "${#deck[@]}" = 0 ]; then
-    deck=($deck_kinds)
+    read -r -a deck <<< "$deck_kinds"
     local j k tmp
     for ((j = ${#deck[@]} - 1; j > 0; j--)); do
       k=$((RANDOM % (j + 1)))
@@ -336,8 +335,8 @@ fault() {
     busy[$i]=1
     later $((now + stop_s * 1000)) "kill -CONT ${pid[$i]}" "$i"
     # The process is seen stopped (state T) before the fault is logged.
-    local st="" n
-    for n in 1 2 3 4 5 6 7 8 9 10; do
+    local st=""
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
       st=$(sed 's/.*) //' "/proc/${pid[$i]}/stat" 2>/dev/null | cut -c1)
       [ "$st" = T ] && break
       sleep 0.05
@@ -395,7 +394,7 @@ run() {
   d=$out/runs/$run_id
   rm -rf "$d"
   mkdir -p "$d"
-  run_job_args=$(job_args "$job" x "$work")
+  run_job_args=$(job_args "$job" "$work")
   run_scheme_args=$(scheme_args "$scheme")
   crashes=0 restarts=0 nfaults=0 n_kill=0 n_stop=0 n_cut=0 n_loss=0 n_relay=0 timed_out=0
   end_at=() end_cmd=() end_peer=() deck=()
@@ -467,7 +466,8 @@ run() {
 
 # ---- what a run measured ---------------------------------------------
 # Sets: samples, wall, sps, quality (mean), qworst, finished, resumed,
-# fallbacks, lost, rss_growth, fd_growth, for run $run_id in $d.
+# fallbacks, lost, rss_growth, rss_node (whose), fd_growth and load (the
+# host's mean load average), for run $run_id in $d.
 summarize() {
   local job=$1 scheme=$2 mode=$3 i f metric t0 t1
   metric=test_accuracy
@@ -480,16 +480,27 @@ summarize() {
     q=$(json_num "$metric" "$f")
     [ -n "$q" ] && finished=$((finished + 1)) && qs="$qs $q"
   done
-  # Every restart (process k >= 1 of a peer) must say it resumed.
+  # Every restart (process k >= 1 of a peer) must have resumed from the
+  # last checkpoint its killed predecessor logged as saved (or a later one,
+  # when the kill fell between a save's rename and its log line).
+  local k from saved peer
   for f in "$d"/p*.[1-9]*.log; do
     [ -e "$f" ] || continue
-    if grep -q "resumed from .* at step" "$f"; then
-      resumed=$((resumed + 1))
-      grep -q "resumed from .*\.prev at step" "$f" && fallbacks=$((fallbacks + 1))
-    else
+    k=${f%.log}
+    k=${k##*.}
+    peer=$(basename "$f" | cut -d. -f1 | tr -d p)
+    from=$(sed -n 's/.*resumed from .* at step \([0-9]*\).*/\1/p' "$f" | head -1)
+    saved=$(sed -n 's/.*checkpoint saved to .* (step \([0-9]*\)).*/\1/p' "$d/p$peer.$((k - 1)).log" | tail -1)
+    if [ -z "$from" ]; then
       lost=$((lost + 1))
-      event "$(t_rel)" lost "$(basename "$f" | cut -d. -f1 | tr -d p)" "$(basename "$f"): no resume: $(grep -m1 -E 'ERROR|rumor peer:' "$f" | cut -c1-200)"
+      event "$(t_rel)" lost "$peer" "$(basename "$f"): did not resume: $(grep -m1 -E 'ERROR|rumor peer:' "$f" | cut -c1-200)"
+    elif [ "$from" -lt "${saved:-0}" ]; then
+      lost=$((lost + 1))
+      event "$(t_rel)" lost "$peer" "$(basename "$f"): resumed at step $from, but step $saved had been saved"
+    else
+      resumed=$((resumed + 1))
     fi
+    grep -q "resumed from .*\.prev at step" "$f" && fallbacks=$((fallbacks + 1))
   done
   t0=$(cat "$d"/p*.0.log | grep "first step" | log_secs | sort -n | head -1)
   t1=$(cat "$d"/p*.log | grep "training done" | log_secs | sort -n | tail -1)
