@@ -49,14 +49,19 @@ for _ in $(seq 1 100); do grep -q '"listen"' "$T/boot.out" 2>/dev/null && break;
 for i in 2 3 4; do
   addr=$("$testnet" addr "$i"):7471
   "$testnet" exec "$i" "$rumor" peer --bootstrap "$boot" --listen "$addr" --cluster-key "$T/cluster.key" \
-    --identity "$T/id$i.key" $timing --data "$data" --model mlp:784-64-10 --shard "$((i - 2))/3" --epochs 3 \
+    --identity "$T/id$i.key" $timing --data "$data" --model mlp:784-64-10 --shard "$((i - 2))/3" --epochs 4 \
     --batch 64 --lr 0.1 --threads 1 --wait-peers 3 > "$T/peer$i.out" 2> "$T/peer$i.log" &
   pids="$pids $!"
   peer_pids="${peer_pids:-} $!"
 done
 # The peers (the bootstrap node runs until the end), each bounded: a
 # watchdog kills what is still running after 120 s.
-( sleep "${RELAY_NAT_WATCHDOG_S:-120}"; kill -9 $peer_pids 2>/dev/null ) &
+# (Its sleep runs in the background and is waited for with the `wait`
+# builtin, so that killing the watchdog ends it at once: bash would finish
+# a foreground sleep before acting on the signal.)
+( trap 'kill "$s" 2>/dev/null; exit 0' TERM
+  sleep "${RELAY_NAT_WATCHDOG_S:-120}" & s=$!
+  wait "$s" && kill -9 $peer_pids 2>/dev/null ) &
 watchdog=$!
 status=0
 for p in $peer_pids; do wait "$p" || status=1; done
