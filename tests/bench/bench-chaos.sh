@@ -38,7 +38,8 @@
 #          seconds (testnet.sh shape H loss 5, then shape H)
 #   relay  the relay peer killed with kill -9 and restarted like kill; only
 #          where `rumor peer --help` lists --no-inbound: then peers 1 and 2
-#          run with --no-inbound (reached through a relay) and peer 3 with
+#          run with --no-inbound (reached through a relay; they join
+#          through peer 3 first, then the bootstrap node) and peer 3 with
 #          --relay, in both runs
 #
 # Faults go on until the chaos run has finished (every peer done). What is
@@ -236,12 +237,14 @@ start_peer() {
   if $roles; then
     case $i in 1 | 2) role="--no-inbound" ;; 3) role="--relay" ;; esac
   fi
-  local listen="--listen 10.77.0.$h:7471"
-  [ "$role" = --no-inbound ] && listen=""
+  local listen="--listen 10.77.0.$h:7471" boot=$boot_addr
+  # A peer behind a "NAT" listens nowhere; it names the relay peer (host 4)
+  # first among the members it joins through, the bootstrap node second.
+  [ "$role" = --no-inbound ] && listen="" boot=10.77.0.4:7471,$boot_addr
   local more="--wait-peers $peers"
   [ "$resume" = 1 ] && more="--resume $d/p$i.safetensors"
   # shellcheck disable=SC2086
-  ip netns exec "$ns" "$rumor" peer --bootstrap "$boot_addr" $listen --cluster-key "$d/cluster.key" \
+  ip netns exec "$ns" "$rumor" peer --bootstrap "$boot" $listen --cluster-key "$d/cluster.key" \
     --identity "$d/id$i.key" --name "peer-$i" --threads 1 --shard "$((i - 1))/$peers" \
     --checkpoint "$d/p$i.safetensors" --checkpoint-every "$ckpt_every" --log-every 2 \
     $run_job_args $run_scheme_args $role $more ${PEER_ARGS:-} \
