@@ -375,6 +375,12 @@ static void metric(struct text *t, const char *name, const char *type, const cha
   tprintf(t, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
+/* A metric with one unlabelled integer sample. */
+static void metric_u64(struct text *t, const char *name, const char *type, const char *help, uint64_t v) {
+  metric(t, name, type, help);
+  tprintf(t, "%s %llu\n", name, (unsigned long long)v);
+}
+
 /* Label values are escaped as the text format requires. */
 static void escape_label(char *out, size_t n, const char *s) {
   size_t o = 0;
@@ -427,18 +433,16 @@ static void metrics_text(struct gossip *g, struct text *t) {
   tprintf(t, "rumor_network_received_bytes_total %llu\n", (unsigned long long)gs.bytes_in);
   metric(t, "rumor_network_sent_bytes_total", "counter", "Bytes sent on cluster connections (wire bytes).");
   tprintf(t, "rumor_network_sent_bytes_total %llu\n", (unsigned long long)gs.bytes_out);
-  metric(t, "rumor_relayed_links", "gauge", "Open connections of this node that run over a relay.");
-  tprintf(t, "rumor_relayed_links %llu\n", (unsigned long long)gs.relayed_links);
-  metric(t, "rumor_relayed_bytes_total", "counter",
-         "Bytes in and out on connections that ran over a relay (inside the wire bytes above).");
-  tprintf(t, "rumor_relayed_bytes_total %llu\n", (unsigned long long)gs.relayed_bytes);
-  metric(t, "rumor_relay_forwarded_bytes_total", "counter", "Circuit bytes this node forwarded as a relay.");
-  tprintf(t, "rumor_relay_forwarded_bytes_total %llu\n", (unsigned long long)gs.relay_bytes);
-  metric(t, "rumor_relay_circuits", "gauge", "Circuits open through this node as a relay.");
-  tprintf(t, "rumor_relay_circuits %llu\n", (unsigned long long)gs.relay_circuits);
-  metric(t, "rumor_network_dead_verdicts_total", "counter",
-         "Connections this node closed on the heartbeat's verdict: the peer pinged, then fell silent.");
-  tprintf(t, "rumor_network_dead_verdicts_total %llu\n", (unsigned long long)gs.dead_verdicts);
+  metric_u64(t, "rumor_relayed_links", "gauge", "Open connections of this node that run over a relay.",
+             gs.relayed_links);
+  metric_u64(t, "rumor_relayed_bytes_total", "counter",
+             "Bytes in and out on connections that ran over a relay (inside the wire bytes above).", gs.relayed_bytes);
+  metric_u64(t, "rumor_relay_forwarded_bytes_total", "counter", "Circuit bytes this node forwarded as a relay.",
+             gs.relay_bytes);
+  metric_u64(t, "rumor_relay_circuits", "gauge", "Circuits open through this node as a relay.", gs.relay_circuits);
+  metric_u64(t, "rumor_network_dead_verdicts_total", "counter",
+             "Connections this node closed on the heartbeat's verdict: the peer pinged, then fell silent.",
+             gs.dead_verdicts);
   if (gs.last_exchange_age_s >= 0) {
     metric(t, "rumor_last_exchange_age_seconds", "gauge", "Time since the last applied exchange.");
     tprintf(t, "rumor_last_exchange_age_seconds %.3f\n", gs.last_exchange_age_s);

@@ -159,7 +159,6 @@ static void relay_on_open(struct net_conn *c, uint64_t id, const uint8_t *target
     send_end(c, id, NET_CIRCUIT_BUSY);
     return;
   }
-  a = hop_find(c, id); /* hop_add on `to` cannot move c's hops, but keep it obvious */
   a->peer = to;
   a->peer_id = b->id;
   b->peer = c;
@@ -492,18 +491,14 @@ static struct net_relay_link *link_get(net_t *n, const char *relay, int *rc) {
   return l;
 }
 
-/* A carrier of ours that a peer registered through (we are its relay). */
-static struct net_conn *own_listener(net_t *n, const uint8_t *target) {
-  return n->cfg.relay ? listener_of(n, target) : NULL;
-}
-
 int net_dial_via(net_t *n, const char *relay, const uint8_t target[NET_PUBKEY_BYTES], net_dial_cb cb, void *arg) {
   if (n->closing) return RUMOR_ECANCELED;
   if (!cb || !target) return -EINVAL;
   int rc = net_addr_check_dial(relay, NULL);
   if (rc < 0) return rc;
   if (n->n_conns >= n->cfg.max_conns) return -EBUSY;
-  struct net_conn *direct = own_listener(n, target);
+  /* We are the target's relay: the circuit starts on its own carrier. */
+  struct net_conn *direct = n->cfg.relay ? listener_of(n, target) : NULL;
   struct net_relay_link *l = NULL;
   if (!direct && !(l = link_get(n, relay, &rc))) return rc;
   struct net_conn *in = net_conn_new(n, false);
