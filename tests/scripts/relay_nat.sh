@@ -72,7 +72,10 @@ result() { tail -n 1 "$T/peer$1.out" | sed -n "s/.*\"$2\":\\([^,}]*\\).*/\\1/p";
 for i in 2 3 4; do
   acc=$(result "$i" test_accuracy)
   echo "peer $i: accuracy $acc, $(result "$i" exchanges) exchanges, $(result "$i" relayed_bytes) relayed bytes, via $(result "$i" relay_via)"
-  awk -v a="$acc" 'BEGIN { exit !(a > 0.80) }' || fail "peer $i ended at accuracy $acc"
+  # 0.75, not the 0.80 a longer run reaches: 4 epochs at lr 0.1 end anywhere
+  # in 0.79-0.85 (a peer that finishes first averages with fewer partners;
+  # CI once saw 0.7951). An untrained or diverged model is at 0.10-0.30.
+  awk -v a="$acc" 'BEGIN { exit !(a > 0.75) }' || fail "peer $i ended at accuracy $acc"
 done
 for i in 3 4; do
   grep -q "could not dial us back" "$T/peer$i.log" || fail "peer $i was not told that it cannot be dialed"
