@@ -469,6 +469,14 @@ void tensor_scale(struct tensor *x, float a) {
   x->be->ops->scale(x->be, x->data, a, tensor_numel(x));
 }
 
+void tensor_discard(struct tensor *t, int64_t offset, int64_t count) {
+  RUMOR_ASSERT(offset >= 0 && count >= 0 && offset + count <= tensor_numel(t));
+  if (count == 0 || !t->be->ops->mem_discard) return;
+  t->be->ops->sync(t->be);
+  size_t es = tensor_dtype_size(t->dtype);
+  t->be->ops->mem_discard(t->be, (char *)t->data + (size_t)offset * es, (size_t)count * es);
+}
+
 void tensor_fill(struct tensor *x, float v) {
   check_f32(x);
   x->be->ops->fill(x->be, x->data, v, tensor_numel(x));

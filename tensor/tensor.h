@@ -94,6 +94,16 @@ struct tensor tensor_flat(const struct tensor *t);
 int64_t tensor_numel(const struct tensor *t);
 size_t tensor_nbytes(const struct tensor *t);
 
+/* The elements [offset, offset + count) of `t` are not needed until they
+ * are written again (ZeRO's sharded parameters and gradients between
+ * uses): the backend may give back the memory they occupy, and they read as
+ * unspecified values until written. Waits for the work enqueued on `t`'s
+ * backend first. On the CPU the whole pages inside the range are returned
+ * to the system (madvise MADV_DONTNEED: a page is zero and costs nothing
+ * until touched again), so the resident memory follows what is live; on
+ * CUDA the memory stays allocated (nothing is returned yet). */
+void tensor_discard(struct tensor *t, int64_t offset, int64_t count);
+
 /* A tensor shaped like `like` that mirrors the host buffer `host` (from
  * tensor_host_alloc, at least as large as `like`): on the CPU a view of the
  * buffer itself, elsewhere a new device buffer. After the host buffer

@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "tensor/tensor_cpu.h"
 
@@ -28,6 +30,15 @@ static void *cpu_alloc(tensor_backend_t be, size_t bytes) {
 }
 
 static void cpu_free(tensor_backend_t be, void *p) { free(p); }
+
+/* The whole pages inside [p, p + bytes): the pages at either end may hold
+ * live bytes outside the range (or the allocator's own) and stay. */
+static void cpu_discard(tensor_backend_t be, void *p, size_t bytes) {
+  (void)be;
+  uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  uintptr_t a = ((uintptr_t)p + page - 1) & ~(page - 1), b = ((uintptr_t)p + bytes) & ~(page - 1);
+  if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED); /* a failure only keeps the memory */
+}
 
 static void cpu_copy(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async) {
   if (dst != src) memmove(dst, src, bytes);
@@ -499,6 +510,7 @@ static const struct tensor_backend_ops cpu_ops = {
     .mem_free = cpu_free,
     .host_alloc = cpu_alloc,
     .host_free = cpu_free,
+    .mem_discard = cpu_discard,
     .copy_h2d = cpu_copy,
     .copy_d2h = cpu_copy,
     .copy_d2d = cpu_copy_d2d,

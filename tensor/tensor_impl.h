@@ -26,6 +26,9 @@ struct tensor_backend_ops {
   /* Host memory for fast/async copies: NULL on failure. */
   void *(*host_alloc)(tensor_backend_t be, size_t bytes);
   void (*host_free)(tensor_backend_t be, void *p);
+  /* tensor_discard: [p, p + bytes) of a mem_alloc block may give its memory
+   * back; optional (NULL: the memory stays). */
+  void (*mem_discard)(tensor_backend_t be, void *p, size_t bytes);
   void (*copy_h2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2h)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes);

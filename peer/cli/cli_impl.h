@@ -214,6 +214,11 @@ struct pipe_flags {
   const char *stage, *link_listen, *link_prev; /* one stage process */
   int64_t stages;                              /* the launcher */
   const char *devices;
+  /* Data-parallel members inside the group (peer/train/train.h, struct
+   * train_dp): the launcher's count, each member's "r/D", where it listens
+   * for the members above it and the addresses of those below. */
+  int64_t data_parallel, zero;
+  const char *dp, *comm_listen, *comm_peers;
 };
 
 /* Everything `rumor group` and one stage take. */
@@ -233,6 +238,8 @@ void group_flags_default(struct group_flags *f);
 void group_flags_specs(struct group_flags *f, enum flags_for who, struct arg_spec *specs);
 /* Parses "s/S" (0 <= s < S <= PIPE_MAX_STAGES). */
 int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Parses --dp "r/D" (0 <= r < D <= COMM_MAX_MEMBERS). */
+int group_dp_parse(const char *s, int *rank, int *size, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The training configuration of stage `stage` of `stages` from parsed flags
  * (`specs` is what was parsed), its stage part in *st (cfg->stage points to
  * it; the link is set later), and its plan. Returns 0 or RUMOR_EFORMAT with

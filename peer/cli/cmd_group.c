@@ -19,6 +19,8 @@
 #define LINE_MAX_BYTES 65536
 #define NOTICE_S 3.0 /* after a stage failed, the others get this long to notice on their own */
 #define GRACE_S 20.0 /* after SIGTERM, stages get this long before SIGKILL */
+/* Processes of one group: S stages, or D data-parallel members of one stage. */
+#define GROUP_MAX_MEMBERS (PIPE_MAX_STAGES > COMM_MAX_MEMBERS ? PIPE_MAX_STAGES : COMM_MAX_MEMBERS)
 
 struct child {
   int stage;
@@ -27,6 +29,7 @@ struct child {
   char *buf;
   size_t len;
   char link[128]; /* its link address, once it printed it */
+  char comm[128]; /* its data-parallel address, once it printed it */
   bool exited;
   int status;
   bool signalled; /* the launcher sent it a signal */
@@ -38,14 +41,19 @@ struct child {
 
 struct group {
   struct group_flags f;
-  int S;
+  int S, D;
+  int N; /* processes: S stages (D = 1) or D members (S = 1); kids[i] is stage i or member i, and a
+            failure line's failed_stage names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
-  char devices[PIPE_MAX_STAGES][32];
+  char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
   char bootstrap[PIPE_MAX_STAGES][1024]; /* --bootstrap's list for each stage */
   char servers[PIPE_MAX_STAGES][1024];   /* --servers' list for each stage (--sync ps) */
-  struct child kids[PIPE_MAX_STAGES];
+  struct child kids[GROUP_MAX_MEMBERS];
   int nkids;
 };
+
+/* "stage" or "member": what kids[i] is, for messages ("stage 1/2", "member 0/3"). */
+static const char *what(const struct group *g) { return g->D > 1 ? "member" : "stage"; }
 
 /* ---- command lines of the stages ---- */
 
@@ -112,8 +120,8 @@ static int stage_lists(const char *flag, const char *value, int S, char (*out)[1
 
 /* Options the launcher sets per stage itself rather than passing on. */
 static bool launcher_only(const char *name) {
-  static const char *const own[] = {"stages",  "devices", "listen", "advertise", "metrics",
-                                    "bootstrap", "servers", "name", "group", "threads"};
+  static const char *const own[] = {"stages",    "devices", "listen", "advertise", "metrics", "bootstrap",
+                                    "servers",   "name",    "group",  "threads",   "data-parallel"};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
     if (strcmp(name, own[i]) == 0) return true;
   return false;
@@ -135,9 +143,9 @@ static void push(char **argv, int *n, const char *s) {
 }
 
 /* The stage's argv (malloc'd strings; free with free_argv). */
-static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int s, char **out,
+static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
-  int n = 0;
+  int n = 0, s = k / g->D, r = k % g->D;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -147,12 +155,32 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, "--stage");
   push(out, &n, buf);
   push(out, &n, "--device");
-  push(out, &n, g->devices[s]);
+  push(out, &n, g->devices[k]);
   push(out, &n, "--link-listen");
   push(out, &n, "127.0.0.1:0");
   if (s > 0) {
     push(out, &n, "--link-prev");
-    push(out, &n, g->kids[s - 1].link);
+    push(out, &n, g->kids[(s - 1) * g->D + r].link);
+  }
+  if (g->D > 1) {
+    snprintf(buf, sizeof buf, "%d/%d", r, g->D);
+    push(out, &n, "--dp");
+    push(out, &n, buf);
+    push(out, &n, "--comm-listen");
+    push(out, &n, "127.0.0.1:0");
+    if (r > 0) {
+      size_t used = 0;
+      for (int j = 0; j < r; j++) used += strlen(g->kids[s * g->D + j].comm) + 1;
+      char *list = xmalloc(used);
+      list[0] = '\0';
+      for (int j = 0; j < r; j++) {
+        if (j) strcat(list, ",");
+        strcat(list, g->kids[s * g->D + j].comm);
+      }
+      push(out, &n, "--comm-peers");
+      push(out, &n, list);
+      free(list);
+    }
   }
   push(out, &n, "--name");
   push(out, &n, g->f.gossip.name ? g->f.gossip.name : g->name);
@@ -178,7 +206,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   } else {
     /* Stages on one host share its cores. */
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    snprintf(buf, sizeof buf, "%ld", cores / g->S > 1 ? cores / g->S : 1);
+    snprintf(buf, sizeof buf, "%ld", cores / g->N > 1 ? cores / g->N : 1);
     push(out, &n, "--threads");
     push(out, &n, buf);
   }
@@ -246,6 +274,8 @@ static void child_line(struct child *k, const char *line, size_t len) {
   if (len == 0 || line[0] != '{' || json_text_parse(line, len, &doc, NULL) != 0) return;
   const char *link = json_string_value(json_object_get(doc, "link")); /* NULL unless a string */
   if (link) snprintf(k->link, sizeof k->link, "%s", link);
+  const char *comm = json_string_value(json_object_get(doc, "comm"));
+  if (comm) snprintf(k->comm, sizeof k->comm, "%s", comm);
   bool on_signal = json_is_true(json_object_get(doc, "stopped"));
   const json_t *failed = json_object_get(doc, "failed_stage");
   if (json_is_integer(failed) && !on_signal) {
@@ -296,18 +326,19 @@ static void reap(struct group *g) {
     k->exited = true;
     k->status = st;
     if (WIFSIGNALED(st))
-      log_error("group %s: stage %d/%d (pid %d) was killed by signal %d (%s)", g->name, i, g->S, (int)k->pid,
+      log_error("group %s: %s %d/%d (pid %d) was killed by signal %d (%s)", g->name, what(g), i, g->N, (int)k->pid,
                 WTERMSIG(st), strsignal(WTERMSIG(st)));
     else if (WEXITSTATUS(st) != 0)
-      log_warn("group %s: stage %d/%d (pid %d) exited with status %d", g->name, i, g->S, (int)k->pid, WEXITSTATUS(st));
+      log_warn("group %s: %s %d/%d (pid %d) exited with status %d", g->name, what(g), i, g->N, (int)k->pid,
+               WEXITSTATUS(st));
   }
 }
 
 /* Waits up to `secs` for poll events on the open stage outputs and reads
  * them. */
 static void pump(struct group *g, int ms) {
-  struct pollfd pf[PIPE_MAX_STAGES];
-  int idx[PIPE_MAX_STAGES], n = 0;
+  struct pollfd pf[GROUP_MAX_MEMBERS];
+  int idx[GROUP_MAX_MEMBERS], n = 0;
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].fd >= 0) pf[n] = (struct pollfd){.fd = g->kids[i].fd, .events = POLLIN}, idx[n++] = i;
   if (n == 0) {
@@ -334,6 +365,17 @@ static bool child_bad(const struct child *k) { return k->exited && !(WIFEXITED(k
 static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_err *e) {
   struct group_flags *f = &g->f;
   g->S = (int)f->pipe.stages;
+  g->D = (int)f->pipe.data_parallel;
+  g->N = g->S * g->D;
+  if (g->D > 1 && g->S > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with --stages %d: data-parallel members inside a "
+                         "pipelined group are not built yet; use --stages 1", g->D, g->S);
+  if (g->D > 1 && (f->net.bootstrap || f->gossip.servers))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with %s: averaging a data-parallel group with other "
+                         "groups is not built yet; a data-parallel group trains alone", g->D,
+                         f->net.bootstrap ? "--bootstrap" : "--servers");
+  if (g->D == 1 && f->pipe.zero)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs --data-parallel D with D > 1", (long long)f->pipe.zero);
   if (f->pipe.group) snprintf(g->name, sizeof g->name, "%s", f->pipe.group);
   else snprintf(g->name, sizeof g->name, "group-%d", (int)getpid());
   f->pipe.group = g->name;
@@ -344,10 +386,10 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   if (rc) return rc;
   /* Devices: one per stage. */
   if (f->pipe.devices) {
-    if ((rc = split_list("devices", f->pipe.devices, ',', g->devices, g->S, true, e))) return rc;
+    if ((rc = split_list("devices", f->pipe.devices, ',', g->devices, g->N, true, e))) return rc;
   } else {
-    bool gpus = tensor_cuda_device_count() >= g->S;
-    for (int s = 0; s < g->S; s++) snprintf(g->devices[s], sizeof g->devices[s], gpus ? "cuda:%d" : "cpu", s);
+    bool gpus = tensor_cuda_device_count() >= g->N;
+    for (int i = 0; i < g->N; i++) snprintf(g->devices[i], sizeof g->devices[i], gpus ? "cuda:%d" : "cpu", i);
   }
   if (f->net.bootstrap &&
       (rc = stage_lists("bootstrap", f->net.bootstrap, g->S, g->bootstrap, "stage s joins stage s of other groups", e)))
@@ -373,6 +415,12 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   net_keys_free(&keys);
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&plan.spec, spec, sizeof spec);
+  if (g->D > 1) {
+    log_info("group %s: %s on %d data-parallel members (ZeRO %lld), each on its slice of every batch of %lld", g->name,
+             spec, g->D, (long long)f->pipe.zero, (long long)tc.batch);
+    for (int r = 0; r < g->D; r++) log_info("  member %d/%d on %s", r, g->D, g->devices[r]);
+    return 0;
+  }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
            g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
   for (int s = 0; s < g->S; s++) {
@@ -383,33 +431,35 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   return 0;
 }
 
-/* Starts the stages in order; each but the first needs the previous one's
- * link address, which it prints first thing. */
+/* Starts the processes in order; each but the first stage needs the
+ * previous one's link address, each but the first member the addresses of
+ * the members before it: they print them first thing. */
 static int start_stages(struct group *g, const struct arg_spec *specs, int argc, char **argv, struct rumor_err *e) {
-  for (int s = 0; s < g->S; s++) {
-    struct child *k = &g->kids[s];
-    k->stage = s;
+  for (int i = 0; i < g->N; i++) {
+    struct child *k = &g->kids[i];
+    k->stage = i / g->D;
     k->fd = -1;
     k->failed_stage = -1;
     k->buf = xmalloc(LINE_MAX_BYTES);
     char *cargv[ARGV_MAX];
-    int rc = stage_argv(g, specs, argc, argv, s, cargv, e);
+    int rc = stage_argv(g, specs, argc, argv, i, cargv, e);
     if (rc) return rc;
     k->pid = spawn(cargv, &k->fd);
     free_argv(cargv);
-    if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start stage %d: %s", s, strerror(errno));
+    if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start %s %d: %s", what(g), i, strerror(errno));
     g->nkids++;
-    log_info("group %s: stage %d/%d is pid %d", g->name, s, g->S, (int)k->pid);
+    log_info("group %s: %s %d/%d is pid %d", g->name, what(g), i, g->N, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
-    while (!k->link[0] && s < g->S - 1) {
+    bool need_link = k->stage < g->S - 1, need_comm = g->D > 1 && i % g->D < g->D - 1;
+    while ((need_link && !k->link[0]) || (need_comm && !k->comm[0])) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
       pump(g, 100);
       reap(g);
       if (k->exited || k->fd < 0)
-        return rumor_err_set(e, RUMOR_ECANCELED, "stage %d/%d ended before it was listening", s, g->S);
+        return rumor_err_set(e, RUMOR_ECANCELED, "%s %d/%d ended before it was listening", what(g), i, g->N);
       if (clock_now_s() > deadline)
-        return rumor_err_set(e, RUMOR_ETIMEDOUT, "stage %d/%d printed no link address within %lld ms", s, g->S,
+        return rumor_err_set(e, RUMOR_ETIMEDOUT, "%s %d/%d printed no address within %lld ms", what(g), i, g->N,
                              (long long)g->f.pipe.link_wait_ms);
     }
   }
@@ -468,13 +518,13 @@ static int supervise(struct group *g) {
  * failed on its own); then the one that failed first. Returns −1 when no
  * line blames a stage of the group. */
 static int most_blamed(const struct group *g) {
-  int votes[PIPE_MAX_STAGES] = {0};
+  int votes[GROUP_MAX_MEMBERS] = {0};
   for (int i = 0; i < g->nkids; i++)
-    if (g->kids[i].failed_stage >= 0 && g->kids[i].failed_stage < g->S) votes[g->kids[i].failed_stage]++;
+    if (g->kids[i].failed_stage >= 0 && g->kids[i].failed_stage < g->N) votes[g->kids[i].failed_stage]++;
   int best = -1;
   int64_t best_at = 0;
   bool best_self = false;
-  for (int s = 0; s < g->S; s++) {
+  for (int s = 0; s < g->N; s++) {
     if (!votes[s]) continue;
     bool self = s < g->nkids && g->kids[s].failed_stage == s;
     int64_t at = INT64_MAX; /* when it failed: its own line, else the first line blaming it */
@@ -495,7 +545,7 @@ static int most_blamed(const struct group *g) {
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
-      snprintf(why, n, "stage %d/%d was killed by signal %d (%s)", i, g->S, WTERMSIG(g->kids[i].status),
+      snprintf(why, n, "%s %d/%d was killed by signal %d (%s)", what(g), i, g->N, WTERMSIG(g->kids[i].status),
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
     }
@@ -512,7 +562,7 @@ static int culprit(const struct group *g, char *why, size_t n) {
   }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
-      snprintf(why, n, "stage %d/%d exited with status %d", i, g->S, WEXITSTATUS(g->kids[i].status));
+      snprintf(why, n, "%s %d/%d exited with status %d", what(g), i, g->N, WEXITSTATUS(g->kids[i].status));
       return i;
     }
   snprintf(why, n, "unknown");
@@ -521,10 +571,11 @@ static int culprit(const struct group *g, char *why, size_t n) {
 
 static void print_summary(const struct group *g, int status) {
   json_t *o = result_open();
-  const struct child *last = &g->kids[g->S - 1];
+  const struct child *last = &g->kids[g->N - 1]; /* the last stage, or any member: all hold the figures */
   json_t *doc;
   bool have = status == 0 && last->result[0] && json_text_parse(last->result, strlen(last->result), &doc, NULL) == 0;
-  static const char *const keys[] = {"test_accuracy", "test_loss", "steps", "epochs", "samples_per_s"};
+  static const char *const keys[] = {"test_accuracy", "test_loss", "val_token_accuracy", "val_loss",
+                                     "train_loss", "steps", "epochs", "samples_per_s", "comm_bytes_per_step"};
   if (have) {
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
       json_t *v = json_object_get(doc, keys[i]);
@@ -534,6 +585,20 @@ static void print_summary(const struct group *g, int status) {
   }
   json_text_set(o, "group", json_text_str(g->name));
   json_text_set(o, "stages", json_integer(g->S));
+  if (g->D > 1) {
+    json_text_set(o, "data_parallel", json_integer(g->D));
+    json_text_set(o, "zero", json_integer(g->f.pipe.zero));
+  }
+  /* The largest process's peak resident memory (each reported its own). */
+  json_int_t peak = 0;
+  for (int i = 0; i < g->nkids; i++) {
+    json_t *d;
+    if (!g->kids[i].result[0] || json_text_parse(g->kids[i].result, strlen(g->kids[i].result), &d, NULL) != 0) continue;
+    json_t *v = json_object_get(d, "peak_rss_bytes");
+    if (json_is_integer(v) && json_integer_value(v) > peak) peak = json_integer_value(v);
+    json_decref(d);
+  }
+  if (peak > 0) json_text_set(o, "peak_rss_bytes", json_integer(peak));
   json_text_set(o, "status", json_string(status == 0 ? "ok" : "failed"));
   if (status != 0) {
     char why[512];
@@ -552,8 +617,18 @@ int cmd_group(int argc, char **argv) {
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
-                      "rumor group --stages S [--devices D0,D1,...] --cluster-key FILE --identity FILE [options]",
-                      "Trains one replica as a model-parallel peer group: S processes on this host, each\n"
+                      "rumor group (--stages S | --data-parallel D [--zero Z]) [--devices D0,D1,...] "
+                      "--cluster-key FILE --identity FILE [options]",
+                      "Trains one replica as a peer group of processes on this host.\n"
+                      "\n"
+                      "--data-parallel D: D members split every batch (each takes its slice of the rows\n"
+                      "`rumor train --batch B` reads, so a step equals the single process's) and sum their\n"
+                      "gradients over the authenticated transport. --zero shards what they hold: 1 the\n"
+                      "optimizer state, 2 also the gradients, 3 also the parameters (each unit's gathered\n"
+                      "just before its forward and backward and given back after). A data-parallel group\n"
+                      "trains alone (no --bootstrap yet); its checkpoint has the single process's layout.\n"
+                      "\n"
+                      "--stages S: S processes, each\n"
                       "holding a contiguous run of the model's units (split balanced by parameters and\n"
                       "multiply-adds; the split is printed). Each step runs --micro-batches M through the\n"
                       "stages (--pipeline gpipe or 1f1b); activations and gradients travel between stages\n"

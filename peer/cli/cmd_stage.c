@@ -23,6 +23,10 @@ struct stage_proc {
   bool have_keys;
   struct trainer t;
   bool have_trainer;
+  int dp_rank, dp_size;  /* --dp r/D (0/1 without it) */
+  struct train_dp dp;    /* with dp_size > 1: tc.dp points here */
+  comm_t *comm;          /* the data-parallel members of this stage */
+  char peer_addrs[COMM_MAX_MEMBERS][NET_HOST_MAX + 8]; /* --comm-peers */
   struct member mb;
   stage_link_t *link;
   struct tb_train tb; /* --tensorboard */
@@ -72,6 +76,32 @@ static int check_link_addrs(const struct pipe_flags *pf, struct rumor_err *e) {
   return 0;
 }
 
+/* The data-parallel options against the rest. */
+static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
+  const struct pipe_flags *pf = &p->f.pipe;
+  if (p->dp_size == 1) {
+    if (pf->zero) return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members (--dp r/D, D > 1)",
+                                       (long long)pf->zero);
+    return 0;
+  }
+  if (stages > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s with %d stages: data-parallel members inside a pipelined group "
+                         "are not built yet; use --stages 1", pf->dp, stages);
+  if (p->f.net.bootstrap || p->f.gossip.servers)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s with %s: averaging a data-parallel group with other groups is "
+                         "not built yet; a data-parallel group trains alone", pf->dp,
+                         p->f.net.bootstrap ? "--bootstrap" : "--servers");
+  if (net_addr_check_listen(pf->comm_listen, e)) return rumor_err_prefix(e, "--comm-listen");
+  size_t n = 0;
+  if (pf->comm_peers &&
+      net_addr_list_split(pf->comm_peers, &p->peer_addrs[0][0], sizeof p->peer_addrs[0], COMM_MAX_MEMBERS, &n, e))
+    return rumor_err_prefix(e, "--comm-peers");
+  if ((int)n != p->dp_rank)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s needs --comm-peers with the addresses of members 0 .. %d (%d "
+                         "of them), not %zu", pf->dp, p->dp_rank - 1, p->dp_rank, n);
+  return 0;
+}
+
 /* Parses and checks the command line. Returns 0, or the exit status of a
  * usage error or --help (with *done set). */
 static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
@@ -106,15 +136,54 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
+  p->dp_size = 1;
+  if (p->f.pipe.dp && group_dp_parse(p->f.pipe.dp, &p->dp_rank, &p->dp_size, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
+  if (dp_usage(p, stages, &e)) {
+    fprintf(stderr, "rumor peer: %s\n", e.msg);
+    return 2;
+  }
   if (stage > 0 && !p->f.pipe.link_prev) {
     fprintf(stderr, "rumor peer: stage %d/%d needs --link-prev HOST:PORT (the previous stage's link address)\n", stage,
             stages);
     return 2;
   }
   char name[96];
-  snprintf(name, sizeof name, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage);
+  if (p->dp_size > 1)
+    snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->dp_rank);
+  else
+    snprintf(name, sizeof name, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage);
   log_set_name(name);
   *done = false;
+  return 0;
+}
+
+/* Starts listening for (and dialing) the other data-parallel members; they
+ * must all agree on the run and the ZeRO stage (they connect in join). */
+static int start_comm(struct stage_proc *p, struct rumor_err *e) {
+  char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
+  train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
+  snprintf(text, sizeof text, "%s zero=%lld", agree, (long long)p->f.pipe.zero);
+  const char *peers[COMM_MAX_MEMBERS];
+  for (int j = 0; j < p->dp_rank; j++) peers[j] = p->peer_addrs[j];
+  struct comm_net_config cc = {.identity = &p->keys.identity,
+                               .cluster_key = p->keys.cluster_key,
+                               .group = p->st.group,
+                               .agreement = text,
+                               .rank = p->dp_rank,
+                               .size = p->dp_size,
+                               .listen = p->f.pipe.comm_listen,
+                               .peers = peers,
+                               .connect_timeout_ms = (uint32_t)p->f.pipe.link_wait_ms,
+                               .heartbeat_ms = (uint32_t)p->f.net.heartbeat_ms,
+                               .dead_after_ms = (uint32_t)p->f.net.dead_after_ms,
+                               .stop = signals_stop_flag()};
+  int rc = comm_net_start(&p->comm, &cc, e);
+  if (rc) return rumor_err_prefix(e, "data-parallel member %d/%d", p->dp_rank, p->dp_size);
+  p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
+  p->tc.dp = &p->dp;
   return 0;
 }
 
@@ -131,6 +200,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
     snprintf(run, sizeof run, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->st.stage);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
   }
+  if (p->dp_size > 1 && (rc = start_comm(p, e))) return rc;
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
   tb_train_attach(&p->tb, &p->t, &p->mb);
@@ -172,6 +242,10 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
   json_text_set(o, "link", json_text_str(stage_link_address(p->link)));
+  if (p->comm) {
+    json_text_set(o, "dp", json_integer(p->dp_rank));
+    json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
+  }
   json_text_print(stdout, o);
   return 0;
 }
@@ -204,7 +278,9 @@ static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct 
 static int join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = stage_link_wait_ready(p->link, e);
-  if (rc) return rc;
+  if (rc || (p->comm && (rc = comm_wait_ready(p->comm, e)))) return rc;
+  if (p->comm) log_info("data-parallel member %d/%d: all %d members connected (ZeRO %lld)", p->dp_rank, p->dp_size,
+                        p->dp_size, (long long)p->f.pipe.zero);
   struct stage_link_pos lp = {0, 0, 0};
   if (p->mb.setup.sync.kind == SYNC_PS) {
     if ((rc = join_servers(p, &lp, e))) return rc;
@@ -234,7 +310,9 @@ static bool link_failed(void *arg, struct rumor_err *e) {
   struct stage_proc *p = arg;
   char why[400];
   int culprit;
-  if (!p->link || !stage_link_failed(p->link, &culprit, why, sizeof why)) return false;
+  if (!(p->link && stage_link_failed(p->link, &culprit, why, sizeof why)) &&
+      !(p->comm && comm_failed(p->comm, &culprit, why, sizeof why)))
+    return false;
   rumor_err_set(e, RUMOR_ECANCELED, "%s", why);
   return true;
 }
@@ -268,14 +346,22 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   int me = p->st.stage, S = p->st.stages;
   char why[400];
   int culprit = me;
+  int member = -1;
   if (p->link && stage_link_failed(p->link, &culprit, why, sizeof why)) {
     /* A neighbour's failure, or one passed on to us. */
+  } else if (p->comm && comm_failed(p->comm, &member, why, sizeof why)) {
+    culprit = member; /* a data-parallel group has one stage: the launcher counts its members */
   } else if (signals_stop_requested()) {
     snprintf(why, sizeof why, "stage %d/%d stopped on signal %d", me, S, signals_stop_requested());
   } else {
     snprintf(why, sizeof why, "stage %d/%d failed: %.360s", me, S, e->msg);
+    if (p->comm) {
+      culprit = p->dp_rank;
+      snprintf(why, sizeof why, "data-parallel member %d/%d failed: %.360s", p->dp_rank, p->dp_size, e->msg);
+    }
   }
   if (p->link) stage_link_abort(p->link, culprit, why);
+  if (p->comm) comm_abort(p->comm, why);
   /* For the launcher (and schedulers): which stage took the group down. */
   json_t *o = open_line(p);
   json_text_set(o, "failed_stage", json_integer(culprit));
@@ -311,6 +397,7 @@ int cmd_stage(int argc, char **argv) {
   member_free(&p->mb, p->f.net.linger_ms);
   tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);
+  comm_free(p->comm, 10000); /* after the trainer: it used it to the end */
   if (p->have_keys) net_keys_free(&p->keys);
   return status;
 }

@@ -16,7 +16,9 @@ void group_flags_default(struct group_flags *f) {
   p->link_wait_ms = 120000;
   p->link_timeout_ms = 10000;
   p->link_listen = "127.0.0.1:0";
-  p->stages = 2;
+  p->stages = 1;
+  p->data_parallel = 1;
+  p->comm_listen = "127.0.0.1:0";
 }
 
 static void add(struct arg_spec *specs, size_t *n, const struct arg_spec *s) {
@@ -33,6 +35,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"devices", ARG_STR, &f->devices, "D0,D1,...",
          "one device per stage (cpu, cuda:N; one name alone: every stage on it; default: cuda:s for each stage when "
          "there are S GPUs, else cpu)"},
+        {"data-parallel", ARG_INT, &f->data_parallel, "D",
+         "member processes that split every batch (with --stages 1; see --zero)", 1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   } else {
@@ -40,6 +44,11 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"stage", ARG_STR, &f->stage, "s/S", "this process is stage s of S of the group (required)"},
         {"link-listen", ARG_STR, &f->link_listen, "HOST:PORT", "address the next stage dials (port 0: any free port)"},
         {"link-prev", ARG_STR, &f->link_prev, "HOST:PORT", "the previous stage's --link-listen address (not on stage 0)"},
+        {"dp", ARG_STR, &f->dp, "r/D", "this process is data-parallel member r of D of its stage (default 0/1)"},
+        {"comm-listen", ARG_STR, &f->comm_listen, "HOST:PORT",
+         "address the data-parallel members above this one dial (port 0: any free port)"},
+        {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
+         "the --comm-listen addresses of data-parallel members 0 .. r-1 (required for r > 0)"},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   }
@@ -50,6 +59,10 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
       {"micro-batches", ARG_INT, &f->micro, "M", "micro-batches per step, pipelined through the stages", 1, PIPE_MAX_MICRO},
       {"pipeline", ARG_STR, &f->schedule, "NAME",
        "pipeline schedule: gpipe, or 1f1b (stores at most S-s micro-batches of activations instead of M)"},
+      {"zero", ARG_INT, &f->zero, "Z",
+       "ZeRO stage of the data-parallel members: 0 nothing sharded, 1 optimizer state, 2 and gradients, 3 and "
+       "parameters (gathered per unit as they are needed)",
+       0, 3},
       {"link-wait-ms", ARG_INT, &f->link_wait_ms, "MS", "neighbouring stages must connect within this", 100, 86400000},
       {"link-timeout-ms", ARG_INT, &f->link_timeout_ms, "MS", "a neighbouring stage silent this long is lost", 1000,
        3600000},
@@ -79,6 +92,23 @@ int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *
     return rumor_err_set(e, RUMOR_EFORMAT, "--stage '%s': expected s/S with 0 <= s < S <= %d", s, PIPE_MAX_STAGES);
   *stage = (int)a;
   *stages = (int)b;
+  return 0;
+}
+
+int group_dp_parse(const char *s, int *rank, int *size, struct rumor_err *e) {
+  const char *slash = s ? strchr(s, '/') : NULL;
+  int64_t a, b;
+  char first[24];
+  if (!slash || (size_t)(slash - s) >= sizeof first || parse_i64(slash + 1, 1, COMM_MAX_MEMBERS, &b))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--dp '%s': expected r/D with 0 <= r < D <= %d, e.g. 0/2", s ? s : "",
+                         COMM_MAX_MEMBERS);
+  memcpy(first, s, (size_t)(slash - s));
+  first[slash - s] = '\0';
+  if (parse_i64(first, 0, b - 1, &a))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--dp '%s': expected r/D with 0 <= r < D <= %d, e.g. 0/2", s,
+                         COMM_MAX_MEMBERS);
+  *rank = (int)a;
+  *size = (int)b;
   return 0;
 }
 

@@ -74,7 +74,9 @@ struct gpt_ws {
   struct tensor wte, wpe, lnf_w, lnf_b;       /* views (wte: into params or the tied copy) */
   struct tensor dwte, dwpe, dlnf_w, dlnf_b;
   struct tensor wte_copy, dwte_copy;          /* the tied copy, on a head stage without unit 0 */
-  bool dwte_written;                          /* the head wrote dwte in this backward pass */
+  bool dwte_written; /* the head wrote dwte in this step's backward and unit 0's has not run yet: set by the
+                       head, consumed by unit 0, so a backward run one unit at a time (ZeRO) adds unit 0's
+                       share to the head's as a whole-model backward does */
   int64_t positions;                          /* of the passes; 0: the context */
   struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the logits */
   struct gpt_block_acts blk[GPT_MAX_LAYERS];
@@ -529,6 +531,7 @@ static void embed_backward(struct model *m, int64_t rows, bool accumulate) {
   }
   struct tensor tok = v2(&ws->acts[0], rows, T), dres = v3(&ws->dres, rows, T, C);
   tensor_embedding_bwd(&tok, &dres, &ws->dwte, &ws->dwpe);
+  ws->dwte_written = false;
 }
 
 static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
@@ -539,7 +542,6 @@ static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct ten
   int64_t N = rows * positions(m), C = GP(s)->width;
   float beta = accumulate ? 1.0f : 0.0f;
   struct tensor dres = v2(&ws->dres, N, C);
-  ws->dwte_written = false;
   if (b == L + 2) {
     head_backward(m, rows, dout, beta);
   } else {

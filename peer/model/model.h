@@ -296,6 +296,7 @@ struct optim_span {
 struct optim {
   struct optim_config cfg;
   int64_t nparams;
+  int64_t lo;          /* the first flat position it updates: 0, or optim_init_range's lo */
   struct tensor state; /* (P) or (2P) flat, owner; zero-initialised */
   int64_t step;        /* updates applied so far */
   struct optim_span *spans; /* the decay mask of the model's table, merged into runs */

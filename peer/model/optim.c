@@ -52,6 +52,7 @@ int optim_init_range(struct optim *o, const struct optim_config *cfg, const stru
   memset(o, 0, sizeof *o);
   o->cfg = *cfg;
   o->nparams = hi - lo;
+  o->lo = lo;
   int64_t n = o->nparams * optim_state_per_param(cfg->kind);
   if (n < 1) n = 1;
   int rc = tensor_alloc(&o->state, be, TENSOR_F32, 1, &n, e);

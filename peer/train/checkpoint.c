@@ -269,6 +269,21 @@ static int save_dir(const char *dir, const struct model *m, const struct st_tens
 
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
+  if (strlen(path) > CHECKPOINT_PATH_MAX) return checkpoint_save_host(path, m, o, NULL, info, e); /* its message */
+  int64_t P = m->nparams;
+  int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
+  size_t pbytes = (size_t)P * sizeof(float);
+  float *host = tensor_host_alloc(m->be, pbytes * (size_t)(1 + nstate));
+  if (!host) return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to save %s", pbytes * (size_t)(1 + nstate), path);
+  tensor_copy_to_host(&m->params, 0, host, pbytes);
+  if (o) tensor_copy_to_host(&o->state, 0, host + P, pbytes * (size_t)nstate);
+  int rc = checkpoint_save_host(path, m, o, host, info, e);
+  tensor_host_free(m->be, host);
+  return rc;
+}
+
+int checkpoint_save_host(const char *path, const struct model *m, const struct optim *o, const float *host,
+                         const struct ckpt_info *info, struct rumor_err *e) {
   /* Every name derived from it (.prev, staging, a directory's files) must
    * fit its buffer: a cut name could unlink the wrong file. */
   if (strlen(path) > CHECKPOINT_PATH_MAX)
@@ -277,10 +292,6 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);
-  float *host = tensor_host_alloc(m->be, pbytes * (size_t)(1 + nstate));
-  if (!host) return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to save %s", pbytes * (size_t)(1 + nstate), path);
-  tensor_copy_to_host(&m->params, 0, host, pbytes);
-  if (o) tensor_copy_to_host(&o->state, 0, host + P, pbytes * (size_t)nstate);
 
   /* The model's entries for the units it holds, then the optimizer state,
    * then the sync scheme's tensors. */
@@ -315,7 +326,6 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   int rc = checkpoint_is_dir(path) ? save_dir(path, m, ts, nweights, nts - nweights, &meta, e)
                                    : save_file(path, ts, nts, meta.m, meta.n, e);
   free(ts);
-  tensor_host_free(m->be, host);
   return rc;
 }
 
@@ -532,9 +542,12 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
   }
   if (o) {
     if (ck->has_optim && ck->info.optim_kind == o->cfg.kind) {
+      /* A range optimizer (a ZeRO member's piece) takes its range of each part. */
+      RUMOR_ASSERT(o->lo >= 0 && o->lo + o->nparams <= ck->table.nparams);
       for (int s = 0; s < optim_state_per_param(o->cfg.kind); s++) {
         const struct st_tensor *t = ck_find(ck, optim_state_name(o->cfg.kind, s));
-        tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, t->data, t->nbytes);
+        tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, (const float *)t->data + o->lo,
+                              (size_t)o->nparams * sizeof(float));
       }
     } else {
       log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(o->cfg.kind));

@@ -245,8 +245,17 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
+  if (cfg->dp) /* a member trains on its slice of each batch */
+    t->plan.mb_rows = (cfg->batch + comm_size(cfg->dp->comm) - 1) / comm_size(cfg->dp->comm);
   if ((rc = model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e))) goto fail;
-  if ((rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e))) goto fail;
+  if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
+    int64_t lo, hi;
+    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
+    rc = optim_init_range(&t->optim, &t->cfg.optim, &t->model.table, lo, hi, t->be, e);
+  } else {
+    rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);
+  }
+  if (rc) goto fail;
   if ((rc = alloc_extra(t, e))) goto fail;
   if (resumed) {
     rc = checkpoint_restore(&ck, &t->model, &t->optim, e);
@@ -262,6 +271,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   } else {
     model_init_params(&t->model, t->cfg.seed);
   }
+  if (cfg->dp && (rc = zero_init(t, e))) goto fail;
   if (trainer_is_stage(t) && (rc = pipeline_init(&t->pipe, &t->model, t->stage.link, t->stage.stage, t->stage.stages,
                                                  t->stage.micro, t->stage.sched, e)))
     goto fail;
@@ -297,6 +307,7 @@ fail:
 
 void trainer_free(struct trainer *t) {
   pipeline_free(&t->pipe);
+  if (t->cfg.dp) zero_free(t);
   tensor_free(&t->extra);
   free(t->init_params);
   if (t->be) {
@@ -386,7 +397,7 @@ static void gather_eval(void *arg, int64_t first, int64_t rows, void *x, int32_t
  * each batch a set `stop` (may be NULL) ends it early. Returns the rows
  * evaluated: n, or fewer when stopped. */
 static int64_t evaluate_whole(struct trainer *t, bool eval, int64_t n, const atomic_int *stop, int64_t *correct,
-                              double *loss) {
+                              double *loss, int *rc, struct rumor_err *e) {
   int64_t bs = t->cfg.batch, ypr = t->data.y_per_row, first;
   void *x = tensor_host_alloc(t->be, (size_t)bs * t->data.x_bytes_per_row);
   int32_t *y = tensor_host_alloc(t->be, (size_t)(bs * ypr) * sizeof(int32_t));
@@ -394,6 +405,10 @@ static int64_t evaluate_whole(struct trainer *t, bool eval, int64_t n, const ato
   for (first = 0; first < n && !(stop && atomic_load(stop)); first += bs) {
     int64_t rows = n - first < bs ? n - first : bs;
     train_data_gather(&t->data, eval, first, rows, x, y);
+    if (t->cfg.dp) {
+      if ((*rc = zero_evaluate(t, rows, x, y, correct, loss, e))) break; /* each member scores its slice */
+      continue;
+    }
     tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)rows * t->data.x_bytes_per_row);
     tensor_copy_from_host(&t->model.labels, 0, y, (size_t)(rows * ypr) * sizeof(int32_t));
     model_evaluate(&t->model, rows, y, correct, loss);
@@ -411,7 +426,10 @@ double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows) {
   *rows = n;
   double loss = 0;
   int64_t correct = 0;
-  evaluate_whole(t, false, n, NULL, &correct, &loss); /* a few rows, and a donation check needs all */
+  int rc = 0;
+  struct rumor_err ignored;
+  RUMOR_ASSERT(!t->cfg.dp); /* a data-parallel group's members do not gossip */
+  evaluate_whole(t, false, n, NULL, &correct, &loss, &rc, &ignored); /* a few rows, and a donation check needs all */
   return n > 0 ? loss / (double)(n * t->data.y_per_row) : 0.0;
 }
 
@@ -433,7 +451,9 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
     int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, &correct, &loss, e);
     if (rc) return rc;
   } else {
-    int64_t done = evaluate_whole(t, true, n, t->cfg.stop, &correct, &loss);
+    int rc = 0;
+    int64_t done = evaluate_whole(t, true, n, t->cfg.stop, &correct, &loss, &rc, e);
+    if (rc) return rc;
     if (done < n)
       return rumor_err_set(e, RUMOR_ECANCELED, "evaluation stopped by signal %d after %lld of %lld %s",
                            atomic_load(t->cfg.stop), (long long)done, (long long)n, trainer_row_noun(t));
@@ -507,9 +527,9 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
       x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, host + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
     info.extra = &x;
   }
-  int rc = checkpoint_save(path, &t->model, &t->optim, &info, e);
+  int rc = t->cfg.dp ? zero_save(t, path, &info, e) : checkpoint_save(path, &t->model, &t->optim, &info, e);
   free(host);
-  if (rc == 0) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
+  if (rc == 0 && (!t->cfg.dp || t->zero.rank == 0)) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
                         (long long)t->st.step);
   return rc;
 }
@@ -559,6 +579,7 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   int64_t rows = t->rows[buf];
   *rows_out = rows;
   struct model *m = &t->model;
+  if (t->cfg.dp) return zero_step(t, lr, rows, t->xh[buf], t->yh[buf], loss, e);
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
@@ -692,7 +713,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->cur ^= 1;
     t->staged = !trainer_done(t);
     if (t->staged) stage_batch(t, t->cur);
-    if (!t->reducer.reduce) loss = model_mean_loss(&t->model, rows); /* waits for the device */
+    if (!t->reducer.reduce && !t->cfg.dp) loss = model_mean_loss(&t->model, rows); /* waits for the device */
   }
   if (t->cfg.slowdown > 1) {
     double waited = trainer_is_stage(t) ? t->pipe.cur_wait : 0; /* this step's */

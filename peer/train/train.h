@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "peer/data/data.h"
+#include "peer/group/comm.h"
 #include "peer/model/model.h"
 #include "peer/pipeline/pipeline.h"
 #include "tensor/tensor.h"
@@ -203,6 +204,14 @@ struct ckpt_extra {
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 
+/* The same from host memory: `host` holds the parameters model `m` holds
+ * (m->nparams floats) and then, when `o` is not NULL, the whole optimizer
+ * state of those parameters (per-param parts of m->nparams floats each, as
+ * o's kind has; o itself may be a range optimizer: only its kind is read).
+ * A data-parallel group's member saves what it gathered this way. */
+int checkpoint_save_host(const char *path, const struct model *m, const struct optim *o, const float *host,
+                         const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 /* A checkpoint of another layout than a trainer's (a parameter server's
  * range): exactly the tensors and metadata given, in one file, with
  * checkpoint_save's durability (staged and fsynced, the previous file kept
@@ -251,7 +260,8 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
                            struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Copies the parameters into `m` (same spec, every unit) and, when `o` is not
  * NULL and the file has optimizer state of the same kind, the state into `o`
- * (whose step is set from the file). */
+ * (whose step is set from the file); a range optimizer (optim_init_range)
+ * takes its range of it. */
 int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o,
                        struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The extra tensor `name` of an open checkpoint (ckpt_info.extra when it
@@ -285,6 +295,29 @@ struct train_stage {
   int micro;            /* micro-batches per step */
   enum pipe_schedule sched;
   stage_link_t *link;   /* the connections to the neighbouring stages; not owned */
+};
+
+/* A data-parallel member of a peer group (rumor group --data-parallel D
+ * --zero Z): the D members of `comm` split every batch of the whole run's
+ * `batch` rows (member r takes comm_chunk's r-th slice of each batch's
+ * rows: exactly the rows `rumor train --batch B` reads, so the group's step
+ * equals the single process's within float rounding) and sum their
+ * gradients. The ZeRO stage decides what is sharded, each member holding
+ * comm_chunk's r-th contiguous piece of the flat parameter buffer:
+ *   0  nothing: the gradient is all-reduced, every member updates all
+ *      parameters;
+ *   1  the optimizer state: the gradient is reduce-scattered, each member
+ *      updates its piece and the parameters are all-gathered;
+ *   2  also the gradients: the backward runs one unit at a time and each
+ *      unit's gradient is reduce-scattered as soon as it is complete, the
+ *      rest of the unit's gradient memory given back (tensor_discard);
+ *   3  also the parameters: a unit's are all-gathered just before its
+ *      forward and its backward and given back after each.
+ * Every member ends each step with the same parameters (bit-identical:
+ * comm's collectives are). */
+struct train_dp {
+  comm_t *comm; /* the data-parallel members; not owned */
+  int zero;     /* 0 .. 3 */
 };
 
 /* The ranges of the options that size a run (--batch, --epochs, --max-steps
@@ -344,6 +377,7 @@ struct train_config {
   bool eval_each_epoch;
   const char *peer_id;     /* written into checkpoints; may be NULL */
   const struct train_stage *stage; /* a pipeline stage, or NULL for a whole replica */
+  const struct train_dp *dp; /* a data-parallel member of a group (whole replicas only), or NULL */
   const atomic_int *stop;  /* polled between a whole replica's evaluation batches: non-zero cuts the evaluation
                             * short (a stop signal; trainer_evaluate); may be NULL */
   struct train_extra_spec extra; /* a sync scheme's state kept with the model (n 0: none) */
@@ -419,6 +453,19 @@ struct train_observer {
   void *arg;
 };
 
+/* A data-parallel member's state (peer/train/zero.c). */
+struct train_zero {
+  struct train_dp dp;
+  int rank, size;
+  int64_t cut[COMM_MAX_MEMBERS + 1]; /* member j's piece of the flat buffer: [cut[j], cut[j + 1]) */
+  int64_t *counts;        /* scratch: per-member counts of one collective (size) */
+  struct tensor dbuf[2];  /* ZeRO 2/3: the per-unit backward's gradient ping-pong */
+  float *host;            /* a device backend's staging for collectives (NULL on the CPU) */
+  int64_t host_floats;
+  uint64_t sent0, received0; /* comm_bytes at the start of the current step */
+  double step_bytes;      /* bytes sent + received in the last step */
+};
+
 struct trainer {
   struct train_config cfg;
   struct train_reducer reducer; /* none when reduce is NULL */
@@ -463,6 +510,7 @@ struct trainer {
    * segment i at extra_off[i]. */
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
+  struct train_zero zero; /* with cfg.dp */
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;
@@ -481,6 +529,10 @@ void trainer_free(struct trainer *t);
 void trainer_set_link(struct trainer *t, stage_link_t *link);
 
 bool trainer_is_stage(const struct trainer *t);
+/* True for a data-parallel member of a group (cfg.dp). */
+bool trainer_is_dp(const struct trainer *t);
+/* This process's peak resident memory so far, in bytes (getrusage). */
+int64_t trainer_peak_rss_bytes(void);
 /* True for a whole replica and for a pipeline's last stage: the loss is here. */
 bool trainer_has_loss(const struct trainer *t);
 

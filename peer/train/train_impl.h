@@ -31,4 +31,27 @@ int64_t train_data_check_rows(const struct train_data *d);
  * training set, in file order, into x and y. */
 void train_data_gather(const struct train_data *d, bool eval, int64_t first, int64_t rows, void *x, int32_t *y);
 
+/* ---- a data-parallel member (zero.c; train.h's struct train_dp) ---- */
+
+/* After the model holds its parameters: the pieces, the buffers, and (ZeRO
+ * 2/3) the memory of what this member does not keep given back. The
+ * optimizer is already a range optimizer over this member's piece for
+ * ZeRO >= 1 (trainer_init: zero_piece). */
+int zero_init(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+void zero_free(struct trainer *t);
+/* This member's piece [*lo, *hi) of a flat buffer of n floats. */
+void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi);
+/* One step on the staged batch (x, y: all `rows` rows of it; this member
+ * trains on its slice): forward, backward, the group's gradient, the
+ * update. *loss gets the whole batch's mean loss. */
+int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const int32_t *y, double *loss,
+              struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Adds the whole batch's correct predictions and summed loss (every member
+ * gets the group's figures) for an evaluation batch of `rows`. */
+int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t *y, int64_t *correct, double *loss,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Gathers the whole state; member 0 writes it to `path` (the single
+ * process's layout: any layout loads it). */
+int zero_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 #endif /* RUMOR_PEER_TRAIN_IMPL_H */

@@ -1,0 +1,347 @@
+/* A data-parallel member of a peer group: its share of each step, ZeRO
+ * stages 0 to 3 (train.h, struct train_dp). */
+#include "peer/train/train_impl.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+int64_t trainer_peak_rss_bytes(void) {
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+  return (int64_t)ru.ru_maxrss * 1024; /* KiB on Linux */
+}
+
+bool trainer_is_dp(const struct trainer *t) { return t->cfg.dp != NULL; }
+
+static bool on_cpu(const struct trainer *t) { return tensor_backend_device(t->be) == TENSOR_DEVICE_CPU; }
+
+/* Rows [*lo, *hi) of a batch of `rows` that this member trains on. */
+static void my_rows(const struct train_zero *z, int64_t rows, int64_t *lo, int64_t *hi) {
+  comm_chunk(rows, z->size, z->rank, lo, hi);
+}
+
+/* Per-member counts of the flat range [a, b): its intersection with each
+ * member's piece (contiguous and in member order, so they cover [a, b)). */
+static void range_counts(struct train_zero *z, int64_t a, int64_t b) {
+  for (int j = 0; j < z->size; j++) {
+    int64_t lo = z->cut[j] > a ? z->cut[j] : a, hi = z->cut[j + 1] < b ? z->cut[j + 1] : b;
+    z->counts[j] = hi > lo ? hi - lo : 0;
+  }
+}
+
+enum coll { COLL_ALL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALL_GATHER };
+
+/* A collective over [a, b) of a flat device tensor: in place on the CPU,
+ * through the pinned staging buffer on a device (copied out before, back
+ * after: what a reduce-scatter leaves outside this member's piece is
+ * undefined anyway). */
+static int collective(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  int64_t n = b - a;
+  if (n <= 0 && op == COLL_ALL_REDUCE) return 0;
+  float *buf;
+  if (on_cpu(t)) {
+    buf = (float *)x->data + a;
+  } else {
+    RUMOR_ASSERT(n <= z->host_floats);
+    buf = z->host;
+    tensor_copy_to_host(x, a, buf, (size_t)n * sizeof(float));
+  }
+  int rc;
+  if (op == COLL_ALL_REDUCE) {
+    rc = comm_all_reduce(z->dp.comm, buf, n, e);
+  } else {
+    range_counts(z, a, b);
+    rc = op == COLL_REDUCE_SCATTER ? comm_reduce_scatter_v(z->dp.comm, buf, z->counts, e)
+                                   : comm_all_gather_v(z->dp.comm, buf, z->counts, e);
+  }
+  if (rc == 0 && !on_cpu(t)) tensor_copy_from_host(x, a, buf, (size_t)n * sizeof(float));
+  return rc;
+}
+
+/* Gives back the memory of [a, b) of x outside this member's piece. */
+static void release_outside(struct trainer *t, struct tensor *x, int64_t a, int64_t b) {
+  const struct train_zero *z = &t->zero;
+  int64_t lo = z->cut[z->rank], hi = z->cut[z->rank + 1];
+  if (a < lo) tensor_discard(x, a, (lo < b ? lo : b) - a);
+  if (b > hi) {
+    int64_t from = hi > a ? hi : a;
+    tensor_discard(x, from, b - from);
+  }
+}
+
+/* ZeRO 3: the flat range of unit u's parameters, and for the unit that
+ * uses the tied entry without holding it (GPT's head) that entry's too. */
+static void unit_range(const struct model *m, int u, int64_t *a, int64_t *b) {
+  *a = m->table.unit_offset[u];
+  *b = m->table.unit_offset[u + 1];
+}
+
+static const struct model_param *tied_user(const struct model *m, int u) {
+  if (m->table.tied_entry < 0 || u != m->table.nunits - 1 || u == 0) return NULL;
+  return &m->table.p[m->table.tied_entry];
+}
+
+static int gather_unit(struct trainer *t, int u, struct rumor_err *e) {
+  struct model *m = &t->model;
+  int64_t a, b;
+  unit_range(m, u, &a, &b);
+  int rc = collective(t, COLL_ALL_GATHER, &m->params, a, b, e);
+  const struct model_param *tp = tied_user(m, u);
+  if (rc == 0 && tp) rc = collective(t, COLL_ALL_GATHER, &m->params, tp->offset, tp->offset + tp->numel, e);
+  return rc;
+}
+
+static void release_unit(struct trainer *t, int u) {
+  struct model *m = &t->model;
+  int64_t a, b;
+  unit_range(m, u, &a, &b);
+  release_outside(t, &m->params, a, b);
+  const struct model_param *tp = tied_user(m, u);
+  if (tp) release_outside(t, &m->params, tp->offset, tp->offset + tp->numel);
+}
+
+int zero_init(struct trainer *t, struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  struct model *m = &t->model;
+  z->dp = *t->cfg.dp;
+  z->rank = comm_rank(z->dp.comm);
+  z->size = comm_size(z->dp.comm);
+  for (int j = 0; j <= z->size; j++) {
+    int64_t lo, hi;
+    comm_chunk(m->nparams, z->size, j < z->size ? j : z->size - 1, &lo, &hi);
+    z->cut[j] = j < z->size ? lo : hi;
+  }
+  z->counts = xcalloc((size_t)z->size, sizeof *z->counts);
+  int64_t most = 0; /* the largest range one collective moves */
+  if (z->dp.zero <= 1) {
+    most = m->nparams;
+  } else {
+    int64_t maxw = 0;
+    for (int u = 0; u < m->table.nunits; u++) {
+      if (m->table.unit_offset[u + 1] - m->table.unit_offset[u] > most)
+        most = m->table.unit_offset[u + 1] - m->table.unit_offset[u];
+      if (u > 0 && model_act_width(m, u) > maxw) maxw = model_act_width(m, u);
+    }
+    if (m->table.tied_entry >= 0 && m->table.p[m->table.tied_entry].numel > most)
+      most = m->table.p[m->table.tied_entry].numel;
+    int64_t shape[1] = {m->max_rows * (maxw > 0 ? maxw : 1)};
+    for (int i = 0; i < 2; i++) {
+      int rc = tensor_alloc(&z->dbuf[i], t->be, TENSOR_F32, 1, shape, e);
+      if (rc) return rumor_err_prefix(e, "ZeRO %d's per-unit gradient buffers", z->dp.zero);
+    }
+  }
+  if (!on_cpu(t)) {
+    z->host_floats = most;
+    z->host = tensor_host_alloc(t->be, (size_t)most * sizeof(float));
+    if (!z->host) return rumor_err_set(e, -ENOMEM, "cannot allocate %lld floats of pinned staging for the group's "
+                                       "collectives", (long long)most);
+  }
+  if (z->dp.zero >= 2) release_outside(t, &m->grads, 0, m->nparams);
+  if (z->dp.zero == 3) release_outside(t, &m->params, 0, m->nparams);
+  return 0;
+}
+
+void zero_free(struct trainer *t) {
+  struct train_zero *z = &t->zero;
+  for (int i = 0; i < 2; i++) tensor_free(&z->dbuf[i]);
+  if (z->host) tensor_host_free(t->be, z->host);
+  free(z->counts);
+  memset(z, 0, sizeof *z);
+}
+
+/* ZeRO 2/3: forward one unit at a time (3: each unit's parameters gathered
+ * before and given back after). `rows` may be 0 (a member without rows in
+ * a short batch still takes part in every collective). */
+static int forward_units(struct trainer *t, int64_t rows, struct rumor_err *e) {
+  struct model *m = &t->model;
+  bool z3 = t->zero.dp.zero == 3;
+  for (int u = 0; u < m->table.nunits; u++) {
+    int rc = z3 ? gather_unit(t, u, e) : 0;
+    if (rc) return rc;
+    if (rows > 0) model_forward(m, u, u + 1, rows);
+    if (z3) release_unit(t, u);
+  }
+  return 0;
+}
+
+/* ZeRO 2/3: backward one unit at a time from the loss gradient in `dout`;
+ * each unit's gradient is reduce-scattered as soon as it is complete and
+ * the rest of its memory given back. Unit 0's is complete last: the tied
+ * head adds to it (model.h, model_tied). */
+static int backward_units(struct trainer *t, int64_t rows, struct tensor *dout, struct rumor_err *e) {
+  struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  bool z3 = z->dp.zero == 3;
+  for (int u = m->table.nunits - 1, k = 0; u >= 0; u--, k ^= 1) {
+    int rc = z3 ? gather_unit(t, u, e) : 0;
+    if (rc) return rc;
+    int64_t a, b;
+    unit_range(m, u, &a, &b);
+    if (rows > 0) {
+      struct tensor *din = u > 0 ? &z->dbuf[k] : NULL;
+      model_backward(m, u, u + 1, rows, dout, din, false);
+      dout = din;
+    } else {
+      struct tensor g = tensor_view(&m->grads, a, 1, (int64_t[]){b - a});
+      tensor_fill(&g, 0.0f);
+      const struct model_param *tp = tied_user(m, u);
+      if (tp) {
+        struct tensor gt = tensor_view(&m->grads, tp->offset, 1, (int64_t[]){tp->numel});
+        tensor_fill(&gt, 0.0f);
+      }
+    }
+    if (z3) release_unit(t, u);
+    if ((rc = collective(t, COLL_REDUCE_SCATTER, &m->grads, a, b, e))) return rc;
+    release_outside(t, &m->grads, a, b);
+  }
+  return 0;
+}
+
+/* The clip of the group's summed gradient: its global norm from the
+ * members' pieces (ZeRO >= 1; ZeRO 0's members each hold all of it). */
+static int clip_pieces(struct trainer *t, struct rumor_err *e) {
+  if (t->cfg.grad_clip <= 0) return 0;
+  struct train_zero *z = &t->zero;
+  int64_t lo = z->cut[z->rank], n = z->cut[z->rank + 1] - lo;
+  struct tensor g = tensor_view(&t->model.grads, lo, 1, &n);
+  float sq = n > 0 ? (float)tensor_sq_norm(&g) : 0.0f;
+  int rc = comm_all_reduce(z->dp.comm, &sq, 1, e);
+  if (rc) return rc;
+  double norm = sqrt((double)sq);
+  t->grad_norm = norm;
+  if (norm > t->cfg.grad_clip) {
+    if (n > 0) tensor_scale(&g, (float)(t->cfg.grad_clip / norm));
+    t->clipped_steps++;
+  }
+  return 0;
+}
+
+/* Copies this member's rows of the staged batch to the device. */
+static void load_rows(struct trainer *t, const void *x, const int32_t *y, int64_t lo, int64_t n) {
+  struct model *m = &t->model;
+  if (n <= 0) return;
+  size_t xb = t->data.x_bytes_per_row;
+  int64_t ypr = t->data.y_per_row;
+  tensor_copy_from_host(model_act(m, 0), 0, (const char *)x + (size_t)lo * xb, (size_t)n * xb);
+  tensor_copy_from_host(&m->labels, 0, y + lo * ypr, (size_t)(n * ypr) * sizeof(int32_t));
+}
+
+int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const int32_t *y, double *loss,
+              struct rumor_err *e) {
+  struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  int U = m->table.nunits, rc;
+  comm_bytes(z->dp.comm, &z->sent0, &z->received0);
+  int64_t lo, hi;
+  my_rows(z, rows, &lo, &hi);
+  int64_t n = hi - lo;
+  load_rows(t, x, y, lo, n);
+  /* Each member scales its gradient by 1 / the whole batch's targets, so
+   * that the members' sum is the batch's mean gradient. */
+  float scale = 1.0f / (float)model_targets(m, rows);
+  struct tensor *logits = model_act(m, U);
+  if (z->dp.zero <= 1) {
+    if (n > 0) {
+      model_forward(m, 0, U, n);
+      model_loss(m, n, logits, scale);
+      model_backward(m, 0, U, n, logits, NULL, false);
+    } else {
+      tensor_fill(&m->grads, 0.0f);
+    }
+  } else {
+    if ((rc = forward_units(t, n, e))) return rc;
+    if (n > 0) model_loss(m, n, logits, scale);
+    if ((rc = backward_units(t, n, logits, e))) return rc;
+  }
+  /* The batch's loss: the members' summed losses over its targets. */
+  float part = n > 0 ? model_mean_loss(m, n) * (float)model_targets(m, n) : 0.0f;
+  if ((rc = comm_all_reduce(z->dp.comm, &part, 1, e))) return rc;
+  *loss = (double)part / (double)model_targets(m, rows);
+
+  int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
+  if (z->dp.zero == 0) {
+    if ((rc = collective(t, COLL_ALL_REDUCE, &m->grads, 0, m->nparams, e))) return rc;
+    trainer_clip_gradients(t);
+    optim_apply(&t->optim, &m->params, &m->grads, lr);
+  } else {
+    if (z->dp.zero == 1 && (rc = collective(t, COLL_REDUCE_SCATTER, &m->grads, 0, m->nparams, e))) return rc;
+    if ((rc = clip_pieces(t, e))) return rc;
+    struct tensor p = tensor_view(&m->params, plo, 1, &pn), g = tensor_view(&m->grads, plo, 1, &pn);
+    if (pn > 0) optim_apply(&t->optim, &p, &g, lr);
+    else t->optim.step++;
+    if (z->dp.zero <= 2 && (rc = collective(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
+  }
+  tensor_backend_sync(t->be);
+  uint64_t s1, r1;
+  comm_bytes(z->dp.comm, &s1, &r1);
+  z->step_bytes = (double)(s1 - z->sent0 + r1 - z->received0);
+  return 0;
+}
+
+int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t *y, int64_t *correct, double *loss,
+                  struct rumor_err *e) {
+  struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  int64_t lo, hi;
+  my_rows(z, rows, &lo, &hi);
+  int64_t n = hi - lo;
+  load_rows(t, x, y, lo, n);
+  int rc;
+  if (z->dp.zero == 3) {
+    if ((rc = forward_units(t, n, e))) return rc;
+  } else if (n > 0) {
+    model_forward(m, 0, m->table.nunits, n);
+  }
+  int64_t c = 0;
+  double l = 0;
+  if (n > 0) model_score(m, n, y + lo * t->data.y_per_row, &c, &l);
+  float sums[2] = {(float)c, (float)l}; /* c <= a batch's targets: exact in a float */
+  if ((rc = comm_all_reduce(z->dp.comm, sums, 2, e))) return rc;
+  *correct += (int64_t)sums[0];
+  *loss += (double)sums[1];
+  return 0;
+}
+
+/* The whole state into `host` (params, then each optimizer part) on every
+ * member: what a checkpoint of the group holds. */
+static int gather_state(struct trainer *t, float *host, struct rumor_err *e) {
+  struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  int64_t P = m->nparams, plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  for (int j = 0; j < z->size; j++) z->counts[j] = z->cut[j + 1] - z->cut[j];
+  if (pn > 0) tensor_copy_to_host(&m->params, plo, host + plo, (size_t)pn * sizeof(float));
+  int rc = comm_all_gather_v(z->dp.comm, host, z->counts, e);
+  for (int s = 0; rc == 0 && s < parts; s++) {
+    float *dst = host + P * (1 + s);
+    if (z->dp.zero == 0) {
+      tensor_copy_to_host(&t->optim.state, (int64_t)s * P, dst, (size_t)P * sizeof(float));
+      continue;
+    }
+    if (pn > 0) tensor_copy_to_host(&t->optim.state, (int64_t)s * pn, dst + plo, (size_t)pn * sizeof(float));
+    rc = comm_all_gather_v(z->dp.comm, dst, z->counts, e);
+  }
+  return rc;
+}
+
+int zero_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
+  struct model *m = &t->model;
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  size_t bytes = (size_t)m->nparams * sizeof(float) * (size_t)(1 + parts);
+  float *host = malloc(bytes);
+  if (!host) return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to gather the group's state for %s", bytes,
+                                  path);
+  int rc = gather_state(t, host, e);
+  /* Member 0 writes; the others only took part in the gathers. */
+  if (rc == 0 && t->zero.rank == 0) rc = checkpoint_save_host(path, m, &t->optim, host, info, e);
+  free(host);
+  return rc;
+}
+
+void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi) {
+  comm_chunk(n, comm_size(dp->comm), comm_rank(dp->comm), lo, hi);
+}

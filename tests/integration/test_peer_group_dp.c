@@ -1,0 +1,156 @@
+/* Data-parallel peer groups as users run them: `rumor group --data-parallel
+ * D --zero Z` starts D `rumor peer --group G --stage 0/1 --dp r/D` members
+ * that split every batch over the authenticated transport. Its checkpoint
+ * equals `rumor train`'s after the same steps (any ZeRO stage), its result
+ * line has the single process's fields plus the members' peak memory, a
+ * member that dies stops the group naming it, and bad options are refused
+ * with a message. The engine's step equality for every stage, D and model
+ * is test_peer_zero's (in one process); this is the command around it. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../support/cluster.h"
+#include "../support/fmnist.h"
+#include "peer/train/train.h"
+
+static struct cluster C;
+
+static void setup(void) { cluster_init(&C); }
+static void teardown(void) { cluster_fini(&C, false); }
+TestSuite(group_dp, .init = setup, .fini = teardown, .timeout = 240);
+
+/* The largest |a − b| over the tensors both files hold (weights and the
+ * optimizer state); *count gets how many floats were compared. */
+static double max_diff(const char *a, const char *b, int64_t *count) {
+  struct st_file fa, fb;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(a, true, &fa, &e), 0, "%s", e.msg);
+  cr_assert_eq(safetensors_read(b, true, &fb, &e), 0, "%s", e.msg);
+  cr_assert_eq(fa.ntensors, fb.ntensors, "%s has %zu tensors, %s %zu", a, fa.ntensors, b, fb.ntensors);
+  double worst = 0;
+  *count = 0;
+  for (size_t i = 0; i < fa.ntensors; i++) {
+    const struct st_tensor *ta = &fa.tensors[i], *tb = safetensors_find(&fb, ta->name);
+    cr_assert_not_null(tb, "%s has no %s", b, ta->name);
+    cr_assert_eq(ta->nbytes, tb->nbytes, "%s: sizes differ", ta->name);
+    const float *x = ta->data, *y = tb->data;
+    for (size_t k = 0; k < ta->nbytes / sizeof(float); k++) {
+      double d = fabs((double)x[k] - (double)y[k]);
+      cr_assert(isfinite(d), "%s[%zu]: %g vs %g", ta->name, k, x[k], y[k]);
+      if (d > worst) worst = d;
+    }
+    *count += (int64_t)(ta->nbytes / sizeof(float));
+  }
+  cr_assert_str_eq(safetensors_meta(&fa, "rumor.step"), safetensors_meta(&fb, "rumor.step"));
+  safetensors_free(&fa);
+  safetensors_free(&fb);
+  return worst;
+}
+
+static double json_number(const char *text, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = NULL, *q = text;
+  while ((q = strstr(q, pat))) p = q, q++; /* the last line that has it: the group's */
+  return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+/* D members at ZeRO Z train 12 steps of batch 50 (uneven slices for D = 3)
+ * with AdamW and clipping; the group's checkpoint equals the single
+ * process's within 5e-5 (test_peer_zero's tolerance: float rounding of the
+ * sliced sums, compounded by Adam). */
+static void group_equals_train(const char *D, const char *Z) {
+  SKIP_WITHOUT_DATA();
+  char id[256], ref[256], grp[256];
+  cluster_make_identity(&C, "dp", id, sizeof id);
+  snprintf(ref, sizeof ref, "%s/ref.safetensors", C.dir);
+  snprintf(grp, sizeof grp, "%s/group-z%s-d%s.safetensors", C.dir, Z, D);
+  char *common[] = {"--model", "mlp:784-48-24-10", "--batch", "50", "--max-steps", "12", "--seed", "7",
+                    "--optimizer", "adamw", "--lr", "0.001", "--grad-clip", "1", "--threads", "1",
+                    "--log-every", "0", NULL};
+  char *single[64] = {"train", "--checkpoint", ref};
+  int n = 3;
+  for (int i = 0; common[i]; i++) single[n++] = common[i];
+  single[n] = NULL;
+  char *out, *err;
+  int st = cluster_run(&C, single, 120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
+  double acc1 = json_number(out, "test_accuracy");
+  free(out), free(err);
+
+  char *group[64] = {"group", "--data-parallel", (char *)D, "--zero", (char *)Z, "--cluster-key", C.key,
+                     "--identity", id, "--checkpoint", grp};
+  n = 11;
+  for (int i = 0; common[i]; i++) group[n++] = common[i];
+  group[n] = NULL;
+  st = cluster_run(&C, group, 120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
+  cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "no ok summary: %s", out);
+  cr_assert_eq(json_number(out, "steps"), 12, "%s", out);
+  cr_assert_eq(json_number(out, "data_parallel"), atoi(D), "%s", out);
+  cr_assert_eq(json_number(out, "zero"), atoi(Z), "%s", out);
+  cr_assert_gt(json_number(out, "peak_rss_bytes"), 1e6, "%s", out);
+  cr_assert_gt(json_number(out, "comm_bytes_per_step"), 0, "%s", out);
+  double acc = json_number(out, "test_accuracy");
+  cr_assert(fabs(acc - acc1) <= 2e-3, "the group's test accuracy %.4f, the single process's %.4f", acc, acc1);
+  free(out), free(err);
+  int64_t count;
+  double worst = max_diff(grp, ref, &count);
+  cr_expect(worst <= 5e-5, "D=%s ZeRO %s: the group's checkpoint is %.3g from rumor train's (%lld floats)", D, Z,
+            worst, (long long)count);
+}
+
+Test(group_dp, zero0_d2_equals_train) { group_equals_train("2", "0"); }
+Test(group_dp, zero2_d2_equals_train) { group_equals_train("2", "2"); }
+Test(group_dp, zero3_d3_equals_train) { group_equals_train("3", "3"); }
+
+/* A member killed mid-run: the others' collectives fail naming it, and the
+ * group stops with a non-zero exit naming a member. */
+Test(group_dp, a_dead_member_stops_the_group_naming_it) {
+  SKIP_WITHOUT_DATA();
+  struct cluster_group g;
+  char *args[] = {"--data-parallel", "2", "--zero", "1", "--model", "mlp:784-64-10", "--epochs", "50",
+                  "--no-eval", "--dead-after-ms", "1000", NULL};
+  cluster_start_group(&C, &g, "dpkill", args);
+  cr_assert(cluster_wait_file(g.log, "all 2 members connected", 60), "the members never connected: %s",
+            proc_slurp(g.log));
+  cr_assert(cluster_wait_file(g.log, "first step", 60), "no step: %s", proc_slurp(g.log));
+  /* Member 1's pid, from the launcher's line. */
+  char *log = proc_slurp(g.log);
+  const char *p = strstr(log, "member 1/2 is pid ");
+  cr_assert_not_null(p, "%s", log);
+  pid_t victim = (pid_t)atoi(p + strlen("member 1/2 is pid "));
+  free(log);
+  cr_assert_gt(victim, 0);
+  kill(victim, SIGKILL);
+  int st = proc_wait(g.pid, 60);
+  cr_assert(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) != 0, "the group did not fail (status %d)", st);
+  char *out = proc_slurp(g.out), *err = proc_slurp(g.log);
+  cr_assert(strstr(out, "\"status\":\"failed\"") != NULL, "%s", out);
+  cr_assert(strstr(err, "member 1/2") != NULL, "the group's error should name member 1/2: %s", err);
+  free(out), free(err);
+}
+
+Test(group_dp, bad_options_are_refused) {
+  char id[256];
+  cluster_make_identity(&C, "cli", id, sizeof id);
+  char *keys[] = {"--cluster-key", C.key, "--identity", id};
+#define G(...) (char *[]){"group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL}
+#define P(...) (char *[]){"peer", "--group", "g", "--stage", "0/1", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL}
+  cluster_expect_exit(&C, G("--zero", "2"), 2, "--zero 2 needs --data-parallel D with D > 1");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "4"), 2, "--zero: '4' is not an integer in [0, 3]");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2"), 2,
+                      "data-parallel members inside a pipelined group are not built yet");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--bootstrap", "127.0.0.1:9"), 2,
+                      "a data-parallel group trains alone");
+  cluster_expect_exit(&C, P("--dp", "2/2"), 2, "--dp '2/2': expected r/D with 0 <= r < D");
+  cluster_expect_exit(&C, P("--dp", "1/2"), 2, "--dp 1/2 needs --comm-peers with the addresses of members 0 .. 0");
+  cluster_expect_exit(&C, P("--dp", "0/2", "--comm-listen", "nowhere"), 2, "--comm-listen");
+  cluster_expect_exit(&C, P("--zero", "1"), 2, "--zero 1 needs data-parallel members");
+#undef G
+#undef P
+}
