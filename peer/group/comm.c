@@ -298,8 +298,8 @@ static int rs_direct(struct comm *c, const struct comm_hdr *base, uint32_t step,
     struct comm_msg *msg = NULL;
     if (m != r && (rc = xrecv(c, m, base, step, (uint64_t)cnt * sizeof(float), &msg, e))) break;
     const float *x = m == r ? mine : msg->data;
-    if (m == 0) memcpy(acc, x, (size_t)cnt * sizeof(float));
-    else add(acc, x, cnt);
+    if (m == 0 && cnt) memcpy(acc, x, (size_t)cnt * sizeof(float));
+    else if (m > 0) add(acc, x, cnt);
     free(msg);
   }
   if (!rc && cnt) memcpy(mine, acc, (size_t)cnt * sizeof(float));
@@ -376,8 +376,8 @@ int comm_all_reduce(comm_t *c, float *buf, int64_t n, struct rumor_err *e) {
       struct comm_msg *msg = NULL;
       if (m != r && (rc = xrecv(c, m, &base, 0, (uint64_t)n * sizeof(float), &msg, e))) break;
       const float *x = m == r ? buf : msg->data;
-      if (m == 0) memcpy(acc, x, (size_t)n * sizeof(float));
-      else add(acc, x, n);
+      if (m == 0 && n) memcpy(acc, x, (size_t)n * sizeof(float));
+      else if (m > 0) add(acc, x, n);
       free(msg);
     }
     if (!rc && n) memcpy(buf, acc, (size_t)n * sizeof(float));
