@@ -237,7 +237,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .dead_after_ms = (uint32_t)p->f.net.dead_after_ms,
                                  .stop = signals_stop_flag()};
   if ((rc = stage_link_start(&p->link, &lc, e))) return rc;
-  trainer_set_link(&p->t, p->link);
+  if (trainer_is_stage(&p->t)) trainer_set_link(&p->t, p->link); /* a data-parallel member has no pipeline */
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));

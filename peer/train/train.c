@@ -227,7 +227,11 @@ struct tensor trainer_extra(struct trainer *t, int i) {
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
-  if (cfg->stage) {
+  /* A data-parallel member holds the whole model: the group's one stage
+   * (the only layout built so far) is a whole replica to the trainer. */
+  RUMOR_ASSERT(!cfg->dp || !cfg->stage || cfg->stage->stages == 1);
+  if (cfg->dp) t->cfg.stage = NULL;
+  if (t->cfg.stage) {
     t->stage = *cfg->stage;
     t->cfg.stage = &t->stage;
   }
