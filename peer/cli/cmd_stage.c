@@ -200,7 +200,6 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
     snprintf(run, sizeof run, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->st.stage);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
   }
-  if (p->dp_size > 1 && (rc = start_comm(p, e))) return rc;
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
   tb_train_attach(&p->tb, &p->t, &p->mb);
@@ -237,15 +236,11 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .dead_after_ms = (uint32_t)p->f.net.dead_after_ms,
                                  .stop = signals_stop_flag()};
   if ((rc = stage_link_start(&p->link, &lc, e))) return rc;
-  if (trainer_is_stage(&p->t)) trainer_set_link(&p->t, p->link); /* a data-parallel member has no pipeline */
+  trainer_set_link(&p->t, p->link);
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
   json_text_set(o, "link", json_text_str(stage_link_address(p->link)));
-  if (p->comm) {
-    json_text_set(o, "dp", json_integer(p->dp_rank));
-    json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
-  }
   json_text_print(stdout, o);
   return 0;
 }
@@ -278,9 +273,7 @@ static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct 
 static int join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = stage_link_wait_ready(p->link, e);
-  if (rc || (p->comm && (rc = comm_wait_ready(p->comm, e)))) return rc;
-  if (p->comm) log_info("data-parallel member %d/%d: all %d members connected (ZeRO %lld)", p->dp_rank, p->dp_size,
-                        p->dp_size, (long long)p->f.pipe.zero);
+  if (rc) return rc;
   struct stage_link_pos lp = {0, 0, 0};
   if (p->mb.setup.sync.kind == SYNC_PS) {
     if ((rc = join_servers(p, &lp, e))) return rc;
@@ -335,6 +328,68 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
+/* ---- a data-parallel member ---- */
+
+/*
+ * A data-parallel member (--dp r/D, D > 1) holds the whole model and trains
+ * on its slice of every batch; the group trains alone (no gossip runtime,
+ * no gossip buffers: dp_usage refuses --bootstrap), and its members talk
+ * only over the communicator.
+ */
+
+/* Loads the keys, starts the communicator, builds the trainer and prints
+ * the address line the launcher passes to the members above this one. */
+static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
+  int rc = net_flags_load_keys(&p->f.net, &p->keys, e);
+  if (rc) return rc;
+  p->have_keys = true;
+  if (p->f.train.tensorboard) {
+    char run[96];
+    snprintf(run, sizeof run, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->dp_rank);
+    if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
+  }
+  if ((rc = start_comm(p, e))) return rc;
+  if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
+  p->have_trainer = true;
+  tb_train_attach(&p->tb, &p->t, NULL);
+  json_t *o = open_line(p);
+  json_text_set(o, "stages", json_integer(p->st.stages));
+  json_text_set(o, "pid", json_integer(getpid()));
+  json_text_set(o, "dp", json_integer(p->dp_rank));
+  json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
+  json_text_print(stdout, o);
+  return 0;
+}
+
+static int dp_run(struct stage_proc *p, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  int rc = comm_wait_ready(p->comm, e);
+  if (rc) return rc;
+  log_info("data-parallel member %d/%d: all %d members connected (ZeRO %lld)", p->dp_rank, p->dp_size, p->dp_size,
+           (long long)p->f.pipe.zero);
+  double t0 = clock_now_s();
+  int64_t s0 = t->st.samples;
+  bool first = true;
+  while (!trainer_done(t) && !signals_stop_requested()) {
+    if ((rc = trainer_step(t, e))) return rc;
+    if (first) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
+    first = false;
+  }
+  double secs = clock_now_s() - t0;
+  if (signals_stop_requested())
+    return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
+  if ((rc = trainer_evaluate(t, e))) return rc;
+  char final[96];
+  result_describe_final(t, final, sizeof final);
+  log_info("final %s after %lld steps", final, (long long)t->st.step);
+  json_t *o = open_line(p);
+  json_text_set(o, "stages", json_integer(p->st.stages));
+  json_text_set(o, "dp", json_integer(p->dp_rank));
+  result_training(o, t, secs, s0);
+  result_print(o);
+  return 0;
+}
+
 /* Ends the group after a failure: says which stage failed and why, and
  * tells the neighbours (they pass it on). A failure the link carries (a
  * neighbour's, or one passed on, or a neighbour that left) names that
@@ -386,9 +441,15 @@ int cmd_stage(int argc, char **argv) {
   int status = parse(p, argc, argv, &done);
   if (done) return status;
   struct rumor_err e = {0};
-  int rc = prepare(p, &e);
-  if (rc == 0) rc = join(p, &e);
-  if (rc == 0) rc = run(p, &e);
+  int rc;
+  if (p->dp_size > 1) {
+    rc = dp_prepare(p, &e);
+    if (rc == 0) rc = dp_run(p, &e);
+  } else {
+    rc = prepare(p, &e);
+    if (rc == 0) rc = join(p, &e);
+    if (rc == 0) rc = run(p, &e);
+  }
   /* A failure, even before the links exist, is reported as the group's
    * (the launcher names the stage that failed). */
   status = rc == 0 ? 0 : stop_group(p, &e);

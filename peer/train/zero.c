@@ -306,39 +306,57 @@ int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t 
   return 0;
 }
 
-/* The whole state into `host` (params, then each optimizer part) on every
- * member: what a checkpoint of the group holds. */
-static int gather_state(struct trainer *t, float *host, struct rumor_err *e) {
-  struct model *m = &t->model;
+/* Sends this member's piece of `src` (a device tensor: `per` floats per
+ * member piece, starting at element `base`) to member 0, which receives
+ * every member's into dst[0..P) (dst is NULL elsewhere): an all-to-all in
+ * which only member 0 receives, so only it holds the whole buffer. */
+static int gather_to_first(struct trainer *t, const struct tensor *src, int64_t base, bool whole, float *dst,
+                           struct rumor_err *e) {
   struct train_zero *z = &t->zero;
-  int64_t P = m->nparams, plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
-  int parts = optim_state_per_param(t->optim.cfg.kind);
-  for (int j = 0; j < z->size; j++) z->counts[j] = z->cut[j + 1] - z->cut[j];
-  if (pn > 0) tensor_copy_to_host(&m->params, plo, host + plo, (size_t)pn * sizeof(float));
-  int rc = comm_all_gather_v(z->dp.comm, host, z->counts, e);
-  for (int s = 0; rc == 0 && s < parts; s++) {
-    float *dst = host + P * (1 + s);
-    if (z->dp.zero == 0) {
-      tensor_copy_to_host(&t->optim.state, (int64_t)s * P, dst, (size_t)P * sizeof(float));
-      continue;
-    }
-    if (pn > 0) tensor_copy_to_host(&t->optim.state, (int64_t)s * pn, dst + plo, (size_t)pn * sizeof(float));
-    rc = comm_all_gather_v(z->dp.comm, dst, z->counts, e);
-  }
+  int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
+  int64_t *send = xcalloc((size_t)z->size, sizeof *send), *recv = xcalloc((size_t)z->size, sizeof *recv);
+  float *mine = xmalloc((size_t)(pn > 0 ? pn : 1) * sizeof(float));
+  /* `whole`: src holds every position (parameters, ZeRO 0's state) and this
+   * member's piece is at plo; else src holds the piece alone. */
+  if (pn > 0) tensor_copy_to_host(src, base + (whole ? plo : 0), mine, (size_t)pn * sizeof(float));
+  send[0] = pn;
+  for (int j = 0; z->rank == 0 && j < z->size; j++) recv[j] = z->cut[j + 1] - z->cut[j];
+  int rc = comm_all_to_all(z->dp.comm, mine, send, dst, recv, e);
+  free(mine);
+  free(send);
+  free(recv);
   return rc;
 }
 
 int zero_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
   struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  int64_t P = m->nparams, per = t->optim.nparams;
   int parts = optim_state_per_param(t->optim.cfg.kind);
-  size_t bytes = (size_t)m->nparams * sizeof(float) * (size_t)(1 + parts);
-  float *host = malloc(bytes);
-  if (!host) return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to gather the group's state for %s", bytes,
-                                  path);
-  int rc = gather_state(t, host, e);
-  /* Member 0 writes; the others only took part in the gathers. */
-  if (rc == 0 && t->zero.rank == 0) rc = checkpoint_save_host(path, m, &t->optim, host, info, e);
+  float *host = NULL;
+  if (z->rank == 0) {
+    size_t bytes = (size_t)P * sizeof(float) * (size_t)(1 + parts);
+    if (!(host = malloc(bytes)))
+      return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to gather the group's state for %s", bytes, path);
+  }
+  /* Member 0 receives the parameters and each part of the optimizer state
+   * piece by piece; the others only send theirs. */
+  int rc = gather_to_first(t, &m->params, 0, true, host, e);
+  for (int s = 0; rc == 0 && s < parts; s++)
+    rc = gather_to_first(t, &t->optim.state, (int64_t)s * per, z->dp.zero == 0, host ? host + P * (1 + s) : NULL, e);
+  if (rc == 0 && z->rank == 0) rc = checkpoint_save_host(path, m, &t->optim, host, info, e);
   free(host);
+  /* Every member learns whether the file was written: a failed save fails
+   * the whole group, not member 0 alone. */
+  float failed = rc == 0 ? 0.0f : 1.0f;
+  struct rumor_err e2 = {0};
+  int arc = comm_all_reduce(z->dp.comm, &failed, 1, &e2);
+  if (rc) return rc;
+  if (arc) {
+    *e = e2;
+    return arc;
+  }
+  if (failed > 0) return rumor_err_set(e, -EIO, "member 0 of the group could not write the checkpoint %s", path);
   return rc;
 }
 
