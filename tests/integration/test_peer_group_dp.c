@@ -154,3 +154,57 @@ Test(group_dp, bad_options_are_refused) {
 #undef G
 #undef P
 }
+
+/* A text any byte-level model trains on (no package needed). */
+static const char *make_text(void) {
+  static char path[256];
+  snprintf(path, sizeof path, "%s/text.txt", C.dir);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  uint64_t x = 88172645463325252ull;
+  for (int i = 0; i < 200000; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    fputc(x % 7 == 0 ? ' ' : 'a' + (int)(x % 23), f);
+  }
+  fclose(f);
+  return path;
+}
+
+static double peak_of(char *const *args) {
+  char *out, *err;
+  int st = cluster_run(&C, args, 180, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "%s failed: %s", args[0], err);
+  double peak = json_number(out, "peak_rss_bytes");
+  cr_assert_gt(peak, 0, "no peak_rss_bytes in %s", out);
+  free(out), free(err);
+  return peak;
+}
+
+/* Each member's peak resident memory against the single process's: at
+ * D = 2, ZeRO 1 leaves out half the AdamW moments (8 bytes a parameter
+ * over 2: 4 P bytes) and ZeRO 3 half of the parameters, gradients and
+ * moments (16 P / 2 = 8 P bytes), on top of half the activations (each
+ * member runs half the batch). The test asks for at least 70 % of the
+ * state's saving (the rest of the figure, the binary, the corpus and the
+ * communicator's buffers, is the same or larger in a member); on a 25.4 M
+ * parameter GPT the measured savings were 85 MB (ZeRO 1, 4 P = 101 MB) and
+ * 222 MB (ZeRO 3, 8 P = 203 MB) of the single process's 780 MB. */
+Test(group_dp, members_peak_memory_falls_as_zero_shards_more) {
+  char id[256];
+  cluster_make_identity(&C, "mem", id, sizeof id);
+  const char *text = make_text();
+  const double P = 25.4e6; /* gpt:L8-H8-C512-T128-V256 */
+  char *common[] = {"--model", "gpt:L8-H8-C512-T128-V256", "--batch", "8", "--max-steps", "2", "--optimizer",
+                    "adamw", "--no-eval", "--threads", "1", "--log-every", "0", "--data", (char *)text, NULL};
+  char *single[32] = {"train"}, *z1[40] = {"group", "--data-parallel", "2", "--zero", "1", "--cluster-key", C.key,
+                                           "--identity", id},
+       *z3[40] = {"group", "--data-parallel", "2", "--zero", "3", "--cluster-key", C.key, "--identity", id};
+  int n1 = 1, n2 = 9;
+  for (int i = 0; common[i]; i++) single[n1++] = common[i], z1[n2] = z3[n2] = common[i], n2++;
+  double one = peak_of(single), p1 = peak_of(z1), p3 = peak_of(z3);
+  cr_log_info("peak RSS: single %.0f MB, ZeRO 1 member %.0f MB, ZeRO 3 member %.0f MB", one / 1e6, p1 / 1e6, p3 / 1e6);
+  cr_expect(one - p1 >= 0.7 * 4 * P, "ZeRO 1 at D=2 saved %.0f MB of %.0f MB; expected at least 70%% of 4P = %.0f MB",
+            (one - p1) / 1e6, one / 1e6, 4 * P / 1e6);
+  cr_expect(one - p3 >= 0.7 * 8 * P, "ZeRO 3 at D=2 saved %.0f MB of %.0f MB; expected at least 70%% of 8P = %.0f MB",
+            (one - p3) / 1e6, one / 1e6, 8 * P / 1e6);
+}
