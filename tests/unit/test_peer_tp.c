@@ -84,6 +84,7 @@ static int failing_all_reduce(void *arg, struct tensor *t, int64_t n, struct rum
 struct job {
   const struct model_spec *spec;
   int u0, u1; /* the units; all of them: a training step and an evaluation */
+  int64_t positions; /* model_set_positions' t, or 0 */
   const void *input;
   size_t input_bytes;
   const int32_t *labels;
@@ -116,6 +117,7 @@ static float *cut_columns(const float *x, int64_t whole, int64_t local, int T, i
 static void run_step(struct job *j, struct model *m) {
   int L = model_spec_units(j->spec);
   if (j->u0 == 0 && j->u1 == L) {
+    if (j->positions) RUMOR_ASSERT(model_set_positions(m, j->positions));
     tensor_copy_from_host(model_act(m, j->u0), 0, j->input, j->input_bytes);
     tensor_copy_from_host(&m->labels, 0, j->labels, (size_t)model_targets(m, ROWS) * sizeof(int32_t));
     model_forward_backward(m, ROWS);
@@ -312,7 +314,7 @@ static float *gather_all(const struct model_spec *s, int T, const struct job *jo
 
 /* One step of T ranks against the whole model: initial values, loss,
  * gradients, replicated gradients, evaluation. */
-static void check_step(const char *spec_s, int T) {
+static void check_step_at(const char *spec_s, int T, int64_t positions) {
   struct model_spec s = parse(spec_s);
   int L = model_spec_units(&s);
   void *input;
@@ -321,6 +323,10 @@ static void check_step(const char *spec_s, int T) {
   make_inputs(&s, &input, &bytes, &labels);
   struct whole w;
   whole_init(&w, &s, 0, L);
+  if (positions) { /* ROWS sequences of `positions` tokens, packed */
+    cr_assert(model_set_positions(&w.m, positions));
+    bytes = (size_t)(ROWS * positions) * sizeof(int32_t);
+  }
   tensor_copy_from_host(model_act(&w.m, 0), 0, input, bytes);
   tensor_copy_from_host(&w.m.labels, 0, labels, (size_t)model_targets(&w.m, ROWS) * sizeof(int32_t));
   model_forward_backward(&w.m, ROWS);
@@ -331,7 +337,8 @@ static void check_step(const char *spec_s, int T) {
   model_evaluate(&w.m, ROWS, labels, &ref_correct, &ref_loss_sum);
 
   struct group g;
-  struct job proto = {.spec = &s, .u0 = 0, .u1 = L, .input = input, .input_bytes = bytes, .labels = labels};
+  struct job proto = {
+      .spec = &s, .u0 = 0, .u1 = L, .positions = positions, .input = input, .input_bytes = bytes, .labels = labels};
   struct job jobs[MAX_T];
   run_ranks(&g, T, &proto, jobs);
   float *params = gather_all(&s, T, jobs, false), *grads = gather_all(&s, T, jobs, true);
@@ -354,7 +361,11 @@ static void check_step(const char *spec_s, int T) {
   free(input), free(labels);
 }
 
+static void check_step(const char *spec_s, int T) { check_step_at(spec_s, T, 0); }
+
 Test(tp, gpt_ranks_give_the_whole_models_loss_gradients_and_score_t2) { check_step(GPT_SPEC, 2); }
+/* Fewer positions than the context (sampling): 5 of 16. */
+Test(tp, gpt_ranks_on_fewer_positions_give_the_whole_models_t2) { check_step_at(GPT_SPEC, 2, 5); }
 Test(tp, gpt_ranks_give_the_whole_models_loss_gradients_and_score_t4) { check_step(GPT_SPEC, 4); }
 Test(tp, mlp_ranks_give_the_whole_models_loss_gradients_and_score_t2) { check_step(MLP_SPEC, 2); }
 Test(tp, mlp_ranks_give_the_whole_models_loss_gradients_and_score_t4) { check_step(MLP_SPEC, 4); }
@@ -589,4 +600,39 @@ Test(tp, a_failing_all_reduce_is_recorded_once_and_the_rest_skipped) {
   model_free(&m);
   tensor_backend_close(be);
   free(input), free(labels);
+}
+
+/* An optimiser of a rank covers the rank's buffer with its own table's
+ * decay mask (matrices decay, biases and gains do not). */
+Test(tp, an_optimiser_of_a_rank_follows_the_ranks_layout) {
+  struct model_spec s = parse(GPT_SPEC);
+  tensor_backend_t be;
+  struct rumor_err e;
+  cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0);
+  int calls = 0;
+  struct model_tp tp = {.rank = 1, .size = 4, .all_reduce = failing_all_reduce, .arg = &calls};
+  struct model m;
+  cr_assert_eq(model_init_tp(&m, &s, 1, 3, be, ROWS, &tp, &e), 0, "%s", e.msg);
+  struct optim_config cfg;
+  optim_config_default(&cfg);
+  cfg.kind = OPTIM_ADAMW;
+  cfg.weight_decay = 0.1;
+  struct optim o;
+  cr_assert_eq(optim_init(&o, &cfg, &m, &e), 0, "%s", e.msg);
+  cr_assert_eq(o.nparams, m.nparams);
+  int64_t covered = 0;
+  for (size_t k = 0; k < o.nspans; k++) {
+    covered += o.spans[k].count;
+    for (size_t i = 0; i < m.tp_layout.local.n; i++) {
+      const struct model_param *p = &m.tp_layout.local.p[i];
+      int64_t a = p->offset - m.param_base;
+      if (a >= o.spans[k].offset && a < o.spans[k].offset + o.spans[k].count)
+        cr_assert_eq(p->decay, o.spans[k].decay, "%s", p->name);
+    }
+  }
+  cr_assert_eq(covered, m.nparams);
+  cr_assert_eq(calls, 0);
+  optim_free(&o);
+  model_free(&m);
+  tensor_backend_close(be);
 }
