@@ -173,6 +173,13 @@ struct model_family_ops; /* private: peer/model/model_impl.h */
  *
  * With T = 1 a rank is the whole model and its passes are bit for bit
  * model_init's.
+ *
+ * Pipeline stages compose: a rank may hold units [u0, u1) (T×S processes,
+ * rank r of stage s exchanging activations with rank r of stages s ± 1;
+ * a boundary inside an MLP's column/row pair carries the rank's columns).
+ * On a head stage without unit 0, model_tied's copy holds the rank's
+ * vocabulary rows of wte (tp_layout.local's entry), kept equal to those of
+ * the same rank of stage 0.
  */
 #define MODEL_TP_MAX 256 /* ranks of one tensor-parallel group */
 
