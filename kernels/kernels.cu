@@ -187,6 +187,55 @@ __global__ void softmax_xent_kernel(const float *logits, const int32_t *labels, 
   }
 }
 
+// The vocabulary-parallel cross-entropy's two passes, one warp per row as
+// softmax_xent_kernel. stats: max, then the sum of exponentials (float
+// lanes, warp_sum's fixed order); lse in float.
+__global__ void xent_shard_stats_kernel(const float *logits, const int32_t *labels, float *lse, float *target,
+                                        int64_t rows, int64_t cols, int64_t lo) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t step = ((int64_t)gridDim.x * blockDim.x) / kWarp;
+  for (int64_t r = first; r < rows; r += step) {
+    const float *x = logits + r * cols;
+    float mx = -INFINITY;
+    for (int64_t c = lane; c < cols; c += kWarp) mx = fmaxf(mx, x[c]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int64_t c = lane; c < cols; c += kWarp) sum += expf(x[c] - mx);
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      const int64_t k = (int64_t)labels[r] - lo;
+      lse[r] = logf(sum) + mx;
+      target[r] = (k >= 0 && k < cols) ? x[k] : 0.0f;
+    }
+  }
+}
+
+// grad: every lane combines the parts itself (nparts is small: the ranks of
+// a tensor-parallel group), in double and in part order.
+__global__ void xent_shard_grad_kernel(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
+                                       const float *target, float *dlogits, float *losses, int64_t rows,
+                                       int64_t cols, int64_t lo, float grad_scale) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t step = ((int64_t)gridDim.x * blockDim.x) / kWarp;
+  for (int64_t r = first; r < rows; r += step) {
+    double mx = parts[r], sum = 0.0;
+    for (int64_t s = 1; s < nparts; s++) mx = fmax(mx, (double)parts[s * rows + r]);
+    for (int64_t s = 0; s < nparts; s++) sum += exp((double)parts[s * rows + r] - mx);
+    const double whole = mx + log(sum);
+    if (lane == 0 && losses) losses[r] = (float)(whole - (double)target[r]);
+    const float *x = logits + r * cols;
+    float *d = dlogits + r * cols;
+    const float l = (float)whole;
+    const int64_t k = (int64_t)labels[r] - lo;
+    for (int64_t c = lane; c < cols; c += kWarp) {
+      const float g = expf(x[c] - l) * grad_scale;
+      d[c] = c == k ? g - grad_scale : g;
+    }
+  }
+}
+
 // m is NULL exactly when momentum is 0 (the launcher sees to it).
 __global__ void sgd_kernel(float *p, const float *g, float *m, int64_t n, float lr, float mu, float wd,
                            bool nesterov) {
@@ -367,6 +416,25 @@ extern "C" int kern_softmax_xent(const float *logits, const int32_t *labels, flo
   softmax_xent_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
       logits, labels, dlogits, losses, rows, cols, grad_scale);
   KERN_LAUNCHED(softmax_xent_kernel);
+  return 0;
+}
+
+extern "C" int kern_xent_shard_stats(const float *logits, const int32_t *labels, float *lse, float *target,
+                                     int64_t rows, int64_t cols, int64_t lo, void *stream) {
+  if (rows == 0 || cols == 0) return 0;
+  xent_shard_stats_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
+      logits, labels, lse, target, rows, cols, lo);
+  KERN_LAUNCHED(xent_shard_stats_kernel);
+  return 0;
+}
+
+extern "C" int kern_xent_shard_grad(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
+                                    const float *target, float *dlogits, float *losses, int64_t rows, int64_t cols,
+                                    int64_t lo, float grad_scale, void *stream) {
+  if (rows == 0 || cols == 0) return 0;
+  xent_shard_grad_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
+      logits, labels, parts, nparts, target, dlogits, losses, rows, cols, lo, grad_scale);
+  KERN_LAUNCHED(xent_shard_grad_kernel);
   return 0;
 }
 

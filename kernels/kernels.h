@@ -69,6 +69,21 @@ int kern_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n, void *s
 int kern_softmax_xent(const float *logits, const int32_t *labels, float *dlogits, float *losses,
                       int64_t rows, int64_t cols, float grad_scale, void *stream);
 
+/* Vocabulary-parallel cross-entropy (tensor.h's tensor_xent_shard_stats and
+ * _grad): logits [rows, cols] hold the classes [lo, lo + cols). stats:
+ * lse[r] ← the shard's log-sum-exp of row r, target[r] ← its label's logit
+ * or 0 when the label is elsewhere. grad: with L[r] the log-sum-exp of
+ * parts[0..nparts)[r] (parts [nparts, rows], summed in double in part
+ * order), losses[r] ← L − target[r] (losses NULL: not written),
+ * dlogits ← grad_scale·(exp(logits − L) − onehot(label − lo)); dlogits may
+ * alias logits (each element is read by the lane that writes it). One warp
+ * per row. */
+int kern_xent_shard_stats(const float *logits, const int32_t *labels, float *lse, float *target, int64_t rows,
+                          int64_t cols, int64_t lo, void *stream);
+int kern_xent_shard_grad(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
+                         const float *target, float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t lo,
+                         float grad_scale, void *stream);
+
 /* SGD with momentum, PyTorch semantics: g' = g + wd·p; m ← μ·m + g';
  * p ← p − lr·(nesterov ? g' + μ·m : m). With μ = 0 the momentum buffer is
  * neither read nor written and `m` may be NULL: p ← p − lr·g'. */
@@ -133,26 +148,28 @@ int kern_gelu_tanh_fwd(const float *x, float *y, int64_t n, void *stream);
 /* dx ← dy·(σ(2u) + x/2·sech²(u)·du/dx); dx may alias dy or x. */
 int kern_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n, void *stream);
 
-/* out (r·t, c) ← wte[tokens[i]] + wpe[i mod t]. Tokens are not checked
- * (0 <= token < rows of wte is the caller's promise: the launcher is not
- * told the vocabulary size). One block per row, threads over channels. */
+/* out (r·t, c) ← wte[tokens[i] − lo] + wpe[i mod t] for the vocabulary
+ * shard [lo, lo + v) that wte (v, c) holds (lo 0 and v the whole vocabulary
+ * for the plain op): a token outside the shard gives zeros from wte, and a
+ * NULL wpe adds nothing. One block per row, threads over channels. */
 int kern_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r, int64_t t,
-                       int64_t c, void *stream);
+                       int64_t c, int64_t lo, int64_t v, void *stream);
 /* *bytes ← the scratch kern_embedding_bwd needs for n = r·t tokens and v
  * vocabulary rows. Asks CUB for its sort's temporary size, so the calling
  * thread needs the device current (as every launcher). Returns 0 or a CUDA
  * error (n or v past 32-bit limits: cudaErrorInvalidValue). */
 int kern_embedding_bwd_scratch(int64_t n, int64_t v, size_t *bytes);
-/* dwte[tokens[i]] += dout[i] and dwpe[p] += Σ_s dout[s·t + p], each sum
- * taken in the reference's order (ascending i, after the value already
- * there), so the result is bitwise the plain loop's, whatever the repeats.
- * No atomics: the (token, i) pairs are sorted by token with CUB's stable
- * radix sort, then one warp per distinct token walks its run. Tokens
- * outside [0, v) are skipped. scratch: scratch_bytes from
- * kern_embedding_bwd_scratch (smaller: cudaErrorInvalidValue, nothing
- * enqueued); it is in use until the stream passes this point. */
+/* dwte[tokens[i] − lo] += dout[i] and (dwpe not NULL) dwpe[p] +=
+ * Σ_s dout[s·t + p], each sum taken in the reference's order (ascending i,
+ * after the value already there), so the result is bitwise the plain
+ * loop's, whatever the repeats. No atomics: the (token, i) pairs are sorted
+ * by token with CUB's stable radix sort, then one warp per distinct token
+ * walks its run. Tokens outside the shard [lo, lo + v) are skipped.
+ * scratch: scratch_bytes from kern_embedding_bwd_scratch (smaller:
+ * cudaErrorInvalidValue, nothing enqueued); it is in use until the stream
+ * passes this point. */
 int kern_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r, int64_t t,
-                       int64_t c, int64_t v, void *scratch, size_t scratch_bytes, void *stream);
+                       int64_t c, int64_t lo, int64_t v, void *scratch, size_t scratch_bytes, void *stream);
 
 /* LayerNorm forward over rows of x (rows, c): one warp per row, two passes
  * (mean, then the biased variance of x − mean), rstd = 1/sqrt(var + eps).

@@ -73,21 +73,29 @@ __global__ void gelu_tanh_bwd_kernel(const float *x, const float *dy, float *dx,
 
 /* ---- embedding ---------------------------------------------------------------------- */
 
-// Rows i < n = r·t (block-stride): out[i,:] ← wte[tokens[i],:] + wpe[i mod t,:].
+// Rows i < n = r·t (block-stride): out[i,:] ← wte[tokens[i] − lo,:] (zeros
+// for a token outside the shard [lo, lo + v)) + wpe[i mod t,:] (nothing when
+// wpe is NULL). In the shard with wpe it is the plain e + p.
 __global__ void embedding_fwd_kernel(const int32_t *tokens, const float *wte, const float *wpe, float *out,
-                                     int64_t n, int64_t t, int64_t c) {
+                                     int64_t n, int64_t t, int64_t c, int64_t lo, int64_t v) {
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-    const float *e = wte + (int64_t)tokens[i] * c, *p = wpe + (i % t) * c;
+    const int64_t tok = (int64_t)tokens[i] - lo;  // block-uniform
+    const float *e = (tok >= 0 && tok < v) ? wte + tok * c : nullptr, *p = wpe ? wpe + (i % t) * c : nullptr;
     float *o = out + i * c;
-    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) o[j] = e[j] + p[j];
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      if (e && p) o[j] = e[j] + p[j];
+      else o[j] = e ? e[j] : (p ? p[j] : 0.0f);
+    }
   }
 }
 
-// Sort input: keys[i] ← tokens[i] when in [0, v), else v (sorts after every
-// real token and is skipped); vals[i] ← i. n <= INT32_MAX (the launcher).
-__global__ void embedding_keys_kernel(const int32_t *tokens, uint32_t *keys, int32_t *vals, int64_t n, int32_t v) {
+// Sort input: keys[i] ← tokens[i] − lo when in [0, v), else v (sorts after
+// every real token and is skipped); vals[i] ← i. n <= INT32_MAX (the
+// launcher).
+__global__ void embedding_keys_kernel(const int32_t *tokens, uint32_t *keys, int32_t *vals, int64_t n, int64_t lo,
+                                      int32_t v) {
   GRID_STRIDE(i, n) {
-    const int32_t tok = tokens[i];
+    const int64_t tok = (int64_t)tokens[i] - lo;
     keys[i] = (tok >= 0 && tok < v) ? (uint32_t)tok : (uint32_t)v;
     vals[i] = (int32_t)i;
   }
@@ -397,11 +405,11 @@ static int row_block(int64_t c) {
 }
 
 extern "C" int kern_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r,
-                                  int64_t t, int64_t c, void *stream) {
+                                  int64_t t, int64_t c, int64_t lo, int64_t v, void *stream) {
   const int64_t n = r * t;
   if (n == 0 || c == 0) return 0;
   embedding_fwd_kernel<<<blocks_for(n, 1, kGridMax), row_block(c), 0, as_stream(stream)>>>(tokens, wte, wpe, out, n,
-                                                                                          t, c);
+                                                                                          t, c, lo, v);
   KERN_LAUNCHED(embedding_fwd_kernel);
   return 0;
 }
@@ -422,7 +430,7 @@ extern "C" int kern_embedding_bwd_scratch(int64_t n, int64_t v, size_t *bytes) {
 constexpr int kGridYMax = 65535;
 
 extern "C" int kern_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r,
-                                  int64_t t, int64_t c, int64_t v, void *scratch, size_t scratch_bytes,
+                                  int64_t t, int64_t c, int64_t lo, int64_t v, void *scratch, size_t scratch_bytes,
                                   void *stream) {
   const int64_t n = r * t;
   if (n == 0 || c == 0) return 0;
@@ -434,7 +442,7 @@ extern "C" int kern_embedding_bwd(const int32_t *tokens, const float *dout, floa
   KERN_REQUIRE(scratch != nullptr && scratch_bytes >= s.total, "kern_embedding_bwd: scratch buffer too small");
   cudaStream_t st = as_stream(stream);
 
-  embedding_keys_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, st>>>(tokens, s.keys_in, s.vals_in, n,
+  embedding_keys_kernel<<<blocks_for(n, kBlock, kGridMax), kBlock, 0, st>>>(tokens, s.keys_in, s.vals_in, n, lo,
                                                                            (int32_t)v);
   KERN_LAUNCHED(embedding_keys_kernel);
   size_t temp_bytes = s.temp_bytes;
@@ -443,8 +451,10 @@ extern "C" int kern_embedding_bwd(const int32_t *tokens, const float *dout, floa
   const dim3 grid(blocks_for(n, kEmbWarps, kGridMax), blocks_for(c, kWarp, kGridYMax));
   embedding_dwte_kernel<<<grid, kEmbWarps * kWarp, 0, st>>>(s.keys_out, s.vals_out, dout, dwte, n, c, (uint32_t)v);
   KERN_LAUNCHED(embedding_dwte_kernel);
-  embedding_dwpe_kernel<<<blocks_for(t * c, kBlock, kGridMax), kBlock, 0, st>>>(dout, dwpe, r, t, c);
-  KERN_LAUNCHED(embedding_dwpe_kernel);
+  if (dwpe) {
+    embedding_dwpe_kernel<<<blocks_for(t * c, kBlock, kGridMax), kBlock, 0, st>>>(dout, dwpe, r, t, c);
+    KERN_LAUNCHED(embedding_dwpe_kernel);
+  }
   return 0;
 }
 

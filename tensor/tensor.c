@@ -328,30 +328,85 @@ static void check_i32(const struct tensor *t, tensor_backend_t be) {
   RUMOR_ASSERT(t->dtype == TENSOR_I32 && t->data && t->be == be);
 }
 
-void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte, const struct tensor *wpe,
-                          struct tensor *out) {
+void tensor_embedding_shard_fwd(const struct tensor *tokens, const struct tensor *wte, int64_t lo,
+                                const struct tensor *wpe, struct tensor *out) {
   check_f32(wte);
-  check_f32(wpe);
   check_f32(out);
   check_i32(tokens, out->be);
-  RUMOR_ASSERT(wte->be == out->be && wpe->be == out->be && tokens->ndim >= 2);
+  RUMOR_ASSERT(wte->be == out->be && tokens->ndim >= 2 && lo >= 0);
   int64_t t = cols_of(tokens), r = rows_of(tokens), c = cols_of(wte);
-  RUMOR_ASSERT(cols_of(wpe) == c && rows_of(wpe) >= t && tensor_numel(out) == r * t * c);
+  RUMOR_ASSERT(tensor_numel(out) == r * t * c);
+  if (wpe) {
+    check_f32(wpe);
+    RUMOR_ASSERT(wpe->be == out->be && cols_of(wpe) == c && rows_of(wpe) >= t);
+  }
   if (r * t == 0) return;
-  NN_OP(out->be, embedding_fwd)(out->be, tokens->data, wte->data, wpe->data, out->data, r, t, c);
+  NN_OP(out->be, embedding_fwd)(out->be, tokens->data, wte->data, wpe ? wpe->data : NULL, out->data, r, t, c, lo,
+                                rows_of(wte));
+}
+
+void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte, const struct tensor *wpe,
+                          struct tensor *out) {
+  RUMOR_ASSERT(wpe);
+  tensor_embedding_shard_fwd(tokens, wte, 0, wpe, out);
+}
+
+void tensor_embedding_shard_bwd(const struct tensor *tokens, const struct tensor *dout, int64_t lo,
+                                struct tensor *dwte, struct tensor *dwpe) {
+  check_f32(dout);
+  check_f32(dwte);
+  check_i32(tokens, dout->be);
+  RUMOR_ASSERT(dwte->be == dout->be && tokens->ndim >= 2 && lo >= 0);
+  int64_t t = cols_of(tokens), r = rows_of(tokens), c = cols_of(dwte);
+  RUMOR_ASSERT(tensor_numel(dout) == r * t * c);
+  if (dwpe) {
+    check_f32(dwpe);
+    RUMOR_ASSERT(dwpe->be == dout->be && cols_of(dwpe) == c && rows_of(dwpe) >= t);
+  }
+  if (r * t == 0) return;
+  NN_OP(dout->be, embedding_bwd)(dout->be, tokens->data, dout->data, dwte->data, dwpe ? dwpe->data : NULL, r, t, c,
+                                 lo, rows_of(dwte));
 }
 
 void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout, struct tensor *dwte,
                           struct tensor *dwpe) {
-  check_f32(dout);
-  check_f32(dwte);
-  check_f32(dwpe);
-  check_i32(tokens, dout->be);
-  RUMOR_ASSERT(dwte->be == dout->be && dwpe->be == dout->be && tokens->ndim >= 2);
-  int64_t t = cols_of(tokens), r = rows_of(tokens), c = cols_of(dwte);
-  RUMOR_ASSERT(cols_of(dwpe) == c && rows_of(dwpe) >= t && tensor_numel(dout) == r * t * c);
-  if (r * t == 0) return;
-  NN_OP(dout->be, embedding_bwd)(dout->be, tokens->data, dout->data, dwte->data, dwpe->data, r, t, c, rows_of(dwte));
+  RUMOR_ASSERT(dwpe);
+  tensor_embedding_shard_bwd(tokens, dout, 0, dwte, dwpe);
+}
+
+void tensor_xent_shard_stats(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+                             struct tensor *lse, struct tensor *target) {
+  check_f32(logits);
+  check_f32(lse);
+  check_f32(target);
+  check_i32(labels, logits->be);
+  int64_t rows = rows_of(logits), cols = cols_of(logits);
+  RUMOR_ASSERT(lse->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1);
+  RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(lse) == rows && tensor_numel(target) == rows);
+  if (rows == 0) return;
+  NN_OP(logits->be, xent_shard_stats)(logits->be, logits->data, labels->data, lse->data, target->data, rows, cols,
+                                      lo);
+}
+
+void tensor_xent_shard_grad(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+                            const struct tensor *parts, const struct tensor *target, struct tensor *dlogits,
+                            struct tensor *losses, float grad_scale) {
+  check_same(logits, dlogits);
+  check_f32(parts);
+  check_f32(target);
+  check_i32(labels, logits->be);
+  int64_t rows = rows_of(logits), cols = cols_of(logits);
+  RUMOR_ASSERT(parts->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1);
+  RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(target) == rows);
+  RUMOR_ASSERT(parts->ndim == 2 && parts->shape[1] == rows && parts->shape[0] >= 1);
+  if (losses) {
+    check_f32(losses);
+    RUMOR_ASSERT(losses->be == logits->be && tensor_numel(losses) == rows);
+  }
+  if (rows == 0) return;
+  NN_OP(logits->be, xent_shard_grad)(logits->be, logits->data, labels->data, parts->data, parts->shape[0],
+                                     target->data, dlogits->data, losses ? losses->data : NULL, rows, cols, lo,
+                                     grad_scale);
 }
 
 void tensor_layernorm_fwd(const struct tensor *x, const struct tensor *w, const struct tensor *b, struct tensor *y,

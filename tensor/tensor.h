@@ -174,6 +174,28 @@ void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct ten
 void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
                          struct tensor *dlogits, struct tensor *losses, float grad_scale);
 
+/* Vocabulary-parallel softmax cross-entropy (Megatron's): logits [R,v]
+ * hold the classes [lo, lo + v) of each row, the rest being other shards'
+ * (no rank holds a whole row). Two passes around the caller's all-reduce:
+ *
+ * tensor_xent_shard_stats: lse [R] ← log Σ_c exp(logits[r,c]) (this shard's
+ * log-sum-exp, computed stably) and target [R] ← logits[r, labels[r] − lo]
+ * when the label is in the shard, else 0.
+ *
+ * The caller then gathers every shard's lse into parts [S,R] (shard s's in
+ * row s) and sums target over the shards, and calls
+ * tensor_xent_shard_grad: with L[r] = log Σ_s exp(parts[s,r]) (the whole
+ * row's log-sum-exp, in double, in shard order), losses [R] ← L − target
+ * (NULL: not written) and dlogits [R,v] ← grad_scale·(exp(logits − L) −
+ * onehot(labels − lo)). dlogits may alias logits. Labels are in [0, the
+ * whole vocabulary) (checked by the caller when data is loaded). Equal to
+ * tensor_softmax_xent's within float rounding (not bitwise). */
+void tensor_xent_shard_stats(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+                             struct tensor *lse, struct tensor *target);
+void tensor_xent_shard_grad(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+                            const struct tensor *parts, const struct tensor *target, struct tensor *dlogits,
+                            struct tensor *losses, float grad_scale);
+
 /* out ← x + y (element-wise; out may alias x or y). */
 void tensor_add(const struct tensor *x, const struct tensor *y, struct tensor *out);
 
@@ -194,6 +216,22 @@ void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte,
  * order on every run) on both backends. */
 void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout, struct tensor *dwte,
                           struct tensor *dwpe);
+
+/* The vocabulary-parallel forms (Megatron's, for a tensor-parallel rank
+ * that holds the vocabulary rows [lo, lo + v) of wte, wte (v, C)):
+ * out[r,t,:] ← (lo <= tokens[r,t] < lo + v ? wte[tokens[r,t] − lo,:] : 0)
+ * + (wpe ? wpe[t,:] : 0). A token outside the shard is not an error:
+ * another shard holds its row. With lo 0 and every token inside it is
+ * tensor_embedding_fwd bit for bit; so is the sum over the shards of their
+ * outputs when exactly one shard passes wpe (each element is then the sum
+ * of one wte value, one wpe value and zeros). */
+void tensor_embedding_shard_fwd(const struct tensor *tokens, const struct tensor *wte, int64_t lo,
+                                const struct tensor *wpe, struct tensor *out);
+/* Its backward, accumulating in tensor_embedding_bwd's order:
+ * dwte[tokens[r,t] − lo,:] += dout[r,t,:] for the tokens in the shard, and
+ * (when dwpe is not NULL) dwpe[t,:] += Σ_r dout[r,t,:]. */
+void tensor_embedding_shard_bwd(const struct tensor *tokens, const struct tensor *dout, int64_t lo,
+                                struct tensor *dwte, struct tensor *dwpe);
 
 /* LayerNorm over the last extent C of x (rows R), as torch.nn.LayerNorm
  * with eps 1e-5 (biased variance): y ← (x − μ)·σ⁻¹·w + b with w, b (C);

@@ -211,6 +211,43 @@ static void cpu_softmax_xent(tensor_backend_t be, const float *logits, const int
   }
 }
 
+/* The vocabulary-parallel cross-entropy (tensor.h), in the plain op's
+ * arithmetic: expf per logit, sums in double. */
+static void cpu_xent_shard_stats(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
+                                 float *target, int64_t rows, int64_t cols, int64_t lo) {
+  int t = nthreads(be);
+#pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *x = logits + r * cols;
+    float mx = x[0];
+    for (int64_t c = 1; c < cols; c++) mx = x[c] > mx ? x[c] : mx;
+    double sum = 0.0;
+    for (int64_t c = 0; c < cols; c++) sum += expf(x[c] - mx);
+    lse[r] = (float)(log(sum) + (double)mx);
+    int64_t k = (int64_t)labels[r] - lo;
+    target[r] = k >= 0 && k < cols ? x[k] : 0.0f;
+  }
+}
+
+static void cpu_xent_shard_grad(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
+                                int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
+                                int64_t cols, int64_t lo, float grad_scale) {
+  int t = nthreads(be);
+#pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    double mx = parts[r], sum = 0.0;
+    for (int64_t s = 1; s < nparts; s++) mx = parts[s * rows + r] > mx ? parts[s * rows + r] : mx;
+    for (int64_t s = 0; s < nparts; s++) sum += exp((double)parts[s * rows + r] - mx);
+    double whole = mx + log(sum); /* the whole row's log-sum-exp */
+    if (losses) losses[r] = (float)(whole - (double)target[r]);
+    const float *x = logits + r * cols;
+    float *d = dlogits + r * cols, l = (float)whole;
+    for (int64_t c = 0; c < cols; c++) d[c] = expf(x[c] - l) * grad_scale;
+    int64_t k = (int64_t)labels[r] - lo;
+    if (k >= 0 && k < cols) d[k] -= grad_scale;
+  }
+}
+
 CPU_KERNEL static void k_sgd_plain(float *restrict p, const float *restrict g, int64_t n, float lr, float wd) {
   for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
 }
@@ -531,6 +568,8 @@ static const struct tensor_backend_ops cpu_ops = {
     .add = cpu_add,
     .embedding_fwd = cpu_embedding_fwd,
     .embedding_bwd = cpu_embedding_bwd,
+    .xent_shard_stats = cpu_xent_shard_stats,
+    .xent_shard_grad = cpu_xent_shard_grad,
     .layernorm_fwd = cpu_layernorm_fwd,
     .layernorm_bwd = cpu_layernorm_bwd,
     .attention_fwd = cpu_attention_fwd,

@@ -107,9 +107,9 @@ void cpu_sgemm(int threads, bool ta, bool tb, int m, int n, int k, float alpha, 
  * tensor_impl.h ---- */
 void cpu_add(tensor_backend_t be, const float *x, const float *y, float *out, int64_t n);
 void cpu_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe, float *out,
-                       int64_t r, int64_t t, int64_t c);
+                       int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
 void cpu_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte, float *dwpe,
-                       int64_t r, int64_t t, int64_t c, int64_t v);
+                       int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
 void cpu_layernorm_fwd(tensor_backend_t be, const float *x, const float *w, const float *b, float *y, float *mean,
                        float *rstd, int64_t rows, int64_t c);
 void cpu_layernorm_bwd(tensor_backend_t be, const float *x, const float *w, const float *mean, const float *rstd,

@@ -111,33 +111,49 @@ void cpu_gelu_tanh_bwd(tensor_backend_t be, const float *x, const float *dy, flo
 
 /* ---- embedding ---- */
 
+/* Rows [i0, i1) of the shard [lo, lo + v) of the vocabulary (tensor_impl.h);
+ * wpe may be NULL. A row of a token in the shard with wpe is the plain op's
+ * e[j] + p[j]. */
 CPU_KERNEL_WIDE static void k_embed_fwd(const int32_t *restrict tokens, const float *restrict wte,
                                         const float *restrict wpe, float *restrict out, int64_t i0, int64_t i1,
-                                        int64_t t, int64_t c) {
+                                        int64_t t, int64_t c, int64_t lo, int64_t v) {
   for (int64_t i = i0; i < i1; i++) {
-    const float *e = wte + (int64_t)tokens[i] * c, *p = wpe + (i % t) * c;
+    int64_t tok = (int64_t)tokens[i] - lo;
+    const float *e = tok >= 0 && tok < v ? wte + tok * c : NULL, *p = wpe ? wpe + (i % t) * c : NULL;
     float *o = out + i * c;
-    for (int64_t j = 0; j < c; j++) o[j] = e[j] + p[j];
+    if (e && p)
+      for (int64_t j = 0; j < c; j++) o[j] = e[j] + p[j];
+    else if (e || p)
+      memcpy(o, e ? e : p, (size_t)c * sizeof *o);
+    else
+      memset(o, 0, (size_t)c * sizeof *o);
   }
 }
 
 void cpu_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe, float *out,
-                       int64_t r, int64_t t, int64_t c) {
-  CPU_FOR_ROWS(be, r * t, c, lo, hi, k_embed_fwd(tokens, wte, wpe, out, lo, hi, t, c));
+                       int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
+  CPU_FOR_ROWS(be, r * t, c, i0, i1, k_embed_fwd(tokens, wte, wpe, out, i0, i1, t, c, lo, v));
 }
 
 /* Columns [c0, c1) of every position, walked in token order: each element
  * of dwte and dwpe receives its terms in the order of the positions, the
- * reference's order, whatever the thread count. dwte and dwpe must not
- * overlap each other or dout. */
+ * reference's order, whatever the thread count. Tokens outside the shard
+ * [lo, lo + v) add nothing to dwte; dwpe may be NULL. dwte and dwpe must
+ * not overlap each other or dout. */
 CPU_KERNEL_WIDE static void k_embed_bwd_cols(const int32_t *restrict tokens, const float *restrict dout,
                                              float *restrict dwte, float *restrict dwpe, int64_t rows, int64_t t,
-                                             int64_t c, int64_t c0, int64_t c1) {
+                                             int64_t c, int64_t c0, int64_t c1, int64_t lo, int64_t v) {
   for (int64_t i = 0; i < rows; i++) {
-    float *e = dwte + (int64_t)tokens[i] * c, *p = dwpe + (i % t) * c;
+    int64_t tok = (int64_t)tokens[i] - lo;
     const float *g = dout + i * c;
-    for (int64_t j = c0; j < c1; j++) e[j] += g[j];
-    for (int64_t j = c0; j < c1; j++) p[j] += g[j];
+    if (tok >= 0 && tok < v) {
+      float *e = dwte + tok * c;
+      for (int64_t j = c0; j < c1; j++) e[j] += g[j];
+    }
+    if (dwpe) {
+      float *p = dwpe + (i % t) * c;
+      for (int64_t j = c0; j < c1; j++) p[j] += g[j];
+    }
   }
 }
 
@@ -145,11 +161,11 @@ CPU_KERNEL_WIDE static void k_embed_bwd_cols(const int32_t *restrict tokens, con
  * (multiples of 16 floats, so no two workers share a cache line), never the
  * positions, so no element has two writers and no partial sums exist. */
 void cpu_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte, float *dwpe,
-                       int64_t r, int64_t t, int64_t c, int64_t v) {
+                       int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
   int64_t rows = r * t;
   int th = nthreads(be);
   if (th <= 1 || c < 32 || rows * c < CPU_PAR_MIN) {
-    k_embed_bwd_cols(tokens, dout, dwte, dwpe, rows, t, c, 0, c);
+    k_embed_bwd_cols(tokens, dout, dwte, dwpe, rows, t, c, 0, c, lo, v);
     return;
   }
 #pragma omp parallel num_threads(th)
@@ -157,7 +173,7 @@ void cpu_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *
     int nt = omp_get_num_threads();
     int64_t chunk = ((c + nt - 1) / nt + 15) & ~(int64_t)15;
     int64_t c0 = (int64_t)omp_get_thread_num() * chunk, c1 = c0 + chunk < c ? c0 + chunk : c;
-    if (c0 < c1) k_embed_bwd_cols(tokens, dout, dwte, dwpe, rows, t, c, c0, c1);
+    if (c0 < c1) k_embed_bwd_cols(tokens, dout, dwte, dwpe, rows, t, c, c0, c1, lo, v);
   }
 }
 

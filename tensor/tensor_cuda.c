@@ -518,21 +518,36 @@ static void cuda_gelu_tanh_bwd(tensor_backend_t be, const float *x, const float 
 }
 
 static void cuda_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe,
-                               float *out, int64_t r, int64_t t, int64_t c) {
+                               float *out, int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_embedding_fwd(tokens, wte, wpe, out, r, t, c, stream_of(b)));
+  KERN_CHECK(kern_embedding_fwd(tokens, wte, wpe, out, r, t, c, lo, v, stream_of(b)));
 }
 
 /* Scratch: the token sort's keys and values (16 bytes per token: 128 KiB
  * for r·t = 8192) and CUB's temporary storage (CUB's to size; not measured
  * here), rounded up to whole MiB. */
 static void cuda_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte,
-                               float *dwpe, int64_t r, int64_t t, int64_t c, int64_t v) {
+                               float *dwpe, int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
   struct cuda_backend *b = enter(be);
   size_t bytes = 0;
   KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, &bytes));
   void *scratch = cuda_scratch_reserve(b, &b->emb_sort, bytes, "embedding sort");
-  KERN_CHECK(kern_embedding_bwd(tokens, dout, dwte, dwpe, r, t, c, v, scratch, b->emb_sort.cap, stream_of(b)));
+  KERN_CHECK(
+      kern_embedding_bwd(tokens, dout, dwte, dwpe, r, t, c, lo, v, scratch, b->emb_sort.cap, stream_of(b)));
+}
+
+static void cuda_xent_shard_stats(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
+                                  float *target, int64_t rows, int64_t cols, int64_t lo) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_xent_shard_stats(logits, labels, lse, target, rows, cols, lo, stream_of(b)));
+}
+
+static void cuda_xent_shard_grad(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
+                                 int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
+                                 int64_t cols, int64_t lo, float grad_scale) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_xent_shard_grad(logits, labels, parts, nparts, target, dlogits, losses, rows, cols, lo, grad_scale,
+                                  stream_of(b)));
 }
 
 static void cuda_layernorm_fwd(tensor_backend_t be, const float *x, const float *w, const float *bias, float *y,
@@ -673,6 +688,8 @@ static const struct tensor_backend_ops cuda_ops = {
     .add = cuda_add,
     .embedding_fwd = cuda_embedding_fwd,
     .embedding_bwd = cuda_embedding_bwd,
+    .xent_shard_stats = cuda_xent_shard_stats,
+    .xent_shard_grad = cuda_xent_shard_grad,
     .layernorm_fwd = cuda_layernorm_fwd,
     .layernorm_bwd = cuda_layernorm_bwd,
     .attention_fwd = cuda_attention_fwd,

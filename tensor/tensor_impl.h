@@ -59,10 +59,20 @@ struct tensor_backend_ops {
   void (*add)(tensor_backend_t be, const float *x, const float *y, float *out, int64_t n);
   /* Transformer entries (tensor.h): r sequences of t positions, width c,
    * v vocabulary rows, nh heads. */
+  /* The embedding ops take the vocabulary shard [lo, lo + v) of wte
+   * (tensor_embedding_shard_fwd; lo 0 and v the whole vocabulary for the
+   * plain ops); wpe and dwpe may be NULL (no position term). */
   void (*embedding_fwd)(tensor_backend_t be, const int32_t *tokens, const float *wte, const float *wpe, float *out,
-                        int64_t r, int64_t t, int64_t c);
+                        int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
   void (*embedding_bwd)(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte, float *dwpe,
-                        int64_t r, int64_t t, int64_t c, int64_t v);
+                        int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
+  /* Vocabulary-parallel cross-entropy (tensor.h): logits [rows, cols] hold
+   * the classes [lo, lo + cols); parts [nparts, rows]. losses may be NULL. */
+  void (*xent_shard_stats)(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
+                           float *target, int64_t rows, int64_t cols, int64_t lo);
+  void (*xent_shard_grad)(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
+                          int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
+                          int64_t cols, int64_t lo, float grad_scale);
   void (*layernorm_fwd)(tensor_backend_t be, const float *x, const float *w, const float *b, float *y, float *mean,
                         float *rstd, int64_t rows, int64_t c);
   void (*layernorm_bwd)(tensor_backend_t be, const float *x, const float *w, const float *mean, const float *rstd,

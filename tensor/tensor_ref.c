@@ -134,6 +134,58 @@ void tensor_ref_embedding_bwd(const int32_t *tokens, const float *dout, float *d
   }
 }
 
+void tensor_ref_embedding_shard_fwd(const int32_t *tokens, const float *wte, int64_t lo, int64_t v, const float *wpe,
+                                    float *out, int64_t r, int64_t t, int64_t c) {
+  for (int64_t i = 0; i < r * t; i++) {
+    int64_t tok = (int64_t)tokens[i] - lo;
+    for (int64_t j = 0; j < c; j++) {
+      float e = tok >= 0 && tok < v ? wte[tok * c + j] : 0.0f, p = wpe ? wpe[(i % t) * c + j] : 0.0f;
+      out[i * c + j] = e + p;
+    }
+  }
+}
+
+void tensor_ref_embedding_shard_bwd(const int32_t *tokens, const float *dout, int64_t lo, int64_t v, float *dwte,
+                                    float *dwpe, int64_t r, int64_t t, int64_t c) {
+  for (int64_t i = 0; i < r * t; i++) {
+    int64_t tok = (int64_t)tokens[i] - lo;
+    for (int64_t j = 0; j < c; j++) {
+      if (tok >= 0 && tok < v) dwte[tok * c + j] += dout[i * c + j];
+      if (dwpe) dwpe[(i % t) * c + j] += dout[i * c + j];
+    }
+  }
+}
+
+void tensor_ref_xent_shard_stats(const float *logits, const int32_t *labels, int64_t lo, float *lse, float *target,
+                                 int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *x = logits + r * cols;
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t c = 0; c < cols; c++) mx = x[c] > mx ? x[c] : mx;
+    for (int64_t c = 0; c < cols; c++) sum += exp((double)x[c] - mx);
+    lse[r] = (float)(mx + log(sum));
+    int64_t k = (int64_t)labels[r] - lo;
+    target[r] = k >= 0 && k < cols ? x[k] : 0.0f;
+  }
+}
+
+void tensor_ref_xent_shard_grad(const float *logits, const int32_t *labels, int64_t lo, const float *parts,
+                                int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
+                                int64_t cols, float grad_scale) {
+  for (int64_t r = 0; r < rows; r++) {
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t s = 0; s < nparts; s++) mx = parts[s * rows + r] > mx ? parts[s * rows + r] : mx;
+    for (int64_t s = 0; s < nparts; s++) sum += exp((double)parts[s * rows + r] - mx);
+    double whole = mx + log(sum);
+    if (losses) losses[r] = (float)(whole - (double)target[r]);
+    int64_t k = (int64_t)labels[r] - lo;
+    for (int64_t c = 0; c < cols; c++) {
+      double p = exp((double)logits[r * cols + c] - whole);
+      dlogits[r * cols + c] = (float)((double)grad_scale * (p - (c == k ? 1.0 : 0.0)));
+    }
+  }
+}
+
 void tensor_ref_layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
                               int64_t rows, int64_t c) {
   for (int64_t i = 0; i < rows; i++) {

@@ -24,6 +24,17 @@ void tensor_ref_embedding_fwd(const int32_t *tokens, const float *wte, const flo
                               int64_t t, int64_t c);
 void tensor_ref_embedding_bwd(const int32_t *tokens, const float *dout, float *dwte, float *dwpe, int64_t r,
                               int64_t t, int64_t c);
+/* The vocabulary-parallel ops (tensor.h's _shard_ ones): wte holds the
+ * vocabulary rows [lo, lo + v); wpe / dwpe may be NULL. */
+void tensor_ref_embedding_shard_fwd(const int32_t *tokens, const float *wte, int64_t lo, int64_t v, const float *wpe,
+                                    float *out, int64_t r, int64_t t, int64_t c);
+void tensor_ref_embedding_shard_bwd(const int32_t *tokens, const float *dout, int64_t lo, int64_t v, float *dwte,
+                                    float *dwpe, int64_t r, int64_t t, int64_t c);
+void tensor_ref_xent_shard_stats(const float *logits, const int32_t *labels, int64_t lo, float *lse, float *target,
+                                 int64_t rows, int64_t cols);
+void tensor_ref_xent_shard_grad(const float *logits, const int32_t *labels, int64_t lo, const float *parts,
+                                int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
+                                int64_t cols, float grad_scale);
 void tensor_ref_layernorm_fwd(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
                               int64_t rows, int64_t c);
 void tensor_ref_layernorm_bwd(const float *x, const float *w, const float *mean, const float *rstd, const float *dy,

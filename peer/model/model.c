@@ -212,6 +212,7 @@ int model_init_full(struct model *m, const struct model_spec *spec, tensor_backe
 
 void model_free(struct model *m) {
   if (m->ops) m->ops->free(m);
+  model_tp_layout_free(&m->tp_layout);
   tensor_free(&m->params);
   tensor_free(&m->grads);
   tensor_free(&m->labels);
@@ -221,6 +222,10 @@ void model_free(struct model *m) {
 }
 
 void model_init_params(struct model *m, uint64_t seed) {
+  if (m->ops->init_params) {
+    m->ops->init_params(m, seed);
+    return;
+  }
   float *host = xmalloc((size_t)m->nparams * sizeof(float));
   struct rng r;
   for (int u = m->u0; u < m->u1; u++) {
@@ -253,6 +258,7 @@ struct tensor *model_act(struct model *m, int u) {
 }
 
 int64_t model_act_width(const struct model *m, int u) {
+  if (m->ops->act_width) return m->ops->act_width(m, u);
   if (u == 0) return m->io.input_per_row;
   if (u == m->table.nunits) return m->io.labels_per_row * m->io.classes;
   return model_spec_boundary(&m->spec, u);
@@ -279,6 +285,10 @@ int64_t model_targets(const struct model *m, int64_t rows) {
 
 void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
   RUMOR_ASSERT(m->u1 == m->table.nunits);
+  if (m->ops->loss) {
+    m->ops->loss(m, rows, dlogits, grad_scale);
+    return;
+  }
   int64_t n = model_targets(m, rows), shape[2] = {n, m->io.classes};
   struct tensor logits = tensor_view(model_act(m, m->u1), 0, 2, shape);
   struct tensor dl = tensor_view(dlogits, 0, 2, shape);
@@ -304,6 +314,10 @@ float model_mean_loss(const struct model *m, int64_t rows) {
 }
 
 void model_score(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum) {
+  if (m->ops->score) {
+    m->ops->score(m, rows, labels_host, correct, loss_sum);
+    return;
+  }
   int64_t n = model_targets(m, rows), C = m->io.classes;
   float *logits = xmalloc((size_t)(n * C) * sizeof(float));
   struct tensor *out = model_act(m, m->u1);

@@ -147,6 +147,107 @@ enum model_hf_name model_hf_lookup(const struct model_table *t, const char *name
 
 struct model_family_ops; /* private: peer/model/model_impl.h */
 
+/* ---- tensor parallelism (Megatron) ---------------------------------------------------
+ *
+ * A tensor-parallel (TP) rank r of a group of T holds only its slices of
+ * the model (model_init_tp): a GPT's attention by heads (q, k and v of heads
+ * [r·H/T, (r+1)·H/T)), its attention output projection by input rows, its
+ * MLP's c_fc by output columns and c_proj by input rows, and the token
+ * embedding (and so the tied LM head) by vocabulary rows; LayerNorms, wpe
+ * and the biases added after a row-parallel product are replicated (every
+ * rank holds them whole). An MLP's layers alternate column-parallel (output
+ * units split) and row-parallel (input units split), starting with a column
+ * layer; a last layer that would be column-parallel is replicated instead,
+ * so every rank ends with the whole logits. A dimension of n that does not
+ * divide by T is cut as model_tp_chunk cuts it.
+ *
+ * Communication is Megatron's pair of conjugate operators: identity forward
+ * and all-reduce backward before a column-parallel product, all-reduce
+ * forward and identity backward after a row-parallel one. Per GPT block two
+ * all-reduces of (rows·T, C) forward (after the attention projection and
+ * after the MLP's) and two backward (the gradients of the LayerNorm outputs
+ * entering c_attn and c_fc); the embedding adds one forward, the head one
+ * backward, the vocabulary-parallel loss one of (T + 1)·targets floats. No
+ * rank ever holds a whole row of logits. The gradients of replicated
+ * parameters come out identical on every rank.
+ *
+ * With T = 1 a rank is the whole model and its passes are bit for bit
+ * model_init's.
+ *
+ * Pipeline stages compose: a rank may hold units [u0, u1) (T×S processes,
+ * rank r of stage s exchanging activations with rank r of stages s ± 1;
+ * a boundary inside an MLP's column/row pair carries the rank's columns).
+ * On a head stage without unit 0, model_tied's copy holds the rank's
+ * vocabulary rows of wte (tp_layout.local's entry), kept equal to those of
+ * the same rank of stage 0.
+ */
+#define MODEL_TP_MAX 256 /* ranks of one tensor-parallel group */
+
+/* The collectives of a TP rank, supplied by its caller; shared by the
+ * rank's models (a pipeline stage's one), outlives them. */
+struct model_tp {
+  int rank, size; /* 0 <= rank < size <= MODEL_TP_MAX */
+  /* Sums the first n floats of t (a tensor on the model's backend) across
+   * the group's ranks, in place, every rank ending with identical values.
+   * Every rank calls it in the same order with the same n. The callback
+   * does whatever the backend needs: wait for the work enqueued on t,
+   * copy it through host memory, copy the sum back before the backend's
+   * next op reads it. Returns 0 or a negative code with a message in e. */
+  int (*all_reduce)(void *arg, struct tensor *t, int64_t n, struct rumor_err *e);
+  void *arg;
+  /* The passes (model_forward, _backward, _loss, _score, _evaluate) are
+   * void: they only enqueue work. When all_reduce fails they record the
+   * first failure here (`failed` its code, `err` its message), skip every
+   * later all_reduce (so no rank blocks on a group that is gone) and go on
+   * computing garbage. The caller checks `failed` after each step and
+   * stops the group; it clears both before reusing the struct. */
+  int failed;
+  struct rumor_err err;
+};
+
+/* How a rank holds one table entry. */
+struct model_tp_slice {
+  int dim;        /* the dimension split across ranks, or -1: replicated (held whole) */
+  int groups;     /* dim is `groups` equal blocks, each cut across the ranks (c_attn's q|k|v: 3), else 1 */
+  int64_t lo, hi; /* this rank's range [lo, hi) within each block (model_tp_chunk of the block's length) */
+};
+
+/* A rank's slices of a whole model: `local` is the rank's own parameter
+ * table (the whole table's names, units and decay, the local shapes, and
+ * offsets into the rank's flat buffer: entries in table order without gaps,
+ * so each unit and each run of units is one contiguous range, as in a whole
+ * model), slice[i] how table entry i is cut. */
+struct model_tp_layout {
+  int size, rank;
+  struct model_table local;
+  struct model_tp_slice *slice; /* (local.n), owner */
+};
+
+/* The range [*lo, *hi) of rank r when n is cut into `size` contiguous
+ * chunks: the first n mod size ranks get one more (comm_chunk's cut). */
+void model_tp_chunk(int64_t n, int size, int r, int64_t *lo, int64_t *hi);
+/* 0 when `spec` splits over `size` ranks, else RUMOR_EFORMAT naming the spec,
+ * the size and why (a GPT's heads not a multiple of it, a width or a
+ * vocabulary smaller than it, a size outside [1, MODEL_TP_MAX]). */
+int model_tp_check(const struct model_spec *spec, int size, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Builds rank `rank`'s layout (free with model_tp_layout_free). Returns 0
+ * or model_tp_check's error. */
+int model_tp_layout_build(const struct model_spec *spec, int size, int rank, struct model_tp_layout *out,
+                          struct rumor_err *e) RUMOR_MUST_CHECK;
+void model_tp_layout_free(struct model_tp_layout *l);
+/* Elements of rank `rank`'s flat buffer (all units). */
+int64_t model_tp_local_params(const struct model_spec *spec, int size, int rank);
+/* The whole model's flat buffer (model_spec_param_count floats) → rank
+ * `rank`'s (model_tp_local_params floats), and back: gather writes the
+ * rank's slices into `full` and leaves the other ranks' parts untouched
+ * (replicated entries are written by every rank, whole), so gathering every
+ * rank rebuilds the whole buffer, and scatter then gather is the identity
+ * on a rank's slices. Pure host functions; (spec, size) must pass
+ * model_tp_check (asserted). A pipeline stage holding units [u0, u1) holds
+ * local.unit_offset[u0] .. local.unit_offset[u1] of the rank's buffer. */
+void model_tp_scatter(const struct model_spec *spec, int size, int rank, const float *full, float *local);
+void model_tp_gather(const struct model_spec *spec, int size, int rank, const float *local, float *full);
+
 struct model {
   struct model_spec spec;
   struct model_table table; /* the whole model's */
@@ -174,6 +275,15 @@ struct model {
   struct tensor *stash[MODEL_MAX_STASH];
   int nstash;
   void *impl; /* the family's workspace */
+
+  /* A tensor-parallel rank (model_init_tp): its collectives (the caller's)
+   * and slices; NULL and zero in a whole model. In a rank, params and grads
+   * hold its slices in tp_layout.local's layout, param_base and nparams
+   * count in that layout, and model_act of a split boundary (an MLP's
+   * between a column and a row layer, a GPT's logits) holds the rank's
+   * columns only (model_act_width says how many). */
+  struct model_tp *tp;
+  struct model_tp_layout tp_layout;
 };
 
 /* Allocates parameters, gradients and workspace for units [u0, u1) of
@@ -182,6 +292,14 @@ struct model {
  * (e.g. the model does not fit on the device). */
 int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be, int64_t max_rows,
                struct rumor_err *e) RUMOR_MUST_CHECK;
+/* model_init for tensor-parallel rank tp->rank of tp->size (see "tensor
+ * parallelism" above): the same units, the rank's slices of them. m->table
+ * stays the whole model's table. model_init_params gives the rank exactly
+ * model_tp_scatter of the whole model's initial values. Returns 0, the
+ * model_tp_check error (RUMOR_EFORMAT naming spec and size), or
+ * model_init's errors. */
+int model_init_tp(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be,
+                  int64_t max_rows, struct model_tp *tp, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The same for every unit. */
 int model_init_full(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_rows,
                     struct rumor_err *e) RUMOR_MUST_CHECK;

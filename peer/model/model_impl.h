@@ -53,6 +53,14 @@ struct model_family_ops {
   int (*hf_parse)(const struct json_t *cfg, const char *name, struct model_spec *out, struct rumor_err *e);
   bool (*hf_ignored)(const char *name);
   const char *hf_prefix; /* a prefix the table's names carry and a checkpoint's may lack */
+
+  /* Optional: what a tensor-parallel rank (peer/model/tp.c) does its own
+   * way; NULL runs model.c's whole-model code. The width of model_act(m, u)
+   * per row, the initial parameters, model_loss and model_score. */
+  int64_t (*act_width)(const struct model *m, int u);
+  void (*init_params)(struct model *m, uint64_t seed);
+  void (*loss)(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale);
+  void (*score)(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum);
 };
 
 extern const struct model_family_ops model_mlp_ops;

@@ -75,7 +75,8 @@ int optim_init_range(struct optim *o, const struct optim_config *cfg, const stru
 int optim_init(struct optim *o, const struct optim_config *cfg, const struct model *m, struct rumor_err *e) {
   /* The units a model holds are one contiguous range of the table's
    * buffer (model.h), and no other unit's entry lies inside it. */
-  return optim_init_range(o, cfg, &m->table, m->param_base, m->param_base + m->nparams, m->be, e);
+  const struct model_table *t = m->tp ? &m->tp_layout.local : &m->table; /* a TP rank's own layout */
+  return optim_init_range(o, cfg, t, m->param_base, m->param_base + m->nparams, m->be, e);
 }
 
 void optim_free(struct optim *o) {

@@ -216,6 +216,111 @@ Test(cuda_nn, embedding_bwd_is_bitwise_deterministic) {
   close_gpu();
 }
 
+/* ==== vocabulary-parallel embedding and cross-entropy ==================================== */
+
+/* A shard [lo, lo + vs) of a vocabulary of v, with and without wpe / dwpe:
+ * the same exactness as the whole op (one add per element; sums in the
+ * reference's order). Tokens of other shards give zeros and no gradient. */
+static void run_embedding_shard(const struct xf_shape *s, int64_t v, int64_t lo, int64_t vs, bool with_wpe) {
+  const int64_t r = s->r, t = s->t, c = s->c, tmax = t + 3, n = r * t;
+  int mark = arena_mark();
+  int32_t *tok = hbuf_i32(n);
+  fill_tokens(tok, n, v);
+  float *wte = hbuf(vs * c), *wpe = hbuf(tmax * c), *ref = hbuf(n * c), *got = hbuf(n * c);
+  fill_normal(wte, vs * c, 0.0f, 1.0f);
+  fill_normal(wpe, tmax * c, 0.0f, 1.0f);
+  int64_t st[2] = {r, t}, swte[2] = {vs, c}, swpe[2] = {tmax, c}, sout[3] = {r, t, c};
+  struct dev dtok = dev_new_dt(TENSOR_I32, 2, st);
+  dev_upload(&dtok, tok);
+  struct dev dwte = dev_from(2, swte, wte), dwpe = dev_from(2, swpe, wpe), dout = dev_new(3, sout);
+  char what[160];
+  tensor_embedding_shard_fwd(&dtok.t, &dwte.t, lo, with_wpe ? &dwpe.t : NULL, &dout.t);
+  tensor_ref_embedding_shard_fwd(tok, wte, lo, vs, with_wpe ? wpe : NULL, ref, r, t, c);
+  dev_download(&dout, got);
+  shape_name(what, sizeof what, with_wpe ? "embedding_shard_fwd (wpe)" : "embedding_shard_fwd", s);
+  cr_assert(matches_exactly(what, got, ref, n * c), "%s", g_why);
+  cr_assert(guards_intact(&dout, what), "%s", g_why);
+  float *g = hbuf(n * c), *gte = hbuf(vs * c), *gpe = hbuf(tmax * c), *got_te = hbuf(vs * c), *got_pe = hbuf(tmax * c);
+  fill_normal(g, n * c, 0.0f, 1.0f);
+  fill_normal(gte, vs * c, 0.0f, 1.0f);
+  fill_normal(gpe, tmax * c, 0.0f, 1.0f);
+  struct dev dg = dev_from(3, sout, g), dgte = dev_from(2, swte, gte), dgpe = dev_from(2, swpe, gpe);
+  tensor_embedding_shard_bwd(&dtok.t, &dg.t, lo, &dgte.t, with_wpe ? &dgpe.t : NULL);
+  tensor_ref_embedding_shard_bwd(tok, g, lo, vs, gte, with_wpe ? gpe : NULL, r, t, c);
+  dev_download(&dgte, got_te);
+  dev_download(&dgpe, got_pe);
+  shape_name(what, sizeof what, "embedding_shard_bwd dwte", s);
+  cr_assert(matches_exactly(what, got_te, gte, vs * c), "%s", g_why);
+  shape_name(what, sizeof what, with_wpe ? "embedding_shard_bwd dwpe" : "embedding_shard_bwd dwpe (untouched)", s);
+  cr_assert(matches_exactly(what, got_pe, gpe, tmax * c), "%s", g_why);
+  cr_assert(guards_intact(&dgte, what) && guards_intact(&dgpe, what), "%s", g_why);
+  arena_release(mark);
+}
+
+Test(cuda_nn, embedding_shards_equal_reference_with_and_without_positions) {
+  open_gpu();
+  for (int i = 0; i < NXF; i++) {
+    run_embedding_shard(&kXfShapes[i], 1000, 0, 334, true);
+    run_embedding_shard(&kXfShapes[i], 1000, 334, 333, false);
+    run_embedding_shard(&kXfShapes[i], 7, 6, 1, false);
+  }
+  run_embedding_shard(&kXfShapes[0], 50257, 25129, 25128, true); /* GPT-2's vocabulary over two ranks */
+  close_gpu();
+}
+
+/* Tolerances: the kernels sum a row's exponentials in float lanes (the
+ * reference in double) and take expf (2 ulp): lse within 1e-5 relative
+ * (cols up to 50257 terms of <= 1), targets exact, the combined loss 1e-5
+ * relative with 1e-5 absolute (a loss near 0 is a difference of two lse of
+ * size ~10), dlogits 1e-5 relative and 1e-9 absolute (underflowing tails). */
+static void run_xent_shard(int64_t rows, int64_t cols, int64_t lo, int64_t v, int nparts, float scale) {
+  int mark = arena_mark();
+  float *x = hbuf(rows * cols), *lse_ref = hbuf(rows), *tg_ref = hbuf(rows), *got = hbuf(rows * cols);
+  float *parts = hbuf(nparts * rows), *d_ref = hbuf(rows * cols), *l_ref = hbuf(rows);
+  int32_t *lab = hbuf_i32(rows);
+  fill_normal(x, rows * cols, 0.0f, scale);
+  for (int64_t r = 0; r < rows; r++) lab[r] = (int32_t)rng_below(&g_rng, (uint64_t)v);
+  lab[0] = (int32_t)lo; /* one label surely in the shard */
+  fill_normal(parts, nparts * rows, 5.0f, 2.0f);
+  int64_t sx[2] = {rows, cols}, sp[2] = {nparts, rows};
+  struct dev dx = dev_from(2, sx, x), dlab = dev_new_dt(TENSOR_I32, 1, &rows), dlse = dev_vec(rows),
+             dtg = dev_vec(rows);
+  dev_upload(&dlab, lab);
+  char what[128];
+  tensor_xent_shard_stats(&dx.t, &dlab.t, lo, &dlse.t, &dtg.t);
+  tensor_ref_xent_shard_stats(x, lab, lo, lse_ref, tg_ref, rows, cols);
+  dev_download(&dlse, got);
+  snprintf(what, sizeof what, "xent_shard_stats lse [%" PRId64 ", %" PRId64 "] lo %" PRId64, rows, cols, lo);
+  cr_assert(matches(what, got, lse_ref, rows, 0, 1e-5), "%s", g_why);
+  dev_download(&dtg, got);
+  snprintf(what, sizeof what, "xent_shard_stats target [%" PRId64 ", %" PRId64 "]", rows, cols);
+  cr_assert(matches_exactly(what, got, tg_ref, rows), "%s", g_why);
+  memcpy(parts, lse_ref, (size_t)rows * sizeof(float)); /* this shard's part, the others made up */
+  struct dev dparts = dev_from(2, sp, parts), dd = dev_new(2, sx), dl = dev_vec(rows);
+  tensor_ref_xent_shard_grad(x, lab, lo, parts, nparts, tg_ref, d_ref, l_ref, rows, cols, 0.5f);
+  for (int alias = 0; alias < 2; alias++) {
+    struct dev *out = alias ? &dx : &dd;
+    tensor_xent_shard_grad(&dx.t, &dlab.t, lo, &dparts.t, &dtg.t, &out->t, &dl.t, 0.5f);
+    dev_download(out, got);
+    snprintf(what, sizeof what, "xent_shard_grad dlogits [%" PRId64 ", %" PRId64 "]%s", rows, cols,
+             alias ? " in place" : "");
+    cr_assert(matches(what, got, d_ref, rows * cols, 1e-9, 1e-5), "%s", g_why);
+    cr_assert(guards_intact(out, what), "%s", g_why);
+    dev_download(&dl, got);
+    cr_assert(matches("xent_shard_grad losses", got, l_ref, rows, 1e-5, 1e-5), "%s", g_why);
+  }
+  arena_release(mark);
+}
+
+Test(cuda_nn, xent_shards_match_reference_in_and_out_of_place) {
+  open_gpu();
+  run_xent_shard(37, 103, 0, 103, 1, 3.0f);       /* one shard: the whole row */
+  run_xent_shard(64, 26, 26, 101, 4, 30.0f);      /* sharp softmax, uneven shard */
+  run_xent_shard(5, 25129, 25128, 50257, 2, 1.0f); /* GPT-2's vocabulary over two ranks */
+  run_xent_shard(1, 1, 0, 2, 2, 1.0f);
+  close_gpu();
+}
+
 /* ==== LayerNorm ============================================================================ */
 
 /* [rows, c]: the transformer shapes' R·T × C, plus one row, a width of 1,

@@ -228,6 +228,144 @@ Test(tensor_nn, embedding_bwd_repeated_token_sums_all_positions) {
   tensor_free(&tt), tensor_free(&d);
 }
 
+/* ---- vocabulary-parallel embedding and cross-entropy ---- */
+
+/* The vocabulary cut into `shards` contiguous parts as a tensor-parallel
+ * group cuts it (the first v mod shards get one more row). */
+static void shard_range(int64_t v, int shards, int s, int64_t *lo, int64_t *hi) {
+  int64_t q = v / shards, rem = v % shards;
+  *lo = s * q + (s < rem ? s : rem);
+  *hi = *lo + q + (s < rem ? 1 : 0);
+}
+
+/* Each shard's forward (wpe on shard 0 only) and backward equal the
+ * reference's bit for bit; the shards' outputs sum (in shard order) to the
+ * whole op's exactly, and their dwte rows are the whole op's rows; every
+ * shard's dwpe is the whole op's. dwte and dwpe start random (accumulate). */
+Test(tensor_nn, embedding_shards_match_reference_and_sum_to_the_whole_op_bitwise) {
+  const struct emb_case k = {3, 33, 40, 23, 36};
+  const int shards = 3;
+  int64_t n = k.r * k.t * k.c, pe[2] = {k.tmax, k.c}, os[3] = {k.r, k.t, k.c}, te[2] = {k.v, k.c};
+  int32_t *tok = rand_tokens(k.r * k.t, k.v);
+  float *wte = rand_host(k.v * k.c, 1), *wpe = rand_host(k.tmax * k.c, 1), *dout = rand_host(n, 1);
+  float *dwte0 = rand_host(k.v * k.c, 1), *dwpe0 = rand_host(k.tmax * k.c, 1);
+  float *whole = xmalloc((size_t)n * sizeof *whole), *sum = xcalloc((size_t)n, sizeof *sum);
+  float *dwte_whole = dup_host(dwte0, k.v * k.c), *dwpe_whole = dup_host(dwpe0, k.tmax * k.c);
+  tensor_ref_embedding_fwd(tok, wte, wpe, whole, k.r, k.t, k.c);
+  tensor_ref_embedding_bwd(tok, dout, dwte_whole, dwpe_whole, k.r, k.t, k.c);
+  struct tensor tt = dev_tokens(tok, k.r, k.t), wp = dev_from(wpe, 2, pe), d = dev_from(dout, 3, os);
+  for (size_t th = 0; th < NTHREADS; th++) {
+    tensor_backend_set_threads(be, thread_counts[th]);
+    memset(sum, 0, (size_t)n * sizeof *sum);
+    for (int sh = 0; sh < shards; sh++) {
+      int64_t lo, hi;
+      shard_range(k.v, shards, sh, &lo, &hi);
+      int64_t vs = hi - lo, ts[2] = {vs, k.c};
+      char what[96];
+      const float *wpe_or_null = sh == 0 ? wpe : NULL;
+      float *ref = xmalloc((size_t)n * sizeof *ref);
+      tensor_ref_embedding_shard_fwd(tok, wte + lo * k.c, lo, vs, wpe_or_null, ref, k.r, k.t, k.c);
+      struct tensor ws = dev_from(wte + lo * k.c, 2, ts), out = dev_nan(3, os);
+      tensor_embedding_shard_fwd(&tt, &ws, lo, sh == 0 ? &wp : NULL, &out);
+      float *got = to_host(&out);
+      snprintf(what, sizeof what, "embedding_shard_fwd shard %d threads %d", sh, thread_counts[th]);
+      expect_same_bits(what, got, ref, n);
+      for (int64_t i = 0; i < n; i++) sum[i] += got[i];
+      /* Backward: the shard's rows of the whole op's dwte, and its dwpe. */
+      struct tensor dwt = dev_from(dwte0 + lo * k.c, 2, ts), dwp = dev_from(dwpe0, 2, pe);
+      tensor_embedding_shard_bwd(&tt, &d, lo, &dwt, &dwp);
+      float *gt = to_host(&dwt), *gp = to_host(&dwp);
+      snprintf(what, sizeof what, "embedding_shard_bwd dwte shard %d threads %d", sh, thread_counts[th]);
+      expect_same_bits(what, gt, dwte_whole + lo * k.c, vs * k.c);
+      snprintf(what, sizeof what, "embedding_shard_bwd dwpe shard %d threads %d", sh, thread_counts[th]);
+      expect_same_bits(what, gp, dwpe_whole, k.tmax * k.c);
+      free(ref), free(got), free(gt), free(gp);
+      tensor_free(&ws), tensor_free(&out), tensor_free(&dwt), tensor_free(&dwp);
+    }
+    expect_same_bits("embedding shards summed", sum, whole, n);
+  }
+  /* dwpe NULL: only dwte moves. */
+  struct tensor dwt = dev_from(dwte0, 2, te);
+  tensor_embedding_shard_bwd(&tt, &d, 0, &dwt, NULL);
+  float *gt = to_host(&dwt);
+  expect_same_bits("embedding_shard_bwd without dwpe", gt, dwte_whole, k.v * k.c);
+  free(gt), tensor_free(&dwt);
+  free(tok), free(wte), free(wpe), free(dout), free(dwte0), free(dwpe0), free(whole), free(sum), free(dwte_whole),
+      free(dwpe_whole);
+  tensor_free(&tt), tensor_free(&wp), tensor_free(&d);
+}
+
+/* The cross-entropy's shard passes against the reference's, and their
+ * combination against the whole softmax cross-entropy: the shards' losses
+ * and (concatenated) gradients equal tensor_ref_softmax_xent's. Logits of
+ * scale 30 make the softmax sharp, so a shard whose max is far below the
+ * row's contributes underflowing terms. Tolerances: lse and the combined
+ * loss are float roundings of double sums of expf terms (rtol 1e-6); the
+ * gradient's exp(x − L) in float, 2e-6 relative plus 1e-9 absolute for
+ * the underflowing tail. Targets are copied exactly. */
+Test(tensor_nn, xent_shards_match_reference_and_combine_to_the_whole_softmax_xent) {
+  const int64_t rows = 37, v = 103;
+  const int shards = 4;
+  const float gs = 0.25f;
+  float *x = rand_host(rows * v, 30), *dref = xmalloc((size_t)(rows * v) * sizeof(float));
+  float *lref = xmalloc((size_t)rows * sizeof(float)), *parts = xmalloc((size_t)(shards * rows) * sizeof(float));
+  float *target = xcalloc((size_t)rows, sizeof(float));
+  int32_t *lab = rand_tokens(rows, v);
+  lab[0] = 0, lab[1] = (int32_t)(v - 1);
+  tensor_ref_softmax_xent(x, lab, dref, lref, rows, v, gs);
+  int64_t sl[1] = {rows};
+  struct tensor labels;
+  struct rumor_err e;
+  cr_assert_eq(tensor_alloc(&labels, be, TENSOR_I32, 1, sl, &e), 0, "%s", e.msg);
+  tensor_copy_from_host(&labels, 0, lab, (size_t)rows * sizeof(int32_t));
+  for (size_t th = 0; th < NTHREADS; th++) {
+    tensor_backend_set_threads(be, thread_counts[th]);
+    memset(target, 0, (size_t)rows * sizeof(float));
+    float *cut[8];
+    int64_t los[8], his[8];
+    for (int sh = 0; sh < shards; sh++) { /* pass 1 per shard */
+      shard_range(v, shards, sh, &los[sh], &his[sh]);
+      int64_t vs = his[sh] - los[sh], shp[2] = {rows, vs};
+      cut[sh] = xmalloc((size_t)(rows * vs) * sizeof(float));
+      for (int64_t r = 0; r < rows; r++) memcpy(cut[sh] + r * vs, x + r * v + los[sh], (size_t)vs * sizeof(float));
+      float *lse_ref = xmalloc((size_t)rows * sizeof(float)), *tg_ref = xmalloc((size_t)rows * sizeof(float));
+      tensor_ref_xent_shard_stats(cut[sh], lab, los[sh], lse_ref, tg_ref, rows, vs);
+      struct tensor lg = dev_from(cut[sh], 2, shp), lse = dev_nan(1, sl), tg = dev_nan(1, sl);
+      tensor_xent_shard_stats(&lg, &labels, los[sh], &lse, &tg);
+      float *gl = to_host(&lse), *gt = to_host(&tg);
+      expect_close("xent_shard_stats lse", gl, lse_ref, rows, 0, 1e-6);
+      expect_same_bits("xent_shard_stats target", gt, tg_ref, rows);
+      memcpy(parts + sh * rows, gl, (size_t)rows * sizeof(float));
+      for (int64_t r = 0; r < rows; r++) target[r] += gt[r];
+      free(lse_ref), free(tg_ref), free(gl), free(gt);
+      tensor_free(&lg), tensor_free(&lse), tensor_free(&tg);
+    }
+    int64_t ps[2] = {shards, rows};
+    struct tensor dp = dev_from(parts, 2, ps), dt = dev_from(target, 1, sl);
+    for (int sh = 0; sh < shards; sh++) { /* pass 2 per shard, in place on odd shards */
+      int64_t vs = his[sh] - los[sh], shp[2] = {rows, vs};
+      float *want = xmalloc((size_t)(rows * vs) * sizeof(float)), *lwant = xmalloc((size_t)rows * sizeof(float));
+      tensor_ref_xent_shard_grad(cut[sh], lab, los[sh], parts, shards, target, want, lwant, rows, vs, gs);
+      struct tensor lg = dev_from(cut[sh], 2, shp), dl = dev_nan(2, shp), ls = dev_nan(1, sl);
+      struct tensor *out = sh % 2 ? &lg : &dl;
+      tensor_xent_shard_grad(&lg, &labels, los[sh], &dp, &dt, out, &ls, gs);
+      float *gd = to_host(out), *gls = to_host(&ls);
+      expect_close("xent_shard_grad dlogits vs its reference", gd, want, rows * vs, 1e-9, 2e-6);
+      expect_close("xent_shard_grad losses vs the whole softmax_xent", gls, lref, rows, 0, 1e-6);
+      float *whole_cols = xmalloc((size_t)(rows * vs) * sizeof(float));
+      for (int64_t r = 0; r < rows; r++)
+        memcpy(whole_cols + r * vs, dref + r * v + los[sh], (size_t)vs * sizeof(float));
+      expect_close("xent_shard_grad dlogits vs the whole softmax_xent", gd, whole_cols, rows * vs, 1e-9, 2e-6);
+      free(want), free(lwant), free(gd), free(gls), free(whole_cols);
+      tensor_free(&lg), tensor_free(&dl), tensor_free(&ls);
+    }
+    for (int sh = 0; sh < shards; sh++) free(cut[sh]);
+    tensor_free(&dp), tensor_free(&dt);
+  }
+  free(x), free(dref), free(lref), free(parts), free(target), free(lab);
+  tensor_free(&labels);
+}
+
 /* ---- LayerNorm ---- */
 
 struct ln_case {
