@@ -320,6 +320,17 @@ struct train_dp {
   int zero;     /* 0 .. 3 */
 };
 
+/* A tensor-parallel rank of a peer group (rumor group --tensor-parallel T):
+ * the model is built with model_init_tp over `comm`'s members (Megatron:
+ * attention by heads, the MLP by columns then rows, the vocabulary), every
+ * rank trains on the same rows, and the step equals the single process's.
+ * With data-parallel members too, each of them is T such ranks, and `all`
+ * holds every process of the group (the global gradient norm sums over it). */
+struct train_tp {
+  comm_t *comm; /* the T ranks that hold one replica together; not owned */
+  comm_t *all;  /* every member of the group (T x D); `comm` itself without data-parallel members */
+};
+
 /* The ranges of the options that size a run (--batch, --epochs, --max-steps
  * and the step counts); a checkpoint's metadata is held to them too. */
 #define TRAIN_BATCH_MAX 1048576
@@ -378,6 +389,7 @@ struct train_config {
   const char *peer_id;     /* written into checkpoints; may be NULL */
   const struct train_stage *stage; /* a pipeline stage, or NULL for a whole replica */
   const struct train_dp *dp; /* a data-parallel member of a group (whole replicas only), or NULL */
+  const struct train_tp *tp; /* a tensor-parallel rank of a group (whole replicas only), or NULL */
   const atomic_int *stop;  /* polled between a whole replica's evaluation batches: non-zero cuts the evaluation
                             * short (a stop signal; trainer_evaluate); may be NULL */
   struct train_extra_spec extra; /* a sync scheme's state kept with the model (n 0: none) */
@@ -511,6 +523,9 @@ struct trainer {
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
   struct train_zero zero; /* with cfg.dp */
+  struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
+  float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
+  int64_t tp_host_floats;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
   int64_t samples_at_start;

@@ -50,8 +50,38 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
  * gets the group's figures) for an evaluation batch of `rows`. */
 int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t *y, int64_t *correct, double *loss,
                   struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Gathers the whole state; member 0 writes it to `path` (the single
- * process's layout: any layout loads it). */
-int zero_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* ---- what the members of a group that splits one replica share
+ * (group_state.c: tensor-parallel ranks, data-parallel members) ---- */
+
+/* Fills t->tp (cfg.tp's rank, size and collectives) for model_init_tp. */
+void group_tp_setup(struct trainer *t);
+/* A tensor-parallel rank's collective failed during the last passes (the
+ * model records it, model.h): returns its code with its message, else 0. */
+int group_tp_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The gradient's global norm squared, from model.grads' elements [lo, hi)
+ * of the buffer this process holds (a ZeRO piece, or all of it), summed
+ * over `over` (NULL: this process alone); a tensor-parallel rank counts a
+ * replicated parameter only on rank 0. */
+int group_grad_sq_norm(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, double *out,
+                       struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Clips model.grads[lo, hi) by that norm (--grad-clip), as
+ * trainer_clip_gradients does for one process. */
+int group_clip(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The whole model's state (parameters, then each optimizer part: the
+ * single process's layout) gathered to the group's first process, which
+ * writes it to `path`; every member learns whether it was written. */
+int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The buffer this process holds, from the whole model's parameters (and
+ * optimizer state, when `state` is not NULL: each part P floats) in host
+ * memory: a tensor-parallel rank takes its slices, a ZeRO member its piece
+ * of the optimizer state. */
+void group_load(struct trainer *t, const float *params, const float *const *state);
+
+/* ZeRO: the members' pieces (zero.c), for group_state.c: the local state
+ * (parameters, then each optimizer part, all of the buffer this process
+ * holds) gathered to data-parallel member 0, into `local` there (NULL on
+ * the others). */
+int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_PEER_TRAIN_IMPL_H */

@@ -18,6 +18,10 @@ bool trainer_is_dp(const struct trainer *t) { return t->cfg.dp != NULL; }
 
 static bool on_cpu(const struct trainer *t) { return tensor_backend_device(t->be) == TENSOR_DEVICE_CPU; }
 
+/* The table of the buffer this process holds: a tensor-parallel rank's
+ * own layout, else the whole model's. */
+static const struct model_table *held(const struct model *m) { return m->tp ? &m->tp_layout.local : &m->table; }
+
 /* Rows [*lo, *hi) of a batch of `rows` that this member trains on. */
 static void my_rows(const struct train_zero *z, int64_t rows, int64_t *lo, int64_t *hi) {
   comm_chunk(rows, z->size, z->rank, lo, hi);
@@ -76,13 +80,14 @@ static void release_outside(struct trainer *t, struct tensor *x, int64_t a, int6
 /* ZeRO 3: the flat range of unit u's parameters, and for the unit that
  * uses the tied entry without holding it (GPT's head) that entry's too. */
 static void unit_range(const struct model *m, int u, int64_t *a, int64_t *b) {
-  *a = m->table.unit_offset[u];
-  *b = m->table.unit_offset[u + 1];
+  *a = held(m)->unit_offset[u];
+  *b = held(m)->unit_offset[u + 1];
 }
 
 static const struct model_param *tied_user(const struct model *m, int u) {
-  if (m->table.tied_entry < 0 || u != m->table.nunits - 1 || u == 0) return NULL;
-  return &m->table.p[m->table.tied_entry];
+  const struct model_table *tab = held(m);
+  if (tab->tied_entry < 0 || u != tab->nunits - 1 || u == 0) return NULL;
+  return &tab->p[tab->tied_entry];
 }
 
 static int gather_unit(struct trainer *t, int u, struct rumor_err *e) {
@@ -121,13 +126,12 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
     most = m->nparams;
   } else {
     int64_t maxw = 0;
-    for (int u = 0; u < m->table.nunits; u++) {
-      if (m->table.unit_offset[u + 1] - m->table.unit_offset[u] > most)
-        most = m->table.unit_offset[u + 1] - m->table.unit_offset[u];
+    const struct model_table *tab = held(m);
+    for (int u = 0; u < tab->nunits; u++) {
+      if (tab->unit_offset[u + 1] - tab->unit_offset[u] > most) most = tab->unit_offset[u + 1] - tab->unit_offset[u];
       if (u > 0 && model_act_width(m, u) > maxw) maxw = model_act_width(m, u);
     }
-    if (m->table.tied_entry >= 0 && m->table.p[m->table.tied_entry].numel > most)
-      most = m->table.p[m->table.tied_entry].numel;
+    if (tab->tied_entry >= 0 && tab->p[tab->tied_entry].numel > most) most = tab->p[tab->tied_entry].numel;
     int64_t shape[1] = {m->max_rows * (maxw > 0 ? maxw : 1)};
     for (int i = 0; i < 2; i++) {
       int rc = tensor_alloc(&z->dbuf[i], t->be, TENSOR_F32, 1, shape, e);
@@ -201,25 +205,6 @@ static int backward_units(struct trainer *t, int64_t rows, struct tensor *dout, 
   return 0;
 }
 
-/* The clip of the group's summed gradient: its global norm from the
- * members' pieces (ZeRO >= 1; ZeRO 0's members each hold all of it). */
-static int clip_pieces(struct trainer *t, struct rumor_err *e) {
-  if (t->cfg.grad_clip <= 0) return 0;
-  struct train_zero *z = &t->zero;
-  int64_t lo = z->cut[z->rank], n = z->cut[z->rank + 1] - lo;
-  struct tensor g = tensor_view(&t->model.grads, lo, 1, &n);
-  float sq = n > 0 ? (float)tensor_sq_norm(&g) : 0.0f;
-  int rc = comm_all_reduce(z->dp.comm, &sq, 1, e);
-  if (rc) return rc;
-  double norm = sqrt((double)sq);
-  t->grad_norm = norm;
-  if (norm > t->cfg.grad_clip) {
-    if (n > 0) tensor_scale(&g, (float)(t->cfg.grad_clip / norm));
-    t->clipped_steps++;
-  }
-  return 0;
-}
-
 /* Copies this member's rows of the staged batch to the device. */
 static void load_rows(struct trainer *t, const void *x, const int32_t *y, int64_t lo, int64_t n) {
   struct model *m = &t->model;
@@ -265,11 +250,13 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
   int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
   if (z->dp.zero == 0) {
     if ((rc = collective(t, COLL_ALL_REDUCE, &m->grads, 0, m->nparams, e))) return rc;
-    trainer_clip_gradients(t);
+    /* Every member holds the whole sum: the norm is this member's buffer's
+     * (its tensor-parallel ranks' together). */
+    if ((rc = group_clip(t, 0, m->nparams, t->cfg.tp ? t->cfg.tp->comm : NULL, e))) return rc;
     optim_apply(&t->optim, &m->params, &m->grads, lr);
   } else {
     if (z->dp.zero == 1 && (rc = collective(t, COLL_REDUCE_SCATTER, &m->grads, 0, m->nparams, e))) return rc;
-    if ((rc = clip_pieces(t, e))) return rc;
+    if ((rc = group_clip(t, plo, plo + pn, t->cfg.tp ? t->cfg.tp->all : z->dp.comm, e))) return rc;
     struct tensor p = tensor_view(&m->params, plo, 1, &pn), g = tensor_view(&m->grads, plo, 1, &pn);
     if (pn > 0) optim_apply(&t->optim, &p, &g, lr);
     else t->optim.step++;
@@ -328,35 +315,15 @@ static int gather_to_first(struct trainer *t, const struct tensor *src, int64_t 
   return rc;
 }
 
-int zero_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
+int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) {
   struct model *m = &t->model;
   struct train_zero *z = &t->zero;
   int64_t P = m->nparams, per = t->optim.nparams;
   int parts = optim_state_per_param(t->optim.cfg.kind);
-  float *host = NULL;
-  if (z->rank == 0) {
-    size_t bytes = (size_t)P * sizeof(float) * (size_t)(1 + parts);
-    if (!(host = malloc(bytes)))
-      return rumor_err_set(e, -ENOMEM, "cannot allocate %zu bytes to gather the group's state for %s", bytes, path);
-  }
-  /* Member 0 receives the parameters and each part of the optimizer state
-   * piece by piece; the others only send theirs. */
-  int rc = gather_to_first(t, &m->params, 0, true, host, e);
+  RUMOR_ASSERT((z->rank == 0) == (local != NULL));
+  int rc = gather_to_first(t, &m->params, 0, true, local, e);
   for (int s = 0; rc == 0 && s < parts; s++)
-    rc = gather_to_first(t, &t->optim.state, (int64_t)s * per, z->dp.zero == 0, host ? host + P * (1 + s) : NULL, e);
-  if (rc == 0 && z->rank == 0) rc = checkpoint_save_host(path, m, &t->optim, host, info, e);
-  free(host);
-  /* Every member learns whether the file was written: a failed save fails
-   * the whole group, not member 0 alone. */
-  float failed = rc == 0 ? 0.0f : 1.0f;
-  struct rumor_err e2 = {0};
-  int arc = comm_all_reduce(z->dp.comm, &failed, 1, &e2);
-  if (rc) return rc;
-  if (arc) {
-    *e = e2;
-    return arc;
-  }
-  if (failed > 0) return rumor_err_set(e, -EIO, "member 0 of the group could not write the checkpoint %s", path);
+    rc = gather_to_first(t, &t->optim.state, (int64_t)s * per, z->dp.zero == 0, local ? local + P * (1 + s) : NULL, e);
   return rc;
 }
 
