@@ -60,7 +60,7 @@ static double time_all_reduce(int p, int64_t n, int iters, const struct net_iden
     snprintf(addrs[r], sizeof addrs[r], "%s", comm_net_address(c[r]));
     a[r] = addrs[r];
   }
-  struct run runs[MAX_P];
+  struct run runs[MAX_P] = {0};
   pthread_t th[MAX_P];
   for (int r = 0; r < p; r++) {
     runs[r] = (struct run){.c = c[r], .n = n, .iters = iters};
