@@ -199,6 +199,10 @@ static void tx_start(struct comm_net *n, struct tx *x) {
   struct net_bulk_send s = {.src = x->data, .count = x->count, .wire = NET_DTYPE_F32, .no_digest = true,
                             .meta = x->meta, .meta_len = META_BYTES, .done = on_sent, .arg = x};
   int rc = net_conn_send_bulk(p->conn, &s, NULL);
+  if (rc == -ENOTCONN) {
+    tx_free(x); /* the connection is closing: on_close says why (lost, or left) */
+    return;
+  }
   if (rc) {
     comm_transport_fail(&n->t, x->dst, rc, "cannot send to %s: %s", n->t.label[x->dst], rumor_strerror(rc));
     tx_free(x);
