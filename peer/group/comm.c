@@ -219,7 +219,7 @@ static int xrecv(struct comm *c, int src, const struct comm_hdr *base, uint32_t 
   if (h->seq != want.seq || h->kind != want.kind || h->total != want.total || h->shape != want.shape ||
       h->step != want.step || h->bytes != want.bytes) {
     rc = mismatch(c, src, h, &want, e);
-    free(m);
+    comm_msg_free(c->t, m);
     return rc;
   }
   count_bytes(c, 0, bytes);
@@ -234,7 +234,7 @@ static int xrecv_into(struct comm *c, int src, const struct comm_hdr *base, uint
   int rc = xrecv(c, src, base, step, bytes, &m, e);
   if (rc) return rc;
   if (bytes) memcpy(dst, m->data, (size_t)bytes);
-  free(m);
+  comm_msg_free(c->t, m);
   return 0;
 }
 
@@ -300,7 +300,7 @@ static int rs_direct(struct comm *c, const struct comm_hdr *base, uint32_t step,
     const float *x = m == r ? mine : msg->data;
     if (m == 0 && cnt) memcpy(acc, x, (size_t)cnt * sizeof(float));
     else if (m > 0) add(acc, x, cnt);
-    free(msg);
+    comm_msg_free(c->t, msg);
   }
   if (!rc && cnt) memcpy(mine, acc, (size_t)cnt * sizeof(float));
   free(acc);
@@ -321,7 +321,7 @@ static int rs_ring(struct comm *c, const struct comm_hdr *base, uint32_t step0, 
     if (!rc) rc = xrecv(c, prev, base, step0 + (uint32_t)s, (uint64_t)counts[in] * sizeof(float), &m, e);
     if (rc) return rc;
     add(buf + offs[in], m->data, counts[in]);
-    free(m);
+    comm_msg_free(c->t, m);
   }
   return 0;
 }
@@ -378,7 +378,7 @@ int comm_all_reduce(comm_t *c, float *buf, int64_t n, struct rumor_err *e) {
       const float *x = m == r ? buf : msg->data;
       if (m == 0 && n) memcpy(acc, x, (size_t)n * sizeof(float));
       else if (m > 0) add(acc, x, n);
-      free(msg);
+      comm_msg_free(c->t, msg);
     }
     if (!rc && n) memcpy(buf, acc, (size_t)n * sizeof(float));
     free(acc);

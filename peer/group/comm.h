@@ -20,14 +20,29 @@
  * get one float more); the _v forms take explicit per-member counts
  * (zero allowed) instead.
  *
- * Algorithms: below COMM_DIRECT_MAX_BYTES per member a collective sends
- * every member's piece straight to every other member (one round, size − 1
- * messages each); above it a ring (size − 1 rounds of reduce-scatter and
- * size − 1 of all-gather, each member sending 2(size − 1)/size of the
- * buffer in all). Both sum in the same order on every member, so every
+ * Algorithms: when a member's piece is at most COMM_DIRECT_MAX_BYTES a
+ * collective sends every member's piece straight to every other member
+ * (one round, size − 1 messages each); above it a ring (size − 1 rounds of
+ * reduce-scatter and size − 1 of all-gather, each member sending
+ * 2(size − 1)/size of the buffer in all). A member's piece is what the
+ * direct form sends one other member: the whole buffer for all-reduce, the
+ * largest chunk for reduce-scatter and all-gather, the buffer for a
+ * broadcast (above the limit a broadcast runs down the chain root,
+ * root + 1, ... in 1 MiB segments). All-to-all is always direct. Every
  * member ends with bit-identical results (members of a data-parallel group
- * must hold identical parameters). The result is the same within float
- * rounding as a sum in member order, not bit-identical to it.
+ * must hold identical parameters): the direct all-reduce sums the members'
+ * buffers in member order 0, 1, ... on every member, and the ring reduces
+ * each chunk once, at its owner, then hands it out as it is. The ring's
+ * result is the same within float rounding as a sum in member order, not
+ * bit-identical to it.
+ *
+ * Mismatches: every message carries the collective's number on its
+ * communicator, its kind, its size and a digest of the counts, checked on
+ * receipt; members whose calls differ (another collective, another n,
+ * another cut, all-to-all counts that disagree) fail with RUMOR_EPROTO
+ * naming both sides. A broadcast whose members name different roots may
+ * wait for the stop flag or a failure instead: no member sends what the
+ * others wait for.
  *
  * Failure: a member that dies, closes its connections, is silent past the
  * transport's dead-after time or sends a malformed message fails the
@@ -36,15 +51,20 @@
  * RUMOR_EPROTO for a malformed message) and a message naming the culprit
  * member and why, and
  * comm_failed says who. comm_abort tells the other members that this one
- * stops, and why.
+ * stops, and why (they fail with RUMOR_ECANCELED). A member that leaves
+ * (comm_free) fails the others' collectives that still wait for it
+ * (-ECONNRESET, "... left the group").
  *
  * CUDA: collectives take host buffers; a caller whose tensors live on a
  * device copies them through pinned host memory (tensor_host_alloc) on a
  * copy stream first.
  *
- * Threads: a communicator (and its sub-communicators) belongs to one
- * thread, the one that calls the collectives; they block it. The net
- * transport runs its connections on a loop thread of its own.
+ * Threads: a communicator belongs to one thread, the one that calls its
+ * collectives; they block it. Distinct communicators of one group (the
+ * group's and its sub-communicators) may run on distinct threads at once:
+ * their traffic never mixes. comm_failed, comm_abort and comm_bytes may be
+ * called from any thread. The net transport runs its connections on a loop
+ * thread of its own.
  */
 #ifndef RUMOR_PEER_GROUP_COMM_H
 #define RUMOR_PEER_GROUP_COMM_H
@@ -74,13 +94,16 @@ struct comm_net_config {
                                           the other members' derived keys */
   const uint8_t *cluster_key;          /* the gossip cluster's key */
   const char *group;                   /* the group's name, checked between members */
-  const char *agreement;               /* text every member must hold identical (model, layout, ...);
-                                          a mismatch fails the start naming both texts' first difference */
+  const char *agreement;               /* text every member must hold identical (model, layout, ...;
+                                          printable, at most 4096 characters); a mismatch fails the
+                                          start with RUMOR_EPROTO naming both texts' first difference */
   int rank, size;
-  const char *listen;          /* "host:port" the members above this one dial (port 0: any) */
+  const char *listen;          /* "host:port" the members above this one dial (port 0: any;
+                                  NULL: "127.0.0.1:0") */
   const char *const *peers;    /* peers[j], j < rank: member j's address, dialed by this one */
-  uint32_t connect_timeout_ms; /* every member must be connected and agree within this */
-  uint32_t heartbeat_ms, dead_after_ms; /* net's heartbeat: a member whose loop stops is lost */
+  uint32_t connect_timeout_ms; /* every member must be connected and agree within this (0: 30 s) */
+  uint32_t heartbeat_ms, dead_after_ms; /* net's heartbeat: a member whose loop stops is lost
+                                           (0: 250 ms and 2000 ms) */
   const atomic_int *stop;      /* polled while blocked: non-zero ends the call with RUMOR_ECANCELED */
 };
 
@@ -89,9 +112,15 @@ struct comm_net_config {
  * hand to the members above. Returns 0 or a negative code with a message
  * (bad address, cannot listen, bad config). */
 int comm_net_start(comm_t **out, const struct comm_net_config *cfg, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* "127.0.0.1:40123": where this member listens. */
+/* "127.0.0.1:40123": where this member listens (the listen address's host
+ * with the bound port; a listen address ":0" gives ":40123", whose host the
+ * caller fills in). "" for an in-process communicator. */
 const char *comm_net_address(const comm_t *c);
-/* Waits until every member is connected and has agreed (or fails). */
+/* Waits until every member is connected and has agreed (or fails: a
+ * member refused the handshake, RUMOR_EAUTH; one that did not connect in
+ * time, RUMOR_ETIMEDOUT; a differing configuration, RUMOR_EPROTO). The
+ * collectives need not wait for it: what they send waits for the
+ * connection. Returns at once for an in-process communicator. */
 int comm_wait_ready(comm_t *c, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* Frees a communicator: a net one flushes what it sent (at most
@@ -107,7 +136,10 @@ int comm_size(const comm_t *c);
  * the order given: the new ranks). Every one of them must create it with
  * the same list and `tag` (1..65535, distinct among the parent's live
  * sub-communicators) before its first collective; traffic of different
- * sub-communicators never mixes. The caller must be in the list. */
+ * sub-communicators never mixes. The caller must be in the list. A wrong
+ * list or tag is a broken invariant (an assert). Sub-communicators nest at
+ * most 4 levels below the group. Failure is the group's: a failed group
+ * fails every communicator over it. */
 comm_t *comm_sub(comm_t *parent, const int *members, int n, uint32_t tag);
 
 /* Chunk r of n floats cut into `size` contiguous chunks: [*lo, *hi). */

@@ -23,6 +23,12 @@
 
 #define COMM_WHY_MAX 400  /* bytes of a failure's message, NUL included */
 #define COMM_LABEL_MAX 96 /* bytes of a member's label, NUL included */
+/* Large message buffers are kept for reuse (a fresh one costs a page fault
+ * per 4 KiB, more than the copy into it): at most this many, of at least
+ * COMM_POOL_MIN_BYTES each, COMM_POOL_MAX_BYTES in all, per member. */
+#define COMM_POOL_SLOTS 8
+#define COMM_POOL_MIN_BYTES (256u << 10)
+#define COMM_POOL_MAX_BYTES (512ull << 20)
 
 /* What a collective's message says about itself, so that members whose
  * calls disagree find out instead of mixing up buffers. */
@@ -49,9 +55,10 @@ struct comm_hdr {
 };
 
 /* One received message. The payload follows the struct (float-aligned);
- * whoever holds it frees it with free(). */
+ * whoever holds it frees it with comm_msg_free. */
 struct comm_msg {
   struct comm_msg *next;
+  size_t cap; /* bytes of the allocation (comm_pool_get's) */
   uint64_t tag;
   struct comm_hdr h;
   float data[];
@@ -92,6 +99,9 @@ struct comm_transport {
   char (*label)[COMM_LABEL_MAX];  /* per rank: "group member 2 (127.0.0.1:40123)" for messages */
   size_t queued_msgs;
   uint64_t queued_bytes;
+  void *pool[COMM_POOL_SLOTS]; /* spare buffers, NULL or pool_cap[i] bytes */
+  size_t pool_cap[COMM_POOL_SLOTS];
+  uint64_t pool_bytes;
   bool failed;
   int fail_member; /* rank in the group */
   int fail_code;
@@ -125,9 +135,16 @@ void comm_transport_gone_locked(struct comm_transport *t, int src);
  * oldest message from `src` under `tag`, else waits for one, the failure,
  * `src` gone, or the stop flag. */
 int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, struct comm_msg **out, struct rumor_err *e);
-/* Allocates a message able to hold `bytes` of payload (rounded up to whole
- * floats, at least one), or NULL when out of memory. */
-struct comm_msg *comm_msg_alloc(uint64_t bytes);
+/* A buffer of at least `bytes` (its size in *cap) from t's spares or
+ * malloc, or NULL when out of memory; comm_pool_put gives it back (or frees
+ * it). Any thread; they take *mu, which must not be held. */
+void *comm_pool_get(struct comm_transport *t, size_t bytes, size_t *cap);
+void comm_pool_put(struct comm_transport *t, void *p, size_t cap);
+/* A message able to hold `bytes` of payload (rounded up to whole floats, at
+ * least one) from t's pool, or NULL when out of memory; comm_msg_free
+ * gives it back to the pool of the transport that frees it. */
+struct comm_msg *comm_msg_alloc(struct comm_transport *t, uint64_t bytes);
+void comm_msg_free(struct comm_transport *t, struct comm_msg *m);
 
 /* Wraps a transport into the group's top-level communicator (which frees
  * it in comm_free). */

@@ -29,7 +29,7 @@ static int local_send(struct comm_transport *t, int dst, uint64_t tag, const str
   struct local_ep *ep = (struct local_ep *)t;
   struct local_hub *hub = ep->hub;
   RUMOR_ASSERT(dst >= 0 && dst < hub->size && dst != t->rank);
-  struct comm_msg *m = comm_msg_alloc(h->bytes);
+  struct comm_msg *m = comm_msg_alloc(t, h->bytes);
   if (!m) return rumor_err_set(e, -ENOMEM, "out of memory for a message of %llu bytes", (unsigned long long)h->bytes);
   m->tag = tag;
   m->h = *h;
@@ -44,7 +44,7 @@ static int local_send(struct comm_transport *t, int dst, uint64_t tag, const str
   }
   /* A member that left needs nothing more: its message is dropped. */
   pthread_mutex_unlock(&hub->mu);
-  free(m);
+  comm_msg_free(t, m);
   return rc;
 }
 

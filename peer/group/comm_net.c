@@ -56,6 +56,7 @@ _Static_assert(CMSG_HELLO == 1 && CMSG_HELLO_OK == 2 && CMSG_REJECT == 3 && CMSG
 struct tx {
   struct tx *next;
   struct comm_net *n;
+  size_t cap; /* bytes of the allocation (comm_pool_get's) */
   int dst;
   uint8_t meta[META_BYTES];
   uint64_t count; /* floats */
@@ -178,7 +179,7 @@ static bool meta_read(const struct net_bulk_info *info, uint64_t *tag, struct co
 
 static void tx_free(struct tx *x) {
   struct comm_net *n = x->n;
-  free(x);
+  comm_pool_put(&n->t, x, x->cap);
   pthread_mutex_lock(&n->mu);
   n->pending--;
   pthread_cond_broadcast(&n->cond);
@@ -198,6 +199,10 @@ static void tx_start(struct comm_net *n, struct tx *x) {
   struct net_bulk_send s = {.src = x->data, .count = x->count, .wire = NET_DTYPE_F32, .no_digest = true,
                             .meta = x->meta, .meta_len = META_BYTES, .done = on_sent, .arg = x};
   int rc = net_conn_send_bulk(p->conn, &s, NULL);
+  if (rc == -ENOTCONN) {
+    tx_free(x); /* the connection is closing: on_close says why (lost, or left) */
+    return;
+  }
   if (rc) {
     comm_transport_fail(&n->t, x->dst, rc, "cannot send to %s: %s", n->t.label[x->dst], rumor_strerror(rc));
     tx_free(x);
@@ -245,9 +250,11 @@ static int net_send(struct comm_transport *t, int dst, uint64_t tag, const struc
   uint64_t count = payload_floats(h->bytes);
   if (count > (SIZE_MAX - sizeof(struct tx)) / sizeof(float))
     return rumor_err_set(e, RUMOR_ETOOBIG, "a message of %llu bytes", (unsigned long long)h->bytes);
-  struct tx *x = malloc(sizeof *x + (size_t)count * sizeof(float));
+  size_t cap;
+  struct tx *x = comm_pool_get(t, sizeof *x + (size_t)count * sizeof(float), &cap);
   if (!x) return rumor_err_set(e, -ENOMEM, "out of memory for a message of %llu bytes", (unsigned long long)h->bytes);
   x->n = n;
+  x->cap = cap;
   x->dst = dst;
   x->count = count;
   meta_write(x->meta, tag, h);
@@ -446,7 +453,7 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
     comm_transport_fail(&n->t, j, RUMOR_EPROTO, "%s sent %s", n->t.label[j], why);
     return RUMOR_EPROTO;
   }
-  struct comm_msg *m = comm_msg_alloc(h.bytes);
+  struct comm_msg *m = comm_msg_alloc(&n->t, h.bytes);
   if (!m) {
     comm_transport_fail(&n->t, n->t.rank, -ENOMEM, "out of memory for a message of %llu bytes from %s",
                         (unsigned long long)h.bytes, n->t.label[j]);
@@ -465,7 +472,7 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
   struct comm_net *n = ud;
   struct comm_msg *m = dst_arg;
   if (status != 0) {
-    free(m); /* cut by a closing connection: on_close says why */
+    comm_msg_free(&n->t, m); /* cut by a closing connection: on_close says why */
     return;
   }
   pthread_mutex_lock(&n->mu);

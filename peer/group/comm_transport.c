@@ -29,6 +29,9 @@ void comm_transport_init(struct comm_transport *t, const struct comm_transport_o
   for (int r = 0; r < size; r++) snprintf(t->label[r], sizeof t->label[r], "group member %d", r);
   t->queued_msgs = 0;
   t->queued_bytes = 0;
+  memset(t->pool, 0, sizeof t->pool);
+  memset(t->pool_cap, 0, sizeof t->pool_cap);
+  t->pool_bytes = 0;
   t->failed = false;
   t->fail_member = -1;
   t->fail_code = 0;
@@ -41,6 +44,7 @@ void comm_transport_destroy(struct comm_transport *t) {
       nx = m->next;
       free(m);
     }
+  for (int i = 0; i < COMM_POOL_SLOTS; i++) free(t->pool[i]);
   free(t->head);
   free(t->tail);
   free(t->gone);
@@ -161,11 +165,57 @@ int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, struct 
   return rc;
 }
 
-struct comm_msg *comm_msg_alloc(uint64_t bytes) {
+void *comm_pool_get(struct comm_transport *t, size_t bytes, size_t *cap) {
+  if (bytes >= COMM_POOL_MIN_BYTES) {
+    /* The smallest spare that fits and wastes at most half of itself. */
+    int best = -1;
+    pthread_mutex_lock(t->mu);
+    for (int i = 0; i < COMM_POOL_SLOTS; i++)
+      if (t->pool[i] && t->pool_cap[i] >= bytes && t->pool_cap[i] / 2 <= bytes &&
+          (best < 0 || t->pool_cap[i] < t->pool_cap[best]))
+        best = i;
+    void *p = NULL;
+    if (best >= 0) {
+      p = t->pool[best];
+      *cap = t->pool_cap[best];
+      t->pool[best] = NULL;
+      t->pool_bytes -= *cap;
+    }
+    pthread_mutex_unlock(t->mu);
+    if (p) return p;
+  }
+  *cap = bytes;
+  return malloc(bytes);
+}
+
+void comm_pool_put(struct comm_transport *t, void *p, size_t cap) {
+  if (p && cap >= COMM_POOL_MIN_BYTES) {
+    pthread_mutex_lock(t->mu);
+    for (int i = 0; i < COMM_POOL_SLOTS && p; i++)
+      if (!t->pool[i] && t->pool_bytes + cap <= COMM_POOL_MAX_BYTES) {
+        t->pool[i] = p;
+        t->pool_cap[i] = cap;
+        t->pool_bytes += cap;
+        p = NULL;
+      }
+    pthread_mutex_unlock(t->mu);
+  }
+  free(p);
+}
+
+struct comm_msg *comm_msg_alloc(struct comm_transport *t, uint64_t bytes) {
   uint64_t floats = (bytes + sizeof(float) - 1) / sizeof(float);
   if (floats == 0) floats = 1;
   if (floats > (SIZE_MAX - sizeof(struct comm_msg)) / sizeof(float)) return NULL;
-  struct comm_msg *m = malloc(sizeof *m + (size_t)floats * sizeof(float));
-  if (m) m->next = NULL;
+  size_t cap;
+  struct comm_msg *m = comm_pool_get(t, sizeof(struct comm_msg) + (size_t)floats * sizeof(float), &cap);
+  if (m) {
+    m->next = NULL;
+    m->cap = cap;
+  }
   return m;
+}
+
+void comm_msg_free(struct comm_transport *t, struct comm_msg *m) {
+  if (m) comm_pool_put(t, m, m->cap);
 }

@@ -186,14 +186,14 @@ static void check_refused(const struct opts *o) {
 Test(comm_net, a_member_with_another_cluster_key_is_refused) {
   uint8_t other[NET_CLUSTER_KEY_BYTES];
   cr_assert_eq(net_cluster_key_generate(other), 0);
-  struct opts o = {.key = {NULL, NULL, other}, .connect_ms = 1000};
+  struct opts o = {.key = {NULL, NULL, other}, .connect_ms = 1500};
   check_refused(&o);
 }
 
 Test(comm_net, a_member_with_another_group_identity_is_refused) {
   struct net_identity other;
   cr_assert_eq(net_identity_generate(&other), 0);
-  struct opts o = {.id = {NULL, NULL, &other}, .connect_ms = 1000};
+  struct opts o = {.id = {NULL, NULL, &other}, .connect_ms = 1500};
   check_refused(&o);
   net_identity_wipe(&other);
 }
