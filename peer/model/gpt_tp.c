@@ -66,7 +66,7 @@ struct gpt_tp_ws {
   struct tensor wte, wpe, lnf_w, lnf_b;       /* wte (vl, C): into params or the tied copy */
   struct tensor dwte, dwpe, dlnf_w, dlnf_b;
   struct tensor wte_copy, dwte_copy; /* the tied copy of the rank's rows, on a head stage without unit 0 */
-  bool dwte_written;
+  bool dwte_written; /* set by the head, consumed by unit 0 (gpt.c's) */
   int64_t positions;                     /* of the passes; 0: the context */
   struct tensor acts[GPT_MAX_LAYERS + 3]; /* acts[u]: the input of unit u; acts[L+2] the rank's logits */
   struct gpt_tp_block_acts blk[GPT_MAX_LAYERS];
@@ -410,6 +410,7 @@ static void embed_backward(struct model *m, int64_t rows, bool accumulate) {
   /* Every rank adds the whole dL/d out to dwpe: the replicated gradient. */
   struct tensor tok = v2(&ws->acts[0], rows, T), dres = v3(&ws->dres, rows, T, C);
   tensor_embedding_shard_bwd(&tok, &dres, ws->vlo, &ws->dwte, &ws->dwpe);
+  ws->dwte_written = false; /* consumed: see gpt.c's dwte_written */
 }
 
 static void gpt_tp_backward(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
@@ -419,7 +420,6 @@ static void gpt_tp_backward(struct model *m, int a, int b, int64_t rows, struct 
   int64_t N = rows * positions(m), C = GP(&m->spec)->width;
   float beta = accumulate ? 1.0f : 0.0f;
   struct tensor dres = v2(&ws->dres, N, C);
-  ws->dwte_written = false;
   if (b == L + 2) {
     head_backward(m, rows, dout, beta);
   } else {

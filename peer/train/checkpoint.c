@@ -357,6 +357,12 @@ static const struct st_tensor *ck_find(const struct checkpoint *ck, const char *
   return t || !ck->state_file.buf ? t : safetensors_find(&ck->state_file, name);
 }
 
+const float *checkpoint_optim_part(const struct checkpoint *ck, enum optim_kind kind, int part) {
+  if (!ck->has_optim || ck->info.optim_kind != kind) return NULL;
+  const struct st_tensor *t = ck_find(ck, optim_state_name(kind, part));
+  return t ? t->data : NULL;
+}
+
 static int expect_tensor(const struct checkpoint *ck, const char *path, const char *name, int ndim,
                          const int64_t *shape, struct rumor_err *e) {
   const struct st_tensor *t = ck_find(ck, name);

@@ -224,13 +224,34 @@ struct tensor trainer_extra(struct trainer *t, int i) {
   return tensor_view(&t->extra, t->extra_off[i], 1, &len);
 }
 
+/* A group member resumes from a whole-model checkpoint of any layout: it
+ * takes its slices and its piece (group_load). */
+static int restore_group(struct trainer *t, const struct checkpoint *ck, struct rumor_err *e) {
+  char want[MODEL_SPEC_MAX], have[MODEL_SPEC_MAX];
+  model_spec_format(&ck->info.spec, have, sizeof have);
+  model_spec_format(&t->model.spec, want, sizeof want);
+  if (strcmp(want, have) != 0) return rumor_err_set(e, RUMOR_ESHAPE, "checkpoint holds model %s, not %s", have, want);
+  float *full = malloc((size_t)ck->table.nparams * sizeof(float));
+  if (!full) return rumor_err_set(e, -ENOMEM, "no memory for the checkpoint's %lld parameters",
+                                  (long long)ck->table.nparams);
+  checkpoint_params(ck, full);
+  const float *parts[2] = {checkpoint_optim_part(ck, t->optim.cfg.kind, 0),
+                           checkpoint_optim_part(ck, t->optim.cfg.kind, 1)};
+  if (!parts[0]) log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(t->optim.cfg.kind));
+  group_load(t, full, parts[0] ? parts : NULL);
+  t->optim.step = ck->info.st.step;
+  free(full);
+  restore_extra(t, ck);
+  return 0;
+}
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
   /* A data-parallel member holds the whole model: the group's one stage
    * (the only layout built so far) is a whole replica to the trainer. */
-  RUMOR_ASSERT(!cfg->dp || !cfg->stage || cfg->stage->stages == 1);
-  if (cfg->dp) t->cfg.stage = NULL;
+  RUMOR_ASSERT((!cfg->dp && !cfg->tp) || !cfg->stage || cfg->stage->stages == 1);
+  if (cfg->dp || cfg->tp) t->cfg.stage = NULL;
   if (t->cfg.stage) {
     t->stage = *cfg->stage;
     t->cfg.stage = &t->stage;
@@ -251,24 +272,34 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
   if (cfg->dp) /* a member trains on its slice of each batch */
     t->plan.mb_rows = (cfg->batch + comm_size(cfg->dp->comm) - 1) / comm_size(cfg->dp->comm);
-  if ((rc = model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e))) goto fail;
+  if (cfg->tp) group_tp_setup(t);
+  rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
+               : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
+  if (rc) goto fail;
   if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
     int64_t lo, hi;
     zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    rc = optim_init_range(&t->optim, &t->cfg.optim, &t->model.table, lo, hi, t->be, e);
+    rc = optim_init_range(&t->optim, &t->cfg.optim, cfg->tp ? &t->model.tp_layout.local : &t->model.table, lo, hi,
+                          t->be, e);
   } else {
     rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);
   }
   if (rc) goto fail;
   if ((rc = alloc_extra(t, e))) goto fail;
-  if (resumed) {
+  if (resumed && (cfg->tp || cfg->dp)) {
+    rc = restore_group(t, &ck, e);
+    checkpoint_close(&ck);
+    resumed = false;
+    if (rc) goto fail;
+  } else if (resumed) {
     rc = checkpoint_restore(&ck, &t->model, &t->optim, e);
     if (rc == 0) restore_extra(t, &ck);
     checkpoint_close(&ck);
     resumed = false;
     if (rc) goto fail;
   } else if (t->init_params) {
-    tensor_copy_from_host(&t->model.params, 0, t->init_params, (size_t)t->model.nparams * sizeof(float));
+    if (cfg->tp || cfg->dp) group_load(t, t->init_params, NULL);
+    else tensor_copy_from_host(&t->model.params, 0, t->init_params, (size_t)t->model.nparams * sizeof(float));
     free(t->init_params);
     t->init_params = NULL;
     log_info("weights from %s", cfg->init_from);
@@ -312,6 +343,7 @@ fail:
 void trainer_free(struct trainer *t) {
   pipeline_free(&t->pipe);
   if (t->cfg.dp) zero_free(t);
+  if (t->tp_host) tensor_host_free(t->be, t->tp_host);
   tensor_free(&t->extra);
   free(t->init_params);
   if (t->be) {
@@ -416,6 +448,7 @@ static int64_t evaluate_whole(struct trainer *t, bool eval, int64_t n, const ato
     tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)rows * t->data.x_bytes_per_row);
     tensor_copy_from_host(&t->model.labels, 0, y, (size_t)(rows * ypr) * sizeof(int32_t));
     model_evaluate(&t->model, rows, y, correct, loss);
+    if ((*rc = group_tp_failed(t, e))) break;
   }
   tensor_host_free(t->be, x);
   tensor_host_free(t->be, y);
@@ -531,9 +564,10 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
       x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, host + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
     info.extra = &x;
   }
-  int rc = t->cfg.dp ? zero_save(t, path, &info, e) : checkpoint_save(path, &t->model, &t->optim, &info, e);
+  int rc = t->cfg.dp || t->cfg.tp ? group_save(t, path, &info, e)
+                                  : checkpoint_save(path, &t->model, &t->optim, &info, e);
   free(host);
-  if (rc == 0 && (!t->cfg.dp || t->zero.rank == 0)) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
+  if (rc == 0 && (!t->cfg.dp || t->zero.rank == 0) && (!t->cfg.tp || t->tp.rank == 0)) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
                         (long long)t->st.step);
   return rc;
 }
@@ -587,10 +621,15 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
-  if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
-  int rc = reduce(t, rows, e);
+  int rc = group_tp_failed(t, e);
   if (rc) return rc;
-  trainer_clip_gradients(t);
+  if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
+  if ((rc = reduce(t, rows, e))) return rc;
+  if (t->cfg.tp) {
+    if ((rc = group_clip(t, 0, m->nparams, t->cfg.tp->comm, e))) return rc;
+  } else {
+    trainer_clip_gradients(t);
+  }
   optim_apply(&t->optim, &m->params, &m->grads, lr);
   return 0;
 }

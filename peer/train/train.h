@@ -268,6 +268,10 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
  * was saved) when it holds exactly `len` F32 values, else NULL. Valid
  * until checkpoint_close. */
 const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int64_t len);
+/* Part `part` of the optimizer state of kind `kind` (P floats, the
+ * parameters' layout) in an open checkpoint, or NULL when it has none of
+ * that kind. Valid until checkpoint_close. */
+const float *checkpoint_optim_part(const struct checkpoint *ck, enum optim_kind kind, int part);
 /* The whole model's parameters from an open checkpoint into `out`
  * (table.nparams floats, flat-buffer order). */
 void checkpoint_params(const struct checkpoint *ck, float *out);

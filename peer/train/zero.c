@@ -242,6 +242,7 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
     if (n > 0) model_loss(m, n, logits, scale);
     if ((rc = backward_units(t, n, logits, e))) return rc;
   }
+  if ((rc = group_tp_failed(t, e))) return rc;
   /* The batch's loss: the members' summed losses over its targets. */
   float part = n > 0 ? model_mean_loss(m, n) * (float)model_targets(m, n) : 0.0f;
   if ((rc = comm_all_reduce(z->dp.comm, &part, 1, e))) return rc;
@@ -286,6 +287,7 @@ int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t 
   int64_t c = 0;
   double l = 0;
   if (n > 0) model_score(m, n, y + lo * t->data.y_per_row, &c, &l);
+  if ((rc = group_tp_failed(t, e))) return rc;
   float sums[2] = {(float)c, (float)l}; /* c <= a batch's targets: exact in a float */
   if ((rc = comm_all_reduce(z->dp.comm, sums, 2, e))) return rc;
   *correct += (int64_t)sums[0];

@@ -1,8 +1,10 @@
-/* A data-parallel group's step (ZeRO 0-3, peer/train/zero.c) equals the
- * single process's: D members, each a trainer on its own thread over the
- * in-process communicator, train N steps on the batches `rumor train
- * --batch B` reads, and every member's piece of the parameters, its loss
- * and a gathered checkpoint equal one trainer's after the same N steps.
+/* A group's step equals the single process's, for data-parallel members
+ * (ZeRO 0-3, peer/train/zero.c), tensor-parallel ranks (model_init_tp) and
+ * both together: each process of the group is a trainer on its own thread
+ * over the in-process communicator; they train N steps on the batches
+ * `rumor train --batch B` reads, and every member's piece of the
+ * parameters, its loss and the checkpoint the group gathers equal one
+ * trainer's after the same N steps.
  *
  * Tolerances: the members sum slice gradients where the single process
  * sums the whole batch at once, so results agree within float rounding
@@ -214,4 +216,108 @@ Test(zero, checkpoint_gathers_the_single_layout) {
   char cmd[300];
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   cr_assert_eq(system(cmd), 0);
+}
+
+/* ---- tensor-parallel ranks, alone and with data-parallel members ---- */
+
+struct rank {
+  const struct run *run;
+  struct train_tp tp;
+  struct train_dp dp;
+  bool has_dp;
+  int rc;
+  char msg[512];
+  double loss;
+};
+
+static void *rank_main(void *arg) {
+  struct rank *k = arg;
+  struct train_config cfg;
+  config(k->run, &cfg);
+  cfg.tp = &k->tp;
+  if (k->has_dp) cfg.dp = &k->dp;
+  struct rumor_err e = {0};
+  struct trainer t;
+  if ((k->rc = trainer_init(&t, &cfg, &e))) {
+    snprintf(k->msg, sizeof k->msg, "%s", e.msg);
+    return NULL;
+  }
+  if ((k->rc = train(&t, k->run, &e))) snprintf(k->msg, sizeof k->msg, "%s", e.msg);
+  k->loss = t.last_loss;
+  trainer_free(&t);
+  return NULL;
+}
+
+/* T ranks x D members (member k is data-parallel member k / T, rank k % T)
+ * train and save; the checkpoint equals the single process's parameters
+ * within `tol`, and every process's loss the single process's. */
+static void layout_equals_single(const struct run *base, int T, int D, int zero, double tol) {
+  char dir[] = "/tmp/rumor-tp-XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  char path[256];
+  snprintf(path, sizeof path, "%s/g.safetensors", dir);
+  struct run r = *base;
+  r.checkpoint = path;
+  int64_t P;
+  double loss1;
+  float *ref = single(&r, &P, &loss1);
+  int N = T * D;
+  comm_t *all[8];
+  comm_local_create(N, all);
+  struct rank ks[8];
+  pthread_t th[8];
+  memset(ks, 0, sizeof ks);
+  for (int k = 0; k < N; k++) {
+    int d = k / T, t = k % T, tp_members[8], dp_members[8];
+    for (int j = 0; j < T; j++) tp_members[j] = d * T + j;
+    for (int j = 0; j < D; j++) dp_members[j] = j * T + t;
+    ks[k] = (struct rank){.run = &r, .has_dp = D > 1};
+    ks[k].tp = (struct train_tp){.comm = comm_sub(all[k], tp_members, T, 1), .all = all[k]};
+    if (D > 1) ks[k].dp = (struct train_dp){.comm = comm_sub(all[k], dp_members, D, 2), .zero = zero};
+  }
+  for (int k = 0; k < N; k++) cr_assert_eq(pthread_create(&th[k], NULL, rank_main, &ks[k]), 0);
+  for (int k = 0; k < N; k++) pthread_join(th[k], NULL);
+  for (int k = 0; k < N; k++) {
+    cr_assert_eq(ks[k].rc, 0, "T=%d D=%d ZeRO %d, process %d: %s", T, D, zero, k, ks[k].msg);
+    cr_expect(fabs(ks[k].loss - loss1) <= 1e-5 * fabs(loss1), "T=%d D=%d ZeRO %d: process %d's last loss %.8f, the "
+              "single process's %.8f", T, D, zero, k, ks[k].loss, loss1);
+  }
+  struct checkpoint ck;
+  struct rumor_err e = {0};
+  cr_assert_eq(checkpoint_open(path, &ck, &e), 0, "%s", e.msg);
+  cr_assert_eq(ck.table.nparams, P);
+  float *got = malloc((size_t)P * sizeof(float));
+  checkpoint_params(&ck, got);
+  double worst = 0;
+  int64_t at = 0;
+  for (int64_t i = 0; i < P; i++) {
+    double d = fabs((double)got[i] - (double)ref[i]);
+    if (!(d <= worst)) worst = d, at = i;
+  }
+  cr_expect(worst <= tol, "%s, T=%d D=%d ZeRO %d: the group's parameter %lld is %.9g, the single process's %.9g "
+            "(%.3g apart, tolerance %.1g)", base->model, T, D, zero, (long long)at, got[at], ref[at], worst, tol);
+  checkpoint_close(&ck);
+  free(got);
+  free(ref);
+  for (int k = 0; k < N; k++) {
+    if (D > 1) comm_free(ks[k].dp.comm, 0);
+    comm_free(ks[k].tp.comm, 0);
+  }
+  for (int k = 0; k < N; k++) comm_free(all[k], 0);
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_assert_eq(system(cmd), 0);
+}
+
+static const struct run gpt_tp = {"gpt:L2-H4-C16-T12-V257", 6, 5, OPTIM_ADAMW, NULL};
+
+Test(zero, tensor_parallel_gpt_t2_t4_and_mlp_t3) {
+  layout_equals_single(&gpt_tp, 2, 1, 0, 5e-5);
+  layout_equals_single(&gpt_tp, 4, 1, 0, 5e-5);
+  layout_equals_single(&mlp_adam, 3, 1, 0, 5e-5);
+}
+
+Test(zero, tensor_parallel_with_data_parallel_members_every_stage) {
+  for (int z = 0; z <= 3; z++) layout_equals_single(&gpt_tp, 2, 2, z, 5e-5);
+  layout_equals_single(&mlp_sgd, 2, 3, 3, 2e-6);
 }

@@ -1,0 +1,182 @@
+/* What the members of a group that splits one replica share: the
+ * tensor-parallel ranks' collectives, the global gradient norm, and the
+ * whole model's state gathered for a checkpoint or scattered from one
+ * (train_impl.h). */
+#include "peer/train/train_impl.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static bool on_cpu(const struct trainer *t) { return tensor_backend_device(t->be) == TENSOR_DEVICE_CPU; }
+
+static const struct model_table *held(const struct model *m) { return m->tp ? &m->tp_layout.local : &m->table; }
+
+/* model_tp's all-reduce: in place on the CPU, through pinned host memory on
+ * a device (grown to the largest call). */
+static int tp_all_reduce(void *arg, struct tensor *x, int64_t n, struct rumor_err *e) {
+  struct trainer *t = arg;
+  comm_t *c = t->cfg.tp->comm;
+  if (on_cpu(t)) return comm_all_reduce(c, x->data, n, e);
+  if (n > t->tp_host_floats) {
+    tensor_host_free(t->be, t->tp_host);
+    t->tp_host = tensor_host_alloc(t->be, (size_t)n * sizeof(float));
+    t->tp_host_floats = t->tp_host ? n : 0;
+    if (!t->tp_host)
+      return rumor_err_set(e, -ENOMEM, "cannot allocate %lld floats of pinned staging for the tensor-parallel "
+                           "all-reduce", (long long)n);
+  }
+  tensor_copy_to_host(x, 0, t->tp_host, (size_t)n * sizeof(float));
+  int rc = comm_all_reduce(c, t->tp_host, n, e);
+  if (rc == 0) tensor_copy_from_host(x, 0, t->tp_host, (size_t)n * sizeof(float));
+  return rc;
+}
+
+void group_tp_setup(struct trainer *t) {
+  comm_t *c = t->cfg.tp->comm;
+  t->tp = (struct model_tp){.rank = comm_rank(c), .size = comm_size(c), .all_reduce = tp_all_reduce, .arg = t};
+}
+
+int group_tp_failed(struct trainer *t, struct rumor_err *e) {
+  if (!t->cfg.tp || !t->tp.failed) return 0;
+  *e = t->tp.err;
+  return t->tp.failed;
+}
+
+int group_grad_sq_norm(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, double *out, struct rumor_err *e) {
+  const struct model *m = &t->model;
+  const struct model_table *tab = held(m);
+  double sq = 0;
+  for (size_t i = 0; i < tab->n; i++) {
+    const struct model_param *p = &tab->p[i];
+    /* A replicated parameter's gradient is the same on every rank: once. */
+    if (m->tp && m->tp_layout.slice[i].dim < 0 && m->tp->rank != 0) continue;
+    int64_t a = p->offset - m->param_base, b = a + p->numel;
+    if (a < lo) a = lo;
+    if (b > hi) b = hi;
+    if (b <= a) continue;
+    struct tensor g = tensor_view(&m->grads, a, 1, (int64_t[]){b - a});
+    sq += tensor_sq_norm(&g);
+  }
+  float part = (float)sq;
+  int rc = over ? comm_all_reduce(over, &part, 1, e) : 0;
+  *out = part;
+  return rc;
+}
+
+int group_clip(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, struct rumor_err *e) {
+  if (t->cfg.grad_clip <= 0) return 0;
+  double sq;
+  int rc = group_grad_sq_norm(t, lo, hi, over, &sq, e);
+  if (rc) return rc;
+  double norm = sqrt(sq);
+  t->grad_norm = norm;
+  if (norm > t->cfg.grad_clip) {
+    if (hi > lo) {
+      struct tensor g = tensor_view(&t->model.grads, lo, 1, (int64_t[]){hi - lo});
+      tensor_scale(&g, (float)(t->cfg.grad_clip / norm));
+    }
+    t->clipped_steps++;
+  }
+  return 0;
+}
+
+/* This process's whole local state (parameters, then each optimizer part,
+ * model.nparams floats each) into `local`: from its own buffers, or
+ * gathered from the data-parallel members' pieces (then only member 0
+ * gets it: `local` is NULL on the others). */
+static int local_state(struct trainer *t, float *local, struct rumor_err *e) {
+  if (t->cfg.dp) return zero_gather_local(t, local, e);
+  int64_t P = t->model.nparams;
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  tensor_copy_to_host(&t->model.params, 0, local, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&t->optim.state, 0, local + P, (size_t)(P * parts) * sizeof(float));
+  return 0;
+}
+
+/* The tensor-parallel ranks' local states, gathered to rank 0 and put
+ * together there into the whole model's layout (`full`; NULL elsewhere).
+ * Every part of the state has the parameters' layout. */
+static int assemble_tp(struct trainer *t, const float *local, float *full, struct rumor_err *e) {
+  comm_t *c = t->cfg.tp->comm;
+  int T = comm_size(c), me = comm_rank(c), parts = 1 + optim_state_per_param(t->optim.cfg.kind);
+  const struct model_spec *spec = &t->model.spec;
+  int64_t PL = t->model.nparams, PW = t->model.table.nparams;
+  int64_t *send = xcalloc((size_t)T, sizeof *send), *recv = xcalloc((size_t)T, sizeof *recv);
+  int64_t total = 0;
+  for (int j = 0; j < T; j++) total += model_tp_local_params(spec, T, j);
+  float *all = me == 0 ? xmalloc((size_t)total * sizeof(float)) : NULL;
+  int rc = 0;
+  for (int s = 0; rc == 0 && s < parts; s++) {
+    send[0] = PL;
+    for (int j = 0; me == 0 && j < T; j++) recv[j] = model_tp_local_params(spec, T, j);
+    rc = comm_all_to_all(c, local + PL * s, send, all, recv, e);
+    for (int j = 0, off = 0; rc == 0 && me == 0 && j < T; off += (int)recv[j], j++)
+      model_tp_gather(spec, T, j, all + off, full + PW * s);
+  }
+  free(all);
+  free(send);
+  free(recv);
+  return rc;
+}
+
+int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
+  struct model *m = &t->model;
+  int parts = 1 + optim_state_per_param(t->optim.cfg.kind);
+  bool dp_first = !t->cfg.dp || t->zero.rank == 0;
+  bool tp_first = !t->cfg.tp || comm_rank(t->cfg.tp->comm) == 0;
+  float *local = NULL, *full = NULL;
+  if (dp_first) local = xmalloc((size_t)(m->nparams * parts) * sizeof(float));
+  int rc = local_state(t, local, e);
+  /* Only data-parallel member 0 of each rank takes part in the ranks'
+   * gather: its tensor-parallel communicator is the first members'. */
+  if (rc == 0 && t->cfg.tp && dp_first) {
+    if (tp_first) full = xmalloc((size_t)(m->table.nparams * parts) * sizeof(float));
+    rc = assemble_tp(t, local, full, e);
+  }
+  const float *whole = t->cfg.tp ? full : local;
+  if (rc == 0 && dp_first && tp_first) {
+    /* The whole model as one process holds it. */
+    struct model view = *m;
+    view.nparams = m->table.nparams;
+    view.param_base = 0;
+    rc = checkpoint_save_host(path, &view, &t->optim, whole, info, e);
+  }
+  free(local);
+  free(full);
+  /* Every member learns whether the file was written: a failed save fails
+   * the whole group, not its first process alone. */
+  comm_t *all = t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm;
+  float failed = rc == 0 ? 0.0f : 1.0f;
+  struct rumor_err e2 = {0};
+  int arc = comm_all_reduce(all, &failed, 1, &e2);
+  if (rc) return rc;
+  if (arc) {
+    *e = e2;
+    return arc;
+  }
+  if (failed > 0) return rumor_err_set(e, -EIO, "the group's first process could not write the checkpoint %s", path);
+  return 0;
+}
+
+void group_load(struct trainer *t, const float *params, const float *const *state) {
+  struct model *m = &t->model;
+  int64_t P = m->nparams;
+  float *local = NULL;
+  if (m->tp) local = xmalloc((size_t)P * sizeof(float));
+  if (m->tp) model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, params, local);
+  tensor_copy_from_host(&m->params, 0, m->tp ? local : params, (size_t)P * sizeof(float));
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  for (int s = 0; state && s < parts; s++) {
+    const float *src = state[s];
+    if (m->tp) {
+      model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, state[s], local);
+      src = local;
+    }
+    /* The optimizer covers [lo, lo + nparams) of the buffer: all of it, or a ZeRO piece. */
+    tensor_copy_from_host(&t->optim.state, (int64_t)s * t->optim.nparams, src + t->optim.lo,
+                          (size_t)t->optim.nparams * sizeof(float));
+  }
+  free(local);
+}
