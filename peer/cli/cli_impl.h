@@ -217,8 +217,8 @@ struct pipe_flags {
   /* Data-parallel members inside the group (peer/train/train.h, struct
    * train_dp): the launcher's count, each member's "r/D", where it listens
    * for the members above it and the addresses of those below. */
-  int64_t data_parallel, zero;
-  const char *dp, *comm_listen, *comm_peers;
+  int64_t data_parallel, tensor_parallel, zero;
+  const char *dp, *tp, *comm_listen, *comm_peers;
 };
 
 /* Everything `rumor group` and one stage take. */
@@ -238,8 +238,9 @@ void group_flags_default(struct group_flags *f);
 void group_flags_specs(struct group_flags *f, enum flags_for who, struct arg_spec *specs);
 /* Parses "s/S" (0 <= s < S <= PIPE_MAX_STAGES). */
 int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Parses --dp "r/D" (0 <= r < D <= COMM_MAX_MEMBERS). */
-int group_dp_parse(const char *s, int *rank, int *size, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Parses --dp "r/D" or --tp "t/T" (`flag`: "dp" or "tp"; 0 <= r < N <=
+ * COMM_MAX_MEMBERS). */
+int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The training configuration of stage `stage` of `stages` from parsed flags
  * (`specs` is what was parsed), its stage part in *st (cfg->stage points to
  * it; the link is set later), and its plan. Returns 0 or RUMOR_EFORMAT with

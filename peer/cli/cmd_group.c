@@ -41,9 +41,9 @@ struct child {
 
 struct group {
   struct group_flags f;
-  int S, D;
-  int N; /* processes: S stages (D = 1) or D members (S = 1); kids[i] is stage i or member i, and a
-            failure line's failed_stage names one of them */
+  int S, D, T;
+  int N; /* processes: S stages (T = D = 1), or T x D (S = 1): kids[i] is stage i, or process i (data-parallel
+            member i / T, tensor-parallel rank i % T); a failure line's failed_stage names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
   char bootstrap[PIPE_MAX_STAGES][1024]; /* --bootstrap's list for each stage */
@@ -53,7 +53,7 @@ struct group {
 };
 
 /* "stage" or "member": what kids[i] is, for messages ("stage 1/2", "member 0/3"). */
-static const char *what(const struct group *g) { return g->D > 1 ? "member" : "stage"; }
+static const char *what(const struct group *g) { return g->S == 1 && g->N > 1 ? "member" : "stage"; }
 
 /* ---- command lines of the stages ---- */
 
@@ -121,7 +121,8 @@ static int stage_lists(const char *flag, const char *value, int S, char (*out)[1
 /* Options the launcher sets per stage itself rather than passing on. */
 static bool launcher_only(const char *name) {
   static const char *const own[] = {"stages",    "devices", "listen", "advertise", "metrics", "bootstrap",
-                                    "servers",   "name",    "group",  "threads",   "data-parallel"};
+                                    "servers",   "name",    "group",  "threads",   "data-parallel",
+                                    "tensor-parallel"};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
     if (strcmp(name, own[i]) == 0) return true;
   return false;
@@ -145,7 +146,8 @@ static void push(char **argv, int *n, const char *s) {
 /* The stage's argv (malloc'd strings; free with free_argv). */
 static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
-  int n = 0, s = k / g->D, r = k % g->D;
+  bool members = g->S == 1 && g->N > 1;
+  int n = 0, s = members ? 0 : k, d = members ? k / g->T : 0, tr = members ? k % g->T : 0;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -160,22 +162,29 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, "127.0.0.1:0");
   if (s > 0) {
     push(out, &n, "--link-prev");
-    push(out, &n, g->kids[(s - 1) * g->D + r].link);
+    push(out, &n, g->kids[s - 1].link);
   }
-  if (g->D > 1) {
-    snprintf(buf, sizeof buf, "%d/%d", r, g->D);
-    push(out, &n, "--dp");
-    push(out, &n, buf);
+  if (members) {
+    if (g->D > 1) {
+      snprintf(buf, sizeof buf, "%d/%d", d, g->D);
+      push(out, &n, "--dp");
+      push(out, &n, buf);
+    }
+    if (g->T > 1) {
+      snprintf(buf, sizeof buf, "%d/%d", tr, g->T);
+      push(out, &n, "--tp");
+      push(out, &n, buf);
+    }
     push(out, &n, "--comm-listen");
     push(out, &n, "127.0.0.1:0");
-    if (r > 0) {
+    if (k > 0) {
       size_t used = 0;
-      for (int j = 0; j < r; j++) used += strlen(g->kids[s * g->D + j].comm) + 1;
+      for (int j = 0; j < k; j++) used += strlen(g->kids[j].comm) + 1;
       char *list = xmalloc(used);
       list[0] = '\0';
-      for (int j = 0; j < r; j++) {
+      for (int j = 0; j < k; j++) {
         if (j) strcat(list, ",");
-        strcat(list, g->kids[s * g->D + j].comm);
+        strcat(list, g->kids[j].comm);
       }
       push(out, &n, "--comm-peers");
       push(out, &n, list);
@@ -366,13 +375,19 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   struct group_flags *f = &g->f;
   g->S = (int)f->pipe.stages;
   g->D = (int)f->pipe.data_parallel;
-  g->N = g->S * g->D;
-  if (g->D > 1 && g->S > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with --stages %d: data-parallel members inside a "
-                         "pipelined group are not built yet; use --stages 1", g->D, g->S);
-  if (g->D > 1 && (f->net.bootstrap || f->gossip.servers))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with %s: averaging a data-parallel group with other "
-                         "groups is not built yet; a data-parallel group trains alone", g->D,
+  g->T = (int)f->pipe.tensor_parallel;
+  g->N = g->S * g->D * g->T;
+  const char *which = g->T > 1 ? "--tensor-parallel" : "--data-parallel";
+  int how = g->T > 1 ? g->T : g->D;
+  if (g->D * g->T > COMM_MAX_MEMBERS)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d x --tensor-parallel %d is %d processes, more than %d",
+                         g->D, g->T, g->D * g->T, COMM_MAX_MEMBERS);
+  if (g->D * g->T > 1 && g->S > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with --stages %d: data- or tensor-parallel processes inside a "
+                         "pipelined group are not built yet; use --stages 1", which, how, g->S);
+  if (g->D * g->T > 1 && (f->net.bootstrap || f->gossip.servers))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with %s: averaging a data- or tensor-parallel group with other "
+                         "groups is not built yet; such a group trains alone", which, how,
                          f->net.bootstrap ? "--bootstrap" : "--servers");
   if (g->D == 1 && f->pipe.zero)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs --data-parallel D with D > 1", (long long)f->pipe.zero);
@@ -415,10 +430,14 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   net_keys_free(&keys);
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&plan.spec, spec, sizeof spec);
-  if (g->D > 1) {
-    log_info("group %s: %s on %d data-parallel members (ZeRO %lld), each on its slice of every batch of %lld", g->name,
-             spec, g->D, (long long)f->pipe.zero, (long long)tc.batch);
-    for (int r = 0; r < g->D; r++) log_info("  member %d/%d on %s", r, g->D, g->devices[r]);
+  if (g->T > 1 && (rc = model_tp_check(&plan.spec, g->T, e))) return rumor_err_prefix(e, "--tensor-parallel");
+  if (g->S == 1 && g->N > 1) {
+    log_info("group %s: %s on %d data-parallel member%s (ZeRO %lld) of %d tensor-parallel rank%s, each member on its "
+             "slice of every batch of %lld", g->name, spec, g->D, g->D == 1 ? "" : "s", (long long)f->pipe.zero, g->T,
+             g->T == 1 ? "" : "s", (long long)tc.batch);
+    for (int i = 0; i < g->N; i++)
+      log_info("  member %d/%d (data-parallel %d/%d, tensor-parallel %d/%d) on %s", i, g->N, i / g->T, g->D, i % g->T,
+               g->T, g->devices[i]);
     return 0;
   }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
@@ -437,7 +456,7 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
 static int start_stages(struct group *g, const struct arg_spec *specs, int argc, char **argv, struct rumor_err *e) {
   for (int i = 0; i < g->N; i++) {
     struct child *k = &g->kids[i];
-    k->stage = i / g->D;
+    k->stage = g->S > 1 ? i : 0;
     k->fd = -1;
     k->failed_stage = -1;
     k->buf = xmalloc(LINE_MAX_BYTES);
@@ -450,7 +469,7 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     g->nkids++;
     log_info("group %s: %s %d/%d is pid %d", g->name, what(g), i, g->N, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
-    bool need_link = k->stage < g->S - 1, need_comm = g->D > 1 && i % g->D < g->D - 1;
+    bool need_link = k->stage < g->S - 1, need_comm = g->S == 1 && i < g->N - 1;
     while ((need_link && !k->link[0]) || (need_comm && !k->comm[0])) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
@@ -589,6 +608,7 @@ static void print_summary(const struct group *g, int status) {
     json_text_set(o, "data_parallel", json_integer(g->D));
     json_text_set(o, "zero", json_integer(g->f.pipe.zero));
   }
+  if (g->T > 1) json_text_set(o, "tensor_parallel", json_integer(g->T));
   /* The largest process's peak resident memory (each reported its own). */
   json_int_t peak = 0;
   for (int i = 0; i < g->nkids; i++) {

@@ -24,8 +24,12 @@ struct stage_proc {
   struct trainer t;
   bool have_trainer;
   int dp_rank, dp_size;  /* --dp r/D (0/1 without it) */
+  int tp_rank, tp_size;  /* --tp t/T (0/1 without it) */
+  int member, members;   /* this process's index among the group's T x D processes: dp_rank x T + tp_rank */
   struct train_dp dp;    /* with dp_size > 1: tc.dp points here */
-  comm_t *comm;          /* the data-parallel members of this stage */
+  struct train_tp tp;    /* with tp_size > 1: tc.tp points here */
+  comm_t *comm;          /* every process of the group (the mesh) */
+  comm_t *dp_comm, *tp_comm; /* its data-parallel and tensor-parallel sub-communicators, or NULL */
   char peer_addrs[COMM_MAX_MEMBERS][NET_HOST_MAX + 8]; /* --comm-peers */
   struct member mb;
   stage_link_t *link;
@@ -79,26 +83,41 @@ static int check_link_addrs(const struct pipe_flags *pf, struct rumor_err *e) {
 /* The data-parallel options against the rest. */
 static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
   const struct pipe_flags *pf = &p->f.pipe;
-  if (p->dp_size == 1) {
+  p->members = p->dp_size * p->tp_size;
+  p->member = p->dp_rank * p->tp_size + p->tp_rank;
+  const char *which = p->tp_size > 1 ? "--tp" : "--dp", *val = p->tp_size > 1 ? pf->tp : pf->dp;
+  if (p->members > COMM_MAX_MEMBERS)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%d data-parallel members of %d tensor-parallel ranks: %d processes, "
+                         "more than %d", p->dp_size, p->tp_size, p->members, COMM_MAX_MEMBERS);
+  if (p->dp_size == 1 && p->tp_size > 1 && pf->zero)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members (--dp r/D, D > 1)",
+                         (long long)pf->zero);
+  if (p->members == 1) {
     if (pf->zero) return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members (--dp r/D, D > 1)",
                                        (long long)pf->zero);
     return 0;
   }
   if (stages > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s with %d stages: data-parallel members inside a pipelined group "
-                         "are not built yet; use --stages 1", pf->dp, stages);
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s %s with %d stages: data- or tensor-parallel processes inside a "
+                         "pipelined group are not built yet; use --stages 1", which, val, stages);
   if (p->f.net.bootstrap || p->f.gossip.servers)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s with %s: averaging a data-parallel group with other groups is "
-                         "not built yet; a data-parallel group trains alone", pf->dp,
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s %s with %s: averaging a data- or tensor-parallel group with other "
+                         "groups is not built yet; such a group trains alone", which, val,
                          p->f.net.bootstrap ? "--bootstrap" : "--servers");
+  if (p->tp_size > 1) {
+    struct model_spec spec;
+    if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
+    if (model_tp_check(&spec, p->tp_size, e)) return rumor_err_prefix(e, "--tp %s", pf->tp);
+  }
   if (net_addr_check_listen(pf->comm_listen, e)) return rumor_err_prefix(e, "--comm-listen");
   size_t n = 0;
   if (pf->comm_peers &&
       net_addr_list_split(pf->comm_peers, &p->peer_addrs[0][0], sizeof p->peer_addrs[0], COMM_MAX_MEMBERS, &n, e))
     return rumor_err_prefix(e, "--comm-peers");
-  if ((int)n != p->dp_rank)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--dp %s needs --comm-peers with the addresses of members 0 .. %d (%d "
-                         "of them), not %zu", pf->dp, p->dp_rank - 1, p->dp_rank, n);
+  if ((int)n != p->member)
+    return rumor_err_set(e, RUMOR_EFORMAT, "process %d of the group (%s %s) needs --comm-peers with the addresses "
+                         "of processes 0 .. %d (%d of them), not %zu", p->member, which, val, p->member - 1, p->member,
+                         n);
   return 0;
 }
 
@@ -136,8 +155,9 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
-  p->dp_size = 1;
-  if (p->f.pipe.dp && group_dp_parse(p->f.pipe.dp, &p->dp_rank, &p->dp_size, &e)) {
+  p->dp_size = p->tp_size = 1;
+  if ((p->f.pipe.dp && group_dp_parse("dp", p->f.pipe.dp, &p->dp_rank, &p->dp_size, &e)) ||
+      (p->f.pipe.tp && group_dp_parse("tp", p->f.pipe.tp, &p->tp_rank, &p->tp_size, &e))) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
@@ -151,8 +171,8 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     return 2;
   }
   char name[96];
-  if (p->dp_size > 1)
-    snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->dp_rank);
+  if (p->members > 1)
+    snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->member);
   else
     snprintf(name, sizeof name, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage);
   log_set_name(name);
@@ -167,13 +187,13 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
   snprintf(text, sizeof text, "%s zero=%lld", agree, (long long)p->f.pipe.zero);
   const char *peers[COMM_MAX_MEMBERS];
-  for (int j = 0; j < p->dp_rank; j++) peers[j] = p->peer_addrs[j];
+  for (int j = 0; j < p->member; j++) peers[j] = p->peer_addrs[j];
   struct comm_net_config cc = {.identity = &p->keys.identity,
                                .cluster_key = p->keys.cluster_key,
                                .group = p->st.group,
                                .agreement = text,
-                               .rank = p->dp_rank,
-                               .size = p->dp_size,
+                               .rank = p->member,
+                               .size = p->members,
                                .listen = p->f.pipe.comm_listen,
                                .peers = peers,
                                .connect_timeout_ms = (uint32_t)p->f.pipe.link_wait_ms,
@@ -181,9 +201,22 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
                                .dead_after_ms = (uint32_t)p->f.net.dead_after_ms,
                                .stop = signals_stop_flag()};
   int rc = comm_net_start(&p->comm, &cc, e);
-  if (rc) return rumor_err_prefix(e, "data-parallel member %d/%d", p->dp_rank, p->dp_size);
-  p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
-  p->tc.dp = &p->dp;
+  if (rc) return rumor_err_prefix(e, "process %d/%d of the group", p->member, p->members);
+  /* The processes of one data-parallel member (its tensor-parallel ranks),
+   * and those holding the same slices in every member. */
+  int tp_members[COMM_MAX_MEMBERS], dp_members[COMM_MAX_MEMBERS];
+  for (int j = 0; j < p->tp_size; j++) tp_members[j] = p->dp_rank * p->tp_size + j;
+  for (int j = 0; j < p->dp_size; j++) dp_members[j] = j * p->tp_size + p->tp_rank;
+  if (p->tp_size > 1) {
+    p->tp_comm = p->dp_size > 1 ? comm_sub(p->comm, tp_members, p->tp_size, 1) : p->comm;
+    p->tp = (struct train_tp){.comm = p->tp_comm, .all = p->comm};
+    p->tc.tp = &p->tp;
+  }
+  if (p->dp_size > 1) {
+    p->dp_comm = p->tp_size > 1 ? comm_sub(p->comm, dp_members, p->dp_size, 2) : p->comm;
+    p->dp = (struct train_dp){.comm = p->dp_comm, .zero = (int)p->f.pipe.zero};
+    p->tc.dp = &p->dp;
+  }
   return 0;
 }
 
@@ -345,7 +378,7 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   p->have_keys = true;
   if (p->f.train.tensorboard) {
     char run[96];
-    snprintf(run, sizeof run, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->dp_rank);
+    snprintf(run, sizeof run, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->member);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
   }
   if ((rc = start_comm(p, e))) return rc;
@@ -355,7 +388,7 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
-  json_text_set(o, "dp", json_integer(p->dp_rank));
+  json_text_set(o, "member", json_integer(p->member));
   json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
   json_text_print(stdout, o);
   return 0;
@@ -365,7 +398,8 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = comm_wait_ready(p->comm, e);
   if (rc) return rc;
-  log_info("data-parallel member %d/%d: all %d members connected (ZeRO %lld)", p->dp_rank, p->dp_size, p->dp_size,
+  log_info("process %d/%d (data-parallel member %d/%d, tensor-parallel rank %d/%d): all %d members connected "
+           "(ZeRO %lld)", p->member, p->members, p->dp_rank, p->dp_size, p->tp_rank, p->tp_size, p->members,
            (long long)p->f.pipe.zero);
   double t0 = clock_now_s();
   int64_t s0 = t->st.samples;
@@ -384,7 +418,8 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
   log_info("final %s after %lld steps", final, (long long)t->st.step);
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
-  json_text_set(o, "dp", json_integer(p->dp_rank));
+  json_text_set(o, "member", json_integer(p->member));
+  if (p->tp_size > 1) json_text_set(o, "tensor_parallel", json_integer(p->tp_size));
   result_training(o, t, secs, s0);
   result_print(o);
   return 0;
@@ -411,8 +446,8 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   } else {
     snprintf(why, sizeof why, "stage %d/%d failed: %.360s", me, S, e->msg);
     if (p->comm) {
-      culprit = p->dp_rank;
-      snprintf(why, sizeof why, "data-parallel member %d/%d failed: %.360s", p->dp_rank, p->dp_size, e->msg);
+      culprit = p->member;
+      snprintf(why, sizeof why, "member %d/%d failed: %.360s", p->member, p->members, e->msg);
     }
   }
   if (p->link) stage_link_abort(p->link, culprit, why);
@@ -442,7 +477,7 @@ int cmd_stage(int argc, char **argv) {
   if (done) return status;
   struct rumor_err e = {0};
   int rc;
-  if (p->dp_size > 1) {
+  if (p->members > 1) {
     rc = dp_prepare(p, &e);
     if (rc == 0) rc = dp_run(p, &e);
   } else {
@@ -458,7 +493,10 @@ int cmd_stage(int argc, char **argv) {
   member_free(&p->mb, p->f.net.linger_ms);
   tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);
-  comm_free(p->comm, 10000); /* after the trainer: it used it to the end */
+  /* After the trainer: it used them to the end. */
+  if (p->dp_comm != p->comm) comm_free(p->dp_comm, 0);
+  if (p->tp_comm != p->comm) comm_free(p->tp_comm, 0);
+  comm_free(p->comm, 10000);
   if (p->have_keys) net_keys_free(&p->keys);
   return status;
 }

@@ -18,6 +18,7 @@ void group_flags_default(struct group_flags *f) {
   p->link_listen = "127.0.0.1:0";
   p->stages = 1;
   p->data_parallel = 1;
+  p->tensor_parallel = 1;
   p->comm_listen = "127.0.0.1:0";
 }
 
@@ -37,6 +38,10 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "there are S GPUs, else cpu)"},
         {"data-parallel", ARG_INT, &f->data_parallel, "D",
          "member processes that split every batch (with --stages 1; see --zero)", 1, COMM_MAX_MEMBERS},
+        {"tensor-parallel", ARG_INT, &f->tensor_parallel, "T",
+         "processes that split every layer (Megatron: attention by heads, the MLP by columns then rows, the "
+         "vocabulary); with --data-parallel D, each member is T of them (T x D processes)",
+         1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   } else {
@@ -44,11 +49,12 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"stage", ARG_STR, &f->stage, "s/S", "this process is stage s of S of the group (required)"},
         {"link-listen", ARG_STR, &f->link_listen, "HOST:PORT", "address the next stage dials (port 0: any free port)"},
         {"link-prev", ARG_STR, &f->link_prev, "HOST:PORT", "the previous stage's --link-listen address (not on stage 0)"},
-        {"dp", ARG_STR, &f->dp, "r/D", "this process is data-parallel member r of D of its stage (default 0/1)"},
+        {"dp", ARG_STR, &f->dp, "r/D", "this process is in data-parallel member r of D of its stage (default 0/1)"},
+        {"tp", ARG_STR, &f->tp, "t/T", "this process is tensor-parallel rank t of T of its member (default 0/1)"},
         {"comm-listen", ARG_STR, &f->comm_listen, "HOST:PORT",
          "address the data-parallel members above this one dial (port 0: any free port)"},
         {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
-         "the --comm-listen addresses of data-parallel members 0 .. r-1 (required for r > 0)"},
+         "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (required for k > 0)"},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   }
@@ -95,17 +101,17 @@ int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *
   return 0;
 }
 
-int group_dp_parse(const char *s, int *rank, int *size, struct rumor_err *e) {
+int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct rumor_err *e) {
   const char *slash = s ? strchr(s, '/') : NULL;
   int64_t a, b;
   char first[24];
   if (!slash || (size_t)(slash - s) >= sizeof first || parse_i64(slash + 1, 1, COMM_MAX_MEMBERS, &b))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--dp '%s': expected r/D with 0 <= r < D <= %d, e.g. 0/2", s ? s : "",
-                         COMM_MAX_MEMBERS);
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': expected r/N with 0 <= r < N <= %d, e.g. 0/2", flag,
+                         s ? s : "", COMM_MAX_MEMBERS);
   memcpy(first, s, (size_t)(slash - s));
   first[slash - s] = '\0';
   if (parse_i64(first, 0, b - 1, &a))
-    return rumor_err_set(e, RUMOR_EFORMAT, "--dp '%s': expected r/D with 0 <= r < D <= %d, e.g. 0/2", s,
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s '%s': expected r/N with 0 <= r < N <= %d, e.g. 0/2", flag, s,
                          COMM_MAX_MEMBERS);
   *rank = (int)a;
   *size = (int)b;

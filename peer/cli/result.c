@@ -21,8 +21,8 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
   if (trainer_is_dp(t)) {
     json_text_set(o, "zero", json_integer(t->zero.dp.zero));
     json_text_set(o, "data_parallel", json_integer(t->zero.size));
-    json_text_set(o, "comm_bytes_per_step", json_text_real(t->zero.step_bytes));
   }
+  if (trainer_in_group_comm(t)) json_text_set(o, "comm_bytes_per_step", json_text_real(t->comm_step_bytes));
   if (!trainer_has_loss(t)) return;
   /* A language model's evaluation is on held-out tokens: its loss per token
    * and how often the likeliest next token is the right one. */

@@ -28,6 +28,7 @@ void train_config_default(struct train_config *c) {
 }
 
 bool trainer_is_stage(const struct trainer *t) { return t->stage.stages > 0; }
+bool trainer_in_group_comm(const struct trainer *t) { return t->cfg.tp || t->cfg.dp; }
 static bool first_stage(const struct trainer *t) { return !trainer_is_stage(t) || t->stage.stage == 0; }
 bool trainer_has_loss(const struct trainer *t) {
   return !trainer_is_stage(t) || t->stage.stage == t->stage.stages - 1;
@@ -739,8 +740,13 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   t->reduce_s = 0;
   int64_t rows = 0;
   int rc;
+  comm_t *top = t->cfg.tp ? t->cfg.tp->all : t->cfg.dp ? t->cfg.dp->comm : NULL;
+  uint64_t sent0 = 0, recv0 = 0, sent1 = 0, recv1 = 0;
+  if (top) comm_bytes(top, &sent0, &recv0);
   rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, &loss, e);
   if (rc < 0) return rc;
+  if (top) comm_bytes(top, &sent1, &recv1);
+  if (top) t->comm_step_bytes = (double)(sent1 - sent0 + recv1 - recv0);
   /* Dropped (rc 1): the batch is used up, but the step count is the
    * state's that replaced ours. */
   if (rc == 0) t->st.step++;

@@ -478,8 +478,6 @@ struct train_zero {
   struct tensor dbuf[2];  /* ZeRO 2/3: the per-unit backward's gradient ping-pong */
   float *host;            /* a device backend's staging for collectives (NULL on the CPU) */
   int64_t host_floats;
-  uint64_t sent0, received0; /* comm_bytes at the start of the current step */
-  double step_bytes;      /* bytes sent + received in the last step */
 };
 
 struct trainer {
@@ -529,6 +527,7 @@ struct trainer {
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
   float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
+  double comm_step_bytes; /* a group member: payload bytes it sent and received in its last step */
   int64_t tp_host_floats;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
@@ -550,6 +549,8 @@ void trainer_set_link(struct trainer *t, stage_link_t *link);
 bool trainer_is_stage(const struct trainer *t);
 /* True for a data-parallel member of a group (cfg.dp). */
 bool trainer_is_dp(const struct trainer *t);
+/* True for a tensor-parallel rank or a data-parallel member (cfg.tp, cfg.dp). */
+bool trainer_in_group_comm(const struct trainer *t);
 /* This process's peak resident memory so far, in bytes (getrusage). */
 int64_t trainer_peak_rss_bytes(void);
 /* True for a whole replica and for a pipeline's last stage: the loss is here. */

@@ -220,7 +220,6 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
   struct model *m = &t->model;
   struct train_zero *z = &t->zero;
   int U = m->table.nunits, rc;
-  comm_bytes(z->dp.comm, &z->sent0, &z->received0);
   int64_t lo, hi;
   my_rows(z, rows, &lo, &hi);
   int64_t n = hi - lo;
@@ -264,9 +263,6 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
     if (z->dp.zero <= 2 && (rc = collective(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
   }
   tensor_backend_sync(t->be);
-  uint64_t s1, r1;
-  comm_bytes(z->dp.comm, &s1, &r1);
-  z->step_bytes = (double)(s1 - z->sent0 + r1 - z->received0);
   return 0;
 }
 

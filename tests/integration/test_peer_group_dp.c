@@ -51,6 +51,8 @@ static double max_diff(const char *a, const char *b, int64_t *count) {
   return worst;
 }
 
+static const char *make_text(void);
+
 static double json_number(const char *text, const char *key) {
   char pat[64];
   snprintf(pat, sizeof pat, "\"%s\":", key);
@@ -59,19 +61,22 @@ static double json_number(const char *text, const char *key) {
   return p ? strtod(p + strlen(pat), NULL) : NAN;
 }
 
-/* D members at ZeRO Z train 12 steps of batch 50 (uneven slices for D = 3)
- * with AdamW and clipping; the group's checkpoint equals the single
- * process's within 5e-5 (test_peer_zero's tolerance: float rounding of the
- * sliced sums, compounded by Adam). */
-static void group_equals_train(const char *D, const char *Z) {
-  SKIP_WITHOUT_DATA();
+/* A group (`layout`: its --data-parallel, --tensor-parallel and --zero
+ * options) trains 12 steps of batch 50 (uneven slices for D = 3) with AdamW
+ * and clipping; its checkpoint equals the single process's within 5e-5
+ * (test_peer_zero's tolerance: float rounding of the sliced sums,
+ * compounded by Adam), and so do its result line's figures. */
+static void layout_equals_train(const char *model, char *const *layout, int D, int T, int Z) {
+  bool lm = strncmp(model, "gpt", 3) == 0;
+  if (!lm) SKIP_WITHOUT_DATA();
   char id[256], ref[256], grp[256];
   cluster_make_identity(&C, "dp", id, sizeof id);
   snprintf(ref, sizeof ref, "%s/ref.safetensors", C.dir);
-  snprintf(grp, sizeof grp, "%s/group-z%s-d%s.safetensors", C.dir, Z, D);
-  char *common[] = {"--model", "mlp:784-48-24-10", "--batch", "50", "--max-steps", "12", "--seed", "7",
+  snprintf(grp, sizeof grp, "%s/group-z%d-d%d-t%d.safetensors", C.dir, Z, D, T);
+  char *common[] = {"--model", (char *)model, "--batch", lm ? "6" : "50", "--max-steps", "12", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--grad-clip", "1", "--threads", "1",
-                    "--log-every", "0", NULL};
+                    "--log-every", "0", "--eval-batches", "4", lm ? "--data" : NULL, lm ? (char *)make_text() : NULL,
+                    NULL};
   char *single[64] = {"train", "--checkpoint", ref};
   int n = 3;
   for (int i = 0; common[i]; i++) single[n++] = common[i];
@@ -79,34 +84,50 @@ static void group_equals_train(const char *D, const char *Z) {
   char *out, *err;
   int st = cluster_run(&C, single, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
-  double acc1 = json_number(out, "test_accuracy");
+  const char *metric = lm ? "val_loss" : "test_accuracy";
+  double acc1 = json_number(out, metric);
   free(out), free(err);
 
-  char *group[64] = {"group", "--data-parallel", (char *)D, "--zero", (char *)Z, "--cluster-key", C.key,
-                     "--identity", id, "--checkpoint", grp};
-  n = 11;
+  char *group[64] = {"group", "--cluster-key", C.key, "--identity", id, "--checkpoint", grp};
+  n = 7;
+  for (int i = 0; layout[i]; i++) group[n++] = layout[i];
   for (int i = 0; common[i]; i++) group[n++] = common[i];
   group[n] = NULL;
   st = cluster_run(&C, group, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
   cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "no ok summary: %s", out);
   cr_assert_eq(json_number(out, "steps"), 12, "%s", out);
-  cr_assert_eq(json_number(out, "data_parallel"), atoi(D), "%s", out);
-  cr_assert_eq(json_number(out, "zero"), atoi(Z), "%s", out);
+  if (D > 1) cr_assert_eq(json_number(out, "data_parallel"), D, "%s", out);
+  if (D > 1) cr_assert_eq(json_number(out, "zero"), Z, "%s", out);
+  if (T > 1) cr_assert_eq(json_number(out, "tensor_parallel"), T, "%s", out);
   cr_assert_gt(json_number(out, "peak_rss_bytes"), 1e6, "%s", out);
   cr_assert_gt(json_number(out, "comm_bytes_per_step"), 0, "%s", out);
-  double acc = json_number(out, "test_accuracy");
-  cr_assert(fabs(acc - acc1) <= 2e-3, "the group's test accuracy %.4f, the single process's %.4f", acc, acc1);
+  double acc = json_number(out, metric);
+  cr_assert(fabs(acc - acc1) <= 2e-3 * (lm ? fabs(acc1) : 1), "the group's %s %.5f, the single process's %.5f", metric,
+            acc, acc1);
   free(out), free(err);
   int64_t count;
   double worst = max_diff(grp, ref, &count);
-  cr_expect(worst <= 5e-5, "D=%s ZeRO %s: the group's checkpoint is %.3g from rumor train's (%lld floats)", D, Z,
-            worst, (long long)count);
+  cr_expect(worst <= 5e-5, "D=%d T=%d ZeRO %d: the group's checkpoint is %.3g from rumor train's (%lld floats)", D, T,
+            Z, worst, (long long)count);
 }
 
-Test(group_dp, zero0_d2_equals_train) { group_equals_train("2", "0"); }
-Test(group_dp, zero2_d2_equals_train) { group_equals_train("2", "2"); }
-Test(group_dp, zero3_d3_equals_train) { group_equals_train("3", "3"); }
+Test(group_dp, zero0_d2_equals_train) {
+  layout_equals_train("mlp:784-48-24-10", (char *[]){"--data-parallel", "2", NULL}, 2, 1, 0);
+}
+Test(group_dp, zero2_d2_equals_train) {
+  layout_equals_train("mlp:784-48-24-10", (char *[]){"--data-parallel", "2", "--zero", "2", NULL}, 2, 1, 2);
+}
+Test(group_dp, zero3_d3_equals_train) {
+  layout_equals_train("mlp:784-48-24-10", (char *[]){"--data-parallel", "3", "--zero", "3", NULL}, 3, 1, 3);
+}
+Test(group_dp, tensor_parallel_t2_equals_train) {
+  layout_equals_train("gpt:L2-H4-C32-T16-V257", (char *[]){"--tensor-parallel", "2", NULL}, 1, 2, 0);
+}
+Test(group_dp, tensor_parallel_t2_with_zero1_d2_equals_train) {
+  layout_equals_train("gpt:L2-H4-C32-T16-V257",
+                      (char *[]){"--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1", NULL}, 2, 2, 1);
+}
 
 /* A member killed mid-run: the others' collectives fail naming it, and the
  * group stops with a non-zero exit naming a member. */
@@ -144,11 +165,17 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--zero", "2"), 2, "--zero 2 needs --data-parallel D with D > 1");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "4"), 2, "--zero: '4' is not an integer in [0, 3]");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2"), 2,
-                      "data-parallel members inside a pipelined group are not built yet");
-  cluster_expect_exit(&C, G("--data-parallel", "2", "--bootstrap", "127.0.0.1:9"), 2,
-                      "a data-parallel group trains alone");
-  cluster_expect_exit(&C, P("--dp", "2/2"), 2, "--dp '2/2': expected r/D with 0 <= r < D");
-  cluster_expect_exit(&C, P("--dp", "1/2"), 2, "--dp 1/2 needs --comm-peers with the addresses of members 0 .. 0");
+                      "data- or tensor-parallel processes inside a pipelined group are not built yet");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--bootstrap", "127.0.0.1:9"), 2, "such a group trains alone");
+  cluster_expect_exit(&C, G("--tensor-parallel", "3", "--model", "gpt:L2-H4-C32-T16-V257"), 2,
+                      "its 4 heads are not a multiple of 3");
+  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--zero", "1"), 2, "--zero 1 needs --data-parallel D");
+  cluster_expect_exit(&C, P("--dp", "2/2"), 2, "--dp '2/2': expected r/N with 0 <= r < N");
+  cluster_expect_exit(&C, P("--tp", "0/0"), 2, "--tp '0/0': expected r/N");
+  cluster_expect_exit(&C, P("--dp", "1/2"), 2,
+                      "process 1 of the group (--dp 1/2) needs --comm-peers with the addresses of processes 0 .. 0");
+  cluster_expect_exit(&C, P("--dp", "1/2", "--tp", "1/2", "--comm-peers", "127.0.0.1:9"), 2,
+                      "process 3 of the group (--tp 1/2) needs --comm-peers");
   cluster_expect_exit(&C, P("--dp", "0/2", "--comm-listen", "nowhere"), 2, "--comm-listen");
   cluster_expect_exit(&C, P("--zero", "1"), 2, "--zero 1 needs data-parallel members");
 #undef G
