@@ -129,6 +129,9 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   st->stage = stage;
   st->stages = stages;
   st->micro = (int)f->pipe.micro;
+  /* Data- and tensor-parallel processes run whole batches (their slices):
+   * no micro-batches to check against the batch. */
+  if (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp) st->micro = 1;
   if (pipe_schedule_parse(f->pipe.schedule, &st->sched))
     return rumor_err_set(e, RUMOR_EFORMAT, "--pipeline must be gpipe or 1f1b, not '%s'", f->pipe.schedule);
   cfg->stage = st;

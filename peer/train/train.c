@@ -277,6 +277,17 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
   if (rc) goto fail;
+  /* A fresh ZeRO 3 member draws its parameters and gives back what is not
+   * its piece before the optimizer state exists: its peak stays at its
+   * share (the draw may hold a host copy of the whole model meanwhile). */
+  bool fresh = !resumed && !t->init_params;
+  if (fresh && cfg->dp && cfg->dp->zero == 3) {
+    model_init_params(&t->model, t->cfg.seed);
+    int64_t lo, hi;
+    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
+    tensor_discard(&t->model.params, 0, lo);
+    tensor_discard(&t->model.params, hi, t->model.nparams - hi);
+  }
   if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
     int64_t lo, hi;
     zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
@@ -304,7 +315,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     free(t->init_params);
     t->init_params = NULL;
     log_info("weights from %s", cfg->init_from);
-  } else {
+  } else if (!(cfg->dp && cfg->dp->zero == 3)) {
     model_init_params(&t->model, t->cfg.seed);
   }
   if (cfg->dp && (rc = zero_init(t, e))) goto fail;

@@ -38,14 +38,19 @@ static void range_counts(struct train_zero *z, int64_t a, int64_t b) {
 
 enum coll { COLL_ALL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALL_GATHER };
 
-/* A collective over [a, b) of a flat device tensor: in place on the CPU,
- * through the pinned staging buffer on a device (copied out before, back
- * after: what a reduce-scatter leaves outside this member's piece is
- * undefined anyway). */
-static int collective(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
+/* Collectives move at most this many floats at a time (4 MiB): the
+ * communicator copies what it sends and receives, so a whole-buffer call
+ * would hold copies the size of the parameters; segments bound that to a
+ * few of these, and the device staging buffer to one. */
+#define SEGMENT_FLOATS ((int64_t)1 << 20)
+
+/* One segment [a, b) (at most SEGMENT_FLOATS) of a collective over a flat
+ * device tensor: in place on the CPU, through the pinned staging buffer on
+ * a device (copied out before, back after: what a reduce-scatter leaves
+ * outside this member's piece is undefined anyway). */
+static int segment(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
   struct train_zero *z = &t->zero;
   int64_t n = b - a;
-  if (n <= 0 && op == COLL_ALL_REDUCE) return 0;
   float *buf;
   if (on_cpu(t)) {
     buf = (float *)x->data + a;
@@ -64,6 +69,17 @@ static int collective(struct trainer *t, enum coll op, struct tensor *x, int64_t
   }
   if (rc == 0 && !on_cpu(t)) tensor_copy_from_host(x, a, buf, (size_t)n * sizeof(float));
   return rc;
+}
+
+/* A collective over [a, b) of x, segment by segment: each segment's
+ * per-member counts are its intersections with the members' pieces, so
+ * the pieces end up as one call over the whole range would leave them. */
+static int collective(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
+  for (int64_t s = a; s < b; s += SEGMENT_FLOATS) {
+    int rc = segment(t, op, x, s, b - s < SEGMENT_FLOATS ? b : s + SEGMENT_FLOATS, e);
+    if (rc) return rc;
+  }
+  return 0;
 }
 
 /* Gives back the memory of [a, b) of x outside this member's piece. */
@@ -138,6 +154,7 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
       if (rc) return rumor_err_prefix(e, "ZeRO %d's per-unit gradient buffers", z->dp.zero);
     }
   }
+  if (most > SEGMENT_FLOATS) most = SEGMENT_FLOATS;
   if (!on_cpu(t)) {
     z->host_floats = most;
     z->host = tensor_host_alloc(t->be, (size_t)most * sizeof(float));
