@@ -32,6 +32,13 @@ int net_cluster_key_generate(uint8_t key[NET_CLUSTER_KEY_BYTES]) {
 
 void net_identity_wipe(struct net_identity *id) { sodium_memzero(id, sizeof *id); }
 
+void net_identity_derive(const struct net_identity *parent, const char *label, struct net_identity *out) {
+  uint8_t seed[NET_SEED_BYTES];
+  crypto_generichash(seed, sizeof seed, (const uint8_t *)label, strlen(label), parent->sk, NET_SEED_BYTES);
+  crypto_sign_seed_keypair(out->pk, out->sk, seed);
+  sodium_memzero(seed, sizeof seed);
+}
+
 void net_pubkey_format(char out[NET_PUBKEY_STR_LEN + 1], const uint8_t pk[NET_PUBKEY_BYTES]) {
   sodium_bin2base64(out, NET_PUBKEY_STR_LEN + 1, pk, NET_PUBKEY_BYTES, B64_VARIANT);
 }

@@ -65,6 +65,12 @@ int net_crypto_init(void) RUMOR_MUST_CHECK;
 int net_identity_generate(struct net_identity *id) RUMOR_MUST_CHECK;
 int net_cluster_key_generate(uint8_t key[NET_CLUSTER_KEY_BYTES]) RUMOR_MUST_CHECK;
 void net_identity_wipe(struct net_identity *id);
+/* A key pair derived from `parent` for one use: its seed is BLAKE2b-256 of
+ * `label`, keyed with the parent's secret seed (the first NET_SEED_BYTES of
+ * its secret key), so whoever holds the parent's identity file can derive
+ * it, and different labels (a pipeline stage's, a group communicator
+ * member's) never give the same key. */
+void net_identity_derive(const struct net_identity *parent, const char *label, struct net_identity *out);
 
 /* Writes a secret file with mode 0600, atomically: it appears complete or not
  * at all. Unless `force`, an existing file is never replaced (-EEXIST, with a

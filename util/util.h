@@ -30,6 +30,24 @@
  * error (sizeof of a pointer would be 8). */
 #define STR_LEN(s) (sizeof("" s "") - 1)
 #define STR_LIT(s) ("" s ""), STR_LEN(s)
+
+/* Little-endian integers in byte buffers (wire metadata). */
+static inline void le_put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void le_put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t le_get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static inline uint64_t le_get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
 /* Whether the bytes p[0..n) (no NUL needed) are exactly the literal `s`. */
 #define STR_EQ_LIT(p, n, s) ((n) == STR_LEN(s) && memcmp((p), (s), STR_LEN(s)) == 0)
 /* Whether the NUL-terminated string `p` starts with the literal `s`. */

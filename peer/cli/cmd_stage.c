@@ -95,6 +95,9 @@ static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
   if (p->members == 1) {
     if (pf->zero) return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members (--dp r/D, D > 1)",
                                        (long long)pf->zero);
+    if (p->f.train.resume || p->f.train.init_from)
+      return rumor_err_set(e, RUMOR_EFORMAT, "--%s is offered for data- or tensor-parallel groups only, not for "
+                           "pipeline stages", p->f.train.resume ? "resume" : "init-from");
     return 0;
   }
   if (stages > 1)

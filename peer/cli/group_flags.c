@@ -124,6 +124,10 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   int rc = train_flags_config(&f->train, specs, cfg, e);
   if (rc || (rc = stage_link_check_group(f->pipe.group, e))) return rc;
   cfg->model = f->train.model;
+  if ((f->train.resume || f->train.init_from) && !args_given(specs, "model"))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s in a group needs --model too: the group's processes agree on it "
+                         "before any of them reads the weights (it is checked against them)",
+                         f->train.resume ? "resume" : "init-from");
   memset(st, 0, sizeof *st);
   st->group = f->pipe.group;
   st->stage = stage;

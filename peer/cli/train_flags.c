@@ -85,10 +85,15 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
   bool group = who == FLAGS_LAUNCHER || who == FLAGS_STAGE;
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     struct arg_spec sp = specs[i];
-    /* The launcher's --device is --devices (one per stage); groups do not resume. */
-    if ((who == FLAGS_LAUNCHER && strcmp(sp.name, "device") == 0) ||
-        (group && (strcmp(sp.name, "resume") == 0 || strcmp(sp.name, "init-from") == 0)))
-      continue;
+    /* The launcher's --device is --devices (one per stage). Groups resume
+     * (and start from Hugging Face weights) when they are data- or
+     * tensor-parallel: the group commands refuse them for pipelines. */
+    if (who == FLAGS_LAUNCHER && strcmp(sp.name, "device") == 0) continue;
+    if (group && strcmp(sp.name, "resume") == 0)
+      sp.help = "continue a data- or tensor-parallel group from any whole-model checkpoint (each process takes its "
+                "slices and its piece); needs --model, checked against the file";
+    if (group && strcmp(sp.name, "init-from") == 0)
+      sp.help = "start a data- or tensor-parallel group from a Hugging Face model directory's weights";
     if (group && strcmp(sp.name, "checkpoint") == 0)
       sp.help = "each stage saves its units to FILE-stage<s> (X.safetensors: X-stage<s>.safetensors), each epoch and "
                 "at the end";

@@ -115,42 +115,23 @@ static struct comm_net *of(struct comm_transport *t) { return (struct comm_net *
  * stage's. */
 static void derive_identity(const struct net_identity *group, int index, struct net_identity *out) {
   char label[64];
-  int len = snprintf(label, sizeof label, "rumor group comm member %d v1", index);
-  uint8_t seed[NET_SEED_BYTES];
-  crypto_generichash(seed, sizeof seed, (const uint8_t *)label, (size_t)len, group->sk, NET_SEED_BYTES);
-  crypto_sign_seed_keypair(out->pk, out->sk, seed);
-  sodium_memzero(seed, sizeof seed);
+  snprintf(label, sizeof label, "rumor group comm member %d v1", index);
+  net_identity_derive(group, label, out);
 }
 
 /* ---- metadata ---- */
 
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
 
 static void meta_write(uint8_t *m, uint64_t tag, const struct comm_hdr *h) {
-  put_u32(m, META_MAGIC);
-  put_u32(m + 4, (uint32_t)COMM_PROTO_VERSION | h->kind << 16);
-  put_u64(m + 8, tag);
-  put_u64(m + 16, h->seq);
-  put_u32(m + 24, h->step);
-  put_u32(m + 28, 0);
-  put_u64(m + 32, (uint64_t)h->total);
-  put_u64(m + 40, h->shape);
-  put_u64(m + 48, h->bytes);
+  le_put_u32(m, META_MAGIC);
+  le_put_u32(m + 4, (uint32_t)COMM_PROTO_VERSION | h->kind << 16);
+  le_put_u64(m + 8, tag);
+  le_put_u64(m + 16, h->seq);
+  le_put_u32(m + 24, h->step);
+  le_put_u32(m + 28, 0);
+  le_put_u64(m + 32, (uint64_t)h->total);
+  le_put_u64(m + 40, h->shape);
+  le_put_u64(m + 48, h->bytes);
 }
 
 static uint64_t payload_floats(uint64_t bytes) {
@@ -161,17 +142,17 @@ static uint64_t payload_floats(uint64_t bytes) {
 /* Reads and checks metadata against the transfer; false when malformed. */
 static bool meta_read(const struct net_bulk_info *info, uint64_t *tag, struct comm_hdr *h) {
   const uint8_t *m = info->meta;
-  if (info->meta_len != META_BYTES || get_u32(m) != META_MAGIC ||
-      (get_u32(m + 4) & 0xffff) != COMM_PROTO_VERSION || info->wire != NET_DTYPE_F32)
+  if (info->meta_len != META_BYTES || le_get_u32(m) != META_MAGIC ||
+      (le_get_u32(m + 4) & 0xffff) != COMM_PROTO_VERSION || info->wire != NET_DTYPE_F32)
     return false;
-  h->kind = get_u32(m + 4) >> 16;
-  *tag = get_u64(m + 8);
-  h->seq = get_u64(m + 16);
-  h->step = get_u32(m + 24);
-  h->total = (int64_t)get_u64(m + 32);
-  h->shape = get_u64(m + 40);
-  h->bytes = get_u64(m + 48);
-  return h->kind >= 1 && h->kind <= COMM_KIND__MAX && get_u32(m + 28) == 0 && h->bytes <= UINT64_MAX - 8 &&
+  h->kind = le_get_u32(m + 4) >> 16;
+  *tag = le_get_u64(m + 8);
+  h->seq = le_get_u64(m + 16);
+  h->step = le_get_u32(m + 24);
+  h->total = (int64_t)le_get_u64(m + 32);
+  h->shape = le_get_u64(m + 40);
+  h->bytes = le_get_u64(m + 48);
+  return h->kind >= 1 && h->kind <= COMM_KIND__MAX && le_get_u32(m + 28) == 0 && h->bytes <= UINT64_MAX - 8 &&
          info->count == payload_floats(h->bytes);
 }
 

@@ -132,31 +132,12 @@ static void fail(struct stage_link *l, int stage, const char *fmt, ...) {
  * first NET_SEED_BYTES of libsodium's secret key). */
 static void derive_identity(const struct net_identity *group, int stage, struct net_identity *out) {
   char label[64];
-  int n = snprintf(label, sizeof label, "rumor pipeline stage %d v1", stage);
-  uint8_t seed[NET_SEED_BYTES];
-  crypto_generichash(seed, sizeof seed, (const uint8_t *)label, (size_t)n, group->sk, NET_SEED_BYTES);
-  crypto_sign_seed_keypair(out->pk, out->sk, seed);
-  sodium_memzero(seed, sizeof seed);
+  snprintf(label, sizeof label, "rumor pipeline stage %d v1", stage);
+  net_identity_derive(group, label, out);
 }
 
 /* ---- metadata ---- */
 
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
 
 /* Floats per row of a transfer of `kind` to or from the neighbour in `d`:
  * activations and their gradients by the stage's widths; a tied
@@ -179,12 +160,12 @@ static int64_t max_rows(const stage_link_t *l, uint32_t kind) {
 
 /* magic u32 | version u16, kind u16 | step u64 | mb u32 | 0 u32 | rows u64 */
 static void meta_write(uint8_t *m, uint32_t kind, int64_t step, int32_t mb, int64_t rows) {
-  put_u32(m, META_MAGIC);
-  put_u32(m + 4, (uint32_t)LINK_PROTO_VERSION | kind << 16);
-  put_u64(m + 8, (uint64_t)step);
-  put_u32(m + 16, (uint32_t)mb);
-  put_u32(m + 20, 0);
-  put_u64(m + 24, (uint64_t)rows);
+  le_put_u32(m, META_MAGIC);
+  le_put_u32(m + 4, (uint32_t)LINK_PROTO_VERSION | kind << 16);
+  le_put_u64(m + 8, (uint64_t)step);
+  le_put_u32(m + 16, (uint32_t)mb);
+  le_put_u32(m + 20, 0);
+  le_put_u64(m + 24, (uint64_t)rows);
 }
 
 /* ---- sending (loop thread) ---- */
@@ -393,11 +374,11 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   uint32_t kind = 0;
   int64_t rows = 0, width = 0;
   if (!ready) snprintf(why, sizeof why, "a transfer before HELLO");
-  else if (info->meta_len != META_BYTES || get_u32(m) != META_MAGIC || (get_u32(m + 4) & 0xffff) != LINK_PROTO_VERSION)
+  else if (info->meta_len != META_BYTES || le_get_u32(m) != META_MAGIC || (le_get_u32(m + 4) & 0xffff) != LINK_PROTO_VERSION)
     snprintf(why, sizeof why, "a transfer without valid metadata");
   else {
-    kind = get_u32(m + 4) >> 16;
-    rows = (int64_t)get_u64(m + 24);
+    kind = le_get_u32(m + 4) >> 16;
+    rows = (int64_t)le_get_u64(m + 24);
     bool kind_ok = d == STAGE_LINK_PREV ? (kind == STAGE_LINK_ACT || kind == STAGE_LINK_EVAL ||
                                            (kind == STAGE_LINK_TIED_PARAM && l->cfg.tied_floats > 0))
                                         : (kind == STAGE_LINK_GRAD || (kind == STAGE_LINK_TIED_GRAD && l->cfg.tied_floats > 0));
@@ -428,8 +409,8 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   }
   it->dir = d;
   it->kind = kind;
-  it->step = (int64_t)get_u64(m + 8);
-  it->mb = (int32_t)get_u32(m + 16);
+  it->step = (int64_t)le_get_u64(m + 8);
+  it->mb = (int32_t)le_get_u32(m + 16);
   it->rows = rows;
   it->bytes = info->count * sizeof(float);
   it->data = buf;

@@ -63,23 +63,15 @@ struct ps_meta {
   int64_t a, b, c;
 };
 
-static inline void ps_put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint64_t ps_get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
 
 static inline void ps_meta_write(uint8_t out[PS_META_BYTES], const struct ps_meta *m) {
   uint32_t magic = PS_META_MAGIC;
   for (int i = 0; i < 4; i++) out[i] = (uint8_t)(magic >> (8 * i));
   out[4] = (uint8_t)PS_PROTO_VERSION, out[5] = 0;
   out[6] = (uint8_t)m->kind, out[7] = (uint8_t)(m->kind >> 8);
-  ps_put_u64(out + 8, (uint64_t)m->a);
-  ps_put_u64(out + 16, (uint64_t)m->b);
-  ps_put_u64(out + 24, (uint64_t)m->c);
+  le_put_u64(out + 8, (uint64_t)m->a);
+  le_put_u64(out + 16, (uint64_t)m->b);
+  le_put_u64(out + 24, (uint64_t)m->c);
 }
 
 /* Returns 0, or -1 when the blob is not a metadata header of ours. */
@@ -88,9 +80,9 @@ static inline int ps_meta_read(const uint8_t *p, size_t len, struct ps_meta *m) 
   uint32_t magic = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
   if (magic != PS_META_MAGIC || p[4] != PS_PROTO_VERSION || p[5] != 0) return -1;
   m->kind = (uint16_t)(p[6] | p[7] << 8);
-  m->a = (int64_t)ps_get_u64(p + 8);
-  m->b = (int64_t)ps_get_u64(p + 16);
-  m->c = (int64_t)ps_get_u64(p + 24);
+  m->a = (int64_t)le_get_u64(p + 8);
+  m->b = (int64_t)le_get_u64(p + 16);
+  m->c = (int64_t)le_get_u64(p + 24);
   return 0;
 }
 

@@ -50,7 +50,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$rumor" keygen --cluster -o "$tmp/c.key" >/dev/null 2>&1
 "$rumor" keygen -o "$tmp/id.key" >/dev/null 2>&1
 
-field() { printf '%s\n' "$1" | sed -n "s/.*\"$2\":\([-0-9.e]*\).*/\1/p"; }
+field() { printf '%s\n' "$1" | sed -n "s/.*\"$2\":\([-+0-9.e]*\).*/\1/p"; }
 
 # spec MODEL: L C T (layers, width, context) of a preset or a gpt:L..-H..-C..-T..-V.. spec.
 spec() {
@@ -97,7 +97,7 @@ for model in $MODELS; do
     rr=$(awk -v a="$rss" -v b="$rss1" 'BEGIN { printf "%.2f", a / b }')
     tr=$(awk -v a="$tps" -v b="$tps1" 'BEGIN { printf "%.2f", a / b }')
     printf '%-22s %10.0f %6s %10.0f %6s %14s %14s\n' "$name" "$(awk -v r="$rss" 'BEGIN { print r / 1e6 }')" "$rr" \
-      "$tps" "$tr" "${bytes%.*}" "$formula"
+      "$tps" "$tr" "$(printf '%s' "$bytes" | awk '{ if ($1 == "-") print "-"; else printf "%.0f", $1 }')" "$formula"
     case $name in
     zero3-d2)
       if [ "$model" = gpt2-medium ]; then
