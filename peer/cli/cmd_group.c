@@ -430,9 +430,6 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   net_keys_free(&keys);
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&plan.spec, spec, sizeof spec);
-  if ((f->train.resume || f->train.init_from) && g->D * g->T == 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--%s is offered for data- or tensor-parallel groups only, not for "
-                         "pipeline stages", f->train.resume ? "resume" : "init-from");
   if (g->T > 1 && (rc = model_tp_check(&plan.spec, g->T, e))) return rumor_err_prefix(e, "--tensor-parallel");
   if (g->S == 1 && g->N > 1) {
     log_info("group %s: %s on %d data-parallel member%s (ZeRO %lld) of %d tensor-parallel rank%s, each member on its "
