@@ -637,16 +637,19 @@ int cmd_group(int argc, char **argv) {
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
-                      "rumor group (--stages S | --data-parallel D [--zero Z]) [--devices D0,D1,...] "
-                      "--cluster-key FILE --identity FILE [options]",
+                      "rumor group (--stages S | [--tensor-parallel T] [--data-parallel D [--zero Z]]) "
+                      "[--devices D0,D1,...] --cluster-key FILE --identity FILE [options]",
                       "Trains one replica as a peer group of processes on this host.\n"
                       "\n"
+                      "--tensor-parallel T: T processes each hold a slice of every layer (attention by\n"
+                      "heads, the MLP by columns then rows, the vocabulary) and all-reduce activations.\n"
                       "--data-parallel D: D members split every batch (each takes its slice of the rows\n"
-                      "`rumor train --batch B` reads, so a step equals the single process's) and sum their\n"
-                      "gradients over the authenticated transport. --zero shards what they hold: 1 the\n"
-                      "optimizer state, 2 also the gradients, 3 also the parameters (each unit's gathered\n"
-                      "just before its forward and backward and given back after). A data-parallel group\n"
-                      "trains alone (no --bootstrap yet); its checkpoint has the single process's layout.\n"
+                      "`rumor train --batch B` reads) and sum their gradients. --zero shards what they\n"
+                      "hold: 1 the optimizer state, 2 also the gradients, 3 also the parameters (each\n"
+                      "unit's gathered just before its forward and backward and given back after). Both\n"
+                      "together make T x D processes. Their steps equal the single process's, they talk\n"
+                      "over the authenticated transport, their checkpoint has the single process's layout\n"
+                      "(--resume takes any), and such a group trains alone (no --bootstrap yet).\n"
                       "\n"
                       "--stages S: S processes, each\n"
                       "holding a contiguous run of the model's units (split balanced by parameters and\n"
