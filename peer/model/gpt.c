@@ -27,6 +27,38 @@
  * flat buffers (model_tied); the pipeline adds that gradient to unit 0's and
  * refreshes the copy after each update.
  *
+ * Tensor parallelism (model.h's "tensor parallelism", Megatron-LM's
+ * layout; model_gpt_tp): rank r of T holds heads [r·H/T, (r+1)·H/T) of the
+ * attention (those columns of c_attn's q, k and v blocks and of its bias,
+ * those input rows of attn.c_proj), columns [lo, hi) of c_fc
+ * (model_tp_chunk of 4C) and the same input rows of mlp.c_proj, and
+ * vocabulary rows [vlo, vlo + vl) of wte (model_tp_chunk of V); LayerNorms,
+ * wpe and the two projections' biases are replicated. Per block:
+ *
+ *   forward   ln_1 → c_attn (local heads) → attention → c_proj partial
+ *             → ALL-REDUCE → + bias + residual → ln_2 → c_fc (local
+ *             columns) → GELU → mlp.c_proj partial → ALL-REDUCE → + bias
+ *             + residual
+ *   backward  the same in reverse; the gradients of ln_2's and ln_1's
+ *             outputs (partial sums over the local columns and heads) are
+ *             ALL-REDUCEd before the LayerNorms' backward.
+ *
+ * The embedding looks up the rank's vocabulary rows (zeros for the other
+ * tokens; rank 0 adds wpe) and all-reduces; the tied head multiplies by
+ * the rank's rows of wte, so the rank holds logits [vlo, vlo + vl) only, and
+ * its backward all-reduces the gradient of ln_f's output. The loss is the
+ * vocabulary-parallel cross-entropy (tensor_xent_shard_*): one all-reduce
+ * gathers every rank's log-sum-exp and the target logits. Everything
+ * replicated is computed identically on every rank, so its gradients are
+ * identical too.
+ *
+ * One set of passes serves whole models and ranks: they take the widths
+ * from the workspace (hl, cl, fl, vl: H, C, 4C and V in a whole model) and
+ * model_tp_all_reduce does nothing in a whole model, so a whole model runs
+ * the ops it would without tensor parallelism. A rank of one runs the same
+ * ops (but the sharded embedding's lookup, over every row) and its results
+ * are a whole model's bit for bit.
+ *
  * Memory: per sequence position and block the backward keeps qkv, the
  * attention output, the residual after attention and the MLP's
  * pre-activation (10·C floats with the block's input) plus LayerNorm
@@ -41,7 +73,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/model/model_impl.h"
+#include "peer/model/tp_impl.h"
 #include "util/json_text.h"
 
 #define GP(s) (&(s)->u.gpt)
@@ -58,32 +90,39 @@ static const char *const BLOCK_NAMES[B_NPARAMS] = {
     "ln_1.weight",   "ln_1.bias",   "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
     "ln_2.weight",   "ln_2.bias",   "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
 
-/* A block's activations for one micro-batch (the pipeline's stash). */
+/* A block's activations for one micro-batch (the pipeline's stash); the
+ * widths are the model's own (struct gpt_ws). */
 struct gpt_block_acts {
-  struct tensor qkv;    /* (max_rows, T, 3C) */
-  struct tensor att;    /* (max_rows, T, C): attention output before c_proj */
-  struct tensor lse;    /* (max_rows, H, T) */
+  struct tensor qkv;    /* (max_rows, T, 3·cl): the (local) heads' q | k | v */
+  struct tensor att;    /* (max_rows, T, cl): attention output before c_proj */
+  struct tensor lse;    /* (max_rows, hl, T) */
   struct tensor mid;    /* (max_rows, T, C): the residual after attention */
-  struct tensor fc;     /* (max_rows, T, 4C): c_fc's output, before GELU */
+  struct tensor fc;     /* (max_rows, T, fl): c_fc's output, before GELU */
   struct tensor ln1_mean, ln1_rstd, ln2_mean, ln2_rstd; /* (max_rows·T) */
 };
 
 struct gpt_ws {
-  struct tensor p[GPT_MAX_LAYERS][B_NPARAMS];  /* views into params */
+  /* What the model holds: a whole model H heads, width C, 4C MLP columns,
+   * vocabulary rows [0, V); a tensor-parallel rank its share. */
+  int hl;                                      /* heads */
+  int64_t cl, fl;                              /* attention width (hl·C/H) and MLP width */
+  int64_t vlo, vl;                             /* the vocabulary rows [vlo, vlo + vl) of wte and the logits */
+  struct tensor p[GPT_MAX_LAYERS][B_NPARAMS];  /* views into params (the model's own shapes) */
   struct tensor g[GPT_MAX_LAYERS][B_NPARAMS];  /* views into grads */
-  struct tensor wte, wpe, lnf_w, lnf_b;       /* views (wte: into params or the tied copy) */
+  struct tensor wte, wpe, lnf_w, lnf_b;       /* views (wte (vl, C): into params or the tied copy) */
   struct tensor dwte, dwpe, dlnf_w, dlnf_b;
-  struct tensor wte_copy, dwte_copy;          /* the tied copy, on a head stage without unit 0 */
+  struct tensor wte_copy, dwte_copy;          /* the tied copy (of a rank's rows), on a head stage without unit 0 */
   bool dwte_written; /* the head wrote dwte in this step's backward and unit 0's has not run yet: set by the
                        head, consumed by unit 0, so a backward run one unit at a time (ZeRO) adds unit 0's
                        share to the head's as a whole-model backward does */
   int64_t positions;                          /* of the passes; 0: the context */
-  struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the logits */
+  struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the (rank's) logits */
   struct gpt_block_acts blk[GPT_MAX_LAYERS];
   struct tensor lnf_mean, lnf_rstd;           /* (max_rows·T) */
   /* Scratch shared by all units (never live across two passes). */
   struct tensor ln_out, dres, dtmp; /* (max_rows·T, C) */
-  struct tensor big;                /* (max_rows·T, 4C): the GELU output, then its gradient */
+  struct tensor big;                /* (max_rows·T, max(fl, 3·cl)): the GELU output, then its gradient */
+  struct tensor xent;               /* a rank of several: (max(T + 1, 2T)·max_rows·T), the loss's and score's exchange */
 };
 
 /* ---- spec ---- */
@@ -271,30 +310,31 @@ static void gpt_init_unit(const struct model_spec *s, int u, struct rng *r, floa
 /* Table index of block l's entry k, and of the head's two. */
 static size_t block_entry(int l, int k) { return 2 + (size_t)l * B_NPARAMS + (size_t)k; }
 
-static struct tensor view_of(struct tensor *flat, const struct model *m, const struct model_param *p) {
+/* A view of table entry i in `flat` (params or grads), in the model's own
+ * layout (model_own_table). */
+static struct tensor view_of(struct tensor *flat, const struct model *m, size_t i) {
+  const struct model_param *p = &model_own_table(m)->p[i];
   return tensor_view(flat, p->offset - m->param_base, p->ndim, p->shape);
 }
 
 static void bind_params(struct model *m, struct gpt_ws *ws) {
-  const struct model_table *t = &m->table;
   int L = GP(&m->spec)->layers;
   if (m->u0 == 0) {
-    ws->wte = view_of(&m->params, m, &t->p[0]);
-    ws->dwte = view_of(&m->grads, m, &t->p[0]);
-    ws->wpe = view_of(&m->params, m, &t->p[1]);
-    ws->dwpe = view_of(&m->grads, m, &t->p[1]);
+    ws->wte = view_of(&m->params, m, 0);
+    ws->dwte = view_of(&m->grads, m, 0);
+    ws->wpe = view_of(&m->params, m, 1);
+    ws->dwpe = view_of(&m->grads, m, 1);
   }
   for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++)
     for (int k = 0; k < B_NPARAMS; k++) {
-      const struct model_param *p = &t->p[block_entry(u - 1, k)];
-      ws->p[u - 1][k] = view_of(&m->params, m, p);
-      ws->g[u - 1][k] = view_of(&m->grads, m, p);
+      ws->p[u - 1][k] = view_of(&m->params, m, block_entry(u - 1, k));
+      ws->g[u - 1][k] = view_of(&m->grads, m, block_entry(u - 1, k));
     }
   if (m->u1 == L + 2) {
-    ws->lnf_w = view_of(&m->params, m, &t->p[block_entry(L, 0)]);
-    ws->lnf_b = view_of(&m->params, m, &t->p[block_entry(L, 1)]);
-    ws->dlnf_w = view_of(&m->grads, m, &t->p[block_entry(L, 0)]);
-    ws->dlnf_b = view_of(&m->grads, m, &t->p[block_entry(L, 1)]);
+    ws->lnf_w = view_of(&m->params, m, block_entry(L, 0));
+    ws->lnf_b = view_of(&m->params, m, block_entry(L, 1));
+    ws->dlnf_w = view_of(&m->grads, m, block_entry(L, 0));
+    ws->dlnf_b = view_of(&m->grads, m, block_entry(L, 1));
   }
 }
 
@@ -306,12 +346,13 @@ static int stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int 
   return rc;
 }
 
-static int alloc_block_acts(struct model *m, struct gpt_block_acts *b, struct rumor_err *e) {
+static int alloc_block_acts(struct model *m, const struct gpt_ws *ws, struct gpt_block_acts *b, struct rumor_err *e) {
   const struct model_spec *s = &m->spec;
   int64_t R = m->max_rows, T = GP(s)->context, C = GP(s)->width, N = R * T;
-  const int64_t qkv[3] = {R, T, 3 * C}, rtc[3] = {R, T, C}, lse[3] = {R, GP(s)->heads, T}, fc[3] = {R, T, 4 * C};
+  const int64_t qkv[3] = {R, T, 3 * ws->cl}, att[3] = {R, T, ws->cl}, lse[3] = {R, ws->hl, T}, rtc[3] = {R, T, C},
+                fc[3] = {R, T, ws->fl};
   int rc;
-  if ((rc = stashed(m, &b->qkv, TENSOR_F32, 3, qkv, e)) || (rc = stashed(m, &b->att, TENSOR_F32, 3, rtc, e)) ||
+  if ((rc = stashed(m, &b->qkv, TENSOR_F32, 3, qkv, e)) || (rc = stashed(m, &b->att, TENSOR_F32, 3, att, e)) ||
       (rc = stashed(m, &b->lse, TENSOR_F32, 3, lse, e)) || (rc = stashed(m, &b->mid, TENSOR_F32, 3, rtc, e)) ||
       (rc = stashed(m, &b->fc, TENSOR_F32, 3, fc, e)) || (rc = stashed(m, &b->ln1_mean, TENSOR_F32, 1, &N, e)) ||
       (rc = stashed(m, &b->ln1_rstd, TENSOR_F32, 1, &N, e)) || (rc = stashed(m, &b->ln2_mean, TENSOR_F32, 1, &N, e)) ||
@@ -321,26 +362,35 @@ static int alloc_block_acts(struct model *m, struct gpt_block_acts *b, struct ru
 }
 
 static int alloc_scratch(struct model *m, struct gpt_ws *ws, bool blocks, struct rumor_err *e) {
-  int64_t C = GP(&m->spec)->width, N = m->max_rows * GP(&m->spec)->context;
-  const int64_t nc[2] = {N, C}, n4c[2] = {N, 4 * C};
+  int64_t C = GP(&m->spec)->width, N = m->max_rows * GP(&m->spec)->context, S = m->tp ? m->tp->size : 1;
+  int64_t bigw = ws->fl > 3 * ws->cl ? ws->fl : 3 * ws->cl, xn = (S + 1 > 2 * S ? S + 1 : 2 * S) * N;
+  const int64_t nc[2] = {N, C}, nb[2] = {N, bigw};
   int rc;
   if ((rc = tensor_alloc(&ws->ln_out, m->be, TENSOR_F32, 2, nc, e)) ||
       (rc = tensor_alloc(&ws->dres, m->be, TENSOR_F32, 2, nc, e)) ||
-      (rc = tensor_alloc(&ws->dtmp, m->be, TENSOR_F32, 2, nc, e)))
+      (rc = tensor_alloc(&ws->dtmp, m->be, TENSOR_F32, 2, nc, e)) ||
+      (blocks && (rc = tensor_alloc(&ws->big, m->be, TENSOR_F32, 2, nb, e))))
     return rc;
-  return blocks ? tensor_alloc(&ws->big, m->be, TENSOR_F32, 2, n4c, e) : 0;
+  /* Only a rank of several exchanges the loss and the score. */
+  return S > 1 && m->u1 == GP(&m->spec)->layers + 2 ? tensor_alloc(&ws->xent, m->be, TENSOR_F32, 1, &xn, e) : 0;
 }
 
 static int gpt_init(struct model *m, struct rumor_err *e) {
   const struct model_spec *s = &m->spec;
   int L = GP(s)->layers;
   int64_t R = m->max_rows, T = GP(s)->context, C = GP(s)->width, N = R * T;
+  const struct model_table *t = model_own_table(m);
   struct gpt_ws *ws = xcalloc(1, sizeof *ws);
   m->impl = ws;
+  ws->hl = GP(s)->heads / (m->tp ? m->tp->size : 1);
+  ws->cl = C / GP(s)->heads * ws->hl;
+  ws->fl = t->p[block_entry(0, B_FC_B)].shape[0];
+  ws->vlo = m->tp ? m->tp_layout.slice[0].lo : 0;
+  ws->vl = t->p[0].shape[0];
   bind_params(m, ws);
   int rc;
-  if (m->u1 == L + 2 && m->u0 > 0) { /* the head without unit 0: its own copy of wte */
-    const int64_t vc[2] = {GP(s)->vocab, C};
+  if (m->u1 == L + 2 && m->u0 > 0) { /* the head without unit 0: its own copy of (the rank's rows of) wte */
+    const int64_t vc[2] = {ws->vl, C};
     if ((rc = tensor_alloc(&ws->wte_copy, m->be, TENSOR_F32, 2, vc, e)) ||
         (rc = tensor_alloc(&ws->dwte_copy, m->be, TENSOR_F32, 2, vc, e)))
       return rc;
@@ -353,7 +403,7 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
   }
   bool blocks = false;
   for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++) {
-    if ((rc = alloc_block_acts(m, &ws->blk[u - 1], e))) return rc;
+    if ((rc = alloc_block_acts(m, ws, &ws->blk[u - 1], e))) return rc;
     blocks = true;
   }
   if (m->u1 == L + 2 &&
@@ -368,7 +418,7 @@ static void gpt_free(struct model *m) {
   /* Every owner the workspace holds is in the stash or the scratch. */
   for (int i = 0; i < m->nstash; i++) tensor_free(m->stash[i]);
   m->nstash = 0;
-  struct tensor *own[] = {&ws->wte_copy, &ws->dwte_copy, &ws->ln_out, &ws->dres, &ws->dtmp, &ws->big};
+  struct tensor *own[] = {&ws->wte_copy, &ws->dwte_copy, &ws->ln_out, &ws->dres, &ws->dtmp, &ws->big, &ws->xent};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) tensor_free(own[i]);
   free(ws);
   m->impl = NULL;
@@ -397,7 +447,8 @@ static void gpt_set_positions(struct model *m, int64_t t) {
   ((struct gpt_ws *)m->impl)->positions = t;
 }
 
-/* A view of the first `rows` rows of t, reshaped to (d0, d1[, d2]). */
+/* A view of the first `rows` rows of t, reshaped to (d0, d1[, d2]); v1:
+ * n elements from `off`. */
 static struct tensor v2(const struct tensor *t, int64_t d0, int64_t d1) {
   int64_t shape[2] = {d0, d1};
   return tensor_view(t, 0, 2, shape);
@@ -406,12 +457,23 @@ static struct tensor v3(const struct tensor *t, int64_t d0, int64_t d1, int64_t 
   int64_t shape[3] = {d0, d1, d2};
   return tensor_view(t, 0, 3, shape);
 }
-static struct tensor v1(const struct tensor *t, int64_t n) { return tensor_view(t, 0, 1, &n); }
+static struct tensor v1(const struct tensor *t, int64_t off, int64_t n) { return tensor_view(t, off, 1, &n); }
 
 /* y ← x·W + b for x (N, in), W (in, out) in Conv1D layout, b (out). */
 static void linear(const struct tensor *x, const struct tensor *w, const struct tensor *b, struct tensor *y) {
   tensor_gemm(false, false, 1.0f, x, w, 0.0f, y);
   tensor_bias_add(y, b);
+}
+
+/* A projection into the residual stream: y ← x·W, summed over the ranks
+ * when they hold parts of the product (row-parallel), then + b + res. A
+ * whole model runs the gemm, the bias and the add, as linear and an add. */
+static void linear_res(struct model *m, const struct tensor *x, const struct tensor *w, const struct tensor *b,
+                       const struct tensor *res, struct tensor *y) {
+  tensor_gemm(false, false, 1.0f, x, w, 0.0f, y);
+  model_tp_all_reduce(m, y, tensor_numel(y));
+  tensor_bias_add(y, b);
+  tensor_add(y, res, y);
 }
 
 /* The backward of linear: dW ← beta·dW + xᵀ·dy, db ← beta·db + Σ dy and,
@@ -427,32 +489,36 @@ static void embed_forward(struct model *m, int64_t rows) {
   struct gpt_ws *ws = m->impl;
   int64_t T = positions(m), C = GP(&m->spec)->width;
   struct tensor tok = v2(&ws->acts[0], rows, T), out = v3(&ws->acts[1], rows, T, C);
-  tensor_embedding_fwd(&tok, &ws->wte, &ws->wpe, &out);
+  if (!m->tp) {
+    tensor_embedding_fwd(&tok, &ws->wte, &ws->wpe, &out);
+    return;
+  }
+  /* The rank's vocabulary rows; rank 0 adds the positions, so the sum over
+   * the ranks is the whole model's exactly. */
+  tensor_embedding_shard_fwd(&tok, &ws->wte, ws->vlo, m->tp->rank == 0 ? &ws->wpe : NULL, &out);
+  model_tp_all_reduce(m, &out, rows * T * C);
 }
 
 static void block_forward(struct model *m, int u, int64_t rows) {
-  const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   struct gpt_block_acts *a = &ws->blk[u - 1];
   struct tensor *P = ws->p[u - 1];
-  int64_t T = positions(m), C = GP(s)->width, N = rows * T;
+  int64_t T = positions(m), C = GP(&m->spec)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), y = v2(&ws->acts[u + 1], N, C), ln = v2(&ws->ln_out, N, C);
-  struct tensor qkv = v2(&a->qkv, N, 3 * C), att = v2(&a->att, N, C), mid = v2(&a->mid, N, C);
-  struct tensor fc = v2(&a->fc, N, 4 * C), g = v2(&ws->big, N, 4 * C);
-  struct tensor m1 = v1(&a->ln1_mean, N), r1 = v1(&a->ln1_rstd, N), m2 = v1(&a->ln2_mean, N),
-                r2 = v1(&a->ln2_rstd, N);
+  struct tensor qkv = v2(&a->qkv, N, 3 * ws->cl), att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C);
+  struct tensor fc = v2(&a->fc, N, ws->fl), g = v2(&ws->big, N, ws->fl);
+  struct tensor m1 = v1(&a->ln1_mean, 0, N), r1 = v1(&a->ln1_rstd, 0, N), m2 = v1(&a->ln2_mean, 0, N),
+                r2 = v1(&a->ln2_rstd, 0, N);
   tensor_layernorm_fwd(&x, &P[B_LN1_W], &P[B_LN1_B], &ln, &m1, &r1);
   linear(&ln, &P[B_ATTN_W], &P[B_ATTN_B], &qkv);
-  struct tensor qkv3 = v3(&a->qkv, rows, T, 3 * C), att3 = v3(&a->att, rows, T, C);
-  struct tensor lse = v3(&a->lse, rows, GP(s)->heads, T);
-  tensor_attention_fwd(&qkv3, GP(s)->heads, &att3, &lse);
-  linear(&att, &P[B_PROJ_W], &P[B_PROJ_B], &mid);
-  tensor_add(&mid, &x, &mid);
+  struct tensor qkv3 = v3(&a->qkv, rows, T, 3 * ws->cl), att3 = v3(&a->att, rows, T, ws->cl);
+  struct tensor lse = v3(&a->lse, rows, ws->hl, T);
+  tensor_attention_fwd(&qkv3, ws->hl, &att3, &lse);
+  linear_res(m, &att, &P[B_PROJ_W], &P[B_PROJ_B], &x, &mid);
   tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2);
   linear(&ln, &P[B_FC_W], &P[B_FC_B], &fc);
   tensor_gelu_tanh_fwd(&fc, &g);
-  linear(&g, &P[B_MPROJ_W], &P[B_MPROJ_B], &y);
-  tensor_add(&y, &mid, &y);
+  linear_res(m, &g, &P[B_MPROJ_W], &P[B_MPROJ_B], &mid, &y);
 }
 
 static void head_forward(struct model *m, int64_t rows) {
@@ -461,9 +527,9 @@ static void head_forward(struct model *m, int64_t rows) {
   int L = GP(s)->layers;
   int64_t N = rows * positions(m), C = GP(s)->width;
   struct tensor x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
-  struct tensor mf = v1(&ws->lnf_mean, N), rf = v1(&ws->lnf_rstd, N), logits = v2(&ws->acts[L + 2], N, GP(s)->vocab);
+  struct tensor mf = v1(&ws->lnf_mean, 0, N), rf = v1(&ws->lnf_rstd, 0, N), logits = v2(&ws->acts[L + 2], N, ws->vl);
   tensor_layernorm_fwd(&x, &ws->lnf_w, &ws->lnf_b, &ln, &mf, &rf);
-  tensor_gemm(false, true, 1.0f, &ln, &ws->wte, 0.0f, &logits); /* the tied head: ln_f(x)·wteᵀ */
+  tensor_gemm(false, true, 1.0f, &ln, &ws->wte, 0.0f, &logits); /* the tied head: ln_f(x)·wte[vlo, vlo + vl)ᵀ */
 }
 
 static void gpt_forward(struct model *m, int a, int b, int64_t rows) {
@@ -475,50 +541,55 @@ static void gpt_forward(struct model *m, int a, int b, int64_t rows) {
   }
 }
 
-/* dlogits (N, V) → ws->dres = dL/d(ln_f's input). */
+/* dlogits (N, vl) → ws->dres = dL/d(ln_f's input). */
 static void head_backward(struct model *m, int64_t rows, const struct tensor *dout, float beta) {
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   int L = GP(s)->layers;
   int64_t N = rows * positions(m), C = GP(s)->width;
-  struct tensor dl = v2(dout, N, GP(s)->vocab), x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
-  struct tensor mf = v1(&ws->lnf_mean, N), rf = v1(&ws->lnf_rstd, N);
+  struct tensor dl = v2(dout, N, ws->vl), x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
+  struct tensor mf = v1(&ws->lnf_mean, 0, N), rf = v1(&ws->lnf_rstd, 0, N);
   struct tensor dres = v2(&ws->dres, N, C), dln = v2(&ws->dtmp, N, C);
   tensor_layernorm_fwd(&x, &ws->lnf_w, &ws->lnf_b, &ln, &mf, &rf); /* its output, recomputed */
   tensor_gemm(true, false, 1.0f, &dl, &ln, beta, &ws->dwte);
   ws->dwte_written = true;
   tensor_gemm(false, false, 1.0f, &dl, &ws->wte, 0.0f, &dln);
+  model_tp_all_reduce(m, &dln, N * C); /* a rank: the other vocabulary rows' part */
   tensor_fill(&dres, 0.0f);
   tensor_layernorm_bwd(&x, &ws->lnf_w, &mf, &rf, &dln, &dres, &ws->dlnf_w, &ws->dlnf_b, beta);
 }
 
-/* ws->dres holds dL/d(block output) on entry and dL/d(block input) on return. */
+/* ws->dres holds dL/d(block output) on entry and dL/d(block input) on
+ * return. A rank sums the gradients of ln_2's and ln_1's outputs (partial
+ * over its columns and heads) before the LayerNorms' backward. */
 static void block_backward(struct model *m, int u, int64_t rows, float beta) {
-  const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   struct gpt_block_acts *a = &ws->blk[u - 1];
   struct tensor *P = ws->p[u - 1], *G = ws->g[u - 1];
-  int64_t T = positions(m), C = GP(s)->width, N = rows * T;
+  int64_t T = positions(m), C = GP(&m->spec)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), ln = v2(&ws->ln_out, N, C), dres = v2(&ws->dres, N, C);
-  struct tensor dtmp = v2(&ws->dtmp, N, C), big = v2(&ws->big, N, 4 * C);
-  struct tensor att = v2(&a->att, N, C), mid = v2(&a->mid, N, C), fc = v2(&a->fc, N, 4 * C);
-  struct tensor m1 = v1(&a->ln1_mean, N), r1 = v1(&a->ln1_rstd, N), m2 = v1(&a->ln2_mean, N),
-                r2 = v1(&a->ln2_rstd, N);
+  struct tensor dtmp = v2(&ws->dtmp, N, C), big = v2(&ws->big, N, ws->fl);
+  struct tensor att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C), fc = v2(&a->fc, N, ws->fl);
+  struct tensor m1 = v1(&a->ln1_mean, 0, N), r1 = v1(&a->ln1_rstd, 0, N), m2 = v1(&a->ln2_mean, 0, N),
+                r2 = v1(&a->ln2_rstd, 0, N);
   /* The MLP: its output projection needs the GELU output, recomputed. */
   tensor_gelu_tanh_fwd(&fc, &big);
   linear_bwd(&big, &P[B_MPROJ_W], &dres, &G[B_MPROJ_W], &G[B_MPROJ_B], &big, beta);
   tensor_gelu_tanh_bwd(&fc, &big, &big);
   tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2);
   linear_bwd(&ln, &P[B_FC_W], &big, &G[B_FC_W], &G[B_FC_B], &dtmp, beta);
+  model_tp_all_reduce(m, &dtmp, N * C);
   tensor_layernorm_bwd(&mid, &P[B_LN2_W], &m2, &r2, &dtmp, &dres, &G[B_LN2_W], &G[B_LN2_B], beta);
   /* Attention: dres now holds dL/d mid. */
-  linear_bwd(&att, &P[B_PROJ_W], &dres, &G[B_PROJ_W], &G[B_PROJ_B], &dtmp, beta);
-  struct tensor qkv3 = v3(&a->qkv, rows, T, 3 * C), att3 = v3(&a->att, rows, T, C);
-  struct tensor lse = v3(&a->lse, rows, GP(s)->heads, T), datt3 = v3(&ws->dtmp, rows, T, C);
-  struct tensor dqkv3 = v3(&ws->big, rows, T, 3 * C), dqkv = v2(&ws->big, N, 3 * C);
-  tensor_attention_bwd(&qkv3, &att3, &lse, &datt3, GP(s)->heads, &dqkv3);
+  struct tensor datt = v2(&ws->dtmp, N, ws->cl);
+  linear_bwd(&att, &P[B_PROJ_W], &dres, &G[B_PROJ_W], &G[B_PROJ_B], &datt, beta);
+  struct tensor qkv3 = v3(&a->qkv, rows, T, 3 * ws->cl), att3 = v3(&a->att, rows, T, ws->cl);
+  struct tensor lse = v3(&a->lse, rows, ws->hl, T), datt3 = v3(&ws->dtmp, rows, T, ws->cl);
+  struct tensor dqkv3 = v3(&ws->big, rows, T, 3 * ws->cl), dqkv = v2(&ws->big, N, 3 * ws->cl);
+  tensor_attention_bwd(&qkv3, &att3, &lse, &datt3, ws->hl, &dqkv3);
   tensor_layernorm_fwd(&x, &P[B_LN1_W], &P[B_LN1_B], &ln, &m1, &r1);
   linear_bwd(&ln, &P[B_ATTN_W], &dqkv, &G[B_ATTN_W], &G[B_ATTN_B], &dtmp, beta);
+  model_tp_all_reduce(m, &dtmp, N * C);
   tensor_layernorm_bwd(&x, &P[B_LN1_W], &m1, &r1, &dtmp, &dres, &G[B_LN1_W], &G[B_LN1_B], beta);
 }
 
@@ -530,16 +601,18 @@ static void embed_backward(struct model *m, int64_t rows, bool accumulate) {
     tensor_fill(&ws->dwpe, 0.0f);
   }
   struct tensor tok = v2(&ws->acts[0], rows, T), dres = v3(&ws->dres, rows, T, C);
-  tensor_embedding_bwd(&tok, &dres, &ws->dwte, &ws->dwpe);
+  /* A rank scatters into its vocabulary rows only; every rank adds the
+   * whole dL/d out to dwpe: the replicated gradient. */
+  if (!m->tp) tensor_embedding_bwd(&tok, &dres, &ws->dwte, &ws->dwpe);
+  else tensor_embedding_shard_bwd(&tok, &dres, ws->vlo, &ws->dwte, &ws->dwpe);
   ws->dwte_written = false;
 }
 
 static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct tensor *dout, struct tensor *din,
                          bool accumulate) {
-  const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
-  int L = GP(s)->layers;
-  int64_t N = rows * positions(m), C = GP(s)->width;
+  int L = GP(&m->spec)->layers;
+  int64_t N = rows * positions(m), C = GP(&m->spec)->width;
   float beta = accumulate ? 1.0f : 0.0f;
   struct tensor dres = v2(&ws->dres, N, C);
   if (b == L + 2) {
@@ -556,7 +629,6 @@ static void gpt_backward(struct model *m, int a, int b, int64_t rows, struct ten
     tensor_copy(&d, &dres);
   }
 }
-
 
 /* ---- Hugging Face ---- */
 
@@ -672,4 +744,145 @@ const struct model_family_ops model_gpt_ops = {
     .hf_parse = gpt_hf_parse,
     .hf_ignored = gpt_hf_ignored,
     .hf_prefix = "transformer.",
+};
+
+/* ---- tensor parallelism: the cut, the vocabulary-parallel loss and score ---- */
+
+static bool ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), k = strlen(tail);
+  return n >= k && strcmp(s + n - k, tail) == 0;
+}
+
+static int gpt_tp_check(const struct model_spec *s, const char *spec, int size, struct rumor_err *e) {
+  if (GP(s)->heads % size != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "model '%s' cannot be split over %d tensor-parallel ranks: its %d heads are not a multiple "
+                         "of %d",
+                         spec, size, GP(s)->heads, size);
+  if (GP(s)->vocab < size)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "model '%s' cannot be split over %d tensor-parallel ranks: its vocabulary of %lld is "
+                         "smaller than the ranks",
+                         spec, size, (long long)GP(s)->vocab);
+  return 0;
+}
+
+static void gpt_tp_split(const struct model_spec *s, size_t i, const struct model_param *p, int *dim, int *groups) {
+  (void)s;
+  (void)i;
+  static const struct {
+    const char *tail;
+    int dim, groups;
+  } CUTS[] = {
+      {".wte.weight", 0, 1},         /* vocabulary rows */
+      {"attn.c_attn.weight", 1, 3},  /* (C, 3C): the heads' columns of q, k and v */
+      {"attn.c_attn.bias", 0, 3},
+      {"attn.c_proj.weight", 0, 1},  /* (C, C): the heads' input rows */
+      {"mlp.c_fc.weight", 1, 1},     /* (C, 4C): output columns */
+      {"mlp.c_fc.bias", 0, 1},
+      {"mlp.c_proj.weight", 0, 1},   /* (4C, C): the same as input rows */
+  };
+  *dim = -1;
+  *groups = 1;
+  for (size_t k = 0; k < sizeof CUTS / sizeof CUTS[0]; k++)
+    if (ends_with(p->name, CUTS[k].tail)) {
+      *dim = CUTS[k].dim;
+      *groups = CUTS[k].groups;
+    }
+}
+
+/* A rank's logits are its vocabulary rows' only. */
+static int64_t gpt_tp_act_width(const struct model *m, int u) {
+  const struct model_spec *s = &m->spec;
+  if (u == 0) return GP(s)->context;
+  if (u < GP(s)->layers + 2) return GP(s)->context * GP(s)->width;
+  return GP(s)->context * model_own_table(m)->p[0].shape[0];
+}
+
+static void gpt_tp_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
+  struct gpt_ws *ws = m->impl;
+  int64_t n = model_targets(m, rows), S = m->tp->size, shape[2] = {n, ws->vl};
+  struct tensor logits = tensor_view(model_act(m, m->u1), 0, 2, shape), dl = tensor_view(dlogits, 0, 2, shape);
+  struct tensor labels = v1(&m->labels, 0, n), losses = v1(&m->losses, 0, n);
+  if (S == 1) { /* the whole row: model.c's loss, bit for bit */
+    tensor_softmax_xent(&logits, &labels, &dl, &losses, grad_scale);
+    return;
+  }
+  /* xent: S rows of n log-sum-exps (the rank's in row `rank`, zeros
+   * elsewhere), then n target logits; one all-reduce gathers them all. */
+  int64_t pshape[2] = {S, n};
+  struct tensor all = v1(&ws->xent, 0, (S + 1) * n), parts = tensor_view(&ws->xent, 0, 2, pshape);
+  struct tensor mine = v1(&ws->xent, m->tp->rank * n, n), target = v1(&ws->xent, S * n, n);
+  tensor_fill(&all, 0.0f);
+  tensor_xent_shard_stats(&logits, &labels, ws->vlo, &mine, &target);
+  model_tp_all_reduce(m, &all, (S + 1) * n);
+  tensor_xent_shard_grad(&logits, &labels, ws->vlo, &parts, &target, &dl, &losses, grad_scale);
+}
+
+/* The rank's best logit and its class per target into slots [rank·n, ...)
+ * and [(S + rank)·n, ...) of `slots` (2·S·n floats, zeros elsewhere);
+ * classes are below 2^24, exact in a float. */
+static void local_best(const struct gpt_ws *ws, const float *logits, int64_t n, int rank, int64_t S, float *slots) {
+  for (int64_t r = 0; r < n; r++) {
+    const float *row = logits + r * ws->vl;
+    int64_t best = 0;
+    for (int64_t c = 1; c < ws->vl; c++)
+      if (row[c] > row[best]) best = c;
+    slots[rank * n + r] = row[best];
+    slots[(S + rank) * n + r] = (float)(ws->vlo + best);
+  }
+}
+
+/* model_score: the argmax over every rank's logits (the first maximal
+ * class, as model.c's, since ranks hold ascending classes), and the loss. */
+static void gpt_tp_score(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct,
+                         double *loss_sum) {
+  struct gpt_ws *ws = m->impl;
+  int64_t n = model_targets(m, rows), S = m->tp->size;
+  float *logits = xmalloc((size_t)(n * ws->vl) * sizeof(float)), *slots = xcalloc((size_t)(2 * S * n), sizeof(float));
+  struct tensor *out = model_act(m, m->u1);
+  tensor_copy_to_host(out, 0, logits, (size_t)(n * ws->vl) * sizeof(float));
+  local_best(ws, logits, n, m->tp->rank, S, slots);
+  if (S > 1) {
+    struct tensor x = v1(&ws->xent, 0, 2 * S * n);
+    tensor_copy_from_host(&x, 0, slots, (size_t)(2 * S * n) * sizeof(float));
+    model_tp_all_reduce(m, &x, 2 * S * n);
+    tensor_copy_to_host(&x, 0, slots, (size_t)(2 * S * n) * sizeof(float));
+  }
+  for (int64_t r = 0; r < n; r++) {
+    int64_t best = 0;
+    for (int64_t s = 1; s < S; s++)
+      if (slots[s * n + r] > slots[best * n + r]) best = s;
+    *correct += (int64_t)slots[(S + best) * n + r] == labels_host[r];
+  }
+  model_loss(m, rows, out, 0.0f); /* the logits are on the host now */
+  struct tensor losses = v1(&m->losses, 0, n);
+  *loss_sum += tensor_sum(&losses);
+  free(logits);
+  free(slots);
+}
+
+/* A rank runs the passes above; it differs from a whole model in its
+ * logits' width, its initial values, the loss and the score. */
+static const struct model_family_ops gpt_tp_ops = {
+    .name = "gpt",
+    .unit_noun = "block",
+    .init = gpt_init,
+    .free = gpt_free,
+    .act = gpt_act,
+    .forward = gpt_forward,
+    .backward = gpt_backward,
+    .tied = gpt_tied,
+    .tied_entry = 0,
+    .set_positions = gpt_set_positions,
+    .act_width = gpt_tp_act_width,
+    .init_params = model_tp_init_params,
+    .loss = gpt_tp_loss,
+    .score = gpt_tp_score,
+};
+
+const struct model_tp_family model_gpt_tp = {
+    .ops = &gpt_tp_ops,
+    .check = gpt_tp_check,
+    .split = gpt_tp_split,
 };

@@ -63,6 +63,12 @@ struct model_family_ops {
   void (*score)(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum);
 };
 
+/* The table whose offsets and shapes index m->params and m->grads: a
+ * tensor-parallel rank's own (tp_layout.local), else the whole model's. */
+static inline const struct model_table *model_own_table(const struct model *m) {
+  return m->tp ? &m->tp_layout.local : &m->table;
+}
+
 extern const struct model_family_ops model_mlp_ops;
 extern const struct model_family_ops model_gpt_ops;
 

@@ -192,7 +192,7 @@ void model_tp_init_params(struct model *m, uint64_t seed) {
 
 void model_tp_all_reduce(struct model *m, struct tensor *t, int64_t n) {
   struct model_tp *tp = m->tp;
-  if (tp->size == 1 || tp->failed) return;
+  if (!tp || tp->size == 1 || tp->failed) return;
   struct rumor_err e = {0};
   int rc = tp->all_reduce(tp->arg, t, n, &e);
   if (rc) {

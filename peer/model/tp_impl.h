@@ -2,8 +2,9 @@
  * tp_impl.h — what a model family implements for tensor parallelism
  * (private to peer/model/). tp.c holds what every family shares (the
  * layout, scatter and gather, allocation, the collectives' wrapper) and
- * calls a family through this table; gpt_tp.c and mlp_tp.c are the
- * families. A family's rank passes follow model.h's "tensor parallelism".
+ * calls a family through this table. A family's rank runs the family's
+ * own passes (gpt.c, mlp.c: one set for whole models and ranks), which
+ * follow model.h's "tensor parallelism".
  */
 #ifndef RUMOR_PEER_MODEL_TP_IMPL_H
 #define RUMOR_PEER_MODEL_TP_IMPL_H
@@ -27,8 +28,9 @@ extern const struct model_tp_family model_mlp_tp;
 extern const struct model_tp_family model_gpt_tp;
 
 /* Sums the first n floats of t across the rank's group through
- * m->tp->all_reduce: nothing when the group is one rank or an earlier call
- * failed; a failure is recorded in m->tp (model.h's contract). */
+ * m->tp->all_reduce: nothing in a whole model (m->tp NULL), when the group
+ * is one rank or when an earlier call failed; a failure is recorded in
+ * m->tp (model.h's contract). */
 void model_tp_all_reduce(struct model *m, struct tensor *t, int64_t n);
 /* model_init_params of a rank: the whole model's values for units
  * [u0, u1) drawn on the host as model_init_params draws them, then the

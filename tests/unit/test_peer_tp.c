@@ -1,4 +1,4 @@
-/* Tensor parallelism of the models (peer/model/tp.c, gpt_tp.c, mlp_tp.c):
+/* Tensor parallelism of the models (peer/model/tp.c, gpt.c, mlp.c):
  * T ranks run as T threads, each with its own CPU backend (one thread) and
  * a test-local all-reduce (a barrier and a sum in rank order, so every rank
  * gets the same bits), and their loss, every gradient (gathered with
