@@ -56,22 +56,6 @@ static double max_abs(const float *x, int64_t n) {
   return m;
 }
 
-/* A small text for a byte-level GPT: letters and spaces from a fixed
- * generator (any text works; this one needs no package). Returns its path. */
-static const char *make_text(void) {
-  static char path[256];
-  snprintf(path, sizeof path, "%s/text.txt", C.dir);
-  FILE *f = fopen(path, "w");
-  cr_assert_not_null(f);
-  uint64_t x = 88172645463325252ull;
-  for (int i = 0; i < 40000; i++) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    fputc(x % 7 == 0 ? ' ' : 'a' + (int)(x % 23), f);
-  }
-  fclose(f);
-  return path;
-}
-
 static void expect_group_step_equals_single(int stages, const char *schedule, const char *micro, const char *batch,
                                             const char *model, const char *steps) {
   bool lm = strncmp(model, "gpt", 3) == 0;
@@ -86,7 +70,7 @@ static void expect_group_step_equals_single(int stages, const char *schedule, co
    * gradient itself, compared too. */
   char *common[] = {"--model", (char *)model, "--batch", (char *)batch, "--max-steps", (char *)steps, "--seed", "7",
                     "--lr", "0.5", "--no-eval", "--threads", "1", "--log-every", "0",
-                    lm ? "--data" : NULL, lm ? (char *)make_text() : NULL, NULL};
+                    lm ? "--data" : NULL, lm ? (char *)cluster_make_text(&C, 40000) : NULL, NULL};
   char *single[64] = {"train", "--checkpoint", ref};
   int n = 3;
   for (int i = 0; common[i]; i++) single[n++] = common[i];

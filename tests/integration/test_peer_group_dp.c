@@ -51,8 +51,6 @@ static double max_diff(const char *a, const char *b, int64_t *count) {
   return worst;
 }
 
-static const char *make_text(void);
-
 static double json_number(const char *text, const char *key) {
   char pat[64];
   snprintf(pat, sizeof pat, "\"%s\":", key);
@@ -73,10 +71,10 @@ static void layout_equals_train(const char *model, char *const *layout, int D, i
   cluster_make_identity(&C, "dp", id, sizeof id);
   snprintf(ref, sizeof ref, "%s/ref.safetensors", C.dir);
   snprintf(grp, sizeof grp, "%s/group-z%d-d%d-t%d.safetensors", C.dir, Z, D, T);
+  char *text = lm ? (char *)cluster_make_text(&C, 200000) : NULL;
   char *common[] = {"--model", (char *)model, "--batch", lm ? "6" : "50", "--max-steps", "12", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--grad-clip", "1", "--threads", "1",
-                    "--log-every", "0", "--eval-batches", "4", lm ? "--data" : NULL, lm ? (char *)make_text() : NULL,
-                    NULL};
+                    "--log-every", "0", "--eval-batches", "4", lm ? "--data" : NULL, text, NULL};
   char *single[64] = {"train", "--checkpoint", ref};
   int n = 3;
   for (int i = 0; common[i]; i++) single[n++] = common[i];
@@ -182,21 +180,6 @@ Test(group_dp, bad_options_are_refused) {
 #undef P
 }
 
-/* A text any byte-level model trains on (no package needed). */
-static const char *make_text(void) {
-  static char path[256];
-  snprintf(path, sizeof path, "%s/text.txt", C.dir);
-  FILE *f = fopen(path, "w");
-  cr_assert_not_null(f);
-  uint64_t x = 88172645463325252ull;
-  for (int i = 0; i < 200000; i++) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    fputc(x % 7 == 0 ? ' ' : 'a' + (int)(x % 23), f);
-  }
-  fclose(f);
-  return path;
-}
-
 static double peak_of(char *const *args) {
   char *out, *err;
   int st = cluster_run(&C, args, 180, &out, &err);
@@ -224,7 +207,7 @@ Test(group_dp, members_peak_memory_falls_as_zero_shards_more) {
 #endif
   char id[256];
   cluster_make_identity(&C, "mem", id, sizeof id);
-  const char *text = make_text();
+  const char *text = cluster_make_text(&C, 200000);
   const double P = 25.4e6; /* gpt:L8-H8-C512-T128-V256 */
   char *common[] = {"--model", "gpt:L8-H8-C512-T128-V256", "--batch", "2", "--max-steps", "1", "--optimizer",
                     "adamw", "--no-eval", "--threads", "1", "--log-every", "0", "--data", (char *)text, NULL};

@@ -270,6 +270,23 @@ static inline void cluster_start_group(struct cluster *c, struct cluster_group *
   cr_assert_gt(g->pid, 0);
 }
 
+/* A text of `chars` letters and spaces from a fixed generator, for a
+ * byte-level GPT (any text works; this one needs no package), written to
+ * DIR/text.txt. Returns its path (a static buffer). */
+static inline const char *cluster_make_text(const struct cluster *c, int chars) {
+  static char path[256];
+  snprintf(path, sizeof path, "%s/text.txt", c->dir);
+  FILE *f = fopen(path, "w");
+  cr_assert_not_null(f);
+  uint64_t x = 88172645463325252ull;
+  for (int i = 0; i < chars; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    fputc(x % 7 == 0 ? ' ' : 'a' + (int)(x % 23), f);
+  }
+  fclose(f);
+  return path;
+}
+
 /* A fresh identity key DIR/NAME.key; its path into `path`. */
 static inline void cluster_make_identity(const struct cluster *c, const char *name, char *path, size_t n) {
   snprintf(path, n, "%s/%s.key", c->dir, name);
