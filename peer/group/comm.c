@@ -463,6 +463,16 @@ int comm_all_to_all(comm_t *c, const float *send, const int64_t *send_counts, fl
   return rc;
 }
 
+int comm_gather_v(comm_t *c, int root, const float *send, int64_t n, float *recv, const int64_t *counts,
+                  struct rumor_err *e) {
+  int size = comm_size(c), me = comm_rank(c);
+  RUMOR_ASSERT(0 <= root && root < size && n >= 0 && (me != root || counts));
+  int64_t sc[COMM_MAX_MEMBERS] = {0}, rc_[COMM_MAX_MEMBERS] = {0};
+  sc[root] = n;
+  for (int j = 0; me == root && j < size; j++) rc_[j] = counts[j];
+  return comm_all_to_all(c, send, sc, recv, rc_, e);
+}
+
 int comm_barrier(comm_t *c, struct rumor_err *e) {
   struct comm_hdr base;
   int rc = begin(c, COMM_KIND_BARRIER, 0, 0, &base, e);

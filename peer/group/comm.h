@@ -164,6 +164,12 @@ int comm_all_gather(comm_t *c, float *buf, int64_t n, struct rumor_err *e) RUMOR
  * recv_counts[i]; a mismatch fails with RUMOR_EPROTO naming both). */
 int comm_all_to_all(comm_t *c, const float *send, const int64_t *send_counts, float *recv,
                     const int64_t *recv_counts, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Every member's n floats (its own n: they may differ) into member root's
+ * recv, member j's at offset Σ counts[<j] (counts: every member's n, read
+ * on root only; recv and counts may be NULL elsewhere). Only root holds
+ * them all (an all-to-all in which only root receives). */
+int comm_gather_v(comm_t *c, int root, const float *send, int64_t n, float *recv, const int64_t *counts,
+                  struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Waits until every member has called it. */
 int comm_barrier(comm_t *c, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Member root's bytes[0..len) into every member's. */

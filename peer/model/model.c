@@ -180,11 +180,10 @@ int64_t model_spec_param_count(const struct model_spec *s) {
 
 /* ---- allocation ---- */
 
-int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be, int64_t max_rows,
-               struct rumor_err *e) {
-  memset(m, 0, sizeof *m);
+int model_setup(struct model *m, const struct model_spec *spec, const struct model_family_ops *ops, int u0, int u1,
+                tensor_backend_t be, int64_t max_rows, struct rumor_err *e) {
   m->spec = *spec;
-  m->ops = family_of(spec);
+  m->ops = ops;
   model_table_build(spec, &m->table);
   RUMOR_ASSERT(0 <= u0 && u0 < u1 && u1 <= m->table.nunits && max_rows >= 1);
   model_spec_io(spec, &m->io);
@@ -192,8 +191,9 @@ int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, t
   m->u0 = u0;
   m->u1 = u1;
   m->max_rows = max_rows;
-  m->param_base = m->table.unit_offset[u0];
-  m->nparams = m->table.unit_offset[u1] - m->param_base;
+  const struct model_table *own = model_own_table(m);
+  m->param_base = own->unit_offset[u0];
+  m->nparams = own->unit_offset[u1] - m->param_base;
   int64_t P = m->nparams > 0 ? m->nparams : 1, targets = max_rows * m->io.labels_per_row;
   int rc;
   if ((rc = tensor_alloc(&m->params, be, TENSOR_F32, 1, &P, e)) || (rc = tensor_alloc(&m->grads, be, TENSOR_F32, 1, &P, e)) ||
@@ -203,6 +203,12 @@ int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, t
     return rc;
   }
   return 0;
+}
+
+int model_init(struct model *m, const struct model_spec *spec, int u0, int u1, tensor_backend_t be, int64_t max_rows,
+               struct rumor_err *e) {
+  memset(m, 0, sizeof *m);
+  return model_setup(m, spec, family_of(spec), u0, u1, be, max_rows, e);
 }
 
 int model_init_full(struct model *m, const struct model_spec *spec, tensor_backend_t be, int64_t max_rows,

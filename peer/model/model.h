@@ -286,6 +286,12 @@ struct model {
   struct model_tp_layout tp_layout;
 };
 
+/* The table whose offsets and shapes index m->params and m->grads: a
+ * tensor-parallel rank's own (tp_layout.local), else the whole model's. */
+static inline const struct model_table *model_own_table(const struct model *m) {
+  return m->tp ? &m->tp_layout.local : &m->table;
+}
+
 /* Allocates parameters, gradients and workspace for units [u0, u1) of
  * `spec` on `be` (0 <= u0 < u1 <= units). Parameters are uninitialised until
  * model_init_params or a load. Returns 0 or a negative code with a message

@@ -63,11 +63,12 @@ struct model_family_ops {
   void (*score)(struct model *m, int64_t rows, const int32_t *labels_host, int64_t *correct, double *loss_sum);
 };
 
-/* The table whose offsets and shapes index m->params and m->grads: a
- * tensor-parallel rank's own (tp_layout.local), else the whole model's. */
-static inline const struct model_table *model_own_table(const struct model *m) {
-  return m->tp ? &m->tp_layout.local : &m->table;
-}
+/* model_init and model_init_tp's common part: with m zeroed and, for a
+ * rank, m->tp and m->tp_layout set, fills in the rest for units [u0, u1)
+ * of `spec` with `ops` and allocates the buffers and the workspace (in the
+ * buffer model_own_table describes). Frees what it made on failure. */
+int model_setup(struct model *m, const struct model_spec *spec, const struct model_family_ops *ops, int u0, int u1,
+                tensor_backend_t be, int64_t max_rows, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 extern const struct model_family_ops model_mlp_ops;
 extern const struct model_family_ops model_gpt_ops;

@@ -149,27 +149,8 @@ int model_init_tp(struct model *m, const struct model_spec *spec, int u0, int u1
   memset(m, 0, sizeof *m);
   int rc = model_tp_layout_build(spec, tp->size, tp->rank, &m->tp_layout, e);
   if (rc) return rc;
-  m->spec = *spec;
-  m->ops = tp_family_of(spec, NULL)->ops;
   m->tp = tp;
-  model_table_build(spec, &m->table);
-  RUMOR_ASSERT(0 <= u0 && u0 < u1 && u1 <= m->table.nunits && max_rows >= 1);
-  model_spec_io(spec, &m->io);
-  m->be = be;
-  m->u0 = u0;
-  m->u1 = u1;
-  m->max_rows = max_rows;
-  m->param_base = m->tp_layout.local.unit_offset[u0];
-  m->nparams = m->tp_layout.local.unit_offset[u1] - m->param_base;
-  int64_t P = m->nparams > 0 ? m->nparams : 1, targets = max_rows * m->io.labels_per_row;
-  if ((rc = tensor_alloc(&m->params, be, TENSOR_F32, 1, &P, e)) ||
-      (rc = tensor_alloc(&m->grads, be, TENSOR_F32, 1, &P, e)) ||
-      (rc = tensor_alloc(&m->labels, be, TENSOR_I32, 1, &targets, e)) ||
-      (rc = tensor_alloc(&m->losses, be, TENSOR_F32, 1, &targets, e)) || (rc = m->ops->init(m, e))) {
-    model_free(m);
-    return rc;
-  }
-  return 0;
+  return model_setup(m, spec, tp_family_of(spec, NULL)->ops, u0, u1, be, max_rows, e);
 }
 
 void model_tp_init_params(struct model *m, uint64_t seed) {

@@ -11,7 +11,6 @@
 
 static bool on_cpu(const struct trainer *t) { return tensor_backend_device(t->be) == TENSOR_DEVICE_CPU; }
 
-static const struct model_table *held(const struct model *m) { return m->tp ? &m->tp_layout.local : &m->table; }
 
 /* model_tp's all-reduce: in place on the CPU, through pinned host memory on
  * a device (grown to the largest call). */
@@ -46,7 +45,7 @@ int group_tp_failed(struct trainer *t, struct rumor_err *e) {
 
 int group_grad_sq_norm(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, double *out, struct rumor_err *e) {
   const struct model *m = &t->model;
-  const struct model_table *tab = held(m);
+  const struct model_table *tab = model_own_table(m);
   double sq = 0;
   for (size_t i = 0; i < tab->n; i++) {
     const struct model_param *p = &tab->p[i];
@@ -102,22 +101,17 @@ static int assemble_tp(struct trainer *t, const float *local, float *full, struc
   comm_t *c = t->cfg.tp->comm;
   int T = comm_size(c), me = comm_rank(c), parts = 1 + optim_state_per_param(t->optim.cfg.kind);
   const struct model_spec *spec = &t->model.spec;
-  int64_t PL = t->model.nparams, PW = t->model.table.nparams;
-  int64_t *send = xcalloc((size_t)T, sizeof *send), *recv = xcalloc((size_t)T, sizeof *recv);
-  int64_t total = 0;
-  for (int j = 0; j < T; j++) total += model_tp_local_params(spec, T, j);
+  int64_t PL = t->model.nparams, PW = t->model.table.nparams, counts[COMM_MAX_MEMBERS], total = 0;
+  for (int j = 0; j < T; j++) total += counts[j] = model_tp_local_params(spec, T, j);
   float *all = me == 0 ? xmalloc((size_t)total * sizeof(float)) : NULL;
   int rc = 0;
   for (int s = 0; rc == 0 && s < parts; s++) {
-    send[0] = PL;
-    for (int j = 0; me == 0 && j < T; j++) recv[j] = model_tp_local_params(spec, T, j);
-    rc = comm_all_to_all(c, local + PL * s, send, all, recv, e);
-    for (int j = 0, off = 0; rc == 0 && me == 0 && j < T; off += (int)recv[j], j++)
+    rc = comm_gather_v(c, 0, local + PL * s, PL, all, counts, e);
+    int64_t off = 0;
+    for (int j = 0; rc == 0 && me == 0 && j < T; off += counts[j], j++)
       model_tp_gather(spec, T, j, all + off, full + PW * s);
   }
   free(all);
-  free(send);
-  free(recv);
   return rc;
 }
 

@@ -291,7 +291,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
     int64_t lo, hi;
     zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    rc = optim_init_range(&t->optim, &t->cfg.optim, cfg->tp ? &t->model.tp_layout.local : &t->model.table, lo, hi,
+    rc = optim_init_range(&t->optim, &t->cfg.optim, model_own_table(&t->model), lo, hi,
                           t->be, e);
   } else {
     rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);

@@ -18,9 +18,6 @@ bool trainer_is_dp(const struct trainer *t) { return t->cfg.dp != NULL; }
 
 static bool on_cpu(const struct trainer *t) { return tensor_backend_device(t->be) == TENSOR_DEVICE_CPU; }
 
-/* The table of the buffer this process holds: a tensor-parallel rank's
- * own layout, else the whole model's. */
-static const struct model_table *held(const struct model *m) { return m->tp ? &m->tp_layout.local : &m->table; }
 
 /* Rows [*lo, *hi) of a batch of `rows` that this member trains on. */
 static void my_rows(const struct train_zero *z, int64_t rows, int64_t *lo, int64_t *hi) {
@@ -96,12 +93,12 @@ static void release_outside(struct trainer *t, struct tensor *x, int64_t a, int6
 /* ZeRO 3: the flat range of unit u's parameters, and for the unit that
  * uses the tied entry without holding it (GPT's head) that entry's too. */
 static void unit_range(const struct model *m, int u, int64_t *a, int64_t *b) {
-  *a = held(m)->unit_offset[u];
-  *b = held(m)->unit_offset[u + 1];
+  *a = model_own_table(m)->unit_offset[u];
+  *b = model_own_table(m)->unit_offset[u + 1];
 }
 
 static const struct model_param *tied_user(const struct model *m, int u) {
-  const struct model_table *tab = held(m);
+  const struct model_table *tab = model_own_table(m);
   if (tab->tied_entry < 0 || u != tab->nunits - 1 || u == 0) return NULL;
   return &tab->p[tab->tied_entry];
 }
@@ -131,18 +128,18 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
   z->dp = *t->cfg.dp;
   z->rank = comm_rank(z->dp.comm);
   z->size = comm_size(z->dp.comm);
-  for (int j = 0; j <= z->size; j++) {
-    int64_t lo, hi;
-    comm_chunk(m->nparams, z->size, j < z->size ? j : z->size - 1, &lo, &hi);
-    z->cut[j] = j < z->size ? lo : hi;
+  for (int j = 0; j < z->size; j++) {
+    int64_t hi;
+    comm_chunk(m->nparams, z->size, j, &z->cut[j], &hi);
   }
+  z->cut[z->size] = m->nparams;
   z->counts = xcalloc((size_t)z->size, sizeof *z->counts);
   int64_t most = 0; /* the largest range one collective moves */
   if (z->dp.zero <= 1) {
     most = m->nparams;
   } else {
     int64_t maxw = 0;
-    const struct model_table *tab = held(m);
+    const struct model_table *tab = model_own_table(m);
     for (int u = 0; u < tab->nunits; u++) {
       if (tab->unit_offset[u + 1] - tab->unit_offset[u] > most) most = tab->unit_offset[u + 1] - tab->unit_offset[u];
       if (u > 0 && model_act_width(m, u) > maxw) maxw = model_act_width(m, u);
@@ -316,17 +313,13 @@ static int gather_to_first(struct trainer *t, const struct tensor *src, int64_t 
                            struct rumor_err *e) {
   struct train_zero *z = &t->zero;
   int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
-  int64_t *send = xcalloc((size_t)z->size, sizeof *send), *recv = xcalloc((size_t)z->size, sizeof *recv);
   float *mine = xmalloc((size_t)(pn > 0 ? pn : 1) * sizeof(float));
   /* `whole`: src holds every position (parameters, ZeRO 0's state) and this
    * member's piece is at plo; else src holds the piece alone. */
   if (pn > 0) tensor_copy_to_host(src, base + (whole ? plo : 0), mine, (size_t)pn * sizeof(float));
-  send[0] = pn;
-  for (int j = 0; z->rank == 0 && j < z->size; j++) recv[j] = z->cut[j + 1] - z->cut[j];
-  int rc = comm_all_to_all(z->dp.comm, mine, send, dst, recv, e);
+  for (int j = 0; j < z->size; j++) z->counts[j] = z->cut[j + 1] - z->cut[j];
+  int rc = comm_gather_v(z->dp.comm, 0, mine, pn, dst, z->counts, e);
   free(mine);
-  free(send);
-  free(recv);
   return rc;
 }
 

@@ -220,6 +220,36 @@ Test(comm_all_to_all, random_counts_arrive_in_order) {
     }
 }
 
+/* comm_gather_v: member r sends r + 3 floats (member 2 none), only the
+ * root receives, in member order. */
+static int64_t gather_count(int r) { return r == 2 ? 0 : r + 3; }
+
+static void gather_member(struct member *m) {
+  int root = *(const int *)m->ctx, r = m->rank;
+  int64_t counts[COMM_TEST_MAX], total = 0, n = gather_count(r);
+  for (int j = 0; j < m->size; j++) total += counts[j] = gather_count(j);
+  float send[8] = {0}, *recv = r == root ? xmalloc((size_t)(total + 1) * sizeof(float)) : NULL;
+  for (int64_t q = 0; q < n; q++) send[q] = a2a_value(r, root, q);
+  note(m, comm_gather_v(m->c, root, send, n, recv, r == root ? counts : NULL, &m->e));
+  for (int j = 0, o = 0; recv && j < m->size && !m->rc; j++)
+    for (int64_t q = 0; q < counts[j]; q++, o++)
+      if (recv[o] != a2a_value(j, root, q) && !m->bad[0])
+        snprintf(m->bad, sizeof m->bad, "from %d, element %lld: %g", j, (long long)q, (double)recv[o]);
+  free(recv);
+}
+
+Test(comm_gather, only_the_root_receives_every_members_run_in_order) {
+  for (int size = 1; size <= 5; size++)
+    for (int root = 0; root < size; root += size > 2 ? 2 : 1) {
+      struct member ms[COMM_TEST_MAX];
+      local_run(size, gather_member, &root, ms);
+      for (int r = 0; r < size; r++) {
+        cr_assert_eq(ms[r].rc, 0, "size %d root %d member %d: %s", size, root, r, ms[r].e.msg);
+        cr_assert(!ms[r].bad[0], "size %d root %d member %d: %s", size, root, r, ms[r].bad);
+      }
+    }
+}
+
 /* ---- broadcast and barrier ---- */
 
 static void broadcast_member(struct member *m) {
