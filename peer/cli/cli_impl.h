@@ -241,6 +241,12 @@ int group_stage_parse(const char *s, int *stage, int *stages, struct rumor_err *
 /* Parses --dp "r/D" or --tp "t/T" (`flag`: "dp" or "tp"; 0 <= r < N <=
  * COMM_MAX_MEMBERS). */
 int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* What a group of D data-parallel members of T tensor-parallel ranks
+ * (D x T > 1) may combine with averaging between groups (`averages`:
+ * --bootstrap or --listen given): gossip only (--sync gossip, with or
+ * without --outer), ZeRO 1 to 3 with D > 1, not ZeRO 3 with T > 1. The
+ * launcher and each process check alike. Returns 0 or RUMOR_EFORMAT. */
+int group_shard_check(const struct group_flags *f, int D, int T, bool averages, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The training configuration of stage `stage` of `stages` from parsed flags
  * (`specs` is what was parsed), its stage part in *st (cfg->stage points to
  * it; the link is set later), and its plan. Returns 0 or RUMOR_EFORMAT with

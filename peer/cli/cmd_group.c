@@ -46,7 +46,10 @@ struct group {
             member i / T, tensor-parallel rank i % T); a failure line's failed_stage names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
-  char bootstrap[PIPE_MAX_STAGES][1024]; /* --bootstrap's list for each stage */
+  bool averages; /* its processes average with other groups (stages always; data- or tensor-parallel processes
+                    with --bootstrap or --listen) */
+  char bootstrap[GROUP_MAX_MEMBERS][1024]; /* --bootstrap's list for each stage, or each data- or tensor-parallel
+                                              process */
   char servers[PIPE_MAX_STAGES][1024];   /* --servers' list for each stage (--sync ps) */
   struct child kids[GROUP_MAX_MEMBERS];
   int nkids;
@@ -94,8 +97,10 @@ static int split_list(const char *flag, const char *list, char sep, char (*out)[
  * checks every address in them (net_addr_list_check). Returns 0, or
  * RUMOR_EFORMAT naming the flag when there are not S lists, one is too
  * long, or an entry is bad (`why`: what a stage's list is for). */
-static int stage_lists(const char *flag, const char *value, int S, char (*out)[1024], const char *why,
-                       struct rumor_err *e) {
+/* `noun`: what each list is for ("stage" or "process"). */
+static int stage_lists(const char *flag, const char *value, int S, const char *noun, char (*out)[1024],
+                       const char *why, struct rumor_err *e) {
+  const char *nouns = strcmp(noun, "process") == 0 ? "processes" : "stages";
   int n = 0;
   for (const char *p = value;; n++) {
     const char *q = strchr(p, ';');
@@ -110,11 +115,11 @@ static int stage_lists(const char *flag, const char *value, int S, char (*out)[1
   n++;
   if (n != S)
     return rumor_err_set(e, RUMOR_EFORMAT,
-                         "--%s '%s' has %d list%s for %d stages: give one address list per stage, separated by ';' "
+                         "--%s '%s' has %d list%s for %d %s: give one address list per %s, separated by ';' "
                          "(%s)",
-                         flag, value, n, n == 1 ? "" : "s", S, why);
+                         flag, value, n, n == 1 ? "" : "s", S, nouns, noun, why);
   for (int s = 0; s < S; s++)
-    if (net_addr_list_check(out[s], e)) return rumor_err_prefix(e, "--%s: stage %d's list", flag, s);
+    if (net_addr_list_check(out[s], e)) return rumor_err_prefix(e, "--%s: %s %d's list", flag, noun, s);
   return 0;
 }
 
@@ -195,9 +200,10 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, g->f.gossip.name ? g->f.gossip.name : g->name);
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {g->f.net.listen, g->f.net.advertise, g->f.net.metrics};
-  for (int i = 0; i < 3; i++) {
+  int slot = members ? k : s; /* stage s, or process k, listens on port + slot */
+  for (int i = 0; g->averages && i < 3; i++) {
     if (!addr_vals[i]) continue;
-    int rc = offset_addr(addr_flags[i], addr_vals[i], s, buf, sizeof buf, e);
+    int rc = offset_addr(addr_flags[i], addr_vals[i], slot, buf, sizeof buf, e);
     if (rc) { /* prepare() checked the last stage's port already */
       out[n] = NULL;
       free_argv(out);
@@ -221,7 +227,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   }
   if (g->f.net.bootstrap) {
     push(out, &n, "--bootstrap");
-    push(out, &n, g->bootstrap[s]);
+    push(out, &n, g->bootstrap[slot]);
   }
   if (g->f.gossip.servers) {
     push(out, &n, "--servers");
@@ -385,10 +391,17 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   if (g->D * g->T > 1 && g->S > 1)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with --stages %d: data- or tensor-parallel processes inside a "
                          "pipelined group are not built yet; use --stages 1", which, how, g->S);
-  if (g->D * g->T > 1 && (f->net.bootstrap || f->gossip.servers))
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with %s: averaging a data- or tensor-parallel group with other "
-                         "groups is not built yet; such a group trains alone", which, how,
-                         f->net.bootstrap ? "--bootstrap" : "--servers");
+  bool members = g->S == 1 && g->N > 1;
+  /* Stages always join their cluster; data- or tensor-parallel processes
+   * only when told where to listen or whom to join, else the group trains
+   * alone with no gossip runtime (and no gossip buffers). */
+  g->averages = !members || f->net.bootstrap || args_given(specs, "listen");
+  if (!g->averages && f->net.metrics)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--metrics: a data- or tensor-parallel group that trains alone serves no "
+                         "metrics; give --listen or --bootstrap to average with other groups");
+  if (members && group_shard_check(f, g->D, g->T, g->averages, e)) return RUMOR_EFORMAT;
+  int slots = members ? g->N : g->S; /* address lists and listening ports, one per stage or per process */
+  const char *slot_noun = members ? "process" : "stage";
   if (g->D == 1 && f->pipe.zero)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs --data-parallel D with D > 1", (long long)f->pipe.zero);
   if (f->pipe.group) snprintf(g->name, sizeof g->name, "%s", f->pipe.group);
@@ -407,22 +420,25 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
     for (int i = 0; i < g->N; i++) snprintf(g->devices[i], sizeof g->devices[i], gpus ? "cuda:%d" : "cpu", i);
   }
   if (f->net.bootstrap &&
-      (rc = stage_lists("bootstrap", f->net.bootstrap, g->S, g->bootstrap, "stage s joins stage s of other groups", e)))
+      (rc = stage_lists("bootstrap", f->net.bootstrap, slots, slot_noun, g->bootstrap,
+                        members ? "process k joins process k of other groups" : "stage s joins stage s of other groups",
+                        e)))
     return rc;
   if (f->gossip.servers &&
-      (rc = stage_lists("servers", f->gossip.servers, g->S, g->servers,
+      (rc = stage_lists("servers", f->gossip.servers, g->S, "stage", g->servers,
                         "stage s talks to stage s's servers, rumor ps --stage s/S, in range order", e)))
     return rc;
-  /* Stage s listens on port + s: the last stage's port must exist. */
+  /* Stage s (process k) listens on port + s (k): the last one's port must exist. */
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {f->net.listen, f->net.advertise, f->net.metrics};
   for (int i = 0; i < 3; i++) {
     char buf[NET_HOST_MAX + 8];
-    if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], g->S - 1, buf, sizeof buf, e))) return rc;
+    if (addr_vals[i] && (rc = offset_addr(addr_flags[i], addr_vals[i], slots - 1, buf, sizeof buf, e))) return rc;
   }
   /* Others dial the advertised addresses: no port 0, no 0.0.0.0. */
   if (f->net.advertise && (rc = gossip_advertise_check(f->net.advertise, e))) return rumor_err_prefix(e, "--advertise");
-  bool member = !f->gossip.sync || strcmp(f->gossip.sync, "ps") != 0; /* ps workers join no gossip cluster */
+  /* ps workers, and groups that train alone, join no gossip cluster */
+  bool member = g->averages && (!f->gossip.sync || strcmp(f->gossip.sync, "ps") != 0);
   if (member && !f->net.advertise && f->net.listen && (rc = gossip_listen_advertisable(f->net.listen, e))) return rc;
   /* Check the key files now rather than in S children. */
   struct net_keys keys;
@@ -649,7 +665,10 @@ int cmd_group(int argc, char **argv) {
                       "unit's gathered just before its forward and backward and given back after). Both\n"
                       "together make T x D processes. Their steps equal the single process's, they talk\n"
                       "over the authenticated transport, their checkpoint has the single process's layout\n"
-                      "(--resume takes any), and such a group trains alone (no --bootstrap yet).\n"
+                      "(--resume takes any). Such a group trains alone unless given --listen (process k\n"
+                      "on port + k) or --bootstrap (one list per process, ';'-separated): then process k\n"
+                      "averages its shard (its slices, or its ZeRO piece of them) with process k of other\n"
+                      "groups of the same layout, by gossip (--sync gossip, with or without --outer).\n"
                       "\n"
                       "--stages S: S processes, each\n"
                       "holding a contiguous run of the model's units (split balanced by parameters and\n"

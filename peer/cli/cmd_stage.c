@@ -31,6 +31,7 @@ struct stage_proc {
   comm_t *comm;          /* every process of the group (the mesh) */
   comm_t *dp_comm, *tp_comm; /* its data-parallel and tensor-parallel sub-communicators, or NULL */
   char peer_addrs[COMM_MAX_MEMBERS][NET_HOST_MAX + 8]; /* --comm-peers */
+  bool averages;         /* a data- or tensor-parallel process that averages its shard with other groups' */
   struct member mb;
   stage_link_t *link;
   struct tb_train tb; /* --tensorboard */
@@ -103,10 +104,7 @@ static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
   if (stages > 1)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s %s with %d stages: data- or tensor-parallel processes inside a "
                          "pipelined group are not built yet; use --stages 1", which, val, stages);
-  if (p->f.net.bootstrap || p->f.gossip.servers)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s %s with %s: averaging a data- or tensor-parallel group with other "
-                         "groups is not built yet; such a group trains alone", which, val,
-                         p->f.net.bootstrap ? "--bootstrap" : "--servers");
+  if (group_shard_check(&p->f, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
   if (p->tp_size > 1) {
     struct model_spec spec;
     if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
@@ -164,6 +162,9 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
+  /* A data- or tensor-parallel group trains alone unless it is told where
+   * to listen for other groups or whom to join. */
+  p->averages = p->f.net.bootstrap || args_given(specs, "listen");
   if (dp_usage(p, stages, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
@@ -364,17 +365,50 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
-/* ---- a data-parallel member ---- */
+/* ---- a data- or tensor-parallel member ---- */
 
 /*
- * A data-parallel member (--dp r/D, D > 1) holds the whole model and trains
- * on its slice of every batch; the group trains alone (no gossip runtime,
- * no gossip buffers: dp_usage refuses --bootstrap), and its members talk
- * only over the communicator.
+ * A data- or tensor-parallel process (--dp r/D or --tp t/T) holds its
+ * slices of the model (a tensor-parallel rank) and trains on its slice of
+ * every batch (a data-parallel member); its group's processes talk over
+ * the communicator. With --bootstrap or --listen the group averages with
+ * other groups shard by shard (issue #31): each process runs a gossip
+ * member over its shard (trainer_shard_params: a rank's slices, or a ZeRO
+ * piece of them) that meets only the process holding the same shard in
+ * other groups (the label says which), and after every step the group
+ * makes its copies whole and equal again (trainer_group_resync). Without
+ * either it trains alone, with no gossip runtime and no gossip buffers.
  */
 
-/* Loads the keys, starts the communicator, builds the trainer and prints
- * the address line the launcher passes to the members above this one. */
+/* The gossip label of a shard: e.g. "gpt:... shard dp 1/2 tp 0/2". */
+static int shard_label(const struct stage_proc *p, char *buf, size_t n, struct rumor_err *e) {
+  char spec[MODEL_SPEC_MAX];
+  model_spec_format(&p->plan.spec, spec, sizeof spec);
+  int w = snprintf(buf, n, "%s shard dp %d/%d tp %d/%d", spec, p->dp_rank, p->dp_size, p->tp_rank, p->tp_size);
+  if (w < 0 || (size_t)w >= n)
+    return rumor_err_set(e, RUMOR_ETOOBIG, "the shard's gossip label for %s is over %zu characters", spec, n - 1);
+  return 0;
+}
+
+/* Starts the gossip member of this process's shard. */
+static int shard_start(struct stage_proc *p, struct rumor_err *e) {
+  char label[256];
+  int rc = shard_label(p, label, sizeof label, e);
+  if (rc) return rc;
+  json_t *extra = json_object();
+  json_text_set(extra, "group", json_text_str(p->st.group));
+  json_text_set(extra, "member", json_integer(p->member));
+  json_text_set(extra, "members", json_integer(p->members));
+  json_text_set(extra, "cluster", json_text_str(label));
+  rc = member_start(&p->mb, &p->t, &p->f.net, &p->keys, &p->f.gossip, label, p->tc.seed + (uint64_t)p->member, "shard",
+                    extra, e);
+  json_decref(extra);
+  return rc;
+}
+
+/* Loads the keys, starts the communicator, builds the trainer (and, when
+ * the group averages, its shard's gossip member) and prints the address
+ * line the launcher passes to the members above this one. */
 static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   int rc = net_flags_load_keys(&p->f.net, &p->keys, e);
   if (rc) return rc;
@@ -387,7 +421,8 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   if ((rc = start_comm(p, e))) return rc;
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
-  tb_train_attach(&p->tb, &p->t, NULL);
+  if (p->averages && (rc = shard_start(p, e))) return rc;
+  tb_train_attach(&p->tb, &p->t, p->averages ? &p->mb : NULL);
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
@@ -397,6 +432,77 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
+/* Each process pulls its shard's state from the same shard of a live
+ * group (or keeps its own), and the group takes the position of its first
+ * process that pulled one: every process must run the same steps. */
+static int shard_join(struct stage_proc *p, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  struct gossip_train_pos pos = {0, 0, 0};
+  int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
+  if (jr < 0) return jr;
+  int64_t mine[4] = {jr == 0, (int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples}, use[4] = {0, 0, 0, 0};
+  for (int j = 0; j < p->members; j++) {
+    int64_t theirs[4];
+    memcpy(theirs, mine, sizeof theirs);
+    int rc = comm_broadcast(p->comm, j, theirs, sizeof theirs, e);
+    if (rc) return rc;
+    if (theirs[0] && !use[0]) memcpy(use, theirs, sizeof use);
+  }
+  if (jr == 0)
+    log_info("took shard %d/%d's state from the cluster at step %llu (epoch %llu)", p->member, p->members,
+             (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
+  if (use[0]) {
+    trainer_set_position(t, use[1], use[2], use[3]);
+    log_info("the group continues from step %lld (epoch %lld)", (long long)use[1], (long long)use[2] + 1);
+  }
+  int rc = member_ready(&p->mb, t, e);
+  /* A pulled shard, or an outer round due at the start, changed pieces. */
+  if (rc == 0 && use[0]) rc = trainer_group_resync_state(t, e);
+  if (rc == 0) rc = trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);
+  return rc;
+}
+
+/* The training loop of a process whose group averages: a step, the sync
+ * path's boundary, then the group's copies made whole again. *stale: a
+ * change after the last step's checkpoint. */
+static int shard_train(struct stage_proc *p, double *secs, int64_t *steps, bool *stale, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  struct sync *s = &p->mb.sync;
+  double t0 = clock_now_s();
+  int64_t step0 = t->st.step;
+  uint64_t seen = s->changes;
+  int rc = 0;
+  while (rc == 0 && !trainer_done(t) && !signals_stop_requested()) {
+    if ((rc = trainer_step(t, e))) break;
+    if (t->st.step == step0 + 1) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
+    if ((rc = sync_boundary(s, e))) break;
+    bool any;
+    rc = trainer_group_resync(t, s->changes != seen, &any, e);
+    seen = s->changes;
+    if (trainer_done(t)) *stale = any;
+  }
+  *secs = clock_now_s() - t0;
+  *steps = t->st.step - step0;
+  return rc;
+}
+
+/* Averages on with the groups still training (--finish-wait-ms), makes
+ * the copies whole, and checks that they agree. */
+static int shard_finish(struct stage_proc *p, double secs, int64_t steps, bool *stale, struct rumor_err *e) {
+  struct sync *s = &p->mb.sync;
+  uint64_t before = s->changes;
+  struct sync_finish_args f = {.max_s = p->mb.setup.finish_wait_s,
+                               .step_s = steps > 0 ? secs / (double)steps : 0,
+                               .stop = signals_stop_flag(),
+                               .failed = link_failed,
+                               .arg = p};
+  int rc = sync_finish(s, &f, e);
+  bool any;
+  if (rc == 0) rc = trainer_group_resync(&p->t, s->changes != before, &any, e);
+  if (rc == 0 && any) *stale = true;
+  return rc ? rc : trainer_group_check(&p->t, e);
+}
+
 static int dp_run(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = comm_wait_ready(p->comm, e);
@@ -404,18 +510,32 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
   log_info("process %d/%d (data-parallel member %d/%d, tensor-parallel rank %d/%d): all %d members connected "
            "(ZeRO %lld)", p->member, p->members, p->dp_rank, p->dp_size, p->tp_rank, p->tp_size, p->members,
            (long long)p->f.pipe.zero);
-  double t0 = clock_now_s();
-  int64_t s0 = t->st.samples;
-  bool first = true;
-  while (!trainer_done(t) && !signals_stop_requested()) {
-    if ((rc = trainer_step(t, e))) return rc;
-    if (first) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
-    first = false;
+  if (p->averages) {
+    if ((rc = shard_join(p, e))) return rc;
+    if ((rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e))) return rc;
+    /* Exchanges while waiting moved pieces. */
+    if ((rc = trainer_group_resync(t, p->mb.sync.changes > 0, NULL, e))) return rc;
   }
-  double secs = clock_now_s() - t0;
+  int64_t s0 = t->st.samples, steps = 0;
+  double secs = 0;
+  bool stale = false;
+  if (p->averages) {
+    rc = shard_train(p, &secs, &steps, &stale, e);
+  } else {
+    double t0 = clock_now_s();
+    while (rc == 0 && !trainer_done(t) && !signals_stop_requested()) {
+      if ((rc = trainer_step(t, e))) break;
+      if (++steps == 1) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
+    }
+    secs = clock_now_s() - t0;
+  }
+  if (rc) return rc;
   if (signals_stop_requested())
     return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
+  if ((rc = p->averages ? shard_finish(p, secs, steps, &stale, e) : trainer_group_check(t, e))) return rc;
   if ((rc = trainer_evaluate(t, e))) return rc;
+  /* The result line evaluates the parameters as they are now: so must the checkpoint. */
+  if (stale && (rc = trainer_checkpoint(t, e))) return rc;
   char final[96];
   result_describe_final(t, final, sizeof final);
   log_info("final %s after %lld steps", final, (long long)t->st.step);
@@ -424,6 +544,12 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
   json_text_set(o, "member", json_integer(p->member));
   if (p->tp_size > 1) json_text_set(o, "tensor_parallel", json_integer(p->tp_size));
   result_training(o, t, secs, s0);
+  if (p->averages) {
+    struct gossip_stats gs;
+    gossip_stats_get(p->mb.g, &gs);
+    sync_result(&p->mb.sync, &gs, o);
+    json_text_set(o, "id", json_string(gossip_self_id(p->mb.g)));
+  }
   result_print(o);
   return 0;
 }

@@ -151,3 +151,25 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   gossip_setup_train(&setup, cfg);
   return train_stage_plan(cfg, plan, e);
 }
+
+int group_shard_check(const struct group_flags *f, int D, int T, bool averages, struct rumor_err *e) {
+  char which[48];
+  if (T > 1) snprintf(which, sizeof which, "--tensor-parallel %d", T);
+  else snprintf(which, sizeof which, "--data-parallel %d", D);
+  if (f->gossip.servers)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --servers: a data- or tensor-parallel group with parameter "
+                         "servers is not built yet", which);
+  if (!averages) return 0;
+  if (strcmp(f->gossip.sync, "gossip") != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync %s: data- or tensor-parallel groups average with other "
+                         "groups by gossip only so far (--sync gossip, with or without --outer: NoLoCo)", which,
+                         f->gossip.sync);
+  if (D > 1 && f->pipe.zero == 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero 0 with %s between groups: each member averages its own piece "
+                         "with other groups, and ZeRO 0's members each keep the whole optimizer state, which would "
+                         "drift apart; use --zero 1 (the same traffic inside the group)", which);
+  if (D > 1 && T > 1 && f->pipe.zero == 3)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
+                         "hold their replicated parameters whole, which averaging needs; use --zero 2", which);
+  return 0;
+}

@@ -12,7 +12,7 @@
 int member_start(struct member *mb, struct trainer *t, const struct net_flags *nf, const struct net_keys *keys,
                  const struct gossip_flags *gf, const char *label, uint64_t seed, const char *role,
                  const struct json_t *extra, struct rumor_err *e) {
-  int64_t P = t->model.nparams, S = trainer_state_floats(t);
+  int64_t P = trainer_shard_floats(t), S = trainer_state_floats(t);
   struct sync_gossip_plan plan;
   sync_scheme_of(&mb->setup.sync)->plan(&mb->setup.sync, P, &plan);
   int64_t X = (int64_t)plan.buf_floats;

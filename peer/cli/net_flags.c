@@ -35,15 +35,18 @@ static void net_flags_help_for(enum flags_for who, struct arg_spec *sp) {
     else if (strcmp(sp->name, "identity") == 0) sp->help = "this monitor's identity (rumor keygen); required";
     else if (strcmp(sp->name, "allow-list") == 0) sp->help = "talk only to members whose public keys FILE lists";
   } else if (who == FLAGS_LAUNCHER) {
-    if (strcmp(sp->name, "listen") == 0) sp->help = "gossip address of stage 0 (stage s: port + s; port 0: any free port)";
+    if (strcmp(sp->name, "listen") == 0)
+      sp->help = "gossip address of stage (or process) 0; stage s, process k: port + s, + k; port 0: any free port";
     else if (strcmp(sp->name, "advertise") == 0) sp->help = "address others dial for stage 0 (stage s: port + s)";
     else if (strcmp(sp->name, "metrics") == 0) sp->help = "serve stage 0's metrics here (stage s: port + s)";
     else if (strcmp(sp->name, "bootstrap") == 0) {
       sp->metavar = "L0;L1;...";
-      sp->help = "one address list per stage, separated by ';': stage s joins stage s of other groups through Ls";
+      sp->help = "one address list per stage (or data- or tensor-parallel process), separated by ';': stage s "
+                 "joins stage s of other groups through Ls";
     }
   } else if (who == FLAGS_STAGE && strcmp(sp->name, "bootstrap") == 0) {
-    sp->help = "addresses of this stage's cluster (stage s of other groups, or its bootstrap nodes)";
+    sp->help = "addresses of this stage's (or shard's) cluster: the same stage or process of other groups, or "
+               "its bootstrap nodes";
   }
 }
 

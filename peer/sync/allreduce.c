@@ -111,16 +111,16 @@ int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync
 /* Our contribution: the gradient times our rows, and the rows. */
 static void fill_gradient(struct sync *s, void *arg) {
   struct trainer *t = s->t;
-  int64_t P = t->model.nparams, rows = *(const int64_t *)arg;
+  int64_t P = trainer_shard_floats(t), rows = *(const int64_t *)arg;
   float *buf = gossip_ar_buf(s->g);
-  tensor_copy_to_host(&t->model.grads, 0, buf, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&t->model.grads, t->shard_lo, buf, (size_t)P * sizeof(float));
   float w = (float)rows;
   for (int64_t i = 0; i < P; i++) buf[i] *= w;
   buf[P] = w;
 }
 
 bool sync_ring_mean(struct sync *s, struct tensor *dst) {
-  int64_t P = s->t->model.nparams;
+  int64_t P = trainer_shard_floats(s->t);
   const float *sum = gossip_ar_result(s->g);
   double weight = sum[P];
   bool finite = isfinite(weight) && weight >= 1;
@@ -135,9 +135,10 @@ bool sync_ring_mean(struct sync *s, struct tensor *dst) {
  * it is not finite (every member sees the same sum and drops the step). */
 static int take_sum(struct sync *s) {
   struct trainer *t = s->t;
-  if (sync_ring_mean(s, &t->model.grads)) return 0;
+  struct tensor grads = trainer_shard_grads(t);
+  if (sync_ring_mean(s, &grads)) return 0;
   log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
-           (long long)t->st.step, (double)gossip_ar_result(s->g)[t->model.nparams]);
+           (long long)t->st.step, (double)gossip_ar_result(s->g)[trainer_shard_floats(t)]);
   s->ring.skipped++;
   trainer_take_step(t, t->st.step + 1);
   return 1;

@@ -38,7 +38,7 @@ static void apply(struct sync *s, const struct gossip_xch_turn *turn) {
   float w;
   int rc = sync_xch_judge(s, turn, turn->alpha, &w, why, sizeof why);
   if (rc == 0) {
-    struct tensor params = tensor_flat(&t->model.params);
+    struct tensor params = trainer_shard_params(t);
     tensor_axpby(w, sync_xch_delta_dev(s), 1.0f, &params);
     s->changes++;
     int64_t run = t->st.step - s->avg.mix_step;

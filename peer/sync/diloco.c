@@ -29,7 +29,7 @@ static uint64_t block_words(const struct sync_config *c, int64_t P) {
  * holds the pseudo-gradient. */
 static void encode(struct sync *s) {
   struct sync_outer *o = &s->outer;
-  int64_t P = s->t->model.nparams;
+  int64_t P = trainer_shard_floats(s->t);
   float *h = o->host;
   if (!topk(s)) {
     tensor_copy_to_host(&o->work, 0, h, (size_t)P * sizeof(float));
@@ -57,7 +57,7 @@ static void encode(struct sync *s) {
 
 static void fill(struct sync *s, void *arg) {
   (void)arg;
-  int64_t P = s->t->model.nparams;
+  int64_t P = trainer_shard_floats(s->t);
   if (topk(s)) memcpy(gossip_ag_buf(s->g), s->outer.host, (size_t)block_words(&s->cfg, P) * sizeof(float));
   else memcpy(gossip_ar_buf(s->g), s->outer.host, ((size_t)P + 1) * sizeof(float));
 }
@@ -66,7 +66,7 @@ static void fill(struct sync *s, void *arg) {
  * decode (a broken or hostile member) is left out, by every member alike,
  * since every member holds the same blocks. False when none is left. */
 static bool take_blocks(struct sync *s) {
-  int64_t P = s->t->model.nparams;
+  int64_t P = trainer_shard_floats(s->t);
   size_t n, self;
   const float *b = gossip_ag_result(s->g, &n, &self);
   uint64_t words = block_words(&s->cfg, P), len = codec_bytes(&s->cfg.outer.compress, (uint64_t)P);
@@ -95,7 +95,7 @@ static bool take_result(struct sync *s) { return topk(s) ? take_blocks(s) : sync
  * of n: a ring all-reduce sends and receives 2(n − 1)/n of the vector in
  * the ring's encoding, an all-gather (n − 1) blocks each way. */
 static double round_bytes(const struct sync *s, size_t n) {
-  int64_t P = s->t->model.nparams;
+  int64_t P = trainer_shard_floats(s->t);
   if (n < 2) return 0;
   if (topk(s)) return 2.0 * (double)(n - 1) * (double)block_words(&s->cfg, P) * 4;
   struct sync_gossip_plan plan;
@@ -116,7 +116,7 @@ static void apply(struct sync *s) {
   log_warn("DiLoCo: the averaged pseudo-gradient of round %llu is not finite: round dropped on every member",
            (unsigned long long)o->rounds);
   s->ring.skipped++;
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   tensor_copy(&params, &o->anchor);
   o->in_flight = false;
   o->rounds++;
@@ -172,7 +172,7 @@ static int land_flight(struct sync *s, struct rumor_err *e) {
  * and goes back to training. */
 static void launch(struct sync *s) {
   struct sync_outer *o = &s->outer;
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   sync_outer_pseudo_gradient(s);
   tensor_copy(&o->prev, &params);
   o->in_flight = true;

@@ -15,10 +15,10 @@
 #define SNAP_DEV_MARGIN 8 /* keep 1/8 of the device free */
 static void alloc_snap_dev(struct sync *s) {
   struct trainer *t = s->t;
-  size_t need = (size_t)t->model.nparams * sizeof(float), free_b = 0, total_b = 0;
+  size_t need = (size_t)trainer_shard_floats(t) * sizeof(float), free_b = 0, total_b = 0;
   bool known = tensor_backend_mem_info(t->be, &free_b, &total_b);
   struct rumor_err ignored = {0};
-  struct tensor flat = tensor_flat(&t->model.params);
+  struct tensor flat = trainer_shard_params(t);
   if ((known && free_b < need + total_b / SNAP_DEV_MARGIN) ||
       tensor_alloc(&s->x.snap_dev, t->be, TENSOR_F32, 1, &flat.shape[0], &ignored) != 0)
     log_warn("%s has no room for a second copy of the parameters (%.0f MB beside an eighth of its memory): the "
@@ -29,7 +29,7 @@ static void alloc_snap_dev(struct sync *s) {
 int sync_xch_init(struct sync *s, bool dev_copy, struct rumor_err *e) {
   struct sync_xch *x = &s->x;
   struct trainer *t = s->t;
-  struct tensor flat = tensor_flat(&t->model.params);
+  struct tensor flat = trainer_shard_params(t);
   int rc = tensor_mirror_host(&x->staging, &flat, gossip_xch_theirs(s->g), e);
   if (rc) return rumor_err_prefix(e, "gossip staging buffer");
   x->snap_ev = tensor_event_create(t->be);
@@ -62,13 +62,13 @@ void sync_xch_free(struct sync *s) {
 static void start_copy(struct sync *s) {
   struct sync_xch *x = &s->x;
   struct trainer *t = s->t;
-  size_t bytes = (size_t)t->model.nparams * sizeof(float);
+  size_t bytes = (size_t)trainer_shard_floats(t) * sizeof(float);
   if (x->snap_dev.data) {
-    struct tensor flat = tensor_flat(&t->model.params);
+    struct tensor flat = trainer_shard_params(t);
     tensor_copy(&x->snap_dev, &flat);
     tensor_copy_to_host_beside(&x->snap_dev, 0, gossip_xch_mine(s->g), bytes, x->snap_ev);
   } else {
-    tensor_copy_to_host_async(&t->model.params, 0, gossip_xch_mine(s->g), bytes);
+    tensor_copy_to_host_async(&t->model.params, t->shard_lo, gossip_xch_mine(s->g), bytes);
     tensor_event_record(x->snap_ev);
   }
   x->snap_pending = true;
@@ -109,7 +109,7 @@ void sync_xch_turn(struct sync *s, bool want, struct gossip_xch_turn *turn, bool
 static int validate(struct sync *s, const struct gossip_xch_delta *d, char *why, size_t n) {
   if (d->nonfinite) {
     snprintf(why, n, "%lld of %lld values are NaN or infinite", (long long)d->nonfinite,
-             (long long)s->t->model.nparams);
+             (long long)trainer_shard_floats(s->t));
     return RUMOR_ECORRUPT;
   }
   double dist = sqrt(d->sq_dist);

@@ -27,8 +27,9 @@
  * (with --outer-overlap, kept in outer.prev while training goes on). */
 static void snapshot(struct sync *s) {
   struct trainer *t = s->t;
-  const struct tensor *src = s->cfg.outer.overlap ? &s->outer.prev : &t->model.params;
-  tensor_copy_to_host(src, 0, gossip_xch_mine(s->g), (size_t)t->model.nparams * sizeof(float));
+  struct tensor params = trainer_shard_params(t);
+  const struct tensor *src = s->cfg.outer.overlap ? &s->outer.prev : &params;
+  tensor_copy_to_host(src, 0, gossip_xch_mine(s->g), (size_t)trainer_shard_floats(t) * sizeof(float));
 }
 
 /* The step of this round's boundary (the snapshot's tag). */
@@ -59,7 +60,7 @@ static void serve(struct sync *s, bool want, bool have_snapshot, bool offer, str
  * rejected one is reported and the round is our own. */
 static void gradient(struct sync *s, const struct gossip_xch_turn *apply) {
   struct sync_outer *o = &s->outer;
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   tensor_copy(&o->work, &o->anchor);
   tensor_axpby(-1.0f, s->cfg.outer.overlap ? &o->prev : &params, 1.0f, &o->work);
   int rc = -1;
@@ -143,7 +144,7 @@ static int noloco_boundary(struct sync *s, struct rumor_err *e) {
     sync_outer_step(s);
   }
   if (overlap && !trainer_done(s->t)) {
-    struct tensor params = tensor_flat(&s->t->model.params);
+    struct tensor params = trainer_shard_params(s->t);
     tensor_copy(&o->prev, &params);
     o->in_flight = true;
     sync_outer_store(s);

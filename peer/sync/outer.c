@@ -56,7 +56,7 @@ static bool load_meta(struct sync *s) {
  * outer state goes on at the next boundary). */
 static void start_fresh(struct sync *s) {
   struct sync_outer *o = &s->outer;
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   tensor_copy(&o->anchor, &params);
   tensor_fill(&o->momentum, 0.0f);
   if (o->residual.data) tensor_fill(&o->residual, 0.0f);
@@ -79,7 +79,7 @@ int sync_outer_init(struct sync *s, struct rumor_err *e) {
   int next = SEG_OPTIONAL;
   if (has_residual(&s->cfg)) o->residual = trainer_extra(t, next++);
   if (s->cfg.outer.overlap) o->prev = trainer_extra(t, next++);
-  int64_t P = t->model.nparams;
+  int64_t P = trainer_shard_floats(t);
   int rc = tensor_alloc(&o->work, t->be, TENSOR_F32, 1, &P, e);
   if (rc) return rumor_err_prefix(e, "the outer optimizer's scratch");
   /* P + 1 floats (a dense contribution), or a top-k block, which is
@@ -115,7 +115,7 @@ bool sync_outer_due(const struct sync *s) {
 
 void sync_outer_pseudo_gradient(struct sync *s) {
   struct sync_outer *o = &s->outer;
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   tensor_copy(&o->work, &o->anchor);
   tensor_axpby(-1.0f, &params, 1.0f, &o->work);
 }
@@ -123,14 +123,14 @@ void sync_outer_pseudo_gradient(struct sync *s) {
 /* A progress line for the round just applied, and with --eval-every at
  * this step an evaluation of the parameters after it (the trainer's own of
  * this step came before the round: a DiLoCo member's model is the one
- * after). Whole replicas only (a stage evaluates with its group). */
+ * after). Whole replicas only (a stage or a shard evaluates with its group). */
 static void after_round(struct sync *s) {
   struct sync_outer *o = &s->outer;
   struct trainer *t = s->t;
   log_info("outer round %llu at step %lld: pseudo-gradient norm %.4g, %.2f MB sent and received, %.2f s waited in all%s",
            (unsigned long long)o->rounds, (long long)t->st.step, o->last_norm, o->last_bytes / 1e6, o->wait_s,
            o->alone_last ? " (no partner: our own)" : "");
-  if (trainer_is_stage(t) || t->cfg.eval_every <= 0 || t->st.step % t->cfg.eval_every != 0) return;
+  if (trainer_holds_part(t) || t->cfg.eval_every <= 0 || t->st.step % t->cfg.eval_every != 0) return;
   struct rumor_err e = {0};
   if (trainer_evaluate(t, &e)) {
     log_warn("evaluation after outer round %llu: %s", (unsigned long long)o->rounds, e.msg);
@@ -161,7 +161,7 @@ void sync_outer_step(struct sync *s) {
     tensor_axpby(1.0f, &o->work, mu, &o->momentum);
     tensor_axpby(-lr, &o->momentum, 1.0f, &o->anchor);
   }
-  struct tensor params = tensor_flat(&s->t->model.params);
+  struct tensor params = trainer_shard_params(s->t);
   if (o->prev.data && o->in_flight) {
     /* Delayed: keep the inner progress made since the round's boundary. */
     tensor_axpby(-1.0f, &o->prev, 1.0f, &params);

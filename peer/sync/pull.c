@@ -20,7 +20,7 @@ void sync_own_keep(struct sync_own_state *own, struct trainer *t) {
   own->loss = own->pulled_loss = NAN;
   own->rows = 0;
   own->state = NULL;
-  if (trainer_is_stage(t)) return; /* no loss of its own to compare: finiteness only */
+  if (trainer_holds_part(t)) return; /* no loss of its own to compare: finiteness only */
   own->state = malloc((size_t)trainer_state_floats(t) * sizeof(float));
   if (!own->state)
     log_warn("no memory to keep our own state while pulling one: a pulled state is checked for finite values only");
@@ -40,11 +40,11 @@ bool sync_pull_take(struct trainer *t, struct sync_own_state *own, const float *
       snprintf(why, n, "value %lld of %lld is not finite", (long long)i, (long long)S);
       return false;
     }
-  if (!own->state || trainer_is_stage(t)) {
+  if (!own->state || trainer_holds_part(t)) {
     trainer_load_state(t, pulled);
     return true;
   }
-  int64_t rows, targets = sync_check_targets(t->model.nparams);
+  int64_t rows, targets = sync_check_targets(trainer_shard_floats(t));
   if (isnan(own->loss)) { /* once: a refused state and the next are compared with the same */
     trainer_load_state(t, own->state);
     own->loss = trainer_check_loss(t, targets, &rows);

@@ -77,8 +77,9 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
     s->rate_samples = t->st.samples;
   }
   if (with_sketch) {
-    s->param_norm = sqrt(tensor_sq_norm(&t->model.params));
-    tensor_count_sketch(&t->model.params, gossip_sketch_seed(s->g), gossip_sketch_k(s->g), s->sketch);
+    struct tensor params = trainer_shard_params(t);
+    s->param_norm = sqrt(tensor_sq_norm(&params));
+    tensor_count_sketch(&params, gossip_sketch_seed(s->g), gossip_sketch_k(s->g), s->sketch);
   }
   struct gossip_peer_stats ps = {.step = t->st.step,
                                  .epoch = t->st.epoch,
@@ -107,15 +108,15 @@ static void donate(struct sync *s, double now) {
   struct trainer *t = s->t;
   if (gossip_donor_params_only(s->g)) {
     /* A monitor measures drift exactly: parameters and their sketch. */
-    tensor_copy_to_host(&t->model.params, 0, gossip_donor_buf(s->g), (size_t)t->model.nparams * sizeof(float));
+    tensor_copy_to_host(&t->model.params, t->shard_lo, gossip_donor_buf(s->g), (size_t)trainer_shard_floats(t) * sizeof(float));
     publish_stats(s, now, true);
   } else {
     if (!s->donate_state_ok) return; /* asked again at the next round boundary */
-    if (trainer_is_stage(t))
-      log_info("donating this stage's state at step %lld", (long long)t->st.step);
+    if (trainer_holds_part(t))
+      log_info("donating this %s's state at step %lld", trainer_is_stage(t) ? "stage" : "shard", (long long)t->st.step);
     else {
       int64_t rows;
-      double loss = trainer_check_loss(t, sync_check_targets(t->model.nparams), &rows);
+      double loss = trainer_check_loss(t, sync_check_targets(trainer_shard_floats(t)), &rows);
       log_info("donating our state at step %lld: loss %.4f on %lld training %s", (long long)t->st.step, loss,
                (long long)rows, trainer_row_noun(t));
     }

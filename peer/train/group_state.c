@@ -174,3 +174,128 @@ void group_load(struct trainer *t, const float *params, const float *const *stat
   }
   free(local);
 }
+
+/* ---- between groups: the shards' copies made whole and equal again ---- */
+
+/* Packs (or, `back`, unpacks) the replicated parameters' values of `x`,
+ * a flat tensor in this rank's parameter layout starting at element
+ * `base`, in table order into buf; with buf NULL only counts them.
+ * Returns the floats. */
+static int64_t replicated_copy(struct model *m, struct tensor *x, int64_t base, float *buf, bool back) {
+  const struct model_table *tab = model_own_table(m);
+  int64_t at = 0;
+  for (size_t i = 0; i < tab->n; i++) {
+    if (m->tp_layout.slice[i].dim >= 0) continue; /* split across the ranks */
+    int64_t a = base + tab->p[i].offset - m->param_base, n = tab->p[i].numel;
+    if (buf && back) tensor_copy_from_host(x, a, buf + at, (size_t)n * sizeof(float));
+    else if (buf) tensor_copy_to_host(x, a, buf + at, (size_t)n * sizeof(float));
+    at += n;
+  }
+  return at;
+}
+
+/* The tensor-parallel ranks' mean of the replicated parameters' values in
+ * x (laid out as replicated_copy's); every rank sums in the same order,
+ * so all hold the same bits after. */
+static int average_replicated(struct trainer *t, struct tensor *x, int64_t base, struct rumor_err *e) {
+  struct model *m = &t->model;
+  int64_t n = replicated_copy(m, x, base, NULL, false);
+  if (n == 0) return 0;
+  float *buf = xmalloc((size_t)n * sizeof(float));
+  replicated_copy(m, x, base, buf, false);
+  int rc = comm_all_reduce(t->cfg.tp->comm, buf, n, e);
+  if (rc == 0) {
+    float inv = 1.0f / (float)comm_size(t->cfg.tp->comm);
+    for (int64_t i = 0; i < n; i++) buf[i] *= inv;
+    replicated_copy(m, x, base, buf, true);
+  }
+  free(buf);
+  return rc;
+}
+
+static comm_t *group_all(const struct trainer *t) { return t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm; }
+
+static int resync(struct trainer *t, bool changed, bool *out, struct rumor_err *e) {
+  float any = changed ? 1.0f : 0.0f;
+  int rc = comm_all_reduce(group_all(t), &any, 1, e);
+  *out = rc == 0 && any > 0;
+  if (rc) return rc;
+  bool z3 = t->cfg.dp && t->zero.dp.zero == 3;
+  if (any > 0 && t->cfg.dp && !z3 && (rc = zero_gather_params(t, e))) return rc;
+  if (!t->cfg.tp) return 0;
+  if (z3) /* refused by the command line (peer/cli/cmd_stage.c) */
+    return rumor_err_set(e, RUMOR_EFORMAT, "ZeRO 3 tensor-parallel ranks cannot average replicated parameters");
+  /* Every call, not only after a change: a rank's replicated moments may
+   * differ from the others' for a while after a pulled state (below), and
+   * averaged parameters keep the ranks' gradients, and so those moments,
+   * converging. */
+  return average_replicated(t, &t->model.params, 0, e);
+}
+
+int trainer_group_resync(struct trainer *t, bool changed, bool *any_out, struct rumor_err *e) {
+  bool ignored;
+  bool *out = any_out ? any_out : &ignored;
+  *out = changed;
+  if (!t->cfg.dp && !t->cfg.tp) return 0;
+  uint64_t s0, r0, s1, r1;
+  comm_bytes(group_all(t), &s0, &r0);
+  int rc = resync(t, changed, out, e);
+  /* The step's figure (comm_step_bytes) includes the resync after it. */
+  comm_bytes(group_all(t), &s1, &r1);
+  t->comm_step_bytes += (double)(s1 - s0 + r1 - r0);
+  return rc;
+}
+
+int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) {
+  if (!t->cfg.tp || t->cfg.dp) return 0;
+  int parts = optim_state_per_param(t->optim.cfg.kind), rc = 0;
+  for (int s = 0; rc == 0 && s < parts; s++) rc = average_replicated(t, &t->optim.state, (int64_t)s * t->optim.nparams, e);
+  return rc;
+}
+
+/* FNV-1a over `n` floats' bytes. */
+static uint64_t fnv1a(const float *x, int64_t n) {
+  const unsigned char *b = (const unsigned char *)x;
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < n * (int64_t)sizeof(float); i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* Compares `h` with member 0's of `c`: *differs is set when they differ. */
+static int compare_with_first(comm_t *c, uint64_t h, bool *differs, struct rumor_err *e) {
+  uint64_t first = h;
+  int rc = comm_broadcast(c, 0, &first, sizeof first, e);
+  *differs = rc == 0 && first != h;
+  return rc;
+}
+
+int trainer_group_check(struct trainer *t, struct rumor_err *e) {
+  if (!t->cfg.dp && !t->cfg.tp) return 0;
+  struct model *m = &t->model;
+  bool dp_differs = false, tp_differs = false;
+  int rc = 0;
+  if (t->cfg.dp && t->zero.dp.zero <= 2) {
+    float *all = xmalloc((size_t)m->nparams * sizeof(float));
+    tensor_copy_to_host(&m->params, 0, all, (size_t)m->nparams * sizeof(float));
+    rc = compare_with_first(t->zero.dp.comm, fnv1a(all, m->nparams), &dp_differs, e);
+    free(all);
+  }
+  if (rc == 0 && t->cfg.tp && !(t->cfg.dp && t->zero.dp.zero == 3)) {
+    int64_t n = replicated_copy(m, &m->params, 0, NULL, false);
+    float *buf = xmalloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    replicated_copy(m, &m->params, 0, buf, false);
+    rc = compare_with_first(t->cfg.tp->comm, fnv1a(buf, n), &tp_differs, e);
+    free(buf);
+  }
+  if (rc) return rc;
+  /* Every process learns the verdict, so the whole group fails alike. */
+  float bad[2] = {dp_differs ? 1.0f : 0.0f, tp_differs ? 1.0f : 0.0f};
+  if ((rc = comm_all_reduce(group_all(t), bad, 2, e))) return rc;
+  if (bad[0] > 0)
+    return rumor_err_set(e, RUMOR_EPROTO, "the group's data-parallel members hold different parameters (%g of them "
+                         "differ from their member 0's)", (double)bad[0]);
+  if (bad[1] > 0)
+    return rumor_err_set(e, RUMOR_EPROTO, "the group's tensor-parallel ranks hold different replicated parameters "
+                         "(%g of them differ from their rank 0's)", (double)bad[1]);
+  return 0;
+}

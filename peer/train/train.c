@@ -191,7 +191,7 @@ static int alloc_extra(struct trainer *t, struct rumor_err *e) {
   int64_t off = 0;
   for (int i = 0; i < x->n; i++) {
     t->extra_off[i] = off;
-    off += x->seg[i].per_param * t->model.nparams + x->seg[i].fixed;
+    off += x->seg[i].per_param * t->shard_n + x->seg[i].fixed;
   }
   t->extra_off[x->n] = off;
   if (off == 0) return 0;
@@ -297,6 +297,14 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);
   }
   if (rc) goto fail;
+  t->shard_lo = 0;
+  t->shard_n = t->model.nparams;
+  if (cfg->dp) { /* a data-parallel member's shard is its piece */
+    int64_t lo, hi;
+    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
+    t->shard_lo = lo;
+    t->shard_n = hi - lo;
+  }
   if ((rc = alloc_extra(t, e))) goto fail;
   if (resumed && (cfg->tp || cfg->dp)) {
     rc = restore_group(t, &ck, e);
@@ -517,28 +525,54 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
   return 0;
 }
 
-/* Floats of the optimizer's state. */
+/* Floats of the optimizer's state of the shard. */
 static int64_t optim_floats(const struct trainer *t) {
-  return t->model.nparams * optim_state_per_param(t->optim.cfg.kind);
+  return t->shard_n * optim_state_per_param(t->optim.cfg.kind);
 }
+
+struct tensor trainer_shard_params(struct trainer *t) {
+  return tensor_view(&t->model.params, t->shard_lo, 1, &t->shard_n);
+}
+
+struct tensor trainer_shard_grads(struct trainer *t) {
+  return tensor_view(&t->model.grads, t->shard_lo, 1, &t->shard_n);
+}
+
+int64_t trainer_shard_floats(const struct trainer *t) { return t->shard_n; }
+
+bool trainer_holds_part(const struct trainer *t) { return trainer_is_stage(t) || t->cfg.dp || t->cfg.tp; }
 
 int64_t trainer_state_floats(const struct trainer *t) {
-  return t->model.nparams + optim_floats(t) + t->extra_off[t->cfg.extra.n];
+  return t->shard_n + optim_floats(t) + t->extra_off[t->cfg.extra.n];
 }
 
-void trainer_copy_state(struct trainer *t, float *out) {
-  int64_t P = t->model.nparams, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
-  tensor_copy_to_host(&t->model.params, 0, out, (size_t)P * sizeof(float));
-  tensor_copy_to_host(&t->optim.state, 0, out + P, (size_t)O * sizeof(float));
-  if (X) tensor_copy_to_host(&t->extra, 0, out + P + O, (size_t)X * sizeof(float));
+/* Where part `part` of the shard's optimizer state starts in optim.state:
+ * the optimizer covers the whole buffer, or (ZeRO >= 1) exactly the shard. */
+static int64_t optim_shard_offset(const struct trainer *t, int part) {
+  int64_t per = t->optim.nparams;
+  RUMOR_ASSERT(per == t->model.nparams || (t->optim.lo == t->shard_lo && per == t->shard_n));
+  return (int64_t)part * per + (per == t->shard_n ? 0 : t->shard_lo);
 }
 
-void trainer_load_state(struct trainer *t, const float *state) {
-  int64_t P = t->model.nparams, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
-  tensor_copy_from_host(&t->model.params, 0, state, (size_t)P * sizeof(float));
-  tensor_copy_from_host(&t->optim.state, 0, state + P, (size_t)O * sizeof(float));
-  if (X) tensor_copy_from_host(&t->extra, 0, state + P + O, (size_t)X * sizeof(float));
+/* Copies the shard's state to (out) or from (in) host memory. */
+static void shard_state_copy(struct trainer *t, float *out, const float *in) {
+  int64_t P = t->shard_n, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  size_t pb = (size_t)P * sizeof(float);
+  if (out) tensor_copy_to_host(&t->model.params, t->shard_lo, out, pb);
+  else tensor_copy_from_host(&t->model.params, t->shard_lo, in, pb);
+  for (int s = 0; s < parts; s++) {
+    int64_t at = optim_shard_offset(t, s);
+    if (out) tensor_copy_to_host(&t->optim.state, at, out + P * (1 + s), pb);
+    else tensor_copy_from_host(&t->optim.state, at, in + P * (1 + s), pb);
+  }
+  if (X && out) tensor_copy_to_host(&t->extra, 0, out + P + O, (size_t)X * sizeof(float));
+  if (X && !out) tensor_copy_from_host(&t->extra, 0, in + P + O, (size_t)X * sizeof(float));
 }
+
+void trainer_copy_state(struct trainer *t, float *out) { shard_state_copy(t, out, NULL); }
+
+void trainer_load_state(struct trainer *t, const float *state) { shard_state_copy(t, NULL, state); }
 
 void trainer_load_fresh(struct trainer *t, const float *params) {
   tensor_copy_from_host(&t->model.params, 0, params, (size_t)t->model.nparams * sizeof(float));

@@ -343,7 +343,7 @@ struct train_tp {
 
 /* State a sync scheme keeps with the model (an outer optimizer's anchor,
  * momentum and round): floats on the trainer's device, in named segments
- * of per_param × nparams + fixed floats each. The trainer owns them
+ * of per_param × shard floats (trainer_shard_floats) + fixed floats each. The trainer owns them
  * (trainer_extra), zeroes them at start, saves each segment in checkpoints
  * under its name and restores it on --resume, and carries them in the full
  * state (trainer_state_floats: after the optimizer's) that donations and
@@ -524,6 +524,7 @@ struct trainer {
    * segment i at extra_off[i]. */
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
+  int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
   float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
@@ -582,8 +583,50 @@ double trainer_check_loss(struct trainer *t, int64_t targets, int64_t *rows);
 /* "samples" or "windows": what a row of the trainer's data is, for messages. */
 const char *trainer_row_noun(const struct trainer *t);
 
+/* The part of the flat parameter buffer this process averages with the
+ * same part in other groups (its shard, issue #31): all of the buffer for
+ * a whole replica, a stage or a tensor-parallel rank (whose buffer holds
+ * its slices), a data-parallel member's ZeRO piece [zero.cut[r],
+ * zero.cut[r + 1]). The sync path, donations and state pulls see this
+ * part only: trainer_state_floats, trainer_copy_state and
+ * trainer_load_state cover the shard's parameters, their optimizer state
+ * and the sync scheme's state, which is sized per shard float. */
+struct tensor trainer_shard_params(struct trainer *t);
+struct tensor trainer_shard_grads(struct trainer *t);
+int64_t trainer_shard_floats(const struct trainer *t);
+/* True when this process holds part of a replica (a stage, a data- or
+ * tensor-parallel member of a group): a state it pulls or donates cannot
+ * be judged by a loss of its own, only by its values being finite. */
+bool trainer_holds_part(const struct trainer *t);
+/* A data- or tensor-parallel group member, after the sync path may have
+ * changed its shard between steps (`changed`: it did since the last
+ * call): the group makes its copies whole and equal again. The members
+ * agree whether any shard changed; if one did, ZeRO 1-2 members all-gather
+ * the pieces. Tensor-parallel ranks average their replicated parameters
+ * (LayerNorms, position embedding, an MLP's last layer), which each
+ * rank's sync moves on its own, at every call. Collective over every process of the group: each
+ * calls it at the same points. *any (may be NULL) gets whether any
+ * member's shard changed. Returns 0 (at once, *any = changed, for other
+ * trainers) or the communicator's error. */
+int trainer_group_resync(struct trainer *t, bool changed, bool *any, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* After each process of a tensor-parallel group (without data-parallel
+ * members) loaded a pulled state: the ranks average their replicated
+ * parameters' optimizer state too, which the ranks' states (pulled from
+ * different groups, or not at all) hold differently. With data-parallel
+ * members a rank's piece does not hold those moments whole: they stay
+ * apart until the ranks' equal gradients wash the difference out
+ * (trainer_group_resync keeps the parameters equal meanwhile). Collective
+ * over the ranks; 0 at once for other trainers. */
+int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Checks that the group's copies agree bit for bit: data-parallel members
+ * holding whole parameters (ZeRO 0-2) the whole buffer, tensor-parallel
+ * ranks their replicated parameters. Collective, as above. Returns 0, the
+ * communicator's error, or RUMOR_EPROTO naming the first member whose copy
+ * differs from its member 0's. */
+int trainer_group_check(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+
 /* Segment i of the sync scheme's state (train_config.extra), a flat view
- * of per_param × nparams + fixed floats on the trainer's device. */
+ * of per_param × shard floats + fixed floats on the trainer's device. */
 struct tensor trainer_extra(struct trainer *t, int i);
 /* Floats in the full state: parameters, then optimizer state, then the
  * sync scheme's (train_config.extra). */

@@ -335,6 +335,11 @@ int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) {
   return rc;
 }
 
+int zero_gather_params(struct trainer *t, struct rumor_err *e) {
+  RUMOR_ASSERT(t->zero.dp.zero <= 2);
+  return collective(t, COLL_ALL_GATHER, &t->model.params, 0, t->model.nparams, e);
+}
+
 void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi) {
   comm_chunk(n, comm_size(dp->comm), comm_rank(dp->comm), lo, hi);
 }

@@ -164,7 +164,8 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "4"), 2, "--zero: '4' is not an integer in [0, 3]");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2"), 2,
                       "data- or tensor-parallel processes inside a pipelined group are not built yet");
-  cluster_expect_exit(&C, G("--data-parallel", "2", "--bootstrap", "127.0.0.1:9"), 2, "such a group trains alone");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
+                      "has 1 list for 2 processes");
   cluster_expect_exit(&C, G("--tensor-parallel", "3", "--model", "gpt:L2-H4-C32-T16-V257"), 2,
                       "its 4 heads are not a multiple of 3");
   cluster_expect_exit(&C, G("--tensor-parallel", "2", "--zero", "1"), 2, "--zero 1 needs --data-parallel D");
