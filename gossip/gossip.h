@@ -396,6 +396,7 @@ struct gossip_peer_stats {
    * and the training thread's total wait for rounds in seconds. */
   int64_t outer_round;
   double outer_norm, outer_bytes, outer_wait_s;
+  int64_t peak_rss_bytes; /* the process's peak resident memory so far (0: not known) */
 };
 /* True when someone asked for fresh figures since the last publish (so the
  * O(P) sketch is computed only when a monitor wants it). */

@@ -387,8 +387,10 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
           OPT(net_msg_get_int(msg, "samples", &nr->samples)) && OPT(net_msg_get_double(msg, "loss", &nr->loss)) &&
           OPT(net_msg_get_double(msg, "sps", &nr->samples_per_s)) &&
           OPT(net_msg_get_double(msg, "norm", &nr->param_norm)) &&
-          OPT(net_msg_get_double(msg, "age", &nr->stats_age_s))))
+          OPT(net_msg_get_double(msg, "age", &nr->stats_age_s)) &&
+          OPT(net_msg_get_int(msg, "rss", &nr->peak_rss_bytes))))
       return RUMOR_EPROTO;
+    if (nr->peak_rss_bytes < 0) return RUMOR_EPROTO;
     nr->have_train = true;
   }
   nr->outer_round = -1;

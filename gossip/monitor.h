@@ -83,6 +83,7 @@ struct gossip_node_report {
   bool have_train; /* the training figures below are set */
   int64_t step, epoch, samples;
   double loss, samples_per_s, param_norm;
+  int64_t peak_rss_bytes; /* the member's peak resident memory (0: not said) */
   double stats_age_s; /* how old the figures were when sent */
   int sketch_k;       /* 0: no sketch */
   double *sketch;     /* sketch_k doubles, owned by the report */

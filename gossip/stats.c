@@ -247,6 +247,7 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
     net_msgbuf_put_double(&b, "sps", g->mon.pstats.samples_per_s);
     net_msgbuf_put_double(&b, "norm", g->mon.pstats.param_norm);
     net_msgbuf_put_double(&b, "age", (double)(now - g->mon.stats_ms) / 1e3);
+    if (g->mon.pstats.peak_rss_bytes > 0) net_msgbuf_put_int(&b, "rss", g->mon.pstats.peak_rss_bytes); /* optional */
     if (g->mon.pstats.outer_round >= 0) { /* optional: an outer optimizer's round */
       net_msgbuf_put_int(&b, "o_round", g->mon.pstats.outer_round);
       net_msgbuf_put_double(&b, "o_norm", g->mon.pstats.outer_norm);
@@ -474,6 +475,10 @@ static void metrics_text(struct gossip *g, struct text *t) {
     tprintf(t, "rumor_training_samples_per_second %.3f\n", s.samples_per_s);
     metric(t, "rumor_parameter_norm", "gauge", "L2 norm of the parameters at the last figures.");
     tprintf(t, "rumor_parameter_norm %.6g\n", s.param_norm);
+    if (s.peak_rss_bytes > 0) {
+      metric(t, "rumor_peak_rss_bytes", "gauge", "The process's peak resident memory so far.");
+      tprintf(t, "rumor_peak_rss_bytes %lld\n", (long long)s.peak_rss_bytes);
+    }
     if (s.outer_round >= 0) {
       metric(t, "rumor_outer_rounds_total", "counter", "Outer rounds applied (DiLoCo, NoLoCo).");
       tprintf(t, "rumor_outer_rounds_total %lld\n", (long long)s.outer_round);

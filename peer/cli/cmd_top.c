@@ -71,6 +71,16 @@ static double mean_loss_of(const struct gossip_cluster_report *r) {
 /* An integer figure, or null when the node did not report it. */
 static json_t *int_or_null(bool have, int64_t v) { return have ? json_integer(v) : json_null(); }
 
+/* The part of a replica a member holds, from its model label: "stage 0/2
+ * layers 0-3 of 0,4,8" for a pipeline stage, "shard dp 1/2 tp 0/2" for a
+ * data- or tensor-parallel process (train_stage_label, cmd_stage.c's
+ * shard_label); "" for a whole replica. */
+static const char *part_of(const char *model) {
+  const char *p = strstr(model, " stage ");
+  if (!p) p = strstr(model, " shard ");
+  return p ? p + 1 : "";
+}
+
 static json_t *json_node(const struct gossip_node_report *nd) {
   bool t = nd->reachable && nd->have_train;
   json_t *o = json_object();
@@ -91,6 +101,8 @@ static json_t *json_node(const struct gossip_node_report *nd) {
   json_text_set(o, "loss", json_text_real(t ? nd->loss : NAN));
   json_text_set(o, "samples_per_s", json_text_real(t ? nd->samples_per_s : NAN));
   json_text_set(o, "param_norm", json_text_real(t ? nd->param_norm : NAN));
+  json_text_set(o, "peak_rss_bytes", int_or_null(t && nd->peak_rss_bytes > 0, nd->peak_rss_bytes));
+  json_text_set(o, "part", json_text_str(part_of(nd->model)));
   json_text_set(o, "exchanges_ok", json_integer((json_int_t)nd->exchanges_ok));
   json_text_set(o, "exchanges_failed", json_integer((json_int_t)nd->exchanges_failed));
   json_text_set(o, "exchanges_rejected", json_integer((json_int_t)nd->exchanges_rejected));
@@ -239,9 +251,9 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
   fprintf(f, "  mean loss %s\n", fmt_num(a, sizeof a, "%.4f", mean_loss));
   fprintf(f, "Ξ history %s\n", spark);
   if (r->drift_note[0]) fprintf(f, "note: %s\n", r->drift_note);
-  fprintf(f, "\n%-10s %-21s %-9s %-7s %-9s %8s %8s %5s %8s %9s %7s %6s %7s %8s %8s %8s %8s %4s %9s\n", "ID", "ADDRESS",
-          "ROLE", "STATE", "SYNC", "ROUND", "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST", "XCHG-IN", "XCHG-OUT", "IN", "OUT",
-          "MEMB", "NORM");
+  fprintf(f, "\n%-10s %-21s %-9s %-7s %-9s %8s %8s %5s %8s %9s %7s %6s %7s %8s %8s %8s %8s %4s %9s %8s\n", "ID",
+          "ADDRESS", "ROLE", "STATE", "SYNC", "ROUND", "STEP", "EPOCH", "LOSS", "SAMPLE/S", "XCHG", "FAILED", "LAST",
+          "XCHG-IN", "XCHG-OUT", "IN", "OUT", "MEMB", "NORM", "PEAK-RSS");
   for (size_t i = 0; i < r->n; i++) {
     const struct gossip_node_report *nd = &r->nodes[i];
     char round[24] = "-";
@@ -262,16 +274,20 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
       snprintf(step, sizeof step, "%lld", (long long)nd->step);
       snprintf(epoch, sizeof epoch, "%lld", (long long)nd->epoch);
     }
-    char loss[24], sps[24], last[24], in[16], out[16], xin[16], xout[16], norm[24];
+    char loss[24], sps[24], last[24], in[16], out[16], xin[16], xout[16], norm[24], rss[16] = "-";
     fmt_num(loss, sizeof loss, "%.4f", nd->have_train ? nd->loss : NAN);
     fmt_num(sps, sizeof sps, "%.0f", nd->have_train ? nd->samples_per_s : NAN);
     fmt_num(last, sizeof last, "%.1fs", nd->last_exchange_age_s >= 0 ? nd->last_exchange_age_s : NAN);
     fmt_num(norm, sizeof norm, "%.4g", nd->have_train ? nd->param_norm : NAN);
-    fprintf(f, "%8s %5s %8s %9s %7llu %6llu %7s %8s %8s %8s %8s %4llu %9s\n", step, epoch, loss, sps,
+    if (nd->have_train && nd->peak_rss_bytes > 0) human_bytes(rss, sizeof rss, (uint64_t)nd->peak_rss_bytes);
+    fprintf(f, "%8s %5s %8s %9s %7llu %6llu %7s %8s %8s %8s %8s %4llu %9s %8s\n", step, epoch, loss, sps,
             (unsigned long long)nd->exchanges_ok, (unsigned long long)nd->exchanges_failed, last,
             human_bytes(xin, sizeof xin, nd->exchange_bytes_in), human_bytes(xout, sizeof xout, nd->exchange_bytes_out),
             human_bytes(in, sizeof in, nd->bytes_in), human_bytes(out, sizeof out, nd->bytes_out),
-            (unsigned long long)nd->members, norm);
+            (unsigned long long)nd->members, norm, rss);
+    /* A group's members share its identity (the ID column): one line each
+     * for the part it holds. */
+    if (part_of(nd->model)[0]) fprintf(f, "%-10s part: %s\n", "", part_of(nd->model));
     if (nd->last_failure[0]) fprintf(f, "%-10s last failure: %s\n", "", nd->last_failure);
     if (nd->relayed_links || nd->relayed_bytes || nd->relay_bytes || nd->via[0]) {
       char rb[16], fb[16];

@@ -89,7 +89,8 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
                                  .param_norm = s->param_norm,
                                  .sketch = with_sketch ? s->sketch : NULL,
                                  .outer_round = -1,
-                                 .outer_norm = NAN};
+                                 .outer_norm = NAN,
+                                 .peak_rss_bytes = trainer_peak_rss_bytes()};
   if (s->cfg.outer.kind != OUTER_NONE) {
     ps.outer_round = (int64_t)s->outer.rounds;
     ps.outer_norm = s->outer.last_norm;
