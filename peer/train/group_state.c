@@ -253,11 +253,27 @@ int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) {
   return rc;
 }
 
-/* FNV-1a over `n` floats' bytes. */
-static uint64_t fnv1a(const float *x, int64_t n) {
+#define FNV_START 1469598103934665603ull
+
+/* FNV-1a over `n` floats' bytes, continuing from h. */
+static uint64_t fnv1a(uint64_t h, const float *x, int64_t n) {
   const unsigned char *b = (const unsigned char *)x;
-  uint64_t h = 1469598103934665603ull;
   for (int64_t i = 0; i < n * (int64_t)sizeof(float); i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* FNV-1a over a device tensor's first n floats, through a bounded host
+ * buffer (a whole-model copy would raise the peak memory ZeRO saves). */
+static uint64_t fnv1a_tensor(const struct tensor *x, int64_t n) {
+  enum { CHUNK = 1 << 20 };
+  float *buf = xmalloc((size_t)(n < CHUNK ? (n > 0 ? n : 1) : CHUNK) * sizeof(float));
+  uint64_t h = FNV_START;
+  for (int64_t at = 0; at < n; at += CHUNK) {
+    int64_t k = n - at < CHUNK ? n - at : CHUNK;
+    tensor_copy_to_host(x, at, buf, (size_t)k * sizeof(float));
+    h = fnv1a(h, buf, k);
+  }
+  free(buf);
   return h;
 }
 
@@ -275,16 +291,13 @@ int trainer_group_check(struct trainer *t, struct rumor_err *e) {
   bool dp_differs = false, tp_differs = false;
   int rc = 0;
   if (t->cfg.dp && t->zero.dp.zero <= 2) {
-    float *all = xmalloc((size_t)m->nparams * sizeof(float));
-    tensor_copy_to_host(&m->params, 0, all, (size_t)m->nparams * sizeof(float));
-    rc = compare_with_first(t->zero.dp.comm, fnv1a(all, m->nparams), &dp_differs, e);
-    free(all);
+    rc = compare_with_first(t->zero.dp.comm, fnv1a_tensor(&m->params, m->nparams), &dp_differs, e);
   }
   if (rc == 0 && t->cfg.tp && !(t->cfg.dp && t->zero.dp.zero == 3)) {
     int64_t n = replicated_copy(m, &m->params, 0, NULL, false);
     float *buf = xmalloc((size_t)(n > 0 ? n : 1) * sizeof(float));
     replicated_copy(m, &m->params, 0, buf, false);
-    rc = compare_with_first(t->cfg.tp->comm, fnv1a(buf, n), &tp_differs, e);
+    rc = compare_with_first(t->cfg.tp->comm, fnv1a(FNV_START, buf, n), &tp_differs, e);
     free(buf);
   }
   if (rc) return rc;
