@@ -218,7 +218,7 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
   }
   if (p->dp_size > 1) {
     p->dp_comm = p->tp_size > 1 ? comm_sub(p->comm, dp_members, p->dp_size, 2) : p->comm;
-    p->dp = (struct train_dp){.comm = p->dp_comm, .zero = (int)p->f.pipe.zero};
+    p->dp = (struct train_dp){.comm = p->dp_comm, .zero = (int)p->f.pipe.zero, .lazy_gather = p->averages};
     p->tc.dp = &p->dp;
   }
   return 0;

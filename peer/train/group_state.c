@@ -221,7 +221,7 @@ static int resync(struct trainer *t, bool changed, bool *out, struct rumor_err *
   *out = rc == 0 && any > 0;
   if (rc) return rc;
   bool z3 = t->cfg.dp && t->zero.dp.zero == 3;
-  if (any > 0 && t->cfg.dp && !z3 && (rc = zero_gather_params(t, e))) return rc;
+  if ((any > 0 || t->zero.partial) && t->cfg.dp && !z3 && (rc = zero_gather_params(t, e))) return rc;
   if (!t->cfg.tp) return 0;
   if (z3) /* refused by the command line (peer/cli/cmd_stage.c) */
     return rumor_err_set(e, RUMOR_EFORMAT, "ZeRO 3 tensor-parallel ranks cannot average replicated parameters");

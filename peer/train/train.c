@@ -502,6 +502,12 @@ static int64_t eval_rows(const struct trainer *t) {
 int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
   int64_t n = eval_rows(t);
   if (n == 0) return 0;
+  /* A lazy step (train_dp.lazy_gather) left the parameters partial: every
+   * member evaluates at the same point, so every member gathers here. */
+  if (t->cfg.dp && t->zero.partial) {
+    int rc = zero_gather_params(t, e);
+    if (rc) return rc;
+  }
   int64_t correct = 0;
   double loss = 0, t0 = clock_now_s();
   if (trainer_is_stage(t)) {

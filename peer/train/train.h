@@ -322,6 +322,13 @@ struct train_stage {
 struct train_dp {
   comm_t *comm; /* the data-parallel members; not owned */
   int zero;     /* 0 .. 3 */
+  /* ZeRO 1/2 in a group that averages with other groups: a step leaves
+   * the parameters' all-gather to the trainer_group_resync after it, which
+   * runs once the sync path moved the pieces (one all-gather a step, not
+   * two). Until then only this member's piece is current: everything that
+   * reads the parameters between (the sync path) reads the shard alone,
+   * and an evaluation gathers first. */
+  bool lazy_gather;
 };
 
 /* A tensor-parallel rank of a peer group (rumor group --tensor-parallel T):
@@ -478,6 +485,7 @@ struct train_zero {
   struct tensor dbuf[2];  /* ZeRO 2/3: the per-unit backward's gradient ping-pong */
   float *host;            /* a device backend's staging for collectives (NULL on the CPU) */
   int64_t host_floats;
+  bool partial;           /* lazy_gather: only this member's piece of the parameters is current */
 };
 
 struct trainer {
@@ -601,7 +609,8 @@ bool trainer_holds_part(const struct trainer *t);
 /* A data- or tensor-parallel group member, after the sync path may have
  * changed its shard between steps (`changed`: it did since the last
  * call): the group makes its copies whole and equal again. The members
- * agree whether any shard changed; if one did, ZeRO 1-2 members all-gather
+ * agree whether any shard changed; if one did, or a lazy step
+ * (train_dp.lazy_gather) left them partial, ZeRO 1-2 members all-gather
  * the pieces. Tensor-parallel ranks average their replicated parameters
  * (LayerNorms, position embedding, an MLP's last layer), which each
  * rank's sync moves on its own, at every call. Collective over every process of the group: each

@@ -40,7 +40,8 @@ void train_data_gather(const struct train_data *d, bool eval, int64_t first, int
 int zero_init(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 void zero_free(struct trainer *t);
 /* ZeRO 0-2: every member's piece of the parameters to every member (after
- * the pieces changed outside a step: trainer_group_resync). Collective. */
+ * the pieces changed outside a step, or a lazy step left them partial:
+ * trainer_group_resync, trainer_evaluate). Collective. */
 int zero_gather_params(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* This member's piece [*lo, *hi) of a flat buffer of n floats. */
 void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi);

@@ -274,7 +274,8 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
     struct tensor p = tensor_view(&m->params, plo, 1, &pn), g = tensor_view(&m->grads, plo, 1, &pn);
     if (pn > 0) optim_apply(&t->optim, &p, &g, lr);
     else t->optim.step++;
-    if (z->dp.zero <= 2 && (rc = collective(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
+    if (z->dp.zero <= 2 && z->dp.lazy_gather) z->partial = true; /* trainer_group_resync gathers */
+    else if (z->dp.zero <= 2 && (rc = collective(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
   }
   tensor_backend_sync(t->be);
   return 0;
@@ -337,7 +338,9 @@ int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) {
 
 int zero_gather_params(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(t->zero.dp.zero <= 2);
-  return collective(t, COLL_ALL_GATHER, &t->model.params, 0, t->model.nparams, e);
+  int rc = collective(t, COLL_ALL_GATHER, &t->model.params, 0, t->model.nparams, e);
+  if (rc == 0) t->zero.partial = false;
+  return rc;
 }
 
 void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi) {
