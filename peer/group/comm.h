@@ -56,8 +56,9 @@
  * (-ECONNRESET, "... left the group").
  *
  * CUDA: collectives take host buffers; a caller whose tensors live on a
- * device copies them through pinned host memory (tensor_host_alloc) on a
- * copy stream first.
+ * device copies them through pinned host memory (tensor_host_alloc), on a
+ * copy stream where it can overlap them with the transfer (ZeRO's
+ * segments: peer/train/zero.c).
  *
  * Threads: a communicator belongs to one thread, the one that calls its
  * collectives; they block it. Distinct communicators of one group (the

@@ -329,6 +329,10 @@ struct train_dp {
    * reads the parameters between (the sync path) reads the shard alone,
    * and an evaluation gathers first. */
   bool lazy_gather;
+  /* Tests: collectives take a device's path through pinned staging on the
+   * CPU too (so the CPU runs check it). */
+  bool staged;
+  int64_t segment_floats; /* tests: floats a collective moves at a time (0: 4 MiB of them) */
 };
 
 /* A tensor-parallel rank of a peer group (rumor group --tensor-parallel T):
@@ -483,8 +487,14 @@ struct train_zero {
   int64_t cut[COMM_MAX_MEMBERS + 1]; /* member j's piece of the flat buffer: [cut[j], cut[j + 1]) */
   int64_t *counts;        /* scratch: per-member counts of one collective (size) */
   struct tensor dbuf[2];  /* ZeRO 2/3: the per-unit backward's gradient ping-pong */
-  float *host;            /* a device backend's staging for collectives (NULL on the CPU) */
-  int64_t host_floats;
+  /* A device backend's staging for collectives (NULL on the CPU unless
+   * train_dp.staged): two pinned halves of host_floats each, so one
+   * segment is copied out while the other is on the wire; out_ev[i]
+   * marks half i's copy out done, back_ev[i] its copy back. */
+  float *host[2];
+  tensor_event_t out_ev[2], back_ev[2];
+  int64_t host_floats;    /* the most a segment moves through them (<= seg) */
+  int64_t seg;            /* floats a collective moves at a time */
   bool partial;           /* lazy_gather: only this member's piece of the parameters is current */
 };
 

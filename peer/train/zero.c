@@ -41,39 +41,82 @@ enum coll { COLL_ALL_REDUCE, COLL_REDUCE_SCATTER, COLL_ALL_GATHER };
  * few of these, and the device staging buffer to one. */
 #define SEGMENT_FLOATS ((int64_t)1 << 20)
 
-/* One segment [a, b) (at most SEGMENT_FLOATS) of a collective over a flat
- * device tensor: in place on the CPU, through the pinned staging buffer on
- * a device (copied out before, back after: what a reduce-scatter leaves
- * outside this member's piece is undefined anyway). */
-static int segment(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
-  struct train_zero *z = &t->zero;
-  int64_t n = b - a;
-  float *buf;
-  if (on_cpu(t)) {
-    buf = (float *)x->data + a;
-  } else {
-    RUMOR_ASSERT(n <= z->host_floats);
-    buf = z->host;
-    tensor_copy_to_host(x, a, buf, (size_t)n * sizeof(float));
-  }
-  int rc;
-  if (op == COLL_ALL_REDUCE) {
-    rc = comm_all_reduce(z->dp.comm, buf, n, e);
-  } else {
-    range_counts(z, a, b);
-    rc = op == COLL_REDUCE_SCATTER ? comm_reduce_scatter_v(z->dp.comm, buf, z->counts, e)
+/* Runs collective `op` on buf[0..n), the elements [a, a + n) of the flat
+ * range (per-member counts from their pieces for the _v forms). */
+static int run_op(struct train_zero *z, enum coll op, float *buf, int64_t a, int64_t n, struct rumor_err *e) {
+  if (op == COLL_ALL_REDUCE) return comm_all_reduce(z->dp.comm, buf, n, e);
+  range_counts(z, a, a + n);
+  return op == COLL_REDUCE_SCATTER ? comm_reduce_scatter_v(z->dp.comm, buf, z->counts, e)
                                    : comm_all_gather_v(z->dp.comm, buf, z->counts, e);
+}
+
+/* The part of [a, b) the device must send (`out`) or take back (!out) for
+ * `op`: all of it for an all-reduce; only this member's piece of it going
+ * out for an all-gather (the others' parts are overwritten) and coming
+ * back for a reduce-scatter (what it leaves elsewhere is undefined). */
+static void moved_part(const struct train_zero *z, enum coll op, bool out, int64_t a, int64_t b, int64_t *lo,
+                       int64_t *hi) {
+  *lo = a, *hi = b;
+  if (op == COLL_ALL_REDUCE || (out ? op != COLL_ALL_GATHER : op != COLL_REDUCE_SCATTER)) return;
+  int64_t plo = z->cut[z->rank], phi = z->cut[z->rank + 1];
+  *lo = plo > a ? plo : a;
+  *hi = phi < b ? phi : b;
+  if (*hi < *lo) *hi = *lo;
+}
+
+/* Starts copying segment [s, e) of x into staging half i beside the
+ * training stream, once that half's previous copy back has landed. */
+static void stage_out(struct trainer *t, enum coll op, const struct tensor *x, int i, int64_t s, int64_t e) {
+  struct train_zero *z = &t->zero;
+  RUMOR_ASSERT(e - s <= z->host_floats);
+  tensor_event_wait(z->back_ev[i]);
+  int64_t lo, hi;
+  moved_part(z, op, true, s, e, &lo, &hi);
+  if (hi > lo) tensor_copy_to_host_beside(x, lo, z->host[i] + (lo - s), (size_t)(hi - lo) * sizeof(float), z->out_ev[i]);
+  else tensor_event_record(z->out_ev[i]);
+}
+
+/* A collective over [a, b) of a device tensor through the pinned staging
+ * halves, segment by segment: segment k + 1 is copied out on the copy
+ * stream while segment k is on the wire, and each result is copied back on
+ * the training stream (ordered before whatever reads it next), so copies
+ * overlap communication. */
+static int collective_staged(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b,
+                             struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  if (b <= a) return 0;
+  int64_t seg = z->host_floats;
+  stage_out(t, op, x, 0, a, b - a < seg ? b : a + seg);
+  int rc = 0;
+  for (int64_t s = a, k = 0; s < b && rc == 0; s += seg, k++) {
+    int i = (int)(k & 1);
+    int64_t end = b - s < seg ? b : s + seg;
+    if (end < b) stage_out(t, op, x, i ^ 1, end, b - end < seg ? b : end + seg);
+    tensor_event_wait(z->out_ev[i]);
+    rc = run_op(z, op, z->host[i], s, end - s, e);
+    int64_t lo, hi;
+    moved_part(z, op, false, s, end, &lo, &hi);
+    if (rc == 0 && hi > lo)
+      tensor_copy_from_host_async(x, lo, z->host[i] + (lo - s), (size_t)(hi - lo) * sizeof(float));
+    tensor_event_record(z->back_ev[i]);
   }
-  if (rc == 0 && !on_cpu(t)) tensor_copy_from_host(x, a, buf, (size_t)n * sizeof(float));
+  /* A failure leaves a copy out in flight: it must land before the
+   * staging is reused or freed. */
+  for (int i = 0; i < 2; i++) tensor_event_wait(z->out_ev[i]);
   return rc;
 }
 
-/* A collective over [a, b) of x, segment by segment: each segment's
- * per-member counts are its intersections with the members' pieces, so
- * the pieces end up as one call over the whole range would leave them. */
+/* A collective over [a, b) of x: in place on the CPU, through the staging
+ * on a device (or when train_dp.staged asks for it). Large ranges move in
+ * segments whose per-member counts are their intersections with the
+ * members' pieces, so the pieces end up as one call over the whole range
+ * would leave them. */
 static int collective(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b, struct rumor_err *e) {
-  for (int64_t s = a; s < b; s += SEGMENT_FLOATS) {
-    int rc = segment(t, op, x, s, b - s < SEGMENT_FLOATS ? b : s + SEGMENT_FLOATS, e);
+  if (t->zero.host[0]) return collective_staged(t, op, x, a, b, e);
+  int64_t seg = t->zero.seg;
+  for (int64_t s = a; s < b; s += seg) {
+    int64_t end = b - s < seg ? b : s + seg;
+    int rc = run_op(&t->zero, op, (float *)x->data + s, s, end - s, e);
     if (rc) return rc;
   }
   return 0;
@@ -151,12 +194,18 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
       if (rc) return rumor_err_prefix(e, "ZeRO %d's per-unit gradient buffers", z->dp.zero);
     }
   }
-  if (most > SEGMENT_FLOATS) most = SEGMENT_FLOATS;
-  if (!on_cpu(t)) {
+  z->seg = z->dp.segment_floats > 0 ? z->dp.segment_floats : SEGMENT_FLOATS;
+  if (most > z->seg) most = z->seg;
+  if (!on_cpu(t) || z->dp.staged) {
     z->host_floats = most;
-    z->host = tensor_host_alloc(t->be, (size_t)most * sizeof(float));
-    if (!z->host) return rumor_err_set(e, -ENOMEM, "cannot allocate %lld floats of pinned staging for the group's "
-                                       "collectives", (long long)most);
+    for (int i = 0; i < 2; i++) {
+      z->host[i] = tensor_host_alloc(t->be, (size_t)most * sizeof(float));
+      z->out_ev[i] = tensor_event_create(t->be);
+      z->back_ev[i] = tensor_event_create(t->be);
+      if (!z->host[i] || !z->out_ev[i] || !z->back_ev[i])
+        return rumor_err_set(e, -ENOMEM, "cannot allocate 2 x %lld floats of pinned staging (and its events) for "
+                             "the group's collectives", (long long)most);
+    }
   }
   if (z->dp.zero >= 2) release_outside(t, &m->grads, 0, m->nparams);
   if (z->dp.zero == 3) release_outside(t, &m->params, 0, m->nparams);
@@ -166,7 +215,13 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
 void zero_free(struct trainer *t) {
   struct train_zero *z = &t->zero;
   for (int i = 0; i < 2; i++) tensor_free(&z->dbuf[i]);
-  if (z->host) tensor_host_free(t->be, z->host);
+  for (int i = 0; i < 2; i++) {
+    if (z->out_ev[i]) tensor_event_wait(z->out_ev[i]);
+    if (z->back_ev[i]) tensor_event_wait(z->back_ev[i]);
+    tensor_event_destroy(z->out_ev[i]);
+    tensor_event_destroy(z->back_ev[i]);
+    if (z->host[i]) tensor_host_free(t->be, z->host[i]);
+  }
   free(z->counts);
   memset(z, 0, sizeof *z);
 }

@@ -59,9 +59,19 @@ static void config(const struct run *r, struct train_config *cfg) {
   cfg->shard = (struct shard){0, 1};
 }
 
+/* How the data-parallel members run their collectives (train_dp): the
+ * device path's pipelined staging on the CPU, in segments of this many
+ * floats (0: the default), and lazy gathers with a resync after each step
+ * as a group that averages with others runs them. */
+static struct {
+  bool staged, lazy;
+  int64_t segment;
+} g_mode;
+
 static int train(struct trainer *t, const struct run *r, struct rumor_err *e) {
   while (!trainer_done(t)) {
     int rc = trainer_step(t, e);
+    if (rc == 0 && g_mode.lazy) rc = trainer_group_resync(t, false, NULL, e);
     if (rc) return rc;
   }
   return r->checkpoint ? trainer_save(t, r->checkpoint, e) : 0;
@@ -71,7 +81,11 @@ static void *member_main(void *arg) {
   struct member *m = arg;
   struct train_config cfg;
   config(m->run, &cfg);
-  struct train_dp dp = {.comm = m->comm, .zero = m->zero};
+  struct train_dp dp = {.comm = m->comm,
+                        .zero = m->zero,
+                        .staged = g_mode.staged,
+                        .lazy_gather = g_mode.lazy,
+                        .segment_floats = g_mode.segment};
   cfg.dp = &dp;
   struct rumor_err e = {0};
   struct trainer t;
@@ -166,6 +180,30 @@ Test(zero, gpt_adamw_every_stage_d2_and_d3) {
     group_equals_single(&gpt_adam, 2, z);
     group_equals_single(&gpt_adam, 3, z);
   }
+}
+
+/* A device's path on the CPU: collectives through the two pinned halves
+ * in segments of 1000 floats (the model has 20 K parameters: the copies
+ * of one segment overlap the next one's transfer dozens of times a step),
+ * copying out only what goes out and back only what comes back. The same
+ * steps, to the same tolerance. */
+Test(zero, staged_segmented_collectives_every_stage) {
+  g_mode.staged = true;
+  g_mode.segment = 1000;
+  for (int z = 0; z <= 3; z++) group_equals_single(&mlp_adam, 2, z);
+  group_equals_single(&gpt_adam, 3, 3);
+  g_mode.staged = false;
+  g_mode.segment = 0;
+}
+
+/* ZeRO 1 and 2 members of a group that averages with others leave each
+ * step's all-gather to the resync after it (train_dp.lazy_gather): the
+ * same steps. */
+Test(zero, lazy_gathers_equal_eager_ones) {
+  g_mode.lazy = true;
+  for (int z = 1; z <= 2; z++) group_equals_single(&mlp_adam, 2, z);
+  group_equals_single(&gpt_adam, 3, 2);
+  g_mode.lazy = false;
 }
 
 /* More members than rows in a batch: a member with no rows still takes
