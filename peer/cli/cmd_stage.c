@@ -438,7 +438,8 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
 static int shard_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};
-  int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
+  /* A resumed group keeps its own state, as a resumed peer does. */
+  int jr = member_join(&p->mb, t, &p->f.gossip, p->tc.resume != NULL, &pos, e);
   if (jr < 0) return jr;
   int64_t mine[4] = {jr == 0, (int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples}, use[4] = {0, 0, 0, 0};
   for (int j = 0; j < p->members; j++) {

@@ -225,10 +225,13 @@ static int resync(struct trainer *t, bool changed, bool *out, struct rumor_err *
   if (!t->cfg.tp) return 0;
   if (z3) /* refused by the command line (peer/cli/cmd_stage.c) */
     return rumor_err_set(e, RUMOR_EFORMAT, "ZeRO 3 tensor-parallel ranks cannot average replicated parameters");
-  /* Every call, not only after a change: a rank's replicated moments may
-   * differ from the others' for a while after a pulled state (below), and
-   * averaged parameters keep the ranks' gradients, and so those moments,
-   * converging. */
+  /* Equal replicated parameters and moments stay equal (the ranks'
+   * gradients of them are equal): only a change needs the average, and
+   * averaging equal values could still move them by a rounding (3a / 3).
+   * After a pulled state whose moments the ranks could not average
+   * (replicated_apart), every call: averaged parameters keep the ranks'
+   * gradients, and so those moments, converging. */
+  if (any == 0 && !t->replicated_apart) return 0;
   return average_replicated(t, &t->model.params, 0, e);
 }
 
@@ -247,7 +250,11 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any_out, struct 
 }
 
 int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) {
-  if (!t->cfg.tp || t->cfg.dp) return 0;
+  if (!t->cfg.tp) return 0;
+  if (t->cfg.dp) { /* the moments are spread over the members' pieces */
+    t->replicated_apart = true;
+    return 0;
+  }
   int parts = optim_state_per_param(t->optim.cfg.kind), rc = 0;
   for (int s = 0; rc == 0 && s < parts; s++) rc = average_replicated(t, &t->optim.state, (int64_t)s * t->optim.nparams, e);
   return rc;

@@ -542,6 +542,7 @@ struct trainer {
    * segment i at extra_off[i]. */
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
+  bool replicated_apart; /* tensor-parallel ranks whose replicated moments differ (trainer_group_resync_state) */
   int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
@@ -621,9 +622,10 @@ bool trainer_holds_part(const struct trainer *t);
  * call): the group makes its copies whole and equal again. The members
  * agree whether any shard changed; if one did, or a lazy step
  * (train_dp.lazy_gather) left them partial, ZeRO 1-2 members all-gather
- * the pieces. Tensor-parallel ranks average their replicated parameters
- * (LayerNorms, position embedding, an MLP's last layer), which each
- * rank's sync moves on its own, at every call. Collective over every process of the group: each
+ * the pieces, and tensor-parallel ranks average their replicated
+ * parameters (LayerNorms, position embedding, an MLP's last layer), which
+ * each rank's sync moves on its own (after trainer_group_resync_state
+ * could not average their moments: at every call). Collective over every process of the group: each
  * calls it at the same points. *any (may be NULL) gets whether any
  * member's shard changed. Returns 0 (at once, *any = changed, for other
  * trainers) or the communicator's error. */
@@ -633,8 +635,9 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any, struct rumo
  * parameters' optimizer state too, which the ranks' states (pulled from
  * different groups, or not at all) hold differently. With data-parallel
  * members a rank's piece does not hold those moments whole: they stay
- * apart until the ranks' equal gradients wash the difference out
- * (trainer_group_resync keeps the parameters equal meanwhile). Collective
+ * apart until the ranks' equal gradients wash the difference out, and
+ * trainer_group_resync averages the parameters at every call from then
+ * on. Collective
  * over the ranks; 0 at once for other trainers. */
 int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Checks that the group's copies agree bit for bit: data-parallel members
