@@ -68,6 +68,12 @@ const char *tensor_backend_name(tensor_backend_t be);
 /* CPU: the number of threads oneDNN and the plain loops may use (>= 1).
  * Ignored by CUDA. */
 void tensor_backend_set_threads(tensor_backend_t be, int threads);
+/* GEMMs in TF32 (on: inputs rounded to 10 mantissa bits on the tensor
+ * cores, FP32 accumulation) or plain FP32 (off, the default at open). CUDA:
+ * every GEMM enqueued after the call, including attention's batched ones.
+ * The CPU backend accepts the switch and changes nothing: its GEMMs stay
+ * FP32. */
+void tensor_backend_set_tf32(tensor_backend_t be, bool on);
 /* The device's free and total memory in bytes; false where not known (the
  * CPU: host memory is not the backend's to count). */
 bool tensor_backend_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes);

@@ -17,11 +17,19 @@
  * kernel launch is a panic naming the call, file and line: the device state
  * is unknown after it.
  *
- * Numerics: cuBLAS runs in its default FP32 math mode (no TF32), so GEMMs
- * match the CPU to FP32 rounding. Reductions are float partials per block,
+ * Numerics: cuBLAS opens in its default FP32 math mode (no TF32), so GEMMs
+ * match the CPU to FP32 rounding; tensor_backend_set_tf32 switches every
+ * later GEMM to TF32 tensor cores. Reductions are float partials per block,
  * summed in double on the host.
+ *
+ * Waiting: the device is set to block the waiting host thread
+ * (cudaDeviceScheduleBlockingSync), so a stream or event synchronisation
+ * sleeps instead of spinning a core the gossip and network threads need.
+ *
+ * Libraries: cudart is linked statically and cuBLAS is loaded at open
+ * (tensor_cublas.h), so a CUDA build starts on a host without either; it
+ * then has no usable GPU and "auto" falls back to the CPU.
  */
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <limits.h>
@@ -31,6 +39,7 @@
 #include <stdlib.h>
 
 #include "kernels/kernels.h" /* kern_*: the kernel launchers */
+#include "tensor/tensor_cublas.h" /* tensor_cublas: cuBLAS, loaded at run time */
 #include "tensor/tensor_impl.h"
 
 #ifndef RUMOR_CUDA_ARCHS
@@ -46,13 +55,13 @@
                   cudaGetErrorString(cerr_));                                               \
   } while (0)
 
-/* A failing cuBLAS call inside an op. */
+/* A failing cuBLAS call inside an op (cuBLAS is loaded: the backend is open). */
 #define CUBLAS_CHECK(call)                                                                  \
   do {                                                                                      \
     cublasStatus_t berr_ = (call);                                                          \
     if (berr_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, cublasGetStatusName(berr_), \
-                  cublasGetStatusString(berr_));                                            \
+      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call,                           \
+                  tensor_cublas()->status_name(berr_), tensor_cublas()->status_string(berr_)); \
   } while (0)
 
 /* A kernel launcher from kernels/kernels.h that returned an error. */
@@ -151,7 +160,7 @@ int tensor_cuda_count(void) {
 static void cuda_release(struct cuda_backend *b) {
   if (b->stream) (void)cudaStreamSynchronize(b->stream);
   if (b->beside) (void)cudaStreamSynchronize(b->beside);
-  if (b->blas) (void)cublasDestroy(b->blas);
+  if (b->blas) (void)tensor_cublas()->destroy(b->blas);
   if (b->d_sketch) (void)cudaFree(b->d_sketch);
   struct cuda_scratch *scratch[] = {&b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++)
@@ -350,7 +359,7 @@ static void cuda_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k
       KERN_CHECK(kern_scale(c, beta, cn, stream_of(cb)));
     return;
   }
-  CUBLAS_CHECK(cublasSgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
+  CUBLAS_CHECK(tensor_cublas()->sgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
                            k, &alpha, b, ldb, a, lda, &beta, c, ldc));
 }
 
@@ -607,7 +616,7 @@ static struct attn_geom attn_geom_of(int64_t r, int64_t t, int64_t c, int nh) {
 static void gemm_strided(struct cuda_backend *cb, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                          const float *a, int64_t lda, int64_t sa, const float *b, int64_t ldb, int64_t sb,
                          float beta, float *c, int64_t ldc, int64_t sc, int64_t batch) {
-  CUBLAS_CHECK(cublasSgemmStridedBatched(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+  CUBLAS_CHECK(tensor_cublas()->sgemm_strided_batched(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                          (int)n, (int)m, (int)k, &alpha, b, (int)ldb, (long long)sb, a, (int)lda,
                                          (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
 }
@@ -659,9 +668,19 @@ static void cuda_attention_bwd(tensor_backend_t be, const float *qkv, const floa
   KERN_CHECK(kern_heads_merge(dq, dqkv, r, t, c, nh, 3, stream_of(b)));
 }
 
+/* CUBLAS_TF32_TENSOR_OP_MATH: cublasSgemm and the strided-batched form may
+ * round their inputs to TF32 on tensor cores (accumulation stays FP32);
+ * CUBLAS_DEFAULT_MATH: plain FP32. The handle is bound to our one stream,
+ * so the mode applies to the GEMMs enqueued after this call. */
+static void cuda_set_tf32(tensor_backend_t be, bool on) {
+  struct cuda_backend *b = enter(be);
+  CUBLAS_CHECK(tensor_cublas()->set_math_mode(b->blas, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+}
+
 static const struct tensor_backend_ops cuda_ops = {
     .close = cuda_close,
     .set_threads = NULL,
+    .set_tf32 = cuda_set_tf32,
     .sync = cuda_sync,
     .mem_alloc = cuda_mem_alloc,
     .mem_free = cuda_mem_free,
@@ -728,6 +747,11 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   if (device < 0 || device >= count)
     return rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: no such CUDA device (%d usable)", device, count);
 
+  /* cuBLAS first: without it the device is of no use, and nothing of the
+   * device has been touched yet. */
+  struct rumor_err le;
+  if (tensor_cublas_load(&le) != 0) return rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: %s", device, le.msg);
+
   int rc = 0;
   struct cuda_backend *b = xcalloc(1, sizeof *b);
   b->base.ops = &cuda_ops;
@@ -736,6 +760,16 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   snprintf(b->base.name, sizeof b->base.name, "cuda:%d", device);
 
   OPEN_CUDA(cudaSetDevice(device));
+  /* Host waits sleep rather than spin. CUDA 12 and later apply the flags to
+   * a primary context that is already active too; where a driver refuses,
+   * waits spin as before, which is slower for the other threads but not
+   * wrong, so it is only logged. */
+  cudaError_t ferr = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+  if (ferr != cudaSuccess) {
+    log_debug("%s: cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) failed (%s); host waits will spin",
+              b->base.name, cudaGetErrorString(ferr));
+    (void)cudaGetLastError();
+  }
   struct cudaDeviceProp prop;
   OPEN_CUDA(cudaGetDeviceProperties(&prop, device));
   if (kern_check_device() != 0) {
@@ -748,14 +782,15 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   OPEN_CUDA(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking));
   OPEN_CUDA(cudaStreamCreateWithFlags(&b->beside, cudaStreamNonBlocking));
   OPEN_CUDA(cudaEventCreateWithFlags(&b->beside_after, cudaEventDisableTiming));
-  cublasStatus_t st = cublasCreate(&b->blas);
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(b->blas, b->stream);
+  const struct tensor_cublas *blas = tensor_cublas();
+  cublasStatus_t st = blas->create(&b->blas);
+  if (st == CUBLAS_STATUS_SUCCESS) st = blas->set_stream(b->blas, b->stream);
   /* Default math: true FP32, no TF32 tensor cores (tests hold GEMMs to FP32
-   * tolerance against the CPU). */
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetMathMode(b->blas, CUBLAS_DEFAULT_MATH);
+   * tolerance against the CPU); tensor_backend_set_tf32 changes it. */
+  if (st == CUBLAS_STATUS_SUCCESS) st = blas->set_math_mode(b->blas, CUBLAS_DEFAULT_MATH);
   if (st != CUBLAS_STATUS_SUCCESS) {
     (void)cudaGetLastError();
-    rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: cuBLAS set-up failed: %s", device, cublasGetStatusString(st));
+    rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: cuBLAS set-up failed: %s", device, blas->status_string(st));
     goto fail;
   }
   OPEN_CUDA(cudaMalloc((void **)&b->d_partials, KERN_REDUCE_MAX_BLOCKS * sizeof(float)));
