@@ -92,7 +92,8 @@ struct cuda_backend {
   /* Scratch of the transformer ops, grown on demand to the largest request
    * and kept until close (sizes at each op below). Used only in stream
    * order, so one buffer serves every op of its kind. */
-  struct cuda_scratch emb_sort;     /* embedding backward: token sort */
+  struct cuda_scratch bias_part;    /* bias gradient: per-chunk column sums */
+  struct cuda_scratch emb_sort;     /* embedding backward: token sort, run pieces */
   struct cuda_scratch ln_part;      /* LayerNorm backward: dw, db partials */
   struct cuda_scratch attn_heads;   /* attention: q, k, v (and grads) by head */
   struct cuda_scratch attn_scores;  /* attention: T×T scores, probabilities */
@@ -162,7 +163,7 @@ static void cuda_release(struct cuda_backend *b) {
   if (b->beside) (void)cudaStreamSynchronize(b->beside);
   if (b->blas) (void)tensor_cublas()->destroy(b->blas);
   if (b->d_sketch) (void)cudaFree(b->d_sketch);
-  struct cuda_scratch *scratch[] = {&b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
+  struct cuda_scratch *scratch[] = {&b->bias_part, &b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++)
     if (scratch[i]->p) (void)cudaFree(scratch[i]->p);
   if (b->d_partials) (void)cudaFree(b->d_partials);
@@ -370,10 +371,16 @@ static void cuda_bias_add(tensor_backend_t be, float *y, const float *bias, int6
   KERN_CHECK(kern_bias_add(y, bias, rows, cols, stream_of(b)));
 }
 
+static void *cuda_scratch_reserve(struct cuda_backend *b, struct cuda_scratch *s, size_t bytes, const char *what);
+
+/* Scratch: one float per column per chunk of rows (kernels.h; none for
+ * 256 rows or fewer, 768 KiB for 8192 rows of 768, 16 MiB at most). */
 static void cuda_bias_grad(tensor_backend_t be, const float *dy, float *db, int64_t rows, int64_t cols,
                            float beta) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_bias_grad(dy, db, rows, cols, beta, stream_of(b)));
+  const size_t bytes = kern_bias_grad_scratch_bytes(rows, cols);
+  void *scratch = bytes ? cuda_scratch_reserve(b, &b->bias_part, bytes, "bias gradient") : NULL;
+  KERN_CHECK(kern_bias_grad(dy, db, rows, cols, beta, scratch, bytes ? b->bias_part.cap : 0, stream_of(b)));
 }
 
 static void cuda_relu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
@@ -533,13 +540,14 @@ static void cuda_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const
 }
 
 /* Scratch: the token sort's keys and values (16 bytes per token: 128 KiB
- * for r·t = 8192) and CUB's temporary storage (CUB's to size; not measured
- * here), rounded up to whole MiB. */
+ * for r·t = 8192), the run pieces' sums (c floats per KERN_EMB_PIECE
+ * tokens: 384 KiB for r·t = 8192, c = 768) and CUB's temporary storage
+ * (CUB's to size; not measured here), rounded up to whole MiB. */
 static void cuda_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte,
                                float *dwpe, int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
   struct cuda_backend *b = enter(be);
   size_t bytes = 0;
-  KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, &bytes));
+  KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, c, &bytes));
   void *scratch = cuda_scratch_reserve(b, &b->emb_sort, bytes, "embedding sort");
   KERN_CHECK(
       kern_embedding_bwd(tokens, dout, dwte, dwpe, r, t, c, lo, v, scratch, b->emb_sort.cap, stream_of(b)));
