@@ -675,6 +675,17 @@ Test(cuda_nn, attention_fwd_and_bwd_match_reference) {
   close_gpu();
 }
 
+/* GPT-2 small's attention at its full context: T = 1024, 12 heads of 64
+ * (C = 768), one sequence (the plain reference takes seconds per
+ * sequence; the backend's rounds over several sequences are the test
+ * below). */
+Test(cuda_nn, attention_at_gpt2_small_t1024_12_heads_of_64_matches_reference) {
+  open_gpu();
+  const struct xf_shape gpt2 = {1, 1024, 768, 12};
+  run_attention(&gpt2, 1.0f);
+  close_gpu();
+}
+
 Test(cuda_nn, attention_matches_reference_with_sharp_softmax) {
   open_gpu();
   for (int i = 2; i < NXF; i++) run_attention(&kXfShapes[i], 3.0f);
