@@ -23,8 +23,9 @@
  * summed in double on the host.
  *
  * Waiting: the device is set to block the waiting host thread
- * (cudaDeviceScheduleBlockingSync), so a stream or event synchronisation
- * sleeps instead of spinning a core the gossip and network threads need.
+ * (cudaDeviceScheduleBlockingSync) and events are created with
+ * cudaEventBlockingSync, so a stream or event synchronisation sleeps
+ * instead of spinning a core the gossip and network threads need.
  *
  * Libraries: cudart is linked statically and cuBLAS is loaded at open
  * (tensor_cublas.h), so a CUDA build starts on a host without either; it
@@ -294,12 +295,14 @@ static void cuda_copy_d2d(tensor_backend_t be, void *dst, const void *src, size_
 
 /* ---- events ------------------------------------------------------------------------ */
 
-/* A cudaEvent_t without timing (cheaper to record and query); NULL on
- * failure. */
+/* A cudaEvent_t without timing (cheaper to record and query) whose
+ * cudaEventSynchronize (cuda_ev_wait) sleeps instead of spinning (the
+ * device's blocking-sync flag covers stream waits, not event waits); NULL
+ * on failure. */
 static void *cuda_ev_create(tensor_backend_t be) {
   struct cuda_backend *b = enter(be);
   cudaEvent_t ev = NULL;
-  cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
   if (err != cudaSuccess) {
     log_debug("%s: cudaEventCreateWithFlags failed: %s", b->base.name, cudaGetErrorString(err));
     (void)cudaGetLastError();

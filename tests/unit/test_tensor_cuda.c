@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kernels/kernels.h" /* kern_sketch_hash_host: the device hash, host build */
@@ -837,6 +838,44 @@ Test(cuda, memory_figures_are_known_and_follow_an_allocation) {
   }
   cr_assert(seen, "in 5 tries the free figure never fell and rose by 3/4 of a 1 GiB allocation: last %zu, %zu, %zu",
             free0, free1, free2);
+  close_gpu();
+}
+
+/* Seconds of CPU time the calling thread has used. */
+static double thread_cpu_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Host waits sleep (cudaDeviceScheduleBlockingSync, cudaEventBlockingSync):
+ * while the GPU works for a few hundred milliseconds on queued GEMMs, a
+ * stream wait (tensor_backend_sync) and an event wait (tensor_event_wait)
+ * each cost the waiting thread less than a quarter of the wait in CPU time.
+ * A spinning wait costs about all of it. A wait under 50 ms (a GPU far
+ * faster than expected) proves nothing and fails with its figures, so the
+ * work below can be scaled. */
+Test(cuda, host_waits_for_the_gpu_sleep_instead_of_spinning) {
+  open_gpu();
+  const int64_t n = 4096, s[2] = {n, n};
+  struct dev a = dev_new(2, s), c = dev_new(2, s);
+  tensor_fill(&a.t, 0.001f);
+  tensor_backend_sync(g_be);
+  tensor_event_t ev = tensor_event_create(g_be);
+  cr_assert_not_null(ev);
+  for (int kind = 0; kind < 2; kind++) {
+    for (int i = 0; i < 200; i++) tensor_gemm(false, false, 1.0f, &a.t, &a.t, 0.0f, &c.t); /* 27 TFLOP in all */
+    if (kind == 1) tensor_event_record(ev);
+    const double w0 = (double)clock_now_ns() * 1e-9, c0 = thread_cpu_s();
+    if (kind == 0) tensor_backend_sync(g_be);
+    else tensor_event_wait(ev);
+    const double wall = (double)clock_now_ns() * 1e-9 - w0, cpu = thread_cpu_s() - c0;
+    const char *what = kind == 0 ? "stream wait (tensor_backend_sync)" : "event wait (tensor_event_wait)";
+    cr_log_info("%s: %.3f s of waiting took %.3f s of CPU", what, wall, cpu);
+    cr_assert(wall >= 0.05, "%s: the GPU finished in %.3f s, too soon to tell sleeping from spinning", what, wall);
+    cr_assert(cpu < 0.25 * wall, "%s spins: %.3f s of CPU in %.3f s of waiting", what, cpu, wall);
+  }
+  tensor_event_destroy(ev);
   close_gpu();
 }
 
