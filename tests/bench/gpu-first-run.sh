@@ -7,9 +7,10 @@
 #  1. The CUDA tests, each binary with its verbose output: the op tests
 #     (test_tensor_cuda, test_tensor_cuda_nn, test_tensor_cuda_shapes: the
 #     model's real shapes), the whole-model tests on CUDA against the CPU
-#     (test_peer_gpt, test_peer_gradcheck) and the start without cuBLAS
-#     (test_peer_nocublas). A GPU test that skipped although a GPU is
-#     present counts as a failure.
+#     (test_peer_gpt, test_peer_gradcheck), the start without cuBLAS
+#     (test_peer_nocublas) and averaging between GPU peers and between
+#     CPU and GPU peers (test_peer_gossip's consensus_lr0 cases). A GPU
+#     test that skipped although a GPU is present counts as a failure.
 #  2. PARTS=6 tests/bench/bench-gpt.sh: GPT training throughput on the GPU
 #     in FP32, then in TF32 (GPU_TF32=1, rumor --tf32), against PyTorch on
 #     the same GPU where GPU_PY has one that sees it (else rumor's figures
@@ -46,7 +47,7 @@ if [ -z "$gpu" ]; then
 fi
 [ -x "$rumor" ] || { echo "$0: $rumor is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON first" >&2; exit 2; }
 tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_peer_gpt test_peer_gradcheck test_peer_nocublas"
-for t in $tests; do
+for t in $tests test_peer_gossip; do
   [ -x "$build/tests/$t" ] || { echo "$0: $build/tests/$t is missing: build with -DRUMOR_TESTS=ON" >&2; exit 2; }
 done
 
@@ -88,14 +89,18 @@ section "1. CUDA tests"
 for t in $tests; do
   (cd "$work" && timeout 170 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
 done
+(cd "$work" && timeout 170 "$build/tests/test_peer_gossip" --verbose --jobs 1 --filter 'gossip/consensus_lr0_*' \
+  >"$work/test_peer_gossip.log" 2>&1; echo $? >"$work/test_peer_gossip.rc") &
 wait
-for t in $tests; do
+for t in $tests test_peer_gossip; do
   rc=$(cat "$work/$t.rc")
   synth=$(grep -a "Synthesis" "$work/$t.log" | tail -1 | sed 's/.*Synthesis: //')
-  skips=$(grep -a -c "^\[SKIP\].*no CUDA GPU" "$work/$t.log")
+  skips=$(grep -a -c -E "^\[SKIP\].*no (usable )?CUDA GPU" "$work/$t.log")
   say "$t: exit $rc; ${synth:-no synthesis (killed after 170 s?)}; $skips skipped for want of a GPU"
-  grep -a -E "^\[(FAIL|----)\]|gradient check|gpt on cuda" "$work/$t.log" | grep -v "Criterion v" | head -20 |
-    sed 's/^/    /' | tee -a "$report"
+  # Failures, skips for any reason (no data, not enough device memory: gaps
+  # to note) and the figures the tests print.
+  grep -a -E "^\[(FAIL|----|SKIP)\]|gradient check|gpt on cuda|consensus:" "$work/$t.log" |
+    grep -v -e "Criterion v" -e "Test is disabled" | head -20 | sed 's/^/    /' | tee -a "$report"
   if [ "$rc" != 0 ] || [ "$skips" != 0 ]; then failed="$failed $t"; fi
 done
 
