@@ -57,12 +57,12 @@
   } while (0)
 
 /* A failing cuBLAS call inside an op (cuBLAS is loaded: the backend is open). */
-#define CUBLAS_CHECK(call)                                                                  \
-  do {                                                                                      \
-    cublasStatus_t berr_ = (call);                                                          \
-    if (berr_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call,                           \
-                  tensor_cublas()->status_name(berr_), tensor_cublas()->status_string(berr_)); \
+#define CUBLAS_CHECK(call)                                                                         \
+  do {                                                                                             \
+    cublasStatus_t berr_ = (call);                                                                 \
+    if (berr_ != CUBLAS_STATUS_SUCCESS)                                                            \
+      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, tensor_cublas()->status_name(berr_), \
+                  tensor_cublas()->status_string(berr_));                                          \
   } while (0)
 
 /* A kernel launcher from kernels/kernels.h that returned an error. */
@@ -363,8 +363,8 @@ static void cuda_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k
       KERN_CHECK(kern_scale(c, beta, cn, stream_of(cb)));
     return;
   }
-  CUBLAS_CHECK(tensor_cublas()->sgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
-                           k, &alpha, b, ldb, a, lda, &beta, c, ldc));
+  CUBLAS_CHECK(tensor_cublas()->sgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n,
+                                      m, k, &alpha, b, ldb, a, lda, &beta, c, ldc));
 }
 
 /* ---- element-wise ops ------------------------------------------------------------ */
@@ -627,9 +627,9 @@ static struct attn_geom attn_geom_of(int64_t r, int64_t t, int64_t c, int nh) {
 static void gemm_strided(struct cuda_backend *cb, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                          const float *a, int64_t lda, int64_t sa, const float *b, int64_t ldb, int64_t sb,
                          float beta, float *c, int64_t ldc, int64_t sc, int64_t batch) {
-  CUBLAS_CHECK(tensor_cublas()->sgemm_strided_batched(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                         (int)n, (int)m, (int)k, &alpha, b, (int)ldb, (long long)sb, a, (int)lda,
-                                         (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
+  CUBLAS_CHECK(tensor_cublas()->sgemm_strided_batched(
+      cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha, b,
+      (int)ldb, (long long)sb, a, (int)lda, (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
 }
 
 static void cuda_attention_fwd(tensor_backend_t be, const float *qkv, float *out, float *lse, int64_t r, int64_t t,

@@ -56,8 +56,8 @@ static void lr0_consensus(const char *dev_even, const char *dev_odd) {
   char seed[4][8];
   for (int i = 0; i < n; i++) {
     snprintf(seed[i], sizeof seed[i], "%d", i + 1);
-    peer[i] = cluster_start_peer(&C, "--device", i % 2 ? dev_odd : dev_even, "--model", "mlp:784-64-10", "--lr", "0", "--no-state-pull",
-                                 "--seed", seed[i],
+    peer[i] = cluster_start_peer(&C, "--device", i % 2 ? dev_odd : dev_even, "--model", "mlp:784-64-10", "--lr",
+                                 "0", "--no-state-pull", "--seed", seed[i],
                                  "--max-steps", "1500", "--epochs", "1000", "--wait-peers", "4", "--no-eval",
                                  "--gossip-every", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
   }
