@@ -19,8 +19,9 @@
 #     cuda, gpt:L6-H6-C384-T256-V256, 300 steps): both finish, exchange,
 #     and their validation losses.
 #
-# Each step has its own time limit (170 + 2 × 110 + 70 s), so the whole run
-# ends within 8 minutes on one GPU. The report (REPORT, default
+# Each step has its own time limit (20 s for the first GPU step, 160 for the
+# tests, 2 × 100 for the benchmark, 60 for the peers: 440 s), so the whole
+# run ends within 8 minutes on one GPU. The report (REPORT, default
 # BUILD_DIR/gpu-first-run.txt) starts with the GPU, driver, commit and
 # build; its last line is the verdict. Record its figures in
 # docs/benchmarks.md.
@@ -74,7 +75,7 @@ say "rumor: $("$rumor" --version 2>&1), commit $(git -C "$root" rev-parse --shor
 say "build: $(grep -E '^(CMAKE_BUILD_TYPE|CMAKE_CUDA_ARCHITECTURES|RUMOR_CUDA):' "$build/CMakeCache.txt" 2>/dev/null |
   tr '\n' ' ')"
 say "data: $data ($(wc -c <"$data") bytes)"
-if ! timeout 60 "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --device cuda --max-steps 1 --no-eval \
+if ! timeout 20 "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --device cuda --max-steps 1 --no-eval \
   --eval-batches 1 --log-every 0 >/dev/null 2>"$work/open.log"; then
   say "rumor cannot train on the GPU:"
   tee -a "$report" <"$work/open.log"
@@ -84,19 +85,19 @@ if ! timeout 60 "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --dev
 fi
 grep -m1 "cuda:0" "$work/open.log" | tee -a "$report"
 
-# 1. The CUDA tests, all binaries at once (16 cores, one GPU), 170 s.
+# 1. The CUDA tests, all binaries at once (16 cores, one GPU), 160 s.
 section "1. CUDA tests"
 for t in $tests; do
-  (cd "$work" && timeout 170 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
+  (cd "$work" && timeout 160 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
 done
-(cd "$work" && timeout 170 "$build/tests/test_peer_gossip" --verbose --jobs 1 --filter 'gossip/consensus_lr0_*' \
+(cd "$work" && timeout 160 "$build/tests/test_peer_gossip" --verbose --jobs 1 --filter 'gossip/consensus_lr0_*' \
   >"$work/test_peer_gossip.log" 2>&1; echo $? >"$work/test_peer_gossip.rc") &
 wait
 for t in $tests test_peer_gossip; do
   rc=$(cat "$work/$t.rc")
   synth=$(grep -a "Synthesis" "$work/$t.log" | tail -1 | sed 's/.*Synthesis: //')
   skips=$(grep -a -c -E "^\[SKIP\].*no (usable )?CUDA GPU" "$work/$t.log")
-  say "$t: exit $rc; ${synth:-no synthesis (killed after 170 s?)}; $skips skipped for want of a GPU"
+  say "$t: exit $rc; ${synth:-no synthesis (killed after 160 s?)}; $skips skipped for want of a GPU"
   # Failures, skips for any reason (no data, not enough device memory: gaps
   # to note) and the figures the tests print.
   grep -a -E "^\[(FAIL|----|SKIP)\]|gradient check|gpt on cuda|consensus:" "$work/$t.log" |
@@ -104,24 +105,24 @@ for t in $tests test_peer_gossip; do
   if [ "$rc" != 0 ] || [ "$skips" != 0 ]; then failed="$failed $t"; fi
 done
 
-# 2. bench-gpt.sh part 6, FP32 and TF32, 110 s each.
+# 2. bench-gpt.sh part 6, FP32 and TF32, 100 s each.
 for math in FP32 TF32; do
   section "2. PARTS=6 bench-gpt.sh, $math"
   tf=0
   [ $math = TF32 ] && tf=1
-  if PARTS=6 ROUNDS=$rounds GPU_TF32=$tf DATA=$data timeout 110 "$root/tests/bench/bench-gpt.sh" "$build" \
+  if PARTS=6 ROUNDS=$rounds GPU_TF32=$tf DATA=$data timeout 100 "$root/tests/bench/bench-gpt.sh" "$build" \
     >"$work/bench-$math.log" 2>&1 && ! grep -q "^skipped:" "$work/bench-$math.log"; then
     tee -a "$report" <"$work/bench-$math.log"
   else
     tee -a "$report" <"$work/bench-$math.log"
-    say "bench-gpt.sh ($math) failed, skipped its GPU part or ran past 110 s"
+    say "bench-gpt.sh ($math) failed, skipped its GPU part or ran past 100 s"
     failed="$failed bench-$math"
   fi
 done
 
-# 3. Two gossiping peers on the GPU, 70 s.
+# 3. Two gossiping peers on the GPU, 60 s.
 section "3. two gossiping peers on the GPU"
-if WORKDIR=$work/cluster RUMOR=$rumor timeout 70 "$root/deploy/local-cluster.sh" 2 -- \
+if WORKDIR=$work/cluster RUMOR=$rumor timeout 60 "$root/deploy/local-cluster.sh" 2 -- \
   --model gpt:L6-H6-C384-T256-V256 --data "$data" --device cuda --optimizer adamw --lr 1e-3 --warmup 30 \
   --batch 8 --max-steps 300 --no-eval --eval-batches 8 --log-every 0 >"$work/cluster.log" 2>&1; then
   tail -5 "$work/cluster.log" | tee -a "$report"
@@ -133,7 +134,7 @@ if WORKDIR=$work/cluster RUMOR=$rumor timeout 70 "$root/deploy/local-cluster.sh"
   done
 else
   tail -15 "$work/cluster.log" | tee -a "$report"
-  say "the 2-peer run failed or ran past 70 s"
+  say "the 2-peer run failed or ran past 60 s"
   failed="$failed gossip"
 fi
 
