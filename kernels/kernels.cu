@@ -99,27 +99,44 @@ __global__ void bias_add_kernel(float *y, const float *bias, int64_t rows, int64
 constexpr int kGradCols = 32;  // columns per tile of bias_grad (one warp wide)
 constexpr int kGradRows = 32;  // row lanes per tile (blockDim.y)
 
-// db [cols] ← column sums of dy [rows, cols] (+ beta·db). Block (32, 32) owns
-// tiles of 32 columns: thread (tx, ty) sums rows ty, ty+32, ... of column
-// c0+tx in float, then warp ty = 0 adds the 32 row-lane sums from shared
-// memory in a fixed order, so results do not vary between runs.
+// Column sums of the chunk blockIdx.y of rows of dy [rows, cols] (chunks of
+// rows_per_chunk rows). Block (32, 32) owns tiles of 32 columns: thread
+// (tx, ty) sums rows r0+ty, r0+ty+32, ... of the chunk in column c0+tx in
+// float, then warp ty = 0 adds the 32 row-lane sums from shared memory in a
+// fixed order, so results do not vary between runs. With one chunk (out ==
+// db) the sum goes to db (+ beta·db); with several, to out[chunk·cols + c]
+// for bias_grad_sum_kernel.
 __global__ void __launch_bounds__(kGradCols * kGradRows)
-    bias_grad_kernel(const float *dy, float *db, int64_t rows, int64_t cols, float beta) {
+    bias_grad_kernel(const float *dy, float *out, int64_t rows, int64_t cols, int64_t rows_per_chunk, bool direct,
+                     float beta) {
   __shared__ float part[kGradRows][kGradCols + 1];  // +1: no bank conflicts reading columns
   const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t chunk = blockIdx.y, r0 = chunk * rows_per_chunk;
+  const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
   for (int64_t c0 = (int64_t)blockIdx.x * kGradCols; c0 < cols; c0 += (int64_t)gridDim.x * kGradCols) {
     const int64_t c = c0 + tx;
     float acc = 0.0f;
     if (c < cols)
-      for (int64_t r = ty; r < rows; r += kGradRows) acc += dy[r * cols + c];
+      for (int64_t r = r0 + ty; r < r1; r += kGradRows) acc += dy[r * cols + c];
     part[ty][tx] = acc;
     __syncthreads();
     if (ty == 0 && c < cols) {
       float s = 0.0f;
       for (int j = 0; j < kGradRows; j++) s += part[j][tx];
-      db[c] = beta == 0.0f ? s : s + beta * db[c];
+      if (direct) out[c] = beta == 0.0f ? s : s + beta * out[c];
+      else out[chunk * cols + c] = s;
     }
     __syncthreads();  // `part` is rewritten by the next tile
+  }
+}
+
+// db[c] ← Σ_chunk part[chunk·cols + c] in chunk order (+ beta·db[c]; db not
+// read when beta is 0).
+__global__ void bias_grad_sum_kernel(const float *part, float *db, int64_t cols, int64_t nchunks, float beta) {
+  GRID_STRIDE(c, cols) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < nchunks; k++) s += part[k * cols + c];
+    db[c] = beta == 0.0f ? s : s + beta * db[c];
   }
 }
 
@@ -372,13 +389,38 @@ extern "C" int kern_bias_add(float *y, const float *bias, int64_t rows, int64_t 
   return 0;
 }
 
-extern "C" int kern_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta,
-                              void *stream) {
+// Chunks of rows for bias_grad's partials: KERN_BIAS_ROWS_PER_CHUNK rows
+// each, at most KERN_BIAS_MAX_CHUNKS and KERN_BIAS_PART_MAX partials. A
+// function of the shape only, so the summation order, hence the bits, never
+// change.
+static int64_t bias_chunks(int64_t rows, int64_t cols) {
+  int64_t k = (rows + KERN_BIAS_ROWS_PER_CHUNK - 1) / KERN_BIAS_ROWS_PER_CHUNK;
+  if (k > KERN_BIAS_MAX_CHUNKS) k = KERN_BIAS_MAX_CHUNKS;
+  if (cols > 0 && k > KERN_BIAS_PART_MAX / cols) k = KERN_BIAS_PART_MAX / cols;
+  return k < 1 ? 1 : k;
+}
+
+extern "C" size_t kern_bias_grad_scratch_bytes(int64_t rows, int64_t cols) {
+  const int64_t k = bias_chunks(rows, cols);
+  return k > 1 ? (size_t)(k * cols) * sizeof(float) : 0;
+}
+
+extern "C" int kern_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta, void *scratch,
+                              size_t scratch_bytes, void *stream) {
   if (cols == 0) return 0;
-  const dim3 block(kGradCols, kGradRows);
-  bias_grad_kernel<<<blocks_for(cols, kGradCols, kGridMax), block, 0, as_stream(stream)>>>(dy, db, rows,
-                                                                                          cols, beta);
+  const int64_t nchunks = bias_chunks(rows, cols), per_chunk = rows > 0 ? (rows + nchunks - 1) / nchunks : 1;
+  const size_t need = kern_bias_grad_scratch_bytes(rows, cols);
+  KERN_REQUIRE(need == 0 || (scratch != nullptr && scratch_bytes >= need), "kern_bias_grad: scratch buffer too small");
+  cudaStream_t st = as_stream(stream);
+  const bool direct = nchunks == 1;
+  float *out = direct ? db : static_cast<float *>(scratch);
+  const dim3 grid(blocks_for(cols, kGradCols, kGridMax), (unsigned)nchunks), block(kGradCols, kGradRows);
+  bias_grad_kernel<<<grid, block, 0, st>>>(dy, out, rows, cols, per_chunk, direct, beta);
   KERN_LAUNCHED(bias_grad_kernel);
+  if (!direct) {
+    bias_grad_sum_kernel<<<blocks_for(cols, kBlock, kGridMax), kBlock, 0, st>>>(out, db, cols, nchunks, beta);
+    KERN_LAUNCHED(bias_grad_sum_kernel);
+  }
   return 0;
 }
 

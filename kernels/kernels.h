@@ -49,10 +49,24 @@ int kern_check_device(void);
 
 /* y[r,c] += bias[c] for y [rows, cols] row-major, bias [cols]. */
 int kern_bias_add(float *y, const float *bias, int64_t rows, int64_t cols, void *stream);
+/* Bytes of scratch kern_bias_grad needs: one float per column per chunk of
+ * rows when there is more than one chunk (KERN_BIAS_ROWS_PER_CHUNK rows
+ * each, at most KERN_BIAS_MAX_CHUNKS and at most KERN_BIAS_PART_MAX floats
+ * in all; then longer chunks), else 0. 768 KiB for 8192 rows of 768. */
+size_t kern_bias_grad_scratch_bytes(int64_t rows, int64_t cols);
+#define KERN_BIAS_ROWS_PER_CHUNK 256
+#define KERN_BIAS_MAX_CHUNKS 1024
+#define KERN_BIAS_PART_MAX ((int64_t)1 << 22) /* floats: 16 MiB of partials at most */
 /* db[c] ← Σ_r dy[r,c] + beta·db[c] for dy [rows, cols]; when beta is 0, db is
- * not read (it may hold NaN). rows may be 0. Deterministic: one block owns
- * each column; float partial sums. db must not overlap dy. */
-int kern_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta, void *stream);
+ * not read (it may hold NaN). rows may be 0. The rows are cut into chunks
+ * (kern_bias_grad_scratch_bytes), each summed by its own blocks into
+ * scratch, then the chunks are added in chunk order: deterministic (the
+ * chunking depends on the shape only), no atomics, and the whole GPU busy
+ * at C = 768. scratch: at least kern_bias_grad_scratch_bytes (NULL when that
+ * is 0; smaller: cudaErrorInvalidValue, nothing enqueued), in use until the
+ * stream passes this point. db must not overlap dy. */
+int kern_bias_grad(const float *dy, float *db, int64_t rows, int64_t cols, float beta, void *scratch,
+                   size_t scratch_bytes, void *stream);
 /* y ← max(x, 0) (NaN gives 0); y may alias x. */
 int kern_relu_fwd(const float *x, float *y, int64_t n, void *stream);
 /* dx ← y > 0 ? dy : 0 where y is the ReLU output; dx may alias dy or y. */
@@ -154,17 +168,28 @@ int kern_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n, vo
  * NULL wpe adds nothing. One block per row, threads over channels. */
 int kern_embedding_fwd(const int32_t *tokens, const float *wte, const float *wpe, float *out, int64_t r, int64_t t,
                        int64_t c, int64_t lo, int64_t v, void *stream);
-/* *bytes ← the scratch kern_embedding_bwd needs for n = r·t tokens and v
- * vocabulary rows. Asks CUB for its sort's temporary size, so the calling
- * thread needs the device current (as every launcher). Returns 0 or a CUDA
- * error (n or v past 32-bit limits: cudaErrorInvalidValue). */
-int kern_embedding_bwd_scratch(int64_t n, int64_t v, size_t *bytes);
+/* *bytes ← the scratch kern_embedding_bwd needs for n = r·t tokens, v
+ * vocabulary rows and width c. Asks CUB for its sort's temporary size, so
+ * the calling thread needs the device current (as every launcher). Returns
+ * 0 or a CUDA error (n or v past 32-bit limits: cudaErrorInvalidValue). */
+int kern_embedding_bwd_scratch(int64_t n, int64_t v, int64_t c, size_t *bytes);
+/* Sorted positions per piece of the embedding backward (below). */
+#define KERN_EMB_PIECE 64
 /* dwte[tokens[i] − lo] += dout[i] and (dwpe not NULL) dwpe[p] +=
- * Σ_s dout[s·t + p], each sum taken in the reference's order (ascending i,
- * after the value already there), so the result is bitwise the plain
- * loop's, whatever the repeats. No atomics: the (token, i) pairs are sorted
- * by token with CUB's stable radix sort, then one warp per distinct token
- * walks its run. Tokens outside the shard [lo, lo + v) are skipped.
+ * Σ_s dout[s·t + p]. No atomics: the (token, i) pairs are sorted by token
+ * with CUB's stable radix sort, and the sorted positions are cut into
+ * pieces of KERN_EMB_PIECE. A token's run of positions is summed piece by
+ * piece: the part in the piece where the run starts is added in ascending
+ * i onto the value already there, then each later piece's sum (taken in
+ * ascending i, by its own warp) in piece order. So the result is
+ * deterministic, bitwise equal between runs, and bitwise the plain loop's
+ * for every token whose run does not reach past its first piece with two
+ * or more positions; a longer run (a frequent token) differs from the plain
+ * loop by the rounding of the regrouped sum, and costs one warp about
+ * KERN_EMB_PIECE + run/KERN_EMB_PIECE adds instead of `run`. dwpe is summed
+ * in the reference's order (bitwise). Tokens outside the shard [lo, lo + v)
+ * (for the whole table lo = 0: any token < 0 or >= v) are skipped: nothing
+ * is read or written for them.
  * scratch: scratch_bytes from kern_embedding_bwd_scratch (smaller:
  * cudaErrorInvalidValue, nothing enqueued); it is in use until the stream
  * passes this point. */

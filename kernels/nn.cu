@@ -101,26 +101,53 @@ __global__ void embedding_keys_kernel(const int32_t *tokens, uint32_t *keys, int
   }
 }
 
-constexpr int kEmbWarps = 8;  // sorted positions per block (one warp each)
+constexpr int kEmbWarps = 8;  // sorted positions (or pieces) per block, one warp each
+constexpr int64_t kEmbPiece = KERN_EMB_PIECE;
 
-// dwte after the sort: keys ascending, vals the positions, ascending within
-// one key (the sort is stable). Only the warp at the first position of a
-// key's run works: lane l owns column 32·y + l (y = blockIdx.y, strided by
-// gridDim.y) of that token's row and adds the run's dout rows in position
-// order onto the value already there, as the reference loop does. Each
-// (token, column) has exactly one owner, so there are no write conflicts.
+// After the sort (keys ascending, vals the positions, ascending within one
+// key: the sort is stable), the sorted positions are cut into pieces of
+// kEmbPiece. A piece whose first position continues the run of the
+// previous piece's last token (a "continuation") gets that run's sum over
+// the piece, in position order, in part[piece·c + col]; other pieces'
+// rows of part are not written. One warp per piece, lane l on column
+// 32·y + l (y = blockIdx.y, strided by gridDim.y).
 __global__ void __launch_bounds__(kEmbWarps *kWarp)
-    embedding_dwte_kernel(const uint32_t *keys, const int32_t *vals, const float *dout, float *dwte, int64_t n,
-                          int64_t c, uint32_t v) {
+    embedding_piece_kernel(const uint32_t *keys, const int32_t *vals, const float *dout, float *part, int64_t n,
+                           int64_t c, uint32_t v) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t step = (int64_t)gridDim.x * kEmbWarps;
+  const int64_t npieces = (n + kEmbPiece - 1) / kEmbPiece, step = (int64_t)gridDim.x * kEmbWarps;
+  for (int64_t pc = (int64_t)blockIdx.x * kEmbWarps + threadIdx.x / kWarp; pc < npieces; pc += step) {
+    const int64_t i0 = pc * kEmbPiece, i1 = i0 + kEmbPiece < n ? i0 + kEmbPiece : n;
+    const uint32_t key = keys[i0];
+    if (i0 == 0 || key >= v || keys[i0 - 1] != key) continue;  // warp-uniform: not a continuation
+    for (int64_t col = (int64_t)blockIdx.y * kWarp + lane; col < c; col += (int64_t)gridDim.y * kWarp) {
+      float acc = 0.0f;
+      for (int64_t j = i0; j < i1 && keys[j] == key; j++) acc += dout[(int64_t)vals[j] * c + col];
+      part[pc * c + col] = acc;
+    }
+  }
+}
+
+// dwte after the pieces: only the warp at the first position i of a key's
+// run works. Lane l owns column 32·y + l of that token's row: onto the
+// value already there it adds the run's dout rows inside i's piece in
+// position order, then the continuation sums of the following pieces in
+// piece order. Each (token, column) has exactly one owner, so there are no
+// write conflicts.
+__global__ void __launch_bounds__(kEmbWarps *kWarp)
+    embedding_dwte_kernel(const uint32_t *keys, const int32_t *vals, const float *dout, const float *part,
+                          float *dwte, int64_t n, int64_t c, uint32_t v) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t npieces = (n + kEmbPiece - 1) / kEmbPiece, step = (int64_t)gridDim.x * kEmbWarps;
   for (int64_t i = (int64_t)blockIdx.x * kEmbWarps + threadIdx.x / kWarp; i < n; i += step) {
     const uint32_t key = keys[i];
     if (key >= v || (i > 0 && keys[i - 1] == key)) continue;  // warp-uniform
     float *row = dwte + (int64_t)key * c;
+    const int64_t first = i / kEmbPiece, end = (first + 1) * kEmbPiece < n ? (first + 1) * kEmbPiece : n;
     for (int64_t col = (int64_t)blockIdx.y * kWarp + lane; col < c; col += (int64_t)gridDim.y * kWarp) {
       float acc = row[col];
-      for (int64_t j = i; j < n && keys[j] == key; j++) acc += dout[(int64_t)vals[j] * c + col];
+      for (int64_t j = i; j < end && keys[j] == key; j++) acc += dout[(int64_t)vals[j] * c + col];
+      for (int64_t pc = first + 1; pc < npieces && keys[pc * kEmbPiece] == key; pc++) acc += part[pc * c + col];
       row[col] = acc;
     }
   }
@@ -338,19 +365,24 @@ int key_bits(int64_t v) {
 }
 
 // The embedding backward's scratch carved from one buffer: sort input and
-// output keys and values (n each), then CUB's temporary storage.
+// output keys and values (n each), the pieces' partial sums (one row of c
+// floats per piece of KERN_EMB_PIECE sorted positions), then CUB's
+// temporary storage.
 struct EmbScratch {
   uint32_t *keys_in, *keys_out;
   int32_t *vals_in, *vals_out;
+  float *part;
   void *temp;
   size_t temp_bytes;
   size_t total;  // bytes the whole layout needs
 };
 
-// Lays out the scratch for n tokens from `base` (NULL: sizes only) and asks
-// CUB for its temporary size. Returns 0 or the CUDA error CUB gave.
-int emb_scratch_layout(int64_t n, int64_t v, char *base, EmbScratch *s) {
+// Lays out the scratch for n tokens of width c from `base` (NULL: sizes
+// only) and asks CUB for its temporary size. Returns 0 or the CUDA error
+// CUB gave.
+int emb_scratch_layout(int64_t n, int64_t v, int64_t c, char *base, EmbScratch *s) {
   const size_t arr = align_up((size_t)n * sizeof(uint32_t));
+  const size_t parts = align_up((size_t)((n + kEmbPiece - 1) / kEmbPiece * c) * sizeof(float));
   static_assert(sizeof(uint32_t) == sizeof(int32_t), "keys and values take the same room");
   *s = EmbScratch{};
   if (base) {
@@ -358,7 +390,8 @@ int emb_scratch_layout(int64_t n, int64_t v, char *base, EmbScratch *s) {
     s->keys_out = reinterpret_cast<uint32_t *>(base + arr);
     s->vals_in = reinterpret_cast<int32_t *>(base + 2 * arr);
     s->vals_out = reinterpret_cast<int32_t *>(base + 3 * arr);
-    s->temp = base + 4 * arr;
+    s->part = reinterpret_cast<float *>(base + 4 * arr);
+    s->temp = base + 4 * arr + parts;
   }
   cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, s->temp_bytes, s->keys_in, s->keys_out, s->vals_in,
                                                     s->vals_out, (int)n, 0, key_bits(v));
@@ -366,7 +399,7 @@ int emb_scratch_layout(int64_t n, int64_t v, char *base, EmbScratch *s) {
     (void)cudaGetLastError();
     return record_failure(err, "cub::DeviceRadixSort::SortPairs (temporary size)", __FILE__, __LINE__);
   }
-  s->total = 4 * arr + align_up(s->temp_bytes);
+  s->total = 4 * arr + parts + align_up(s->temp_bytes);
   return 0;
 }
 
@@ -414,12 +447,12 @@ extern "C" int kern_embedding_fwd(const int32_t *tokens, const float *wte, const
   return 0;
 }
 
-extern "C" int kern_embedding_bwd_scratch(int64_t n, int64_t v, size_t *bytes) {
+extern "C" int kern_embedding_bwd_scratch(int64_t n, int64_t v, int64_t c, size_t *bytes) {
   *bytes = 0;
   KERN_REQUIRE(n >= 0 && n <= INT32_MAX, "kern_embedding_bwd_scratch: more than INT32_MAX tokens");
   KERN_REQUIRE(v >= 1 && v < INT32_MAX, "kern_embedding_bwd_scratch: vocabulary not in [1, INT32_MAX)");
   EmbScratch s;
-  int rc = emb_scratch_layout(n, v, nullptr, &s);
+  int rc = emb_scratch_layout(n, v, c, nullptr, &s);
   if (rc != 0) return rc;
   *bytes = s.total;
   return 0;
@@ -437,7 +470,7 @@ extern "C" int kern_embedding_bwd(const int32_t *tokens, const float *dout, floa
   KERN_REQUIRE(n <= INT32_MAX, "kern_embedding_bwd: more than INT32_MAX tokens");
   KERN_REQUIRE(v >= 1 && v < INT32_MAX, "kern_embedding_bwd: vocabulary not in [1, INT32_MAX)");
   EmbScratch s;
-  int rc = emb_scratch_layout(n, v, static_cast<char *>(scratch), &s);
+  int rc = emb_scratch_layout(n, v, c, static_cast<char *>(scratch), &s);
   if (rc != 0) return rc;
   KERN_REQUIRE(scratch != nullptr && scratch_bytes >= s.total, "kern_embedding_bwd: scratch buffer too small");
   cudaStream_t st = as_stream(stream);
@@ -448,8 +481,14 @@ extern "C" int kern_embedding_bwd(const int32_t *tokens, const float *dout, floa
   size_t temp_bytes = s.temp_bytes;
   KERN_CALL(cub::DeviceRadixSort::SortPairs(s.temp, temp_bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out, (int)n,
                                             0, key_bits(v), st));
+  const int64_t npieces = (n + kEmbPiece - 1) / kEmbPiece;
+  const dim3 pgrid(blocks_for(npieces, kEmbWarps, kGridMax), blocks_for(c, kWarp, kGridYMax));
+  embedding_piece_kernel<<<pgrid, kEmbWarps * kWarp, 0, st>>>(s.keys_out, s.vals_out, dout, s.part, n, c,
+                                                               (uint32_t)v);
+  KERN_LAUNCHED(embedding_piece_kernel);
   const dim3 grid(blocks_for(n, kEmbWarps, kGridMax), blocks_for(c, kWarp, kGridYMax));
-  embedding_dwte_kernel<<<grid, kEmbWarps * kWarp, 0, st>>>(s.keys_out, s.vals_out, dout, dwte, n, c, (uint32_t)v);
+  embedding_dwte_kernel<<<grid, kEmbWarps * kWarp, 0, st>>>(s.keys_out, s.vals_out, dout, s.part, dwte, n, c,
+                                                             (uint32_t)v);
   KERN_LAUNCHED(embedding_dwte_kernel);
   if (dwpe) {
     embedding_dwpe_kernel<<<blocks_for(t * c, kBlock, kGridMax), kBlock, 0, st>>>(dout, dwpe, r, t, c);

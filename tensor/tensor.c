@@ -56,10 +56,11 @@ int tensor_backend_open(const char *spec, tensor_backend_t *out, struct rumor_er
     if (tensor_cuda_device_count() > 0) {
       struct rumor_err ce;
       if (tensor_cuda_open(0, out, &ce) == 0) return 0;
-      /* A GPU is there but unusable (no kernels for its architecture, no
-       * memory left, ...): say why, then train on the CPU. */
-      log_warn("cannot use CUDA device 0 (%s); using the CPU backend", ce.msg);
-      atomic_store(&g_fallback_logged, true);
+      /* A GPU is there but unusable (no cuBLAS library, no kernels for its
+       * architecture, no memory left, ...): say why, once, then train on
+       * the CPU. */
+      if (!atomic_exchange(&g_fallback_logged, true))
+        log_warn("cannot use CUDA device 0 (%s); using the CPU backend", ce.msg);
       return tensor_cpu_open(out, e);
     }
 #endif
@@ -101,6 +102,9 @@ enum tensor_device tensor_backend_device(tensor_backend_t be) { return be->devic
 const char *tensor_backend_name(tensor_backend_t be) { return be->name; }
 void tensor_backend_set_threads(tensor_backend_t be, int threads) {
   if (be->ops->set_threads) be->ops->set_threads(be, threads < 1 ? 1 : threads);
+}
+void tensor_backend_set_tf32(tensor_backend_t be, bool on) {
+  if (be->ops->set_tf32) be->ops->set_tf32(be, on);
 }
 void tensor_backend_sync(tensor_backend_t be) { be->ops->sync(be); }
 

@@ -68,6 +68,12 @@ const char *tensor_backend_name(tensor_backend_t be);
 /* CPU: the number of threads oneDNN and the plain loops may use (>= 1).
  * Ignored by CUDA. */
 void tensor_backend_set_threads(tensor_backend_t be, int threads);
+/* GEMMs in TF32 (on: inputs rounded to 10 mantissa bits on the tensor
+ * cores, FP32 accumulation) or plain FP32 (off, the default at open). CUDA:
+ * every GEMM enqueued after the call, including attention's batched ones.
+ * The CPU backend accepts the switch and changes nothing: its GEMMs stay
+ * FP32. */
+void tensor_backend_set_tf32(tensor_backend_t be, bool on);
 /* The device's free and total memory in bytes; false where not known (the
  * CPU: host memory is not the backend's to count). */
 bool tensor_backend_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total_bytes);
@@ -208,12 +214,19 @@ void tensor_add(const struct tensor *x, const struct tensor *y, struct tensor *o
 
 /* Token and position embedding: out[r,t,:] ← wte[tokens[r,t],:] + wpe[t,:]
  * for tokens I32 (R, T) with 0 <= token < V (the data loader checks), wte
- * (V, C), wpe (Tmax, C) with T <= Tmax, out (R, T, C). */
+ * (V, C), wpe (Tmax, C) with T <= Tmax, out (R, T, C). A token outside
+ * [0, V) breaks that precondition but never memory: both backends treat it
+ * as the shard forms below do (a zero row; no gradient), reading and
+ * writing nothing outside wte and dwte. */
 void tensor_embedding_fwd(const struct tensor *tokens, const struct tensor *wte, const struct tensor *wpe,
                           struct tensor *out);
 /* Its backward, accumulating: dwte[tokens[r,t],:] += dout[r,t,:] and
  * dwpe[t,:] += Σ_r dout[r,t,:]. Deterministic (the same sums in the same
- * order on every run) on both backends. */
+ * order on every run) on both backends. The CPU adds each row's terms in
+ * position order; CUDA does too for a token seen at most twice, and sums a
+ * frequent token's positions in fixed pieces (kernels.h, KERN_EMB_PIECE),
+ * so there dwte may differ from the CPU's by the rounding of that
+ * regrouping (about 1e-7 times the token's count, for unit terms). */
 void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout, struct tensor *dwte,
                           struct tensor *dwpe);
 

@@ -17,11 +17,20 @@
  * kernel launch is a panic naming the call, file and line: the device state
  * is unknown after it.
  *
- * Numerics: cuBLAS runs in its default FP32 math mode (no TF32), so GEMMs
- * match the CPU to FP32 rounding. Reductions are float partials per block,
+ * Numerics: cuBLAS opens in its default FP32 math mode (no TF32), so GEMMs
+ * match the CPU to FP32 rounding; tensor_backend_set_tf32 switches every
+ * later GEMM to TF32 tensor cores. Reductions are float partials per block,
  * summed in double on the host.
+ *
+ * Waiting: the device is set to block the waiting host thread
+ * (cudaDeviceScheduleBlockingSync) and events are created with
+ * cudaEventBlockingSync, so a stream or event synchronisation sleeps
+ * instead of spinning a core the gossip and network threads need.
+ *
+ * Libraries: cudart is linked statically and cuBLAS is loaded at open
+ * (tensor_cublas.h), so a CUDA build starts on a host without either; it
+ * then has no usable GPU and "auto" falls back to the CPU.
  */
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <limits.h>
@@ -31,6 +40,7 @@
 #include <stdlib.h>
 
 #include "kernels/kernels.h" /* kern_*: the kernel launchers */
+#include "tensor/tensor_cublas.h" /* tensor_cublas: cuBLAS, loaded at run time */
 #include "tensor/tensor_impl.h"
 
 #ifndef RUMOR_CUDA_ARCHS
@@ -46,13 +56,13 @@
                   cudaGetErrorString(cerr_));                                               \
   } while (0)
 
-/* A failing cuBLAS call inside an op. */
-#define CUBLAS_CHECK(call)                                                                  \
-  do {                                                                                      \
-    cublasStatus_t berr_ = (call);                                                          \
-    if (berr_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, cublasGetStatusName(berr_), \
-                  cublasGetStatusString(berr_));                                            \
+/* A failing cuBLAS call inside an op (cuBLAS is loaded: the backend is open). */
+#define CUBLAS_CHECK(call)                                                                         \
+  do {                                                                                             \
+    cublasStatus_t berr_ = (call);                                                                 \
+    if (berr_ != CUBLAS_STATUS_SUCCESS)                                                            \
+      rumor_panic(__FILE__, __LINE__, "%s failed: %s: %s", #call, tensor_cublas()->status_name(berr_), \
+                  tensor_cublas()->status_string(berr_));                                          \
   } while (0)
 
 /* A kernel launcher from kernels/kernels.h that returned an error. */
@@ -83,7 +93,8 @@ struct cuda_backend {
   /* Scratch of the transformer ops, grown on demand to the largest request
    * and kept until close (sizes at each op below). Used only in stream
    * order, so one buffer serves every op of its kind. */
-  struct cuda_scratch emb_sort;     /* embedding backward: token sort */
+  struct cuda_scratch bias_part;    /* bias gradient: per-chunk column sums */
+  struct cuda_scratch emb_sort;     /* embedding backward: token sort, run pieces */
   struct cuda_scratch ln_part;      /* LayerNorm backward: dw, db partials */
   struct cuda_scratch attn_heads;   /* attention: q, k, v (and grads) by head */
   struct cuda_scratch attn_scores;  /* attention: T×T scores, probabilities */
@@ -151,9 +162,9 @@ int tensor_cuda_count(void) {
 static void cuda_release(struct cuda_backend *b) {
   if (b->stream) (void)cudaStreamSynchronize(b->stream);
   if (b->beside) (void)cudaStreamSynchronize(b->beside);
-  if (b->blas) (void)cublasDestroy(b->blas);
+  if (b->blas) (void)tensor_cublas()->destroy(b->blas);
   if (b->d_sketch) (void)cudaFree(b->d_sketch);
-  struct cuda_scratch *scratch[] = {&b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
+  struct cuda_scratch *scratch[] = {&b->bias_part, &b->emb_sort, &b->ln_part, &b->attn_heads, &b->attn_scores};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++)
     if (scratch[i]->p) (void)cudaFree(scratch[i]->p);
   if (b->d_partials) (void)cudaFree(b->d_partials);
@@ -284,12 +295,14 @@ static void cuda_copy_d2d(tensor_backend_t be, void *dst, const void *src, size_
 
 /* ---- events ------------------------------------------------------------------------ */
 
-/* A cudaEvent_t without timing (cheaper to record and query); NULL on
- * failure. */
+/* A cudaEvent_t without timing (cheaper to record and query) whose
+ * cudaEventSynchronize (cuda_ev_wait) sleeps instead of spinning (the
+ * device's blocking-sync flag covers stream waits, not event waits); NULL
+ * on failure. */
 static void *cuda_ev_create(tensor_backend_t be) {
   struct cuda_backend *b = enter(be);
   cudaEvent_t ev = NULL;
-  cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
   if (err != cudaSuccess) {
     log_debug("%s: cudaEventCreateWithFlags failed: %s", b->base.name, cudaGetErrorString(err));
     (void)cudaGetLastError();
@@ -350,8 +363,8 @@ static void cuda_gemm(tensor_backend_t be, bool ta, bool tb, int m, int n, int k
       KERN_CHECK(kern_scale(c, beta, cn, stream_of(cb)));
     return;
   }
-  CUBLAS_CHECK(cublasSgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m,
-                           k, &alpha, b, ldb, a, lda, &beta, c, ldc));
+  CUBLAS_CHECK(tensor_cublas()->sgemm(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n,
+                                      m, k, &alpha, b, ldb, a, lda, &beta, c, ldc));
 }
 
 /* ---- element-wise ops ------------------------------------------------------------ */
@@ -361,10 +374,16 @@ static void cuda_bias_add(tensor_backend_t be, float *y, const float *bias, int6
   KERN_CHECK(kern_bias_add(y, bias, rows, cols, stream_of(b)));
 }
 
+static void *cuda_scratch_reserve(struct cuda_backend *b, struct cuda_scratch *s, size_t bytes, const char *what);
+
+/* Scratch: one float per column per chunk of rows (kernels.h; none for
+ * 256 rows or fewer, 768 KiB for 8192 rows of 768, 16 MiB at most). */
 static void cuda_bias_grad(tensor_backend_t be, const float *dy, float *db, int64_t rows, int64_t cols,
                            float beta) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_bias_grad(dy, db, rows, cols, beta, stream_of(b)));
+  const size_t bytes = kern_bias_grad_scratch_bytes(rows, cols);
+  void *scratch = bytes ? cuda_scratch_reserve(b, &b->bias_part, bytes, "bias gradient") : NULL;
+  KERN_CHECK(kern_bias_grad(dy, db, rows, cols, beta, scratch, bytes ? b->bias_part.cap : 0, stream_of(b)));
 }
 
 static void cuda_relu_fwd(tensor_backend_t be, const float *x, float *y, int64_t n) {
@@ -524,13 +543,14 @@ static void cuda_embedding_fwd(tensor_backend_t be, const int32_t *tokens, const
 }
 
 /* Scratch: the token sort's keys and values (16 bytes per token: 128 KiB
- * for r·t = 8192) and CUB's temporary storage (CUB's to size; not measured
- * here), rounded up to whole MiB. */
+ * for r·t = 8192), the run pieces' sums (c floats per KERN_EMB_PIECE
+ * tokens: 384 KiB for r·t = 8192, c = 768) and CUB's temporary storage
+ * (CUB's to size; not measured here), rounded up to whole MiB. */
 static void cuda_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte,
                                float *dwpe, int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v) {
   struct cuda_backend *b = enter(be);
   size_t bytes = 0;
-  KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, &bytes));
+  KERN_CHECK(kern_embedding_bwd_scratch(r * t, v, c, &bytes));
   void *scratch = cuda_scratch_reserve(b, &b->emb_sort, bytes, "embedding sort");
   KERN_CHECK(
       kern_embedding_bwd(tokens, dout, dwte, dwpe, r, t, c, lo, v, scratch, b->emb_sort.cap, stream_of(b)));
@@ -607,9 +627,9 @@ static struct attn_geom attn_geom_of(int64_t r, int64_t t, int64_t c, int nh) {
 static void gemm_strided(struct cuda_backend *cb, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                          const float *a, int64_t lda, int64_t sa, const float *b, int64_t ldb, int64_t sb,
                          float beta, float *c, int64_t ldc, int64_t sc, int64_t batch) {
-  CUBLAS_CHECK(cublasSgemmStridedBatched(cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                         (int)n, (int)m, (int)k, &alpha, b, (int)ldb, (long long)sb, a, (int)lda,
-                                         (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
+  CUBLAS_CHECK(tensor_cublas()->sgemm_strided_batched(
+      cb->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha, b,
+      (int)ldb, (long long)sb, a, (int)lda, (long long)sa, &beta, c, (int)ldc, (long long)sc, (int)batch));
 }
 
 static void cuda_attention_fwd(tensor_backend_t be, const float *qkv, float *out, float *lse, int64_t r, int64_t t,
@@ -659,9 +679,19 @@ static void cuda_attention_bwd(tensor_backend_t be, const float *qkv, const floa
   KERN_CHECK(kern_heads_merge(dq, dqkv, r, t, c, nh, 3, stream_of(b)));
 }
 
+/* CUBLAS_TF32_TENSOR_OP_MATH: cublasSgemm and the strided-batched form may
+ * round their inputs to TF32 on tensor cores (accumulation stays FP32);
+ * CUBLAS_DEFAULT_MATH: plain FP32. The handle is bound to our one stream,
+ * so the mode applies to the GEMMs enqueued after this call. */
+static void cuda_set_tf32(tensor_backend_t be, bool on) {
+  struct cuda_backend *b = enter(be);
+  CUBLAS_CHECK(tensor_cublas()->set_math_mode(b->blas, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+}
+
 static const struct tensor_backend_ops cuda_ops = {
     .close = cuda_close,
     .set_threads = NULL,
+    .set_tf32 = cuda_set_tf32,
     .sync = cuda_sync,
     .mem_alloc = cuda_mem_alloc,
     .mem_free = cuda_mem_free,
@@ -728,6 +758,11 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   if (device < 0 || device >= count)
     return rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: no such CUDA device (%d usable)", device, count);
 
+  /* cuBLAS first: without it the device is of no use, and nothing of the
+   * device has been touched yet. */
+  struct rumor_err le;
+  if (tensor_cublas_load(&le) != 0) return rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: %s", device, le.msg);
+
   int rc = 0;
   struct cuda_backend *b = xcalloc(1, sizeof *b);
   b->base.ops = &cuda_ops;
@@ -736,6 +771,16 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   snprintf(b->base.name, sizeof b->base.name, "cuda:%d", device);
 
   OPEN_CUDA(cudaSetDevice(device));
+  /* Host waits sleep rather than spin. CUDA 12 and later apply the flags to
+   * a primary context that is already active too; where a driver refuses,
+   * waits spin as before, which is slower for the other threads but not
+   * wrong, so it is only logged. */
+  cudaError_t ferr = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+  if (ferr != cudaSuccess) {
+    log_debug("%s: cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) failed (%s); host waits will spin",
+              b->base.name, cudaGetErrorString(ferr));
+    (void)cudaGetLastError();
+  }
   struct cudaDeviceProp prop;
   OPEN_CUDA(cudaGetDeviceProperties(&prop, device));
   if (kern_check_device() != 0) {
@@ -748,14 +793,15 @@ int tensor_cuda_open(int device, tensor_backend_t *out, struct rumor_err *e) {
   OPEN_CUDA(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking));
   OPEN_CUDA(cudaStreamCreateWithFlags(&b->beside, cudaStreamNonBlocking));
   OPEN_CUDA(cudaEventCreateWithFlags(&b->beside_after, cudaEventDisableTiming));
-  cublasStatus_t st = cublasCreate(&b->blas);
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(b->blas, b->stream);
+  const struct tensor_cublas *blas = tensor_cublas();
+  cublasStatus_t st = blas->create(&b->blas);
+  if (st == CUBLAS_STATUS_SUCCESS) st = blas->set_stream(b->blas, b->stream);
   /* Default math: true FP32, no TF32 tensor cores (tests hold GEMMs to FP32
-   * tolerance against the CPU). */
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetMathMode(b->blas, CUBLAS_DEFAULT_MATH);
+   * tolerance against the CPU); tensor_backend_set_tf32 changes it. */
+  if (st == CUBLAS_STATUS_SUCCESS) st = blas->set_math_mode(b->blas, CUBLAS_DEFAULT_MATH);
   if (st != CUBLAS_STATUS_SUCCESS) {
     (void)cudaGetLastError();
-    rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: cuBLAS set-up failed: %s", device, cublasGetStatusString(st));
+    rc = rumor_err_set(e, RUMOR_EDEVICE, "cuda:%d: cuBLAS set-up failed: %s", device, blas->status_string(st));
     goto fail;
   }
   OPEN_CUDA(cudaMalloc((void **)&b->d_partials, KERN_REDUCE_MAX_BLOCKS * sizeof(float)));

@@ -16,6 +16,9 @@
 struct tensor_backend_ops {
   void (*close)(tensor_backend_t be);
   void (*set_threads)(tensor_backend_t be, int threads); /* optional */
+  /* tensor_backend_set_tf32; optional (NULL: FP32 only, the switch is a
+   * no-op, as on the CPU). */
+  void (*set_tf32)(tensor_backend_t be, bool on);
   void (*sync)(tensor_backend_t be);
 
   /* Device memory: NULL on failure (the caller reports it). */

@@ -94,7 +94,7 @@ struct train_flags {
   const char *model, *data, *device, *shard, *optimizer, *schedule, *checkpoint, *resume, *init_from;
   int64_t threads, seed, data_seed, epochs, batch, max_steps, checkpoint_every, warmup, eval_every, eval_batches;
   double lr, momentum, weight_decay, log_every, val_fraction, grad_clip, slowdown;
-  bool nesterov, no_eval, log_json;
+  bool nesterov, no_eval, log_json, tf32;
   const char *tensorboard; /* --tensorboard DIR, or NULL (tensorboard.c) */
 };
 

@@ -39,6 +39,10 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
        "tokens: the end of the stream held out for validation, unless *_val* shards exist", 0, 0.9},
       {"device", ARG_STR, &f->device, "DEV", "auto, cpu, cuda or cuda:N"},
       {"threads", ARG_INT, &f->threads, "N", "CPU threads (0: all cores)", 0, 4096},
+      {"tf32", ARG_FLAG, &f->tf32, NULL,
+       "GPU matrix products in TF32 on tensor cores (inputs rounded to 10 mantissa bits, FP32 sums): faster, "
+       "slightly less exact; recorded in checkpoints and the result line. On the CPU it is accepted and recorded "
+       "but changes nothing (default: off, plain FP32)"},
       {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set (N <= 65536)"},
       {"seed", ARG_INT, &f->seed, "N", "seed for initialisation and shuffling", 0, 9007199254740991.0},
       {"data-seed", ARG_INT, &f->data_seed, "N", "seed of the shard split (same on every peer)", 0,
@@ -120,6 +124,7 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->data_dir = f->data;
   cfg->device = f->device;
   cfg->threads = (int)f->threads;
+  cfg->tf32 = f->tf32;
   cfg->seed = (uint64_t)f->seed;
   cfg->data_seed = (uint64_t)f->data_seed;
   cfg->epochs = f->epochs;

@@ -138,6 +138,7 @@ static void make_meta(const struct model *m, const struct optim *o, const struct
   meta_add(t, "rumor.norm_mean", t->mean);
   meta_add(t, "rumor.norm_std", t->std);
   meta_add(t, "rumor.peer_id", info->peer_id);
+  meta_add(t, "rumor.tf32", info->tf32 ? "true" : "false");
   if (stage) {
     snprintf(t->stage, sizeof t->stage, "%d/%d", info->stage, info->stages);
     snprintf(t->layers, sizeof t->layers, "%d-%d", m->u0, m->u1 - 1);
@@ -464,6 +465,8 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
   }
   const char *peer = safetensors_meta(&ck->file, "rumor.peer_id");
   snprintf(in->peer_id, sizeof in->peer_id, "%s", peer ? peer : "");
+  const char *tf32 = safetensors_meta(&ck->file, "rumor.tf32");
+  in->tf32 = tf32 && strcmp(tf32, "true") == 0;
 
   model_table_build(&in->spec, &ck->table);
   for (size_t i = 0; i < ck->table.n; i++) {

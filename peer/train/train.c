@@ -270,6 +270,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   const struct model_spec *spec = &t->plan.spec;
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
+  tensor_backend_set_tf32(t->be, cfg->tf32);
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
   if (cfg->dp) /* a member trains on its slice of each batch */
     t->plan.mb_rows = (cfg->batch + comm_size(cfg->dp->comm) - 1) / comm_size(cfg->dp->comm);
@@ -434,6 +435,7 @@ static struct ckpt_info make_info(const struct trainer *t) {
   info.norm_mean = t->data.norm_mean;
   info.norm_std = t->data.norm_std;
   snprintf(info.peer_id, sizeof info.peer_id, "%s", t->cfg.peer_id ? t->cfg.peer_id : "");
+  info.tf32 = t->cfg.tf32;
   if (trainer_is_stage(t)) {
     snprintf(info.group, sizeof info.group, "%s", t->stage.group);
     info.stage = t->stage.stage;

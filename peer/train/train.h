@@ -120,7 +120,8 @@ const char *safetensors_meta(const struct st_file *f, const char *key);
  * Metadata (strings): rumor.format, rumor.model, rumor.step, rumor.epoch,
  * rumor.step_in_epoch, rumor.samples, rumor.seed, rumor.data_seed,
  * rumor.shard, rumor.batch, rumor.epochs, rumor.schedule_steps, rumor.optimizer, rumor.norm_mean,
- * rumor.norm_std, rumor.peer_id, plus the whole-file digest.
+ * rumor.norm_std, rumor.peer_id, rumor.tf32 ("true" or "false"; absent in
+ * files before it, read as false), plus the whole-file digest.
  * A pipeline stage's checkpoint (rumor.format "stage-1") holds its units'
  * entries only and adds rumor.group, rumor.stage ("s/S"), rumor.layers
  * ("u0-u1", inclusive) and rumor.split.
@@ -166,6 +167,7 @@ struct ckpt_info {
   int64_t schedule_steps; /* the schedule's length when set by --max-steps; 0: by epochs (or older files) */
   double norm_mean, norm_std;
   char peer_id[96]; /* free text; empty when unknown */
+  bool tf32;        /* the run's GEMMs were TF32 (--tf32); false in older files */
   /* A pipeline stage's checkpoint: stages > 0. */
   char group[72];
   int stage, stages;
@@ -382,6 +384,7 @@ struct train_config {
                             * 0 or 1: full speed) */
   const char *device;      /* "auto", "cpu", "cuda", "cuda:N" */
   int threads;             /* CPU threads (0: all cores) */
+  bool tf32;               /* GEMMs in TF32 on a GPU (tensor_backend_set_tf32; no effect on the CPU) */
   struct shard shard;
   uint64_t seed;           /* model initialisation and per-epoch shuffles */
   uint64_t data_seed;      /* the shard split; the same on every peer */

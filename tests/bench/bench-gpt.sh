@@ -11,7 +11,9 @@
 # default 300), PEER_BATCH (each peer's batch in part 3, default 2; the
 # single process then takes 4 times it), PEER_SYNC (part 3's scheme:
 # gossip, the default, or allreduce), PEER_OPTS (more options for part 3's
-# peers, e.g. "--max-local-steps 2"), VENV (default
+# peers, e.g. "--max-local-steps 2"), GPU_TF32 (part 6: 1 runs both rumor
+# and PyTorch with TF32 matrix products, rumor --tf32; default 0, FP32),
+# GPU_PY (part 6's Python), VENV (default
 # ~/.cache/rumor/bench-venv), DATA (a text file, default the KJV corpus of
 # deploy/install-deps.sh).
 #
@@ -34,8 +36,9 @@
 #  5. transformers' GPT2LMHeadModel.from_pretrained loads a rumor checkpoint
 #     directory, and its logits match rumor's reference model.
 #  6. (PARTS=6, not by default) on a GPU: part 1's step in rumor --device
-#     cuda vs PyTorch on the same GPU; GPU_PY names a Python whose torch
-#     sees it. Skipped with the reason where there is none.
+#     cuda vs PyTorch on the same GPU, FP32 or (GPU_TF32=1) TF32 in both;
+#     GPU_PY names a Python whose torch sees it. Skipped with the reason
+#     where there is none.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -192,14 +195,18 @@ EOF
 }
 
 # 6. On a GPU: the same training step in rumor (--device cuda: cuBLAS and
-# its kernels, FP32) and in PyTorch on that GPU (TF32 off), tokens/s for
+# its kernels, FP32; with GPU_TF32=1 --tf32) and in PyTorch on that GPU
+# (TF32 off; with GPU_TF32=1 on), tokens/s for
 # both configurations of part 1. Skipped with the reason where there is no
 # GPU or rumor was built without CUDA. GPU_PY names the Python whose torch
 # sees the GPU (default: the benchmark's environment; on a machine with its
 # own CUDA PyTorch, e.g. GPU_PY=python3).
 part6() {
   echo
-  echo "6. training throughput on a GPU (tokens/s), median of $rounds alternating runs"
+  tf32_flag=""
+  math=FP32
+  if [ "${GPU_TF32:-0}" = 1 ]; then tf32_flag=--tf32 math=TF32; fi
+  echo "6. training throughput on a GPU (tokens/s, $math matrix products), median of $rounds alternating runs"
   gpy=${GPU_PY:-$py}
   if ! gpu=$(nvidia-smi -L 2>/dev/null | head -1) || [ -z "$gpu" ]; then
     echo "skipped: no GPU (nvidia-smi -L lists none)"
@@ -210,11 +217,14 @@ part6() {
     echo "skipped: rumor cannot train on the GPU: $(tail -1 "$work/gpu.log")"
     return 0
   fi
+  # Without a PyTorch that sees the GPU, rumor's figures alone (torch and ratio nan).
+  have_torch=1
   if ! "$gpy" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "skipped: $gpy has no PyTorch that sees the GPU (set GPU_PY)"
-    return 0
+    have_torch=0
+    echo "PyTorch: $gpy has none that sees the GPU (set GPU_PY); rumor's figures only"
   fi
-  echo "$gpu; $("$gpy" -c 'import torch; print("PyTorch", torch.__version__)')"
+  [ $have_torch = 1 ] && echo "$gpu; $("$gpy" -c 'import torch; print("PyTorch", torch.__version__)')"
+  [ $have_torch = 0 ] && echo "$gpu"
   printf '%-32s %5s %6s %12s %12s %7s\n' model batch steps rumor torch ratio
   for cfg in "6 6 384 256 256 8 200" "12 12 768 1024 50257 4 30"; do
     # shellcheck disable=SC2086
@@ -223,12 +233,19 @@ part6() {
     rs="" ts="" ratios=""
     i=0
     while [ $i -lt "$rounds" ]; do
-      r=$(rumor_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-batches 1 | num samples_per_s)
+      # shellcheck disable=SC2086 # empty or one flag
+      r=$(rumor_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-batches 1 $tf32_flag |
+        num samples_per_s)
       r=$(echo "$r $T" | awk '{print $1*$2}')
-      cpu_py=$py py=$gpy
-      t=$(torch_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-windows 1 | num tokens_per_s)
-      py=$cpu_py
-      rs="$rs $r" ts="$ts $t" ratios="$ratios $(echo "$r $t" | awk '{print $1/$2}')"
+      t=nan
+      if [ $have_torch = 1 ]; then
+        cpu_py=$py py=$gpy
+        # shellcheck disable=SC2086
+        t=$(torch_train "$L" "$H" "$C" "$T" "$V" "$B" "$S" 1 --device cuda --eval-windows 1 $tf32_flag |
+          num tokens_per_s)
+        py=$cpu_py
+      fi
+      rs="$rs $r" ts="$ts $t" ratios="$ratios $(echo "$r $t" | awk '{print ($2 == "nan") ? "nan" : $1/$2}')"
       i=$((i + 1))
     done
     # shellcheck disable=SC2086 # unquoted: the lists' leading space goes

@@ -48,16 +48,16 @@ static void expect_clean_exit(int i) {
 /* Four peers from different initialisations, learning rate 0: only the
  * averaging moves them, so Ξ must fall by averaging what the replicas really
  * hold (snapshots of other parameters, or none, would not bring them
- * together). */
-static void lr0_consensus(const char *device) {
+ * together). Peers 0 and 2 train on `dev_even`, 1 and 3 on `dev_odd`. */
+static void lr0_consensus(const char *dev_even, const char *dev_odd) {
   cluster_start_bootstrap(&C, NULL);
   const int n = 4;
   int peer[4];
   char seed[4][8];
   for (int i = 0; i < n; i++) {
     snprintf(seed[i], sizeof seed[i], "%d", i + 1);
-    peer[i] = cluster_start_peer(&C, "--device", device, "--model", "mlp:784-64-10", "--lr", "0", "--no-state-pull",
-                                 "--seed", seed[i],
+    peer[i] = cluster_start_peer(&C, "--device", i % 2 ? dev_odd : dev_even, "--model", "mlp:784-64-10", "--lr",
+                                 "0", "--no-state-pull", "--seed", seed[i],
                                  "--max-steps", "1500", "--epochs", "1000", "--wait-peers", "4", "--no-eval",
                                  "--gossip-every", "1", "--checkpoint", C.node[C.n].ckpt, NULL);
   }
@@ -97,7 +97,7 @@ static void lr0_consensus(const char *device) {
 
 Test(gossip, consensus_lr0_different_inits_drift_falls_100_fold) {
   SKIP_WITHOUT_DATA();
-  lr0_consensus("cpu");
+  lr0_consensus("cpu", "cpu");
 }
 
 Test(gossip, consensus_lr0_on_gpus_drift_falls_100_fold) {
@@ -105,7 +105,17 @@ Test(gossip, consensus_lr0_on_gpus_drift_falls_100_fold) {
   if (tensor_cuda_device_count() == 0)
     cr_skip_test("no usable CUDA GPU here: averaging between GPU peers (snapshots copied beside the training "
                  "stream) is not exercised");
-  lr0_consensus("cuda");
+  lr0_consensus("cuda", "cuda");
+}
+
+/* Two CPU peers and two GPU peers average into one model: the snapshots
+ * a GPU peer sends (copied beside its stream) and the differences it
+ * applies (copied to the device) are the CPU peers' layout too. */
+Test(gossip, consensus_lr0_between_cpu_and_gpu_peers_drift_falls_100_fold) {
+  SKIP_WITHOUT_DATA();
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no usable CUDA GPU here: averaging between CPU and GPU peers is not exercised");
+  lr0_consensus("cpu", "cuda");
 }
 
 /* --finish-wait-ms: a peer that runs ahead (the others starved of CPU by

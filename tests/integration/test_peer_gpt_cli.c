@@ -497,3 +497,34 @@ Test(gptcli, grad_clip_counts_the_clipped_steps) {
   cr_assert_null(strstr(out, "clipped_steps"), "clipped_steps without --grad-clip: %s", out);
   free(out), free(err);
 }
+
+/* --tf32 on the CPU: accepted, said in --help to change nothing there,
+ * recorded in the result line and the checkpoint, and the run is bit for
+ * bit the one without it (same train_loss digits, same parameters). */
+Test(gptcli, tf32_on_the_cpu_is_recorded_and_changes_nothing) {
+  const char *data = text_path();
+  char *out, *err;
+  int st = rumor(&out, &err, 30, "train", "--help", NULL);
+  cr_assert(proc_exited_with(st, 0), "train --help failed: %s", err);
+  const char *h = strstr(out, "--tf32");
+  cr_assert(h && strstr(h, "On the CPU it is accepted and recorded but changes nothing"), "help: %s", out);
+  free(out), free(err);
+  double loss[2];
+  for (int i = 0; i < 2; i++) {
+    char ck[160];
+    snprintf(ck, sizeof ck, "%s/tf32-%d.safetensors", dir, i);
+    st = rumor(&out, &err, 120, "train", "--model", MODEL, "--data", data, "--device", "cpu", "--optimizer", "adamw",
+               "--batch", "4", "--max-steps", "3", "--threads", "1", "--log-every", "0", "--no-eval",
+               "--eval-batches", "1", "--checkpoint", ck, i ? "--tf32" : NULL, NULL);
+    cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+    cr_assert(strstr(out, i ? "\"tf32\":true" : "\"tf32\":false"), "result line: %s", out);
+    loss[i] = cli_json_number(out, "train_loss");
+    free(out), free(err);
+    struct checkpoint c;
+    struct rumor_err e;
+    cr_assert_eq(checkpoint_open(ck, &c, &e), 0, "%s", e.msg);
+    cr_assert_eq(c.info.tf32, i == 1, "checkpoint %d records tf32 %d", i, c.info.tf32);
+    checkpoint_close(&c);
+  }
+  cr_assert(loss[0] == loss[1], "--tf32 changed the CPU run: train_loss %.9g vs %.9g", loss[0], loss[1]);
+}

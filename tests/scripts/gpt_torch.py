@@ -232,8 +232,8 @@ def cmd_train(args):
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
     cfg = json.loads(args.config)
     model = GPT(cfg)
     model.init_gpt2(args.seed)
@@ -300,6 +300,7 @@ def main():
     tr.add_argument("--threads", type=int, default=1)
     tr.add_argument("--seed", type=int, default=1)
     tr.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (FP32, TF32 off, as rumor's cuBLAS)")
+    tr.add_argument("--tf32", action="store_true", help="on a GPU, matrix products in TF32 (as rumor --tf32)")
     args = ap.parse_args()
     {"logits": cmd_logits, "hub-style": cmd_hub_style, "train": cmd_train}[args.cmd](args)
 

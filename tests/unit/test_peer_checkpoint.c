@@ -82,6 +82,7 @@ Test(checkpoint, round_trip_sgd_and_adamw) {
     struct rumor_err e;
     make(&m, &o, kinds[k]);
     struct ckpt_info in = info_for(&m);
+    in.tf32 = k == 1; /* --tf32 is recorded either way */
     cr_assert_eq(checkpoint_save(path("a.safetensors"), &m, &o, &in, &e), 0, "%s", e.msg);
     struct checkpoint ck;
     cr_assert_eq(checkpoint_open(path("a.safetensors"), &ck, &e), 0, "%s", e.msg);
@@ -96,6 +97,9 @@ Test(checkpoint, round_trip_sgd_and_adamw) {
     cr_assert_eq(ck.info.norm_mean, 0.2860402);
     cr_assert_str_eq(ck.info.peer_id, "peer-test");
     cr_assert_eq(ck.info.optim_kind, kinds[k]);
+    cr_assert_eq(ck.info.tf32, k == 1, "rumor.tf32 did not round-trip");
+    const char *tf32 = safetensors_meta(&ck.file, "rumor.tf32");
+    cr_assert(tf32 && strcmp(tf32, k == 1 ? "true" : "false") == 0, "rumor.tf32 is '%s'", tf32 ? tf32 : "(none)");
 
     struct optim_config oc = o.cfg;
     cr_assert_eq(model_init_full(&m2, &ck.info.spec, be, 8, &e), 0);

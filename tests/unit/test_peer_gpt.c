@@ -2,7 +2,10 @@
  * table and config, the whole model's gradient by finite differences on a
  * tiny configuration, causality (fewer positions give the same logits), and
  * a model split into two stages (the tied embedding's copy on the head's
- * side) giving the whole model's gradient. CPU backend. */
+ * side) giving the whole model's gradient. CPU backend; the finite
+ * differences run on CUDA too, and a CUDA model is held to the CPU model of
+ * the same spec and seed (loss, every gradient, AdamW steps). The CUDA
+ * tests skip with a message where no GPU is usable. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -193,11 +196,22 @@ static double loss_of(struct model *m, const int32_t *x, const int32_t *y) {
   return model_mean_loss(m, ROWS);
 }
 
-Test(gpt, the_whole_models_gradient_matches_finite_differences) {
-  /* Every parameter of a 2-block model (1,918 of them), central differences
-   * in float32 with a step of 1e-2: the loss is smooth there (no ReLU), and
-   * the difference quotient's error, O(h²) plus float rounding of the loss
-   * (~1e-7/h), stays well under the tolerance. */
+/* Opens cuda:0, or skips the test with the reason. */
+static tensor_backend_t open_gpu_or_skip(void) {
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no CUDA GPU: tensor_cuda_device_count() is 0 (%s); CUDA variant skipped",
+                 tensor_cuda_compiled() ? "built with CUDA, but no usable device or driver" : "built without CUDA");
+  tensor_backend_t gpu;
+  struct rumor_err e = {0};
+  cr_assert_eq(tensor_backend_open("cuda:0", &gpu, &e), 0, "%s", e.msg);
+  return gpu;
+}
+
+/* Every parameter of a 2-block model (1,918 of them), central differences
+ * in float32 with a step of 1e-2, on the suite's backend `be`: the loss is
+ * smooth there (no ReLU), and the difference quotient's error, O(h²) plus
+ * float rounding of the loss (~1e-7/h), stays well under the tolerance. */
+static void gradient_matches_finite_differences(void) {
   struct model m;
   make(&m, TINY, 0, 4, ROWS);
   model_init_params(&m, 3);
@@ -238,11 +252,133 @@ Test(gpt, the_whole_models_gradient_matches_finite_differences) {
     if (worst >= m.table.p[k].offset && worst < m.table.p[k].offset + m.table.p[k].numel) name = m.table.p[k].name;
   cr_assert(worst_err <= 1.0, "parameter %d (%s): analytic %.6g vs numeric %.6g (%.3g of the tolerance)", worst,
             name, worst_ana, worst_num, worst_err);
-  fprintf(stderr, "gpt gradient check: worst %.3g of the tolerance at parameter %d (%s: %.6g vs %.6g)\n", worst_err,
-          worst, name, worst_ana, worst_num);
+  fprintf(stderr, "gpt gradient check (%s): worst %.3g of the tolerance at parameter %d (%s: %.6g vs %.6g)\n",
+          tensor_backend_name(be), worst_err, worst, name, worst_ana, worst_num);
   free(p);
   free(g);
   model_free(&m);
+}
+
+Test(gpt, the_whole_models_gradient_matches_finite_differences) { gradient_matches_finite_differences(); }
+
+/* The same check with the model on the GPU: every kernel of the forward and
+ * backward passes, the tied head's accumulating GEMM and scatter, and the
+ * scratch reused by the two blocks. */
+Test(gpt, on_cuda_the_whole_models_gradient_matches_finite_differences) {
+  tensor_backend_t cpu = be;
+  be = open_gpu_or_skip();
+  gradient_matches_finite_differences();
+  tensor_backend_close(be);
+  be = cpu;
+}
+
+/* ---- the same model on CUDA and on the CPU ---- */
+
+#define XR 4                        /* rows of the CUDA comparison */
+#define XSPEC "gpt:L2-H4-C64-T32-V300" /* 4 heads of 16, 2 blocks, T 32 */
+
+/* Loads `x`, `y` (XR·32 tokens each) and runs forward, loss and backward;
+ * returns the mean loss. */
+static double step_grads(struct model *m, const int32_t *x, const int32_t *y) {
+  const size_t bytes = (size_t)(XR * m->io.input_per_row) * sizeof(int32_t);
+  tensor_copy_from_host(model_act(m, 0), 0, x, bytes);
+  tensor_copy_from_host(&m->labels, 0, y, bytes);
+  model_forward_backward(m, XR);
+  return model_mean_loss(m, XR);
+}
+
+static float *download(const struct tensor *t, int64_t n) {
+  float *h = xmalloc((size_t)n * sizeof(float));
+  tensor_copy_to_host(t, 0, h, (size_t)n * sizeof(float));
+  return h;
+}
+
+/* Every entry of the table: |gpu − cpu| <= 1e-4·max|cpu entry| + 1e-3·|cpu|.
+ * Both run FP32; they differ by summation orders (cuBLAS's GEMMs, the
+ * kernels' reductions), ~1e-6 of an entry's scale. A wrong index, transpose,
+ * alias or missed accumulation is off by the entry's scale. */
+static void grads_agree(const struct model *mc, const float *gc, const float *gg) {
+  for (size_t k = 0; k < mc->table.n; k++) {
+    const struct model_param *p = &mc->table.p[k];
+    double big = 0.0;
+    for (int64_t i = 0; i < p->numel; i++) big = fmax(big, fabs(gc[p->offset + i]));
+    for (int64_t i = 0; i < p->numel; i++) {
+      double c = gc[p->offset + i], g = gg[p->offset + i];
+      cr_assert(isfinite(g) && fabs(g - c) <= 1e-4 * big + 1e-3 * fabs(c),
+                "%s[%lld]: cuda %.9g vs cpu %.9g (entry's largest |gradient| %.3g)", p->name, (long long)i, g, c, big);
+    }
+  }
+}
+
+Test(gpt, on_cuda_the_same_model_and_seed_give_the_cpus_loss_gradients_and_adamw_steps) {
+  tensor_backend_t gpu = open_gpu_or_skip();
+  struct model_spec spec = parse(XSPEC);
+  struct model mc, mg;
+  struct rumor_err e;
+  cr_assert_eq(model_init_full(&mc, &spec, be, XR, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_init_full(&mg, &spec, gpu, XR, &e), 0, "%s", e.msg);
+  model_init_params(&mc, 17);
+  model_init_params(&mg, 17);
+  const int64_t P = mc.nparams, n = XR * mc.io.input_per_row;
+  float *pc = download(&mc.params, P), *pg = download(&mg.params, P);
+  cr_assert_eq(memcmp(pc, pg, (size_t)P * sizeof(float)), 0, "the same seed gave other parameters on the GPU");
+  int32_t *x = xmalloc((size_t)n * sizeof(int32_t)), *y = xmalloc((size_t)n * sizeof(int32_t));
+  struct rng r;
+  rng_seed(&r, 23, 0);
+  for (int64_t i = 0; i < n; i++) x[i] = (int32_t)rng_below(&r, 300), y[i] = (int32_t)rng_below(&r, 300);
+  x[0] = x[1] = x[2] = 7; /* a repeated token: the embedding backward's runs */
+
+  /* Loss and every gradient. Loss: a mean of XR·32 logs of softmaxes over
+   * 300 logits, equal to 2e-5. */
+  double lc = step_grads(&mc, x, y), lg = step_grads(&mg, x, y);
+  cr_assert(fabs(lg - lc) <= 2e-5, "loss: cuda %.9g vs cpu %.9g", lg, lc);
+  float *gc = download(&mc.grads, P), *gg = download(&mg.grads, P);
+  grads_agree(&mc, gc, gg);
+
+  /* One AdamW step on the same gradient (the CPU's, given to both): the
+   * update over the flat buffer, its decay mask and bias correction agree
+   * to float rounding (1e-7 + 1e-6·|p|). */
+  struct optim_config oc;
+  optim_config_default(&oc);
+  oc.kind = OPTIM_ADAMW, oc.lr = 1e-3, oc.weight_decay = 0.1, oc.beta2 = 0.95;
+  struct optim oc_cpu, oc_gpu;
+  cr_assert_eq(optim_init(&oc_cpu, &oc, &mc, &e), 0, "%s", e.msg);
+  cr_assert_eq(optim_init(&oc_gpu, &oc, &mg, &e), 0, "%s", e.msg);
+  tensor_copy_from_host(&mg.grads, 0, gc, (size_t)P * sizeof(float));
+  optim_apply(&oc_cpu, &mc.params, &mc.grads, oc.lr);
+  optim_apply(&oc_gpu, &mg.params, &mg.grads, oc.lr);
+  free(pc), free(pg);
+  pc = download(&mc.params, P), pg = download(&mg.params, P);
+  for (int64_t i = 0; i < P; i++)
+    cr_assert(fabs(pg[i] - pc[i]) <= 1e-7 + 1e-6 * fabs(pc[i]), "AdamW step, parameter %lld: cuda %.9g vs cpu %.9g",
+              (long long)i, pg[i], pc[i]);
+
+  /* Three more steps, each on its own device's gradients. AdamW turns a
+   * gradient's sign into a step of ±lr however small the gradient, and some
+   * are analytically zero (the key bias: softmax ignores a shift), so a
+   * few parameters may part by up to 2·lr a step: at most 1% of them may
+   * differ by more than 1e-5, and the loss after the steps (blind to the
+   * key bias) agrees to 1e-4. */
+  for (int s = 0; s < 3; s++) {
+    (void)step_grads(&mc, x, y);
+    (void)step_grads(&mg, x, y);
+    optim_apply(&oc_cpu, &mc.params, &mc.grads, oc.lr);
+    optim_apply(&oc_gpu, &mg.params, &mg.grads, oc.lr);
+  }
+  free(pc), free(pg);
+  pc = download(&mc.params, P), pg = download(&mg.params, P);
+  int64_t apart = 0;
+  for (int64_t i = 0; i < P; i++) apart += !(fabs(pg[i] - pc[i]) <= 1e-5);
+  cr_assert(apart <= P / 100, "after 4 AdamW steps %lld of %lld parameters differ by more than 1e-5", (long long)apart,
+            (long long)P);
+  lc = step_grads(&mc, x, y), lg = step_grads(&mg, x, y);
+  cr_assert(fabs(lg - lc) <= 1e-4, "loss after 4 AdamW steps: cuda %.9g vs cpu %.9g", lg, lc);
+  fprintf(stderr, "gpt on cuda: loss %.7g (cpu %.7g) after 4 AdamW steps, %lld of %lld parameters apart by > 1e-5\n",
+          lg, lc, (long long)apart, (long long)P);
+  free(pc), free(pg), free(gc), free(gg), free(x), free(y);
+  optim_free(&oc_cpu), optim_free(&oc_gpu);
+  model_free(&mc), model_free(&mg);
+  tensor_backend_close(gpu);
 }
 
 Test(gpt, fewer_positions_give_the_same_logits_causality) {

@@ -1,7 +1,9 @@
 /* Finite-difference gradient checks of every layer (weights, biases, inputs)
  * and of the loss, for ReLU and GELU networks, and the equivalence of a
  * backward pass split into layer ranges (as pipeline stages run it) with the
- * whole one. Seeds are fixed so that no pre-activation sits on a ReLU kink. */
+ * whole one. Seeds are fixed so that no pre-activation sits on a ReLU kink.
+ * The layer checks run on CUDA too, where the same networks' gradients must
+ * also equal the CPU's; those skip with a message where no GPU is usable. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -108,7 +110,64 @@ static void gradcheck_spec(const char *spec_str, uint64_t seed) {
   model_free(&m);
 }
 
+/* The gradient of `spec_str` (seed `seed`) on the suite's backend, and its
+ * input gradient: P + BATCH·in floats into out (malloc'd). */
+static float *analytic_grads(const char *spec_str, uint64_t seed, int64_t *count) {
+  struct model m;
+  float x[BATCH * 16];
+  int32_t y[BATCH];
+  make_model(&m, spec_str, seed, x, y);
+  const int64_t P = m.nparams, in = m.io.input_per_row;
+  const int L = m.table.nunits;
+  struct tensor din;
+  struct rumor_err e;
+  int64_t ds[2] = {BATCH, in};
+  cr_assert_eq(tensor_alloc(&din, be, TENSOR_F32, 2, ds, &e), 0);
+  model_forward(&m, 0, L, BATCH);
+  model_loss(&m, BATCH, model_act(&m, L), 1.0f / BATCH);
+  model_backward(&m, 0, L, BATCH, model_act(&m, L), &din, false);
+  float *out = xmalloc((size_t)(P + BATCH * in) * sizeof(float));
+  tensor_copy_to_host(&m.grads, 0, out, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&din, 0, out + P, (size_t)(BATCH * in) * sizeof(float));
+  *count = P + BATCH * in;
+  tensor_free(&din);
+  model_free(&m);
+  return out;
+}
+
 Test(gradcheck, relu_mlp_every_layer_and_input) { gradcheck_spec("mlp:6-5-4-3", 3); }
+
+/* The same networks on CUDA: finite differences on the GPU (float32 loss
+ * there too, same tolerance), and the analytic gradients equal to the
+ * CPU's within 1e-6 + 1e-4·|cpu| (FP32 both; cuBLAS's and the kernels'
+ * summation orders differ from the CPU's, by ~1e-7 at these sizes). */
+Test(gradcheck, on_cuda_every_layer_and_input_and_the_cpus_gradients) {
+  if (tensor_cuda_device_count() == 0)
+    cr_skip_test("no CUDA GPU: tensor_cuda_device_count() is 0 (%s); CUDA variant skipped",
+                 tensor_cuda_compiled() ? "built with CUDA, but no usable device or driver" : "built without CUDA");
+  tensor_backend_t cpu = be, gpu;
+  struct rumor_err e = {0};
+  cr_assert_eq(tensor_backend_open("cuda:0", &gpu, &e), 0, "%s", e.msg);
+  const struct {
+    const char *spec;
+    uint64_t seed;
+  } nets[] = {{"mlp:6-5-4-3", 3}, {"mlp:6-5-4-3:gelu", 5}, {"mlp:7-4", 11}};
+  for (size_t i = 0; i < sizeof nets / sizeof nets[0]; i++) {
+    be = gpu;
+    gradcheck_spec(nets[i].spec, nets[i].seed);
+    int64_t ng = 0, nc = 0;
+    float *g = analytic_grads(nets[i].spec, nets[i].seed, &ng);
+    be = cpu;
+    float *c = analytic_grads(nets[i].spec, nets[i].seed, &nc);
+    cr_assert_eq(ng, nc);
+    for (int64_t k = 0; k < ng; k++)
+      cr_assert(fabs(g[k] - c[k]) <= 1e-6 + 1e-4 * fabs(c[k]), "%s: gradient %lld: cuda %.9g vs cpu %.9g",
+                nets[i].spec, (long long)k, g[k], c[k]);
+    free(g), free(c);
+  }
+  be = cpu;
+  tensor_backend_close(gpu);
+}
 Test(gradcheck, gelu_mlp_every_layer_and_input) { gradcheck_spec("mlp:6-5-4-3:gelu", 5); }
 Test(gradcheck, single_layer_softmax_regression) { gradcheck_spec("mlp:7-4", 11); }
 

@@ -1,0 +1,147 @@
+#!/bin/sh
+# The first run on a GPU (issue #33): everything a session that finds a GPU
+# should run first, into one report.
+#
+#   tests/bench/gpu-first-run.sh [BUILD_DIR]
+#
+#  1. The CUDA tests, each binary with its verbose output: the op tests
+#     (test_tensor_cuda, test_tensor_cuda_nn, test_tensor_cuda_shapes: the
+#     model's real shapes), the whole-model tests on CUDA against the CPU
+#     (test_peer_gpt, test_peer_gradcheck), the start without cuBLAS
+#     (test_peer_nocublas) and averaging between GPU peers and between
+#     CPU and GPU peers (test_peer_gossip's consensus_lr0 cases). A GPU
+#     test that skipped although a GPU is present counts as a failure.
+#  2. PARTS=6 tests/bench/bench-gpt.sh: GPT training throughput on the GPU
+#     in FP32, then in TF32 (GPU_TF32=1, rumor --tf32), against PyTorch on
+#     the same GPU where GPU_PY has one that sees it (else rumor's figures
+#     alone).
+#  3. Two gossiping peers on the GPU (deploy/local-cluster.sh 2, --device
+#     cuda, gpt:L6-H6-C384-T256-V256, 300 steps): both finish, exchange,
+#     and their validation losses.
+#
+# Each step has its own time limit (20 s for the first GPU step, 160 for the
+# tests, 2 × 100 for the benchmark, 60 for the peers: 440 s), so the whole
+# run ends within 8 minutes on one GPU. The report (REPORT, default
+# BUILD_DIR/gpu-first-run.txt) starts with the GPU, driver, commit and
+# build; its last line is the verdict. Record its figures in
+# docs/benchmarks.md.
+#
+# Environment: REPORT, DATA (a text file for the GPT runs; default the KJV
+# corpus of deploy/install-deps.sh, else one made from this tree's docs),
+# GPU_PY (a Python whose torch sees the GPU, for step 2), ROUNDS (step 2's
+# alternating runs, default 1).
+#
+# Exit status: 0 every step passed; 1 a step failed (the report says
+# which); 2 not built; 77 no GPU on this machine (nothing is run).
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+build=$(cd "${1:-$root/build}" 2>/dev/null && pwd) || { echo "$0: no build directory ${1:-$root/build}" >&2; exit 2; }
+rumor=$build/peer/rumor
+report=${REPORT:-$build/gpu-first-run.txt}
+rounds=${ROUNDS:-1}
+
+gpu=$(nvidia-smi -L 2>/dev/null | head -1)
+if [ -z "$gpu" ]; then
+  echo "$0: no GPU on this machine (nvidia-smi -L lists none, or there is no nvidia-smi): nothing to run" >&2
+  exit 77
+fi
+[ -x "$rumor" ] || { echo "$0: $rumor is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON first" >&2; exit 2; }
+tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_peer_gpt test_peer_gradcheck test_peer_nocublas"
+for t in $tests test_peer_gossip; do
+  [ -x "$build/tests/$t" ] || { echo "$0: $build/tests/$t is missing: build with -DRUMOR_TESTS=ON" >&2; exit 2; }
+done
+
+work=$(mktemp -d /tmp/rumor-gpu-first-run.XXXXXX) || exit 2
+trap 'rm -rf "$work"' EXIT
+data=${DATA:-/usr/local/share/rumor/kjv.txt}
+if [ ! -s "$data" ]; then
+  # About 4 MB of this tree's prose: enough windows for the runs below.
+  data=$work/text.txt
+  i=0
+  while [ $i -lt 8 ]; do cat "$root"/README.md "$root"/docs/*.md >>"$data"; i=$((i + 1)); done
+fi
+
+failed=""
+: >"$report"
+say() { echo "$*" | tee -a "$report"; }
+# section TITLE: a heading in the report and on the terminal.
+section() { say ""; say "== $* == ($(date -u +%H:%M:%S) UTC)"; }
+
+section "machine"
+say "$gpu"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 | tee -a "$report"
+say "rumor: $("$rumor" --version 2>&1), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+say "build: $(grep -E '^(CMAKE_BUILD_TYPE|CMAKE_CUDA_ARCHITECTURES|RUMOR_CUDA):' "$build/CMakeCache.txt" 2>/dev/null |
+  tr '\n' ' ')"
+say "data: $data ($(wc -c <"$data") bytes)"
+if ! timeout 20 "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --device cuda --max-steps 1 --no-eval \
+  --eval-batches 1 --log-every 0 >/dev/null 2>"$work/open.log"; then
+  say "rumor cannot train on the GPU:"
+  tee -a "$report" <"$work/open.log"
+  say ""
+  say "VERDICT: FAIL (rumor cannot use the GPU)"
+  exit 1
+fi
+grep -m1 "cuda:0" "$work/open.log" | tee -a "$report"
+
+# 1. The CUDA tests, all binaries at once (16 cores, one GPU), 160 s.
+section "1. CUDA tests"
+for t in $tests; do
+  (cd "$work" && timeout 160 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
+done
+(cd "$work" && timeout 160 "$build/tests/test_peer_gossip" --verbose --jobs 1 --filter 'gossip/consensus_lr0_*' \
+  >"$work/test_peer_gossip.log" 2>&1; echo $? >"$work/test_peer_gossip.rc") &
+wait
+for t in $tests test_peer_gossip; do
+  rc=$(cat "$work/$t.rc")
+  synth=$(grep -a "Synthesis" "$work/$t.log" | tail -1 | sed 's/.*Synthesis: //')
+  skips=$(grep -a -c -E "^\[SKIP\].*no (usable )?CUDA GPU" "$work/$t.log")
+  say "$t: exit $rc; ${synth:-no synthesis (killed after 160 s?)}; $skips skipped for want of a GPU"
+  # Failures, skips for any reason (no data, not enough device memory: gaps
+  # to note) and the figures the tests print.
+  grep -a -E "^\[(FAIL|----|SKIP)\]|gradient check|gpt on cuda|consensus:" "$work/$t.log" |
+    grep -v -e "Criterion v" -e "Test is disabled" | head -20 | sed 's/^/    /' | tee -a "$report"
+  if [ "$rc" != 0 ] || [ "$skips" != 0 ]; then failed="$failed $t"; fi
+done
+
+# 2. bench-gpt.sh part 6, FP32 and TF32, 100 s each.
+for math in FP32 TF32; do
+  section "2. PARTS=6 bench-gpt.sh, $math"
+  tf=0
+  [ $math = TF32 ] && tf=1
+  if PARTS=6 ROUNDS=$rounds GPU_TF32=$tf DATA=$data timeout 100 "$root/tests/bench/bench-gpt.sh" "$build" \
+    >"$work/bench-$math.log" 2>&1 && ! grep -q "^skipped:" "$work/bench-$math.log"; then
+    tee -a "$report" <"$work/bench-$math.log"
+  else
+    tee -a "$report" <"$work/bench-$math.log"
+    say "bench-gpt.sh ($math) failed, skipped its GPU part or ran past 100 s"
+    failed="$failed bench-$math"
+  fi
+done
+
+# 3. Two gossiping peers on the GPU, 60 s.
+section "3. two gossiping peers on the GPU"
+if WORKDIR=$work/cluster RUMOR=$rumor timeout 60 "$root/deploy/local-cluster.sh" 2 -- \
+  --model gpt:L6-H6-C384-T256-V256 --data "$data" --device cuda --optimizer adamw --lr 1e-3 --warmup 30 \
+  --batch 8 --max-steps 300 --no-eval --eval-batches 8 --log-every 0 >"$work/cluster.log" 2>&1; then
+  tail -5 "$work/cluster.log" | tee -a "$report"
+  for i in 1 2; do
+    out=$work/cluster/peer-$i.out
+    say "peer $i: $(grep -o '"val_loss":[0-9.e+-]*' "$out" | tail -1)," \
+      "$(grep -o '"exchanges":[0-9]*' "$out" | tail -1), $(grep -o '"samples_per_s":[0-9.e+-]*' "$out" | tail -1)"
+    grep -q '"exchanges":[1-9]' "$out" || { say "peer $i applied no exchange"; failed="$failed gossip"; }
+  done
+else
+  tail -15 "$work/cluster.log" | tee -a "$report"
+  say "the 2-peer run failed or ran past 60 s"
+  failed="$failed gossip"
+fi
+
+say ""
+if [ -z "$failed" ]; then
+  say "VERDICT: PASS (report: $report)"
+  exit 0
+fi
+say "VERDICT: FAIL:$failed (report: $report)"
+exit 1
