@@ -280,6 +280,65 @@ void tensor_gelu_tanh_fwd(const struct tensor *x, struct tensor *y);
 /* dx ← dy·d/dx GELU_tanh(x), x the forward's input; dx may alias dy. */
 void tensor_gelu_tanh_bwd(const struct tensor *x, const struct tensor *dy, struct tensor *dx);
 
+/* ---- mixture of experts (F32; I32 indices and counts) ----------------------------
+ *
+ * A sparse MLP block (Switch Transformer, GShard) over N tokens of width C
+ * and E experts, each holding `cap` rows of its input buffer (capacity:
+ * the caller's ceil(factor · N · K / E)). The experts' matrix products run
+ * on [E·cap, C] buffers, expert e on rows [e·cap, (e+1)·cap) (tensor_gemm
+ * on views, one per expert). Every op is deterministic: the same inputs
+ * give the same bits, run to run, whatever the thread count; the CPU and
+ * CUDA backends agree within float rounding (exactly on indices, slots and
+ * counts, given the same logits). */
+
+/* Routing. probs[n,:] ← softmax(logits[n,:]) and lse[n] ← its
+ * log-sum-exp. Token n's K largest probabilities, largest first (ties:
+ * the lower expert index), give expert[n,k] and gate[n,k]: the
+ * probability itself for K = 1, renormalised over the K to sum 1 for K > 1.
+ * slot[n,k] is the row of expert[n,k]'s buffer the choice takes, filled in
+ * the order (k = 0, n = 0..N−1), then (k = 1, n = 0..N−1), ... (first
+ * choices before second choices, GShard), or −1 when the expert's `cap`
+ * rows are already taken (the choice is dropped: the token skips that
+ * expert, its residual carries it). assigned[e] ← the choices of expert e
+ * (dropped ones included), kept[e] ← its rows filled (<= cap), psum[e] ←
+ * Σ_n probs[n,e]. Shapes: logits, probs [N,E]; lse [N]; expert, slot
+ * [N,K] I32; gate [N,K]; assigned, kept [E] I32; psum [E]. 1 <= K <= E. */
+void tensor_moe_route(const struct tensor *logits, int k, int64_t cap, struct tensor *probs, struct tensor *lse,
+                      struct tensor *expert, struct tensor *gate, struct tensor *slot, struct tensor *assigned,
+                      struct tensor *kept, struct tensor *psum);
+/* Its backward into the router's logits: dlogits[n,:] ← the softmax's
+ * backward (through probs) of dprob[n,e] = daux[e] + the gates' part,
+ * where the gates' part is dgate[n,k] at e = expert[n,k] for K = 1, and
+ * for K > 1 the renormalisation's backward over the K chosen
+ * ((dgate[n,k] − Σ_j dgate[n,j]·gate[n,j]) / Σ_j probs[n,expert[n,j]]);
+ * plus zscale · lse[n] · probs[n,e] (the router z-loss's gradient:
+ * zscale = 2 · β · the loss scale / N for β · mean_n lse[n]²). daux [E]
+ * carries the load-balancing loss's gradient (α · E · f_e / N times the
+ * loss scale, f_e held constant as in Switch). dgate [N,K] (0 for dropped
+ * choices); dlogits [N,E] is overwritten. */
+void tensor_moe_route_bwd(const struct tensor *probs, const struct tensor *lse, const struct tensor *expert,
+                          const struct tensor *gate, const struct tensor *dgate, const struct tensor *daux,
+                          float zscale, struct tensor *dlogits);
+/* xe[expert[n,k]·cap + slot[n,k], :] ← x[n,:] for every kept choice; rows
+ * no choice fills are zeroed. x [N,C]; xe [E·cap, C]. */
+void tensor_moe_dispatch(const struct tensor *x, const struct tensor *expert, const struct tensor *slot, int64_t cap,
+                         struct tensor *xe);
+/* Its backward, accumulating: dx[n,:] += Σ_k dxe[expert[n,k]·cap + slot[n,k], :]
+ * over token n's kept choices, k in order. */
+void tensor_moe_dispatch_bwd(const struct tensor *dxe, const struct tensor *expert, const struct tensor *slot,
+                             int64_t cap, struct tensor *dx);
+/* out[n,:] ← Σ_k gate[n,k] · ye[expert[n,k]·cap + slot[n,k], :] over token
+ * n's kept choices, k in order (0 for a token with none). ye [E·cap, C];
+ * out [N,C] is overwritten. */
+void tensor_moe_combine(const struct tensor *ye, const struct tensor *expert, const struct tensor *slot,
+                        const struct tensor *gate, int64_t cap, struct tensor *out);
+/* Its backward: dye[expert[n,k]·cap + slot[n,k], :] ← gate[n,k] · dout[n,:]
+ * for every kept choice, other rows 0 (dye overwritten); dgate[n,k] ←
+ * dout[n,:] · ye[expert[n,k]·cap + slot[n,k], :], 0 for a dropped choice. */
+void tensor_moe_combine_bwd(const struct tensor *dout, const struct tensor *ye, const struct tensor *expert,
+                            const struct tensor *slot, const struct tensor *gate, int64_t cap, struct tensor *dye,
+                            struct tensor *dgate);
+
 /* SGD with momentum, PyTorch semantics: g ← g + wd·p; m ← μ·m + g;
  * p ← p − lr·(nesterov ? g + μ·m : m). `mom` may be NULL when μ = 0. */
 struct tensor_sgd {
