@@ -42,8 +42,9 @@ struct child {
 struct group {
   struct group_flags f;
   int S, D, T;
-  int N; /* processes: S stages (T = D = 1), or T x D (S = 1): kids[i] is stage i, or process i (data-parallel
-            member i / T, tensor-parallel rank i % T); a failure line's failed_stage names one of them */
+  int N; /* processes: S stages (T = D = 1), T x D (S = 1) or S x D (T = 1): kids[i] is stage i; process i
+            (data-parallel member i / T, tensor-parallel rank i % T); or process i of stage i / D, its
+            data-parallel member i % D. A failure line's failed_stage names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
   bool averages; /* its processes average with other groups (stages always; data- or tensor-parallel processes
@@ -55,8 +56,26 @@ struct group {
   int nkids;
 };
 
-/* "stage" or "member": what kids[i] is, for messages ("stage 1/2", "member 0/3"). */
-static const char *what(const struct group *g) { return g->S == 1 && g->N > 1 ? "member" : "stage"; }
+/* "stage", "member" or "process": what kids[i] is, for messages ("stage 1/2", "member 0/3", "process 3/4"). */
+static const char *what(const struct group *g) {
+  return g->S == 1 && g->N > 1 ? "member" : g->N > g->S ? "process" : "stage";
+}
+
+/* Data-parallel members inside pipeline stages (S x D processes). */
+static bool dp_in_stages(const struct group *g) { return g->S > 1 && g->N > g->S; }
+
+/* kids[i]'s stage, and its data-parallel member (S x D: process i = stage x D + member). */
+static int kid_stage(const struct group *g, int i) { return dp_in_stages(g) ? i / g->D : g->S > 1 ? i : 0; }
+static int kid_member(const struct group *g, int i) { return dp_in_stages(g) ? i % g->D : g->S > 1 ? 0 : i / g->T; }
+
+/* kids[i] for messages: "stage 1/2", "member 0/3", or "process 3/4 (stage 1/2, data-parallel member 1/2)". */
+static void kid_name(const struct group *g, int i, char *buf, size_t n) {
+  if (dp_in_stages(g))
+    snprintf(buf, n, "process %d/%d (stage %d/%d, data-parallel member %d/%d)", i, g->N, kid_stage(g, i), g->S,
+             kid_member(g, i), g->D);
+  else
+    snprintf(buf, n, "%s %d/%d", what(g), i, g->N);
+}
 
 /* ---- command lines of the stages ---- */
 
@@ -151,8 +170,8 @@ static void push(char **argv, int *n, const char *s) {
 /* The stage's argv (malloc'd strings; free with free_argv). */
 static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
-  bool members = g->S == 1 && g->N > 1;
-  int n = 0, s = members ? 0 : k, d = members ? k / g->T : 0, tr = members ? k % g->T : 0;
+  bool members = g->S == 1 && g->N > 1, staged = dp_in_stages(g);
+  int n = 0, s = kid_stage(g, k), d = kid_member(g, k), tr = members ? k % g->T : 0;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -165,11 +184,11 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, g->devices[k]);
   push(out, &n, "--link-listen");
   push(out, &n, "127.0.0.1:0");
-  if (s > 0) {
+  if (s > 0) { /* member d of the previous stage (a stage of its own without members) */
     push(out, &n, "--link-prev");
-    push(out, &n, g->kids[s - 1].link);
+    push(out, &n, g->kids[staged ? k - g->D : s - 1].link);
   }
-  if (members) {
+  if (members || staged) {
     if (g->D > 1) {
       snprintf(buf, sizeof buf, "%d/%d", d, g->D);
       push(out, &n, "--dp");
@@ -182,13 +201,15 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     }
     push(out, &n, "--comm-listen");
     push(out, &n, "127.0.0.1:0");
-    if (k > 0) {
+    /* The communicator's processes before this one: the group's, or its stage's. */
+    int first = staged ? s * g->D : 0;
+    if (k > first) {
       size_t used = 0;
-      for (int j = 0; j < k; j++) used += strlen(g->kids[j].comm) + 1;
+      for (int j = first; j < k; j++) used += strlen(g->kids[j].comm) + 1;
       char *list = xmalloc(used);
       list[0] = '\0';
-      for (int j = 0; j < k; j++) {
-        if (j) strcat(list, ",");
+      for (int j = first; j < k; j++) {
+        if (j > first) strcat(list, ",");
         strcat(list, g->kids[j].comm);
       }
       push(out, &n, "--comm-peers");
@@ -340,12 +361,13 @@ static void reap(struct group *g) {
     if (r != k->pid) continue;
     k->exited = true;
     k->status = st;
+    char name[96];
+    kid_name(g, i, name, sizeof name);
     if (WIFSIGNALED(st))
-      log_error("group %s: %s %d/%d (pid %d) was killed by signal %d (%s)", g->name, what(g), i, g->N, (int)k->pid,
-                WTERMSIG(st), strsignal(WTERMSIG(st)));
+      log_error("group %s: %s (pid %d) was killed by signal %d (%s)", g->name, name, (int)k->pid, WTERMSIG(st),
+                strsignal(WTERMSIG(st)));
     else if (WEXITSTATUS(st) != 0)
-      log_warn("group %s: %s %d/%d (pid %d) exited with status %d", g->name, what(g), i, g->N, (int)k->pid,
-               WEXITSTATUS(st));
+      log_warn("group %s: %s (pid %d) exited with status %d", g->name, name, (int)k->pid, WEXITSTATUS(st));
   }
 }
 
@@ -383,22 +405,22 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   g->D = (int)f->pipe.data_parallel;
   g->T = (int)f->pipe.tensor_parallel;
   g->N = g->S * g->D * g->T;
-  const char *which = g->T > 1 ? "--tensor-parallel" : "--data-parallel";
-  int how = g->T > 1 ? g->T : g->D;
   if (g->D * g->T > COMM_MAX_MEMBERS)
     return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d x --tensor-parallel %d is %d processes, more than %d",
                          g->D, g->T, g->D * g->T, COMM_MAX_MEMBERS);
-  if (g->D * g->T > 1 && g->S > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with --stages %d: data- or tensor-parallel processes inside a "
-                         "pipelined group are not built yet; use --stages 1", which, how, g->S);
+  if (g->S * g->D * g->T > GROUP_MAX_MEMBERS)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--stages %d x --data-parallel %d is %d processes, more than %d", g->S,
+                         g->D, g->N, GROUP_MAX_MEMBERS);
+  if (group_stage_dp_check(f, g->S, g->D, g->T, f->net.bootstrap || args_given(specs, "listen"), e))
+    return RUMOR_EFORMAT;
   bool members = g->S == 1 && g->N > 1;
   /* Stages always join their cluster; data- or tensor-parallel processes
    * only when told where to listen or whom to join, else the group trains
    * alone with no gossip runtime (and no gossip buffers). */
-  g->averages = !members || f->net.bootstrap || args_given(specs, "listen");
+  g->averages = (!members && !dp_in_stages(g)) || f->net.bootstrap || args_given(specs, "listen");
   if (!g->averages && f->net.metrics)
     return rumor_err_set(e, RUMOR_EFORMAT, "--metrics: a data- or tensor-parallel group that trains alone serves no "
-                         "metrics; give --listen or --bootstrap to average with other groups");
+                         "metrics%s", members ? "; give --listen or --bootstrap to average with other groups" : "");
   if (members && group_shard_check(f, g->D, g->T, g->averages, e)) return RUMOR_EFORMAT;
   int slots = members ? g->N : g->S; /* address lists and listening ports, one per stage or per process */
   const char *slot_noun = members ? "process" : "stage";
@@ -458,10 +480,20 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
            g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
+  if (dp_in_stages(g))
+    log_info("  each stage: %d data-parallel members (ZeRO %lld), member r on its slice of every batch of %lld, "
+             "linked to member r of the neighbouring stages; process k is stage k / %d, member k %% %d", g->D,
+             (long long)f->pipe.zero, (long long)tc.batch, g->D, g->D);
   for (int s = 0; s < g->S; s++) {
     char line[400];
     pipe_split_describe(&plan.spec, &plan.split, s, line, sizeof line);
-    log_info("  %s on %s", line, g->devices[s]);
+    if (!dp_in_stages(g)) {
+      log_info("  %s on %s", line, g->devices[s]);
+      continue;
+    }
+    log_info("  %s", line);
+    for (int r = 0; r < g->D; r++)
+      log_info("    process %d: member %d/%d on %s", s * g->D + r, r, g->D, g->devices[s * g->D + r]);
   }
   return 0;
 }
@@ -472,7 +504,7 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
 static int start_stages(struct group *g, const struct arg_spec *specs, int argc, char **argv, struct rumor_err *e) {
   for (int i = 0; i < g->N; i++) {
     struct child *k = &g->kids[i];
-    k->stage = g->S > 1 ? i : 0;
+    k->stage = kid_stage(g, i);
     k->fd = -1;
     k->failed_stage = -1;
     k->buf = xmalloc(LINE_MAX_BYTES);
@@ -483,18 +515,22 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     free_argv(cargv);
     if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start %s %d: %s", what(g), i, strerror(errno));
     g->nkids++;
-    log_info("group %s: %s %d/%d is pid %d", g->name, what(g), i, g->N, (int)k->pid);
+    char name[96];
+    kid_name(g, i, name, sizeof name);
+    log_info("group %s: %s is pid %d", g->name, name, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
-    bool need_link = k->stage < g->S - 1, need_comm = g->S == 1 && i < g->N - 1;
+    /* What the later processes need of it: member r of stage s + 1 its
+     * link; the later members of its communicator its comm address. */
+    bool need_link = k->stage < g->S - 1;
+    bool need_comm = dp_in_stages(g) ? kid_member(g, i) < g->D - 1 : g->S == 1 && i < g->N - 1;
     while ((need_link && !k->link[0]) || (need_comm && !k->comm[0])) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
       pump(g, 100);
       reap(g);
-      if (k->exited || k->fd < 0)
-        return rumor_err_set(e, RUMOR_ECANCELED, "%s %d/%d ended before it was listening", what(g), i, g->N);
+      if (k->exited || k->fd < 0) return rumor_err_set(e, RUMOR_ECANCELED, "%s ended before it was listening", name);
       if (clock_now_s() > deadline)
-        return rumor_err_set(e, RUMOR_ETIMEDOUT, "%s %d/%d printed no address within %lld ms", what(g), i, g->N,
+        return rumor_err_set(e, RUMOR_ETIMEDOUT, "%s printed no address within %lld ms", name,
                              (long long)g->f.pipe.link_wait_ms);
     }
   }
@@ -580,7 +616,9 @@ static int most_blamed(const struct group *g) {
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
-      snprintf(why, n, "%s %d/%d was killed by signal %d (%s)", what(g), i, g->N, WTERMSIG(g->kids[i].status),
+      char name[96];
+      kid_name(g, i, name, sizeof name);
+      snprintf(why, n, "%s was killed by signal %d (%s)", name, WTERMSIG(g->kids[i].status),
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
     }
@@ -597,7 +635,9 @@ static int culprit(const struct group *g, char *why, size_t n) {
   }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
-      snprintf(why, n, "%s %d/%d exited with status %d", what(g), i, g->N, WEXITSTATUS(g->kids[i].status));
+      char name[96];
+      kid_name(g, i, name, sizeof name);
+      snprintf(why, n, "%s exited with status %d", name, WEXITSTATUS(g->kids[i].status));
       return i;
     }
   snprintf(why, n, "unknown");

@@ -141,7 +141,8 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   st->micro = (int)f->pipe.micro;
   /* Data- and tensor-parallel processes run whole batches (their slices):
    * no micro-batches to check against the batch. */
-  if (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp) st->micro = 1;
+  if (stages == 1 && (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp))
+    st->micro = 1;
   if (pipe_schedule_parse(f->pipe.schedule, &st->sched))
     return rumor_err_set(e, RUMOR_EFORMAT, "--pipeline must be gpipe or 1f1b, not '%s'", f->pipe.schedule);
   cfg->stage = st;
@@ -171,5 +172,29 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
   if (D > 1 && T > 1 && f->pipe.zero == 3)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
                          "hold their replicated parameters whole, which averaging needs; use --zero 2", which);
+  return 0;
+}
+
+int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages, struct rumor_err *e) {
+  if (S == 1 || D * T == 1) return 0;
+  if (T > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--tensor-parallel %d with --stages %d: tensor-parallel ranks inside a "
+                         "pipelined group are not built yet (data-parallel members inside stages are: "
+                         "--data-parallel D --zero 0|1); use --stages 1", T, S);
+  if (f->pipe.zero >= 2)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld with --stages %d: ZeRO 2 and 3 shard the gradients, but a "
+                         "pipeline stage accumulates its whole gradient over the micro-batches before its members sum "
+                         "it; use --zero 0 or 1 (DeepSpeed, too, pairs pipeline parallelism with ZeRO 1 only)",
+                         (long long)f->pipe.zero, S);
+  const char *what = NULL;
+  if (f->net.bootstrap || averages) what = "--bootstrap and --listen (averaging with other groups)";
+  else if (f->gossip.servers) what = "--servers";
+  else if (strcmp(f->gossip.sync, "gossip") != 0) what = "--sync allreduce and --sync ps";
+  else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
+  else if (f->train.resume || f->train.init_from) what = "--resume and --init-from";
+  if (what)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with --stages %d: a pipelined group with data-parallel "
+                         "members trains alone, from its own initialisation, so far; %s are not built for it yet",
+                         D, S, what);
   return 0;
 }

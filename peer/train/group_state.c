@@ -131,10 +131,13 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
   }
   const float *whole = t->cfg.tp ? full : local;
   if (rc == 0 && dp_first && tp_first) {
-    /* The whole model as one process holds it. */
+    /* The whole model as one process holds it (a tensor-parallel rank's
+     * slices put together), or a pipeline stage's units. */
     struct model view = *m;
-    view.nparams = m->table.nparams;
-    view.param_base = 0;
+    if (t->cfg.tp) {
+      view.nparams = m->table.nparams;
+      view.param_base = 0;
+    }
     rc = checkpoint_save_host(path, &view, &t->optim, whole, info, e);
   }
   free(local);
