@@ -37,10 +37,11 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "one device per stage (cpu, cuda:N; one name alone: every stage on it; default: cuda:s for each stage when "
          "there are S GPUs, else cpu)"},
         {"data-parallel", ARG_INT, &f->data_parallel, "D",
-         "member processes that split every batch (with --stages 1; see --zero)", 1, COMM_MAX_MEMBERS},
+         "member processes that split every batch (see --zero); with --stages S, D members in each stage (S x D "
+         "processes)", 1, COMM_MAX_MEMBERS},
         {"tensor-parallel", ARG_INT, &f->tensor_parallel, "T",
          "processes that split every layer (Megatron: attention by heads, the MLP by columns then rows, the "
-         "vocabulary); with --data-parallel D, each member is T of them (T x D processes)",
+         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages 1 only",
          1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
@@ -54,7 +55,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"comm-listen", ARG_STR, &f->comm_listen, "HOST:PORT",
          "address the data-parallel members above this one dial (port 0: any free port)"},
         {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
-         "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (required for k > 0)"},
+         "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (with --stage s/S, S > 1: "
+         "of its stage's members 0 .. r-1, k = r) (required for k > 0)"},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   }
@@ -67,7 +69,7 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
        "pipeline schedule: gpipe, or 1f1b (stores at most S-s micro-batches of activations instead of M)"},
       {"zero", ARG_INT, &f->zero, "Z",
        "ZeRO stage of the data-parallel members: 0 nothing sharded, 1 optimizer state, 2 and gradients, 3 and "
-       "parameters (gathered per unit as they are needed)",
+       "parameters (gathered per unit as they are needed); 0 or 1 with --stages > 1",
        0, 3},
       {"link-wait-ms", ARG_INT, &f->link_wait_ms, "MS", "neighbouring stages must connect within this", 100, 86400000},
       {"link-timeout-ms", ARG_INT, &f->link_timeout_ms, "MS", "a neighbouring stage silent this long is lost", 1000,
