@@ -61,18 +61,24 @@ static const char *what(const struct group *g) {
   return g->S == 1 && g->N > 1 ? "member" : g->N > g->S ? "process" : "stage";
 }
 
-/* Data-parallel members inside pipeline stages (S x D processes). */
-static bool dp_in_stages(const struct group *g) { return g->S > 1 && g->N > g->S; }
+/* Data-parallel members or tensor-parallel ranks inside pipeline stages
+ * (S x D or S x T processes; not both: group_stage_dp_check). */
+static bool in_stages(const struct group *g) { return g->S > 1 && g->N > g->S; }
+/* Processes per stage: D or T. */
+static int per_stage(const struct group *g) { return g->D * g->T; }
 
-/* kids[i]'s stage, and its data-parallel member (S x D: process i = stage x D + member). */
-static int kid_stage(const struct group *g, int i) { return dp_in_stages(g) ? i / g->D : g->S > 1 ? i : 0; }
-static int kid_member(const struct group *g, int i) { return dp_in_stages(g) ? i % g->D : g->S > 1 ? 0 : i / g->T; }
+/* kids[i]'s stage, and its place r in the stage (S x N: process i = stage x N + r; its data-parallel member or
+ * tensor-parallel rank) or, in a group of one stage, its data-parallel member. */
+static int kid_stage(const struct group *g, int i) { return in_stages(g) ? i / per_stage(g) : g->S > 1 ? i : 0; }
+static int kid_member(const struct group *g, int i) {
+  return in_stages(g) ? i % per_stage(g) : g->S > 1 ? 0 : i / g->T;
+}
 
 /* kids[i] for messages: "stage 1/2", "member 0/3", or "process 3/4 (stage 1/2, data-parallel member 1/2)". */
 static void kid_name(const struct group *g, int i, char *buf, size_t n) {
-  if (dp_in_stages(g))
-    snprintf(buf, n, "process %d/%d (stage %d/%d, data-parallel member %d/%d)", i, g->N, kid_stage(g, i), g->S,
-             kid_member(g, i), g->D);
+  if (in_stages(g))
+    snprintf(buf, n, "process %d/%d (stage %d/%d, %s %d/%d)", i, g->N, kid_stage(g, i), g->S,
+             g->T > 1 ? "tensor-parallel rank" : "data-parallel member", kid_member(g, i), per_stage(g));
   else
     snprintf(buf, n, "%s %d/%d", what(g), i, g->N);
 }
@@ -170,8 +176,9 @@ static void push(char **argv, int *n, const char *s) {
 /* The stage's argv (malloc'd strings; free with free_argv). */
 static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
-  bool members = g->S == 1 && g->N > 1, staged = dp_in_stages(g);
-  int n = 0, s = kid_stage(g, k), d = kid_member(g, k), tr = members ? k % g->T : 0;
+  bool members = g->S == 1 && g->N > 1, staged = in_stages(g);
+  int n = 0, s = kid_stage(g, k), d = staged && g->T > 1 ? 0 : kid_member(g, k);
+  int tr = members ? k % g->T : staged && g->T > 1 ? kid_member(g, k) : 0;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -186,7 +193,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, "127.0.0.1:0");
   if (s > 0) { /* member d of the previous stage (a stage of its own without members) */
     push(out, &n, "--link-prev");
-    push(out, &n, g->kids[staged ? k - g->D : s - 1].link);
+    push(out, &n, g->kids[staged ? k - per_stage(g) : s - 1].link);
   }
   if (members || staged) {
     if (g->D > 1) {
@@ -202,7 +209,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     push(out, &n, "--comm-listen");
     push(out, &n, "127.0.0.1:0");
     /* The communicator's processes before this one: the group's, or its stage's. */
-    int first = staged ? s * g->D : 0;
+    int first = staged ? s * per_stage(g) : 0;
     if (k > first) {
       size_t used = 0;
       for (int j = first; j < k; j++) used += strlen(g->kids[j].comm) + 1;
@@ -417,7 +424,7 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   /* Stages always join their cluster; data- or tensor-parallel processes
    * only when told where to listen or whom to join, else the group trains
    * alone with no gossip runtime (and no gossip buffers). */
-  g->averages = (!members && !dp_in_stages(g)) || f->net.bootstrap || args_given(specs, "listen");
+  g->averages = (!members && !in_stages(g)) || f->net.bootstrap || args_given(specs, "listen");
   if (!g->averages && f->net.metrics)
     return rumor_err_set(e, RUMOR_EFORMAT, "--metrics: a data- or tensor-parallel group that trains alone serves no "
                          "metrics%s", members ? "; give --listen or --bootstrap to average with other groups" : "");
@@ -480,20 +487,24 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
            g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
-  if (dp_in_stages(g))
+  if (in_stages(g) && g->T > 1)
+    log_info("  each stage: %d tensor-parallel ranks, rank t holding its slices of the stage's units, linked to "
+             "rank t of the neighbouring stages; process k is stage k / %d, rank k %% %d", g->T, g->T, g->T);
+  else if (in_stages(g))
     log_info("  each stage: %d data-parallel members (ZeRO %lld), member r on its slice of every batch of %lld, "
              "linked to member r of the neighbouring stages; process k is stage k / %d, member k %% %d", g->D,
              (long long)f->pipe.zero, (long long)tc.batch, g->D, g->D);
   for (int s = 0; s < g->S; s++) {
     char line[400];
     pipe_split_describe(&plan.spec, &plan.split, s, line, sizeof line);
-    if (!dp_in_stages(g)) {
+    if (!in_stages(g)) {
       log_info("  %s on %s", line, g->devices[s]);
       continue;
     }
     log_info("  %s", line);
-    for (int r = 0; r < g->D; r++)
-      log_info("    process %d: member %d/%d on %s", s * g->D + r, r, g->D, g->devices[s * g->D + r]);
+    for (int r = 0; r < per_stage(g); r++)
+      log_info("    process %d: %s %d/%d on %s", s * per_stage(g) + r, g->T > 1 ? "rank" : "member", r, per_stage(g),
+               g->devices[s * per_stage(g) + r]);
   }
   return 0;
 }
@@ -522,7 +533,7 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     /* What the later processes need of it: member r of stage s + 1 its
      * link; the later members of its communicator its comm address. */
     bool need_link = k->stage < g->S - 1;
-    bool need_comm = dp_in_stages(g) ? kid_member(g, i) < g->D - 1 : g->S == 1 && i < g->N - 1;
+    bool need_comm = in_stages(g) ? kid_member(g, i) < per_stage(g) - 1 : g->S == 1 && i < g->N - 1;
     while ((need_link && !k->link[0]) || (need_comm && !k->comm[0])) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());

@@ -26,9 +26,11 @@ struct stage_proc {
   int dp_rank, dp_size;  /* --dp r/D (0/1 without it) */
   int tp_rank, tp_size;  /* --tp t/T (0/1 without it) */
   int member, members;   /* this process's index among the group's processes: dp_rank x T + tp_rank of T x D,
-                            or (dp_in_stages) stage x D + dp_rank of S x D */
-  bool dp_in_stages;     /* a data-parallel member of a pipeline's stage (--dp with S > 1): the stage's D members
-                            share a communicator, and member r links to member r of stages s - 1 and s + 1 */
+                            or (in_stages) stage x N + stage_rank of S x N */
+  bool in_stages;        /* a data-parallel member or a tensor-parallel rank of a pipeline's stage (--dp or --tp
+                            with S > 1): the stage's N = D or T processes share a communicator, and process r of
+                            stage s links to process r of stages s - 1 and s + 1 */
+  int stage_rank, per_stage; /* in_stages: r (dp_rank or tp_rank) and N (D or T) */
   struct train_dp dp;    /* with dp_size > 1: tc.dp points here */
   struct train_tp tp;    /* with tp_size > 1: tc.tp points here */
   comm_t *comm;          /* every process of the group (the mesh) */
@@ -62,7 +64,8 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   }
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
-  if (p->dp_in_stages) json_text_set(o, "member", json_integer(p->member));
+  if (p->in_stages) json_text_set(o, "member", json_integer(p->member));
+  if (p->in_stages && p->tp_size > 1) json_text_set(o, "tensor_parallel", json_integer(p->tp_size));
   result_training(o, t, secs, s0);
   json_text_set(o, "micro_batches", json_integer(p->st.micro));
   json_text_set(o, "step_ms", json_text_real(ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0));
@@ -108,14 +111,23 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
   p->members = p->dp_size * p->tp_size;
   p->member = p->dp_rank * p->tp_size + p->tp_rank;
   if (stages > 1 && p->members > 1) {
-    /* Data-parallel members inside a pipeline: process stage x D + r. */
+    /* Data-parallel members or tensor-parallel ranks inside a pipeline
+     * (one kind: group_stage_dp_check): process stage x N + r. */
     if (group_stage_dp_check(&p->f, stages, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
-    p->dp_in_stages = true;
-    p->members = stages * p->dp_size;
-    p->member = stage * p->dp_size + p->dp_rank;
+    p->in_stages = true;
+    p->per_stage = p->dp_size * p->tp_size;
+    p->stage_rank = p->dp_rank + p->tp_rank; /* the one that is not 0/1 */
+    p->members = stages * p->per_stage;
+    p->member = stage * p->per_stage + p->stage_rank;
+    if (p->tp_size > 1) {
+      struct model_spec spec;
+      if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
+      if (model_tp_check(&spec, p->tp_size, e)) return rumor_err_prefix(e, "--tp %s", pf->tp);
+    }
     char whose[48];
     snprintf(whose, sizeof whose, "of stage %d/%d", stage, stages);
-    return comm_addrs_usage(p, p->dp_rank, whose, "--dp", pf->dp, e);
+    return comm_addrs_usage(p, p->stage_rank, whose, p->tp_size > 1 ? "--tp" : "--dp", p->tp_size > 1 ? pf->tp : pf->dp,
+                            e);
   }
   const char *which = p->tp_size > 1 ? "--tp" : "--dp", *val = p->tp_size > 1 ? pf->tp : pf->dp;
   if (p->members > COMM_MAX_MEMBERS)
@@ -194,8 +206,9 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     return 2;
   }
   char name[96];
-  if (p->dp_in_stages)
-    snprintf(name, sizeof name, "%s:s%dm%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage, p->dp_rank);
+  if (p->in_stages)
+    snprintf(name, sizeof name, "%s:s%d%c%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage,
+             p->tp_size > 1 ? 't' : 'm', p->stage_rank);
   else if (p->members > 1)
     snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->member);
   else
@@ -214,7 +227,7 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
            p->st.stages);
   /* Inside a pipeline, one communicator per stage: its D members, with
    * keys of their own (stage x D + r), so no stage admits another's. */
-  int rank = p->dp_in_stages ? p->dp_rank : p->member, size = p->dp_in_stages ? p->dp_size : p->members;
+  int rank = p->in_stages ? p->stage_rank : p->member, size = p->in_stages ? p->per_stage : p->members;
   const char *peers[COMM_MAX_MEMBERS];
   for (int j = 0; j < rank; j++) peers[j] = p->peer_addrs[j];
   struct comm_net_config cc = {.identity = &p->keys.identity,
@@ -223,7 +236,7 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
                                .agreement = text,
                                .rank = rank,
                                .size = size,
-                               .key_base = p->dp_in_stages ? p->st.stage * p->dp_size : 0,
+                               .key_base = p->in_stages ? p->st.stage * p->per_stage : 0,
                                .listen = p->f.pipe.comm_listen,
                                .peers = peers,
                                .connect_timeout_ms = (uint32_t)p->f.pipe.link_wait_ms,
@@ -232,7 +245,12 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
                                .stop = signals_stop_flag()};
   int rc = comm_net_start(&p->comm, &cc, e);
   if (rc) return rumor_err_prefix(e, "process %d/%d of the group", p->member, p->members);
-  if (p->dp_in_stages) {
+  if (p->in_stages && p->tp_size > 1) {
+    p->tp = (struct train_tp){.comm = p->comm, .all = p->comm};
+    p->tc.tp = &p->tp;
+    return 0;
+  }
+  if (p->in_stages) {
     p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
     p->tc.dp = &p->dp;
     return 0;
@@ -270,7 +288,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   }
   /* A stage's data-parallel members: their communicator first (the
    * trainer takes its members), connecting meanwhile; they meet in run. */
-  if (p->dp_in_stages && (rc = start_comm(p, e))) return rc;
+  if (p->in_stages && (rc = start_comm(p, e))) return rc;
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
   tb_train_attach(&p->tb, &p->t, &p->mb);
@@ -286,10 +304,10 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   if (rc) return rc;
   char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
-  /* Member r of each stage links to member r of the next: the neighbours
-   * must split the batch alike. */
-  snprintf(text, sizeof text, "%s data-parallel=%d/%d zero=%lld", agree, p->dp_rank, p->dp_size,
-           (long long)p->f.pipe.zero);
+  /* Process r of each stage links to process r of the next: the
+   * neighbours must split the batch, or the layers, alike. */
+  snprintf(text, sizeof text, "%s data-parallel=%d/%d tensor-parallel=%d/%d zero=%lld", agree, p->dp_rank, p->dp_size,
+           p->tp_rank, p->tp_size, (long long)p->f.pipe.zero);
   const struct pipe_flags *pf = &p->f.pipe;
   struct stage_link_config lc = {.identity = &p->keys.identity,
                                  .cluster_key = p->keys.cluster_key,
@@ -303,6 +321,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .in_width = model_act_width(&p->t.model, p->plan.u0),
                                  .out_width = model_act_width(&p->t.model, p->plan.u1),
                                  .max_rows = p->t.plan.mb_rows, /* a data-parallel member's: of its slice */
+                                 /* a tensor-parallel rank's widths and tied slice: rank t's, as its neighbours' */
                                  .tied_floats = pipeline_tied_floats(&p->t.model, p->st.stages),
                                  .wire = p->mb.setup.wire,
                                  .connect_timeout_ms = (uint32_t)pf->link_wait_ms,
@@ -316,7 +335,7 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
   json_text_set(o, "link", json_text_str(stage_link_address(p->link)));
-  if (p->dp_in_stages) {
+  if (p->in_stages) {
     json_text_set(o, "member", json_integer(p->member));
     json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
   }
@@ -392,10 +411,14 @@ static bool link_failed(void *arg, struct rumor_err *e) {
 static int run(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc;
-  if (p->dp_in_stages) {
+  if (p->in_stages) {
     if ((rc = comm_wait_ready(p->comm, e))) return rc;
-    log_info("stage %d/%d, data-parallel member %d/%d: all %d members of the stage connected (ZeRO %lld)",
-             p->st.stage, p->st.stages, p->dp_rank, p->dp_size, p->dp_size, (long long)p->f.pipe.zero);
+    if (p->tp_size > 1)
+      log_info("stage %d/%d, tensor-parallel rank %d/%d: all %d ranks of the stage connected", p->st.stage,
+               p->st.stages, p->tp_rank, p->tp_size, p->tp_size);
+    else
+      log_info("stage %d/%d, data-parallel member %d/%d: all %d members of the stage connected (ZeRO %lld)",
+               p->st.stage, p->st.stages, p->dp_rank, p->dp_size, p->dp_size, (long long)p->f.pipe.zero);
   }
   if ((rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e))) return rc;
   int64_t s0 = t->st.samples, steps;
@@ -407,7 +430,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
    * keep pinging meanwhile; our neighbours wait for us in the evaluation).
    * A neighbour that fails meanwhile ends the wait and the group. */
   if ((rc = member_finish(&p->mb, t, secs, steps, link_failed, p, e))) return rc;
-  if (p->dp_in_stages && (rc = trainer_group_check(t, e))) return rc; /* the stage's members agree bit for bit */
+  if (p->in_stages && (rc = trainer_group_check(t, e))) return rc; /* the stage's copies agree bit for bit */
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;
@@ -610,20 +633,20 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
  * failed first. Returns the exit status. */
 static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   int64_t at_us = clock_wall_us();
-  int me = p->st.stage, S = p->st.stages, D = p->dp_size;
+  int me = p->st.stage, S = p->st.stages, N = p->per_stage;
   char why[400], said[400];
   /* The culprit as the launcher counts processes (a stage, or process k of
-   * a data- or tensor-parallel group: stage x D + r inside a pipeline),
+   * a data- or tensor-parallel group: stage x N + r inside a pipeline),
    * and the stage the links pass on. */
   int culprit = p->members > 1 ? p->member : me, link_stage = me;
   int member = -1;
   if (p->link && stage_link_failed(p->link, &link_stage, why, sizeof why)) {
     /* A neighbour's failure, or one passed on to us: inside a pipeline
      * with members, the neighbour in our own column. */
-    culprit = p->dp_in_stages ? link_stage * D + p->dp_rank : link_stage;
+    culprit = p->in_stages ? link_stage * N + p->stage_rank : link_stage;
   } else if (p->comm && comm_failed(p->comm, &member, said, sizeof said)) {
-    if (p->dp_in_stages) { /* a member of our stage */
-      culprit = me * D + member;
+    if (p->in_stages) { /* a member of our stage */
+      culprit = me * N + member;
       snprintf(why, sizeof why, "stage %d/%d: %.380s", me, S, said);
     } else { /* a data-parallel group has one stage: the launcher counts its members */
       culprit = member;
@@ -631,8 +654,9 @@ static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
     }
   } else if (signals_stop_requested()) {
     snprintf(why, sizeof why, "stage %d/%d stopped on signal %d", me, S, signals_stop_requested());
-  } else if (p->dp_in_stages) {
-    snprintf(why, sizeof why, "stage %d/%d member %d/%d failed: %.340s", me, S, p->dp_rank, D, e->msg);
+  } else if (p->in_stages) {
+    snprintf(why, sizeof why, "stage %d/%d %s %d/%d failed: %.340s", me, S, p->tp_size > 1 ? "rank" : "member",
+             p->stage_rank, N, e->msg);
   } else if (p->members > 1) {
     snprintf(why, sizeof why, "member %d/%d failed: %.360s", p->member, p->members, e->msg);
   } else {
@@ -665,7 +689,7 @@ int cmd_stage(int argc, char **argv) {
   if (done) return status;
   struct rumor_err e = {0};
   int rc;
-  if (p->members > 1 && !p->dp_in_stages) {
+  if (p->members > 1 && !p->in_stages) {
     rc = dp_prepare(p, &e);
     if (rc == 0) rc = dp_run(p, &e);
   } else {

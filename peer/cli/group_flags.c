@@ -179,10 +179,12 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
 
 int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages, struct rumor_err *e) {
   if (S == 1 || D * T == 1) return 0;
-  if (T > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--tensor-parallel %d with --stages %d: tensor-parallel ranks inside a "
-                         "pipelined group are not built yet (data-parallel members inside stages are: "
-                         "--data-parallel D --zero 0|1); use --stages 1", T, S);
+  if (T > 1 && D > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--tensor-parallel %d with --data-parallel %d and --stages %d: both inside "
+                         "the stages of a pipelined group are not built yet; use one of them with --stages, or both "
+                         "with --stages 1", T, D, S);
+  if (T > 1 && f->pipe.zero)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members", (long long)f->pipe.zero);
   if (f->pipe.zero >= 2)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld with --stages %d: ZeRO 2 and 3 shard the gradients, but a "
                          "pipeline stage accumulates its whole gradient over the micro-batches before its members sum "
@@ -195,8 +197,9 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
   else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
   else if (f->train.resume || f->train.init_from) what = "--resume and --init-from";
   if (what)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d with --stages %d: a pipelined group with data-parallel "
-                         "members trains alone, from its own initialisation, so far; %s are not built for it yet",
-                         D, S, what);
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
+                         "trains alone, from its own initialisation, so far; %s are not built for it yet",
+                         T > 1 ? "tensor-parallel" : "data-parallel", T > 1 ? T : D, S,
+                         T > 1 ? "tensor-parallel ranks" : "data-parallel members", what);
   return 0;
 }

@@ -165,8 +165,10 @@ void pipeline_micro_rows(int64_t rows, int micro, int i, int64_t *offset, int64_
  * evaluation, (step, 0) for the gradient. */
 
 int64_t pipeline_tied_floats(const struct model *m, int stages) {
-  int k = m->table.tied_entry;
-  return stages > 1 && k >= 0 ? m->table.p[k].numel : 0;
+  /* A tensor-parallel rank's: its slice of the entry (its vocabulary rows). */
+  const struct model_table *tab = model_own_table(m);
+  int k = tab->tied_entry;
+  return stages > 1 && k >= 0 ? tab->p[k].numel : 0;
 }
 
 /* Receives a tied transfer from the neighbour in `from` and passes it on to
@@ -195,7 +197,7 @@ static int tied_value(struct pipeline *p, int64_t tag, int32_t mb, struct rumor_
   struct model *m = p->m;
   size_t bytes = (size_t)p->tied_floats * sizeof(float);
   if (first_stage(p)) {
-    const struct model_param *ent = &m->table.p[m->table.tied_entry];
+    const struct model_param *ent = &model_own_table(m)->p[model_own_table(m)->tied_entry];
     tensor_copy_to_host(&m->params, ent->offset - m->param_base, p->tied_host, bytes);
     return stage_link_send(p->link, STAGE_LINK_NEXT, STAGE_LINK_TIED_PARAM, tag, mb, 1, p->tied_host, e);
   }
@@ -224,7 +226,7 @@ static int tied_gradient(struct pipeline *p, int64_t step, struct rumor_err *e) 
   float *data;
   int rc = tied_recv(p, STAGE_LINK_NEXT, STAGE_LINK_TIED_GRAD, step, 0, &data, e);
   if (rc) return rc;
-  const struct model_param *ent = &m->table.p[m->table.tied_entry];
+  const struct model_param *ent = &model_own_table(m)->p[model_own_table(m)->tied_entry];
   struct tensor g = tensor_view(&m->grads, ent->offset - m->param_base, 1, &ent->numel);
   tensor_copy_from_host(&p->tied_dev, 0, data, bytes);
   free(data);

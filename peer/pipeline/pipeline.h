@@ -314,8 +314,9 @@ void pipeline_free(struct pipeline *p);
 
 /* Floats of the model's tied parameter that a group of `stages` stages
  * moves each step (model_tied; pipeline.c, "the tied parameter"): its
- * element count, or 0 when the model has none or the group is one stage.
- * The same on every stage: the link's tied_floats. */
+ * element count (a tensor-parallel rank's slice of it), or 0 when the
+ * model has none or the group is one stage. The same on every stage (rank
+ * t of every stage: the same slice): the link's tied_floats. */
 int64_t pipeline_tied_floats(const struct model *m, int stages);
 
 /* Rows of micro-batch i when `rows` rows split into n = min(M, rows) parts:

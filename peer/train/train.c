@@ -250,15 +250,23 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   return 0;
 }
 
+/* The most rows a data-parallel member's model holds at once: its slice
+ * of a batch (comm_chunk's largest), or a stage's micro-batch of it. */
+static int64_t member_rows(const struct trainer *t) {
+  int D = comm_size(t->cfg.dp->comm);
+  int64_t slice = (t->cfg.batch + D - 1) / D;
+  return trainer_is_stage(t) ? (slice + t->stage.micro - 1) / t->stage.micro : slice;
+}
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
   /* A data- or tensor-parallel member of a group of one stage holds a
-   * whole replica to the trainer. Data-parallel members of a pipeline's
-   * stages (ZeRO 0 or 1: the micro-batches' gradients accumulate whole)
-   * are stages; tensor-parallel ranks inside stages are not built. */
+   * whole replica to the trainer. Data-parallel members (ZeRO 0 or 1: the
+   * micro-batches' gradients accumulate whole) or tensor-parallel ranks
+   * of a pipeline's stages are stages; both at once are not built. */
   bool one_stage = !cfg->stage || cfg->stage->stages == 1;
-  RUMOR_ASSERT(!cfg->tp || one_stage);
+  RUMOR_ASSERT(!(cfg->tp && cfg->dp) || one_stage);
   RUMOR_ASSERT(!cfg->dp || one_stage || cfg->dp->zero <= 1);
   if ((cfg->dp || cfg->tp) && one_stage) t->cfg.stage = NULL;
   if (t->cfg.stage) {
@@ -279,10 +287,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
-  if (cfg->dp) { /* a member trains on its slice of each batch (a stage's: cut into its micro-batches) */
-    int64_t slice = (cfg->batch + comm_size(cfg->dp->comm) - 1) / comm_size(cfg->dp->comm);
-    t->plan.mb_rows = trainer_is_stage(t) ? (slice + t->stage.micro - 1) / t->stage.micro : slice;
-  }
+  if (cfg->dp) t->plan.mb_rows = member_rows(t);
   if (cfg->tp) group_tp_setup(t);
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
@@ -490,7 +495,10 @@ static int stage_dp_sum(struct trainer *t, double *v, int n, struct rumor_err *e
  * scores its slice of the rows (comm_chunk's r-th), and the last stage's
  * members sum their figures, so each of them holds the whole set's. */
 static int stage_eval(struct trainer *t, int64_t n, int64_t *correct, double *loss, struct rumor_err *e) {
-  if (!t->cfg.dp) return pipeline_eval(&t->pipe, n, gather_eval, &t->data, correct, loss, e);
+  if (!t->cfg.dp) {
+    int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, correct, loss, e);
+    return rc ? rc : group_tp_failed(t, e);
+  }
   int64_t lo, hi;
   comm_chunk(n, t->zero.size, t->zero.rank, &lo, &hi);
   struct eval_slice slice = {&t->data, lo};
@@ -760,6 +768,7 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   } else { /* a short last batch left this member no rows: every stage of its pipeline skips alike */
     tensor_fill(&t->model.grads, 0.0f);
   }
+  if (rc == 0) rc = group_tp_failed(t, e); /* a tensor-parallel rank's collectives inside the passes */
   if (rc) return rc;
   *rows_out = rows;
   if (t->cfg.dp && trainer_has_loss(t) && (rc = stage_dp_sum(t, &loss_sum, 1, e))) return rc;
@@ -769,7 +778,11 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
     return zero_update(t, lr, e);
   }
   if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
-  trainer_clip_gradients(t);
+  if (t->cfg.tp) { /* by the norm of the stage's units, over its ranks' slices */
+    if ((rc = group_clip(t, 0, t->model.nparams, t->cfg.tp->comm, e))) return rc;
+  } else {
+    trainer_clip_gradients(t);
+  }
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
   return 0;
