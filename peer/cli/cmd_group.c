@@ -704,9 +704,9 @@ int cmd_group(int argc, char **argv) {
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
-                      "rumor group (--stages S [--data-parallel D [--zero 0|1]] | [--tensor-parallel T] "
-                      "[--data-parallel D [--zero Z]]) [--devices D0,D1,...] --cluster-key FILE --identity FILE "
-                      "[options]",
+                      "rumor group (--stages S [--data-parallel D [--zero 0|1] | --tensor-parallel T] | "
+                      "[--tensor-parallel T] [--data-parallel D [--zero Z]]) [--devices D0,D1,...] --cluster-key FILE "
+                      "--identity FILE [options]",
                       "Trains one replica as a peer group of processes on this host.\n"
                       "\n"
                       "--tensor-parallel T: T processes each hold a slice of every layer (attention by\n"
@@ -739,11 +739,12 @@ int cmd_group(int argc, char **argv) {
                       "--stages S --data-parallel D: S x D processes, D members in each stage (process k is\n"
                       "member k % D of stage k / D). Member r of every stage is a pipeline over its slice\n"
                       "of each batch; each stage's members sum their gradients after the pipelined step\n"
-                      "(--zero 0, or 1: the optimizer state sharded). ZeRO 2 and 3 are refused with\n"
-                      "stages (a stage accumulates whole gradients over its micro-batches), and so are\n"
-                      "--tensor-parallel with stages and averaging with other groups, for now: such a\n"
-                      "group trains alone. Its steps equal the single process's; each stage writes its\n"
-                      "own checkpoint file.");
+                      "(--zero 0, or 1: the optimizer state sharded; ZeRO 2 and 3 are refused with stages:\n"
+                      "a stage accumulates whole gradients over its micro-batches). --stages S\n"
+                      "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
+                      "linked to rank t of the neighbouring stages. Not both at once, and no averaging with\n"
+                      "other groups yet: such a group trains alone. Its steps equal the single process's;\n"
+                      "each stage writes its own checkpoint file.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

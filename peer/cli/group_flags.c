@@ -41,7 +41,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "processes)", 1, COMM_MAX_MEMBERS},
         {"tensor-parallel", ARG_INT, &f->tensor_parallel, "T",
          "processes that split every layer (Megatron: attention by heads, the MLP by columns then rows, the "
-         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages 1 only",
+         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages S (and no "
+         "--data-parallel), T ranks in each stage (S x T processes)",
          1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
@@ -56,7 +57,7 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "address the data-parallel members above this one dial (port 0: any free port)"},
         {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
          "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (with --stage s/S, S > 1: "
-         "of its stage's members 0 .. r-1, k = r) (required for k > 0)"},
+         "of its stage's processes 0 .. k-1, k = r or t) (required for k > 0)"},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   }
