@@ -42,9 +42,10 @@ struct child {
 struct group {
   struct group_flags f;
   int S, D, T;
-  int N; /* processes: S stages (T = D = 1), T x D (S = 1) or S x D (T = 1): kids[i] is stage i; process i
-            (data-parallel member i / T, tensor-parallel rank i % T); or process i of stage i / D, its
-            data-parallel member i % D. A failure line's failed_stage names one of them */
+  int N; /* processes: S stages (T = D = 1), T x D (S = 1), or S x D or S x T (S > 1): kids[i] is stage i;
+            process i (data-parallel member i / T, tensor-parallel rank i % T); or process i of stage i / N,
+            its data-parallel member or tensor-parallel rank i % N (N = D or T). A failure line's failed_stage
+            names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
   bool averages; /* its processes average with other groups (stages always; data- or tensor-parallel processes
@@ -416,8 +417,8 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
     return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d x --tensor-parallel %d is %d processes, more than %d",
                          g->D, g->T, g->D * g->T, COMM_MAX_MEMBERS);
   if (g->S * g->D * g->T > GROUP_MAX_MEMBERS)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--stages %d x --data-parallel %d is %d processes, more than %d", g->S,
-                         g->D, g->N, GROUP_MAX_MEMBERS);
+    return rumor_err_set(e, RUMOR_EFORMAT, "--stages %d x %d processes per stage is %d processes, more than %d",
+                         g->S, g->D * g->T, g->N, GROUP_MAX_MEMBERS);
   if (group_stage_dp_check(f, g->S, g->D, g->T, f->net.bootstrap || args_given(specs, "listen"), e))
     return RUMOR_EFORMAT;
   bool members = g->S == 1 && g->N > 1;

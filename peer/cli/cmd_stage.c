@@ -282,8 +282,12 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   if (rc) return rc;
   p->have_keys = true;
   if (p->f.train.tensorboard) {
-    char run[96]; /* named like the stage's log lines */
-    snprintf(run, sizeof run, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->st.stage);
+    char run[96]; /* named like the stage's log lines (a stage's members or ranks apart) */
+    const char *who = p->f.gossip.name ? p->f.gossip.name : p->st.group;
+    if (p->in_stages)
+      snprintf(run, sizeof run, "%s:s%d%c%d", who, p->st.stage, p->tp_size > 1 ? 't' : 'm', p->stage_rank);
+    else
+      snprintf(run, sizeof run, "%s:s%d", who, p->st.stage);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
   }
   /* A stage's data-parallel members: their communicator first (the
