@@ -154,8 +154,9 @@ static double stage_max_diff(const char *stage, const char *whole, int64_t *coun
     bool state = strncmp(ts->name, "optimizer.", 10) == 0;
     const float *x = ts->data, *y = (const float *)tw->data + (state ? base : 0);
     size_t n = ts->nbytes / sizeof(float);
-    cr_assert(state ? (base + (int64_t)n) * (int64_t)sizeof(float) <= (int64_t)tw->nbytes : n * sizeof(float) == tw->nbytes,
-              "%s: %zu floats do not fit %s's", ts->name, n, whole);
+    bool fits = state ? (base + (int64_t)n) * (int64_t)sizeof(float) <= (int64_t)tw->nbytes
+                      : n * sizeof(float) == tw->nbytes;
+    cr_assert(fits, "%s: %zu floats do not fit %s's", ts->name, n, whole);
     for (size_t k = 0; k < n; k++) {
       double d = fabs((double)x[k] - (double)y[k]);
       cr_assert(isfinite(d), "%s[%zu]: %g vs %g", ts->name, k, x[k], y[k]);
@@ -230,7 +231,8 @@ static void stages_with_members_equal_train(const char *model, const char *zero)
     total += count;
   }
   /* The weights and both AdamW moments, each float once. */
-  cr_assert_eq(total, 3 * params, "the stage files hold %lld floats of %lld", (long long)total, (long long)(3 * params));
+  cr_assert_eq(total, 3 * params, "the stage files hold %lld floats of %lld", (long long)total,
+               (long long)(3 * params));
   char layout[32];
   snprintf(layout, sizeof layout, zero ? "S=2 D=2 ZeRO %s" : "S=2 T=2", zero);
   cr_log_info("%s, %s: the stages' checkpoints are %.3g from rumor train's", model, layout, worst);
