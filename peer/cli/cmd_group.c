@@ -42,8 +42,10 @@ struct child {
 struct group {
   struct group_flags f;
   int S, D, T;
-  int N; /* processes: S stages (T = D = 1), or T x D (S = 1): kids[i] is stage i, or process i (data-parallel
-            member i / T, tensor-parallel rank i % T); a failure line's failed_stage names one of them */
+  int N; /* processes: S stages (T = D = 1), T x D (S = 1), or S x D or S x T (S > 1): kids[i] is stage i;
+            process i (data-parallel member i / T, tensor-parallel rank i % T); or process i of stage i / N,
+            its data-parallel member or tensor-parallel rank i % N (N = D or T). A failure line's failed_stage
+            names one of them */
   char name[STAGE_LINK_GROUP_MAX + 1];
   char devices[GROUP_MAX_MEMBERS][32]; /* kids[i]'s */
   bool averages; /* its processes average with other groups (stages always; data- or tensor-parallel processes
@@ -55,8 +57,32 @@ struct group {
   int nkids;
 };
 
-/* "stage" or "member": what kids[i] is, for messages ("stage 1/2", "member 0/3"). */
-static const char *what(const struct group *g) { return g->S == 1 && g->N > 1 ? "member" : "stage"; }
+/* "stage", "member" or "process": what kids[i] is, for messages ("stage 1/2", "member 0/3", "process 3/4"). */
+static const char *what(const struct group *g) {
+  return g->S == 1 && g->N > 1 ? "member" : g->N > g->S ? "process" : "stage";
+}
+
+/* Data-parallel members or tensor-parallel ranks inside pipeline stages
+ * (S x D or S x T processes; not both: group_stage_dp_check). */
+static bool in_stages(const struct group *g) { return g->S > 1 && g->N > g->S; }
+/* Processes per stage: D or T. */
+static int per_stage(const struct group *g) { return g->D * g->T; }
+
+/* kids[i]'s stage, and its place r in the stage (S x N: process i = stage x N + r; its data-parallel member or
+ * tensor-parallel rank) or, in a group of one stage, its data-parallel member. */
+static int kid_stage(const struct group *g, int i) { return in_stages(g) ? i / per_stage(g) : g->S > 1 ? i : 0; }
+static int kid_member(const struct group *g, int i) {
+  return in_stages(g) ? i % per_stage(g) : g->S > 1 ? 0 : i / g->T;
+}
+
+/* kids[i] for messages: "stage 1/2", "member 0/3", or "process 3/4 (stage 1/2, data-parallel member 1/2)". */
+static void kid_name(const struct group *g, int i, char *buf, size_t n) {
+  if (in_stages(g))
+    snprintf(buf, n, "process %d/%d (stage %d/%d, %s %d/%d)", i, g->N, kid_stage(g, i), g->S,
+             g->T > 1 ? "tensor-parallel rank" : "data-parallel member", kid_member(g, i), per_stage(g));
+  else
+    snprintf(buf, n, "%s %d/%d", what(g), i, g->N);
+}
 
 /* ---- command lines of the stages ---- */
 
@@ -151,8 +177,9 @@ static void push(char **argv, int *n, const char *s) {
 /* The stage's argv (malloc'd strings; free with free_argv). */
 static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
-  bool members = g->S == 1 && g->N > 1;
-  int n = 0, s = members ? 0 : k, d = members ? k / g->T : 0, tr = members ? k % g->T : 0;
+  bool members = g->S == 1 && g->N > 1, staged = in_stages(g);
+  int n = 0, s = kid_stage(g, k), d = staged && g->T > 1 ? 0 : kid_member(g, k);
+  int tr = members ? k % g->T : staged && g->T > 1 ? kid_member(g, k) : 0;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -165,11 +192,11 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, g->devices[k]);
   push(out, &n, "--link-listen");
   push(out, &n, "127.0.0.1:0");
-  if (s > 0) {
+  if (s > 0) { /* member d of the previous stage (a stage of its own without members) */
     push(out, &n, "--link-prev");
-    push(out, &n, g->kids[s - 1].link);
+    push(out, &n, g->kids[staged ? k - per_stage(g) : s - 1].link);
   }
-  if (members) {
+  if (members || staged) {
     if (g->D > 1) {
       snprintf(buf, sizeof buf, "%d/%d", d, g->D);
       push(out, &n, "--dp");
@@ -182,13 +209,15 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     }
     push(out, &n, "--comm-listen");
     push(out, &n, "127.0.0.1:0");
-    if (k > 0) {
+    /* The communicator's processes before this one: the group's, or its stage's. */
+    int first = staged ? s * per_stage(g) : 0;
+    if (k > first) {
       size_t used = 0;
-      for (int j = 0; j < k; j++) used += strlen(g->kids[j].comm) + 1;
+      for (int j = first; j < k; j++) used += strlen(g->kids[j].comm) + 1;
       char *list = xmalloc(used);
       list[0] = '\0';
-      for (int j = 0; j < k; j++) {
-        if (j) strcat(list, ",");
+      for (int j = first; j < k; j++) {
+        if (j > first) strcat(list, ",");
         strcat(list, g->kids[j].comm);
       }
       push(out, &n, "--comm-peers");
@@ -340,12 +369,13 @@ static void reap(struct group *g) {
     if (r != k->pid) continue;
     k->exited = true;
     k->status = st;
+    char name[96];
+    kid_name(g, i, name, sizeof name);
     if (WIFSIGNALED(st))
-      log_error("group %s: %s %d/%d (pid %d) was killed by signal %d (%s)", g->name, what(g), i, g->N, (int)k->pid,
-                WTERMSIG(st), strsignal(WTERMSIG(st)));
+      log_error("group %s: %s (pid %d) was killed by signal %d (%s)", g->name, name, (int)k->pid, WTERMSIG(st),
+                strsignal(WTERMSIG(st)));
     else if (WEXITSTATUS(st) != 0)
-      log_warn("group %s: %s %d/%d (pid %d) exited with status %d", g->name, what(g), i, g->N, (int)k->pid,
-               WEXITSTATUS(st));
+      log_warn("group %s: %s (pid %d) exited with status %d", g->name, name, (int)k->pid, WEXITSTATUS(st));
   }
 }
 
@@ -383,22 +413,22 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   g->D = (int)f->pipe.data_parallel;
   g->T = (int)f->pipe.tensor_parallel;
   g->N = g->S * g->D * g->T;
-  const char *which = g->T > 1 ? "--tensor-parallel" : "--data-parallel";
-  int how = g->T > 1 ? g->T : g->D;
   if (g->D * g->T > COMM_MAX_MEMBERS)
     return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d x --tensor-parallel %d is %d processes, more than %d",
                          g->D, g->T, g->D * g->T, COMM_MAX_MEMBERS);
-  if (g->D * g->T > 1 && g->S > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s %d with --stages %d: data- or tensor-parallel processes inside a "
-                         "pipelined group are not built yet; use --stages 1", which, how, g->S);
+  if (g->S * g->D * g->T > GROUP_MAX_MEMBERS)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--stages %d x %d processes per stage is %d processes, more than %d",
+                         g->S, g->D * g->T, g->N, GROUP_MAX_MEMBERS);
+  if (group_stage_dp_check(f, g->S, g->D, g->T, f->net.bootstrap || args_given(specs, "listen"), e))
+    return RUMOR_EFORMAT;
   bool members = g->S == 1 && g->N > 1;
   /* Stages always join their cluster; data- or tensor-parallel processes
    * only when told where to listen or whom to join, else the group trains
    * alone with no gossip runtime (and no gossip buffers). */
-  g->averages = !members || f->net.bootstrap || args_given(specs, "listen");
+  g->averages = (!members && !in_stages(g)) || f->net.bootstrap || args_given(specs, "listen");
   if (!g->averages && f->net.metrics)
     return rumor_err_set(e, RUMOR_EFORMAT, "--metrics: a data- or tensor-parallel group that trains alone serves no "
-                         "metrics; give --listen or --bootstrap to average with other groups");
+                         "metrics%s", members ? "; give --listen or --bootstrap to average with other groups" : "");
   if (members && group_shard_check(f, g->D, g->T, g->averages, e)) return RUMOR_EFORMAT;
   int slots = members ? g->N : g->S; /* address lists and listening ports, one per stage or per process */
   const char *slot_noun = members ? "process" : "stage";
@@ -458,10 +488,24 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
            g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
+  if (in_stages(g) && g->T > 1)
+    log_info("  each stage: %d tensor-parallel ranks, rank t holding its slices of the stage's units, linked to "
+             "rank t of the neighbouring stages; process k is stage k / %d, rank k %% %d", g->T, g->T, g->T);
+  else if (in_stages(g))
+    log_info("  each stage: %d data-parallel members (ZeRO %lld), member r on its slice of every batch of %lld, "
+             "linked to member r of the neighbouring stages; process k is stage k / %d, member k %% %d", g->D,
+             (long long)f->pipe.zero, (long long)tc.batch, g->D, g->D);
   for (int s = 0; s < g->S; s++) {
     char line[400];
     pipe_split_describe(&plan.spec, &plan.split, s, line, sizeof line);
-    log_info("  %s on %s", line, g->devices[s]);
+    if (!in_stages(g)) {
+      log_info("  %s on %s", line, g->devices[s]);
+      continue;
+    }
+    log_info("  %s", line);
+    for (int r = 0; r < per_stage(g); r++)
+      log_info("    process %d: %s %d/%d on %s", s * per_stage(g) + r, g->T > 1 ? "rank" : "member", r, per_stage(g),
+               g->devices[s * per_stage(g) + r]);
   }
   return 0;
 }
@@ -472,7 +516,7 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
 static int start_stages(struct group *g, const struct arg_spec *specs, int argc, char **argv, struct rumor_err *e) {
   for (int i = 0; i < g->N; i++) {
     struct child *k = &g->kids[i];
-    k->stage = g->S > 1 ? i : 0;
+    k->stage = kid_stage(g, i);
     k->fd = -1;
     k->failed_stage = -1;
     k->buf = xmalloc(LINE_MAX_BYTES);
@@ -483,18 +527,22 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     free_argv(cargv);
     if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start %s %d: %s", what(g), i, strerror(errno));
     g->nkids++;
-    log_info("group %s: %s %d/%d is pid %d", g->name, what(g), i, g->N, (int)k->pid);
+    char name[96];
+    kid_name(g, i, name, sizeof name);
+    log_info("group %s: %s is pid %d", g->name, name, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
-    bool need_link = k->stage < g->S - 1, need_comm = g->S == 1 && i < g->N - 1;
+    /* What the later processes need of it: member r of stage s + 1 its
+     * link; the later members of its communicator its comm address. */
+    bool need_link = k->stage < g->S - 1;
+    bool need_comm = in_stages(g) ? kid_member(g, i) < per_stage(g) - 1 : g->S == 1 && i < g->N - 1;
     while ((need_link && !k->link[0]) || (need_comm && !k->comm[0])) {
       if (signals_stop_requested())
         return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
       pump(g, 100);
       reap(g);
-      if (k->exited || k->fd < 0)
-        return rumor_err_set(e, RUMOR_ECANCELED, "%s %d/%d ended before it was listening", what(g), i, g->N);
+      if (k->exited || k->fd < 0) return rumor_err_set(e, RUMOR_ECANCELED, "%s ended before it was listening", name);
       if (clock_now_s() > deadline)
-        return rumor_err_set(e, RUMOR_ETIMEDOUT, "%s %d/%d printed no address within %lld ms", what(g), i, g->N,
+        return rumor_err_set(e, RUMOR_ETIMEDOUT, "%s printed no address within %lld ms", name,
                              (long long)g->f.pipe.link_wait_ms);
     }
   }
@@ -580,7 +628,9 @@ static int most_blamed(const struct group *g) {
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
-      snprintf(why, n, "%s %d/%d was killed by signal %d (%s)", what(g), i, g->N, WTERMSIG(g->kids[i].status),
+      char name[96];
+      kid_name(g, i, name, sizeof name);
+      snprintf(why, n, "%s was killed by signal %d (%s)", name, WTERMSIG(g->kids[i].status),
                strsignal(WTERMSIG(g->kids[i].status)));
       return i;
     }
@@ -597,7 +647,9 @@ static int culprit(const struct group *g, char *why, size_t n) {
   }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
-      snprintf(why, n, "%s %d/%d exited with status %d", what(g), i, g->N, WEXITSTATUS(g->kids[i].status));
+      char name[96];
+      kid_name(g, i, name, sizeof name);
+      snprintf(why, n, "%s exited with status %d", name, WEXITSTATUS(g->kids[i].status));
       return i;
     }
   snprintf(why, n, "unknown");
@@ -653,8 +705,9 @@ int cmd_group(int argc, char **argv) {
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
-                      "rumor group (--stages S | [--tensor-parallel T] [--data-parallel D [--zero Z]]) "
-                      "[--devices D0,D1,...] --cluster-key FILE --identity FILE [options]",
+                      "rumor group (--stages S [--data-parallel D [--zero 0|1] | --tensor-parallel T] | "
+                      "[--tensor-parallel T] [--data-parallel D [--zero Z]]) [--devices D0,D1,...] --cluster-key FILE "
+                      "--identity FILE [options]",
                       "Trains one replica as a peer group of processes on this host.\n"
                       "\n"
                       "--tensor-parallel T: T processes each hold a slice of every layer (attention by\n"
@@ -682,7 +735,17 @@ int cmd_group(int argc, char **argv) {
                       "the other groups, and --sync ps pushes it to stage s's parameter servers (--servers\n"
                       "takes one list per stage, separated by ';'). If a stage dies, the group stops\n"
                       "(non-zero exit, naming the stage); other groups keep training. Stage output lines\n"
-                      "pass through; the last line on stdout is the group's result as JSON.");
+                      "pass through; the last line on stdout is the group's result as JSON.\n"
+                      "\n"
+                      "--stages S --data-parallel D: S x D processes, D members in each stage (process k is\n"
+                      "member k % D of stage k / D). Member r of every stage is a pipeline over its slice\n"
+                      "of each batch; each stage's members sum their gradients after the pipelined step\n"
+                      "(--zero 0, or 1: the optimizer state sharded; ZeRO 2 and 3 are refused with stages:\n"
+                      "a stage accumulates whole gradients over its micro-batches). --stages S\n"
+                      "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
+                      "linked to rank t of the neighbouring stages. Not both at once, and no averaging with\n"
+                      "other groups yet: such a group trains alone. Its steps equal the single process's;\n"
+                      "each stage writes its own checkpoint file.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

@@ -25,7 +25,12 @@ struct stage_proc {
   bool have_trainer;
   int dp_rank, dp_size;  /* --dp r/D (0/1 without it) */
   int tp_rank, tp_size;  /* --tp t/T (0/1 without it) */
-  int member, members;   /* this process's index among the group's T x D processes: dp_rank x T + tp_rank */
+  int member, members;   /* this process's index among the group's processes: dp_rank x T + tp_rank of T x D,
+                            or (in_stages) stage x N + stage_rank of S x N */
+  bool in_stages;        /* a data-parallel member or a tensor-parallel rank of a pipeline's stage (--dp or --tp
+                            with S > 1): the stage's N = D or T processes share a communicator, and process r of
+                            stage s links to process r of stages s - 1 and s + 1 */
+  int stage_rank, per_stage; /* in_stages: r (dp_rank or tp_rank) and N (D or T) */
   struct train_dp dp;    /* with dp_size > 1: tc.dp points here */
   struct train_tp tp;    /* with tp_size > 1: tc.tp points here */
   comm_t *comm;          /* every process of the group (the mesh) */
@@ -59,6 +64,8 @@ static void print_result(struct stage_proc *p, double secs, int64_t s0) {
   }
   json_t *o = open_line(p);
   json_text_set(o, "stages", json_integer(p->st.stages));
+  if (p->in_stages) json_text_set(o, "member", json_integer(p->member));
+  if (p->in_stages && p->tp_size > 1) json_text_set(o, "tensor_parallel", json_integer(p->tp_size));
   result_training(o, t, secs, s0);
   json_text_set(o, "micro_batches", json_integer(p->st.micro));
   json_text_set(o, "step_ms", json_text_real(ps->steps > 0 ? 1e3 * ps->step_s / (double)ps->steps : 0.0));
@@ -81,11 +88,47 @@ static int check_link_addrs(const struct pipe_flags *pf, struct rumor_err *e) {
   return 0;
 }
 
+/* --comm-listen and --comm-peers: process `rank` of a communicator needs
+ * the addresses of processes 0 .. rank − 1 (`whose`: "of the group", or
+ * "of stage s/S"). */
+static int comm_addrs_usage(struct stage_proc *p, int rank, const char *whose, const char *which, const char *val,
+                            struct rumor_err *e) {
+  const struct pipe_flags *pf = &p->f.pipe;
+  if (net_addr_check_listen(pf->comm_listen, e)) return rumor_err_prefix(e, "--comm-listen");
+  size_t n = 0;
+  if (pf->comm_peers &&
+      net_addr_list_split(pf->comm_peers, &p->peer_addrs[0][0], sizeof p->peer_addrs[0], COMM_MAX_MEMBERS, &n, e))
+    return rumor_err_prefix(e, "--comm-peers");
+  if ((int)n != rank)
+    return rumor_err_set(e, RUMOR_EFORMAT, "process %d %s (%s %s) needs --comm-peers with the addresses of processes "
+                         "0 .. %d (%d of them), not %zu", rank, whose, which, val, rank - 1, rank, n);
+  return 0;
+}
+
 /* The data-parallel options against the rest. */
-static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
+static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_err *e) {
   const struct pipe_flags *pf = &p->f.pipe;
   p->members = p->dp_size * p->tp_size;
   p->member = p->dp_rank * p->tp_size + p->tp_rank;
+  if (stages > 1 && p->members > 1) {
+    /* Data-parallel members or tensor-parallel ranks inside a pipeline
+     * (one kind: group_stage_dp_check): process stage x N + r. */
+    if (group_stage_dp_check(&p->f, stages, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
+    p->in_stages = true;
+    p->per_stage = p->dp_size * p->tp_size;
+    p->stage_rank = p->dp_rank + p->tp_rank; /* the one that is not 0/1 */
+    p->members = stages * p->per_stage;
+    p->member = stage * p->per_stage + p->stage_rank;
+    if (p->tp_size > 1) {
+      struct model_spec spec;
+      if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
+      if (model_tp_check(&spec, p->tp_size, e)) return rumor_err_prefix(e, "--tp %s", pf->tp);
+    }
+    char whose[48];
+    snprintf(whose, sizeof whose, "of stage %d/%d", stage, stages);
+    return comm_addrs_usage(p, p->stage_rank, whose, p->tp_size > 1 ? "--tp" : "--dp", p->tp_size > 1 ? pf->tp : pf->dp,
+                            e);
+  }
   const char *which = p->tp_size > 1 ? "--tp" : "--dp", *val = p->tp_size > 1 ? pf->tp : pf->dp;
   if (p->members > COMM_MAX_MEMBERS)
     return rumor_err_set(e, RUMOR_EFORMAT, "%d data-parallel members of %d tensor-parallel ranks: %d processes, "
@@ -101,25 +144,13 @@ static int dp_usage(struct stage_proc *p, int stages, struct rumor_err *e) {
                            "pipeline stages", p->f.train.resume ? "resume" : "init-from");
     return 0;
   }
-  if (stages > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s %s with %d stages: data- or tensor-parallel processes inside a "
-                         "pipelined group are not built yet; use --stages 1", which, val, stages);
   if (group_shard_check(&p->f, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
   if (p->tp_size > 1) {
     struct model_spec spec;
     if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
     if (model_tp_check(&spec, p->tp_size, e)) return rumor_err_prefix(e, "--tp %s", pf->tp);
   }
-  if (net_addr_check_listen(pf->comm_listen, e)) return rumor_err_prefix(e, "--comm-listen");
-  size_t n = 0;
-  if (pf->comm_peers &&
-      net_addr_list_split(pf->comm_peers, &p->peer_addrs[0][0], sizeof p->peer_addrs[0], COMM_MAX_MEMBERS, &n, e))
-    return rumor_err_prefix(e, "--comm-peers");
-  if ((int)n != p->member)
-    return rumor_err_set(e, RUMOR_EFORMAT, "process %d of the group (%s %s) needs --comm-peers with the addresses "
-                         "of processes 0 .. %d (%d of them), not %zu", p->member, which, val, p->member - 1, p->member,
-                         n);
-  return 0;
+  return comm_addrs_usage(p, p->member, "of the group", which, val, e);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a
@@ -165,7 +196,7 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   /* A data- or tensor-parallel group trains alone unless it is told where
    * to listen for other groups or whom to join. */
   p->averages = p->f.net.bootstrap || args_given(specs, "listen");
-  if (dp_usage(p, stages, &e)) {
+  if (dp_usage(p, stage, stages, &e)) {
     fprintf(stderr, "rumor peer: %s\n", e.msg);
     return 2;
   }
@@ -175,7 +206,10 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
     return 2;
   }
   char name[96];
-  if (p->members > 1)
+  if (p->in_stages)
+    snprintf(name, sizeof name, "%s:s%d%c%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage,
+             p->tp_size > 1 ? 't' : 'm', p->stage_rank);
+  else if (p->members > 1)
     snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->member);
   else
     snprintf(name, sizeof name, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage);
@@ -189,15 +223,20 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
 static int start_comm(struct stage_proc *p, struct rumor_err *e) {
   char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
-  snprintf(text, sizeof text, "%s zero=%lld", agree, (long long)p->f.pipe.zero);
+  snprintf(text, sizeof text, "%s zero=%lld stage=%d/%d", agree, (long long)p->f.pipe.zero, p->st.stage,
+           p->st.stages);
+  /* Inside a pipeline, one communicator per stage: its D members, with
+   * keys of their own (stage x D + r), so no stage admits another's. */
+  int rank = p->in_stages ? p->stage_rank : p->member, size = p->in_stages ? p->per_stage : p->members;
   const char *peers[COMM_MAX_MEMBERS];
-  for (int j = 0; j < p->member; j++) peers[j] = p->peer_addrs[j];
+  for (int j = 0; j < rank; j++) peers[j] = p->peer_addrs[j];
   struct comm_net_config cc = {.identity = &p->keys.identity,
                                .cluster_key = p->keys.cluster_key,
                                .group = p->st.group,
                                .agreement = text,
-                               .rank = p->member,
-                               .size = p->members,
+                               .rank = rank,
+                               .size = size,
+                               .key_base = p->in_stages ? p->st.stage * p->per_stage : 0,
                                .listen = p->f.pipe.comm_listen,
                                .peers = peers,
                                .connect_timeout_ms = (uint32_t)p->f.pipe.link_wait_ms,
@@ -206,6 +245,16 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
                                .stop = signals_stop_flag()};
   int rc = comm_net_start(&p->comm, &cc, e);
   if (rc) return rumor_err_prefix(e, "process %d/%d of the group", p->member, p->members);
+  if (p->in_stages && p->tp_size > 1) {
+    p->tp = (struct train_tp){.comm = p->comm, .all = p->comm};
+    p->tc.tp = &p->tp;
+    return 0;
+  }
+  if (p->in_stages) {
+    p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
+    p->tc.dp = &p->dp;
+    return 0;
+  }
   /* The processes of one data-parallel member (its tensor-parallel ranks),
    * and those holding the same slices in every member. */
   int tp_members[COMM_MAX_MEMBERS], dp_members[COMM_MAX_MEMBERS];
@@ -233,10 +282,17 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   if (rc) return rc;
   p->have_keys = true;
   if (p->f.train.tensorboard) {
-    char run[96]; /* named like the stage's log lines */
-    snprintf(run, sizeof run, "%s:s%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->st.stage);
+    char run[96]; /* named like the stage's log lines (a stage's members or ranks apart) */
+    const char *who = p->f.gossip.name ? p->f.gossip.name : p->st.group;
+    if (p->in_stages)
+      snprintf(run, sizeof run, "%s:s%d%c%d", who, p->st.stage, p->tp_size > 1 ? 't' : 'm', p->stage_rank);
+    else
+      snprintf(run, sizeof run, "%s:s%d", who, p->st.stage);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;
   }
+  /* A stage's data-parallel members: their communicator first (the
+   * trainer takes its members), connecting meanwhile; they meet in run. */
+  if (p->in_stages && (rc = start_comm(p, e))) return rc;
   if ((rc = trainer_init(&p->t, &p->tc, e))) return rc;
   p->have_trainer = true;
   tb_train_attach(&p->tb, &p->t, &p->mb);
@@ -250,8 +306,12 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                     extra, e);
   json_decref(extra);
   if (rc) return rc;
-  char agree[STAGE_LINK_AGREE_MAX + 1];
+  char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
+  /* Process r of each stage links to process r of the next: the
+   * neighbours must split the batch, or the layers, alike. */
+  snprintf(text, sizeof text, "%s data-parallel=%d/%d tensor-parallel=%d/%d zero=%lld", agree, p->dp_rank, p->dp_size,
+           p->tp_rank, p->tp_size, (long long)p->f.pipe.zero);
   const struct pipe_flags *pf = &p->f.pipe;
   struct stage_link_config lc = {.identity = &p->keys.identity,
                                  .cluster_key = p->keys.cluster_key,
@@ -261,10 +321,11 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
                                  .stages = p->st.stages,
                                  .listen = pf->link_listen,
                                  .prev = pf->link_prev,
-                                 .agreement = agree,
+                                 .agreement = text,
                                  .in_width = model_act_width(&p->t.model, p->plan.u0),
                                  .out_width = model_act_width(&p->t.model, p->plan.u1),
-                                 .max_rows = p->plan.mb_rows,
+                                 .max_rows = p->t.plan.mb_rows, /* a data-parallel member's: of its slice */
+                                 /* a tensor-parallel rank's widths and tied slice: rank t's, as its neighbours' */
                                  .tied_floats = pipeline_tied_floats(&p->t.model, p->st.stages),
                                  .wire = p->mb.setup.wire,
                                  .connect_timeout_ms = (uint32_t)pf->link_wait_ms,
@@ -278,6 +339,10 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   json_text_set(o, "stages", json_integer(p->st.stages));
   json_text_set(o, "pid", json_integer(getpid()));
   json_text_set(o, "link", json_text_str(stage_link_address(p->link)));
+  if (p->in_stages) {
+    json_text_set(o, "member", json_integer(p->member));
+    json_text_set(o, "comm", json_text_str(comm_net_address(p->comm)));
+  }
   json_text_print(stdout, o);
   return 0;
 }
@@ -349,8 +414,17 @@ static bool link_failed(void *arg, struct rumor_err *e) {
 
 static int run(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
-  int rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e);
-  if (rc) return rc;
+  int rc;
+  if (p->in_stages) {
+    if ((rc = comm_wait_ready(p->comm, e))) return rc;
+    if (p->tp_size > 1)
+      log_info("stage %d/%d, tensor-parallel rank %d/%d: all %d ranks of the stage connected", p->st.stage,
+               p->st.stages, p->tp_rank, p->tp_size, p->tp_size);
+    else
+      log_info("stage %d/%d, data-parallel member %d/%d: all %d members of the stage connected (ZeRO %lld)",
+               p->st.stage, p->st.stages, p->dp_rank, p->dp_size, p->dp_size, (long long)p->f.pipe.zero);
+  }
+  if ((rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e))) return rc;
   int64_t s0 = t->st.samples, steps;
   double secs;
   if ((rc = member_train(&p->mb, t, &secs, &steps, e))) return rc;
@@ -360,6 +434,7 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
    * keep pinging meanwhile; our neighbours wait for us in the evaluation).
    * A neighbour that fails meanwhile ends the wait and the group. */
   if ((rc = member_finish(&p->mb, t, secs, steps, link_failed, p, e))) return rc;
+  if (p->in_stages && (rc = trainer_group_check(t, e))) return rc; /* the stage's copies agree bit for bit */
   if ((rc = trainer_evaluate(t, e))) return rc;
   print_result(p, secs, s0);
   return 0;
@@ -563,24 +638,36 @@ static int dp_run(struct stage_proc *p, struct rumor_err *e) {
  * failed first. Returns the exit status. */
 static int stop_group(struct stage_proc *p, const struct rumor_err *e) {
   int64_t at_us = clock_wall_us();
-  int me = p->st.stage, S = p->st.stages;
-  char why[400];
-  int culprit = me;
+  int me = p->st.stage, S = p->st.stages, N = p->per_stage;
+  char why[400], said[400];
+  /* The culprit as the launcher counts processes (a stage, or process k of
+   * a data- or tensor-parallel group: stage x N + r inside a pipeline),
+   * and the stage the links pass on. */
+  int culprit = p->members > 1 ? p->member : me, link_stage = me;
   int member = -1;
-  if (p->link && stage_link_failed(p->link, &culprit, why, sizeof why)) {
-    /* A neighbour's failure, or one passed on to us. */
-  } else if (p->comm && comm_failed(p->comm, &member, why, sizeof why)) {
-    culprit = member; /* a data-parallel group has one stage: the launcher counts its members */
+  if (p->link && stage_link_failed(p->link, &link_stage, why, sizeof why)) {
+    /* A neighbour's failure, or one passed on to us: inside a pipeline
+     * with members, the neighbour in our own column. */
+    culprit = p->in_stages ? link_stage * N + p->stage_rank : link_stage;
+  } else if (p->comm && comm_failed(p->comm, &member, said, sizeof said)) {
+    if (p->in_stages) { /* a member of our stage */
+      culprit = me * N + member;
+      snprintf(why, sizeof why, "stage %d/%d: %.380s", me, S, said);
+    } else { /* a data-parallel group has one stage: the launcher counts its members */
+      culprit = member;
+      snprintf(why, sizeof why, "%s", said);
+    }
   } else if (signals_stop_requested()) {
     snprintf(why, sizeof why, "stage %d/%d stopped on signal %d", me, S, signals_stop_requested());
+  } else if (p->in_stages) {
+    snprintf(why, sizeof why, "stage %d/%d %s %d/%d failed: %.340s", me, S, p->tp_size > 1 ? "rank" : "member",
+             p->stage_rank, N, e->msg);
+  } else if (p->members > 1) {
+    snprintf(why, sizeof why, "member %d/%d failed: %.360s", p->member, p->members, e->msg);
   } else {
     snprintf(why, sizeof why, "stage %d/%d failed: %.360s", me, S, e->msg);
-    if (p->comm) {
-      culprit = p->member;
-      snprintf(why, sizeof why, "member %d/%d failed: %.360s", p->member, p->members, e->msg);
-    }
   }
-  if (p->link) stage_link_abort(p->link, culprit, why);
+  if (p->link) stage_link_abort(p->link, link_stage, why);
   if (p->comm) comm_abort(p->comm, why);
   /* For the launcher (and schedulers): which stage took the group down. */
   json_t *o = open_line(p);
@@ -607,7 +694,7 @@ int cmd_stage(int argc, char **argv) {
   if (done) return status;
   struct rumor_err e = {0};
   int rc;
-  if (p->members > 1) {
+  if (p->members > 1 && !p->in_stages) {
     rc = dp_prepare(p, &e);
     if (rc == 0) rc = dp_run(p, &e);
   } else {

@@ -37,10 +37,12 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "one device per stage (cpu, cuda:N; one name alone: every stage on it; default: cuda:s for each stage when "
          "there are S GPUs, else cpu)"},
         {"data-parallel", ARG_INT, &f->data_parallel, "D",
-         "member processes that split every batch (with --stages 1; see --zero)", 1, COMM_MAX_MEMBERS},
+         "member processes that split every batch (see --zero); with --stages S, D members in each stage (S x D "
+         "processes)", 1, COMM_MAX_MEMBERS},
         {"tensor-parallel", ARG_INT, &f->tensor_parallel, "T",
          "processes that split every layer (Megatron: attention by heads, the MLP by columns then rows, the "
-         "vocabulary); with --data-parallel D, each member is T of them (T x D processes)",
+         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages S (and no "
+         "--data-parallel), T ranks in each stage (S x T processes)",
          1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
@@ -54,7 +56,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"comm-listen", ARG_STR, &f->comm_listen, "HOST:PORT",
          "address the data-parallel members above this one dial (port 0: any free port)"},
         {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
-         "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (required for k > 0)"},
+         "the --comm-listen addresses of the group's processes 0 .. k-1, where k = r x T + t (with --stage s/S, S > 1: "
+         "of its stage's processes 0 .. k-1, k = r or t) (required for k > 0)"},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
   }
@@ -67,7 +70,7 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
        "pipeline schedule: gpipe, or 1f1b (stores at most S-s micro-batches of activations instead of M)"},
       {"zero", ARG_INT, &f->zero, "Z",
        "ZeRO stage of the data-parallel members: 0 nothing sharded, 1 optimizer state, 2 and gradients, 3 and "
-       "parameters (gathered per unit as they are needed)",
+       "parameters (gathered per unit as they are needed); 0 or 1 with --stages > 1",
        0, 3},
       {"link-wait-ms", ARG_INT, &f->link_wait_ms, "MS", "neighbouring stages must connect within this", 100, 86400000},
       {"link-timeout-ms", ARG_INT, &f->link_timeout_ms, "MS", "a neighbouring stage silent this long is lost", 1000,
@@ -141,7 +144,8 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   st->micro = (int)f->pipe.micro;
   /* Data- and tensor-parallel processes run whole batches (their slices):
    * no micro-batches to check against the batch. */
-  if (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp) st->micro = 1;
+  if (stages == 1 && (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp))
+    st->micro = 1;
   if (pipe_schedule_parse(f->pipe.schedule, &st->sched))
     return rumor_err_set(e, RUMOR_EFORMAT, "--pipeline must be gpipe or 1f1b, not '%s'", f->pipe.schedule);
   cfg->stage = st;
@@ -171,5 +175,32 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
   if (D > 1 && T > 1 && f->pipe.zero == 3)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
                          "hold their replicated parameters whole, which averaging needs; use --zero 2", which);
+  return 0;
+}
+
+int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages, struct rumor_err *e) {
+  if (S == 1 || D * T == 1) return 0;
+  if (T > 1 && D > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--tensor-parallel %d with --data-parallel %d and --stages %d: both inside "
+                         "the stages of a pipelined group are not built yet; use one of them with --stages, or both "
+                         "with --stages 1", T, D, S);
+  if (T > 1 && f->pipe.zero)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members", (long long)f->pipe.zero);
+  if (f->pipe.zero >= 2)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld with --stages %d: ZeRO 2 and 3 shard the gradients, but a "
+                         "pipeline stage accumulates its whole gradient over the micro-batches before its members sum "
+                         "it; use --zero 0 or 1 (DeepSpeed, too, pairs pipeline parallelism with ZeRO 1 only)",
+                         (long long)f->pipe.zero, S);
+  const char *what = NULL;
+  if (f->net.bootstrap || averages) what = "--bootstrap and --listen (averaging with other groups)";
+  else if (f->gossip.servers) what = "--servers";
+  else if (strcmp(f->gossip.sync, "gossip") != 0) what = "--sync allreduce and --sync ps";
+  else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
+  else if (f->train.resume || f->train.init_from) what = "--resume and --init-from";
+  if (what)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
+                         "trains alone, from its own initialisation, so far; %s are not built for it yet",
+                         T > 1 ? "tensor-parallel" : "data-parallel", T > 1 ? T : D, S,
+                         T > 1 ? "tensor-parallel ranks" : "data-parallel members", what);
   return 0;
 }

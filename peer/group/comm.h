@@ -99,6 +99,10 @@ struct comm_net_config {
                                           printable, at most 4096 characters); a mismatch fails the
                                           start with RUMOR_EPROTO naming both texts' first difference */
   int rank, size;
+  int key_base;                /* the derived keys are those of indices key_base + 0 .. size − 1: 0 for a
+                                  group's one communicator; a group of several communicators (a pipeline's
+                                  stages, each with data-parallel members) gives each a distinct range, so
+                                  a member of one never admits a member of another (0 .. 65535 − size) */
   const char *listen;          /* "host:port" the members above this one dial (port 0: any;
                                   NULL: "127.0.0.1:0") */
   const char *const *peers;    /* peers[j], j < rank: member j's address, dialed by this one */

@@ -707,6 +707,9 @@ static int check_config(const struct comm_net_config *cfg, struct rumor_err *e) 
   if (cfg->size < 1 || cfg->size > COMM_MAX_MEMBERS || cfg->rank < 0 || cfg->rank >= cfg->size)
     return rumor_err_set(e, -EINVAL, "comm: member %d of %d (a group has 1 to %d members)", cfg->rank, cfg->size,
                          COMM_MAX_MEMBERS);
+  if (cfg->key_base < 0 || cfg->key_base > 65535 - cfg->size)
+    return rumor_err_set(e, -EINVAL, "comm: key base %d for %d members is outside 0 .. %d", cfg->key_base, cfg->size,
+                         65535 - cfg->size);
   const char *g = cfg->group;
   if (!g || !*g || strlen(g) > GROUP_MAX)
     return rumor_err_set(e, RUMOR_EFORMAT, "comm: the group name must have 1 to %d characters", GROUP_MAX);
@@ -802,14 +805,14 @@ int comm_net_start(comm_t **out, const struct comm_net_config *cfg, struct rumor
   snprintf(n->listen, sizeof n->listen, "%s", cfg->listen ? cfg->listen : "127.0.0.1:0");
   n->connect_timeout_ms = cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DEFAULT_CONNECT_MS;
   memcpy(n->cluster_key, cfg->cluster_key, NET_CLUSTER_KEY_BYTES);
-  derive_identity(cfg->identity, cfg->rank, &n->self);
+  derive_identity(cfg->identity, cfg->key_base + cfg->rank, &n->self);
   n->peers = xcalloc((size_t)cfg->size, sizeof *n->peers);
   for (int j = 0; j < cfg->size; j++) {
     struct peer *p = &n->peers[j];
     p->n = n;
     p->index = j;
     struct net_identity id;
-    derive_identity(cfg->identity, j, &id);
+    derive_identity(cfg->identity, cfg->key_base + j, &id);
     memcpy(p->key, id.pk, NET_PUBKEY_BYTES);
     net_identity_wipe(&id);
     if (j < cfg->rank) {

@@ -165,8 +165,10 @@ void pipeline_micro_rows(int64_t rows, int micro, int i, int64_t *offset, int64_
  * evaluation, (step, 0) for the gradient. */
 
 int64_t pipeline_tied_floats(const struct model *m, int stages) {
-  int k = m->table.tied_entry;
-  return stages > 1 && k >= 0 ? m->table.p[k].numel : 0;
+  /* A tensor-parallel rank's: its slice of the entry (its vocabulary rows). */
+  const struct model_table *tab = model_own_table(m);
+  int k = tab->tied_entry;
+  return stages > 1 && k >= 0 ? tab->p[k].numel : 0;
 }
 
 /* Receives a tied transfer from the neighbour in `from` and passes it on to
@@ -195,7 +197,7 @@ static int tied_value(struct pipeline *p, int64_t tag, int32_t mb, struct rumor_
   struct model *m = p->m;
   size_t bytes = (size_t)p->tied_floats * sizeof(float);
   if (first_stage(p)) {
-    const struct model_param *ent = &m->table.p[m->table.tied_entry];
+    const struct model_param *ent = &model_own_table(m)->p[model_own_table(m)->tied_entry];
     tensor_copy_to_host(&m->params, ent->offset - m->param_base, p->tied_host, bytes);
     return stage_link_send(p->link, STAGE_LINK_NEXT, STAGE_LINK_TIED_PARAM, tag, mb, 1, p->tied_host, e);
   }
@@ -224,7 +226,7 @@ static int tied_gradient(struct pipeline *p, int64_t step, struct rumor_err *e) 
   float *data;
   int rc = tied_recv(p, STAGE_LINK_NEXT, STAGE_LINK_TIED_GRAD, step, 0, &data, e);
   if (rc) return rc;
-  const struct model_param *ent = &m->table.p[m->table.tied_entry];
+  const struct model_param *ent = &model_own_table(m)->p[model_own_table(m)->tied_entry];
   struct tensor g = tensor_view(&m->grads, ent->offset - m->param_base, 1, &ent->numel);
   tensor_copy_from_host(&p->tied_dev, 0, data, bytes);
   free(data);
@@ -269,8 +271,8 @@ static int send_output(struct pipeline *p, enum stage_link_kind kind, int64_t ta
   return stage_link_send(p->link, STAGE_LINK_NEXT, kind, tag, mb, r, p->host, e);
 }
 
-static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, const void *x_host, const int32_t *y_host,
-                   double *loss_sum, struct rumor_err *e) {
+static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, int64_t loss_rows, const void *x_host,
+                   const int32_t *y_host, double *loss_sum, struct rumor_err *e) {
   struct model *m = p->m;
   int64_t off, r;
   pipeline_micro_rows(rows, p->micro, mb, &off, &r);
@@ -285,7 +287,7 @@ static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, const
    * again); scaled by the whole batch's targets, as a single process does. */
   int64_t per = m->io.labels_per_row, n = model_targets(m, r);
   tensor_copy_from_host(&m->labels, 0, y_host + off * per, (size_t)n * sizeof(int32_t));
-  model_loss(m, r, model_act(m, p->u1), 1.0f / (float)model_targets(m, rows));
+  model_loss(m, r, model_act(m, p->u1), 1.0f / (float)model_targets(m, loss_rows));
   struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
   *loss_sum += tensor_sum(&losses);
   return 0;
@@ -322,9 +324,9 @@ static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool
   return stage_link_send(p->link, STAGE_LINK_PREV, STAGE_LINK_GRAD, step, mb, r, p->host, e);
 }
 
-int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_host, const int32_t *y_host,
-                  double *loss_sum, struct rumor_err *e) {
-  RUMOR_ASSERT(rows >= 1 && rows <= p->mb_rows * p->micro);
+int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, int64_t loss_rows, const void *x_host,
+                  const int32_t *y_host, double *loss_sum, struct rumor_err *e) {
+  RUMOR_ASSERT(rows >= 1 && rows <= p->mb_rows * p->micro && loss_rows >= rows);
   RUMOR_ASSERT((x_host != NULL) == first_stage(p) && (y_host != NULL) == last_stage(p));
   double t0 = clock_now_s();
   p->cur_wait = 0;
@@ -336,7 +338,7 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_
   for (int a = 0; a < 2 * n && rc == 0; a++) {
     const struct pipe_action *act = &p->actions[a];
     if (act->op == PIPE_F) {
-      rc = forward(p, step, act->mb, rows, x_host, y_host, &loss, e);
+      rc = forward(p, step, act->mb, rows, loss_rows, x_host, y_host, &loss, e);
     } else {
       rc = backward(p, step, act->mb, rows, accumulate, e);
       accumulate = true;

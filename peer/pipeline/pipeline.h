@@ -314,8 +314,9 @@ void pipeline_free(struct pipeline *p);
 
 /* Floats of the model's tied parameter that a group of `stages` stages
  * moves each step (model_tied; pipeline.c, "the tied parameter"): its
- * element count, or 0 when the model has none or the group is one stage.
- * The same on every stage: the link's tied_floats. */
+ * element count (a tensor-parallel rank's slice of it), or 0 when the
+ * model has none or the group is one stage. The same on every stage (rank
+ * t of every stage: the same slice): the link's tied_floats. */
 int64_t pipeline_tied_floats(const struct model *m, int stages);
 
 /* Rows of micro-batch i when `rows` rows split into n = min(M, rows) parts:
@@ -326,12 +327,16 @@ int pipeline_micro_count(int64_t rows, int micro);
 /* Runs this stage's part of step `step` on a batch of `rows` rows: x_host
  * (rows × the model's input values, of its input dtype; stage 0 only, else
  * NULL) and y_host (rows × labels_per_row labels; last stage only, else
- * NULL). Afterwards m->grads holds this stage's share of the batch
- * gradient, and on the last stage *loss_sum the summed per-target loss.
+ * NULL). The loss gradient is scaled by 1 / the targets of `loss_rows`
+ * rows (>= rows): the batch's own rows, or, for a data-parallel member
+ * that runs its slice of a larger batch, that whole batch's, so that the
+ * members' summed gradients are the batch's mean. Afterwards m->grads
+ * holds this stage's share of that gradient, and on the last stage
+ * *loss_sum the summed per-target loss of these rows.
  * Returns 0, or a negative code with a message when a neighbour failed (the
  * link's failure) or a stop was requested. */
-int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, const void *x_host, const int32_t *y_host,
-                  double *loss_sum, struct rumor_err *e) RUMOR_MUST_CHECK;
+int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, int64_t loss_rows, const void *x_host,
+                  const int32_t *y_host, double *loss_sum, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* Fills x (rows × input values) and y (rows × labels_per_row) with rows
  * [first, first + rows) of an evaluation set. */

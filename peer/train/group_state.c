@@ -94,24 +94,48 @@ static int local_state(struct trainer *t, float *local, struct rumor_err *e) {
   return 0;
 }
 
-/* The tensor-parallel ranks' local states, gathered to rank 0 and put
- * together there into the whole model's layout (`full`; NULL elsewhere).
- * Every part of the state has the parameters' layout. */
+/* Where rank j of T holds units [u0, u1) in its flat buffer: [*at, *at +
+ * *n) of its model_tp_local_params. */
+static void rank_units(const struct model_spec *spec, int T, int j, int u0, int u1, int64_t *at, int64_t *n) {
+  struct model_tp_layout l;
+  struct rumor_err e;
+  RUMOR_ASSERT(model_tp_layout_build(spec, T, j, &l, &e) == 0); /* the ranks' model was built with it */
+  *at = l.local.unit_offset[u0];
+  *n = l.local.unit_offset[u1] - *at;
+  model_tp_layout_free(&l);
+}
+
+/* The tensor-parallel ranks' local states (of the units this process's
+ * model holds: all, or a pipeline stage's), gathered to rank 0 and put
+ * together there into the whole model's layout (`full`, table.nparams
+ * floats per part; NULL elsewhere), the units' range of it written. Every
+ * part of the state has the parameters' layout. */
 static int assemble_tp(struct trainer *t, const float *local, float *full, struct rumor_err *e) {
   comm_t *c = t->cfg.tp->comm;
+  const struct model *m = &t->model;
   int T = comm_size(c), me = comm_rank(c), parts = 1 + optim_state_per_param(t->optim.cfg.kind);
-  const struct model_spec *spec = &t->model.spec;
-  int64_t PL = t->model.nparams, PW = t->model.table.nparams, counts[COMM_MAX_MEMBERS], total = 0;
-  for (int j = 0; j < T; j++) total += counts[j] = model_tp_local_params(spec, T, j);
-  float *all = me == 0 ? xmalloc((size_t)total * sizeof(float)) : NULL;
+  const struct model_spec *spec = &m->spec;
+  int64_t PL = m->nparams, PW = m->table.nparams, counts[COMM_MAX_MEMBERS], at[COMM_MAX_MEMBERS], total = 0, most = 0;
+  for (int j = 0; j < T; j++) {
+    rank_units(spec, T, j, m->u0, m->u1, &at[j], &counts[j]);
+    total += counts[j];
+    int64_t lp = model_tp_local_params(spec, T, j);
+    if (lp > most) most = lp;
+  }
+  float *all = me == 0 ? xmalloc((size_t)(total > 0 ? total : 1) * sizeof(float)) : NULL;
+  /* Rank j's whole buffer with its units in place (zero elsewhere). */
+  float *rank_buf = me == 0 ? xcalloc((size_t)most + 1, sizeof(float)) : NULL;
   int rc = 0;
   for (int s = 0; rc == 0 && s < parts; s++) {
     rc = comm_gather_v(c, 0, local + PL * s, PL, all, counts, e);
     int64_t off = 0;
-    for (int j = 0; rc == 0 && me == 0 && j < T; off += counts[j], j++)
-      model_tp_gather(spec, T, j, all + off, full + PW * s);
+    for (int j = 0; rc == 0 && me == 0 && j < T; off += counts[j], j++) {
+      memcpy(rank_buf + at[j], all + off, (size_t)counts[j] * sizeof(float));
+      model_tp_gather(spec, T, j, rank_buf, full + PW * s);
+    }
   }
   free(all);
+  free(rank_buf);
   return rc;
 }
 
@@ -131,10 +155,17 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
   }
   const float *whole = t->cfg.tp ? full : local;
   if (rc == 0 && dp_first && tp_first) {
-    /* The whole model as one process holds it. */
+    /* The whole model as one process holds it (a tensor-parallel rank's
+     * slices put together), or a pipeline stage's units: the range of the
+     * whole layout they fill, each part packed after the previous one. */
     struct model view = *m;
-    view.nparams = m->table.nparams;
-    view.param_base = 0;
+    if (t->cfg.tp) {
+      const struct model_table *tab = &m->table;
+      int64_t base = tab->unit_offset[m->u0], P = tab->unit_offset[m->u1] - base;
+      for (int s = 0; s < parts; s++) memmove(full + P * s, full + tab->nparams * s + base, (size_t)P * sizeof(float));
+      view.nparams = P;
+      view.param_base = base;
+    }
     rc = checkpoint_save_host(path, &view, &t->optim, whole, info, e);
   }
   free(local);
@@ -186,6 +217,7 @@ static int64_t replicated_copy(struct model *m, struct tensor *x, int64_t base, 
   int64_t at = 0;
   for (size_t i = 0; i < tab->n; i++) {
     if (m->tp_layout.slice[i].dim >= 0) continue; /* split across the ranks */
+    if (tab->p[i].unit < m->u0 || tab->p[i].unit >= m->u1) continue; /* another stage's */
     int64_t a = base + tab->p[i].offset - m->param_base, n = tab->p[i].numel;
     if (buf && back) tensor_copy_from_host(x, a, buf + at, (size_t)n * sizeof(float));
     else if (buf) tensor_copy_to_host(x, a, buf + at, (size_t)n * sizeof(float));

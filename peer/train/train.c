@@ -161,9 +161,13 @@ static void log_setup(const struct trainer *t) {
   if (trainer_is_stage(t)) {
     char desc[400];
     pipe_split_describe(&t->plan.spec, &t->plan.split, t->stage.stage, desc, sizeof desc);
-    log_info("group %s %s on %s; %d micro-batches of up to %lld rows, %s schedule; shard %lld/%lld: %lld batches of "
-             "%lld per epoch",
-             t->stage.group, desc, tensor_backend_name(t->be), t->stage.micro, (long long)t->plan.mb_rows,
+    char dp[96] = "";
+    if (c->dp)
+      snprintf(dp, sizeof dp, ", data-parallel member %d/%d (ZeRO %d) on its slice of each batch", t->zero.rank,
+               t->zero.size, c->dp->zero);
+    log_info("group %s %s on %s%s; %d micro-batches of up to %lld rows, %s schedule; shard %lld/%lld: %lld batches "
+             "of %lld per epoch",
+             t->stage.group, desc, tensor_backend_name(t->be), dp, t->stage.micro, (long long)t->plan.mb_rows,
              pipe_schedule_name(t->stage.sched), (long long)c->shard.index, (long long)c->shard.count,
              (long long)t->steps_per_epoch, (long long)c->batch);
     return;
@@ -246,13 +250,25 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   return 0;
 }
 
+/* The most rows a data-parallel member's model holds at once: its slice
+ * of a batch (comm_chunk's largest), or a stage's micro-batch of it. */
+static int64_t member_rows(const struct trainer *t) {
+  int D = comm_size(t->cfg.dp->comm);
+  int64_t slice = (t->cfg.batch + D - 1) / D;
+  return trainer_is_stage(t) ? (slice + t->stage.micro - 1) / t->stage.micro : slice;
+}
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
-  /* A data-parallel member holds the whole model: the group's one stage
-   * (the only layout built so far) is a whole replica to the trainer. */
-  RUMOR_ASSERT((!cfg->dp && !cfg->tp) || !cfg->stage || cfg->stage->stages == 1);
-  if (cfg->dp || cfg->tp) t->cfg.stage = NULL;
+  /* A data- or tensor-parallel member of a group of one stage holds a
+   * whole replica to the trainer. Data-parallel members (ZeRO 0 or 1: the
+   * micro-batches' gradients accumulate whole) or tensor-parallel ranks
+   * of a pipeline's stages are stages; both at once are not built. */
+  bool one_stage = !cfg->stage || cfg->stage->stages == 1;
+  RUMOR_ASSERT(!(cfg->tp && cfg->dp) || one_stage);
+  RUMOR_ASSERT(!cfg->dp || one_stage || cfg->dp->zero <= 1);
+  if ((cfg->dp || cfg->tp) && one_stage) t->cfg.stage = NULL;
   if (t->cfg.stage) {
     t->stage = *cfg->stage;
     t->cfg.stage = &t->stage;
@@ -272,8 +288,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
   tensor_backend_set_tf32(t->be, cfg->tf32);
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
-  if (cfg->dp) /* a member trains on its slice of each batch */
-    t->plan.mb_rows = (cfg->batch + comm_size(cfg->dp->comm) - 1) / comm_size(cfg->dp->comm);
+  if (cfg->dp) t->plan.mb_rows = member_rows(t);
   if (cfg->tp) group_tp_setup(t);
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
@@ -290,10 +305,9 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     tensor_discard(&t->model.params, hi, t->model.nparams - hi);
   }
   if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
-    int64_t lo, hi;
+    int64_t lo, hi, base = t->model.param_base; /* the table's positions: a stage's start after base */
     zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    rc = optim_init_range(&t->optim, &t->cfg.optim, model_own_table(&t->model), lo, hi,
-                          t->be, e);
+    rc = optim_init_range(&t->optim, &t->cfg.optim, model_own_table(&t->model), base + lo, base + hi, t->be, e);
   } else {
     rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);
   }
@@ -450,6 +464,56 @@ static void gather_eval(void *arg, int64_t first, int64_t rows, void *x, int32_t
   train_data_gather(arg, true, first, rows, x, y);
 }
 
+/* A data-parallel member's slice of the evaluation rows: its rows start at
+ * `from` (pipe_gather_fn over a struct eval_slice). */
+struct eval_slice {
+  const struct train_data *data;
+  int64_t from;
+};
+static void gather_eval_slice(void *arg, int64_t first, int64_t rows, void *x, int32_t *y) {
+  const struct eval_slice *s = arg;
+  train_data_gather(s->data, true, s->from + first, rows, x, y);
+}
+
+/* Sums v[0..n) over a stage's data-parallel members (bit-identical on
+ * every one). The communicator sums floats: each value travels as a float
+ * and the float of its remainder, so the sum keeps about float precision
+ * of the total (a loss sum of thousands to 1e-7 relative, counts below
+ * 2^24 exactly). */
+static int stage_dp_sum(struct trainer *t, double *v, int n, struct rumor_err *e) {
+  float buf[4];
+  RUMOR_ASSERT(n >= 1 && 2 * n <= (int)(sizeof buf / sizeof buf[0]));
+  for (int i = 0; i < n; i++) {
+    buf[2 * i] = (float)v[i];
+    buf[2 * i + 1] = (float)(v[i] - (double)buf[2 * i]);
+  }
+  int rc = comm_all_reduce(t->zero.dp.comm, buf, 2 * n, e);
+  for (int i = 0; rc == 0 && i < n; i++) v[i] = (double)buf[2 * i] + (double)buf[2 * i + 1];
+  return rc;
+}
+
+/* A stage's evaluation of `n` rows, pipelined through its group. With
+ * data-parallel members each member's pipeline (member r of every stage)
+ * scores its slice of the rows (comm_chunk's r-th), and the last stage's
+ * members sum their figures, so each of them holds the whole set's. */
+static int stage_eval(struct trainer *t, int64_t n, int64_t *correct, double *loss, struct rumor_err *e) {
+  if (!t->cfg.dp) {
+    int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, correct, loss, e);
+    return rc ? rc : group_tp_failed(t, e);
+  }
+  int64_t lo, hi;
+  comm_chunk(n, t->zero.size, t->zero.rank, &lo, &hi);
+  struct eval_slice slice = {&t->data, lo};
+  /* A member with no rows skips on every stage of its pipeline alike. */
+  int rc = hi > lo ? pipeline_eval(&t->pipe, hi - lo, gather_eval_slice, &slice, correct, loss, e) : 0;
+  if (rc || !trainer_has_loss(t)) return rc;
+  double v[2] = {(double)*correct, *loss};
+  if ((rc = stage_dp_sum(t, v, 2, e))) return rc;
+  *correct = (int64_t)llround(v[0]);
+  *loss = v[1];
+  return 0;
+}
+
 /* Loss and correct predictions over the first n rows of the evaluation or
  * the training set in file order, batch by batch (a whole replica). Before
  * each batch a set `stop` (may be NULL) ends it early. Returns the rows
@@ -513,7 +577,7 @@ int trainer_evaluate(struct trainer *t, struct rumor_err *e) {
   int64_t correct = 0;
   double loss = 0, t0 = clock_now_s();
   if (trainer_is_stage(t)) {
-    int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, &correct, &loss, e);
+    int rc = stage_eval(t, n, &correct, &loss, e);
     if (rc) return rc;
   } else {
     int rc = 0;
@@ -558,7 +622,7 @@ int64_t trainer_state_floats(const struct trainer *t) {
  * the optimizer covers the whole buffer, or (ZeRO >= 1) exactly the shard. */
 static int64_t optim_shard_offset(const struct trainer *t, int part) {
   int64_t per = t->optim.nparams;
-  RUMOR_ASSERT(per == t->model.nparams || (t->optim.lo == t->shard_lo && per == t->shard_n));
+  RUMOR_ASSERT(per == t->model.nparams || (t->optim.lo - t->model.param_base == t->shard_lo && per == t->shard_n));
   return (int64_t)part * per + (per == t->shard_n ? 0 : t->shard_lo);
 }
 
@@ -699,14 +763,34 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
     int64_t got = train_data_fill(&t->data, t->st.step_in_epoch, bs, t->xh[0], t->yh[0]);
     RUMOR_ASSERT(got == rows);
   }
+  /* A data-parallel member's pipeline runs over its slice of the batch
+   * (struct train_dp), its loss scaled by the whole batch's targets. */
+  int64_t lo = 0, hi = rows;
+  if (t->cfg.dp) comm_chunk(rows, t->zero.size, t->zero.rank, &lo, &hi);
   double loss_sum = 0;
-  int rc = pipeline_step(&t->pipe, t->st.step, rows, first_stage(t) ? t->xh[0] : NULL,
-                         trainer_has_loss(t) ? t->yh[0] : NULL, &loss_sum, e);
+  int rc = 0;
+  if (hi > lo) {
+    const void *x = first_stage(t) ? (const char *)t->xh[0] + (size_t)lo * t->data.x_bytes_per_row : NULL;
+    const int32_t *y = trainer_has_loss(t) ? t->yh[0] + lo * t->data.y_per_row : NULL;
+    rc = pipeline_step(&t->pipe, t->st.step, hi - lo, rows, x, y, &loss_sum, e);
+  } else { /* a short last batch left this member no rows: every stage of its pipeline skips alike */
+    tensor_fill(&t->model.grads, 0.0f);
+  }
+  if (rc == 0) rc = group_tp_failed(t, e); /* a tensor-parallel rank's collectives inside the passes */
   if (rc) return rc;
   *rows_out = rows;
+  if (t->cfg.dp && trainer_has_loss(t) && (rc = stage_dp_sum(t, &loss_sum, 1, e))) return rc;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
+  if (t->cfg.dp) { /* the stage's members sum their gradients and update (no reducer: refused by the CLI) */
+    RUMOR_ASSERT(!t->reducer.reduce);
+    return zero_update(t, lr, e);
+  }
   if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
-  trainer_clip_gradients(t);
+  if (t->cfg.tp) { /* by the norm of the stage's units, over its ranks' slices */
+    if ((rc = group_clip(t, 0, t->model.nparams, t->cfg.tp->comm, e))) return rc;
+  } else {
+    trainer_clip_gradients(t);
+  }
   optim_apply(&t->optim, &t->model.params, &t->model.grads, lr);
   tensor_backend_sync(t->be);
   return 0;

@@ -50,6 +50,16 @@ void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi);
  * update. *loss gets the whole batch's mean loss. */
 int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const int32_t *y, double *loss,
               struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The group's update after this member's gradient is in model.grads (ZeRO
+ * 0 and 1: all of it; ZeRO 2: its piece already reduce-scattered): ZeRO 0
+ * all-reduces the gradient and every member updates everything; ZeRO 1
+ * reduce-scatters it, updates its piece and all-gathers the parameters;
+ * ZeRO 2 and 3 update the piece (ZeRO 2 all-gathers after). --grad-clip
+ * clips by the norm over what the members hold together. zero_step ends
+ * with it; a pipeline stage's members call it after their pipelined step
+ * (each member's gradient scaled by the whole batch's targets, so the sum
+ * is the batch's mean). Collective over the members. */
+int zero_update(struct trainer *t, double lr, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Adds the whole batch's correct predictions and summed loss (every member
  * gets the group's figures) for an evaluation batch of `rows`. */
 int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t *y, int64_t *correct, double *loss,

@@ -315,7 +315,13 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
   float part = n > 0 ? model_mean_loss(m, n) * (float)model_targets(m, n) : 0.0f;
   if ((rc = comm_all_reduce(z->dp.comm, &part, 1, e))) return rc;
   *loss = (double)part / (double)model_targets(m, rows);
+  return zero_update(t, lr, e);
+}
 
+int zero_update(struct trainer *t, double lr, struct rumor_err *e) {
+  struct model *m = &t->model;
+  struct train_zero *z = &t->zero;
+  int rc;
   int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
   if (z->dp.zero == 0) {
     if ((rc = collective(t, COLL_ALL_REDUCE, &m->grads, 0, m->nparams, e))) return rc;
