@@ -22,7 +22,9 @@
  */
 #include "peer/model/gpt_impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int64_t gpt_moe_capacity(const struct model_spec *s, int64_t n) {
   int64_t num = (int64_t)GP(s)->capacity_pct * n * GP(s)->topk, den = 100 * (int64_t)GP(s)->experts;
@@ -218,4 +220,48 @@ void gpt_moe_backward(struct model *m, int l, int64_t n, const struct tensor *ln
   struct tensor router = entry(m, &m->params, l, -1, 0), drouter = entry(m, &m->grads, l, -1, 0);
   tensor_gemm(true, false, 1.0f, ln, &dlogits, beta, &drouter);
   tensor_gemm(false, true, 1.0f, &dlogits, &router, 1.0f, dln);
+}
+
+/* ---- upcycling a dense GPT ---- */
+
+int model_upcycle(const struct model_spec *dense, const float *params, const struct model_spec *moe, uint64_t seed,
+                  float *out, struct rumor_err *e) {
+  struct model_spec plain = *moe;
+  if (moe->family == MODEL_GPT) {
+    plain.u.gpt.experts = plain.u.gpt.topk = plain.u.gpt.capacity_pct = 0;
+    plain.u.gpt.moe_every = 1;
+  }
+  char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
+  model_spec_format(dense, a, sizeof a);
+  model_spec_format(moe, b, sizeof b);
+  if (moe->family != MODEL_GPT || !GP(moe)->experts || dense->family != MODEL_GPT || GP(dense)->experts ||
+      !model_spec_equal(&plain, dense))
+    return rumor_err_set(e, RUMOR_ESHAPE, "%s cannot be upcycled into %s: a mixture of experts starts from the dense "
+                         "GPT of its own shape", a, b);
+  struct model_table td, tm;
+  model_table_build(dense, &td);
+  model_table_build(moe, &tm);
+  struct rng r;
+  rng_seed(&r, seed, 0x6d6f65); /* the routers' own stream */
+  for (size_t i = 0; i < tm.n; i++) {
+    const struct model_param *p = &tm.p[i];
+    char name[MODEL_NAME_MAX];
+    snprintf(name, sizeof name, "%s", p->name);
+    /* transformer.h.<l>.mlp.experts.<x>.<rest> comes from transformer.h.<l>.mlp.<rest> */
+    char *x = strstr(name, ".mlp.experts.");
+    if (x) {
+      const char *rest = strchr(x + strlen(".mlp.experts."), '.');
+      memmove(x + strlen(".mlp"), rest, strlen(rest) + 1);
+    }
+    const struct model_param *src = model_table_find(&td, name);
+    if (src) {
+      RUMOR_ASSERT(src->numel == p->numel);
+      memcpy(out + p->offset, params + src->offset, (size_t)p->numel * sizeof(float));
+    } else { /* a router */
+      for (int64_t k = 0; k < p->numel; k++) out[p->offset + k] = 0.02f * rng_normal(&r);
+    }
+  }
+  model_table_free(&td);
+  model_table_free(&tm);
+  return 0;
 }

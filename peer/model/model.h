@@ -394,6 +394,14 @@ void model_set_loss_scale(struct model *m, float scale);
 void model_set_moe_losses(struct model *m, double aux_weight, double z_weight);
 /* Clears the figures model_moe_stats gathers. */
 void model_moe_stats_reset(struct model *m);
+/* A dense GPT's parameters (`params`, its flat layout) into those of the
+ * mixture of experts `moe` of the same shape (upcycling): every expert of a
+ * mixture-of-experts block starts as a copy of that block's dense MLP, each
+ * router from N(0, 0.02) drawn with `seed`, everything else as it is. out:
+ * model_spec_param_count(moe) floats. Returns 0, or RUMOR_ESHAPE naming
+ * both when moe is not dense's shape with experts. */
+int model_upcycle(const struct model_spec *dense, const float *params, const struct model_spec *moe, uint64_t seed,
+                  float *out, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* One training step's math on the batch in model_act(0) / labels: forward,
  * mean loss, backward into grads. Only enqueues work. */

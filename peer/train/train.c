@@ -113,6 +113,18 @@ static int init_from(struct trainer *t, struct rumor_err *e) {
   if (rc || !cfg->model) return rc;
   struct model_spec want;
   if ((rc = model_spec_parse(cfg->model, &want, e))) return rc;
+  if (want.family == MODEL_GPT && want.u.gpt.experts && !model_spec_equal(&want, &t->plan.spec)) {
+    /* A mixture of experts from the dense model of its shape (upcycling). */
+    float *moe = malloc((size_t)model_spec_param_count(&want) * sizeof(float));
+    if (!moe) return rumor_err_set(e, -ENOMEM, "no memory to upcycle %s", cfg->init_from);
+    rc = model_upcycle(&t->plan.spec, t->init_params, &want, cfg->seed, moe, e);
+    free(t->init_params);
+    t->init_params = moe;
+    if (rc) return rumor_err_prefix(e, "--init-from %s", cfg->init_from);
+    t->plan.spec = want;
+    log_info("upcycled %s: every expert starts as its block's dense MLP, the routers afresh", cfg->init_from);
+    return 0;
+  }
   if (!model_spec_equal(&want, &t->plan.spec)) {
     char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
     model_spec_format(&want, a, sizeof a);

@@ -203,3 +203,40 @@ Test(moe, drops_are_counted_and_the_same_seed_gives_the_same_bits) {
   free(out[0]);
   free(out[1]);
 }
+
+/* --init-from a dense GPT-2 directory upcycles: each expert of a
+ * mixture-of-experts block is a copy of that block's dense MLP, the router
+ * is drawn afresh, every other entry is the dense one's. */
+Test(moe, upcycling_copies_the_dense_mlp_into_every_expert) {
+  struct model_spec dense = parse("gpt:L2-H2-C8-T5-V11"), moe = parse("gpt:L2-H2-C8-T5-V11-E3-K2-M2");
+  int64_t Pd = model_spec_param_count(&dense), Pm = model_spec_param_count(&moe);
+  float *d = xmalloc((size_t)Pd * sizeof(float)), *m = xmalloc((size_t)Pm * sizeof(float));
+  for (int64_t i = 0; i < Pd; i++) d[i] = (float)i;
+  struct rumor_err e = {0};
+  cr_assert_eq(model_upcycle(&dense, d, &moe, 7, m, &e), 0, "%s", e.msg);
+  struct model_table td, tm;
+  model_table_build(&dense, &td);
+  model_table_build(&moe, &tm);
+  const struct model_param *fc = model_table_find(&td, "transformer.h.1.mlp.c_fc.weight");
+  for (int x = 0; x < 3; x++) {
+    char name[MODEL_NAME_MAX];
+    snprintf(name, sizeof name, "transformer.h.1.mlp.experts.%d.c_fc.weight", x);
+    const struct model_param *ex = model_table_find(&tm, name);
+    cr_assert_not_null(ex);
+    cr_assert_eq(memcmp(m + ex->offset, d + fc->offset, (size_t)fc->numel * sizeof(float)), 0, "%s", name);
+  }
+  const struct model_param *router = model_table_find(&tm, "transformer.h.1.mlp.router.weight");
+  double sq = 0;
+  for (int64_t k = 0; k < router->numel; k++) sq += (double)m[router->offset + k] * m[router->offset + k];
+  cr_assert(sq > 0 && sq < router->numel * 0.01, "the router is drawn from N(0, 0.02): Σx² = %g", sq);
+  const struct model_param *ln = model_table_find(&tm, "transformer.ln_f.weight"),
+                           *lnd = model_table_find(&td, "transformer.ln_f.weight");
+  cr_assert_eq(memcmp(m + ln->offset, d + lnd->offset, (size_t)ln->numel * sizeof(float)), 0);
+  struct model_spec other = parse("gpt:L2-H2-C16-T5-V11-E3");
+  cr_assert_eq(model_upcycle(&dense, d, &other, 7, m, &e), RUMOR_ESHAPE);
+  cr_assert(strstr(e.msg, "cannot be upcycled"), "%s", e.msg);
+  model_table_free(&td);
+  model_table_free(&tm);
+  free(d);
+  free(m);
+}
