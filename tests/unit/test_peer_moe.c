@@ -240,3 +240,63 @@ Test(moe, upcycling_copies_the_dense_mlp_into_every_expert) {
   free(d);
   free(m);
 }
+
+/* A pipeline stage holding a mixture-of-experts block without the loss
+ * scales its auxiliary losses' gradients as the stage with the loss does
+ * (model_set_loss_scale, as pipeline.c sets it): two stages give the whole
+ * model's gradient, router included. */
+Test(moe, a_stage_without_the_loss_scales_its_auxiliary_gradients_alike) {
+  const char *spec = "gpt:L2-H2-C8-T5-V11-E3-K2";
+  struct model_spec s = parse(spec);
+  struct model w, a, b;
+  struct rumor_err e;
+  cr_assert_eq(model_init(&w, &s, 0, 4, be, ROWS, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_init(&a, &s, 0, 2, be, ROWS, &e), 0, "%s", e.msg);
+  cr_assert_eq(model_init(&b, &s, 2, 4, be, ROWS, &e), 0, "%s", e.msg);
+  struct model *all[3] = {&w, &a, &b};
+  for (int i = 0; i < 3; i++) {
+    model_init_params(all[i], 4);
+    model_set_moe_losses(all[i], 0.5, 0.05); /* weighted up, so that a missing scale shows */
+  }
+  struct tensor *copy, *dcopy;
+  const struct model_param *tied = model_tied(&b, &copy, &dcopy);
+  int64_t wte = tied->numel, P = w.nparams, n = ROWS * 5;
+  float *buf = xmalloc((size_t)P * sizeof(float));
+  tensor_copy_to_host(&w.params, 0, buf, (size_t)P * sizeof(float));
+  tensor_copy_from_host(copy, 0, buf + tied->offset, (size_t)wte * sizeof(float));
+  int32_t x[ROWS * 5], y[ROWS * 5];
+  random_batch(&w, 2, x, y);
+  int64_t load[GPT_MAX_EXPERTS];
+  (void)loss_of(&w, x, y, load);
+  model_backward(&w, 0, 4, ROWS, model_act(&w, 4), NULL, false);
+
+  tensor_copy_from_host(model_act(&a, 0), 0, x, (size_t)n * sizeof(int32_t));
+  model_forward(&a, 0, 2, ROWS);
+  tensor_copy(model_act(&b, 2), model_act(&a, 2));
+  tensor_copy_from_host(&b.labels, 0, y, (size_t)n * sizeof(int32_t));
+  model_forward(&b, 2, 4, ROWS);
+  model_loss(&b, ROWS, model_act(&b, 4), 1.0f / (float)n);
+  struct tensor din;
+  int64_t ds[2] = {ROWS, 5 * 8};
+  cr_assert_eq(tensor_alloc(&din, be, TENSOR_F32, 2, ds, &e), 0);
+  model_backward(&b, 2, 4, ROWS, model_act(&b, 4), &din, false);
+  model_set_loss_scale(&a, 1.0f / (float)n);
+  model_backward(&a, 0, 2, ROWS, &din, NULL, false);
+
+  float *gw = xmalloc((size_t)P * sizeof(float)), *gs = xmalloc((size_t)P * sizeof(float));
+  float *gc = xmalloc((size_t)wte * sizeof(float));
+  tensor_copy_to_host(&w.grads, 0, gw, (size_t)P * sizeof(float));
+  tensor_copy_to_host(&a.grads, 0, gs, (size_t)a.nparams * sizeof(float));
+  tensor_copy_to_host(&b.grads, 0, gs + a.nparams, (size_t)b.nparams * sizeof(float));
+  tensor_copy_to_host(dcopy, 0, gc, (size_t)wte * sizeof(float));
+  for (int64_t i = 0; i < wte; i++) gs[tied->offset + i] += gc[i];
+  for (int64_t i = 0; i < P; i++)
+    cr_assert(fabsf(gs[i] - gw[i]) <= 1e-6f + 1e-4f * fabsf(gw[i]), "gradient %lld: split %g vs whole %g",
+              (long long)i, gs[i], gw[i]);
+  tensor_free(&din);
+  free(buf);
+  free(gw);
+  free(gs);
+  free(gc);
+  for (int i = 0; i < 3; i++) model_free(all[i]);
+}
