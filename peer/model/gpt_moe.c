@@ -90,10 +90,18 @@ static struct tensor rows_of(const struct tensor *t, int64_t n, int64_t w) {
   return tensor_view(t, 0, 2, shape);
 }
 
-/* Rows [x·cap, (x + 1)·cap) of a (E·cap, w) buffer: expert x's. */
-static struct tensor expert_rows(const struct tensor *t, int x, int64_t cap, int64_t w) {
-  int64_t shape[2] = {cap, w};
+/* The first `rows` of expert x's rows [x·cap, (x + 1)·cap) of a (E·cap, w)
+ * buffer. */
+static struct tensor expert_rows(const struct tensor *t, int x, int64_t cap, int64_t rows, int64_t w) {
+  int64_t shape[2] = {rows, w};
   return tensor_view(t, (int64_t)x * cap * w, 2, shape);
+}
+
+/* The rows each expert kept in a pass (a->kept, read back to the host):
+ * the experts' products run over those only, the rest of each buffer being
+ * rows no choice filled (combine reads none of them; their gradients are 0). */
+static void kept_rows(const struct gpt_moe_acts *a, int E, int32_t *kept) {
+  tensor_copy_to_host(&a->kept, 0, kept, (size_t)E * sizeof(int32_t));
 }
 
 static struct tensor first_n(const struct tensor *t, int64_t n) { return tensor_view(t, 0, 1, &n); }
@@ -152,9 +160,13 @@ void gpt_moe_forward(struct model *m, int l, int64_t n, const struct tensor *ln,
   tensor_moe_route(&logits, K, cap, &probs, &lse, &expert, &gate, &slot, &a->assigned, &a->kept, &a->psum);
   struct tensor xe = rows_of(&ws->moe.xe, E * cap, C);
   tensor_moe_dispatch(ln, &expert, &slot, cap, &xe);
+  int32_t kept[GPT_MAX_EXPERTS];
+  kept_rows(a, E, kept);
   for (int x = 0; x < E; x++) {
-    struct tensor xin = expert_rows(&ws->moe.xe, x, cap, C), hpre = expert_rows(&a->hpre, x, cap, 4 * C),
-                  h = expert_rows(&ws->moe.h, x, cap, 4 * C), y = expert_rows(&a->ye, x, cap, C);
+    int64_t r = kept[x];
+    if (r == 0) continue;
+    struct tensor xin = expert_rows(&ws->moe.xe, x, cap, r, C), hpre = expert_rows(&a->hpre, x, cap, r, 4 * C),
+                  h = expert_rows(&ws->moe.h, x, cap, r, 4 * C), y = expert_rows(&a->ye, x, cap, r, C);
     struct tensor w1 = entry(m, &m->params, l, x, X_FC_W), b1 = entry(m, &m->params, l, x, X_FC_B),
                   w2 = entry(m, &m->params, l, x, X_PROJ_W), b2 = entry(m, &m->params, l, x, X_PROJ_B);
     tensor_gemm(false, false, 1.0f, &xin, &w1, 0.0f, &hpre);
@@ -170,18 +182,26 @@ void gpt_moe_forward(struct model *m, int l, int64_t n, const struct tensor *ln,
 
 /* ---- backward ---- */
 
-/* One expert's MLP backward from dye (its rows): its weights' gradients
- * and dxe (its rows) ← dL/d its input. */
-static void expert_backward(struct model *m, int l, int x, int64_t cap, float beta) {
+/* One expert's MLP backward from dye (its `r` kept rows): its weights'
+ * gradients and dxe (its rows) ← dL/d its input. An expert that kept no
+ * row has zero gradients (set, or left as they are when accumulating). */
+static void expert_backward(struct model *m, int l, int x, int64_t cap, int64_t r, float beta) {
   struct gpt_ws *ws = m->impl;
   struct gpt_moe_acts *a = &ws->blk[l].moe;
   int64_t C = GP(&m->spec)->width;
-  struct tensor xin = expert_rows(&ws->moe.xe, x, cap, C), hpre = expert_rows(&a->hpre, x, cap, 4 * C),
-                h = expert_rows(&ws->moe.h, x, cap, 4 * C), dy = expert_rows(&ws->moe.dye, x, cap, C),
-                dx = expert_rows(&ws->moe.dxe, x, cap, C);
-  struct tensor w1 = entry(m, &m->params, l, x, X_FC_W), w2 = entry(m, &m->params, l, x, X_PROJ_W);
   struct tensor dw1 = entry(m, &m->grads, l, x, X_FC_W), db1 = entry(m, &m->grads, l, x, X_FC_B),
                 dw2 = entry(m, &m->grads, l, x, X_PROJ_W), db2 = entry(m, &m->grads, l, x, X_PROJ_B);
+  if (r == 0) {
+    if (beta == 0.0f) {
+      struct tensor *g[4] = {&dw1, &db1, &dw2, &db2};
+      for (int i = 0; i < 4; i++) tensor_fill(g[i], 0.0f);
+    }
+    return;
+  }
+  struct tensor xin = expert_rows(&ws->moe.xe, x, cap, r, C), hpre = expert_rows(&a->hpre, x, cap, r, 4 * C),
+                h = expert_rows(&ws->moe.h, x, cap, r, 4 * C), dy = expert_rows(&ws->moe.dye, x, cap, r, C),
+                dx = expert_rows(&ws->moe.dxe, x, cap, r, C);
+  struct tensor w1 = entry(m, &m->params, l, x, X_FC_W), w2 = entry(m, &m->params, l, x, X_PROJ_W);
   tensor_gelu_tanh_fwd(&hpre, &h); /* recomputed */
   tensor_gemm(true, false, 1.0f, &h, &dy, beta, &dw2);
   tensor_bias_grad(&dy, &db2, beta);
@@ -206,7 +226,9 @@ void gpt_moe_backward(struct model *m, int l, int64_t n, const struct tensor *ln
                 dgate = rows_of(&ws->moe.dgate, n, K);
   tensor_moe_dispatch(ln, &expert, &slot, cap, &xe); /* the experts' inputs, recomputed */
   tensor_moe_combine_bwd(dout, &ye, &expert, &slot, &gate, cap, &dye, &dgate);
-  for (int x = 0; x < E; x++) expert_backward(m, l, x, cap, beta);
+  int32_t kept[GPT_MAX_EXPERTS];
+  kept_rows(a, E, kept);
+  for (int x = 0; x < E; x++) expert_backward(m, l, x, cap, kept[x], beta);
   tensor_fill(dln, 0.0f);
   tensor_moe_dispatch_bwd(&dxe, &expert, &slot, cap, dln);
   /* The router: the gates', the load-balancing and the z-losses' gradients
