@@ -382,6 +382,8 @@ bool gossip_donor_params_only(gossip_t *g);
 
 /* ---- monitoring: what the training thread publishes (training thread) ---- */
 
+#define GOSSIP_MAX_EXPERTS 64 /* a mixture of experts' experts in the figures */
+
 /* A peer's training figures, answered to STATS requests (rumor top) and
  * served on the metrics endpoint. `sketch` holds sketch_k doubles: the
  * count-sketch of the parameters made with gossip_sketch_seed(). */
@@ -397,6 +399,12 @@ struct gossip_peer_stats {
   int64_t outer_round;
   double outer_norm, outer_bytes, outer_wait_s;
   int64_t peak_rss_bytes; /* the process's peak resident memory so far (0: not known) */
+  /* A mixture-of-experts model's last step (moe_experts 0: none): the
+   * auxiliary losses, the fraction of token-expert choices dropped for
+   * capacity and each expert's share of the choices. */
+  int moe_experts;
+  double moe_aux_loss, moe_z_loss, moe_dropped;
+  double moe_load[GOSSIP_MAX_EXPERTS];
 };
 /* True when someone asked for fresh figures since the last publish (so the
  * O(P) sketch is computed only when a monitor wants it). */

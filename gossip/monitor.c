@@ -351,6 +351,26 @@ static double *take_sketch(struct gossip_monitor *m, const struct net_msg *msg, 
   return s;
 }
 
+/* A mixture of experts' optional figures: n experts, fractions in [0, 1],
+ * losses finite. Returns 0 or RUMOR_EPROTO. */
+static int parse_moe(struct gossip_node_report *nr, const struct net_msg *msg) {
+  uint64_t n = 0;
+  nr->moe_experts = 0;
+  if (net_msg_get_uint(msg, "moe_n", &n)) return 0;
+  const uint8_t *p;
+  size_t len;
+  if (n == 0 || n > GOSSIP_MAX_EXPERTS || net_msg_get_double(msg, "moe_aux", &nr->moe_aux_loss) ||
+      net_msg_get_double(msg, "moe_z", &nr->moe_z_loss) || net_msg_get_double(msg, "moe_drop", &nr->moe_dropped) ||
+      net_msg_get_bin(msg, "moe_load", &p, &len) || len != n * sizeof(double))
+    return RUMOR_EPROTO;
+  memcpy(nr->moe_load, p, len);
+  bool ok = isfinite(nr->moe_aux_loss) && isfinite(nr->moe_z_loss) && nr->moe_dropped >= 0 && nr->moe_dropped <= 1;
+  for (uint64_t x = 0; x < n; x++) ok = ok && nr->moe_load[x] >= 0 && nr->moe_load[x] <= 1;
+  if (!ok) return RUMOR_EPROTO;
+  nr->moe_experts = (int)n;
+  return 0;
+}
+
 static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, const struct net_msg *msg) {
   int rc;
   if (net_msg_get_uint(msg, "n", &nr->nparams) || net_msg_get_bool(msg, "ready", &nr->ready) ||
@@ -393,6 +413,7 @@ static int parse_stats(struct gossip_monitor *m, struct gossip_node_report *nr, 
     if (nr->peak_rss_bytes < 0) return RUMOR_EPROTO;
     nr->have_train = true;
   }
+  if ((rc = parse_moe(nr, msg))) return rc;
   nr->outer_round = -1;
   nr->outer_norm = nr->outer_bytes = nr->outer_wait_s = NAN;
   if (net_msg_get(msg, "o_round")) {

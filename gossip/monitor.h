@@ -22,6 +22,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "gossip/gossip.h" /* GOSSIP_MAX_EXPERTS */
 #include "net/net.h"
 #include "util/util.h"
 
@@ -84,6 +85,8 @@ struct gossip_node_report {
   int64_t step, epoch, samples;
   double loss, samples_per_s, param_norm;
   int64_t peak_rss_bytes; /* the member's peak resident memory (0: not said) */
+  int moe_experts;        /* a mixture of experts' figures (0: none said) */
+  double moe_aux_loss, moe_z_loss, moe_dropped, moe_load[GOSSIP_MAX_EXPERTS];
   double stats_age_s; /* how old the figures were when sent */
   int sketch_k;       /* 0: no sketch */
   double *sketch;     /* sketch_k doubles, owned by the report */

@@ -248,6 +248,14 @@ static void send_stats(struct gossip *g, net_conn_t *c, uint64_t q) {
     net_msgbuf_put_double(&b, "norm", g->mon.pstats.param_norm);
     net_msgbuf_put_double(&b, "age", (double)(now - g->mon.stats_ms) / 1e3);
     if (g->mon.pstats.peak_rss_bytes > 0) net_msgbuf_put_int(&b, "rss", g->mon.pstats.peak_rss_bytes); /* optional */
+    const struct gossip_peer_stats *ps = &g->mon.pstats;
+    if (ps->moe_experts > 0) { /* optional: a mixture of experts' figures */
+      net_msgbuf_put_uint(&b, "moe_n", (uint64_t)ps->moe_experts);
+      net_msgbuf_put_double(&b, "moe_aux", ps->moe_aux_loss);
+      net_msgbuf_put_double(&b, "moe_z", ps->moe_z_loss);
+      net_msgbuf_put_double(&b, "moe_drop", ps->moe_dropped);
+      net_msgbuf_put_bin(&b, "moe_load", ps->moe_load, (size_t)ps->moe_experts * sizeof(double));
+    }
     if (g->mon.pstats.outer_round >= 0) { /* optional: an outer optimizer's round */
       net_msgbuf_put_int(&b, "o_round", g->mon.pstats.outer_round);
       net_msgbuf_put_double(&b, "o_norm", g->mon.pstats.outer_norm);
@@ -478,6 +486,16 @@ static void metrics_text(struct gossip *g, struct text *t) {
     if (s.peak_rss_bytes > 0) {
       metric(t, "rumor_peak_rss_bytes", "gauge", "The process's peak resident memory so far.");
       tprintf(t, "rumor_peak_rss_bytes %lld\n", (long long)s.peak_rss_bytes);
+    }
+    if (s.moe_experts > 0) {
+      metric(t, "rumor_moe_aux_loss", "gauge", "A mixture of experts' load-balancing loss at the last step.");
+      tprintf(t, "rumor_moe_aux_loss %.6g\n", s.moe_aux_loss);
+      metric(t, "rumor_moe_z_loss", "gauge", "A mixture of experts' router z-loss at the last step.");
+      tprintf(t, "rumor_moe_z_loss %.6g\n", s.moe_z_loss);
+      metric(t, "rumor_moe_dropped_fraction", "gauge", "Token-expert choices dropped for capacity at the last step.");
+      tprintf(t, "rumor_moe_dropped_fraction %.6g\n", s.moe_dropped);
+      metric(t, "rumor_moe_expert_load", "gauge", "Each expert's share of the token-expert choices at the last step.");
+      for (int x = 0; x < s.moe_experts; x++) tprintf(t, "rumor_moe_expert_load{expert=\"%d\"} %.6g\n", x, s.moe_load[x]);
     }
     if (s.outer_round >= 0) {
       metric(t, "rumor_outer_rounds_total", "counter", "Outer rounds applied (DiLoCo, NoLoCo).");

@@ -240,6 +240,46 @@ int kern_attn_probs(float *s, const float *lse, int64_t batches, int64_t t, void
 int kern_attn_dscores(const float *p, float *dp, const float *out, const float *dout, int64_t b0, int64_t batches,
                       int64_t t, int64_t c, int nh, float scale, void *stream);
 
+/* ---- mixture of experts (kernels/moe.cu) -------------------------------------------
+ * The kernels behind tensor.h's tensor_moe_* ops, whose contracts they
+ * keep: n tokens of width ch, e experts of cap rows, k choices per token
+ * (1 <= k <= e, n·k <= INT32_MAX, else cudaErrorInvalidValue and nothing
+ * enqueued); expert, slot [n,k] I32, gate, dgate [n,k]; xe, dxe, ye, dye
+ * [e·cap, ch]. No atomics and no scratch: every launcher is deterministic,
+ * and the experts, slots and counts are exactly the CPU backend's for the
+ * same logits (the same ranking of equal logits). A choice is kept when
+ * its expert is in [0, e) and its slot in [0, cap); no other is read. */
+
+/* Routing: one warp per token (softmax, lse, K passes of a warp max over
+ * the ranks, gates), then one block per expert that walks the n·k choices
+ * in the contract's order with a block-wide prefix sum (slots, assigned,
+ * kept) and sums its column of probs (psum). n may be 0 (the counts and
+ * psum are still written). */
+int kern_moe_route(const float *logits, float *probs, float *lse, int32_t *expert, float *gate, int32_t *slot,
+                   int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k, int64_t cap,
+                   void *stream);
+/* Routing's backward into dlogits [n,e] (overwritten), one warp per token. */
+int kern_moe_route_bwd(const float *probs, const float *lse, const int32_t *expert, const float *gate,
+                       const float *dgate, const float *daux, float zscale, float *dlogits, int64_t n, int64_t e,
+                       int k, void *stream);
+/* xe ← 0 (a memset on the stream), then each kept choice's row ← its
+ * token's row of x, one block per token. */
+int kern_moe_dispatch(const float *x, const int32_t *expert, const int32_t *slot, float *xe, int64_t n, int64_t ch,
+                      int k, int64_t e, int64_t cap, void *stream);
+/* dx[i,:] += the token's kept rows of dxe in k order (the CPU's adds:
+ * bitwise its result), one block per token. */
+int kern_moe_dispatch_bwd(const float *dxe, const int32_t *expert, const int32_t *slot, float *dx, int64_t n,
+                          int64_t ch, int k, int64_t e, int64_t cap, void *stream);
+/* out ← Σ_k gate·ye rows (overwritten), one block per token. */
+int kern_moe_combine(const float *ye, const int32_t *expert, const int32_t *slot, const float *gate, float *out,
+                     int64_t n, int64_t ch, int k, int64_t e, int64_t cap, void *stream);
+/* dye ← 0 (a memset), then one warp per choice: its row of dye ←
+ * gate·dout and dgate ← the dot product of dout and ye's row (0 when
+ * dropped). */
+int kern_moe_combine_bwd(const float *dout, const float *ye, const int32_t *expert, const int32_t *slot,
+                         const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k, int64_t e,
+                         int64_t cap, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -592,3 +592,142 @@ void tensor_count_sketch(const struct tensor *x, uint64_t seed, int k, double *o
   RUMOR_ASSERT(k >= 1 && k <= (1 << 20) && (k & (k - 1)) == 0);
   x->be->ops->count_sketch(x->be, x->data, tensor_numel(x), seed, k, out_host);
 }
+
+/* ---- mixture of experts ---- */
+
+/* Rows of the expert buffers [E·cap, C] and the experts E they hold (0 when
+ * cap is 0: no row can be kept then). */
+static int64_t moe_experts(const struct tensor *buf, int64_t cap) {
+  RUMOR_ASSERT(buf->ndim == 2 && cap >= 0);
+  if (cap == 0) {
+    RUMOR_ASSERT(buf->shape[0] == 0);
+    return 0;
+  }
+  RUMOR_ASSERT(buf->shape[0] % cap == 0);
+  return buf->shape[0] / cap;
+}
+
+/* The choice tables of N tokens with K choices each: expert [N,K] I32 on
+ * `be`, and when not NULL slot [N,K] I32 and gate [N,K] F32. Returns K. */
+static int moe_choices(const struct tensor *expert, const struct tensor *slot, const struct tensor *gate, int64_t n,
+                       tensor_backend_t be) {
+  check_i32(expert, be);
+  RUMOR_ASSERT(expert->ndim == 2 && expert->shape[0] == n);
+  int64_t k = expert->shape[1];
+  RUMOR_ASSERT(k >= 1 && k <= INT32_MAX);
+  if (slot) {
+    check_i32(slot, be);
+    RUMOR_ASSERT(slot->ndim == 2 && slot->shape[0] == n && slot->shape[1] == k);
+  }
+  if (gate) {
+    check_f32(gate);
+    RUMOR_ASSERT(gate->be == be && gate->ndim == 2 && gate->shape[0] == n && gate->shape[1] == k);
+  }
+  return (int)k;
+}
+
+void tensor_moe_route(const struct tensor *logits, int k, int64_t cap, struct tensor *probs, struct tensor *lse,
+                      struct tensor *expert, struct tensor *gate, struct tensor *slot, struct tensor *assigned,
+                      struct tensor *kept, struct tensor *psum) {
+  check_same(logits, probs);
+  check_f32(lse);
+  check_f32(psum);
+  tensor_backend_t be = logits->be;
+  RUMOR_ASSERT(logits->ndim == 2 && probs->ndim == 2 && probs->shape[1] == logits->shape[1]);
+  int64_t n = logits->shape[0], e = logits->shape[1];
+  RUMOR_ASSERT(e >= 1 && e <= INT32_MAX && k >= 1 && k <= e && cap >= 0 && cap <= INT32_MAX);
+  RUMOR_ASSERT(n <= INT32_MAX / k); /* the counts are I32 */
+  RUMOR_ASSERT(lse->be == be && tensor_numel(lse) == n && psum->be == be && tensor_numel(psum) == e);
+  RUMOR_ASSERT(gate && slot && moe_choices(expert, slot, gate, n, be) == k);
+  check_i32(assigned, be);
+  check_i32(kept, be);
+  RUMOR_ASSERT(tensor_numel(assigned) == e && tensor_numel(kept) == e);
+  NN_OP(be, moe_route)(be, logits->data, probs->data, lse->data, expert->data, gate->data, slot->data, assigned->data,
+                       kept->data, psum->data, n, e, k, cap);
+}
+
+void tensor_moe_route_bwd(const struct tensor *probs, const struct tensor *lse, const struct tensor *expert,
+                          const struct tensor *gate, const struct tensor *dgate, const struct tensor *daux,
+                          float zscale, struct tensor *dlogits) {
+  check_same(probs, dlogits);
+  check_f32(lse);
+  check_f32(daux);
+  tensor_backend_t be = probs->be;
+  RUMOR_ASSERT(probs->ndim == 2 && dlogits->ndim == 2 && dlogits->shape[1] == probs->shape[1]);
+  int64_t n = probs->shape[0], e = probs->shape[1];
+  RUMOR_ASSERT(e >= 1 && e <= INT32_MAX);
+  RUMOR_ASSERT(lse->be == be && tensor_numel(lse) == n && daux->be == be && tensor_numel(daux) == e);
+  RUMOR_ASSERT(gate && dgate);
+  int k = moe_choices(expert, NULL, gate, n, be);
+  RUMOR_ASSERT(k <= e);
+  check_f32(dgate);
+  RUMOR_ASSERT(dgate->be == be && dgate->ndim == 2 && dgate->shape[0] == n && dgate->shape[1] == k);
+  if (n == 0) return;
+  NN_OP(be, moe_route_bwd)(be, probs->data, lse->data, expert->data, gate->data, dgate->data, daux->data, zscale,
+                           dlogits->data, n, e, k);
+}
+
+void tensor_moe_dispatch(const struct tensor *x, const struct tensor *expert, const struct tensor *slot, int64_t cap,
+                         struct tensor *xe) {
+  check_f32(x);
+  check_f32(xe);
+  tensor_backend_t be = x->be;
+  RUMOR_ASSERT(xe->be == be && x->ndim == 2 && xe->ndim == 2 && xe->shape[1] == x->shape[1]);
+  int64_t n = x->shape[0], c = x->shape[1], e = moe_experts(xe, cap);
+  int k = moe_choices(expert, slot, NULL, n, be);
+  if (e == 0 || c == 0) return;
+  if (n == 0) {
+    tensor_fill(xe, 0.0f);
+    return;
+  }
+  NN_OP(be, moe_dispatch)(be, x->data, expert->data, slot->data, xe->data, n, c, k, e, cap);
+}
+
+void tensor_moe_dispatch_bwd(const struct tensor *dxe, const struct tensor *expert, const struct tensor *slot,
+                             int64_t cap, struct tensor *dx) {
+  check_f32(dxe);
+  check_f32(dx);
+  tensor_backend_t be = dx->be;
+  RUMOR_ASSERT(dxe->be == be && dx->ndim == 2 && dxe->ndim == 2 && dxe->shape[1] == dx->shape[1]);
+  int64_t n = dx->shape[0], c = dx->shape[1], e = moe_experts(dxe, cap);
+  int k = moe_choices(expert, slot, NULL, n, be);
+  if (e == 0 || c == 0 || n == 0) return;
+  NN_OP(be, moe_dispatch_bwd)(be, dxe->data, expert->data, slot->data, dx->data, n, c, k, e, cap);
+}
+
+void tensor_moe_combine(const struct tensor *ye, const struct tensor *expert, const struct tensor *slot,
+                        const struct tensor *gate, int64_t cap, struct tensor *out) {
+  check_f32(ye);
+  check_f32(out);
+  tensor_backend_t be = out->be;
+  RUMOR_ASSERT(ye->be == be && out->ndim == 2 && ye->ndim == 2 && ye->shape[1] == out->shape[1]);
+  int64_t n = out->shape[0], c = out->shape[1], e = moe_experts(ye, cap);
+  int k = moe_choices(expert, slot, gate, n, be);
+  if (n == 0 || c == 0) return;
+  if (e == 0) {
+    tensor_fill(out, 0.0f); /* no row to combine: every choice is dropped */
+    return;
+  }
+  NN_OP(be, moe_combine)(be, ye->data, expert->data, slot->data, gate->data, out->data, n, c, k, e, cap);
+}
+
+void tensor_moe_combine_bwd(const struct tensor *dout, const struct tensor *ye, const struct tensor *expert,
+                            const struct tensor *slot, const struct tensor *gate, int64_t cap, struct tensor *dye,
+                            struct tensor *dgate) {
+  check_same(ye, dye);
+  check_f32(dout);
+  tensor_backend_t be = dout->be;
+  RUMOR_ASSERT(ye->be == be && dout->ndim == 2 && ye->ndim == 2 && dye->ndim == 2);
+  RUMOR_ASSERT(ye->shape[1] == dout->shape[1] && dye->shape[0] == ye->shape[0] && dye->shape[1] == ye->shape[1]);
+  int64_t n = dout->shape[0], c = dout->shape[1], e = moe_experts(ye, cap);
+  int k = moe_choices(expert, slot, gate, n, be);
+  check_f32(dgate);
+  RUMOR_ASSERT(dgate->be == be && dgate->ndim == 2 && dgate->shape[0] == n && dgate->shape[1] == k);
+  if (e == 0 || c == 0 || n == 0) { /* no choice can be kept, or nothing to read */
+    if (e > 0 && c > 0) tensor_fill(dye, 0.0f);
+    if (n > 0) tensor_fill(dgate, 0.0f);
+    return;
+  }
+  NN_OP(be, moe_combine_bwd)(be, dout->data, ye->data, expert->data, slot->data, gate->data, dye->data, dgate->data, n,
+                             c, k, e, cap);
+}

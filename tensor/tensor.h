@@ -295,6 +295,9 @@ void tensor_gelu_tanh_bwd(const struct tensor *x, const struct tensor *dy, struc
  * log-sum-exp. Token n's K largest probabilities, largest first (ties:
  * the lower expert index), give expert[n,k] and gate[n,k]: the
  * probability itself for K = 1, renormalised over the K to sum 1 for K > 1.
+ * The K are picked by comparing the logits (the softmax keeps their
+ * order), so every backend picks the same experts from the same logits
+ * whatever its exp's rounding; logits equal as floats (−0 = +0) tie.
  * slot[n,k] is the row of expert[n,k]'s buffer the choice takes, filled in
  * the order (k = 0, n = 0..N−1), then (k = 1, n = 0..N−1), ... (first
  * choices before second choices, GShard), or −1 when the expert's `cap`
@@ -311,7 +314,8 @@ void tensor_moe_route(const struct tensor *logits, int k, int64_t cap, struct te
  * where the gates' part is dgate[n,k] at e = expert[n,k] for K = 1, and
  * for K > 1 the renormalisation's backward over the K chosen
  * ((dgate[n,k] − Σ_j dgate[n,j]·gate[n,j]) / Σ_j probs[n,expert[n,j]]);
- * plus zscale · lse[n] · probs[n,e] (the router z-loss's gradient:
+ * plus, added to dlogits[n,e] after the softmax's backward (d lse/d logits
+ * = probs), zscale · lse[n] · probs[n,e] (the router z-loss's gradient:
  * zscale = 2 · β · the loss scale / N for β · mean_n lse[n]²). daux [E]
  * carries the load-balancing loss's gradient (α · E · f_e / N times the
  * loss scale, f_e held constant as in Switch). dgate [N,K] (0 for dropped
@@ -320,7 +324,10 @@ void tensor_moe_route_bwd(const struct tensor *probs, const struct tensor *lse, 
                           const struct tensor *gate, const struct tensor *dgate, const struct tensor *daux,
                           float zscale, struct tensor *dlogits);
 /* xe[expert[n,k]·cap + slot[n,k], :] ← x[n,:] for every kept choice; rows
- * no choice fills are zeroed. x [N,C]; xe [E·cap, C]. */
+ * no choice fills are zeroed. x [N,C]; xe [E·cap, C]. Here and in the
+ * three ops below a choice is kept when 0 <= slot[n,k] < cap and
+ * 0 <= expert[n,k] < E (route's output always is, or has slot −1); any
+ * other is treated as dropped, so no index reaches outside the buffers. */
 void tensor_moe_dispatch(const struct tensor *x, const struct tensor *expert, const struct tensor *slot, int64_t cap,
                          struct tensor *xe);
 /* Its backward, accumulating: dx[n,:] += Σ_k dxe[expert[n,k]·cap + slot[n,k], :]

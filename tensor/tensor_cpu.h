@@ -121,4 +121,20 @@ void cpu_attention_bwd(tensor_backend_t be, const float *qkv, const float *out, 
 void cpu_gelu_tanh_fwd(tensor_backend_t be, const float *x, float *y, int64_t n);
 void cpu_gelu_tanh_bwd(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
 
+void cpu_moe_route(tensor_backend_t be, const float *logits, float *probs, float *lse, int32_t *expert, float *gate,
+                   int32_t *slot, int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k,
+                   int64_t cap);
+void cpu_moe_route_bwd(tensor_backend_t be, const float *probs, const float *lse, const int32_t *expert,
+                       const float *gate, const float *dgate, const float *daux, float zscale, float *dlogits,
+                       int64_t n, int64_t e, int k);
+void cpu_moe_dispatch(tensor_backend_t be, const float *x, const int32_t *expert, const int32_t *slot, float *xe,
+                      int64_t n, int64_t ch, int k, int64_t e, int64_t cap);
+void cpu_moe_dispatch_bwd(tensor_backend_t be, const float *dxe, const int32_t *expert, const int32_t *slot, float *dx,
+                          int64_t n, int64_t ch, int k, int64_t e, int64_t cap);
+void cpu_moe_combine(tensor_backend_t be, const float *ye, const int32_t *expert, const int32_t *slot,
+                     const float *gate, float *out, int64_t n, int64_t ch, int k, int64_t e, int64_t cap);
+void cpu_moe_combine_bwd(tensor_backend_t be, const float *dout, const float *ye, const int32_t *expert,
+                         const int32_t *slot, const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k,
+                         int64_t e, int64_t cap);
+
 #endif /* RUMOR_TENSOR_CPU_H */

@@ -494,3 +494,227 @@ void cpu_attention_bwd(tensor_backend_t be, const float *qkv, const float *out, 
   a.dqkv = dqkv;
   att_run(be, &a, r * nh, att_bwd_pair);
 }
+
+/* ---- mixture of experts ----
+ * Routing has a row-local part (softmax, log-sum-exp, top-K, gates: rows
+ * split among the workers) and a sequential part (slots in the contract's
+ * order, counts, and psum summed in double in token order), so its results
+ * do not depend on the thread count. The data ops split the tokens among
+ * the workers: each token's rows are its own (route gives every kept
+ * choice a distinct row), and each output element is formed by one worker
+ * in the contract's k order. */
+
+/* An integer that orders like the float (larger float: larger key), with
+ * −0 taken as +0 so that the two tie; NaN sorts above +Inf (positive) or
+ * below −Inf (negative). The same mapping as the CUDA kernels', so both
+ * backends rank equal logits, and NaNs, alike. */
+static inline uint32_t moe_order_key(float f) {
+  union {
+    float f;
+    uint32_t u;
+  } v = {.f = f == 0.0f ? 0.0f : f};
+  return (v.u & 0x80000000u) ? ~v.u : v.u | 0x80000000u;
+}
+
+/* A total order on the experts of a row: the larger logit first, then the
+ * lower index (at most INT32_MAX experts, so the low word never wraps). */
+static inline uint64_t moe_rank(const float *l, int64_t j) {
+  return ((uint64_t)moe_order_key(l[j]) << 32) | (uint32_t)(INT32_MAX - j);
+}
+
+/* Rows [r0, r1): softmax (nn_expf, summed in float), lse, the K best
+ * experts by K passes (each takes the best rank below the previous pick),
+ * and the gates. */
+CPU_KERNEL_WIDE static void k_moe_route_rows(const float *restrict logits, float *restrict probs, float *restrict lse,
+                                             int32_t *restrict expert, float *restrict gate, int64_t r0, int64_t r1,
+                                             int64_t e, int k) {
+  for (int64_t i = r0; i < r1; i++) {
+    const float *l = logits + i * e;
+    float *p = probs + i * e;
+    const float m = row_max(l, e);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < e; j++) {
+      float x = nn_expf(l[j] - m);
+      p[j] = x;
+      sum += x; /* >= 1: the maximum contributes e^0 */
+    }
+    for (int64_t j = 0; j < e; j++) p[j] = p[j] / sum;
+    lse[i] = m + logf(sum);
+    uint64_t prev = UINT64_MAX;
+    float psel = 0.0f;
+    for (int c = 0; c < k; c++) {
+      int64_t best = 0;
+      uint64_t rb = 0;
+      for (int64_t j = 0; j < e; j++) {
+        uint64_t rj = moe_rank(l, j);
+        if (rj < prev && rj > rb) { /* every rank is > 0 (its low word is) */
+          rb = rj;
+          best = j;
+        }
+      }
+      prev = rb;
+      expert[i * k + c] = (int32_t)best;
+      psel += p[best];
+    }
+    for (int c = 0; c < k; c++) gate[i * k + c] = k == 1 ? p[expert[i * k + c]] : p[expert[i * k + c]] / psel;
+  }
+}
+
+void cpu_moe_route(tensor_backend_t be, const float *logits, float *probs, float *lse, int32_t *expert, float *gate,
+                   int32_t *slot, int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k,
+                   int64_t cap) {
+  CPU_FOR_ROWS(be, n, e * k, lo, hi, k_moe_route_rows(logits, probs, lse, expert, gate, lo, hi, e, k));
+  for (int64_t j = 0; j < e; j++) assigned[j] = 0;
+  for (int c = 0; c < k; c++) /* first choices of every token, then second choices, ... */
+    for (int64_t i = 0; i < n; i++) {
+      int32_t x = expert[i * k + c];
+      slot[i * k + c] = assigned[x] < cap ? assigned[x] : -1;
+      assigned[x]++;
+    }
+  for (int64_t j = 0; j < e; j++) kept[j] = assigned[j] < cap ? assigned[j] : (int32_t)cap;
+  double *acc = (double *)cpu_scratch(be, (size_t)(2 * e));
+  for (int64_t j = 0; j < e; j++) acc[j] = 0.0;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < e; j++) acc[j] += probs[i * e + j];
+  for (int64_t j = 0; j < e; j++) psum[j] = (float)acc[j];
+}
+
+/* Rows [r0, r1) of the routing backward (tensor.h). With gp_k the gates'
+ * part at e_k (dgate_k for K = 1, (dgate_k − Σ_j dgate_j·gate_j) / Σ_j
+ * p[e_j] for K > 1), dprob = daux + Σ_k gp_k·[e = e_k], so
+ * pd = Σ_e p·dprob = Σ_e p·daux + Σ_k p[e_k]·gp_k (in double) and
+ * dlogits = p·(daux − pd) + zscale·lse·p, plus p[e_k]·gp_k at each e_k. */
+CPU_KERNEL_WIDE static void k_moe_route_bwd_rows(const float *restrict probs, const float *restrict lse,
+                                                 const int32_t *restrict expert, const float *restrict gate,
+                                                 const float *restrict dgate, const float *restrict daux, float zscale,
+                                                 float *restrict dlogits, int64_t r0, int64_t r1, int64_t e, int k) {
+  for (int64_t i = r0; i < r1; i++) {
+    const float *p = probs + i * e;
+    const int32_t *ex = expert + i * k;
+    const float *g = gate + i * k, *dg = dgate + i * k;
+    float *dl = dlogits + i * e;
+    double dot = 0.0, psel = 0.0, pd = 0.0;
+    for (int c = 0; c < k; c++)
+      if (ex[c] >= 0 && ex[c] < e) {
+        dot += (double)dg[c] * g[c];
+        psel += p[ex[c]];
+      }
+    const double inv = k == 1 ? 1.0 : 1.0 / psel, shift = k == 1 ? 0.0 : dot; /* gp_k = (dg_k − shift)·inv */
+#pragma omp simd reduction(+ : pd)
+    for (int64_t j = 0; j < e; j++) pd += (double)p[j] * daux[j];
+    for (int c = 0; c < k; c++)
+      if (ex[c] >= 0 && ex[c] < e) pd += (double)p[ex[c]] * ((dg[c] - shift) * inv);
+    const float pdf = (float)pd, zl = zscale * lse[i];
+    for (int64_t j = 0; j < e; j++) dl[j] = p[j] * (daux[j] - pdf) + zl * p[j];
+    for (int c = 0; c < k; c++)
+      if (ex[c] >= 0 && ex[c] < e) dl[ex[c]] += (float)((double)p[ex[c]] * ((dg[c] - shift) * inv));
+  }
+}
+
+void cpu_moe_route_bwd(tensor_backend_t be, const float *probs, const float *lse, const int32_t *expert,
+                       const float *gate, const float *dgate, const float *daux, float zscale, float *dlogits,
+                       int64_t n, int64_t e, int k) {
+  CPU_FOR_ROWS(be, n, e * k, lo, hi,
+               k_moe_route_bwd_rows(probs, lse, expert, gate, dgate, daux, zscale, dlogits, lo, hi, e, k));
+}
+
+/* The row of choice c of token i in the expert buffers, or −1 when the
+ * choice is dropped (or its indices are outside the buffers). */
+static inline int64_t moe_row(const int32_t *expert, const int32_t *slot, int64_t i, int k, int c, int64_t e,
+                              int64_t cap) {
+  int64_t x = expert[i * k + c], s = slot[i * k + c];
+  return x >= 0 && x < e && s >= 0 && s < cap ? x * cap + s : -1;
+}
+
+/* Zeroes buf[0, n) on the workers. */
+static void moe_zero(tensor_backend_t be, float *buf, int64_t n) {
+  CPU_FOR(be, n, lo, hi, memset(buf + lo, 0, (size_t)(hi - lo) * sizeof *buf));
+}
+
+CPU_KERNEL_WIDE static void k_moe_dispatch_rows(const float *restrict x, const int32_t *restrict expert,
+                                                const int32_t *restrict slot, float *restrict xe, int64_t r0,
+                                                int64_t r1, int64_t ch, int k, int64_t e, int64_t cap) {
+  for (int64_t i = r0; i < r1; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = moe_row(expert, slot, i, k, c, e, cap);
+      if (r >= 0) memcpy(xe + r * ch, x + i * ch, (size_t)ch * sizeof *xe);
+    }
+}
+
+void cpu_moe_dispatch(tensor_backend_t be, const float *x, const int32_t *expert, const int32_t *slot, float *xe,
+                      int64_t n, int64_t ch, int k, int64_t e, int64_t cap) {
+  moe_zero(be, xe, e * cap * ch);
+  CPU_FOR_ROWS(be, n, ch * k, lo, hi, k_moe_dispatch_rows(x, expert, slot, xe, lo, hi, ch, k, e, cap));
+}
+
+CPU_KERNEL_WIDE static void k_moe_dispatch_bwd_rows(const float *restrict dxe, const int32_t *restrict expert,
+                                                    const int32_t *restrict slot, float *restrict dx, int64_t r0,
+                                                    int64_t r1, int64_t ch, int k, int64_t e, int64_t cap) {
+  for (int64_t i = r0; i < r1; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = moe_row(expert, slot, i, k, c, e, cap);
+      if (r < 0) continue;
+      const float *g = dxe + r * ch;
+      float *d = dx + i * ch;
+      for (int64_t j = 0; j < ch; j++) d[j] += g[j];
+    }
+}
+
+void cpu_moe_dispatch_bwd(tensor_backend_t be, const float *dxe, const int32_t *expert, const int32_t *slot, float *dx,
+                          int64_t n, int64_t ch, int k, int64_t e, int64_t cap) {
+  CPU_FOR_ROWS(be, n, ch * k, lo, hi, k_moe_dispatch_bwd_rows(dxe, expert, slot, dx, lo, hi, ch, k, e, cap));
+}
+
+CPU_KERNEL_WIDE static void k_moe_combine_rows(const float *restrict ye, const int32_t *restrict expert,
+                                               const int32_t *restrict slot, const float *restrict gate,
+                                               float *restrict out, int64_t r0, int64_t r1, int64_t ch, int k,
+                                               int64_t e, int64_t cap) {
+  for (int64_t i = r0; i < r1; i++) {
+    float *o = out + i * ch;
+    memset(o, 0, (size_t)ch * sizeof *o);
+    for (int c = 0; c < k; c++) {
+      int64_t r = moe_row(expert, slot, i, k, c, e, cap);
+      if (r < 0) continue;
+      const float g = gate[i * k + c], *y = ye + r * ch;
+      for (int64_t j = 0; j < ch; j++) o[j] += g * y[j];
+    }
+  }
+}
+
+void cpu_moe_combine(tensor_backend_t be, const float *ye, const int32_t *expert, const int32_t *slot,
+                     const float *gate, float *out, int64_t n, int64_t ch, int k, int64_t e, int64_t cap) {
+  CPU_FOR_ROWS(be, n, ch * k, lo, hi, k_moe_combine_rows(ye, expert, slot, gate, out, lo, hi, ch, k, e, cap));
+}
+
+/* dye rows of tokens [r0, r1) ← gate·dout; dgate ← dout·ye (double lanes),
+ * 0 for a dropped choice. */
+CPU_KERNEL_WIDE static void k_moe_combine_bwd_rows(const float *restrict dout, const float *restrict ye,
+                                                   const int32_t *restrict expert, const int32_t *restrict slot,
+                                                   const float *restrict gate, float *restrict dye,
+                                                   float *restrict dgate, int64_t r0, int64_t r1, int64_t ch, int k,
+                                                   int64_t e, int64_t cap) {
+  for (int64_t i = r0; i < r1; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = moe_row(expert, slot, i, k, c, e, cap);
+      double dot = 0.0;
+      if (r >= 0) {
+        const float g = gate[i * k + c], *d = dout + i * ch, *y = ye + r * ch;
+        float *dy = dye + r * ch;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < ch; j++) {
+          dy[j] = g * d[j];
+          dot += (double)d[j] * y[j];
+        }
+      }
+      dgate[i * k + c] = (float)dot;
+    }
+}
+
+void cpu_moe_combine_bwd(tensor_backend_t be, const float *dout, const float *ye, const int32_t *expert,
+                         const int32_t *slot, const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k,
+                         int64_t e, int64_t cap) {
+  moe_zero(be, dye, e * cap * ch);
+  CPU_FOR_ROWS(be, n, ch * k, lo, hi,
+               k_moe_combine_bwd_rows(dout, ye, expert, slot, gate, dye, dgate, lo, hi, ch, k, e, cap));
+}

@@ -688,6 +688,47 @@ static void cuda_set_tf32(tensor_backend_t be, bool on) {
   CUBLAS_CHECK(tensor_cublas()->set_math_mode(b->blas, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
 }
 
+/* ---- mixture of experts (kernels/moe.cu; no scratch) ---- */
+
+static void cuda_moe_route(tensor_backend_t be, const float *logits, float *probs, float *lse, int32_t *expert,
+                           float *gate, int32_t *slot, int32_t *assigned, int32_t *kept, float *psum, int64_t n,
+                           int64_t e, int k, int64_t cap) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_route(logits, probs, lse, expert, gate, slot, assigned, kept, psum, n, e, k, cap, stream_of(b)));
+}
+
+static void cuda_moe_route_bwd(tensor_backend_t be, const float *probs, const float *lse, const int32_t *expert,
+                               const float *gate, const float *dgate, const float *daux, float zscale, float *dlogits,
+                               int64_t n, int64_t e, int k) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_route_bwd(probs, lse, expert, gate, dgate, daux, zscale, dlogits, n, e, k, stream_of(b)));
+}
+
+static void cuda_moe_dispatch(tensor_backend_t be, const float *x, const int32_t *expert, const int32_t *slot,
+                              float *xe, int64_t n, int64_t c, int k, int64_t e, int64_t cap) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_dispatch(x, expert, slot, xe, n, c, k, e, cap, stream_of(b)));
+}
+
+static void cuda_moe_dispatch_bwd(tensor_backend_t be, const float *dxe, const int32_t *expert, const int32_t *slot,
+                                  float *dx, int64_t n, int64_t c, int k, int64_t e, int64_t cap) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_dispatch_bwd(dxe, expert, slot, dx, n, c, k, e, cap, stream_of(b)));
+}
+
+static void cuda_moe_combine(tensor_backend_t be, const float *ye, const int32_t *expert, const int32_t *slot,
+                             const float *gate, float *out, int64_t n, int64_t c, int k, int64_t e, int64_t cap) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_combine(ye, expert, slot, gate, out, n, c, k, e, cap, stream_of(b)));
+}
+
+static void cuda_moe_combine_bwd(tensor_backend_t be, const float *dout, const float *ye, const int32_t *expert,
+                                 const int32_t *slot, const float *gate, float *dye, float *dgate, int64_t n,
+                                 int64_t c, int k, int64_t e, int64_t cap) {
+  struct cuda_backend *b = enter(be);
+  KERN_CHECK(kern_moe_combine_bwd(dout, ye, expert, slot, gate, dye, dgate, n, c, k, e, cap, stream_of(b)));
+}
+
 static const struct tensor_backend_ops cuda_ops = {
     .close = cuda_close,
     .set_threads = NULL,
@@ -726,6 +767,12 @@ static const struct tensor_backend_ops cuda_ops = {
     .attention_bwd = cuda_attention_bwd,
     .gelu_tanh_fwd = cuda_gelu_tanh_fwd,
     .gelu_tanh_bwd = cuda_gelu_tanh_bwd,
+    .moe_route = cuda_moe_route,
+    .moe_route_bwd = cuda_moe_route_bwd,
+    .moe_dispatch = cuda_moe_dispatch,
+    .moe_dispatch_bwd = cuda_moe_dispatch_bwd,
+    .moe_combine = cuda_moe_combine,
+    .moe_combine_bwd = cuda_moe_combine_bwd,
     .sgd_step = cuda_sgd_step,
     .adamw_step = cuda_adamw_step,
     .axpby = cuda_axpby,

@@ -86,6 +86,27 @@ struct tensor_backend_ops {
                         float *dqkv, int64_t r, int64_t t, int64_t c, int nh);
   void (*gelu_tanh_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
   void (*gelu_tanh_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
+  /* Mixture of experts (tensor.h): n tokens of width c, e experts of cap
+   * rows each, k choices per token (1 <= k <= e); expert, slot [n,k] I32,
+   * gate, dgate [n,k]; xe, dxe, ye, dye [e·cap, c]. tensor.c has checked
+   * the shapes: e >= 1 and cap >= 0 for moe_route (n >= 0: with none,
+   * assigned, kept and psum are still written); n, c, e and cap >= 1 for
+   * the others (tensor.c does the empty cases itself). */
+  void (*moe_route)(tensor_backend_t be, const float *logits, float *probs, float *lse, int32_t *expert, float *gate,
+                    int32_t *slot, int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k,
+                    int64_t cap);
+  void (*moe_route_bwd)(tensor_backend_t be, const float *probs, const float *lse, const int32_t *expert,
+                        const float *gate, const float *dgate, const float *daux, float zscale, float *dlogits,
+                        int64_t n, int64_t e, int k);
+  void (*moe_dispatch)(tensor_backend_t be, const float *x, const int32_t *expert, const int32_t *slot, float *xe,
+                       int64_t n, int64_t c, int k, int64_t e, int64_t cap);
+  void (*moe_dispatch_bwd)(tensor_backend_t be, const float *dxe, const int32_t *expert, const int32_t *slot,
+                           float *dx, int64_t n, int64_t c, int k, int64_t e, int64_t cap);
+  void (*moe_combine)(tensor_backend_t be, const float *ye, const int32_t *expert, const int32_t *slot,
+                      const float *gate, float *out, int64_t n, int64_t c, int k, int64_t e, int64_t cap);
+  void (*moe_combine_bwd)(tensor_backend_t be, const float *dout, const float *ye, const int32_t *expert,
+                          const int32_t *slot, const float *gate, float *dye, float *dgate, int64_t n, int64_t c,
+                          int k, int64_t e, int64_t cap);
   void (*sgd_step)(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
                    const struct tensor_sgd *hp);
   void (*adamw_step)(tensor_backend_t be, float *p, const float *g, float *m, float *v, int64_t n,

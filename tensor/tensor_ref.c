@@ -336,3 +336,133 @@ void tensor_ref_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_
     dx[i] = (float)((double)dy[i] * (s + 2.0 * v * s * sc * du));
   }
 }
+
+/* ---- mixture of experts ---- */
+
+/* Whether expert a ranks before expert b on row l: the larger logit, and
+ * on a tie (−0 equals +0) the lower index. */
+static bool ref_moe_before(const float *l, int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); }
+
+/* Row n's softmax in double (stored as float), its log-sum-exp, and its K
+ * best experts by K passes over the row; gates from the stored probs. */
+static void ref_moe_route_row(const float *l, int64_t e, int k, float *probs, float *lse, int32_t *expert,
+                              float *gate, bool *chosen) {
+  double mx = -INFINITY, sum = 0.0;
+  for (int64_t j = 0; j < e; j++) mx = l[j] > mx ? l[j] : mx;
+  for (int64_t j = 0; j < e; j++) sum += exp((double)l[j] - mx);
+  for (int64_t j = 0; j < e; j++) probs[j] = (float)(exp((double)l[j] - mx) / sum);
+  *lse = (float)(mx + log(sum));
+  for (int64_t j = 0; j < e; j++) chosen[j] = false;
+  double psel = 0.0;
+  for (int i = 0; i < k; i++) {
+    int64_t best = -1;
+    for (int64_t j = 0; j < e; j++)
+      if (!chosen[j] && (best < 0 || ref_moe_before(l, j, best))) best = j;
+    chosen[best] = true;
+    expert[i] = (int32_t)best;
+    psel += probs[best];
+  }
+  for (int i = 0; i < k; i++) gate[i] = k == 1 ? probs[expert[i]] : (float)(probs[expert[i]] / psel);
+}
+
+void tensor_ref_moe_route(const float *logits, float *probs, float *lse, int32_t *expert, float *gate, int32_t *slot,
+                          int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k, int64_t cap) {
+  bool *chosen = xmalloc((size_t)e * sizeof *chosen);
+  for (int64_t i = 0; i < n; i++)
+    ref_moe_route_row(logits + i * e, e, k, probs + i * e, lse + i, expert + i * k, gate + i * k, chosen);
+  free(chosen);
+  for (int64_t j = 0; j < e; j++) assigned[j] = kept[j] = 0;
+  for (int c = 0; c < k; c++) /* first choices of every token, then second choices, ... */
+    for (int64_t i = 0; i < n; i++) {
+      int32_t x = expert[i * k + c];
+      slot[i * k + c] = assigned[x] < cap ? assigned[x] : -1;
+      assigned[x]++;
+      if (slot[i * k + c] >= 0) kept[x]++;
+    }
+  for (int64_t j = 0; j < e; j++) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += probs[i * e + j];
+    psum[j] = (float)s;
+  }
+}
+
+void tensor_ref_moe_route_bwd(const float *probs, const float *lse, const int32_t *expert, const float *gate,
+                              const float *dgate, const float *daux, float zscale, float *dlogits, int64_t n,
+                              int64_t e, int k) {
+  double *dprob = xmalloc((size_t)e * sizeof *dprob);
+  for (int64_t i = 0; i < n; i++) {
+    const float *p = probs + i * e;
+    const int32_t *ex = expert + i * k;
+    const float *g = gate + i * k, *dg = dgate + i * k;
+    for (int64_t j = 0; j < e; j++) dprob[j] = daux[j];
+    double dot = 0.0, psel = 0.0; /* Σ_j dgate·gate and Σ_j probs of the chosen */
+    for (int c = 0; c < k; c++) {
+      dot += (double)dg[c] * g[c];
+      psel += p[ex[c]];
+    }
+    for (int c = 0; c < k; c++) dprob[ex[c]] += k == 1 ? (double)dg[c] : ((double)dg[c] - dot) / psel;
+    double pd = 0.0;
+    for (int64_t j = 0; j < e; j++) pd += (double)p[j] * dprob[j];
+    for (int64_t j = 0; j < e; j++)
+      dlogits[i * e + j] = (float)((double)p[j] * (dprob[j] - pd) + (double)zscale * lse[i] * p[j]);
+  }
+  free(dprob);
+}
+
+/* The row of choice (i, c) in the expert buffers, or −1 when dropped. */
+static int64_t ref_moe_row(const int32_t *expert, const int32_t *slot, int64_t i, int k, int c, int64_t e,
+                           int64_t cap) {
+  int64_t x = expert[i * k + c], s = slot[i * k + c];
+  return x >= 0 && x < e && s >= 0 && s < cap ? x * cap + s : -1;
+}
+
+void tensor_ref_moe_dispatch(const float *x, const int32_t *expert, const int32_t *slot, float *xe, int64_t n,
+                             int64_t ch, int k, int64_t e, int64_t cap) {
+  for (int64_t j = 0; j < e * cap * ch; j++) xe[j] = 0.0f;
+  for (int64_t i = 0; i < n; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = ref_moe_row(expert, slot, i, k, c, e, cap);
+      if (r >= 0)
+        for (int64_t j = 0; j < ch; j++) xe[r * ch + j] = x[i * ch + j];
+    }
+}
+
+void tensor_ref_moe_dispatch_bwd(const float *dxe, const int32_t *expert, const int32_t *slot, float *dx, int64_t n,
+                                 int64_t ch, int k, int64_t e, int64_t cap) {
+  for (int64_t i = 0; i < n; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = ref_moe_row(expert, slot, i, k, c, e, cap);
+      if (r >= 0)
+        for (int64_t j = 0; j < ch; j++) dx[i * ch + j] += dxe[r * ch + j];
+    }
+}
+
+void tensor_ref_moe_combine(const float *ye, const int32_t *expert, const int32_t *slot, const float *gate, float *out,
+                            int64_t n, int64_t ch, int k, int64_t e, int64_t cap) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < ch; j++) {
+      double acc = 0.0;
+      for (int c = 0; c < k; c++) {
+        int64_t r = ref_moe_row(expert, slot, i, k, c, e, cap);
+        if (r >= 0) acc += (double)gate[i * k + c] * ye[r * ch + j];
+      }
+      out[i * ch + j] = (float)acc;
+    }
+}
+
+void tensor_ref_moe_combine_bwd(const float *dout, const float *ye, const int32_t *expert, const int32_t *slot,
+                                const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k, int64_t e,
+                                int64_t cap) {
+  for (int64_t j = 0; j < e * cap * ch; j++) dye[j] = 0.0f;
+  for (int64_t i = 0; i < n; i++)
+    for (int c = 0; c < k; c++) {
+      int64_t r = ref_moe_row(expert, slot, i, k, c, e, cap);
+      double dot = 0.0;
+      if (r >= 0)
+        for (int64_t j = 0; j < ch; j++) {
+          dye[r * ch + j] = gate[i * k + c] * dout[i * ch + j];
+          dot += (double)dout[i * ch + j] * ye[r * ch + j];
+        }
+      dgate[i * k + c] = (float)dot;
+    }
+}

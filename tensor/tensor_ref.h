@@ -46,6 +46,24 @@ void tensor_ref_attention_bwd(const float *qkv, const float *out, const float *l
                               int64_t r, int64_t t, int64_t c, int nh);
 void tensor_ref_gelu_tanh_fwd(const float *x, float *y, int64_t n);
 void tensor_ref_gelu_tanh_bwd(const float *x, const float *dy, float *dx, int64_t n);
+/* Mixture of experts (tensor.h's tensor_moe_*): n tokens of width ch, e
+ * experts of cap rows, k choices per token. The routing's softmax is in
+ * double, its top-K picked by K passes over each row; gates are formed from
+ * the stored (float) probabilities. */
+void tensor_ref_moe_route(const float *logits, float *probs, float *lse, int32_t *expert, float *gate, int32_t *slot,
+                          int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e, int k, int64_t cap);
+void tensor_ref_moe_route_bwd(const float *probs, const float *lse, const int32_t *expert, const float *gate,
+                              const float *dgate, const float *daux, float zscale, float *dlogits, int64_t n,
+                              int64_t e, int k);
+void tensor_ref_moe_dispatch(const float *x, const int32_t *expert, const int32_t *slot, float *xe, int64_t n,
+                             int64_t ch, int k, int64_t e, int64_t cap);
+void tensor_ref_moe_dispatch_bwd(const float *dxe, const int32_t *expert, const int32_t *slot, float *dx, int64_t n,
+                                 int64_t ch, int k, int64_t e, int64_t cap);
+void tensor_ref_moe_combine(const float *ye, const int32_t *expert, const int32_t *slot, const float *gate, float *out,
+                            int64_t n, int64_t ch, int k, int64_t e, int64_t cap);
+void tensor_ref_moe_combine_bwd(const float *dout, const float *ye, const int32_t *expert, const int32_t *slot,
+                                const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k, int64_t e,
+                                int64_t cap);
 void tensor_ref_sgd_step(float *p, const float *g, float *m, int64_t n, const struct tensor_sgd *hp);
 void tensor_ref_adamw_step(float *p, const float *g, float *m, float *v, int64_t n,
                            const struct tensor_adamw *hp);

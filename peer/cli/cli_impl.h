@@ -94,6 +94,8 @@ struct train_flags {
   const char *model, *data, *device, *shard, *optimizer, *schedule, *checkpoint, *resume, *init_from;
   int64_t threads, seed, data_seed, epochs, batch, max_steps, checkpoint_every, warmup, eval_every, eval_batches;
   double lr, momentum, weight_decay, log_every, val_fraction, grad_clip, slowdown;
+  int64_t moe_every;                              /* 0: the spec's */
+  double capacity_factor, moe_aux_loss, moe_z_loss; /* capacity 0: the spec's */
   bool nesterov, no_eval, log_json, tf32;
   const char *tensorboard; /* --tensorboard DIR, or NULL (tensorboard.c) */
 };

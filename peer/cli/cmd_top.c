@@ -103,6 +103,13 @@ static json_t *json_node(const struct gossip_node_report *nd) {
   json_text_set(o, "param_norm", json_text_real(t ? nd->param_norm : NAN));
   json_text_set(o, "peak_rss_bytes", int_or_null(t && nd->peak_rss_bytes > 0, nd->peak_rss_bytes));
   json_text_set(o, "part", json_text_str(part_of(nd->model)));
+  if (t && nd->moe_experts > 0) { /* a mixture of experts' last step */
+    json_t *load = json_array();
+    for (int x = 0; x < nd->moe_experts; x++) json_text_push(load, json_text_real(nd->moe_load[x]));
+    json_text_set(o, "expert_load", load);
+    json_text_set(o, "moe_dropped_fraction", json_text_real(nd->moe_dropped));
+    json_text_set(o, "moe_aux_loss", json_text_real(nd->moe_aux_loss));
+  }
   json_text_set(o, "exchanges_ok", json_integer((json_int_t)nd->exchanges_ok));
   json_text_set(o, "exchanges_failed", json_integer((json_int_t)nd->exchanges_failed));
   json_text_set(o, "exchanges_rejected", json_integer((json_int_t)nd->exchanges_rejected));
@@ -288,6 +295,11 @@ static void print_view(FILE *f, const struct gossip_cluster_report *r, const str
     /* A group's members share its identity (the ID column): one line each
      * for the part it holds. */
     if (part_of(nd->model)[0]) fprintf(f, "%-10s part: %s\n", "", part_of(nd->model));
+    if (nd->have_train && nd->moe_experts > 0) {
+      fprintf(f, "%-10s experts: %.1f%% dropped, aux loss %.4g, load", "", 100 * nd->moe_dropped, nd->moe_aux_loss);
+      for (int x = 0; x < nd->moe_experts; x++) fprintf(f, " %.3f", nd->moe_load[x]);
+      fputc('\n', f);
+    }
     if (nd->last_failure[0]) fprintf(f, "%-10s last failure: %s\n", "", nd->last_failure);
     if (nd->relayed_links || nd->relayed_bytes || nd->relay_bytes || nd->via[0]) {
       char rb[16], fb[16];

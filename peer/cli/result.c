@@ -24,6 +24,15 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
     json_text_set(o, "data_parallel", json_integer(t->zero.size));
   }
   if (trainer_in_group_comm(t)) json_text_set(o, "comm_bytes_per_step", json_text_real(t->comm_step_bytes));
+  if (t->moe.experts) { /* a mixture of experts: its last step's figures */
+    json_text_set(o, "moe_aux_loss", json_text_real(t->moe.aux_loss));
+    json_text_set(o, "moe_z_loss", json_text_real(t->moe.z_loss));
+    json_text_set(o, "moe_dropped_fraction", json_text_real(t->moe.dropped_fraction));
+    json_t *load = json_array();
+    RUMOR_ASSERT(load);
+    for (int x = 0; x < t->moe.experts; x++) json_text_push(load, json_text_real(t->moe.load[x]));
+    json_text_set(o, "expert_load", load);
+  }
   if (!trainer_has_loss(t)) return;
   /* A language model's evaluation is on held-out tokens: its loss per token
    * and how often the likeliest next token is the right one. */

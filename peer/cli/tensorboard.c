@@ -127,6 +127,16 @@ static void write_all(struct tb_train *tb, const struct trainer *t, double now, 
   }
   tb_scalar(tb->w, "train/epoch", step, (double)t->st.epoch);
   if (isfinite(t->grad_norm)) tb_scalar(tb->w, "train/grad_norm", step, t->grad_norm); /* --grad-clip only */
+  if (t->moe.experts) { /* a mixture of experts: its last step's figures */
+    tb_scalar(tb->w, "moe/aux_loss", step, t->moe.aux_loss);
+    tb_scalar(tb->w, "moe/z_loss", step, t->moe.z_loss);
+    tb_scalar(tb->w, "moe/dropped_fraction", step, t->moe.dropped_fraction);
+    for (int x = 0; x < t->moe.experts; x++) {
+      char tag[32];
+      snprintf(tag, sizeof tag, "moe/expert_load/%d", x);
+      tb_scalar(tb->w, tag, step, t->moe.load[x]);
+    }
+  }
   if (force_norm || now >= tb->next_norm_s) {
     double c0 = clock_now_s();
     double norm = sqrt(tensor_sq_norm(&t->model.params));

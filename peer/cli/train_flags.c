@@ -1,4 +1,5 @@
 /* The training options: rumor train, peer and group. */
+#include <math.h>
 #include <string.h>
 
 #include "peer/cli/cli_impl.h"
@@ -24,13 +25,15 @@ void train_flags_default(struct train_flags *f) {
   f->log_every = cfg.log_every_s;
   f->val_fraction = cfg.val_fraction;
   f->eval_batches = cfg.eval_batches;
+  f->moe_aux_loss = cfg.moe_aux_weight;
+  f->moe_z_loss = cfg.moe_z_weight;
 }
 
 void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spec *out, size_t *n, size_t max) {
   const struct arg_spec specs[] = {
       {"model", ARG_STR, &f->model, "SPEC",
        "architecture: mlp:784-512-256-10, mlp:784-256-10:gelu, gpt:L6-H6-C384-T256-V256 (layers, heads, width, "
-       "context, vocabulary) or gpt2"},
+       "context, vocabulary), gpt2, or a mixture of experts gpt:...-E8-K2 (E experts of which each token takes K)"},
       {"data", ARG_STR, &f->data, "PATH",
        "an MLP's images: a directory with train-/t10k- IDX files (plain or .gz; default " TRAIN_DEFAULT_IMAGES
        "); a GPT's tokens: a text file (bytes), a directory of llm.c token shards or a glob (default "
@@ -43,6 +46,15 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
        "GPU matrix products in TF32 on tensor cores (inputs rounded to 10 mantissa bits, FP32 sums): faster, "
        "slightly less exact; recorded in checkpoints and the result line. On the CPU it is accepted and recorded "
        "but changes nothing (default: off, plain FP32)"},
+      {"moe-every", ARG_INT, &f->moe_every, "N",
+       "a mixture of experts (--model gpt:...-E8-K2): every N-th block has experts (the spec's M part; default 1)",
+       0, GPT_MAX_LAYERS},
+      {"capacity-factor", ARG_FLOAT, &f->capacity_factor, "X",
+       "a mixture of experts: each expert takes at most X · tokens · K / E of a pass's tokens, the rest skip it "
+       "through the residual (the spec's F part, percent; default 1.25)", 0, 1000},
+      {"moe-aux-loss", ARG_FLOAT, &f->moe_aux_loss, "A", "a mixture of experts: the load-balancing loss's weight",
+       0, 1e3},
+      {"moe-z-loss", ARG_FLOAT, &f->moe_z_loss, "B", "a mixture of experts: the router z-loss's weight", 0, 1e3},
       {"shard", ARG_STR, &f->shard, "I/N", "train on shard I of N of the training set (N <= 65536)"},
       {"seed", ARG_INT, &f->seed, "N", "seed for initialisation and shuffling", 0, 9007199254740991.0},
       {"data-seed", ARG_INT, &f->data_seed, "N", "seed of the shard split (same on every peer)", 0,
@@ -109,6 +121,35 @@ void train_flags_specs(struct train_flags *f, enum flags_for who, struct arg_spe
   args_log_json_spec(&f->log_json, out, n, max);
 }
 
+/* --moe-every and --capacity-factor rewrite the spec's M and F parts (so
+ * checkpoints, labels and agreements carry them); the losses' weights go
+ * to the trainer. `spec`: the parsed --model, or NULL (the checkpoint's). */
+static int moe_flags(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,
+                     struct model_spec *spec, struct rumor_err *e) {
+  cfg->moe_aux_weight = f->moe_aux_loss;
+  cfg->moe_z_weight = f->moe_z_loss;
+  bool every = args_given(specs, "moe-every"), cap = args_given(specs, "capacity-factor");
+  if (!every && !cap) return 0;
+  const char *flag = every ? "--moe-every" : "--capacity-factor";
+  if (!spec || spec->family != MODEL_GPT || !spec->u.gpt.experts)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s is for a mixture of experts: give --model gpt:...-E<experts> (e.g. "
+                         "gpt:L6-H6-C384-T256-V256-E8-K2)", flag);
+  if (every && (f->moe_every < 1 || f->moe_every > spec->u.gpt.layers))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--moe-every %lld: must be in [1, %d], the model's blocks",
+                         (long long)f->moe_every, spec->u.gpt.layers);
+  double pct = f->capacity_factor * 100;
+  if (cap && (pct < 1 || fabs(pct - round(pct)) > 1e-6))
+    return rumor_err_set(e, RUMOR_EFORMAT, "--capacity-factor %g: must be at least 0.01, in hundredths", f->capacity_factor);
+  if (every) spec->u.gpt.moe_every = (int)f->moe_every;
+  if (cap) spec->u.gpt.capacity_pct = (int)round(pct);
+  /* The rewritten spec outlives every copy of the configuration: one per
+   * process (a command parses its flags once). */
+  static char text[MODEL_SPEC_MAX];
+  model_spec_format(spec, text, sizeof text);
+  cfg->model = text;
+  return 0;
+}
+
 int train_flags_config(const struct train_flags *f, const struct arg_spec *specs, struct train_config *cfg,
                        struct rumor_err *e) {
   train_config_default(cfg);
@@ -121,6 +162,7 @@ int train_flags_config(const struct train_flags *f, const struct arg_spec *specs
   cfg->model = ((f->resume || f->init_from) && !args_given(specs, "model")) ? NULL : f->model;
   struct model_spec spec;
   if (cfg->model && model_spec_parse(cfg->model, &spec, e)) return rumor_err_prefix(e, "--model");
+  if (moe_flags(f, specs, cfg, cfg->model ? &spec : NULL, e)) return RUMOR_EFORMAT;
   cfg->data_dir = f->data;
   cfg->device = f->device;
   cfg->threads = (int)f->threads;

@@ -73,57 +73,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "peer/model/tp_impl.h"
+#include "peer/model/gpt_impl.h"
 #include "util/json_text.h"
 
-#define GP(s) (&(s)->u.gpt)
-/* The layer norms' epsilon as config.json states it: TENSOR_LAYERNORM_EPS
- * (a float), written as the double Python reads. */
-#define GPT_HF_LAYERNORM_EPS 1e-5
-
-/* Table entries per block, in flat-buffer order. */
-enum {
-  B_LN1_W, B_LN1_B, B_ATTN_W, B_ATTN_B, B_PROJ_W, B_PROJ_B,
-  B_LN2_W, B_LN2_B, B_FC_W, B_FC_B, B_MPROJ_W, B_MPROJ_B, B_NPARAMS
-};
 static const char *const BLOCK_NAMES[B_NPARAMS] = {
     "ln_1.weight",   "ln_1.bias",   "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
     "ln_2.weight",   "ln_2.bias",   "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
-
-/* A block's activations for one micro-batch (the pipeline's stash); the
- * widths are the model's own (struct gpt_ws). */
-struct gpt_block_acts {
-  struct tensor qkv;    /* (max_rows, T, 3·cl): the (local) heads' q | k | v */
-  struct tensor att;    /* (max_rows, T, cl): attention output before c_proj */
-  struct tensor lse;    /* (max_rows, hl, T) */
-  struct tensor mid;    /* (max_rows, T, C): the residual after attention */
-  struct tensor fc;     /* (max_rows, T, fl): c_fc's output, before GELU */
-  struct tensor ln1_mean, ln1_rstd, ln2_mean, ln2_rstd; /* (max_rows·T) */
-};
-
-struct gpt_ws {
-  /* What the model holds: a whole model H heads, width C, 4C MLP columns,
-   * vocabulary rows [0, V); a tensor-parallel rank its share. */
-  int hl;                                      /* heads */
-  int64_t cl, fl;                              /* attention width (hl·C/H) and MLP width */
-  int64_t vlo, vl;                             /* the vocabulary rows [vlo, vlo + vl) of wte and the logits */
-  struct tensor p[GPT_MAX_LAYERS][B_NPARAMS];  /* views into params (the model's own shapes) */
-  struct tensor g[GPT_MAX_LAYERS][B_NPARAMS];  /* views into grads */
-  struct tensor wte, wpe, lnf_w, lnf_b;       /* views (wte (vl, C): into params or the tied copy) */
-  struct tensor dwte, dwpe, dlnf_w, dlnf_b;
-  struct tensor wte_copy, dwte_copy;          /* the tied copy (of a rank's rows), on a head stage without unit 0 */
-  bool dwte_written; /* the head wrote dwte in this step's backward and unit 0's has not run yet: set by the
-                       head, consumed by unit 0, so a backward run one unit at a time (ZeRO) adds unit 0's
-                       share to the head's as a whole-model backward does */
-  int64_t positions;                          /* of the passes; 0: the context */
-  struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the (rank's) logits */
-  struct gpt_block_acts blk[GPT_MAX_LAYERS];
-  struct tensor lnf_mean, lnf_rstd;           /* (max_rows·T) */
-  /* Scratch shared by all units (never live across two passes). */
-  struct tensor ln_out, dres, dtmp; /* (max_rows·T, C) */
-  struct tensor big;                /* (max_rows·T, max(fl, 3·cl)): the GELU output, then its gradient */
-  struct tensor xent;               /* a rank of several: (max(T + 1, 2T)·max_rows·T), the loss's and score's exchange */
-};
 
 /* ---- spec ---- */
 
@@ -152,9 +107,32 @@ static int check_part(const char *s, char letter, long long v, long long lo, lon
   return 0;
 }
 
+/* The optional mixture-of-experts parts: E experts (0: dense), K and M
+ * with E only. v: E, K, M as parsed (-1: not given). */
+static int moe_parts(const char *s, const long long *v, int layers, struct model_spec *out, struct rumor_err *e) {
+  int rc;
+  static const char MOE_ONLY[] = "KMF";
+  for (int i = 1; i < 4; i++)
+    if (v[0] < 0 && v[i] >= 0)
+      return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': %c is for a mixture of experts: give E too (e.g. "
+                           "-E8-K2)", s, MOE_ONLY[i - 1]);
+  if (v[0] < 0) return 0;
+  if ((rc = check_part(s, 'E', v[0], 1, GPT_MAX_EXPERTS, "the number of experts", e))) return rc;
+  long long k = v[1] >= 0 ? v[1] : 1, every = v[2] >= 0 ? v[2] : 1, pct = v[3] >= 0 ? v[3] : GPT_MOE_CAPACITY_PCT;
+  if ((rc = check_part(s, 'K', k, 1, v[0], "the experts each token goes to", e)) ||
+      (rc = check_part(s, 'M', every, 1, layers, "the blocks between mixture-of-experts blocks", e)) ||
+      (rc = check_part(s, 'F', pct, 1, 100000, "the capacity factor in percent", e)))
+    return rc;
+  GP(out)->experts = (int)v[0];
+  GP(out)->topk = (int)k;
+  GP(out)->moe_every = (int)every;
+  GP(out)->capacity_pct = (int)pct;
+  return 0;
+}
+
 static int gpt_parse(const char *s, const char *p, struct model_spec *out, struct rumor_err *e) {
-  long long v[5] = {-1, -1, -1, -1, -1};
-  static const char LETTERS[] = "LHCTV";
+  long long v[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
+  static const char LETTERS[] = "LHCTVEKMF";
   for (;;) {
     char letter;
     long long value;
@@ -164,7 +142,7 @@ static int gpt_parse(const char *s, const char *p, struct model_spec *out, struc
     if (!at || !letter)
       return rumor_err_set(e, RUMOR_EFORMAT,
                            "bad model spec '%s': unknown part '%c%lld' (L layers, H heads, C width, T context, "
-                           "V vocabulary)",
+                           "V vocabulary; E experts, K of them per token, M blocks apart, F capacity percent)",
                            s, letter, value);
     if (v[at - LETTERS] >= 0)
       return rumor_err_set(e, RUMOR_EFORMAT, "bad model spec '%s': %c given twice", s, letter);
@@ -192,12 +170,20 @@ static int gpt_parse(const char *s, const char *p, struct model_spec *out, struc
   GP(out)->width = v[2];
   GP(out)->context = v[3];
   GP(out)->vocab = v[4];
-  return 0;
+  GP(out)->experts = GP(out)->topk = GP(out)->capacity_pct = 0;
+  GP(out)->moe_every = 1;
+  return moe_parts(s, v + 5, (int)v[0], out, e);
 }
 
 static void gpt_format(const struct model_spec *s, char *buf, size_t len) {
-  snprintf(buf, len, "gpt:L%d-H%d-C%lld-T%lld-V%lld", GP(s)->layers, GP(s)->heads, (long long)GP(s)->width,
-           (long long)GP(s)->context, (long long)GP(s)->vocab);
+  int w = snprintf(buf, len, "gpt:L%d-H%d-C%lld-T%lld-V%lld", GP(s)->layers, GP(s)->heads, (long long)GP(s)->width,
+                   (long long)GP(s)->context, (long long)GP(s)->vocab);
+  if (GP(s)->experts && w > 0 && (size_t)w < len)
+    w += snprintf(buf + w, len - (size_t)w, "-E%d-K%d", GP(s)->experts, GP(s)->topk);
+  if (GP(s)->experts && GP(s)->moe_every > 1 && w > 0 && (size_t)w < len)
+    w += snprintf(buf + w, len - (size_t)w, "-M%d", GP(s)->moe_every);
+  if (GP(s)->experts && GP(s)->capacity_pct != GPT_MOE_CAPACITY_PCT && w > 0 && (size_t)w < len)
+    snprintf(buf + w, len - (size_t)w, "-F%d", GP(s)->capacity_pct);
 }
 
 /* ---- the table ---- */
@@ -216,6 +202,20 @@ static void put(struct model_param *out, size_t *n, int64_t *off, int unit, int6
   (*n)++;
 }
 
+bool gpt_block_is_moe(const struct model_spec *s, int l) {
+  return GP(s)->experts > 0 && (l + 1) % GP(s)->moe_every == 0;
+}
+
+size_t gpt_block_entries(const struct model_spec *s, int l) {
+  return gpt_block_is_moe(s, l) ? B_ROUTER + 1 + (size_t)GP(s)->experts * X_NPARAMS : B_NPARAMS;
+}
+
+size_t gpt_block_first(const struct model_spec *s, int l) {
+  size_t i = 2; /* wte, wpe */
+  for (int j = 0; j < l; j++) i += gpt_block_entries(s, j);
+  return i;
+}
+
 static size_t gpt_table(const struct model_spec *s, struct model_param *out) {
   int64_t C = GP(s)->width, off = 0;
   size_t n = 0;
@@ -224,12 +224,24 @@ static size_t gpt_table(const struct model_spec *s, struct model_param *out) {
   /* (rows, cols) of each block entry; cols 0: a vector. */
   const int64_t dims[B_NPARAMS][2] = {{C, 0}, {C, 0}, {C, 3 * C}, {3 * C, 0}, {C, C},     {C, 0},
                                       {C, 0}, {C, 0}, {C, 4 * C}, {4 * C, 0}, {4 * C, C}, {C, 0}};
-  for (int l = 0; l < GP(s)->layers; l++)
-    for (int k = 0; k < B_NPARAMS; k++) {
-      char name[MODEL_NAME_MAX];
+  for (int l = 0; l < GP(s)->layers; l++) {
+    bool moe = gpt_block_is_moe(s, l);
+    char name[MODEL_NAME_MAX];
+    for (int k = 0; k < (moe ? B_ROUTER : B_NPARAMS); k++) {
       snprintf(name, sizeof name, "transformer.h.%d.%s", l, BLOCK_NAMES[k]);
       put(out, &n, &off, l + 1, dims[k][0], dims[k][1], name);
     }
+    if (!moe) continue;
+    /* The router (C, E), then each expert's MLP, GPT-2's own (Mixtral's
+     * and Switch's naming: mlp.router, mlp.experts.<e>.*). */
+    snprintf(name, sizeof name, "transformer.h.%d.mlp.router.weight", l);
+    put(out, &n, &off, l + 1, C, GP(s)->experts, name);
+    for (int x = 0; x < GP(s)->experts; x++)
+      for (int k = 0; k < X_NPARAMS; k++) {
+        snprintf(name, sizeof name, "transformer.h.%d.mlp.experts.%d.%s", l, x, BLOCK_NAMES[B_FC_W + k] + 4);
+        put(out, &n, &off, l + 1, dims[B_FC_W + k][0], dims[B_FC_W + k][1], name);
+      }
+  }
   put(out, &n, &off, GP(s)->layers + 1, C, 0, "transformer.ln_f.weight");
   put(out, &n, &off, GP(s)->layers + 1, C, 0, "transformer.ln_f.bias");
   return n;
@@ -254,7 +266,10 @@ static int64_t gpt_unit_macs(const struct model_spec *s, int u) {
   int64_t T = GP(s)->context, C = GP(s)->width, V = GP(s)->vocab;
   if (u == 0) return T * C; /* the embedding gather and its scatter */
   if (u == GP(s)->layers + 1) return 3 * T * C * V;
-  int64_t linear = 3 * T * 12 * C * C, attention = (2 + 4 + 1) * T * T * C / 2;
+  /* A mixture-of-experts block: each token through K experts' MLPs (at
+   * most: some are dropped) and the router. */
+  int64_t mlp = gpt_block_is_moe(s, u - 1) ? GP(s)->topk * 8 * C * C + C * GP(s)->experts : 8 * C * C;
+  int64_t linear = 3 * T * (4 * C * C + mlp), attention = (2 + 4 + 1) * T * T * C / 2;
   return linear + attention;
 }
 
@@ -293,10 +308,23 @@ static void gpt_init_unit(const struct model_spec *s, int u, struct rng *r, floa
     fill_value(out + C, C, 0.0f);
     return;
   }
-  /* A block, its entries in table order (gpt_table). */
+  /* A block, its entries in table order (gpt_table); a mixture-of-experts
+   * block's router as c_fc, each expert as the dense MLP. */
   const int64_t sizes[B_NPARAMS] = {C, C, C * 3 * C, 3 * C, C * C, C, C, C, C * 4 * C, 4 * C, 4 * C * C, C};
   float proj_std = 0.02f / sqrtf(2.0f * (float)L);
-  for (int k = 0; k < B_NPARAMS; k++) {
+  bool moe = gpt_block_is_moe(s, u - 1);
+  for (int k = 0, x = 0; k < B_NPARAMS; k++) {
+    if (moe && k == B_ROUTER) { /* the router, then experts 0 .. E-2 (E-1's are the loop's last four) */
+      fill_normal(out, C * GP(s)->experts, 0.02f, r);
+      out += C * GP(s)->experts;
+      for (; x < GP(s)->experts - 1; x++)
+        for (int j = B_FC_W; j < B_NPARAMS; j++) {
+          if (j == B_FC_W) fill_normal(out, sizes[j], 0.02f, r);
+          else if (j == B_MPROJ_W) fill_normal(out, sizes[j], proj_std, r);
+          else fill_value(out, sizes[j], 0.0f);
+          out += sizes[j];
+        }
+    }
     if (k == B_LN1_W || k == B_LN2_W) fill_value(out, sizes[k], 1.0f);
     else if (k == B_PROJ_W || k == B_MPROJ_W) fill_normal(out, sizes[k], proj_std, r);
     else if (k == B_ATTN_W || k == B_FC_W) fill_normal(out, sizes[k], 0.02f, r);
@@ -307,8 +335,6 @@ static void gpt_init_unit(const struct model_spec *s, int u, struct rng *r, floa
 
 /* ---- workspace ---- */
 
-/* Table index of block l's entry k, and of the head's two. */
-static size_t block_entry(int l, int k) { return 2 + (size_t)l * B_NPARAMS + (size_t)k; }
 
 /* A view of table entry i in `flat` (params or grads), in the model's own
  * layout (model_own_table). */
@@ -325,16 +351,22 @@ static void bind_params(struct model *m, struct gpt_ws *ws) {
     ws->wpe = view_of(&m->params, m, 1);
     ws->dwpe = view_of(&m->grads, m, 1);
   }
-  for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++)
-    for (int k = 0; k < B_NPARAMS; k++) {
-      ws->p[u - 1][k] = view_of(&m->params, m, block_entry(u - 1, k));
-      ws->g[u - 1][k] = view_of(&m->grads, m, block_entry(u - 1, k));
+  /* A block's entries (a mixture-of-experts block's up to its router,
+   * which takes c_fc's place; gpt_moe.c finds the experts'). */
+  for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++) {
+    size_t first = gpt_block_first(&m->spec, u - 1);
+    int n = gpt_block_is_moe(&m->spec, u - 1) ? B_ROUTER + 1 : B_NPARAMS;
+    for (int k = 0; k < n; k++) {
+      ws->p[u - 1][k] = view_of(&m->params, m, first + (size_t)k);
+      ws->g[u - 1][k] = view_of(&m->grads, m, first + (size_t)k);
     }
+  }
   if (m->u1 == L + 2) {
-    ws->lnf_w = view_of(&m->params, m, block_entry(L, 0));
-    ws->lnf_b = view_of(&m->params, m, block_entry(L, 1));
-    ws->dlnf_w = view_of(&m->grads, m, block_entry(L, 0));
-    ws->dlnf_b = view_of(&m->grads, m, block_entry(L, 1));
+    size_t head = gpt_block_first(&m->spec, L);
+    ws->lnf_w = view_of(&m->params, m, head);
+    ws->lnf_b = view_of(&m->params, m, head + 1);
+    ws->dlnf_w = view_of(&m->grads, m, head);
+    ws->dlnf_b = view_of(&m->grads, m, head + 1);
   }
 }
 
@@ -346,15 +378,18 @@ static int stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int 
   return rc;
 }
 
-static int alloc_block_acts(struct model *m, const struct gpt_ws *ws, struct gpt_block_acts *b, struct rumor_err *e) {
+static int alloc_block_acts(struct model *m, const struct gpt_ws *ws, int l, struct gpt_block_acts *b,
+                            struct rumor_err *e) {
   const struct model_spec *s = &m->spec;
   int64_t R = m->max_rows, T = GP(s)->context, C = GP(s)->width, N = R * T;
   const int64_t qkv[3] = {R, T, 3 * ws->cl}, att[3] = {R, T, ws->cl}, lse[3] = {R, ws->hl, T}, rtc[3] = {R, T, C},
                 fc[3] = {R, T, ws->fl};
+  bool moe = gpt_block_is_moe(s, l);
   int rc;
   if ((rc = stashed(m, &b->qkv, TENSOR_F32, 3, qkv, e)) || (rc = stashed(m, &b->att, TENSOR_F32, 3, att, e)) ||
       (rc = stashed(m, &b->lse, TENSOR_F32, 3, lse, e)) || (rc = stashed(m, &b->mid, TENSOR_F32, 3, rtc, e)) ||
-      (rc = stashed(m, &b->fc, TENSOR_F32, 3, fc, e)) || (rc = stashed(m, &b->ln1_mean, TENSOR_F32, 1, &N, e)) ||
+      (moe ? (rc = gpt_moe_alloc_acts(m, &b->moe, e)) : (rc = stashed(m, &b->fc, TENSOR_F32, 3, fc, e))) ||
+      (rc = stashed(m, &b->ln1_mean, TENSOR_F32, 1, &N, e)) ||
       (rc = stashed(m, &b->ln1_rstd, TENSOR_F32, 1, &N, e)) || (rc = stashed(m, &b->ln2_mean, TENSOR_F32, 1, &N, e)) ||
       (rc = stashed(m, &b->ln2_rstd, TENSOR_F32, 1, &N, e)))
     return rc;
@@ -384,7 +419,9 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
   m->impl = ws;
   ws->hl = GP(s)->heads / (m->tp ? m->tp->size : 1);
   ws->cl = C / GP(s)->heads * ws->hl;
-  ws->fl = t->p[block_entry(0, B_FC_B)].shape[0];
+  /* The MLP's width: 4C, or a rank's columns of it (tensor parallelism is
+   * for dense models only: model_tp_check). */
+  ws->fl = GP(s)->experts ? 4 * C : t->p[gpt_block_first(s, 0) + B_FC_B].shape[0];
   ws->vlo = m->tp ? m->tp_layout.slice[0].lo : 0;
   ws->vl = t->p[0].shape[0];
   bind_params(m, ws);
@@ -403,7 +440,8 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
   }
   bool blocks = false;
   for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++) {
-    if ((rc = alloc_block_acts(m, ws, &ws->blk[u - 1], e))) return rc;
+    if ((rc = alloc_block_acts(m, ws, u - 1, &ws->blk[u - 1], e))) return rc;
+    if (gpt_block_is_moe(s, u - 1) && !ws->moe.host && (rc = gpt_moe_alloc_scratch(m, &ws->moe, e))) return rc;
     blocks = true;
   }
   if (m->u1 == L + 2 &&
@@ -420,6 +458,7 @@ static void gpt_free(struct model *m) {
   m->nstash = 0;
   struct tensor *own[] = {&ws->wte_copy, &ws->dwte_copy, &ws->ln_out, &ws->dres, &ws->dtmp, &ws->big, &ws->xent};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) tensor_free(own[i]);
+  gpt_moe_free_scratch(&ws->moe);
   free(ws);
   m->impl = NULL;
 }
@@ -506,7 +545,7 @@ static void block_forward(struct model *m, int u, int64_t rows) {
   int64_t T = positions(m), C = GP(&m->spec)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), y = v2(&ws->acts[u + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor qkv = v2(&a->qkv, N, 3 * ws->cl), att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C);
-  struct tensor fc = v2(&a->fc, N, ws->fl), g = v2(&ws->big, N, ws->fl);
+  struct tensor fc = a->fc.data ? v2(&a->fc, N, ws->fl) : (struct tensor){0}, g = v2(&ws->big, N, ws->fl);
   struct tensor m1 = v1(&a->ln1_mean, 0, N), r1 = v1(&a->ln1_rstd, 0, N), m2 = v1(&a->ln2_mean, 0, N),
                 r2 = v1(&a->ln2_rstd, 0, N);
   tensor_layernorm_fwd(&x, &P[B_LN1_W], &P[B_LN1_B], &ln, &m1, &r1);
@@ -516,6 +555,11 @@ static void block_forward(struct model *m, int u, int64_t rows) {
   tensor_attention_fwd(&qkv3, ws->hl, &att3, &lse);
   linear_res(m, &att, &P[B_PROJ_W], &P[B_PROJ_B], &x, &mid);
   tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2);
+  if (gpt_block_is_moe(&m->spec, u - 1)) {
+    gpt_moe_forward(m, u - 1, N, &ln, &y);
+    tensor_add(&y, &mid, &y);
+    return;
+  }
   linear(&ln, &P[B_FC_W], &P[B_FC_B], &fc);
   tensor_gelu_tanh_fwd(&fc, &g);
   linear_res(m, &g, &P[B_MPROJ_W], &P[B_MPROJ_B], &mid, &y);
@@ -569,16 +613,22 @@ static void block_backward(struct model *m, int u, int64_t rows, float beta) {
   int64_t T = positions(m), C = GP(&m->spec)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), ln = v2(&ws->ln_out, N, C), dres = v2(&ws->dres, N, C);
   struct tensor dtmp = v2(&ws->dtmp, N, C), big = v2(&ws->big, N, ws->fl);
-  struct tensor att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C), fc = v2(&a->fc, N, ws->fl);
+  struct tensor att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C);
   struct tensor m1 = v1(&a->ln1_mean, 0, N), r1 = v1(&a->ln1_rstd, 0, N), m2 = v1(&a->ln2_mean, 0, N),
                 r2 = v1(&a->ln2_rstd, 0, N);
-  /* The MLP: its output projection needs the GELU output, recomputed. */
-  tensor_gelu_tanh_fwd(&fc, &big);
-  linear_bwd(&big, &P[B_MPROJ_W], &dres, &G[B_MPROJ_W], &G[B_MPROJ_B], &big, beta);
-  tensor_gelu_tanh_bwd(&fc, &big, &big);
-  tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2);
-  linear_bwd(&ln, &P[B_FC_W], &big, &G[B_FC_W], &G[B_FC_B], &dtmp, beta);
-  model_tp_all_reduce(m, &dtmp, N * C);
+  if (gpt_block_is_moe(&m->spec, u - 1)) {
+    tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2); /* ln_2's output, recomputed */
+    gpt_moe_backward(m, u - 1, N, &ln, &dres, &dtmp, beta);
+  } else {
+    /* The MLP: its output projection needs the GELU output, recomputed. */
+    struct tensor fc = v2(&a->fc, N, ws->fl);
+    tensor_gelu_tanh_fwd(&fc, &big);
+    linear_bwd(&big, &P[B_MPROJ_W], &dres, &G[B_MPROJ_W], &G[B_MPROJ_B], &big, beta);
+    tensor_gelu_tanh_bwd(&fc, &big, &big);
+    tensor_layernorm_fwd(&mid, &P[B_LN2_W], &P[B_LN2_B], &ln, &m2, &r2);
+    linear_bwd(&ln, &P[B_FC_W], &big, &G[B_FC_W], &G[B_FC_B], &dtmp, beta);
+    model_tp_all_reduce(m, &dtmp, N * C);
+  }
   tensor_layernorm_bwd(&mid, &P[B_LN2_W], &m2, &r2, &dtmp, &dres, &G[B_LN2_W], &G[B_LN2_B], beta);
   /* Attention: dres now holds dL/d mid. */
   struct tensor datt = v2(&ws->dtmp, N, ws->cl);
@@ -655,6 +705,12 @@ static json_t *gpt_hf_config(const struct model_spec *s) {
   json_text_set(b, "tie_word_embeddings", json_true());
   json_text_set(b, "torch_dtype", json_string("float32"));
   json_text_set(b, "rumor_model", json_string(spec));
+  if (GP(s)->experts) { /* Mixtral's names where they fit */
+    json_text_set(b, "num_local_experts", json_integer(GP(s)->experts));
+    json_text_set(b, "num_experts_per_tok", json_integer(GP(s)->topk));
+    json_text_set(b, "moe_every", json_integer(GP(s)->moe_every));
+    json_text_set(b, "capacity_factor", json_text_real(GP(s)->capacity_pct / 100.0));
+  }
   return b;
 }
 
@@ -666,6 +722,26 @@ static int hf_int(const json_t *cfg, const char *name, const char *key, int64_t 
     return rumor_err_set(e, RUMOR_EFORMAT, "%s: %s is missing or not an integer in [%lld, %lld]", name, key,
                          (long long)lo, (long long)hi);
   *out = json_integer_value(v);
+  return 0;
+}
+
+/* A mixture of experts' fields of config.json (gpt_hf_config's). */
+static int hf_moe_parse(const json_t *cfg, const char *name, struct model_spec *out, struct rumor_err *e) {
+  int64_t E = 0, K = 0, M = 0;
+  int rc;
+  if ((rc = hf_int(cfg, name, "num_local_experts", 1, GPT_MAX_EXPERTS, &E, e)) ||
+      (rc = hf_int(cfg, name, "num_experts_per_tok", 1, E, &K, e)) ||
+      (rc = hf_int(cfg, name, "moe_every", 1, GP(out)->layers, &M, e)))
+    return rc;
+  const json_t *f = json_object_get(cfg, "capacity_factor");
+  double pct = json_is_number(f) ? 100.0 * json_number_value(f) : -1;
+  if (!(pct >= 1 && pct <= 100000) || fabs(pct - round(pct)) > 1e-6)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s: capacity_factor is missing or not a number in [0.01, 1000] with at "
+                         "most two decimals", name);
+  GP(out)->experts = (int)E;
+  GP(out)->topk = (int)K;
+  GP(out)->moe_every = (int)M;
+  GP(out)->capacity_pct = (int)round(pct);
   return 0;
 }
 
@@ -705,7 +781,9 @@ static int gpt_hf_parse(const json_t *cfg, const char *name, struct model_spec *
   GP(out)->width = C;
   GP(out)->context = T;
   GP(out)->vocab = V;
-  return 0;
+  GP(out)->experts = GP(out)->topk = GP(out)->capacity_pct = 0; /* GPT-2 is dense */
+  GP(out)->moe_every = 1;
+  return json_object_get(cfg, "num_local_experts") ? hf_moe_parse(cfg, name, out, e) : 0;
 }
 
 /* Buffers of Hugging Face's GPT-2 (the causal mask) and the tied head. */
@@ -754,6 +832,11 @@ static bool ends_with(const char *s, const char *tail) {
 }
 
 static int gpt_tp_check(const struct model_spec *s, const char *spec, int size, struct rumor_err *e) {
+  if (GP(s)->experts && size > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "model '%s' cannot be split over %d tensor-parallel ranks: tensor parallelism of a mixture "
+                         "of experts is not built; its experts are whole MLPs",
+                         spec, size);
   if (GP(s)->heads % size != 0)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "model '%s' cannot be split over %d tensor-parallel ranks: its %d heads are not a multiple "

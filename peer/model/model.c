@@ -191,6 +191,8 @@ int model_setup(struct model *m, const struct model_spec *spec, const struct mod
   m->u0 = u0;
   m->u1 = u1;
   m->max_rows = max_rows;
+  m->moe_aux_weight = MODEL_MOE_AUX_WEIGHT;
+  m->moe_z_weight = MODEL_MOE_Z_WEIGHT;
   const struct model_table *own = model_own_table(m);
   m->param_base = own->unit_offset[u0];
   m->nparams = own->unit_offset[u1] - m->param_base;
@@ -289,8 +291,18 @@ int64_t model_targets(const struct model *m, int64_t rows) {
   return rows * (m->positions ? m->positions : m->io.labels_per_row);
 }
 
+void model_set_loss_scale(struct model *m, float scale) { m->loss_scale = scale; }
+
+void model_set_moe_losses(struct model *m, double aux_weight, double z_weight) {
+  m->moe_aux_weight = aux_weight;
+  m->moe_z_weight = z_weight;
+}
+
+void model_moe_stats_reset(struct model *m) { memset(&m->moe_stats, 0, sizeof m->moe_stats); }
+
 void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
   RUMOR_ASSERT(m->u1 == m->table.nunits);
+  if (grad_scale != 0.0f) m->loss_scale = grad_scale; /* 0: scoring, no backward follows */
   if (m->ops->loss) {
     m->ops->loss(m, rows, dlogits, grad_scale);
     return;

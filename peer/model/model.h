@@ -40,6 +40,10 @@ struct json_t; /* jansson's value (util/json_text.h) */
 #define GPT_MAX_WIDTH (1 << 16)
 #define GPT_MAX_CONTEXT (1 << 16)
 #define GPT_MAX_VOCAB (1 << 20)
+#define GPT_MAX_EXPERTS 64
+#define GPT_MOE_CAPACITY_PCT 125 /* the default capacity factor, 1.25 (Switch Transformer) */
+#define MODEL_MOE_AUX_WEIGHT 0.01  /* the load-balancing loss's default weight α (Switch Transformer) */
+#define MODEL_MOE_Z_WEIGHT 0.001   /* the router z-loss's default weight β (ST-MoE) */
 
 /* ---- specs ------------------------------------------------------------------- */
 
@@ -60,6 +64,12 @@ struct model_spec {
     struct {
       int layers, heads;
       int64_t width, context, vocab; /* C (a multiple of heads), T, V */
+      /* Mixture of experts (0 experts: dense): every moe_every-th block
+       * (blocks l with (l + 1) % moe_every == 0) has `experts` MLPs and a
+       * router sending each token to its top `topk`, each expert taking
+       * at most capacity_pct / 100 · N · topk / experts of a pass's N
+       * tokens (gpt_moe.c). Spec parts E, K, M and F (percent). */
+      int experts, topk, moe_every, capacity_pct;
     } gpt;
   } u;
 };
@@ -284,6 +294,20 @@ struct model {
    * columns only (model_act_width says how many). */
   struct model_tp *tp;
   struct model_tp_layout tp_layout;
+
+  /* A mixture-of-experts model (model_spec's experts > 0): the auxiliary
+   * losses' weights (model_set_moe_losses; defaults 0.01 and 0.001), the
+   * loss gradient's scale per target of the backward to come (model_loss
+   * sets it; model_set_loss_scale on stages without the loss), and the
+   * figures of the forward passes since model_moe_stats_reset. */
+  double moe_aux_weight, moe_z_weight;
+  float loss_scale;
+  struct model_moe_stats {
+    double aux_loss, z_loss; /* summed over blocks, averaged over passes (weights applied) */
+    int64_t passes;          /* MoE blocks' forward passes counted */
+    int64_t choices, dropped; /* token-expert choices made and dropped for capacity */
+    int64_t load[GPT_MAX_EXPERTS]; /* choices per expert, over every MoE block */
+  } moe_stats;
 };
 
 /* The table whose offsets and shapes index m->params and m->grads: a
@@ -360,6 +384,24 @@ void model_backward(struct model *m, int a, int b, int64_t rows, struct tensor *
 void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale);
 /* Targets in `rows` rows: the count a mean loss divides by. */
 int64_t model_targets(const struct model *m, int64_t rows);
+/* The loss gradient's scale per target for the next backward pass
+ * (model_loss sets it; a pipeline stage without the loss sets it itself):
+ * a mixture-of-experts model scales its auxiliary losses' gradients alike,
+ * so they add up over micro-batches as the main loss does. */
+void model_set_loss_scale(struct model *m, float scale);
+/* The auxiliary losses' weights of a mixture-of-experts model: Switch's
+ * load-balancing loss α·E·Σ f_e·P_e and the router z-loss β·mean(lse²). */
+void model_set_moe_losses(struct model *m, double aux_weight, double z_weight);
+/* Clears the figures model_moe_stats gathers. */
+void model_moe_stats_reset(struct model *m);
+/* A dense GPT's parameters (`params`, its flat layout) into those of the
+ * mixture of experts `moe` of the same shape (upcycling): every expert of a
+ * mixture-of-experts block starts as a copy of that block's dense MLP, each
+ * router from N(0, 0.02) drawn with `seed`, everything else as it is. out:
+ * model_spec_param_count(moe) floats. Returns 0, or RUMOR_ESHAPE naming
+ * both when moe is not dense's shape with experts. */
+int model_upcycle(const struct model_spec *dense, const float *params, const struct model_spec *moe, uint64_t seed,
+                  float *out, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* One training step's math on the batch in model_act(0) / labels: forward,
  * mean loss, backward into grads. Only enqueues work. */

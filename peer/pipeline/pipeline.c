@@ -316,6 +316,9 @@ static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool
     free(data);
     dout = &p->dout;
   }
+  /* Every stage scales as the last stage's loss did (a mixture of
+   * experts' auxiliary losses, wherever its blocks are). */
+  model_set_loss_scale(m, 1.0f / (float)model_targets(m, rows));
   model_backward(m, p->u0, p->u1, r, dout, first_stage(p) ? NULL : &p->din, accumulate);
   give_slot(p, mb);
   if (first_stage(p)) return 0;

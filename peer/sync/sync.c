@@ -91,6 +91,13 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
                                  .outer_round = -1,
                                  .outer_norm = NAN,
                                  .peak_rss_bytes = trainer_peak_rss_bytes()};
+  if (t->moe.experts) { /* a mixture of experts' last step */
+    ps.moe_experts = t->moe.experts < GOSSIP_MAX_EXPERTS ? t->moe.experts : GOSSIP_MAX_EXPERTS;
+    ps.moe_aux_loss = t->moe.aux_loss;
+    ps.moe_z_loss = t->moe.z_loss;
+    ps.moe_dropped = t->moe.dropped_fraction;
+    memcpy(ps.moe_load, t->moe.load, (size_t)ps.moe_experts * sizeof(double));
+  }
   if (s->cfg.outer.kind != OUTER_NONE) {
     ps.outer_round = (int64_t)s->outer.rounds;
     ps.outer_norm = s->outer.last_norm;

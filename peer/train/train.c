@@ -20,6 +20,8 @@ void train_config_default(struct train_config *c) {
   c->shard = (struct shard){0, 1};
   c->seed = 1;
   c->data_seed = 1;
+  c->moe_aux_weight = MODEL_MOE_AUX_WEIGHT;
+  c->moe_z_weight = MODEL_MOE_Z_WEIGHT;
   c->epochs = 10;
   c->batch = 128;
   optim_config_default(&c->optim);
@@ -111,6 +113,18 @@ static int init_from(struct trainer *t, struct rumor_err *e) {
   if (rc || !cfg->model) return rc;
   struct model_spec want;
   if ((rc = model_spec_parse(cfg->model, &want, e))) return rc;
+  if (want.family == MODEL_GPT && want.u.gpt.experts && !model_spec_equal(&want, &t->plan.spec)) {
+    /* A mixture of experts from the dense model of its shape (upcycling). */
+    float *moe = malloc((size_t)model_spec_param_count(&want) * sizeof(float));
+    if (!moe) return rumor_err_set(e, -ENOMEM, "no memory to upcycle %s", cfg->init_from);
+    rc = model_upcycle(&t->plan.spec, t->init_params, &want, cfg->seed, moe, e);
+    free(t->init_params);
+    t->init_params = moe;
+    if (rc) return rumor_err_prefix(e, "--init-from %s", cfg->init_from);
+    t->plan.spec = want;
+    log_info("upcycled %s: every expert starts as its block's dense MLP, the routers afresh", cfg->init_from);
+    return 0;
+  }
   if (!model_spec_equal(&want, &t->plan.spec)) {
     char a[MODEL_SPEC_MAX], b[MODEL_SPEC_MAX];
     model_spec_format(&want, a, sizeof a);
@@ -293,6 +307,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
   if (rc) goto fail;
+  model_set_moe_losses(&t->model, t->cfg.moe_aux_weight, t->cfg.moe_z_weight);
   /* A fresh ZeRO 3 member draws its parameters and gives back what is not
    * its piece before the optimizer state exists: its peak stays at its
    * share (the draw may hold a host copy of the whole model meanwhile). */
@@ -421,14 +436,18 @@ static void progress(struct trainer *t, double lr) {
   char eta[32], loss[32] = "", idle[32] = "", norm[32] = "";
   format_duration(remaining, eta, sizeof eta);
   if (trainer_has_loss(t)) snprintf(loss, sizeof loss, "  loss %.4f", t->loss_avg);
+  char moe[96] = "";
+  if (t->moe.experts)
+    snprintf(moe, sizeof moe, "  aux %.4f  z %.4f  dropped %.1f%%", t->moe.aux_loss, t->moe.z_loss,
+             100 * t->moe.dropped_fraction);
   if (t->cfg.grad_clip > 0) snprintf(norm, sizeof norm, "  grad norm %.3g", t->grad_norm);
   if (trainer_is_stage(t)) {
     const struct pipe_stats *ps = &t->pipe.st;
     snprintf(idle, sizeof idle, "  idle %.1f%%", 100 * (ps->step_s > 0 ? ps->wait_s / ps->step_s : 0));
   }
-  log_info("epoch %lld/%lld  step %lld/%lld%s%s  lr %.4g  %.0f samples/s%s  ETA %s", (long long)t->st.epoch + 1,
-           (long long)t->cfg.epochs, (long long)t->st.step_in_epoch, (long long)t->steps_per_epoch, loss, norm, lr, rate,
-           idle, eta);
+  log_info("epoch %lld/%lld  step %lld/%lld%s%s%s  lr %.4g  %.0f samples/s%s  ETA %s", (long long)t->st.epoch + 1,
+           (long long)t->cfg.epochs, (long long)t->st.step_in_epoch, (long long)t->steps_per_epoch, loss, moe, norm,
+           lr, rate, idle, eta);
   t->t_last_log = now;
 }
 
@@ -863,6 +882,24 @@ static void straggle(struct trainer *t, double compute_s) {
   nanosleep(&ts, NULL);
 }
 
+/* A mixture-of-experts model's figures of the step just computed (struct
+ * train_moe), from the model's since the step began. */
+static void moe_note(struct trainer *t) {
+  const struct model_moe_stats *st = &t->model.moe_stats;
+  struct train_moe *o = &t->moe;
+  const struct model_spec *s = &t->model.spec;
+  if (s->family != MODEL_GPT || !s->u.gpt.experts || st->passes == 0) return;
+  int blocks = 0;
+  for (int l = 0; l < s->u.gpt.layers; l++) blocks += (l + 1) % s->u.gpt.moe_every == 0;
+  /* Passes count blocks: passes / blocks micro-batches (a stage's own blocks only). */
+  double micro = blocks > 0 ? (double)st->passes / (double)blocks : 1;
+  o->experts = s->u.gpt.experts;
+  o->aux_loss = st->aux_loss / micro;
+  o->z_loss = st->z_loss / micro;
+  o->dropped_fraction = st->choices > 0 ? (double)st->dropped / (double)st->choices : 0;
+  for (int x = 0; x < o->experts; x++) o->load[x] = st->choices > 0 ? (double)st->load[x] / (double)st->choices : 0;
+}
+
 int trainer_step(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(!trainer_done(t));
   if (!t->started) {
@@ -880,8 +917,10 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   comm_t *top = t->cfg.tp ? t->cfg.tp->all : t->cfg.dp ? t->cfg.dp->comm : NULL;
   uint64_t sent0 = 0, recv0 = 0, sent1 = 0, recv1 = 0;
   if (top) comm_bytes(top, &sent0, &recv0);
+  model_moe_stats_reset(&t->model);
   rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, &loss, e);
   if (rc < 0) return rc;
+  moe_note(t);
   if (top) comm_bytes(top, &sent1, &recv1);
   if (top) t->comm_step_bytes = (double)(sent1 - sent0 + recv1 - recv0);
   /* Dropped (rc 1): the batch is used up, but the step count is the

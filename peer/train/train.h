@@ -399,6 +399,7 @@ struct train_config {
   const char *resume;      /* checkpoint to resume from, or NULL (whole models only). The run's seeds,
                             * shard and batch come from it (given ones must agree), and unless given on
                             * the command line its optimizer and epochs. */
+  double moe_aux_weight, moe_z_weight; /* a mixture of experts' auxiliary losses' weights (model_set_moe_losses) */
   bool optim_given, epochs_given; /* --optimizer / --epochs were given (they must then match a resumed run) */
   bool batch_given, shard_given, seed_given, data_seed_given; /* given on the command line: a resumed run
                                                                * refuses a value other than its own */
@@ -551,6 +552,16 @@ struct trainer {
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
   float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
   double comm_step_bytes; /* a group member: payload bytes it sent and received in its last step */
+  /* A mixture-of-experts model's figures of its last step (train.c,
+   * trainer_moe_note): the auxiliary losses summed over its MoE blocks
+   * (weights applied; averaged over micro-batches), the fraction of the
+   * token-expert choices dropped for capacity, and each expert's share of
+   * the choices (over every MoE block). */
+  struct train_moe {
+    int experts; /* 0: a dense model */
+    double aux_loss, z_loss, dropped_fraction;
+    double load[GPT_MAX_EXPERTS];
+  } moe;
   int64_t tp_host_floats;
   bool started; /* the first step ran */
   char resumed_from[1024]; /* the checkpoint actually loaded (cfg.resume or its .prev) */
