@@ -376,7 +376,8 @@ static void data_ops_check(const struct moe_case *k, const struct route_out *r, 
   tensor_moe_dispatch_bwd(&yet, &d.expert, &d.slot, k->cap, &dx); /* ye serves as dxe */
   tensor_moe_combine(&yet, &d.expert, &d.slot, &d.gate, k->cap, &out);
   tensor_moe_combine_bwd(&dot, &yet, &d.expert, &d.slot, &d.gate, k->cap, &dye, &dg);
-  float *g_xe = to_host(&xe), *g_dx = to_host(&dx), *g_out = to_host(&out), *g_dye = to_host(&dye), *g_dg = to_host(&dg);
+  float *g_xe = to_host(&xe), *g_dx = to_host(&dx), *g_out = to_host(&out);
+  float *g_dye = to_host(&dye), *g_dg = to_host(&dg);
   char what[160];
   case_name(what, sizeof what, "dispatch xe", k, threads);
   expect_close(what, g_xe, xe_ref, rows * k->c, 0, 0);
