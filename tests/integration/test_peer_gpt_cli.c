@@ -528,3 +528,39 @@ Test(gptcli, tf32_on_the_cpu_is_recorded_and_changes_nothing) {
   }
   cr_assert(loss[0] == loss[1], "--tf32 changed the CPU run: train_loss %.9g vs %.9g", loss[0], loss[1]);
 }
+
+/* A mixture of experts as users run one (issue #32): --moe-every and
+ * --capacity-factor rewrite the spec (the checkpoint carries them), the
+ * result line reports the auxiliary losses, the dropped fraction and each
+ * expert's load, --init-from a dense directory upcycles, and the flags are
+ * refused for a dense model. */
+Test(gptcli, a_mixture_of_experts_trains_reports_its_experts_and_upcycles) {
+  char ck[160], *out, *err;
+  snprintf(ck, sizeof ck, "%s/moe.safetensors", dir);
+  int st = rumor(&out, &err, 200, "train", "--model", "gpt:L2-H2-C32-T24-V256-E4-K2", "--moe-every", "2",
+                 "--capacity-factor", "1.5", "--data", text_path(), "--batch", "8", "--max-steps", "6", "--threads", "1",
+                 "--log-every", "0", "--eval-batches", "2", "--checkpoint", ck, NULL);
+  cr_assert(proc_exited_with(st, 0), "training failed: %s", err);
+  cr_assert(strstr(out, "\"expert_load\":["), "%s", out);
+  double dropped = cli_json_number(out, "moe_dropped_fraction"), aux = cli_json_number(out, "moe_aux_loss");
+  cr_assert(dropped >= 0 && dropped < 1 && aux > 0, "%s", out);
+  free(out), free(err);
+  struct st_file f;
+  struct rumor_err e;
+  cr_assert_eq(safetensors_read(ck, true, &f, &e), 0, "%s", e.msg);
+  cr_assert_str_eq(safetensors_meta(&f, "rumor.model"), "gpt:L2-H2-C32-T24-V256-E4-K2-M2-F150");
+  cr_assert_not_null(safetensors_find(&f, "transformer.h.1.mlp.experts.3.c_proj.weight"));
+  cr_assert_null(safetensors_find(&f, "transformer.h.0.mlp.router.weight"), "block 0 is dense with M2");
+  safetensors_free(&f);
+  const char *dense = train_dir("dense-for-moe", "2");
+  st = rumor(&out, &err, 200, "train", "--init-from", dense, "--model", "gpt:L2-H2-C32-T24-V256-E4", "--data",
+             text_path(), "--batch", "8", "--max-steps", "2", "--threads", "1", "--log-every", "0", "--eval-batches",
+             "2", NULL);
+  cr_assert(proc_exited_with(st, 0), "upcycling failed: %s", err);
+  cr_assert(strstr(err, "upcycled"), "%s", err);
+  free(out), free(err);
+  st = rumor(NULL, &err, 60, "train", "--model", MODEL, "--moe-every", "2", NULL);
+  cli_expect_fail(st, 2, err, "--moe-every is for a mixture of experts", "--moe-every on a dense model");
+  st = rumor(NULL, &err, 60, "train", "--model", "gpt:L2-H2-C32-T24-V256-E4-K5", NULL);
+  cli_expect_fail(st, 2, err, "K5: the experts each token goes to", "K above E");
+}
