@@ -371,8 +371,8 @@ static void bind_params(struct model *m, struct gpt_ws *ws) {
 }
 
 /* Allocates a stashed (per micro-batch) tensor. */
-static int stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int ndim, const int64_t *shape,
-                   struct rumor_err *e) {
+int gpt_stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int ndim, const int64_t *shape,
+                struct rumor_err *e) {
   int rc = tensor_alloc(t, m->be, dt, ndim, shape, e);
   if (rc == 0) m->stash[m->nstash++] = t;
   return rc;
@@ -386,12 +386,12 @@ static int alloc_block_acts(struct model *m, const struct gpt_ws *ws, int l, str
                 fc[3] = {R, T, ws->fl};
   bool moe = gpt_block_is_moe(s, l);
   int rc;
-  if ((rc = stashed(m, &b->qkv, TENSOR_F32, 3, qkv, e)) || (rc = stashed(m, &b->att, TENSOR_F32, 3, att, e)) ||
-      (rc = stashed(m, &b->lse, TENSOR_F32, 3, lse, e)) || (rc = stashed(m, &b->mid, TENSOR_F32, 3, rtc, e)) ||
-      (moe ? (rc = gpt_moe_alloc_acts(m, &b->moe, e)) : (rc = stashed(m, &b->fc, TENSOR_F32, 3, fc, e))) ||
-      (rc = stashed(m, &b->ln1_mean, TENSOR_F32, 1, &N, e)) ||
-      (rc = stashed(m, &b->ln1_rstd, TENSOR_F32, 1, &N, e)) || (rc = stashed(m, &b->ln2_mean, TENSOR_F32, 1, &N, e)) ||
-      (rc = stashed(m, &b->ln2_rstd, TENSOR_F32, 1, &N, e)))
+  if ((rc = gpt_stashed(m, &b->qkv, TENSOR_F32, 3, qkv, e)) || (rc = gpt_stashed(m, &b->att, TENSOR_F32, 3, att, e)) ||
+      (rc = gpt_stashed(m, &b->lse, TENSOR_F32, 3, lse, e)) || (rc = gpt_stashed(m, &b->mid, TENSOR_F32, 3, rtc, e)) ||
+      (moe ? (rc = gpt_moe_alloc_acts(m, &b->moe, e)) : (rc = gpt_stashed(m, &b->fc, TENSOR_F32, 3, fc, e))) ||
+      (rc = gpt_stashed(m, &b->ln1_mean, TENSOR_F32, 1, &N, e)) ||
+      (rc = gpt_stashed(m, &b->ln1_rstd, TENSOR_F32, 1, &N, e)) || (rc = gpt_stashed(m, &b->ln2_mean, TENSOR_F32, 1, &N, e)) ||
+      (rc = gpt_stashed(m, &b->ln2_rstd, TENSOR_F32, 1, &N, e)))
     return rc;
   return 0;
 }
@@ -436,16 +436,19 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
   }
   for (int u = m->u0; u <= m->u1; u++) {
     int64_t shape[2] = {R, model_act_width(m, u)};
-    if ((rc = stashed(m, &ws->acts[u], model_act_dtype(m, u), 2, shape, e))) return rc;
+    if ((rc = gpt_stashed(m, &ws->acts[u], model_act_dtype(m, u), 2, shape, e))) return rc;
   }
   bool blocks = false;
   for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++) {
     if ((rc = alloc_block_acts(m, ws, u - 1, &ws->blk[u - 1], e))) return rc;
-    if (gpt_block_is_moe(s, u - 1) && !ws->moe.host && (rc = gpt_moe_alloc_scratch(m, &ws->moe, e))) return rc;
+    if (gpt_block_is_moe(s, u - 1)) {
+      m->moe_blocks++;
+      if (!ws->moe.host && (rc = gpt_moe_alloc_scratch(m, &ws->moe, e))) return rc;
+    }
     blocks = true;
   }
   if (m->u1 == L + 2 &&
-      ((rc = stashed(m, &ws->lnf_mean, TENSOR_F32, 1, &N, e)) || (rc = stashed(m, &ws->lnf_rstd, TENSOR_F32, 1, &N, e))))
+      ((rc = gpt_stashed(m, &ws->lnf_mean, TENSOR_F32, 1, &N, e)) || (rc = gpt_stashed(m, &ws->lnf_rstd, TENSOR_F32, 1, &N, e))))
     return rc;
   return alloc_scratch(m, ws, blocks, e);
 }
@@ -545,7 +548,6 @@ static void block_forward(struct model *m, int u, int64_t rows) {
   int64_t T = positions(m), C = GP(&m->spec)->width, N = rows * T;
   struct tensor x = v2(&ws->acts[u], N, C), y = v2(&ws->acts[u + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor qkv = v2(&a->qkv, N, 3 * ws->cl), att = v2(&a->att, N, ws->cl), mid = v2(&a->mid, N, C);
-  struct tensor fc = a->fc.data ? v2(&a->fc, N, ws->fl) : (struct tensor){0}, g = v2(&ws->big, N, ws->fl);
   struct tensor m1 = v1(&a->ln1_mean, 0, N), r1 = v1(&a->ln1_rstd, 0, N), m2 = v1(&a->ln2_mean, 0, N),
                 r2 = v1(&a->ln2_rstd, 0, N);
   tensor_layernorm_fwd(&x, &P[B_LN1_W], &P[B_LN1_B], &ln, &m1, &r1);
@@ -560,6 +562,7 @@ static void block_forward(struct model *m, int u, int64_t rows) {
     tensor_add(&y, &mid, &y);
     return;
   }
+  struct tensor fc = v2(&a->fc, N, ws->fl), g = v2(&ws->big, N, ws->fl);
   linear(&ln, &P[B_FC_W], &P[B_FC_B], &fc);
   tensor_gelu_tanh_fwd(&fc, &g);
   linear_res(m, &g, &P[B_MPROJ_W], &P[B_MPROJ_B], &mid, &y);

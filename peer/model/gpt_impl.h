@@ -59,7 +59,7 @@ struct gpt_moe_scratch {
   struct tensor h;           /* (E·cap, 4C): the GELU output, then its gradient */
   struct tensor dgate;       /* (N, K) */
   struct tensor daux;        /* (E): the scaled daux of the backward */
-  float *host;               /* (3E) host floats: a pass's counts and sums */
+  float *host;               /* (2E) host floats: a pass's psum and its load-balancing gradient */
 };
 
 struct gpt_ws {
@@ -92,6 +92,11 @@ bool gpt_block_is_moe(const struct model_spec *s, int l);
 /* Table entries of block l, and the index of its first. */
 size_t gpt_block_entries(const struct model_spec *s, int l);
 size_t gpt_block_first(const struct model_spec *s, int l);
+
+/* Allocates a tensor of the per-micro-batch stash (model.h's stash: the
+ * pipeline binds one set per micro-batch in flight). */
+int gpt_stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int ndim, const int64_t *shape,
+                struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ---- the mixture-of-experts MLP (gpt_moe.c) ---- */
 

@@ -32,26 +32,18 @@ int64_t gpt_moe_capacity(const struct model_spec *s, int64_t n) {
   return cap > 0 ? cap : 1;
 }
 
-/* Allocates a stashed (per micro-batch) tensor (gpt.c's `stashed`). */
-static int stash(struct model *m, struct tensor *t, enum tensor_dtype dt, int ndim, const int64_t *shape,
-                 struct rumor_err *e) {
-  int rc = tensor_alloc(t, m->be, dt, ndim, shape, e);
-  if (rc == 0) m->stash[m->nstash++] = t;
-  return rc;
-}
-
 int gpt_moe_alloc_acts(struct model *m, struct gpt_moe_acts *a, struct rumor_err *e) {
   const struct model_spec *s = &m->spec;
   int64_t N = m->max_rows * GP(s)->context, E = GP(s)->experts, K = GP(s)->topk, C = GP(s)->width;
   int64_t rows = E * gpt_moe_capacity(s, N);
   const int64_t ne[2] = {N, E}, nk[2] = {N, K}, h[2] = {rows, 4 * C}, y[2] = {rows, C};
   int rc;
-  if ((rc = stash(m, &a->probs, TENSOR_F32, 2, ne, e)) || (rc = stash(m, &a->lse, TENSOR_F32, 1, &N, e)) ||
-      (rc = stash(m, &a->expert, TENSOR_I32, 2, nk, e)) || (rc = stash(m, &a->slot, TENSOR_I32, 2, nk, e)) ||
-      (rc = stash(m, &a->gate, TENSOR_F32, 2, nk, e)) || (rc = stash(m, &a->assigned, TENSOR_I32, 1, &E, e)) ||
-      (rc = stash(m, &a->kept, TENSOR_I32, 1, &E, e)) || (rc = stash(m, &a->psum, TENSOR_F32, 1, &E, e)) ||
-      (rc = stash(m, &a->daux, TENSOR_F32, 1, &E, e)) || (rc = stash(m, &a->hpre, TENSOR_F32, 2, h, e)) ||
-      (rc = stash(m, &a->ye, TENSOR_F32, 2, y, e)))
+  if ((rc = gpt_stashed(m, &a->probs, TENSOR_F32, 2, ne, e)) || (rc = gpt_stashed(m, &a->lse, TENSOR_F32, 1, &N, e)) ||
+      (rc = gpt_stashed(m, &a->expert, TENSOR_I32, 2, nk, e)) || (rc = gpt_stashed(m, &a->slot, TENSOR_I32, 2, nk, e)) ||
+      (rc = gpt_stashed(m, &a->gate, TENSOR_F32, 2, nk, e)) || (rc = gpt_stashed(m, &a->assigned, TENSOR_I32, 1, &E, e)) ||
+      (rc = gpt_stashed(m, &a->kept, TENSOR_I32, 1, &E, e)) || (rc = gpt_stashed(m, &a->psum, TENSOR_F32, 1, &E, e)) ||
+      (rc = gpt_stashed(m, &a->daux, TENSOR_F32, 1, &E, e)) || (rc = gpt_stashed(m, &a->hpre, TENSOR_F32, 2, h, e)) ||
+      (rc = gpt_stashed(m, &a->ye, TENSOR_F32, 2, y, e)))
     return rc;
   return 0;
 }
@@ -71,7 +63,7 @@ int gpt_moe_alloc_scratch(struct model *m, struct gpt_moe_scratch *sc, struct ru
       (rc = tensor_alloc(&sc->dgate, m->be, TENSOR_F32, 2, nk, e)) ||
       (rc = tensor_alloc(&sc->daux, m->be, TENSOR_F32, 1, &E, e)))
     return rc;
-  sc->host = xcalloc((size_t)(3 * E), sizeof(float));
+  sc->host = xcalloc((size_t)(2 * E), sizeof(float));
   return 0;
 }
 
@@ -139,8 +131,8 @@ static void pass_stats(struct model *m, struct gpt_moe_acts *a, int64_t n) {
   }
   tensor_copy_from_host(&a->daux, 0, daux, (size_t)E * sizeof(float));
   double aux = m->moe_aux_weight * E * balance, z = m->moe_z_weight * tensor_sq_norm(&lse) / (double)n;
-  /* A running mean over passes of the sum over blocks: passes count
-   * blocks, so the mean of one block's losses times the blocks per pass. */
+  /* Summed over block passes; the trainer divides by the micro-batches
+   * (passes / moe_blocks) for a step's figure. */
   st->aux_loss += aux;
   st->z_loss += z;
   st->passes++;

@@ -301,10 +301,11 @@ struct model {
    * sets it; model_set_loss_scale on stages without the loss), and the
    * figures of the forward passes since model_moe_stats_reset. */
   double moe_aux_weight, moe_z_weight;
+  int moe_blocks; /* the mixture-of-experts blocks among this model's units */
   float loss_scale;
   struct model_moe_stats {
-    double aux_loss, z_loss; /* summed over blocks, averaged over passes (weights applied) */
-    int64_t passes;          /* MoE blocks' forward passes counted */
+    double aux_loss, z_loss; /* summed over every block's forward pass (weights applied) */
+    int64_t passes;          /* MoE blocks' forward passes: moe_blocks per micro-batch */
     int64_t choices, dropped; /* token-expert choices made and dropped for capacity */
     int64_t load[GPT_MAX_EXPERTS]; /* choices per expert, over every MoE block */
   } moe_stats;

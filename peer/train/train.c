@@ -888,11 +888,9 @@ static void moe_note(struct trainer *t) {
   const struct model_moe_stats *st = &t->model.moe_stats;
   struct train_moe *o = &t->moe;
   const struct model_spec *s = &t->model.spec;
-  if (s->family != MODEL_GPT || !s->u.gpt.experts || st->passes == 0) return;
-  int blocks = 0;
-  for (int l = 0; l < s->u.gpt.layers; l++) blocks += (l + 1) % s->u.gpt.moe_every == 0;
-  /* Passes count blocks: passes / blocks micro-batches (a stage's own blocks only). */
-  double micro = blocks > 0 ? (double)st->passes / (double)blocks : 1;
+  if (s->family != MODEL_GPT || !s->u.gpt.experts || t->model.moe_blocks == 0 || st->passes == 0) return;
+  /* Each micro-batch passes through this model's (a stage's) own blocks. */
+  double micro = (double)st->passes / (double)t->model.moe_blocks;
   o->experts = s->u.gpt.experts;
   o->aux_loss = st->aux_loss / micro;
   o->z_loss = st->z_loss / micro;
