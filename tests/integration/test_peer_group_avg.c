@@ -117,6 +117,17 @@ static double least_over_members(const char *out, const char *key, int *count) {
   return least;
 }
 
+/* Both groups' N processes printed a result line, each with `key` at
+ * least `least` (every process exchanged, or ran its outer rounds). */
+static void every_process_has(const char *oa, const char *ob, int N, const char *key, double least) {
+  for (int g = 0; g < 2; g++) {
+    int count;
+    double v = least_over_members(g ? ob : oa, key, &count);
+    cr_assert_eq(count, N, "group %d: %d result lines: %s", g, count, g ? ob : oa);
+    cr_assert_geq(v, least, "a process of group %d has %s %g, below %g: %s", g, key, v, least, g ? ob : oa);
+  }
+}
+
 /* Two groups of the same layout, seeds 1 and 2, trained side by side
  * (--wait-peers 2) with `extra` options; both checkpoints written.
  * Returns the groups' stdout (caller frees). */
@@ -159,12 +170,7 @@ Test(group_avg, tensor_parallel_groups_average_rank_by_rank) {
   char *oa, *ob;
   double dist;
   two_groups(layout, extra, 2, &oa, &ob, &dist);
-  for (int g = 0; g < 2; g++) {
-    int count;
-    double least = least_over_members(g ? ob : oa, "exchanges", &count);
-    cr_assert_eq(count, 2, "group %d: %d result lines: %s", g, count, g ? ob : oa);
-    cr_assert_gt(least, 0, "a process of group %d applied no exchange: %s", g, g ? ob : oa);
-  }
+  every_process_has(oa, ob, 2, "exchanges", 1);
   cr_assert_lt(dist, 0.3, "the groups' models are %.3f apart (relative): they did not average", dist);
   free(oa), free(ob);
 }
@@ -178,12 +184,7 @@ Test(group_avg, zero_groups_run_noloco_piece_by_piece) {
   char *oa, *ob;
   double dist;
   two_groups(layout, extra, 2, &oa, &ob, &dist);
-  for (int g = 0; g < 2; g++) {
-    int count;
-    double least = least_over_members(g ? ob : oa, "outer_rounds", &count);
-    cr_assert_eq(count, 2, "group %d: %d result lines: %s", g, count, g ? ob : oa);
-    cr_assert_geq(least, 5, "a process of group %d ran %g outer rounds: %s", g, least, g ? ob : oa);
-  }
+  every_process_has(oa, ob, 2, "outer_rounds", 5);
   cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative) after NoLoCo rounds", dist);
   free(oa), free(ob);
 }
