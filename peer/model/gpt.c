@@ -461,7 +461,7 @@ static void gpt_free(struct model *m) {
   m->nstash = 0;
   struct tensor *own[] = {&ws->wte_copy, &ws->dwte_copy, &ws->ln_out, &ws->dres, &ws->dtmp, &ws->big, &ws->xent};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) tensor_free(own[i]);
-  gpt_moe_free_scratch(&ws->moe);
+  gpt_moe_free_scratch(&ws->moe, m->be);
   free(ws);
   m->impl = NULL;
 }

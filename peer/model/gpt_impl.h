@@ -34,8 +34,15 @@ struct gpt_moe_acts {
   struct tensor assigned, kept; /* (E) I32: choices of each expert, and rows it kept */
   struct tensor psum;           /* (E): Σ_n probs[n, e] */
   struct tensor daux;           /* (E): α·E·f_e of the pass, the load-balancing loss's gradient per unit scale */
-  struct tensor hpre;           /* (E·cap, 4C): each expert's c_fc output, before GELU */
-  struct tensor ye;             /* (E·cap, C): each expert's output */
+  struct tensor hpre;           /* (E·cap, 4C): each expert's c_fc output, before GELU (EP: the rank's experts',
+                                   (orows, 4C)) */
+  struct tensor ye;             /* (E·cap, C): each expert's output (EP: the rank's kept choices' outputs, packed,
+                                   (nk, C)) */
+  /* An expert-parallel rank's (gpt_moe_ep.c), unallocated otherwise: */
+  struct tensor prow;           /* (N, K) I32: each choice's row in the rank's packed buffers, or −1 (dropped) */
+  struct tensor plan;           /* (P·W): the pass's all-gathered counts (gpt_moe_ep.c's head) */
+  struct tensor xo;             /* (orows, C): the inputs of this rank's experts (the rows every rank sent) */
+  struct tensor oex, osl;       /* (orows, 1) I32: each received row's expert (local index) and slot */
 };
 
 /* A block's activations for one micro-batch (the pipeline's stash); the
@@ -60,6 +67,18 @@ struct gpt_moe_scratch {
   struct tensor dgate;       /* (N, K) */
   struct tensor daux;        /* (E): the scaled daux of the backward */
   float *host;               /* (2E) host floats: a pass's psum and its load-balancing gradient */
+  /* An expert-parallel rank's (gpt_moe_ep.c): xe, dxe and dye then hold
+   * the rank's kept choices packed, (nk, C), and h (orows, 4C). */
+  int64_t nk, orows;         /* max_rows·T·K; the rows the rank's experts can take, (E/P rounded up)·capg */
+  int64_t capg;              /* gpt_moe_capacity of P·max_rows·T tokens */
+  struct tensor zeros;       /* (nk, 1) I32 zeros: the one "expert" of the packed buffers */
+  struct tensor ones;        /* (orows, 1): the gates of the rank's gathers */
+  struct tensor ob, oy, odx; /* (orows, C): rows received (or to send), the experts' outputs (then their
+                                gradients), their inputs' gradients */
+  float *hsend, *hrecv;      /* (max(nk, orows)·C) host, tensor_host_alloc'd */
+  float *hplan;              /* (P·W) host */
+  int32_t *hidx, *hidx2;     /* (max(nk, orows)) host */
+  int64_t *hbase, *hkeep;    /* (P, K, E) host: the plan's runs of slots (gpt_moe_ep.c) */
 };
 
 struct gpt_ws {
@@ -100,6 +119,46 @@ int gpt_stashed(struct model *m, struct tensor *t, enum tensor_dtype dt, int ndi
 
 /* ---- the mixture-of-experts MLP (gpt_moe.c) ---- */
 
+/* The first n rows of t as (n, w), and the first n elements. */
+static inline struct tensor gpt_rows(const struct tensor *t, int64_t n, int64_t w) {
+  int64_t shape[2] = {n, w};
+  return tensor_view(t, 0, 2, shape);
+}
+static inline struct tensor gpt_first(const struct tensor *t, int64_t n) { return tensor_view(t, 0, 1, &n); }
+
+/* Table entry of block l's mixture (x −1: the router; else expert x's
+ * X_* entry j) as a view of `flat` (params or grads). */
+struct tensor gpt_moe_entry(struct model *m, struct tensor *flat, int l, int x, int j);
+/* The buffers an expert's MLP runs on: expert rows [b·cap, b·cap + r) of
+ * x, hpre, h (the GELU output, scratch), y (forward's output) or dy and dx
+ * (backward's). */
+struct gpt_moe_bufs {
+  struct tensor *x, *hpre, *h, *y, *dy, *dx;
+  int64_t cap;
+};
+/* Expert x (its parameters) of block l over the r rows of row block b:
+ * forward writes hpre and y; backward (hpre and x the forward's) writes
+ * the expert's gradients (overwritten, or added to with beta = 1; an
+ * expert with r = 0 has zero gradients) and dx. */
+void gpt_moe_expert_forward(struct model *m, int l, int x, int b, int64_t r, const struct gpt_moe_bufs *bf);
+void gpt_moe_expert_backward(struct model *m, int l, int x, int b, int64_t r, float beta,
+                             const struct gpt_moe_bufs *bf);
+/* A pass's figures into m->moe_stats and the load-balancing loss's unit
+ * gradient α·E·f_e into a->daux: per expert its choices (assigned) and
+ * the rows it kept, the router's probabilities summed over the n tokens
+ * (psum), and Σ_n lse_n² of them. */
+void gpt_moe_add_stats(struct model *m, struct gpt_moe_acts *a, const int32_t *assigned, const int32_t *kept,
+                       const float *psum, int64_t n, double lse_sq);
+/* The router's backward over n tokens from dgate (n, K): its gradient
+ * (overwritten, or added to with beta = 1) and dln += its input's. */
+void gpt_moe_router_backward(struct model *m, int l, int64_t n, const struct tensor *ln, const struct tensor *dgate,
+                             struct tensor *dln, float beta);
+/* gpt_moe_forward and _backward of an expert-parallel rank (gpt_moe_ep.c). */
+void gpt_moe_ep_forward(struct model *m, int l, int64_t n, const struct tensor *ln, struct tensor *out);
+void gpt_moe_ep_backward(struct model *m, int l, int64_t n, const struct tensor *ln, const struct tensor *dout,
+                         struct tensor *dln, float beta);
+void gpt_moe_ep_free(struct gpt_moe_scratch *sc, tensor_backend_t be);
+
 /* Rows of each expert's buffer for a pass over n tokens:
  * ceil(capacity_pct / 100 · n · K / E), at least 1. */
 int64_t gpt_moe_capacity(const struct model_spec *s, int64_t n);
@@ -107,7 +166,7 @@ int64_t gpt_moe_capacity(const struct model_spec *s, int64_t n);
  * shared scratch. Return 0 or an allocation error. */
 int gpt_moe_alloc_acts(struct model *m, struct gpt_moe_acts *a, struct rumor_err *e) RUMOR_MUST_CHECK;
 int gpt_moe_alloc_scratch(struct model *m, struct gpt_moe_scratch *sc, struct rumor_err *e) RUMOR_MUST_CHECK;
-void gpt_moe_free_scratch(struct gpt_moe_scratch *sc);
+void gpt_moe_free_scratch(struct gpt_moe_scratch *sc, tensor_backend_t be);
 /* out (n, C) ← block l's mixture of experts applied to ln (n, C), ln_2's
  * output: the router, the dispatch to the experts' buffers, each expert's
  * MLP (GPT-2's), the gated combination (0 for a token every chosen expert

@@ -67,7 +67,8 @@ int gpt_moe_alloc_scratch(struct model *m, struct gpt_moe_scratch *sc, struct ru
   return 0;
 }
 
-void gpt_moe_free_scratch(struct gpt_moe_scratch *sc) {
+void gpt_moe_free_scratch(struct gpt_moe_scratch *sc, tensor_backend_t be) {
+  gpt_moe_ep_free(sc, be);
   struct tensor *own[] = {&sc->logits, &sc->xe, &sc->dxe, &sc->dye, &sc->h, &sc->dgate, &sc->daux};
   for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) tensor_free(own[i]);
   free(sc->host);
@@ -75,12 +76,6 @@ void gpt_moe_free_scratch(struct gpt_moe_scratch *sc) {
 }
 
 /* ---- views ---- */
-
-/* The first n rows of t as (n, w). */
-static struct tensor rows_of(const struct tensor *t, int64_t n, int64_t w) {
-  int64_t shape[2] = {n, w};
-  return tensor_view(t, 0, 2, shape);
-}
 
 /* The first `rows` of expert x's rows [x·cap, (x + 1)·cap) of a (E·cap, w)
  * buffer. */
@@ -96,11 +91,10 @@ static void kept_rows(const struct gpt_moe_acts *a, int E, int32_t *kept) {
   tensor_copy_to_host(&a->kept, 0, kept, (size_t)E * sizeof(int32_t));
 }
 
-static struct tensor first_n(const struct tensor *t, int64_t n) { return tensor_view(t, 0, 1, &n); }
 
 /* Table entry i of block l's mixture (B_ROUTER, or an expert's X_* entry
  * `j` of expert x) as a view of `flat` (params or grads). */
-static struct tensor entry(struct model *m, struct tensor *flat, int l, int x, int j) {
+struct tensor gpt_moe_entry(struct model *m, struct tensor *flat, int l, int x, int j) {
   size_t i = gpt_block_first(&m->spec, l) + B_ROUTER + (x < 0 ? 0 : 1 + (size_t)x * X_NPARAMS + (size_t)j);
   const struct model_param *p = &model_own_table(m)->p[i];
   return tensor_view(flat, p->offset - m->param_base, p->ndim, p->shape);
@@ -108,29 +102,23 @@ static struct tensor entry(struct model *m, struct tensor *flat, int l, int x, i
 
 /* ---- forward ---- */
 
-/* The pass's figures: the auxiliary losses into m->moe_stats and the
- * load-balancing loss's unit gradient into a->daux (host round trip). */
-static void pass_stats(struct model *m, struct gpt_moe_acts *a, int64_t n) {
+void gpt_moe_add_stats(struct model *m, struct gpt_moe_acts *a, const int32_t *assigned, const int32_t *kept,
+                       const float *psum, int64_t n, double lse_sq) {
   struct gpt_ws *ws = m->impl;
   const struct model_spec *s = &m->spec;
   int E = GP(s)->experts, K = GP(s)->topk;
-  int32_t counts[2 * GPT_MAX_EXPERTS];
-  float *psum = ws->moe.host, *daux = ws->moe.host + E;
-  tensor_copy_to_host(&a->assigned, 0, counts, (size_t)E * sizeof(int32_t));
-  tensor_copy_to_host(&a->kept, 0, counts + E, (size_t)E * sizeof(int32_t));
-  tensor_copy_to_host(&a->psum, 0, psum, (size_t)E * sizeof(float));
-  struct tensor lse = first_n(&a->lse, n);
+  float *daux = ws->moe.host + E;
   double choices = (double)n * K, balance = 0;
   struct model_moe_stats *st = &m->moe_stats;
   for (int e = 0; e < E; e++) {
-    double f = (double)counts[e] / choices;
-    balance += f * (double)psum[e] / (double)n;
+    double f = n > 0 ? (double)assigned[e] / choices : 0.0;
+    balance += n > 0 ? f * (double)psum[e] / (double)n : 0.0;
     daux[e] = (float)(m->moe_aux_weight * E * f);
-    st->load[e] += counts[e];
-    st->dropped += counts[e] - counts[E + e];
+    st->load[e] += assigned[e];
+    st->dropped += assigned[e] - kept[e];
   }
   tensor_copy_from_host(&a->daux, 0, daux, (size_t)E * sizeof(float));
-  double aux = m->moe_aux_weight * E * balance, z = m->moe_z_weight * tensor_sq_norm(&lse) / (double)n;
+  double aux = m->moe_aux_weight * E * balance, z = n > 0 ? m->moe_z_weight * lse_sq / (double)n : 0.0;
   /* Summed over block passes; the trainer divides by the micro-batches
    * (passes / moe_blocks) for a step's figure. */
   st->aux_loss += aux;
@@ -139,50 +127,69 @@ static void pass_stats(struct model *m, struct gpt_moe_acts *a, int64_t n) {
   st->choices += n * K;
 }
 
+/* The pass's figures: the auxiliary losses into m->moe_stats and the
+ * load-balancing loss's unit gradient into a->daux (host round trip). */
+static void pass_stats(struct model *m, struct gpt_moe_acts *a, int64_t n) {
+  struct gpt_ws *ws = m->impl;
+  int E = GP(&m->spec)->experts;
+  int32_t counts[2 * GPT_MAX_EXPERTS];
+  float *psum = ws->moe.host;
+  tensor_copy_to_host(&a->assigned, 0, counts, (size_t)E * sizeof(int32_t));
+  tensor_copy_to_host(&a->kept, 0, counts + E, (size_t)E * sizeof(int32_t));
+  tensor_copy_to_host(&a->psum, 0, psum, (size_t)E * sizeof(float));
+  struct tensor lse = gpt_first(&a->lse, n);
+  gpt_moe_add_stats(m, a, counts, counts + E, psum, n, tensor_sq_norm(&lse));
+}
+
 void gpt_moe_forward(struct model *m, int l, int64_t n, const struct tensor *ln, struct tensor *out) {
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   struct gpt_moe_acts *a = &ws->blk[l].moe;
   int E = GP(s)->experts, K = GP(s)->topk;
   int64_t C = GP(s)->width, cap = gpt_moe_capacity(s, n);
-  struct tensor logits = rows_of(&ws->moe.logits, n, E), router = entry(m, &m->params, l, -1, 0);
+  if (m->ep) {
+    gpt_moe_ep_forward(m, l, n, ln, out);
+    return;
+  }
+  struct tensor logits = gpt_rows(&ws->moe.logits, n, E), router = gpt_moe_entry(m, &m->params, l, -1, 0);
   tensor_gemm(false, false, 1.0f, ln, &router, 0.0f, &logits);
-  struct tensor probs = rows_of(&a->probs, n, E), lse = first_n(&a->lse, n), expert = rows_of(&a->expert, n, K),
-                gate = rows_of(&a->gate, n, K), slot = rows_of(&a->slot, n, K);
+  struct tensor probs = gpt_rows(&a->probs, n, E), lse = gpt_first(&a->lse, n), expert = gpt_rows(&a->expert, n, K),
+                gate = gpt_rows(&a->gate, n, K), slot = gpt_rows(&a->slot, n, K);
   tensor_moe_route(&logits, K, cap, &probs, &lse, &expert, &gate, &slot, &a->assigned, &a->kept, &a->psum);
-  struct tensor xe = rows_of(&ws->moe.xe, E * cap, C);
+  struct tensor xe = gpt_rows(&ws->moe.xe, E * cap, C);
   tensor_moe_dispatch(ln, &expert, &slot, cap, &xe);
   int32_t kept[GPT_MAX_EXPERTS];
   kept_rows(a, E, kept);
-  for (int x = 0; x < E; x++) {
-    int64_t r = kept[x];
-    if (r == 0) continue;
-    struct tensor xin = expert_rows(&ws->moe.xe, x, cap, r, C), hpre = expert_rows(&a->hpre, x, cap, r, 4 * C),
-                  h = expert_rows(&ws->moe.h, x, cap, r, 4 * C), y = expert_rows(&a->ye, x, cap, r, C);
-    struct tensor w1 = entry(m, &m->params, l, x, X_FC_W), b1 = entry(m, &m->params, l, x, X_FC_B),
-                  w2 = entry(m, &m->params, l, x, X_PROJ_W), b2 = entry(m, &m->params, l, x, X_PROJ_B);
-    tensor_gemm(false, false, 1.0f, &xin, &w1, 0.0f, &hpre);
-    tensor_bias_add(&hpre, &b1);
-    tensor_gelu_tanh_fwd(&hpre, &h);
-    tensor_gemm(false, false, 1.0f, &h, &w2, 0.0f, &y);
-    tensor_bias_add(&y, &b2);
-  }
-  struct tensor ye = rows_of(&a->ye, E * cap, C);
+  const struct gpt_moe_bufs bf = {.x = &ws->moe.xe, .hpre = &a->hpre, .h = &ws->moe.h, .y = &a->ye, .cap = cap};
+  for (int x = 0; x < E; x++) gpt_moe_expert_forward(m, l, x, x, kept[x], &bf);
+  struct tensor ye = gpt_rows(&a->ye, E * cap, C);
   tensor_moe_combine(&ye, &expert, &slot, &gate, cap, out);
   pass_stats(m, a, n);
 }
 
 /* ---- backward ---- */
 
-/* One expert's MLP backward from dye (its `r` kept rows): its weights'
- * gradients and dxe (its rows) ← dL/d its input. An expert that kept no
- * row has zero gradients (set, or left as they are when accumulating). */
-static void expert_backward(struct model *m, int l, int x, int64_t cap, int64_t r, float beta) {
-  struct gpt_ws *ws = m->impl;
-  struct gpt_moe_acts *a = &ws->blk[l].moe;
+/* ---- one expert's MLP ---- */
+
+void gpt_moe_expert_forward(struct model *m, int l, int x, int b, int64_t r, const struct gpt_moe_bufs *bf) {
+  if (r == 0) return;
   int64_t C = GP(&m->spec)->width;
-  struct tensor dw1 = entry(m, &m->grads, l, x, X_FC_W), db1 = entry(m, &m->grads, l, x, X_FC_B),
-                dw2 = entry(m, &m->grads, l, x, X_PROJ_W), db2 = entry(m, &m->grads, l, x, X_PROJ_B);
+  struct tensor xin = expert_rows(bf->x, b, bf->cap, r, C), hpre = expert_rows(bf->hpre, b, bf->cap, r, 4 * C),
+                h = expert_rows(bf->h, b, bf->cap, r, 4 * C), y = expert_rows(bf->y, b, bf->cap, r, C);
+  struct tensor w1 = gpt_moe_entry(m, &m->params, l, x, X_FC_W), b1 = gpt_moe_entry(m, &m->params, l, x, X_FC_B),
+                w2 = gpt_moe_entry(m, &m->params, l, x, X_PROJ_W), b2 = gpt_moe_entry(m, &m->params, l, x, X_PROJ_B);
+  tensor_gemm(false, false, 1.0f, &xin, &w1, 0.0f, &hpre);
+  tensor_bias_add(&hpre, &b1);
+  tensor_gelu_tanh_fwd(&hpre, &h);
+  tensor_gemm(false, false, 1.0f, &h, &w2, 0.0f, &y);
+  tensor_bias_add(&y, &b2);
+}
+
+void gpt_moe_expert_backward(struct model *m, int l, int x, int b, int64_t r, float beta,
+                             const struct gpt_moe_bufs *bf) {
+  int64_t C = GP(&m->spec)->width, cap = bf->cap;
+  struct tensor dw1 = gpt_moe_entry(m, &m->grads, l, x, X_FC_W), db1 = gpt_moe_entry(m, &m->grads, l, x, X_FC_B),
+                dw2 = gpt_moe_entry(m, &m->grads, l, x, X_PROJ_W), db2 = gpt_moe_entry(m, &m->grads, l, x, X_PROJ_B);
   if (r == 0) {
     if (beta == 0.0f) {
       struct tensor *g[4] = {&dw1, &db1, &dw2, &db2};
@@ -190,10 +197,10 @@ static void expert_backward(struct model *m, int l, int x, int64_t cap, int64_t 
     }
     return;
   }
-  struct tensor xin = expert_rows(&ws->moe.xe, x, cap, r, C), hpre = expert_rows(&a->hpre, x, cap, r, 4 * C),
-                h = expert_rows(&ws->moe.h, x, cap, r, 4 * C), dy = expert_rows(&ws->moe.dye, x, cap, r, C),
-                dx = expert_rows(&ws->moe.dxe, x, cap, r, C);
-  struct tensor w1 = entry(m, &m->params, l, x, X_FC_W), w2 = entry(m, &m->params, l, x, X_PROJ_W);
+  struct tensor xin = expert_rows(bf->x, b, cap, r, C), hpre = expert_rows(bf->hpre, b, cap, r, 4 * C),
+                h = expert_rows(bf->h, b, cap, r, 4 * C), dy = expert_rows(bf->dy, b, cap, r, C),
+                dx = expert_rows(bf->dx, b, cap, r, C);
+  struct tensor w1 = gpt_moe_entry(m, &m->params, l, x, X_FC_W), w2 = gpt_moe_entry(m, &m->params, l, x, X_PROJ_W);
   tensor_gelu_tanh_fwd(&hpre, &h); /* recomputed */
   tensor_gemm(true, false, 1.0f, &h, &dy, beta, &dw2);
   tensor_bias_grad(&dy, &db2, beta);
@@ -211,27 +218,42 @@ void gpt_moe_backward(struct model *m, int l, int64_t n, const struct tensor *ln
   struct gpt_moe_acts *a = &ws->blk[l].moe;
   int E = GP(s)->experts, K = GP(s)->topk;
   int64_t C = GP(s)->width, cap = gpt_moe_capacity(s, n);
-  struct tensor probs = rows_of(&a->probs, n, E), lse = first_n(&a->lse, n), expert = rows_of(&a->expert, n, K),
-                gate = rows_of(&a->gate, n, K), slot = rows_of(&a->slot, n, K);
-  struct tensor xe = rows_of(&ws->moe.xe, E * cap, C), ye = rows_of(&a->ye, E * cap, C),
-                dye = rows_of(&ws->moe.dye, E * cap, C), dxe = rows_of(&ws->moe.dxe, E * cap, C),
-                dgate = rows_of(&ws->moe.dgate, n, K);
+  if (m->ep) {
+    gpt_moe_ep_backward(m, l, n, ln, dout, dln, beta);
+    return;
+  }
+  struct tensor expert = gpt_rows(&a->expert, n, K), gate = gpt_rows(&a->gate, n, K), slot = gpt_rows(&a->slot, n, K);
+  struct tensor xe = gpt_rows(&ws->moe.xe, E * cap, C), ye = gpt_rows(&a->ye, E * cap, C),
+                dye = gpt_rows(&ws->moe.dye, E * cap, C), dxe = gpt_rows(&ws->moe.dxe, E * cap, C),
+                dgate = gpt_rows(&ws->moe.dgate, n, K);
   tensor_moe_dispatch(ln, &expert, &slot, cap, &xe); /* the experts' inputs, recomputed */
   tensor_moe_combine_bwd(dout, &ye, &expert, &slot, &gate, cap, &dye, &dgate);
   int32_t kept[GPT_MAX_EXPERTS];
   kept_rows(a, E, kept);
-  for (int x = 0; x < E; x++) expert_backward(m, l, x, cap, kept[x], beta);
+  const struct gpt_moe_bufs bf = {
+      .x = &ws->moe.xe, .hpre = &a->hpre, .h = &ws->moe.h, .dy = &ws->moe.dye, .dx = &ws->moe.dxe, .cap = cap};
+  for (int x = 0; x < E; x++) gpt_moe_expert_backward(m, l, x, x, kept[x], beta, &bf);
   tensor_fill(dln, 0.0f);
   tensor_moe_dispatch_bwd(&dxe, &expert, &slot, cap, dln);
-  /* The router: the gates', the load-balancing and the z-losses' gradients
-   * through the softmax, weighted by N · the loss scale (the file's head). */
-  float unit = (float)n * m->loss_scale;
+  gpt_moe_router_backward(m, l, n, ln, &dgate, dln, beta);
+}
+
+void gpt_moe_router_backward(struct model *m, int l, int64_t n, const struct tensor *ln, const struct tensor *dgate,
+                             struct tensor *dln, float beta) {
+  struct gpt_ws *ws = m->impl;
+  struct gpt_moe_acts *a = &ws->blk[l].moe;
+  int E = GP(&m->spec)->experts, K = GP(&m->spec)->topk;
+  struct tensor probs = gpt_rows(&a->probs, n, E), lse = gpt_first(&a->lse, n), expert = gpt_rows(&a->expert, n, K),
+                gate = gpt_rows(&a->gate, n, K);
+  /* The gates', the load-balancing and the z-losses' gradients through the
+   * softmax, weighted by N · the loss scale (the file's head): per token
+   * α·E·f_e·scale and 2β·lse·scale, whatever N. */
   tensor_copy(&ws->moe.daux, &a->daux);
   tensor_scale(&ws->moe.daux, m->loss_scale);
-  struct tensor dlogits = rows_of(&ws->moe.logits, n, E);
-  tensor_moe_route_bwd(&probs, &lse, &expert, &gate, &dgate, &ws->moe.daux,
-                       (float)(2.0 * m->moe_z_weight) * unit / (float)n, &dlogits);
-  struct tensor router = entry(m, &m->params, l, -1, 0), drouter = entry(m, &m->grads, l, -1, 0);
+  struct tensor dlogits = gpt_rows(&ws->moe.logits, n, E);
+  tensor_moe_route_bwd(&probs, &lse, &expert, &gate, dgate, &ws->moe.daux, (float)(2.0 * m->moe_z_weight) * m->loss_scale,
+                       &dlogits);
+  struct tensor router = gpt_moe_entry(m, &m->params, l, -1, 0), drouter = gpt_moe_entry(m, &m->grads, l, -1, 0);
   tensor_gemm(true, false, 1.0f, ln, &dlogits, beta, &drouter);
   tensor_gemm(false, true, 1.0f, &dlogits, &router, 1.0f, dln);
 }

@@ -258,6 +258,57 @@ int64_t model_tp_local_params(const struct model_spec *spec, int size, int rank)
 void model_tp_scatter(const struct model_spec *spec, int size, int rank, const float *full, float *local);
 void model_tp_gather(const struct model_spec *spec, int size, int rank, const float *local, float *full);
 
+/* ---- expert parallelism -----------------------------------------------------------------
+ *
+ * An expert-parallel (EP) rank r of P (model_use_ep) holds the whole model
+ * but runs only experts [lo, hi) of each mixture-of-experts block
+ * (model_ep_experts: comm_chunk's cut of E). Every rank routes its own
+ * tokens, and the ranks' passes make one pass over the union of their
+ * tokens, in rank order, exactly as one process would run it on the
+ * concatenated rows: the capacity comes from the total tokens, the expert
+ * buffers' slots are taken in (choice k, rank, token) order, and the
+ * load-balancing loss's f_e and P_e are over all of them.
+ *
+ * Per MoE block and micro-batch, forward: one all-gather of 2 + K·E + E
+ * floats per rank (tokens, choices per k and expert, router sums), then an
+ * all-to-all carrying the kept tokens' rows (C floats each) to their
+ * experts' ranks and one carrying the experts' outputs back; backward: the
+ * two all-to-alls again (output gradients there, input gradients back).
+ * The gradients of the experts a rank does not run are 0 there (written, or
+ * left as they are when accumulating), and every other gradient is the
+ * rank's own tokens' part: summing the ranks' gradients (the data-parallel
+ * all-reduce of the trainer) gives the single process's gradient.
+ *
+ * The expert parameters stay replicated (the trainer keeps every rank's
+ * parameters equal, as data-parallel members do; ZeRO shards their
+ * optimizer state), so EP divides the experts' compute and activations,
+ * not their weights. Every rank must run the same passes in the same order
+ * with the same MoE blocks (the collectives pair them up).
+ */
+#define MODEL_EP_MAX 64 /* ranks of one expert-parallel group (at least one expert each) */
+struct model_ep {
+  int rank, size; /* 0 <= rank < size <= the experts of a block (<= MODEL_EP_MAX) */
+  /* Collectives over the P ranks, supplied by the caller, on host float
+   * buffers: all_gather fills buf[j·each .. (j+1)·each) with rank j's (its
+   * own already in place); all_to_all is comm_all_to_all's contract.
+   * Return 0 or a negative code with a message in e. */
+  int (*all_gather)(void *arg, float *buf, int64_t each, struct rumor_err *e);
+  int (*all_to_all)(void *arg, const float *send, const int64_t *send_counts, float *recv,
+                    const int64_t *recv_counts, struct rumor_err *e);
+  /* Stops the group for `why` (comm_abort): called when this rank finds
+   * another's routing plan impossible, so no rank waits for it. */
+  void (*abort)(void *arg, const char *why);
+  void *arg;
+  /* The caller sets it around passes whose rows are padding (a rank with
+   * no row of an evaluation batch still takes part in its collectives): the
+   * rank then routes none of them. No backward may follow such a pass. */
+  bool ghost;
+  /* As model_tp's: the first failure (the passes then skip every later
+   * collective and compute garbage); the caller checks after each step. */
+  int failed;
+  struct rumor_err err;
+};
+
 struct model {
   struct model_spec spec;
   struct model_table table; /* the whole model's */
@@ -302,6 +353,7 @@ struct model {
    * figures of the forward passes since model_moe_stats_reset. */
   double moe_aux_weight, moe_z_weight;
   int moe_blocks; /* the mixture-of-experts blocks among this model's units */
+  struct model_ep *ep; /* an expert-parallel rank's collectives (model_use_ep; the caller's), or NULL */
   float loss_scale;
   struct model_moe_stats {
     double aux_loss, z_loss; /* summed over every block's forward pass (weights applied) */
@@ -403,6 +455,20 @@ void model_moe_stats_reset(struct model *m);
  * both when moe is not dense's shape with experts. */
 int model_upcycle(const struct model_spec *dense, const float *params, const struct model_spec *moe, uint64_t seed,
                   float *out, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Experts [*lo, *hi) of an expert-parallel rank of `size` (see "expert
+ * parallelism" above). */
+void model_ep_experts(const struct model_spec *s, int size, int rank, int *lo, int *hi);
+/* 0 when `spec` can be split over `size` expert-parallel ranks (a GPT with
+ * mixture-of-experts blocks and at least `size` experts), else
+ * RUMOR_EFORMAT naming the spec and why. */
+int model_ep_check(const struct model_spec *spec, int size, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Makes m (model_init'd, not a tensor-parallel rank, before its first pass
+ * and before a pipeline binds its stash) expert-parallel rank ep->rank of
+ * ep->size: allocates the buffers the exchanges need (the owner side for
+ * ep->size times the rows) and keeps `ep` (the caller's; it outlives m).
+ * Returns 0, model_ep_check's error or an allocation error. */
+int model_use_ep(struct model *m, struct model_ep *ep, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* One training step's math on the batch in model_act(0) / labels: forward,
  * mean loss, backward into grads. Only enqueues work. */
