@@ -220,6 +220,7 @@ struct pipe_flags {
    * train_dp): the launcher's count, each member's "r/D", where it listens
    * for the members above it and the addresses of those below. */
   int64_t data_parallel, tensor_parallel, zero;
+  int64_t expert_parallel; /* members that split the experts: the launcher's P (D x P members), each process's too */
   const char *dp, *tp, *comm_listen, *comm_peers;
 };
 
@@ -256,6 +257,14 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
  * --sync other than gossip, --outer, --resume or --init-from (not built
  * yet). 0 at once for S = 1 or D x T = 1. The launcher and each process
  * check alike. Returns 0 or RUMOR_EFORMAT naming the option. */
+/* What --expert-parallel P (f->pipe.expert_parallel) needs, the same for
+ * the launcher and each process: data-parallel members in runs of P (D, all
+ * of them, a multiple of P), no tensor-parallel ranks, a mixture-of-experts
+ * model with at least P experts (model_ep_check), a batch of at least D
+ * rows, and with S > 1 stages slices of it that fill the micro-batches
+ * (every member runs as many). 0 at once for P = 1. Returns 0 or RUMOR_EFORMAT naming the option. */
+int group_ep_check(const struct group_flags *f, const struct model_spec *spec, int S, int D, int T, int64_t batch,
+                   struct rumor_err *e) RUMOR_MUST_CHECK;
 int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages,
                          struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The training configuration of stage `stage` of `stages` from parsed flags

@@ -42,6 +42,7 @@ struct child {
 struct group {
   struct group_flags f;
   int S, D, T;
+  int P; /* --expert-parallel: D counts every data-parallel member, D / P runs of P that split the experts */
   int N; /* processes: S stages (T = D = 1), T x D (S = 1), or S x D or S x T (S > 1): kids[i] is stage i;
             process i (data-parallel member i / T, tensor-parallel rank i % T); or process i of stage i / N,
             its data-parallel member or tensor-parallel rank i % N (N = D or T). A failure line's failed_stage
@@ -200,6 +201,11 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
     if (g->D > 1) {
       snprintf(buf, sizeof buf, "%d/%d", d, g->D);
       push(out, &n, "--dp");
+      push(out, &n, buf);
+    }
+    if (g->P > 1) {
+      snprintf(buf, sizeof buf, "%d", g->P);
+      push(out, &n, "--expert-parallel");
       push(out, &n, buf);
     }
     if (g->T > 1) {
@@ -410,7 +416,12 @@ static bool child_bad(const struct child *k) { return k->exited && !(WIFEXITED(k
 static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_err *e) {
   struct group_flags *f = &g->f;
   g->S = (int)f->pipe.stages;
-  g->D = (int)f->pipe.data_parallel;
+  g->P = (int)f->pipe.expert_parallel;
+  if (f->pipe.data_parallel * g->P > COMM_MAX_MEMBERS)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %lld x --expert-parallel %d is %lld processes, more than %d",
+                         (long long)f->pipe.data_parallel, g->P, (long long)f->pipe.data_parallel * g->P,
+                         COMM_MAX_MEMBERS);
+  g->D = (int)f->pipe.data_parallel * g->P;
   g->T = (int)f->pipe.tensor_parallel;
   g->N = g->S * g->D * g->T;
   if (g->D * g->T > COMM_MAX_MEMBERS)
@@ -477,6 +488,11 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&plan.spec, spec, sizeof spec);
   if (g->T > 1 && (rc = model_tp_check(&plan.spec, g->T, e))) return rumor_err_prefix(e, "--tensor-parallel");
+  if ((rc = group_ep_check(f, &plan.spec, g->S, g->D, g->T, tc.batch, e))) return rc;
+  if (g->P > 1)
+    log_info("group %s: the %d data-parallel members in runs of %d, each run splitting the %d experts of every "
+             "mixture-of-experts block (members r with the same r / %d send each other their tokens)", g->name, g->D,
+             g->P, plan.spec.u.gpt.experts, g->P);
   if (g->S == 1 && g->N > 1) {
     log_info("group %s: %s on %d data-parallel member%s (ZeRO %lld) of %d tensor-parallel rank%s, each member on its "
              "slice of every batch of %lld", g->name, spec, g->D, g->D == 1 ? "" : "s", (long long)f->pipe.zero, g->T,
@@ -662,7 +678,8 @@ static void print_summary(const struct group *g, int status) {
   json_t *doc;
   bool have = status == 0 && last->result[0] && json_text_parse(last->result, strlen(last->result), &doc, NULL) == 0;
   static const char *const keys[] = {"test_accuracy", "test_loss", "val_token_accuracy", "val_loss",
-                                     "train_loss", "steps", "epochs", "samples_per_s", "comm_bytes_per_step"};
+                                     "train_loss", "steps", "epochs", "samples_per_s", "comm_bytes_per_step",
+                                     "expert_bytes_per_step"};
   if (have) {
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
       json_t *v = json_object_get(doc, keys[i]);
@@ -677,6 +694,7 @@ static void print_summary(const struct group *g, int status) {
     json_text_set(o, "zero", json_integer(g->f.pipe.zero));
   }
   if (g->T > 1) json_text_set(o, "tensor_parallel", json_integer(g->T));
+  if (g->P > 1) json_text_set(o, "expert_parallel", json_integer(g->P));
   /* The largest process's peak resident memory (each reported its own). */
   json_int_t peak = 0;
   for (int i = 0; i < g->nkids; i++) {
@@ -706,7 +724,7 @@ int cmd_group(int argc, char **argv) {
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
                       "rumor group (--stages S [--data-parallel D [--zero 0|1] | --tensor-parallel T] | "
-                      "[--tensor-parallel T] [--data-parallel D [--zero Z]]) [--devices D0,D1,...] --cluster-key FILE "
+                      "[--tensor-parallel T] [--data-parallel D [--zero Z]]) [--expert-parallel P] [--devices D0,D1,...] --cluster-key FILE "
                       "--identity FILE [options]",
                       "Trains one replica as a peer group of processes on this host.\n"
                       "\n"
@@ -722,6 +740,13 @@ int cmd_group(int argc, char **argv) {
                       "on port + k) or --bootstrap (one list per process, ';'-separated): then process k\n"
                       "averages its shard (its slices, or its ZeRO piece of them) with process k of other\n"
                       "groups of the same layout, by gossip (--sync gossip, with or without --outer).\n"
+                      "\n"
+                      "--expert-parallel P: P processes split a mixture-of-experts model's experts (a GPT\n"
+                      "spec with -E<n>): each takes its slice of every batch as a data-parallel member\n"
+                      "does, runs E / P experts of every mixture-of-experts block, and sends each token to\n"
+                      "its experts' process and back (an all-to-all per block); the steps equal the single\n"
+                      "process's. With --data-parallel D, D x P processes; with --stages S, D x P in each\n"
+                      "stage. --zero shards over all of them.\n"
                       "\n"
                       "--stages S: S processes, each\n"
                       "holding a contiguous run of the model's units (split balanced by parameters and\n"

@@ -35,6 +35,7 @@ struct stage_proc {
   struct train_tp tp;    /* with tp_size > 1: tc.tp points here */
   comm_t *comm;          /* every process of the group (the mesh) */
   comm_t *dp_comm, *tp_comm; /* its data-parallel and tensor-parallel sub-communicators, or NULL */
+  comm_t *ep_comm;       /* --expert-parallel P: its run of P data-parallel members (a sub-communicator), or NULL */
   char peer_addrs[COMM_MAX_MEMBERS][NET_HOST_MAX + 8]; /* --comm-peers */
   bool averages;         /* a data- or tensor-parallel process that averages its shard with other groups' */
   struct member mb;
@@ -110,6 +111,12 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
   const struct pipe_flags *pf = &p->f.pipe;
   p->members = p->dp_size * p->tp_size;
   p->member = p->dp_rank * p->tp_size + p->tp_rank;
+  if (pf->expert_parallel > 1) {
+    struct model_spec spec;
+    if (!p->tc.model) return rumor_err_set(e, RUMOR_EFORMAT, "--expert-parallel needs --model");
+    if (model_spec_parse(p->tc.model, &spec, e)) return rumor_err_prefix(e, "--model");
+    if (group_ep_check(&p->f, &spec, stages, p->dp_size, p->tp_size, p->tc.batch, e)) return RUMOR_EFORMAT;
+  }
   if (stages > 1 && p->members > 1) {
     /* Data-parallel members or tensor-parallel ranks inside a pipeline
      * (one kind: group_stage_dp_check): process stage x N + r. */
@@ -218,13 +225,23 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
   return 0;
 }
 
+/* --expert-parallel P: the member's run of P (data-parallel ranks with the
+ * same rank / P) splits the experts, over a sub-communicator of its own. */
+static void start_experts(struct stage_proc *p) {
+  int P = (int)p->f.pipe.expert_parallel, members[MODEL_EP_MAX], first = p->dp_rank / P * P;
+  if (P == 1) return;
+  for (int j = 0; j < P; j++) members[j] = first + j;
+  p->ep_comm = comm_sub(p->dp.comm, members, P, 3);
+  p->dp.experts = p->ep_comm;
+}
+
 /* Starts listening for (and dialing) the other data-parallel members; they
  * must all agree on the run and the ZeRO stage (they connect in join). */
 static int start_comm(struct stage_proc *p, struct rumor_err *e) {
   char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
   train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
-  snprintf(text, sizeof text, "%s zero=%lld stage=%d/%d", agree, (long long)p->f.pipe.zero, p->st.stage,
-           p->st.stages);
+  snprintf(text, sizeof text, "%s zero=%lld experts=%lld stage=%d/%d", agree, (long long)p->f.pipe.zero,
+           (long long)p->f.pipe.expert_parallel, p->st.stage, p->st.stages);
   /* Inside a pipeline, one communicator per stage: its D members, with
    * keys of their own (stage x D + r), so no stage admits another's. */
   int rank = p->in_stages ? p->stage_rank : p->member, size = p->in_stages ? p->per_stage : p->members;
@@ -253,6 +270,7 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
   if (p->in_stages) {
     p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
     p->tc.dp = &p->dp;
+    start_experts(p);
     return 0;
   }
   /* The processes of one data-parallel member (its tensor-parallel ranks),
@@ -269,6 +287,7 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
     p->dp_comm = p->tp_size > 1 ? comm_sub(p->comm, dp_members, p->dp_size, 2) : p->comm;
     p->dp = (struct train_dp){.comm = p->dp_comm, .zero = (int)p->f.pipe.zero, .lazy_gather = p->averages};
     p->tc.dp = &p->dp;
+    start_experts(p);
   }
   return 0;
 }
@@ -711,6 +730,7 @@ int cmd_stage(int argc, char **argv) {
   tb_train_close(&p->tb);
   if (p->have_trainer) trainer_free(&p->t);
   /* After the trainer: it used them to the end. */
+  if (p->ep_comm) comm_free(p->ep_comm, 0);
   if (p->dp_comm != p->comm) comm_free(p->dp_comm, 0);
   if (p->tp_comm != p->comm) comm_free(p->tp_comm, 0);
   comm_free(p->comm, 10000);

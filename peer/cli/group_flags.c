@@ -19,6 +19,7 @@ void group_flags_default(struct group_flags *f) {
   p->stages = 1;
   p->data_parallel = 1;
   p->tensor_parallel = 1;
+  p->expert_parallel = 1;
   p->comm_listen = "127.0.0.1:0";
 }
 
@@ -46,6 +47,13 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
+    const struct arg_spec ep = {"expert-parallel", ARG_INT, &f->expert_parallel, "P",
+                                "processes that split a mixture-of-experts model's experts, each on its own slice of "
+                                "every batch, its tokens sent to their experts' processes and back (an all-to-all "
+                                "inside each block); with --data-parallel D, D x P processes (runs of P split the "
+                                "experts; all of them sum their gradients); with --stages S, D x P in each stage",
+                                1, MODEL_EP_MAX};
+    add(specs, n, &ep);
   } else {
     const struct arg_spec own[] = {
         {"stage", ARG_STR, &f->stage, "s/S", "this process is stage s of S of the group (required)"},
@@ -53,6 +61,9 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
         {"link-prev", ARG_STR, &f->link_prev, "HOST:PORT", "the previous stage's --link-listen address (not on stage 0)"},
         {"dp", ARG_STR, &f->dp, "r/D", "this process is in data-parallel member r of D of its stage (default 0/1)"},
         {"tp", ARG_STR, &f->tp, "t/T", "this process is tensor-parallel rank t of T of its member (default 0/1)"},
+        {"expert-parallel", ARG_INT, &f->expert_parallel, "P",
+         "the --dp members, in runs of P (members r with the same r / P), split the model's experts", 1,
+         MODEL_EP_MAX},
         {"comm-listen", ARG_STR, &f->comm_listen, "HOST:PORT",
          "address the data-parallel members above this one dial (port 0: any free port)"},
         {"comm-peers", ARG_STR, &f->comm_peers, "A0,A1,...",
@@ -144,7 +155,8 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   st->micro = (int)f->pipe.micro;
   /* Data- and tensor-parallel processes run whole batches (their slices):
    * no micro-batches to check against the batch. */
-  if (stages == 1 && (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.dp || f->pipe.tp))
+  if (stages == 1 && (f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.expert_parallel > 1 ||
+                      f->pipe.dp || f->pipe.tp))
     st->micro = 1;
   if (pipe_schedule_parse(f->pipe.schedule, &st->sched))
     return rumor_err_set(e, RUMOR_EFORMAT, "--pipeline must be gpipe or 1f1b, not '%s'", f->pipe.schedule);
@@ -202,5 +214,30 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
                          "trains alone, from its own initialisation, so far; %s are not built for it yet",
                          T > 1 ? "tensor-parallel" : "data-parallel", T > 1 ? T : D, S,
                          T > 1 ? "tensor-parallel ranks" : "data-parallel members", what);
+  return 0;
+}
+
+int group_ep_check(const struct group_flags *f, const struct model_spec *spec, int S, int D, int T, int64_t batch,
+                   struct rumor_err *e) {
+  int P = (int)f->pipe.expert_parallel;
+  if (P == 1) return 0;
+  if (T > 1)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--expert-parallel %d with --tensor-parallel %d: tensor-parallel ranks do "
+                         "not take mixture-of-experts models yet", P, T);
+  if (D % P != 0)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--expert-parallel %d: the %d data-parallel members (--dp r/%d) are not "
+                         "runs of %d", P, D, D, P);
+  if (model_ep_check(spec, P, e)) return rumor_err_prefix(e, "--expert-parallel %d", P);
+  if (batch < D)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--expert-parallel %d: --batch %lld is smaller than the group's %d data- "
+                         "and expert-parallel members, and each needs at least one row of every batch", P,
+                         (long long)batch, D);
+  /* Members whose slices make fewer micro-batches than others would skip
+   * exchanges the others wait for. */
+  if (S > 1 && batch / D < f->pipe.micro)
+    return rumor_err_set(e, RUMOR_EFORMAT, "--expert-parallel %d with --stages %d: each of the %d members' slices of "
+                         "--batch %lld (at least %lld rows) must fill the %lld micro-batches; use --micro-batches %lld "
+                         "or fewer", P, S, D, (long long)batch, (long long)(batch / D), (long long)f->pipe.micro,
+                         (long long)(batch / D));
   return 0;
 }

@@ -24,6 +24,7 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
     json_text_set(o, "data_parallel", json_integer(t->zero.size));
   }
   if (trainer_in_group_comm(t)) json_text_set(o, "comm_bytes_per_step", json_text_real(t->comm_step_bytes));
+  if (t->model.ep) json_text_set(o, "expert_bytes_per_step", json_text_real(t->ep_step_bytes));
   if (t->moe.experts) { /* a mixture of experts: its last step's figures */
     json_text_set(o, "moe_aux_loss", json_text_real(t->moe.aux_loss));
     json_text_set(o, "moe_z_loss", json_text_real(t->moe.z_loss));

@@ -33,6 +33,7 @@
  */
 #include "peer/model/gpt_impl.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -369,6 +370,9 @@ static int alloc_ep_scratch(struct model *m, struct gpt_moe_scratch *sc, struct 
   sc->hkeep = xcalloc((size_t)P * K * E, sizeof(int64_t));
   sc->hsend = tensor_host_alloc(m->be, (size_t)(most * C) * sizeof(float));
   sc->hrecv = tensor_host_alloc(m->be, (size_t)(most * C) * sizeof(float));
+  if (!sc->hsend || !sc->hrecv)
+    return rumor_err_set(e, -ENOMEM, "cannot allocate 2 x %lld floats of host staging for the experts' exchanges",
+                         (long long)(most * C));
   return 0;
 }
 

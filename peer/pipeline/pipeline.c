@@ -293,7 +293,8 @@ static int forward(struct pipeline *p, int64_t step, int mb, int64_t rows, int64
   return 0;
 }
 
-static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool accumulate, struct rumor_err *e) {
+static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, int64_t loss_rows, bool accumulate,
+                    struct rumor_err *e) {
   struct model *m = p->m;
   int64_t off, r;
   pipeline_micro_rows(rows, p->micro, mb, &off, &r);
@@ -317,8 +318,9 @@ static int backward(struct pipeline *p, int64_t step, int mb, int64_t rows, bool
     dout = &p->dout;
   }
   /* Every stage scales as the last stage's loss did (a mixture of
-   * experts' auxiliary losses, wherever its blocks are). */
-  model_set_loss_scale(m, 1.0f / (float)model_targets(m, rows));
+   * experts' auxiliary losses, wherever its blocks are): by the whole
+   * batch's targets, a data-parallel member's too. */
+  model_set_loss_scale(m, 1.0f / (float)model_targets(m, loss_rows));
   model_backward(m, p->u0, p->u1, r, dout, first_stage(p) ? NULL : &p->din, accumulate);
   give_slot(p, mb);
   if (first_stage(p)) return 0;
@@ -343,7 +345,7 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, int64_t loss_r
     if (act->op == PIPE_F) {
       rc = forward(p, step, act->mb, rows, loss_rows, x_host, y_host, &loss, e);
     } else {
-      rc = backward(p, step, act->mb, rows, accumulate, e);
+      rc = backward(p, step, act->mb, rows, loss_rows, accumulate, e);
       accumulate = true;
     }
   }
@@ -365,23 +367,31 @@ int pipeline_step(struct pipeline *p, int64_t step, int64_t rows, int64_t loss_r
 
 /* ---- evaluation ---- */
 
-int pipeline_eval(struct pipeline *p, int64_t count, pipe_gather_fn gather, void *arg, int64_t *correct,
-                  double *loss_sum, struct rumor_err *e) {
+int pipeline_eval(struct pipeline *p, int64_t count, int64_t chunks, pipe_gather_fn gather, void *arg,
+                  int64_t *correct, double *loss_sum, struct rumor_err *e) {
   struct model *m = p->m;
   int64_t tag = p->evals++;
   /* Stage 0 needs the inputs, the last stage the labels; the gather makes both. */
   bool need = first_stage(p) || last_stage(p);
   bind_slot(p, 0);
   int rc = tied_value(p, tag, 1, e);
-  int32_t chunk = 0;
-  for (int64_t first = 0; first < count && rc == 0; first += p->mb_rows, chunk++) {
-    int64_t r = count - first < p->mb_rows ? count - first : p->mb_rows;
-    if (need) gather(arg, first, r, p->eval_x, p->labels);
+  int64_t own = (count + p->mb_rows - 1) / p->mb_rows;
+  for (int32_t chunk = 0; rc == 0 && (chunk < own || chunk < chunks); chunk++) {
+    int64_t first = chunk * p->mb_rows, r = count - first < p->mb_rows ? count - first : p->mb_rows;
+    bool pad = chunk >= own;
+    if (pad) { /* one row of zeros (token 0, or a black image), routed nowhere and not scored */
+      r = 1;
+      memset(p->eval_x, 0, (size_t)p->in_width * tensor_dtype_size(model_act(m, p->u0)->dtype));
+    } else if (need) {
+      gather(arg, first, r, p->eval_x, p->labels);
+    }
     if ((rc = load_input(p, STAGE_LINK_EVAL, tag, chunk, p->eval_x, 0, r, e))) break;
+    if (pad) m->ep->ghost = true;
     model_forward(m, p->u0, p->u1, r);
+    if (pad) m->ep->ghost = false;
     if (!last_stage(p)) {
       rc = send_output(p, STAGE_LINK_EVAL, tag, chunk, r, e);
-    } else {
+    } else if (!pad) {
       tensor_copy_from_host(&m->labels, 0, p->labels, (size_t)model_targets(m, r) * sizeof(int32_t));
       model_score(m, r, p->labels, correct, loss_sum);
     }

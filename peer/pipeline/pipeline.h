@@ -346,8 +346,13 @@ typedef void (*pipe_gather_fn)(void *arg, int64_t first, int64_t rows, void *x, 
  * and last stage) in micro-batch-sized chunks, pipelined through the
  * stages. On the last stage, *correct and *loss_sum get the correct
  * predictions and the summed loss. Every stage of the group must call it at
- * the same point with the same count. */
-int pipeline_eval(struct pipeline *p, int64_t count, pipe_gather_fn gather, void *arg, int64_t *correct,
+ * the same point with the same count. `chunks` (0: none) asks for at least
+ * that many chunks: those past the rows are padding passes (one row,
+ * model.h's ep->ghost set, not scored), so that expert-parallel members
+ * whose slices need fewer chunks still take part in every chunk's
+ * exchanges; only a model with model_use_ep may ask for them. */
+int pipeline_eval(struct pipeline *p, int64_t count, int64_t chunks, pipe_gather_fn gather, void *arg,
+                  int64_t *correct,
                   double *loss_sum, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_PEER_PIPELINE_H */

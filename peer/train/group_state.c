@@ -37,10 +37,42 @@ void group_tp_setup(struct trainer *t) {
   t->tp = (struct model_tp){.rank = comm_rank(c), .size = comm_size(c), .all_reduce = tp_all_reduce, .arg = t};
 }
 
-int group_tp_failed(struct trainer *t, struct rumor_err *e) {
-  if (!t->cfg.tp || !t->tp.failed) return 0;
-  *e = t->tp.err;
-  return t->tp.failed;
+int group_pass_failed(struct trainer *t, struct rumor_err *e) {
+  if (t->cfg.tp && t->tp.failed) {
+    *e = t->tp.err;
+    return t->tp.failed;
+  }
+  if (t->model.ep && t->ep.failed) {
+    *e = t->ep.err;
+    e->code = t->ep.failed;
+    return rumor_err_prefix(e, "expert-parallel member %d/%d", t->ep.rank, t->ep.size);
+  }
+  return 0;
+}
+
+/* model_ep's collectives over the member's run (host buffers: the model
+ * stages device tensors itself). */
+static int ep_all_gather(void *arg, float *buf, int64_t each, struct rumor_err *e) {
+  comm_t *c = arg;
+  return comm_all_gather(c, buf, each * comm_size(c), e);
+}
+
+static int ep_all_to_all(void *arg, const float *send, const int64_t *send_counts, float *recv,
+                         const int64_t *recv_counts, struct rumor_err *e) {
+  return comm_all_to_all(arg, send, send_counts, recv, recv_counts, e);
+}
+
+static void ep_abort(void *arg, const char *why) { comm_abort(arg, why); }
+
+int group_ep_setup(struct trainer *t, struct rumor_err *e) {
+  comm_t *c = t->cfg.dp->experts;
+  t->ep = (struct model_ep){.rank = comm_rank(c),
+                            .size = comm_size(c),
+                            .all_gather = ep_all_gather,
+                            .all_to_all = ep_all_to_all,
+                            .abort = ep_abort,
+                            .arg = c};
+  return model_use_ep(&t->model, &t->ep, e);
 }
 
 int group_grad_sq_norm(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, double *out, struct rumor_err *e) {

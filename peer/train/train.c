@@ -177,8 +177,8 @@ static void log_setup(const struct trainer *t) {
     pipe_split_describe(&t->plan.spec, &t->plan.split, t->stage.stage, desc, sizeof desc);
     char dp[96] = "";
     if (c->dp)
-      snprintf(dp, sizeof dp, ", data-parallel member %d/%d (ZeRO %d) on its slice of each batch", t->zero.rank,
-               t->zero.size, c->dp->zero);
+      snprintf(dp, sizeof dp, ", data-parallel member %d/%d (ZeRO %d%s) on its slice of each batch", t->zero.rank,
+               t->zero.size, c->dp->zero, c->dp->experts ? ", expert-parallel" : "");
     log_info("group %s %s on %s%s; %d micro-batches of up to %lld rows, %s schedule; shard %lld/%lld: %lld batches "
              "of %lld per epoch",
              t->stage.group, desc, tensor_backend_name(t->be), dp, t->stage.micro, (long long)t->plan.mb_rows,
@@ -190,6 +190,12 @@ static void log_setup(const struct trainer *t) {
            s, (long long)t->model.nparams, (double)t->model.nparams * 4 / (1 << 20), tensor_backend_name(t->be),
            (long long)c->shard.index, (long long)c->shard.count, (long long)train_data_shard_rows(&t->data),
            trainer_row_noun(t), (long long)t->steps_per_epoch, (long long)c->batch);
+  if (t->model.ep) {
+    int lo, hi;
+    model_ep_experts(&t->plan.spec, t->ep.size, t->ep.rank, &lo, &hi);
+    log_info("expert-parallel rank %d/%d: runs experts %d-%d of each mixture-of-experts block on the rows its run's "
+             "members route to them", t->ep.rank, t->ep.size, lo, hi - 1);
+  }
   if (c->resume)
     log_info("resumed from %s at step %lld (epoch %lld, batch %lld)", t->resumed_from, (long long)t->st.step,
              (long long)t->st.epoch + 1, (long long)t->st.step_in_epoch);
@@ -308,6 +314,18 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
   if (rc) goto fail;
   model_set_moe_losses(&t->model, t->cfg.moe_aux_weight, t->cfg.moe_z_weight);
+  if (cfg->dp && cfg->dp->experts) {
+    /* Every member of a run takes part in every pass: none may be left
+     * without rows of a training batch (an evaluation's short last batch
+     * makes padding passes instead: zero_evaluate). */
+    int members = comm_size(cfg->dp->comm);
+    if (cfg->batch < members) {
+      rc = rumor_err_set(e, RUMOR_EFORMAT, "--batch %lld is smaller than the group's %d data- and expert-parallel "
+                         "members: each needs at least one row of every batch", (long long)cfg->batch, members);
+      goto fail;
+    }
+    if ((rc = group_ep_setup(t, e))) goto fail;
+  }
   /* A fresh ZeRO 3 member draws its parameters and gives back what is not
    * its piece before the optimizer state exists: its peak stays at its
    * share (the draw may hold a host copy of the whole model meanwhile). */
@@ -517,14 +535,20 @@ static int stage_dp_sum(struct trainer *t, double *v, int n, struct rumor_err *e
  * members sum their figures, so each of them holds the whole set's. */
 static int stage_eval(struct trainer *t, int64_t n, int64_t *correct, double *loss, struct rumor_err *e) {
   if (!t->cfg.dp) {
-    int rc = pipeline_eval(&t->pipe, n, gather_eval, &t->data, correct, loss, e);
-    return rc ? rc : group_tp_failed(t, e);
+    int rc = pipeline_eval(&t->pipe, n, 0, gather_eval, &t->data, correct, loss, e);
+    return rc ? rc : group_pass_failed(t, e);
   }
   int64_t lo, hi;
   comm_chunk(n, t->zero.size, t->zero.rank, &lo, &hi);
   struct eval_slice slice = {&t->data, lo};
-  /* A member with no rows skips on every stage of its pipeline alike. */
-  int rc = hi > lo ? pipeline_eval(&t->pipe, hi - lo, gather_eval_slice, &slice, correct, loss, e) : 0;
+  /* A member with no rows skips on every stage of its pipeline alike;
+   * expert-parallel members all run the chunks of the largest slice (the
+   * first's), padding where theirs has fewer. */
+  int64_t lo0, hi0, chunks = 0;
+  comm_chunk(n, t->zero.size, 0, &lo0, &hi0);
+  if (t->model.ep) chunks = (hi0 - lo0 + t->pipe.mb_rows - 1) / t->pipe.mb_rows;
+  int rc = hi > lo || chunks ? pipeline_eval(&t->pipe, hi - lo, chunks, gather_eval_slice, &slice, correct, loss, e)
+                             : 0;
   if (rc || !trainer_has_loss(t)) return rc;
   double v[2] = {(double)*correct, *loss};
   if ((rc = stage_dp_sum(t, v, 2, e))) return rc;
@@ -553,7 +577,7 @@ static int64_t evaluate_whole(struct trainer *t, bool eval, int64_t n, const ato
     tensor_copy_from_host(model_act(&t->model, 0), 0, x, (size_t)rows * t->data.x_bytes_per_row);
     tensor_copy_from_host(&t->model.labels, 0, y, (size_t)(rows * ypr) * sizeof(int32_t));
     model_evaluate(&t->model, rows, y, correct, loss);
-    if ((*rc = group_tp_failed(t, e))) break;
+    if ((*rc = group_pass_failed(t, e))) break;
   }
   tensor_host_free(t->be, x);
   tensor_host_free(t->be, y);
@@ -758,7 +782,7 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
   model_forward_backward(m, rows);
-  int rc = group_tp_failed(t, e);
+  int rc = group_pass_failed(t, e);
   if (rc) return rc;
   if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
   if ((rc = reduce(t, rows, e))) return rc;
@@ -795,7 +819,7 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   } else { /* a short last batch left this member no rows: every stage of its pipeline skips alike */
     tensor_fill(&t->model.grads, 0.0f);
   }
-  if (rc == 0) rc = group_tp_failed(t, e); /* a tensor-parallel rank's collectives inside the passes */
+  if (rc == 0) rc = group_pass_failed(t, e); /* a tensor-parallel rank's collectives inside the passes */
   if (rc) return rc;
   *rows_out = rows;
   if (t->cfg.dp && trainer_has_loss(t) && (rc = stage_dp_sum(t, &loss_sum, 1, e))) return rc;
@@ -913,14 +937,18 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
   int64_t rows = 0;
   int rc;
   comm_t *top = t->cfg.tp ? t->cfg.tp->all : t->cfg.dp ? t->cfg.dp->comm : NULL;
-  uint64_t sent0 = 0, recv0 = 0, sent1 = 0, recv1 = 0;
+  comm_t *experts = t->model.ep ? t->cfg.dp->experts : NULL;
+  uint64_t sent0 = 0, recv0 = 0, sent1 = 0, recv1 = 0, es0 = 0, er0 = 0, es1 = 0, er1 = 0;
   if (top) comm_bytes(top, &sent0, &recv0);
+  if (experts) comm_bytes(experts, &es0, &er0);
   model_moe_stats_reset(&t->model);
   rc = trainer_is_stage(t) ? step_stage(t, lr, &rows, &loss, e) : step_whole(t, lr, &rows, &loss, e);
   if (rc < 0) return rc;
   moe_note(t);
   if (top) comm_bytes(top, &sent1, &recv1);
   if (top) t->comm_step_bytes = (double)(sent1 - sent0 + recv1 - recv0);
+  if (experts) comm_bytes(experts, &es1, &er1);
+  if (experts) t->ep_step_bytes = (double)(es1 - es0 + er1 - er0);
   /* Dropped (rc 1): the batch is used up, but the step count is the
    * state's that replaced ours. */
   if (rc == 0) t->st.step++;

@@ -335,6 +335,12 @@ struct train_dp {
    * CPU too (so the CPU runs check it). */
   bool staged;
   int64_t segment_floats; /* tests: floats a collective moves at a time (0: 4 MiB of them) */
+  /* Expert parallelism (rumor group --expert-parallel P): the members of
+   * `comm` in consecutive runs of P, each run splitting a mixture-of-experts
+   * model's experts (model.h's "expert parallelism": tokens go to their
+   * experts' members and back inside the passes). `experts` is this
+   * member's run (a sub-communicator of comm), or NULL. */
+  comm_t *experts;
 };
 
 /* A tensor-parallel rank of a peer group (rumor group --tensor-parallel T):
@@ -550,8 +556,10 @@ struct trainer {
   int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
+  struct model_ep ep;     /* with cfg.dp's experts: the model's expert-parallel collectives (model.ep points here) */
   float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
   double comm_step_bytes; /* a group member: payload bytes it sent and received in its last step */
+  double ep_step_bytes;   /* an expert-parallel member: those of them its experts' exchanges moved */
   /* A mixture-of-experts model's figures of its last step (train.c,
    * trainer_moe_note): the auxiliary losses summed over its MoE blocks
    * (weights applied; averaged over micro-batches), the fraction of the

@@ -70,9 +70,13 @@ int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t 
 
 /* Fills t->tp (cfg.tp's rank, size and collectives) for model_init_tp. */
 void group_tp_setup(struct trainer *t);
-/* A tensor-parallel rank's collective failed during the last passes (the
- * model records it, model.h): returns its code with its message, else 0. */
-int group_tp_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Makes the model an expert-parallel rank over cfg.dp->experts
+ * (model_use_ep with t->ep). Returns 0 or model_use_ep's error. */
+int group_ep_setup(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* A tensor- or expert-parallel rank's collective failed during the last
+ * passes (the model records it, model.h): returns its code with its
+ * message, else 0. */
+int group_pass_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The gradient's global norm squared, from model.grads' elements [lo, hi)
  * of the buffer this process holds (a ZeRO piece, or all of it), summed
  * over `over` (NULL: this process alone); a tensor-parallel rank counts a

@@ -310,7 +310,7 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
     if (n > 0) model_loss(m, n, logits, scale);
     if ((rc = backward_units(t, n, logits, e))) return rc;
   }
-  if ((rc = group_tp_failed(t, e))) return rc;
+  if ((rc = group_pass_failed(t, e))) return rc;
   /* The batch's loss: the members' summed losses over its targets. */
   float part = n > 0 ? model_mean_loss(m, n) * (float)model_targets(m, n) : 0.0f;
   if ((rc = comm_all_reduce(z->dp.comm, &part, 1, e))) return rc;
@@ -349,17 +349,25 @@ int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t 
   int64_t lo, hi;
   my_rows(z, rows, &lo, &hi);
   int64_t n = hi - lo;
-  load_rows(t, x, y, lo, n);
+  /* An expert-parallel member without rows of this batch still runs the
+   * passes' exchanges: on one padding row (the batch's first) that it
+   * routes nowhere and does not score. */
+  bool ghost = n == 0 && m->ep;
+  load_rows(t, x, y, ghost ? 0 : lo, ghost ? 1 : n);
+  if (ghost) t->ep.ghost = true;
   int rc;
   if (z->dp.zero == 3) {
-    if ((rc = forward_units(t, n, e))) return rc;
-  } else if (n > 0) {
-    model_forward(m, 0, m->table.nunits, n);
+    rc = forward_units(t, ghost ? 1 : n, e);
+  } else {
+    if (n > 0 || ghost) model_forward(m, 0, m->table.nunits, ghost ? 1 : n);
+    rc = 0;
   }
+  t->ep.ghost = false;
+  if (rc) return rc;
   int64_t c = 0;
   double l = 0;
   if (n > 0) model_score(m, n, y + lo * t->data.y_per_row, &c, &l);
-  if ((rc = group_tp_failed(t, e))) return rc;
+  if ((rc = group_pass_failed(t, e))) return rc;
   float sums[2] = {(float)c, (float)l}; /* c <= a batch's targets: exact in a float */
   if ((rc = comm_all_reduce(z->dp.comm, sums, 2, e))) return rc;
   *correct += (int64_t)sums[0];

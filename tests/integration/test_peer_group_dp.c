@@ -84,7 +84,8 @@ static void layout_equals_train(const char *model, char *const *layout, int D, i
   cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
   const char *metric = lm ? "val_loss" : "test_accuracy";
   double acc1 = json_number(out, metric);
-  free(out), free(err);
+  char *single_out = out;
+  free(err);
 
   char *group[64] = {"group", "--cluster-key", C.key, "--identity", id, "--checkpoint", grp};
   n = 7;
@@ -98,12 +99,19 @@ static void layout_equals_train(const char *model, char *const *layout, int D, i
   if (D > 1) cr_assert_eq(json_number(out, "data_parallel"), D, "%s", out);
   if (D > 1) cr_assert_eq(json_number(out, "zero"), Z, "%s", out);
   if (T > 1) cr_assert_eq(json_number(out, "tensor_parallel"), T, "%s", out);
+  for (int i = 0; layout[i]; i++)
+    if (strcmp(layout[i], "--expert-parallel") == 0) {
+      cr_assert_eq(json_number(out, "expert_parallel"), atoi(layout[i + 1]), "%s", out);
+      cr_assert_gt(json_number(out, "expert_bytes_per_step"), 0, "%s", out);
+      cr_assert_eq(json_number(out, "moe_dropped_fraction"), json_number(single_out, "moe_dropped_fraction"),
+                   "the group dropped another share of its tokens than rumor train: %s", out);
+    }
   cr_assert_gt(json_number(out, "peak_rss_bytes"), 1e6, "%s", out);
   cr_assert_gt(json_number(out, "comm_bytes_per_step"), 0, "%s", out);
   double acc = json_number(out, metric);
   cr_assert(fabs(acc - acc1) <= 2e-3 * (lm ? fabs(acc1) : 1), "the group's %s %.5f, the single process's %.5f", metric,
             acc, acc1);
-  free(out), free(err);
+  free(out), free(err), free(single_out);
   int64_t count;
   double worst = max_diff(grp, ref, &count);
   cr_expect(worst <= 5e-5, "D=%d T=%d ZeRO %d: the group's checkpoint is %.3g from rumor train's (%lld floats)", D, T,
@@ -121,6 +129,17 @@ Test(group_dp, zero3_d3_equals_train) {
 }
 Test(group_dp, tensor_parallel_t2_equals_train) {
   layout_equals_train("gpt:L2-H4-C32-T16-V257", (char *[]){"--tensor-parallel", "2", NULL}, 1, 2, 0);
+}
+/* Expert parallelism (issue #32): runs of P members split the experts of
+ * a mixture-of-experts GPT, each member on its slice of the batch; the
+ * group drops the same tokens as one process and its steps are the single
+ * process's. */
+Test(group_dp, expert_parallel_p2_equals_train) {
+  layout_equals_train("gpt:L2-H4-C32-T16-V257-E4-K2", (char *[]){"--expert-parallel", "2", NULL}, 2, 1, 0);
+}
+Test(group_dp, expert_parallel_p4_with_zero2_equals_train) {
+  layout_equals_train("gpt:L2-H4-C32-T16-V257-E4-F100", (char *[]){"--expert-parallel", "4", "--zero", "2", NULL}, 4,
+                      1, 2);
 }
 Test(group_dp, tensor_parallel_t2_with_zero1_d2_equals_train) {
   layout_equals_train("gpt:L2-H4-C32-T16-V257",
@@ -184,13 +203,14 @@ static double stage_max_diff(const char *stage, const char *whole, int64_t *coun
  * its gradient (a rank's: of its vocabulary rows) to process r of stage 0,
  * whose members then sum it with the rest. No --grad-clip: a pipeline
  * stage clips by its own units' norm, not the whole model's. */
-static void stages_with_members_equal_train(const char *model, const char *zero) {
+static void stages_with_members_equal_train(const char *model, const char *zero, bool experts) {
   bool lm = strncmp(model, "gpt", 3) == 0;
   if (!lm) SKIP_WITHOUT_DATA();
   char id[256], ref[256], grp[256], files[2][300];
   cluster_make_identity(&C, "sdp", id, sizeof id);
   snprintf(ref, sizeof ref, "%s/sref-%s.safetensors", C.dir, lm ? "gpt" : "mlp");
-  snprintf(grp, sizeof grp, "%s/sgroup-%s-%s.safetensors", C.dir, lm ? "gpt" : "mlp", zero ? zero : "tp");
+  snprintf(grp, sizeof grp, "%s/sgroup-%s-%s%s.safetensors", C.dir, lm ? "gpt" : "mlp", zero ? zero : "tp",
+           experts ? "-ep" : "");
   char *text = lm ? (char *)cluster_make_text(&C, 200000) : NULL;
   char *common[] = {"--model", (char *)model, "--batch", lm ? "6" : "50", "--max-steps", "12", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0",
@@ -198,9 +218,11 @@ static void stages_with_members_equal_train(const char *model, const char *zero)
   const char *metric = lm ? "val_loss" : "test_loss";
   char *single[40] = {"train", "--checkpoint", ref}, *group[48] = {"group", "--cluster-key", C.key, "--identity", id,
                                                                   "--checkpoint", grp, "--stages", "2",
-                                                                  "--micro-batches", "3"};
+                                                                  "--micro-batches", experts ? "1" : "3"};
   int n1 = 3, n2 = 11;
-  group[n2++] = zero ? "--data-parallel" : "--tensor-parallel";
+  /* Expert-parallel members run one micro-batch: a mixture of experts'
+   * capacity is per pass, so only the whole batch's pass is rumor train's. */
+  group[n2++] = experts ? "--expert-parallel" : zero ? "--data-parallel" : "--tensor-parallel";
   group[n2++] = "2";
   if (zero) group[n2++] = "--zero", group[n2++] = (char *)zero;
   for (int i = 0; common[i]; i++) single[n1++] = group[n2++] = common[i];
@@ -234,21 +256,24 @@ static void stages_with_members_equal_train(const char *model, const char *zero)
   cr_assert_eq(total, 3 * params, "the stage files hold %lld floats of %lld", (long long)total,
                (long long)(3 * params));
   char layout[32];
-  snprintf(layout, sizeof layout, zero ? "S=2 D=2 ZeRO %s" : "S=2 T=2", zero);
+  snprintf(layout, sizeof layout, experts ? "S=2 P=2 ZeRO %s" : zero ? "S=2 D=2 ZeRO %s" : "S=2 T=2", zero);
   cr_log_info("%s, %s: the stages' checkpoints are %.3g from rumor train's", model, layout, worst);
   cr_expect(worst <= 5e-5, "%s, %s: the stages' checkpoints are %.3g from rumor train's", model, layout, worst);
 }
 
-Test(group_dp, stages_with_zero0_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "0"); }
-Test(group_dp, stages_with_zero1_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "1"); }
+Test(group_dp, stages_with_zero0_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "0", false); }
+Test(group_dp, stages_with_zero1_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "1", false); }
 Test(group_dp, gpt_stages_with_zero1_members_equal_train) {
-  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", "1");
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", "1", false);
 }
 Test(group_dp, gpt_stages_with_tensor_parallel_ranks_equal_train) {
-  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", NULL);
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", NULL, false);
+}
+Test(group_dp, gpt_stages_with_expert_parallel_members_equal_train) {
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257-E4-K2", "1", true);
 }
 Test(group_dp, mlp_stages_with_tensor_parallel_ranks_equal_train) {
-  stages_with_members_equal_train("mlp:784-48-24-10", NULL);
+  stages_with_members_equal_train("mlp:784-48-24-10", NULL, false);
 }
 
 /* A process of a pipelined group with data-parallel members killed
@@ -334,6 +359,16 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--tensor-parallel", "3", "--model", "gpt:L2-H4-C32-T16-V257"), 2,
                       "its 4 heads are not a multiple of 3");
   cluster_expect_exit(&C, G("--tensor-parallel", "2", "--zero", "1"), 2, "--zero 1 needs --data-parallel D");
+  cluster_expect_exit(&C, G("--expert-parallel", "2", "--model", "gpt:L2-H4-C32-T16-V257"), 2,
+                      "--expert-parallel 2: model 'gpt:L2-H4-C32-T16-V257' has no experts to split");
+  cluster_expect_exit(&C, G("--expert-parallel", "8", "--model", "gpt:L2-H4-C32-T16-V257-E4"), 2,
+                      "it has 4 experts per block, and each rank needs at least one");
+  cluster_expect_exit(&C, G("--expert-parallel", "2", "--stages", "2", "--batch", "5", "--model",
+                            "gpt:L2-H4-C32-T16-V257-E4"), 2, "must fill the 4 micro-batches");
+  cluster_expect_exit(&C, G("--expert-parallel", "4", "--batch", "3", "--model", "gpt:L2-H4-C32-T16-V257-E4"), 2,
+                      "--batch 3 is smaller than the group's 4 data- and expert-parallel members");
+  cluster_expect_exit(&C, P("--dp", "0/3", "--expert-parallel", "2", "--model", "gpt:L2-H4-C32-T16-V257-E4"), 2,
+                      "the 3 data-parallel members (--dp r/3) are not runs of 2");
   cluster_expect_exit(&C, P("--dp", "2/2"), 2, "--dp '2/2': expected r/N with 0 <= r < N");
   cluster_expect_exit(&C, P("--tp", "0/0"), 2, "--tp '0/0': expected r/N");
   cluster_expect_exit(&C, P("--dp", "1/2"), 2,
