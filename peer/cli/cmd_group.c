@@ -679,7 +679,8 @@ static void print_summary(const struct group *g, int status) {
   bool have = status == 0 && last->result[0] && json_text_parse(last->result, strlen(last->result), &doc, NULL) == 0;
   static const char *const keys[] = {"test_accuracy", "test_loss", "val_token_accuracy", "val_loss",
                                      "train_loss", "steps", "epochs", "samples_per_s", "comm_bytes_per_step",
-                                     "expert_bytes_per_step"};
+                                     "expert_bytes_per_step", "moe_aux_loss", "moe_z_loss",
+                                     "moe_dropped_fraction"};
   if (have) {
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
       json_t *v = json_object_get(doc, keys[i]);

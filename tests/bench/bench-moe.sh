@@ -9,6 +9,16 @@
 # the expert-load histogram of the last step; then the dense model trained
 # for the top-1 model's wall time (STEPS × the tokens/s ratio, rounded) and
 # its validation loss (equal wall time).
+# Then expert parallelism: the top-1 model for EP_STEPS steps as one
+# process, as `rumor group --data-parallel 2` and as `rumor group
+# --expert-parallel 2` (each process on half the threads), with tokens/s,
+# the bytes each process moved per step in all (comm_bytes_per_step) and in
+# the experts' all-to-alls (expert_bytes_per_step), beside the all-to-all's
+# formula: per MoE block and step, four all-to-alls (the rows to their
+# experts and back, forward and backward), in each of which about half of
+# the batch's kept choices cross between the two processes (each sends a
+# half of its own half and receives as much), C floats each: per process
+# 4 x (kept / 2) x 4C bytes sent and received, 8 x L x C x kept in all.
 # Targets (issue #32): the top-1 model beats the dense one of equal active
 # parameters at equal tokens by at least 0.03 validation loss, at no less
 # than 0.7× its tokens/s.
@@ -17,7 +27,8 @@
 #
 # Environment: SPEC (default gpt:L4-H4-C128-T128-V256), STEPS (default
 # 600), BATCH (default 16), E (default 8), DATA (a text file; default the
-# KJV corpus of deploy/install-deps.sh), THREADS (default all cores).
+# KJV corpus of deploy/install-deps.sh), THREADS (default all cores),
+# EP_STEPS (default 200), EP_ONLY=1 (the expert-parallel rows alone).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -45,7 +56,49 @@ run() {
   tail -n 1 "$tmp/$1.out"
 }
 
+# expert_parallel: the top-1 model on one process and on two (data- and
+# expert-parallel), EP_STEPS steps each.
+expert_parallel() {
+  steps=${EP_STEPS:-200}
+  half=$((THREADS / 2 > 0 ? THREADS / 2 : 1))
+  "$rumor" keygen -o "$tmp/id" >/dev/null 2>&1
+  "$rumor" keygen --cluster -o "$tmp/ck" >/dev/null 2>&1
+  common="--model $SPEC-E$E-K1 --data $DATA --batch $BATCH --max-steps $steps --optimizer adamw --lr 1e-3 --warmup 50
+    --eval-batches 20 --log-every 0 --seed 1"
+  one=$(STEPS=$steps run ep1 "$SPEC-E$E-K1")
+  # shellcheck disable=SC2086
+  dp2=$("$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" --data-parallel 2 --threads "$half" $common \
+    2>"$tmp/dp2.log" | tail -n 1) || { tail -5 "$tmp/dp2.log" >&2; exit 1; }
+  # shellcheck disable=SC2086
+  ep2=$("$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" --expert-parallel 2 --threads "$half" $common \
+    2>"$tmp/ep2.log" | tail -n 1) || { tail -5 "$tmp/ep2.log" >&2; exit 1; }
+  ctx=$(printf '%s' "$SPEC" | sed -n 's/.*-T\([0-9]*\).*/\1/p')
+  width=$(printf '%s' "$SPEC" | sed -n 's/.*-C\([0-9]*\).*/\1/p')
+  layers=$(printf '%s' "$SPEC" | sed -n 's/.*L\([0-9]*\).*/\1/p')
+  r1=$(field "$one" samples_per_s)
+  echo "expert parallelism: $SPEC-E$E-K1, $steps steps of $BATCH windows, $THREADS threads in all"
+  printf '%-34s %10s %10s %8s %16s %16s %16s\n' layout val_loss tokens/s ratio bytes/step a2a_bytes/step a2a_formula
+  for name in one dp2 ep2; do
+    eval line=\$$name
+    r=$(field "$line" samples_per_s)
+    cb=$(field "$line" comm_bytes_per_step)
+    eb=$(field "$line" expert_bytes_per_step)
+    formula=-
+    if [ "$name" = ep2 ]; then
+      kept=$(echo "$BATCH * $ctx * (1 - $(field "$line" moe_dropped_fraction))" | bc -l)
+      formula=$(printf '%.0f' "$(echo "8 * $layers * $width * $kept" | bc -l)")
+    fi
+    case $name in one) label="P=1 (one process)" ;; dp2) label="D=2 (data-parallel)" ;; *) label="P=2 (expert-parallel)" ;; esac
+    printf '%-34s %10.4f %10.0f %8.2f %16s %16s %16s\n' "$label" "$(field "$line" val_loss)" \
+      "$(echo "$r * $ctx" | bc -l)" "$(echo "$r / $r1" | bc -l)" "${cb:-0}" "${eb:-0}" "$formula"
+  done
+}
+
 echo "bench-moe.sh: $SPEC, $STEPS steps of $BATCH windows, AdamW 1e-3, $THREADS threads, $(date -u +%Y-%m-%d)"
+if [ "${EP_ONLY:-0}" = 1 ]; then
+  expert_parallel
+  exit 0
+fi
 dense=$(run dense "$SPEC")
 top1=$(run top1 "$SPEC-E$E-K1")
 top2=$(run top2 "$SPEC-E$E-K2")
@@ -71,5 +124,6 @@ dwall=$(run dense-wall "$SPEC")
 echo "dense for top-1's wall time ($wall steps): val_loss $(field "$dwall" val_loss) (top-1: $(field "$top1" val_loss))"
 echo "top-1 against dense at equal tokens: $(printf '%.4f' "$gain") lower validation loss (target >= 0.03)," \
   "$(printf '%.2f' "$ratio")x its tokens/s (target >= 0.7)"
+expert_parallel
 ok=$(echo "$gain >= 0.03 && $ratio >= 0.7" | bc -l)
 [ "$ok" = 1 ] && echo "targets: met" || echo "targets: MISSED"
