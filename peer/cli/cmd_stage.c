@@ -474,11 +474,14 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
  * either it trains alone, with no gossip runtime and no gossip buffers.
  */
 
-/* The gossip label of a shard: e.g. "gpt:... shard dp 1/2 tp 0/2". */
+/* The gossip label of a shard: e.g. "gpt:... shard dp 1/2 tp 0/2", and
+ * " ep 1/2" for an expert-parallel member. */
 static int shard_label(const struct stage_proc *p, char *buf, size_t n, struct rumor_err *e) {
   char spec[MODEL_SPEC_MAX];
   model_spec_format(&p->plan.spec, spec, sizeof spec);
   int w = snprintf(buf, n, "%s shard dp %d/%d tp %d/%d", spec, p->dp_rank, p->dp_size, p->tp_rank, p->tp_size);
+  int P = (int)p->f.pipe.expert_parallel; /* experts: the run's rank, which `rumor top` shows on the part line */
+  if (P > 1 && w >= 0 && (size_t)w < n) w += snprintf(buf + w, n - (size_t)w, " ep %d/%d", p->dp_rank % P, P);
   if (w < 0 || (size_t)w >= n)
     return rumor_err_set(e, RUMOR_ETOOBIG, "the shard's gossip label for %s is over %zu characters", spec, n - 1);
   return 0;
