@@ -7,7 +7,8 @@
 #  1. The CUDA tests, each binary with its verbose output: the op tests
 #     (test_tensor_cuda, test_tensor_cuda_nn, test_tensor_cuda_shapes: the
 #     model's real shapes; test_tensor_cuda_moe: the mixture-of-experts
-#     kernels, issue #32), the whole-model tests on CUDA against the CPU
+#     kernels, issue #32; test_peer_moe_ep: expert-parallel ranks on the
+#     GPU against one CPU process), the whole-model tests on CUDA against the CPU
 #     (test_peer_gpt, test_peer_gradcheck), the start without cuBLAS
 #     (test_peer_nocublas) and averaging between GPU peers and between
 #     CPU and GPU peers (test_peer_gossip's consensus_lr0 cases). A GPU
@@ -48,7 +49,7 @@ if [ -z "$gpu" ]; then
   exit 77
 fi
 [ -x "$rumor" ] || { echo "$0: $rumor is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON first" >&2; exit 2; }
-tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_gpt test_peer_gradcheck test_peer_nocublas"
+tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_moe_ep test_peer_gpt test_peer_gradcheck test_peer_nocublas"
 for t in $tests test_peer_gossip; do
   [ -x "$build/tests/$t" ] || { echo "$0: $build/tests/$t is missing: build with -DRUMOR_TESTS=ON" >&2; exit 2; }
 done
