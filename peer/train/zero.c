@@ -227,30 +227,35 @@ void zero_free(struct trainer *t) {
 }
 
 /* ZeRO 2/3: forward one unit at a time (3: each unit's parameters gathered
- * before and given back after). `rows` may be 0 (a member without rows in
- * a short batch still takes part in every collective). */
-static int forward_units(struct trainer *t, int64_t rows, struct rumor_err *e) {
+ * before and given back after, but for the last unit's with `keep_last`:
+ * a training step's backward starts with that unit, which then needs no
+ * second all-gather of it, nor of a tied parameter it uses: GPT's head and
+ * its token embedding). `rows` may be 0 (a member without rows in a short
+ * batch still takes part in every collective). */
+static int forward_units(struct trainer *t, int64_t rows, bool keep_last, struct rumor_err *e) {
   struct model *m = &t->model;
   bool z3 = t->zero.dp.zero == 3;
-  for (int u = 0; u < m->table.nunits; u++) {
+  int last = m->table.nunits - 1;
+  for (int u = 0; u <= last; u++) {
     int rc = z3 ? gather_unit(t, u, e) : 0;
     if (rc) return rc;
     if (rows > 0) model_forward(m, u, u + 1, rows);
-    if (z3) release_unit(t, u);
+    if (z3 && !(keep_last && u == last)) release_unit(t, u);
   }
   return 0;
 }
 
-/* ZeRO 2/3: backward one unit at a time from the loss gradient in `dout`;
- * each unit's gradient is reduce-scattered as soon as it is complete and
- * the rest of its memory given back. Unit 0's is complete last: the tied
- * head adds to it (model.h, model_tied). */
+/* ZeRO 2/3: backward one unit at a time from the loss gradient in `dout`,
+ * after forward_units(keep_last) (the last unit's parameters still
+ * gathered); each unit's gradient is reduce-scattered as soon as it is
+ * complete and the rest of its memory given back. Unit 0's is complete
+ * last: the tied head adds to it (model.h, model_tied). */
 static int backward_units(struct trainer *t, int64_t rows, struct tensor *dout, struct rumor_err *e) {
   struct model *m = &t->model;
   struct train_zero *z = &t->zero;
   bool z3 = z->dp.zero == 3;
   for (int u = m->table.nunits - 1, k = 0; u >= 0; u--, k ^= 1) {
-    int rc = z3 ? gather_unit(t, u, e) : 0;
+    int rc = z3 && u < m->table.nunits - 1 ? gather_unit(t, u, e) : 0;
     if (rc) return rc;
     int64_t a, b;
     unit_range(m, u, &a, &b);
@@ -306,7 +311,7 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
       tensor_fill(&m->grads, 0.0f);
     }
   } else {
-    if ((rc = forward_units(t, n, e))) return rc;
+    if ((rc = forward_units(t, n, true, e))) return rc;
     if (n > 0) model_loss(m, n, logits, scale);
     if ((rc = backward_units(t, n, logits, e))) return rc;
   }
@@ -357,7 +362,7 @@ int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t 
   if (ghost) t->ep.ghost = true;
   int rc;
   if (z->dp.zero == 3) {
-    rc = forward_units(t, ghost ? 1 : n, e);
+    rc = forward_units(t, ghost ? 1 : n, false, e);
   } else {
     if (n > 0 || ghost) model_forward(m, 0, m->table.nunits, ghost ? 1 : n);
     rc = 0;
