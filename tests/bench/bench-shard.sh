@@ -27,7 +27,8 @@
 # Environment: MODELS (default "gpt2 gpt2-medium"), BATCH (default 2),
 # STEPS (default 4; rates count every step), DATA (a text file, default the
 # KJV corpus of deploy/install-deps.sh), DP4 (1: also D = 4), THREADS (the
-# single process's, default all cores).
+# single process's, default all cores), ONLY (layout names to run, e.g.
+# "zero3-d2 tp2"; default all).
 #
 # The machine this was written on has 2 cores, so 2-process layouts run one
 # process per core; on more cores give each process more threads by hand.
@@ -81,6 +82,7 @@ for model in $MODELS; do
   [ "$DP4" = 1 ] && layouts="$layouts zero3-d4:--data-parallel%204%20--zero%203"
   for entry in $layouts; do
     name=${entry%%:*}
+    case " ${ONLY:-$name} " in *" $name "*) ;; *) continue ;; esac
     opts=$(printf '%s' "${entry#*:}" | sed 's/%20/ /g')
     # shellcheck disable=SC2086
     line=$("$rumor" group $opts $common --threads 1 --cluster-key "$tmp/c.key" --identity "$tmp/id.key" \
