@@ -766,6 +766,21 @@ static int reduce(struct trainer *t, int64_t rows, struct rumor_err *e) {
   return rc;
 }
 
+/* Expert-parallel members run every pass together, each on its slice: a
+ * batch too short to give every member a row for each of its
+ * micro-batches (an epoch's short last batch) is dropped whole, as
+ * PyTorch's drop_last drops it, by every member alike. Returns true (and
+ * says so once) when `rows` is such a batch. */
+static bool ep_drops_batch(struct trainer *t, int64_t rows) {
+  if (!t->model.ep) return false;
+  int micro = trainer_is_stage(t) ? t->stage.micro : 1;
+  if (rows / t->zero.size >= micro) return false;
+  if (!t->ep_dropped++)
+    log_info("dropping a short batch of %lld rows: each of the %d expert-parallel members needs at least %d of them "
+             "(said once)", (long long)rows, t->zero.size, micro);
+  return true;
+}
+
 /* Enqueues a whole replica's step on the staged batch: its rows into
  * *rows_out, and with a reducer its loss into *loss (read before the
  * reducer runs: while it waits it may evaluate the check rows, for a
@@ -778,6 +793,11 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   int64_t rows = t->rows[buf];
   *rows_out = rows;
   struct model *m = &t->model;
+  if (ep_drops_batch(t, rows)) {
+    *rows_out = 0;
+    *loss = NAN;
+    return 1;
+  }
   if (t->cfg.dp) return zero_step(t, lr, rows, t->xh[buf], t->yh[buf], loss, e);
   tensor_copy_from_host_async(model_act(m, 0), 0, t->xh[buf], (size_t)rows * t->data.x_bytes_per_row);
   tensor_copy_from_host_async(&m->labels, 0, t->yh[buf], (size_t)(rows * t->data.y_per_row) * sizeof(int32_t));
@@ -802,6 +822,11 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   int64_t first = t->st.step_in_epoch * bs;
   int64_t n = train_data_shard_rows(&t->data);
   int64_t rows = n - first < bs ? n - first : bs;
+  if (ep_drops_batch(t, rows)) {
+    *rows_out = 0;
+    *loss = NAN;
+    return 1;
+  }
   if (needs_batches(t)) {
     int64_t got = train_data_fill(&t->data, t->st.step_in_epoch, bs, t->xh[0], t->yh[0]);
     RUMOR_ASSERT(got == rows);
@@ -970,7 +995,7 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     double waited = trainer_is_stage(t) ? t->pipe.cur_wait : 0; /* this step's */
     straggle(t, clock_now_s() - c0 - t->reduce_s - waited);
   }
-  if (trainer_has_loss(t)) {
+  if (trainer_has_loss(t) && !(rc == 1 && isnan(loss))) { /* not a dropped batch's */
     t->last_loss = loss;
     t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
   }

@@ -560,6 +560,7 @@ struct trainer {
   float *tp_host;         /* a device backend's staging for them (NULL on the CPU) */
   double comm_step_bytes; /* a group member: payload bytes it sent and received in its last step */
   double ep_step_bytes;   /* an expert-parallel member: those of them its experts' exchanges moved */
+  int64_t ep_dropped;     /* batches an expert-parallel member dropped for being too short (ep_drops_batch) */
   /* A mixture-of-experts model's figures of its last step (train.c,
    * trainer_moe_note): the auxiliary losses summed over its MoE blocks
    * (weights applied; averaged over micro-batches), the fraction of the

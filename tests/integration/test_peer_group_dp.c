@@ -504,3 +504,34 @@ Test(group_dp, an_expert_parallel_group_resumes_bit_exactly) {
   cr_expect(same == 0, "resumed, the expert-parallel group's checkpoint is %.3g from the uninterrupted run's", same);
   cr_expect(moved <= 5e-5, "resumed by one process, the checkpoint is %.3g from the group's", moved);
 }
+
+/* An epoch whose last batch is too short to give each of 4 expert-parallel
+ * members a row: every member drops it alike (no member waits for another's
+ * exchange), says so, and the run finishes. */
+Test(group_dp, an_expert_parallel_group_drops_a_too_short_last_batch) {
+  char id[256];
+  cluster_make_identity(&C, "epshort", id, sizeof id);
+  char *text = (char *)cluster_make_text(&C, 12000);
+  char *out, *err;
+  int st = cluster_run(&C, (char *[]){"train", "--model", "gpt:L1-H2-C16-T16-V257-E4", "--data", text, "--max-steps",
+                                      "1", "--no-eval", "--log-every", "0", NULL},
+                       60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "%s", err);
+  const char *w = strstr(err, " windows, ");
+  cr_assert_not_null(w, "no window count in: %s", err);
+  while (w > err && w[-1] >= '0' && w[-1] <= '9') w--;
+  long windows = strtol(w, NULL, 10), batch = 5;
+  while (windows % batch == 0 || windows % batch > 3) batch++; /* a last batch of 1 to 3 rows */
+  free(out), free(err);
+  char b[24];
+  snprintf(b, sizeof b, "%ld", batch);
+  st = cluster_run(&C, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--expert-parallel", "4",
+                                  "--model", "gpt:L1-H2-C16-T16-V257-E4", "--data", text, "--batch", b, "--epochs", "1",
+                                  "--threads", "1", "--log-every", "0", "--eval-batches", "1", NULL},
+                   120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
+  cr_assert(strstr(err, "dropping a short batch of") != NULL, "%ld windows, batch %ld: no batch dropped: %s", windows,
+            batch, err);
+  cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "%s", out);
+  free(out), free(err);
+}
