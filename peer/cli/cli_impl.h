@@ -250,9 +250,9 @@ int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct
  * without --outer), ZeRO 1 to 3 with D > 1, not ZeRO 3 with T > 1. The
  * launcher and each process check alike. Returns 0 or RUMOR_EFORMAT. */
 int group_shard_check(const struct group_flags *f, int D, int T, bool averages, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* What a pipelined group of S > 1 stages with D data-parallel members or T
- * tensor-parallel ranks in each may have: not both (D = 1 or T = 1), ZeRO 0
- * or 1 (0 for ranks), and none of
+/* What a pipelined group of S > 1 stages with D data-parallel members of T
+ * tensor-parallel ranks in each may have: ZeRO 0 or 1 (0 without
+ * data-parallel members), and none of
  * averaging with other groups (`averages`, --bootstrap), --servers,
  * --sync other than gossip, --outer, --resume or --init-from (not built
  * yet). 0 at once for S = 1 or D x T = 1. The launcher and each process

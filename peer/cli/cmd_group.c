@@ -63,10 +63,10 @@ static const char *what(const struct group *g) {
   return g->S == 1 && g->N > 1 ? "member" : g->N > g->S ? "process" : "stage";
 }
 
-/* Data-parallel members or tensor-parallel ranks inside pipeline stages
- * (S x D or S x T processes; not both: group_stage_dp_check). */
+/* Data-parallel members, tensor-parallel ranks or both inside pipeline
+ * stages (S x D x T processes). */
 static bool in_stages(const struct group *g) { return g->S > 1 && g->N > g->S; }
-/* Processes per stage: D or T. */
+/* Processes per stage: D x T. */
 static int per_stage(const struct group *g) { return g->D * g->T; }
 
 /* kids[i]'s stage, and its place r in the stage (S x N: process i = stage x N + r; its data-parallel member or
@@ -78,7 +78,10 @@ static int kid_member(const struct group *g, int i) {
 
 /* kids[i] for messages: "stage 1/2", "member 0/3", or "process 3/4 (stage 1/2, data-parallel member 1/2)". */
 static void kid_name(const struct group *g, int i, char *buf, size_t n) {
-  if (in_stages(g))
+  if (in_stages(g) && g->D > 1 && g->T > 1)
+    snprintf(buf, n, "process %d/%d (stage %d/%d, data-parallel member %d/%d, tensor-parallel rank %d/%d)", i, g->N,
+             kid_stage(g, i), g->S, kid_member(g, i) / g->T, g->D, kid_member(g, i) % g->T, g->T);
+  else if (in_stages(g))
     snprintf(buf, n, "process %d/%d (stage %d/%d, %s %d/%d)", i, g->N, kid_stage(g, i), g->S,
              g->T > 1 ? "tensor-parallel rank" : "data-parallel member", kid_member(g, i), per_stage(g));
   else
@@ -179,8 +182,10 @@ static void push(char **argv, int *n, const char *s) {
 static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, char **argv, int k, char **out,
                       struct rumor_err *e) {
   bool members = g->S == 1 && g->N > 1, staged = in_stages(g);
-  int n = 0, s = kid_stage(g, k), d = staged && g->T > 1 ? 0 : kid_member(g, k);
-  int tr = members ? k % g->T : staged && g->T > 1 ? kid_member(g, k) : 0;
+  /* Its data-parallel member and tensor-parallel rank: process k is member
+   * k / T, rank k % T of the group, or of its stage (index k mod D x T). */
+  int n = 0, s = kid_stage(g, k), d = staged ? kid_member(g, k) / g->T : kid_member(g, k);
+  int tr = staged ? kid_member(g, k) % g->T : members ? k % g->T : 0;
   char buf[1100];
   push(out, &n, "rumor");
   push(out, &n, "peer");
@@ -375,7 +380,7 @@ static void reap(struct group *g) {
     if (r != k->pid) continue;
     k->exited = true;
     k->status = st;
-    char name[96];
+    char name[128];
     kid_name(g, i, name, sizeof name);
     if (WIFSIGNALED(st))
       log_error("group %s: %s (pid %d) was killed by signal %d (%s)", g->name, name, (int)k->pid, WTERMSIG(st),
@@ -504,7 +509,12 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   log_info("group %s: %s in %d stages (balanced by parameters and multiply-adds), %lld micro-batches, %s schedule",
            g->name, spec, g->S, (long long)f->pipe.micro, pipe_schedule_name(st.sched));
-  if (in_stages(g) && g->T > 1)
+  if (in_stages(g) && g->T > 1 && g->D > 1)
+    log_info("  each stage: %d data-parallel members (ZeRO %lld) of %d tensor-parallel ranks, member r on its slice "
+             "of every batch, rank t holding its slices of the stage's units; process k is stage k / %d, member "
+             "k %% %d / %d, rank k %% %d; each linked to the same member and rank of the neighbouring stages", g->D,
+             (long long)f->pipe.zero, g->T, g->D * g->T, g->D * g->T, g->T, g->T);
+  else if (in_stages(g) && g->T > 1)
     log_info("  each stage: %d tensor-parallel ranks, rank t holding its slices of the stage's units, linked to "
              "rank t of the neighbouring stages; process k is stage k / %d, rank k %% %d", g->T, g->T, g->T);
   else if (in_stages(g))
@@ -520,8 +530,8 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
     }
     log_info("  %s", line);
     for (int r = 0; r < per_stage(g); r++)
-      log_info("    process %d: %s %d/%d on %s", s * per_stage(g) + r, g->T > 1 ? "rank" : "member", r, per_stage(g),
-               g->devices[s * per_stage(g) + r]);
+      log_info("    process %d: %s %d/%d on %s", s * per_stage(g) + r, g->T > 1 && g->D > 1 ? "member x rank"
+               : g->T > 1 ? "rank" : "member", r, per_stage(g), g->devices[s * per_stage(g) + r]);
   }
   return 0;
 }
@@ -543,7 +553,7 @@ static int start_stages(struct group *g, const struct arg_spec *specs, int argc,
     free_argv(cargv);
     if (k->pid < 0) return rumor_err_set(e, -errno, "cannot start %s %d: %s", what(g), i, strerror(errno));
     g->nkids++;
-    char name[96];
+    char name[128];
     kid_name(g, i, name, sizeof name);
     log_info("group %s: %s is pid %d", g->name, name, (int)k->pid);
     double deadline = clock_now_s() + (double)g->f.pipe.link_wait_ms / 1e3;
@@ -644,7 +654,7 @@ static int most_blamed(const struct group *g) {
 static int culprit(const struct group *g, char *why, size_t n) {
   for (int i = 0; i < g->nkids; i++)
     if (g->kids[i].exited && WIFSIGNALED(g->kids[i].status) && !g->kids[i].signalled) {
-      char name[96];
+      char name[128];
       kid_name(g, i, name, sizeof name);
       snprintf(why, n, "%s was killed by signal %d (%s)", name, WTERMSIG(g->kids[i].status),
                strsignal(WTERMSIG(g->kids[i].status)));
@@ -663,7 +673,7 @@ static int culprit(const struct group *g, char *why, size_t n) {
   }
   for (int i = 0; i < g->nkids; i++)
     if (child_bad(&g->kids[i])) {
-      char name[96];
+      char name[128];
       kid_name(g, i, name, sizeof name);
       snprintf(why, n, "%s exited with status %d", name, WEXITSTATUS(g->kids[i].status));
       return i;
@@ -724,7 +734,7 @@ int cmd_group(int argc, char **argv) {
   struct arg_spec specs[GROUP_FLAGS_MAX_SPECS];
   group_flags_specs(&g->f, FLAGS_LAUNCHER, specs);
   int ar = args_parse(specs, argc, argv,
-                      "rumor group (--stages S [--data-parallel D [--zero 0|1] | --tensor-parallel T] | "
+                      "rumor group (--stages S [--data-parallel D [--zero 0|1]] [--tensor-parallel T] | "
                       "[--tensor-parallel T] [--data-parallel D [--zero Z]]) [--expert-parallel P] [--devices D0,D1,...] --cluster-key FILE "
                       "--identity FILE [options]",
                       "Trains one replica as a peer group of processes on this host.\n"
@@ -769,9 +779,9 @@ int cmd_group(int argc, char **argv) {
                       "(--zero 0, or 1: the optimizer state sharded; ZeRO 2 and 3 are refused with stages:\n"
                       "a stage accumulates whole gradients over its micro-batches). --stages S\n"
                       "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
-                      "linked to rank t of the neighbouring stages. Not both at once, and no averaging with\n"
-                      "other groups yet: such a group trains alone. Its steps equal the single process's;\n"
-                      "each stage writes its own checkpoint file.");
+                      "linked to rank t of the neighbouring stages. Both: S x D x T processes. No averaging\n"
+                      "with other groups yet: such a group trains alone. Its steps equal the single\n"
+                      "process's; each stage writes its own checkpoint file.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

@@ -123,7 +123,7 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
     if (group_stage_dp_check(&p->f, stages, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
     p->in_stages = true;
     p->per_stage = p->dp_size * p->tp_size;
-    p->stage_rank = p->dp_rank + p->tp_rank; /* the one that is not 0/1 */
+    p->stage_rank = p->dp_rank * p->tp_size + p->tp_rank;
     p->members = stages * p->per_stage;
     p->member = stage * p->per_stage + p->stage_rank;
     if (p->tp_size > 1) {
@@ -133,7 +133,7 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
     }
     char whose[48];
     snprintf(whose, sizeof whose, "of stage %d/%d", stage, stages);
-    return comm_addrs_usage(p, p->stage_rank, whose, p->tp_size > 1 ? "--tp" : "--dp", p->tp_size > 1 ? pf->tp : pf->dp,
+    return comm_addrs_usage(p, p->stage_rank, whose, p->dp_size > 1 ? "--dp" : "--tp", p->dp_size > 1 ? pf->dp : pf->tp,
                             e);
   }
   const char *which = p->tp_size > 1 ? "--tp" : "--dp", *val = p->tp_size > 1 ? pf->tp : pf->dp;
@@ -158,6 +158,14 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
     if (model_tp_check(&spec, p->tp_size, e)) return rumor_err_prefix(e, "--tp %s", pf->tp);
   }
   return comm_addrs_usage(p, p->member, "of the group", which, val, e);
+}
+
+/* A stage process's member and rank in its stage, for log and run names:
+ * "m1" (data-parallel member 1), "t0" (tensor-parallel rank 0) or both,
+ * "m1t0". */
+static void member_tag(const struct stage_proc *p, char *buf, size_t n) {
+  if (p->dp_size > 1 && p->tp_size > 1) snprintf(buf, n, "m%dt%d", p->dp_rank, p->tp_rank);
+  else snprintf(buf, n, "%c%d", p->tp_size > 1 ? 't' : 'm', p->tp_size > 1 ? p->tp_rank : p->dp_rank);
 }
 
 /* Parses and checks the command line. Returns 0, or the exit status of a
@@ -212,10 +220,10 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
             stages);
     return 2;
   }
-  char name[96];
+  char name[96], tag[32];
+  member_tag(p, tag, sizeof tag);
   if (p->in_stages)
-    snprintf(name, sizeof name, "%s:s%d%c%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage,
-             p->tp_size > 1 ? 't' : 'm', p->stage_rank);
+    snprintf(name, sizeof name, "%s:s%d%s", p->f.gossip.name ? p->f.gossip.name : p->st.group, stage, tag);
   else if (p->members > 1)
     snprintf(name, sizeof name, "%s:m%d", p->f.gossip.name ? p->f.gossip.name : p->st.group, p->member);
   else
@@ -262,19 +270,10 @@ static int start_comm(struct stage_proc *p, struct rumor_err *e) {
                                .stop = signals_stop_flag()};
   int rc = comm_net_start(&p->comm, &cc, e);
   if (rc) return rumor_err_prefix(e, "process %d/%d of the group", p->member, p->members);
-  if (p->in_stages && p->tp_size > 1) {
-    p->tp = (struct train_tp){.comm = p->comm, .all = p->comm};
-    p->tc.tp = &p->tp;
-    return 0;
-  }
-  if (p->in_stages) {
-    p->dp = (struct train_dp){.comm = p->comm, .zero = (int)p->f.pipe.zero};
-    p->tc.dp = &p->dp;
-    start_experts(p);
-    return 0;
-  }
   /* The processes of one data-parallel member (its tensor-parallel ranks),
-   * and those holding the same slices in every member. */
+   * and those holding the same slices in every member: of the group, or
+   * inside a pipeline of the stage (its communicator's ranks are the same
+   * r x T + t). */
   int tp_members[COMM_MAX_MEMBERS], dp_members[COMM_MAX_MEMBERS];
   for (int j = 0; j < p->tp_size; j++) tp_members[j] = p->dp_rank * p->tp_size + j;
   for (int j = 0; j < p->dp_size; j++) dp_members[j] = j * p->tp_size + p->tp_rank;
@@ -303,8 +302,10 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   if (p->f.train.tensorboard) {
     char run[96]; /* named like the stage's log lines (a stage's members or ranks apart) */
     const char *who = p->f.gossip.name ? p->f.gossip.name : p->st.group;
+    char tag[32];
+    member_tag(p, tag, sizeof tag);
     if (p->in_stages)
-      snprintf(run, sizeof run, "%s:s%d%c%d", who, p->st.stage, p->tp_size > 1 ? 't' : 'm', p->stage_rank);
+      snprintf(run, sizeof run, "%s:s%d%s", who, p->st.stage, tag);
     else
       snprintf(run, sizeof run, "%s:s%d", who, p->st.stage);
     if ((rc = tb_train_open(&p->tb, p->f.train.tensorboard, run, e))) return rc;

@@ -42,8 +42,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
          "processes)", 1, COMM_MAX_MEMBERS},
         {"tensor-parallel", ARG_INT, &f->tensor_parallel, "T",
          "processes that split every layer (Megatron: attention by heads, the MLP by columns then rows, the "
-         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages S (and no "
-         "--data-parallel), T ranks in each stage (S x T processes)",
+         "vocabulary); with --data-parallel D, each member is T of them (T x D processes); with --stages S, T ranks "
+         "in each stage (S x T processes, S x D x T with --data-parallel D)",
          1, COMM_MAX_MEMBERS},
     };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) add(specs, n, &own[i]);
@@ -193,11 +193,7 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
 
 int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages, struct rumor_err *e) {
   if (S == 1 || D * T == 1) return 0;
-  if (T > 1 && D > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--tensor-parallel %d with --data-parallel %d and --stages %d: both inside "
-                         "the stages of a pipelined group are not built yet; use one of them with --stages, or both "
-                         "with --stages 1", T, D, S);
-  if (T > 1 && f->pipe.zero)
+  if (T > 1 && D == 1 && f->pipe.zero)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members", (long long)f->pipe.zero);
   if (f->pipe.zero >= 2)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld with --stages %d: ZeRO 2 and 3 shard the gradients, but a "
@@ -213,8 +209,8 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
                          "trains alone, from its own initialisation, so far; %s are not built for it yet",
-                         T > 1 ? "tensor-parallel" : "data-parallel", T > 1 ? T : D, S,
-                         T > 1 ? "tensor-parallel ranks" : "data-parallel members", what);
+                         D > 1 ? "data-parallel" : "tensor-parallel", D > 1 ? D : T, S,
+                         D > 1 ? "data-parallel members" : "tensor-parallel ranks", what);
   return 0;
 }
 

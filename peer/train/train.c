@@ -283,10 +283,9 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   t->cfg = *cfg;
   /* A data- or tensor-parallel member of a group of one stage holds a
    * whole replica to the trainer. Data-parallel members (ZeRO 0 or 1: the
-   * micro-batches' gradients accumulate whole) or tensor-parallel ranks
-   * of a pipeline's stages are stages; both at once are not built. */
+   * micro-batches' gradients accumulate whole) and tensor-parallel ranks
+   * of a pipeline's stages, or both, are stages. */
   bool one_stage = !cfg->stage || cfg->stage->stages == 1;
-  RUMOR_ASSERT(!(cfg->tp && cfg->dp) || one_stage);
   RUMOR_ASSERT(!cfg->dp || one_stage || cfg->dp->zero <= 1);
   if ((cfg->dp || cfg->tp) && one_stage) t->cfg.stage = NULL;
   if (t->cfg.stage) {

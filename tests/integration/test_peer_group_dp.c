@@ -195,7 +195,9 @@ static double stage_max_diff(const char *stage, const char *whole, int64_t *coun
  * stage's members summing their gradients (ZeRO 1: reduce-scatter, each
  * member's piece of the moments, all-gather); or `--stages 2
  * --tensor-parallel 2` (`zero` NULL): rank t of each stage holds its slices
- * of the stage's units, linked to rank t of the other stage. After 12
+ * of the stage's units, linked to rank t of the other stage; or both
+ * (`ranks_too`: 2 stages x 2 members x 2 ranks, 8 processes); or `--stages
+ * 2 --expert-parallel 2` (`experts`). After 12
  * steps with AdamW its two stage files hold what `rumor train`'s
  * checkpoint holds of their units within 5e-5 (layout_equals_train's
  * tolerance), every float of it covered, and its figures are the single
@@ -203,14 +205,14 @@ static double stage_max_diff(const char *stage, const char *whole, int64_t *coun
  * its gradient (a rank's: of its vocabulary rows) to process r of stage 0,
  * whose members then sum it with the rest. No --grad-clip: a pipeline
  * stage clips by its own units' norm, not the whole model's. */
-static void stages_with_members_equal_train(const char *model, const char *zero, bool experts) {
+static void stages_with_members_equal_train(const char *model, const char *zero, bool experts, bool ranks_too) {
   bool lm = strncmp(model, "gpt", 3) == 0;
   if (!lm) SKIP_WITHOUT_DATA();
   char id[256], ref[256], grp[256], files[2][300];
   cluster_make_identity(&C, "sdp", id, sizeof id);
   snprintf(ref, sizeof ref, "%s/sref-%s.safetensors", C.dir, lm ? "gpt" : "mlp");
-  snprintf(grp, sizeof grp, "%s/sgroup-%s-%s%s.safetensors", C.dir, lm ? "gpt" : "mlp", zero ? zero : "tp",
-           experts ? "-ep" : "");
+  snprintf(grp, sizeof grp, "%s/sgroup-%s-%s%s%s.safetensors", C.dir, lm ? "gpt" : "mlp", zero ? zero : "tp",
+           experts ? "-ep" : "", ranks_too ? "-tp" : "");
   char *text = lm ? (char *)cluster_make_text(&C, 200000) : NULL;
   char *common[] = {"--model", (char *)model, "--batch", lm ? "6" : "50", "--max-steps", "12", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0",
@@ -224,6 +226,7 @@ static void stages_with_members_equal_train(const char *model, const char *zero,
    * capacity is per pass, so only the whole batch's pass is rumor train's. */
   group[n2++] = experts ? "--expert-parallel" : zero ? "--data-parallel" : "--tensor-parallel";
   group[n2++] = "2";
+  if (ranks_too) group[n2++] = "--tensor-parallel", group[n2++] = "2"; /* S x D x T: 8 processes */
   if (zero) group[n2++] = "--zero", group[n2++] = (char *)zero;
   for (int i = 0; common[i]; i++) single[n1++] = group[n2++] = common[i];
   single[n1] = group[n2] = NULL;
@@ -235,11 +238,13 @@ static void stages_with_members_equal_train(const char *model, const char *zero,
   st = cluster_run(&C, group, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
   cr_assert(strstr(out, "\"status\":\"ok\"") != NULL, "no ok summary: %s", out);
-  cr_assert(strstr(err, zero ? "process 3/4 (stage 1/2, data-parallel member 1/2) is pid"
-                             : "process 3/4 (stage 1/2, tensor-parallel rank 1/2) is pid") != NULL, "%s", err);
+  cr_assert(strstr(err, ranks_too ? "process 7/8 (stage 1/2, data-parallel member 1/2, tensor-parallel rank 1/2) is pid"
+                       : zero  ? "process 3/4 (stage 1/2, data-parallel member 1/2) is pid"
+                               : "process 3/4 (stage 1/2, tensor-parallel rank 1/2) is pid") != NULL, "%s", err);
   cr_assert_eq(json_number(out, "steps"), 12, "%s", out);
   cr_assert_eq(json_number(out, "stages"), 2, "%s", out);
   cr_assert_eq(json_number(out, zero ? "data_parallel" : "tensor_parallel"), 2, "%s", out);
+  if (ranks_too) cr_assert_eq(json_number(out, "tensor_parallel"), 2, "%s", out);
   if (zero) cr_assert_eq(json_number(out, "zero"), atoi(zero), "%s", out);
   cr_assert_gt(json_number(out, "comm_bytes_per_step"), 0, "%s", out);
   cr_assert(fabs(json_number(out, metric) - loss1) <= 1e-4 * loss1, "%s: %s vs %.7f", metric, out, loss1);
@@ -255,25 +260,32 @@ static void stages_with_members_equal_train(const char *model, const char *zero,
   /* The weights and both AdamW moments, each float once. */
   cr_assert_eq(total, 3 * params, "the stage files hold %lld floats of %lld", (long long)total,
                (long long)(3 * params));
-  char layout[32];
-  snprintf(layout, sizeof layout, experts ? "S=2 P=2 ZeRO %s" : zero ? "S=2 D=2 ZeRO %s" : "S=2 T=2", zero);
+  char layout[40];
+  snprintf(layout, sizeof layout, experts ? "S=2 P=2 ZeRO %s" : ranks_too ? "S=2 D=2 T=2 ZeRO %s" : zero ? "S=2 D=2 ZeRO %s" : "S=2 T=2", zero);
   cr_log_info("%s, %s: the stages' checkpoints are %.3g from rumor train's", model, layout, worst);
   cr_expect(worst <= 5e-5, "%s, %s: the stages' checkpoints are %.3g from rumor train's", model, layout, worst);
 }
 
-Test(group_dp, stages_with_zero0_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "0", false); }
-Test(group_dp, stages_with_zero1_members_equal_train) { stages_with_members_equal_train("mlp:784-48-24-10", "1", false); }
+Test(group_dp, stages_with_zero0_members_equal_train) {
+  stages_with_members_equal_train("mlp:784-48-24-10", "0", false, false);
+}
+Test(group_dp, stages_with_zero1_members_equal_train) {
+  stages_with_members_equal_train("mlp:784-48-24-10", "1", false, false);
+}
 Test(group_dp, gpt_stages_with_zero1_members_equal_train) {
-  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", "1", false);
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", "1", false, false);
 }
 Test(group_dp, gpt_stages_with_tensor_parallel_ranks_equal_train) {
-  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", NULL, false);
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", NULL, false, false);
 }
 Test(group_dp, gpt_stages_with_expert_parallel_members_equal_train) {
-  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257-E4-K2", "1", true);
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257-E4-K2", "1", true, false);
+}
+Test(group_dp, gpt_stages_with_members_of_tensor_parallel_ranks_equal_train) {
+  stages_with_members_equal_train("gpt:L2-H4-C32-T16-V257", "1", false, true);
 }
 Test(group_dp, mlp_stages_with_tensor_parallel_ranks_equal_train) {
-  stages_with_members_equal_train("mlp:784-48-24-10", NULL, false);
+  stages_with_members_equal_train("mlp:784-48-24-10", NULL, false, false);
 }
 
 /* A process of a pipelined group with data-parallel members killed
@@ -342,9 +354,6 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "2"), 2,
                       "--zero 2 with --stages 2: ZeRO 2 and 3 shard the gradients, but a pipeline stage accumulates");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "3"), 2, "use --zero 0 or 1");
-  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--data-parallel", "2", "--stages", "2"), 2,
-                      "--tensor-parallel 2 with --data-parallel 2 and --stages 2: both inside the stages of a "
-                      "pipelined group are not built yet");
   cluster_expect_exit(&C, G("--tensor-parallel", "2", "--stages", "2", "--listen", "127.0.0.1:0"), 2,
                       "a pipelined group with tensor-parallel ranks inside its stages trains alone");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
