@@ -448,31 +448,57 @@ static void run_group(char *const *layout, char *const *common, char *const *ext
   free(out), free(err);
 }
 
+/* Runs `layout` for `steps` steps (checkpoint F), for steps / 2 (H), and
+ * resumed from H to `steps` (A); then `other` (a group layout, or NULL:
+ * rumor train) resumed from H to `steps` (O). *same: A's largest
+ * difference from F, *moved: O's. */
+static void resume_runs(const char *tag, char *const *common, char *const *layout, char *const *other, int steps,
+                        const char *id, double *same, double *moved) {
+  char full[256], half[256], again[256], oth[256], n1[16], n2[16];
+  snprintf(full, sizeof full, "%s/%s-full.safetensors", C.dir, tag);
+  snprintf(half, sizeof half, "%s/%s-half.safetensors", C.dir, tag);
+  snprintf(again, sizeof again, "%s/%s-again.safetensors", C.dir, tag);
+  snprintf(oth, sizeof oth, "%s/%s-other.safetensors", C.dir, tag);
+  snprintf(n1, sizeof n1, "%d", steps);
+  snprintf(n2, sizeof n2, "%d", steps / 2);
+  run_group(layout, common, (char *[]){"--max-steps", n1, "--checkpoint", full, NULL}, id);
+  run_group(layout, common, (char *[]){"--max-steps", n2, "--checkpoint", half, NULL}, id);
+  run_group(layout, common, (char *[]){"--max-steps", n1, "--resume", half, "--checkpoint", again, NULL}, id);
+  if (other) {
+    run_group(other, common, (char *[]){"--max-steps", n1, "--resume", half, "--checkpoint", oth, NULL}, id);
+  } else {
+    char *train[48] = {"train", "--max-steps", n1, "--resume", half, "--checkpoint", oth};
+    int n = 7;
+    for (int i = 0; common[i]; i++) train[n++] = common[i];
+    train[n] = NULL;
+    char *out, *err;
+    int st = cluster_run(&C, train, 120, &out, &err);
+    cr_assert(proc_exited_with(st, 0), "rumor train --resume failed: %s", err);
+    free(out), free(err);
+  }
+  int64_t count;
+  *same = max_diff(again, full, &count);
+  *moved = max_diff(oth, full, &count);
+}
+
 /* A ZeRO 3 group stopped after 6 steps and resumed to 12 in the same
  * layout writes exactly (bit for bit) what the same group writes in 12
  * steps at once; the same 6-step checkpoint resumed by 2 tensor-parallel
  * ranks instead ends within float rounding of it. */
 Test(group_dp, a_resumed_group_continues_bit_exactly_and_in_any_layout) {
   SKIP_WITHOUT_DATA();
-  char id[256], full[256], half[256], again[256], other[256];
+  char id[256], half[256];
   cluster_make_identity(&C, "resume", id, sizeof id);
-  snprintf(full, sizeof full, "%s/full.safetensors", C.dir);
-  snprintf(half, sizeof half, "%s/half.safetensors", C.dir);
-  snprintf(again, sizeof again, "%s/again.safetensors", C.dir);
-  snprintf(other, sizeof other, "%s/other.safetensors", C.dir);
   char *common[] = {"--model", "mlp:784-48-24-10", "--batch", "50", "--epochs", "1", "--seed", "7", "--optimizer",
                     "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval", NULL};
   char *zero3[] = {"--data-parallel", "2", "--zero", "3", NULL}, *tp2[] = {"--tensor-parallel", "2", NULL};
-  run_group(zero3, common, (char *[]){"--max-steps", "12", "--checkpoint", full, NULL}, id);
-  run_group(zero3, common, (char *[]){"--max-steps", "6", "--checkpoint", half, NULL}, id);
-  run_group(zero3, common, (char *[]){"--max-steps", "12", "--resume", half, "--checkpoint", again, NULL}, id);
-  run_group(tp2, common, (char *[]){"--max-steps", "12", "--resume", half, "--checkpoint", other, NULL}, id);
-  int64_t count;
-  double same = max_diff(again, full, &count), moved = max_diff(other, full, &count);
+  double same, moved;
+  resume_runs("z3", common, zero3, tp2, 12, id, &same, &moved);
   cr_expect(same == 0, "resumed in the same layout, the group's checkpoint is %.3g from the uninterrupted run's", same);
   cr_expect(moved <= 5e-5, "resumed by 2 tensor-parallel ranks, the checkpoint is %.3g from the uninterrupted run's",
             moved);
   /* Pipelines do not resume, and a group's --resume names its model. */
+  snprintf(half, sizeof half, "%s/z3-half.safetensors", C.dir);
   cluster_expect_exit(&C, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--resume",
                                      half, "--model", "mlp:784-48-24-10", NULL},
                       2, "--resume is offered for data- or tensor-parallel groups only");
@@ -486,30 +512,14 @@ Test(group_dp, a_resumed_group_continues_bit_exactly_and_in_any_layout) {
  * single process resumed from the same checkpoint ends within float
  * rounding of it (the checkpoint has the single process's layout). */
 Test(group_dp, an_expert_parallel_group_resumes_bit_exactly) {
-  char id[256], full[256], half[256], again[256], single[256];
+  char id[256];
   cluster_make_identity(&C, "epresume", id, sizeof id);
-  snprintf(full, sizeof full, "%s/epfull.safetensors", C.dir);
-  snprintf(half, sizeof half, "%s/ephalf.safetensors", C.dir);
-  snprintf(again, sizeof again, "%s/epagain.safetensors", C.dir);
-  snprintf(single, sizeof single, "%s/epsingle.safetensors", C.dir);
   char *text = (char *)cluster_make_text(&C, 200000);
   char *common[] = {"--model", "gpt:L2-H4-C32-T16-V257-E4-K2", "--batch", "6", "--epochs", "1", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval",
                     "--data", text, NULL};
-  char *ep2[] = {"--expert-parallel", "2", "--zero", "1", NULL};
-  run_group(ep2, common, (char *[]){"--max-steps", "8", "--checkpoint", full, NULL}, id);
-  run_group(ep2, common, (char *[]){"--max-steps", "4", "--checkpoint", half, NULL}, id);
-  run_group(ep2, common, (char *[]){"--max-steps", "8", "--resume", half, "--checkpoint", again, NULL}, id);
-  char *train[40] = {"train", "--max-steps", "8", "--resume", half, "--checkpoint", single};
-  int n = 7;
-  for (int i = 0; common[i]; i++) train[n++] = common[i];
-  train[n] = NULL;
-  char *out, *err;
-  int st = cluster_run(&C, train, 120, &out, &err);
-  cr_assert(proc_exited_with(st, 0), "rumor train --resume failed: %s", err);
-  free(out), free(err);
-  int64_t count;
-  double same = max_diff(again, full, &count), moved = max_diff(single, full, &count);
+  double same, moved;
+  resume_runs("ep", common, (char *[]){"--expert-parallel", "2", "--zero", "1", NULL}, NULL, 8, id, &same, &moved);
   cr_expect(same == 0, "resumed, the expert-parallel group's checkpoint is %.3g from the uninterrupted run's", same);
   cr_expect(moved <= 5e-5, "resumed by one process, the checkpoint is %.3g from the group's", moved);
 }
