@@ -179,13 +179,13 @@ constexpr int kXentWarps = 8;  // rows in flight per block (one warp each)
 // before pass 3 orders those reads before the write of d[label], so d may
 // alias x.
 __global__ void softmax_xent_kernel(const float *logits, const int32_t *labels, float *dlogits,
-                                    float *losses, int64_t rows, int64_t cols, float grad_scale) {
+                                    float *losses, int64_t rows, int64_t cols, int64_t ld, float grad_scale) {
   const int lane = threadIdx.x % kWarp;
   const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   const int64_t step = ((int64_t)gridDim.x * blockDim.x) / kWarp;
   for (int64_t r = first; r < rows; r += step) {
-    const float *x = logits + r * cols;
-    float *d = dlogits + r * cols;
+    const float *x = logits + r * ld;
+    float *d = dlogits + r * ld;
     const int64_t label = labels[r];
     const float x_label = x[label];
     float mx = -INFINITY;
@@ -208,12 +208,12 @@ __global__ void softmax_xent_kernel(const float *logits, const int32_t *labels, 
 // softmax_xent_kernel. stats: max, then the sum of exponentials (float
 // lanes, warp_sum's fixed order); lse in float.
 __global__ void xent_shard_stats_kernel(const float *logits, const int32_t *labels, float *lse, float *target,
-                                        int64_t rows, int64_t cols, int64_t lo) {
+                                        int64_t rows, int64_t cols, int64_t ld, int64_t lo) {
   const int lane = threadIdx.x % kWarp;
   const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   const int64_t step = ((int64_t)gridDim.x * blockDim.x) / kWarp;
   for (int64_t r = first; r < rows; r += step) {
-    const float *x = logits + r * cols;
+    const float *x = logits + r * ld;
     float mx = -INFINITY;
     for (int64_t c = lane; c < cols; c += kWarp) mx = fmaxf(mx, x[c]);
     mx = warp_max(mx);
@@ -232,7 +232,7 @@ __global__ void xent_shard_stats_kernel(const float *logits, const int32_t *labe
 // a tensor-parallel group), in double and in part order.
 __global__ void xent_shard_grad_kernel(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
                                        const float *target, float *dlogits, float *losses, int64_t rows,
-                                       int64_t cols, int64_t lo, float grad_scale) {
+                                       int64_t cols, int64_t ld, int64_t lo, float grad_scale) {
   const int lane = threadIdx.x % kWarp;
   const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   const int64_t step = ((int64_t)gridDim.x * blockDim.x) / kWarp;
@@ -242,8 +242,8 @@ __global__ void xent_shard_grad_kernel(const float *logits, const int32_t *label
     for (int64_t s = 0; s < nparts; s++) sum += exp((double)parts[s * rows + r] - mx);
     const double whole = mx + log(sum);
     if (lane == 0 && losses) losses[r] = (float)(whole - (double)target[r]);
-    const float *x = logits + r * cols;
-    float *d = dlogits + r * cols;
+    const float *x = logits + r * ld;
+    float *d = dlogits + r * ld;
     const float l = (float)whole;
     const int64_t k = (int64_t)labels[r] - lo;
     for (int64_t c = lane; c < cols; c += kWarp) {
@@ -453,29 +453,29 @@ extern "C" int kern_gelu_bwd(const float *x, const float *dy, float *dx, int64_t
 }
 
 extern "C" int kern_softmax_xent(const float *logits, const int32_t *labels, float *dlogits, float *losses,
-                                 int64_t rows, int64_t cols, float grad_scale, void *stream) {
+                                 int64_t rows, int64_t cols, int64_t ld, float grad_scale, void *stream) {
   if (rows == 0 || cols == 0) return 0;
   softmax_xent_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
-      logits, labels, dlogits, losses, rows, cols, grad_scale);
+      logits, labels, dlogits, losses, rows, cols, ld, grad_scale);
   KERN_LAUNCHED(softmax_xent_kernel);
   return 0;
 }
 
 extern "C" int kern_xent_shard_stats(const float *logits, const int32_t *labels, float *lse, float *target,
-                                     int64_t rows, int64_t cols, int64_t lo, void *stream) {
+                                     int64_t rows, int64_t cols, int64_t ld, int64_t lo, void *stream) {
   if (rows == 0 || cols == 0) return 0;
   xent_shard_stats_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
-      logits, labels, lse, target, rows, cols, lo);
+      logits, labels, lse, target, rows, cols, ld, lo);
   KERN_LAUNCHED(xent_shard_stats_kernel);
   return 0;
 }
 
 extern "C" int kern_xent_shard_grad(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
                                     const float *target, float *dlogits, float *losses, int64_t rows, int64_t cols,
-                                    int64_t lo, float grad_scale, void *stream) {
+                                    int64_t ld, int64_t lo, float grad_scale, void *stream) {
   if (rows == 0 || cols == 0) return 0;
   xent_shard_grad_kernel<<<blocks_for(rows, kXentWarps, kGridMax), kXentWarps * kWarp, 0, as_stream(stream)>>>(
-      logits, labels, parts, nparts, target, dlogits, losses, rows, cols, lo, grad_scale);
+      logits, labels, parts, nparts, target, dlogits, losses, rows, cols, ld, lo, grad_scale);
   KERN_LAUNCHED(xent_shard_grad_kernel);
   return 0;
 }

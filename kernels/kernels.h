@@ -77,14 +77,17 @@ int kern_gelu_fwd(const float *x, float *y, int64_t n, void *stream);
 int kern_gelu_bwd(const float *x, const float *dy, float *dx, int64_t n, void *stream);
 /* Softmax cross-entropy over the rows of logits [rows, cols] with labels
  * [rows] in [0, cols) (not checked here): losses[r] ← −log softmax(x_r)[label],
- * dlogits[r,:] ← grad_scale·(softmax(x_r) − onehot(label)). dlogits may alias
+ * dlogits[r,:] ← grad_scale·(softmax(x_r) − onehot(label)). Rows are `ld`
+ * floats apart (ld >= cols; padded rows, tensor.h: the ld − cols floats
+ * after each row are neither read nor written). dlogits may alias
  * logits (every logit of a row is read before any of the row is written);
  * losses must not overlap either. One warp per row. */
 int kern_softmax_xent(const float *logits, const int32_t *labels, float *dlogits, float *losses,
-                      int64_t rows, int64_t cols, float grad_scale, void *stream);
+                      int64_t rows, int64_t cols, int64_t ld, float grad_scale, void *stream);
 
 /* Vocabulary-parallel cross-entropy (tensor.h's tensor_xent_shard_stats and
- * _grad): logits [rows, cols] hold the classes [lo, lo + cols). stats:
+ * _grad): logits [rows, cols] hold the classes [lo, lo + cols), rows `ld`
+ * floats apart as kern_softmax_xent's (dlogits alike). stats:
  * lse[r] ← the shard's log-sum-exp of row r, target[r] ← its label's logit
  * or 0 when the label is elsewhere. grad: with L[r] the log-sum-exp of
  * parts[0..nparts)[r] (parts [nparts, rows], summed in double in part
@@ -93,10 +96,10 @@ int kern_softmax_xent(const float *logits, const int32_t *labels, float *dlogits
  * alias logits (each element is read by the lane that writes it). One warp
  * per row. */
 int kern_xent_shard_stats(const float *logits, const int32_t *labels, float *lse, float *target, int64_t rows,
-                          int64_t cols, int64_t lo, void *stream);
+                          int64_t cols, int64_t ld, int64_t lo, void *stream);
 int kern_xent_shard_grad(const float *logits, const int32_t *labels, const float *parts, int64_t nparts,
-                         const float *target, float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t lo,
-                         float grad_scale, void *stream);
+                         const float *target, float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t ld,
+                         int64_t lo, float grad_scale, void *stream);
 
 /* SGD with momentum, PyTorch semantics: g' = g + wd·p; m ← μ·m + g';
  * p ← p − lr·(nesterov ? g' + μ·m : m). With μ = 0 the momentum buffer is

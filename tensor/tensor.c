@@ -250,22 +250,30 @@ static int64_t rows_of(const struct tensor *t) {
 }
 static int64_t cols_of(const struct tensor *t) { return t->shape[t->ndim - 1]; }
 
-void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,
-                 const struct tensor *b, float beta, struct tensor *c) {
+void tensor_gemm_cols(bool trans_a, bool trans_b, float alpha, const struct tensor *a, int64_t a_cols,
+                      const struct tensor *b, int64_t b_cols, float beta, struct tensor *c, int64_t c_cols) {
   check_f32(a);
   check_f32(b);
   check_f32(c);
   RUMOR_ASSERT(a->ndim == 2 && b->ndim == 2 && c->ndim == 2);
   RUMOR_ASSERT(a->be == c->be && b->be == c->be);
-  int64_t m = trans_a ? a->shape[1] : a->shape[0];
-  int64_t k = trans_a ? a->shape[0] : a->shape[1];
-  int64_t kb = trans_b ? b->shape[1] : b->shape[0];
-  int64_t n = trans_b ? b->shape[0] : b->shape[1];
-  RUMOR_ASSERT(k == kb && c->shape[0] == m && c->shape[1] == n);
+  RUMOR_ASSERT(0 <= a_cols && a_cols <= a->shape[1] && 0 <= b_cols && b_cols <= b->shape[1] && 0 <= c_cols &&
+               c_cols <= c->shape[1]);
+  int64_t m = trans_a ? a_cols : a->shape[0];
+  int64_t k = trans_a ? a->shape[0] : a_cols;
+  int64_t kb = trans_b ? b_cols : b->shape[0];
+  int64_t n = trans_b ? b->shape[0] : b_cols;
+  RUMOR_ASSERT(k == kb && c->shape[0] == m && c_cols == n);
   RUMOR_ASSERT(m < INT32_MAX && n < INT32_MAX && k < INT32_MAX);
+  RUMOR_ASSERT(a->shape[1] < INT32_MAX && b->shape[1] < INT32_MAX && c->shape[1] < INT32_MAX);
   if (m == 0 || n == 0) return;
   c->be->ops->gemm(c->be, trans_a, trans_b, (int)m, (int)n, (int)k, alpha, a->data, (int)a->shape[1],
                    b->data, (int)b->shape[1], beta, c->data, (int)c->shape[1]);
+}
+
+void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,
+                 const struct tensor *b, float beta, struct tensor *c) {
+  tensor_gemm_cols(trans_a, trans_b, alpha, a, a->shape[1], b, b->shape[1], beta, c, c->shape[1]);
 }
 
 void tensor_bias_add(struct tensor *y, const struct tensor *bias) {
@@ -304,15 +312,21 @@ void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct ten
   x->be->ops->gelu_bwd(x->be, x->data, dy->data, dx->data, tensor_numel(x));
 }
 
-void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
-                         struct tensor *dlogits, struct tensor *losses, float grad_scale) {
+void tensor_softmax_xent_cols(const struct tensor *logits, int64_t cols, const struct tensor *labels,
+                              struct tensor *dlogits, struct tensor *losses, float grad_scale) {
   check_same(logits, dlogits);
   check_f32(losses);
   RUMOR_ASSERT(labels->dtype == TENSOR_I32 && labels->be == logits->be);
-  int64_t rows = rows_of(logits), cols = cols_of(logits);
+  RUMOR_ASSERT(cols_of(logits) == cols_of(dlogits) && 0 <= cols && cols <= cols_of(logits));
+  int64_t rows = rows_of(logits);
   RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(losses) == rows);
   logits->be->ops->softmax_xent(logits->be, logits->data, labels->data, dlogits->data, losses->data,
-                                rows, cols, grad_scale);
+                                rows, cols, cols_of(logits), grad_scale);
+}
+
+void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
+                         struct tensor *dlogits, struct tensor *losses, float grad_scale) {
+  tensor_softmax_xent_cols(logits, cols_of(logits), labels, dlogits, losses, grad_scale);
 }
 
 void tensor_add(const struct tensor *x, const struct tensor *y, struct tensor *out) {
@@ -378,29 +392,30 @@ void tensor_embedding_bwd(const struct tensor *tokens, const struct tensor *dout
   tensor_embedding_shard_bwd(tokens, dout, 0, dwte, dwpe);
 }
 
-void tensor_xent_shard_stats(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+void tensor_xent_shard_stats(const struct tensor *logits, int64_t cols, const struct tensor *labels, int64_t lo,
                              struct tensor *lse, struct tensor *target) {
   check_f32(logits);
   check_f32(lse);
   check_f32(target);
   check_i32(labels, logits->be);
-  int64_t rows = rows_of(logits), cols = cols_of(logits);
-  RUMOR_ASSERT(lse->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1);
+  int64_t rows = rows_of(logits), ld = cols_of(logits);
+  RUMOR_ASSERT(lse->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1 && cols <= ld);
   RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(lse) == rows && tensor_numel(target) == rows);
   if (rows == 0) return;
   NN_OP(logits->be, xent_shard_stats)(logits->be, logits->data, labels->data, lse->data, target->data, rows, cols,
-                                      lo);
+                                      ld, lo);
 }
 
-void tensor_xent_shard_grad(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+void tensor_xent_shard_grad(const struct tensor *logits, int64_t cols, const struct tensor *labels, int64_t lo,
                             const struct tensor *parts, const struct tensor *target, struct tensor *dlogits,
                             struct tensor *losses, float grad_scale) {
   check_same(logits, dlogits);
   check_f32(parts);
   check_f32(target);
   check_i32(labels, logits->be);
-  int64_t rows = rows_of(logits), cols = cols_of(logits);
-  RUMOR_ASSERT(parts->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1);
+  int64_t rows = rows_of(logits), ld = cols_of(logits);
+  RUMOR_ASSERT(parts->be == logits->be && target->be == logits->be && lo >= 0 && cols >= 1 && cols <= ld);
+  RUMOR_ASSERT(cols_of(dlogits) == ld);
   RUMOR_ASSERT(tensor_numel(labels) == rows && tensor_numel(target) == rows);
   RUMOR_ASSERT(parts->ndim == 2 && parts->shape[1] == rows && parts->shape[0] >= 1);
   if (losses) {
@@ -409,7 +424,7 @@ void tensor_xent_shard_grad(const struct tensor *logits, const struct tensor *la
   }
   if (rows == 0) return;
   NN_OP(logits->be, xent_shard_grad)(logits->be, logits->data, labels->data, parts->data, parts->shape[0],
-                                     target->data, dlogits->data, losses ? losses->data : NULL, rows, cols, lo,
+                                     target->data, dlogits->data, losses ? losses->data : NULL, rows, cols, ld, lo,
                                      grad_scale);
 }
 

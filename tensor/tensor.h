@@ -161,6 +161,22 @@ void tensor_event_wait(tensor_event_t ev);
  * when trans_a), op(B) is [K,N] (B is [N,K] when trans_b), C is [M,N]. */
 void tensor_gemm(bool trans_a, bool trans_b, float alpha, const struct tensor *a,
                  const struct tensor *b, float beta, struct tensor *c);
+
+/* Padded rows. A matrix [R, cols] may live in the first `cols` columns of
+ * a 2-D tensor [R, ld] (cols <= ld; the ld − cols columns after them in
+ * each row are padding, and ld, the tensor's shape[1], is the row stride).
+ * GPT pads its logits' rows to a multiple of 64 floats, so that the tied
+ * head's products and the cross-entropy read and write aligned rows on a
+ * GPU (model.h, model_logits_stride). The ops that take a `cols` read and
+ * write only those leading columns of each row: padding is never read and
+ * is left as it was (it may hold anything, NaN included). */
+
+/* tensor_gemm on padded rows: A, B and C are the leading a_cols, b_cols
+ * and c_cols columns of a, b and c (each at most its tensor's shape[1]);
+ * the shapes must agree as tensor_gemm's do with those widths.
+ * tensor_gemm is this with every width its tensor's shape[1]. */
+void tensor_gemm_cols(bool trans_a, bool trans_b, float alpha, const struct tensor *a, int64_t a_cols,
+                      const struct tensor *b, int64_t b_cols, float beta, struct tensor *c, int64_t c_cols);
 /* y[r,c] += bias[c] for y [R,C], bias [C]. */
 void tensor_bias_add(struct tensor *y, const struct tensor *bias);
 /* db[c] ← beta·db[c] + Σ_r dy[r,c]. */
@@ -179,10 +195,18 @@ void tensor_gelu_bwd(const struct tensor *x, const struct tensor *dy, struct ten
  * grad_scale·(softmax − onehot). dlogits may alias logits. */
 void tensor_softmax_xent(const struct tensor *logits, const struct tensor *labels,
                          struct tensor *dlogits, struct tensor *losses, float grad_scale);
+/* The same over padded rows: the classes are the first `cols` columns of
+ * logits [R, ld] (0 <= label < cols); dlogits [R, ld] receives the
+ * gradient in those columns, its padding untouched. tensor_softmax_xent is
+ * this with cols = ld, bit for bit. */
+void tensor_softmax_xent_cols(const struct tensor *logits, int64_t cols, const struct tensor *labels,
+                              struct tensor *dlogits, struct tensor *losses, float grad_scale);
 
-/* Vocabulary-parallel softmax cross-entropy (Megatron's): logits [R,v]
- * hold the classes [lo, lo + v) of each row, the rest being other shards'
- * (no rank holds a whole row). Two passes around the caller's all-reduce:
+/* Vocabulary-parallel softmax cross-entropy (Megatron's): logits [R,ld]
+ * hold the classes [lo, lo + v) of each row in their first v = `cols`
+ * columns (padded rows: cols <= ld; the padding is never read, and dlogits'
+ * is left as it was), the rest of the vocabulary being other shards' (no
+ * rank holds a whole row). Two passes around the caller's all-reduce:
  *
  * tensor_xent_shard_stats: lse [R] ← log Σ_c exp(logits[r,c]) (this shard's
  * log-sum-exp, computed stably) and target [R] ← logits[r, labels[r] − lo]
@@ -192,13 +216,13 @@ void tensor_softmax_xent(const struct tensor *logits, const struct tensor *label
  * row s) and sums target over the shards, and calls
  * tensor_xent_shard_grad: with L[r] = log Σ_s exp(parts[s,r]) (the whole
  * row's log-sum-exp, in double, in shard order), losses [R] ← L − target
- * (NULL: not written) and dlogits [R,v] ← grad_scale·(exp(logits − L) −
+ * (NULL: not written) and dlogits[r, 0..v) ← grad_scale·(exp(logits − L) −
  * onehot(labels − lo)). dlogits may alias logits. Labels are in [0, the
  * whole vocabulary) (checked by the caller when data is loaded). Equal to
  * tensor_softmax_xent's within float rounding (not bitwise). */
-void tensor_xent_shard_stats(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+void tensor_xent_shard_stats(const struct tensor *logits, int64_t cols, const struct tensor *labels, int64_t lo,
                              struct tensor *lse, struct tensor *target);
-void tensor_xent_shard_grad(const struct tensor *logits, const struct tensor *labels, int64_t lo,
+void tensor_xent_shard_grad(const struct tensor *logits, int64_t cols, const struct tensor *labels, int64_t lo,
                             const struct tensor *parts, const struct tensor *target, struct tensor *dlogits,
                             struct tensor *losses, float grad_scale);
 

@@ -188,12 +188,13 @@ static void cpu_gelu_bwd(tensor_backend_t be, const float *x, const float *dy, f
 }
 
 static void cpu_softmax_xent(tensor_backend_t be, const float *logits, const int32_t *labels,
-                             float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale) {
+                             float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t ld,
+                             float grad_scale) {
   int t = nthreads(be);
 #pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
   for (int64_t r = 0; r < rows; r++) {
-    const float *x = logits + r * cols;
-    float *d = dlogits + r * cols;
+    const float *x = logits + r * ld;
+    float *d = dlogits + r * ld;
     float mx = x[0];
     for (int64_t c = 1; c < cols; c++) mx = x[c] > mx ? x[c] : mx;
     int32_t label = labels[r];
@@ -214,11 +215,11 @@ static void cpu_softmax_xent(tensor_backend_t be, const float *logits, const int
 /* The vocabulary-parallel cross-entropy (tensor.h), in the plain op's
  * arithmetic: expf per logit, sums in double. */
 static void cpu_xent_shard_stats(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
-                                 float *target, int64_t rows, int64_t cols, int64_t lo) {
+                                 float *target, int64_t rows, int64_t cols, int64_t ld, int64_t lo) {
   int t = nthreads(be);
 #pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
   for (int64_t r = 0; r < rows; r++) {
-    const float *x = logits + r * cols;
+    const float *x = logits + r * ld;
     float mx = x[0];
     for (int64_t c = 1; c < cols; c++) mx = x[c] > mx ? x[c] : mx;
     double sum = 0.0;
@@ -231,7 +232,7 @@ static void cpu_xent_shard_stats(tensor_backend_t be, const float *logits, const
 
 static void cpu_xent_shard_grad(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
                                 int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
-                                int64_t cols, int64_t lo, float grad_scale) {
+                                int64_t cols, int64_t ld, int64_t lo, float grad_scale) {
   int t = nthreads(be);
 #pragma omp parallel for num_threads(t) if (rows * cols >= CPU_PAR_MIN)
   for (int64_t r = 0; r < rows; r++) {
@@ -240,8 +241,8 @@ static void cpu_xent_shard_grad(tensor_backend_t be, const float *logits, const 
     for (int64_t s = 0; s < nparts; s++) sum += exp((double)parts[s * rows + r] - mx);
     double whole = mx + log(sum); /* the whole row's log-sum-exp */
     if (losses) losses[r] = (float)(whole - (double)target[r]);
-    const float *x = logits + r * cols;
-    float *d = dlogits + r * cols, l = (float)whole;
+    const float *x = logits + r * ld;
+    float *d = dlogits + r * ld, l = (float)whole;
     for (int64_t c = 0; c < cols; c++) d[c] = expf(x[c] - l) * grad_scale;
     int64_t k = (int64_t)labels[r] - lo;
     if (k >= 0 && k < cols) d[k] -= grad_scale;

@@ -407,9 +407,10 @@ static void cuda_gelu_bwd(tensor_backend_t be, const float *x, const float *dy, 
 }
 
 static void cuda_softmax_xent(tensor_backend_t be, const float *logits, const int32_t *labels,
-                              float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale) {
+                              float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t ld,
+                              float grad_scale) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_softmax_xent(logits, labels, dlogits, losses, rows, cols, grad_scale, stream_of(b)));
+  KERN_CHECK(kern_softmax_xent(logits, labels, dlogits, losses, rows, cols, ld, grad_scale, stream_of(b)));
 }
 
 static void cuda_sgd_step(tensor_backend_t be, float *p, const float *g, float *m, int64_t n,
@@ -557,17 +558,17 @@ static void cuda_embedding_bwd(tensor_backend_t be, const int32_t *tokens, const
 }
 
 static void cuda_xent_shard_stats(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
-                                  float *target, int64_t rows, int64_t cols, int64_t lo) {
+                                  float *target, int64_t rows, int64_t cols, int64_t ld, int64_t lo) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_xent_shard_stats(logits, labels, lse, target, rows, cols, lo, stream_of(b)));
+  KERN_CHECK(kern_xent_shard_stats(logits, labels, lse, target, rows, cols, ld, lo, stream_of(b)));
 }
 
 static void cuda_xent_shard_grad(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
                                  int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
-                                 int64_t cols, int64_t lo, float grad_scale) {
+                                 int64_t cols, int64_t ld, int64_t lo, float grad_scale) {
   struct cuda_backend *b = enter(be);
-  KERN_CHECK(kern_xent_shard_grad(logits, labels, parts, nparts, target, dlogits, losses, rows, cols, lo, grad_scale,
-                                  stream_of(b)));
+  KERN_CHECK(kern_xent_shard_grad(logits, labels, parts, nparts, target, dlogits, losses, rows, cols, ld, lo,
+                                  grad_scale, stream_of(b)));
 }
 
 static void cuda_layernorm_fwd(tensor_backend_t be, const float *x, const float *w, const float *bias, float *y,

@@ -57,8 +57,10 @@ struct tensor_backend_ops {
   void (*relu_bwd)(tensor_backend_t be, const float *y, const float *dy, float *dx, int64_t n);
   void (*gelu_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
   void (*gelu_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
+  /* The classes are the first `cols` columns of rows `ld` floats apart
+   * (padded rows, tensor.h; ld = cols unpadded), in logits and dlogits. */
   void (*softmax_xent)(tensor_backend_t be, const float *logits, const int32_t *labels,
-                       float *dlogits, float *losses, int64_t rows, int64_t cols, float grad_scale);
+                       float *dlogits, float *losses, int64_t rows, int64_t cols, int64_t ld, float grad_scale);
   void (*add)(tensor_backend_t be, const float *x, const float *y, float *out, int64_t n);
   /* Transformer entries (tensor.h): r sequences of t positions, width c,
    * v vocabulary rows, nh heads. */
@@ -69,13 +71,14 @@ struct tensor_backend_ops {
                         int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
   void (*embedding_bwd)(tensor_backend_t be, const int32_t *tokens, const float *dout, float *dwte, float *dwpe,
                         int64_t r, int64_t t, int64_t c, int64_t lo, int64_t v);
-  /* Vocabulary-parallel cross-entropy (tensor.h): logits [rows, cols] hold
-   * the classes [lo, lo + cols); parts [nparts, rows]. losses may be NULL. */
+  /* Vocabulary-parallel cross-entropy (tensor.h): the first cols columns of
+   * logits [rows, ld] hold the classes [lo, lo + cols) (dlogits alike);
+   * parts [nparts, rows]. losses may be NULL. */
   void (*xent_shard_stats)(tensor_backend_t be, const float *logits, const int32_t *labels, float *lse,
-                           float *target, int64_t rows, int64_t cols, int64_t lo);
+                           float *target, int64_t rows, int64_t cols, int64_t ld, int64_t lo);
   void (*xent_shard_grad)(tensor_backend_t be, const float *logits, const int32_t *labels, const float *parts,
                           int64_t nparts, const float *target, float *dlogits, float *losses, int64_t rows,
-                          int64_t cols, int64_t lo, float grad_scale);
+                          int64_t cols, int64_t ld, int64_t lo, float grad_scale);
   void (*layernorm_fwd)(tensor_backend_t be, const float *x, const float *w, const float *b, float *y, float *mean,
                         float *rstd, int64_t rows, int64_t c);
   void (*layernorm_bwd)(tensor_backend_t be, const float *x, const float *w, const float *mean, const float *rstd,

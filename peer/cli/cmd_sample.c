@@ -137,7 +137,8 @@ static int64_t generate(struct model *m, int32_t *toks, int64_t n, int64_t count
     model_set_positions(m, len);
     tensor_copy_from_host(model_act(m, 0), 0, toks + first, (size_t)len * sizeof(int32_t));
     model_forward(m, 0, m->table.nunits, 1);
-    tensor_copy_to_host(model_act(m, m->table.nunits), (len - 1) * V, row, (size_t)V * sizeof(float));
+    tensor_copy_to_host(model_act(m, m->table.nunits), (len - 1) * model_logits_stride(m), row,
+                        (size_t)V * sizeof(float));
     toks[n] = pick(row, V, temperature, top_k, &r);
     print_token(toks[n], bytes, n == 0);
     fflush(stdout);

@@ -11,7 +11,20 @@
  *
  * Units: 0 the embeddings, 1..L the blocks, L+1 the final LayerNorm and the
  * head. A row is one sequence of T tokens: unit 0 reads (rows, T) I32 tokens,
- * units exchange (rows, T·C) floats, the head writes (rows, T·V) logits.
+ * units exchange (rows, T·C) floats, the head writes (rows, T·Vp) logits.
+ *
+ * Padded logits: each position's V logits are followed by Vp − V floats of
+ * padding, Vp = V rounded up to a multiple of GPT_LOGITS_ALIGN (64;
+ * model_logits_stride), so that on a GPU the tied head's GEMMs and the
+ * cross-entropy run on aligned rows (ld 50304 for GPT-2, not 50257). No op
+ * reads the padding (tensor.h, "padded rows"): the head's GEMMs write and
+ * read the first V columns, the loss, the score and sampling read them.
+ * Only the logits are padded: wte keeps its V rows, so the table, the flat
+ * buffers, the optimizer, gossip, checkpoints, Hugging Face files and
+ * parameter counts are what they are without padding. (llm.c pads wte
+ * itself to Vp rows instead; that would put zero rows into every path that
+ * reads or writes the whole model, each of which would then have to skip
+ * them.) A tensor-parallel rank pads its own vocabulary share alike.
  *
  * Layout and names are Hugging Face's GPT2LMHeadModel's, linear weights in
  * its Conv1D layout (in, out), so a checkpoint loads there as is:
@@ -258,6 +271,18 @@ static void gpt_io(const struct model_spec *s, struct model_io *out) {
 
 static int64_t gpt_boundary(const struct model_spec *s, int u) { return GP(s)->context * GP(s)->width; }
 
+/* The logits' row stride for vl classes (GPT_LOGITS_ALIGN). */
+static int64_t logits_ld(int64_t vl) { return (vl + GPT_LOGITS_ALIGN - 1) / GPT_LOGITS_ALIGN * GPT_LOGITS_ALIGN; }
+
+/* model_act_width: the logits' rows padded (logits_ld), of a rank's
+ * vocabulary rows only. */
+static int64_t gpt_act_width(const struct model *m, int u) {
+  const struct model_spec *s = &m->spec;
+  if (u == 0) return GP(s)->context;
+  if (u < GP(s)->layers + 2) return GP(s)->context * GP(s)->width;
+  return GP(s)->context * logits_ld(model_own_table(m)->p[0].shape[0]);
+}
+
 /* Multiply-adds per row (T positions): the matrix products forward, weight
  * gradient and input gradient (3×), attention's two products forward and
  * four backward, causal (half), plus its recomputation. Element-wise work
@@ -424,6 +449,7 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
   ws->fl = GP(s)->experts ? 4 * C : t->p[gpt_block_first(s, 0) + B_FC_B].shape[0];
   ws->vlo = m->tp ? m->tp_layout.slice[0].lo : 0;
   ws->vl = t->p[0].shape[0];
+  ws->vld = logits_ld(ws->vl);
   bind_params(m, ws);
   int rc;
   if (m->u1 == L + 2 && m->u0 > 0) { /* the head without unit 0: its own copy of (the rank's rows of) wte */
@@ -438,6 +464,9 @@ static int gpt_init(struct model *m, struct rumor_err *e) {
     int64_t shape[2] = {R, model_act_width(m, u)};
     if ((rc = gpt_stashed(m, &ws->acts[u], model_act_dtype(m, u), 2, shape, e))) return rc;
   }
+  /* No op reads the logits' padding; zeros there keep the buffer tidy for
+   * whoever dumps it whole. */
+  if (m->u1 == L + 2) tensor_fill(&ws->acts[L + 2], 0.0f);
   bool blocks = false;
   for (int u = m->u0 > 1 ? m->u0 : 1; u < m->u1 && u <= L; u++) {
     if ((rc = alloc_block_acts(m, ws, u - 1, &ws->blk[u - 1], e))) return rc;
@@ -574,9 +603,10 @@ static void head_forward(struct model *m, int64_t rows) {
   int L = GP(s)->layers;
   int64_t N = rows * positions(m), C = GP(s)->width;
   struct tensor x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
-  struct tensor mf = v1(&ws->lnf_mean, 0, N), rf = v1(&ws->lnf_rstd, 0, N), logits = v2(&ws->acts[L + 2], N, ws->vl);
+  struct tensor mf = v1(&ws->lnf_mean, 0, N), rf = v1(&ws->lnf_rstd, 0, N), logits = v2(&ws->acts[L + 2], N, ws->vld);
   tensor_layernorm_fwd(&x, &ws->lnf_w, &ws->lnf_b, &ln, &mf, &rf);
-  tensor_gemm(false, true, 1.0f, &ln, &ws->wte, 0.0f, &logits); /* the tied head: ln_f(x)·wte[vlo, vlo + vl)ᵀ */
+  /* The tied head: ln_f(x)·wte[vlo, vlo + vl)ᵀ into the first vl columns of the padded rows. */
+  tensor_gemm_cols(false, true, 1.0f, &ln, C, &ws->wte, C, 0.0f, &logits, ws->vl);
 }
 
 static void gpt_forward(struct model *m, int a, int b, int64_t rows) {
@@ -588,19 +618,19 @@ static void gpt_forward(struct model *m, int a, int b, int64_t rows) {
   }
 }
 
-/* dlogits (N, vl) → ws->dres = dL/d(ln_f's input). */
+/* dlogits (N, vld), the first vl columns of each row → ws->dres = dL/d(ln_f's input). */
 static void head_backward(struct model *m, int64_t rows, const struct tensor *dout, float beta) {
   const struct model_spec *s = &m->spec;
   struct gpt_ws *ws = m->impl;
   int L = GP(s)->layers;
   int64_t N = rows * positions(m), C = GP(s)->width;
-  struct tensor dl = v2(dout, N, ws->vl), x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
+  struct tensor dl = v2(dout, N, ws->vld), x = v2(&ws->acts[L + 1], N, C), ln = v2(&ws->ln_out, N, C);
   struct tensor mf = v1(&ws->lnf_mean, 0, N), rf = v1(&ws->lnf_rstd, 0, N);
   struct tensor dres = v2(&ws->dres, N, C), dln = v2(&ws->dtmp, N, C);
   tensor_layernorm_fwd(&x, &ws->lnf_w, &ws->lnf_b, &ln, &mf, &rf); /* its output, recomputed */
-  tensor_gemm(true, false, 1.0f, &dl, &ln, beta, &ws->dwte);
+  tensor_gemm_cols(true, false, 1.0f, &dl, ws->vl, &ln, C, beta, &ws->dwte, C);
   ws->dwte_written = true;
-  tensor_gemm(false, false, 1.0f, &dl, &ws->wte, 0.0f, &dln);
+  tensor_gemm_cols(false, false, 1.0f, &dl, ws->vl, &ws->wte, C, 0.0f, &dln, C);
   model_tp_all_reduce(m, &dln, N * C); /* a rank: the other vocabulary rows' part */
   tensor_fill(&dres, 0.0f);
   tensor_layernorm_bwd(&x, &ws->lnf_w, &mf, &rf, &dln, &dres, &ws->dlnf_w, &ws->dlnf_b, beta);
@@ -819,6 +849,7 @@ const struct model_family_ops model_gpt_ops = {
     .backward = gpt_backward,
     .tied = gpt_tied,
     .tied_entry = 0, /* transformer.wte.weight */
+    .act_width = gpt_act_width,
     .set_positions = gpt_set_positions,
     .hf_config = gpt_hf_config,
     .hf_model_type = "gpt2",
@@ -877,21 +908,13 @@ static void gpt_tp_split(const struct model_spec *s, size_t i, const struct mode
     }
 }
 
-/* A rank's logits are its vocabulary rows' only. */
-static int64_t gpt_tp_act_width(const struct model *m, int u) {
-  const struct model_spec *s = &m->spec;
-  if (u == 0) return GP(s)->context;
-  if (u < GP(s)->layers + 2) return GP(s)->context * GP(s)->width;
-  return GP(s)->context * model_own_table(m)->p[0].shape[0];
-}
-
 static void gpt_tp_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale) {
   struct gpt_ws *ws = m->impl;
-  int64_t n = model_targets(m, rows), S = m->tp->size, shape[2] = {n, ws->vl};
+  int64_t n = model_targets(m, rows), S = m->tp->size, shape[2] = {n, ws->vld};
   struct tensor logits = tensor_view(model_act(m, m->u1), 0, 2, shape), dl = tensor_view(dlogits, 0, 2, shape);
   struct tensor labels = v1(&m->labels, 0, n), losses = v1(&m->losses, 0, n);
   if (S == 1) { /* the whole row: model.c's loss, bit for bit */
-    tensor_softmax_xent(&logits, &labels, &dl, &losses, grad_scale);
+    tensor_softmax_xent_cols(&logits, ws->vl, &labels, &dl, &losses, grad_scale);
     return;
   }
   /* xent: S rows of n log-sum-exps (the rank's in row `rank`, zeros
@@ -900,9 +923,9 @@ static void gpt_tp_loss(struct model *m, int64_t rows, struct tensor *dlogits, f
   struct tensor all = v1(&ws->xent, 0, (S + 1) * n), parts = tensor_view(&ws->xent, 0, 2, pshape);
   struct tensor mine = v1(&ws->xent, m->tp->rank * n, n), target = v1(&ws->xent, S * n, n);
   tensor_fill(&all, 0.0f);
-  tensor_xent_shard_stats(&logits, &labels, ws->vlo, &mine, &target);
+  tensor_xent_shard_stats(&logits, ws->vl, &labels, ws->vlo, &mine, &target);
   model_tp_all_reduce(m, &all, (S + 1) * n);
-  tensor_xent_shard_grad(&logits, &labels, ws->vlo, &parts, &target, &dl, &losses, grad_scale);
+  tensor_xent_shard_grad(&logits, ws->vl, &labels, ws->vlo, &parts, &target, &dl, &losses, grad_scale);
 }
 
 /* The rank's best logit and its class per target into slots [rank·n, ...)
@@ -910,7 +933,7 @@ static void gpt_tp_loss(struct model *m, int64_t rows, struct tensor *dlogits, f
  * classes are below 2^24, exact in a float. */
 static void local_best(const struct gpt_ws *ws, const float *logits, int64_t n, int rank, int64_t S, float *slots) {
   for (int64_t r = 0; r < n; r++) {
-    const float *row = logits + r * ws->vl;
+    const float *row = logits + r * ws->vld;
     int64_t best = 0;
     for (int64_t c = 1; c < ws->vl; c++)
       if (row[c] > row[best]) best = c;
@@ -925,9 +948,9 @@ static void gpt_tp_score(struct model *m, int64_t rows, const int32_t *labels_ho
                          double *loss_sum) {
   struct gpt_ws *ws = m->impl;
   int64_t n = model_targets(m, rows), S = m->tp->size;
-  float *logits = xmalloc((size_t)(n * ws->vl) * sizeof(float)), *slots = xcalloc((size_t)(2 * S * n), sizeof(float));
+  float *logits = xmalloc((size_t)(n * ws->vld) * sizeof(float)), *slots = xcalloc((size_t)(2 * S * n), sizeof(float));
   struct tensor *out = model_act(m, m->u1);
-  tensor_copy_to_host(out, 0, logits, (size_t)(n * ws->vl) * sizeof(float));
+  tensor_copy_to_host(out, 0, logits, (size_t)(n * ws->vld) * sizeof(float));
   local_best(ws, logits, n, m->tp->rank, S, slots);
   if (S > 1) {
     struct tensor x = v1(&ws->xent, 0, 2 * S * n);
@@ -949,7 +972,8 @@ static void gpt_tp_score(struct model *m, int64_t rows, const int32_t *labels_ho
 }
 
 /* A rank runs the passes above; it differs from a whole model in its
- * logits' width, its initial values, the loss and the score. */
+ * logits' width (its share, padded as a whole model's), its initial values,
+ * the loss and the score. */
 static const struct model_family_ops gpt_tp_ops = {
     .name = "gpt",
     .unit_noun = "block",
@@ -961,7 +985,7 @@ static const struct model_family_ops gpt_tp_ops = {
     .tied = gpt_tied,
     .tied_entry = 0,
     .set_positions = gpt_set_positions,
-    .act_width = gpt_tp_act_width,
+    .act_width = gpt_act_width,
     .init_params = model_tp_init_params,
     .loss = gpt_tp_loss,
     .score = gpt_tp_score,

@@ -13,6 +13,13 @@
 /* The layer norms' epsilon as config.json states it: TENSOR_LAYERNORM_EPS
  * (a float), written as the double Python reads. */
 #define GPT_HF_LAYERNORM_EPS 1e-5
+/* The logits' row stride in floats is the vocabulary the model holds (V,
+ * or a tensor-parallel rank's share) rounded up to a multiple of this, so
+ * that on a GPU the tied head's products and the cross-entropy read and
+ * write aligned rows (llm.c pads GPT-2's 50257 to 50304 for the same
+ * reason). Only the logits are padded: the parameters, and so checkpoints,
+ * Hugging Face files, gossip and parameter counts, keep V rows (gpt.c). */
+#define GPT_LOGITS_ALIGN 64
 
 /* Table entries per block, in flat-buffer order. A mixture-of-experts
  * block (gpt_block_is_moe) has the first B_ROUTER, then the router (C, E)
@@ -87,6 +94,7 @@ struct gpt_ws {
   int hl;                                      /* heads */
   int64_t cl, fl;                              /* attention width (hl·C/H) and MLP width */
   int64_t vlo, vl;                             /* the vocabulary rows [vlo, vlo + vl) of wte and the logits */
+  int64_t vld;                                 /* the logits' row stride: vl rounded up to GPT_LOGITS_ALIGN */
   struct tensor p[GPT_MAX_LAYERS][B_NPARAMS];  /* views into params (the model's own shapes) */
   struct tensor g[GPT_MAX_LAYERS][B_NPARAMS];  /* views into grads */
   struct tensor wte, wpe, lnf_w, lnf_b;       /* views (wte (vl, C): into params or the tied copy) */
@@ -96,7 +104,8 @@ struct gpt_ws {
                        head, consumed by unit 0, so a backward run one unit at a time (ZeRO) adds unit 0's
                        share to the head's as a whole-model backward does */
   int64_t positions;                          /* of the passes; 0: the context */
-  struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the (rank's) logits */
+  struct tensor acts[GPT_MAX_LAYERS + 3];     /* acts[u]: the input of unit u; acts[L+2] the (rank's) logits,
+                                                 (max_rows·T, vld) of which the first vl columns are classes */
   struct gpt_block_acts blk[GPT_MAX_LAYERS];
   struct tensor lnf_mean, lnf_rstd;           /* (max_rows·T) */
   /* Scratch shared by all units (never live across two passes). */

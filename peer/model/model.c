@@ -274,6 +274,10 @@ int64_t model_act_width(const struct model *m, int u) {
 
 enum tensor_dtype model_act_dtype(const struct model *m, int u) { return u == 0 ? m->io.input_dtype : TENSOR_F32; }
 
+int64_t model_logits_stride(const struct model *m) {
+  return model_act_width(m, m->table.nunits) / m->io.labels_per_row;
+}
+
 void model_forward(struct model *m, int a, int b, int64_t rows) {
   RUMOR_ASSERT(rows >= 1 && rows <= m->max_rows && m->u0 <= a && a < b && b <= m->u1);
   m->ops->forward(m, a, b, rows);
@@ -307,12 +311,12 @@ void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float gra
     m->ops->loss(m, rows, dlogits, grad_scale);
     return;
   }
-  int64_t n = model_targets(m, rows), shape[2] = {n, m->io.classes};
+  int64_t n = model_targets(m, rows), shape[2] = {n, model_logits_stride(m)};
   struct tensor logits = tensor_view(model_act(m, m->u1), 0, 2, shape);
   struct tensor dl = tensor_view(dlogits, 0, 2, shape);
   struct tensor labels = tensor_view(&m->labels, 0, 1, &n);
   struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
-  tensor_softmax_xent(&logits, &labels, &dl, &losses, grad_scale);
+  tensor_softmax_xent_cols(&logits, m->io.classes, &labels, &dl, &losses, grad_scale);
 }
 
 void model_forward_backward(struct model *m, int64_t rows) {
@@ -336,15 +340,15 @@ void model_score(struct model *m, int64_t rows, const int32_t *labels_host, int6
     m->ops->score(m, rows, labels_host, correct, loss_sum);
     return;
   }
-  int64_t n = model_targets(m, rows), C = m->io.classes;
-  float *logits = xmalloc((size_t)(n * C) * sizeof(float));
+  int64_t n = model_targets(m, rows), C = m->io.classes, ld = model_logits_stride(m);
+  float *logits = xmalloc((size_t)(n * ld) * sizeof(float));
   struct tensor *out = model_act(m, m->u1);
-  tensor_copy_to_host(out, 0, logits, (size_t)(n * C) * sizeof(float));
+  tensor_copy_to_host(out, 0, logits, (size_t)(n * ld) * sizeof(float));
   model_loss(m, rows, out, 0.0f); /* the logits are on the host now */
   struct tensor losses = tensor_view(&m->losses, 0, 1, &n);
   *loss_sum += tensor_sum(&losses);
   for (int64_t r = 0; r < n; r++) {
-    const float *row = logits + r * C;
+    const float *row = logits + r * ld;
     int64_t best = 0;
     for (int64_t c = 1; c < C; c++)
       if (row[c] > row[best]) best = c;

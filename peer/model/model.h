@@ -401,6 +401,16 @@ struct tensor *model_act(struct model *m, int u);
 /* Values per row of model_act(m, u), and their dtype. */
 int64_t model_act_width(const struct model *m, int u);
 enum tensor_dtype model_act_dtype(const struct model *m, int u);
+/* Floats from one target's logits to the next's in the logits
+ * (model_act(m, units)): io.classes, or more where the family pads each
+ * target's logits (a GPT: V rounded up to a multiple of 64, so that a GPU
+ * reads aligned rows). A target's classes are the first io.classes floats
+ * (on a tensor-parallel GPT rank, those of its vocabulary share: gpt.c),
+ * and the floats after them up to the stride are padding that no pass
+ * reads and whose value is unspecified (tensor.h, "padded rows"). Padding is internal to the
+ * passes: the parameters, and so everything outside the model, are the
+ * same without it. */
+int64_t model_logits_stride(const struct model *m);
 
 /* A parameter that two units use (GPT's token embedding: unit 0 gathers
  * from it, the head multiplies by it). A model that holds the head but not
@@ -433,7 +443,8 @@ void model_backward(struct model *m, int a, int b, int64_t rows, struct tensor *
 
 /* Loss at the logits (model_act(units), u1 must be the last unit) for the
  * labels: fills losses and writes grad_scale·dL/dlogits into `dlogits`
- * (rows·labels_per_row × classes; may be the logits themselves). */
+ * (rows·labels_per_row × model_logits_stride, the classes of each target
+ * written, its padding left as it was; may be the logits themselves). */
 void model_loss(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale);
 /* Targets in `rows` rows: the count a mean loss divides by. */
 int64_t model_targets(const struct model *m, int64_t rows);

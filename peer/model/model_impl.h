@@ -56,7 +56,9 @@ struct model_family_ops {
 
   /* Optional: what a tensor-parallel rank (peer/model/tp.c) does its own
    * way; NULL runs model.c's whole-model code. The width of model_act(m, u)
-   * per row, the initial parameters, model_loss and model_score. */
+   * per row (also a whole model's, where it pads its logits:
+   * model_logits_stride), the initial parameters, model_loss and
+   * model_score. */
   int64_t (*act_width)(const struct model *m, int u);
   void (*init_params)(struct model *m, uint64_t seed);
   void (*loss)(struct model *m, int64_t rows, struct tensor *dlogits, float grad_scale);

@@ -22,6 +22,10 @@
  *   tokens outside [0, V), which must be skipped without a write outside
  *   dwte.
  *
+ * - The tied head's products and the cross-entropy on padded rows (GPT's
+ *   logits, V = 65 in rows of 128 and 50257 in rows of 50304): the padding
+ *   is neither written nor read.
+ *
  * Every test needs a GPU and skips with "no CUDA GPU: ..." when
  * tensor_cuda_device_count() is 0. RUMOR_TEST_SEED=<n> repeats a run's
  * random inputs.
@@ -387,7 +391,7 @@ static void run_xent_shard(int64_t rows, int64_t cols, int64_t lo, int64_t v, in
              dtg = dev_vec(rows);
   dev_upload(&dlab, lab);
   char what[128];
-  tensor_xent_shard_stats(&dx.t, &dlab.t, lo, &dlse.t, &dtg.t);
+  tensor_xent_shard_stats(&dx.t, cols, &dlab.t, lo, &dlse.t, &dtg.t);
   tensor_ref_xent_shard_stats(x, lab, lo, lse_ref, tg_ref, rows, cols);
   dev_download(&dlse, got);
   snprintf(what, sizeof what, "xent_shard_stats lse [%" PRId64 ", %" PRId64 "] lo %" PRId64, rows, cols, lo);
@@ -400,7 +404,7 @@ static void run_xent_shard(int64_t rows, int64_t cols, int64_t lo, int64_t v, in
   tensor_ref_xent_shard_grad(x, lab, lo, parts, nparts, tg_ref, d_ref, l_ref, rows, cols, 0.5f);
   for (int alias = 0; alias < 2; alias++) {
     struct dev *out = alias ? &dx : &dd;
-    tensor_xent_shard_grad(&dx.t, &dlab.t, lo, &dparts.t, &dtg.t, &out->t, &dl.t, 0.5f);
+    tensor_xent_shard_grad(&dx.t, cols, &dlab.t, lo, &dparts.t, &dtg.t, &out->t, &dl.t, 0.5f);
     dev_download(out, got);
     snprintf(what, sizeof what, "xent_shard_grad dlogits [%" PRId64 ", %" PRId64 "]%s", rows, cols,
              alias ? " in place" : "");
@@ -418,6 +422,92 @@ Test(cuda_nn, xent_shards_match_reference_in_and_out_of_place) {
   run_xent_shard(64, 26, 26, 101, 4, 30.0f);      /* sharp softmax, uneven shard */
   run_xent_shard(5, 25129, 25128, 50257, 2, 1.0f); /* GPT-2's vocabulary over two ranks */
   run_xent_shard(1, 1, 0, 2, 2, 1.0f);
+  close_gpu();
+}
+
+/* ==== padded rows (GPT's logits) ========================================================= */
+
+/* The padding columns [cols, ld) of d ([rows, ld]) still hold the poison
+ * NaN it started with: never written. `all` is host scratch of rows·ld. */
+static bool padding_untouched(const struct dev *d, int64_t cols, float *all, const char *what) {
+  int64_t rows = d->t.shape[0], ld = d->t.shape[1];
+  dev_download(d, all);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = cols; c < ld; c++) {
+      uint32_t bits;
+      memcpy(&bits, &all[r * ld + c], 4);
+      if (bits != POISON_BITS)
+        return fail_why("%s: padding [%" PRId64 ", %" PRId64 "] was written (0x%08x; seed %" PRIu64 ")", what, r, c,
+                        bits, g_seed);
+    }
+  return true;
+}
+
+static void pack_rows(const float *src, int64_t rows, int64_t cols, int64_t ld, float *dst) {
+  for (int64_t r = 0; r < rows; r++) memcpy(dst + r * cols, src + r * ld, (size_t)cols * sizeof *dst);
+}
+
+/* The tied head's three products (tensor_gemm_cols) and the cross-entropy
+ * over logits padded as GPT pads them (V classes in rows of ld floats, the
+ * padding NaN) against the reference on the packed matrices; the padding
+ * is neither written nor read (a NaN read would reach the finite
+ * results). Tolerances: the GEMMs 1e-5 + 1e-4·|ref| (FP32, sums of k <=
+ * 50257 products of unit-scale terms, cuBLAS's order against the
+ * reference's double); the cross-entropy as run_xent_shard's. */
+static void run_padded_head(int64_t n, int64_t c, int64_t v, int64_t ld) {
+  int mark = arena_mark();
+  float *ln = hbuf(n * c), *wte = hbuf(v * c), *dw = hbuf(v * c), *ref = hbuf(n * v), *d_ref = hbuf(n * v);
+  float *l_ref = hbuf(n), *all = hbuf(n * ld), *got = hbuf(n * v), *dx_ref = hbuf(n * c);
+  int32_t *lab = hbuf_i32(n);
+  fill_normal(ln, n * c, 0.0f, 1.0f);
+  fill_normal(wte, v * c, 0.0f, 0.5f);
+  fill_normal(dw, v * c, 0.0f, 1.0f);
+  for (int64_t r = 0; r < n; r++) lab[r] = (int32_t)rng_below(&g_rng, (uint64_t)v);
+  lab[0] = (int32_t)(v - 1);
+  int64_t snc[2] = {n, c}, svc[2] = {v, c}, spad[2] = {n, ld};
+  struct dev dln = dev_from(2, snc, ln), dwte = dev_from(2, svc, wte), lg = dev_new(2, spad), dl = dev_new(2, spad);
+  struct dev dlab = dev_new_dt(TENSOR_I32, 1, &n), ls = dev_vec(n), gw = dev_from(2, svc, dw), gx = dev_new(2, snc);
+  dev_upload(&dlab, lab);
+  char what[128];
+  tensor_ref_gemm(false, true, (int)n, (int)v, (int)c, 1.0f, ln, wte, 0.0f, ref);
+  tensor_gemm_cols(false, true, 1.0f, &dln.t, c, &dwte.t, c, 0.0f, &lg.t, v);
+  snprintf(what, sizeof what, "gemm_cols logits [%" PRId64 ", %" PRId64 " of %" PRId64 "]", n, v, ld);
+  cr_assert(padding_untouched(&lg, v, all, what) && guards_intact(&lg, what), "%s", g_why);
+  pack_rows(all, n, v, ld, got);
+  cr_assert(matches(what, got, ref, n * v, 1e-5, 1e-4), "%s", g_why);
+  tensor_ref_softmax_xent(got, lab, d_ref, l_ref, n, v, 0.5f); /* on the device's logits */
+  for (int alias = 0; alias < 2; alias++) {
+    struct dev *out = alias ? &lg : &dl;
+    tensor_softmax_xent_cols(&lg.t, v, &dlab.t, &out->t, &ls.t, 0.5f);
+    snprintf(what, sizeof what, "softmax_xent_cols [%" PRId64 ", %" PRId64 " of %" PRId64 "]%s", n, v, ld,
+             alias ? " in place" : "");
+    cr_assert(padding_untouched(out, v, all, what) && guards_intact(out, what), "%s", g_why);
+    pack_rows(all, n, v, ld, got);
+    cr_assert(matches(what, got, d_ref, n * v, 1e-9, 1e-5), "%s", g_why);
+    dev_download(&ls, got);
+    cr_assert(matches("softmax_xent_cols losses", got, l_ref, n, 1e-5, 1e-5), "%s", g_why);
+  }
+  /* Backward from the reference's dlogits, placed in the padded rows. */
+  for (int64_t r = 0; r < n; r++) tensor_copy_from_host(&dl.t, r * ld, d_ref + r * v, (size_t)v * sizeof(float));
+  tensor_ref_gemm(true, false, (int)v, (int)c, (int)n, 1.0f, d_ref, ln, 1.0f, dw);
+  tensor_ref_gemm(false, false, (int)n, (int)c, (int)v, 1.0f, d_ref, wte, 0.0f, dx_ref);
+  tensor_gemm_cols(true, false, 1.0f, &dl.t, v, &dln.t, c, 1.0f, &gw.t, c);
+  tensor_gemm_cols(false, false, 1.0f, &dl.t, v, &dwte.t, c, 0.0f, &gx.t, c);
+  float *gwh = hbuf(v * c), *gxh = hbuf(n * c);
+  dev_download(&gw, gwh);
+  dev_download(&gx, gxh);
+  cr_assert(matches("gemm_cols dwte += dlogitsᵀ·x", gwh, dw, v * c, 1e-5, 1e-4) && guards_intact(&gw, "dwte"), "%s",
+            g_why);
+  cr_assert(matches("gemm_cols dx = dlogits·wte", gxh, dx_ref, n * c, 1e-5, 1e-4) && guards_intact(&gx, "dx"), "%s",
+            g_why);
+  arena_release(mark);
+}
+
+Test(cuda_nn, padded_logits_match_reference_and_leave_the_padding_alone) {
+  open_gpu();
+  run_padded_head(37, 24, 65, 128);      /* a small vocabulary, padded to 128 */
+  run_padded_head(64, 64, 50257, 50304); /* GPT-2's, padded to 50304 */
+  run_padded_head(5, 8, 64, 64);         /* no padding */
   close_gpu();
 }
 

@@ -2,8 +2,9 @@
  * attention, GELU tanh) on the CPU backend against the plain reference ops
  * (tensor_ref.h), at 1 and 2 threads, on shapes that are not multiples of
  * any vector width or of the attention's query block (64); their
- * accumulate/overwrite contracts; bitwise determinism where promised; and
- * the reference backward ops against central finite differences of the
+ * accumulate/overwrite contracts; bitwise determinism where promised; the
+ * padded-row forms of the tied head's products and of the cross-entropies;
+ * and the reference backward ops against central finite differences of the
  * reference forward ops.
  *
  * Comparisons are |got − ref| <= atol + rtol·|ref| per element, with the
@@ -331,7 +332,7 @@ Test(tensor_nn, xent_shards_match_reference_and_combine_to_the_whole_softmax_xen
       float *lse_ref = xmalloc((size_t)rows * sizeof(float)), *tg_ref = xmalloc((size_t)rows * sizeof(float));
       tensor_ref_xent_shard_stats(cut[sh], lab, los[sh], lse_ref, tg_ref, rows, vs);
       struct tensor lg = dev_from(cut[sh], 2, shp), lse = dev_nan(1, sl), tg = dev_nan(1, sl);
-      tensor_xent_shard_stats(&lg, &labels, los[sh], &lse, &tg);
+      tensor_xent_shard_stats(&lg, vs, &labels, los[sh], &lse, &tg);
       float *gl = to_host(&lse), *gt = to_host(&tg);
       expect_close("xent_shard_stats lse", gl, lse_ref, rows, 0, 1e-6);
       expect_same_bits("xent_shard_stats target", gt, tg_ref, rows);
@@ -348,7 +349,7 @@ Test(tensor_nn, xent_shards_match_reference_and_combine_to_the_whole_softmax_xen
       tensor_ref_xent_shard_grad(cut[sh], lab, los[sh], parts, shards, target, want, lwant, rows, vs, gs);
       struct tensor lg = dev_from(cut[sh], 2, shp), dl = dev_nan(2, shp), ls = dev_nan(1, sl);
       struct tensor *out = sh % 2 ? &lg : &dl;
-      tensor_xent_shard_grad(&lg, &labels, los[sh], &dp, &dt, out, &ls, gs);
+      tensor_xent_shard_grad(&lg, vs, &labels, los[sh], &dp, &dt, out, &ls, gs);
       float *gd = to_host(out), *gls = to_host(&ls);
       expect_close("xent_shard_grad dlogits vs its reference", gd, want, rows * vs, 1e-9, 2e-6);
       expect_close("xent_shard_grad losses vs the whole softmax_xent", gls, lref, rows, 0, 1e-6);
@@ -364,6 +365,105 @@ Test(tensor_nn, xent_shards_match_reference_and_combine_to_the_whole_softmax_xen
   }
   free(x), free(dref), free(lref), free(parts), free(target), free(lab);
   tensor_free(&labels);
+}
+
+/* ---- padded rows (GPT's logits) ---- */
+
+/* The first `cols` columns of each of `rows` rows `ld` apart, packed. */
+static float *packed(const float *h, int64_t rows, int64_t cols, int64_t ld) {
+  float *p = xmalloc((size_t)(rows * cols) * sizeof *p);
+  for (int64_t r = 0; r < rows; r++) memcpy(p + r * cols, h + r * ld, (size_t)cols * sizeof *p);
+  return p;
+}
+
+/* Asserts every padding column of t ([rows, ld], data in the first cols) is
+ * still NaN: the op neither wrote nor (for the NaN to stay out of the data)
+ * used it. */
+static void expect_padding_nan(const char *what, const struct tensor *t, int64_t cols) {
+  int64_t rows = t->shape[0], ld = t->shape[1];
+  float *h = to_host(t);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = cols; c < ld; c++)
+      cr_assert(isnan(h[r * ld + c]), "%s: padding [%lld, %lld] was written (%g)", what, (long long)r, (long long)c,
+                h[r * ld + c]);
+  free(h);
+}
+
+/* The tied head's three products and the cross-entropies on rows padded
+ * as GPT pads its logits (V = 65 in rows of 128, the padding NaN): each
+ * equals the reference on the packed matrix, and the padding is neither
+ * written nor read (a NaN read would reach the results, which must be
+ * finite). The padded cross-entropy is the packed one's bit for bit (the
+ * same loops at another stride). Tolerances: the GEMMs' as test_tensor_ops
+ * (1e-5 + 1e-4·|ref|, sums of 24 to 37 products), the cross-entropies' as
+ * the shard test above. */
+Test(tensor_nn, padded_rows_match_the_packed_matrices_and_leave_the_padding_alone) {
+  const int64_t N = 37, C = 24, V = 65, LD = 128;
+  const float gs = 0.125f;
+  int64_t s_nc[2] = {N, C}, s_vc[2] = {V, C}, s_pad[2] = {N, LD}, s_nv[2] = {N, V}, s_n[1] = {N};
+  float *ln = rand_host(N * C, 1), *wte = rand_host(V * C, 1), *dw0 = rand_host(V * C, 1);
+  int32_t *lab = rand_tokens(N, V);
+  lab[0] = 0, lab[1] = (int32_t)(V - 1);
+  struct tensor dln = dev_from(ln, 2, s_nc), dwte = dev_from(wte, 2, s_vc), logits = dev_nan(2, s_pad), labels;
+  struct rumor_err e;
+  cr_assert_eq(tensor_alloc(&labels, be, TENSOR_I32, 1, s_n, &e), 0, "%s", e.msg);
+  tensor_copy_from_host(&labels, 0, lab, (size_t)N * sizeof *lab);
+  /* Forward: logits = ln·wteᵀ into the first V columns. */
+  float *ref = xmalloc((size_t)(N * V) * sizeof *ref);
+  tensor_ref_gemm(false, true, (int)N, (int)V, (int)C, 1.0f, ln, wte, 0.0f, ref);
+  tensor_gemm_cols(false, true, 1.0f, &dln, C, &dwte, C, 0.0f, &logits, V);
+  expect_padding_nan("gemm_cols forward", &logits, V);
+  float *lh = to_host(&logits), *lp = packed(lh, N, V, LD);
+  expect_close("gemm_cols forward", lp, ref, N * V, 1e-5, 1e-4);
+  /* The cross-entropy, out of place and in place, against the packed op. */
+  struct tensor pk = dev_from(lp, 2, s_nv), dpk = dev_nan(2, s_nv), lpk = dev_nan(1, s_n);
+  struct tensor dl = dev_nan(2, s_pad), ls = dev_nan(1, s_n);
+  tensor_softmax_xent(&pk, &labels, &dpk, &lpk, gs);
+  tensor_softmax_xent_cols(&logits, V, &labels, &dl, &ls, gs);
+  expect_padding_nan("softmax_xent_cols", &dl, V);
+  float *want_d = to_host(&dpk), *want_l = to_host(&lpk), *gd = to_host(&dl), *gdp = packed(gd, N, V, LD);
+  float *gl = to_host(&ls);
+  expect_same_bits("softmax_xent_cols dlogits", gdp, want_d, N * V);
+  expect_same_bits("softmax_xent_cols losses", gl, want_l, N);
+  tensor_softmax_xent_cols(&logits, V, &labels, &logits, &ls, gs); /* in place, as the model runs it */
+  expect_padding_nan("softmax_xent_cols in place", &logits, V);
+  float *gi = to_host(&logits), *gip = packed(gi, N, V, LD);
+  expect_same_bits("softmax_xent_cols in place", gip, want_d, N * V);
+  /* Backward: dwte += dlᵀ·ln (accumulating, as the tied head does) and
+   * dln = dl·wte, reading the first V columns of dl. */
+  float *dwref = dup_host(dw0, V * C), *dxref = xmalloc((size_t)(N * C) * sizeof *dxref);
+  tensor_ref_gemm(true, false, (int)V, (int)C, (int)N, 1.0f, want_d, ln, 1.0f, dwref);
+  tensor_ref_gemm(false, false, (int)N, (int)C, (int)V, 1.0f, want_d, wte, 0.0f, dxref);
+  struct tensor gw = dev_from(dw0, 2, s_vc), gx = dev_nan(2, s_nc);
+  tensor_gemm_cols(true, false, 1.0f, &dl, V, &dln, C, 1.0f, &gw, C);
+  tensor_gemm_cols(false, false, 1.0f, &dl, V, &dwte, C, 0.0f, &gx, C);
+  float *gwh = to_host(&gw), *gxh = to_host(&gx);
+  expect_close("gemm_cols dwte", gwh, dwref, V * C, 1e-5, 1e-4);
+  expect_close("gemm_cols dx", gxh, dxref, N * C, 1e-5, 1e-4);
+  /* The vocabulary-parallel passes on one shard holding the whole row. */
+  float *lse_ref = xmalloc((size_t)N * sizeof *lse_ref), *tg_ref = xmalloc((size_t)N * sizeof *tg_ref);
+  float *sd_ref = xmalloc((size_t)(N * V) * sizeof *sd_ref), *sl_ref = xmalloc((size_t)N * sizeof *sl_ref);
+  tensor_ref_xent_shard_stats(lp, lab, 0, lse_ref, tg_ref, N, V);
+  tensor_ref_xent_shard_grad(lp, lab, 0, lse_ref, 1, tg_ref, sd_ref, sl_ref, N, V, gs);
+  struct tensor sx = dev_nan(2, s_pad), lse = dev_nan(1, s_n), tg = dev_nan(1, s_n), sdl = dev_nan(2, s_pad);
+  for (int64_t r = 0; r < N; r++) tensor_copy_from_host(&sx, r * LD, lp + r * V, (size_t)V * sizeof(float));
+  tensor_xent_shard_stats(&sx, V, &labels, 0, &lse, &tg);
+  float *glse = to_host(&lse), *gtg = to_host(&tg);
+  expect_close("xent_shard_stats padded lse", glse, lse_ref, N, 0, 1e-6);
+  expect_same_bits("xent_shard_stats padded target", gtg, tg_ref, N);
+  int64_t s_1n[2] = {1, N};
+  struct tensor parts = dev_from(glse, 2, s_1n);
+  tensor_xent_shard_grad(&sx, V, &labels, 0, &parts, &tg, &sdl, &ls, gs);
+  expect_padding_nan("xent_shard_grad padded", &sdl, V);
+  float *gsd = to_host(&sdl), *gsdp = packed(gsd, N, V, LD), *gsl = to_host(&ls);
+  expect_close("xent_shard_grad padded dlogits", gsdp, sd_ref, N * V, 1e-9, 2e-6);
+  expect_close("xent_shard_grad padded losses", gsl, sl_ref, N, 0, 1e-6);
+  free(ln), free(wte), free(dw0), free(lab), free(ref), free(lh), free(lp), free(want_d), free(want_l), free(gd);
+  free(gdp), free(gl), free(gi), free(gip), free(dwref), free(dxref), free(gwh), free(gxh), free(lse_ref), free(tg_ref);
+  free(sd_ref), free(sl_ref), free(glse), free(gtg), free(gsd), free(gsdp), free(gsl);
+  struct tensor *all[] = {&dln, &dwte, &logits, &labels, &pk, &dpk, &lpk, &dl, &ls, &gw, &gx, &sx, &lse, &tg, &sdl,
+                          &parts};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 
 /* ---- LayerNorm ---- */
