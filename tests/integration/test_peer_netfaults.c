@@ -187,6 +187,7 @@ static double rel_drift(const int *peer, int n, int64_t *steps) {
 
 #define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
 #define CUT_S 30         /* how long the cut host stays cut off */
+#define HEAL_S 75        /* the drift must be back under its bound this long after the heal */
 
 /* Every peer of peer[0..n) has saved a checkpoint of step `min_step` or
  * later (they save every 20 steps), and their relative drift is under
@@ -344,9 +345,14 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
   cr_assert_gt(count_lines(peer[cut - 1], "is now failed", NULL), 0, "the cut-off peer never noticed the cut");
 
   /* After the heal: everyone alive again, and the drift back under its
-   * bound. */
+   * bound. Usually within seconds; but an exchange between the cut-off
+   * peer and a peer that asked it just after the heal has been seen held
+   * to the 60 s exchange timeout (an open bug: both sides idle, the drift
+   * stays up until it), so the bound is that timeout and a margin (the
+   * former loop of 60 one-second sleeps, each with a drift measurement,
+   * allowed about 62 s). */
   struct healed hd = {peer, n, lone_pat, heal_at, -1, NAN, -1};
-  (void)cluster_poll(all_healed, &hd, 60);
+  (void)cluster_poll(all_healed, &hd, HEAL_S);
   double after = hd.drift;
   long back_at = hd.back_at, under_at = hd.under_at;
   fprintf(stderr, "figure: relative drift before the cut %.4f, at the end of the 30 s cut %.4f, after the heal %.4f\n",
@@ -354,8 +360,8 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
   cr_assert_geq(back_at, 0, "the cut-off peer never came back in peer 0's view after the heal");
   fprintf(stderr, "figure: the cut-off peer was alive again in peer 0's view %ld ms after the heal\n",
           back_at - heal_at);
-  cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, 60 s after the heal", after,
-                DRIFT_BOUND);
+  cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, %d s after the heal", after,
+                DRIFT_BOUND, HEAL_S);
   fprintf(stderr, "figure: the drift was back under %.2f %ld ms after the heal\n", DRIFT_BOUND, under_at - heal_at);
   stop_all(peer, n);
   double final = rel_drift(peer, n, s2);
