@@ -187,6 +187,7 @@ static double rel_drift(const int *peer, int n, int64_t *steps) {
 
 #define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
 #define CUT_S 30         /* how long the cut host stays cut off */
+#define HEAL_S 75        /* the drift must be back under its bound this long after the heal */
 
 /* Every peer of peer[0..n) has saved a checkpoint of step `min_step` or
  * later (they save every 20 steps), and their relative drift is under
@@ -278,6 +279,29 @@ static void stop_all(const int *peer, int n) {
 }
 
 
+/* After the heal of the cut: peer 0 took the cut-off peer (its "ADDR (" in
+ * lone_pat) back as alive at or after heal_at (a log stamp), and then the
+ * relative drift of peer[0..n) is under DRIFT_BOUND. */
+struct healed {
+  const int *peer;
+  int n;
+  const char *lone_pat;
+  long heal_at;
+  long back_at;  /* out: the log stamp of "is now alive", or -1 */
+  double drift;  /* out: the last one measured */
+  long under_at; /* out: when it was under its bound (ms of day), or -1 */
+};
+static bool all_healed(void *arg) {
+  struct healed *h = arg;
+  if (h->back_at < 0) h->back_at = first_line_after(h->peer[0], h->heal_at, h->lone_pat, "is now alive");
+  if (h->back_at < 0) return false;
+  int64_t st[16];
+  h->drift = rel_drift(h->peer, h->n, st);
+  if (h->drift >= DRIFT_BOUND) return false;
+  h->under_at = cluster_wall_ms_of_day();
+  return true;
+}
+
 Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_its_bound_after_the_heal) {
   const int n = 4, cut = 4; /* peers on hosts 2..5; host 5 (peer 3) is cut off */
   hosts_up(n + 1);
@@ -321,26 +345,23 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
   cr_assert_gt(count_lines(peer[cut - 1], "is now failed", NULL), 0, "the cut-off peer never noticed the cut");
 
   /* After the heal: everyone alive again, and the drift back under its
-   * bound. */
-  double after = NAN;
-  long back_at = -1, under_at = -1;
-  for (int k = 0; k < 60 && under_at < 0; k++) {
-    sleep(1);
-    if (back_at < 0) {
-      long t = first_line_after(peer[0], heal_at, lone_pat, "is now alive");
-      if (t >= 0) back_at = t;
-    }
-    int64_t st[4];
-    after = rel_drift(peer, n, st);
-    if (back_at >= 0 && after < DRIFT_BOUND) under_at = cluster_wall_ms_of_day();
-  }
+   * bound. Usually within seconds; but an exchange between the cut-off
+   * peer and a peer that asked it just after the heal has been seen held
+   * to the 60 s exchange timeout (an open bug: both sides idle, the drift
+   * stays up until it), so the bound is that timeout and a margin (the
+   * former loop of 60 one-second sleeps, each with a drift measurement,
+   * allowed about 62 s). */
+  struct healed hd = {peer, n, lone_pat, heal_at, -1, NAN, -1};
+  (void)cluster_poll(all_healed, &hd, HEAL_S);
+  double after = hd.drift;
+  long back_at = hd.back_at, under_at = hd.under_at;
   fprintf(stderr, "figure: relative drift before the cut %.4f, at the end of the 30 s cut %.4f, after the heal %.4f\n",
           before, during, after);
   cr_assert_geq(back_at, 0, "the cut-off peer never came back in peer 0's view after the heal");
   fprintf(stderr, "figure: the cut-off peer was alive again in peer 0's view %ld ms after the heal\n",
           back_at - heal_at);
-  cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, 60 s after the heal", after,
-                DRIFT_BOUND);
+  cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, %d s after the heal", after,
+                DRIFT_BOUND, HEAL_S);
   fprintf(stderr, "figure: the drift was back under %.2f %ld ms after the heal\n", DRIFT_BOUND, under_at - heal_at);
   stop_all(peer, n);
   double final = rel_drift(peer, n, s2);
@@ -369,6 +390,34 @@ static int exchange_times(int i, double *median_ms) {
   return n;
 }
 
+#define SLOW_SPAN_S 24 /* how long the cluster runs on slow links */
+
+/* Every peer of peer[0..n) saved a checkpoint more than 100 steps past
+ * its step in s0[], completed `exchanges` exchanges and logged two epochs
+ * or more, the last with a lower training loss than the first. */
+struct trained {
+  const int *peer;
+  int n;
+  const int64_t *s0;
+  int exchanges;
+};
+static bool all_trained(void *arg) {
+  const struct trained *t = arg;
+  for (int i = 0; i < t->n; i++) {
+    struct checkpoint ck;
+    struct rumor_err e;
+    if (checkpoint_open(C.node[t->peer[i]].ckpt, &ck, &e) != 0) return false;
+    int64_t step = ck.info.st.step;
+    checkpoint_close(&ck);
+    double med, losses[4096];
+    int ne = cluster_epoch_losses(&C, t->peer[i], losses, 4096);
+    if (step <= t->s0[i] + 100 || exchange_times(t->peer[i], &med) < t->exchanges || ne < 2 ||
+        losses[ne - 1] >= losses[0])
+      return false;
+  }
+  return true;
+}
+
 Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_training_proceeds) {
   const int n = 4;
   hosts_up(n + 1);
@@ -378,11 +427,18 @@ Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_tr
   int peer[4];
   start_cluster(n, DEFAULT, "mlp:784-256-10", peer); /* 0.8 MB of parameters each way */
   int64_t s0[4], s1[4];
-  double d0 = rel_drift(peer, n, s0);
-  sleep(24);
-  double d1 = rel_drift(peer, n, s1);
+  double d0 = rel_drift(peer, n, s0), t0 = cluster_now();
+  /* The cluster runs SLOW_SPAN_S on the slow links (the fault itself: long
+   * past the 5 s suspicion time, so a false failure verdict would show);
+   * then, checked rather than timed, every peer has trained 100 steps more,
+   * completed 10 exchanges and seen its training loss fall (a loaded
+   * machine may take longer; a quiet one does it in about 5 s). */
+  sleep_until(t0, SLOW_SPAN_S);
+  struct trained tr = {peer, n, s0, 10};
+  (void)cluster_poll(all_trained, &tr, 60);
+  double d1 = rel_drift(peer, n, s1), secs = cluster_now() - t0;
   stop_all(peer, n);
-  fprintf(stderr, "figure: 100 ms RTT, 100 Mbit/s: relative drift %.4f -> %.4f over 24 s\n", d0, d1);
+  fprintf(stderr, "figure: 100 ms RTT, 100 Mbit/s: relative drift %.4f -> %.4f over %.0f s\n", d0, d1, secs);
   for (int i = 0; i < n; i++) {
     double med;
     int x = exchange_times(peer[i], &med);
@@ -394,7 +450,7 @@ Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_tr
     int ne = cluster_epoch_losses(&C, peer[i], losses, 4096);
     cr_assert_gt(s1[i], s0[i] + 100, "peer %d hardly trained", i);
     cr_assert(ne >= 2 && losses[ne - 1] < losses[0], "peer %d's training loss did not fall", i);
-    cr_assert_geq(x, 10, "peer %d completed only %d exchanges in 24 s", i, x);
+    cr_assert_geq(x, 10, "peer %d completed only %d exchanges in %.0f s", i, x, secs);
     /* The links really were slow: no exchange of 0.8 MB each way beats a
      * 100 ms round trip at 100 Mbit/s. */
     cr_assert_geq(med, 100, "peer %d's exchanges took %.0f ms: the links were not shaped", i, med);
@@ -403,6 +459,99 @@ Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_tr
   }
 }
 
+#define LOSS_SPAN_S 24 /* how long the cluster runs on lossy links (the fault itself) */
+#define LOSS_GAP_S 10  /* the longest a peer may go without completing an exchange */
+
+/* Exchange progress of peer[0..n) on lossy links: each peer's completed
+ * exchanges ("exchange transferred" debug lines), when that count last grew
+ * (cluster_now), and the longest each went without it growing. A peer
+ * runs one exchange at a time, so a stuck one (held until the 60 s
+ * exchange timeout) shows as a gap: neither side completes any other
+ * exchange meanwhile. */
+struct progress {
+  const int *peer;
+  int n;
+  int done[4];
+  double last[4];
+  double gap[4]; /* s: the longest without one, so far */
+  int worst;     /* the peer with the longest gap */
+};
+
+static void progress_start(struct progress *p, const int *peer, int n) {
+  cr_assert(n >= 1 && n <= 4);
+  *p = (struct progress){.peer = peer, .n = n};
+  double now = cluster_now();
+  for (int i = 0; i < n; i++) {
+    p->done[i] = count_lines(peer[i], "exchange transferred", NULL);
+    p->last[i] = now;
+  }
+}
+
+/* Takes a new look at the logs; returns false once a peer's gap exceeds
+ * LOSS_GAP_S. */
+static bool progress_update(struct progress *p) {
+  double now = cluster_now();
+  for (int i = 0; i < p->n; i++) {
+    int x = count_lines(p->peer[i], "exchange transferred", NULL);
+    if (x > p->done[i]) p->done[i] = x, p->last[i] = now;
+    if (now - p->last[i] > p->gap[i]) p->gap[i] = now - p->last[i];
+    if (p->gap[i] > p->gap[p->worst]) p->worst = i;
+  }
+  return p->gap[p->worst] <= LOSS_GAP_S;
+}
+
+/* Node i's log lines that tell how its exchanges ended short of
+ * completion, and why: abandoned exchanges, heartbeat verdicts, SWIM
+ * suspicions and failures (a new string). */
+static char *exchange_ends(int i) {
+  static const char *const pats[] = {"abandoned", "heartbeat verdict", "is now suspect", "is now failed",
+                                     "suspected at once"};
+  char *s = proc_slurp(C.node[i].log), *out = xcalloc(1, 1);
+  size_t len = 0;
+  for (char *line = strtok(s, "\n"); line; line = strtok(NULL, "\n"))
+    for (size_t k = 0; k < sizeof pats / sizeof pats[0]; k++)
+      if (strstr(line, pats[k])) {
+        size_t l = strlen(line);
+        out = xrealloc(out, len + l + 2);
+        memcpy(out + len, line, l);
+        len += l;
+        out[len++] = '\n';
+        out[len] = '\0';
+        break;
+      }
+  free(s);
+  return out;
+}
+
+/* Every peer completed an exchange after `since` (a cluster_now time). */
+struct progress_after {
+  struct progress *p;
+  double since;
+};
+static bool all_progressed_after(void *arg) {
+  struct progress_after *a = arg;
+  (void)progress_update(a->p);
+  for (int i = 0; i < a->p->n; i++)
+    if (a->p->last[i] <= a->since) return false;
+  return true;
+}
+
+/* "No exchange is stuck": every exchange ends, completed or abandoned,
+ * within its bound, so every peer keeps completing exchanges: none goes
+ * LOSS_GAP_S without one, during LOSS_SPAN_S of 1 % frame loss and until
+ * each has completed one more after it (so an exchange stuck at the end is
+ * caught too), and no exchange is abandoned at the exchange timeout.
+ * "No live member is declared failed": no SWIM failure verdict.
+ *
+ * Not claimed: that no connection is ever judged dead by the heartbeat (1 s
+ * of silence, docs/net.md). TCP recovers a lost frame (here a whole GSO
+ * frame of up to 64 KiB) by retransmission, after up to its retransmission
+ * timeout, which follows the measured round trip: on a loaded 2-core
+ * machine, where the user-space switch (netsim) waits for a CPU, round
+ * trips reach hundreds of ms and that timeout 1 to 3 s. A verdict then
+ * abandons the exchange on that connection ("... failed: timed out"), SWIM
+ * suspects the member and it refutes: the exchange is not stuck and the
+ * member is not declared failed, so such verdicts are counted as figures. */
 Test(netfaults, at_1pct_loss_no_exchange_is_stuck_and_no_live_member_is_declared_failed) {
   const int n = 4;
   hosts_up(n + 1);
@@ -410,15 +559,19 @@ Test(netfaults, at_1pct_loss_no_exchange_is_stuck_and_no_live_member_is_declared
   setenv("RUMOR_LOG_LEVEL", "debug", 1);
   int peer[4];
   start_cluster(n, DEFAULT, "mlp:784-64-10", peer);
-  /* Four windows of 6 s: exchanges complete in every one. */
-  int done[4][5] = {{0}};
-  for (int w = 0; w <= 4; w++) {
-    if (w) sleep(6);
-    for (int i = 0; i < n; i++) {
-      double med;
-      done[i][w] = exchange_times(peer[i], &med);
-    }
+  struct progress pr;
+  progress_start(&pr, peer, n);
+  double t0 = cluster_now();
+  bool moving = true;
+  while (moving && cluster_now() - t0 < LOSS_SPAN_S) {
+    usleep(200000);
+    moving = progress_update(&pr);
   }
+  cr_assert(moving, "peer %d completed no exchange for %.1f s (a stuck exchange?):\n%s", pr.worst,
+            pr.gap[pr.worst], exchange_ends(peer[pr.worst]));
+  struct progress_after pa = {&pr, cluster_now()};
+  bool again = cluster_poll(all_progressed_after, &pa, LOSS_GAP_S);
+  double span = cluster_now() - t0;
   stop_all(peer, n);
   long long lost = frames_lost();
   fprintf(stderr, "figure: 1%% loss: the switch dropped %lld frames\n", lost);
@@ -430,13 +583,21 @@ Test(netfaults, at_1pct_loss_no_exchange_is_stuck_and_no_live_member_is_declared
   for (int i = 0; i < n; i++) {
     double med;
     int x = exchange_times(peer[i], &med);
-    fprintf(stderr, "figure: 1%% loss: peer %d: %d exchanges in 24 s (median %.1f ms), %d suspicions, %d abandoned\n",
-            i, x, med, count_lines(peer[i], "is now suspect", NULL), count_lines(peer[i], "abandoned", NULL));
-    for (int w = 1; w <= 4; w++)
-      cr_assert_gt(done[i][w], done[i][w - 1], "peer %d completed no exchange in window %d (a stuck exchange?)", i, w);
-    cr_assert_eq(count_lines(peer[i], "abandoned", "timed out"), 0, "peer %d had an exchange time out", i);
-    cr_assert_eq(count_lines(peer[i], "is now failed", NULL), 0, "peer %d declared a live member failed: %s", i,
-                 proc_slurp(C.node[peer[i]].log));
+    fprintf(stderr,
+            "figure: 1%% loss: peer %d: %d exchanges in %.0f s (median %.1f ms, longest gap %.1f s), %d suspicions, "
+            "%d abandoned (%d at the timeout), %d connections judged dead by the heartbeat\n",
+            i, x, span, med, pr.gap[i], count_lines(peer[i], "is now suspect", NULL),
+            count_lines(peer[i], "abandoned", NULL), count_lines(peer[i], "abandoned", "timed out after"),
+            count_lines(peer[i], "heartbeat verdict", NULL));
+  }
+  for (int i = 0; i < n; i++) {
+    cr_assert(again || pr.last[i] > pa.since,
+              "peer %d completed no exchange in the %d s after the lossy span (a stuck exchange?):\n%s", i, LOSS_GAP_S,
+              exchange_ends(peer[i]));
+    cr_assert_eq(count_lines(peer[i], "abandoned", "timed out after"), 0,
+                 "peer %d held an exchange until the exchange timeout:\n%s", i, exchange_ends(peer[i]));
+    cr_assert_eq(count_lines(peer[i], "is now failed", NULL), 0, "peer %d declared a live member failed:\n%s", i,
+                 exchange_ends(peer[i]));
   }
 }
 
@@ -495,6 +656,17 @@ static bool all_declared(void *arg) {
       if (first_line_after(d->peer[i], d->since, d->pat[v], d->what) < 0) return false;
   }
   return true;
+}
+
+/* Node `node` completed more than `before` exchanges (`now`: how many). */
+struct exchanged {
+  int node, before, now;
+};
+static bool exchanged_more(void *arg) {
+  struct exchanged *x = arg;
+  double med;
+  x->now = exchange_times(x->node, &med);
+  return x->now > x->before;
 }
 
 /* Peers take roles by key (gossip_impl.h): active ones ask for exchanges,
@@ -570,16 +742,13 @@ Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_wit
   /* Back in the exchanges: each completes some within 12 s of resuming (a
    * loaded machine slows everything down; the exchange timeout is 60 s). */
   for (int v = 0; v < 2; v++) {
-    double med;
-    int after = exchange_times(peer[victim[v]], &med);
-    for (int waited = 0; after <= before[v] && waited < 12; waited++) {
-      sleep(1);
-      after = exchange_times(peer[victim[v]], &med);
-    }
+    struct exchanged ex = {peer[victim[v]], before[v], before[v]};
+    (void)cluster_poll(exchanged_more, &ex, 12);
+    int after = ex.now;
     long done_at = first_line_after(peer[victim[v]], cont_at, "exchange transferred", NULL);
     fprintf(stderr, "figure: the resumed %s completed %d exchanges; the first %ld ms after SIGCONT\n",
             v ? "responder" : "initiator", after - before[v], done_at - cont_at);
-    cr_assert_gt(after, before[v], "the resumed %s (peer %d) completed no exchange in the 16 s after SIGCONT",
+    cr_assert_gt(after, before[v], "the resumed %s (peer %d) completed no exchange in the 12 s after SIGCONT",
                  v ? "responder" : "initiator", victim[v]);
   }
   stop_all(peer, n);
