@@ -376,6 +376,7 @@ int pipeline_eval(struct pipeline *p, int64_t count, int64_t chunks, pipe_gather
   bind_slot(p, 0);
   int rc = tied_value(p, tag, 1, e);
   int64_t own = (count + p->mb_rows - 1) / p->mb_rows;
+  RUMOR_ASSERT(chunks <= own || m->ep); /* padding passes are an expert-parallel model's */
   for (int32_t chunk = 0; rc == 0 && (chunk < own || chunk < chunks); chunk++) {
     int64_t first = chunk * p->mb_rows, r = count - first < p->mb_rows ? count - first : p->mb_rows;
     bool pad = chunk >= own;
