@@ -278,6 +278,73 @@ static int64_t member_rows(const struct trainer *t) {
   return trainer_is_stage(t) ? (slice + t->stage.micro - 1) / t->stage.micro : slice;
 }
 
+/* The backend, the data and the model (a tensor-parallel rank's slices,
+ * an expert-parallel rank's exchanges) of trainer_init; `resumed`: the
+ * checkpoint's info, or NULL. */
+static int open_model(struct trainer *t, const struct ckpt_info *resumed, struct rumor_err *e) {
+  const struct train_config *cfg = &t->cfg;
+  const struct model_spec *spec = &t->plan.spec;
+  int rc;
+  if ((rc = tensor_backend_open(cfg->device, &t->be, e))) return rc;
+  if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
+  tensor_backend_set_tf32(t->be, cfg->tf32);
+  if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed, e))) return rc;
+  if (cfg->dp) t->plan.mb_rows = member_rows(t);
+  if (cfg->tp) group_tp_setup(t);
+  rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
+               : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
+  if (rc) return rc;
+  model_set_moe_losses(&t->model, cfg->moe_aux_weight, cfg->moe_z_weight);
+  /* Every member of an expert-parallel run takes part in every pass: the
+   * CLI (group_ep_check) gives each a row of every full batch. */
+  RUMOR_ASSERT(!(cfg->dp && cfg->dp->experts) || cfg->batch >= comm_size(cfg->dp->comm));
+  return cfg->dp && cfg->dp->experts ? group_ep_setup(t, e) : 0;
+}
+
+/* The optimizer over the parameters this process updates (a ZeRO 1-3
+ * member's piece, else all of them), and the shard the sync path sees
+ * (the piece, or everything). A `fresh` ZeRO 3 member first draws its
+ * parameters and gives back what is not its piece, so its peak stays at
+ * its share (the draw may hold a host copy of the whole model meanwhile). */
+static int init_optimizer(struct trainer *t, bool fresh, struct rumor_err *e) {
+  const struct train_dp *dp = t->cfg.dp;
+  struct model *m = &t->model;
+  int64_t lo = 0, hi = m->nparams;
+  if (dp) zero_piece(dp, m->nparams, &lo, &hi);
+  if (fresh && dp && dp->zero == 3) {
+    model_init_params(m, t->cfg.seed);
+    tensor_discard(&m->params, 0, lo);
+    tensor_discard(&m->params, hi, m->nparams - hi);
+  }
+  t->shard_lo = lo;
+  t->shard_n = hi - lo;
+  if (dp && dp->zero >= 1) /* the table's positions: a stage's start after param_base */
+    return optim_init_range(&t->optim, &t->cfg.optim, model_own_table(m), m->param_base + lo, m->param_base + hi,
+                            t->be, e);
+  return optim_init(&t->optim, &t->cfg.optim, m, e);
+}
+
+/* The schedule's length and the step to stop at. The schedule spans the
+ * configured epochs even when max_steps stops the run earlier, so a run
+ * cut short and resumed follows the same rates. Without --epochs, a run
+ * given --max-steps (how language models are trained: a number of steps,
+ * not of passes) has a schedule of that many steps; resumed, it keeps it,
+ * or takes a new --max-steps as its new length (training extended).
+ * RUMOR_ECORRUPT when a resumed position is past its epoch. */
+static int plan_schedule(struct trainer *t, struct rumor_err *e) {
+  t->steps_per_epoch = train_data_steps_per_epoch(&t->data, t->cfg.batch);
+  t->total_steps = t->cfg.epochs * t->steps_per_epoch;
+  t->schedule_by_steps = !t->cfg.epochs_given && (t->cfg.resume ? t->resumed_schedule > 0 : t->cfg.max_steps > 0);
+  if (t->schedule_by_steps) t->total_steps = t->cfg.max_steps > 0 ? t->cfg.max_steps : t->resumed_schedule;
+  t->stop_step = t->total_steps;
+  if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->stop_step) t->stop_step = t->cfg.max_steps;
+  if (t->st.step_in_epoch >= t->steps_per_epoch)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "checkpoint position (batch %lld of epoch %lld) is past the epoch's %lld "
+                         "batches", (long long)t->st.step_in_epoch, (long long)t->st.epoch,
+                         (long long)t->steps_per_epoch);
+  return 0;
+}
+
 int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor_err *e) {
   memset(t, 0, sizeof *t);
   t->cfg = *cfg;
@@ -302,56 +369,8 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     if ((rc = checkpoint_check_dest(path, e))) return rumor_err_prefix(e, "--checkpoint");
   }
   if ((rc = choose_model(t, &ck, &resumed, e))) return rc;
-  const struct model_spec *spec = &t->plan.spec;
-  if ((rc = tensor_backend_open(cfg->device, &t->be, e))) goto fail;
-  if (cfg->threads > 0) tensor_backend_set_threads(t->be, cfg->threads);
-  tensor_backend_set_tf32(t->be, cfg->tf32);
-  if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed ? &ck.info : NULL, e))) goto fail;
-  if (cfg->dp) t->plan.mb_rows = member_rows(t);
-  if (cfg->tp) group_tp_setup(t);
-  rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
-               : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
-  if (rc) goto fail;
-  model_set_moe_losses(&t->model, t->cfg.moe_aux_weight, t->cfg.moe_z_weight);
-  if (cfg->dp && cfg->dp->experts) {
-    /* Every member of a run takes part in every pass: none may be left
-     * without rows of a training batch (an evaluation's short last batch
-     * makes padding passes instead: zero_evaluate). */
-    int members = comm_size(cfg->dp->comm);
-    if (cfg->batch < members) {
-      rc = rumor_err_set(e, RUMOR_EFORMAT, "--batch %lld is smaller than the group's %d data- and expert-parallel "
-                         "members: each needs at least one row of every batch", (long long)cfg->batch, members);
-      goto fail;
-    }
-    if ((rc = group_ep_setup(t, e))) goto fail;
-  }
-  /* A fresh ZeRO 3 member draws its parameters and gives back what is not
-   * its piece before the optimizer state exists: its peak stays at its
-   * share (the draw may hold a host copy of the whole model meanwhile). */
-  bool fresh = !resumed && !t->init_params;
-  if (fresh && cfg->dp && cfg->dp->zero == 3) {
-    model_init_params(&t->model, t->cfg.seed);
-    int64_t lo, hi;
-    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    tensor_discard(&t->model.params, 0, lo);
-    tensor_discard(&t->model.params, hi, t->model.nparams - hi);
-  }
-  if (cfg->dp && cfg->dp->zero >= 1) { /* the optimizer state of this member's piece only */
-    int64_t lo, hi, base = t->model.param_base; /* the table's positions: a stage's start after base */
-    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    rc = optim_init_range(&t->optim, &t->cfg.optim, model_own_table(&t->model), base + lo, base + hi, t->be, e);
-  } else {
-    rc = optim_init(&t->optim, &t->cfg.optim, &t->model, e);
-  }
-  if (rc) goto fail;
-  t->shard_lo = 0;
-  t->shard_n = t->model.nparams;
-  if (cfg->dp) { /* a data-parallel member's shard is its piece */
-    int64_t lo, hi;
-    zero_piece(cfg->dp, t->model.nparams, &lo, &hi);
-    t->shard_lo = lo;
-    t->shard_n = hi - lo;
-  }
+  if ((rc = open_model(t, resumed ? &ck.info : NULL, e)) || (rc = init_optimizer(t, !resumed && !t->init_params, e)))
+    goto fail;
   if ((rc = alloc_extra(t, e))) goto fail;
   if (resumed && (cfg->tp || cfg->dp)) {
     rc = restore_group(t, &ck, e);
@@ -378,23 +397,7 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
                                                  t->stage.micro, t->stage.sched, e)))
     goto fail;
 
-  t->steps_per_epoch = train_data_steps_per_epoch(&t->data, t->cfg.batch);
-  /* The schedule spans the configured epochs even when max_steps stops the
-   * run earlier, so a run cut short and resumed follows the same rates.
-   * Without --epochs, a run given --max-steps (how language models are
-   * trained: a number of steps, not of passes) has a schedule of that many
-   * steps; resumed, it keeps it, or takes a new --max-steps as its new
-   * length (training extended). */
-  t->total_steps = t->cfg.epochs * t->steps_per_epoch;
-  t->schedule_by_steps = !t->cfg.epochs_given && (cfg->resume ? t->resumed_schedule > 0 : t->cfg.max_steps > 0);
-  if (t->schedule_by_steps) t->total_steps = t->cfg.max_steps > 0 ? t->cfg.max_steps : t->resumed_schedule;
-  t->stop_step = t->total_steps;
-  if (t->cfg.max_steps > 0 && t->cfg.max_steps < t->stop_step) t->stop_step = t->cfg.max_steps;
-  if (t->st.step_in_epoch >= t->steps_per_epoch) {
-    rc = rumor_err_set(e, RUMOR_ECORRUPT, "checkpoint position (batch %lld of epoch %lld) is past the epoch's %lld batches",
-                       (long long)t->st.step_in_epoch, (long long)t->st.epoch, (long long)t->steps_per_epoch);
-    goto fail;
-  }
+  if ((rc = plan_schedule(t, e))) goto fail;
   if ((rc = alloc_batches(t, e))) goto fail;
   train_data_start_epoch(&t->data, t->st.epoch);
   t->t_start = t->t_last_log = clock_now_s();
