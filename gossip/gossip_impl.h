@@ -453,7 +453,8 @@ bool gossip_printable(const char *s, size_t n);
 void gossip_links_free(struct gossip *g);
 struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool create);
 /* Uses `c`, a connection authenticated as member `id`, for that member
- * unless it has one open already. */
+ * unless it has one open already; messages queued for the member go out on
+ * it then. */
 void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c);
 /* `c` closed: forgets it. Returns the member it served, or NULL. */
 const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c);

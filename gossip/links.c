@@ -3,13 +3,13 @@
  * messages queued while the dial runs and a backoff after failures), and
  * neighbour choice among the members. Loop thread.
  *
- * A queued message is carried by the link's next dial: sent on the link's
- * connection when the dial succeeds, or dropped with the whole queue when it
- * fails (refused, unreachable, a failed handshake, another identity) or
- * cannot start; the runtime is then told (gossip_on_link_lost), so that a
- * part waiting for an answer to it need not wait for its own timeout. A
- * queue left during a backoff is dialed for when the backoff ends
- * (gossip_links_tick).
+ * A queued message goes out on the link's connection as soon as it has
+ * one: the link's next dial succeeds, or the member connects to us first.
+ * It is dropped with the whole queue when that dial fails (refused,
+ * unreachable, a failed handshake, another identity) or cannot start; the
+ * runtime is then told (gossip_on_link_lost), so that a part waiting for an
+ * answer to it need not wait for its own timeout. A queue left during a
+ * backoff is dialed for when the backoff ends (gossip_links_tick).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -44,9 +44,23 @@ struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool cr
   return l;
 }
 
+/* Sends `l`'s queue on the link's connection, the one whose close the parts
+ * hear of as this link's (gossip_link_forget), and empties it. */
+static void flush_queue(struct gossip_link *l) {
+  for (size_t i = 0; i < l->nqueue; i++) {
+    int rc = net_conn_send_raw_msg(l->conn, l->queue[i], l->queue_len[i]);
+    if (rc) log_debug("queued message to %s dropped: %s", l->addr, rumor_strerror(rc));
+  }
+  drop_queue(l);
+}
+
 void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
   struct gossip_link *l = gossip_link_get(g, id, true);
-  if (!l->conn) l->conn = c;
+  if (l->conn) return;
+  l->conn = c;
+  /* Messages queued for a dial (under way, or waiting out its backoff) go
+   * out now: once the link has a connection no dial is made for them. */
+  flush_queue(l);
 }
 
 const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c) {
@@ -112,14 +126,7 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
   }
   l->dial_failures = 0;
   if (!l->conn) l->conn = c;
-  /* On the link's connection, which may be one the member opened to us
-   * while we dialed: the one whose close the parts hear of as this link's
-   * (gossip_link_forget), so a request sent here is not lost unheard. */
-  for (size_t i = 0; i < l->nqueue; i++) {
-    int rc = net_conn_send_raw_msg(l->conn, l->queue[i], l->queue_len[i]);
-    if (rc) log_debug("queued message to %s dropped: %s", l->addr, rumor_strerror(rc));
-  }
-  drop_queue(l);
+  flush_queue(l); /* on the link's connection: maybe one the member opened to us meanwhile */
 }
 
 /* Starts a dial to `l` unless one is under way or its backoff holds. */
@@ -142,6 +149,7 @@ static int dial_link(struct gossip *g, struct gossip_link *l) {
 }
 
 void gossip_links_tick(struct gossip *g, uint64_t now) {
+  if (!g->net) return;
   /* By index: a dial that cannot start tells the parts, which may add links. */
   for (size_t i = 0; i < g->links.n; i++) {
     struct gossip_link *l = &g->links.v[i];
