@@ -369,6 +369,8 @@ static void ask_partner(struct gossip *g) {
   x->xid = rng_next_u64(&g->rng);
   x->accepted = false;
   x->conn = NULL;
+  x->queued = false;
+  bool queued = !gossip_link_open(g, x->partner);
   struct net_msgbuf b;
   net_msgbuf_init(&b, GMSG_XCH_REQ, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&b, "x", x->xid);
@@ -381,6 +383,7 @@ static void ask_partner(struct gossip *g) {
     ask_partner(g); /* cannot even queue it: try someone else */
     return;
   }
+  x->queued = queued; /* its loss with the queue: gossip_xch_on_link_lost */
   gossip_count(g, GOSSIP_EV_XCH_REQUESTED, NULL);
 }
 
@@ -672,6 +675,17 @@ void gossip_xch_on_close(struct gossip *g, net_conn_t *c, const uint8_t *link_id
     log_debug("exchange request lost with the connection to %s; asking another partner", net_conn_peer_name(c));
     ask_partner(g);
   }
+}
+
+void gossip_xch_on_link_lost(struct gossip *g, const uint8_t *id, const char *why) {
+  struct gossip_xch *x = &g->xch.x;
+  if (!x->active || !x->initiator || x->accepted || !x->queued || !same_id(id, x->partner)) return;
+  /* The dial that was to carry our request failed: no answer can come, as
+   * in gossip_xch_on_close. */
+  char who[200];
+  gossip_member_label(g, x->partner, who, sizeof who);
+  log_debug("exchange request to %s lost: %s; asking another partner", who, why);
+  ask_partner(g);
 }
 
 void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why) {

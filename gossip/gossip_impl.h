@@ -218,6 +218,7 @@ struct gossip_xch {
   bool sent_ok, recv_ok;
   uint64_t deadline_ms, started_ms;
   uint32_t attempts;        /* partners asked for this snapshot */
+  bool queued;              /* initiator: the request waits in the link's queue for a dial (gossip_send) */
   uint64_t snapshot_step;
 };
 
@@ -452,7 +453,8 @@ bool gossip_printable(const char *s, size_t n);
 void gossip_links_free(struct gossip *g);
 struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool create);
 /* Uses `c`, a connection authenticated as member `id`, for that member
- * unless it has one open already. */
+ * unless it has one open already; messages queued for the member go out on
+ * it then. */
 void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c);
 /* `c` closed: forgets it. Returns the member it served, or NULL. */
 const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c);
@@ -460,8 +462,21 @@ const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c);
  * afresh; a member gone (failed or left) has its connection closed. */
 void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool gone);
 /* Sends an encoded message to member `id` (dialing its address if needed).
- * Returns 0 or a negative code; the message may still be lost. */
+ * Returns 0 or a negative code; the message may still be lost. A message
+ * queued for a dial that fails is lost with the link's queue, and
+ * gossip_on_link_lost says so; that may happen within this call (the dial
+ * cannot start: then this message's loss is also the returned error). */
 int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b);
+/* True when the link to member `id` has an open connection: a message sent
+ * now goes out on it, not into the queue of a dial. */
+bool gossip_link_open(struct gossip *g, const uint8_t *id);
+/* Dials, once its backoff ends, for a link whose messages wait in its queue
+ * with no dial under way (they were queued during the backoff). */
+void gossip_links_tick(struct gossip *g, uint64_t now);
+/* runtime.c: the messages queued on the link to member `id` were dropped
+ * because its dial failed (`why`): dispatched to the parts that wait for
+ * an answer to one of them. */
+void gossip_on_link_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* The open connection to member `id`, or NULL after starting a dial to it
  * (when none is under way and its backoff allows). */
 net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id);
@@ -564,6 +579,10 @@ void gossip_xch_tick(struct gossip *g, uint64_t now);
 /* Connection `c` closed; `link_id`: the member whose link it was (the one
  * our requests go out on), or NULL. */
 void gossip_xch_on_close(struct gossip *g, net_conn_t *c, const uint8_t *link_id);
+/* The link to member `id` dropped its queue, its dial having failed
+ * (`why`): a request of ours that waited there is lost, and another partner
+ * is asked at once. */
+void gossip_xch_on_link_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* Member `id` is gone or its connection broke (`why`): an exchange with it
  * is abandoned, nothing applied. */
 void gossip_xch_on_member_lost(struct gossip *g, const uint8_t *id, const char *why);

@@ -2,6 +2,14 @@
  * Links: one connection per member identity (dialed on demand, with
  * messages queued while the dial runs and a backoff after failures), and
  * neighbour choice among the members. Loop thread.
+ *
+ * A queued message goes out on the link's connection as soon as it has
+ * one: the link's next dial succeeds, or the member connects to us first.
+ * It is dropped with the whole queue when that dial fails (refused,
+ * unreachable, a failed handshake, another identity) or cannot start; the
+ * runtime is then told (gossip_on_link_lost), so that a part waiting for an
+ * answer to it need not wait for its own timeout. A queue left during a
+ * backoff is dialed for when the backoff ends (gossip_links_tick).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -36,9 +44,23 @@ struct gossip_link *gossip_link_get(struct gossip *g, const uint8_t *id, bool cr
   return l;
 }
 
+/* Sends `l`'s queue on the link's connection, the one whose close the parts
+ * hear of as this link's (gossip_link_forget), and empties it. */
+static void flush_queue(struct gossip_link *l) {
+  for (size_t i = 0; i < l->nqueue; i++) {
+    int rc = net_conn_send_raw_msg(l->conn, l->queue[i], l->queue_len[i]);
+    if (rc) log_debug("queued message to %s dropped: %s", l->addr, rumor_strerror(rc));
+  }
+  drop_queue(l);
+}
+
 void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
   struct gossip_link *l = gossip_link_get(g, id, true);
-  if (!l->conn) l->conn = c;
+  if (l->conn) return;
+  l->conn = c;
+  /* Messages queued for a dial (under way, or waiting out its backoff) go
+   * out now: once the link has a connection no dial is made for them. */
+  flush_queue(l);
 }
 
 const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c) {
@@ -61,6 +83,17 @@ void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool g
   if (gone && l->conn) net_conn_close(l->conn);
 }
 
+/* Drops `l`'s queue, lost because its dial failed (`why`), and tells the
+ * runtime when it held anything. `l` may be invalid afterwards (the parts
+ * told may create links). */
+static void lose_queue(struct gossip *g, struct gossip_link *l, const char *why) {
+  if (!l->nqueue) return;
+  uint8_t id[NET_PUBKEY_BYTES];
+  memcpy(id, l->id, sizeof id);
+  drop_queue(l);
+  gossip_on_link_lost(g, id, why);
+}
+
 struct dial_ctx {
   struct gossip *g;
   uint8_t id[NET_PUBKEY_BYTES];
@@ -71,32 +104,29 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
   struct gossip *g = d->g;
   struct gossip_link *l = gossip_link_get(g, d->id, true);
   l->dialing = false;
+  free(d);
+  char why[160];
   if (status < 0) {
     l->dial_failures++;
     uint64_t backoff = 100ull << (l->dial_failures < 6 ? l->dial_failures : 6);
     l->next_dial_ms = gossip_now_ms(g) + (backoff > 5000 ? 5000 : backoff);
-    log_debug("dial %s failed: %s", l->addr, detail ? detail : rumor_strerror(status));
-    drop_queue(l);
-    free(d);
+    snprintf(why, sizeof why, "dial %s failed: %s", l->addr, detail && *detail ? detail : rumor_strerror(status));
+    log_debug("%s", why);
+    lose_queue(g, l, why);
     return;
   }
-  if (memcmp(net_conn_peer_key(c), d->id, NET_PUBKEY_BYTES) != 0) {
+  if (memcmp(net_conn_peer_key(c), l->id, NET_PUBKEY_BYTES) != 0) {
     /* Someone else answers at that address now (a restarted node with a new
      * identity, a reused port): not the member we wanted. */
     log_info("%s answered with another identity than expected; closing", net_conn_peer_name(c));
     net_conn_close(c);
-    drop_queue(l);
-    free(d);
+    snprintf(why, sizeof why, "%s answered with another identity", l->addr);
+    lose_queue(g, l, why);
     return;
   }
   l->dial_failures = 0;
   if (!l->conn) l->conn = c;
-  for (size_t i = 0; i < l->nqueue; i++) {
-    int rc = net_conn_send_raw_msg(c, l->queue[i], l->queue_len[i]);
-    if (rc) log_debug("queued message to %s dropped: %s", l->addr, rumor_strerror(rc));
-  }
-  drop_queue(l);
-  free(d);
+  flush_queue(l); /* on the link's connection: maybe one the member opened to us meanwhile */
 }
 
 /* Starts a dial to `l` unless one is under way or its backoff holds. */
@@ -108,12 +138,23 @@ static int dial_link(struct gossip *g, struct gossip_link *l) {
   int rc = net_dial_peer(g->net, l->addr, l->id, on_link_dial, d);
   if (rc) {
     free(d);
-    drop_queue(l);
     l->next_dial_ms = gossip_now_ms(g) + 1000;
+    char why[160];
+    snprintf(why, sizeof why, "cannot dial %s: %s", l->addr, rumor_strerror(rc));
+    lose_queue(g, l, why);
     return rc;
   }
   l->dialing = true;
   return 0;
+}
+
+void gossip_links_tick(struct gossip *g, uint64_t now) {
+  if (!g->net) return;
+  /* By index: a dial that cannot start tells the parts, which may add links. */
+  for (size_t i = 0; i < g->links.n; i++) {
+    struct gossip_link *l = &g->links.v[i];
+    if (l->nqueue && !l->conn && !l->dialing && now >= l->next_dial_ms && l->addr[0]) (void)dial_link(g, l);
+  }
 }
 
 /* The link to `id` with its address known, or NULL. */
@@ -141,6 +182,11 @@ int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
     l->queue_len[l->nqueue++] = len;
   }
   return dial_link(g, l);
+}
+
+bool gossip_link_open(struct gossip *g, const uint8_t *id) {
+  const struct gossip_link *l = gossip_link_get(g, id, false);
+  return l && l->conn;
 }
 
 net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id) {

@@ -244,6 +244,10 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
   gossip_stats_on_close(g, c);
 }
 
+void gossip_on_link_lost(struct gossip *g, const uint8_t *id, const char *why) {
+  gossip_xch_on_link_lost(g, id, why);
+}
+
 const char *gossip_advertised(const gossip_t *g) { return g->advertise; }
 const char *gossip_self_id(const gossip_t *g) { return g->self_id_text; }
 
@@ -300,6 +304,7 @@ static void on_tick(uv_timer_t *t) {
     gossip_join_tick(g, now);
     if (gossip_joined(g)) swim_tick(&g->swim, now);
   }
+  gossip_links_tick(g, now);
   gossip_xch_tick(g, now);
   gossip_ring_tick(g, now);
   gossip_stats_tick(g, now);

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 
 #include "../support/cluster.h"
+#include "net/net.h"
 #include "peer/train/train.h"
 #include "tensor/tensor.h"
 #include "../support/ckpt_params.h"
@@ -422,6 +423,114 @@ Test(gossip, dead_first_bootstrap_address_still_joins_and_all_dead_is_a_clear_er
   snprintf(a2, sizeof a2, "127.0.0.1:%d", d2);
   cr_assert(cluster_log_has(&C, q, a1) && cluster_log_has(&C, q, a2) && cluster_log_has(&C, q, "could not join"),
             "the error should name every address tried: %s", proc_slurp(C.node[q].log));
+}
+
+/* ---- a request whose dial fails ---- */
+
+/* The public key in identity file `path` (its "public BASE64" line). */
+static void identity_pubkey(const char *path, uint8_t pk[NET_PUBKEY_BYTES]) {
+  char *s = proc_slurp(path);
+  const char *p = strstr(s, "public ");
+  cr_assert_not_null(p, "no public key in %s", path);
+  p += STR_LEN("public ");
+  cr_assert_eq(net_pubkey_parse(p, strcspn(p, "\n"), pk), 0, "bad public key in %s", path);
+  free(s);
+}
+
+/* Of three peers, the one whose key sorts between the others': the only
+ * passive one (links.c, gossip_update_role), so the only partner the other
+ * two ask while it is a live member. */
+static int middle_key(const int *peer) {
+  uint8_t pk[3][NET_PUBKEY_BYTES];
+  for (int i = 0; i < 3; i++) identity_pubkey(C.node[peer[i]].id_file, pk[i]);
+  for (int i = 0; i < 3; i++) {
+    int below = 0;
+    for (int k = 0; k < 3; k++) below += memcmp(pk[k], pk[i], NET_PUBKEY_BYTES) < 0;
+    if (below == 1) return i;
+  }
+  cr_assert_fail("three keys without a middle one");
+  return -1;
+}
+
+static bool three_exchanged_cond(void *arg) {
+  const int *peer = arg;
+  for (int i = 0; i < 3; i++)
+    if (count_lines(peer[i], "", "applied") < 20) return false;
+  return true;
+}
+
+/* What the survivors of a killed passive peer did from `from_ms` on. */
+struct asked_dead {
+  const int *peer;
+  int victim;
+  long from_ms;
+  long lost_ms[3], applied_ms[3]; /* -1: not (yet) */
+};
+
+/* True once a survivor saw its request to the victim lost and every
+ * survivor that did has since applied an exchange with the other one. */
+static bool asked_dead_cond(void *arg) {
+  struct asked_dead *a = arg;
+  const char *dead = C.node[a->peer[a->victim]].addr;
+  int lost = 0, moved_on = 0;
+  for (int i = 0; i < 3; i++) {
+    if (i == a->victim) continue;
+    const char *other = C.node[a->peer[3 - i - a->victim]].addr;
+    a->lost_ms[i] = first_line_from(a->peer[i], dead, "exchange request to", a->from_ms);
+    if (a->lost_ms[i] < 0) continue;
+    lost++;
+    a->applied_ms[i] = first_line_from(a->peer[i], other, "applied", a->lost_ms[i]);
+    moved_on += a->applied_ms[i] >= 0;
+  }
+  return lost > 0 && moved_on == lost;
+}
+
+/* Issue #30: a request queued on a link whose dial then fails was dropped
+ * with the link's queue, and the initiator waited for the exchange's timeout
+ * (60 s) or the partner's failure verdict. A member killed (SIGKILL) stays
+ * a live member for a while (no heartbeat verdicts here, and a suspicion
+ * far longer than the test), and as the only passive peer it is the partner
+ * the two others ask: their next request goes to a dial that is refused at
+ * once. Each must then ask the other survivor and exchange with it within
+ * seconds. */
+Test(gossip, a_request_whose_dial_fails_is_taken_to_another_partner_within_seconds) {
+  SKIP_WITHOUT_DATA();
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
+  /* The bootstrap takes part in membership: without heartbeats, it too
+   * suspects the killed peer only when its probes fail. */
+  char *timing[] = {"--period-ms", "500", "--ping-timeout-ms", "300", "--suspect-ms", "60000", "--heartbeat-ms", "0",
+                    NULL};
+  cluster_start_bootstrap(&C, timing);
+  int peer[3];
+  char shard[3][8];
+  for (int i = 0; i < 3; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/3", i);
+    peer[i] = cluster_start_peer(&C, "--model", "mlp:784-32-10", "--shard", shard[i], "--epochs", "1000",
+                                 "--max-steps", "100000000", "--no-eval", "--wait-peers", "3", "--gossip-every", "1",
+                                 "--heartbeat-ms", "0", "--period-ms", "500", "--ping-timeout-ms", "300",
+                                 "--suspect-ms", "60000", NULL);
+  }
+  for (int i = 0; i < 3; i++)
+    cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 60), "peer %d did not start training", i);
+  cr_assert(cluster_poll(three_exchanged_cond, peer, 60), "the three peers did not exchange: %s",
+            proc_slurp(C.node[peer[0]].log));
+  struct asked_dead a = {.peer = peer, .victim = middle_key(peer), .lost_ms = {-1, -1, -1}, .applied_ms = {-1, -1, -1}};
+  a.from_ms = cluster_wall_ms_of_day();
+  kill(C.node[peer[a.victim]].pid, SIGKILL);
+  bool ok = cluster_poll(asked_dead_cond, &a, 10);
+  for (int i = 0; i < 3; i++)
+    if (i != a.victim)
+      fprintf(stderr, "peer %d: request to the killed peer lost %ld ms after the kill, next exchange applied %ld ms "
+                      "later\n",
+              i, a.lost_ms[i] < 0 ? -1 : a.lost_ms[i] - a.from_ms,
+              a.applied_ms[i] < 0 || a.lost_ms[i] < 0 ? -1 : a.applied_ms[i] - a.lost_ms[i]);
+  cr_assert(ok, "within 10 s of the kill no survivor both saw its request to the killed peer lost and exchanged "
+                "with the other survivor: %s",
+            proc_slurp(C.node[peer[(a.victim + 1) % 3]].log));
+  for (int i = 0; i < 3; i++)
+    if (i != a.victim && a.lost_ms[i] >= 0)
+      cr_assert_leq(a.applied_ms[i] - a.lost_ms[i], 3000, "peer %d waited %ld ms for its next exchange", i,
+                    a.applied_ms[i] - a.lost_ms[i]);
 }
 
 /* Every address flag is checked before anything listens or dials: a bad

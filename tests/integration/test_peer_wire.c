@@ -48,16 +48,39 @@ static double four_peers(const char *wire) {
     cr_assert(x >= 20, "--wire %s peer %d applied only %.0f exchanges", wire, i, x);
     sum += acc;
   }
-  /* the next cluster starts from nothing: a fresh bootstrap and peers */
-  proc_kill_all();
+  /* The next cluster starts from nothing: a fresh scratch directory (the
+   * nodes' files are appended to), bootstrap and peers. */
+  cluster_fini(&C, false);
+  cluster_init(&C);
   return sum / 4;
 }
 
+/* Runs of each wire whose mean accuracies are compared. */
+#define WIRE_RUNS 2
+
+/* The seeds are fixed, but which partner a peer meets at which step is
+ * not: it follows the machine's timing. The four peers of a run end at
+ * consensus (--finish-wait-ms), so a run's mean accuracy is about that of
+ * one model, and it moves by a few tenths of a point from run to run (one
+ * run of each differs by −0.2 to +0.2 points, once by −0.52 in CI).
+ * Comparing the means of WIRE_RUNS runs of each halves the
+ * variance of the difference; the runs alternate, f32 then i8, so that a
+ * change in the machine's load falls on both wires alike. The bound stays
+ * half a point: a broken i8 codec costs far more (and each peer of every
+ * run must still reach 0.85 on its own). */
 Test(wire, four_i8_peers_reach_the_f32_accuracy_within_half_a_point) {
   SKIP_WITHOUT_DATA();
-  double f32 = four_peers("f32"), i8 = four_peers("i8");
-  fprintf(stderr, "mean test accuracy: f32 %.4f, i8 %.4f (i8 - f32 = %+.2f points)\n", f32, i8, 100 * (i8 - f32));
-  cr_assert(i8 >= f32 - 0.005, "i8 exchanges reached %.4f, more than half a point below f32's %.4f", i8, f32);
+  double f32 = 0, i8 = 0;
+  for (int r = 0; r < WIRE_RUNS; r++) {
+    double a = four_peers("f32"), b = four_peers("i8");
+    fprintf(stderr, "run %d: mean test accuracy f32 %.4f, i8 %.4f (%+.2f points)\n", r, a, b, 100 * (b - a));
+    f32 += a / WIRE_RUNS;
+    i8 += b / WIRE_RUNS;
+  }
+  fprintf(stderr, "mean of %d runs each: f32 %.4f, i8 %.4f (i8 - f32 = %+.2f points)\n", WIRE_RUNS, f32, i8,
+          100 * (i8 - f32));
+  cr_assert(i8 >= f32 - 0.005, "i8 exchanges reached %.4f, more than half a point below f32's %.4f (means of %d runs)",
+            i8, f32, WIRE_RUNS);
 }
 
 /* ---- the pipeline: activations and their gradients ---- */
