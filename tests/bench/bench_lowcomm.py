@@ -7,7 +7,7 @@ wall time, and on the slow links the time to reach all-reduce's final loss.
 
 Rows (each condition):
   one-4x       one process at N times the batch (rumor train; no network)
-  alone        one peer alone on its 1/N of the tokens (rumor train --shard)
+  alone        one peer alone on its 1/N of the tokens (peer 0's data)
   allreduce    all-reduce of every step's gradient (--sync allreduce)
   gossip       gossip averaging every step (--sync gossip)
   diloco-H     DiLoCo, H inner steps a round (--sync allreduce --outer nesterov)
@@ -32,15 +32,19 @@ evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
   tests/bench/bench-lowcomm.sh [BUILD_DIR]
   env: N (4), MODEL (gpt:L2-H2-C64-T64-V256), BATCH (8), STEPS (1000),
        LR (3e-3), HS ("10 50 200"), CONDITIONS ("loopback slow"),
-       ROWS (all), OUTER_LR (rumor's default), OUTER_MOMENTUM (default),
+       SCHEDULE (cosine, or constant: the inner learning rate's), ROWS (all),
+       OUTER_LR (rumor's default), OUTER_MOMENTUM (default),
        SLOW_DELAY_MS (25: each host's egress, so 50 ms RTT), SLOW_RATE_MBIT (50),
        SLOW_FACTOR (2), THREADS (1), RUN_TIMEOUT (3600 s), OUT, DATA (the KJV text),
+       EVAL_WINDOWS (1024: the validation windows every row evaluates),
+       SPLIT (strided: rumor's --shard; books: each peer on its contiguous 1/N),
        TOPK (topk:0.03:2: the diloco-50-topk row's --outer-compress)
 """
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -56,6 +60,7 @@ MODEL = ENV.get("MODEL", "gpt:L2-H2-C64-T64-V256")
 BATCH = int(ENV.get("BATCH", "8"))
 STEPS = int(ENV.get("STEPS", "1000"))
 LR = ENV.get("LR", "3e-3")
+SCHEDULE = ENV.get("SCHEDULE", "cosine")
 HS = [int(h) for h in ENV.get("HS", "10 50 200").split()]
 CONDITIONS = ENV.get("CONDITIONS", "loopback slow").split()
 THREADS = ENV.get("THREADS", "1")
@@ -65,12 +70,57 @@ SLOW_RATE = ENV.get("SLOW_RATE_MBIT", "50")
 SLOW_FACTOR = float(ENV.get("SLOW_FACTOR", "2"))
 OUT = ENV.get("OUT", "bench-lowcomm.csv")
 TOPK = ENV.get("TOPK", "topk:0.03:2")
+# Every row evaluates the same first EVAL_WINDOWS validation windows: rumor
+# evaluates 20 batches unless told (--eval-batches), which would give the
+# 4x-batch row four times the windows of the others.
+EVAL_WINDOWS = int(ENV.get("EVAL_WINDOWS", "1024"))
 DATA = ENV.get("DATA", "/usr/local/share/rumor/kjv.txt")
+# How the peers' data is split: "strided" (rumor's --shard i/N: every N-th
+# window of one permutation, so every peer sees the same distribution) or
+# "books" (peer i on the i-th contiguous 1/N of the text's training part,
+# its own books, as sites with their own data: not IID). Every row of a
+# split evaluates the same validation windows (the text's last 10 %).
+SPLIT = ENV.get("SPLIT", "strided")
 CONTEXT = int(re.search(r"-T(\d+)", MODEL).group(1)) if re.search(r"-T(\d+)", MODEL) else 1024
 TESTNET_NAME = "rlc"
 
-COMMON = ["--model", MODEL, "--data", DATA, "--optimizer", "adamw", "--lr", LR, "--warmup", "20",
-          "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1", "--threads", THREADS, "--log-every", "0"]
+COMMON = ["--model", MODEL, "--optimizer", "adamw", "--lr", LR, "--schedule", SCHEDULE,
+          "--warmup", "20", "--weight-decay", "0.1", "--grad-clip", "1.0", "--seed", "1", "--threads", THREADS, "--log-every", "0"]
+
+
+BOOKS_DIR = None  # SPLIT=books: the token shards' directory (made by write_books)
+
+
+def write_books(work):
+    """SPLIT=books: llm.c token shards (uint16 bytes) of the text: DIR/p<i>/
+    holds the i-th contiguous 1/N of the training part and the validation
+    part (the last 10 %, as rumor's --val-fraction cuts it); DIR/all/ every
+    quarter and the validation part, for the one process at N times the
+    batch."""
+    global BOOKS_DIR
+    text = open(DATA, "rb").read()
+    cut = len(text) - int(round(len(text) * 0.1))
+    BOOKS_DIR = os.path.join(work, "books")
+
+    def shard(path, chunk):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<256i", 20240520, 1, len(chunk), *([0] * 253)))
+            f.write(struct.pack(f"<{len(chunk)}H", *chunk))
+
+    for name in [f"p{i}" for i in range(N)] + ["all"]:
+        os.makedirs(os.path.join(BOOKS_DIR, name), exist_ok=True)
+        shard(os.path.join(BOOKS_DIR, name, "kjv_val_000.bin"), text[cut:])
+    for i in range(N):
+        chunk = text[i * cut // N:(i + 1) * cut // N]
+        shard(os.path.join(BOOKS_DIR, f"p{i}", "kjv_train_000.bin"), chunk)
+        shard(os.path.join(BOOKS_DIR, "all", f"kjv_train_{i:03d}.bin"), chunk)
+
+
+def data_flags(i):
+    """Peer i's data (i None: all of it)."""
+    if SPLIT == "books":
+        return ["--data", os.path.join(BOOKS_DIR, "all" if i is None else f"p{i}")]
+    return ["--data", DATA] + ([] if i is None else ["--shard", f"{i}/{N}"])
 
 
 def outer_flags(extra):
@@ -84,8 +134,8 @@ def outer_flags(extra):
 
 def rows():
     """(name, kind, flags): kind 'train' (one process) or 'peers'."""
-    out = [("one-4x", "train", ["--batch", str(BATCH * N)]),
-           ("alone", "train", ["--batch", str(BATCH), "--shard", f"0/{N}"]),
+    out = [("one-4x", "train", ["--batch", str(BATCH * N), *data_flags(None)]),
+           ("alone", "train", ["--batch", str(BATCH), *data_flags(0)]),
            ("allreduce", "peers", ["--sync", "allreduce"]),
            ("gossip", "peers", ["--sync", "gossip"])]
     for h in HS:
@@ -170,13 +220,20 @@ def result_line(path):
     return None
 
 
+def eval_flags(batch):
+    if EVAL_WINDOWS % batch:
+        sys.exit(f"bench-lowcomm: EVAL_WINDOWS={EVAL_WINDOWS} is not a multiple of the batch {batch}")
+    return ["--eval-batches", str(EVAL_WINDOWS // batch)]
+
+
 def run_train(work, name, flags, steps):
     d = os.path.join(work, name)
     os.makedirs(d, exist_ok=True)
     t0 = time.time()
     with open(os.path.join(d, "out"), "w") as out, open(os.path.join(d, "log"), "w") as log:
         subprocess.run([RUMOR, "train", *COMMON, "--max-steps", str(steps), "--eval-every", str(max(steps // 20, 1)),
-                        *flags], stdout=out, stderr=log, timeout=RUN_TIMEOUT, check=False)
+                        *eval_flags(int(flags[flags.index("--batch") + 1])), *flags],
+                       stdout=out, stderr=log, timeout=RUN_TIMEOUT, check=False)
     r = result_line(os.path.join(d, "out"))
     _, _, evals = read_log(os.path.join(d, "log"))
     return {"val_loss": r["val_loss"] if r else float("nan"), "bytes_per_token": 0.0, "wall_s": time.time() - t0,
@@ -204,8 +261,9 @@ def run_peers(work, cond, name, flags, steps):
         for i in range(1, N + 1):
             cmd = host_prefix(cond, i) + [RUMOR, "peer", *COMMON, "--bootstrap", baddr, "--listen",
                                           f"{addr(cond, i)}:0", "--cluster-key", f"{d}/cluster.key",
-                                          "--identity", f"{d}/id{i}.key", "--shard", f"{i - 1}/{N}", "--batch",
+                                          "--identity", f"{d}/id{i}.key", *data_flags(i - 1), "--batch",
                                           str(BATCH), "--max-steps", str(steps), "--eval-every", str(every),
+                                          *eval_flags(BATCH),
                                           "--wait-peers", str(N), "--no-state-pull", "--name", f"w{i}", *flags]
             p = subprocess.Popen(cmd, stdout=open(f"{d}/w{i}.out", "w"), stderr=open(f"{d}/w{i}.log", "w"))
             procs.append(p)
@@ -257,7 +315,11 @@ def time_to(curve, target):
 def main():
     if not os.access(RUMOR, os.X_OK):
         sys.exit(f"build first: {RUMOR} is missing")
+    if SPLIT not in ("strided", "books"):
+        sys.exit(f"bench-lowcomm: SPLIT must be strided or books, not '{SPLIT}'")
     work = tempfile.mkdtemp(prefix="bench-lowcomm-")
+    if SPLIT == "books":
+        write_books(work)
     conds = list(CONDITIONS)
     if "slow" in conds:
         chk = testnet("check", check=False)
@@ -266,7 +328,8 @@ def main():
             conds.remove("slow")
     cpu = "AVX-512" if "avx512f" in open("/proc/cpuinfo").read() else "AVX2"
     print(f"bench-lowcomm: {N} peers, {MODEL}, batch {BATCH} x {CONTEXT} tokens, {STEPS} steps, AdamW lr {LR}; "
-          f"{os.cpu_count()} CPUs ({cpu}); conditions {' '.join(conds)}", file=sys.stderr)
+          f"{SCHEDULE} schedule, {SPLIT} split; {os.cpu_count()} CPUs ({cpu}); conditions {' '.join(conds)}",
+          file=sys.stderr)
     results = {}
     csv = open(OUT, "w")
     csv.write("condition,row,val_loss,bytes_per_token,wall_s,finished,t,eval_loss\n")
