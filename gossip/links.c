@@ -10,8 +10,7 @@
  * runtime is then told (gossip_on_link_lost), so that a part waiting for an
  * answer to it need not wait for its own timeout. A queue left during a
  * backoff is dialed for when the backoff ends (gossip_links_tick). A full
- * queue refuses the next message (gossip_send: -ENOBUFS). A dial that
- * completes when the link already has a connection is closed (on_link_dial).
+ * queue refuses the next message (gossip_send: -ENOBUFS).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -127,22 +126,15 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
     return;
   }
   l->dial_failures = 0;
-  if (!l->conn) {
-    l->conn = c;
-    flush_queue(l);
-    return;
-  }
-  /* The member connected to us while we dialed, and gossip_link_adopt took
-   * that connection (and sent the queue on it). Ours is redundant: nothing
-   * goes out on it, and no part has seen it. Closing it gracefully tells
-   * no part of ours that a link was lost (gossip_link_forget returns NULL
-   * for it). Kept, it would stay open untracked: its heartbeats keep it
-   * from ever going idle. When both dialed at once, the member may have
-   * taken this one as its link: it then hears of a clean close, as from
-   * any member that closes, and dials again when it next sends. */
-  flush_queue(l); /* nothing, normally: the adoption sent it */
-  log_debug("dial to %s done, but the member connected to us meanwhile: closing ours", l->addr);
-  net_conn_close(c);
+  /* The member may have connected to us while we dialed, and
+   * gossip_link_adopt took that connection (and sent the queue on it); ours
+   * is then left open, untracked (no part of ours has seen it, and its
+   * close tells none of them anything). Closing it would be wrong when the
+   * member dialed us at the same moment: it may have adopted this very
+   * connection as its link, and each side closing its own dial would cut
+   * both links. Agreeing on one (the smaller key's dial, say) is for later. */
+  if (!l->conn) l->conn = c;
+  flush_queue(l); /* on the link's connection */
 }
 
 /* Starts a dial to `l` unless one is under way or its backoff holds. */
