@@ -462,10 +462,15 @@ const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c);
  * afresh; a member gone (failed or left) has its connection closed. */
 void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool gone);
 /* Sends an encoded message to member `id` (dialing its address if needed).
- * Returns 0 or a negative code; the message may still be lost. A message
- * queued for a dial that fails is lost with the link's queue, and
+ * Returns 0 or a negative code; the message may still be lost. With no
+ * connection open the message waits in the link's queue for a dial; a
+ * full queue (GOSSIP_LINK_QUEUE messages) refuses it with -ENOBUFS, and
+ * nothing is queued. -EHOSTUNREACH: the member's address is unknown. A
+ * message queued for a dial that fails is lost with the link's queue, and
  * gossip_on_link_lost says so; that may happen within this call (the dial
- * cannot start: then this message's loss is also the returned error). */
+ * cannot start: then this message's loss is also the returned error).
+ * Callers treat any error as the message lost: one that resends on a timer
+ * anyway (the ring's READY, SWIM's probes) need not act on it. */
 int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b);
 /* True when the link to member `id` has an open connection: a message sent
  * now goes out on it, not into the queue of a dial. */
@@ -480,13 +485,19 @@ void gossip_on_link_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* The open connection to member `id`, or NULL after starting a dial to it
  * (when none is under way and its backoff allows). */
 net_conn_t *gossip_link_conn(struct gossip *g, const uint8_t *id);
+/* True while a message to member `id` would wait out a dial backoff: no
+ * connection is open and its last dial failed (or could not start) less
+ * than its backoff ago. `now` in loop milliseconds (gossip_now_ms). */
+bool gossip_link_dial_backed_off(struct gossip *g, const uint8_t *id, uint64_t now);
 /* Picks a uniformly random ALIVE peer (not self, not backed off, not
  * `exclude`, and when `donors_only` not one that said it is still joining).
- * Returns false when there is none. */
+ * One whose link is in a dial backoff (gossip_link_dial_backed_off) is
+ * picked only when no other qualifies. Returns false when there is none. */
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only);
 /* The same, among passive peers only (the partners an active peer asks);
  * falls back to any peer when no passive one is free. Once we finished
- * (gossip_finished), partners not known to have finished come first. */
+ * (gossip_finished), partners not known to have finished come first.
+ * Members in a dial backoff come after all of those. */
 bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude);
 /* Recomputes our active/passive role from the member table. */
 void gossip_update_role(struct gossip *g);

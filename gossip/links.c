@@ -9,7 +9,8 @@
  * unreachable, a failed handshake, another identity) or cannot start; the
  * runtime is then told (gossip_on_link_lost), so that a part waiting for an
  * answer to it need not wait for its own timeout. A queue left during a
- * backoff is dialed for when the backoff ends (gossip_links_tick).
+ * backoff is dialed for when the backoff ends (gossip_links_tick). A full
+ * queue refuses the next message (gossip_send: -ENOBUFS).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -125,8 +126,15 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
     return;
   }
   l->dial_failures = 0;
+  /* The member may have connected to us while we dialed, and
+   * gossip_link_adopt took that connection (and sent the queue on it); ours
+   * is then left open, untracked (no part of ours has seen it, and its
+   * close tells none of them anything). Closing it would be wrong when the
+   * member dialed us at the same moment: it may have adopted this very
+   * connection as its link, and each side closing its own dial would cut
+   * both links. Agreeing on one (the smaller key's dial, say) is for later. */
   if (!l->conn) l->conn = c;
-  flush_queue(l); /* on the link's connection: maybe one the member opened to us meanwhile */
+  flush_queue(l); /* on the link's connection */
 }
 
 /* Starts a dial to `l` unless one is under way or its backoff holds. */
@@ -173,14 +181,19 @@ int gossip_send(struct gossip *g, const uint8_t *id, struct net_msgbuf *b) {
   struct gossip_link *l = gossip_link_get(g, id, true);
   if (l->conn) return net_conn_send_msg(l->conn, b);
   if (!(l = addressed_link(g, id))) return -EHOSTUNREACH;
-  if (l->nqueue < GOSSIP_LINK_QUEUE) {
-    size_t len;
-    const uint8_t *data = net_msgbuf_data(b, &len);
-    if (!data) return -ENOMEM;
-    l->queue[l->nqueue] = xmalloc(len);
-    memcpy(l->queue[l->nqueue], data, len);
-    l->queue_len[l->nqueue++] = len;
+  if (l->nqueue == GOSSIP_LINK_QUEUE) {
+    /* The dial it waits for (or its backoff) is still on: no room. */
+    char label[200];
+    gossip_member_label(g, id, label, sizeof label);
+    log_debug("message to %s dropped: %d messages already wait for a connection", label, GOSSIP_LINK_QUEUE);
+    return -ENOBUFS;
   }
+  size_t len;
+  const uint8_t *data = net_msgbuf_data(b, &len);
+  if (!data) return -ENOMEM;
+  l->queue[l->nqueue] = xmalloc(len);
+  memcpy(l->queue[l->nqueue], data, len);
+  l->queue_len[l->nqueue++] = len;
   return dial_link(g, l);
 }
 
@@ -226,12 +239,26 @@ static bool reachable(struct gossip *g, const struct swim_member *m) {
   return l && l->conn;
 }
 
+/* True while a message to `id` would wait out a dial backoff: no connection
+ * is open, and the last dial failed or could not start less than its
+ * backoff ago (on_link_dial, dial_link). `now` in loop milliseconds. */
+bool gossip_link_dial_backed_off(struct gossip *g, const uint8_t *id, uint64_t now) {
+  const struct gossip_link *l = gossip_link_get(g, id, false);
+  return l && !l->conn && now < l->next_dial_ms;
+}
+
+/* What pick_member asks of a candidate, besides being an alive, reachable
+ * peer, other than `exclude`, and not backed off by the guard. */
+enum pick_filter {
+  PICK_READY = 1 << 0,    /* it has its state (a donor, a partner) */
+  PICK_PASSIVE = 1 << 1,  /* it ranks odd (gossip_update_role) */
+  PICK_TRAINING = 1 << 2, /* not known to have finished (gossip_guard_finished) */
+  PICK_DIALABLE = 1 << 3, /* its link is not in a dial backoff (gossip_link_dial_backed_off) */
+};
+
 /* A uniformly random alive peer other than `exclude` (may be NULL) that is
- * not backed off and can be reached; `ready_only`: that has its state (a donor, a partner);
- * `passive_only`: that ranks odd (gossip_update_role); `training_only`:
- * not known to have finished (gossip_guard_finished). */
-static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool ready_only, bool passive_only,
-                        bool training_only) {
+ * not backed off, can be reached, and passes `filters` (enum pick_filter). */
+static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, unsigned filters) {
   uint64_t now = gossip_now_ms(g);
   size_t n = 0;
   size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
@@ -240,9 +267,10 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
     if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
     if (gossip_backed_off(g, m->info.id, now) || !reachable(g, m)) continue;
-    if (ready_only && !m->info.ready) continue;
-    if (passive_only && peer_rank(g, m->info.id) % 2 == 0) continue;
-    if (training_only && gossip_guard_finished(g, m->info.id)) continue;
+    if ((filters & PICK_READY) && !m->info.ready) continue;
+    if ((filters & PICK_PASSIVE) && peer_rank(g, m->info.id) % 2 == 0) continue;
+    if ((filters & PICK_TRAINING) && gossip_guard_finished(g, m->info.id)) continue;
+    if ((filters & PICK_DIALABLE) && gossip_link_dial_backed_off(g, m->info.id, now)) continue;
     cand[n++] = i;
   }
   bool ok = n > 0;
@@ -251,16 +279,27 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
   return ok;
 }
 
+/* A member whose link waits out a dial backoff comes last: a message to it
+ * would wait up to that backoff (5 s at most) in the link's queue before
+ * its loss could send us to someone else. */
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only) {
-  return pick_member(g, out, exclude, donors_only, false, false);
+  unsigned f = donors_only ? PICK_READY : 0;
+  return pick_member(g, out, exclude, f | PICK_DIALABLE) || pick_member(g, out, exclude, f);
 }
 
-bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+/* Partners in order of preference, each among members that pass `also`. */
+static bool pick_partner_among(struct gossip *g, uint8_t *out, const uint8_t *exclude, unsigned also) {
   /* Finished (gossip_finished): partners that still train first (they are
    * who we wait for); then the finished ones, which pass on what they took
    * from those we cannot reach (the bipartite graph keeps one side apart). */
-  if (atomic_load(&g->finished) &&
-      (pick_member(g, out, exclude, true, true, true) || pick_member(g, out, exclude, true, false, true)))
+  unsigned f = PICK_READY | also;
+  if (atomic_load(&g->finished) && (pick_member(g, out, exclude, f | PICK_PASSIVE | PICK_TRAINING) ||
+                                    pick_member(g, out, exclude, f | PICK_TRAINING)))
     return true;
-  return pick_member(g, out, exclude, true, true, false) || pick_member(g, out, exclude, true, false, false);
+  return pick_member(g, out, exclude, f | PICK_PASSIVE) || pick_member(g, out, exclude, f);
+}
+
+bool gossip_pick_partner(struct gossip *g, uint8_t *out, const uint8_t *exclude) {
+  /* Members in a dial backoff come last, as in gossip_pick_peer. */
+  return pick_partner_among(g, out, exclude, PICK_DIALABLE) || pick_partner_among(g, out, exclude, 0);
 }

@@ -620,6 +620,16 @@ static void send_ready(struct gossip *g) {
 #endif
   int rc = gossip_send(g, pred(r), &b);
   net_msgbuf_free(&b);
+  if (rc == -ENOBUFS) {
+    /* The link's queue is full while its dial runs (or its connection's
+     * outbound queue is): this READY is lost as one lost on the way would
+     * be, and goes again after
+     * RING_READY_RESEND_MS (gossip_ring_tick) unless the predecessor is
+     * heard from first; the round's deadline still bounds the wait. Any
+     * other error means the predecessor cannot be reached at all. */
+    log_debug("all-reduce of step %llu: no room for our READY; it goes again", (unsigned long long)r->step);
+    return;
+  }
   if (rc) fail(g, false, "cannot reach the previous member: %s", rumor_strerror(rc));
 }
 

@@ -1,0 +1,246 @@
+/* Links (gossip/links.c) on 127.0.0.1, without a gossip runtime: a hand-made
+ * struct gossip whose net dials a plain listening net ("the member").
+ *   - a full link queue refuses a message with -ENOBUFS (it used to drop
+ *     it and report success), and the queued ones still arrive;
+ *   - a dial that completes after the link adopted a connection the member
+ *     opened leaves the link on the adopted one, delivers what was queued
+ *     once, and takes nothing for lost;
+ *   - neighbour choice puts a member whose link waits out a dial backoff
+ *     last, and picks it when no one else qualifies.
+ * Everything polls with deadlines; nothing sleeps. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+#define DEADLINE_S 5.0
+#define MSG_TYPE 200 /* any type: the member's net only counts messages */
+#define PICKS 64     /* draws of a uniform choice between two: one side is missed with probability 2^-63 */
+
+static struct gossip *g;
+static uv_timer_t tick;  /* bounds each uv_run(UV_RUN_ONCE) */
+static uint8_t cluster[NET_CLUSTER_KEY_BYTES];
+
+/* What the two nets saw. */
+static struct {
+  net_t *member;
+  struct net_identity member_id;
+  int member_port;
+  int member_msgs;       /* control messages the member received */
+  int member_closes;     /* its connections closed (from either side) */
+  int our_closes;        /* our connections closed */
+  int forgot_link;       /* of those, closes that gossip_link_forget took for the link's own */
+  net_conn_t *direct;    /* our direct dial to the member (not through the link) */
+  int direct_status;
+  bool direct_done;
+  int nets_closed;
+} T;
+
+static void on_tick(uv_timer_t *t) { (void)t; }
+
+#define RUN_UNTIL(cond)                                                                  \
+  do {                                                                                   \
+    double end_ = clock_now_s() + DEADLINE_S;                                            \
+    while (!(cond) && clock_now_s() < end_) uv_run(&g->loop, UV_RUN_ONCE);               \
+  } while (0)
+
+static void member_on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
+  (void)c, (void)m, (void)ud;
+  T.member_msgs++;
+}
+
+static void member_on_close(net_conn_t *c, int status, const char *detail, void *ud) {
+  (void)c, (void)status, (void)detail, (void)ud;
+  T.member_closes++;
+}
+
+/* Our side's closes go through gossip_link_forget as the runtime's on_close
+ * does: only the link's own connection names a member there. */
+static void our_on_close(net_conn_t *c, int status, const char *detail, void *ud) {
+  (void)status, (void)detail, (void)ud;
+  T.our_closes++;
+  if (gossip_link_forget(g, c)) T.forgot_link++;
+}
+
+static void config(struct net_config *c, const struct net_identity *id) {
+  net_config_defaults(c);
+  c->identity = id;
+  c->cluster_key = cluster;
+  c->handshake_timeout_ms = 2000;
+  c->close_linger_ms = 1000;
+}
+
+static void setup(void) {
+  memset(&T, 0, sizeof T);
+  cr_assert_eq(net_crypto_init(), 0);
+  cr_assert_eq(net_cluster_key_generate(cluster), 0);
+  g = xcalloc(1, sizeof *g);
+  pthread_mutex_init(&g->lock, NULL);
+  cr_assert_eq(uv_loop_init(&g->loop), 0);
+  uv_timer_init(&g->loop, &tick);
+  uv_timer_start(&tick, on_tick, 10, 10);
+  rng_seed(&g->rng, 42, 1);
+  g->cfg.role = GOSSIP_ROLE_PEER;
+  cr_assert_eq(net_identity_generate(&g->identity), 0);
+  cr_assert_eq(net_identity_generate(&T.member_id), 0);
+  struct net_config c;
+  struct rumor_err e = {0};
+  config(&c, &g->identity);
+  static const struct net_callbacks ours = {.on_close = our_on_close};
+  cr_assert_eq(net_init(&g->net, &g->loop, &c, &ours, NULL, &e), 0, "our net: %s", e.msg);
+  config(&c, &T.member_id);
+  static const struct net_callbacks member = {.on_message = member_on_message, .on_close = member_on_close};
+  cr_assert_eq(net_init(&T.member, &g->loop, &c, &member, NULL, &e), 0, "the member's net: %s", e.msg);
+  cr_assert_eq(net_listen(T.member, "127.0.0.1:0", &e), 0, "listen: %s", e.msg);
+  T.member_port = net_listen_port(T.member);
+}
+
+static void net_closed(void *arg) {
+  (void)arg;
+  T.nets_closed++;
+}
+
+static void on_tick_closed(uv_handle_t *h) { (void)h; }
+
+/* Closes both nets, then checks that the loop closes clean. */
+static void teardown(void) {
+  net_close(g->net, net_closed, NULL);
+  net_close(T.member, net_closed, NULL);
+  RUN_UNTIL(T.nets_closed == 2);
+  uv_close((uv_handle_t *)&tick, on_tick_closed);
+  uv_run(&g->loop, UV_RUN_DEFAULT);
+  cr_assert_eq(uv_loop_close(&g->loop), 0, "the loop has handles left");
+  free(g->swim.members);
+  gossip_links_free(g);
+  pthread_mutex_destroy(&g->lock);
+  free(g);
+}
+
+TestSuite(links, .init = setup, .fini = teardown);
+
+/* The link to the member, with its address (as SWIM would have told it). */
+static struct gossip_link *member_link(void) {
+  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
+  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", T.member_port);
+  return l;
+}
+
+static int send_one(uint64_t seq) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, MSG_TYPE, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "seq", seq);
+  int rc = gossip_send(g, T.member_id.pk, &b);
+  net_msgbuf_free(&b);
+  return rc;
+}
+
+Test(links, a_full_queue_refuses_a_message_with_enobufs_and_the_queued_ones_arrive) {
+  struct gossip_link *l = member_link();
+  /* No loop turn in between: the first send starts the dial, and all wait for it. */
+  for (int i = 0; i < GOSSIP_LINK_QUEUE; i++) cr_assert_eq(send_one((uint64_t)i), 0, "message %d not queued", i);
+  cr_assert(l->dialing && l->nqueue == GOSSIP_LINK_QUEUE);
+  int rc = send_one(GOSSIP_LINK_QUEUE);
+  cr_assert_eq(rc, -ENOBUFS, "a message past a full queue: %d (%s), want -ENOBUFS", rc, rumor_strerror(rc));
+  cr_assert_eq(l->nqueue, GOSSIP_LINK_QUEUE, "the refused message must not be queued");
+  RUN_UNTIL(T.member_msgs == GOSSIP_LINK_QUEUE);
+  cr_assert_eq(T.member_msgs, GOSSIP_LINK_QUEUE, "the member received %d of the %d queued messages", T.member_msgs,
+               GOSSIP_LINK_QUEUE);
+  l = gossip_link_get(g, T.member_id.pk, false);
+  cr_assert(l->conn && l->nqueue == 0);
+  cr_assert_eq(send_one(99), 0, "with the connection open a message goes out again");
+}
+
+static void on_direct(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
+  (void)n, (void)detail, (void)arg;
+  T.direct = c;
+  T.direct_status = status;
+  T.direct_done = true;
+}
+
+Test(links, a_dial_that_completes_after_the_link_adopted_a_connection_keeps_the_adopted_one) {
+  /* The connection "the member opened to us": any connection authenticated
+   * as the member will do for gossip_link_adopt. */
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", T.member_port);
+  cr_assert_eq(net_dial_peer(g->net, addr, T.member_id.pk, on_direct, NULL), 0);
+  RUN_UNTIL(T.direct_done);
+  cr_assert_eq(T.direct_status, 0, "the direct dial failed: %s", rumor_strerror(T.direct_status));
+  /* A message queued for the link's dial, then the member's connection
+   * adopted while that dial runs. */
+  struct gossip_link *l = member_link();
+  cr_assert_eq(send_one(1), 0);
+  cr_assert(l->dialing && !l->conn);
+  gossip_link_adopt(g, T.member_id.pk, T.direct);
+  cr_assert_eq(l->conn, T.direct);
+  cr_assert_eq(l->nqueue, 0, "adopting a connection sends the queue");
+  RUN_UNTIL(!gossip_link_get(g, T.member_id.pk, false)->dialing);
+  l = gossip_link_get(g, T.member_id.pk, false);
+  cr_assert(!l->dialing, "the link's dial did not complete");
+  /* The dialed connection stays open beside it (links.c, on_link_dial:
+   * closing it could cut a member's link when both dialed at once). */
+  cr_assert_eq(T.our_closes, 0, "a connection closed (%d)", T.our_closes);
+  cr_assert_eq(T.forgot_link, 0, "a close was taken for the link's");
+  l = gossip_link_get(g, T.member_id.pk, false);
+  cr_assert_eq(l->conn, T.direct, "the link keeps the adopted connection");
+  RUN_UNTIL(T.member_msgs == 1);
+  cr_assert_eq(T.member_msgs, 1, "the queued message arrived %d times, want once", T.member_msgs);
+  cr_assert_eq(send_one(2), 0);
+  RUN_UNTIL(T.member_msgs == 2);
+  cr_assert_eq(T.member_msgs, 2, "the link's connection still carries messages");
+}
+
+/* ---- neighbour choice: no network needed, only the member table ---- */
+
+static void add_member(int k) {
+  g->swim.members = xrealloc(g->swim.members, (g->swim.nmembers + 1) * sizeof *g->swim.members);
+  struct swim_member *m = &g->swim.members[g->swim.nmembers++];
+  memset(m, 0, sizeof *m);
+  m->info.id[0] = (uint8_t)k;
+  m->info.id[31] = 0x5A;
+  snprintf(m->info.addr, sizeof m->info.addr, "127.0.0.1:%d", 1000 + k); /* never dialed */
+  m->info.role = SWIM_ROLE_PEER;
+  m->info.state = SWIM_ALIVE;
+  m->info.ready = true;
+}
+
+/* Counts, over PICKS draws, how often `pick` chose member 0 and member 1. */
+static void count_picks(bool partner, const uint8_t *exclude, int *got) {
+  got[0] = got[1] = 0;
+  for (int i = 0; i < PICKS; i++) {
+    uint8_t out[NET_PUBKEY_BYTES];
+    bool ok = partner ? gossip_pick_partner(g, out, exclude) : gossip_pick_peer(g, out, exclude, true);
+    cr_assert(ok, "nobody picked");
+    for (int k = 0; k < 2; k++)
+      if (memcmp(out, g->swim.members[k].info.id, NET_PUBKEY_BYTES) == 0) got[k]++;
+  }
+}
+
+Test(links, partners_and_donors_in_a_dial_backoff_come_last) {
+  add_member(1);
+  add_member(2);
+  uint64_t now = gossip_now_ms(g);
+  /* Member 0's last dial failed; its backoff runs 5 s more. */
+  struct gossip_link *l = gossip_link_get(g, g->swim.members[0].info.id, true);
+  snprintf(l->addr, sizeof l->addr, "%s", g->swim.members[0].info.addr);
+  l->dial_failures = 1;
+  l->next_dial_ms = now + 5000;
+  cr_assert(gossip_link_dial_backed_off(g, g->swim.members[0].info.id, now));
+  cr_assert(!gossip_link_dial_backed_off(g, g->swim.members[1].info.id, now));
+  int got[2];
+  for (int partner = 0; partner < 2; partner++) {
+    count_picks(partner, NULL, got);
+    cr_assert_eq(got[0], 0, "%s: the member in a dial backoff was picked %d of %d times",
+                 partner ? "partner" : "donor", got[0], PICKS);
+    cr_assert_eq(got[1], PICKS);
+    /* With the other one excluded, it is the only choice: still picked. */
+    count_picks(partner, g->swim.members[1].info.id, got);
+    cr_assert_eq(got[0], PICKS, "%s: a member in a dial backoff must be the fallback",
+                 partner ? "partner" : "donor");
+  }
+  /* The backoff over, it is an equal choice again (among donors: partners
+   * also go by rank). */
+  l->next_dial_ms = now;
+  count_picks(false, NULL, got);
+  cr_assert(got[0] > 0 && got[1] > 0, "after the backoff: %d and %d of %d", got[0], got[1], PICKS);
+}
