@@ -59,6 +59,7 @@ done
 label="rumor, $n peers"
 case " $* " in
 *" --sync allreduce "* | *" --sync ps "* | *" --sync=allreduce "* | *" --sync=ps "* | *" --max-local-steps "*) ;;
+*" --outer sgd "* | *" --outer nesterov "* | *" --outer=sgd "* | *" --outer=nesterov "*) ;; # local-cluster.sh: no bound
 *) [ "${MAX_LOCAL_STEPS:-4}" != 0 ] && label="$label, max-local-steps ${MAX_LOCAL_STEPS:-4}" ;;
 esac
 [ $# -gt 0 ] && label="$label $*"
