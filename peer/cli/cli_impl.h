@@ -177,7 +177,7 @@ struct gossip_flags {
   const char *train_cpus, *net_cpus; /* CPU lists, or NULL */
   /* The outer optimizer (sync.h, "Outer optimizers"). */
   const char *outer, *outer_compress;
-  int64_t local_steps;
+  int64_t local_steps, outer_overlap_steps;
   double outer_lr, outer_momentum;
   bool outer_overlap;
 };

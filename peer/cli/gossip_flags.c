@@ -94,6 +94,10 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "fraction F of largest entries per chunk at BITS = 2, 4 or 8 bits, the rest kept for the next round)"},
       {"outer-overlap", ARG_FLAG, &f->outer_overlap, NULL,
        "--outer: run a round's communication beside the next round's steps and apply it one round late"},
+      {"outer-overlap-steps", ARG_INT, &f->outer_overlap_steps, "N",
+       "--outer-overlap with DiLoCo: apply a round N inner steps after its boundary (1 to --local-steps; 0: at the "
+       "next boundary)",
+       0, 1e9},
   };
   args_append(out, n, max, specs, sizeof specs / sizeof specs[0]);
 }
@@ -155,8 +159,9 @@ static int setup_outer(const struct gossip_flags *f, const struct arg_spec *spec
   o->lr = f->outer_lr;
   o->momentum = f->outer_momentum;
   o->overlap = f->outer_overlap;
+  o->overlap_steps = f->outer_overlap_steps;
   static const char *const outer_only[] = {"local-steps", "outer-lr", "outer-momentum", "outer-compress",
-                                           "outer-overlap"};
+                                           "outer-overlap", "outer-overlap-steps"};
   for (size_t i = 0; i < sizeof outer_only / sizeof outer_only[0]; i++)
     if (o->kind == OUTER_NONE && specs && args_given(specs, outer_only[i]))
       return rumor_err_set(e, RUMOR_EFORMAT, "--%s is an option of --outer sgd|nesterov, which is not given",

@@ -192,6 +192,14 @@ static void launch(struct sync *s) {
  * with the state taken. */
 static int diloco_boundary(struct sync *s, struct rumor_err *e) {
   struct sync_outer *o = &s->outer;
+  if (sync_outer_land_due(s)) {
+    /* --outer-overlap-steps: the round in flight lands τ steps into the
+     * next; the next starts at its boundary as usual. */
+    int rc = land_flight(s, e);
+    if (rc < 0) return rc;
+    if (rc == 1) sync_outer_reload(s);
+    s->donate_state_ok = !o->in_flight;
+  }
   /* Each pass applies a round or takes a state past the round we were at
    * (a donor that completed it): the rounds done only grow. */
   while (sync_outer_due(s)) {

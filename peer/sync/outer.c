@@ -105,6 +105,20 @@ void sync_outer_free(struct sync *s) {
   s->outer.host = NULL;
 }
 
+int64_t sync_outer_landing_steps(const struct outer_config *c) {
+  return c->overlap_steps > 0 ? c->overlap_steps : c->local_steps;
+}
+
+bool sync_outer_land_due(const struct sync *s) {
+  const struct sync_outer *o = &s->outer;
+  const struct outer_config *c = &s->cfg.outer;
+  if (!o->in_flight || sync_outer_landing_steps(c) >= c->local_steps) return false;
+  /* Round `rounds` (counted from 0) started at the boundary of step
+   * (rounds + 1)·H. */
+  int64_t started = ((int64_t)o->rounds + 1) * c->local_steps;
+  return s->t->st.step >= started + sync_outer_landing_steps(c);
+}
+
 bool sync_outer_due(const struct sync *s) {
   int64_t step = s->t->st.step, H = s->cfg.outer.local_steps;
   if (step <= 0) return false;
@@ -183,9 +197,10 @@ void sync_outer_plan(const struct sync_config *c, const char *scheme, struct syn
   char comp[CODEC_TEXT_MAX];
   codec_format(&o->compress, comp, sizeof comp);
   /* Members must share every setting that decides their rounds. */
+  char overlap[40] = "";
+  if (o->overlap) snprintf(overlap, sizeof overlap, " overlap=%lld", (long long)sync_outer_landing_steps(o));
   snprintf(out->label, sizeof out->label, " sync=%s outer=%s H=%lld lr=%g mu=%g compress=%s%s", scheme,
-           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp,
-           o->overlap ? " overlap" : "");
+           outer_kind_name(o->kind), (long long)o->local_steps, o->lr, o->momentum, comp, overlap);
 }
 
 void sync_outer_result(const struct sync *s, json_t *o) {
@@ -197,6 +212,7 @@ void sync_outer_result(const struct sync *s, json_t *o) {
   json_text_set(o, "local_steps", json_integer(c->local_steps));
   json_text_set(o, "outer_compress", json_string(comp));
   json_text_set(o, "outer_overlap", json_boolean(c->overlap));
+  if (c->overlap) json_text_set(o, "outer_overlap_steps", json_integer(sync_outer_landing_steps(c)));
   json_text_set(o, "outer_rounds", json_integer((json_int_t)so->rounds));
   json_text_set(o, "outer_norm", json_text_real(so->last_norm));
   json_text_set(o, "outer_bytes_round", json_text_real(so->last_bytes));

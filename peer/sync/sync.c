@@ -197,6 +197,11 @@ int sync_config_check(const struct sync_config *c, struct rumor_err *e) {
   if (c->kind == SYNC_PS)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--outer is for --sync allreduce (DiLoCo) or --sync gossip (NoLoCo), not --sync ps");
+  if (o->overlap_steps && (!o->overlap || c->kind != SYNC_ALLREDUCE || o->overlap_steps > o->local_steps))
+    return rumor_err_set(e, RUMOR_EFORMAT,
+                         "--outer-overlap-steps %lld: it sets when an overlapped DiLoCo round lands, so it needs "
+                         "--outer-overlap and --sync allreduce, and at most --local-steps (%lld)",
+                         (long long)o->overlap_steps, (long long)o->local_steps);
   if (c->kind == SYNC_GOSSIP && o->compress.kind == CODEC_TOPK)
     return rumor_err_set(e, RUMOR_EFORMAT,
                          "--outer-compress topk compresses DiLoCo's pseudo-gradients (--sync allreduce); NoLoCo "

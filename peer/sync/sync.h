@@ -195,7 +195,10 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * steps, and its update is applied at the next boundary, keeping the inner
  * progress made meanwhile: φ ← θ' + (φ − φ_k). Training waits for the
  * network only when a round is still in flight when the next is due
- * (outer_wait_s).
+ * (outer_wait_s). With --outer-overlap-steps τ < H (DiLoCo) the round lands
+ * τ steps after its boundary instead, by the same rule: the network has τ
+ * steps of compute to hide behind, and the members drift apart for τ
+ * steps rather than a whole round (measured: docs/benchmarks.md).
  *
  * --outer-compress (DiLoCo): f16 and i8 change the ring's encoding (each
  * hop re-encodes its partial sum: INTELLECT-1's int8 all-reduce);
@@ -231,6 +234,9 @@ struct outer_config {
   double lr, momentum;  /* η, μ */
   struct codec compress;
   bool overlap;
+  /* --outer-overlap-steps τ (DiLoCo): a round lands τ inner steps after
+   * the boundary that started it, 1 ≤ τ ≤ H; 0 means H (the next boundary). */
+  int64_t overlap_steps;
 };
 
 /* "none", "sgd", "nesterov". */

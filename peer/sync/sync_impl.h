@@ -88,6 +88,12 @@ void sync_outer_store(struct sync *s);
 /* True when this boundary ends a round: every local_steps steps, and at
  * the last step. */
 bool sync_outer_due(const struct sync *s);
+/* --outer-overlap's τ: the inner steps after its boundary at which a
+ * round lands (--outer-overlap-steps, or H). */
+int64_t sync_outer_landing_steps(const struct outer_config *c);
+/* True when the round in flight lands at this boundary before the next
+ * round's (--outer-overlap-steps below H). */
+bool sync_outer_land_due(const struct sync *s);
 /* work ← θ − φ (this member's pseudo-gradient, on the device). */
 void sync_outer_pseudo_gradient(struct sync *s);
 /* The outer step with the averaged pseudo-gradient in outer.work: updates

@@ -13,6 +13,7 @@ Rows (each condition):
   diloco-H     DiLoCo, H inner steps a round (--sync allreduce --outer nesterov)
   diloco-50-i8, diloco-50-topk   ... with --outer-compress i8 or topk:0.03:2
   diloco-H-overlap               ... with --outer-overlap
+  diloco-50-overlapT             ... landing T steps after the boundary (--outer-overlap-steps)
   noloco-H     NoLoCo (--sync gossip --outer nesterov)
 
 Targets (printed PASS or MISS beside the figures; loopback):
@@ -38,7 +39,8 @@ evaluation (OUT, default bench-lowcomm.csv) and prints a Markdown table.
        SLOW_FACTOR (2), THREADS (1), RUN_TIMEOUT (3600 s), OUT, DATA (the KJV text),
        EVAL_WINDOWS (1024: the validation windows every row evaluates),
        SPLIT (strided: rumor's --shard; books: each peer on its contiguous 1/N),
-       TOPK (topk:0.03:2: the diloco-50-topk row's --outer-compress)
+       TOPK (topk:0.03:2: the diloco-50-topk row's --outer-compress),
+       OVERLAP_STEPS (5: the diloco-50-overlapT row's --outer-overlap-steps)
 """
 import json
 import os
@@ -70,6 +72,7 @@ SLOW_RATE = ENV.get("SLOW_RATE_MBIT", "50")
 SLOW_FACTOR = float(ENV.get("SLOW_FACTOR", "2"))
 OUT = ENV.get("OUT", "bench-lowcomm.csv")
 TOPK = ENV.get("TOPK", "topk:0.03:2")
+OVERLAP_STEPS = int(ENV.get("OVERLAP_STEPS", "5"))
 # Every row evaluates the same first EVAL_WINDOWS validation windows: rumor
 # evaluates 20 batches unless told (--eval-batches), which would give the
 # 4x-batch row four times the windows of the others.
@@ -149,6 +152,9 @@ def rows():
     for h in HS:
         out.append((f"diloco-{h}-overlap", "peers", outer_flags(["--sync", "allreduce", "--outer", "nesterov",
                                                                 "--local-steps", str(h), "--outer-overlap"])))
+    out.append((f"diloco-50-overlap{OVERLAP_STEPS}", "peers",
+                outer_flags(["--sync", "allreduce", "--outer", "nesterov", "--local-steps", "50", "--outer-overlap",
+                             "--outer-overlap-steps", str(OVERLAP_STEPS)])))
     for h in HS:
         out.append((f"noloco-{h}", "peers", outer_flags(["--outer", "nesterov", "--local-steps", str(h)])))
     wanted = ENV.get("ROWS")

@@ -72,6 +72,9 @@ def parse():
     ap.add_argument("--shards", choices=["strided", "contiguous"], default="strided",
                     help="each replica's windows: rumor's --shard (strided over a permutation, IID) or a contiguous "
                     "1/N of the text (each on its own books)")
+    ap.add_argument("--overlap-steps", type=int, default=0,
+                    help="--overlap delayed: land a round this many inner steps after its boundary (0: at the next "
+                    "boundary, H)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--val-windows", type=int, default=512)
     ap.add_argument("--data", default="/usr/local/share/rumor/kjv.txt")
@@ -112,6 +115,7 @@ def main():
     anchor, outer = anchors[0], outers[0]
     params = [list(m.hf_params().values()) for m in models]
     t0, rounds = time.time(), 0
+    landed_marker = [None]  # --overlap-steps: the flight already landed mid-round
     flight = None  # overlap: (each replica's pseudo-gradient, their mean, each one's parameters) sent last boundary
 
     def pseudo(i):
@@ -131,6 +135,18 @@ def main():
             for k, p in enumerate(params[i]):
                 p.copy_(vals[k])
 
+    def land_early():
+        """--overlap-steps: round r lands overlap_steps after its boundary; each
+        replica keeps its progress since."""
+        with torch.no_grad():
+            outer_step(0, flight[1])
+            for i in range(1, n):
+                for k in range(len(anchor)):
+                    anchors[i][k].copy_(anchor[k])
+            for i in range(n):
+                set_params(i, [params[i][k] - flight[2][i][k] + anchor[k] for k in range(len(anchor))])
+        landed_marker[0] = flight
+
     def overlap_boundary(last):
         """--overlap: round r's mean lands at boundary r + 1. delayed (rumor's
         --outer-overlap): the anchor steps on it and each replica keeps its
@@ -141,7 +157,7 @@ def main():
         with torch.no_grad():
             deltas = [pseudo(i) for i in range(n)]
             if a.overlap == "delayed":
-                if flight:
+                if flight and flight is not landed_marker[0]:
                     outer_step(0, flight[1])
                     for i in range(1, n):
                         for k in range(len(anchor)):
@@ -216,6 +232,9 @@ def main():
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params[i], a.grad_clip)
             opts[i].step()
+        if (n > 1 and a.overlap == "delayed" and a.overlap_steps and flight and flight is not landed_marker[0]
+                and (step + 1) % a.H == a.overlap_steps % a.H and step + 1 < a.steps):
+            land_early()
         if n > 1 and a.every and (step + 1) % a.every == 0:
             average()
         elif n > 1 and not a.every and ((step + 1) % a.H == 0 or step + 1 == a.steps):

@@ -105,26 +105,28 @@ Test(outer, a_newcomer_takes_the_outer_state_and_ends_with_the_others) {
   cr_assert(fabs(la - lc) <= 0.01 * la, "the newcomer ended at test loss %.5f, the others at %.5f", lc, la);
 }
 
-/* One member alone (its ring is itself) trains 100 steps, saving at step
- * 60, a round boundary (the save comes before that round runs) and, with
- * --outer-overlap, a point with a round in flight; the save of step 60 is
- * copied aside (the peer is stopped meanwhile), and a run resumed from it
- * to step 100 must end where the first did. */
-static void resume_case(const char *overlap) {
+/* One member alone (its ring is itself) trains 100 steps, H 20, saving at
+ * step `save` (the run's only save); the save is copied aside (the peer is
+ * stopped meanwhile), and a run resumed from it to step 100 must end where
+ * the first did, having read `rounds_done` from it. `extra`: NULL-ended
+ * options (overlap), `tag` names the files. */
+static void resume_case(const char *tag, char *const *extra, int save, const char *rounds_done) {
   cluster_start_bootstrap(&C, NULL); /* a bootstrap node keeps its cluster's label: one per setting */
-  char full[300], part[300];
-  snprintf(full, sizeof full, "%s/full%s.safetensors", C.dir, overlap ? "-ov" : "");
-  snprintf(part, sizeof part, "%s/part%s.safetensors", C.dir, overlap ? "-ov" : "");
+  char full[300], part[300], every[16], seen_at[32];
+  snprintf(full, sizeof full, "%s/full-%s.safetensors", C.dir, tag);
+  snprintf(part, sizeof part, "%s/part-%s.safetensors", C.dir, tag);
+  snprintf(every, sizeof every, "%d", save);
+  snprintf(seen_at, sizeof seen_at, "(step %d)", save);
   char *common[] = {"--model", MODEL, "--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20",
-                    "--batch", "16", "--seed", "7", "--no-eval", "--checkpoint-every", "60", "--max-steps", "100"};
+                    "--batch", "16", "--seed", "7", "--no-eval", "--checkpoint-every", every, "--max-steps", "100"};
   char *argv[40];
   int n = 0;
   argv[n++] = "--bootstrap";
   argv[n++] = C.boot;
   for (size_t k = 0; k < sizeof common / sizeof common[0]; k++) argv[n++] = common[k];
-  if (overlap) argv[n++] = (char *)overlap;
+  for (int k = 0; extra && extra[k]; k++) argv[n++] = extra[k];
   int base = n;
-  argv[n++] = "--slowdown"; /* 40 steps from the save of step 60 to the next: a wide window to stop it in */
+  argv[n++] = "--slowdown"; /* about 40 steps from the save to the end: a wide window to stop it in */
   argv[n++] = "20";
   argv[n++] = "--checkpoint";
   argv[n++] = full;
@@ -133,11 +135,11 @@ static void resume_case(const char *overlap) {
   bool seen = false;
   for (double t0 = cluster_now(); !seen && cluster_now() - t0 < 180; usleep(2000)) {
     char *log = proc_slurp(C.node[p].log);
-    seen = strstr(log, "(step 60)") != NULL;
+    seen = strstr(log, seen_at) != NULL;
     free(log);
   }
   kill(C.node[p].pid, SIGSTOP);
-  cr_assert(seen, "no save at step 60: %s", proc_slurp(C.node[p].log));
+  cr_assert(seen, "no save at step %d: %s", save, proc_slurp(C.node[p].log));
   cluster_sh("cp %s %s", full, part);
   kill(C.node[p].pid, SIGCONT);
   expect_clean_exit(p);
@@ -147,8 +149,8 @@ static void resume_case(const char *overlap) {
   cr_assert_eq(checkpoint_open(part, &ck, &e), 0, "%s", e.msg);
   int64_t saved = ck.info.st.step;
   checkpoint_close(&ck);
-  cr_assert_eq(saved, 60, "the copy holds step %lld: the peer went on past step 60 before it was stopped",
-               (long long)saved);
+  cr_assert_eq(saved, save, "the copy holds step %lld: the peer went on past step %d before it was stopped",
+               (long long)saved, save);
   n = base;
   argv[n++] = "--checkpoint";
   argv[n++] = part;
@@ -157,18 +159,26 @@ static void resume_case(const char *overlap) {
   argv[n] = NULL;
   int q = cluster_spawn(&C, "peer", argv);
   expect_clean_exit(q);
-  cr_assert(cluster_log_has(&C, q, overlap ? ": 1 rounds done" : ": 2 rounds done"),
+  cr_assert(cluster_log_has(&C, q, rounds_done),
             "the resumed run did not take the outer state from the checkpoint: %s", proc_slurp(C.node[q].log));
   cr_assert_eq(cluster_result(&C, q, "outer_rounds"), 5);
   int64_t diff = params_differ(full, part);
-  cr_assert_eq(diff, 0, "the resumed run%s ends %lld values away from the uninterrupted one", overlap ? " (overlap)" : "",
-               (long long)diff);
+  cr_assert_eq(diff, 0, "the resumed run (%s) ends %lld values away from the uninterrupted one", tag, (long long)diff);
 }
 
+/* Saves at step 60: a round boundary (the save comes before that round
+ * runs) and, with --outer-overlap, a point with a round in flight; with
+ * --outer-overlap-steps 5 at step 62, with round 2 (started at step 60) in
+ * flight until step 65. */
 Test(outer, a_diloco_run_resumed_from_a_checkpoint_ends_bit_for_bit_where_it_would_have) {
   SKIP_WITHOUT_DATA();
-  resume_case(NULL);
-  resume_case("--outer-overlap");
+  resume_case("sync", NULL, 60, ": 2 rounds done");
+  resume_case("ov", (char *[]){"--outer-overlap", NULL}, 60, ": 1 rounds done");
+  resume_case("ov5", (char *[]){"--outer-overlap", "--outer-overlap-steps", "5", NULL}, 62, ": 2 rounds done");
+  /* Both runs of the last case landed round 2 (the third) 5 steps after its boundary. */
+  for (int k = C.n - 2; k < C.n; k++)
+    cr_assert(cluster_log_has(&C, k, "outer round 3 at step 65"), "round 2 did not land at step 65: %s",
+              proc_slurp(C.node[k].log));
 }
 
 Test(outer, noloco_members_pair_up_at_round_boundaries) {
@@ -221,6 +231,17 @@ Test(outer, bad_outer_options_are_refused_before_anything_starts) {
   char *ps[] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--sync", "ps", "--servers", "127.0.0.1:9",
                 "--outer", "nesterov", NULL};
   cluster_expect_exit(&C, ps, 2, "--outer is for --sync allreduce (DiLoCo) or --sync gossip (NoLoCo)");
+  /* --outer-overlap-steps: DiLoCo with --outer-overlap, at most H. */
+  const char *const want = "needs --outer-overlap and --sync allreduce, and at most --local-steps";
+  char *no_overlap[] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--sync", "allreduce", "--outer",
+                        "nesterov", "--outer-overlap-steps", "5", NULL};
+  cluster_expect_exit(&C, no_overlap, 2, want);
+  char *noloco[] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--outer", "nesterov", "--outer-overlap",
+                    "--outer-overlap-steps", "5", NULL};
+  cluster_expect_exit(&C, noloco, 2, want);
+  char *past_h[] = {"peer", "--cluster-key", C.key, "--identity", C.key, "--sync", "allreduce", "--outer",
+                    "nesterov", "--outer-overlap", "--local-steps", "10", "--outer-overlap-steps", "11", NULL};
+  cluster_expect_exit(&C, past_h, 2, want);
 }
 
 /* The outer step on a GPU (anchor, momentum and parameters on the device,
