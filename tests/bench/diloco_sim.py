@@ -136,8 +136,9 @@ def main():
                 p.copy_(vals[k])
 
     def land_early():
-        """--overlap-steps: round r lands overlap_steps after its boundary; each
-        replica keeps its progress since."""
+        """--overlap delayed: the round in flight lands (at the next boundary,
+        or --overlap-steps after its own); each replica keeps its progress
+        since its boundary."""
         with torch.no_grad():
             outer_step(0, flight[1])
             for i in range(1, n):
@@ -158,12 +159,7 @@ def main():
             deltas = [pseudo(i) for i in range(n)]
             if a.overlap == "delayed":
                 if flight and flight is not landed_marker[0]:
-                    outer_step(0, flight[1])
-                    for i in range(1, n):
-                        for k in range(len(anchor)):
-                            anchors[i][k].copy_(anchor[k])
-                    for i in range(n):
-                        set_params(i, [params[i][k] - flight[2][i][k] + anchor[k] for k in range(len(anchor))])
+                    land_early()
                     deltas = [pseudo(i) for i in range(n)]
                 if last:
                     outer_step(0, mean_of(deltas))
