@@ -285,7 +285,7 @@ def run_peers(work, cond, name, flags, steps):
             if p.poll() is None:
                 p.kill()
             p.wait()
-    losses, bpt, firsts, dones, evals = [], [], [], [], []
+    losses, bpt, firsts, dones, evals, waits = [], [], [], [], [], []
     for i in range(1, N + 1):
         r = result_line(f"{d}/w{i}.out")
         first, done, ev = read_log(f"{d}/w{i}.log")
@@ -296,6 +296,7 @@ def run_peers(work, cond, name, flags, steps):
         if r:
             losses.append(r["val_loss"])
             bpt.append(r.get("bytes_out", 0) / (r["steps"] * BATCH * CONTEXT))
+            waits.append(r.get("outer_wait_s", 0.0))
         evals.append(ev)
     t0 = min(firsts) if firsts else 0
     # A scheme's loss curve: at each evaluation time, the mean of every
@@ -307,7 +308,7 @@ def run_peers(work, cond, name, flags, steps):
         if len(latest) == len(evals):
             curve.append((t, sum(latest.values()) / len(latest)))
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
-    return {"val_loss": mean(losses), "bytes_per_token": mean(bpt),
+    return {"val_loss": mean(losses), "bytes_per_token": mean(bpt), "outer_wait_s": mean(waits),
             "wall_s": (max(dones) - t0) if dones else float("nan"), "finished": len(losses), "evals": curve}
 
 
@@ -360,7 +361,8 @@ def main():
                     csv.write(f"{cond},{name},,,,,{t:.3f},{v:.5f}\n")
                 csv.flush()
                 print(f"  val_loss {r['val_loss']:.4f}  bytes/token {r['bytes_per_token']:.2f}  wall "
-                      f"{r['wall_s']:.1f} s  finished {r['finished']}", file=sys.stderr, flush=True)
+                      f"{r['wall_s']:.1f} s  waited for outer rounds {r.get('outer_wait_s', 0.0):.1f} s  finished "
+                      f"{r['finished']}", file=sys.stderr, flush=True)
             if cond == "slow":
                 testnet("down", check=False)
     finally:
