@@ -187,7 +187,7 @@ static double rel_drift(const int *peer, int n, int64_t *steps) {
 
 #define DRIFT_BOUND 0.05 /* Ξ/‖θ̄‖, as in the gossip tests */
 #define CUT_S 30         /* how long the cut host stays cut off */
-#define HEAL_S 30        /* the drift must be back under its bound this long after the heal */
+#define HEAL_S 45        /* the drift must be back under its bound this long after the heal */
 
 /* Every peer of peer[0..n) has saved a checkpoint of step `min_step` or
  * later (they save every 20 steps), and their relative drift is under
@@ -348,7 +348,8 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
    * bound, within a few seconds. A request queued for a member while its
    * dial failed or waited out its backoff used to be lost unheard, and
    * the exchange held to its 60 s timeout with the drift up (issue #30):
-   * HEAL_S, well under that timeout, catches it when it happens. */
+   * HEAL_S, under that timeout, catches it when it happens, with a margin
+   * for a loaded machine (0.6–3.4 s in four runs). */
   struct healed hd = {peer, n, lone_pat, heal_at, -1, NAN, -1};
   (void)cluster_poll(all_healed, &hd, HEAL_S);
   double after = hd.drift;
