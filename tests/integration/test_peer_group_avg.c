@@ -161,17 +161,21 @@ static void two_groups(char *const *layout, char *const *extra, int N, char **ou
   *dist = rel_distance(ca, cb);
 }
 
-/* Tensor-parallel groups gossip rank by rank. Measured on the 2-core CI
- * machine: relative distance 0.08 after 200 steps with about 60
- * exchanges per process; two groups that do not average end 0.79 apart
- * (different seeds), so 0.3 separates the two. */
+/* Tensor-parallel groups gossip rank by rank. The group that ends first
+ * averages on with the other until it has finished too (--finish-wait-ms;
+ * without it the slower group trained its last steps alone, as many as the
+ * load on the machine made it lag: once 0.35 apart in CI). Measured on the
+ * 2-core machine beside test_peer_group: 60-90 exchanges per process, the
+ * models 0.000 apart at the end; two groups that do not average end 0.79
+ * apart (different seeds). */
 Test(group_avg, tensor_parallel_groups_average_rank_by_rank) {
-  char *layout[] = {"--tensor-parallel", "2", NULL}, *extra[] = {"--slowdown", "4", NULL};
+  char *layout[] = {"--tensor-parallel", "2", NULL};
+  char *extra[] = {"--slowdown", "4", "--finish-wait-ms", "30000", NULL};
   char *oa, *ob;
   double dist;
   two_groups(layout, extra, 2, &oa, &ob, &dist);
-  every_process_has(oa, ob, 2, "exchanges", 1);
-  cr_assert_lt(dist, 0.3, "the groups' models are %.3f apart (relative): they did not average", dist);
+  every_process_has(oa, ob, 2, "exchanges", 10);
+  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
   free(oa), free(ob);
 }
 
