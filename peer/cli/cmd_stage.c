@@ -531,8 +531,10 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
 }
 
 /* Each process pulls its shard's state from the same shard of a live
- * group (or keeps its own), and the group takes the position of its first
- * process that pulled one: every process must run the same steps. */
+ * group (or keeps its own), and the group takes the latest position any
+ * process pulled: every process must run the same steps, and the pulls,
+ * each from its own donor, may have been served steps apart (the pieces
+ * pulled earlier catch up by the sync path's next exchange or round). */
 static int shard_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};
@@ -545,7 +547,7 @@ static int shard_join(struct stage_proc *p, struct rumor_err *e) {
     memcpy(theirs, mine, sizeof theirs);
     int rc = comm_broadcast(p->comm, j, theirs, sizeof theirs, e);
     if (rc) return rc;
-    if (theirs[0] && !use[0]) memcpy(use, theirs, sizeof use);
+    if (theirs[0] && (!use[0] || theirs[1] > use[1])) memcpy(use, theirs, sizeof use);
   }
   if (jr == 0)
     log_info("took shard %d/%d's state from the cluster at step %llu (epoch %llu)", p->member, p->members,

@@ -177,10 +177,12 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --servers: a data- or tensor-parallel group with parameter "
                          "servers is not built yet", which);
   if (!averages) return 0;
-  if (strcmp(f->gossip.sync, "gossip") != 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync %s: data- or tensor-parallel groups average with other "
-                         "groups by gossip only so far (--sync gossip, with or without --outer: NoLoCo)", which,
-                         f->gossip.sync);
+  bool outer = strcmp(f->gossip.outer, "none") != 0;
+  if (strcmp(f->gossip.sync, "ps") == 0 || (strcmp(f->gossip.sync, "allreduce") == 0 && !outer))
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync %s%s: data- or tensor-parallel groups average with other "
+                         "groups by gossip (--sync gossip, with or without --outer: NoLoCo) or by outer rounds over "
+                         "the ring (--sync allreduce --outer sgd|nesterov: DiLoCo) so far", which, f->gossip.sync,
+                         strcmp(f->gossip.sync, "allreduce") == 0 ? " without --outer (every step's gradient)" : "");
   if (D > 1 && f->pipe.zero == 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 0 with %s between groups: each member averages its own piece "
                          "with other groups, and ZeRO 0's members each keep the whole optimizer state, which would "

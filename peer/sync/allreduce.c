@@ -10,21 +10,49 @@
 #include "peer/sync/sync_impl.h"
 #include "util/json_text.h"
 
+/* A data- or tensor-parallel group member (DiLoCo between groups) takes
+ * only the round's outer state (sync_outer_take), which every member of
+ * the ring holds alike after the round, and the donor's step: its
+ * parameters and inner optimizer state are one piece of the group's, whose
+ * other members' rings may not have left them behind; the group then goes
+ * on from the largest step any member took (trainer_group_agree_steps,
+ * diloco_init). */
+static bool outer_state_only(const struct sync *s) {
+  return trainer_in_group_comm(s->t) && s->cfg.outer.kind != OUTER_NONE;
+}
+
+/* Whether the state pulled (at *pos) is taken: a group member's outer
+ * state after round min_round − 1, or a whole state at min_step or later
+ * that passes the pull policy. */
+static bool take_pulled(struct sync *s, struct sync_own_state *own, const float *buf,
+                        const struct gossip_train_pos *pos, uint64_t min_round, uint64_t min_step, char *why,
+                        size_t n) {
+  if (outer_state_only(s)) return sync_outer_take(s, buf, min_round, why, n);
+  if (pos->step < min_step) { /* asked for a later one: a donor that ignores it misbehaves */
+    snprintf(why, n, "it is at step %llu, before step %llu", (unsigned long long)pos->step,
+             (unsigned long long)min_step);
+    return false;
+  }
+  return sync_pull_take(s->t, own, buf, why, n);
+}
+
 /* Left behind: takes the state of a member that completed our round (asked
  * first), or of another when that one's state is refused (sync_pull_take);
  * after SYNC_PULL_ASKS refusals the member gives up (it cannot rejoin the
- * round without one). Returns 1 when taken, 0 when nobody is left to take
- * it from (we go on with ours), or a negative code (stopped, or every
- * state asked for was refused). */
+ * round without one). A group member takes the outer state and the step
+ * only (outer_state_only). Returns 1 when taken, 0 when nobody is left
+ * to take it from (we go on with ours), or a negative code (stopped, or
+ * every state asked for was refused). */
 static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t min_round, uint64_t min_step,
                     struct rumor_err *e) {
   struct trainer *t = s->t;
   char ahead[NET_PUBKEY_STR_LEN + 1];
   net_pubkey_format(ahead, info->ahead);
   if (s->cfg.outer.kind != OUTER_NONE)
-    log_info("all-reduce: the cluster completed round %llu and we are at round %llu (step %lld): taking the state of "
-             "%.8s",
-             (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step, ahead);
+    log_info("all-reduce: the cluster completed round %llu and we are at round %llu (step %lld): taking the %sstate "
+             "of %.8s",
+             (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step,
+             outer_state_only(s) ? "outer " : "", ahead);
   else
     log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
              (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
@@ -47,11 +75,7 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   for (int asked = 1; !taken; asked++) {
     rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, min_round, buf, &pos, s->cfg.stop, e);
     if (rc) break; /* 1: nobody left to take it from, go on with ours */
-    if (pos.step < min_step) /* asked for a later one: a donor that ignores it misbehaves */
-      snprintf(why, sizeof why, "it is at step %llu, before step %llu", (unsigned long long)pos.step,
-               (unsigned long long)min_step);
-    else
-      taken = sync_pull_take(t, &own, buf, why, sizeof why);
+    taken = take_pulled(s, &own, buf, &pos, min_round, min_step, why, sizeof why);
     if (taken) break;
     log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
              (unsigned long long)pos.step, why);
@@ -66,8 +90,15 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   }
   sync_own_free(&own);
   if (!taken) return rc < 0 ? rc : 0;
-  trainer_take_step(t, (int64_t)pos.step);
   s->ring.catchups++;
+  if (outer_state_only(s)) {
+    log_info("all-reduce: took the outer state after outer round %llu from a member at step %llu (we were at step "
+             "%lld); our round is dropped",
+             (unsigned long long)s->outer.rounds, (unsigned long long)pos.step, (long long)step);
+    if ((int64_t)pos.step > step) trainer_take_step(t, (int64_t)pos.step);
+    return 1;
+  }
+  trainer_take_step(t, (int64_t)pos.step);
   log_info("all-reduce: now at step %llu; our round is dropped", (unsigned long long)pos.step);
   return 1;
 }

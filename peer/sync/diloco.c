@@ -236,6 +236,9 @@ static int diloco_init(struct sync *s, struct rumor_err *e) {
   int rc = sync_outer_init(s, e);
   if (rc) return rc;
   s->donate_state_ok = !s->outer.in_flight;
+  /* Between groups: a member left behind takes a donor's step (allreduce.c,
+   * outer_state_only); its group follows. */
+  if (trainer_in_group_comm(s->t)) trainer_group_agree_steps(s->t);
   return 0;
 }
 

@@ -127,6 +127,39 @@ bool sync_outer_due(const struct sync *s) {
   return boundary && target > s->outer.rounds + (s->outer.in_flight ? 1 : 0);
 }
 
+bool sync_outer_take(struct sync *s, const float *state, uint64_t min_round, char *why, size_t n) {
+  struct sync_outer *o = &s->outer;
+  struct trainer *t = s->t;
+  int64_t P = trainer_shard_floats(t), at = trainer_state_extra_at(t, SEG_ANCHOR);
+  int64_t mom = trainer_state_extra_at(t, SEG_MOMENTUM), meta_at = trainer_state_extra_at(t, SEG_ROUND);
+  /* The anchor, the momentum and the counters are consecutive segments. */
+  RUMOR_ASSERT(mom == at + P && meta_at == mom + P);
+  for (int64_t i = at; i < meta_at + META_FLOATS; i++)
+    if (!isfinite(state[i])) {
+      snprintf(why, n, "its outer state's value %lld of %lld is not finite", (long long)(i - at),
+               (long long)(2 * P + META_FLOATS));
+      return false;
+    }
+  const float *meta = state + meta_at;
+  uint64_t rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
+  if (meta[META_VALID] != 1.0f || meta[META_ROUNDS_LO] < 0 || meta[META_ROUNDS_HI] < 0 || rounds < min_round ||
+      meta[META_IN_FLIGHT] != 0.0f) {
+    snprintf(why, n, "its outer state is not one after round %llu (rounds %llu, in flight %g, valid %g)",
+             (unsigned long long)(min_round ? min_round - 1 : 0), (unsigned long long)rounds,
+             (double)meta[META_IN_FLIGHT], (double)meta[META_VALID]);
+    return false;
+  }
+  tensor_copy_from_host(&o->anchor, 0, state + at, (size_t)P * sizeof(float));
+  tensor_copy_from_host(&o->momentum, 0, state + mom, (size_t)P * sizeof(float));
+  struct tensor params = trainer_shard_params(t);
+  tensor_copy(&params, &o->anchor);
+  o->rounds = rounds;
+  o->in_flight = false;
+  s->changes++;
+  sync_outer_store(s);
+  return true;
+}
+
 void sync_outer_pseudo_gradient(struct sync *s) {
   struct sync_outer *o = &s->outer;
   struct tensor params = trainer_shard_params(s->t);

@@ -94,6 +94,16 @@ int64_t sync_outer_landing_steps(const struct outer_config *c);
 /* True when the round in flight lands at this boundary before the next
  * round's (--outer-overlap-steps below H). */
 bool sync_outer_land_due(const struct sync *s);
+/* A data- or tensor-parallel group member left behind by its shard's ring
+ * (its step is its group's, which the other members keep): takes only the
+ * outer state of `state`, a full state pulled from a member that completed
+ * the round (trainer_copy_state's layout): the anchor, the momentum and
+ * the rounds done, and restarts its parameters from that anchor, φ ← θ, as
+ * applying the round would have. Its step, inner optimizer state and
+ * top-k residual stay its own. False (nothing changed, why[0..n) says what
+ * was wrong) when the outer state is not finite, or not one after round
+ * min_round − 1 with nothing in flight. */
+bool sync_outer_take(struct sync *s, const float *state, uint64_t min_round, char *why, size_t n);
 /* work ← θ − φ (this member's pseudo-gradient, on the device). */
 void sync_outer_pseudo_gradient(struct sync *s);
 /* The outer step with the averaged pseudo-gradient in outer.work: updates

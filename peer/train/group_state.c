@@ -279,9 +279,51 @@ static int average_replicated(struct trainer *t, struct tensor *x, int64_t base,
 
 static comm_t *group_all(const struct trainer *t) { return t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm; }
 
+void trainer_group_agree_steps(struct trainer *t) { t->agree_steps = true; }
+
+/* A step in two floats of at most 24 bits each (exact); steps are below
+ * TRAIN_STEPS_MAX < 2^48. */
+#define STEP_UNIT 16777216.0
+
+/* The agreement of trainer_group_agree_steps: `slots` holds, summed over
+ * the members, each one's step in its own two floats. The trainer takes
+ * the largest. */
+static void take_largest_step(struct trainer *t, const float *slots, int members) {
+  int64_t most = t->st.step;
+  int who = -1;
+  for (int r = 0; r < members; r++) {
+    int64_t s = (int64_t)slots[2 * r] + (int64_t)slots[2 * r + 1] * (int64_t)STEP_UNIT;
+    if (s > most) most = s, who = r;
+  }
+  if (who < 0) return;
+  log_info("the group goes on from step %lld, which member %d took from its ring (we were at step %lld)",
+           (long long)most, who, (long long)t->st.step);
+  trainer_take_step(t, most);
+}
+
+/* The members agree whether any shard changed (and, agree_steps, on the
+ * largest step): one all-reduce of [any, then two floats per member]. */
+static int agree(struct trainer *t, bool changed, float *any, struct rumor_err *e) {
+  comm_t *all = group_all(t);
+  int members = comm_size(all);
+  int64_t n = 1 + (t->agree_steps ? 2 * (int64_t)members : 0);
+  float *v = xcalloc((size_t)n, sizeof(float));
+  v[0] = changed ? 1.0f : 0.0f;
+  if (t->agree_steps) {
+    int me = comm_rank(all);
+    v[1 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
+    v[2 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
+  }
+  int rc = comm_all_reduce(all, v, n, e);
+  if (rc == 0 && t->agree_steps) take_largest_step(t, v + 1, members);
+  *any = v[0];
+  free(v);
+  return rc;
+}
+
 static int resync(struct trainer *t, bool changed, bool *out, struct rumor_err *e) {
-  float any = changed ? 1.0f : 0.0f;
-  int rc = comm_all_reduce(group_all(t), &any, 1, e);
+  float any;
+  int rc = agree(t, changed, &any, e);
   *out = rc == 0 && any > 0;
   if (rc) return rc;
   bool z3 = t->cfg.dp && t->zero.dp.zero == 3;

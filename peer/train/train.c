@@ -671,6 +671,11 @@ static int64_t optim_shard_offset(const struct trainer *t, int part) {
   return (int64_t)part * per + (per == t->shard_n ? 0 : t->shard_lo);
 }
 
+int64_t trainer_state_extra_at(const struct trainer *t, int i) {
+  RUMOR_ASSERT(i >= 0 && i <= t->cfg.extra.n);
+  return t->shard_n + optim_floats(t) + t->extra_off[i];
+}
+
 /* Copies the shard's state to (out) or from (in) host memory. */
 static void shard_state_copy(struct trainer *t, float *out, const float *in) {
   int64_t P = t->shard_n, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];

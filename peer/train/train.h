@@ -553,6 +553,7 @@ struct trainer {
   struct tensor extra;
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
   bool replicated_apart; /* tensor-parallel ranks whose replicated moments differ (trainer_group_resync_state) */
+  bool agree_steps;      /* trainer_group_agree_steps was called */
   int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */
@@ -653,6 +654,12 @@ bool trainer_holds_part(const struct trainer *t);
  * member's shard changed. Returns 0 (at once, *any = changed, for other
  * trainers) or the communicator's error. */
 int trainer_group_resync(struct trainer *t, bool changed, bool *any, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* From now on each trainer_group_resync also brings every member to the
+ * largest step any member holds (in the same collective). For DiLoCo
+ * between groups, where a member left behind by its shard's ring takes the
+ * step of a member ahead while the other members' rings may not have left
+ * them behind. Every member of the group calls it before the same resync. */
+void trainer_group_agree_steps(struct trainer *t);
 /* After each process of a tensor-parallel group (without data-parallel
  * members) loaded a pulled state: the ranks average their replicated
  * parameters' optimizer state too, which the ranks' states (pulled from
@@ -676,6 +683,10 @@ struct tensor trainer_extra(struct trainer *t, int i);
 /* Floats in the full state: parameters, then optimizer state, then the
  * sync scheme's (train_config.extra). */
 int64_t trainer_state_floats(const struct trainer *t);
+/* Where segment i of the sync scheme's state (train_config.extra) begins
+ * in a full state of trainer_state_floats floats (trainer_copy_state's
+ * layout); i = extra.n gives its end. */
+int64_t trainer_state_extra_at(const struct trainer *t, int i);
 /* Copies parameters and optimizer state to host memory (state_floats). */
 void trainer_copy_state(struct trainer *t, float *out);
 /* Replaces parameters and optimizer state with `state` (state_floats). */

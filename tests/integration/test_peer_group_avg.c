@@ -24,7 +24,8 @@ static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(group_avg, .init = setup, .fini = teardown, .timeout = 240);
 
-/* ‖a − b‖ / ‖a‖ over the model's weights (not the optimizer state). */
+/* ‖a − b‖ / ‖a‖ over the model's weights (not the optimizer's state, nor
+ * the outer one's, whose top-k residual is each member's own). */
 static double rel_distance(const char *a, const char *b) {
   struct st_file fa, fb;
   struct rumor_err e;
@@ -33,7 +34,7 @@ static double rel_distance(const char *a, const char *b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < fa.ntensors; i++) {
     const struct st_tensor *ta = &fa.tensors[i], *tb = safetensors_find(&fb, ta->name);
-    if (strncmp(ta->name, "optimizer.", 10) == 0) continue;
+    if (strncmp(ta->name, "optimizer.", 10) == 0 || strncmp(ta->name, "outer.", 6) == 0) continue;
     cr_assert_not_null(tb, "%s has no %s", b, ta->name);
     cr_assert_eq(ta->nbytes, tb->nbytes, "%s: sizes differ", ta->name);
     const float *x = ta->data, *y = tb->data;
@@ -193,6 +194,68 @@ Test(group_avg, zero_groups_run_noloco_piece_by_piece) {
   free(oa), free(ob);
 }
 
+/* DiLoCo between groups: each process runs its shard's outer rounds over a
+ * ring with the process holding the same shard in the other group, and a
+ * run ends with a round. */
+Test(group_avg, tensor_parallel_groups_run_diloco_shard_by_shard) {
+  char *layout[] = {"--tensor-parallel", "2", NULL};
+  char *extra[] = {"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", "--slowdown", "2", NULL};
+  char *oa, *ob;
+  double dist;
+  two_groups(layout, extra, 2, &oa, &ob, &dist);
+  every_process_has(oa, ob, 2, "outer_rounds", 10);
+  cr_assert_lt(dist, 1e-6, "the groups' models are %.3g apart (relative) after DiLoCo rounds", dist);
+  free(oa), free(ob);
+}
+
+/* A DiLoCo group that joins late from its own initialisation
+ * (--no-state-pull): its first round (round 0) is long done, so each
+ * process is left behind by its shard's ring, takes only the outer state
+ * (anchor, momentum, rounds) and the step of a process ahead, and its
+ * group goes on from the largest step any of its processes took. From then
+ * on both groups run the same rounds and end with the same model (top-k
+ * rounds: each process keeps its own residual). */
+Test(group_avg, a_late_diloco_group_catches_up_with_the_rounds) {
+  SKIP_WITHOUT_DATA();
+  char ca[256], cb[256];
+  snprintf(ca, sizeof ca, "%s/a.safetensors", C.dir);
+  snprintf(cb, sizeof cb, "%s/b.safetensors", C.dir);
+  char *common[] = {"--data-parallel", "2", "--zero", "2", "--model", "mlp:784-64-32-10", "--batch", "50",
+                    "--max-steps", "500", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync",
+                    "allreduce", "--outer", "nesterov", "--local-steps", "10", "--outer-compress", "topk:0.05:4",
+                    "--listen", "127.0.0.1:0", NULL};
+  char *args[2][48];
+  for (int g = 0; g < 2; g++) {
+    int n = 0;
+    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
+    args[g][n++] = "--checkpoint";
+    args[g][n++] = g ? cb : ca;
+    args[g][n] = NULL;
+  }
+  struct cluster_group a, b;
+  cluster_start_group(&C, &a, "ga", args[0]);
+  char list[512];
+  group_addrs(&a, 2, list, sizeof list);
+  cr_assert(cluster_wait_file(a.log, "outer round 3 at step", 60), "group ga ran no rounds: %s", proc_slurp(a.log));
+  int n = 0;
+  while (args[1][n]) n++;
+  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
+  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
+  args[1][n] = NULL;
+  cluster_start_group(&C, &b, "gb", args[1]);
+  char *ob = group_finish(&b, "gb"), *oa = group_finish(&a, "ga");
+  char *log = proc_slurp(b.log);
+  every_process_has(oa, ob, 2, "outer_rounds", 50);
+  int count;
+  cr_assert_geq(least_over_members(ob, "allreduce_catchups", &count), 1,
+                "a process of the late group took no outer state: %s\n%s", ob, log);
+  cr_assert_eq(least_over_members(ob, "steps", &count), 500, "%s", ob);
+  cr_assert(strstr(log, "all-reduce: took the outer state after outer round"), "%s", log);
+  double dist = rel_distance(ca, cb);
+  cr_assert_lt(dist, 1e-6, "the groups' models are %.3g apart (relative) after the late group's rounds", dist);
+  free(log), free(oa), free(ob);
+}
+
 /* A group that starts while another trains takes each shard's state from
  * the same shard of the live group and the live group's step. */
 Test(group_avg, a_late_group_pulls_each_shard) {
@@ -238,8 +301,8 @@ Test(group_avg, bad_combinations_are_refused) {
   cluster_expect_exit(&C, G("--data-parallel", "2", "--listen", "127.0.0.1:0"), 2,
                       "--zero 0 with --data-parallel 2 between groups");
   cluster_expect_exit(&C, G("--tensor-parallel", "2", "--listen", "127.0.0.1:0", "--sync", "allreduce"), 2,
-                      "--tensor-parallel 2 with --sync allreduce: data- or tensor-parallel groups average with other "
-                      "groups by gossip only so far");
+                      "--tensor-parallel 2 with --sync allreduce without --outer (every step's gradient): data- or "
+                      "tensor-parallel groups average with other groups by gossip");
   cluster_expect_exit(&C,
                       G("--tensor-parallel", "2", "--data-parallel", "2", "--zero", "3", "--listen", "127.0.0.1:0"), 2,
                       "--zero 3 with --tensor-parallel 2 between groups");
