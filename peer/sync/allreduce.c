@@ -27,7 +27,7 @@ static bool outer_state_only(const struct sync *s) {
 static bool take_pulled(struct sync *s, struct sync_own_state *own, const float *buf,
                         const struct gossip_train_pos *pos, uint64_t min_round, uint64_t min_step, char *why,
                         size_t n) {
-  if (outer_state_only(s)) return sync_outer_take(s, buf, min_round, why, n);
+  if (outer_state_only(s)) return sync_outer_take(s, buf, pos->step, min_round, why, n);
   if (pos->step < min_step) { /* asked for a later one: a donor that ignores it misbehaves */
     snprintf(why, n, "it is at step %llu, before step %llu", (unsigned long long)pos->step,
              (unsigned long long)min_step);

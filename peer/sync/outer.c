@@ -40,13 +40,24 @@ void sync_outer_store(struct sync *s) {
   tensor_copy_from_host(&o->round_meta, 0, meta, sizeof meta);
 }
 
-/* Reads the counters; false when the state was never set up (all zero). */
+/* The rounds in a counters segment; false when it was never set up (all
+ * zero) or holds what sync_outer_store never writes (a state from a broken
+ * or hostile member: its halves must be whole numbers below 2^24). */
+static bool meta_rounds(const float *meta, uint64_t *rounds) {
+  for (int i = META_ROUNDS_LO; i <= META_ROUNDS_HI; i++)
+    if (!(meta[i] >= 0 && meta[i] < META_UNIT && meta[i] == floorf(meta[i]))) return false;
+  if (meta[META_VALID] != 1.0f) return false;
+  *rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
+  return true;
+}
+
+/* Reads the counters; false when the state was never set up (all zero),
+ * or its counters are not ones sync_outer_store writes. */
 static bool load_meta(struct sync *s) {
   struct sync_outer *o = &s->outer;
   float meta[META_FLOATS];
   tensor_copy_to_host(&o->round_meta, 0, meta, sizeof meta);
-  if (meta[META_VALID] != 1.0f) return false;
-  o->rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
+  if (!meta_rounds(meta, &o->rounds)) return false;
   o->in_flight = meta[META_IN_FLIGHT] != 0.0f;
   return true;
 }
@@ -127,7 +138,7 @@ bool sync_outer_due(const struct sync *s) {
   return boundary && target > s->outer.rounds + (s->outer.in_flight ? 1 : 0);
 }
 
-bool sync_outer_take(struct sync *s, const float *state, uint64_t min_round, char *why, size_t n) {
+bool sync_outer_take(struct sync *s, const float *state, uint64_t step, uint64_t min_round, char *why, size_t n) {
   struct sync_outer *o = &s->outer;
   struct trainer *t = s->t;
   int64_t P = trainer_shard_floats(t), at = trainer_state_extra_at(t, SEG_ANCHOR);
@@ -141,12 +152,19 @@ bool sync_outer_take(struct sync *s, const float *state, uint64_t min_round, cha
       return false;
     }
   const float *meta = state + meta_at;
-  uint64_t rounds = (uint64_t)meta[META_ROUNDS_LO] + (uint64_t)meta[META_ROUNDS_HI] * (uint64_t)META_UNIT;
-  if (meta[META_VALID] != 1.0f || meta[META_ROUNDS_LO] < 0 || meta[META_ROUNDS_HI] < 0 || rounds < min_round ||
-      meta[META_IN_FLIGHT] != 0.0f) {
-    snprintf(why, n, "its outer state is not one after round %llu (rounds %llu, in flight %g, valid %g)",
-             (unsigned long long)(min_round ? min_round - 1 : 0), (unsigned long long)rounds,
-             (double)meta[META_IN_FLIGHT], (double)meta[META_VALID]);
+  uint64_t rounds = 0;
+  if (!meta_rounds(meta, &rounds) || rounds < min_round || meta[META_IN_FLIGHT] != 0.0f) {
+    snprintf(why, n, "its outer state is not one after %llu rounds with none in flight (rounds %g + %g x 2^24, in "
+             "flight %g, valid %g)", (unsigned long long)min_round, (double)meta[META_ROUNDS_LO],
+             (double)meta[META_ROUNDS_HI], (double)meta[META_IN_FLIGHT], (double)meta[META_VALID]);
+    return false;
+  }
+  /* Its step goes with its rounds: a round ends every H steps (and at a
+   * run's last step, which may come before a multiple of H). */
+  uint64_t H = (uint64_t)s->cfg.outer.local_steps;
+  if (step > (rounds + 1) * H || step + H < rounds * H) {
+    snprintf(why, n, "its step %llu does not go with its %llu rounds of %llu steps", (unsigned long long)step,
+             (unsigned long long)rounds, (unsigned long long)H);
     return false;
   }
   tensor_copy_from_host(&o->anchor, 0, state + at, (size_t)P * sizeof(float));
