@@ -11,11 +11,23 @@
 #define RUMOR_TESTS_TENSOR_CHECK_H
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 static tensor_backend_t be; /* the suite's backend */
 static struct rng rng;      /* the suite's random inputs */
+
+/* Seeds the suite's inputs: new ones every run (from the clock), or those
+ * of RUMOR_TEST_STREAM=N, and says which, so that a failure on one draw
+ * can be run again. */
+static inline void rng_seed_suite(uint64_t seed) {
+  const char *given = getenv("RUMOR_TEST_STREAM");
+  uint64_t stream = given && *given ? strtoull(given, NULL, 10) : (uint64_t)clock_now_ns();
+  rng_seed(&rng, seed, stream);
+  /* On stderr, which ctest --output-on-failure shows when a test fails. */
+  fprintf(stderr, "random inputs: RUMOR_TEST_STREAM=%llu draws them again\n", (unsigned long long)stream);
+}
 
 static inline float *rand_host(int64_t n, float scale) {
   float *p = xmalloc((size_t)n * sizeof *p);

@@ -35,7 +35,7 @@ static const int thread_counts[] = {1, 2};
 static void setup(void) {
   struct rumor_err e;
   cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0, "%s", e.msg);
-  rng_seed(&rng, 3232, (uint64_t)clock_now_ns());
+  rng_seed_suite(3232);
 }
 static void teardown(void) { tensor_backend_close(be); }
 

@@ -14,7 +14,7 @@ static void setup(void) {
   struct rumor_err e;
   cr_assert_eq(tensor_backend_open("cpu", &be, &e), 0, "%s", e.msg);
   tensor_backend_set_threads(be, 2);
-  rng_seed(&rng, 12345, (uint64_t)clock_now_ns());
+  rng_seed_suite(12345);
 }
 static void teardown(void) { tensor_backend_close(be); }
 
