@@ -183,10 +183,6 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
                          "groups by gossip (--sync gossip, with or without --outer: NoLoCo) or by outer rounds over "
                          "the ring (--sync allreduce --outer sgd|nesterov: DiLoCo) so far", which, f->gossip.sync,
                          strcmp(f->gossip.sync, "allreduce") == 0 ? " without --outer (every step's gradient)" : "");
-  if (D > 1 && f->pipe.zero == 0)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--zero 0 with %s between groups: each member averages its own piece "
-                         "with other groups, and ZeRO 0's members each keep the whole optimizer state, which would "
-                         "drift apart; use --zero 1 (the same traffic inside the group)", which);
   if (D > 1 && T > 1 && f->pipe.zero == 3)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
                          "hold their replicated parameters whole, which averaging needs; use --zero 2", which);

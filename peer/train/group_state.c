@@ -356,12 +356,16 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any_out, struct 
 }
 
 int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) {
+  bool zero0 = t->cfg.dp && t->zero.dp.zero == 0;
+  int rc;
+  if (zero0 && (rc = zero_gather_state(t, e))) return rc;
   if (!t->cfg.tp) return 0;
-  if (t->cfg.dp) { /* the moments are spread over the members' pieces */
+  if (t->cfg.dp && !zero0) { /* the moments are spread over the members' pieces */
     t->replicated_apart = true;
     return 0;
   }
-  int parts = optim_state_per_param(t->optim.cfg.kind), rc = 0;
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  rc = 0;
   for (int s = 0; rc == 0 && s < parts; s++) rc = average_replicated(t, &t->optim.state, (int64_t)s * t->optim.nparams, e);
   return rc;
 }
@@ -401,10 +405,14 @@ static int compare_with_first(comm_t *c, uint64_t h, bool *differs, struct rumor
 int trainer_group_check(struct trainer *t, struct rumor_err *e) {
   if (!t->cfg.dp && !t->cfg.tp) return 0;
   struct model *m = &t->model;
-  bool dp_differs = false, tp_differs = false;
+  bool dp_differs = false, tp_differs = false, state_differs = false;
   int rc = 0;
   if (t->cfg.dp && t->zero.dp.zero <= 2) {
     rc = compare_with_first(t->zero.dp.comm, fnv1a_tensor(&m->params, m->nparams), &dp_differs, e);
+  }
+  if (rc == 0 && t->cfg.dp && t->zero.dp.zero == 0) { /* each member holds the whole optimizer state */
+    int64_t n = t->optim.nparams * optim_state_per_param(t->optim.cfg.kind);
+    rc = compare_with_first(t->zero.dp.comm, fnv1a_tensor(&t->optim.state, n), &state_differs, e);
   }
   if (rc == 0 && t->cfg.tp && !(t->cfg.dp && t->zero.dp.zero == 3)) {
     int64_t n = replicated_copy(m, &m->params, 0, NULL, false);
@@ -415,13 +423,16 @@ int trainer_group_check(struct trainer *t, struct rumor_err *e) {
   }
   if (rc) return rc;
   /* Every process learns the verdict, so the whole group fails alike. */
-  float bad[2] = {dp_differs ? 1.0f : 0.0f, tp_differs ? 1.0f : 0.0f};
-  if ((rc = comm_all_reduce(group_all(t), bad, 2, e))) return rc;
+  float bad[3] = {dp_differs ? 1.0f : 0.0f, tp_differs ? 1.0f : 0.0f, state_differs ? 1.0f : 0.0f};
+  if ((rc = comm_all_reduce(group_all(t), bad, 3, e))) return rc;
   if (bad[0] > 0)
     return rumor_err_set(e, RUMOR_EPROTO, "the group's data-parallel members hold different parameters (%g of them "
                          "differ from their member 0's)", (double)bad[0]);
   if (bad[1] > 0)
     return rumor_err_set(e, RUMOR_EPROTO, "the group's tensor-parallel ranks hold different replicated parameters "
                          "(%g of them differ from their rank 0's)", (double)bad[1]);
+  if (bad[2] > 0)
+    return rumor_err_set(e, RUMOR_EPROTO, "the group's ZeRO 0 members hold different optimizer states (%g of them "
+                         "differ from their member 0's)", (double)bad[2]);
   return 0;
 }

@@ -660,19 +660,21 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any, struct rumo
  * step of a member ahead while the other members' rings may not have left
  * them behind. Every member of the group calls it before the same resync. */
 void trainer_group_agree_steps(struct trainer *t);
-/* After each process of a tensor-parallel group (without data-parallel
- * members) loaded a pulled state: the ranks average their replicated
- * parameters' optimizer state too, which the ranks' states (pulled from
- * different groups, or not at all) hold differently. With data-parallel
- * members a rank's piece does not hold those moments whole: they stay
+/* After each process of a group loaded a pulled state (its shard's):
+ * ZeRO 0 data-parallel members, which each hold the whole optimizer state
+ * but pulled only their piece's, all-gather the pieces of every moment.
+ * Tensor-parallel ranks then average their replicated parameters'
+ * optimizer state too, which the ranks' states (pulled from different
+ * groups, or not at all) hold differently. With data-parallel members
+ * above ZeRO 0 a rank's piece does not hold those moments whole: they stay
  * apart until the ranks' equal gradients wash the difference out, and
  * trainer_group_resync averages the parameters at every call from then
- * on. Collective
- * over the ranks; 0 at once for other trainers. */
+ * on. Collective over the group; 0 at once for other trainers. */
 int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Checks that the group's copies agree bit for bit: data-parallel members
- * holding whole parameters (ZeRO 0-2) the whole buffer, tensor-parallel
- * ranks their replicated parameters. Collective, as above. Returns 0, the
+ * holding whole parameters (ZeRO 0-2) the whole buffer, ZeRO 0's also the
+ * whole optimizer state, tensor-parallel ranks their replicated
+ * parameters. Collective, as above. Returns 0, the
  * communicator's error, or RUMOR_EPROTO naming the first member whose copy
  * differs from its member 0's. */
 int trainer_group_check(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;

@@ -43,6 +43,10 @@ void zero_free(struct trainer *t);
  * the pieces changed outside a step, or a lazy step left them partial:
  * trainer_group_resync, trainer_evaluate). Collective. */
 int zero_gather_params(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* ZeRO 0, whose members each hold the whole optimizer state: every
+ * member's piece of each moment to every member (after each loaded its
+ * piece's state pulled from another group). Collective. */
+int zero_gather_state(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* This member's piece [*lo, *hi) of a flat buffer of n floats. */
 void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi);
 /* One step on the staged batch (x, y: all `rows` rows of it; this member

@@ -417,6 +417,17 @@ int zero_gather_params(struct trainer *t, struct rumor_err *e) {
   return rc;
 }
 
+int zero_gather_state(struct trainer *t, struct rumor_err *e) {
+  RUMOR_ASSERT(t->zero.dp.zero == 0 && t->optim.nparams == t->model.nparams);
+  int parts = optim_state_per_param(t->optim.cfg.kind), rc = 0;
+  int64_t n = t->model.nparams;
+  for (int s = 0; rc == 0 && s < parts; s++) {
+    struct tensor part = tensor_view(&t->optim.state, (int64_t)s * n, 1, &n);
+    rc = collective(t, COLL_ALL_GATHER, &part, 0, n, e);
+  }
+  return rc;
+}
+
 void zero_piece(const struct train_dp *dp, int64_t n, int64_t *lo, int64_t *hi) {
   comm_chunk(n, comm_size(dp->comm), comm_rank(dp->comm), lo, hi);
 }
