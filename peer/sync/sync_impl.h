@@ -95,12 +95,13 @@ int64_t sync_outer_landing_steps(const struct outer_config *c);
  * round's (--outer-overlap-steps below H). */
 bool sync_outer_land_due(const struct sync *s);
 /* A data- or tensor-parallel group member left behind by its shard's ring
- * (its step is its group's, which the other members keep): takes only the
- * outer state of `state`, a full state pulled from a member that completed
- * the round (trainer_copy_state's layout): the anchor, the momentum and
- * the rounds done, and restarts its parameters from that anchor, φ ← θ, as
- * applying the round would have. Its step, inner optimizer state and
- * top-k residual stay its own. False (nothing changed, why[0..n) says what
+ * (its parameters and inner state are a piece of its group's): takes only
+ * the outer state of `state`, a full state pulled from a member that
+ * completed the round (trainer_copy_state's layout): the anchor, the
+ * momentum and the rounds done, and restarts its parameters from that
+ * anchor, φ ← θ, as applying the round would have. Its inner optimizer
+ * state and top-k residual stay its own; the step is the caller's
+ * (allreduce.c takes the donor's, and the group follows). False (nothing changed, why[0..n) says what
  * was wrong) when the outer state is not finite, not one after min_round
  * rounds with nothing in flight, or `step` (the donor's) does not go with
  * its rounds. */
