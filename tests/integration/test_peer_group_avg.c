@@ -256,6 +256,47 @@ Test(group_avg, a_late_diloco_group_catches_up_with_the_rounds) {
   free(log), free(oa), free(ob);
 }
 
+/* The same late DiLoCo group, beside a group whose donations are poisoned
+ * (rumor-testing --attack baddonor: the state it donates × −1000, its own
+ * honest): each process refuses the outer state it pulls (its counters are
+ * not ones a member writes), strikes the donor, and after two refusals its
+ * group stops with the reason instead of training on from garbage; the
+ * live group trains on. */
+Test(group_avg, a_late_diloco_group_refuses_poisoned_outer_states_and_stops) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  char *common[] = {"--data-parallel", "2", "--zero", "1", "--model", "mlp:784-64-32-10", "--batch", "50",
+                    "--max-steps", "300", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync",
+                    "allreduce", "--outer", "nesterov", "--local-steps", "10", "--listen", "127.0.0.1:0", NULL};
+  char *args[2][48];
+  for (int g = 0; g < 2; g++) {
+    int n = 0;
+    if (g == 0) args[g][n++] = "--attack", args[g][n++] = "baddonor";
+    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
+    args[g][n] = NULL;
+  }
+  struct cluster_group a, b;
+  cluster_start_group(&C, &a, "ga", args[0]);
+  char list[512];
+  group_addrs(&a, 2, list, sizeof list);
+  cr_assert(cluster_wait_file(a.log, "outer round 3 at step", 60), "group ga ran no rounds: %s", proc_slurp(a.log));
+  int n = 0;
+  while (args[1][n]) n++;
+  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
+  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
+  args[1][n] = NULL;
+  cluster_start_group(&C, &b, "gb", args[1]);
+  int st = proc_wait(b.pid, 120);
+  char *log = proc_slurp(b.log);
+  cr_assert(proc_exited_with(st, 1), "the late group should stop (status %d): %s", st, log);
+  cr_assert(strstr(log, "all-reduce: refused the state pulled at step"), "%s", log);
+  cr_assert(strstr(log, "its outer state is not one after"), "%s", log);
+  cr_assert(strstr(log, "the 2 states pulled to catch up were refused"), "%s", log);
+  cr_assert(!strstr(log, "took the outer state"), "it took a poisoned outer state: %s", log);
+  free(group_finish(&a, "ga"));
+  free(log);
+}
+
 /* A group that starts while another trains takes each shard's state from
  * the same shard of the live group and the live group's step. ZeRO 0: each
  * member holds the whole optimizer state but pulls its piece's, and the
