@@ -142,10 +142,10 @@ static void rank_units(const struct model_spec *spec, int T, int j, int u0, int 
  * together there into the whole model's layout (`full`, table.nparams
  * floats per part; NULL elsewhere), the units' range of it written. Every
  * part of the state has the parameters' layout. */
-static int assemble_tp(struct trainer *t, const float *local, float *full, struct rumor_err *e) {
+static int assemble_tp(struct trainer *t, const float *local, float *full, int parts, struct rumor_err *e) {
   comm_t *c = t->cfg.tp->comm;
   const struct model *m = &t->model;
-  int T = comm_size(c), me = comm_rank(c), parts = 1 + optim_state_per_param(t->optim.cfg.kind);
+  int T = comm_size(c), me = comm_rank(c);
   const struct model_spec *spec = &m->spec;
   int64_t PL = m->nparams, PW = m->table.nparams, counts[COMM_MAX_MEMBERS], at[COMM_MAX_MEMBERS], total = 0, most = 0;
   for (int j = 0; j < T; j++) {
@@ -171,6 +171,87 @@ static int assemble_tp(struct trainer *t, const float *local, float *full, struc
   return rc;
 }
 
+/* ---- the sync scheme's state in a whole-model checkpoint ---- */
+
+/* The per-parameter segments of the sync scheme's state (an outer
+ * optimizer's anchor, momentum, ...): one shard-sized run each. */
+static int extra_runs(const struct trainer *t) {
+  int n = 0;
+  for (int i = 0; i < t->cfg.extra.n; i++) n += t->cfg.extra.seg[i].per_param > 0;
+  return n;
+}
+
+/* The sync scheme's state put together in the whole model's layout on the
+ * group's first process (dp_first and tp_first): `x` names its segments,
+ * whose data *keep owns (free it). Elsewhere x->n stays 0. Collective. */
+static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct ckpt_extra *x, float **keep,
+                        struct rumor_err *e) {
+  const struct train_extra_spec *xs = &t->cfg.extra;
+  struct model *m = &t->model;
+  int runs = extra_runs(t), rc = 0;
+  int64_t X = t->extra_off[xs->n], PL = m->nparams, W = m->table.nparams;
+  RUMOR_ASSERT(!trainer_is_stage(t)); /* outer schemes are refused inside pipelined groups */
+  float *own = xmalloc((size_t)(X > 0 ? X : 1) * sizeof(float));
+  tensor_copy_to_host(&t->extra, 0, own, (size_t)X * sizeof(float));
+  /* Each run's shard, put together into this rank's buffer (PL floats a run). */
+  float *local = dp_first ? xcalloc((size_t)(PL * runs > 0 ? PL * runs : 1), sizeof(float)) : NULL;
+  for (int i = 0, r = 0; rc == 0 && i < xs->n; i++) {
+    if (!xs->seg[i].per_param) continue;
+    RUMOR_ASSERT(xs->seg[i].per_param == 1);
+    const float *mine = own + t->extra_off[i];
+    if (t->cfg.dp) rc = zero_gather_host(t, mine, local ? local + PL * r : NULL, e);
+    else memcpy(local + PL * r + t->shard_lo, mine, (size_t)t->shard_n * sizeof(float));
+    r++;
+  }
+  float *full = NULL;
+  if (rc == 0 && t->cfg.tp && dp_first) {
+    if (tp_first) full = xcalloc((size_t)(W * runs > 0 ? W * runs : 1), sizeof(float));
+    rc = assemble_tp(t, local, full, runs, e);
+  }
+  const float *whole = t->cfg.tp ? full : local;
+  x->n = 0;
+  if (rc == 0 && dp_first && tp_first)
+    for (int i = 0, r = 0; i < xs->n; i++) {
+      bool pp = xs->seg[i].per_param > 0;
+      /* A fixed segment (counters) is the same on every process: ours. */
+      x->t[x->n++] = (struct ckpt_extra_tensor){xs->seg[i].name, pp ? whole + W * r++ : own + t->extra_off[i],
+                                                 pp ? W : xs->seg[i].fixed};
+      RUMOR_ASSERT(!pp || xs->seg[i].fixed == 0);
+    }
+  /* The first process keeps what x points into. */
+  keep[0] = own, keep[1] = local, keep[2] = full;
+  return rc;
+}
+
+void group_restore_extra(struct trainer *t, const struct checkpoint *ck) {
+  const struct train_extra_spec *xs = &t->cfg.extra;
+  struct model *m = &t->model;
+  int64_t W = m->table.nparams;
+  for (int i = 0; i < xs->n; i++)
+    if (!checkpoint_extra(ck, xs->seg[i].name, xs->seg[i].per_param * W + xs->seg[i].fixed)) {
+      log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
+               xs->seg[i].name);
+      return;
+    }
+  float *local = m->tp ? xmalloc((size_t)m->nparams * sizeof(float)) : NULL;
+  for (int i = 0; i < xs->n; i++) {
+    const float *src = checkpoint_extra(ck, xs->seg[i].name, xs->seg[i].per_param * W + xs->seg[i].fixed);
+    int64_t at = t->extra_off[i];
+    if (xs->seg[i].per_param) {
+      const float *mine = src;
+      if (m->tp) {
+        model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, src, local);
+        mine = local;
+      }
+      tensor_copy_from_host(&t->extra, at, mine + t->shard_lo, (size_t)t->shard_n * sizeof(float));
+      at += t->shard_n;
+    }
+    if (xs->seg[i].fixed)
+      tensor_copy_from_host(&t->extra, at, src + xs->seg[i].per_param * W, (size_t)xs->seg[i].fixed * sizeof(float));
+  }
+  free(local);
+}
+
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
   struct model *m = &t->model;
   int parts = 1 + optim_state_per_param(t->optim.cfg.kind);
@@ -183,9 +264,17 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
    * gather: its tensor-parallel communicator is the first members'. */
   if (rc == 0 && t->cfg.tp && dp_first) {
     if (tp_first) full = xmalloc((size_t)(m->table.nparams * parts) * sizeof(float));
-    rc = assemble_tp(t, local, full, e);
+    rc = assemble_tp(t, local, full, parts, e);
   }
   const float *whole = t->cfg.tp ? full : local;
+  struct ckpt_info with = *info;
+  struct ckpt_extra x = {0};
+  float *keep[3] = {NULL, NULL, NULL};
+  with.extra = NULL;
+  if (rc == 0 && t->cfg.extra.n > 0) {
+    rc = gather_extra(t, dp_first, tp_first, &x, keep, e);
+    if (x.n) with.extra = &x;
+  }
   if (rc == 0 && dp_first && tp_first) {
     /* The whole model as one process holds it (a tensor-parallel rank's
      * slices put together), or a pipeline stage's units: the range of the
@@ -198,10 +287,11 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
       view.nparams = P;
       view.param_base = base;
     }
-    rc = checkpoint_save_host(path, &view, &t->optim, whole, info, e);
+    rc = checkpoint_save_host(path, &view, &t->optim, whole, &with, e);
   }
   free(local);
   free(full);
+  for (int i = 0; i < 3; i++) free(keep[i]);
   /* Every member learns whether the file was written: a failed save fails
    * the whole group, not its first process alone. */
   comm_t *all = t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm;

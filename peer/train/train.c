@@ -266,7 +266,7 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   group_load(t, full, parts[0] ? parts : NULL);
   t->optim.step = ck->info.st.step;
   free(full);
-  restore_extra(t, ck);
+  group_restore_extra(t, ck);
   return 0;
 }
 

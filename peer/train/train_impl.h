@@ -91,19 +91,30 @@ int group_grad_sq_norm(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, 
  * trainer_clip_gradients does for one process. */
 int group_clip(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The whole model's state (parameters, then each optimizer part: the
- * single process's layout) gathered to the group's first process, which
- * writes it to `path`; every member learns whether it was written. */
+ * single process's layout, and the sync scheme's state, train_config.extra,
+ * its per-parameter segments put together in that layout too) gathered to
+ * the group's first process, which writes it to `path`; every member
+ * learns whether it was written. `info->extra` is ignored. */
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The buffer this process holds, from the whole model's parameters (and
  * optimizer state, when `state` is not NULL: each part P floats) in host
  * memory: a tensor-parallel rank takes its slices, a ZeRO member its piece
  * of the optimizer state. */
 void group_load(struct trainer *t, const float *params, const float *const *state);
+/* --resume: the sync scheme's segments from a whole-model checkpoint (as
+ * group_save writes them), this process's shard of each per-parameter
+ * segment; when one is missing or of another size they all stay zero and
+ * the scheme starts afresh, as for one process. */
+void group_restore_extra(struct trainer *t, const struct checkpoint *ck);
 
 /* ZeRO: the members' pieces (zero.c), for group_state.c: the local state
  * (parameters, then each optimizer part, all of the buffer this process
  * holds) gathered to data-parallel member 0, into `local` there (NULL on
  * the others). */
 int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Every member's piece (`mine`: host memory, this member's piece's floats)
+ * to member 0, into dst[0..model.nparams) in piece order (dst NULL
+ * elsewhere). Collective over the data-parallel members. */
+int zero_gather_host(struct trainer *t, const float *mine, float *dst, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_PEER_TRAIN_IMPL_H */

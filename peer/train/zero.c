@@ -392,10 +392,15 @@ static int gather_to_first(struct trainer *t, const struct tensor *src, int64_t 
   /* `whole`: src holds every position (parameters, ZeRO 0's state) and this
    * member's piece is at plo; else src holds the piece alone. */
   if (pn > 0) tensor_copy_to_host(src, base + (whole ? plo : 0), mine, (size_t)pn * sizeof(float));
-  for (int j = 0; j < z->size; j++) z->counts[j] = z->cut[j + 1] - z->cut[j];
-  int rc = comm_gather_v(z->dp.comm, 0, mine, pn, dst, z->counts, e);
+  int rc = zero_gather_host(t, mine, dst, e);
   free(mine);
   return rc;
+}
+
+int zero_gather_host(struct trainer *t, const float *mine, float *dst, struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  for (int j = 0; j < z->size; j++) z->counts[j] = z->cut[j + 1] - z->cut[j];
+  return comm_gather_v(z->dp.comm, 0, mine, z->counts[z->rank], dst, z->counts, e);
 }
 
 int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) {

@@ -481,6 +481,29 @@ static void resume_runs(const char *tag, char *const *common, char *const *layou
   *moved = max_diff(oth, full, &count);
 }
 
+/* The outer state of DiLoCo between groups (a group with --listen runs
+ * its rounds with whoever is there: here nobody, a ring of one) is saved
+ * in the whole model's layout, each shard's anchor and momentum put
+ * together as the parameters are. Two tensor-parallel ranks stopped at a
+ * round boundary (step 8 of 16, a round every 4) and resumed write bit for
+ * bit what they write in 16 steps at once (before, each rank saved and
+ * took back rank 0's anchor); the same checkpoint resumed by 2 ZeRO 1
+ * members cuts the outer state into their pieces and ends within float
+ * rounding of it. */
+Test(group_dp, a_diloco_group_resumes_its_outer_state_in_any_layout) {
+  SKIP_WITHOUT_DATA();
+  char id[256];
+  cluster_make_identity(&C, "outer", id, sizeof id);
+  char *common[] = {"--model", "mlp:784-48-24-10", "--batch", "50", "--epochs", "1", "--seed", "7", "--optimizer",
+                    "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval", "--sync", "allreduce",
+                    "--outer", "nesterov", "--local-steps", "4", "--listen", "127.0.0.1:0", NULL};
+  char *tp2[] = {"--tensor-parallel", "2", NULL}, *zero1[] = {"--data-parallel", "2", "--zero", "1", NULL};
+  double same, moved;
+  resume_runs("outer", common, tp2, zero1, 16, id, &same, &moved);
+  cr_expect(same == 0, "resumed in the same layout, the group's checkpoint is %.3g from the uninterrupted run's", same);
+  cr_expect(moved <= 5e-5, "resumed by 2 ZeRO 1 members, the checkpoint is %.3g from the uninterrupted run's", moved);
+}
+
 /* A ZeRO 3 group stopped after 6 steps and resumed to 12 in the same
  * layout writes exactly (bit for bit) what the same group writes in 12
  * steps at once; the same 6-step checkpoint resumed by 2 tensor-parallel
