@@ -80,33 +80,34 @@ peer() {
   pids="$pids $!"
 }
 
-# The address peer 0 announced.
-peer_addr() {
+# The gossip addresses the processes writing FILE announced with "role"
+# ROLE, in member order, as "A0;A1;..." once there are N of them.
+announced() {
   n=0
   while [ "$n" -lt 600 ]; do
-    a=$(sed -n 's/.*"listen":"\([^"]*\)".*"role":"peer".*/\1/p' "$1" 2>/dev/null | head -n 1)
-    [ -n "$a" ] && { printf '%s\n' "$a"; return 0; }
+    if [ "$2" = shard ]; then # a group's processes, by "member"
+      list=$(grep '"role":"shard"' "$1" 2>/dev/null |
+        sed -n 's/.*"listen":"\([^"]*\)".*"member":\([0-9]*\).*/\2 \1/p' | sort -n | awk '{print $2}' | paste -sd';')
+    else
+      list=$(grep "\"role\":\"$2\"" "$1" 2>/dev/null | sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' | paste -sd';')
+    fi
+    k=$(printf '%s' "$list" | tr ';' '\n' | grep -c . || true)
+    [ "$k" -ge "$3" ] && { printf '%s\n' "$list"; return 0; }
     sleep 0.1
     n=$((n + 1))
   done
-  echo "bench-groups.sh: peer 0 announced no address: $(cat "$1.log")" >&2
+  echo "bench-groups.sh: $1 announced no addresses: $(cat "$1.log")" >&2
   exit 1
 }
 
-# The gossip addresses group 0's processes announced, as "A0;A1;...".
-addrs() {
-  n=0
-  while [ "$n" -lt 600 ]; do
-    list=$(grep '"role":"shard"' "$1" 2>/dev/null | sed -n 's/.*"listen":"\([^"]*\)".*"member":\([0-9]*\).*/\2 \1/p' |
-      sort -n | awk '{print $2}' | paste -sd';')
-    k=$(printf '%s' "$list" | tr ';' '\n' | grep -c . || true)
-    [ "$k" -ge 2 ] && { printf '%s\n' "$list"; return 0; }
-    sleep 0.1
-    n=$((n + 1))
-  done
-  echo "bench-groups.sh: group 0 announced no addresses: $(cat "$1.log")" >&2
-  exit 1
-}
+# The processes of a group of LAYOUT: the product of its -parallel counts.
+procs=1
+# shellcheck disable=SC2086 # LAYOUT is a list of options
+set -- $LAYOUT
+while [ $# -gt 0 ]; do
+  case $1 in --data-parallel | --tensor-parallel) procs=$((procs * $2)) ;; esac
+  shift
+done
 
 # The bytes between groups per step and process: the processes' result
 # lines' bytes_out + bytes_in over their steps, averaged over processes.
@@ -123,17 +124,17 @@ run_row() {
   alone) group 0 "$a" ;;
   gossip)
     group 0 "$a" --wait-peers 2 --finish-wait-ms 60000
-    group 1 "$b" --wait-peers 2 --finish-wait-ms 60000 --bootstrap "$(addrs "$a")"
+    group 1 "$b" --wait-peers 2 --finish-wait-ms 60000 --bootstrap "$(announced "$a" shard "$procs")"
     ;;
   diloco)
     # shellcheck disable=SC2086 # OUTER is a list of options
     group 0 "$a" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER
     # shellcheck disable=SC2086
-    group 1 "$b" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER --bootstrap "$(addrs "$a")"
+    group 1 "$b" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER --bootstrap "$(announced "$a" shard "$procs")"
     ;;
   peers)
     peer 0 "$a"
-    peer 1 "$b" --bootstrap "$(peer_addr "$a")"
+    peer 1 "$b" --bootstrap "$(announced "$a" peer 1)"
     ;;
   *) echo "bench-groups.sh: unknown row $row" >&2; exit 2 ;;
   esac

@@ -208,6 +208,30 @@ Test(group_avg, tensor_parallel_groups_run_diloco_shard_by_shard) {
   free(oa), free(ob);
 }
 
+/* Two ZeRO groups running DiLoCo: group a with `common` and a_extra (both
+ * NULL-terminated), then, after its third round, group b with `common`,
+ * b_extra, --no-state-pull (its own initialisation) and a's addresses. */
+static void late_diloco_pair(char *const *common, char *const *a_extra, char *const *b_extra,
+                             struct cluster_group *a, struct cluster_group *b) {
+  char *args[2][48], list[512];
+  for (int g = 0; g < 2; g++) {
+    int n = 0;
+    char *const *extra = g ? b_extra : a_extra;
+    for (int i = 0; extra[i]; i++) args[g][n++] = extra[i];
+    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
+    args[g][n] = NULL;
+  }
+  cluster_start_group(&C, a, "ga", args[0]);
+  group_addrs(a, 2, list, sizeof list);
+  cr_assert(cluster_wait_file(a->log, "outer round 3 at step", 60), "group ga ran no rounds: %s", proc_slurp(a->log));
+  int n = 0;
+  while (args[1][n]) n++;
+  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
+  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
+  args[1][n] = NULL;
+  cluster_start_group(&C, b, "gb", args[1]);
+}
+
 /* A DiLoCo group that joins late from its own initialisation
  * (--no-state-pull): its first round (round 0) is long done, so each
  * process is left behind by its shard's ring, takes only the outer state
@@ -224,25 +248,8 @@ Test(group_avg, a_late_diloco_group_catches_up_with_the_rounds) {
                     "--max-steps", "500", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync",
                     "allreduce", "--outer", "nesterov", "--local-steps", "10", "--outer-compress", "topk:0.05:4",
                     "--listen", "127.0.0.1:0", NULL};
-  char *args[2][48];
-  for (int g = 0; g < 2; g++) {
-    int n = 0;
-    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
-    args[g][n++] = "--checkpoint";
-    args[g][n++] = g ? cb : ca;
-    args[g][n] = NULL;
-  }
   struct cluster_group a, b;
-  cluster_start_group(&C, &a, "ga", args[0]);
-  char list[512];
-  group_addrs(&a, 2, list, sizeof list);
-  cr_assert(cluster_wait_file(a.log, "outer round 3 at step", 60), "group ga ran no rounds: %s", proc_slurp(a.log));
-  int n = 0;
-  while (args[1][n]) n++;
-  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
-  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
-  args[1][n] = NULL;
-  cluster_start_group(&C, &b, "gb", args[1]);
+  late_diloco_pair(common, (char *[]){"--checkpoint", ca, NULL}, (char *[]){"--checkpoint", cb, NULL}, &a, &b);
   char *ob = group_finish(&b, "gb"), *oa = group_finish(&a, "ga");
   char *log = proc_slurp(b.log);
   every_process_has(oa, ob, 2, "outer_rounds", 50);
@@ -268,24 +275,8 @@ Test(group_avg, a_late_diloco_group_refuses_poisoned_outer_states_and_stops) {
   char *common[] = {"--data-parallel", "2", "--zero", "1", "--model", "mlp:784-64-32-10", "--batch", "50",
                     "--max-steps", "300", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync",
                     "allreduce", "--outer", "nesterov", "--local-steps", "10", "--listen", "127.0.0.1:0", NULL};
-  char *args[2][48];
-  for (int g = 0; g < 2; g++) {
-    int n = 0;
-    if (g == 0) args[g][n++] = "--attack", args[g][n++] = "baddonor";
-    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
-    args[g][n] = NULL;
-  }
   struct cluster_group a, b;
-  cluster_start_group(&C, &a, "ga", args[0]);
-  char list[512];
-  group_addrs(&a, 2, list, sizeof list);
-  cr_assert(cluster_wait_file(a.log, "outer round 3 at step", 60), "group ga ran no rounds: %s", proc_slurp(a.log));
-  int n = 0;
-  while (args[1][n]) n++;
-  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
-  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
-  args[1][n] = NULL;
-  cluster_start_group(&C, &b, "gb", args[1]);
+  late_diloco_pair(common, (char *[]){"--attack", "baddonor", NULL}, (char *[]){NULL}, &a, &b);
   int st = proc_wait(b.pid, 120);
   char *log = proc_slurp(b.log);
   cr_assert(proc_exited_with(st, 1), "the late group should stop (status %d): %s", st, log);
