@@ -172,7 +172,11 @@ double clip_scale(struct clip_state *c, const uint8_t *id, double dist, double n
  * every member's Δ, summed over the elastic ring (the members of a round's
  * ring, each weighing the same); every member holds the same anchor and applies the
  * same g, so they stay identical at round ends, and a run ends with an
- * outer round (members finish with identical parameters).
+ * outer round (members finish with identical parameters). Between data-
+ * or tensor-parallel groups each process runs its shard's rounds with the
+ * same shard of the other groups; one that a ring leaves behind takes only
+ * the round's outer state and a donor's step (allreduce.c), and its group
+ * goes on from the largest step any of its processes took.
  *
  * NoLoCo (Kolehmainen et al. 2025, arXiv:2506.10911; the rule of the
  * authors' code, github.com/jkolehm/noloco, src/noloco/sparse_optimizer_c.py,
