@@ -183,6 +183,11 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
                          "groups by gossip (--sync gossip, with or without --outer: NoLoCo) or by outer rounds over "
                          "the ring (--sync allreduce --outer sgd|nesterov: DiLoCo) so far", which, f->gossip.sync,
                          strcmp(f->gossip.sync, "allreduce") == 0 ? " without --outer (every step's gradient)" : "");
+  if (strcmp(f->gossip.sync, "allreduce") == 0 && f->gossip.outer_overlap)
+    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync allreduce --outer-overlap: DiLoCo between data- or "
+                         "tensor-parallel groups runs its rounds without overlap so far (a group that joins late "
+                         "catches up from processes whose rounds are in flight and that donate nothing meanwhile); "
+                         "leave out --outer-overlap", which);
   if (D > 1 && T > 1 && f->pipe.zero == 3)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
                          "hold their replicated parameters whole, which averaging needs; use --zero 2", which);

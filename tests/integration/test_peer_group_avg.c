@@ -338,6 +338,11 @@ Test(group_avg, bad_combinations_are_refused) {
                       "--tensor-parallel 2 with --sync allreduce without --outer (every step's gradient): data- or "
                       "tensor-parallel groups average with other groups by gossip");
   cluster_expect_exit(&C,
+                      G("--data-parallel", "2", "--zero", "1", "--listen", "127.0.0.1:0", "--sync", "allreduce",
+                        "--outer", "nesterov", "--outer-overlap"),
+                      2, "--data-parallel 2 with --sync allreduce --outer-overlap: DiLoCo between data- or "
+                         "tensor-parallel groups runs its rounds without overlap so far");
+  cluster_expect_exit(&C,
                       G("--tensor-parallel", "2", "--data-parallel", "2", "--zero", "3", "--listen", "127.0.0.1:0"), 2,
                       "--zero 3 with --tensor-parallel 2 between groups");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--metrics", "127.0.0.1:0"), 2,
