@@ -177,13 +177,13 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --servers: a data- or tensor-parallel group with parameter "
                          "servers is not built yet", which);
   if (!averages) return 0;
-  bool outer = strcmp(f->gossip.outer, "none") != 0;
-  if (strcmp(f->gossip.sync, "ps") == 0 || (strcmp(f->gossip.sync, "allreduce") == 0 && !outer))
+  bool outer = strcmp(f->gossip.outer, "none") != 0, ring = strcmp(f->gossip.sync, "allreduce") == 0;
+  if (strcmp(f->gossip.sync, "ps") == 0 || (ring && !outer))
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync %s%s: data- or tensor-parallel groups average with other "
                          "groups by gossip (--sync gossip, with or without --outer: NoLoCo) or by outer rounds over "
                          "the ring (--sync allreduce --outer sgd|nesterov: DiLoCo) so far", which, f->gossip.sync,
-                         strcmp(f->gossip.sync, "allreduce") == 0 ? " without --outer (every step's gradient)" : "");
-  if (strcmp(f->gossip.sync, "allreduce") == 0 && f->gossip.outer_overlap)
+                         ring ? " without --outer (every step's gradient)" : "");
+  if (ring && f->gossip.outer_overlap)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync allreduce --outer-overlap: DiLoCo between data- or "
                          "tensor-parallel groups runs its rounds without overlap so far (a group that joins late "
                          "catches up from processes whose rounds are in flight and that donate nothing meanwhile); "

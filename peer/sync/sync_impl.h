@@ -101,10 +101,10 @@ bool sync_outer_land_due(const struct sync *s);
  * momentum and the rounds done, and restarts its parameters from that
  * anchor, φ ← θ, as applying the round would have. Its inner optimizer
  * state and top-k residual stay its own; the step is the caller's
- * (allreduce.c takes the donor's, and the group follows). False (nothing changed, why[0..n) says what
- * was wrong) when the outer state is not finite, not one after min_round
- * rounds with nothing in flight, or `step` (the donor's) does not go with
- * its rounds. */
+ * (allreduce.c takes the donor's, and the group follows). False (nothing
+ * changed, why[0..n) says what was wrong) when the outer state is not
+ * finite, not one after min_round rounds with nothing in flight, or
+ * `step` (the donor's) does not go with its rounds. */
 bool sync_outer_take(struct sync *s, const float *state, uint64_t step, uint64_t min_round, char *why, size_t n);
 /* work ← θ − φ (this member's pseudo-gradient, on the device). */
 void sync_outer_pseudo_gradient(struct sync *s);

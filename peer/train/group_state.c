@@ -223,35 +223,6 @@ static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct 
   return rc;
 }
 
-void group_restore_extra(struct trainer *t, const struct checkpoint *ck) {
-  const struct train_extra_spec *xs = &t->cfg.extra;
-  struct model *m = &t->model;
-  int64_t W = m->table.nparams;
-  for (int i = 0; i < xs->n; i++)
-    if (!checkpoint_extra(ck, xs->seg[i].name, xs->seg[i].per_param * W + xs->seg[i].fixed)) {
-      log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
-               xs->seg[i].name);
-      return;
-    }
-  float *local = m->tp ? xmalloc((size_t)m->nparams * sizeof(float)) : NULL;
-  for (int i = 0; i < xs->n; i++) {
-    const float *src = checkpoint_extra(ck, xs->seg[i].name, xs->seg[i].per_param * W + xs->seg[i].fixed);
-    int64_t at = t->extra_off[i];
-    if (xs->seg[i].per_param) {
-      const float *mine = src;
-      if (m->tp) {
-        model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, src, local);
-        mine = local;
-      }
-      tensor_copy_from_host(&t->extra, at, mine + t->shard_lo, (size_t)t->shard_n * sizeof(float));
-      at += t->shard_n;
-    }
-    if (xs->seg[i].fixed)
-      tensor_copy_from_host(&t->extra, at, src + xs->seg[i].per_param * W, (size_t)xs->seg[i].fixed * sizeof(float));
-  }
-  free(local);
-}
-
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
   struct model *m = &t->model;
   int parts = 1 + optim_state_per_param(t->optim.cfg.kind);
@@ -267,7 +238,7 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
     rc = assemble_tp(t, local, full, parts, e);
   }
   const float *whole = t->cfg.tp ? full : local;
-  struct ckpt_info with = *info;
+  struct ckpt_info with = *info; /* its extra: the whole model's, gathered here */
   struct ckpt_extra x = {0};
   float *keep[3] = {NULL, NULL, NULL};
   with.extra = NULL;
@@ -397,7 +368,7 @@ static int agree(struct trainer *t, bool changed, float *any, struct rumor_err *
   comm_t *all = group_all(t);
   int members = comm_size(all);
   int64_t n = 1 + (t->agree_steps ? 2 * (int64_t)members : 0);
-  float *v = xcalloc((size_t)n, sizeof(float));
+  float v[1 + 2 * COMM_MAX_MEMBERS] = {0}; /* every step: no allocation */
   v[0] = changed ? 1.0f : 0.0f;
   if (t->agree_steps) {
     int me = comm_rank(all);
@@ -407,7 +378,6 @@ static int agree(struct trainer *t, bool changed, float *any, struct rumor_err *
   int rc = comm_all_reduce(all, v, n, e);
   if (rc == 0 && t->agree_steps) take_largest_step(t, v + 1, members);
   *any = v[0];
-  free(v);
   return rc;
 }
 

@@ -227,20 +227,38 @@ static int alloc_extra(struct trainer *t, struct rumor_err *e) {
 
 /* --resume: the scheme's segments from the checkpoint, by name and length;
  * when one is missing (a checkpoint of a run without them) they all stay
- * zero, and the scheme starts its state afresh. */
+ * zero, and the scheme starts its state afresh. A checkpoint holds each
+ * per-parameter segment over the parameters it holds: a replica's or a
+ * stage's (this trainer's shard), or, written by a group (group_save),
+ * the whole model's, of which a group member takes its tensor-parallel
+ * slices and then its shard of them. */
 static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
   const struct train_extra_spec *x = &t->cfg.extra;
+  struct model *m = &t->model;
+  int64_t W = trainer_in_group_comm(t) ? m->table.nparams : t->shard_n;
   for (int i = 0; i < x->n; i++)
-    if (!checkpoint_extra(ck, x->seg[i].name, t->extra_off[i + 1] - t->extra_off[i])) {
+    if (!checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * W + x->seg[i].fixed)) {
       log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
                x->seg[i].name);
       return;
     }
+  float *slices = m->tp ? xmalloc((size_t)m->nparams * sizeof(float)) : NULL;
   for (int i = 0; i < x->n; i++) {
-    int64_t len = t->extra_off[i + 1] - t->extra_off[i];
-    tensor_copy_from_host(&t->extra, t->extra_off[i], checkpoint_extra(ck, x->seg[i].name, len),
-                          (size_t)len * sizeof(float));
+    const float *src = checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * W + x->seg[i].fixed);
+    int64_t at = t->extra_off[i];
+    if (x->seg[i].per_param) {
+      const float *mine = src;
+      if (m->tp) {
+        model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, src, slices);
+        mine = slices;
+      }
+      tensor_copy_from_host(&t->extra, at, mine + t->shard_lo, (size_t)t->shard_n * sizeof(float));
+      at += t->shard_n;
+    }
+    if (x->seg[i].fixed)
+      tensor_copy_from_host(&t->extra, at, src + x->seg[i].per_param * W, (size_t)x->seg[i].fixed * sizeof(float));
   }
+  free(slices);
 }
 
 struct tensor trainer_extra(struct trainer *t, int i) {
@@ -266,7 +284,7 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   group_load(t, full, parts[0] ? parts : NULL);
   t->optim.step = ck->info.st.step;
   free(full);
-  group_restore_extra(t, ck);
+  restore_extra(t, ck);
   return 0;
 }
 
@@ -723,7 +741,8 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   int64_t X = t->extra_off[xs->n];
   float *host = NULL;
   struct ckpt_extra x = {.n = (size_t)xs->n};
-  if (X) {
+  bool group = t->cfg.dp || t->cfg.tp; /* group_save puts the whole model's together itself */
+  if (X && !group) {
     if (!(host = malloc((size_t)X * sizeof(float))))
       return rumor_err_set(e, -ENOMEM, "cannot save %s: no memory for the sync scheme's %lld floats", path,
                            (long long)X);
@@ -732,8 +751,7 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
       x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, host + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
     info.extra = &x;
   }
-  int rc = t->cfg.dp || t->cfg.tp ? group_save(t, path, &info, e)
-                                  : checkpoint_save(path, &t->model, &t->optim, &info, e);
+  int rc = group ? group_save(t, path, &info, e) : checkpoint_save(path, &t->model, &t->optim, &info, e);
   free(host);
   if (rc == 0 && (!t->cfg.dp || t->zero.rank == 0) && (!t->cfg.tp || t->tp.rank == 0)) log_info("%scheckpoint saved to %s (step %lld)", trainer_is_stage(t) ? "stage " : "", path,
                         (long long)t->st.step);

@@ -94,18 +94,14 @@ int group_clip(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, struct r
  * single process's layout, and the sync scheme's state, train_config.extra,
  * its per-parameter segments put together in that layout too) gathered to
  * the group's first process, which writes it to `path`; every member
- * learns whether it was written. `info->extra` is ignored. */
+ * learns whether it was written. `info->extra` is ignored (trainer_save
+ * leaves it empty for a group); restore_extra (train.c) reads it back. */
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The buffer this process holds, from the whole model's parameters (and
  * optimizer state, when `state` is not NULL: each part P floats) in host
  * memory: a tensor-parallel rank takes its slices, a ZeRO member its piece
  * of the optimizer state. */
 void group_load(struct trainer *t, const float *params, const float *const *state);
-/* --resume: the sync scheme's segments from a whole-model checkpoint (as
- * group_save writes them), this process's shard of each per-parameter
- * segment; when one is missing or of another size they all stay zero and
- * the scheme starts afresh, as for one process. */
-void group_restore_extra(struct trainer *t, const struct checkpoint *ck);
 
 /* ZeRO: the members' pieces (zero.c), for group_state.c: the local state
  * (parameters, then each optimizer part, all of the buffer this process
