@@ -5,7 +5,7 @@
  * negative code) or decoded into updates that keep the decoder's promises:
  * at most `max` of them, the id the 32 bytes on the wire, the address
  * NUL-terminated, printable and the bytes on the wire, role and state in
- * range; and the same updates encoded again (gossip_put_updates) decode to
+ * range, the relay flag the seventh field's (false without one); and the same updates encoded again (gossip_put_updates) decode to
  * themselves. A broken promise aborts; nothing may crash, leak or read
  * outside the message.
  */
@@ -22,8 +22,11 @@ static struct swim_update g_out[MAX_UPDATES], g_again[MAX_UPDATES];
 
 /* Checks update `u`, decoded from wire entry `o`; aborts on a broken promise. */
 static void check_update(const struct swim_update *u, const msgpack_object *o) {
-  if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 6) abort();
+  /* Six fields, or seven with the relay flag (written only when set). */
+  if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size < 6 || o->via.array.size > 7) abort();
   const msgpack_object *f = o->via.array.ptr;
+  bool relay = o->via.array.size == 7 && f[6].type == MSGPACK_OBJECT_BOOLEAN && f[6].via.boolean;
+  if ((o->via.array.size == 7 && f[6].type != MSGPACK_OBJECT_BOOLEAN) || u->relay != relay) abort();
   if (f[0].type != MSGPACK_OBJECT_BIN || f[0].via.bin.size != SWIM_ID_BYTES ||
       memcmp(u->id, f[0].via.bin.ptr, SWIM_ID_BYTES) != 0)
     abort();
@@ -52,7 +55,7 @@ static void round_trip(uint64_t type, const struct swim_update *out, int n) {
   for (int i = 0; i < n; i++) {
     const struct swim_update *x = &out[i], *y = &g_again[i];
     if (memcmp(x->id, y->id, SWIM_ID_BYTES) != 0 || strcmp(x->addr, y->addr) != 0 || x->role != y->role ||
-        x->state != y->state || x->incarnation != y->incarnation || x->ready != y->ready)
+        x->state != y->state || x->incarnation != y->incarnation || x->ready != y->ready || x->relay != y->relay)
       abort();
   }
   net_msg_free(&m);
