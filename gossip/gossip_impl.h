@@ -75,6 +75,10 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3, GBULK_RING = 4 };
 
 #define GOSSIP_MAX_BOOTSTRAP 32
 #define GOSSIP_LINK_QUEUE 32      /* control messages held while dialing */
+/* A connection retired after a simultaneous dial (links.c, link_take) is
+ * closed after this long without traffic: longer than any silence inside an
+ * exchange or pull started on it in the moment before both ends agreed. */
+#define GOSSIP_LINK_RETIRE_MS 30000
 #define GOSSIP_TICK_MS 20
 
 /* Slot states (gossip.h). The exchange slot's word also counts rounds:
@@ -410,6 +414,7 @@ struct gossip {
   pthread_cond_t cond; /* broadcast when a join flag changes */
 
   struct gossip_links links;
+  uint32_t link_retire_ms; /* GOSSIP_LINK_RETIRE_MS (tests shorten it) */
   struct gossip_guard guard;
   struct gossip_join join;
   struct gossip_exchange xch;

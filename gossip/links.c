@@ -55,13 +55,50 @@ static void flush_queue(struct gossip_link *l) {
   drop_queue(l);
 }
 
-void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
-  struct gossip_link *l = gossip_link_get(g, id, true);
-  if (l->conn) return;
-  l->conn = c;
-  /* Messages queued for a dial (under way, or waiting out its backoff) go
-   * out now: once the link has a connection no dial is made for them. */
+/* Which of two open connections to one member both ends keep when each
+ * dialed the other at once: a direct one before one over a relay, then the
+ * one dialed by the smaller key. Both ends compute the same answer from
+ * what both know (who dialed, relayed or not). Returns the one to keep, or
+ * NULL when the rule cannot tell them apart (the same side dialed both, as
+ * a relay's carrier beside a dial of ours): then the link keeps its own. */
+static net_conn_t *agreed_conn(const struct gossip *g, net_conn_t *a, net_conn_t *b) {
+  bool ra = net_conn_relayed(a), rb = net_conn_relayed(b);
+  if (ra != rb) return ra ? b : a;
+  bool ia = net_conn_inbound(a), ib = net_conn_inbound(b);
+  if (ia == ib) return NULL;
+  /* Ours wins when our key is the smaller. */
+  bool ours_wins = memcmp(g->identity.pk, net_conn_peer_key(a), NET_PUBKEY_BYTES) < 0;
+  net_conn_t *ours = ia ? b : a;
+  return ours_wins ? ours : (ours == a ? b : a);
+}
+
+/* `c`, open to `l`'s member, becomes the link's connection unless it has
+ * one; when it has, both ends agree on one of the two (agreed_conn) and
+ * retire the other (net_conn_retire): nothing new starts on it, exchanges
+ * under way on it finish, and the net closes it once it has been idle for
+ * g->link_retire_ms. Without this, each end of a simultaneous dial may keep
+ * a different one, and both stay open for the run. */
+static void link_take(struct gossip *g, struct gossip_link *l, net_conn_t *c) {
+  if (l->conn == c) return;
+  if (!l->conn) {
+    l->conn = c;
+    /* Messages queued for a dial (under way, or waiting out its backoff)
+     * go out now: once the link has a connection no dial is made for them. */
+    flush_queue(l);
+    return;
+  }
+  net_conn_t *keep = agreed_conn(g, l->conn, c);
+  if (!keep) return; /* c stays open, untracked, as it came (the net's own, or idle in time) */
+  net_conn_t *retire = keep == c ? l->conn : c;
+  log_debug("two connections to %s (both ends dialed): keeping %s, retiring %s", net_conn_peer_name(c),
+            net_conn_inbound(keep) ? "theirs" : "ours", net_conn_inbound(retire) ? "theirs" : "ours");
+  l->conn = keep;
   flush_queue(l);
+  net_conn_retire(retire, g->link_retire_ms);
+}
+
+void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
+  link_take(g, gossip_link_get(g, id, true), c);
 }
 
 const uint8_t *gossip_link_forget(struct gossip *g, net_conn_t *c) {
@@ -127,13 +164,9 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
   }
   l->dial_failures = 0;
   /* The member may have connected to us while we dialed, and
-   * gossip_link_adopt took that connection (and sent the queue on it); ours
-   * is then left open, untracked (no part of ours has seen it, and its
-   * close tells none of them anything). Closing it would be wrong when the
-   * member dialed us at the same moment: it may have adopted this very
-   * connection as its link, and each side closing its own dial would cut
-   * both links. Agreeing on one (the smaller key's dial, say) is for later. */
-  if (!l->conn) l->conn = c;
+   * gossip_link_adopt took that connection (and sent the queue on it): the
+   * two ends then agree on one (link_take). */
+  link_take(g, l, c);
   flush_queue(l); /* on the link's connection */
 }
 

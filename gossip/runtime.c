@@ -454,6 +454,7 @@ int gossip_start(gossip_t **out, const struct gossip_config *cfg, struct rumor_e
       .on_close = on_close,
   };
   if ((rc = net_init(&g->net, &g->loop, &nc, &cbs, g, e))) goto fail_loop;
+  g->link_retire_ms = GOSSIP_LINK_RETIRE_MS;
   /* Every address is checked before anything is dialed: --advertise by
    * make_advertise, --bootstrap by gossip_join_init (gossip_split_addrs);
    * the commands check them all before they start. */

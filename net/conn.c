@@ -643,6 +643,7 @@ static void open_timer_arm(struct net_conn *c, uint64_t now) {
   const struct net_config *cfg = &c->net->cfg;
   uint64_t due = UINT64_MAX;
   if (cfg->idle_timeout_ms) due = c->last_activity + cfg->idle_timeout_ms;
+  if (c->retire_ms && c->last_activity + c->retire_ms < due) due = c->last_activity + c->retire_ms;
   if (heartbeat_on(c)) {
     uint64_t ping = (queued(c) ? now : c->last_tx) + cfg->heartbeat_ms;
     if (ping < due) due = ping;
@@ -705,6 +706,15 @@ static void open_timer_fired(struct net_conn *c) {
     abort_idle(c, now - c->last_activity);
     return;
   }
+  if (c->retire_ms && now - c->last_activity >= c->retire_ms) {
+    if (!c->carrier) {
+      log_debug("net: %s retired and idle for %llu ms: closing", c->name,
+                (unsigned long long)(now - c->last_activity));
+      net_conn_close(c);
+      return;
+    }
+    c->retire_ms = 0; /* it carries relay circuits: it stays */
+  }
   if (not_reading(c)) c->last_rx = now;
   if (limit && now - c->last_rx >= limit) {
     if (c->verdict_pending) {
@@ -741,6 +751,15 @@ static void on_timer(uv_timer_t *t) {
   case CONN_CLOSED: break;
   }
 }
+
+void net_conn_retire(net_conn_t *c, uint32_t idle_ms) {
+  if (c->state != CONN_OPEN || c->carrier || !idle_ms) return;
+  if (c->retire_ms && c->retire_ms <= idle_ms) return;
+  c->retire_ms = idle_ms;
+  open_timer_arm(c, uv_now(c->net->loop));
+}
+
+bool net_conn_retired(const net_conn_t *c) { return c->retire_ms != 0; }
 
 /* ---- session ops (called from inside net_sess_rx_feed) ------------------------------------ */
 

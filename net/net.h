@@ -505,6 +505,16 @@ int net_conn_cancel_recv(net_conn_t *c, uint64_t id);
  * (or after close_linger_ms). on_close follows. Safe to call twice. */
 void net_conn_close(net_conn_t *c);
 
+/* The application will start nothing new on this open connection (it keeps
+ * another to the same peer): it is closed gracefully, as by net_conn_close,
+ * once no byte other than PINGs has gone in or out for idle_ms, so that
+ * exchanges already under way on it finish first. The peer may retire its
+ * end too; the first to fire closes both. A connection that carries relay
+ * circuits is never retired (its circuits keep it). A second call can only
+ * shorten the wait. */
+void net_conn_retire(net_conn_t *c, uint32_t idle_ms);
+bool net_conn_retired(const net_conn_t *c);
+
 /* Getters, valid until on_close returns. */
 const uint8_t *net_conn_peer_key(const net_conn_t *c); /* NET_PUBKEY_BYTES, verified */
 const char *net_conn_peer_addr(const net_conn_t *c);   /* "1.2.3.4:5678" or "[::1]:5678" */

@@ -112,6 +112,7 @@ struct net_conn {
   int close_status;
   char close_detail[NET_DETAIL_STR];
   uint64_t last_activity; /* uv_now, ms: the last byte in or out other than PINGs (the idle timeout) */
+  uint32_t retire_ms;     /* net_conn_retire: closed after this much activity-free time; 0: not retired */
   /* Liveness of an open connection (docs/net.md, "Heartbeat"), loop time in ms. */
   uint64_t last_rx;      /* a byte last arrived (or reading was paused by us) */
   uint64_t last_tx;      /* a frame last went to the socket, or finished writing */

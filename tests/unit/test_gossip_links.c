@@ -5,6 +5,9 @@
  *   - a dial that completes after the link adopted a connection the member
  *     opened leaves the link on the adopted one, delivers what was queued
  *     once, and takes nothing for lost;
+ *   - two members that dial each other at once end on one connection, the
+ *     same at both ends: the other is retired and closed once idle, every
+ *     message arrives once, and no close is taken for a link's;
  *   - neighbour choice puts a member whose link waits out a dial backoff
  *     last, and picks it when no one else qualifies.
  * Everything polls with deadlines; nothing sleeps. */
@@ -31,6 +34,7 @@ static struct {
   int member_closes;     /* its connections closed (from either side) */
   int our_closes;        /* our connections closed */
   int forgot_link;       /* of those, closes that gossip_link_forget took for the link's own */
+  int our_msgs;          /* control messages we received */
   net_conn_t *direct;    /* our direct dial to the member (not through the link) */
   int direct_status;
   bool direct_done;
@@ -63,6 +67,17 @@ static void our_on_close(net_conn_t *c, int status, const char *detail, void *ud
   if (gossip_link_forget(g, c)) T.forgot_link++;
 }
 
+static void our_on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
+  (void)c, (void)m, (void)ud;
+  T.our_msgs++;
+}
+
+/* As the runtime's on_accept: an inbound connection offered to the link. */
+static void our_on_accept(net_conn_t *c, void *ud) {
+  (void)ud;
+  gossip_link_adopt(g, net_conn_peer_key(c), c);
+}
+
 static void config(struct net_config *c, const struct net_identity *id) {
   net_config_defaults(c);
   c->identity = id;
@@ -87,7 +102,8 @@ static void setup(void) {
   struct net_config c;
   struct rumor_err e = {0};
   config(&c, &g->identity);
-  static const struct net_callbacks ours = {.on_close = our_on_close};
+  static const struct net_callbacks ours = {
+      .on_accept = our_on_accept, .on_message = our_on_message, .on_close = our_on_close};
   cr_assert_eq(net_init(&g->net, &g->loop, &c, &ours, NULL, &e), 0, "our net: %s", e.msg);
   config(&c, &T.member_id);
   static const struct net_callbacks member = {.on_message = member_on_message, .on_close = member_on_close};
@@ -103,8 +119,12 @@ static void net_closed(void *arg) {
 
 static void on_tick_closed(uv_handle_t *h) { (void)h; }
 
-/* Closes both nets, then checks that the loop closes clean. */
+static void second_member_free(void);
+
+/* Closes both nets (and the second member's, when a test made one), then
+ * checks that the loop closes clean. */
 static void teardown(void) {
+  second_member_free();
   net_close(g->net, net_closed, NULL);
   net_close(T.member, net_closed, NULL);
   RUN_UNTIL(T.nets_closed == 2);
@@ -188,6 +208,120 @@ Test(links, a_dial_that_completes_after_the_link_adopted_a_connection_keeps_the_
   cr_assert_eq(send_one(2), 0);
   RUN_UNTIL(T.member_msgs == 2);
   cr_assert_eq(T.member_msgs, 2, "the link's connection still carries messages");
+}
+
+/* ---- simultaneous dials: a second member with links of its own ---- */
+
+static struct {
+  struct gossip *g;
+  int msgs, closes, forgot_link;
+} M2;
+
+static void m2_on_accept(net_conn_t *c, void *ud) {
+  (void)ud;
+  gossip_link_adopt(M2.g, net_conn_peer_key(c), c);
+}
+static void m2_on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
+  (void)c, (void)m, (void)ud;
+  M2.msgs++;
+}
+static void m2_on_close(net_conn_t *c, int status, const char *detail, void *ud) {
+  (void)status, (void)detail, (void)ud;
+  M2.closes++;
+  if (gossip_link_forget(M2.g, c)) M2.forgot_link++;
+}
+
+static void m2_net_closed(void *arg) { *(bool *)arg = true; }
+
+/* Also on a failed assertion's way out (teardown). */
+static void second_member_free(void) {
+  if (!M2.g) return;
+  bool closed = !M2.g->net;
+  if (M2.g->net) net_close(M2.g->net, m2_net_closed, &closed);
+  RUN_UNTIL(closed);
+  gossip_links_free(M2.g);
+  pthread_mutex_destroy(&M2.g->lock);
+  free(M2.g);
+  M2.g = NULL;
+}
+
+static int send_seq(struct gossip *from, const uint8_t *to, uint64_t seq) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, MSG_TYPE, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "seq", seq);
+  int rc = gossip_send(from, to, &b);
+  net_msgbuf_free(&b);
+  return rc;
+}
+
+static uint64_t open_conns(net_t *n) {
+  struct net_stats st;
+  net_stats_get(n, &st);
+  return st.conns_open;
+}
+
+Test(links, members_that_dial_each_other_at_once_agree_on_one_connection) {
+  /* We listen too; the second member is a hand-made gossip like ours, on
+   * the same loop, whose net adopts what it accepts as the runtime does. */
+  struct rumor_err e = {0};
+  cr_assert_eq(net_listen(g->net, "127.0.0.1:0", &e), 0, "listen: %s", e.msg);
+  memset(&M2, 0, sizeof M2);
+  M2.g = xcalloc(1, sizeof *M2.g);
+  pthread_mutex_init(&M2.g->lock, NULL);
+  cr_assert_eq(net_identity_generate(&M2.g->identity), 0);
+  struct net_config c;
+  config(&c, &M2.g->identity);
+  static const struct net_callbacks m2 = {.on_accept = m2_on_accept, .on_message = m2_on_message,
+                                          .on_close = m2_on_close};
+  cr_assert_eq(net_init(&M2.g->net, &g->loop, &c, &m2, NULL, &e), 0, "the member's net: %s", e.msg);
+  cr_assert_eq(net_listen(M2.g->net, "127.0.0.1:0", &e), 0, "listen: %s", e.msg);
+  g->link_retire_ms = M2.g->link_retire_ms = 300;
+  struct gossip_link *ours = gossip_link_get(g, M2.g->identity.pk, true);
+  snprintf(ours->addr, sizeof ours->addr, "127.0.0.1:%d", net_listen_port(M2.g->net));
+  struct gossip_link *theirs = gossip_link_get(M2.g, g->identity.pk, true);
+  snprintf(theirs->addr, sizeof theirs->addr, "127.0.0.1:%d", net_listen_port(g->net));
+
+  /* In one loop turn each sends 3 messages to the other: both dial. */
+  for (uint64_t i = 0; i < 3; i++) {
+    cr_assert_eq(send_seq(g, M2.g->identity.pk, i), 0);
+    cr_assert_eq(send_seq(M2.g, g->identity.pk, i), 0);
+  }
+  cr_assert(ours->dialing && theirs->dialing, "both ends must be dialing");
+  RUN_UNTIL(!gossip_link_get(g, M2.g->identity.pk, false)->dialing &&
+            !gossip_link_get(M2.g, g->identity.pk, false)->dialing && open_conns(g->net) == 2 &&
+            open_conns(M2.g->net) == 2);
+  ours = gossip_link_get(g, M2.g->identity.pk, false);
+  theirs = gossip_link_get(M2.g, g->identity.pk, false);
+  cr_assert_eq(open_conns(g->net), 2, "both dials must have opened (%llu open)",
+               (unsigned long long)open_conns(g->net));
+  cr_assert(ours->conn && theirs->conn);
+  /* The same connection at both ends: ours is outbound exactly when theirs
+   * is inbound, and it is the one the smaller key dialed. */
+  cr_assert_neq(net_conn_inbound(ours->conn), net_conn_inbound(theirs->conn),
+                "the two ends keep different connections");
+  bool we_smaller = memcmp(g->identity.pk, M2.g->identity.pk, NET_PUBKEY_BYTES) < 0;
+  cr_assert_eq(!net_conn_inbound(ours->conn), we_smaller, "the kept connection is not the smaller key's dial");
+  RUN_UNTIL(T.our_msgs == 3 && M2.msgs == 3);
+  cr_assert_eq(T.our_msgs, 3, "we received %d of 3", T.our_msgs);
+  cr_assert_eq(M2.msgs, 3, "the member received %d of 3", M2.msgs);
+
+  /* The other connection is idle: closed at both ends, neither taken for a link's. */
+  RUN_UNTIL(open_conns(g->net) == 1 && open_conns(M2.g->net) == 1);
+  cr_assert_eq(open_conns(g->net), 1, "the retired connection did not close (%llu open)",
+               (unsigned long long)open_conns(g->net));
+  cr_assert_eq(open_conns(M2.g->net), 1);
+  cr_assert_eq(T.our_closes, 1);
+  cr_assert_eq(M2.closes, 1);
+  cr_assert_eq(T.forgot_link + M2.forgot_link, 0, "the retired connection's close was taken for a link's");
+  ours = gossip_link_get(g, M2.g->identity.pk, false);
+  theirs = gossip_link_get(M2.g, g->identity.pk, false);
+  cr_assert(ours->conn && theirs->conn, "the links lost their connection");
+
+  /* The kept one carries on, both ways. */
+  cr_assert_eq(send_seq(g, M2.g->identity.pk, 10), 0);
+  cr_assert_eq(send_seq(M2.g, g->identity.pk, 10), 0);
+  RUN_UNTIL(T.our_msgs == 4 && M2.msgs == 4);
+  cr_assert_eq(T.our_msgs + M2.msgs, 8, "after the close: %d and %d of 4", T.our_msgs, M2.msgs);
 }
 
 /* ---- neighbour choice: no network needed, only the member table ---- */
