@@ -772,7 +772,10 @@ int cmd_group(int argc, char **argv) {
                       "the other groups, and --sync ps pushes it to stage s's parameter servers (--servers\n"
                       "takes one list per stage, separated by ';'). If a stage dies, the group stops\n"
                       "(non-zero exit, naming the stage); other groups keep training. Stage output lines\n"
-                      "pass through; the last line on stdout is the group's result as JSON.\n"
+                      "pass through; the last line on stdout is the group's result as JSON. --checkpoint X\n"
+                      "writes one file per stage (X-stage<s>.safetensors); --resume X --model M takes\n"
+                      "them back (the same split), or, without them, any whole-model checkpoint X (each\n"
+                      "stage takes its units); --init-from DIR likewise.\n"
                       "\n"
                       "--stages S --data-parallel D: S x D processes, D members in each stage (process k is\n"
                       "member k % D of stage k / D). Member r of every stage is a pipeline over its slice\n"
@@ -781,8 +784,9 @@ int cmd_group(int argc, char **argv) {
                       "a stage accumulates whole gradients over its micro-batches). --stages S\n"
                       "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
                       "linked to rank t of the neighbouring stages. Both: S x D x T processes. No averaging\n"
-                      "with other groups yet: such a group trains alone. Its steps equal the single\n"
-                      "process's; each stage writes its own checkpoint file.");
+                      "with other groups, no --resume or --init-from yet: such a group trains alone, from\n"
+                      "its own initialisation. Its steps equal the single process's; each stage writes its\n"
+                      "own checkpoint file.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

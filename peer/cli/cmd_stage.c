@@ -146,9 +146,6 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
   if (p->members == 1) {
     if (pf->zero) return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members (--dp r/D, D > 1)",
                                        (long long)pf->zero);
-    if (p->f.train.resume || p->f.train.init_from)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--%s is offered for data- or tensor-parallel groups only, not for "
-                           "pipeline stages", p->f.train.resume ? "resume" : "init-from");
     return 0;
   }
   if (group_shard_check(&p->f, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
@@ -327,7 +324,8 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   json_decref(extra);
   if (rc) return rc;
   char agree[STAGE_LINK_AGREE_MAX + 1], text[STAGE_LINK_AGREE_MAX + 64];
-  train_stage_agreement(&p->tc, &p->plan, agree, sizeof agree);
+  /* The trainer's run: a resumed one's batch, seeds and shard are its checkpoint's. */
+  train_stage_agreement(&p->t.cfg, &p->t.plan, agree, sizeof agree);
   /* Process r of each stage links to process r of the next: the
    * neighbours must split the batch, or the layers, alike. */
   snprintf(text, sizeof text, "%s data-parallel=%d/%d tensor-parallel=%d/%d zero=%lld", agree, p->dp_rank, p->dp_size,
@@ -397,23 +395,35 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   int rc = stage_link_wait_ready(p->link, e);
   if (rc) return rc;
   struct stage_link_pos lp = {0, 0, 0};
+  bool own_state = false; /* resumed from our checkpoint: position and data order are already its */
   if (p->mb.setup.sync.kind == SYNC_PS) {
     if ((rc = join_servers(p, &lp, e))) return rc;
   } else {
     struct gossip_train_pos pos;
-    int jr = member_join(&p->mb, t, &p->f.gossip, false, &pos, e);
+    /* A resumed group keeps its own state, as a resumed peer does. */
+    bool resumed = p->tc.resume != NULL;
+    int jr = member_join(&p->mb, t, &p->f.gossip, resumed, &pos, e);
     if (jr < 0) return jr;
     if (jr == 0) {
       lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
       log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
                (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
+    } else if (resumed) {
+      lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
+      own_state = true;
     } else {
       log_info("starting from our own initialisation");
     }
     /* Stage 0's position wins: every stage must run the same steps. */
+    int64_t own = lp.step;
     if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
+    if (own_state && lp.step != own)
+      return rumor_err_set(e, RUMOR_ESHAPE,
+                           "stage %d resumed at step %lld from %s, but stage 0 at step %lld: the stages' checkpoints "
+                           "are of different steps (one fell back to its .prev?); resume from files of one save",
+                           p->st.stage, (long long)own, t->resumed_from, (long long)lp.step);
   }
-  trainer_set_position(t, lp.step, lp.epoch, lp.samples);
+  if (!own_state) trainer_set_position(t, lp.step, lp.epoch, lp.samples);
   if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
   if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
   if (!p->mb.have_sync && (rc = member_ready(&p->mb, t, e))) return rc;

@@ -140,11 +140,6 @@ int group_flags_config(const struct group_flags *f, const struct arg_spec *specs
   cfg->model = f->train.model;
   if (f->train.resume || f->train.init_from) {
     const char *flag = f->train.resume ? "resume" : "init-from";
-    bool split = f->pipe.data_parallel > 1 || f->pipe.tensor_parallel > 1 || f->pipe.expert_parallel > 1 ||
-                 f->pipe.dp || f->pipe.tp;
-    if (!split)
-      return rumor_err_set(e, RUMOR_EFORMAT, "--%s is offered for data- or tensor-parallel groups only, not for "
-                           "pipeline stages", flag);
     if (!args_given(specs, "model"))
       return rumor_err_set(e, RUMOR_EFORMAT, "--%s in a group needs --model too: the group's processes agree on it "
                            "before any of them reads the weights (it is checked against them)", flag);

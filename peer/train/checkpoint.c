@@ -411,24 +411,54 @@ static int open_dir_state(struct checkpoint *ck, const char *dir, int64_t step, 
 
 /* A file whose optimizer state, when not in the file itself, is in the
  * directory `state_dir` (a directory checkpoint; NULL otherwise). */
-static int open_at(const char *path, const char *state_dir, struct checkpoint *ck, struct rumor_err *e);
+static int open_at(const char *path, const char *state_dir, bool part_ok, struct checkpoint *ck,
+                   struct rumor_err *e);
 
-int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) {
-  if (!checkpoint_is_dir(path)) return open_at(path, NULL, ck, e);
+static int open_path(const char *path, bool part_ok, struct checkpoint *ck, struct rumor_err *e) {
+  if (!checkpoint_is_dir(path)) return open_at(path, NULL, part_ok, ck, e);
   char model[1100];
   checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
-  return open_at(model, path, ck, e);
+  return open_at(model, path, part_ok, ck, e);
 }
 
-static int open_at(const char *path, const char *state_dir, struct checkpoint *ck, struct rumor_err *e) {
+int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) {
+  return open_path(path, false, ck, e);
+}
+
+/* A stage file's rumor.stage ("s/S") and rumor.layers ("a-b": units a to b)
+ * into ck: the units it holds and where their parameters lie. */
+static int stage_units(struct checkpoint *ck, const char *path, struct rumor_err *e) {
+  const char *stage = safetensors_meta(&ck->file, "rumor.stage"), *layers = safetensors_meta(&ck->file, "rumor.layers");
+  int s, S, a, b, end = 0;
+  if (!stage || sscanf(stage, "%d/%d%n", &s, &S, &end) != 2 || stage[end] || S < 1 || s < 0 || s >= S ||
+      S > PIPE_MAX_STAGES)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata rumor.stage is missing or not s/S", path);
+  end = 0;
+  if (!layers || sscanf(layers, "%d-%d%n", &a, &b, &end) != 2 || layers[end] || a < 0 || b < a ||
+      b >= ck->table.nunits)
+    return rumor_err_set(e, RUMOR_ECORRUPT, "%s: metadata rumor.layers is missing or outside the model's %d units",
+                         path, ck->table.nunits);
+  ck->info.stage = s;
+  ck->info.stages = S;
+  ck->u0 = a;
+  ck->u1 = b + 1;
+  ck->base = ck->table.unit_offset[a];
+  ck->nparams = ck->table.unit_offset[b + 1] - ck->base;
+  return 0;
+}
+
+static int open_at(const char *path, const char *state_dir, bool part_ok, struct checkpoint *ck,
+                   struct rumor_err *e) {
   memset(ck, 0, sizeof *ck);
   int rc = safetensors_read(path, true, &ck->file, e);
   if (rc) return rc;
   struct ckpt_info *in = &ck->info;
   const char *fmt = safetensors_meta(&ck->file, "rumor.format");
-  if (!fmt || strcmp(fmt, CHECKPOINT_FORMAT) != 0) {
-    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a rumor checkpoint of format %s (rumor.format is %s)", path,
-                       CHECKPOINT_FORMAT, fmt ? fmt : "missing");
+  bool part = part_ok && fmt && strcmp(fmt, CHECKPOINT_STAGE_FORMAT) == 0;
+  if (!fmt || (!part && strcmp(fmt, CHECKPOINT_FORMAT) != 0)) {
+    rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s: not a rumor checkpoint of format %s%s%s (rumor.format is %s)", path,
+                       CHECKPOINT_FORMAT, part_ok ? " or " : "", part_ok ? CHECKPOINT_STAGE_FORMAT : "",
+                       fmt ? fmt : "missing");
     goto fail;
   }
   const char *spec = safetensors_meta(&ck->file, "rumor.model");
@@ -469,8 +499,14 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
   in->tf32 = tf32 && strcmp(tf32, "true") == 0;
 
   model_table_build(&in->spec, &ck->table);
+  ck->u0 = 0;
+  ck->u1 = ck->table.nunits;
+  ck->base = 0;
+  ck->nparams = ck->table.nparams;
+  if (part && (rc = stage_units(ck, path, e))) goto fail;
   for (size_t i = 0; i < ck->table.n; i++) {
     const struct model_param *p = &ck->table.p[i];
+    if (p->unit < ck->u0 || p->unit >= ck->u1) continue;
     if ((rc = expect_tensor(ck, path, p->name, p->ndim, p->shape, e))) goto fail;
   }
   const char *opt = safetensors_meta(&ck->file, "rumor.optimizer");
@@ -481,7 +517,7 @@ static int open_at(const char *path, const char *state_dir, struct checkpoint *c
     }
     ck->has_optim = true;
     if (state_dir && (rc = open_dir_state(ck, state_dir, in->st.step, &ck->has_optim, e))) goto fail;
-    int64_t P = ck->table.nparams;
+    int64_t P = ck->nparams;
     for (int s = 0; ck->has_optim && s < optim_state_per_param(in->optim_kind); s++)
       if ((rc = expect_tensor(ck, path, optim_state_name(in->optim_kind, s), 1, &P, e))) goto fail;
   }
@@ -491,10 +527,10 @@ fail:
   return rc;
 }
 
-int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
-                           struct rumor_err *e) {
+static int open_latest(const char *path, bool part_ok, struct checkpoint *ck, char *used, size_t used_len,
+                       struct rumor_err *e) {
   struct rumor_err first = {0};
-  int rc = checkpoint_open(path, ck, &first);
+  int rc = open_path(path, part_ok, ck, &first);
   if (rc == 0) {
     if (used) snprintf(used, used_len, "%s", path);
     return 0;
@@ -504,7 +540,7 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
   if (dir) checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
   checkpoint_prev_path(dir ? model : path, prev, sizeof prev);
   struct rumor_err second = {0};
-  int rc2 = open_at(prev, dir ? path : NULL, ck, &second);
+  int rc2 = open_at(prev, dir ? path : NULL, part_ok, ck, &second);
   if (rc2 == 0) {
     log_warn("checkpoint rejected: %s; using the previous checkpoint %s (step %lld)", first.msg, prev,
              (long long)ck->info.st.step);
@@ -513,6 +549,16 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
   }
   if (rc2 == -ENOENT) return rumor_err_set(e, rc, "%s", first.msg);
   return rumor_err_set(e, rc, "%s; the previous checkpoint is unusable too: %s", first.msg, second.msg);
+}
+
+int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                           struct rumor_err *e) {
+  return open_latest(path, false, ck, used, used_len, e);
+}
+
+int checkpoint_open_part_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                                struct rumor_err *e) {
+  return open_latest(path, true, ck, used, used_len, e);
 }
 
 void checkpoint_close(struct checkpoint *ck) {
@@ -529,6 +575,7 @@ const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int
 }
 
 void checkpoint_params(const struct checkpoint *ck, float *out) {
+  RUMOR_ASSERT(ck->u0 == 0 && ck->u1 == ck->table.nunits); /* a whole model's file */
   for (size_t i = 0; i < ck->table.n; i++) {
     const struct model_param *p = &ck->table.p[i];
     const struct st_tensor *t = safetensors_find(&ck->file, p->name);
@@ -543,19 +590,26 @@ int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct opti
   model_spec_format(&m->spec, want, sizeof want);
   if (strcmp(want, have) != 0)
     return rumor_err_set(e, RUMOR_ESHAPE, "checkpoint holds model %s, not %s", have, want);
-  RUMOR_ASSERT(m->u0 == 0 && m->u1 == m->table.nunits);
+  if (m->u0 < ck->u0 || m->u1 > ck->u1)
+    return rumor_err_set(e, RUMOR_ESHAPE, "the checkpoint holds units %d-%d of %s, not %d-%d", ck->u0, ck->u1 - 1, have,
+                         m->u0, m->u1 - 1);
+  RUMOR_ASSERT(m->param_base == m->table.unit_offset[m->u0]);
   for (size_t i = 0; i < ck->table.n; i++) {
     const struct model_param *p = &ck->table.p[i];
+    if (p->unit < m->u0 || p->unit >= m->u1) continue;
     const struct st_tensor *t = safetensors_find(&ck->file, p->name);
-    tensor_copy_from_host(&m->params, p->offset, t->data, t->nbytes);
+    tensor_copy_from_host(&m->params, p->offset - m->param_base, t->data, t->nbytes);
   }
   if (o) {
     if (ck->has_optim && ck->info.optim_kind == o->cfg.kind) {
-      /* A range optimizer (a ZeRO member's piece) takes its range of each part. */
-      RUMOR_ASSERT(o->lo >= 0 && o->lo + o->nparams <= ck->table.nparams);
+      /* The optimizer's range (a stage's units, a ZeRO member's piece of
+       * them: o->lo is a position in the whole model's layout) of each part,
+       * which covers [base, base + nparams) of it. */
+      int64_t from = o->lo - ck->base;
+      RUMOR_ASSERT(o->lo >= 0 && from >= 0 && from + o->nparams <= ck->nparams);
       for (int s = 0; s < optim_state_per_param(o->cfg.kind); s++) {
         const struct st_tensor *t = ck_find(ck, optim_state_name(o->cfg.kind, s));
-        tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, (const float *)t->data + o->lo,
+        tensor_copy_from_host(&o->state, (int64_t)s * o->nparams, (const float *)t->data + from,
                               (size_t)o->nparams * sizeof(float));
       }
     } else {

@@ -65,13 +65,12 @@ static int refuse_other_run(const struct train_config *cfg, const struct ckpt_in
   return 0;
 }
 
-/* Opens cfg->resume and takes the run's identity from it, so that the
- * resumed run sees the same batches in the same order. */
-static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_spec *spec, struct rumor_err *e) {
+/* Takes the run's identity from the open checkpoint `ck`, so that the
+ * resumed run sees the same batches in the same order; closes it on
+ * failure. */
+static int resume_identity(struct trainer *t, struct checkpoint *ck, struct model_spec *spec, struct rumor_err *e) {
   const struct train_config *cfg = &t->cfg;
-  /* A damaged checkpoint falls back to the previous one (train.h). */
-  int rc = checkpoint_open_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
-  if (rc) return rc;
+  int rc;
   *spec = ck->info.spec;
   if (cfg->model) {
     struct model_spec want;
@@ -100,6 +99,39 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
   }
   if (ck->info.epochs > 0 && !cfg->epochs_given) t->cfg.epochs = ck->info.epochs;
   t->resumed_schedule = ck->info.schedule_steps;
+  return 0;
+fail:
+  checkpoint_close(ck);
+  return rc;
+}
+
+/* Opens cfg->resume (a damaged checkpoint falls back to the previous one:
+ * train.h) and takes the run's identity from it. */
+static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_spec *spec, struct rumor_err *e) {
+  int rc = checkpoint_open_latest(t->cfg.resume, ck, t->resumed_from, sizeof t->resumed_from, e);
+  return rc ? rc : resume_identity(t, ck, spec, e);
+}
+
+/* A pipeline stage's --resume X: its own file of a staged run, X-stage<s>
+ * (train_stage_checkpoint_path, as --checkpoint X writes it), or, when
+ * there is none, X itself: a whole model's checkpoint of any run (rumor
+ * train's, a data- or tensor-parallel group's), of which it takes its
+ * units. The plan (t->plan) follows the run's batch. */
+static int open_stage_resume(struct trainer *t, struct checkpoint *ck, struct rumor_err *e) {
+  const struct train_config *cfg = &t->cfg;
+  char path[CHECKPOINT_PATH_MAX + 32];
+  train_stage_checkpoint_path(cfg->resume, t->stage.stage, path, sizeof path);
+  int rc = checkpoint_open_part_latest(path, ck, t->resumed_from, sizeof t->resumed_from, e);
+  if (rc == -ENOENT) rc = checkpoint_open_part_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
+  struct model_spec spec;
+  if (rc || (rc = resume_identity(t, ck, &spec, e))) return rc;
+  if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) goto fail;
+  if (t->plan.u0 < ck->u0 || t->plan.u1 > ck->u1) {
+    rc = rumor_err_set(e, RUMOR_ESHAPE, "%s holds %ss %d-%d (stage %d/%d of a pipeline), not this stage's %d-%d",
+                       t->resumed_from, model_spec_unit_noun(&spec), ck->u0, ck->u1 - 1, ck->info.stage,
+                       ck->info.stages, t->plan.u0, t->plan.u1 - 1);
+    goto fail;
+  }
   return 0;
 fail:
   checkpoint_close(ck);
@@ -141,7 +173,12 @@ static int choose_model(struct trainer *t, struct checkpoint *ck, bool *resumed,
   const struct train_config *cfg = &t->cfg;
   int rc;
   if (trainer_is_stage(t)) {
-    if (cfg->resume) return rumor_err_set(e, RUMOR_EFORMAT, "--resume is not supported for a peer group");
+    if (cfg->resume) {
+      if ((rc = open_stage_resume(t, ck, e))) return rc;
+      *resumed = true;
+      return 0;
+    }
+    if (cfg->init_from && (rc = init_from(t, e))) return rc; /* the whole model's, checked against --model */
     return train_stage_plan(cfg, &t->plan, e);
   }
   if (cfg->resume) {
@@ -235,7 +272,11 @@ static int alloc_extra(struct trainer *t, struct rumor_err *e) {
 static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
   const struct train_extra_spec *x = &t->cfg.extra;
   struct model *m = &t->model;
-  int64_t W = trainer_in_group_comm(t) ? m->table.nparams : t->shard_n;
+  /* A group member's segments are the whole model's; a replica's or a
+   * stage's what the file holds (a stage's own, or the whole model's, of
+   * which it takes its units' range). */
+  bool group = trainer_in_group_comm(t);
+  int64_t W = group ? m->table.nparams : ck->nparams, from = group ? t->shard_lo : m->param_base - ck->base;
   for (int i = 0; i < x->n; i++)
     if (!checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * W + x->seg[i].fixed)) {
       log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
@@ -252,7 +293,7 @@ static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
         model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, src, slices);
         mine = slices;
       }
-      tensor_copy_from_host(&t->extra, at, mine + t->shard_lo, (size_t)t->shard_n * sizeof(float));
+      tensor_copy_from_host(&t->extra, at, mine + from, (size_t)t->shard_n * sizeof(float));
       at += t->shard_n;
     }
     if (x->seg[i].fixed)
@@ -403,7 +444,9 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
     if (rc) goto fail;
   } else if (t->init_params) {
     if (cfg->tp || cfg->dp) group_load(t, t->init_params, NULL);
-    else tensor_copy_from_host(&t->model.params, 0, t->init_params, (size_t)t->model.nparams * sizeof(float));
+    else /* a stage's units from the whole model's */
+      tensor_copy_from_host(&t->model.params, 0, t->init_params + t->model.param_base,
+                            (size_t)t->model.nparams * sizeof(float));
     free(t->init_params);
     t->init_params = NULL;
     log_info("weights from %s", cfg->init_from);

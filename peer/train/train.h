@@ -242,8 +242,14 @@ struct checkpoint {
   struct st_file file;
   struct st_file state_file; /* a directory checkpoint's optimizer state (buf NULL otherwise) */
   struct ckpt_info info;
-  struct model_table table; /* of info.spec */
+  struct model_table table; /* of info.spec: the whole model's */
   bool has_optim;
+  /* What the file holds: units [u0, u1), the parameters [base, base +
+   * nparams) of the whole model's flat layout (its optimizer state and
+   * per-parameter extras have nparams floats). A whole-model file holds
+   * every unit; a pipeline stage's file (checkpoint_open_part) its own. */
+  int u0, u1;
+  int64_t base, nparams;
 };
 
 /* Reads and validates a whole-model checkpoint (digest, every table entry
@@ -260,10 +266,18 @@ void checkpoint_prev_path(const char *path, char *out, size_t n);
  * when neither is usable. */
 int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
                            struct rumor_err *e) RUMOR_MUST_CHECK;
-/* Copies the parameters into `m` (same spec, every unit) and, when `o` is not
- * NULL and the file has optimizer state of the same kind, the state into `o`
- * (whose step is set from the file); a range optimizer (optim_init_range)
- * takes its range of it. */
+/* checkpoint_open_latest that also takes a pipeline stage's file (format
+ * CHECKPOINT_STAGE_FORMAT: the entries of its units, checked like a whole
+ * file's, and ck->info.stage / stages from its metadata); ck->u0, u1,
+ * base and nparams say what it holds. */
+int checkpoint_open_part_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
+                                struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Copies the parameters into `m` (same spec; the units it holds, which the
+ * file must hold: a whole model's from a whole file, a stage's from a
+ * whole file or its own stage's) and, when `o` is not NULL and the file has
+ * optimizer state of the same kind, the state into `o` (whose step is set
+ * from the file); a range optimizer (optim_init_range) takes its range of
+ * it. RUMOR_ESHAPE naming both when the file holds other units. */
 int checkpoint_restore(const struct checkpoint *ck, struct model *m, struct optim *o,
                        struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The extra tensor `name` of an open checkpoint (ckpt_info.extra when it

@@ -500,8 +500,7 @@ Test(group, bad_flags_name_the_input_and_exit_2) {
                       "--listen 0.0.0.0:7000 does not say which address others should dial; add --advertise");
   cluster_expect_exit(&C, G("--stages", "2", "--batch", "16", "--micro-batches", "32"), 2,
                      "--micro-batches 32 is more than the --batch of 16 rows");
-  cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2,
-                      "--resume is offered for data- or tensor-parallel groups only");
+  cluster_expect_exit(&C, G("--stages", "2", "--resume", "x.safetensors"), 2, "--resume in a group needs --model too");
   cluster_expect_exit(&C, G("--stages", "99"), 2, "--stages: '99' is not an integer in [1, 64]");
   cluster_expect_exit(&C, G("--stages", "2", "--device", "cpu"), 2, "unknown option '--device'");
   cluster_expect_exit(&C, (char *[]){"group", "--stages", "2", NULL}, 2, "--cluster-key FILE is required");
