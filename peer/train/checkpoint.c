@@ -414,8 +414,24 @@ static int open_dir_state(struct checkpoint *ck, const char *dir, int64_t step, 
 static int open_at(const char *path, const char *state_dir, bool part_ok, struct checkpoint *ck,
                    struct rumor_err *e);
 
+static int open_latest(const char *path, bool part_ok, struct checkpoint *ck, char *used, size_t used_len,
+                       struct rumor_err *e);
+static int open_stage_set(const char *path, struct checkpoint *ck, struct rumor_err *e);
+
+/* True when `path` is missing but a pipelined group's first stage file
+ * (train_stage_checkpoint_path's, or its .prev) stands for it. */
+static bool stage_set_at(const char *path) {
+  struct stat st;
+  char first[CHECKPOINT_PATH_MAX + 32], prev[CHECKPOINT_PATH_MAX + 40];
+  if (stat(path, &st) == 0 || errno != ENOENT) return false;
+  train_stage_checkpoint_path(path, 0, first, sizeof first);
+  checkpoint_prev_path(first, prev, sizeof prev);
+  return stat(first, &st) == 0 || stat(prev, &st) == 0;
+}
+
 static int open_path(const char *path, bool part_ok, struct checkpoint *ck, struct rumor_err *e) {
-  if (!checkpoint_is_dir(path)) return open_at(path, NULL, part_ok, ck, e);
+  if (!checkpoint_is_dir(path))
+    return stage_set_at(path) ? open_stage_set(path, ck, e) : open_at(path, NULL, part_ok, ck, e);
   char model[1100];
   checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
   return open_at(model, path, part_ok, ck, e);
@@ -559,6 +575,104 @@ int checkpoint_open_latest(const char *path, struct checkpoint *ck, char *used, 
 int checkpoint_open_part_latest(const char *path, struct checkpoint *ck, char *used, size_t used_len,
                                 struct rumor_err *e) {
   return open_latest(path, true, ck, used, used_len, e);
+}
+
+/* Whether two files of one save agree on the run they belong to. */
+static bool same_run(const struct ckpt_info *a, const struct ckpt_info *b) {
+  return model_spec_equal(&a->spec, &b->spec) && a->st.step == b->st.step && a->st.epoch == b->st.epoch &&
+         a->st.step_in_epoch == b->st.step_in_epoch && a->st.samples == b->st.samples && a->seed == b->seed &&
+         a->data_seed == b->data_seed && a->batch == b->batch && a->shard.index == b->shard.index &&
+         a->shard.count == b->shard.count;
+}
+
+/* The stage files of one save, put together into a whole model's
+ * checkpoint in `ck` (its own buffer; the metadata of stage 0's file, the
+ * sync scheme's tensors left out: a stage's are of its own layout). Every
+ * stage file must be there (each with its .prev fallback), of the same
+ * run and step, and together hold every unit once, in order. */
+static int merge_stages(const char *path, struct checkpoint *part, int S, struct checkpoint *ck, struct rumor_err *e) {
+  const struct checkpoint *p0 = &part[0];
+  memset(ck, 0, sizeof *ck);
+  ck->info = p0->info;
+  ck->info.stage = ck->info.stages = 0;
+  model_table_build(&ck->info.spec, &ck->table);
+  ck->u0 = 0;
+  ck->u1 = ck->table.nunits;
+  ck->nparams = ck->table.nparams;
+  ck->has_optim = true;
+  for (int k = 0; k < S; k++)
+    ck->has_optim = ck->has_optim && part[k].has_optim && part[k].info.optim_kind == p0->info.optim_kind;
+  int nstate = ck->has_optim ? optim_state_per_param(p0->info.optim_kind) : 0;
+  struct st_file *f = &ck->file;
+  f->len = (size_t)ck->nparams * sizeof(float) * (size_t)(1 + nstate);
+  f->buf = malloc(f->len ? f->len : 1);
+  if (!f->buf) {
+    model_table_free(&ck->table);
+    return rumor_err_set(e, -ENOMEM, "no memory to put %s's %d stage files together", path, S);
+  }
+  f->tensors = xcalloc(ck->table.n + (size_t)nstate, sizeof *f->tensors);
+  float *w = (float *)f->buf, *state = w + ck->nparams;
+  for (size_t i = 0; i < ck->table.n; i++) {
+    const struct model_param *p = &ck->table.p[i];
+    const struct checkpoint *from = &part[0];
+    for (int k = 0; k < S; k++)
+      if (p->unit >= part[k].u0 && p->unit < part[k].u1) from = &part[k];
+    const struct st_tensor *t = safetensors_find(&from->file, p->name); /* checked by open_at */
+    struct st_tensor *m = &f->tensors[f->ntensors++];
+    *m = *t;
+    m->data = w + p->offset;
+    memcpy(w + p->offset, t->data, t->nbytes);
+  }
+  for (int s = 0; s < nstate; s++) {
+    struct st_tensor *m = &f->tensors[f->ntensors++];
+    float *dst = state + (int64_t)s * ck->nparams;
+    *m = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {ck->nparams}, .data = dst,
+                            .nbytes = (size_t)ck->nparams * sizeof(float)};
+    snprintf(m->name, sizeof m->name, "%s", optim_state_name(p0->info.optim_kind, s));
+    for (int k = 0; k < S; k++)
+      memcpy(dst + part[k].base, ck_find(&part[k], m->name)->data, (size_t)part[k].nparams * sizeof(float));
+  }
+  f->header = json_incref(p0->file.header); /* owns the strings of the metadata copied */
+  f->nmeta = p0->file.nmeta;
+  f->meta = xcalloc(f->nmeta ? f->nmeta : 1, sizeof *f->meta);
+  memcpy(f->meta, p0->file.meta, f->nmeta * sizeof *f->meta);
+  return 0;
+}
+
+static int open_stage_set(const char *path, struct checkpoint *ck, struct rumor_err *e) {
+  struct checkpoint *part = xcalloc(PIPE_MAX_STAGES, sizeof *part);
+  char name[CHECKPOINT_PATH_MAX + 32], used[CHECKPOINT_PATH_MAX + 40];
+  int S = 1, n = 0, rc = 0;
+  for (int k = 0; k < S && rc == 0; k++, n++) {
+    train_stage_checkpoint_path(path, k, name, sizeof name);
+    if ((rc = open_latest(name, true, &part[k], used, sizeof used, e))) {
+      if (rc == -ENOENT)
+        rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s stands for stage files, but stage %d/%d's %s is missing", path, k,
+                           S, name);
+      break;
+    }
+    if (k == 0 && (S = part[0].info.stages) < 1) {
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s is not a pipeline stage's file (rumor.format is not %s)", used,
+                         CHECKPOINT_STAGE_FORMAT);
+      break;
+    }
+    const struct checkpoint *c = &part[k];
+    if (c->info.stages != S || c->info.stage != k || c->u0 != (k ? part[k - 1].u1 : 0) ||
+        (k == S - 1 && c->u1 != c->table.nunits))
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s is stage %d/%d of units %d-%d, which does not continue %s's stage "
+                         "files (stage %d of %d)", used, c->info.stage, c->info.stages, c->u0, c->u1 - 1, path, k, S);
+    else if (!same_run(&c->info, &part[0].info))
+      rc = rumor_err_set(e, RUMOR_ECORRUPT, "%s is of step %lld, stage 0's file of step %lld (or of another run): "
+                         "stage files of different saves", used, (long long)c->info.st.step,
+                         (long long)part[0].info.st.step);
+  }
+  if (rc == 0) {
+    rc = merge_stages(path, part, S, ck, e);
+    if (rc == 0) log_info("%s: the %d stage files of step %lld put together", path, S, (long long)ck->info.st.step);
+  }
+  for (int k = 0; k < n; k++) checkpoint_close(&part[k]);
+  free(part);
+  return rc;
 }
 
 void checkpoint_close(struct checkpoint *ck) {

@@ -113,17 +113,29 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
 }
 
 /* A pipeline stage's --resume X: its own file of a staged run, X-stage<s>
- * (train_stage_checkpoint_path, as --checkpoint X writes it), or, when
- * there is none, X itself: a whole model's checkpoint of any run (rumor
- * train's, a data- or tensor-parallel group's), of which it takes its
- * units. The plan (t->plan) follows the run's batch. */
+ * (train_stage_checkpoint_path, as --checkpoint X writes it), when there is
+ * one that holds this stage's units; else X itself: a whole model's
+ * checkpoint of any run (rumor train's, a data- or tensor-parallel
+ * group's), or the stage files of a pipeline of another split, which the
+ * checkpoint layer puts together, of which it takes its units. The plan
+ * (t->plan) follows the run's batch. */
 static int open_stage_resume(struct trainer *t, struct checkpoint *ck, struct rumor_err *e) {
   const struct train_config *cfg = &t->cfg;
   char path[CHECKPOINT_PATH_MAX + 32];
+  struct model_spec spec;
   train_stage_checkpoint_path(cfg->resume, t->stage.stage, path, sizeof path);
   int rc = checkpoint_open_part_latest(path, ck, t->resumed_from, sizeof t->resumed_from, e);
-  if (rc == -ENOENT) rc = checkpoint_open_part_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
-  struct model_spec spec;
+  if (rc == 0) {
+    if ((rc = resume_identity(t, ck, &spec, e))) return rc; /* it closed ck */
+    if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) goto fail;
+    if (t->plan.u0 >= ck->u0 && t->plan.u1 <= ck->u1) return 0;
+    log_info("%s holds %ss %d-%d, not this stage's %d-%d: taking them from all of %s's", t->resumed_from,
+             model_spec_unit_noun(&spec), ck->u0, ck->u1 - 1, t->plan.u0, t->plan.u1 - 1, cfg->resume);
+    checkpoint_close(ck);
+  } else if (rc != -ENOENT) {
+    return rc;
+  }
+  rc = checkpoint_open_part_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
   if (rc || (rc = resume_identity(t, ck, &spec, e))) return rc;
   if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) goto fail;
   if (t->plan.u0 < ck->u0 || t->plan.u1 > ck->u1) {

@@ -527,36 +527,49 @@ Test(group_dp, a_resumed_group_continues_bit_exactly_and_in_any_layout) {
                       2, "--resume in a group needs --model too");
 }
 
+/* Runs `rumor train common... extra...` to success. */
+static void run_train(char *const *common, char *const *extra) {
+  char *argv[64] = {"train"};
+  int n = 1;
+  for (int i = 0; extra[i]; i++) argv[n++] = extra[i];
+  for (int i = 0; common[i]; i++) argv[n++] = common[i];
+  argv[n] = NULL;
+  char *out, *err;
+  int st = cluster_run(&C, argv, 120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
+  free(out), free(err);
+}
+
 /* A pipelined group (2 stages of a GPT, 3 micro-batches) stopped after 6
  * steps and resumed to 12 from its stage files writes bit for bit what it
- * writes in 12 steps at once; resumed instead from rumor train's 6-step
- * checkpoint (each stage takes its units of the whole model's), it ends
- * within float rounding of it. Stage files of another split, or of two
- * different steps, are refused by name. */
+ * writes in 12 steps at once. Within float rounding of rumor train's 12
+ * steps (the micro-batches sum in another order) end: the group resumed
+ * from rumor train's 6-step checkpoint (each stage takes its units of the
+ * whole model's), 3 stages resumed from the 2 stage files (put together:
+ * the split differs), and rumor train resumed from them. Stage files of
+ * two different steps are refused by name, by the group and by rumor
+ * train. */
 Test(group_dp, a_pipelined_group_resumes_from_its_stage_files_or_a_whole_checkpoint) {
-  char id[256], f[5][256], a[300], b[300];
+  char id[256], f[8][256], a[300], b[300];
   cluster_make_identity(&C, "sresume", id, sizeof id);
   char *text = (char *)cluster_make_text(&C, 200000);
   char *common[] = {"--model", "gpt:L4-H4-C32-T16-V256", "--batch", "6", "--epochs", "1", "--seed", "7",
                     "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval",
                     "--data", text, NULL};
   char *stages[] = {"--stages", "2", "--micro-batches", "3", NULL};
-  const char *tag[5] = {"full", "half", "again", "whole6", "fromwhole"};
-  for (int i = 0; i < 5; i++) snprintf(f[i], sizeof f[i], "%s/s-%s.safetensors", C.dir, tag[i]);
+  char *three[] = {"--stages", "3", "--micro-batches", "3", NULL};
+  const char *tag[8] = {"full", "half", "again", "whole6", "fromwhole", "whole12", "three", "trained"};
+  for (int i = 0; i < 8; i++) snprintf(f[i], sizeof f[i], "%s/s-%s.safetensors", C.dir, tag[i]);
   run_group(stages, common, (char *[]){"--max-steps", "12", "--checkpoint", f[0], NULL}, id);
   run_group(stages, common, (char *[]){"--max-steps", "6", "--checkpoint", f[1], NULL}, id);
   run_group(stages, common, (char *[]){"--max-steps", "12", "--resume", f[1], "--checkpoint", f[2], NULL}, id);
-  char *train[48] = {"train", "--max-steps", "6", "--checkpoint", f[3]};
-  int n = 5;
-  for (int i = 0; common[i]; i++) train[n++] = common[i];
-  train[n] = NULL;
-  char *out, *err;
-  int st = cluster_run(&C, train, 120, &out, &err);
-  cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
-  free(out), free(err);
+  run_train(common, (char *[]){"--max-steps", "6", "--checkpoint", f[3], NULL});
   run_group(stages, common, (char *[]){"--max-steps", "12", "--resume", f[3], "--checkpoint", f[4], NULL}, id);
+  run_train(common, (char *[]){"--max-steps", "12", "--checkpoint", f[5], NULL});
+  run_group(three, common, (char *[]){"--max-steps", "12", "--resume", f[1], "--checkpoint", f[6], NULL}, id);
+  run_train(common, (char *[]){"--max-steps", "12", "--resume", f[1], "--checkpoint", f[7], NULL});
+  int64_t count, params = 0, total = 0;
   for (int s = 0; s < 2; s++) {
-    int64_t count;
     train_stage_checkpoint_path(f[0], s, a, sizeof a);
     train_stage_checkpoint_path(f[2], s, b, sizeof b);
     double same = max_diff(b, a, &count);
@@ -566,18 +579,31 @@ Test(group_dp, a_pipelined_group_resumes_from_its_stage_files_or_a_whole_checkpo
     double moved = max_diff(b, a, &count);
     cr_expect(moved <= 5e-5, "stage %d resumed from rumor train's checkpoint is %.3g from the group's", s, moved);
   }
-  /* Three stages cut the blocks elsewhere; a stage file of step 6 beside one of 12. */
-  char *three[48] = {"group", "--cluster-key", C.key, "--identity", id, "--stages", "3", "--micro-batches", "3",
-                     "--max-steps", "14", "--resume", f[0]};
-  n = 13;
-  for (int i = 0; common[i]; i++) three[n++] = common[i];
-  three[n] = NULL;
-  cluster_expect_exit(&C, three, 1, "holds blocks 3-5 (stage 1/2 of a pipeline), not this stage's 2-3");
+  for (int s = 0; s < 3; s++) {
+    train_stage_checkpoint_path(f[6], s, b, sizeof b);
+    double d = stage_max_diff(b, f[5], &count, &params);
+    cr_expect(d <= 5e-5, "stage %d/3 resumed from 2 stage files is %.3g from rumor train's", s, d);
+    total += count;
+  }
+  cr_assert_eq(total, 3 * params, "the 3 stage files hold %lld floats of %lld", (long long)total,
+               (long long)(3 * params));
+  double d = max_diff(f[7], f[5], &count);
+  cr_expect(d <= 5e-5, "rumor train resumed from stage files is %.3g from its own 12 steps", d);
+  /* A stage file of step 6 beside one of 12. */
   train_stage_checkpoint_path(f[1], 1, a, sizeof a);
   train_stage_checkpoint_path(f[0], 1, b, sizeof b);
   cr_assert_eq(rename(a, b), 0);
-  three[6] = "2";
-  cluster_expect_exit(&C, three, 1, "stage 1 resumed at step 6 from");
+  char *again[48] = {"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--max-steps", "14",
+                     "--resume", f[0]};
+  int n = 11;
+  for (int i = 0; common[i]; i++) again[n++] = common[i];
+  again[n] = NULL;
+  cluster_expect_exit(&C, again, 1, "stage 1 resumed at step 6 from");
+  char *train[48] = {"train", "--max-steps", "14", "--resume", f[0]};
+  n = 5;
+  for (int i = 0; common[i]; i++) train[n++] = common[i];
+  train[n] = NULL;
+  cluster_expect_exit(&C, train, 1, "is of step 6, stage 0's file of step 12");
 }
 
 /* An expert-parallel group (P = 2, ZeRO 1) stopped after 4 steps and
