@@ -785,9 +785,9 @@ int cmd_group(int argc, char **argv) {
                       "a stage accumulates whole gradients over its micro-batches). --stages S\n"
                       "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
                       "linked to rank t of the neighbouring stages. Both: S x D x T processes. No averaging\n"
-                      "with other groups, no --resume or --init-from yet: such a group trains alone, from\n"
-                      "its own initialisation. Its steps equal the single process's; each stage writes its\n"
-                      "own checkpoint file.");
+                      "with other groups yet: such a group trains alone (--resume and --init-from as for\n"
+                      "--stages alone). Its steps equal the single process's; each stage writes its own\n"
+                      "checkpoint file.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

@@ -203,10 +203,9 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
   else if (f->gossip.servers) what = "--servers";
   else if (strcmp(f->gossip.sync, "gossip") != 0) what = "--sync allreduce and --sync ps";
   else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
-  else if (f->train.resume || f->train.init_from) what = "--resume and --init-from";
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
-                         "trains alone, from its own initialisation, so far; %s are not built for it yet",
+                         "trains alone so far; %s are not built for it yet",
                          D > 1 ? "data-parallel" : "tensor-parallel", D > 1 ? D : T, S,
                          D > 1 ? "data-parallel members" : "tensor-parallel ranks", what);
   return 0;

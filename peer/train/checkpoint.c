@@ -689,9 +689,9 @@ const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int
 }
 
 void checkpoint_params(const struct checkpoint *ck, float *out) {
-  RUMOR_ASSERT(ck->u0 == 0 && ck->u1 == ck->table.nunits); /* a whole model's file */
   for (size_t i = 0; i < ck->table.n; i++) {
     const struct model_param *p = &ck->table.p[i];
+    if (p->unit < ck->u0 || p->unit >= ck->u1) continue; /* not in a stage's file */
     const struct st_tensor *t = safetensors_find(&ck->file, p->name);
     RUMOR_ASSERT(t && t->nbytes == (size_t)p->numel * sizeof(float)); /* checked by checkpoint_open */
     memcpy(out + p->offset, t->data, t->nbytes);

@@ -282,9 +282,11 @@ void group_load(struct trainer *t, const float *params, const float *const *stat
   struct model *m = &t->model;
   int64_t P = m->nparams;
   float *local = NULL;
-  if (m->tp) local = xmalloc((size_t)P * sizeof(float));
+  /* A rank's slices of every unit; a stage's start param_base into them
+   * (or into the whole model's buffer). */
+  if (m->tp) local = xmalloc((size_t)model_tp_local_params(&m->spec, m->tp->size, m->tp->rank) * sizeof(float));
   if (m->tp) model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, params, local);
-  tensor_copy_from_host(&m->params, 0, m->tp ? local : params, (size_t)P * sizeof(float));
+  tensor_copy_from_host(&m->params, 0, (m->tp ? local : params) + m->param_base, (size_t)P * sizeof(float));
   int parts = optim_state_per_param(t->optim.cfg.kind);
   for (int s = 0; state && s < parts; s++) {
     const float *src = state[s];

@@ -327,14 +327,24 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   model_spec_format(&ck->info.spec, have, sizeof have);
   model_spec_format(&t->model.spec, want, sizeof want);
   if (strcmp(want, have) != 0) return rumor_err_set(e, RUMOR_ESHAPE, "checkpoint holds model %s, not %s", have, want);
-  float *full = malloc((size_t)ck->table.nparams * sizeof(float));
-  if (!full) return rumor_err_set(e, -ENOMEM, "no memory for the checkpoint's %lld parameters",
-                                  (long long)ck->table.nparams);
+  /* In the whole model's layout: a stage's file (a member of a pipelined
+   * group) fills its units' range, the only one the member reads. */
+  int64_t W = ck->table.nparams;
+  int nstate = checkpoint_optim_part(ck, t->optim.cfg.kind, 0) ? optim_state_per_param(t->optim.cfg.kind) : 0;
+  bool part = ck->nparams != W;
+  float *full = malloc((size_t)W * (size_t)(1 + (part ? nstate : 0)) * sizeof(float));
+  if (!full) return rumor_err_set(e, -ENOMEM, "no memory for the checkpoint's %lld parameters", (long long)W);
   checkpoint_params(ck, full);
-  const float *parts[2] = {checkpoint_optim_part(ck, t->optim.cfg.kind, 0),
-                           checkpoint_optim_part(ck, t->optim.cfg.kind, 1)};
-  if (!parts[0]) log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(t->optim.cfg.kind));
-  group_load(t, full, parts[0] ? parts : NULL);
+  const float *parts[2] = {NULL, NULL};
+  for (int s = 0; s < nstate; s++) {
+    parts[s] = checkpoint_optim_part(ck, t->optim.cfg.kind, s);
+    if (part) {
+      memcpy(full + W * (1 + s) + ck->base, parts[s], (size_t)ck->nparams * sizeof(float));
+      parts[s] = full + W * (1 + s);
+    }
+  }
+  if (!nstate) log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(t->optim.cfg.kind));
+  group_load(t, full, nstate ? parts : NULL);
   t->optim.step = ck->info.st.step;
   free(full);
   restore_extra(t, ck);

@@ -288,8 +288,9 @@ const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int
  * parameters' layout) in an open checkpoint, or NULL when it has none of
  * that kind. Valid until checkpoint_close. */
 const float *checkpoint_optim_part(const struct checkpoint *ck, enum optim_kind kind, int part);
-/* The whole model's parameters from an open checkpoint into `out`
- * (table.nparams floats, flat-buffer order). */
+/* The parameters an open checkpoint holds into `out` (table.nparams
+ * floats, the whole model's flat-buffer order; a stage's file fills its
+ * units' range and leaves the rest). */
 void checkpoint_params(const struct checkpoint *ck, float *out);
 
 /* Reads a Hugging Face model directory as GPT2LMHeadModel.save_pretrained

@@ -606,6 +606,37 @@ Test(group_dp, a_pipelined_group_resumes_from_its_stage_files_or_a_whole_checkpo
   cluster_expect_exit(&C, train, 1, "is of step 6, stage 0's file of step 12");
 }
 
+/* Data-parallel members inside the stages (S = 2, D = 2, ZeRO 1: each
+ * member holds its piece of its stage's moments) stopped after 6 steps and
+ * resumed from their stage files write bit for bit what they write in 12
+ * steps at once; 2 tensor-parallel ranks in each stage resumed from the same
+ * files end within float rounding of it. */
+Test(group_dp, stages_with_members_or_ranks_resume_in_any_layout) {
+  char id[256], f[4][256], a[300], b[300];
+  cluster_make_identity(&C, "sdresume", id, sizeof id);
+  char *text = (char *)cluster_make_text(&C, 200000);
+  char *common[] = {"--model", "gpt:L4-H4-C32-T16-V256", "--batch", "6", "--epochs", "1", "--seed", "7",
+                    "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval",
+                    "--data", text, "--stages", "2", "--micro-batches", "1", NULL};
+  char *members[] = {"--data-parallel", "2", "--zero", "1", NULL}, *ranks[] = {"--tensor-parallel", "2", NULL};
+  const char *tag[4] = {"full", "half", "again", "ranks"};
+  for (int i = 0; i < 4; i++) snprintf(f[i], sizeof f[i], "%s/sd-%s.safetensors", C.dir, tag[i]);
+  run_group(members, common, (char *[]){"--max-steps", "12", "--checkpoint", f[0], NULL}, id);
+  run_group(members, common, (char *[]){"--max-steps", "6", "--checkpoint", f[1], NULL}, id);
+  run_group(members, common, (char *[]){"--max-steps", "12", "--resume", f[1], "--checkpoint", f[2], NULL}, id);
+  run_group(ranks, common, (char *[]){"--max-steps", "12", "--resume", f[1], "--checkpoint", f[3], NULL}, id);
+  for (int s = 0; s < 2; s++) {
+    int64_t count;
+    train_stage_checkpoint_path(f[0], s, a, sizeof a);
+    train_stage_checkpoint_path(f[2], s, b, sizeof b);
+    double same = max_diff(b, a, &count);
+    cr_expect(same == 0, "stage %d's members resumed are %.3g from the uninterrupted run", s, same);
+    train_stage_checkpoint_path(f[3], s, b, sizeof b);
+    double moved = max_diff(b, a, &count);
+    cr_expect(moved <= 5e-5, "stage %d's tensor-parallel ranks resumed are %.3g from the members' run", s, moved);
+  }
+}
+
 /* An expert-parallel group (P = 2, ZeRO 1) stopped after 4 steps and
  * resumed to 8 writes bit for bit what it writes in 8 steps at once, and a
  * single process resumed from the same checkpoint ends within float
