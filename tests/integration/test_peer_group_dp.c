@@ -448,6 +448,19 @@ static void run_group(char *const *layout, char *const *common, char *const *ext
   free(out), free(err);
 }
 
+/* Runs `rumor train common... extra...` to success. */
+static void run_train(char *const *common, char *const *extra) {
+  char *argv[64] = {"train"};
+  int n = 1;
+  for (int i = 0; extra[i]; i++) argv[n++] = extra[i];
+  for (int i = 0; common[i]; i++) argv[n++] = common[i];
+  argv[n] = NULL;
+  char *out, *err;
+  int st = cluster_run(&C, argv, 120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
+  free(out), free(err);
+}
+
 /* Runs `layout` for `steps` steps (checkpoint F), for steps / 2 (H), and
  * resumed from H to `steps` (A); then `other` (a group layout, or NULL:
  * rumor train) resumed from H to `steps` (O). *same: A's largest
@@ -467,14 +480,7 @@ static void resume_runs(const char *tag, char *const *common, char *const *layou
   if (other) {
     run_group(other, common, (char *[]){"--max-steps", n1, "--resume", half, "--checkpoint", oth, NULL}, id);
   } else {
-    char *train[48] = {"train", "--max-steps", n1, "--resume", half, "--checkpoint", oth};
-    int n = 7;
-    for (int i = 0; common[i]; i++) train[n++] = common[i];
-    train[n] = NULL;
-    char *out, *err;
-    int st = cluster_run(&C, train, 120, &out, &err);
-    cr_assert(proc_exited_with(st, 0), "rumor train --resume failed: %s", err);
-    free(out), free(err);
+    run_train(common, (char *[]){"--max-steps", n1, "--resume", half, "--checkpoint", oth, NULL});
   }
   int64_t count;
   *same = max_diff(again, full, &count);
@@ -525,19 +531,6 @@ Test(group_dp, a_resumed_group_continues_bit_exactly_and_in_any_layout) {
   cluster_expect_exit(&C, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--data-parallel", "2",
                                      "--resume", half, NULL},
                       2, "--resume in a group needs --model too");
-}
-
-/* Runs `rumor train common... extra...` to success. */
-static void run_train(char *const *common, char *const *extra) {
-  char *argv[64] = {"train"};
-  int n = 1;
-  for (int i = 0; extra[i]; i++) argv[n++] = extra[i];
-  for (int i = 0; common[i]; i++) argv[n++] = common[i];
-  argv[n] = NULL;
-  char *out, *err;
-  int st = cluster_run(&C, argv, 120, &out, &err);
-  cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
-  free(out), free(err);
 }
 
 /* A pipelined group (2 stages of a GPT, 3 micro-batches) stopped after 6
