@@ -332,7 +332,8 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
   int64_t W = ck->table.nparams;
   int nstate = checkpoint_optim_part(ck, t->optim.cfg.kind, 0) ? optim_state_per_param(t->optim.cfg.kind) : 0;
   bool part = ck->nparams != W;
-  float *full = malloc((size_t)W * (size_t)(1 + (part ? nstate : 0)) * sizeof(float));
+  /* Zeros where a stage's file has nothing: a rank's scatter reads them. */
+  float *full = calloc((size_t)W * (size_t)(1 + (part ? nstate : 0)), sizeof(float));
   if (!full) return rumor_err_set(e, -ENOMEM, "no memory for the checkpoint's %lld parameters", (long long)W);
   checkpoint_params(ck, full);
   const float *parts[2] = {NULL, NULL};
@@ -343,7 +344,8 @@ static int restore_group(struct trainer *t, const struct checkpoint *ck, struct 
       parts[s] = full + W * (1 + s);
     }
   }
-  if (!nstate) log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(t->optim.cfg.kind));
+  if (!nstate)
+    log_warn("checkpoint has no %s optimizer state; starting it from zero", optim_kind_name(t->optim.cfg.kind));
   group_load(t, full, nstate ? parts : NULL);
   t->optim.step = ck->info.st.step;
   free(full);

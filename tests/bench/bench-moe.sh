@@ -25,8 +25,9 @@
 #
 #   tests/bench/bench-moe.sh [BUILD_DIR]
 #
-# Environment: SPEC (default gpt:L4-H4-C128-T128-V256), STEPS (default
-# 600), BATCH (default 16), E (default 8), DATA (a text file; default the
+# Environment: SPEC (default gpt:L4-H4-C64-T128-V256), STEPS (default
+# 2000), BATCH (default 16), LR (AdamW's, every row; default 3e-3), E
+# (default 8), DATA (a text file; default the
 # KJV corpus of deploy/install-deps.sh), THREADS (default all cores),
 # EP_STEPS (default 200), EP_ONLY=1 (the expert-parallel rows alone).
 set -eu
@@ -34,8 +35,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 build=${1:-$root/build}
 rumor=$build/peer/rumor
-SPEC=${SPEC:-gpt:L4-H4-C128-T128-V256}
-STEPS=${STEPS:-600}
+SPEC=${SPEC:-gpt:L4-H4-C64-T128-V256}
+STEPS=${STEPS:-2000}
+LR=${LR:-3e-3}
 BATCH=${BATCH:-16}
 E=${E:-8}
 DATA=${DATA:-/usr/local/share/rumor/kjv.txt}
@@ -50,7 +52,7 @@ array() { printf '%s\n' "$1" | sed -n "s/.*\"$2\":\[\([^]]*\)\].*/\1/p"; }
 
 # run NAME SPEC: trains STEPS steps, keeps the result line and the log.
 run() {
-  "$rumor" train --model "$2" --data "$DATA" --batch "$BATCH" --max-steps "$STEPS" --optimizer adamw --lr 1e-3 \
+  "$rumor" train --model "$2" --data "$DATA" --batch "$BATCH" --max-steps "$STEPS" --optimizer adamw --lr "$LR" \
     --warmup 50 --threads "$THREADS" --eval-batches 20 --log-every 1 --seed 1 >"$tmp/$1.out" 2>"$tmp/$1.log" ||
     { echo "bench-moe.sh: $1 ($2) failed:" >&2; tail -5 "$tmp/$1.log" >&2; exit 1; }
   tail -n 1 "$tmp/$1.out"
@@ -63,7 +65,7 @@ expert_parallel() {
   half=$((THREADS / 2 > 0 ? THREADS / 2 : 1))
   "$rumor" keygen -o "$tmp/id" >/dev/null 2>&1
   "$rumor" keygen --cluster -o "$tmp/ck" >/dev/null 2>&1
-  common="--model $SPEC-E$E-K1 --data $DATA --batch $BATCH --max-steps $steps --optimizer adamw --lr 1e-3 --warmup 50
+  common="--model $SPEC-E$E-K1 --data $DATA --batch $BATCH --max-steps $steps --optimizer adamw --lr $LR --warmup 50
     --eval-batches 20 --log-every 0 --seed 1"
   one=$(STEPS=$steps run ep1 "$SPEC-E$E-K1")
   # shellcheck disable=SC2086
@@ -94,7 +96,7 @@ expert_parallel() {
   done
 }
 
-echo "bench-moe.sh: $SPEC, $STEPS steps of $BATCH windows, AdamW 1e-3, $THREADS threads, $(date -u +%Y-%m-%d)"
+echo "bench-moe.sh: $SPEC, $STEPS steps of $BATCH windows, AdamW $LR, $THREADS threads, $(date -u +%Y-%m-%d)"
 if [ "${EP_ONLY:-0}" = 1 ]; then
   expert_parallel
   exit 0
