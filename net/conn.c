@@ -759,8 +759,6 @@ void net_conn_retire(net_conn_t *c, uint32_t idle_ms) {
   open_timer_arm(c, uv_now(c->net->loop));
 }
 
-bool net_conn_retired(const net_conn_t *c) { return c->retire_ms != 0; }
-
 /* ---- session ops (called from inside net_sess_rx_feed) ------------------------------------ */
 
 static void became_open(struct net_conn *c) {

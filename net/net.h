@@ -513,7 +513,6 @@ void net_conn_close(net_conn_t *c);
  * circuits is never retired (its circuits keep it). A second call can only
  * shorten the wait. */
 void net_conn_retire(net_conn_t *c, uint32_t idle_ms);
-bool net_conn_retired(const net_conn_t *c);
 
 /* Getters, valid until on_close returns. */
 const uint8_t *net_conn_peer_key(const net_conn_t *c); /* NET_PUBKEY_BYTES, verified */
