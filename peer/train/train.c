@@ -121,31 +121,27 @@ static int open_resume(struct trainer *t, struct checkpoint *ck, struct model_sp
  * (t->plan) follows the run's batch. */
 static int open_stage_resume(struct trainer *t, struct checkpoint *ck, struct rumor_err *e) {
   const struct train_config *cfg = &t->cfg;
-  char path[CHECKPOINT_PATH_MAX + 32];
+  char own[CHECKPOINT_PATH_MAX + 32];
+  train_stage_checkpoint_path(cfg->resume, t->stage.stage, own, sizeof own);
+  const char *paths[2] = {own, cfg->resume};
   struct model_spec spec;
-  train_stage_checkpoint_path(cfg->resume, t->stage.stage, path, sizeof path);
-  int rc = checkpoint_open_part_latest(path, ck, t->resumed_from, sizeof t->resumed_from, e);
-  if (rc == 0) {
-    if ((rc = resume_identity(t, ck, &spec, e))) return rc; /* it closed ck */
-    if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) goto fail;
+  int rc = 0;
+  for (int i = 0; i < 2; i++) {
+    rc = checkpoint_open_part_latest(paths[i], ck, t->resumed_from, sizeof t->resumed_from, e);
+    if (rc == -ENOENT && i == 0) continue;
+    if (rc || (rc = resume_identity(t, ck, &spec, e))) return rc; /* resume_identity closed ck */
+    if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) break;
     if (t->plan.u0 >= ck->u0 && t->plan.u1 <= ck->u1) return 0;
+    if (i == 1) {
+      rc = rumor_err_set(e, RUMOR_ESHAPE, "%s holds %ss %d-%d (stage %d/%d of a pipeline), not this stage's %d-%d",
+                         t->resumed_from, model_spec_unit_noun(&spec), ck->u0, ck->u1 - 1, ck->info.stage,
+                         ck->info.stages, t->plan.u0, t->plan.u1 - 1);
+      break;
+    }
     log_info("%s holds %ss %d-%d, not this stage's %d-%d: taking them from all of %s's", t->resumed_from,
              model_spec_unit_noun(&spec), ck->u0, ck->u1 - 1, t->plan.u0, t->plan.u1 - 1, cfg->resume);
     checkpoint_close(ck);
-  } else if (rc != -ENOENT) {
-    return rc;
   }
-  rc = checkpoint_open_part_latest(cfg->resume, ck, t->resumed_from, sizeof t->resumed_from, e);
-  if (rc || (rc = resume_identity(t, ck, &spec, e))) return rc;
-  if ((rc = train_stage_plan(&t->cfg, &t->plan, e))) goto fail;
-  if (t->plan.u0 < ck->u0 || t->plan.u1 > ck->u1) {
-    rc = rumor_err_set(e, RUMOR_ESHAPE, "%s holds %ss %d-%d (stage %d/%d of a pipeline), not this stage's %d-%d",
-                       t->resumed_from, model_spec_unit_noun(&spec), ck->u0, ck->u1 - 1, ck->info.stage,
-                       ck->info.stages, t->plan.u0, t->plan.u1 - 1);
-    goto fail;
-  }
-  return 0;
-fail:
   checkpoint_close(ck);
   return rc;
 }

@@ -434,27 +434,34 @@ Test(group_dp, members_peak_memory_falls_as_zero_shards_more) {
             (one - p3) / 1e6, one / 1e6, 8 * P / 1e6);
 }
 
+/* argv = the NULL-terminated lists one after the other (NULL lists
+ * skipped), then NULL; at most cap entries in all. */
+static void argv_cat(char **argv, int cap, char *const *a, char *const *b, char *const *c, char *const *d) {
+  char *const *lists[] = {a, b, c, d};
+  int n = 0;
+  for (int k = 0; k < 4; k++)
+    for (int i = 0; lists[k] && lists[k][i]; i++) {
+      cr_assert_lt(n, cap - 1, "more than %d arguments", cap - 1);
+      argv[n++] = lists[k][i];
+    }
+  argv[n] = NULL;
+}
+
 /* Runs `rumor group KEYS... layout... common... extra...` to success. */
 static void run_group(char *const *layout, char *const *common, char *const *extra, const char *id) {
-  char *argv[80] = {"group", "--cluster-key", C.key, "--identity", (char *)id};
-  int n = 5;
-  for (int i = 0; layout[i]; i++) argv[n++] = layout[i];
-  for (int i = 0; common[i]; i++) argv[n++] = common[i];
-  for (int i = 0; extra[i]; i++) argv[n++] = extra[i];
-  argv[n] = NULL;
+  char *argv[80];
+  argv_cat(argv, 80, (char *[]){"group", "--cluster-key", C.key, "--identity", (char *)id, NULL}, layout, common,
+           extra);
   char *out, *err;
   int st = cluster_run(&C, argv, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
   free(out), free(err);
 }
 
-/* Runs `rumor train common... extra...` to success. */
+/* Runs `rumor train extra... common...` to success. */
 static void run_train(char *const *common, char *const *extra) {
-  char *argv[64] = {"train"};
-  int n = 1;
-  for (int i = 0; extra[i]; i++) argv[n++] = extra[i];
-  for (int i = 0; common[i]; i++) argv[n++] = common[i];
-  argv[n] = NULL;
+  char *argv[64];
+  argv_cat(argv, 64, (char *[]){"train", NULL}, extra, common, NULL);
   char *out, *err;
   int st = cluster_run(&C, argv, 120, &out, &err);
   cr_assert(proc_exited_with(st, 0), "rumor train failed: %s", err);
@@ -586,17 +593,12 @@ Test(group_dp, a_pipelined_group_resumes_from_its_stage_files_or_a_whole_checkpo
   train_stage_checkpoint_path(f[1], 1, a, sizeof a);
   train_stage_checkpoint_path(f[0], 1, b, sizeof b);
   cr_assert_eq(rename(a, b), 0);
-  char *again[48] = {"group", "--cluster-key", C.key, "--identity", id, "--stages", "2", "--max-steps", "14",
-                     "--resume", f[0]};
-  int n = 11;
-  for (int i = 0; common[i]; i++) again[n++] = common[i];
-  again[n] = NULL;
-  cluster_expect_exit(&C, again, 1, "stage 1 resumed at step 6 from");
-  char *train[48] = {"train", "--max-steps", "14", "--resume", f[0]};
-  n = 5;
-  for (int i = 0; common[i]; i++) train[n++] = common[i];
-  train[n] = NULL;
-  cluster_expect_exit(&C, train, 1, "is of step 6, stage 0's file of step 12");
+  char *argv[48];
+  argv_cat(argv, 48, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--max-steps", "14", "--resume",
+                                f[0], NULL}, stages, common, NULL);
+  cluster_expect_exit(&C, argv, 1, "stage 1 resumed at step 6 from");
+  argv_cat(argv, 48, (char *[]){"train", "--max-steps", "14", "--resume", f[0], NULL}, common, NULL, NULL);
+  cluster_expect_exit(&C, argv, 1, "is of step 6, stage 0's file of step 12");
 }
 
 /* Data-parallel members inside the stages (S = 2, D = 2, ZeRO 1: each
