@@ -31,7 +31,8 @@
 # Environment: REPORT, DATA (a text file for the GPT runs; default the KJV
 # corpus of deploy/install-deps.sh, else one made from this tree's docs),
 # GPU_PY (a Python whose torch sees the GPU, for step 2), ROUNDS (step 2's
-# alternating runs, default 1).
+# alternating runs, default 1), LOGS (a .tar.gz to keep every step's full
+# log in: the test binaries' verbose output, the benchmark's, the peers').
 #
 # Exit status: 0 every step passed; 1 a step failed (the report says
 # which); 2 not built; 77 no GPU on this machine (nothing is run).
@@ -55,7 +56,12 @@ for t in $tests test_peer_gossip; do
 done
 
 work=$(mktemp -d /tmp/rumor-gpu-first-run.XXXXXX) || exit 2
-trap 'rm -rf "$work"' EXIT
+# shellcheck disable=SC2317 # called by the trap
+keep_logs() {
+  [ -n "${LOGS:-}" ] && tar -czf "$LOGS" -C "$work" --exclude=text.txt --exclude='*.key' . 2>/dev/null
+  rm -rf "$work"
+}
+trap keep_logs EXIT
 data=${DATA:-/usr/local/share/rumor/kjv.txt}
 if [ ! -s "$data" ]; then
   # About 4 MB of this tree's prose: enough windows for the runs below.
