@@ -246,8 +246,9 @@ int kern_attn_dscores(const float *p, float *dp, const float *out, const float *
 /* ---- mixture of experts (kernels/moe.cu) -------------------------------------------
  * The kernels behind tensor.h's tensor_moe_* ops, whose contracts they
  * keep: n tokens of width ch, e experts of cap rows, k choices per token
- * (1 <= k <= e, n·k <= INT32_MAX, else cudaErrorInvalidValue and nothing
- * enqueued); expert, slot [n,k] I32, gate, dgate [n,k]; xe, dxe, ye, dye
+ * (k >= 1, n·k <= INT32_MAX, and for routing k <= e; else
+ * cudaErrorInvalidValue and nothing enqueued: the data ops also take
+ * expert parallelism's packed form, e = 1 and k = K); expert, slot [n,k] I32, gate, dgate [n,k]; xe, dxe, ye, dye
  * [e·cap, ch]. No atomics and no scratch: every launcher is deterministic,
  * and the experts, slots and counts are exactly the CPU backend's for the
  * same logits (the same ranking of equal logits). A choice is kept when

@@ -276,9 +276,14 @@ int row_block(int64_t ch) {
 }
 
 // The limits every launcher checks: the choices' count fits the I32 counts,
-// and the experts and k are in range. 0 when they hold.
-int moe_check(int64_t n, int64_t e, int k, int64_t cap) {
-  KERN_REQUIRE(e >= 1 && e <= INT32_MAX && k >= 1 && k <= e, "kern_moe_*: not 1 <= k <= e <= INT32_MAX");
+// and the experts and k are in range. 0 when they hold. Routing picks k of
+// e experts (k <= e); the data ops also take more choices than experts:
+// expert parallelism packs a rank's kept choices into one "expert" (e = 1,
+// k = K) with the packed row as the slot, and every index is checked
+// against e and cap where it is read (row_of).
+int moe_check(int64_t n, int64_t e, int k, int64_t cap, bool routing) {
+  KERN_REQUIRE(e >= 1 && e <= INT32_MAX && k >= 1, "kern_moe_*: not 1 <= k and 1 <= e <= INT32_MAX");
+  KERN_REQUIRE(!routing || k <= e, "kern_moe_route*: top-k of e experts with k > e");
   KERN_REQUIRE(n >= 0 && n <= INT32_MAX / k && cap >= 0 && cap <= INT32_MAX,
                "kern_moe_*: n·k or cap past INT32_MAX");
   return 0;
@@ -291,7 +296,7 @@ int moe_check(int64_t n, int64_t e, int k, int64_t cap) {
 extern "C" int kern_moe_route(const float *logits, float *probs, float *lse, int32_t *expert, float *gate,
                               int32_t *slot, int32_t *assigned, int32_t *kept, float *psum, int64_t n, int64_t e,
                               int k, int64_t cap, void *stream) {
-  int rc = moe_check(n, e, k, cap);
+  int rc = moe_check(n, e, k, cap, true);
   if (rc != 0) return rc;
   cudaStream_t st = as_stream(stream);
   if (n > 0) {
@@ -308,7 +313,7 @@ extern "C" int kern_moe_route(const float *logits, float *probs, float *lse, int
 extern "C" int kern_moe_route_bwd(const float *probs, const float *lse, const int32_t *expert, const float *gate,
                                   const float *dgate, const float *daux, float zscale, float *dlogits, int64_t n,
                                   int64_t e, int k, void *stream) {
-  int rc = moe_check(n, e, k, 0);
+  int rc = moe_check(n, e, k, 0, true);
   if (rc != 0 || n == 0) return rc;
   moe_route_bwd_kernel<<<blocks_for(n, kRowWarps, kGridMax), kRowWarps * kWarp, 0, as_stream(stream)>>>(
       probs, lse, expert, gate, dgate, daux, zscale, dlogits, n, e, k);
@@ -318,7 +323,7 @@ extern "C" int kern_moe_route_bwd(const float *probs, const float *lse, const in
 
 extern "C" int kern_moe_dispatch(const float *x, const int32_t *expert, const int32_t *slot, float *xe, int64_t n,
                                  int64_t ch, int k, int64_t e, int64_t cap, void *stream) {
-  int rc = moe_check(n, e, k, cap);
+  int rc = moe_check(n, e, k, cap, false);
   if (rc != 0 || ch == 0 || cap == 0) return rc;
   cudaStream_t st = as_stream(stream);
   KERN_CALL(cudaMemsetAsync(xe, 0, (size_t)(e * cap * ch) * sizeof(float), st));
@@ -330,7 +335,7 @@ extern "C" int kern_moe_dispatch(const float *x, const int32_t *expert, const in
 
 extern "C" int kern_moe_dispatch_bwd(const float *dxe, const int32_t *expert, const int32_t *slot, float *dx,
                                      int64_t n, int64_t ch, int k, int64_t e, int64_t cap, void *stream) {
-  int rc = moe_check(n, e, k, cap);
+  int rc = moe_check(n, e, k, cap, false);
   if (rc != 0 || n == 0 || ch == 0) return rc;
   moe_dispatch_bwd_kernel<<<blocks_for(n, 1, kGridMax), row_block(ch), 0, as_stream(stream)>>>(dxe, expert, slot, dx,
                                                                                                n, ch, k, e, cap);
@@ -340,7 +345,7 @@ extern "C" int kern_moe_dispatch_bwd(const float *dxe, const int32_t *expert, co
 
 extern "C" int kern_moe_combine(const float *ye, const int32_t *expert, const int32_t *slot, const float *gate,
                                 float *out, int64_t n, int64_t ch, int k, int64_t e, int64_t cap, void *stream) {
-  int rc = moe_check(n, e, k, cap);
+  int rc = moe_check(n, e, k, cap, false);
   if (rc != 0 || n == 0 || ch == 0) return rc;
   moe_combine_kernel<<<blocks_for(n, 1, kGridMax), row_block(ch), 0, as_stream(stream)>>>(ye, expert, slot, gate, out,
                                                                                           n, ch, k, e, cap);
@@ -351,7 +356,7 @@ extern "C" int kern_moe_combine(const float *ye, const int32_t *expert, const in
 extern "C" int kern_moe_combine_bwd(const float *dout, const float *ye, const int32_t *expert, const int32_t *slot,
                                     const float *gate, float *dye, float *dgate, int64_t n, int64_t ch, int k,
                                     int64_t e, int64_t cap, void *stream) {
-  int rc = moe_check(n, e, k, cap);
+  int rc = moe_check(n, e, k, cap, false);
   if (rc != 0) return rc;
   cudaStream_t st = as_stream(stream);
   if (cap > 0 && ch > 0) KERN_CALL(cudaMemsetAsync(dye, 0, (size_t)(e * cap * ch) * sizeof(float), st));

@@ -90,7 +90,8 @@ struct tensor_backend_ops {
   void (*gelu_tanh_fwd)(tensor_backend_t be, const float *x, float *y, int64_t n);
   void (*gelu_tanh_bwd)(tensor_backend_t be, const float *x, const float *dy, float *dx, int64_t n);
   /* Mixture of experts (tensor.h): n tokens of width c, e experts of cap
-   * rows each, k choices per token (1 <= k <= e); expert, slot [n,k] I32,
+   * rows each, k choices per token (1 <= k, and k <= e for routing: the
+   * data ops also take a packed form, e = 1, k = K); expert, slot [n,k] I32,
    * gate, dgate [n,k]; xe, dxe, ye, dye [e·cap, c]. tensor.c has checked
    * the shapes: e >= 1 and cap >= 0 for moe_route (n >= 0: with none,
    * assigned, kept and psum are still written); n, c, e and cap >= 1 for

@@ -11,7 +11,8 @@
 #     GPU against one CPU process), the whole-model tests on CUDA against the CPU
 #     (test_peer_gpt, test_peer_gradcheck), the start without cuBLAS
 #     (test_peer_nocublas) and averaging between GPU peers and between
-#     CPU and GPU peers (test_peer_gossip's consensus_lr0 cases). A GPU
+#     CPU and GPU peers (test_peer_gossip's consensus_lr0 cases), a
+#     DiLoCo member on the GPU against the CPU (test_peer_outer). A GPU
 #     test that skipped although a GPU is present counts as a failure.
 #  2. PARTS=6 tests/bench/bench-gpt.sh: GPT training throughput on the GPU
 #     in FP32, then in TF32 (GPU_TF32=1, rumor --tf32), against PyTorch on
@@ -20,10 +21,13 @@
 #  3. Two gossiping peers on the GPU (deploy/local-cluster.sh 2, --device
 #     cuda, gpt:L6-H6-C384-T256-V256, 300 steps): both finish, exchange,
 #     and their validation losses.
+#  4. Groups of two processes on the GPU against the same on the CPU:
+#     tensor parallelism, ZeRO 3, pipeline stages, expert parallelism.
 #
-# Each step has its own time limit (20 s for the first GPU step, 160 for the
-# tests, 2 × 100 for the benchmark, 60 for the peers: 440 s), so the whole
-# run ends within 8 minutes on one GPU. The report (REPORT, default
+# Each step has its own time limit (20 s for the first GPU step, 120 for the
+# tests, 2 × 80 for the benchmark, 60 for the peers, 8 × 12 for the groups:
+# 456 s), so the whole run ends within 8 minutes on one GPU (steps 1-3 took
+# 2.2 minutes on an H200). STEPS (default "1 2 3 4") picks steps. The report (REPORT, default
 # BUILD_DIR/gpu-first-run.txt) starts with the GPU, driver, commit and
 # build; its last line is the verdict. Record its figures in
 # docs/benchmarks.md.
@@ -36,6 +40,7 @@
 #
 # Exit status: 0 every step passed; 1 a step failed (the report says
 # which); 2 not built; 77 no GPU on this machine (nothing is run).
+# shellcheck disable=SC2317 # the steps are called as "step$step"
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -51,7 +56,9 @@ if [ -z "$gpu" ]; then
 fi
 [ -x "$rumor" ] || { echo "$0: $rumor is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON first" >&2; exit 2; }
 tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_moe_ep test_peer_gpt test_peer_gradcheck test_peer_nocublas"
-for t in $tests test_peer_gossip; do
+# Binaries of which only the GPU cases run, each with its filter.
+filtered="test_peer_gossip:gossip/consensus_lr0_* test_peer_outer:outer/*_on_cuda_*"
+for t in $tests test_peer_gossip test_peer_outer; do
   [ -x "$build/tests/$t" ] || { echo "$0: $build/tests/$t is missing: build with -DRUMOR_TESTS=ON" >&2; exit 2; }
 done
 
@@ -93,59 +100,108 @@ if ! timeout 20 "$rumor" train --model gpt:L1-H1-C8-T8-V256 --data "$data" --dev
 fi
 grep -m1 "cuda:0" "$work/open.log" | tee -a "$report"
 
-# 1. The CUDA tests, all binaries at once (16 cores, one GPU), 160 s.
-section "1. CUDA tests"
-for t in $tests; do
-  (cd "$work" && timeout 160 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
-done
-(cd "$work" && timeout 160 "$build/tests/test_peer_gossip" --verbose --jobs 1 --filter 'gossip/consensus_lr0_*' \
-  >"$work/test_peer_gossip.log" 2>&1; echo $? >"$work/test_peer_gossip.rc") &
-wait
-for t in $tests test_peer_gossip; do
-  rc=$(cat "$work/$t.rc")
-  synth=$(grep -a "Synthesis" "$work/$t.log" | tail -1 | sed 's/.*Synthesis: //')
-  skips=$(grep -a -c -E "^\[SKIP\].*no (usable )?CUDA GPU" "$work/$t.log")
-  say "$t: exit $rc; ${synth:-no synthesis (killed after 160 s?)}; $skips skipped for want of a GPU"
-  # Failures, skips for any reason (no data, not enough device memory: gaps
-  # to note) and the figures the tests print.
-  grep -a -E "^\[(FAIL|----|SKIP)\]|gradient check|gpt on cuda|consensus:" "$work/$t.log" |
-    grep -v -e "Criterion v" -e "Test is disabled" | head -20 | sed 's/^/    /' | tee -a "$report"
-  if [ "$rc" != 0 ] || [ "$skips" != 0 ]; then failed="$failed $t"; fi
-done
+# 1. The CUDA tests, all binaries at once (16 cores, one GPU), 120 s.
+step1() {
+  section "1. CUDA tests"
+  for t in $tests; do
+    (cd "$work" && timeout 120 "$build/tests/$t" --verbose --jobs 2 >"$work/$t.log" 2>&1; echo $? >"$work/$t.rc") &
+  done
+  for tf in $filtered; do
+    t=${tf%%:*}
+    (cd "$work" && timeout 120 "$build/tests/$t" --verbose --jobs 1 --filter "${tf#*:}" >"$work/$t.log" 2>&1
+      echo $? >"$work/$t.rc") &
+  done
+  wait
+  for tf in $tests $filtered; do
+    t=${tf%%:*}
+    rc=$(cat "$work/$t.rc")
+    synth=$(grep -a "Synthesis" "$work/$t.log" | tail -1 | sed 's/.*Synthesis: //')
+    skips=$(grep -a -c -E "^\[SKIP\].*no (usable )?CUDA GPU" "$work/$t.log")
+    say "$t: exit $rc; ${synth:-no synthesis (killed after 120 s?)}; $skips skipped for want of a GPU"
+    # Failures, skips for any reason (no data, not enough device memory: gaps
+    # to note) and the figures the tests print.
+    grep -a -E "^\[(FAIL|----|SKIP)\]|gradient check|gpt on cuda|consensus:" "$work/$t.log" |
+      grep -v -e "Criterion v" -e "Test is disabled" | head -20 | sed 's/^/    /' | tee -a "$report"
+    if [ "$rc" != 0 ] || [ "$skips" != 0 ]; then failed="$failed $t"; fi
+  done
+}
 
-# 2. bench-gpt.sh part 6, FP32 and TF32, 100 s each.
-for math in FP32 TF32; do
-  section "2. PARTS=6 bench-gpt.sh, $math"
-  tf=0
-  [ $math = TF32 ] && tf=1
-  if PARTS=6 ROUNDS=$rounds GPU_TF32=$tf DATA=$data timeout 100 "$root/tests/bench/bench-gpt.sh" "$build" \
-    >"$work/bench-$math.log" 2>&1 && ! grep -q "^skipped:" "$work/bench-$math.log"; then
-    tee -a "$report" <"$work/bench-$math.log"
-  else
-    tee -a "$report" <"$work/bench-$math.log"
-    say "bench-gpt.sh ($math) failed, skipped its GPU part or ran past 100 s"
-    failed="$failed bench-$math"
-  fi
-done
+# 2. bench-gpt.sh part 6, FP32 and TF32, 80 s each.
+step2() {
+  for math in FP32 TF32; do
+    section "2. PARTS=6 bench-gpt.sh, $math"
+    tf=0
+    [ "$math" = TF32 ] && tf=1
+    if PARTS=6 ROUNDS=$rounds GPU_TF32=$tf DATA=$data timeout 80 "$root/tests/bench/bench-gpt.sh" "$build" \
+      >"$work/bench-$math.log" 2>&1 && ! grep -q "^skipped:" "$work/bench-$math.log"; then
+      tee -a "$report" <"$work/bench-$math.log"
+    else
+      tee -a "$report" <"$work/bench-$math.log"
+      say "bench-gpt.sh ($math) failed, skipped its GPU part or ran past 80 s"
+      failed="$failed bench-$math"
+    fi
+  done
+}
 
 # 3. Two gossiping peers on the GPU, 60 s.
-section "3. two gossiping peers on the GPU"
-if WORKDIR=$work/cluster RUMOR=$rumor timeout 60 "$root/deploy/local-cluster.sh" 2 -- \
-  --model gpt:L6-H6-C384-T256-V256 --data "$data" --device cuda --optimizer adamw --lr 1e-3 --warmup 30 \
-  --batch 8 --max-steps 300 --no-eval --eval-batches 8 --log-every 0 >"$work/cluster.log" 2>&1; then
-  tail -5 "$work/cluster.log" | tee -a "$report"
-  for i in 1 2; do
-    out=$work/cluster/peer-$i.out
-    say "peer $i: $(grep -o '"val_loss":[0-9.e+-]*' "$out" | tail -1)," \
-      "$(grep -o '"exchanges":[0-9]*' "$out" | tail -1), $(grep -o '"samples_per_s":[0-9.e+-]*' "$out" | tail -1)"
-    grep -q '"exchanges":[1-9]' "$out" || { say "peer $i applied no exchange"; failed="$failed gossip"; }
-  done
-else
-  tail -15 "$work/cluster.log" | tee -a "$report"
-  say "the 2-peer run failed or ran past 60 s"
-  failed="$failed gossip"
-fi
+step3() {
+  section "3. two gossiping peers on the GPU"
+  if WORKDIR=$work/cluster RUMOR=$rumor timeout 60 "$root/deploy/local-cluster.sh" 2 -- \
+    --model gpt:L6-H6-C384-T256-V256 --data "$data" --device cuda --optimizer adamw --lr 1e-3 --warmup 30 \
+    --batch 8 --max-steps 300 --no-eval --eval-batches 8 --log-every 0 >"$work/cluster.log" 2>&1; then
+    tail -5 "$work/cluster.log" | tee -a "$report"
+    for i in 1 2; do
+      out=$work/cluster/peer-$i.out
+      say "peer $i: $(grep -o '"val_loss":[0-9.e+-]*' "$out" | tail -1)," \
+        "$(grep -o '"exchanges":[0-9]*' "$out" | tail -1), $(grep -o '"samples_per_s":[0-9.e+-]*' "$out" | tail -1)"
+      grep -q '"exchanges":[1-9]' "$out" || { say "peer $i applied no exchange"; failed="$failed gossip"; }
+    done
+  else
+    tail -15 "$work/cluster.log" | tee -a "$report"
+    say "the 2-peer run failed or ran past 60 s"
+    failed="$failed gossip"
+  fi
+}
 
+# 4. Groups on the GPU against the same groups on the CPU, 60 s: tensor
+# parallelism, ZeRO 3, pipeline stages and expert parallelism, two
+# processes each on the one GPU (cuda:0), 30 AdamW steps of a small GPT;
+# each layout's validation loss on the GPU within 1e-3 of the CPU's.
+step4() {
+  section "4. groups on the GPU against the CPU"
+  grp=$work/groups
+  mkdir -p "$grp"
+  "$rumor" keygen --cluster -o "$grp/cluster.key" >/dev/null 2>&1 && "$rumor" keygen -o "$grp/id.key" >/dev/null 2>&1
+  group_loss() { # DEVICE LAYOUT...: the group's validation loss, or "failed"
+    dev=$1
+    shift
+    m=gpt:L2-H4-C64-T64-V256
+    case " $* " in *" --expert-parallel "*) m=$m-E4-K2 ;; esac
+    log=$grp/$(echo "$dev $*" | tr -c 'a-z0-9\n' _).log
+    # shellcheck disable=SC2068 # the layout's words
+    if timeout 12 "$rumor" group $@ --devices "$dev" --model "$m" --data "$data" --batch 8 --max-steps 30 \
+      --eval-batches 4 --optimizer adamw --lr 1e-3 --seed 1 --threads 1 --cluster-key "$grp/cluster.key" \
+      --identity "$grp/id.key" >"$log.out" 2>"$log"; then
+      tail -1 "$log.out" | sed -n 's/.*"val_loss":\([0-9.e+-]*\).*/\1/p'
+    else
+      echo failed
+    fi
+}
+for layout in "--tensor-parallel 2" "--data-parallel 2 --zero 3" "--stages 2 --micro-batches 2" "--expert-parallel 2"; do
+  c=$(group_loss cpu "$layout")
+  g=$(group_loss cuda:0 "$layout")
+  verdict=$(echo "$c $g" | awk '$1 != "failed" && $2 != "failed" && $1 - $2 <= 1e-3 && $2 - $1 <= 1e-3 {print "ok"}')
+  say "group $layout: val loss cpu ${c:-none}, cuda:0 ${g:-none} ${verdict:-MISMATCH}"
+  [ "$verdict" = ok ] || failed="$failed group($layout)"
+done
+}
+
+for step in ${STEPS:-1 2 3 4}; do
+  case $step in
+  1 | 2 | 3 | 4) "step$step" ;;
+  *) say "STEPS: no step $step (steps are 1 2 3 4)" && failed="$failed step$step" ;;
+  esac
+done
 say ""
 if [ -z "$failed" ]; then
   say "VERDICT: PASS (report: $report)"

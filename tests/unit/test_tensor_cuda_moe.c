@@ -260,3 +260,91 @@ Test(cuda_moe, every_op_matches_the_cpu_backend_exactly_on_routing_and_is_determ
   tensor_backend_close(cpu);
   close_gpu();
 }
+
+/* Expert parallelism's packed form (gpt_moe_ep.c): a rank's kept choices
+ * in one buffer, every choice to "expert" 0 with its row of that buffer as
+ * the slot (−1: not kept), so K > E = 1 there. The four data ops take it
+ * on the GPU as on the CPU: copies and the CPU's adds exact, combine within
+ * 1e-5, dgate within its dot product's bound (as above). Once for K = 2
+ * and once for K = 8 (N = 97, C = 33, a choice in five not kept). */
+static bool packed_matches(tensor_backend_t cpu, int K) {
+  const int64_t n = 97, c = 33, nk[2] = {n, K}, ns[2] = {n, c};
+  int32_t *zeros = hbuf_i32(n * K), *slot = hbuf_i32(n * K);
+  int64_t tk = 0;
+  for (int64_t o = 0; o < n * K; o++) zeros[o] = 0, slot[o] = o % 5 == 3 ? -1 : (int32_t)tk++;
+  for (int64_t o = n * K - 1; o > 0; o--) { /* the kept rows in a shuffled order */
+    int64_t j = (int64_t)rng_below(&g_rng, (uint64_t)o + 1);
+    int32_t t = slot[o];
+    slot[o] = slot[j], slot[j] = t;
+  }
+  const int64_t ts[2] = {tk, c};
+  float *x = hbuf(n * c), *ye = hbuf(tk * c), *dout = hbuf(n * c), *dx0 = hbuf(n * c), *gate = hbuf(n * K);
+  fill_normal(x, n * c, 0, 1), fill_normal(ye, tk * c, 0, 1), fill_normal(dout, n * c, 0, 1);
+  fill_normal(dx0, n * c, 0, 1), fill_normal(gate, n * K, 0, 1);
+  double *dg_tol = hbuf_bytes((size_t)(n * K) * sizeof(double));
+  for (int64_t o = 0; o < n * K; o++) {
+    double a = 0;
+    for (int64_t j = 0; slot[o] >= 0 && j < c; j++) a += fabs((double)dout[(o / K) * c + j] * ye[slot[o] * c + j]);
+    dg_tol[o] = 32.0 * 0x1p-24 * a;
+  }
+  const int64_t lens[5] = {tk * c, n * c, n * c, tk * c, n * K};
+  float *want[5], *got[5];
+  for (int side = 0; side < 2; side++) {
+    struct tensor t[10];
+    struct dev d[10];
+    const int64_t *shp[10] = {nk, nk, nk, ns, ts, ns, ts, ns, ns, ts};
+    const void *src[10] = {zeros, slot, gate, x, ye, dout, NULL, dx0, NULL, NULL};
+    enum tensor_dtype dt[10] = {TENSOR_I32, TENSOR_I32, TENSOR_F32, TENSOR_F32, TENSOR_F32,
+                                TENSOR_F32, TENSOR_F32, TENSOR_F32, TENSOR_F32, TENSOR_F32};
+    for (int i = 0; i < 10; i++) {
+      if (side == 0) t[i] = cpu_from(cpu, dt[i], 2, shp[i], src[i]);
+      else d[i] = gpu_from(dt[i], 2, shp[i], src[i]), t[i] = d[i].t;
+    }
+    const int64_t dgs[2] = {n, K};
+    struct tensor dg;
+    struct dev ddg;
+    if (side == 0) dg = cpu_from(cpu, TENSOR_F32, 2, dgs, NULL);
+    else ddg = gpu_from(TENSOR_F32, 2, dgs, NULL), dg = ddg.t;
+    /* t: 0 expert, 1 slot, 2 gate, 3 x, 4 ye, 5 dout, 6 xe, 7 dx, 8 out, 9 dye */
+    tensor_moe_dispatch(&t[3], &t[0], &t[1], tk, &t[6]);
+    tensor_moe_dispatch_bwd(&t[4], &t[0], &t[1], tk, &t[7]); /* ye serves as dxe */
+    tensor_moe_combine(&t[4], &t[0], &t[1], &t[2], tk, &t[8]);
+    tensor_moe_combine_bwd(&t[5], &t[4], &t[0], &t[1], &t[2], tk, &t[9], &dg);
+    struct tensor *outs[5] = {&t[6], &t[7], &t[8], &t[9], &dg};
+    float **dst = side == 0 ? want : got;
+    for (int o = 0; o < 5; o++) {
+      dst[o] = hbuf(lens[o]);
+      if (side == 0) tensor_copy_to_host(outs[o], 0, dst[o], tensor_nbytes(outs[o]));
+      else if (dev_download(o == 4 ? &ddg : &d[6 + o], dst[o]), !guards_intact(o == 4 ? &ddg : &d[6 + o], "packed"))
+        return false;
+    }
+    if (side == 0)
+      for (int i = 0; i < 10; i++) tensor_free(&t[i]);
+    if (side == 0) tensor_free(&dg);
+  }
+  static const char *const names[5] = {"packed dispatch xe", "packed dispatch_bwd dx", "packed combine out",
+                                       "packed combine_bwd dye", "packed combine_bwd dgate"};
+  for (int o = 0; o < 5; o++) {
+    char what[80];
+    snprintf(what, sizeof what, "%s K=%d", names[o], K);
+    bool ok = o == 2   ? matches(what, got[o], want[o], lens[o], 1e-5, 1e-5)
+              : o == 4 ? matches_rows(what, got[o], want[o], lens[o], 0, 1e-6, dg_tol, 1)
+                       : matches_exactly(what, got[o], want[o], lens[o]);
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Test(cuda_moe, the_packed_form_of_expert_parallelism_matches_the_cpu_with_more_choices_than_experts) {
+  open_gpu();
+  tensor_backend_t cpu;
+  struct rumor_err e = {0};
+  cr_assert_eq(tensor_backend_open("cpu", &cpu, &e), 0, "%s", e.msg);
+  for (int K = 2; K <= 8; K *= 4) {
+    int mark = arena_mark();
+    cr_assert(packed_matches(cpu, K), "%s", g_why);
+    arena_release(mark);
+  }
+  tensor_backend_close(cpu);
+  close_gpu();
+}
