@@ -226,7 +226,7 @@ static const char *human_bytes(char *buf, size_t cap, uint64_t b) {
     u++;
   }
   if (u == 0)
-    snprintf(buf, cap, "%lluB", (unsigned long long)b);
+    snprintf(buf, cap, "%uB", (unsigned)b); /* b < 1024 */
   else
     snprintf(buf, cap, "%.1f%c", v, units[u]);
   return buf;

@@ -52,7 +52,8 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
                "other group has finished (one whose slices it rejected is not waited for), at most MS; then saves, "
                "evaluates and leaves (0: leave at once)"
              : "after the last step, keep averaging (without training) until no partner still trains (one whose "
-               "parameters it rejected is not waited for), at most MS; then save, leave and evaluate (0: leave at once)",
+               "parameters it rejected is not waited for) and the partners it meets agree with it, at most MS; then "
+               "save, leave and evaluate (0: leave at once)",
        0, 86400000},
       {"wire", ARG_STR, &f->wire, "DTYPE",
        "parameters (and a group's activations and their gradients) on the wire: f32, f16, bf16 or i8 (8-bit, a "

@@ -46,7 +46,9 @@ void tb_run_name(const char *name, char *out, size_t n) {
 
 void tb_member_name(const char *id, char *out, size_t n) {
   char s[TB_MEMBER_ID_CHARS + 1];
-  snprintf(s, sizeof s, "%s", id);
+  size_t len = strnlen(id, TB_MEMBER_ID_CHARS); /* the first characters name the member */
+  memcpy(s, id, len);
+  s[len] = '\0';
   for (char *c = s; *c; c++) {
     if (*c == '/') *c = '_';
     else if (*c == '+') *c = '-';

@@ -397,7 +397,7 @@ int comm_all_reduce(comm_t *c, float *buf, int64_t n, struct rumor_err *e) {
 }
 
 int comm_reduce_scatter_v(comm_t *c, float *buf, const int64_t *counts, struct rumor_err *e) {
-  int64_t offs[COMM_MAX_MEMBERS], total, most;
+  int64_t offs[COMM_MAX_MEMBERS], total = 0, most = 0;
   int rc = check_counts(c, "reduce_scatter", counts, offs, &total, &most, e);
   if (rc) return rc;
   if (total && !buf) return rumor_err_set(e, -EINVAL, "reduce_scatter: no buffer for %" PRId64 " floats", total);
@@ -408,7 +408,7 @@ int comm_reduce_scatter_v(comm_t *c, float *buf, const int64_t *counts, struct r
 }
 
 int comm_all_gather_v(comm_t *c, float *buf, const int64_t *counts, struct rumor_err *e) {
-  int64_t offs[COMM_MAX_MEMBERS], total, most;
+  int64_t offs[COMM_MAX_MEMBERS], total = 0, most = 0;
   int rc = check_counts(c, "all_gather", counts, offs, &total, &most, e);
   if (rc) return rc;
   if (total && !buf) return rumor_err_set(e, -EINVAL, "all_gather: no buffer for %" PRId64 " floats", total);

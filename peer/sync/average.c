@@ -124,20 +124,68 @@ static int avg_boundary(struct sync *s, struct rumor_err *e) {
  * step time (`step_s`), or the interval, whichever comes first; at least
  * FINISH_MIN_INTERVAL_S apart. */
 #define FINISH_MIN_INTERVAL_S 1e-3
-#define FINISH_QUIET_EXCHANGES 2 /* applied once no partner trains, before leaving */
+/* Once no partner trains: leave when the latest exchanges in a row came
+ * from FINISH_QUIET_CLOSE different partners (or every live one, when
+ * fewer) each within FINISH_CLOSE_REL of our parameters (relative), or
+ * after FINISH_QUIET_MAX exchanges. Different partners: two peers that
+ * meet twice are equal after the first, however far the rest are. */
+#define FINISH_QUIET_CLOSE 2
+#define FINISH_CLOSE_REL 1e-3
+#define FINISH_QUIET_MAX 24
 static double finish_interval(const struct sync_config *c, double step_s) {
   double by_steps = c->every_steps > 0 ? step_s * (double)c->every_steps : 0;
   double every = c->every_s > 0 && (by_steps == 0 || c->every_s < by_steps) ? c->every_s : by_steps;
   return every > FINISH_MIN_INTERVAL_S ? every : FINISH_MIN_INTERVAL_S;
 }
 
+/* The finish's count once no partner trains: exchanges applied since, and
+ * the different partners of the latest ones in a row that were close. */
+struct finish_quiet {
+  bool quiet;
+  uint64_t seen, applied;
+  int close;
+  uint8_t close_ids[FINISH_QUIET_CLOSE][CLIP_ID_BYTES];
+};
+
+/* Notes the latest applied exchange (when several applied since the last
+ * look only the latest is known, and it counts once). */
+static void finish_note(struct finish_quiet *q, const struct sync_xch *x) {
+  if (!(x->applied_rel_dist <= FINISH_CLOSE_REL)) {
+    q->close = 0;
+    return;
+  }
+  for (int i = 0; i < q->close; i++)
+    if (memcmp(q->close_ids[i], x->applied_partner, CLIP_ID_BYTES) == 0) return;
+  if (q->close < FINISH_QUIET_CLOSE) memcpy(q->close_ids[q->close++], x->applied_partner, CLIP_ID_BYTES);
+}
+
+/* Follows the exchanges applied since the last call; true when we may
+ * leave: nobody trains and the replicas we meet are close, or enough
+ * exchanges went by, or nobody is left at all. A partner seen training
+ * again (back from suspect) starts the count over. */
+static bool finish_settled(struct sync *s, struct finish_quiet *q) {
+  bool nobody = gossip_training_partners(s->g) == 0;
+  if (nobody && !q->quiet) q->applied = 0, q->close = 0;
+  q->quiet = nobody;
+  uint64_t now = s->x.applied;
+  if (q->quiet && now > q->seen) {
+    q->applied += now - q->seen;
+    finish_note(q, &s->x);
+  }
+  q->seen = now;
+  if (!q->quiet) return false;
+  int live = (int)gossip_live_partners(s->g);
+  int want = live < FINISH_QUIET_CLOSE ? live : FINISH_QUIET_CLOSE;
+  return live == 0 || q->close >= want || q->applied >= FINISH_QUIET_MAX;
+}
+
 /* --finish-wait-ms, after the last step: tells partners we finished
  * (gossip_finished) and keeps exchanging without training, about as often
  * as while training, until no live partner is still training (each has
- * told us it finished, or left) and two more exchanges applied after that,
- * a stop, or max_s passes. Partners that train on are then not left
- * without anyone to average with for their last steps, and the replicas end
- * close together. */
+ * told us it finished, or left) and the replicas we meet are close
+ * (finish_settled), a stop, or max_s passes. Partners that train on are
+ * then not left without anyone to average with for their last steps, and
+ * the replicas end close together. */
 static int avg_finish(struct sync *s, const struct sync_finish_args *f, struct rumor_err *e) {
   if (f->max_s <= 0) return 0;
   log_info("averaging with partners that still train, for at most %.1f s (--finish-wait-ms)", f->max_s);
@@ -150,21 +198,12 @@ static int avg_finish(struct sync *s, const struct sync_finish_args *f, struct r
   s->cfg.every_steps = 0;
   const char *why = "stopped";
   int rc = 0;
-  bool quiet = false;          /* no partner trains */
-  uint64_t applied_quiet = 0;  /* exchanges applied when that was seen */
+  struct finish_quiet q = {.seen = s->x.applied};
   while (!(f->stop && atomic_load(f->stop))) {
-    /* Once nobody trains, FINISH_QUIET_EXCHANGES more exchanges (unless
-     * nobody is left at all): the last to finish shares its last steps, and
-     * the others average the finished replicas further (two peers end
-     * equal; four measured 0-0.01 apart, relative). Then no new exchange of
-     * ours, and the one under way ends before we leave (a partner may still
-     * take our ready snapshot meanwhile: it moves towards our final state,
-     * we do not move). A partner seen training again (back from suspect)
-     * starts the count over. */
-    bool nobody = gossip_training_partners(s->g) == 0;
-    if (nobody && !quiet) applied_quiet = s->x.applied;
-    quiet = nobody;
-    bool done = quiet && (s->x.applied >= applied_quiet + FINISH_QUIET_EXCHANGES || gossip_live_partners(s->g) == 0);
+    /* Once settled no new exchange of ours, and the one under way ends
+     * before we leave (a partner may still take our ready snapshot
+     * meanwhile: it moves towards our final state, we do not move). */
+    bool done = finish_settled(s, &q);
     s->cfg.every_s = done ? 0 : every;
     if (done) {
       why = "no partner is still training";
@@ -187,8 +226,11 @@ static int avg_finish(struct sync *s, const struct sync_finish_args *f, struct r
   s->cfg = saved;
   s->avg.finish_s = clock_now_s() - t0;
   s->avg.finish_applied = s->x.applied - applied;
-  log_info("finished waiting after %.2f s (%s): %llu exchanges applied meanwhile", s->avg.finish_s, why,
-           (unsigned long long)s->avg.finish_applied);
+  char last[64] = "";
+  if (s->avg.finish_applied > 0)
+    snprintf(last, sizeof last, ", the last from a partner %.3g apart (relative)", s->x.applied_rel_dist);
+  log_info("finished waiting after %.2f s (%s): %llu exchanges applied meanwhile%s", s->avg.finish_s, why,
+           (unsigned long long)s->avg.finish_applied, last);
   return rc;
 }
 

@@ -129,6 +129,7 @@ int sync_xch_judge(struct sync *s, const struct gossip_xch_turn *turn, float alp
                    size_t n) {
   struct sync_xch *x = &s->x;
   why[0] = '\0';
+  memcpy(x->judged_partner, turn->partner, sizeof x->judged_partner);
   int rc = validate(s, turn->delta, why, n);
   *weight = alpha;
   if (rc || !s->cfg.clip) return rc;
@@ -153,6 +154,8 @@ void sync_xch_done(struct sync *s, int rc, const char *why) {
   struct sync_xch *x = &s->x;
   if (rc == 0) {
     x->applied++;
+    x->applied_rel_dist = x->last_dist / (x->last_norm > 1e-12 ? x->last_norm : 1e-12);
+    memcpy(x->applied_partner, x->judged_partner, sizeof x->applied_partner);
     x->refreshed_step = -1; /* the parameters changed within the step */
   } else {
     x->rejected++;

@@ -424,6 +424,10 @@ struct sync_xch {
   uint64_t skipped;         /* of the rejected: far outliers skipped by clipping */
   struct clip_state clip;
   double last_dist, last_norm; /* of the partner's parameters being validated */
+  /* The last applied exchange: its partner's key and ‖θ' − θ‖ / ‖θ‖
+   * before it applied (judged_partner: of the one being judged). */
+  double applied_rel_dist;
+  uint8_t judged_partner[CLIP_ID_BYTES], applied_partner[CLIP_ID_BYTES];
 };
 
 /* Gossip averaging's schedule, holds and finish (average.c). */
