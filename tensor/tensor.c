@@ -551,6 +551,29 @@ void tensor_discard(struct tensor *t, int64_t offset, int64_t count) {
   t->be->ops->mem_discard(t->be, (char *)t->data + (size_t)offset * es, (size_t)count * es);
 }
 
+int tensor_recommit(struct tensor *t, int64_t offset, int64_t count, struct rumor_err *e) {
+  RUMOR_ASSERT(offset >= 0 && count >= 0 && offset + count <= tensor_numel(t));
+  if (count == 0 || !t->be->ops->mem_recommit) return 0;
+  size_t es = tensor_dtype_size(t->dtype);
+  return t->be->ops->mem_recommit(t->be, (char *)t->data + (size_t)offset * es, (size_t)count * es, e);
+}
+
+void tensor_backend_set_discardable(tensor_backend_t be, bool on) {
+  if (be->ops->set_discardable) be->ops->set_discardable(be, on);
+}
+
+int64_t tensor_backend_live_bytes(tensor_backend_t be) {
+  int64_t live = -1, peak = -1;
+  if (be->ops->mem_held) be->ops->mem_held(be, &live, &peak, false);
+  return live;
+}
+
+int64_t tensor_backend_peak_bytes(tensor_backend_t be, bool reset) {
+  int64_t live = -1, peak = -1;
+  if (be->ops->mem_held) be->ops->mem_held(be, &live, &peak, reset);
+  return peak;
+}
+
 void tensor_fill(struct tensor *x, float v) {
   check_f32(x);
   x->be->ops->fill(x->be, x->data, v, tensor_numel(x));

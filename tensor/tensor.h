@@ -103,12 +103,38 @@ size_t tensor_nbytes(const struct tensor *t);
 /* The elements [offset, offset + count) of `t` are not needed until they
  * are written again (ZeRO's sharded parameters and gradients between
  * uses): the backend may give back the memory they occupy, and they read as
- * unspecified values until written. Waits for the work enqueued on `t`'s
- * backend first. On the CPU the whole pages inside the range are returned
- * to the system (madvise MADV_DONTNEED: a page is zero and costs nothing
- * until touched again), so the resident memory follows what is live; on
- * CUDA the memory stays allocated (nothing is returned yet). */
+ * unspecified values until tensor_recommit takes it again. Waits for the
+ * work enqueued on `t`'s backend first. On the CPU the whole pages inside
+ * the range are returned to the system (madvise MADV_DONTNEED: a page is
+ * zero and costs nothing until touched again), so the resident memory
+ * follows what is live. On CUDA, in a buffer of at least 32 MiB allocated
+ * while the backend was discardable (tensor_backend_set_discardable), the
+ * whole chunks of device memory inside the range (2 MiB) go back to the
+ * device; they read as zeros, and a write to one before tensor_recommit
+ * faults. Elsewhere the memory stays. */
 void tensor_discard(struct tensor *t, int64_t offset, int64_t count);
+
+/* [offset, offset + count) of `t` is about to be written: memory that
+ * tensor_discard gave back there is taken again (zero-filled, in stream
+ * order), the rest is untouched. Returns 0, or -ENOMEM with the reason in
+ * `e` when the device has no room for it. Nothing to do on the CPU. */
+int tensor_recommit(struct tensor *t, int64_t offset, int64_t count, struct rumor_err *e);
+
+/* Buffers allocated while `on` may be given back in parts (tensor_discard)
+ * and taken again (tensor_recommit). On CUDA those of at least 16 chunks
+ * (32 MiB) are mapped chunk by chunk (the driver's virtual memory
+ * management) where the driver offers it: a smaller one would waste more in
+ * its rounding to whole chunks than it could give back. Elsewhere, and on
+ * the CPU (where any buffer can), nothing changes. Off at open. */
+void tensor_backend_set_discardable(tensor_backend_t be, bool on);
+
+/* The device memory the backend's buffers hold now, and the most they held
+ * at once since the backend opened or the last reset (tensor_alloc, less
+ * what tensor_discard gave back), in bytes: not the ops' own scratch nor
+ * the CUDA context. -1 where not known (the CPU: see the process's RSS).
+ * `reset`: the count of the most starts again from what is held now. */
+int64_t tensor_backend_live_bytes(tensor_backend_t be);
+int64_t tensor_backend_peak_bytes(tensor_backend_t be, bool reset);
 
 /* A tensor shaped like `like` that mirrors the host buffer `host` (from
  * tensor_host_alloc, at least as large as `like`): on the CPU a view of the

@@ -41,6 +41,7 @@
 
 #include "kernels/kernels.h" /* kern_*: the kernel launchers */
 #include "tensor/tensor_cublas.h" /* tensor_cublas: cuBLAS, loaded at run time */
+#include "tensor/tensor_cuda_vmm.h" /* buffers that give memory back (tensor_discard) */
 #include "tensor/tensor_impl.h"
 
 #ifndef RUMOR_CUDA_ARCHS
@@ -98,6 +99,17 @@ struct cuda_backend {
   struct cuda_scratch ln_part;      /* LayerNorm backward: dw, db partials */
   struct cuda_scratch attn_heads;   /* attention: q, k, v (and grads) by head */
   struct cuda_scratch attn_scores;  /* attention: T×T scores, probabilities */
+  /* Memory: buffers from cudaMalloc (their sizes, for the count), and
+   * while `discardable` from the chunked set `vmm` (opened on first use;
+   * NULL where the driver has none). live/peak: bytes held now and at
+   * most, over both (tensor_backend_peak_bytes). */
+  struct cuda_vmm *vmm;
+  bool vmm_tried, discardable;
+  struct cuda_alloc {
+    void *p;
+    size_t bytes;
+  } *plain;
+  size_t nplain, plain_cap, plain_live, peak;
 };
 
 static struct cuda_backend *cuda_of(tensor_backend_t be) { return (struct cuda_backend *)be; }
@@ -171,6 +183,8 @@ static void cuda_release(struct cuda_backend *b) {
   if (b->d_count) (void)cudaFree(b->d_count);
   if (b->h_partials) (void)cudaFreeHost(b->h_partials);
   if (b->h_count) (void)cudaFreeHost(b->h_count);
+  cuda_vmm_close(b->vmm);
+  free(b->plain);
   if (b->beside_after) (void)cudaEventDestroy(b->beside_after);
   if (b->beside) (void)cudaStreamDestroy(b->beside);
   if (b->stream) (void)cudaStreamDestroy(b->stream);
@@ -192,17 +206,41 @@ static void cuda_sync(tensor_backend_t be) {
 
 /* ---- memory ---------------------------------------------------------------------- */
 
+static void note_peak(struct cuda_backend *b) {
+  size_t now = b->plain_live + cuda_vmm_live_bytes(b->vmm);
+  if (now > b->peak) b->peak = now;
+}
+
+/* Buffers of at least this many chunks are chunked while discardable: a
+ * chunked buffer rounds up to whole chunks (2 MiB), which would waste more
+ * than a smaller one could give back (a model's activations and biases). */
+#define CUDA_CHUNKED_MIN_CHUNKS 16
+
 /* Device memory; NULL (never a panic) when it cannot be had. A request for 0
- * bytes still returns a distinct valid pointer, as tensor_alloc expects. */
+ * bytes still returns a distinct valid pointer, as tensor_alloc expects.
+ * While discardable, large buffers from the chunked set where there is one. */
 static void *cuda_mem_alloc(tensor_backend_t be, size_t bytes) {
   struct cuda_backend *b = enter(be);
   void *p = NULL;
+  if (b->discardable && b->vmm && bytes >= CUDA_CHUNKED_MIN_CHUNKS * cuda_vmm_chunk_bytes(b->vmm)) {
+    p = cuda_vmm_alloc(b->vmm, bytes);
+    log_debug("%s: %zu bytes of chunked memory at %p", b->base.name, bytes, p);
+    note_peak(b);
+    return p;
+  }
   cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1);
   if (err != cudaSuccess) {
     log_debug("%s: cudaMalloc(%zu) failed: %s", b->base.name, bytes, cudaGetErrorString(err));
     (void)cudaGetLastError(); /* not sticky; keep it out of later launch checks */
     return NULL;
   }
+  if (b->nplain == b->plain_cap) {
+    b->plain_cap = b->plain_cap ? 2 * b->plain_cap : 16;
+    b->plain = xrealloc(b->plain, b->plain_cap * sizeof *b->plain);
+  }
+  b->plain[b->nplain++] = (struct cuda_alloc){p, bytes};
+  b->plain_live += bytes;
+  note_peak(b);
   return p;
 }
 
@@ -211,10 +249,57 @@ static void cuda_mem_info(tensor_backend_t be, size_t *free_bytes, size_t *total
   CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
 }
 
-/* cudaFree waits for the device, so no op still in flight can touch p. */
+/* cudaFree waits for the device, so no op still in flight can touch p; a
+ * chunked block waits for both streams first. */
 static void cuda_mem_free(tensor_backend_t be, void *p) {
-  enter(be);
-  CUDA_CHECK(cudaFree(p));
+  struct cuda_backend *b = enter(be);
+  for (size_t i = 0; i < b->nplain; i++)
+    if (b->plain[i].p == p) {
+      b->plain_live -= b->plain[i].bytes;
+      b->plain[i] = b->plain[--b->nplain];
+      CUDA_CHECK(cudaFree(p));
+      return;
+    }
+  CUDA_CHECK(cudaStreamSynchronize(b->stream));
+  CUDA_CHECK(cudaStreamSynchronize(b->beside));
+  bool chunked = cuda_vmm_free(b->vmm, p);
+  RUMOR_ASSERT(chunked); /* else p is no buffer of this backend */
+}
+
+static void cuda_set_discardable(tensor_backend_t be, bool on) {
+  struct cuda_backend *b = enter(be);
+  b->discardable = on;
+  if (!on || b->vmm_tried) return;
+  b->vmm_tried = true;
+  struct rumor_err e = {0};
+  b->vmm = cuda_vmm_open(b->device, &e);
+  if (!b->vmm)
+    log_info("%s: memory cannot be given back here (%s): sharded parameters and gradients stay allocated",
+             b->base.name, e.msg);
+}
+
+/* tensor_discard has waited for the stream; the copies beside it read only
+ * what stays. */
+static void cuda_mem_discard(tensor_backend_t be, void *p, size_t bytes) {
+  struct cuda_backend *b = enter(be);
+  if (!b->vmm) return;
+  CUDA_CHECK(cudaStreamSynchronize(b->beside));
+  cuda_vmm_discard(b->vmm, p, bytes);
+}
+
+static int cuda_mem_recommit(tensor_backend_t be, void *p, size_t bytes, struct rumor_err *e) {
+  struct cuda_backend *b = enter(be);
+  int rc = cuda_vmm_recommit(b->vmm, p, bytes, (void *)b->stream, e);
+  note_peak(b);
+  return rc;
+}
+
+static void cuda_mem_held(tensor_backend_t be, int64_t *live, int64_t *peak, bool reset) {
+  struct cuda_backend *b = cuda_of(be);
+  size_t now = b->plain_live + cuda_vmm_live_bytes(b->vmm);
+  *live = (int64_t)now;
+  *peak = (int64_t)b->peak;
+  if (reset) b->peak = now;
 }
 
 /* Pinned host memory, so that async copies really overlap; NULL on failure. */
@@ -738,6 +823,10 @@ static const struct tensor_backend_ops cuda_ops = {
     .mem_alloc = cuda_mem_alloc,
     .mem_free = cuda_mem_free,
     .mem_info = cuda_mem_info,
+    .mem_discard = cuda_mem_discard,
+    .mem_recommit = cuda_mem_recommit,
+    .set_discardable = cuda_set_discardable,
+    .mem_held = cuda_mem_held,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .copy_h2d = cuda_copy_h2d,

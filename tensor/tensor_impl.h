@@ -32,6 +32,15 @@ struct tensor_backend_ops {
   /* tensor_discard: [p, p + bytes) of a mem_alloc block may give its memory
    * back; optional (NULL: the memory stays). */
   void (*mem_discard)(tensor_backend_t be, void *p, size_t bytes);
+  /* tensor_recommit: memory that mem_discard gave back within [p, p +
+   * bytes) is taken again, zero-filled in stream order; 0 or an error.
+   * Optional (NULL: memory comes back by itself, as pages do on the CPU). */
+  int (*mem_recommit)(tensor_backend_t be, void *p, size_t bytes, struct rumor_err *e);
+  /* tensor_backend_set_discardable; optional (NULL: every block can). */
+  void (*set_discardable)(tensor_backend_t be, bool on);
+  /* tensor_backend_live_bytes and _peak_bytes (and its reset); optional
+   * (NULL: not known, the CPU). */
+  void (*mem_held)(tensor_backend_t be, int64_t *live, int64_t *peak, bool reset);
   void (*copy_h2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2h)(tensor_backend_t be, void *dst, const void *src, size_t bytes, bool async);
   void (*copy_d2d)(tensor_backend_t be, void *dst, const void *src, size_t bytes);

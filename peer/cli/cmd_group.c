@@ -706,16 +706,19 @@ static void print_summary(const struct group *g, int status) {
   }
   if (g->T > 1) json_text_set(o, "tensor_parallel", json_integer(g->T));
   if (g->P > 1) json_text_set(o, "expert_parallel", json_integer(g->P));
-  /* The largest process's peak resident memory (each reported its own). */
-  json_int_t peak = 0;
+  /* The largest process's peak resident memory, and device memory on a
+   * GPU (each reported its own). */
+  json_int_t peak = 0, dev_peak = -1;
   for (int i = 0; i < g->nkids; i++) {
     json_t *d;
     if (!g->kids[i].result[0] || json_text_parse(g->kids[i].result, strlen(g->kids[i].result), &d, NULL) != 0) continue;
-    json_t *v = json_object_get(d, "peak_rss_bytes");
+    json_t *v = json_object_get(d, "peak_rss_bytes"), *dv = json_object_get(d, "device_peak_bytes");
     if (json_is_integer(v) && json_integer_value(v) > peak) peak = json_integer_value(v);
+    if (json_is_integer(dv) && json_integer_value(dv) > dev_peak) dev_peak = json_integer_value(dv);
     json_decref(d);
   }
   if (peak > 0) json_text_set(o, "peak_rss_bytes", json_integer(peak));
+  if (dev_peak >= 0) json_text_set(o, "device_peak_bytes", json_integer(dev_peak));
   json_text_set(o, "status", json_string(status == 0 ? "ok" : "failed"));
   if (status != 0) {
     char why[512];

@@ -18,6 +18,9 @@ void result_training(json_t *o, const struct trainer *t, double secs, int64_t sa
                 json_text_real(secs > 0 ? (double)(t->st.samples - samples_at_start) / secs : 0.0));
   if (t->cfg.grad_clip > 0) json_text_set(o, "clipped_steps", json_integer(t->clipped_steps));
   json_text_set(o, "peak_rss_bytes", json_integer(trainer_peak_rss_bytes()));
+  /* A GPU's buffers at most since training began (trainer_init restarts the count). */
+  int64_t dev_peak = t->be ? tensor_backend_peak_bytes(t->be, false) : -1;
+  if (dev_peak >= 0) json_text_set(o, "device_peak_bytes", json_integer(dev_peak));
   json_text_set(o, "tf32", json_boolean(t->cfg.tf32));
   if (trainer_is_dp(t)) {
     json_text_set(o, "zero", json_integer(t->zero.dp.zero));

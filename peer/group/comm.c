@@ -230,7 +230,7 @@ static int xrecv(struct comm *c, int src, const struct comm_hdr *base, uint32_t 
 /* Receives into dst[0..bytes). */
 static int xrecv_into(struct comm *c, int src, const struct comm_hdr *base, uint32_t step, void *dst, uint64_t bytes,
                       struct rumor_err *e) {
-  struct comm_msg *m;
+  struct comm_msg *m = NULL;
   int rc = xrecv(c, src, base, step, bytes, &m, e);
   if (rc) return rc;
   if (bytes) memcpy(dst, m->data, (size_t)bytes);
@@ -443,7 +443,7 @@ int comm_all_gather(comm_t *c, float *buf, int64_t n, struct rumor_err *e) {
 /* Direct: run j straight to member j; the runs received in member order. */
 int comm_all_to_all(comm_t *c, const float *send, const int64_t *send_counts, float *recv, const int64_t *recv_counts,
                     struct rumor_err *e) {
-  int64_t soffs[COMM_MAX_MEMBERS], roffs[COMM_MAX_MEMBERS], stotal, rtotal, most;
+  int64_t soffs[COMM_MAX_MEMBERS], roffs[COMM_MAX_MEMBERS], stotal = 0, rtotal = 0, most = 0;
   int rc = check_counts(c, "all_to_all send", send_counts, soffs, &stotal, &most, e);
   if (!rc) rc = check_counts(c, "all_to_all recv", recv_counts, roffs, &rtotal, &most, e);
   if (rc) return rc;

@@ -370,8 +370,13 @@ static int open_model(struct trainer *t, const struct ckpt_info *resumed, struct
   if ((rc = train_data_load(&t->data, &t->cfg, spec, resumed, e))) return rc;
   if (cfg->dp) t->plan.mb_rows = member_rows(t);
   if (cfg->tp) group_tp_setup(t);
+  /* ZeRO 2 and 3 give back the gradients and parameters outside a member's
+   * piece between uses: on a GPU that takes buffers that can. */
+  bool shards = cfg->dp && cfg->dp->zero >= 2;
+  if (shards) tensor_backend_set_discardable(t->be, true);
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);
+  if (shards) tensor_backend_set_discardable(t->be, false);
   if (rc) return rc;
   model_set_moe_losses(&t->model, cfg->moe_aux_weight, cfg->moe_z_weight);
   /* Every member of an expert-parallel run takes part in every pass: the
@@ -483,6 +488,9 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   train_data_start_epoch(&t->data, t->st.epoch);
   t->t_start = t->t_last_log = clock_now_s();
   t->samples_at_start = t->st.samples;
+  /* The device's most from here on: training's, not the set-up's (which may
+   * hold a whole model a moment before ZeRO gives most of it back). */
+  (void)tensor_backend_peak_bytes(t->be, true);
   log_setup(t);
   return 0;
 fail:

@@ -146,11 +146,34 @@ static const struct model_param *tied_user(const struct model *m, int u) {
   return &tab->p[tab->tied_entry];
 }
 
+/* The device memory held at `where` (debug; the first steps only). */
+static void log_device_memory(const struct trainer *t, const char *where) {
+  int64_t live = tensor_backend_live_bytes(t->be);
+  if (live >= 0 && t->st.step < 2 && log_enabled(LOG_DEBUG))
+    log_debug("ZeRO %d, step %lld, %s: %.1f MiB of device memory held (at most %.1f MiB)", t->zero.dp.zero,
+              (long long)t->st.step, where, (double)live / 1048576.0,
+              (double)tensor_backend_peak_bytes(t->be, false) / 1048576.0);
+}
+
+/* Takes back the memory of unit u's range of x (and of the tied entry it
+ * uses) before it is written: a device gives discarded memory back only on
+ * request (tensor_recommit). */
+static int recommit_unit(struct trainer *t, struct tensor *x, int u, struct rumor_err *e) {
+  struct model *m = &t->model;
+  int64_t a, b;
+  unit_range(m, u, &a, &b);
+  int rc = tensor_recommit(x, a, b - a, e);
+  const struct model_param *tp = tied_user(m, u);
+  if (rc == 0 && tp) rc = tensor_recommit(x, tp->offset, tp->numel, e);
+  return rc ? rumor_err_prefix(e, "ZeRO %d, unit %d", t->zero.dp.zero, u) : 0;
+}
+
 static int gather_unit(struct trainer *t, int u, struct rumor_err *e) {
   struct model *m = &t->model;
   int64_t a, b;
   unit_range(m, u, &a, &b);
-  int rc = collective(t, COLL_ALL_GATHER, &m->params, a, b, e);
+  int rc = recommit_unit(t, &m->params, u, e);
+  if (rc == 0) rc = collective(t, COLL_ALL_GATHER, &m->params, a, b, e);
   const struct model_param *tp = tied_user(m, u);
   if (rc == 0 && tp) rc = collective(t, COLL_ALL_GATHER, &m->params, tp->offset, tp->offset + tp->numel, e);
   return rc;
@@ -209,6 +232,7 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
   }
   if (z->dp.zero >= 2) release_outside(t, &m->grads, 0, m->nparams);
   if (z->dp.zero == 3) release_outside(t, &m->params, 0, m->nparams);
+  log_device_memory(t, "set up");
   return 0;
 }
 
@@ -256,6 +280,7 @@ static int backward_units(struct trainer *t, int64_t rows, struct tensor *dout, 
   bool z3 = z->dp.zero == 3;
   for (int u = m->table.nunits - 1, k = 0; u >= 0; u--, k ^= 1) {
     int rc = z3 && u < m->table.nunits - 1 ? gather_unit(t, u, e) : 0;
+    if (rc == 0) rc = recommit_unit(t, &m->grads, u, e);
     if (rc) return rc;
     int64_t a, b;
     unit_range(m, u, &a, &b);
@@ -312,8 +337,10 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
     }
   } else {
     if ((rc = forward_units(t, n, true, e))) return rc;
+    log_device_memory(t, "forward");
     if (n > 0) model_loss(m, n, logits, scale);
     if ((rc = backward_units(t, n, logits, e))) return rc;
+    log_device_memory(t, "backward");
   }
   if ((rc = group_pass_failed(t, e))) return rc;
   /* The batch's loss: the members' summed losses over its targets. */

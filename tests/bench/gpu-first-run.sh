@@ -22,11 +22,12 @@
 #     cuda, gpt:L6-H6-C384-T256-V256, 300 steps): both finish, exchange,
 #     and their validation losses.
 #  4. Groups of two processes on the GPU against the same on the CPU:
-#     tensor parallelism, ZeRO 3, pipeline stages, expert parallelism.
+#     tensor parallelism, ZeRO 2 and 3, pipeline stages, expert
+#     parallelism; and a ZeRO member's device memory at ZeRO 0 against 3.
 #
 # Each step has its own time limit (20 s for the first GPU step, 120 for the
-# tests, 2 × 80 for the benchmark, 60 for the peers, 8 × 12 for the groups:
-# 456 s), so the whole run ends within 8 minutes on one GPU (steps 1-3 took
+# tests, 2 × 80 for the benchmark, 60 for the peers, 12 × 10 for the groups:
+# 480 s), so the whole run ends within 8 minutes on one GPU (steps 1-3 took
 # 2.2 minutes on an H200). STEPS (default "1 2 3 4") picks steps. The report (REPORT, default
 # BUILD_DIR/gpu-first-run.txt) starts with the GPU, driver, commit and
 # build; its last line is the verdict. Record its figures in
@@ -163,37 +164,51 @@ step3() {
   fi
 }
 
-# 4. Groups on the GPU against the same groups on the CPU, 60 s: tensor
-# parallelism, ZeRO 3, pipeline stages and expert parallelism, two
+# 4. Groups on the GPU against the same groups on the CPU, 100 s: tensor
+# parallelism, ZeRO 2 and 3, pipeline stages and expert parallelism, two
 # processes each on the one GPU (cuda:0), 30 AdamW steps of a small GPT;
-# each layout's validation loss on the GPU within 1e-3 of the CPU's.
+# each layout's validation loss on the GPU within 1e-3 of the CPU's. Then
+# the device memory a ZeRO member holds (device_peak_bytes: its buffers at
+# most, what ZeRO gave back not counted) at ZeRO 0 against 3, on a larger
+# GPT (gpt:L8-H8-C512-T128-V8192, 10 steps), 20 s.
 step4() {
   section "4. groups on the GPU against the CPU"
   grp=$work/groups
   mkdir -p "$grp"
   "$rumor" keygen --cluster -o "$grp/cluster.key" >/dev/null 2>&1 && "$rumor" keygen -o "$grp/id.key" >/dev/null 2>&1
-  group_loss() { # DEVICE LAYOUT...: the group's validation loss, or "failed"
-    dev=$1
-    shift
-    m=gpt:L2-H4-C64-T64-V256
-    case " $* " in *" --expert-parallel "*) m=$m-E4-K2 ;; esac
-    log=$grp/$(echo "$dev $*" | tr -c 'a-z0-9\n' _).log
-    # shellcheck disable=SC2068 # the layout's words
-    if timeout 12 "$rumor" group $@ --devices "$dev" --model "$m" --data "$data" --batch 8 --max-steps 30 \
-      --eval-batches 4 --optimizer adamw --lr 1e-3 --seed 1 --threads 1 --cluster-key "$grp/cluster.key" \
-      --identity "$grp/id.key" >"$log.out" 2>"$log"; then
-      tail -1 "$log.out" | sed -n 's/.*"val_loss":\([0-9.e+-]*\).*/\1/p'
-    else
-      echo failed
-    fi
+  for layout in "--tensor-parallel 2" "--data-parallel 2 --zero 2" "--data-parallel 2 --zero 3" \
+    "--stages 2 --micro-batches 2" "--expert-parallel 2"; do
+    c=$(group_run 30 val_loss cpu gpt:L2-H4-C64-T64-V256 "$layout")
+    g=$(group_run 30 val_loss cuda:0 gpt:L2-H4-C64-T64-V256 "$layout")
+    verdict=$(echo "$c $g" | awk '$1 != "failed" && $2 != "failed" && $1 - $2 <= 1e-3 && $2 - $1 <= 1e-3 {print "ok"}')
+    say "group $layout: val loss cpu ${c:-none}, cuda:0 ${g:-none} ${verdict:-MISMATCH}"
+    [ "$verdict" = ok ] || failed="$failed group($layout)"
+  done
+  m=gpt:L8-H8-C512-T128-V8192
+  z0=$(group_run 10 device_peak_bytes cuda:0 "$m" "--data-parallel 2 --zero 0")
+  z3=$(group_run 10 device_peak_bytes cuda:0 "$m" "--data-parallel 2 --zero 3")
+  ratio=$(echo "$z0 $z3" | awk '$1 + 0 > 0 && $2 + 0 > 0 {printf " (%.2fx less)", $1 / $2}')
+  say "$m, --data-parallel 2 on cuda:0, a member's device memory at most (bytes): --zero 0 ${z0:-none}," \
+    "--zero 3 ${z3:-none}$ratio"
+  echo "$z0 $z3" | awk '$1 + 0 > 0 && $2 + 0 > 0 && $2 + 0 < $1 + 0 {ok = 1} END {exit !ok}' || failed="$failed zero-memory"
 }
-for layout in "--tensor-parallel 2" "--data-parallel 2 --zero 3" "--stages 2 --micro-batches 2" "--expert-parallel 2"; do
-  c=$(group_loss cpu "$layout")
-  g=$(group_loss cuda:0 "$layout")
-  verdict=$(echo "$c $g" | awk '$1 != "failed" && $2 != "failed" && $1 - $2 <= 1e-3 && $2 - $1 <= 1e-3 {print "ok"}')
-  say "group $layout: val loss cpu ${c:-none}, cuda:0 ${g:-none} ${verdict:-MISMATCH}"
-  [ "$verdict" = ok ] || failed="$failed group($layout)"
-done
+
+# group_run STEPS FIELD DEVICE MODEL LAYOUT: a group's FIELD from its
+# result line, or "failed". The layout's words split; -E4-K2 added to the
+# model for --expert-parallel.
+group_run() {
+  steps=$1 field=$2 dev=$3 m=$4
+  shift 4
+  case " $* " in *" --expert-parallel "*) m=$m-E4-K2 ;; esac
+  log=$grp/$(echo "$dev $m $*" | tr -c 'a-zA-Z0-9\n' _).log
+  # shellcheck disable=SC2068 # the layout's words
+  if timeout 10 "$rumor" group $@ --devices "$dev" --model "$m" --data "$data" --batch 8 --max-steps "$steps" \
+    --eval-batches 4 --optimizer adamw --lr 1e-3 --seed 1 --threads 1 --cluster-key "$grp/cluster.key" \
+    --identity "$grp/id.key" >"$log.out" 2>"$log"; then
+    tail -1 "$log.out" | sed -n "s/.*\"$field\":\([0-9.e+-]*\).*/\1/p"
+  else
+    echo failed
+  fi
 }
 
 for step in ${STEPS:-1 2 3 4}; do

@@ -1005,3 +1005,64 @@ Test(cuda, device_copy_handles_disjoint_and_overlapping_views) {
   }
   close_gpu();
 }
+
+/* tensor_discard on a buffer allocated while discardable gives the whole
+ * chunks inside the range back to the device (the backend's live bytes
+ * fall by them, its peak stays), they read as zeros, and what lies outside
+ * them is kept; tensor_recommit takes back only the chunks it touches,
+ * zero-filled, and they hold what is written next. Counted by the backend
+ * itself, so other processes on the GPU cannot disturb it. */
+Test(cuda, discarded_chunks_go_back_to_the_device_and_come_back_zeroed) {
+  open_gpu();
+  const int64_t n = (int64_t)16 << 20, MiB = 1 << 20; /* 64 MiB of floats */
+  int64_t live0 = tensor_backend_live_bytes(g_be);
+  cr_assert_geq(live0, 0, "the CUDA backend counts its buffers");
+  struct tensor x;
+  struct rumor_err e = {0};
+  tensor_backend_set_discardable(g_be, true);
+  cr_assert_eq(tensor_alloc(&x, g_be, TENSOR_F32, 1, &n, &e), 0, "%s", e.msg);
+  tensor_backend_set_discardable(g_be, false);
+  int64_t live1 = tensor_backend_live_bytes(g_be);
+  cr_assert_geq(live1 - live0, n * 4, "live %lld -> %lld for a 64 MiB buffer", (long long)live0, (long long)live1);
+  tensor_fill(&x, 1.0f);
+  const int64_t a = (1 << 20) + 3, b = (15 << 20) - 5; /* floats; not on chunk bounds */
+  tensor_discard(&x, a, b - a);
+  int64_t live2 = tensor_backend_live_bytes(g_be);
+  cr_assert_leq(live2, live1 - (b - a) * 4 + 2 * 2 * MiB,
+                "discarding %lld bytes gave back only %lld (is the driver's virtual memory management there? "
+                "\"memory cannot be given back\" in the log says why not)",
+                (long long)((b - a) * 4), (long long)(live1 - live2));
+  cr_assert_geq(tensor_backend_peak_bytes(g_be, true), live1);
+  cr_assert_eq(tensor_backend_peak_bytes(g_be, false), live2, "the count of the most restarts from what is held");
+  float *h = xmalloc((size_t)n * sizeof(float));
+  tensor_copy_to_host(&x, 0, h, (size_t)n * sizeof(float));
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (i < a || i >= b) cr_assert_eq(h[i], 1.0f, "element %lld outside the discarded range changed", (long long)i);
+    else if (h[i] == 0.0f) zeros++;
+    else cr_assert_eq(h[i], 1.0f, "element %lld inside reads %g: neither kept nor zero", (long long)i, h[i]);
+  }
+  cr_assert_geq(zeros * 4, (b - a) * 4 - 4 * MiB, "only %lld discarded elements read as zero", (long long)zeros);
+  /* A few elements inside: their chunk alone comes back, zeroed. */
+  const int64_t c = (8 << 20) + 7;
+  cr_assert_eq(tensor_recommit(&x, c, 100, &e), 0, "%s", e.msg);
+  int64_t live3 = tensor_backend_live_bytes(g_be);
+  cr_assert(live3 > live2 && live3 <= live2 + 2 * 2 * MiB, "recommitting 400 bytes: live %lld -> %lld",
+            (long long)live2, (long long)live3);
+  for (int64_t i = 0; i < 100; i++) h[i] = (float)(i + 1);
+  tensor_copy_from_host(&x, c, h, 100 * sizeof(float));
+  float back[100];
+  tensor_copy_to_host(&x, c, back, sizeof back);
+  for (int i = 0; i < 100; i++) cr_assert_eq(back[i], (float)(i + 1));
+  /* The whole range back, written: every element as written. */
+  cr_assert_eq(tensor_recommit(&x, a, b - a, &e), 0, "%s", e.msg);
+  struct tensor mid = tensor_view(&x, a, 1, (int64_t[]){b - a});
+  tensor_fill(&mid, 2.0f);
+  tensor_copy_to_host(&x, 0, h, (size_t)n * sizeof(float));
+  for (int64_t i = 0; i < n; i++) cr_assert_eq(h[i], i < a || i >= b ? 1.0f : 2.0f, "element %lld", (long long)i);
+  cr_assert_eq(tensor_backend_live_bytes(g_be), live1, "every chunk live again");
+  free(h);
+  tensor_free(&x);
+  cr_assert_eq(tensor_backend_live_bytes(g_be), live0, "freed");
+  close_gpu();
+}
