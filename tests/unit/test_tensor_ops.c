@@ -449,3 +449,33 @@ Test(tensor_cpu, a_host_mirror_is_the_buffer_itself_on_the_cpu) {
   tensor_free(&x);
   tensor_host_free(be, h);
 }
+
+/* The CPU's side of ZeRO's giving back: tensor_discard returns whole pages
+ * (they read as zeros after), what lies outside them is kept, the
+ * discardable switch changes nothing, tensor_recommit has nothing to do,
+ * and the backend does not count device memory (-1). */
+Test(tensor_cpu, discard_returns_whole_pages_and_recommit_needs_nothing) {
+  struct rumor_err e = {0};
+  const int64_t n = 1 << 20; /* 4 MiB of floats */
+  struct tensor x;
+  tensor_backend_set_discardable(be, true);
+  cr_assert_eq(tensor_alloc(&x, be, TENSOR_F32, 1, &n, &e), 0, "%s", e.msg);
+  tensor_backend_set_discardable(be, false);
+  tensor_fill(&x, 1.0f);
+  const int64_t a = 1000, b = n - 1000;
+  tensor_discard(&x, a, b - a);
+  const float *v = x.data;
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (i < a || i >= b) cr_assert_eq(v[i], 1.0f, "element %lld outside the range changed", (long long)i);
+    else zeros += v[i] == 0.0f;
+  }
+  cr_assert_geq(zeros, b - a - 2 * 4096, "only %lld of the discarded elements read as zero", (long long)zeros);
+  cr_assert_eq(tensor_recommit(&x, a, b - a, &e), 0);
+  struct tensor mid = tensor_view(&x, a, 1, (int64_t[]){b - a});
+  tensor_fill(&mid, 2.0f);
+  for (int64_t i = 0; i < n; i++) cr_assert_eq(v[i], i < a || i >= b ? 1.0f : 2.0f);
+  cr_assert_eq(tensor_backend_live_bytes(be), -1);
+  cr_assert_eq(tensor_backend_peak_bytes(be, true), -1);
+  tensor_free(&x);
+}
