@@ -729,6 +729,25 @@ static void print_summary(const struct group *g, int status) {
   result_print(o);
 }
 
+/* A pipelined group asked for a directory checkpoint (--checkpoint DIR/,
+ * a Hugging Face model directory): once every stage has finished and
+ * saved, their files are put together into DIR's model.safetensors,
+ * config.json and optimizer.safetensors, which transformers loads. The
+ * stage files stay (a --resume in the same split takes them back bit for
+ * bit). 0, or 1 with the reason in `e`. */
+static int merge_stage_files(const struct group *g, struct rumor_err *e) {
+  const char *dir = g->f.train.checkpoint;
+  if (g->S < 2 || !dir || !checkpoint_is_dir(dir)) return 0;
+  int64_t step = 0;
+  if (checkpoint_merge_stages(dir, &step, e)) {
+    rumor_err_prefix(e, "its %d stage files could not be put together into %s (they are intact)", g->S, dir);
+    return 1;
+  }
+  log_info("group %s: the %d stages' checkpoints of step %lld put together into %s", g->name, g->S, (long long)step,
+           dir);
+  return 0;
+}
+
 int cmd_group(int argc, char **argv) {
   static struct group grp;
   struct group *g = &grp;
@@ -776,10 +795,11 @@ int cmd_group(int argc, char **argv) {
                       "takes one list per stage, separated by ';'). If a stage dies, the group stops\n"
                       "(non-zero exit, naming the stage); other groups keep training. Stage output lines\n"
                       "pass through; the last line on stdout is the group's result as JSON. --checkpoint X\n"
-                      "writes one file per stage (X-stage<s>.safetensors); --resume X --model M takes\n"
-                      "them back, or any whole-model checkpoint X, or stage files of another split (each\n"
-                      "stage takes its units); --init-from DIR likewise. Any command that reads a\n"
-                      "checkpoint X reads a group's stage files X-stage<s> put together.\n"
+                      "writes one file per stage (X-stage<s>.safetensors; a directory X/ gets X/stage<s>.safetensors,\n"
+                      "put together into the Hugging Face directory X/ itself once every stage has finished);\n"
+                      "--resume X --model M takes them back, or any whole-model checkpoint X, or stage files\n"
+                      "of another split (each stage takes its units); --init-from DIR likewise. Any command\n"
+                      "that reads a checkpoint X reads a group's stage files X-stage<s> put together.\n"
                       "\n"
                       "--stages S --data-parallel D: S x D processes, D members in each stage (process k is\n"
                       "member k % D of stage k / D). Member r of every stage is a pipeline over its slice\n"
@@ -809,6 +829,8 @@ int cmd_group(int argc, char **argv) {
   } else {
     status = supervise(g);
   }
+  if (status == 0 && (status = merge_stage_files(g, &e)) != 0)
+    fprintf(stderr, "rumor group: group %s trained, but %s\n", g->name, e.msg);
   print_summary(g, status);
   if (status != 0) {
     char why[512];

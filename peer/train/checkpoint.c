@@ -418,12 +418,13 @@ static int open_latest(const char *path, bool part_ok, struct checkpoint *ck, ch
                        struct rumor_err *e);
 static int open_stage_set(const char *path, struct checkpoint *ck, struct rumor_err *e);
 
-/* True when `path` is missing but a pipelined group's first stage file
+/* True when `whole` (a checkpoint file, or a directory checkpoint's model
+ * file) is missing but a pipelined group's first stage file for `path`
  * (train_stage_checkpoint_path's, or its .prev) stands for it. */
-static bool stage_set_at(const char *path) {
+static bool stage_set_at(const char *path, const char *whole) {
   struct stat st;
   char first[CHECKPOINT_PATH_MAX + 32], prev[CHECKPOINT_PATH_MAX + 40];
-  if (stat(path, &st) == 0 || errno != ENOENT) return false;
+  if (stat(whole, &st) == 0 || errno != ENOENT) return false;
   train_stage_checkpoint_path(path, 0, first, sizeof first);
   checkpoint_prev_path(first, prev, sizeof prev);
   return stat(first, &st) == 0 || stat(prev, &st) == 0;
@@ -431,10 +432,10 @@ static bool stage_set_at(const char *path) {
 
 static int open_path(const char *path, bool part_ok, struct checkpoint *ck, struct rumor_err *e) {
   if (!checkpoint_is_dir(path))
-    return stage_set_at(path) ? open_stage_set(path, ck, e) : open_at(path, NULL, part_ok, ck, e);
+    return stage_set_at(path, path) ? open_stage_set(path, ck, e) : open_at(path, NULL, part_ok, ck, e);
   char model[1100];
   checkpoint_dir_file(path, CHECKPOINT_MODEL_FILE, model, sizeof model);
-  return open_at(model, path, part_ok, ck, e);
+  return stage_set_at(path, model) ? open_stage_set(path, ck, e) : open_at(model, path, part_ok, ck, e);
 }
 
 int checkpoint_open(const char *path, struct checkpoint *ck, struct rumor_err *e) {
@@ -672,6 +673,32 @@ static int open_stage_set(const char *path, struct checkpoint *ck, struct rumor_
   }
   for (int k = 0; k < n; k++) checkpoint_close(&part[k]);
   free(part);
+  return rc;
+}
+
+int checkpoint_merge_stages(const char *path, int64_t *step, struct rumor_err *e) {
+  struct checkpoint ck;
+  int rc = open_stage_set(path, &ck, e);
+  if (rc) return rc;
+  /* The whole model's layout, from the merged table: what saving needs of
+   * a model (its spec, table, units and count), without its buffers. */
+  struct model m;
+  memset(&m, 0, sizeof m);
+  m.spec = ck.info.spec;
+  m.table = ck.table;
+  m.nparams = ck.nparams;
+  m.u0 = 0;
+  m.u1 = ck.table.nunits;
+  struct optim o;
+  memset(&o, 0, sizeof o);
+  o.cfg.kind = ck.info.optim_kind;
+  struct ckpt_info info = ck.info;
+  info.stage = info.stages = 0;
+  info.group[0] = info.split[0] = '\0';
+  info.extra = NULL;
+  rc = checkpoint_save_host(path, &m, ck.has_optim ? &o : NULL, (const float *)ck.file.buf, &info, e);
+  *step = ck.info.st.step;
+  checkpoint_close(&ck);
   return rc;
 }
 

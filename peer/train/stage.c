@@ -55,7 +55,11 @@ int train_stage_label(const struct train_config *cfg, const struct stage_plan *p
 void train_stage_checkpoint_path(const char *path, int stage, char *buf, size_t n) {
   static const char ext[] = ".safetensors";
   size_t len = strlen(path), el = sizeof ext - 1;
-  if (len > el && strcmp(path + len - el, ext) == 0)
+  if (checkpoint_is_dir(path)) { /* stage<s>.safetensors inside it, beside the merged model's files */
+    char file[32];
+    snprintf(file, sizeof file, "stage%d%s", stage, ext);
+    checkpoint_dir_file(path, file, buf, n);
+  } else if (len > el && strcmp(path + len - el, ext) == 0)
     snprintf(buf, n, "%.*s-stage%d%s", (int)(len - el), path, stage, ext);
   else
     snprintf(buf, n, "%s-stage%d", path, stage);

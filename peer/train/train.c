@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 void train_config_default(struct train_config *c) {
   memset(c, 0, sizeof *c);
@@ -450,6 +451,13 @@ int trainer_init(struct trainer *t, const struct train_config *cfg, struct rumor
   if (cfg->checkpoint) {
     char path[1024];
     checkpoint_path_of(t, path, sizeof path);
+    /* A stage of a directory checkpoint saves its file inside it: the
+     * directory is checked and made first (the stages may race to it). */
+    bool in_dir = trainer_is_stage(t) && checkpoint_is_dir(cfg->checkpoint);
+    if (in_dir && (rc = checkpoint_check_dest(cfg->checkpoint, e))) return rumor_err_prefix(e, "--checkpoint");
+    if (in_dir && mkdir(cfg->checkpoint, 0755) < 0 && errno != EEXIST)
+      return rumor_err_set(e, -errno, "--checkpoint: cannot make the directory %s: %s", cfg->checkpoint,
+                           strerror(errno));
     if ((rc = checkpoint_check_dest(path, e))) return rumor_err_prefix(e, "--checkpoint");
   }
   if ((rc = choose_model(t, &ck, &resumed, e))) return rc;

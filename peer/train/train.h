@@ -288,6 +288,15 @@ const float *checkpoint_extra(const struct checkpoint *ck, const char *name, int
  * parameters' layout) in an open checkpoint, or NULL when it has none of
  * that kind. Valid until checkpoint_close. */
 const float *checkpoint_optim_part(const struct checkpoint *ck, enum optim_kind kind, int part);
+/* Puts a pipelined group's stage files for `path` (train_stage_checkpoint_
+ * path's, each with its .prev fallback: every stage's, of one save)
+ * together into the whole model's checkpoint at `path` itself, written as
+ * checkpoint_save writes (a directory: model.safetensors, config.json and
+ * optimizer.safetensors, which transformers' from_pretrained loads). The
+ * sync scheme's state stays in the stage files (it is in each stage's own
+ * layout). *step gets the step written. Returns 0 or an error naming the
+ * file at fault; the stage files are left as they are either way. */
+int checkpoint_merge_stages(const char *path, int64_t *step, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The parameters an open checkpoint holds into `out` (table.nparams
  * floats, the whole model's flat-buffer order; a stage's file fills its
  * units' range and leaves the rest). */
@@ -457,8 +466,9 @@ void train_stage_agreement(const struct train_config *cfg, const struct stage_pl
 int train_stage_label(const struct train_config *cfg, const struct stage_plan *plan, char *buf, size_t n,
                       struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The checkpoint file of stage s for the group's --checkpoint PATH:
- * "run.safetensors" → "run-stage0.safetensors"; other names get
- * "-stage0" appended. */
+ * "run.safetensors" → "run-stage0.safetensors"; a directory checkpoint
+ * ("run/", or an existing directory) → "run/stage0.safetensors"; other
+ * names get "-stage0" appended. */
 void train_stage_checkpoint_path(const char *path, int stage, char *buf, size_t n);
 
 /* Where a trainer's batches come from (peer/train/source.c): images with a

@@ -601,6 +601,52 @@ Test(group_dp, a_pipelined_group_resumes_from_its_stage_files_or_a_whole_checkpo
   cluster_expect_exit(&C, argv, 1, "is of step 6, stage 0's file of step 12");
 }
 
+/* A pipelined group given a directory (--checkpoint DIR/) keeps each
+ * stage's file inside it (DIR/stage<s>.safetensors) and, once every stage
+ * has finished, puts them together into DIR's model.safetensors,
+ * optimizer.safetensors and config.json, the directory transformers loads:
+ * every float of the stage files, weights and moments, exactly, and `rumor
+ * eval` on DIR/ gives the group's loss. */
+Test(group_dp, a_pipelined_group_puts_its_stage_files_together_in_a_directory_checkpoint) {
+  char id[256], dir[256], stage[300], cfg[300];
+  cluster_make_identity(&C, "sdir", id, sizeof id);
+  char *text = (char *)cluster_make_text(&C, 100000);
+  snprintf(dir, sizeof dir, "%s/hf-model/", C.dir);
+  char *argv[64];
+  argv_cat(argv, 64, (char *[]){"group", "--cluster-key", C.key, "--identity", id, "--stages", "2",
+                                "--micro-batches", "2", "--checkpoint", dir, NULL},
+           (char *[]){"--model", "gpt:L4-H4-C32-T16-V256", "--batch", "6", "--max-steps", "6", "--seed", "7",
+                      "--optimizer", "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0",
+                      "--eval-batches", "4", "--data", text, NULL},
+           NULL, NULL);
+  char *out, *err;
+  int st = cluster_run(&C, argv, 120, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "the group failed (status %d): %s\n%s", st, out, err);
+  cr_assert(strstr(err, "put together into"), "no word of the merge: %s", err);
+  double group_loss = json_number(out, "val_loss");
+  free(out), free(err);
+  int64_t count, params = 0, total = 0;
+  for (int s = 0; s < 2; s++) {
+    snprintf(stage, sizeof stage, "%sstage%d.safetensors", dir, s);
+    double d = stage_max_diff(stage, dir, &count, &params);
+    cr_expect(d == 0, "stage %d's file is %.3g from the merged model", s, d);
+    total += count;
+  }
+  cr_assert_eq(total, 3 * params, "the merge holds %lld of the stages' %lld floats (weights and AdamW's moments)",
+               (long long)total, (long long)(3 * params));
+  snprintf(cfg, sizeof cfg, "%sconfig.json", dir);
+  char *config = proc_slurp(cfg);
+  cr_assert(config && strstr(config, "\"n_layer\":4") && strstr(config, "GPT2LMHeadModel"),
+            "config.json: %s", config ? config : "(missing)");
+  free(config);
+  char *ev[] = {"eval", "--checkpoint", dir, "--data", text, "--batch", "6", "--eval-batches", "4", NULL};
+  st = cluster_run(&C, ev, 60, &out, &err);
+  cr_assert(proc_exited_with(st, 0), "rumor eval of the merged directory failed: %s", err);
+  double eval_loss = json_number(out, "val_loss");
+  cr_expect(fabs(eval_loss - group_loss) <= 1e-5, "rumor eval says %.8g, the group said %.8g", eval_loss, group_loss);
+  free(out), free(err);
+}
+
 /* Data-parallel members inside the stages (S = 2, D = 2, ZeRO 1: each
  * member holds its piece of its stage's moments) stopped after 6 steps and
  * resumed from their stage files write bit for bit what they write in 12
