@@ -126,12 +126,23 @@ static int avg_boundary(struct sync *s, struct rumor_err *e) {
 #define FINISH_MIN_INTERVAL_S 1e-3
 /* Once no partner trains: leave when the latest exchanges in a row came
  * from FINISH_QUIET_CLOSE different partners (or every live one, when
- * fewer) each within FINISH_CLOSE_REL of our parameters (relative), or
- * after FINISH_QUIET_MAX exchanges. Different partners: two peers that
- * meet twice are equal after the first, however far the rest are. */
+ * fewer) each close to our parameters (finish_close_rel), or after
+ * FINISH_QUIET_MAX exchanges. Different partners: two peers that meet
+ * twice are equal after the first, however far the rest are. */
 #define FINISH_QUIET_CLOSE 2
-#define FINISH_CLOSE_REL 1e-3
-#define FINISH_QUIET_MAX 24
+#define FINISH_QUIET_MAX 16
+
+/* "Close", relative to our norm: 1e-3, or where the wire rounds the
+ * snapshots coarser, about twice what its rounding leaves between two
+ * equal replicas (bf16's 2^-8 per value; i8's scale per 128 values, about
+ * 0.7 % of the values' spread), so that a lossy wire can end early too. */
+static double finish_close_rel(enum net_dtype wire) {
+  switch (wire) {
+  case NET_DTYPE_BF16: return 1e-2;
+  case NET_DTYPE_I8: return 3e-2;
+  default: return 1e-3; /* f32, and f16 (2^-11) */
+  }
+}
 static double finish_interval(const struct sync_config *c, double step_s) {
   double by_steps = c->every_steps > 0 ? step_s * (double)c->every_steps : 0;
   double every = c->every_s > 0 && (by_steps == 0 || c->every_s < by_steps) ? c->every_s : by_steps;
@@ -149,8 +160,8 @@ struct finish_quiet {
 
 /* Notes the latest applied exchange (when several applied since the last
  * look only the latest is known, and it counts once). */
-static void finish_note(struct finish_quiet *q, const struct sync_xch *x) {
-  if (!(x->applied_rel_dist <= FINISH_CLOSE_REL)) {
+static void finish_note(struct finish_quiet *q, const struct sync_xch *x, double close_rel) {
+  if (!(x->applied_rel_dist <= close_rel)) {
     q->close = 0;
     return;
   }
@@ -170,7 +181,7 @@ static bool finish_settled(struct sync *s, struct finish_quiet *q) {
   uint64_t now = s->x.applied;
   if (q->quiet && now > q->seen) {
     q->applied += now - q->seen;
-    finish_note(q, &s->x);
+    finish_note(q, &s->x, finish_close_rel(s->cfg.wire));
   }
   q->seen = now;
   if (!q->quiet) return false;
