@@ -240,7 +240,7 @@ static int stage_argv(struct group *g, const struct arg_spec *specs, int argc, c
   push(out, &n, g->f.gossip.name ? g->f.gossip.name : g->name);
   const char *addr_flags[] = {"listen", "advertise", "metrics"};
   const char *addr_vals[] = {g->f.net.listen, g->f.net.advertise, g->f.net.metrics};
-  int slot = members ? k : s; /* stage s, or process k, listens on port + slot */
+  int slot = members || staged ? k : s; /* stage s, or process k, listens on port + slot */
   for (int i = 0; g->averages && i < 3; i++) {
     if (!addr_vals[i]) continue;
     int rc = offset_addr(addr_flags[i], addr_vals[i], slot, buf, sizeof buf, e);
@@ -446,8 +446,11 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
     return rumor_err_set(e, RUMOR_EFORMAT, "--metrics: a data- or tensor-parallel group that trains alone serves no "
                          "metrics%s", members ? "; give --listen or --bootstrap to average with other groups" : "");
   if (members && group_shard_check(f, g->D, g->T, g->averages, e)) return RUMOR_EFORMAT;
-  int slots = members ? g->N : g->S; /* address lists and listening ports, one per stage or per process */
-  const char *slot_noun = members ? "process" : "stage";
+  /* Address lists and listening ports: one per stage, or per process (a
+   * data- or tensor-parallel group's, or one with those in its stages). */
+  bool per_process = members || in_stages(g);
+  int slots = per_process ? g->N : g->S;
+  const char *slot_noun = per_process ? "process" : "stage";
   if (g->D == 1 && f->pipe.zero)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs --data-parallel D with D > 1", (long long)f->pipe.zero);
   if (f->pipe.group) snprintf(g->name, sizeof g->name, "%s", f->pipe.group);
@@ -467,7 +470,8 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   }
   if (f->net.bootstrap &&
       (rc = stage_lists("bootstrap", f->net.bootstrap, slots, slot_noun, g->bootstrap,
-                        members ? "process k joins process k of other groups" : "stage s joins stage s of other groups",
+                        per_process ? "process k joins process k of other groups"
+                                    : "stage s joins stage s of other groups",
                         e)))
     return rc;
   if (f->gossip.servers &&
@@ -807,10 +811,12 @@ int cmd_group(int argc, char **argv) {
                       "(--zero 0, or 1: the optimizer state sharded; ZeRO 2 and 3 are refused with stages:\n"
                       "a stage accumulates whole gradients over its micro-batches). --stages S\n"
                       "--tensor-parallel T: S x T processes, each stage's layers split over T ranks, rank t\n"
-                      "linked to rank t of the neighbouring stages. Both: S x D x T processes. No averaging\n"
-                      "with other groups yet: such a group trains alone (--resume and --init-from as for\n"
-                      "--stages alone). Its steps equal the single process's; each stage writes its own\n"
-                      "checkpoint file.");
+                      "linked to rank t of the neighbouring stages. Both: S x D x T processes. Its steps\n"
+                      "equal the single process's; each stage writes its own checkpoint file (--resume and\n"
+                      "--init-from as for --stages alone). Given --listen (process k on port + k) or\n"
+                      "--bootstrap (one list per process), process k averages its shard with process k of\n"
+                      "other groups of the same layout by gossip (--sync gossip only, so far); else the\n"
+                      "group trains alone.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

@@ -315,9 +315,18 @@ static int prepare(struct stage_proc *p, struct rumor_err *e) {
   tb_train_attach(&p->tb, &p->t, &p->mb);
   char label[256];
   if ((rc = train_stage_label(&p->tc, &p->plan, label, sizeof label, e))) return rc;
+  if (p->in_stages) { /* process r of stage s meets process r of stage s of other groups only */
+    size_t len = strlen(label);
+    int w = snprintf(label + len, sizeof label - len, " dp %d/%d tp %d/%d", p->dp_rank, p->dp_size, p->tp_rank,
+                     p->tp_size);
+    if (w < 0 || (size_t)w >= sizeof label - len)
+      return rumor_err_set(e, RUMOR_ETOOBIG, "the stage process's gossip label is over %zu characters",
+                           sizeof label - 1);
+  }
   json_t *extra = json_object();
   json_text_set(extra, "group", json_text_str(p->st.group));
   json_text_set(extra, "stage", json_integer(p->st.stage));
+  if (p->in_stages) json_text_set(extra, "member", json_integer(p->member)); /* process stage x N + r */
   json_text_set(extra, "cluster", json_text_str(label));
   rc = member_start(&p->mb, &p->t, &p->f.net, &p->keys, &p->f.gossip, label, p->tc.seed + (uint64_t)p->st.stage, "stage",
                     extra, e);
@@ -390,10 +399,13 @@ static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct 
 /* Joins the stage's cluster (taking a live stage's state when there is
  * one), or its servers, then agrees on the starting position with the
  * other stages. */
+static int in_stage_join(struct stage_proc *p, struct rumor_err *e);
+
 static int join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = stage_link_wait_ready(p->link, e);
   if (rc) return rc;
+  if (p->in_stages && p->averages) return in_stage_join(p, e);
   struct stage_link_pos lp = {0, 0, 0};
   bool own_state = false; /* resumed from our checkpoint: position and data order are already its */
   if (p->mb.setup.sync.kind == SYNC_PS) {
@@ -431,6 +443,9 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
+static int shard_train(struct stage_proc *p, double *secs, int64_t *steps, bool *stale, struct rumor_err *e);
+static int shard_finish(struct stage_proc *p, double secs, int64_t steps, bool *stale, struct rumor_err *e);
+
 static bool link_failed(void *arg, struct rumor_err *e) {
   struct stage_proc *p = arg;
   char why[400];
@@ -455,17 +470,26 @@ static int run(struct stage_proc *p, struct rumor_err *e) {
                p->st.stage, p->st.stages, p->dp_rank, p->dp_size, p->dp_size, (long long)p->f.pipe.zero);
   }
   if ((rc = member_wait_peers(&p->mb, &p->f.gossip, "groups", link_failed, p, e))) return rc;
+  /* Members or ranks in the stages that average with other groups make
+   * their stage's copies whole again after every change (shard_train). */
+  bool shards = p->in_stages && p->averages;
+  if (shards && (rc = trainer_group_resync(t, p->mb.sync.changes > 0, NULL, e))) return rc;
   int64_t s0 = t->st.samples, steps;
   double secs;
-  if ((rc = member_train(&p->mb, t, &secs, &steps, e))) return rc;
+  bool stale = false; /* shards: a change after the last step's checkpoint */
+  rc = shards ? shard_train(p, &secs, &steps, &stale, e) : member_train(&p->mb, t, &secs, &steps, e);
+  if (rc) return rc;
   if (signals_stop_requested())
     return rumor_err_set(e, RUMOR_ECANCELED, "interrupted by signal %d", signals_stop_requested());
   /* The same stage of groups still training is not left alone (the links
    * keep pinging meanwhile; our neighbours wait for us in the evaluation).
-   * A neighbour that fails meanwhile ends the wait and the group. */
-  if ((rc = member_finish(&p->mb, t, secs, steps, link_failed, p, e))) return rc;
-  if (p->in_stages && (rc = trainer_group_check(t, e))) return rc; /* the stage's copies agree bit for bit */
-  if ((rc = trainer_evaluate(t, e))) return rc;
+   * A neighbour that fails meanwhile ends the wait and the group. The
+   * stage's copies then agree bit for bit (shard_finish checks too). */
+  if (shards) rc = shard_finish(p, secs, steps, &stale, e);
+  else if ((rc = member_finish(&p->mb, t, secs, steps, link_failed, p, e)) == 0 && p->in_stages)
+    rc = trainer_group_check(t, e);
+  if (rc || (rc = trainer_evaluate(t, e))) return rc;
+  if (stale && (rc = trainer_checkpoint(t, e))) return rc; /* the result line's parameters */
   print_result(p, secs, s0);
   return 0;
 }
@@ -545,32 +569,78 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
  * process pulled: every process must run the same steps, and the pulls,
  * each from its own donor, may have been served steps apart (the pieces
  * pulled earlier catch up by the sync path's next exchange or round). */
+/* The latest position any process of the communicator (the group's, or
+ * the stage's) pulled: use = {1, step, epoch, samples}, or use[0] = 0
+ * when none pulled. */
+static int members_agree(struct stage_proc *p, bool pulled, const struct gossip_train_pos *pos, int64_t use[4],
+                         struct rumor_err *e) {
+  int64_t mine[4] = {pulled, (int64_t)pos->step, (int64_t)pos->epoch, (int64_t)pos->samples};
+  memset(use, 0, 4 * sizeof *use);
+  for (int j = 0; j < comm_size(p->comm); j++) {
+    int64_t theirs[4];
+    memcpy(theirs, mine, sizeof theirs);
+    int rc = comm_broadcast(p->comm, j, theirs, sizeof theirs, e);
+    if (rc) return rc;
+    if (theirs[0] && (!use[0] || theirs[1] > use[1])) memcpy(use, theirs, 4 * sizeof *use);
+  }
+  if (pulled)
+    log_info("took shard %d/%d's state from the cluster at step %llu (epoch %llu)", p->member, p->members,
+             (unsigned long long)pos->step, (unsigned long long)pos->epoch + 1);
+  return 0;
+}
+
 static int shard_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};
   /* A resumed group keeps its own state, as a resumed peer does. */
   int jr = member_join(&p->mb, t, &p->f.gossip, p->tc.resume != NULL, &pos, e);
   if (jr < 0) return jr;
-  int64_t mine[4] = {jr == 0, (int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples}, use[4] = {0, 0, 0, 0};
-  for (int j = 0; j < p->members; j++) {
-    int64_t theirs[4];
-    memcpy(theirs, mine, sizeof theirs);
-    int rc = comm_broadcast(p->comm, j, theirs, sizeof theirs, e);
-    if (rc) return rc;
-    if (theirs[0] && (!use[0] || theirs[1] > use[1])) memcpy(use, theirs, sizeof use);
-  }
-  if (jr == 0)
-    log_info("took shard %d/%d's state from the cluster at step %llu (epoch %llu)", p->member, p->members,
-             (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
+  int64_t use[4];
+  int rc = members_agree(p, jr == 0, &pos, use, e);
+  if (rc) return rc;
   if (use[0]) {
     trainer_set_position(t, use[1], use[2], use[3]);
     log_info("the group continues from step %lld (epoch %lld)", (long long)use[1], (long long)use[2] + 1);
   }
-  int rc = member_ready(&p->mb, t, e);
+  rc = member_ready(&p->mb, t, e);
   /* A pulled shard, or an outer round due at the start, changed pieces. */
   if (rc == 0 && use[0]) rc = trainer_group_resync_state(t, e);
   if (rc == 0) rc = trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);
   return rc;
+}
+
+/* A process of a pipelined group with members or ranks in its stages that
+ * averages with other groups: it pulls its shard from the same process of
+ * a live group, its stage's processes take the latest position any of
+ * them pulled (members_agree), and stage 0's position wins down the
+ * links, as a plain stage's does (join). */
+static int in_stage_join(struct stage_proc *p, struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  struct gossip_train_pos pos = {0, 0, 0};
+  bool resumed = p->tc.resume != NULL;
+  int jr = member_join(&p->mb, t, &p->f.gossip, resumed, &pos, e);
+  if (jr < 0) return jr;
+  int64_t use[4];
+  int rc = members_agree(p, jr == 0, &pos, use, e);
+  if (rc) return rc;
+  bool own_state = resumed && !use[0]; /* resumed: position and data order are already its */
+  struct stage_link_pos lp = {0, 0, 0};
+  if (use[0]) lp = (struct stage_link_pos){use[1], use[2], use[3]};
+  else if (own_state) lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
+  int64_t own = lp.step;
+  if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
+  if (own_state && lp.step != own)
+    return rumor_err_set(e, RUMOR_ESHAPE,
+                         "stage %d resumed at step %lld from %s, but stage 0 at step %lld: the stages' checkpoints "
+                         "are of different steps (one fell back to its .prev?); resume from files of one save",
+                         p->st.stage, (long long)own, t->resumed_from, (long long)lp.step);
+  if (!own_state) trainer_set_position(t, lp.step, lp.epoch, lp.samples);
+  if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
+  if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
+  if ((rc = member_ready(&p->mb, t, e))) return rc;
+  stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
+  if (use[0] && (rc = trainer_group_resync_state(t, e))) return rc;
+  return trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);
 }
 
 /* The training loop of a process whose group averages: a step, the sync

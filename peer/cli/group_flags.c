@@ -198,14 +198,15 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
                          "pipeline stage accumulates its whole gradient over the micro-batches before its members sum "
                          "it; use --zero 0 or 1 (DeepSpeed, too, pairs pipeline parallelism with ZeRO 1 only)",
                          (long long)f->pipe.zero, S);
+  (void)averages; /* with --bootstrap or --listen, process k averages with process k of other groups */
   const char *what = NULL;
-  if (f->net.bootstrap || averages) what = "--bootstrap and --listen (averaging with other groups)";
-  else if (f->gossip.servers) what = "--servers";
+  if (f->gossip.servers) what = "--servers";
   else if (strcmp(f->gossip.sync, "gossip") != 0) what = "--sync allreduce and --sync ps";
   else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
-                         "trains alone so far; %s are not built for it yet",
+                         "trains alone or averages with other groups by gossip (--sync gossip) so far; %s are not "
+                         "built for it yet",
                          D > 1 ? "data-parallel" : "tensor-parallel", D > 1 ? D : T, S,
                          D > 1 ? "data-parallel members" : "tensor-parallel ranks", what);
   return 0;

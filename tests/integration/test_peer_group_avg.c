@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../support/cluster.h"
 #include "../support/fmnist.h"
@@ -24,14 +25,14 @@ static void setup(void) { cluster_init(&C); }
 static void teardown(void) { cluster_fini(&C, false); }
 TestSuite(group_avg, .init = setup, .fini = teardown, .timeout = 240);
 
-/* ‖a − b‖ / ‖a‖ over the model's weights (not the optimizer's state, nor
- * the outer one's, whose top-k residual is each member's own). */
-static double rel_distance(const char *a, const char *b) {
+/* Adds ‖a − b‖² and ‖a‖² over the model's weights in files a and b (not
+ * the optimizer's state, nor the outer one's, whose top-k residual is each
+ * member's own) to *num and *den. */
+static void add_distance(const char *a, const char *b, double *num, double *den) {
   struct st_file fa, fb;
   struct rumor_err e;
   cr_assert_eq(safetensors_read(a, true, &fa, &e), 0, "%s", e.msg);
   cr_assert_eq(safetensors_read(b, true, &fb, &e), 0, "%s", e.msg);
-  double num = 0, den = 0;
   for (size_t i = 0; i < fa.ntensors; i++) {
     const struct st_tensor *ta = &fa.tensors[i], *tb = safetensors_find(&fb, ta->name);
     if (strncmp(ta->name, "optimizer.", 10) == 0 || strncmp(ta->name, "outer.", 6) == 0) continue;
@@ -39,12 +40,29 @@ static double rel_distance(const char *a, const char *b) {
     cr_assert_eq(ta->nbytes, tb->nbytes, "%s: sizes differ", ta->name);
     const float *x = ta->data, *y = tb->data;
     for (size_t k = 0; k < ta->nbytes / sizeof(float); k++) {
-      num += ((double)x[k] - y[k]) * ((double)x[k] - y[k]);
-      den += (double)x[k] * x[k];
+      *num += ((double)x[k] - y[k]) * ((double)x[k] - y[k]);
+      *den += (double)x[k] * x[k];
     }
   }
   safetensors_free(&fa);
   safetensors_free(&fb);
+}
+
+/* ‖a − b‖ / ‖a‖ over the weights of checkpoints a and b: whole files, or
+ * (a missing) a pipelined group's stage files a-stage<s>, b-stage<s>. */
+static double rel_distance(const char *a, const char *b) {
+  double num = 0, den = 0;
+  if (access(a, F_OK) == 0) {
+    add_distance(a, b, &num, &den);
+    return sqrt(num / den);
+  }
+  char sa[300], sb[300];
+  int s = 0;
+  for (; train_stage_checkpoint_path(a, s, sa, sizeof sa), access(sa, F_OK) == 0; s++) {
+    train_stage_checkpoint_path(b, s, sb, sizeof sb);
+    add_distance(sa, sb, &num, &den);
+  }
+  cr_assert_gt(s, 0, "neither %s nor its stage files exist", a);
   return sqrt(num / den);
 }
 
@@ -54,14 +72,16 @@ struct member_line {
 };
 
 /* The gossip address process k of a group announced: its line with
- * "role":"shard" and "member":k. */
+ * "role":"shard" (or "stage", a process inside a pipeline's stage) and
+ * "member":k. */
 static bool member_addr(const char *path, int k, char *addr, size_t n) {
   char *s = proc_slurp(path), want[32];
   snprintf(want, sizeof want, "\"member\":%d,", k);
   bool found = false;
   for (char *line = strtok(s, "\n"); line && !found; line = strtok(NULL, "\n")) {
     const char *p = strstr(line, "\"listen\":\"");
-    if (!p || !strstr(line, "\"role\":\"shard\"") || !strstr(line, want)) continue;
+    bool role = strstr(line, "\"role\":\"shard\"") || strstr(line, "\"role\":\"stage\"");
+    if (!p || !role || !strstr(line, want)) continue;
     p += STR_LEN("\"listen\":\"");
     const char *q = strchr(p, '"');
     snprintf(addr, n, "%.*s", (int)(q - p), p);
@@ -176,6 +196,43 @@ Test(group_avg, tensor_parallel_groups_average_rank_by_rank) {
   double dist;
   two_groups(layout, extra, 2, &oa, &ob, &dist);
   every_process_has(oa, ob, 2, "exchanges", 10);
+  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
+  free(oa), free(ob);
+}
+
+/* Pipelined groups with data-parallel members in their stages (2 stages x
+ * 2 members, ZeRO 1) gossip process by process: process r of stage s
+ * averages its piece of the stage's parameters with process r of stage s
+ * of the other group, and the stage's members make their copies whole and
+ * equal again after every change. */
+Test(group_avg, pipelined_groups_with_members_average_process_by_process) {
+  char *layout[] = {"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL};
+  char *extra[] = {"--slowdown", "2", "--finish-wait-ms", "30000", NULL};
+  char *oa, *ob;
+  double dist;
+  two_groups(layout, extra, 4, &oa, &ob, &dist);
+  int count;
+  fprintf(stderr, "pipelined groups with members: %.4f apart (relative), every process at least %.0f exchanges\n",
+          dist, fmin(least_over_members(oa, "exchanges", &count), least_over_members(ob, "exchanges", &count)));
+  every_process_has(oa, ob, 4, "exchanges", 10);
+  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
+  free(oa), free(ob);
+}
+
+/* The same with tensor-parallel ranks in the stages (2 stages x 2 ranks:
+ * the MLP's layers split by columns then rows, the row-split layers'
+ * biases replicated on the ranks and averaged between them after each
+ * change). */
+Test(group_avg, pipelined_groups_with_ranks_average_process_by_process) {
+  char *layout[] = {"--stages", "2", "--tensor-parallel", "2", "--micro-batches", "2", NULL};
+  char *extra[] = {"--slowdown", "2", "--finish-wait-ms", "30000", NULL};
+  char *oa, *ob;
+  double dist;
+  two_groups(layout, extra, 4, &oa, &ob, &dist);
+  int count;
+  fprintf(stderr, "pipelined groups with ranks: %.4f apart (relative), every process at least %.0f exchanges\n",
+          dist, fmin(least_over_members(oa, "exchanges", &count), least_over_members(ob, "exchanges", &count)));
+  every_process_has(oa, ob, 4, "exchanges", 10);
   cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
   free(oa), free(ob);
 }
