@@ -815,8 +815,8 @@ int cmd_group(int argc, char **argv) {
                       "equal the single process's; each stage writes its own checkpoint file (--resume and\n"
                       "--init-from as for --stages alone). Given --listen (process k on port + k) or\n"
                       "--bootstrap (one list per process), process k averages its shard with process k of\n"
-                      "other groups of the same layout by gossip (--sync gossip only, so far); else the\n"
-                      "group trains alone.");
+                      "other groups of the same layout by gossip (with or without --outer: NoLoCo) or by\n"
+                      "DiLoCo's rounds (--sync allreduce --outer); else the group trains alone.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};

@@ -198,15 +198,20 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
                          "pipeline stage accumulates its whole gradient over the micro-batches before its members sum "
                          "it; use --zero 0 or 1 (DeepSpeed, too, pairs pipeline parallelism with ZeRO 1 only)",
                          (long long)f->pipe.zero, S);
-  (void)averages; /* with --bootstrap or --listen, process k averages with process k of other groups */
+  /* With --bootstrap or --listen, process k averages with process k of
+   * other groups: by gossip, NoLoCo or DiLoCo, as a data- or
+   * tensor-parallel group's processes do (group_shard_check's refusals). */
+  (void)averages;
+  bool outer = strcmp(f->gossip.outer, "none") != 0, ring = strcmp(f->gossip.sync, "allreduce") == 0;
   const char *what = NULL;
   if (f->gossip.servers) what = "--servers";
-  else if (strcmp(f->gossip.sync, "gossip") != 0) what = "--sync allreduce and --sync ps";
-  else if (strcmp(f->gossip.outer, "none") != 0) what = "--outer";
+  else if (strcmp(f->gossip.sync, "ps") == 0) what = "--sync ps";
+  else if (ring && !outer) what = "--sync allreduce without --outer (every step's gradient)";
+  else if (ring && f->gossip.outer_overlap) what = "--outer-overlap";
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
-                         "trains alone or averages with other groups by gossip (--sync gossip) so far; %s are not "
-                         "built for it yet",
+                         "trains alone or averages with other groups by gossip, with or without --outer (NoLoCo), or "
+                         "by DiLoCo's rounds (--sync allreduce --outer) so far; %s is not built for it yet",
                          D > 1 ? "data-parallel" : "tensor-parallel", D > 1 ? D : T, S,
                          D > 1 ? "data-parallel members" : "tensor-parallel ranks", what);
   return 0;

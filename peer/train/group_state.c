@@ -190,7 +190,6 @@ static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct 
   struct model *m = &t->model;
   int runs = extra_runs(t), rc = 0;
   int64_t X = t->extra_off[xs->n], PL = m->nparams, W = m->table.nparams;
-  RUMOR_ASSERT(!trainer_is_stage(t)); /* outer schemes are refused inside pipelined groups */
   float *own = xmalloc((size_t)(X > 0 ? X : 1) * sizeof(float));
   tensor_copy_to_host(&t->extra, 0, own, (size_t)X * sizeof(float));
   /* Each run's shard, put together into this rank's buffer (PL floats a run). */
@@ -209,13 +208,24 @@ static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct 
     rc = assemble_tp(t, local, full, runs, e);
   }
   const float *whole = t->cfg.tp ? full : local;
+  /* Each run's length in `whole`: the whole model's (a rank's slices put
+   * together), or a data-parallel process's own (its stage's units, inside
+   * a pipeline). A pipeline stage's tensor-parallel runs keep the range of
+   * the whole layout its units fill, moved to the front as group_save
+   * does with the parameters. */
+  int64_t run = t->cfg.tp ? W : PL;
+  if (rc == 0 && full && trainer_is_stage(t)) {
+    int64_t base = m->table.unit_offset[m->u0];
+    run = m->table.unit_offset[m->u1] - base;
+    for (int r = 0; r < runs; r++) memmove(full + run * r, full + W * r + base, (size_t)run * sizeof(float));
+  }
   x->n = 0;
   if (rc == 0 && dp_first && tp_first)
     for (int i = 0, r = 0; i < xs->n; i++) {
       bool pp = xs->seg[i].per_param > 0;
       /* A fixed segment (counters) is the same on every process: ours. */
-      x->t[x->n++] = (struct ckpt_extra_tensor){xs->seg[i].name, pp ? whole + W * r++ : own + t->extra_off[i],
-                                                 pp ? W : xs->seg[i].fixed};
+      x->t[x->n++] = (struct ckpt_extra_tensor){xs->seg[i].name, pp ? whole + run * r++ : own + t->extra_off[i],
+                                                 pp ? run : xs->seg[i].fixed};
       RUMOR_ASSERT(!pp || xs->seg[i].fixed == 0);
     }
   /* The first process keeps what x points into. */

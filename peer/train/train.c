@@ -281,34 +281,45 @@ static int alloc_extra(struct trainer *t, struct rumor_err *e) {
 static void restore_extra(struct trainer *t, const struct checkpoint *ck) {
   const struct train_extra_spec *x = &t->cfg.extra;
   struct model *m = &t->model;
-  /* A group member's segments are the whole model's; a replica's or a
-   * stage's what the file holds (a stage's own, or the whole model's, of
-   * which it takes its units' range). */
+  /* A group member's segments are the whole model's (a pipeline stage's
+   * file: its units' range of them, spread back into the whole layout);
+   * a replica's or a stage's what the file holds (a stage's own, or the
+   * whole model's, of which it takes its units' range). `from`: where this
+   * process's shard starts in the layout it reads from (a rank's slices,
+   * or the whole model's). */
   bool group = trainer_in_group_comm(t);
-  int64_t W = group ? m->table.nparams : ck->nparams, from = group ? t->shard_lo : m->param_base - ck->base;
+  int64_t W = group ? m->table.nparams : ck->nparams, have = group ? ck->nparams : W;
+  int64_t from = group ? m->param_base + t->shard_lo : m->param_base - ck->base;
   for (int i = 0; i < x->n; i++)
-    if (!checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * W + x->seg[i].fixed)) {
+    if (!checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * have + x->seg[i].fixed)) {
       log_warn("%s has no %s of this model's size: the sync scheme's state starts afresh", t->resumed_from,
                x->seg[i].name);
       return;
     }
-  float *slices = m->tp ? xmalloc((size_t)m->nparams * sizeof(float)) : NULL;
+  float *slices = m->tp ? xmalloc((size_t)model_tp_local_params(&m->spec, m->tp->size, m->tp->rank) * sizeof(float))
+                        : NULL;
+  float *spread = have != W ? xcalloc((size_t)W, sizeof(float)) : NULL;
   for (int i = 0; i < x->n; i++) {
-    const float *src = checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * W + x->seg[i].fixed);
+    const float *src = checkpoint_extra(ck, x->seg[i].name, x->seg[i].per_param * have + x->seg[i].fixed);
     int64_t at = t->extra_off[i];
     if (x->seg[i].per_param) {
       const float *mine = src;
+      if (spread) { /* a stage's file: its units' range of the whole layout */
+        memcpy(spread + ck->base, src, (size_t)have * sizeof(float));
+        mine = spread;
+      }
       if (m->tp) {
-        model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, src, slices);
+        model_tp_scatter(&m->spec, m->tp->size, m->tp->rank, mine, slices);
         mine = slices;
       }
       tensor_copy_from_host(&t->extra, at, mine + from, (size_t)t->shard_n * sizeof(float));
       at += t->shard_n;
     }
     if (x->seg[i].fixed)
-      tensor_copy_from_host(&t->extra, at, src + x->seg[i].per_param * W, (size_t)x->seg[i].fixed * sizeof(float));
+      tensor_copy_from_host(&t->extra, at, src + x->seg[i].per_param * have, (size_t)x->seg[i].fixed * sizeof(float));
   }
   free(slices);
+  free(spread);
 }
 
 struct tensor trainer_extra(struct trainer *t, int i) {

@@ -219,6 +219,19 @@ Test(group_avg, pipelined_groups_with_members_average_process_by_process) {
   free(oa), free(ob);
 }
 
+/* And by DiLoCo's rounds: process k of each group in a ring with process
+ * k of the other, a round every 20 steps; the groups end equal. */
+Test(group_avg, pipelined_groups_with_members_run_diloco_process_by_process) {
+  char *layout[] = {"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL};
+  char *extra[] = {"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", NULL};
+  char *oa, *ob;
+  double dist;
+  two_groups(layout, extra, 4, &oa, &ob, &dist);
+  every_process_has(oa, ob, 4, "outer_rounds", 5);
+  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative) after DiLoCo's rounds", dist);
+  free(oa), free(ob);
+}
+
 /* The same with tensor-parallel ranks in the stages (2 stages x 2 ranks:
  * the MLP's layers split by columns then rows, the row-split layers'
  * biases replicated on the ranks and averaged between them after each

@@ -354,14 +354,14 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "2"), 2,
                       "--zero 2 with --stages 2: ZeRO 2 and 3 shard the gradients, but a pipeline stage accumulates");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "3"), 2, "use --zero 0 or 1");
-  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--stages", "2", "--listen", "127.0.0.1:0", "--outer",
-                            "nesterov"), 2,
+  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--stages", "2", "--listen", "127.0.0.1:0", "--sync",
+                            "allreduce", "--outer", "nesterov", "--outer-overlap"), 2,
                       "a pipelined group with tensor-parallel ranks inside its stages trains alone or averages with "
-                      "other groups by gossip (--sync gossip) so far; --outer are not built for it yet");
+                      "other groups by gossip");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
                       "--bootstrap '127.0.0.1:9' has 1 list for 4 processes");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--sync", "allreduce"), 2,
-                      "--sync allreduce and --sync ps are not built for it yet");
+                      "--sync allreduce without --outer (every step's gradient) is not built for it yet");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3],
                                      "--dp", "1/2", "--link-prev", "127.0.0.1:9", NULL},
                       2, "process 1 of stage 1/2 (--dp 1/2) needs --comm-peers with the addresses of processes 0 .. 0");
@@ -517,6 +517,38 @@ Test(group_dp, a_diloco_group_resumes_its_outer_state_in_any_layout) {
   resume_runs("outer", common, tp2, zero1, 16, id, &same, &moved);
   cr_expect(same == 0, "resumed in the same layout, the group's checkpoint is %.3g from the uninterrupted run's", same);
   cr_expect(moved <= 5e-5, "resumed by 2 ZeRO 1 members, the checkpoint is %.3g from the uninterrupted run's", moved);
+}
+
+/* The same inside a pipeline: a group of 2 stages x 2 ZeRO 1 members
+ * running DiLoCo (alone: a ring of one per process) keeps each stage's
+ * outer state in its stage file, in the stage's layout, and stopped at a
+ * round boundary (step 8 of 16) and resumed writes both files bit for bit,
+ * anchor and momentum included. */
+Test(group_dp, a_pipelined_diloco_group_with_members_resumes_its_outer_state_bit_exactly) {
+  SKIP_WITHOUT_DATA();
+  char id[256], f[3][256], a[300], b[300];
+  cluster_make_identity(&C, "souter", id, sizeof id);
+  char *common[] = {"--model", "mlp:784-48-24-10", "--batch", "50", "--epochs", "1", "--seed", "7", "--optimizer",
+                    "adamw", "--lr", "0.001", "--threads", "1", "--log-every", "0", "--no-eval", "--sync", "allreduce",
+                    "--outer", "nesterov", "--local-steps", "4", "--listen", "127.0.0.1:0", NULL};
+  char *layout[] = {"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL};
+  const char *tag[3] = {"full", "half", "again"};
+  for (int i = 0; i < 3; i++) snprintf(f[i], sizeof f[i], "%s/so-%s.safetensors", C.dir, tag[i]);
+  run_group(layout, common, (char *[]){"--max-steps", "16", "--checkpoint", f[0], NULL}, id);
+  run_group(layout, common, (char *[]){"--max-steps", "8", "--checkpoint", f[1], NULL}, id);
+  run_group(layout, common, (char *[]){"--max-steps", "16", "--resume", f[1], "--checkpoint", f[2], NULL}, id);
+  for (int s = 0; s < 2; s++) {
+    int64_t count;
+    train_stage_checkpoint_path(f[0], s, a, sizeof a);
+    train_stage_checkpoint_path(f[2], s, b, sizeof b);
+    struct st_file st;
+    struct rumor_err e;
+    cr_assert_eq(safetensors_read(a, true, &st, &e), 0, "%s", e.msg);
+    cr_assert_not_null(safetensors_find(&st, "outer.anchor"), "stage %d's file has no outer state", s);
+    safetensors_free(&st);
+    double same = max_diff(b, a, &count);
+    cr_expect(same == 0, "stage %d resumed is %.3g from the uninterrupted run's (outer state included)", s, same);
+  }
 }
 
 /* A ZeRO 3 group stopped after 6 steps and resumed to 12 in the same
