@@ -399,6 +399,29 @@ static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct 
 /* Joins the stage's cluster (taking a live stage's state when there is
  * one), or its servers, then agrees on the starting position with the
  * other stages. */
+/* Stage 0's position wins down the links: every stage must run the same
+ * steps. `recv`: take stage 0's position from the previous stage (a stage
+ * past the first; --sync ps's join has taken it already). A stage that
+ * resumed its own state (own_state) must be at that step already. Sets the
+ * trainer's position (unless own_state) and passes it on. */
+static int pass_position(struct stage_proc *p, struct stage_link_pos *lp, bool own_state, bool recv,
+                         struct rumor_err *e) {
+  struct trainer *t = &p->t;
+  int64_t own = lp->step;
+  int rc;
+  if (recv && p->st.stage > 0 && (rc = stage_link_recv_start(p->link, lp, e))) return rc;
+  if (own_state && lp->step != own)
+    return rumor_err_set(e, RUMOR_ESHAPE,
+                         "stage %d resumed at step %lld from %s, but stage 0 at step %lld: the stages' checkpoints "
+                         "are of different steps (one fell back to its .prev?); resume from files of one save",
+                         p->st.stage, (long long)own, t->resumed_from, (long long)lp->step);
+  if (!own_state) trainer_set_position(t, lp->step, lp->epoch, lp->samples);
+  if ((rc = stage_link_send_start(p->link, lp, e))) return rc;
+  if (lp->step > 0)
+    log_info("the group continues from step %lld (epoch %lld)", (long long)lp->step, (long long)lp->epoch + 1);
+  return 0;
+}
+
 static int in_stage_join(struct stage_proc *p, struct rumor_err *e);
 
 static int join(struct stage_proc *p, struct rumor_err *e) {
@@ -407,37 +430,26 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   if (rc) return rc;
   if (p->in_stages && p->averages) return in_stage_join(p, e);
   struct stage_link_pos lp = {0, 0, 0};
-  bool own_state = false; /* resumed from our checkpoint: position and data order are already its */
   if (p->mb.setup.sync.kind == SYNC_PS) {
-    if ((rc = join_servers(p, &lp, e))) return rc;
+    if ((rc = join_servers(p, &lp, e)) || (rc = pass_position(p, &lp, false, false, e))) return rc;
   } else {
     struct gossip_train_pos pos;
     /* A resumed group keeps its own state, as a resumed peer does. */
-    bool resumed = p->tc.resume != NULL;
+    bool resumed = p->tc.resume != NULL, own_state = false;
     int jr = member_join(&p->mb, t, &p->f.gossip, resumed, &pos, e);
     if (jr < 0) return jr;
     if (jr == 0) {
       lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
       log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
                (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
-    } else if (resumed) {
+    } else if (resumed) { /* position and data order are already its checkpoint's */
       lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
       own_state = true;
     } else {
       log_info("starting from our own initialisation");
     }
-    /* Stage 0's position wins: every stage must run the same steps. */
-    int64_t own = lp.step;
-    if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
-    if (own_state && lp.step != own)
-      return rumor_err_set(e, RUMOR_ESHAPE,
-                           "stage %d resumed at step %lld from %s, but stage 0 at step %lld: the stages' checkpoints "
-                           "are of different steps (one fell back to its .prev?); resume from files of one save",
-                           p->st.stage, (long long)own, t->resumed_from, (long long)lp.step);
+    if ((rc = pass_position(p, &lp, own_state, true, e))) return rc;
   }
-  if (!own_state) trainer_set_position(t, lp.step, lp.epoch, lp.samples);
-  if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
-  if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
   if (!p->mb.have_sync && (rc = member_ready(&p->mb, t, e))) return rc;
   stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
   return 0;
@@ -627,17 +639,7 @@ static int in_stage_join(struct stage_proc *p, struct rumor_err *e) {
   struct stage_link_pos lp = {0, 0, 0};
   if (use[0]) lp = (struct stage_link_pos){use[1], use[2], use[3]};
   else if (own_state) lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
-  int64_t own = lp.step;
-  if (p->st.stage > 0 && (rc = stage_link_recv_start(p->link, &lp, e))) return rc;
-  if (own_state && lp.step != own)
-    return rumor_err_set(e, RUMOR_ESHAPE,
-                         "stage %d resumed at step %lld from %s, but stage 0 at step %lld: the stages' checkpoints "
-                         "are of different steps (one fell back to its .prev?); resume from files of one save",
-                         p->st.stage, (long long)own, t->resumed_from, (long long)lp.step);
-  if (!own_state) trainer_set_position(t, lp.step, lp.epoch, lp.samples);
-  if ((rc = stage_link_send_start(p->link, &lp, e))) return rc;
-  if (lp.step > 0) log_info("the group continues from step %lld (epoch %lld)", (long long)lp.step, (long long)lp.epoch + 1);
-  if ((rc = member_ready(&p->mb, t, e))) return rc;
+  if ((rc = pass_position(p, &lp, own_state, true, e)) || (rc = member_ready(&p->mb, t, e))) return rc;
   stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
   if (use[0] && (rc = trainer_group_resync_state(t, e))) return rc;
   return trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);

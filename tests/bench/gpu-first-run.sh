@@ -190,7 +190,9 @@ step4() {
   ratio=$(echo "$z0 $z3" | awk '$1 + 0 > 0 && $2 + 0 > 0 {printf " (%.2fx less)", $1 / $2}')
   say "$m, --data-parallel 2 on cuda:0, a member's device memory at most (bytes): --zero 0 ${z0:-none}," \
     "--zero 3 ${z3:-none}$ratio"
-  echo "$z0 $z3" | awk '$1 + 0 > 0 && $2 + 0 > 0 && $2 + 0 < $1 + 0 {ok = 1} END {exit !ok}' || failed="$failed zero-memory"
+  if ! echo "$z0 $z3" | awk '$1 + 0 > 0 && $2 + 0 > 0 && $2 + 0 < $1 + 0 {ok = 1} END {exit !ok}'; then
+    failed="$failed zero-memory"
+  fi
 }
 
 # group_run STEPS FIELD DEVICE MODEL LAYOUT: a group's FIELD from its

@@ -200,36 +200,39 @@ Test(group_avg, tensor_parallel_groups_average_rank_by_rank) {
   free(oa), free(ob);
 }
 
+/* Two pipelined groups of 4 processes (`layout`) trained side by side
+ * with `extra`: every process's `key` (exchanges, or outer rounds) is at
+ * least `least`, and the groups end within 0.05 of each other. */
+static void pipelined_pair(const char *what, char *const *layout, char *const *extra, const char *key, double least) {
+  char *oa, *ob;
+  double dist;
+  two_groups(layout, extra, 4, &oa, &ob, &dist);
+  int count;
+  fprintf(stderr, "pipelined groups with %s: %.4f apart (relative), every process at least %.0f %s\n", what, dist,
+          fmin(least_over_members(oa, key, &count), least_over_members(ob, key, &count)), key);
+  every_process_has(oa, ob, 4, key, least);
+  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
+  free(oa), free(ob);
+}
+
 /* Pipelined groups with data-parallel members in their stages (2 stages x
  * 2 members, ZeRO 1) gossip process by process: process r of stage s
  * averages its piece of the stage's parameters with process r of stage s
  * of the other group, and the stage's members make their copies whole and
  * equal again after every change. */
 Test(group_avg, pipelined_groups_with_members_average_process_by_process) {
-  char *layout[] = {"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL};
-  char *extra[] = {"--slowdown", "2", "--finish-wait-ms", "30000", NULL};
-  char *oa, *ob;
-  double dist;
-  two_groups(layout, extra, 4, &oa, &ob, &dist);
-  int count;
-  fprintf(stderr, "pipelined groups with members: %.4f apart (relative), every process at least %.0f exchanges\n",
-          dist, fmin(least_over_members(oa, "exchanges", &count), least_over_members(ob, "exchanges", &count)));
-  every_process_has(oa, ob, 4, "exchanges", 10);
-  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
-  free(oa), free(ob);
+  pipelined_pair("members",
+                 (char *[]){"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL},
+                 (char *[]){"--slowdown", "2", "--finish-wait-ms", "30000", NULL}, "exchanges", 10);
 }
 
 /* And by DiLoCo's rounds: process k of each group in a ring with process
  * k of the other, a round every 20 steps; the groups end equal. */
 Test(group_avg, pipelined_groups_with_members_run_diloco_process_by_process) {
-  char *layout[] = {"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL};
-  char *extra[] = {"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", NULL};
-  char *oa, *ob;
-  double dist;
-  two_groups(layout, extra, 4, &oa, &ob, &dist);
-  every_process_has(oa, ob, 4, "outer_rounds", 5);
-  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative) after DiLoCo's rounds", dist);
-  free(oa), free(ob);
+  pipelined_pair("members, DiLoCo",
+                 (char *[]){"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL},
+                 (char *[]){"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", NULL}, "outer_rounds",
+                 5);
 }
 
 /* The same with tensor-parallel ranks in the stages (2 stages x 2 ranks:
@@ -237,17 +240,8 @@ Test(group_avg, pipelined_groups_with_members_run_diloco_process_by_process) {
  * biases replicated on the ranks and averaged between them after each
  * change). */
 Test(group_avg, pipelined_groups_with_ranks_average_process_by_process) {
-  char *layout[] = {"--stages", "2", "--tensor-parallel", "2", "--micro-batches", "2", NULL};
-  char *extra[] = {"--slowdown", "2", "--finish-wait-ms", "30000", NULL};
-  char *oa, *ob;
-  double dist;
-  two_groups(layout, extra, 4, &oa, &ob, &dist);
-  int count;
-  fprintf(stderr, "pipelined groups with ranks: %.4f apart (relative), every process at least %.0f exchanges\n",
-          dist, fmin(least_over_members(oa, "exchanges", &count), least_over_members(ob, "exchanges", &count)));
-  every_process_has(oa, ob, 4, "exchanges", 10);
-  cr_assert_lt(dist, 0.05, "the groups' models are %.3f apart (relative): they did not average", dist);
-  free(oa), free(ob);
+  pipelined_pair("ranks", (char *[]){"--stages", "2", "--tensor-parallel", "2", "--micro-batches", "2", NULL},
+                 (char *[]){"--slowdown", "2", "--finish-wait-ms", "30000", NULL}, "exchanges", 10);
 }
 
 /* ZeRO 2 groups run NoLoCo: every member its own piece's outer rounds with
