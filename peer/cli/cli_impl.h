@@ -250,13 +250,6 @@ int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct
  * without --outer), ZeRO 1 to 3 with D > 1, not ZeRO 3 with T > 1. The
  * launcher and each process check alike. Returns 0 or RUMOR_EFORMAT. */
 int group_shard_check(const struct group_flags *f, int D, int T, bool averages, struct rumor_err *e) RUMOR_MUST_CHECK;
-/* What a pipelined group of S > 1 stages with D data-parallel members of T
- * tensor-parallel ranks in each may have: ZeRO 0 or 1 (0 without
- * data-parallel members), and none of
- * averaging with other groups (`averages`, --bootstrap), --servers,
- * --sync other than gossip, --outer, --resume or --init-from (not built
- * yet). 0 at once for S = 1 or D x T = 1. The launcher and each process
- * check alike. Returns 0 or RUMOR_EFORMAT naming the option. */
 /* What --expert-parallel P (f->pipe.expert_parallel) needs, the same for
  * the launcher and each process: data-parallel members in runs of P (D, all
  * of them, a multiple of P), no tensor-parallel ranks, a mixture-of-experts
@@ -265,8 +258,14 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
  * (every member runs as many). 0 at once for P = 1. Returns 0 or RUMOR_EFORMAT naming the option. */
 int group_ep_check(const struct group_flags *f, const struct model_spec *spec, int S, int D, int T, int64_t batch,
                    struct rumor_err *e) RUMOR_MUST_CHECK;
-int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages,
-                         struct rumor_err *e) RUMOR_MUST_CHECK;
+/* What a pipelined group of S > 1 stages with D data-parallel members of T
+ * tensor-parallel ranks in each may have: ZeRO 0 or 1 (0 without
+ * data-parallel members); averaging with other groups by gossip, NoLoCo or
+ * DiLoCo, but not --servers, --sync ps, --sync allreduce without --outer
+ * nor --outer-overlap (not built yet). 0 at once for S = 1 or D x T = 1.
+ * The launcher and each process check alike. Returns 0 or RUMOR_EFORMAT
+ * naming the option. */
+int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The training configuration of stage `stage` of `stages` from parsed flags
  * (`specs` is what was parsed), its stage part in *st (cfg->stage points to
  * it; the link is set later), and its plan. Returns 0 or RUMOR_EFORMAT with

@@ -435,8 +435,7 @@ static int prepare(struct group *g, const struct arg_spec *specs, struct rumor_e
   if (g->S * g->D * g->T > GROUP_MAX_MEMBERS)
     return rumor_err_set(e, RUMOR_EFORMAT, "--stages %d x %d processes per stage is %d processes, more than %d",
                          g->S, g->D * g->T, g->N, GROUP_MAX_MEMBERS);
-  if (group_stage_dp_check(f, g->S, g->D, g->T, f->net.bootstrap || args_given(specs, "listen"), e))
-    return RUMOR_EFORMAT;
+  if (group_stage_dp_check(f, g->S, g->D, g->T, e)) return RUMOR_EFORMAT;
   bool members = g->S == 1 && g->N > 1;
   /* Stages always join their cluster; data- or tensor-parallel processes
    * only when told where to listen or whom to join, else the group trains

@@ -120,7 +120,7 @@ static int dp_usage(struct stage_proc *p, int stage, int stages, struct rumor_er
   if (stages > 1 && p->members > 1) {
     /* Data-parallel members or tensor-parallel ranks inside a pipeline
      * (one kind: group_stage_dp_check): process stage x N + r. */
-    if (group_stage_dp_check(&p->f, stages, p->dp_size, p->tp_size, p->averages, e)) return RUMOR_EFORMAT;
+    if (group_stage_dp_check(&p->f, stages, p->dp_size, p->tp_size, e)) return RUMOR_EFORMAT;
     p->in_stages = true;
     p->per_stage = p->dp_size * p->tp_size;
     p->stage_rank = p->dp_rank * p->tp_size + p->tp_rank;
@@ -396,9 +396,6 @@ static int join_servers(struct stage_proc *p, struct stage_link_pos *lp, struct 
   return 0;
 }
 
-/* Joins the stage's cluster (taking a live stage's state when there is
- * one), or its servers, then agrees on the starting position with the
- * other stages. */
 /* Stage 0's position wins down the links: every stage must run the same
  * steps. `recv`: take stage 0's position from the previous stage (a stage
  * past the first; --sync ps's join has taken it already). A stage that
@@ -424,6 +421,9 @@ static int pass_position(struct stage_proc *p, struct stage_link_pos *lp, bool o
 
 static int in_stage_join(struct stage_proc *p, struct rumor_err *e);
 
+/* Joins the stage's cluster (taking a live stage's state when there is
+ * one), or its servers, then agrees on the starting position with the
+ * other stages. */
 static int join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   int rc = stage_link_wait_ready(p->link, e);
@@ -576,11 +576,6 @@ static int dp_prepare(struct stage_proc *p, struct rumor_err *e) {
   return 0;
 }
 
-/* Each process pulls its shard's state from the same shard of a live
- * group (or keeps its own), and the group takes the latest position any
- * process pulled: every process must run the same steps, and the pulls,
- * each from its own donor, may have been served steps apart (the pieces
- * pulled earlier catch up by the sync path's next exchange or round). */
 /* The latest position any process of the communicator (the group's, or
  * the stage's) pulled: use = {1, step, epoch, samples}, or use[0] = 0
  * when none pulled. */
@@ -601,6 +596,11 @@ static int members_agree(struct stage_proc *p, bool pulled, const struct gossip_
   return 0;
 }
 
+/* Each process pulls its shard's state from the same shard of a live
+ * group (or keeps its own), and the group takes the latest position any
+ * process pulled: every process must run the same steps, and the pulls,
+ * each from its own donor, may have been served steps apart (the pieces
+ * pulled earlier catch up by the sync path's next exchange or round). */
 static int shard_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};

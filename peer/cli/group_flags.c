@@ -189,7 +189,7 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
   return 0;
 }
 
-int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool averages, struct rumor_err *e) {
+int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, struct rumor_err *e) {
   if (S == 1 || D * T == 1) return 0;
   if (T > 1 && D == 1 && f->pipe.zero)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero %lld needs data-parallel members", (long long)f->pipe.zero);
@@ -201,7 +201,6 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, bool 
   /* With --bootstrap or --listen, process k averages with process k of
    * other groups: by gossip, NoLoCo or DiLoCo, as a data- or
    * tensor-parallel group's processes do (group_shard_check's refusals). */
-  (void)averages;
   bool outer = strcmp(f->gossip.outer, "none") != 0, ring = strcmp(f->gossip.sync, "allreduce") == 0;
   const char *what = NULL;
   if (f->gossip.servers) what = "--servers";

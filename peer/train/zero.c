@@ -148,8 +148,9 @@ static const struct model_param *tied_user(const struct model *m, int u) {
 
 /* The device memory held at `where` (debug; the first steps only). */
 static void log_device_memory(const struct trainer *t, const char *where) {
+  if (t->st.step >= 2 || !log_enabled(LOG_DEBUG)) return;
   int64_t live = tensor_backend_live_bytes(t->be);
-  if (live >= 0 && t->st.step < 2 && log_enabled(LOG_DEBUG))
+  if (live >= 0)
     log_debug("ZeRO %d, step %lld, %s: %.1f MiB of device memory held (at most %.1f MiB)", t->zero.dp.zero,
               (long long)t->st.step, where, (double)live / 1048576.0,
               (double)tensor_backend_peak_bytes(t->be, false) / 1048576.0);

@@ -29,8 +29,7 @@ out=$2
 root=$(cd "$(dirname "$0")/../.." && pwd)
 case $build in "$root"/*) ;; *) echo "$0: $build is not inside $root (run.sh finds it there)" >&2; exit 2 ;; esac
 rel=${build#"$root"/}
-tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_moe_ep
-  test_peer_gpt test_peer_gradcheck test_peer_nocublas test_peer_gossip test_peer_outer rumor-testing"
+tests=$("$root/tests/bench/gpu-first-run.sh" --binaries)
 for f in peer/rumor tests/bench/bench_fma_peak; do
   [ -x "$build/$f" ] || { echo "$0: $build/$f is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON" >&2; exit 2; }
 done

@@ -3,6 +3,7 @@
 # should run first, into one report.
 #
 #   tests/bench/gpu-first-run.sh [BUILD_DIR]
+#   tests/bench/gpu-first-run.sh --binaries   (the test binaries it runs)
 #
 #  1. The CUDA tests, each binary with its verbose output: the op tests
 #     (test_tensor_cuda, test_tensor_cuda_nn, test_tensor_cuda_shapes: the
@@ -43,6 +44,17 @@
 # which); 2 not built; 77 no GPU on this machine (nothing is run).
 # shellcheck disable=SC2317 # the steps are called as "step$step"
 set -u
+tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_moe_ep
+  test_peer_gpt test_peer_gradcheck test_peer_nocublas"
+# Binaries of which only the GPU cases run, each with its filter.
+filtered="test_peer_gossip:gossip/consensus_lr0_* test_peer_outer:outer/*_on_cuda_*"
+binaries=$(for t in $tests $filtered; do printf '%s ' "${t%%:*}"; done)
+# --binaries: the test binaries the steps run (and rumor-testing, which the
+# cluster tests may start), for tests/bench/gpu-bundle.sh.
+if [ "${1:-}" = "--binaries" ]; then
+  echo "${binaries}rumor-testing"
+  exit 0
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 build=$(cd "${1:-$root/build}" 2>/dev/null && pwd) || { echo "$0: no build directory ${1:-$root/build}" >&2; exit 2; }
@@ -56,10 +68,7 @@ if [ -z "$gpu" ]; then
   exit 77
 fi
 [ -x "$rumor" ] || { echo "$0: $rumor is missing: build with -DRUMOR_CUDA=ON -DRUMOR_TESTS=ON first" >&2; exit 2; }
-tests="test_tensor_cuda test_tensor_cuda_nn test_tensor_cuda_shapes test_tensor_cuda_moe test_peer_moe_ep test_peer_gpt test_peer_gradcheck test_peer_nocublas"
-# Binaries of which only the GPU cases run, each with its filter.
-filtered="test_peer_gossip:gossip/consensus_lr0_* test_peer_outer:outer/*_on_cuda_*"
-for t in $tests test_peer_gossip test_peer_outer; do
+for t in $binaries; do
   [ -x "$build/tests/$t" ] || { echo "$0: $build/tests/$t is missing: build with -DRUMOR_TESTS=ON" >&2; exit 2; }
 done
 
