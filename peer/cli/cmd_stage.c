@@ -177,8 +177,11 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
                       "over the authenticated transport (--link-listen, --link-prev), and averages its slice\n"
                       "of the parameters with stage s of other groups (--bootstrap), with the same gossip,\n"
                       "clipping, drift bound and rate limits as `rumor peer`. Every stage of a group gets\n"
-                      "the same training options and identity. `rumor group` starts all stages of a group\n"
-                      "on one host. A stage that fails or vanishes stops its whole group.");
+                      "the same training options and identity. With --dp r/D or --tp t/T inside a stage,\n"
+                      "the process averages its shard of the stage (its piece of its slices) with the same\n"
+                      "process of other groups, given --listen or --bootstrap (gossip, NoLoCo or DiLoCo),\n"
+                      "else trains alone. `rumor group` starts all stages of a group on one host. A stage\n"
+                      "that fails or vanishes stops its whole group.");
   *done = true;
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   log_set_json(p->f.train.log_json);
