@@ -64,6 +64,17 @@ void model_ep_experts(const struct model_spec *s, int size, int rank, int *lo, i
   *hi = (int)b;
 }
 
+bool model_ep_expert_span(const struct model *m, int u, int64_t *first, int64_t *per) {
+  const struct model_spec *s = &m->spec;
+  if (s->family != MODEL_GPT || u < 1 || u > GP(s)->layers || u < m->u0 || u >= m->u1 || !gpt_block_is_moe(s, u - 1))
+    return false;
+  const struct model_param *p = &model_own_table(m)->p[gpt_block_first(s, u - 1) + B_ROUTER + 1];
+  *first = p->offset - m->param_base;
+  *per = 0;
+  for (int j = 0; j < X_NPARAMS; j++) *per += p[j].numel;
+  return true;
+}
+
 int model_ep_check(const struct model_spec *spec, int size, struct rumor_err *e) {
   char name[MODEL_SPEC_MAX];
   model_spec_format(spec, name, sizeof name);
@@ -321,9 +332,11 @@ void gpt_moe_ep_backward(struct model *m, int l, int64_t n, const struct tensor 
   tensor_moe_dispatch(&ob, &oex, &osl, cap, &dyo);
   const struct gpt_moe_bufs bf = {
       .x = &a->xo, .hpre = &a->hpre, .h = &sc->h, .dy = &sc->oy, .dx = &sc->odx, .cap = cap};
-  /* Another rank's experts: zero gradients here (r = 0 writes them). */
+  /* Another rank's experts: zero gradients here (r = 0 writes them), or
+   * nothing when the caller moves only the owners' gradients. */
   for (int x = 0; x < E; x++)
-    gpt_moe_expert_backward(m, l, x, x - lo, x >= lo && x < hi ? pl.kept[x] : 0, beta, &bf);
+    if ((x >= lo && x < hi) || !m->ep->own_experts_only)
+      gpt_moe_expert_backward(m, l, x, x - lo, x >= lo && x < hi ? pl.kept[x] : 0, beta, &bf);
   tensor_moe_combine(&dxo, &oex, &osl, &ones, cap, &ob);
   exchange(m, &pl, false, &ob, r, &sc->dxe);
   tensor_fill(dln, 0.0f);

@@ -275,15 +275,18 @@ void model_tp_gather(const struct model_spec *spec, int size, int rank, const fl
  * experts' ranks and one carrying the experts' outputs back; backward: the
  * two all-to-alls again (output gradients there, input gradients back).
  * The gradients of the experts a rank does not run are 0 there (written, or
- * left as they are when accumulating), and every other gradient is the
- * rank's own tokens' part: summing the ranks' gradients (the data-parallel
- * all-reduce of the trainer) gives the single process's gradient.
+ * left as they are when accumulating; with model_ep.own_experts_only not
+ * touched at all), and every other gradient is the rank's own tokens'
+ * part: summing the ranks' gradients (the data-parallel all-reduce of the
+ * trainer) gives the single process's gradient. A rank's own experts'
+ * gradients are already the sum over the ranks' tokens.
  *
- * The expert parameters stay replicated (the trainer keeps every rank's
- * parameters equal, as data-parallel members do; ZeRO shards their
- * optimizer state), so EP divides the experts' compute and activations,
- * not their weights. Every rank must run the same passes in the same order
- * with the same MoE blocks (the collectives pair them up).
+ * A rank reads and writes only its own experts' parameters; which of the
+ * others it holds, and how current they are, is the caller's (the trainer
+ * at ZeRO 0 keeps them all equal; at ZeRO 1-3 it moves experts' weights
+ * and gradients only to and from the ranks that run them). Every rank must
+ * run the same passes in the same order with the same MoE blocks (the
+ * collectives pair them up).
  */
 #define MODEL_EP_MAX 64 /* ranks of one expert-parallel group (at least one expert each) */
 struct model_ep {
@@ -303,6 +306,11 @@ struct model_ep {
    * no row of an evaluation batch still takes part in its collectives): the
    * rank then routes none of them. No backward may follow such a pass. */
   bool ghost;
+  /* Set by the caller when it takes the experts' gradients from their
+   * ranks only: the backward then leaves the gradients of other ranks'
+   * experts untouched (no zeros written, no memory touched) instead of
+   * writing 0 there. */
+  bool own_experts_only;
   /* As model_tp's: the first failure (the passes then skip every later
    * collective and compute garbage); the caller checks after each step. */
   int failed;
@@ -470,6 +478,12 @@ int model_upcycle(const struct model_spec *dense, const float *params, const str
 /* Experts [*lo, *hi) of an expert-parallel rank of `size` (see "expert
  * parallelism" above). */
 void model_ep_experts(const struct model_spec *s, int size, int rank, int *lo, int *hi);
+/* Unit u's experts in m's flat buffers (relative to param_base): true for
+ * a mixture-of-experts block, with *first the offset of expert 0's first
+ * entry and *per the floats of one expert (its entries follow each other,
+ * expert after expert: expert x is [first + x·per, first + (x+1)·per));
+ * false for any other unit. */
+bool model_ep_expert_span(const struct model *m, int u, int64_t *first, int64_t *per);
 /* 0 when `spec` can be split over `size` expert-parallel ranks (a GPT with
  * mixture-of-experts blocks and at least `size` experts), else
  * RUMOR_EFORMAT naming the spec and why. */

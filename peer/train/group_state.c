@@ -451,19 +451,38 @@ static uint64_t fnv1a(uint64_t h, const float *x, int64_t n) {
   return h;
 }
 
-/* FNV-1a over a device tensor's first n floats, through a bounded host
- * buffer (a whole-model copy would raise the peak memory ZeRO saves). */
-static uint64_t fnv1a_tensor(const struct tensor *x, int64_t n) {
+/* FNV-1a, continuing from h, over floats [a, b) of a device tensor,
+ * through a bounded host buffer (a whole-model copy would raise the peak
+ * memory ZeRO saves). */
+static uint64_t fnv1a_range(uint64_t h, const struct tensor *x, int64_t a, int64_t b) {
   enum { CHUNK = 1 << 20 };
+  int64_t n = b - a;
   float *buf = xmalloc((size_t)(n < CHUNK ? (n > 0 ? n : 1) : CHUNK) * sizeof(float));
-  uint64_t h = FNV_START;
   for (int64_t at = 0; at < n; at += CHUNK) {
     int64_t k = n - at < CHUNK ? n - at : CHUNK;
-    tensor_copy_to_host(x, at, buf, (size_t)k * sizeof(float));
+    tensor_copy_to_host(x, a + at, buf, (size_t)k * sizeof(float));
     h = fnv1a(h, buf, k);
   }
   free(buf);
   return h;
+}
+
+static uint64_t fnv1a_tensor(const struct tensor *x, int64_t n) { return fnv1a_range(FNV_START, x, 0, n); }
+
+/* The hash of the parameters every data-parallel member holds alike: all
+ * of them, but for an expert-parallel member at ZeRO 1-3 (zero.ep_aware)
+ * the experts' regions, which each member holds only of its own experts. */
+static uint64_t fnv1a_shared_params(const struct trainer *t) {
+  const struct model *m = &t->model;
+  if (!t->zero.ep_aware) return fnv1a_tensor(&m->params, m->nparams);
+  uint64_t h = FNV_START;
+  int64_t from = 0, xa, per;
+  for (int u = 0; u < model_own_table(m)->nunits; u++)
+    if (model_ep_expert_span(m, u, &xa, &per)) {
+      h = fnv1a_range(h, &m->params, from, xa);
+      from = xa + (int64_t)m->spec.u.gpt.experts * per;
+    }
+  return fnv1a_range(h, &m->params, from, m->nparams);
 }
 
 /* Compares `h` with member 0's of `c`: *differs is set when they differ. */
@@ -480,7 +499,7 @@ int trainer_group_check(struct trainer *t, struct rumor_err *e) {
   bool dp_differs = false, tp_differs = false, state_differs = false;
   int rc = 0;
   if (t->cfg.dp && t->zero.dp.zero <= 2) {
-    rc = compare_with_first(t->zero.dp.comm, fnv1a_tensor(&m->params, m->nparams), &dp_differs, e);
+    rc = compare_with_first(t->zero.dp.comm, fnv1a_shared_params(t), &dp_differs, e);
   }
   if (rc == 0 && t->cfg.dp && t->zero.dp.zero == 0) { /* each member holds the whole optimizer state */
     int64_t n = t->optim.nparams * optim_state_per_param(t->optim.cfg.kind);

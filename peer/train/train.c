@@ -383,8 +383,9 @@ static int open_model(struct trainer *t, const struct ckpt_info *resumed, struct
   if (cfg->dp) t->plan.mb_rows = member_rows(t);
   if (cfg->tp) group_tp_setup(t);
   /* ZeRO 2 and 3 give back the gradients and parameters outside a member's
-   * piece between uses: on a GPU that takes buffers that can. */
-  bool shards = cfg->dp && cfg->dp->zero >= 2;
+   * piece between uses, and expert-parallel members at ZeRO 1-3 those of
+   * the experts others run: on a GPU that takes buffers that can. */
+  bool shards = cfg->dp && (cfg->dp->zero >= 2 || (cfg->dp->zero == 1 && cfg->dp->experts));
   if (shards) tensor_backend_set_discardable(t->be, true);
   rc = cfg->tp ? model_init_tp(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, &t->tp, e)
                : model_init(&t->model, spec, t->plan.u0, t->plan.u1, t->be, t->plan.mb_rows, e);

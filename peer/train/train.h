@@ -531,6 +531,15 @@ struct train_zero {
   int64_t host_floats;    /* the most a segment moves through them (<= seg) */
   int64_t seg;            /* floats a collective moves at a time */
   bool partial;           /* lazy_gather: only this member's piece of the parameters is current */
+  /* Expert-parallel members at ZeRO 1-3: the experts' weights go only to
+   * the members that run them (ep_of[j]: member j's expert-parallel rank)
+   * and their gradients only from them; other experts' weights and
+   * gradients are neither held nor current outside a member's piece. */
+  bool ep_aware;
+  int ep_of[COMM_MAX_MEMBERS];
+  int64_t *counts2;       /* scratch: the other side's counts of an all-to-all (size) */
+  float *xbuf;            /* host scratch of the experts' exchanges (xbuf_floats) */
+  int64_t xbuf_floats;
 };
 
 struct trainer {

@@ -133,6 +133,122 @@ static void release_outside(struct trainer *t, struct tensor *x, int64_t a, int6
   }
 }
 
+/* ---- experts (ep_aware) ---- */
+
+/* Unit u's experts' region [*a, *b) of the flat buffers and one expert's
+ * floats (*per), when this member moves experts only to and from their
+ * members and u has experts. */
+static bool unit_experts(const struct trainer *t, int u, int64_t *a, int64_t *b, int64_t *per) {
+  if (!t->zero.ep_aware || !model_ep_expert_span(&t->model, u, a, per)) return false;
+  *b = *a + (int64_t)t->model.spec.u.gpt.experts * *per;
+  return true;
+}
+
+/* The part [*lo, *hi) of region [a, a + E·per) that expert-parallel rank
+ * `r` runs. */
+static void run_by(const struct trainer *t, int64_t a, int64_t per, int r, int64_t *lo, int64_t *hi) {
+  int x0, x1;
+  model_ep_experts(&t->model.spec, t->ep.size, r, &x0, &x1);
+  *lo = a + x0 * per;
+  *hi = a + x1 * per;
+}
+
+/* |[a0, b0) ∩ [a1, b1)|, its start in *at. */
+static int64_t overlap(int64_t a0, int64_t b0, int64_t a1, int64_t b1, int64_t *at) {
+  *at = a0 > a1 ? a0 : a1;
+  int64_t end = b0 < b1 ? b0 : b1;
+  return end > *at ? end - *at : 0;
+}
+
+static float *xbuf(struct train_zero *z, int64_t n) {
+  if (n > z->xbuf_floats) {
+    z->xbuf = xrealloc(z->xbuf, (size_t)n * sizeof(float));
+    z->xbuf_floats = n;
+  }
+  return z->xbuf;
+}
+
+/* All-gather of an experts' region [a, b) (one expert: per floats) to the
+ * members that run them: member m receives from every member the part of
+ * its piece that m's experts span, which together are those experts
+ * whole (the pieces tile the buffer in member order); nobody receives
+ * experts it does not run. One all-to-all. */
+static int experts_to_runners(struct trainer *t, struct tensor *x, int64_t a, int64_t b, int64_t per,
+                              struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi, at, ns = 0;
+  run_by(t, a, per, z->ep_of[z->rank], &olo, &ohi);
+  for (int j = 0; j < z->size; j++) {
+    int64_t lo, hi;
+    run_by(t, a, per, z->ep_of[j], &lo, &hi);
+    ns += z->counts[j] = overlap(plo, plo + pn, lo, hi, &at);
+    z->counts2[j] = overlap(z->cut[j], z->cut[j + 1], olo, ohi, &at);
+  }
+  float *buf = xbuf(z, pn + ns + (ohi - olo)), *send = buf + pn, *recv = send + ns;
+  if (pn > 0) tensor_copy_to_host(x, plo, buf, (size_t)pn * sizeof(float));
+  int64_t k = 0;
+  for (int j = 0; j < z->size; k += z->counts[j], j++) {
+    int64_t lo, hi;
+    run_by(t, a, per, z->ep_of[j], &lo, &hi);
+    if (overlap(plo, plo + pn, lo, hi, &at) > 0)
+      memcpy(send + k, buf + (at - plo), (size_t)z->counts[j] * sizeof(float));
+  }
+  int rc = comm_all_to_all(z->dp.comm, send, z->counts, recv, z->counts2, e);
+  if (rc == 0 && ohi > olo) tensor_copy_from_host(x, olo, recv, (size_t)(ohi - olo) * sizeof(float));
+  return rc;
+}
+
+/* Reduce-scatter of an experts' region [a, b) of the gradients from the
+ * members that run them: each such member's gradient of its experts is
+ * already the sum over its run's tokens, and only those members' go to
+ * the pieces; a piece sums what the runs' members of each expert sent, in
+ * member order (the other members' gradients there are not read). */
+static int experts_from_runners(struct trainer *t, struct tensor *g, int64_t a, int64_t b, int64_t per,
+                                struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi, at, nr = 0;
+  run_by(t, a, per, z->ep_of[z->rank], &olo, &ohi);
+  for (int j = 0; j < z->size; j++) {
+    int64_t lo, hi;
+    run_by(t, a, per, z->ep_of[j], &lo, &hi);
+    z->counts[j] = overlap(z->cut[j], z->cut[j + 1], olo, ohi, &at);
+    nr += z->counts2[j] = overlap(plo, plo + pn, lo, hi, &at);
+  }
+  float *buf = xbuf(z, (ohi - olo) + nr + pn), *recv = buf + (ohi - olo), *sum = recv + nr;
+  if (ohi > olo) tensor_copy_to_host(g, olo, buf, (size_t)(ohi - olo) * sizeof(float));
+  int rc = comm_all_to_all(z->dp.comm, buf, z->counts, recv, z->counts2, e);
+  if (rc || pn == 0) return rc;
+  memset(sum, 0, (size_t)pn * sizeof(float));
+  int64_t k = 0;
+  for (int j = 0; j < z->size; k += z->counts2[j], j++) {
+    int64_t lo, hi;
+    run_by(t, a, per, z->ep_of[j], &lo, &hi);
+    if (overlap(plo, plo + pn, lo, hi, &at) == 0) continue;
+    for (int64_t i = 0; i < z->counts2[j]; i++) sum[at - plo + i] += recv[k + i];
+  }
+  tensor_copy_from_host(g, plo, sum, (size_t)pn * sizeof(float));
+  return 0;
+}
+
+/* A reduce-scatter or all-gather over [a, b), which holds whole units:
+ * their experts' regions (ep_aware) move only from or to the members that
+ * run them, the rest as collective moves it. */
+static int collective_units(struct trainer *t, enum coll op, struct tensor *x, int64_t a, int64_t b,
+                            struct rumor_err *e) {
+  const struct model_table *tab = model_own_table(&t->model);
+  int64_t from = a;
+  int rc = 0;
+  for (int u = 0; u < tab->nunits && rc == 0; u++) {
+    int64_t xa, xb, per;
+    if (!unit_experts(t, u, &xa, &xb, &per) || xb <= a || xa >= b) continue;
+    RUMOR_ASSERT(a <= xa && xb <= b);
+    if ((rc = collective(t, op, x, from, xa, e))) break;
+    rc = op == COLL_ALL_GATHER ? experts_to_runners(t, x, xa, xb, per, e) : experts_from_runners(t, x, xa, xb, per, e);
+    from = xb;
+  }
+  return rc ? rc : collective(t, op, x, from, b, e);
+}
+
 /* ZeRO 3: the flat range of unit u's parameters, and for the unit that
  * uses the tied entry without holding it (GPT's head) that entry's too. */
 static void unit_range(const struct model *m, int u, int64_t *a, int64_t *b) {
@@ -161,9 +277,16 @@ static void log_device_memory(const struct trainer *t, const char *where) {
  * request (tensor_recommit). */
 static int recommit_unit(struct trainer *t, struct tensor *x, int u, struct rumor_err *e) {
   struct model *m = &t->model;
-  int64_t a, b;
+  int64_t a, b, xa, xb, per, lo, hi;
   unit_range(m, u, &a, &b);
-  int rc = tensor_recommit(x, a, b - a, e);
+  int rc;
+  if (unit_experts(t, u, &xa, &xb, &per)) { /* not the experts other members run */
+    run_by(t, xa, per, t->zero.ep_of[t->zero.rank], &lo, &hi);
+    if ((rc = tensor_recommit(x, a, xa - a, e)) == 0 && (rc = tensor_recommit(x, lo, hi - lo, e)) == 0)
+      rc = tensor_recommit(x, xb, b - xb, e);
+  } else {
+    rc = tensor_recommit(x, a, b - a, e);
+  }
   const struct model_param *tp = tied_user(m, u);
   if (rc == 0 && tp) rc = tensor_recommit(x, tp->offset, tp->numel, e);
   return rc ? rumor_err_prefix(e, "ZeRO %d, unit %d", t->zero.dp.zero, u) : 0;
@@ -174,7 +297,7 @@ static int gather_unit(struct trainer *t, int u, struct rumor_err *e) {
   int64_t a, b;
   unit_range(m, u, &a, &b);
   int rc = recommit_unit(t, &m->params, u, e);
-  if (rc == 0) rc = collective(t, COLL_ALL_GATHER, &m->params, a, b, e);
+  if (rc == 0) rc = collective_units(t, COLL_ALL_GATHER, &m->params, a, b, e);
   const struct model_param *tp = tied_user(m, u);
   if (rc == 0 && tp) rc = collective(t, COLL_ALL_GATHER, &m->params, tp->offset, tp->offset + tp->numel, e);
   return rc;
@@ -189,9 +312,34 @@ static void release_unit(struct trainer *t, int u) {
   if (tp) release_outside(t, &m->params, tp->offset, tp->offset + tp->numel);
 }
 
+/* An expert-parallel member at ZeRO 1-3: every member's expert-parallel
+ * rank (runs of P consecutive members: train_dp.experts), its model told
+ * to leave other members' experts' gradients alone, and the memory of
+ * their weights and gradients outside its piece given back. No
+ * collective: the communicator may not be connected yet. */
+static void ep_aware_init(struct trainer *t) {
+  struct train_zero *z = &t->zero;
+  RUMOR_ASSERT(z->size % t->ep.size == 0 && z->rank % t->ep.size == t->ep.rank);
+  for (int j = 0; j < z->size; j++) z->ep_of[j] = j % t->ep.size;
+  z->ep_aware = true;
+  t->ep.own_experts_only = true;
+  const struct model_table *tab = model_own_table(&t->model);
+  for (int u = 0; u < tab->nunits; u++) {
+    int64_t xa, xb, per, lo, hi;
+    if (!unit_experts(t, u, &xa, &xb, &per)) continue;
+    run_by(t, xa, per, t->ep.rank, &lo, &hi);
+    struct tensor *bufs[2] = {&t->model.params, &t->model.grads};
+    for (int i = 0; i < 2; i++) {
+      release_outside(t, bufs[i], xa, lo);
+      release_outside(t, bufs[i], hi, xb);
+    }
+  }
+}
+
 int zero_init(struct trainer *t, struct rumor_err *e) {
   struct train_zero *z = &t->zero;
   struct model *m = &t->model;
+  int rc;
   z->dp = *t->cfg.dp;
   z->rank = comm_rank(z->dp.comm);
   z->size = comm_size(z->dp.comm);
@@ -201,6 +349,7 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
   }
   z->cut[z->size] = m->nparams;
   z->counts = xcalloc((size_t)z->size, sizeof *z->counts);
+  z->counts2 = xcalloc((size_t)z->size, sizeof *z->counts2);
   int64_t most = 0; /* the largest range one collective moves */
   if (z->dp.zero <= 1) {
     most = m->nparams;
@@ -214,7 +363,7 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
     if (tab->tied_entry >= 0 && tab->p[tab->tied_entry].numel > most) most = tab->p[tab->tied_entry].numel;
     int64_t shape[1] = {m->max_rows * (maxw > 0 ? maxw : 1)};
     for (int i = 0; i < 2; i++) {
-      int rc = tensor_alloc(&z->dbuf[i], t->be, TENSOR_F32, 1, shape, e);
+      rc = tensor_alloc(&z->dbuf[i], t->be, TENSOR_F32, 1, shape, e);
       if (rc) return rumor_err_prefix(e, "ZeRO %d's per-unit gradient buffers", z->dp.zero);
     }
   }
@@ -231,6 +380,7 @@ int zero_init(struct trainer *t, struct rumor_err *e) {
                              "the group's collectives", (long long)most);
     }
   }
+  if (m->ep && z->dp.zero >= 1) ep_aware_init(t);
   if (z->dp.zero >= 2) release_outside(t, &m->grads, 0, m->nparams);
   if (z->dp.zero == 3) release_outside(t, &m->params, 0, m->nparams);
   log_device_memory(t, "set up");
@@ -248,6 +398,8 @@ void zero_free(struct trainer *t) {
     if (z->host[i]) tensor_host_free(t->be, z->host[i]);
   }
   free(z->counts);
+  free(z->counts2);
+  free(z->xbuf);
   memset(z, 0, sizeof *z);
 }
 
@@ -299,7 +451,7 @@ static int backward_units(struct trainer *t, int64_t rows, struct tensor *dout, 
       }
     }
     if (z3) release_unit(t, u);
-    if ((rc = collective(t, COLL_REDUCE_SCATTER, &m->grads, a, b, e))) return rc;
+    if ((rc = collective_units(t, COLL_REDUCE_SCATTER, &m->grads, a, b, e))) return rc;
     release_outside(t, &m->grads, a, b);
   }
   return 0;
@@ -363,13 +515,13 @@ int zero_update(struct trainer *t, double lr, struct rumor_err *e) {
     if ((rc = group_clip(t, 0, m->nparams, t->cfg.tp ? t->cfg.tp->comm : NULL, e))) return rc;
     optim_apply(&t->optim, &m->params, &m->grads, lr);
   } else {
-    if (z->dp.zero == 1 && (rc = collective(t, COLL_REDUCE_SCATTER, &m->grads, 0, m->nparams, e))) return rc;
+    if (z->dp.zero == 1 && (rc = collective_units(t, COLL_REDUCE_SCATTER, &m->grads, 0, m->nparams, e))) return rc;
     if ((rc = group_clip(t, plo, plo + pn, t->cfg.tp ? t->cfg.tp->all : z->dp.comm, e))) return rc;
     struct tensor p = tensor_view(&m->params, plo, 1, &pn), g = tensor_view(&m->grads, plo, 1, &pn);
     if (pn > 0) optim_apply(&t->optim, &p, &g, lr);
     else t->optim.step++;
     if (z->dp.zero <= 2 && z->dp.lazy_gather) z->partial = true; /* trainer_group_resync gathers */
-    else if (z->dp.zero <= 2 && (rc = collective(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
+    else if (z->dp.zero <= 2 && (rc = collective_units(t, COLL_ALL_GATHER, &m->params, 0, m->nparams, e))) return rc;
   }
   tensor_backend_sync(t->be);
   return 0;
@@ -445,7 +597,7 @@ int zero_gather_local(struct trainer *t, float *local, struct rumor_err *e) {
 
 int zero_gather_params(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(t->zero.dp.zero <= 2);
-  int rc = collective(t, COLL_ALL_GATHER, &t->model.params, 0, t->model.nparams, e);
+  int rc = collective_units(t, COLL_ALL_GATHER, &t->model.params, 0, t->model.nparams, e);
   if (rc == 0) t->zero.partial = false;
   return rc;
 }

@@ -19,6 +19,10 @@
 # the batch's kept choices cross between the two processes (each sends a
 # half of its own half and receives as much), C floats each: per process
 # 4 x (kept / 2) x 4C bytes sent and received, 8 x L x C x kept in all.
+# The expert-parallel group runs at ZeRO 0 (every process holds every
+# expert), 1 and 3 (each holds whole only the experts it runs, their
+# weights and gradients moving only to and from it), with each process's
+# peak resident memory (the largest over the processes).
 # Targets (issue #32): the top-1 model beats the dense one of equal active
 # parameters at equal tokens by at least 0.03 validation loss, at no less
 # than 0.7× its tokens/s.
@@ -58,6 +62,17 @@ run() {
   tail -n 1 "$tmp/$1.out"
 }
 
+# group_run NAME OPTIONS...: the group's result line (expert_parallel's
+# $common and $half).
+group_run() {
+  name=$1
+  shift
+  # shellcheck disable=SC2086
+  "$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" "$@" --threads "$half" $common \
+    >"$tmp/$name.out" 2>"$tmp/$name.log" || { echo "bench-moe.sh: $name failed:" >&2; tail -5 "$tmp/$name.log" >&2; exit 1; }
+  tail -n 1 "$tmp/$name.out"
+}
+
 # expert_parallel: the top-1 model on one process and on two (data- and
 # expert-parallel), EP_STEPS steps each.
 expert_parallel() {
@@ -68,31 +83,37 @@ expert_parallel() {
   common="--model $SPEC-E$E-K1 --data $DATA --batch $BATCH --max-steps $steps --optimizer adamw --lr $LR --warmup 50
     --eval-batches 20 --log-every 0 --seed 1"
   one=$(STEPS=$steps run ep1 "$SPEC-E$E-K1")
-  # shellcheck disable=SC2086
-  dp2=$("$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" --data-parallel 2 --threads "$half" $common \
-    2>"$tmp/dp2.log" | tail -n 1) || { tail -5 "$tmp/dp2.log" >&2; exit 1; }
-  # shellcheck disable=SC2086
-  ep2=$("$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" --expert-parallel 2 --threads "$half" $common \
-    2>"$tmp/ep2.log" | tail -n 1) || { tail -5 "$tmp/ep2.log" >&2; exit 1; }
+  dp2=$(group_run dp2 --data-parallel 2)
+  ep2=$(group_run ep2 --expert-parallel 2)
+  ep2z1=$(group_run ep2z1 --expert-parallel 2 --zero 1)
+  ep2z3=$(group_run ep2z3 --expert-parallel 2 --zero 3)
   ctx=$(printf '%s' "$SPEC" | sed -n 's/.*-T\([0-9]*\).*/\1/p')
   width=$(printf '%s' "$SPEC" | sed -n 's/.*-C\([0-9]*\).*/\1/p')
   layers=$(printf '%s' "$SPEC" | sed -n 's/.*L\([0-9]*\).*/\1/p')
   r1=$(field "$one" samples_per_s)
   echo "expert parallelism: $SPEC-E$E-K1, $steps steps of $BATCH windows, $THREADS threads in all"
-  printf '%-34s %10s %10s %8s %16s %16s %16s\n' layout val_loss tokens/s ratio bytes/step a2a_bytes/step a2a_formula
-  for name in one dp2 ep2; do
+  printf '%-34s %10s %10s %8s %16s %16s %16s %10s\n' layout val_loss tokens/s ratio bytes/step a2a_bytes/step \
+    a2a_formula peak_MB
+  for name in one dp2 ep2 ep2z1 ep2z3; do
     eval line=\$$name
     r=$(field "$line" samples_per_s)
     cb=$(field "$line" comm_bytes_per_step)
     eb=$(field "$line" expert_bytes_per_step)
     formula=-
-    if [ "$name" = ep2 ]; then
+    if [ "$name" != one ] && [ "$name" != dp2 ]; then
       kept=$(echo "$BATCH * $ctx * (1 - $(field "$line" moe_dropped_fraction))" | bc -l)
       formula=$(printf '%.0f' "$(echo "8 * $layers * $width * $kept" | bc -l)")
     fi
-    case $name in one) label="P=1 (one process)" ;; dp2) label="D=2 (data-parallel)" ;; *) label="P=2 (expert-parallel)" ;; esac
-    printf '%-34s %10.4f %10.0f %8.2f %16s %16s %16s\n' "$label" "$(field "$line" val_loss)" \
-      "$(echo "$r * $ctx" | bc -l)" "$(echo "$r / $r1" | bc -l)" "${cb:-0}" "${eb:-0}" "$formula"
+    case $name in
+      one) label="P=1 (one process)" ;;
+      dp2) label="D=2 (data-parallel)" ;;
+      ep2) label="P=2 (expert-parallel)" ;;
+      ep2z1) label="P=2 --zero 1" ;;
+      *) label="P=2 --zero 3" ;;
+    esac
+    printf '%-34s %10.4f %10.0f %8.2f %16s %16s %16s %10.1f\n' "$label" "$(field "$line" val_loss)" \
+      "$(echo "$r * $ctx" | bc -l)" "$(echo "$r / $r1" | bc -l)" "${cb:-0}" "${eb:-0}" "$formula" \
+      "$(echo "$(field "$line" peak_rss_bytes) / 1000000" | bc -l)"
   done
 }
 
