@@ -34,6 +34,8 @@
 # (default 8), DATA (a text file; default the
 # KJV corpus of deploy/install-deps.sh), THREADS (default all cores),
 # EP_STEPS (default 200), EP_ONLY=1 (the expert-parallel rows alone).
+# The rows' result lines are read back by name (eval line=\$name):
+# shellcheck disable=SC2034,SC2154
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -69,7 +71,8 @@ group_run() {
   shift
   # shellcheck disable=SC2086
   "$rumor" group --cluster-key "$tmp/ck" --identity "$tmp/id" "$@" --threads "$half" $common \
-    >"$tmp/$name.out" 2>"$tmp/$name.log" || { echo "bench-moe.sh: $name failed:" >&2; tail -5 "$tmp/$name.log" >&2; exit 1; }
+    >"$tmp/$name.out" 2>"$tmp/$name.log" ||
+    { echo "bench-moe.sh: $name failed:" >&2; tail -5 "$tmp/$name.log" >&2; exit 1; }
   tail -n 1 "$tmp/$name.out"
 }
 
