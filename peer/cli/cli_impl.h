@@ -235,6 +235,11 @@ struct group_flags {
 #define GROUP_FLAGS_MAX_SPECS 120
 
 void group_flags_default(struct group_flags *f);
+/* Defaults that depend on other options, after args_parse (`specs`):
+ * --expert-parallel P > 1 without --zero takes ZeRO 1, so each process
+ * holds whole only the experts it runs. The launcher and every process
+ * apply it alike (they parse the same options). */
+void group_flags_finish(struct group_flags *f, const struct arg_spec *specs);
 /* Fills specs (terminated, at most GROUP_FLAGS_MAX_SPECS entries) with the
  * options of the launcher or of one stage process (FLAGS_LAUNCHER or
  * FLAGS_STAGE). */

@@ -783,7 +783,9 @@ int cmd_group(int argc, char **argv) {
                       "does, runs E / P experts of every mixture-of-experts block, and sends each token to\n"
                       "its experts' process and back (an all-to-all per block); the steps equal the single\n"
                       "process's. With --data-parallel D, D x P processes; with --stages S, D x P in each\n"
-                      "stage. --zero shards over all of them.\n"
+                      "stage. --zero shards over all of them; it defaults to 1 here, where a process holds\n"
+                      "whole only the experts it runs and experts' weights and gradients travel only to and\n"
+                      "from their processes (--zero 0: every process holds every expert).\n"
                       "\n"
                       "--stages S: S processes, each\n"
                       "holding a contiguous run of the model's units (split balanced by parameters and\n"
@@ -817,6 +819,7 @@ int cmd_group(int argc, char **argv) {
                       "other groups of the same layout by gossip (with or without --outer: NoLoCo) or by\n"
                       "DiLoCo's rounds (--sync allreduce --outer); else the group trains alone.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  group_flags_finish(&g->f, specs);
   log_set_json(g->f.train.log_json);
   struct rumor_err e = {0};
   int rc = prepare(g, specs, &e);

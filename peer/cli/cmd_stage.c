@@ -184,6 +184,7 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
                       "that fails or vanishes stops its whole group.");
   *done = true;
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
+  group_flags_finish(&p->f, specs);
   log_set_json(p->f.train.log_json);
   struct rumor_err e = {0};
   int stage, stages;

@@ -81,7 +81,8 @@ static void pipe_flags_specs(struct pipe_flags *f, enum flags_for who, struct ar
        "pipeline schedule: gpipe, or 1f1b (stores at most S-s micro-batches of activations instead of M)"},
       {"zero", ARG_INT, &f->zero, "Z",
        "ZeRO stage of the data-parallel members: 0 nothing sharded, 1 optimizer state, 2 and gradients, 3 and "
-       "parameters (gathered per unit as they are needed); 0 or 1 with --stages > 1",
+       "parameters (gathered per unit as they are needed); 0 or 1 with --stages > 1; default 0, or 1 with "
+       "--expert-parallel (at 1 to 3 a member holds whole only the experts it runs; 0 keeps every expert everywhere)",
        0, 3},
       {"link-wait-ms", ARG_INT, &f->link_wait_ms, "MS", "neighbouring stages must connect within this", 100, 86400000},
       {"link-timeout-ms", ARG_INT, &f->link_timeout_ms, "MS", "a neighbouring stage silent this long is lost", 1000,
@@ -130,6 +131,10 @@ int group_dp_parse(const char *flag, const char *s, int *rank, int *size, struct
   *rank = (int)a;
   *size = (int)b;
   return 0;
+}
+
+void group_flags_finish(struct group_flags *f, const struct arg_spec *specs) {
+  if (f->pipe.expert_parallel > 1 && !args_given(specs, "zero")) f->pipe.zero = 1;
 }
 
 int group_flags_config(const struct group_flags *f, const struct arg_spec *specs, int stage, int stages,

@@ -87,7 +87,7 @@ expert_parallel() {
     --eval-batches 20 --log-every 0 --seed 1"
   one=$(STEPS=$steps run ep1 "$SPEC-E$E-K1")
   dp2=$(group_run dp2 --data-parallel 2)
-  ep2=$(group_run ep2 --expert-parallel 2)
+  ep2=$(group_run ep2 --expert-parallel 2 --zero 0)
   ep2z1=$(group_run ep2z1 --expert-parallel 2 --zero 1)
   ep2z3=$(group_run ep2z3 --expert-parallel 2 --zero 3)
   ctx=$(printf '%s' "$SPEC" | sed -n 's/.*-T\([0-9]*\).*/\1/p')
@@ -110,7 +110,7 @@ expert_parallel() {
     case $name in
       one) label="P=1 (one process)" ;;
       dp2) label="D=2 (data-parallel)" ;;
-      ep2) label="P=2 (expert-parallel)" ;;
+      ep2) label="P=2 --zero 0" ;;
       ep2z1) label="P=2 --zero 1" ;;
       *) label="P=2 --zero 3" ;;
     esac

@@ -186,7 +186,7 @@ step4() {
   mkdir -p "$grp"
   "$rumor" keygen --cluster -o "$grp/cluster.key" >/dev/null 2>&1 && "$rumor" keygen -o "$grp/id.key" >/dev/null 2>&1
   for layout in "--tensor-parallel 2" "--data-parallel 2 --zero 2" "--data-parallel 2 --zero 3" \
-    "--stages 2 --micro-batches 2" "--expert-parallel 2"; do
+    "--stages 2 --micro-batches 2" "--expert-parallel 2" "--expert-parallel 2 --zero 3"; do
     c=$(group_run 30 val_loss cpu gpt:L2-H4-C64-T64-V256 "$layout")
     g=$(group_run 30 val_loss cuda:0 gpt:L2-H4-C64-T64-V256 "$layout")
     verdict=$(echo "$c $g" | awk '$1 != "failed" && $2 != "failed" && $1 - $2 <= 1e-3 && $2 - $1 <= 1e-3 {print "ok"}')

@@ -135,7 +135,8 @@ Test(group_dp, tensor_parallel_t2_equals_train) {
  * group drops the same tokens as one process and its steps are the single
  * process's. */
 Test(group_dp, expert_parallel_p2_equals_train) {
-  layout_equals_train("gpt:L2-H4-C32-T16-V257-E4-K2", (char *[]){"--expert-parallel", "2", NULL}, 2, 1, 0);
+  /* ZeRO 1 without --zero: expert parallelism's default */
+  layout_equals_train("gpt:L2-H4-C32-T16-V257-E4-K2", (char *[]){"--expert-parallel", "2", NULL}, 2, 1, 1);
 }
 Test(group_dp, expert_parallel_p4_with_zero2_equals_train) {
   layout_equals_train("gpt:L2-H4-C32-T16-V257-E4-F100", (char *[]){"--expert-parallel", "4", "--zero", "2", NULL}, 4,
