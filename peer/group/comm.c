@@ -30,6 +30,7 @@ struct comm {
   int *members;  /* members[i]: group rank of this communicator's rank i */
   uint64_t seq;  /* collectives started; the calling thread only */
   _Atomic uint64_t sent, received;
+  struct comm_idle idle; /* comm_set_idle's; the calling thread only */
 };
 
 /* ---- creation ---- */
@@ -118,6 +119,8 @@ void comm_abort(comm_t *c, const char *why) {
   comm_transport_fail(t, t->rank, RUMOR_ECANCELED, "%s", text);
   t->ops->abort(t, t->rank, RUMOR_ECANCELED, text);
 }
+
+void comm_set_idle(comm_t *c, void (*fn)(void *arg), void *arg) { c->idle = (struct comm_idle){fn, arg}; }
 
 void comm_bytes(const comm_t *c, uint64_t *sent, uint64_t *received) {
   if (sent) *sent = atomic_load(&c->sent);
@@ -210,7 +213,7 @@ static int mismatch(struct comm *c, int src, const struct comm_hdr *got, const s
 static int xrecv(struct comm *c, int src, const struct comm_hdr *base, uint32_t step, uint64_t bytes,
                  struct comm_msg **out, struct rumor_err *e) {
   struct comm_msg *m;
-  int rc = c->t->ops->recv(c->t, c->members[src], c->tag, &m, e);
+  int rc = c->t->ops->recv(c->t, c->members[src], c->tag, c->idle.fn ? &c->idle : NULL, &m, e);
   if (rc) return rc;
   struct comm_hdr want = *base;
   want.step = step;

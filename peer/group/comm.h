@@ -189,6 +189,13 @@ bool comm_failed(comm_t *c, int *member, char *why, size_t n);
  * communicator here. Best effort; never blocks. */
 void comm_abort(comm_t *c, const char *why);
 
+/* While this member's collectives on c wait for another member, fn(arg)
+ * runs every few milliseconds on the waiting thread (the one that calls
+ * c's collectives; fn NULL: nothing, the default). For work that must go
+ * on while the group waits, such as serving a state another group's
+ * process pulls. */
+void comm_set_idle(comm_t *c, void (*fn)(void *arg), void *arg);
+
 /* Bytes this member sent and received in collectives so far (payload,
  * before encryption): for the bytes-per-step figures. */
 void comm_bytes(const comm_t *c, uint64_t *sent, uint64_t *received);

@@ -64,6 +64,12 @@ struct comm_msg {
   float data[];
 };
 
+/* What a waiting receiver runs meanwhile (comm_set_idle). */
+struct comm_idle {
+  void (*fn)(void *arg);
+  void *arg;
+};
+
 struct comm_transport;
 struct comm_transport_ops {
   /* Queues a copy of data[0..h->bytes) for member `dst` (!= this one) under
@@ -73,7 +79,8 @@ struct comm_transport_ops {
               struct rumor_err *e);
   /* Waits for the next message from `src` under `tag` (see
    * comm_transport_recv, which both transports use). */
-  int (*recv)(struct comm_transport *t, int src, uint64_t tag, struct comm_msg **out, struct rumor_err *e);
+  int (*recv)(struct comm_transport *t, int src, uint64_t tag, const struct comm_idle *idle, struct comm_msg **out,
+              struct rumor_err *e);
   /* Tells every other member that the group failed, blaming `member` with
    * `code` and `why`. Best effort; never blocks. */
   void (*abort)(struct comm_transport *t, int member, int code, const char *why);
@@ -133,8 +140,10 @@ void comm_transport_push_locked(struct comm_transport *t, int src, struct comm_m
 void comm_transport_gone_locked(struct comm_transport *t, int src);
 /* The common blocking receive (the ops' recv for both transports): the
  * oldest message from `src` under `tag`, else waits for one, the failure,
- * `src` gone, or the stop flag. */
-int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, struct comm_msg **out, struct rumor_err *e);
+ * `src` gone, or the stop flag; with `idle` (else NULL), runs idle->fn
+ * every IDLE_POLL_MS while it waits, *mu released. */
+int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, const struct comm_idle *idle,
+                        struct comm_msg **out, struct rumor_err *e);
 /* A buffer of at least `bytes` (its size in *cap) from t's spares or
  * malloc, or NULL when out of memory; comm_pool_put gives it back (or frees
  * it). Any thread; they take *mu, which must not be held. */

@@ -12,6 +12,7 @@
  * one: the flag is set by a signal handler, which cannot signal a condition
  * variable). */
 #define STOP_POLL_MS 50
+#define IDLE_POLL_MS 2
 
 void comm_transport_init(struct comm_transport *t, const struct comm_transport_ops *ops, int rank, int size,
                          pthread_mutex_t *mu, pthread_cond_t *cond) {
@@ -123,20 +124,22 @@ static struct comm_msg *take_locked(struct comm_transport *t, int src, uint64_t 
 }
 
 /* Waits on the condition; with a stop flag, wakes every STOP_POLL_MS to
- * look at it. *mu held. */
-static void wait_locked(struct comm_transport *t) {
-  if (!t->stop) {
+ * look at it, with an idle function every IDLE_POLL_MS to run it. *mu
+ * held. */
+static void wait_locked(struct comm_transport *t, const struct comm_idle *idle) {
+  if (!t->stop && !idle) {
     pthread_cond_wait(t->cond, t->mu);
     return;
   }
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_nsec += STOP_POLL_MS * 1000000L;
+  ts.tv_nsec += (idle ? IDLE_POLL_MS : STOP_POLL_MS) * 1000000L;
   if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
   pthread_cond_timedwait(t->cond, t->mu, &ts);
 }
 
-int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, struct comm_msg **out, struct rumor_err *e) {
+int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, const struct comm_idle *idle,
+                        struct comm_msg **out, struct rumor_err *e) {
   RUMOR_ASSERT(src >= 0 && src < t->size && src != t->rank);
   *out = NULL;
   int rc = 0;
@@ -159,7 +162,13 @@ int comm_transport_recv(struct comm_transport *t, int src, uint64_t tag, struct 
       rc = comm_transport_failure_locked(t, e);
       break;
     }
-    wait_locked(t);
+    wait_locked(t, idle);
+    if (idle && !t->failed && !(*out = take_locked(t, src, tag))) {
+      pthread_mutex_unlock(t->mu); /* idle->fn may take long: the transport's threads go on meanwhile */
+      idle->fn(idle->arg);
+      pthread_mutex_lock(t->mu);
+    }
+    if (*out) break;
   }
   pthread_mutex_unlock(t->mu);
   return rc;

@@ -42,13 +42,18 @@ static bool take_pulled(struct sync *s, struct sync_own_state *own, const float 
  * round without one). A group member takes the outer state and the step
  * only (outer_state_only). Returns 1 when taken, 0 when nobody is left
  * to take it from (we go on with ours), or a negative code (stopped, or
- * every state asked for was refused). */
+ * every state asked for was refused). `info` NULL: a group process asked
+ * to take its shard again at min_step or later (ar_catch_up), from any
+ * member of the ring. */
 static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t min_round, uint64_t min_step,
                     struct rumor_err *e) {
   struct trainer *t = s->t;
-  char ahead[NET_PUBKEY_STR_LEN + 1];
-  net_pubkey_format(ahead, info->ahead);
-  if (s->cfg.outer.kind != OUTER_NONE)
+  char ahead[NET_PUBKEY_STR_LEN + 1] = "any";
+  if (info) net_pubkey_format(ahead, info->ahead);
+  if (!info)
+    log_info("all-reduce: our group goes on from step %llu and our shard is of step %lld: taking it again from the "
+             "ring", (unsigned long long)min_step, (long long)t->st.step);
+  else if (s->cfg.outer.kind != OUTER_NONE)
     log_info("all-reduce: the cluster completed round %llu and we are at round %llu (step %lld): taking the %sstate "
              "of %.8s",
              (unsigned long long)info->ahead_step, (unsigned long long)info->step, (long long)t->st.step,
@@ -73,7 +78,7 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   char why[200];
   struct gossip_train_pos pos;
   for (int asked = 1; !taken; asked++) {
-    rc = gossip_state_pull(s->g, asked == 1 ? info->ahead : NULL, min_round, buf, &pos, s->cfg.stop, e);
+    rc = gossip_state_pull(s->g, asked == 1 && info ? info->ahead : NULL, min_round, buf, &pos, s->cfg.stop, e);
     if (rc) break; /* 1: nobody left to take it from, go on with ours */
     taken = take_pulled(s, &own, buf, &pos, min_round, min_step, why, sizeof why);
     if (taken) break;
@@ -179,12 +184,29 @@ static int take_sum(struct sync *s) {
  * ring and leaves the mean over every member's rows in model.grads (returns
  * 0). A member left behind takes the state of one ahead and drops its step
  * (returns 1); a sum that is not finite is dropped on every member alike
- * (returns 1, the step counted). Whole replicas only. */
+ * (returns 1, the step counted). A replica's shard: a stage's slice, or a
+ * group process's shard (its ZeRO piece, its tensor-parallel slices), with
+ * the same shard of other groups (group_reduce_between). */
 static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct sync *s = arg;
   uint64_t step = (uint64_t)s->t->st.step;
   int rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
   return rc ? rc : take_sum(s);
+}
+
+/* The train_reducer's catch_up: this group process's shard again, from the
+ * ring, at `step` or later (0), or nobody left to give one (1). */
+static int ar_catch_up(void *arg, int64_t step, struct rumor_err *e) {
+  int rc = catch_up(arg, NULL, (uint64_t)step, (uint64_t)step, e);
+  return rc < 0 ? rc : rc == 1 ? 0 : 1;
+}
+
+/* Between groups: a process left behind takes a donor's shard and step
+ * (catch_up); its group follows the largest step any process took. */
+static int ar_init(struct sync *s, struct rumor_err *e) {
+  (void)e;
+  if (trainer_in_group_comm(s->t)) trainer_group_agree_steps(s->t);
+  return 0;
 }
 
 static void ar_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {
@@ -209,6 +231,8 @@ static void ar_result(const struct sync *s, const struct gossip_stats *gs, json_
 const struct sync_scheme sync_scheme_allreduce = {
     .name = "allreduce",
     .plan = ar_plan,
+    .init = ar_init,
     .reduce = ar_reduce,
+    .catch_up = ar_catch_up,
     .result = ar_result,
 };

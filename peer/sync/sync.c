@@ -56,7 +56,7 @@ int sync_init(struct sync *s, gossip_t *g, struct trainer *t, const struct sync_
     memset(s, 0, sizeof *s);
     return rc;
   }
-  if (s->scheme->reduce) t->reducer = (struct train_reducer){s->scheme->reduce, s};
+  if (s->scheme->reduce) t->reducer = (struct train_reducer){s->scheme->reduce, s->scheme->catch_up, sync_idle, s};
   return 0;
 }
 

@@ -364,6 +364,8 @@ struct sync_scheme {
   int (*boundary)(struct sync *s, struct rumor_err *e);
   /* The trainer's reducer (train_reducer), or NULL. */
   int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
+  /* The train_reducer's catch_up (NULL: none). */
+  int (*catch_up)(void *arg, int64_t step, struct rumor_err *e);
   /* After init, for a scheme whose members take their starting state from
    * elsewhere than a gossip donor (parameter servers): takes it into the
    * trainer (parameters and step). NULL: nothing to take. */

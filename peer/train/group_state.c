@@ -352,11 +352,92 @@ static int average_replicated(struct trainer *t, struct tensor *x, int64_t base,
 
 static comm_t *group_all(const struct trainer *t) { return t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm; }
 
-void trainer_group_agree_steps(struct trainer *t) { t->agree_steps = true; }
-
 /* A step in two floats of at most 24 bits each (exact); steps are below
  * TRAIN_STEPS_MAX < 2^48. */
 #define STEP_UNIT 16777216.0
+
+/* The group's processes' steps, smallest and largest, and whether any took
+ * a pulled state (trainer_load_state) since the last agreement: one
+ * all-reduce of [pulled, then two floats per process]. */
+static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled, struct rumor_err *e) {
+  comm_t *all = group_all(t);
+  int members = comm_size(all), me = comm_rank(all);
+  float v[1 + 2 * COMM_MAX_MEMBERS] = {0};
+  v[0] = t->state_pulled ? 1.0f : 0.0f;
+  v[1 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
+  v[2 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
+  int rc = comm_all_reduce(all, v, 1 + 2 * (int64_t)members, e);
+  if (rc) return rc;
+  *pulled = v[0] > 0;
+  *lo = INT64_MAX, *hi = 0;
+  for (int r = 0; r < members; r++) {
+    int64_t s = (int64_t)v[1 + 2 * r] + (int64_t)v[2 + 2 * r] * (int64_t)STEP_UNIT;
+    if (s < *lo) *lo = s;
+    if (s > *hi) *hi = s;
+  }
+  return 0;
+}
+
+/* How many times the processes of a group that dropped a step take their
+ * shards again before they give up on holding shards of one step. */
+#define GROUP_CATCH_UP_TRIES 8
+
+/* After a step some process dropped: the group goes on from one step. When
+ * nobody pulled a state (a ring's sum was not finite), that is the next
+ * one. When some process took its shard from a ring (a late group), every
+ * process whose shard is older than the latest any took takes its own
+ * again at that step or later (the donors, each a process of a live group,
+ * may have served steps apart), until all hold shards of one step. */
+static int converge_after_drop(struct trainer *t, struct rumor_err *e) {
+  for (int tries = 0;; tries++) {
+    int64_t lo, hi;
+    bool pulled;
+    int rc = step_range(t, &lo, &hi, &pulled, e);
+    if (rc) return rc;
+    if (!pulled || lo == hi) {
+      if (hi > t->st.step) trainer_take_step(t, hi); /* the train_reducer's: the step is counted */
+      return 0;
+    }
+    if (tries == GROUP_CATCH_UP_TRIES)
+      return rumor_err_set(e, RUMOR_EPROTO, "the group's processes took their shards at steps %lld to %lld and, in "
+                           "%d more tries, could not take them all at one step", (long long)lo, (long long)hi,
+                           GROUP_CATCH_UP_TRIES);
+    if (t->st.step >= hi) continue;
+    rc = t->reducer.catch_up ? t->reducer.catch_up(t->reducer.arg, hi, e) : 1;
+    if (rc < 0) return rc;
+    if (rc == 1) { /* nobody can give one: this shard stays older (the next rounds are the same for all) */
+      log_warn("no process of our shard's ring could give a shard of step %lld: ours, of step %lld, stays",
+               (long long)hi, (long long)t->st.step);
+      trainer_take_step(t, hi);
+    }
+  }
+}
+
+int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
+  double r0 = clock_now_s();
+  int rc = t->reducer.reduce(t->reducer.arg, rows, e);
+  if (rc >= 0) {
+    /* A process here may wait for one of ours still in its ring, whose
+     * round waits for a process of another group, which may be pulling
+     * our state to catch up: serve it meanwhile. Our state is the step's
+     * start's until the update. */
+    comm_set_idle(group_all(t), t->reducer.idle, t->reducer.arg);
+    float dropped = rc > 0 ? 1.0f : 0.0f;
+    rc = comm_all_reduce(group_all(t), &dropped, 1, e);
+    if (rc == 0 && dropped > 0) rc = converge_after_drop(t, e);
+    if (rc == 0 && dropped > 0) rc = 1;
+    comm_set_idle(group_all(t), NULL, NULL);
+  }
+  t->reduce_s += clock_now_s() - r0;
+  if (rc) return rc;
+  /* ZeRO 0 ranks hold every piece after; ZeRO 1-3 ranks only their own,
+   * whose replicated entries no other rank of the member holds alike. */
+  bool whole = !t->cfg.dp || t->zero.dp.zero == 0;
+  if (t->cfg.tp && whole && (rc = average_replicated(t, &t->model.grads, 0, e))) return rc;
+  return 0;
+}
+
+void trainer_group_agree_steps(struct trainer *t) { t->agree_steps = true; }
 
 /* The agreement of trainer_group_agree_steps: `slots` holds, summed over
  * the members, each one's step in its own two floats. The trainer takes
@@ -374,32 +455,39 @@ static void take_largest_step(struct trainer *t, const float *slots, int members
   trainer_take_step(t, most);
 }
 
-/* The members agree whether any shard changed (and, agree_steps, on the
- * largest step): one all-reduce of [any, then two floats per member]. */
-static int agree(struct trainer *t, bool changed, float *any, struct rumor_err *e) {
+/* The members agree whether any shard changed, whether any took a pulled
+ * state (trainer_load_state) since the last agreement, and (agree_steps)
+ * on the largest step: one all-reduce of [any, pulled, then two floats per
+ * member]. */
+static int agree(struct trainer *t, bool changed, float *any, float *pulled, struct rumor_err *e) {
   comm_t *all = group_all(t);
   int members = comm_size(all);
-  int64_t n = 1 + (t->agree_steps ? 2 * (int64_t)members : 0);
-  float v[1 + 2 * COMM_MAX_MEMBERS] = {0}; /* every step: no allocation */
-  v[0] = changed ? 1.0f : 0.0f;
+  int64_t n = 2 + (t->agree_steps ? 2 * (int64_t)members : 0);
+  float v[2 + 2 * COMM_MAX_MEMBERS] = {0}; /* every step: no allocation */
+  v[0] = changed || t->state_pulled ? 1.0f : 0.0f;
+  v[1] = t->state_pulled ? 1.0f : 0.0f;
   if (t->agree_steps) {
     int me = comm_rank(all);
-    v[1 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
-    v[2 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
+    v[2 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
+    v[3 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
   }
   int rc = comm_all_reduce(all, v, n, e);
-  if (rc == 0 && t->agree_steps) take_largest_step(t, v + 1, members);
+  if (rc == 0 && t->agree_steps) take_largest_step(t, v + 2, members);
   *any = v[0];
+  *pulled = v[1];
   return rc;
 }
 
 static int resync(struct trainer *t, bool changed, bool *out, struct rumor_err *e) {
-  float any;
-  int rc = agree(t, changed, &any, e);
+  float any, pulled;
+  int rc = agree(t, changed, &any, &pulled, e);
   *out = rc == 0 && any > 0;
   if (rc) return rc;
   bool z3 = t->cfg.dp && t->zero.dp.zero == 3;
   if ((any > 0 || t->zero.partial) && t->cfg.dp && !z3 && (rc = zero_gather_params(t, e))) return rc;
+  /* A process took a pulled shard's optimizer state (a ring's catch-up):
+   * the copies of it the others hold (ZeRO 0, replicated entries) follow. */
+  if (pulled > 0 && (rc = trainer_group_resync_state(t, e))) return rc;
   if (!t->cfg.tp) return 0;
   if (z3) /* refused by the command line (peer/cli/cmd_stage.c) */
     return rumor_err_set(e, RUMOR_EFORMAT, "ZeRO 3 tensor-parallel ranks cannot average replicated parameters");
@@ -430,6 +518,7 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any_out, struct 
 int trainer_group_resync_state(struct trainer *t, struct rumor_err *e) {
   bool zero0 = t->cfg.dp && t->zero.dp.zero == 0;
   int rc;
+  t->state_pulled = false; /* what it was set for is done here */
   if (zero0 && (rc = zero_gather_state(t, e))) return rc;
   if (!t->cfg.tp) return 0;
   if (t->cfg.dp && !zero0) { /* the moments are spread over the members' pieces */

@@ -803,7 +803,10 @@ static void shard_state_copy(struct trainer *t, float *out, const float *in) {
 
 void trainer_copy_state(struct trainer *t, float *out) { shard_state_copy(t, out, NULL); }
 
-void trainer_load_state(struct trainer *t, const float *state) { shard_state_copy(t, NULL, state); }
+void trainer_load_state(struct trainer *t, const float *state) {
+  shard_state_copy(t, NULL, state);
+  t->state_pulled = trainer_in_group_comm(t);
+}
 
 void trainer_load_fresh(struct trainer *t, const float *params) {
   tensor_copy_from_host(&t->model.params, 0, params, (size_t)t->model.nparams * sizeof(float));
@@ -921,7 +924,7 @@ static int step_whole(struct trainer *t, double lr, int64_t *rows_out, double *l
   int rc = group_pass_failed(t, e);
   if (rc) return rc;
   if (t->reducer.reduce) *loss = model_mean_loss(m, rows);
-  if ((rc = reduce(t, rows, e))) return rc;
+  if ((rc = t->cfg.tp && t->reducer.reduce ? group_reduce_between(t, rows, e) : reduce(t, rows, e))) return rc;
   if (t->cfg.tp) {
     if ((rc = group_clip(t, 0, m->nparams, t->cfg.tp->comm, e))) return rc;
   } else {
@@ -967,7 +970,7 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
   if (t->cfg.dp) { /* the stage's members sum their gradients and update (no reducer: refused by the CLI) */
     RUMOR_ASSERT(!t->reducer.reduce);
-    return zero_update(t, lr, e);
+    return zero_update(t, lr, rows, e);
   }
   if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
   if (t->cfg.tp) { /* by the norm of the stage's units, over its ranks' slices */

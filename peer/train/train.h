@@ -498,9 +498,19 @@ struct train_data {
  * behind and took another's: parameters, optimizer state and st.step are
  * new, trainer_take_step), or a negative code with a message. A pipeline
  * stage's reducer sums its own slice (with the same stage of the other
- * groups), after the stage's share of the pipelined step. */
+ * groups), after the stage's share of the pipelined step. A group process
+ * sums its shard with the same shard of other groups (group_reduce_between)
+ * and, when its group goes on from a later step than its shard's after a
+ * drop, takes its shard again: catch_up pulls one at `step` or later
+ * (parameters, optimizer state and st.step new; returns 0), or finds
+ * nobody to give one (1), or fails (negative). While the group's
+ * processes wait for each other around it, they run idle (serving the
+ * states other groups' processes pull: a process of another group may
+ * need ours before its own group, and so ours, can go on). */
 struct train_reducer {
   int (*reduce)(void *arg, int64_t rows, struct rumor_err *e);
+  int (*catch_up)(void *arg, int64_t step, struct rumor_err *e);
+  void (*idle)(void *arg);
   void *arg;
 };
 
@@ -588,6 +598,7 @@ struct trainer {
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
   bool replicated_apart; /* tensor-parallel ranks whose replicated moments differ (trainer_group_resync_state) */
   bool agree_steps;      /* trainer_group_agree_steps was called */
+  bool state_pulled;     /* a group process took a pulled state (trainer_load_state) not yet made whole */
   int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
   struct model_tp tp;     /* with cfg.tp: the model's collectives (model.tp points here) */

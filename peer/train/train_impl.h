@@ -62,8 +62,12 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
  * clips by the norm over what the members hold together. zero_step ends
  * with it; a pipeline stage's members call it after their pipelined step
  * (each member's gradient scaled by the whole batch's targets, so the sum
- * is the batch's mean). Collective over the members. */
-int zero_update(struct trainer *t, double lr, struct rumor_err *e) RUMOR_MUST_CHECK;
+ * is the batch's mean). With a reducer (--sync allreduce between groups),
+ * each member's piece of the batch's (`rows`) gradient is then averaged
+ * with the same piece of other groups (group_reduce_between). Collective
+ * over the members. Returns 0, 1 when the group dropped the step, or a
+ * negative code. */
+int zero_update(struct trainer *t, double lr, int64_t rows, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Adds the whole batch's correct predictions and summed loss (every member
  * gets the group's figures) for an evaluation batch of `rows`. */
 int zero_evaluate(struct trainer *t, int64_t rows, const void *x, const int32_t *y, int64_t *correct, double *loss,
@@ -81,6 +85,18 @@ int group_ep_setup(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
  * passes (the model records it, model.h): returns its code with its
  * message, else 0. */
 int group_pass_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* --sync allreduce between groups (train_reducer): this process's shard
+ * of the group's gradient of the batch's `rows` (complete where it holds
+ * it) becomes the mean with the same shard of the other groups, each
+ * process over its own ring. The processes then agree whether any dropped
+ * the step (it caught up with a donor's shard, or its ring's sum was not
+ * finite): then all drop it, as ZeRO 0 members, which update everything,
+ * must; the group later goes on from the largest step any took
+ * (trainer_group_agree_steps). Tensor-parallel ranks average their
+ * replicated parameters' gradients after it (their rings may have summed
+ * over different groups while membership changed). Returns 0, 1 (dropped)
+ * or a negative code. Collective over the group. */
+int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The gradient's global norm squared, from model.grads' elements [lo, hi)
  * of the buffer this process holds (a ZeRO piece, or all of it), summed
  * over `over` (NULL: this process alone); a tensor-parallel rank counts a

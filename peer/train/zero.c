@@ -500,22 +500,27 @@ int zero_step(struct trainer *t, double lr, int64_t rows, const void *x, const i
   float part = n > 0 ? model_mean_loss(m, n) * (float)model_targets(m, n) : 0.0f;
   if ((rc = comm_all_reduce(z->dp.comm, &part, 1, e))) return rc;
   *loss = (double)part / (double)model_targets(m, rows);
-  return zero_update(t, lr, e);
+  return zero_update(t, lr, rows, e);
 }
 
-int zero_update(struct trainer *t, double lr, struct rumor_err *e) {
+int zero_update(struct trainer *t, double lr, int64_t rows, struct rumor_err *e) {
   struct model *m = &t->model;
   struct train_zero *z = &t->zero;
   int rc;
   int64_t plo = z->cut[z->rank], pn = z->cut[z->rank + 1] - plo;
   if (z->dp.zero == 0) {
     if ((rc = collective(t, COLL_ALL_REDUCE, &m->grads, 0, m->nparams, e))) return rc;
+    if (t->reducer.reduce) { /* each member's piece averaged between groups, then every piece everywhere again */
+      if ((rc = group_reduce_between(t, rows, e))) return rc;
+      if ((rc = collective(t, COLL_ALL_GATHER, &m->grads, 0, m->nparams, e))) return rc;
+    }
     /* Every member holds the whole sum: the norm is this member's buffer's
      * (its tensor-parallel ranks' together). */
     if ((rc = group_clip(t, 0, m->nparams, t->cfg.tp ? t->cfg.tp->comm : NULL, e))) return rc;
     optim_apply(&t->optim, &m->params, &m->grads, lr);
   } else {
     if (z->dp.zero == 1 && (rc = collective_units(t, COLL_REDUCE_SCATTER, &m->grads, 0, m->nparams, e))) return rc;
+    if (t->reducer.reduce && (rc = group_reduce_between(t, rows, e))) return rc;
     if ((rc = group_clip(t, plo, plo + pn, t->cfg.tp ? t->cfg.tp->all : z->dp.comm, e))) return rc;
     struct tensor p = tensor_view(&m->params, plo, 1, &pn), g = tensor_view(&m->grads, plo, 1, &pn);
     if (pn > 0) optim_apply(&t->optim, &p, &g, lr);

@@ -265,6 +265,38 @@ Test(group_avg, zero_groups_run_noloco_piece_by_piece) {
   free(oa), free(ob);
 }
 
+/* --sync allreduce between groups: every step, each process's shard of
+ * its group's gradient is averaged with the same shard of the other
+ * group over its own ring, then each group updates. The second group
+ * pulls its shards at the start (--wait-peers 2), so with every step's
+ * update the same the groups end equal; `layout` and the rounds every
+ * process ran (at least `least`). */
+static void groups_sum_every_step(char *const *layout, const char *gpt, int N) {
+  char *extra[] = {"--sync", "allreduce", NULL};
+  char *oa, *ob;
+  double dist;
+  two_groups_of(gpt, layout, extra, N, &oa, &ob, &dist);
+  int count;
+  fprintf(stderr, "groups summing every step's gradient (%s %s): %.2g apart (relative), every process at least %.0f "
+          "rounds\n", layout[0], layout[1], dist,
+          fmin(least_over_members(oa, "allreduce_rounds", &count), least_over_members(ob, "allreduce_rounds", &count)));
+  every_process_has(oa, ob, N, "allreduce_rounds", 150);
+  cr_assert_lt(dist, 1e-5, "the groups' models are %.3g apart (relative) after summing every step's gradient", dist);
+  free(oa), free(ob);
+}
+
+Test(group_avg, zero0_groups_sum_every_steps_gradient_piece_by_piece) {
+  groups_sum_every_step((char *[]){"--data-parallel", "2", NULL}, NULL, 2);
+}
+
+Test(group_avg, zero3_groups_sum_every_steps_gradient_piece_by_piece) {
+  groups_sum_every_step((char *[]){"--data-parallel", "2", "--zero", "3", NULL}, NULL, 2);
+}
+
+Test(group_avg, tensor_parallel_groups_sum_every_steps_gradient_slice_by_slice) {
+  groups_sum_every_step((char *[]){"--tensor-parallel", "2", NULL}, "gpt:L2-H4-C32-T16-V257", 2);
+}
+
 /* Expert-parallel groups at ZeRO 1 (each member holding only its own
  * experts' weights whole, issue #32) run DiLoCo piece by piece: member r
  * of each group in a ring with member r of the other; the groups end
@@ -375,6 +407,52 @@ Test(group_avg, a_late_diloco_group_refuses_poisoned_outer_states_and_stops) {
   free(log);
 }
 
+/* A ZeRO 0 group that joins groups summing every step's gradient late,
+ * from its own initialisation (--no-state-pull): each process is left
+ * behind by its shard's ring, takes the shard's whole state (parameters
+ * and moments) and step from the same process of the live group, and
+ * drops its step; its group then goes on from the largest step any took,
+ * all-gathers the pieces' parameters and moments (each member holds them
+ * all at ZeRO 0), and from then on both groups apply the same mean
+ * gradient every step: they end with the same model, and each group's
+ * members with the same optimizer state (checked before the result). */
+Test(group_avg, a_late_group_summing_every_steps_gradient_catches_up_piece_by_piece) {
+  SKIP_WITHOUT_DATA();
+  char ca[256], cb[256], list[512];
+  snprintf(ca, sizeof ca, "%s/a.safetensors", C.dir);
+  snprintf(cb, sizeof cb, "%s/b.safetensors", C.dir);
+  char *args[2][48];
+  for (int g = 0; g < 2; g++) {
+    char *common[] = {"--data-parallel", "2", "--model", "mlp:784-64-32-10", "--batch", "50", "--max-steps", "300",
+                      "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync", "allreduce", "--seed",
+                      g ? "2" : "1", "--listen", "127.0.0.1:0", "--checkpoint", g ? cb : ca, NULL};
+    int n = 0;
+    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
+    args[g][n] = NULL;
+  }
+  struct cluster_group a, b;
+  cluster_start_group(&C, &a, "ga", args[0]);
+  group_addrs(&a, 2, list, sizeof list);
+  cr_assert(cluster_wait_file(a.log, "first step: loss", 60), "group ga ran no step: %s", proc_slurp(a.log));
+  int n = 0;
+  while (args[1][n]) n++;
+  char *late[] = {"--no-state-pull", "--bootstrap", list, NULL};
+  for (int i = 0; late[i]; i++) args[1][n++] = late[i];
+  args[1][n] = NULL;
+  cluster_start_group(&C, &b, "gb", args[1]);
+  char *ob = group_finish(&b, "gb"), *oa = group_finish(&a, "ga");
+  char *log = proc_slurp(b.log);
+  int count;
+  cr_assert_geq(least_over_members(ob, "allreduce_catchups", &count), 1,
+                "a process of the late group took no state from its ring: %s\n%s", ob, log);
+  cr_assert_eq(least_over_members(ob, "steps", &count), 300, "%s", ob);
+  every_process_has(oa, ob, 2, "allreduce_rounds", 100);
+  double dist = rel_distance(ca, cb);
+  fprintf(stderr, "a late group summing every step's gradient: %.3g apart (relative) at the end\n", dist);
+  cr_assert_lt(dist, 1e-6, "the groups' models are %.3g apart (relative) after the late group caught up", dist);
+  free(log), free(oa), free(ob);
+}
+
 /* A group that starts while another trains takes each shard's state from
  * the same shard of the live group and the live group's step. ZeRO 0: each
  * member holds the whole optimizer state but pulls its piece's, and the
@@ -421,9 +499,13 @@ Test(group_avg, bad_combinations_are_refused) {
 #define G(...) (char *[]){"group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL}
   cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
                       "has 1 list for 2 processes: give one address list per process");
-  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--listen", "127.0.0.1:0", "--sync", "allreduce"), 2,
-                      "--tensor-parallel 2 with --sync allreduce without --outer (every step's gradient): data- or "
-                      "tensor-parallel groups average with other groups by gossip");
+  cluster_expect_exit(&C,
+                      G("--tensor-parallel", "2", "--data-parallel", "2", "--listen", "127.0.0.1:0", "--sync",
+                        "allreduce"),
+                      2, "--data-parallel 2 --tensor-parallel 2 with --sync allreduce without --outer: every step's "
+                         "gradient between groups is built for data- or tensor-parallel groups, not both together");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--listen", "127.0.0.1:0", "--sync", "ps"), 2,
+                      "--data-parallel 2 with --sync ps: data- or tensor-parallel groups average with other groups");
   cluster_expect_exit(&C,
                       G("--data-parallel", "2", "--zero", "1", "--listen", "127.0.0.1:0", "--sync", "allreduce",
                         "--outer", "nesterov", "--outer-overlap"),

@@ -7,7 +7,8 @@
  * broadcast (direct and chained); barrier; sub-communicators running beside
  * their parent on other threads; a collective mismatch fails every member
  * with RUMOR_EPROTO naming both sides; an abort or a member that leaves
- * fails the others naming it. */
+ * fails the others naming it; a waiting member runs its idle function
+ * (comm_set_idle). */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
@@ -251,6 +252,39 @@ Test(comm_gather, only_the_root_receives_every_members_run_in_order) {
 }
 
 /* ---- broadcast and barrier ---- */
+
+/* ---- idle work while waiting ---- */
+
+static void count_idle(void *arg) { (*(int *)arg)++; }
+
+/* Member 0 waits in an all-reduce for member 1, which comes 100 ms late:
+ * its idle function runs meanwhile, on its own thread; once unset, a
+ * second wait runs none. */
+static void idle_member(struct member *m) {
+  int *calls = (int *)m->ctx + m->rank, second;
+  float v = 1.0f;
+  if (m->rank == 0) comm_set_idle(m->c, count_idle, calls);
+  else usleep(100 * 1000);
+  note(m, comm_all_reduce(m->c, &v, 1, &m->e));
+  if (v != 2.0f) snprintf(m->bad, sizeof m->bad, "the sum is %g", v);
+  if (m->rank == 0) comm_set_idle(m->c, NULL, NULL);
+  second = *calls;
+  if (m->rank == 1) usleep(50 * 1000);
+  note(m, comm_barrier(m->c, &m->e));
+  if (m->rank == 0 && *calls != second) snprintf(m->bad, sizeof m->bad, "idle ran %d times once unset", *calls - second);
+}
+
+Test(comm_idle, runs_while_a_member_waits_and_not_once_unset) {
+  int calls[2] = {0, 0};
+  struct member ms[COMM_TEST_MAX];
+  local_run(2, idle_member, calls, ms);
+  for (int r = 0; r < 2; r++) {
+    cr_assert_eq(ms[r].rc, 0, "member %d: %s", r, ms[r].e.msg);
+    cr_assert(!ms[r].bad[0], "member %d: %s", r, ms[r].bad);
+  }
+  cr_assert_gt(calls[0], 5, "member 0 waited 100 ms and ran its idle function %d times", calls[0]);
+  cr_assert_eq(calls[1], 0);
+}
 
 static void broadcast_member(struct member *m) {
   int64_t len = *(const int64_t *)m->ctx;
