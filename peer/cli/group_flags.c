@@ -177,17 +177,12 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --servers: a data- or tensor-parallel group with parameter "
                          "servers is not built yet", which);
   if (!averages) return 0;
-  bool outer = strcmp(f->gossip.outer, "none") != 0, ring = strcmp(f->gossip.sync, "allreduce") == 0;
+  bool ring = strcmp(f->gossip.sync, "allreduce") == 0;
   if (strcmp(f->gossip.sync, "ps") == 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync ps: data- or tensor-parallel groups average with other "
                          "groups by gossip (--sync gossip, with or without --outer: NoLoCo), by every step's gradient "
                          "over the ring (--sync allreduce) or by outer rounds over it (--sync allreduce --outer "
                          "sgd|nesterov: DiLoCo) so far", which);
-  if (ring && !outer && D > 1 && T > 1)
-    return rumor_err_set(e, RUMOR_EFORMAT, "--data-parallel %d --tensor-parallel %d with --sync allreduce without "
-                         "--outer: every step's gradient between groups is built for data- or tensor-parallel "
-                         "groups, not both together yet (a piece of a rank's slices holds replicated entries the "
-                         "other ranks' rings may sum differently); use one of them, or --outer", D, T);
   if (ring && f->gossip.outer_overlap)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync allreduce --outer-overlap: DiLoCo between data- or "
                          "tensor-parallel groups runs its rounds without overlap so far (a group that joins late "

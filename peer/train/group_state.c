@@ -430,9 +430,13 @@ int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
   }
   t->reduce_s += clock_now_s() - r0;
   if (rc) return rc;
-  /* ZeRO 0 ranks hold every piece after; ZeRO 1-3 ranks only their own,
-   * whose replicated entries no other rank of the member holds alike. */
+  /* ZeRO 0 ranks hold every piece after (and all-gather them next); ZeRO
+   * 1-2 ranks only their own, whose replicated entries no other rank of the
+   * member holds alike: they average the replicated parameters after every
+   * step instead (trainer_group_resync; ZeRO 3 ranks between groups are
+   * refused by the command line). */
   bool whole = !t->cfg.dp || t->zero.dp.zero == 0;
+  if (t->cfg.tp && !whole) t->replicated_apart = true;
   if (t->cfg.tp && whole && (rc = average_replicated(t, &t->model.grads, 0, e))) return rc;
   return 0;
 }

@@ -297,6 +297,13 @@ Test(group_avg, tensor_parallel_groups_sum_every_steps_gradient_slice_by_slice) 
   groups_sum_every_step((char *[]){"--tensor-parallel", "2", NULL}, "gpt:L2-H4-C32-T16-V257", 2);
 }
 
+/* Both: 2 members of 2 ranks (ZeRO 1), 4 processes a group, each with the
+ * process holding the same piece of the same slices in the other group. */
+Test(group_avg, tensor_and_data_parallel_groups_sum_every_steps_gradient_piece_by_piece) {
+  groups_sum_every_step((char *[]){"--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1", NULL},
+                        "gpt:L2-H4-C32-T16-V257", 4);
+}
+
 /* Expert-parallel groups at ZeRO 1 (each member holding only its own
  * experts' weights whole, issue #32) run DiLoCo piece by piece: member r
  * of each group in a ring with member r of the other; the groups end
@@ -415,24 +422,28 @@ Test(group_avg, a_late_diloco_group_refuses_poisoned_outer_states_and_stops) {
  * all-gathers the pieces' parameters and moments (each member holds them
  * all at ZeRO 0), and from then on both groups apply the same mean
  * gradient every step: they end with the same model, and each group's
- * members with the same optimizer state (checked before the result). */
-Test(group_avg, a_late_group_summing_every_steps_gradient_catches_up_piece_by_piece) {
-  SKIP_WITHOUT_DATA();
+ * members with the same optimizer state (checked before the result).
+ * `layout` (N processes a group), on the MLP or the language model `gpt`. */
+static void late_group_sums_every_step(char *const *layout, int N, const char *gpt) {
+  if (!gpt) SKIP_WITHOUT_DATA();
   char ca[256], cb[256], list[512];
   snprintf(ca, sizeof ca, "%s/a.safetensors", C.dir);
   snprintf(cb, sizeof cb, "%s/b.safetensors", C.dir);
+  char *text = gpt ? (char *)cluster_make_text(&C, 200000) : NULL;
   char *args[2][48];
   for (int g = 0; g < 2; g++) {
-    char *common[] = {"--data-parallel", "2", "--model", "mlp:784-64-32-10", "--batch", "50", "--max-steps", "300",
-                      "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync", "allreduce", "--seed",
-                      g ? "2" : "1", "--listen", "127.0.0.1:0", "--checkpoint", g ? cb : ca, NULL};
+    char *common[] = {"--model", gpt ? (char *)gpt : "mlp:784-64-32-10", "--batch", gpt ? "8" : "50", "--max-steps",
+                      "300", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync", "allreduce",
+                      "--seed", g ? "2" : "1", "--listen", "127.0.0.1:0", "--checkpoint", g ? cb : ca,
+                      gpt ? "--data" : NULL, text, NULL};
     int n = 0;
+    for (int i = 0; layout[i]; i++) args[g][n++] = layout[i];
     for (int i = 0; common[i]; i++) args[g][n++] = common[i];
     args[g][n] = NULL;
   }
   struct cluster_group a, b;
   cluster_start_group(&C, &a, "ga", args[0]);
-  group_addrs(&a, 2, list, sizeof list);
+  group_addrs(&a, N, list, sizeof list);
   cr_assert(cluster_wait_file(a.log, "first step: loss", 60), "group ga ran no step: %s", proc_slurp(a.log));
   int n = 0;
   while (args[1][n]) n++;
@@ -446,11 +457,24 @@ Test(group_avg, a_late_group_summing_every_steps_gradient_catches_up_piece_by_pi
   cr_assert_geq(least_over_members(ob, "allreduce_catchups", &count), 1,
                 "a process of the late group took no state from its ring: %s\n%s", ob, log);
   cr_assert_eq(least_over_members(ob, "steps", &count), 300, "%s", ob);
-  every_process_has(oa, ob, 2, "allreduce_rounds", 100);
+  every_process_has(oa, ob, N, "allreduce_rounds", 100);
   double dist = rel_distance(ca, cb);
-  fprintf(stderr, "a late group summing every step's gradient: %.3g apart (relative) at the end\n", dist);
+  fprintf(stderr, "a late group (%s %s) summing every step's gradient: %.3g apart (relative) at the end\n", layout[0],
+          layout[1], dist);
   cr_assert_lt(dist, 1e-6, "the groups' models are %.3g apart (relative) after the late group caught up", dist);
   free(log), free(oa), free(ob);
+}
+
+Test(group_avg, a_late_group_summing_every_steps_gradient_catches_up_piece_by_piece) {
+  late_group_sums_every_step((char *[]){"--data-parallel", "2", NULL}, 2, NULL);
+}
+
+/* The same with 2 members of 2 tensor-parallel ranks (ZeRO 1): four
+ * rings; the replicated parameters' moments the ranks pulled apart stay
+ * apart, and the ranks average those parameters after every step. */
+Test(group_avg, a_late_tensor_and_data_parallel_group_summing_every_step_catches_up) {
+  late_group_sums_every_step((char *[]){"--tensor-parallel", "2", "--data-parallel", "2", "--zero", "1", NULL}, 4,
+                             "gpt:L2-H4-C32-T16-V257");
 }
 
 /* A group that starts while another trains takes each shard's state from
@@ -499,11 +523,6 @@ Test(group_avg, bad_combinations_are_refused) {
 #define G(...) (char *[]){"group", keys[0], keys[1], keys[2], keys[3], __VA_ARGS__, NULL}
   cluster_expect_exit(&C, G("--data-parallel", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
                       "has 1 list for 2 processes: give one address list per process");
-  cluster_expect_exit(&C,
-                      G("--tensor-parallel", "2", "--data-parallel", "2", "--listen", "127.0.0.1:0", "--sync",
-                        "allreduce"),
-                      2, "--data-parallel 2 --tensor-parallel 2 with --sync allreduce without --outer: every step's "
-                         "gradient between groups is built for data- or tensor-parallel groups, not both together");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--listen", "127.0.0.1:0", "--sync", "ps"), 2,
                       "--data-parallel 2 with --sync ps: data- or tensor-parallel groups average with other groups");
   cluster_expect_exit(&C,
