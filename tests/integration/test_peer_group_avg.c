@@ -149,6 +149,24 @@ static void every_process_has(const char *oa, const char *ob, int N, const char 
   }
 }
 
+/* Group g's (0 or 1) command line into out[0..63]: `layout`, `extra`,
+ * then `steps` steps of the MLP on the images, or of the language model
+ * `gpt` on a made-up text, seed g + 1, its checkpoint `ckpt`, listening on
+ * an ephemeral port. */
+static void group_argv(char **out, int g, const char *gpt, char *const *layout, char *const *extra, char *steps,
+                       char *ckpt) {
+  char *text = gpt ? (char *)cluster_make_text(&C, 200000) : NULL;
+  char *common[] = {"--model", gpt ? (char *)gpt : "mlp:784-64-32-10", "--batch", gpt ? "8" : "50", "--max-steps",
+                    steps, "--seed", g ? "2" : "1", "--log-every", "0", "--eval-batches", "4", "--checkpoint", ckpt,
+                    "--listen", "127.0.0.1:0", gpt ? "--data" : NULL, text, NULL};
+  int n = 0;
+  for (int i = 0; layout[i]; i++) out[n++] = layout[i];
+  for (int i = 0; extra[i]; i++) out[n++] = extra[i];
+  for (int i = 0; common[i]; i++) out[n++] = common[i];
+  RUMOR_ASSERT(n < 60);
+  out[n] = NULL;
+}
+
 /* Two groups of the same layout, seeds 1 and 2, trained side by side
  * (--wait-peers 2) with `extra` options; both checkpoints written.
  * Returns the groups' stdout (caller frees). The model is an MLP on the
@@ -159,18 +177,9 @@ static void two_groups_of(const char *gpt, char *const *layout, char *const *ext
   char ca[256], cb[256], list[512];
   snprintf(ca, sizeof ca, "%s/a.safetensors", C.dir);
   snprintf(cb, sizeof cb, "%s/b.safetensors", C.dir);
-  char *text = gpt ? (char *)cluster_make_text(&C, 200000) : NULL;
-  char *args[2][64];
-  for (int g = 0; g < 2; g++) {
-    char *common[] = {"--model", gpt ? (char *)gpt : "mlp:784-64-32-10", "--batch", gpt ? "8" : "50", "--max-steps",
-                      "200", "--seed", g ? "2" : "1", "--log-every", "0", "--eval-batches", "4", "--wait-peers", "2",
-                      "--checkpoint", g ? cb : ca, "--listen", "127.0.0.1:0", gpt ? "--data" : NULL, text, NULL};
-    int n = 0;
-    for (int i = 0; layout[i]; i++) args[g][n++] = layout[i];
-    for (int i = 0; extra[i]; i++) args[g][n++] = extra[i];
-    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
-    args[g][n] = NULL;
-  }
+  char *args[2][64], *waits[32] = {"--wait-peers", "2"};
+  for (int i = 0; extra[i]; i++) waits[2 + i] = extra[i];
+  for (int g = 0; g < 2; g++) group_argv(args[g], g, gpt, layout, waits, "200", g ? cb : ca);
   struct cluster_group a, b;
   cluster_start_group(&C, &a, "ga", args[0]);
   group_addrs(&a, N, list, sizeof list);
@@ -429,18 +438,8 @@ static void late_group_sums_every_step(char *const *layout, int N, const char *g
   char ca[256], cb[256], list[512];
   snprintf(ca, sizeof ca, "%s/a.safetensors", C.dir);
   snprintf(cb, sizeof cb, "%s/b.safetensors", C.dir);
-  char *text = gpt ? (char *)cluster_make_text(&C, 200000) : NULL;
-  char *args[2][48];
-  for (int g = 0; g < 2; g++) {
-    char *common[] = {"--model", gpt ? (char *)gpt : "mlp:784-64-32-10", "--batch", gpt ? "8" : "50", "--max-steps",
-                      "300", "--slowdown", "4", "--log-every", "0", "--eval-batches", "4", "--sync", "allreduce",
-                      "--seed", g ? "2" : "1", "--listen", "127.0.0.1:0", "--checkpoint", g ? cb : ca,
-                      gpt ? "--data" : NULL, text, NULL};
-    int n = 0;
-    for (int i = 0; layout[i]; i++) args[g][n++] = layout[i];
-    for (int i = 0; common[i]; i++) args[g][n++] = common[i];
-    args[g][n] = NULL;
-  }
+  char *args[2][64], *extra[] = {"--slowdown", "4", "--sync", "allreduce", NULL};
+  for (int g = 0; g < 2; g++) group_argv(args[g], g, gpt, layout, extra, "300", g ? cb : ca);
   struct cluster_group a, b;
   cluster_start_group(&C, &a, "ga", args[0]);
   group_addrs(&a, N, list, sizeof list);
