@@ -7,6 +7,8 @@
 #   alone    one group, shard 0/2
 #   gossip   two groups, process k averaging its piece with process k of the
 #            other group every step (--finish-wait-ms: both end together)
+#   allreduce two groups, --sync allreduce: process k's piece of every
+#            step's gradient averaged with process k's of the other group
 #   diloco   two groups, --sync allreduce --outer nesterov --local-steps H:
 #            an outer round of each piece every H steps
 #   peers    the reference for diloco: two `rumor peer`s (whole replicas,
@@ -24,7 +26,8 @@
 # Environment: MODEL (default gpt:L2-H2-C64-T64-V256), LAYOUT, BATCH (8),
 # STEPS (600), H (50), OUTER (more options for the diloco row, e.g.
 # "--outer-lr 0.7"), DATA (a text file, default the KJV corpus of
-# deploy/install-deps.sh), ROWS (default "alone gossip diloco peers").
+# deploy/install-deps.sh), ROWS (default "alone gossip allreduce diloco
+# peers").
 #
 # Each process runs one thread; two groups of two processes share the
 # machine's cores (on the 2-core machine this was written on, four
@@ -40,7 +43,7 @@ BATCH=${BATCH:-8}
 STEPS=${STEPS:-600}
 H=${H:-50}
 DATA=${DATA:-/usr/local/share/rumor/kjv.txt}
-ROWS=${ROWS:-alone gossip diloco peers}
+ROWS=${ROWS:-alone gossip allreduce diloco peers}
 OUTER=${OUTER:-}
 [ -x "$rumor" ] || { echo "bench-groups.sh: build rumor first (no $rumor)" >&2; exit 1; }
 [ -f "$DATA" ] || { echo "bench-groups.sh: no corpus at $DATA (set DATA)" >&2; exit 1; }
@@ -126,6 +129,10 @@ run_row() {
     group 0 "$a" --wait-peers 2 --finish-wait-ms 60000
     group 1 "$b" --wait-peers 2 --finish-wait-ms 60000 --bootstrap "$(announced "$a" shard "$procs")"
     ;;
+  allreduce)
+    group 0 "$a" --wait-peers 2 --sync allreduce
+    group 1 "$b" --wait-peers 2 --sync allreduce --bootstrap "$(announced "$a" shard "$procs")"
+    ;;
   diloco)
     # shellcheck disable=SC2086 # OUTER is a list of options
     group 0 "$a" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER
@@ -150,14 +157,14 @@ run_row() {
   eval "loss_$row=$(field "$summary" val_loss)"
   case $row in
   alone) eval "bytes_$row=0" ;;
-  gossip | diloco) eval "bytes_$row=$(bytes_per_step "$a")" ;;
+  gossip | allreduce | diloco) eval "bytes_$row=$(bytes_per_step "$a")" ;;
   esac
 }
 
 echo "bench-groups: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), $(nproc) cores," \
   "$MODEL, layout '$LAYOUT', batch $BATCH, $STEPS steps, H=$H, ${OUTER:+$OUTER, }$(date +%F)"
 for row in $ROWS; do run_row "$row"; done
-printf '%-8s %10s %22s %10s\n' row val_loss "bytes/step/process" "vs gossip"
+printf '%-9s %10s %22s %10s\n' row val_loss "bytes/step/process" "vs gossip"
 for row in $ROWS; do
   l=$(eval "echo \"\$loss_$row\"")
   by=$(eval "echo \"\$bytes_$row\"")
@@ -167,7 +174,7 @@ for row in $ROWS; do
   elif [ "$row" != alone ] && [ -n "${bytes_gossip:-}" ] && [ "$by" -gt 0 ]; then
     ratio=$(awk -v g="$bytes_gossip" -v b="$by" 'BEGIN {printf "%.1fx fewer", g / b}')
   fi
-  printf '%-8s %10s %22s %10s\n' "$row" "$l" "$by" "$ratio"
+  printf '%-9s %10s %22s %10s\n' "$row" "$l" "$by" "$ratio"
 done
 if [ -n "${loss_diloco:-}" ] && [ -n "${loss_peers:-}" ]; then
   awk -v g="$loss_diloco" -v p="$loss_peers" 'BEGIN {
