@@ -91,11 +91,15 @@ int group_pass_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
  * process over its own ring. The processes then agree whether any dropped
  * the step (it caught up with a donor's shard, or its ring's sum was not
  * finite): then all drop it, as ZeRO 0 members, which update everything,
- * must; the group later goes on from the largest step any took
- * (trainer_group_agree_steps). Tensor-parallel ranks average their
- * replicated parameters' gradients after it (their rings may have summed
- * over different groups while membership changed). Returns 0, 1 (dropped)
- * or a negative code. Collective over the group. */
+ * must, and go on from one step: the latest any took, those whose shards
+ * are older taking theirs again from their rings (train_reducer.catch_up)
+ * until all hold shards of that step. Meanwhile waiting processes serve
+ * the states other groups' processes pull (comm_set_idle). Tensor-parallel
+ * ranks average their replicated parameters' gradients after it (their
+ * rings may have summed over different groups while membership changed);
+ * ZeRO 1-2 ranks, which hold only their piece of them, their replicated
+ * parameters after every step (trainer_group_resync). Returns 0, 1
+ * (dropped) or a negative code. Collective over the group. */
 int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* The gradient's global norm squared, from model.grads' elements [lo, hi)
  * of the buffer this process holds (a ZeRO piece, or all of it), summed
