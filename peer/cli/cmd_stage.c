@@ -659,20 +659,24 @@ static int shard_train(struct stage_proc *p, double *secs, int64_t *steps, bool 
   double t0 = clock_now_s();
   int64_t step0 = t->st.step;
   uint64_t seen = s->changes;
-  /* Every step's gradient between groups: a state donated between the
-   * update and the resync would carry replicated parameters the ranks have
-   * not averaged yet (tensor-parallel ZeRO 1-2 ranks); donations wait for
-   * the next step's waits (its ring round, the group's agreement). */
+  /* Every step's gradient between groups: a whole state donated between
+   * the update and the resync would carry replicated parameters the ranks
+   * have not averaged yet (a late group of tensor-parallel ZeRO 1 ranks
+   * ended 6e-5 from the live one); what is asked meanwhile is served after
+   * it. (Not for the schemes whose boundary runs rounds: a late process of
+   * DiLoCo pulls outer states from processes waiting in those rounds.) */
   bool hold = t->reducer.reduce != NULL;
   int rc = 0;
   while (rc == 0 && !trainer_done(t) && !signals_stop_requested()) {
     if ((rc = trainer_step(t, e))) break;
     if (t->st.step == step0 + 1) log_info("first step: loss %.4f at step %lld", t->last_loss, (long long)t->st.step);
-    if (hold) s->donate_state_ok = false;
-    if ((rc = sync_boundary(s, e))) break;
-    bool any;
-    rc = trainer_group_resync(t, s->changes != seen, &any, e);
-    if (hold) s->donate_state_ok = true;
+    sync_hold_state(s, hold);
+    rc = sync_boundary(s, e);
+    bool any = false;
+    if (rc == 0) rc = trainer_group_resync(t, s->changes != seen, &any, e);
+    sync_hold_state(s, false);
+    if (rc) break;
+    if (hold) sync_idle(s);
     seen = s->changes;
     if (trainer_done(t)) *stale = any;
   }

@@ -119,7 +119,7 @@ static void donate(struct sync *s, double now) {
     tensor_copy_to_host(&t->model.params, t->shard_lo, gossip_donor_buf(s->g), (size_t)trainer_shard_floats(t) * sizeof(float));
     publish_stats(s, now, true);
   } else {
-    if (!s->donate_state_ok) return; /* asked again at the next round boundary */
+    if (!s->donate_state_ok || s->hold_state) return; /* asked again at the next round boundary, or after the hold */
     if (trainer_holds_part(t))
       log_info("donating this %s's state at step %lld", trainer_is_stage(t) ? "stage" : "shard", (long long)t->st.step);
     else {
@@ -142,6 +142,8 @@ void sync_idle(void *arg) {
   else if (now - s->stats_s >= 1.0) publish_stats(s, now, false);
   donate(s, now);
 }
+
+void sync_hold_state(struct sync *s, bool on) { s->hold_state = on; }
 
 int sync_boundary(struct sync *s, struct rumor_err *e) {
   int rc = s->scheme->boundary ? s->scheme->boundary(s, e) : 0;

@@ -493,6 +493,8 @@ struct sync {
    * between round boundaries); a monitor's request for the parameters is
    * served anyway. */
   bool donate_state_ok;
+  /* Full-state donations are also held back while set (sync_hold_state). */
+  bool hold_state;
 
   /* Monitoring figures (gossip_stats_publish). */
   double *sketch;          /* gossip_sketch_k doubles */
@@ -519,6 +521,12 @@ int sync_start(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Whatever the scheme does at this step boundary, then sync_idle.
  * Returns 0 or the scheme's error (the member stops). */
 int sync_boundary(struct sync *s, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Holds full-state donations back (on) or lets them go again: a group
+ * process's state is whole only once its group has resynced after a step
+ * (the pieces gathered, tensor-parallel ranks' replicated parameters
+ * averaged); one that sums every step's gradient holds them from its
+ * update to then. */
+void sync_hold_state(struct sync *s, bool on);
 /* Donations and figures only, for the middle of a step or a wait; `arg` is
  * the sync. Suits stage_link_set_idle. */
 void sync_idle(void *arg);

@@ -356,6 +356,17 @@ static comm_t *group_all(const struct trainer *t) { return t->cfg.tp ? t->cfg.tp
  * TRAIN_STEPS_MAX < 2^48. */
 #define STEP_UNIT 16777216.0
 
+/* This process's step into its two floats of `slots` (process r's at 2r). */
+static void put_step(const struct trainer *t, float *slots, int r) {
+  slots[2 * r] = (float)fmod((double)t->st.step, STEP_UNIT);
+  slots[2 * r + 1] = (float)floor((double)t->st.step / STEP_UNIT);
+}
+
+/* Process r's step from the summed slots. */
+static int64_t slot_step(const float *slots, int r) {
+  return (int64_t)slots[2 * r] + (int64_t)slots[2 * r + 1] * (int64_t)STEP_UNIT;
+}
+
 /* The group's processes' steps, smallest and largest, and whether any took
  * a pulled state (trainer_load_state) since the last agreement: one
  * all-reduce of [pulled, then two floats per process]. */
@@ -364,14 +375,13 @@ static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled,
   int members = comm_size(all), me = comm_rank(all);
   float v[1 + 2 * COMM_MAX_MEMBERS] = {0};
   v[0] = t->state_pulled ? 1.0f : 0.0f;
-  v[1 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
-  v[2 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
+  put_step(t, v + 1, me);
   int rc = comm_all_reduce(all, v, 1 + 2 * (int64_t)members, e);
   if (rc) return rc;
   *pulled = v[0] > 0;
   *lo = INT64_MAX, *hi = 0;
   for (int r = 0; r < members; r++) {
-    int64_t s = (int64_t)v[1 + 2 * r] + (int64_t)v[2 + 2 * r] * (int64_t)STEP_UNIT;
+    int64_t s = slot_step(v + 1, r);
     if (s < *lo) *lo = s;
     if (s > *hi) *hi = s;
   }
@@ -450,7 +460,7 @@ static void take_largest_step(struct trainer *t, const float *slots, int members
   int64_t most = t->st.step;
   int who = -1;
   for (int r = 0; r < members; r++) {
-    int64_t s = (int64_t)slots[2 * r] + (int64_t)slots[2 * r + 1] * (int64_t)STEP_UNIT;
+    int64_t s = slot_step(slots, r);
     if (s > most) most = s, who = r;
   }
   if (who < 0) return;
@@ -470,11 +480,7 @@ static int agree(struct trainer *t, bool changed, float *any, float *pulled, str
   float v[2 + 2 * COMM_MAX_MEMBERS] = {0}; /* every step: no allocation */
   v[0] = changed || t->state_pulled ? 1.0f : 0.0f;
   v[1] = t->state_pulled ? 1.0f : 0.0f;
-  if (t->agree_steps) {
-    int me = comm_rank(all);
-    v[2 + 2 * me] = (float)fmod((double)t->st.step, STEP_UNIT);
-    v[3 + 2 * me] = (float)floor((double)t->st.step / STEP_UNIT);
-  }
+  if (t->agree_steps) put_step(t, v + 2, comm_rank(all));
   int rc = comm_all_reduce(all, v, n, e);
   if (rc == 0 && t->agree_steps) take_largest_step(t, v + 2, members);
   *any = v[0];

@@ -168,31 +168,47 @@ static float *xbuf(struct train_zero *z, int64_t n) {
   return z->xbuf;
 }
 
-/* All-gather of an experts' region [a, b) (one expert: per floats) to the
- * members that run them: member m receives from every member the part of
- * its piece that m's experts span, which together are those experts
- * whole (the pieces tile the buffer in member order); nobody receives
- * experts it does not run. One all-to-all. */
-static int experts_to_runners(struct trainer *t, struct tensor *x, int64_t a, int64_t b, int64_t per,
-                              struct rumor_err *e) {
+/* The two sides of an experts' exchange over region [a, b) (one expert:
+ * per floats), for each member j: mine[j] floats of this member's piece
+ * that j runs, and theirs[j] floats of j's piece that this member runs
+ * (the pieces tile the buffer in member order, so the latter, j by j, are
+ * this member's experts whole). Returns Σ mine. */
+static int64_t runner_counts(struct trainer *t, int64_t a, int64_t b, int64_t per, int64_t *mine, int64_t *theirs) {
   struct train_zero *z = &t->zero;
-  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi, at, ns = 0;
+  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi, at, sum = 0;
   run_by(t, a, per, z->ep_of[z->rank], &olo, &ohi);
   for (int j = 0; j < z->size; j++) {
     int64_t lo, hi;
     run_by(t, a, per, z->ep_of[j], &lo, &hi);
-    ns += z->counts[j] = overlap(plo, plo + pn, lo, hi, &at);
-    z->counts2[j] = overlap(z->cut[j], z->cut[j + 1], olo, ohi, &at);
+    sum += mine[j] = overlap(plo, plo + pn, lo, hi, &at);
+    theirs[j] = overlap(z->cut[j], z->cut[j + 1], olo, ohi, &at);
   }
+  return sum;
+}
+
+/* Where a non-empty mine[j] of runner_counts starts, relative to this
+ * member's piece of the region (which starts at plo). */
+static int64_t mine_at(struct trainer *t, int64_t a, int64_t per, int j, int64_t plo) {
+  int64_t lo, hi;
+  run_by(t, a, per, t->zero.ep_of[j], &lo, &hi);
+  return lo > plo ? lo - plo : 0;
+}
+
+/* All-gather of an experts' region [a, b) to the members that run them:
+ * member m receives from every member the part of its piece that m's
+ * experts span, which together are those experts whole; nobody receives
+ * experts it does not run. One all-to-all. */
+static int experts_to_runners(struct trainer *t, struct tensor *x, int64_t a, int64_t b, int64_t per,
+                              struct rumor_err *e) {
+  struct train_zero *z = &t->zero;
+  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi;
+  run_by(t, a, per, z->ep_of[z->rank], &olo, &ohi);
+  int64_t ns = runner_counts(t, a, b, per, z->counts, z->counts2);
   float *buf = xbuf(z, pn + ns + (ohi - olo)), *send = buf + pn, *recv = send + ns;
   if (pn > 0) tensor_copy_to_host(x, plo, buf, (size_t)pn * sizeof(float));
   int64_t k = 0;
-  for (int j = 0; j < z->size; k += z->counts[j], j++) {
-    int64_t lo, hi;
-    run_by(t, a, per, z->ep_of[j], &lo, &hi);
-    if (overlap(plo, plo + pn, lo, hi, &at) > 0)
-      memcpy(send + k, buf + (at - plo), (size_t)z->counts[j] * sizeof(float));
-  }
+  for (int j = 0; j < z->size; k += z->counts[j], j++)
+    if (z->counts[j] > 0) memcpy(send + k, buf + mine_at(t, a, per, j, plo), (size_t)z->counts[j] * sizeof(float));
   int rc = comm_all_to_all(z->dp.comm, send, z->counts, recv, z->counts2, e);
   if (rc == 0 && ohi > olo) tensor_copy_from_host(x, olo, recv, (size_t)(ohi - olo) * sizeof(float));
   return rc;
@@ -206,14 +222,9 @@ static int experts_to_runners(struct trainer *t, struct tensor *x, int64_t a, in
 static int experts_from_runners(struct trainer *t, struct tensor *g, int64_t a, int64_t b, int64_t per,
                                 struct rumor_err *e) {
   struct train_zero *z = &t->zero;
-  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi, at, nr = 0;
+  int64_t plo, pn = overlap(z->cut[z->rank], z->cut[z->rank + 1], a, b, &plo), olo, ohi;
   run_by(t, a, per, z->ep_of[z->rank], &olo, &ohi);
-  for (int j = 0; j < z->size; j++) {
-    int64_t lo, hi;
-    run_by(t, a, per, z->ep_of[j], &lo, &hi);
-    z->counts[j] = overlap(z->cut[j], z->cut[j + 1], olo, ohi, &at);
-    nr += z->counts2[j] = overlap(plo, plo + pn, lo, hi, &at);
-  }
+  int64_t nr = runner_counts(t, a, b, per, z->counts2, z->counts); /* the other way round */
   float *buf = xbuf(z, (ohi - olo) + nr + pn), *recv = buf + (ohi - olo), *sum = recv + nr;
   if (ohi > olo) tensor_copy_to_host(g, olo, buf, (size_t)(ohi - olo) * sizeof(float));
   int rc = comm_all_to_all(z->dp.comm, buf, z->counts, recv, z->counts2, e);
@@ -221,10 +232,8 @@ static int experts_from_runners(struct trainer *t, struct tensor *g, int64_t a, 
   memset(sum, 0, (size_t)pn * sizeof(float));
   int64_t k = 0;
   for (int j = 0; j < z->size; k += z->counts2[j], j++) {
-    int64_t lo, hi;
-    run_by(t, a, per, z->ep_of[j], &lo, &hi);
-    if (overlap(plo, plo + pn, lo, hi, &at) == 0) continue;
-    for (int64_t i = 0; i < z->counts2[j]; i++) sum[at - plo + i] += recv[k + i];
+    float *into = sum + (z->counts2[j] > 0 ? mine_at(t, a, per, j, plo) : 0);
+    for (int64_t i = 0; i < z->counts2[j]; i++) into[i] += recv[k + i];
   }
   tensor_copy_from_host(g, plo, sum, (size_t)pn * sizeof(float));
   return 0;
