@@ -777,7 +777,7 @@ int cmd_group(int argc, char **argv) {
                       "averages its shard (its slices, or its ZeRO piece of them) with process k of other\n"
                       "groups of the same layout: by gossip (--sync gossip, with or without --outer:\n"
                       "NoLoCo), by DiLoCo's outer rounds over a ring (--sync allreduce --outer K), or by\n"
-                      "every step's gradient over it (--sync allreduce; not with --stages).\n"
+                      "every step's gradient over it (--sync allreduce).\n"
                       "\n"
                       "--expert-parallel P: P processes split a mixture-of-experts model's experts (a GPT\n"
                       "spec with -E<n>): each takes its slice of every batch as a data-parallel member\n"
@@ -817,7 +817,9 @@ int cmd_group(int argc, char **argv) {
                       "equal the single process's; each stage writes its own checkpoint file (--resume and\n"
                       "--init-from as for --stages alone). Given --listen (process k on port + k) or\n"
                       "--bootstrap (one list per process), process k averages its shard with process k of\n"
-                      "other groups of the same layout by gossip (with or without --outer: NoLoCo) or by\n"
+                      "other groups of the same layout by gossip (with or without --outer: NoLoCo), by\n"
+                      "every step's gradient (--sync allreduce: if a process's ring leaves it behind, every\n"
+                      "stage's processes take their shards at one step before the pipeline goes on) or by\n"
                       "DiLoCo's rounds (--sync allreduce --outer); else the group trains alone.");
   if (ar != ARGS_OK) return ar == ARGS_HELP ? 0 : 2;
   group_flags_finish(&g->f, specs);

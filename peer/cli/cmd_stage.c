@@ -179,8 +179,8 @@ static int parse(struct stage_proc *p, int argc, char **argv, bool *done) {
                       "clipping, drift bound and rate limits as `rumor peer`. Every stage of a group gets\n"
                       "the same training options and identity. With --dp r/D or --tp t/T inside a stage,\n"
                       "the process averages its shard of the stage (its piece of its slices) with the same\n"
-                      "process of other groups, given --listen or --bootstrap (gossip, NoLoCo, DiLoCo or,\n"
-                      "without --stage S > 1, every step's gradient), else trains alone. `rumor group`\n"
+                      "process of other groups, given --listen or --bootstrap (gossip, NoLoCo, DiLoCo or\n"
+                      "every step's gradient), else trains alone. `rumor group`\n"
                       "starts all stages of a group on one host. A stage that fails or vanishes stops its\n"
                       "whole group.");
   *done = true;

@@ -204,18 +204,19 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, struc
                          "it; use --zero 0 or 1 (DeepSpeed, too, pairs pipeline parallelism with ZeRO 1 only)",
                          (long long)f->pipe.zero, S);
   /* With --bootstrap or --listen, process k averages with process k of
-   * other groups: by gossip, NoLoCo or DiLoCo, as a data- or
-   * tensor-parallel group's processes do (group_shard_check's refusals). */
-  bool outer = strcmp(f->gossip.outer, "none") != 0, ring = strcmp(f->gossip.sync, "allreduce") == 0;
+   * other groups: by gossip, NoLoCo, DiLoCo or every step's gradient, as a
+   * data- or tensor-parallel group's processes do (group_shard_check's
+   * refusals). */
+  bool ring = strcmp(f->gossip.sync, "allreduce") == 0;
   const char *what = NULL;
   if (f->gossip.servers) what = "--servers";
   else if (strcmp(f->gossip.sync, "ps") == 0) what = "--sync ps";
-  else if (ring && !outer) what = "--sync allreduce without --outer (every step's gradient)";
   else if (ring && f->gossip.outer_overlap) what = "--outer-overlap";
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
-                         "trains alone or averages with other groups by gossip, with or without --outer (NoLoCo), or "
-                         "by DiLoCo's rounds (--sync allreduce --outer) so far; %s is not built for it yet",
+                         "trains alone or averages with other groups by gossip, with or without --outer (NoLoCo), by "
+                         "every step's gradient (--sync allreduce) or by DiLoCo's rounds (--sync allreduce --outer) so "
+                         "far; %s is not built for it yet",
                          D > 1 ? "data-parallel" : "tensor-parallel", D > 1 ? D : T, S,
                          D > 1 ? "data-parallel members" : "tensor-parallel ranks", what);
   return 0;

@@ -234,6 +234,39 @@ static int tied_gradient(struct pipeline *p, int64_t step, struct rumor_err *e) 
   return 0;
 }
 
+/* ---- agreements ---- */
+
+static int agree_recv(struct pipeline *p, enum stage_link_dir from, int64_t seq, int32_t leg, float *v, int n,
+                      pipe_combine_fn combine, struct rumor_err *e) {
+  float *data;
+  int64_t rows;
+  double waited;
+  int rc = stage_link_recv(p->link, from, STAGE_LINK_AGREE, seq, leg, &data, &rows, &waited, e);
+  p->cur_wait += waited;
+  if (rc) return rc;
+  if (combine) combine(data, v, n); /* up: the stages before us, then ours */
+  memcpy(v, data, (size_t)n * sizeof(float));
+  free(data);
+  return 0;
+}
+
+int pipeline_agree(struct pipeline *p, int64_t seq, float *v, int n, pipe_combine_fn combine, struct rumor_err *e) {
+  RUMOR_ASSERT(n >= 1 && n <= STAGE_LINK_AGREE_FLOATS);
+  if (p->stages == 1) return 0;
+  float row[STAGE_LINK_AGREE_FLOATS] = {0};
+  int rc;
+  /* Leg 0 up the links (folding), leg 1 back down (the result). */
+  if (!first_stage(p) && (rc = agree_recv(p, STAGE_LINK_PREV, seq, 0, v, n, combine, e))) return rc;
+  if (!last_stage(p)) {
+    memcpy(row, v, (size_t)n * sizeof(float));
+    if ((rc = stage_link_send(p->link, STAGE_LINK_NEXT, STAGE_LINK_AGREE, seq, 0, 1, row, e))) return rc;
+    if ((rc = agree_recv(p, STAGE_LINK_NEXT, seq, 1, v, n, NULL, e))) return rc;
+  }
+  if (first_stage(p)) return 0;
+  memcpy(row, v, (size_t)n * sizeof(float));
+  return stage_link_send(p->link, STAGE_LINK_PREV, STAGE_LINK_AGREE, seq, 1, 1, row, e);
+}
+
 /* ---- one step ---- */
 
 /* Fills the bound slot's input of unit u0 with micro-batch rows: from the

@@ -156,7 +156,10 @@ enum stage_link_kind {
   STAGE_LINK_EVAL = 3, /* evaluation activations, forward */
   STAGE_LINK_TIED_PARAM = 4, /* a tied parameter's value, forward (stage 0 to the last, relayed) */
   STAGE_LINK_TIED_GRAD = 5,  /* the last stage's gradient of it, backward (relayed to stage 0) */
+  STAGE_LINK_AGREE = 6,      /* a few values the stages agree on (pipeline_agree), either way; tagged with the
+                                agreement's number instead of a step */
 };
+#define STAGE_LINK_AGREE_FLOATS 8 /* what one STAGE_LINK_AGREE transfer carries (one row) */
 
 struct stage_link_config {
   gossip_t *host;                      /* whose event loop the link runs on (unused for a group of one) */
@@ -354,5 +357,21 @@ typedef void (*pipe_gather_fn)(void *arg, int64_t first, int64_t rows, void *x, 
 int pipeline_eval(struct pipeline *p, int64_t count, int64_t chunks, pipe_gather_fn gather, void *arg,
                   int64_t *correct,
                   double *loss_sum, struct rumor_err *e) RUMOR_MUST_CHECK;
+
+/* Folds `mine` (this stage's values) into `acc` (those of the stages
+ * before it), n values each. */
+typedef void (*pipe_combine_fn)(float *acc, const float *mine, int n);
+
+/* One agreement of the stages on n (1 .. STAGE_LINK_AGREE_FLOATS) values:
+ * stage 0's v travels up the links, each stage folding its own in with
+ * `combine`, and the last stage's result travels back down; every stage
+ * gets it in v. Every stage must call it at the same point with the same
+ * `seq` (the caller's count of its agreements, the same on every stage:
+ * it tags the transfers, as a step number tags a step's, so steps that
+ * differ between stages do not matter). A group of one stage returns at
+ * once. Waits block as the link's do (its idle callback runs). Returns 0,
+ * or a negative code with the link's failure. */
+int pipeline_agree(struct pipeline *p, int64_t seq, float *v, int n, pipe_combine_fn combine,
+                   struct rumor_err *e) RUMOR_MUST_CHECK;
 
 #endif /* RUMOR_PEER_PIPELINE_H */

@@ -21,7 +21,8 @@ enum {
 _Static_assert(LMSG_HELLO == 1 && LMSG_HELLO_OK == 2 && LMSG_REJECT == 3 && LMSG_START == 4 && LMSG_ABORT == 5 &&
                    LMSG_PING == 6,
                "stage link message numbers travel on the wire");
-_Static_assert(STAGE_LINK_ACT == 1 && STAGE_LINK_GRAD == 2 && STAGE_LINK_EVAL == 3,
+_Static_assert(STAGE_LINK_ACT == 1 && STAGE_LINK_GRAD == 2 && STAGE_LINK_EVAL == 3 && STAGE_LINK_TIED_PARAM == 4 &&
+                   STAGE_LINK_TIED_GRAD == 5 && STAGE_LINK_AGREE == 6,
                "transfer kinds travel on the wire");
 #define LINK_PROTO_VERSION 1
 
@@ -141,22 +142,28 @@ static void derive_identity(const struct net_identity *group, int stage, struct 
 
 /* Floats per row of a transfer of `kind` to or from the neighbour in `d`:
  * activations and their gradients by the stage's widths; a tied
- * parameter's value or gradient in one row of tied_floats. */
+ * parameter's value or gradient in one row of tied_floats; an agreement
+ * in one row of STAGE_LINK_AGREE_FLOATS. */
 static int64_t transfer_width(const stage_link_t *l, enum stage_link_dir d, uint32_t kind) {
   if (kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD) return l->cfg.tied_floats;
+  if (kind == STAGE_LINK_AGREE) return STAGE_LINK_AGREE_FLOATS;
   return d == STAGE_LINK_PREV ? l->cfg.in_width : l->cfg.out_width;
+}
+
+/* Transfers of one row in f32: a tied parameter, its gradient, an
+ * agreement. */
+static bool exact_kind(uint32_t kind) {
+  return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD || kind == STAGE_LINK_AGREE;
 }
 
 /* The encoding of a transfer of `kind`: the configured one for activations
  * and their gradients (values a step uses once, where 8 or 16 bits lose
- * little), f32 for a tied parameter and its gradient (the model itself). */
+ * little), f32 for the rest (the model itself, or exact values). */
 static enum net_dtype transfer_wire(const stage_link_t *l, uint32_t kind) {
-  return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD ? NET_DTYPE_F32 : l->cfg.wire;
+  return exact_kind(kind) ? NET_DTYPE_F32 : l->cfg.wire;
 }
 
-static int64_t max_rows(const stage_link_t *l, uint32_t kind) {
-  return kind == STAGE_LINK_TIED_PARAM || kind == STAGE_LINK_TIED_GRAD ? 1 : l->cfg.max_rows;
-}
+static int64_t max_rows(const stage_link_t *l, uint32_t kind) { return exact_kind(kind) ? 1 : l->cfg.max_rows; }
 
 /* magic u32 | version u16, kind u16 | step u64 | mb u32 | 0 u32 | rows u64 */
 static void meta_write(uint8_t *m, uint32_t kind, int64_t step, int32_t mb, int64_t rows) {
@@ -379,9 +386,11 @@ static int on_bulk_begin(net_conn_t *c, const struct net_bulk_info *info, float 
   else {
     kind = le_get_u32(m + 4) >> 16;
     rows = (int64_t)le_get_u64(m + 24);
-    bool kind_ok = d == STAGE_LINK_PREV ? (kind == STAGE_LINK_ACT || kind == STAGE_LINK_EVAL ||
-                                           (kind == STAGE_LINK_TIED_PARAM && l->cfg.tied_floats > 0))
-                                        : (kind == STAGE_LINK_GRAD || (kind == STAGE_LINK_TIED_GRAD && l->cfg.tied_floats > 0));
+    bool kind_ok = kind == STAGE_LINK_AGREE ||
+                   (d == STAGE_LINK_PREV ? (kind == STAGE_LINK_ACT || kind == STAGE_LINK_EVAL ||
+                                            (kind == STAGE_LINK_TIED_PARAM && l->cfg.tied_floats > 0))
+                                         : (kind == STAGE_LINK_GRAD ||
+                                            (kind == STAGE_LINK_TIED_GRAD && l->cfg.tied_floats > 0)));
     width = transfer_width(l, d, kind);
     if (!kind_ok) snprintf(why, sizeof why, "a transfer of kind %u from the wrong side", kind);
     else if (info->wire != transfer_wire(l, kind))
@@ -605,6 +614,7 @@ static void start_on_loop(uv_loop_t *loop, void *arg) {
   nc.offload = false;
   int64_t w = l->cfg.in_width > l->cfg.out_width ? l->cfg.in_width : l->cfg.out_width;
   int64_t most = l->cfg.max_rows * w > l->cfg.tied_floats ? l->cfg.max_rows * w : l->cfg.tied_floats;
+  if (most < STAGE_LINK_AGREE_FLOATS) most = STAGE_LINK_AGREE_FLOATS;
   nc.max_bulk_bytes = (uint64_t)most * sizeof(float) + 1;
   const struct net_callbacks cbs = {.on_accept = on_accept,
                                     .on_message = on_message,

@@ -356,35 +356,74 @@ static comm_t *group_all(const struct trainer *t) { return t->cfg.tp ? t->cfg.tp
  * TRAIN_STEPS_MAX < 2^48. */
 #define STEP_UNIT 16777216.0
 
-/* This process's step into its two floats of `slots` (process r's at 2r). */
-static void put_step(const struct trainer *t, float *slots, int r) {
-  slots[2 * r] = (float)fmod((double)t->st.step, STEP_UNIT);
-  slots[2 * r + 1] = (float)floor((double)t->st.step / STEP_UNIT);
+/* A step into two floats at v. */
+static void put_value(float *v, int64_t step) {
+  v[0] = (float)fmod((double)step, STEP_UNIT);
+  v[1] = (float)floor((double)step / STEP_UNIT);
 }
+
+/* This process's step into its two floats of `slots` (process r's at 2r). */
+static void put_step(const struct trainer *t, float *slots, int r) { put_value(slots + 2 * r, t->st.step); }
 
 /* Process r's step from the summed slots. */
 static int64_t slot_step(const float *slots, int r) {
   return (int64_t)slots[2 * r] + (int64_t)slots[2 * r + 1] * (int64_t)STEP_UNIT;
 }
 
+/* ---- agreements across a pipeline's stages ----
+ * A group whose stages hold data-parallel members or tensor-parallel ranks
+ * agrees inside each stage over the stage's communicator (group_all), then
+ * across the stages over the links (pipeline_agree): process r of every
+ * stage carries its stage's (already agreed) values up and the result back
+ * down, so every process of the group ends with the same. */
+
+static bool across_stages(const struct trainer *t) { return trainer_is_stage(t) && t->pipe.stages > 1; }
+
+/* [flag]: any stage's. */
+static void fold_any(float *acc, const float *mine, int n) {
+  (void)n;
+  if (mine[0] > acc[0]) acc[0] = mine[0];
+}
+
+/* [pulled, lo (two floats), hi (two floats)]: any, the smallest, the
+ * largest (steps as put_value writes them). */
+static void fold_steps(float *acc, const float *mine, int n) {
+  (void)n;
+  if (mine[0] > acc[0]) acc[0] = mine[0];
+  if (slot_step(mine + 1, 0) < slot_step(acc + 1, 0)) acc[1] = mine[1], acc[2] = mine[2];
+  if (slot_step(mine + 3, 0) > slot_step(acc + 3, 0)) acc[3] = mine[3], acc[4] = mine[4];
+}
+
+static int agree_across(struct trainer *t, float *v, int n, pipe_combine_fn fold, struct rumor_err *e) {
+  if (!across_stages(t)) return 0;
+  return pipeline_agree(&t->pipe, t->stage_agreements++, v, n, fold, e);
+}
+
 /* The group's processes' steps, smallest and largest, and whether any took
  * a pulled state (trainer_load_state) since the last agreement: one
- * all-reduce of [pulled, then two floats per process]. */
+ * all-reduce of [pulled, then two floats per process], then across the
+ * stages. */
 static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled, struct rumor_err *e) {
   comm_t *all = group_all(t);
-  int members = comm_size(all), me = comm_rank(all);
+  int members = all ? comm_size(all) : 1, me = all ? comm_rank(all) : 0, rc;
   float v[1 + 2 * COMM_MAX_MEMBERS] = {0};
-  v[0] = t->state_pulled ? 1.0f : 0.0f;
+  /* A plain stage (no communicator) does not track its pulls: steps that
+   * differ between stages say one was taken. */
+  v[0] = t->state_pulled || !all ? 1.0f : 0.0f;
   put_step(t, v + 1, me);
-  int rc = comm_all_reduce(all, v, 1 + 2 * (int64_t)members, e);
-  if (rc) return rc;
-  *pulled = v[0] > 0;
+  if (all && (rc = comm_all_reduce(all, v, 1 + 2 * (int64_t)members, e))) return rc;
   *lo = INT64_MAX, *hi = 0;
   for (int r = 0; r < members; r++) {
     int64_t s = slot_step(v + 1, r);
     if (s < *lo) *lo = s;
     if (s > *hi) *hi = s;
   }
+  float w[5] = {v[0]};
+  put_value(w + 1, *lo);
+  put_value(w + 3, *hi);
+  if ((rc = agree_across(t, w, 5, fold_steps, e))) return rc;
+  *pulled = w[0] > 0;
+  *lo = slot_step(w + 1, 0), *hi = slot_step(w + 3, 0);
   return 0;
 }
 
@@ -431,12 +470,14 @@ int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
      * round waits for a process of another group, which may be pulling
      * our state to catch up: serve it meanwhile. Our state is the step's
      * start's until the update. */
-    comm_set_idle(group_all(t), t->reducer.idle, t->reducer.arg);
+    comm_t *all = group_all(t); /* NULL: a plain stage */
+    if (all) comm_set_idle(all, t->reducer.idle, t->reducer.arg);
     float dropped = rc > 0 ? 1.0f : 0.0f;
-    rc = comm_all_reduce(group_all(t), &dropped, 1, e);
+    rc = all ? comm_all_reduce(all, &dropped, 1, e) : 0;
+    if (rc == 0) rc = agree_across(t, &dropped, 1, fold_any, e); /* every stage drops alike */
     if (rc == 0 && dropped > 0) rc = converge_after_drop(t, e);
     if (rc == 0 && dropped > 0) rc = 1;
-    comm_set_idle(group_all(t), NULL, NULL);
+    if (all) comm_set_idle(all, NULL, NULL);
   }
   t->reduce_s += clock_now_s() - r0;
   if (rc) return rc;

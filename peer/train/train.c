@@ -968,11 +968,12 @@ static int step_stage(struct trainer *t, double lr, int64_t *rows_out, double *l
   *rows_out = rows;
   if (t->cfg.dp && trainer_has_loss(t) && (rc = stage_dp_sum(t, &loss_sum, 1, e))) return rc;
   *loss = trainer_has_loss(t) ? loss_sum / (double)model_targets(&t->model, rows) : NAN;
-  if (t->cfg.dp) { /* the stage's members sum their gradients and update (no reducer: refused by the CLI) */
-    RUMOR_ASSERT(!t->reducer.reduce);
-    return zero_update(t, lr, rows, e);
-  }
-  if ((rc = reduce(t, rows, e))) return rc; /* this stage's slice, with the same stage of other groups */
+  /* The stage's members sum their gradients and update (and with a
+   * reducer average their pieces with other groups', group_reduce_between). */
+  if (t->cfg.dp) return zero_update(t, lr, rows, e);
+  /* This stage's slice (a rank's slices of it) with the same of other
+   * groups; the stages then agree whether the step was dropped. */
+  if (t->reducer.reduce && (rc = group_reduce_between(t, rows, e))) return rc;
   if (t->cfg.tp) { /* by the norm of the stage's units, over its ranks' slices */
     if ((rc = group_clip(t, 0, t->model.nparams, t->cfg.tp->comm, e))) return rc;
   } else {

@@ -87,8 +87,10 @@ int group_ep_setup(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 int group_pass_failed(struct trainer *t, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* --sync allreduce between groups (train_reducer): this process's shard
  * of the group's gradient of the batch's `rows` (complete where it holds
- * it) becomes the mean with the same shard of the other groups, each
- * process over its own ring. The processes then agree whether any dropped
+ * it; a pipeline stage's slice, or a piece of it) becomes the mean with
+ * the same shard of the other groups, each process over its own ring. The
+ * processes (a pipelined group's: in each stage, then across the stages
+ * over the links, pipeline_agree) then agree whether any dropped
  * the step (it caught up with a donor's shard, or its ring's sum was not
  * finite): then all drop it, as ZeRO 0 members, which update everything,
  * must, and go on from one step: the latest any took, those whose shards

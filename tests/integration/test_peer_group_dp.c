@@ -407,8 +407,8 @@ Test(group_dp, bad_options_are_refused) {
                       "other groups by gossip");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
                       "--bootstrap '127.0.0.1:9' has 1 list for 4 processes");
-  cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--sync", "allreduce"), 2,
-                      "--sync allreduce without --outer (every step's gradient) is not built for it yet");
+  cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--sync", "ps"), 2,
+                      "--sync ps is not built for it yet");
   cluster_expect_exit(&C, (char *[]){"peer", "--group", "g", "--stage", "1/2", keys[0], keys[1], keys[2], keys[3],
                                      "--dp", "1/2", "--link-prev", "127.0.0.1:9", NULL},
                       2, "process 1 of stage 1/2 (--dp 1/2) needs --comm-peers with the addresses of processes 0 .. 0");
