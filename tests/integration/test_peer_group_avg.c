@@ -521,13 +521,13 @@ Test(group_avg, a_late_pipelined_zero0_group_summing_every_step_catches_up) {
                              "gpt:L2-H4-C32-T16-V257");
 }
 
-/* The same for a plain pipelined group (a process a stage): stage s's
- * ring with stage s of the live group; the stages took their states at
- * different steps (one run: 22 and 23), and without the agreement across
- * the links the pipeline hung, stage 0 running one step and stage 1
- * another. */
+/* The same for a plain pipelined group (a process a stage), of 3 stages
+ * so that the agreement passes a stage between: stage s's ring with stage
+ * s of the live group; the stages take their states at different steps
+ * (one run of 2 stages: 22 and 23), and without the agreement across the
+ * links the pipeline hung, stage 0 running one step and stage 1 another. */
 Test(group_avg, a_late_pipelined_group_summing_every_step_catches_up_stage_by_stage) {
-  late_group_sums_every_step((char *[]){"--stages", "2", "--micro-batches", "2", NULL}, 2, "gpt:L2-H4-C32-T16-V257");
+  late_group_sums_every_step((char *[]){"--stages", "3", "--micro-batches", "2", NULL}, 3, "gpt:L2-H4-C32-T16-V257");
 }
 
 Test(group_avg, a_late_pipelined_group_with_members_summing_every_step_catches_up) {
