@@ -34,6 +34,7 @@ bool gossip_donor_poll(gossip_t *g) { return atomic_load(&g->don.state) == SLOT_
 float *gossip_donor_buf(gossip_t *g) { return g->don.buf; }
 bool gossip_donor_sending(gossip_t *g) { return atomic_load(&g->don.state) == SLOT_BUSY; }
 bool gossip_donor_params_only(gossip_t *g) { return atomic_load(&g->don.params_only); }
+bool gossip_donor_catch_up(gossip_t *g) { return atomic_load(&g->don.catch_up); }
 
 void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {
   struct gossip_donation *d = &g->don;
@@ -113,11 +114,12 @@ static void on_ready(net_t *n, void *arg, int status) {
 /* Takes the slot for a request on `c`; false when it is not free (a
  * donation in progress). `params_only` is set before the slot turns WANT:
  * the training thread reads it then. */
-static bool take_slot(struct gossip *g, net_conn_t *c, bool params_only) {
+static bool take_slot(struct gossip *g, net_conn_t *c, bool params_only, bool catch_up) {
   struct gossip_donation *d = &g->don;
   int expected = SLOT_IDLE;
   if (atomic_load(&d->state) != SLOT_IDLE) return false;
   atomic_store(&d->params_only, params_only);
+  atomic_store(&d->catch_up, catch_up);
   if (!atomic_compare_exchange_strong(&d->state, &expected, SLOT_WANT)) {
     atomic_store(&d->params_only, false);
     return false;
@@ -164,7 +166,7 @@ static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_m
     snprintf(why, sizeof why, "at step %llu, before the step %llu asked for", (unsigned long long)g->ring.pos,
              (unsigned long long)min);
     send_busy(c, why, false);
-  } else if (!take_slot(g, c, false)) {
+  } else if (!take_slot(g, c, false, min > 0)) {
     send_busy(c, "already donating", false);
   }
 }
@@ -173,7 +175,7 @@ static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_m
  * which the training thread fills at its next boundary. */
 static void handle_params_req(struct gossip *g, net_conn_t *c) {
   bool can = g->cfg.role == GOSSIP_ROLE_PEER && atomic_load(&g->ready) && !g->stopping && !gossip_join_pulling(g);
-  if (!can || !take_slot(g, c, true)) send_busy(c, "busy", false);
+  if (!can || !take_slot(g, c, true, false)) send_busy(c, "busy", false);
 }
 
 void gossip_donation_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {

@@ -379,6 +379,9 @@ void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos);
  * parameters into the donor buffer and publishes fresh figures with a sketch
  * (gossip_stats_publish) before gossip_donor_done; they travel along. */
 bool gossip_donor_params_only(gossip_t *g);
+/* True when the pending state request is a ring member's catch-up
+ * (gossip_state_pull with min_step > 0), not a newcomer's join. */
+bool gossip_donor_catch_up(gossip_t *g);
 
 /* ---- monitoring: what the training thread publishes (training thread) ---- */
 

@@ -256,6 +256,9 @@ struct gossip_donation {
    * turns WANT; the figures captured at the same boundary
    * (gossip_donor_done) travel with the parameters. */
   _Atomic bool params_only;
+  /* The request named a "min" step (gossip_state_pull: a ring member left
+   * behind), not a newcomer's join; set with params_only. */
+  _Atomic bool catch_up;
   double norm;
   double *sketch;           /* sketch_k doubles */
   bool have_sketch;

@@ -435,6 +435,7 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   if (rc) return rc;
   if (p->in_stages && p->averages) return in_stage_join(p, e);
   struct stage_link_pos lp = {0, 0, 0};
+  int64_t shard_step = t->st.step; /* of the slice this stage holds */
   if (p->mb.setup.sync.kind == SYNC_PS) {
     if ((rc = join_servers(p, &lp, e)) || (rc = pass_position(p, &lp, false, false, e))) return rc;
   } else {
@@ -445,6 +446,7 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
     if (jr < 0) return jr;
     if (jr == 0) {
       lp = (struct stage_link_pos){(int64_t)pos.step, (int64_t)pos.epoch, (int64_t)pos.samples};
+      shard_step = (int64_t)pos.step;
       log_info("took stage %d's state from the cluster at step %llu (epoch %llu)", p->st.stage,
                (unsigned long long)pos.step, (unsigned long long)pos.epoch + 1);
     } else if (resumed) { /* position and data order are already its checkpoint's */
@@ -457,7 +459,9 @@ static int join(struct stage_proc *p, struct rumor_err *e) {
   }
   if (!p->mb.have_sync && (rc = member_ready(&p->mb, t, e))) return rc;
   stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
-  return 0;
+  /* Every step's gradient: the stages' slices, taken from different
+   * groups' stages, go on from one step. */
+  return trainer_group_join_converge(t, shard_step, e);
 }
 
 static int shard_train(struct stage_proc *p, double *secs, int64_t *steps, bool *stale, struct rumor_err *e);
@@ -609,6 +613,7 @@ static int members_agree(struct stage_proc *p, bool pulled, const struct gossip_
 static int shard_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};
+  int64_t own = t->st.step;
   /* A resumed group keeps its own state, as a resumed peer does. */
   int jr = member_join(&p->mb, t, &p->f.gossip, p->tc.resume != NULL, &pos, e);
   if (jr < 0) return jr;
@@ -620,6 +625,9 @@ static int shard_join(struct stage_proc *p, struct rumor_err *e) {
     log_info("the group continues from step %lld (epoch %lld)", (long long)use[1], (long long)use[2] + 1);
   }
   rc = member_ready(&p->mb, t, e);
+  /* Every step's gradient: the shards, pulled from different processes,
+   * go on from one step. */
+  if (rc == 0) rc = trainer_group_join_converge(t, jr == 0 ? (int64_t)pos.step : own, e);
   /* A pulled shard, or an outer round due at the start, changed pieces. */
   if (rc == 0 && use[0]) rc = trainer_group_resync_state(t, e);
   if (rc == 0) rc = trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);
@@ -635,6 +643,7 @@ static int in_stage_join(struct stage_proc *p, struct rumor_err *e) {
   struct trainer *t = &p->t;
   struct gossip_train_pos pos = {0, 0, 0};
   bool resumed = p->tc.resume != NULL;
+  int64_t own = t->st.step;
   int jr = member_join(&p->mb, t, &p->f.gossip, resumed, &pos, e);
   if (jr < 0) return jr;
   int64_t use[4];
@@ -646,6 +655,7 @@ static int in_stage_join(struct stage_proc *p, struct rumor_err *e) {
   else if (own_state) lp = (struct stage_link_pos){t->st.step, t->st.epoch, t->st.samples};
   if ((rc = pass_position(p, &lp, own_state, true, e)) || (rc = member_ready(&p->mb, t, e))) return rc;
   stage_link_set_idle(p->link, sync_idle, &p->mb.sync);
+  if ((rc = trainer_group_join_converge(t, jr == 0 ? (int64_t)pos.step : own, e))) return rc;
   if (use[0] && (rc = trainer_group_resync_state(t, e))) return rc;
   return trainer_group_resync(t, jr == 0 || p->mb.sync.changes > 0, NULL, e);
 }

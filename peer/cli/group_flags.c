@@ -177,17 +177,11 @@ int group_shard_check(const struct group_flags *f, int D, int T, bool averages, 
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --servers: a data- or tensor-parallel group with parameter "
                          "servers is not built yet", which);
   if (!averages) return 0;
-  bool ring = strcmp(f->gossip.sync, "allreduce") == 0;
   if (strcmp(f->gossip.sync, "ps") == 0)
     return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync ps: data- or tensor-parallel groups average with other "
                          "groups by gossip (--sync gossip, with or without --outer: NoLoCo), by every step's gradient "
                          "over the ring (--sync allreduce) or by outer rounds over it (--sync allreduce --outer "
                          "sgd|nesterov: DiLoCo) so far", which);
-  if (ring && f->gossip.outer_overlap)
-    return rumor_err_set(e, RUMOR_EFORMAT, "%s with --sync allreduce --outer-overlap: DiLoCo between data- or "
-                         "tensor-parallel groups runs its rounds without overlap so far (a group that joins late "
-                         "catches up from processes whose rounds are in flight and that donate nothing meanwhile); "
-                         "leave out --outer-overlap", which);
   if (D > 1 && T > 1 && f->pipe.zero == 3)
     return rumor_err_set(e, RUMOR_EFORMAT, "--zero 3 with %s between groups: ZeRO 3 tensor-parallel ranks do not "
                          "hold their replicated parameters whole, which averaging needs; use --zero 2", which);
@@ -207,11 +201,9 @@ int group_stage_dp_check(const struct group_flags *f, int S, int D, int T, struc
    * other groups: by gossip, NoLoCo, DiLoCo or every step's gradient, as a
    * data- or tensor-parallel group's processes do (group_shard_check's
    * refusals). */
-  bool ring = strcmp(f->gossip.sync, "allreduce") == 0;
   const char *what = NULL;
   if (f->gossip.servers) what = "--servers";
   else if (strcmp(f->gossip.sync, "ps") == 0) what = "--sync ps";
-  else if (ring && f->gossip.outer_overlap) what = "--outer-overlap";
   if (what)
     return rumor_err_set(e, RUMOR_EFORMAT, "--%s %d with --stages %d: a pipelined group with %s inside its stages "
                          "trains alone or averages with other groups by gossip, with or without --outer (NoLoCo), by "

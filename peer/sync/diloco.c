@@ -213,7 +213,13 @@ static int diloco_boundary(struct sync *s, struct rumor_err *e) {
      * round starts, if a newcomer waits). */
     s->donate_state_ok = true;
     sync_idle(s);
-    if (s->cfg.outer.overlap && !trainer_done(s->t)) {
+    /* An outer state taken from a member whose round was in flight: that
+     * member waits for us in the round, which runs now (our pseudo-gradient
+     * is nothing: the parameters are the anchor), so that we land it where
+     * the member does and go on in step with it. */
+    bool join = o->join_flight;
+    o->join_flight = false;
+    if (s->cfg.outer.overlap && !trainer_done(s->t) && !join) {
       launch(s);
       return 0;
     }

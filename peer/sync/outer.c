@@ -131,6 +131,7 @@ bool sync_outer_land_due(const struct sync *s) {
 }
 
 bool sync_outer_due(const struct sync *s) {
+  if (s->outer.join_flight) return true;
   int64_t step = s->t->st.step, H = s->cfg.outer.local_steps;
   if (step <= 0) return false;
   bool boundary = step % H == 0 || trainer_done(s->t);
@@ -153,16 +154,21 @@ bool sync_outer_take(struct sync *s, const float *state, uint64_t step, uint64_t
     }
   const float *meta = state + meta_at;
   uint64_t rounds = 0;
-  if (!meta_rounds(meta, &rounds) || rounds < min_round || meta[META_IN_FLIGHT] != 0.0f) {
-    snprintf(why, n, "its outer state is not one after %llu rounds with none in flight (rounds %g + %g x 2^24, in "
-             "flight %g, valid %g)", (unsigned long long)min_round, (double)meta[META_ROUNDS_LO],
-             (double)meta[META_ROUNDS_HI], (double)meta[META_IN_FLIGHT], (double)meta[META_VALID]);
+  /* With --outer-overlap its round `rounds` may be in flight (its donor
+   * waits for it to land, and for us in it). */
+  bool flight = meta[META_IN_FLIGHT] == 1.0f && s->cfg.outer.overlap;
+  if (!meta_rounds(meta, &rounds) || rounds < min_round || !(meta[META_IN_FLIGHT] == 0.0f || flight)) {
+    snprintf(why, n, "its outer state is not one after %llu rounds with none in flight%s (rounds %g + %g x 2^24, in "
+             "flight %g, valid %g)", (unsigned long long)min_round, s->cfg.outer.overlap ? " or one" : "",
+             (double)meta[META_ROUNDS_LO], (double)meta[META_ROUNDS_HI], (double)meta[META_IN_FLIGHT],
+             (double)meta[META_VALID]);
     return false;
   }
   /* Its step goes with its rounds: a round ends every H steps (and at a
-   * run's last step, which may come before a multiple of H). */
+   * run's last step, which may come before a multiple of H); one in flight
+   * started at the last boundary and lands by the next. */
   uint64_t H = (uint64_t)s->cfg.outer.local_steps;
-  if (step > (rounds + 1) * H || step + H < rounds * H) {
+  if (step > (rounds + 1 + flight) * H || step + H < rounds * H) {
     snprintf(why, n, "its step %llu does not go with its %llu rounds of %llu steps", (unsigned long long)step,
              (unsigned long long)rounds, (unsigned long long)H);
     return false;
@@ -173,6 +179,7 @@ bool sync_outer_take(struct sync *s, const float *state, uint64_t step, uint64_t
   tensor_copy(&params, &o->anchor);
   o->rounds = rounds;
   o->in_flight = false;
+  o->join_flight = flight;
   s->changes++;
   sync_outer_store(s);
   return true;

@@ -108,9 +108,20 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
   s->stats_s = now;
 }
 
+/* Whether a state may go to the pending request while donate_state_ok is
+ * false (an overlapped outer round in flight): a group process's ring
+ * partner left behind takes the outer state alone (allreduce.c,
+ * outer_state_only), which a round in flight leaves whole (the anchor and
+ * momentum after the rounds applied, the round marked in flight), and
+ * joins that round (sync_outer_take); a newcomer's join takes the whole
+ * state, which would lack the round's update. */
+static bool outer_state_wanted(const struct sync *s) {
+  return trainer_in_group_comm(s->t) && s->cfg.outer.kind != OUTER_NONE && gossip_donor_catch_up(s->g);
+}
+
 /* Serves a pending donation: a monitor's request for the parameters, or a
  * newcomer's for the whole state (held back while donate_state_ok is
- * false). */
+ * false, but for outer_state_wanted). */
 static void donate(struct sync *s, double now) {
   if (!gossip_donor_poll(s->g)) return;
   struct trainer *t = s->t;
@@ -119,7 +130,8 @@ static void donate(struct sync *s, double now) {
     tensor_copy_to_host(&t->model.params, t->shard_lo, gossip_donor_buf(s->g), (size_t)trainer_shard_floats(t) * sizeof(float));
     publish_stats(s, now, true);
   } else {
-    if (!s->donate_state_ok || s->hold_state) return; /* asked again at the next round boundary, or after the hold */
+    /* Asked again at the next round boundary, or after the hold. */
+    if ((!s->donate_state_ok && !outer_state_wanted(s)) || s->hold_state) return;
     if (trainer_holds_part(t))
       log_info("donating this %s's state at step %lld", trainer_is_stage(t) ? "stage" : "shard", (long long)t->st.step);
     else {

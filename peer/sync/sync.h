@@ -469,6 +469,8 @@ struct sync_outer {
   float *host;                    /* (P + 1) scratch on the host (top-k encoding) */
   uint64_t rounds;                /* rounds applied (kept with the model) */
   bool in_flight;                 /* overlap: the round `rounds` was started and is not applied yet */
+  bool join_flight;               /* a group process took an outer state whose round `rounds` was in flight at
+                                     its donor (sync_outer_take): it runs that round at once (sync_outer_due) */
   uint64_t alone;                 /* NoLoCo rounds applied without a partner */
   bool alone_last;                /* ... the last one was */
   double next_ask_s;              /* NoLoCo overlapping: no request of ours before this (pacing) */

@@ -462,6 +462,16 @@ static int converge_after_drop(struct trainer *t, struct rumor_err *e) {
   }
 }
 
+int trainer_group_join_converge(struct trainer *t, int64_t shard_step, struct rumor_err *e) {
+  if (!t->reducer.reduce || !t->reducer.catch_up) return 0;
+  comm_t *all = group_all(t); /* NULL: a plain stage */
+  if (all) comm_set_idle(all, t->reducer.idle, t->reducer.arg);
+  trainer_take_step(t, shard_step);
+  int rc = converge_after_drop(t, e);
+  if (all) comm_set_idle(all, NULL, NULL);
+  return rc;
+}
+
 int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
   double r0 = clock_now_s();
   int rc = t->reducer.reduce(t->reducer.arg, rows, e);

@@ -706,6 +706,17 @@ int trainer_group_resync(struct trainer *t, bool changed, bool *any, struct rumo
  * step of a member ahead while the other members' rings may not have left
  * them behind. Every member of the group calls it before the same resync. */
 void trainer_group_agree_steps(struct trainer *t);
+/* Every step's gradient between groups (a train_reducer with catch_up;
+ * else returns 0 at once): after a group joined, each process having
+ * taken its shard (a stage's slice, or a piece of it) from a live group at
+ * `shard_step` (or kept its own, of that step), the processes whose shards
+ * are older than the latest any holds take theirs again from their rings
+ * until all hold shards of one step, which becomes the group's (the
+ * donors, each moving on, may have served steps apart, and the rings
+ * would sum the same gradient into parameters of different steps). Every
+ * process of the group calls it at the same point, after the sync path is
+ * ready. Returns 0 or a negative code. */
+int trainer_group_join_converge(struct trainer *t, int64_t shard_step, struct rumor_err *e) RUMOR_MUST_CHECK;
 /* After each process of a group loaded a pulled state (its shard's):
  * ZeRO 0 data-parallel members, which each hold the whole optimizer state
  * but pulled only their piece's, all-gather the pieces of every moment.

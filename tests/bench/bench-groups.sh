@@ -11,6 +11,8 @@
 #            step's gradient averaged with process k's of the other group
 #   diloco   two groups, --sync allreduce --outer nesterov --local-steps H:
 #            an outer round of each piece every H steps
+#   overlap  the same with --outer-overlap: each round lands a round later
+#            while the processes train on (not in the default ROWS)
 #   peers    the reference for diloco: two `rumor peer`s (whole replicas,
 #            one process each) running the same DiLoCo on the same shards;
 #            a group's steps equal one process's, so the two rows should
@@ -88,8 +90,8 @@ peer() {
 announced() {
   n=0
   while [ "$n" -lt 600 ]; do
-    if [ "$2" = shard ]; then # a group's processes, by "member"
-      list=$(grep '"role":"shard"' "$1" 2>/dev/null |
+    if [ "$2" = shard ]; then # a group's processes, by "member" (inside stages: role "stage")
+      list=$(grep -E '"role":"(shard|stage)"' "$1" 2>/dev/null | grep '"member":' |
         sed -n 's/.*"listen":"\([^"]*\)".*"member":\([0-9]*\).*/\2 \1/p' | sort -n | awk '{print $2}' | paste -sd';')
     else
       list=$(grep "\"role\":\"$2\"" "$1" 2>/dev/null | sed -n 's/.*"listen":"\([^"]*\)".*/\1/p' | paste -sd';')
@@ -108,7 +110,7 @@ procs=1
 # shellcheck disable=SC2086 # LAYOUT is a list of options
 set -- $LAYOUT
 while [ $# -gt 0 ]; do
-  case $1 in --data-parallel | --tensor-parallel) procs=$((procs * $2)) ;; esac
+  case $1 in --data-parallel | --tensor-parallel | --stages) procs=$((procs * $2)) ;; esac
   shift
 done
 
@@ -133,11 +135,13 @@ run_row() {
     group 0 "$a" --wait-peers 2 --sync allreduce
     group 1 "$b" --wait-peers 2 --sync allreduce --bootstrap "$(announced "$a" shard "$procs")"
     ;;
-  diloco)
+  diloco | overlap)
+    more=$OUTER
+    [ "$row" = overlap ] && more="$OUTER --outer-overlap"
     # shellcheck disable=SC2086 # OUTER is a list of options
-    group 0 "$a" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER
+    group 0 "$a" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $more
     # shellcheck disable=SC2086
-    group 1 "$b" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $OUTER --bootstrap "$(announced "$a" shard "$procs")"
+    group 1 "$b" --wait-peers 2 --sync allreduce --outer nesterov --local-steps "$H" $more --bootstrap "$(announced "$a" shard "$procs")"
     ;;
   peers)
     peer 0 "$a"
@@ -157,7 +161,7 @@ run_row() {
   eval "loss_$row=$(field "$summary" val_loss)"
   case $row in
   alone) eval "bytes_$row=0" ;;
-  gossip | allreduce | diloco) eval "bytes_$row=$(bytes_per_step "$a")" ;;
+  gossip | allreduce | diloco | overlap) eval "bytes_$row=$(bytes_per_step "$a")" ;;
   esac
 }
 

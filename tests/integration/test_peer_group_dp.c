@@ -401,8 +401,8 @@ Test(group_dp, bad_options_are_refused) {
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "2"), 2,
                       "--zero 2 with --stages 2: ZeRO 2 and 3 shard the gradients, but a pipeline stage accumulates");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "3"), 2, "use --zero 0 or 1");
-  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--stages", "2", "--listen", "127.0.0.1:0", "--sync",
-                            "allreduce", "--outer", "nesterov", "--outer-overlap"), 2,
+  cluster_expect_exit(&C, G("--tensor-parallel", "2", "--stages", "2", "--listen", "127.0.0.1:0", "--sync", "ps",
+                            "--servers", "127.0.0.1:9;127.0.0.1:9"), 2,
                       "a pipelined group with tensor-parallel ranks inside its stages trains alone or averages with "
                       "other groups by gossip");
   cluster_expect_exit(&C, G("--data-parallel", "2", "--stages", "2", "--zero", "1", "--bootstrap", "127.0.0.1:9"), 2,
