@@ -379,24 +379,43 @@ static int64_t slot_step(const float *slots, int r) {
 
 static bool across_stages(const struct trainer *t) { return trainer_is_stage(t) && t->pipe.stages > 1; }
 
+/* What arrives over the links is checked before it is read as steps: a
+ * flag is 0 or 1, a step two whole floats below STEP_UNIT (put_value). */
+static bool flag_ok(float f) { return f == 0.0f || f == 1.0f; }
+static bool step_ok(const float *v) {
+  for (int i = 0; i < 2; i++)
+    if (!(v[i] >= 0 && v[i] < STEP_UNIT && v[i] == floorf(v[i]))) return false;
+  return true;
+}
+
 /* [flag]: any stage's. */
 static void fold_any(float *acc, const float *mine, int n) {
   (void)n;
-  if (mine[0] > acc[0]) acc[0] = mine[0];
+  if (flag_ok(acc[0]) && mine[0] > acc[0]) acc[0] = mine[0];
 }
 
 /* [pulled, lo (two floats), hi (two floats)]: any, the smallest, the
- * largest (steps as put_value writes them). */
+ * largest (steps as put_value writes them). What is not so stays, for the
+ * caller to refuse. */
 static void fold_steps(float *acc, const float *mine, int n) {
   (void)n;
+  if (!flag_ok(acc[0]) || !step_ok(acc + 1) || !step_ok(acc + 3)) return;
   if (mine[0] > acc[0]) acc[0] = mine[0];
   if (slot_step(mine + 1, 0) < slot_step(acc + 1, 0)) acc[1] = mine[1], acc[2] = mine[2];
   if (slot_step(mine + 3, 0) > slot_step(acc + 3, 0)) acc[3] = mine[3], acc[4] = mine[4];
 }
 
+/* Agrees on v across the stages (nothing to do without stages); refuses a
+ * result that is not `n` flags, or a flag and two steps (n = 5). */
 static int agree_across(struct trainer *t, float *v, int n, pipe_combine_fn fold, struct rumor_err *e) {
   if (!across_stages(t)) return 0;
-  return pipeline_agree(&t->pipe, t->stage_agreements++, v, n, fold, e);
+  int rc = pipeline_agree(&t->pipe, t->stage_agreements++, v, n, fold, e);
+  if (rc) return rc;
+  bool ok = flag_ok(v[0]) && (n == 1 || (n == 5 && step_ok(v + 1) && step_ok(v + 3)));
+  if (!ok)
+    return rumor_err_set(e, RUMOR_EPROTO, "the stages' agreement %lld came back as what no stage sends (%g, ...)",
+                         (long long)t->stage_agreements - 1, (double)v[0]);
+  return 0;
 }
 
 /* The group's processes' steps, smallest and largest, and whether any took
