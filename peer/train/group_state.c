@@ -437,7 +437,7 @@ static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled,
     if (s < *lo) *lo = s;
     if (s > *hi) *hi = s;
   }
-  float w[5] = {v[0]};
+  float w[5] = {v[0] > 0 ? 1.0f : 0.0f}; /* the members' sum of flags */
   put_value(w + 1, *lo);
   put_value(w + 3, *hi);
   if ((rc = agree_across(t, w, 5, fold_steps, e))) return rc;
@@ -503,6 +503,7 @@ int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
     if (all) comm_set_idle(all, t->reducer.idle, t->reducer.arg);
     float dropped = rc > 0 ? 1.0f : 0.0f;
     rc = all ? comm_all_reduce(all, &dropped, 1, e) : 0;
+    dropped = dropped > 0 ? 1.0f : 0.0f; /* the members' sum of flags */
     if (rc == 0) rc = agree_across(t, &dropped, 1, fold_any, e); /* every stage drops alike */
     if (rc == 0 && dropped > 0) rc = converge_after_drop(t, e);
     if (rc == 0 && dropped > 0) rc = 1;

@@ -176,7 +176,7 @@ for row in $ROWS; do
   if [ "$row" = gossip ]; then
     ratio=1
   elif [ "$row" != alone ] && [ -n "${bytes_gossip:-}" ] && [ "$by" -gt 0 ]; then
-    ratio=$(awk -v g="$bytes_gossip" -v b="$by" 'BEGIN {printf "%.1fx fewer", g / b}')
+    ratio=$(awk -v g="$bytes_gossip" -v b="$by" 'BEGIN {if (b > g) printf "%.1fx more", b / g; else printf "%.1fx fewer", g / b}')
   fi
   printf '%-9s %10s %22s %10s\n' "$row" "$l" "$by" "$ratio"
 done
