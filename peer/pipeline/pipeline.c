@@ -171,16 +171,24 @@ int64_t pipeline_tied_floats(const struct model *m, int stages) {
   return stages > 1 && k >= 0 ? tab->p[k].numel : 0;
 }
 
+/* Waits for a one-row transfer (kind, tag, mb) from the neighbour in
+ * `from` (*data: malloc'd), counting the wait in the step's. */
+static int recv_row(struct pipeline *p, enum stage_link_dir from, enum stage_link_kind kind, int64_t tag, int32_t mb,
+                    float **data, struct rumor_err *e) {
+  int64_t rows;
+  double waited;
+  int rc = stage_link_recv(p->link, from, kind, tag, mb, data, &rows, &waited, e);
+  p->cur_wait += waited;
+  return rc;
+}
+
 /* Receives a tied transfer from the neighbour in `from` and passes it on to
  * the other side (a stage between), or hands it to the caller (*out,
  * malloc'd, when out is not NULL). */
 static int tied_recv(struct pipeline *p, enum stage_link_dir from, enum stage_link_kind kind, int64_t tag, int32_t mb,
                      float **out, struct rumor_err *e) {
   float *data;
-  int64_t rows;
-  double waited;
-  int rc = stage_link_recv(p->link, from, kind, tag, mb, &data, &rows, &waited, e);
-  p->cur_wait += waited;
+  int rc = recv_row(p, from, kind, tag, mb, &data, e);
   if (rc) return rc;
   if (out) {
     *out = data;
@@ -239,10 +247,7 @@ static int tied_gradient(struct pipeline *p, int64_t step, struct rumor_err *e) 
 static int agree_recv(struct pipeline *p, enum stage_link_dir from, int64_t seq, int32_t leg, float *v, int n,
                       pipe_combine_fn combine, struct rumor_err *e) {
   float *data;
-  int64_t rows;
-  double waited;
-  int rc = stage_link_recv(p->link, from, STAGE_LINK_AGREE, seq, leg, &data, &rows, &waited, e);
-  p->cur_wait += waited;
+  int rc = recv_row(p, from, STAGE_LINK_AGREE, seq, leg, &data, e);
   if (rc) return rc;
   if (combine) combine(data, v, n); /* up: the stages before us, then ours */
   memcpy(v, data, (size_t)n * sizeof(float));
