@@ -267,7 +267,8 @@ Test(group_avg, pipelined_groups_with_members_run_diloco_process_by_process) {
 Test(group_avg, pipelined_groups_with_members_run_overlapped_diloco_process_by_process) {
   pipelined_pair("members, overlapped DiLoCo",
                  (char *[]){"--stages", "2", "--data-parallel", "2", "--zero", "1", "--micro-batches", "2", NULL},
-                 (char *[]){"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", "--outer-overlap", NULL},
+                 (char *[]){"--sync", "allreduce", "--outer", "nesterov", "--local-steps", "20", "--outer-overlap",
+                            NULL},
                  "outer_rounds", 5);
 }
 
