@@ -109,19 +109,23 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
 }
 
 /* Whether a state may go to the pending request while donate_state_ok is
- * false (an overlapped outer round in flight): a group process's ring
- * partner left behind takes the outer state alone (allreduce.c,
- * outer_state_only), which a round in flight leaves whole (the anchor and
- * momentum after the rounds applied, the round marked in flight), and
- * joins that round (sync_outer_take); a newcomer's join takes the whole
- * state, which would lack the round's update. */
-static bool outer_state_wanted(const struct sync *s) {
-  return trainer_in_group_comm(s->t) && s->cfg.outer.kind != OUTER_NONE && gossip_donor_catch_up(s->g);
+ * false (an overlapped DiLoCo round in flight, which is nearly always): a
+ * ring member left behind (a catch-up: its pull names a step) may take a
+ * state with the round in flight, whose donor waits in that round for it.
+ * A group process takes the outer state alone, which a round in flight
+ * leaves whole (the anchor and momentum after the rounds applied, the
+ * round marked in flight), and runs the round at once (sync_outer_take);
+ * a whole replica takes all of it, the round's pseudo-gradient included
+ * (outer.prev), and runs the round again from what its donor sent
+ * (diloco.c, land_flight), landing it as the donor does. A newcomer's
+ * join is served between rounds only: it would come in without a ring. */
+static bool flight_state_ok(const struct sync *s) {
+  return s->cfg.outer.kind != OUTER_NONE && gossip_donor_catch_up(s->g);
 }
 
 /* Serves a pending donation: a monitor's request for the parameters, or a
  * newcomer's for the whole state (held back while donate_state_ok is
- * false, but for outer_state_wanted). */
+ * false, but for flight_state_ok). */
 static void donate(struct sync *s, double now) {
   if (!gossip_donor_poll(s->g)) return;
   struct trainer *t = s->t;
@@ -131,7 +135,7 @@ static void donate(struct sync *s, double now) {
     publish_stats(s, now, true);
   } else {
     /* Asked again at the next round boundary, or after the hold. */
-    if ((!s->donate_state_ok && !outer_state_wanted(s)) || s->hold_state) return;
+    if ((!s->donate_state_ok && !flight_state_ok(s)) || s->hold_state) return;
     if (trainer_holds_part(t))
       log_info("donating this %s's state at step %lld", trainer_is_stage(t) ? "stage" : "shard", (long long)t->st.step);
     else {

@@ -105,6 +105,41 @@ Test(outer, a_newcomer_takes_the_outer_state_and_ends_with_the_others) {
   cr_assert(fabs(la - lc) <= 0.01 * la, "the newcomer ended at test loss %.5f, the others at %.5f", lc, la);
 }
 
+/* A DiLoCo member with overlapped rounds (--outer-overlap, H 20), on shard
+ * `shard`, from its own initialisation when `own` (--no-state-pull). */
+static int start_overlapped(const char *shard, bool own) {
+  return cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--outer", "nesterov", STABLE_OUTER,
+                            "--local-steps", "20", "--outer-overlap", "--shard", shard, "--max-steps", "400", "--batch",
+                            "16", "--seed", own ? "8" : "7", "--no-eval", "--wait-peers", "1", "--slowdown", "30",
+                            "--checkpoint", C.node[C.n].ckpt, own ? "--no-state-pull" : NULL, NULL);
+}
+
+/* With --outer-overlap a live member is nearly always waiting for a round
+ * in flight, and a newcomer's state is served between rounds only. A
+ * member its ring leaves behind (here one that joins from its own
+ * initialisation, --no-state-pull) takes, as a catch-up, the state of a
+ * member whose round is in flight (its donor serves it while it waits in
+ * that round), runs the round again from what its donor sent (the round's
+ * pseudo-gradient comes with the state) and lands it as its donor does:
+ * both end with the same parameters. Before, the live member waited for it
+ * in the round while it waited for a donation given only between rounds:
+ * 120 s, then it failed ("no peer donated its state"). */
+Test(outer, a_member_left_behind_catches_up_with_overlapped_rounds) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int a = start_overlapped("0/2", false);
+  cr_assert(cluster_wait_file(C.node[a].log, "outer round 3 at step", 60), "peer a ran no rounds: %s",
+            proc_slurp(C.node[a].log));
+  int b = start_overlapped("1/2", true);
+  expect_clean_exit(a);
+  expect_clean_exit(b);
+  cr_assert(cluster_log_has(&C, b, "taking the state of"), "the late member took no state: %s",
+            proc_slurp(C.node[b].log));
+  double ra = cluster_result(&C, a, "outer_rounds"), rb = cluster_result(&C, b, "outer_rounds");
+  cr_assert_eq(ra, rb, "the late member counts %g rounds, the other %g", rb, ra);
+  cr_assert_eq(params_differ(C.node[a].ckpt, C.node[b].ckpt), 0, "the members ended apart");
+}
+
 /* One member alone (its ring is itself) trains 100 steps, H 20, saving at
  * step `save` (the run's only save); the save is copied aside (the peer is
  * stopped meanwhile), and a run resumed from it to step 100 must end where
