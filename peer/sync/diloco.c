@@ -190,7 +190,7 @@ static void launch(struct sync *s) {
  * behind takes a state from one ahead: when that state is at a round
  * boundary still due (its donor was in the round), the round runs again
  * with the state taken. */
-static int diloco_boundary(struct sync *s, struct rumor_err *e) {
+static int rounds_at_boundary(struct sync *s, struct rumor_err *e) {
   struct sync_outer *o = &s->outer;
   if (sync_outer_land_due(s)) {
     /* --outer-overlap-steps: the round in flight lands τ steps into the
@@ -229,6 +229,27 @@ static int diloco_boundary(struct sync *s, struct rumor_err *e) {
     if (rc == 1) sync_outer_reload(s);
   }
   return 0;
+}
+
+/* Whether this step may run or land a round, by the step alone (so every
+ * process of a pipelined group, all at one step, says the same): a
+ * boundary, the run's last step, or --outer-overlap-steps' landing. */
+static bool round_step(const struct sync *s) {
+  int64_t step = s->t->st.step, H = s->cfg.outer.local_steps, tau = sync_outer_landing_steps(&s->cfg.outer);
+  if (step <= 0) return false;
+  return step % H == 0 || trainer_done(s->t) || (s->cfg.outer.overlap && tau < H && step % H == tau);
+}
+
+/* The boundary's rounds; in a pipelined group every process then goes on
+ * from the latest step any took from its ring (each catch-up takes its
+ * donor's, and donors serve steps apart while a round is in flight), or
+ * its stages would run different steps and wait for each other's
+ * transfers for ever. */
+static int diloco_boundary(struct sync *s, struct rumor_err *e) {
+  bool agree = round_step(s);
+  int rc = rounds_at_boundary(s, e);
+  if (rc == 0 && agree) rc = trainer_stages_agree_step(s->t, sync_idle, s, e);
+  return rc;
 }
 
 static void diloco_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {

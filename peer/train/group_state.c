@@ -491,6 +491,23 @@ int trainer_group_join_converge(struct trainer *t, int64_t shard_step, struct ru
   return rc;
 }
 
+int trainer_stages_agree_step(struct trainer *t, void (*idle)(void *arg), void *arg, struct rumor_err *e) {
+  if (!across_stages(t)) return 0;
+  comm_t *all = group_all(t); /* NULL: a plain stage */
+  if (all && idle) comm_set_idle(all, idle, arg);
+  int64_t lo, hi;
+  bool pulled;
+  int rc = step_range(t, &lo, &hi, &pulled, e);
+  if (all && idle) comm_set_idle(all, NULL, NULL);
+  if (rc) return rc;
+  if (hi > t->st.step) {
+    log_info("the group goes on from step %lld, which a process took from its ring (we were at step %lld)",
+             (long long)hi, (long long)t->st.step);
+    trainer_take_step(t, hi);
+  }
+  return 0;
+}
+
 int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
   double r0 = clock_now_s();
   int rc = t->reducer.reduce(t->reducer.arg, rows, e);

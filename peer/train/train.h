@@ -717,6 +717,13 @@ void trainer_group_agree_steps(struct trainer *t);
  * process of the group calls it at the same point, after the sync path is
  * ready. Returns 0 or a negative code. */
 int trainer_group_join_converge(struct trainer *t, int64_t shard_step, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* A pipelined group (a stage's process; else returns 0 at once): every
+ * process goes on from the largest step any holds, agreed in each stage
+ * and across the stages over the links. `idle` (may be NULL) runs while
+ * the stage's communicator waits. Every process of the group calls it at
+ * the same point. Returns 0 or a negative code. */
+int trainer_stages_agree_step(struct trainer *t, void (*idle)(void *arg), void *arg,
+                              struct rumor_err *e) RUMOR_MUST_CHECK;
 /* After each process of a group loaded a pulled state (its shard's):
  * ZeRO 0 data-parallel members, which each hold the whole optimizer state
  * but pulled only their piece's, all-gather the pieces of every moment.
