@@ -481,24 +481,30 @@ static int converge_after_drop(struct trainer *t, struct rumor_err *e) {
   }
 }
 
+/* While the group's communicator waits, `idle` runs (serving the states
+ * other groups' processes pull); NULL stops it. Nothing for a plain stage,
+ * which has no communicator. */
+static void group_idle(struct trainer *t, void (*idle)(void *arg), void *arg) {
+  comm_t *all = group_all(t);
+  if (all) comm_set_idle(all, idle, arg);
+}
+
 int trainer_group_join_converge(struct trainer *t, int64_t shard_step, struct rumor_err *e) {
   if (!t->reducer.reduce || !t->reducer.catch_up) return 0;
-  comm_t *all = group_all(t); /* NULL: a plain stage */
-  if (all) comm_set_idle(all, t->reducer.idle, t->reducer.arg);
+  group_idle(t, t->reducer.idle, t->reducer.arg);
   trainer_take_step(t, shard_step);
   int rc = converge_after_drop(t, e);
-  if (all) comm_set_idle(all, NULL, NULL);
+  group_idle(t, NULL, NULL);
   return rc;
 }
 
 int trainer_stages_agree_step(struct trainer *t, void (*idle)(void *arg), void *arg, struct rumor_err *e) {
   if (!across_stages(t)) return 0;
-  comm_t *all = group_all(t); /* NULL: a plain stage */
-  if (all && idle) comm_set_idle(all, idle, arg);
+  group_idle(t, idle, arg);
   int64_t lo, hi;
   bool pulled;
   int rc = step_range(t, &lo, &hi, &pulled, e);
-  if (all && idle) comm_set_idle(all, NULL, NULL);
+  group_idle(t, NULL, NULL);
   if (rc) return rc;
   if (hi > t->st.step) {
     log_info("the group goes on from step %lld, which a process took from its ring (we were at step %lld)",
@@ -517,14 +523,14 @@ int group_reduce_between(struct trainer *t, int64_t rows, struct rumor_err *e) {
      * our state to catch up: serve it meanwhile. Our state is the step's
      * start's until the update. */
     comm_t *all = group_all(t); /* NULL: a plain stage */
-    if (all) comm_set_idle(all, t->reducer.idle, t->reducer.arg);
+    group_idle(t, t->reducer.idle, t->reducer.arg);
     float dropped = rc > 0 ? 1.0f : 0.0f;
     rc = all ? comm_all_reduce(all, &dropped, 1, e) : 0;
     dropped = dropped > 0 ? 1.0f : 0.0f; /* the members' sum of flags */
     if (rc == 0) rc = agree_across(t, &dropped, 1, fold_any, e); /* every stage drops alike */
     if (rc == 0 && dropped > 0) rc = converge_after_drop(t, e);
     if (rc == 0 && dropped > 0) rc = 1;
-    if (all) comm_set_idle(all, NULL, NULL);
+    group_idle(t, NULL, NULL);
   }
   t->reduce_s += clock_now_s() - r0;
   if (rc) return rc;

@@ -84,19 +84,24 @@ Test(outer, diloco_members_end_with_the_same_parameters_after_an_outer_round_eac
   cr_assert(acc > 0.6, "DiLoCo members reached only %.3f", acc);
 }
 
+/* Peers `a` and `late` ended cleanly, `late` took a state (its log has
+ * `took`) and both count the same rounds. */
+static void late_member_ended(int a, int late, const char *took) {
+  expect_clean_exit(a);
+  expect_clean_exit(late);
+  cr_assert(cluster_log_has(&C, late, took), "the late member took no state: %s", proc_slurp(C.node[late].log));
+  double ra = cluster_result(&C, a, "outer_rounds"), rl = cluster_result(&C, late, "outer_rounds");
+  cr_assert_eq(ra, rl, "the late member counts %g rounds, the other %g", rl, ra);
+}
+
 Test(outer, a_newcomer_takes_the_outer_state_and_ends_with_the_others) {
   SKIP_WITHOUT_DATA();
   cluster_start_bootstrap(&C, NULL);
   int a = start_diloco("0/3", "400", "2"), b = start_diloco("1/3", "400", "2");
   cr_assert(cluster_wait_file(C.node[a].log, "first step", 60), "peer a did not start: %s", proc_slurp(C.node[a].log));
   int c = start_diloco("2/3", "400", "1");
-  expect_clean_exit(a);
   expect_clean_exit(b);
-  expect_clean_exit(c);
-  cr_assert(cluster_log_has(&C, c, "starting from the cluster's state"), "the newcomer did not pull a state: %s",
-            proc_slurp(C.node[c].log));
-  double ra = cluster_result(&C, a, "outer_rounds"), rc = cluster_result(&C, c, "outer_rounds");
-  cr_assert_eq(ra, rc, "the newcomer counts %g rounds, the others %g", rc, ra);
+  late_member_ended(a, c, "starting from the cluster's state");
   cr_assert_eq(params_differ(C.node[a].ckpt, C.node[b].ckpt), 0);
   /* The newcomer ends with them when it is in their last ring; one that
    * lagged (a catch-up costs it steps) may take that round alone after they
@@ -131,12 +136,7 @@ Test(outer, a_member_left_behind_catches_up_with_overlapped_rounds) {
   cr_assert(cluster_wait_file(C.node[a].log, "outer round 3 at step", 60), "peer a ran no rounds: %s",
             proc_slurp(C.node[a].log));
   int b = start_overlapped("1/2", true);
-  expect_clean_exit(a);
-  expect_clean_exit(b);
-  cr_assert(cluster_log_has(&C, b, "taking the state of"), "the late member took no state: %s",
-            proc_slurp(C.node[b].log));
-  double ra = cluster_result(&C, a, "outer_rounds"), rb = cluster_result(&C, b, "outer_rounds");
-  cr_assert_eq(ra, rb, "the late member counts %g rounds, the other %g", rb, ra);
+  late_member_ended(a, b, "taking the state of");
   cr_assert_eq(params_differ(C.node[a].ckpt, C.node[b].ckpt), 0, "the members ended apart");
 }
 
