@@ -269,6 +269,7 @@ struct gossip_donation {
 #define RING_MAX_MEMBERS 1024
 #define RING_PIECE_FLOATS (1u << 20) /* at most this many floats per transfer (4 MiB in f32) */
 #define RING_READY_MAX 1024         /* READY messages remembered (the newest per member) */
+#define RING_HELD_MAX 16            /* testing build: last-phase deliveries held back at once */
 /* While nothing of the predecessor's has arrived, our RING_READY is sent
  * again this often: a READY queued on a link whose dial failed, or on a
  * connection closed under it, is lost, and the predecessor would wait for
@@ -337,6 +338,15 @@ struct gossip_ring {
    * ring's size and our index) and cleared when the next round starts. */
   const float *ag_result;
   size_t ag_members, ag_self;
+#ifdef RUMOR_TESTING
+  /* slowconfirm: deliveries of our last-phase pieces, taken once due_ms
+   * passes (gossip_ring_tick); each still counts in `inflight`. */
+  struct ring_held {
+    uint64_t gen, id, due_ms;
+    uint32_t k;
+  } held[RING_HELD_MAX];
+  size_t nheld;
+#endif
 };
 
 /* ---- monitoring (stats.c) ---- */
@@ -369,7 +379,8 @@ struct gossip_monitoring {
 
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
-                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE, TEST_FREEZE_XCH };
+                          TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE, TEST_FREEZE_XCH,
+                          TEST_SLOW_CONFIRM };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -700,6 +711,8 @@ void gossip_testing_tick(struct gossip *g, uint64_t now);
 void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
+/* How long a last-phase piece's delivery is taken late (slowconfirm; 0: not). */
+uint64_t gossip_testing_confirm_delay_ms(struct gossip *g);
 /* As an all-reduce round of `step` is about to start on the loop thread. */
 void gossip_testing_ring_start(struct gossip *g, uint64_t step);
 /* As the partner's transfer of an exchange begins (it is accepted). */

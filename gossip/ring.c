@@ -284,6 +284,23 @@ static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool cre
   return e;
 }
 
+/* Whether another member may hold the round's whole result already: some
+ * piece of ours of the last phase that every result needs went out (the
+ * reduce-scatter's last, which completes a segment at our successor; a
+ * gather's first, our own block). Until then nobody can complete the
+ * round, and failing it on purpose (to take a newcomer in) leaves every
+ * member at this step. After, it could leave us a round behind members
+ * that completed it, and a member a round behind must pull a whole state
+ * from one of them, trusting that member: the newcomer waits for the next
+ * round instead (catching up itself if the cluster moved on). */
+static bool others_may_complete(const struct gossip_ring *r) {
+  if (r->n < 2 || !r->send) return false;
+  uint32_t p = gathering(r) ? 0 : (uint32_t)r->n - 2;
+  for (uint32_t j = 0; j < r->pieces; j++)
+    if (r->send[p * r->pieces + j].state != RING_IO_NONE) return true;
+  return false;
+}
+
 /* ---- ending a round ---- */
 
 static void finish(struct gossip *g, int status) {
@@ -353,8 +370,15 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
 
 void gossip_ring_abandon(struct gossip *g, const char *why) { fail(g, false, "%s", why); }
 
+#ifdef RUMOR_TESTING
+static void release_held(struct gossip *g, uint64_t now);
+#endif
+
 void gossip_ring_on_close(struct gossip *g, net_conn_t *c) {
   struct gossip_ring *r = &g->ring;
+#ifdef RUMOR_TESTING
+  release_held(g, UINT64_MAX); /* their confirmations came before the close */
+#endif
   /* The next piece goes out on whatever link to the successor is open then
    * (pump asks for one again): a link replaced between pieces costs the
    * round nothing. */
@@ -397,6 +421,45 @@ struct send_ctx {
   uint32_t k;
 };
 
+/* Piece k of ours was delivered. */
+static void piece_delivered(struct gossip *g, uint32_t k) {
+  struct gossip_ring *r = &g->ring;
+  r->inflight--;
+  r->send[k].state = RING_IO_DONE;
+  r->send_left--;
+  maybe_done(g);
+  maybe_failed(g); /* a failing round ends with its last callback */
+}
+
+#ifdef RUMOR_TESTING
+/* slowconfirm: holds the delivery of a last-phase piece (true), to be
+ * taken by release_held once due. */
+static bool hold_delivery(struct gossip *g, uint32_t k, uint64_t id) {
+  struct gossip_ring *r = &g->ring;
+  uint64_t delay = gossip_testing_confirm_delay_ms(g);
+  if (!delay || k / r->pieces != phases(r) - 1 || r->nheld == RING_HELD_MAX) return false;
+  r->held[r->nheld++] = (struct ring_held){r->gen, id, gossip_now_ms(g) + delay, k};
+  log_info("TESTING ONLY: the delivery of our last piece of step %llu is taken %llu ms late",
+           (unsigned long long)r->step, (unsigned long long)delay);
+  return true;
+}
+
+static void release_held(struct gossip *g, uint64_t now) {
+  struct gossip_ring *r = &g->ring;
+  size_t kept = 0;
+  for (size_t i = 0; i < r->nheld; i++) {
+    struct ring_held h = r->held[i];
+    if (now < h.due_ms) {
+      r->held[kept++] = h;
+      continue;
+    }
+    if (r->active && h.gen == r->gen && r->send[h.k].state == RING_IO_BUSY && r->send[h.k].id == h.id)
+      piece_delivered(g, h.k);
+  }
+  r->nheld = kept;
+}
+#endif
+
 static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   struct send_ctx *sc = arg;
   struct gossip *g = sc->g;
@@ -405,21 +468,22 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   bool current = r->active && sc->gen == r->gen && r->send[k].state == RING_IO_BUSY && r->send[k].id == id;
   free(sc);
   if (!current) return;
-  r->inflight--;
-  if (status) {
-    r->send[k].state = RING_IO_NONE;
-    /* The READY we sent on is spent: the next attempt waits for a fresh one
-     * instead of sending at once on the same (perhaps stale) nonce, which
-     * the successor would refuse again, attempt after attempt. */
-    struct ring_ready *e = ready_of(g, succ(r), false);
-    if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
-    fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
-  } else {
-    r->send[k].state = RING_IO_DONE;
-    r->send_left--;
-    maybe_done(g);
+  if (!status) {
+#ifdef RUMOR_TESTING
+    if (hold_delivery(g, k, id)) return;
+#endif
+    piece_delivered(g, k);
+    return;
   }
-  maybe_failed(g); /* a failing round ends with its last callback, whatever its status */
+  r->inflight--;
+  r->send[k].state = RING_IO_NONE;
+  /* The READY we sent on is spent: the next attempt waits for a fresh one
+   * instead of sending at once on the same (perhaps stale) nonce, which
+   * the successor would refuse again, attempt after attempt. */
+  struct ring_ready *e = ready_of(g, succ(r), false);
+  if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
+  fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
+  maybe_failed(g); /* a failing round ends with its last callback */
 }
 
 /* True when piece j of phase p may be sent: its data is final here. */
@@ -779,7 +843,10 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
     return;
   }
   /* Another ring for the same step: when our own view now agrees with it,
-   * the membership changed since our round began, and ours is the stale one. */
+   * the membership changed since our round began, and ours is the stale one
+   * (but a newcomer's, once others may have completed ours: it comes in at
+   * the next round). */
+  if (!in_ring(r, from) && others_may_complete(r)) return;
   size_t n;
   uint8_t(*ids)[NET_PUBKEY_BYTES] = view_ring(g, &n);
   uint64_t now_hash = ring_hash(r, ids, n);
@@ -819,6 +886,9 @@ void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
 
 void gossip_ring_tick(struct gossip *g, uint64_t now) {
   struct gossip_ring *r = &g->ring;
+#ifdef RUMOR_TESTING
+  release_held(g, now);
+#endif
   if (!r->active || r->failing) return;
   if (now >= r->deadline_ms) {
     fail(g, true, "timed out after %u ms", g->cfg.exchange_timeout_ms);
@@ -846,8 +916,10 @@ void gossip_ring_tick(struct gossip *g, uint64_t now) {
     if (!r->active || r->failing) return;
   }
   /* A ready peer outside the ring (a newcomer, or a member back from a
-   * failure verdict): the ring re-forms with it. */
-  for (size_t i = 0; i < g->swim.nmembers; i++) {
+   * failure verdict): the ring re-forms with it, unless others may have
+   * completed this round (it comes in at the next). */
+  bool may_take_newcomer = !others_may_complete(r);
+  for (size_t i = 0; may_take_newcomer && i < g->swim.nmembers; i++) {
     const struct swim_member *m = &g->swim.members[i];
     if (m->info.role != SWIM_ROLE_PEER || !m->info.ready || m->info.state != SWIM_ALIVE || in_ring(r, m->info.id))
       continue;

@@ -47,6 +47,12 @@
  *             arrive: the exchange is agreed on both sides and under way,
  *             its transfers unfinished. It logs the partner first. A test
  *             that kills it then kills a member mid-exchange, for certain.
+ *   slowconfirm all-reduce: the confirmations that its pieces of a round's
+ *             last phase were delivered are taken in TEST_SLOW_CONFIRM_MS
+ *             late (ring.c holds them), so it stays in each round that long
+ *             after its successor, which got everything, completed it: the
+ *             window in which failing the round would leave it a round
+ *             behind (ring.c, others_may_complete).
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -62,9 +68,11 @@
 #define TEST_REPLAY_STEP 50
 #define TEST_FREEZE_STEP 20
 #define TEST_FREEZE_XCH_STEP 100
+#define TEST_SLOW_CONFIRM_MS 300
 
 static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",   "short",
-                                    "flood", "loseready", "baddonor", "badfin", "freeze", "freezexch"};
+                                    "flood", "loseready", "baddonor", "badfin", "freeze", "freezexch",
+                                    "slowconfirm"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -79,7 +87,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin, freeze, freezexch (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm (not '%s')",
                        kind);
 }
 
@@ -91,6 +99,10 @@ void gossip_testing_donation(struct gossip *g, float *state, uint64_t n) {
 
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
   return g->test.attack == TEST_LOSE_READY && first_of_attempt;
+}
+
+uint64_t gossip_testing_confirm_delay_ms(struct gossip *g) {
+  return g->test.attack == TEST_SLOW_CONFIRM ? TEST_SLOW_CONFIRM_MS : 0;
 }
 
 void gossip_testing_ring_start(struct gossip *g, uint64_t step) {

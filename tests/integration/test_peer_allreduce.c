@@ -241,6 +241,48 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
   expect_same_params(peer, 2);
 }
 
+/* A newcomer that becomes ready while a round is under way comes in at
+ * the next round once another member may hold this one's result. Member 0
+ * ("slowconfirm") takes the deliveries of its last pieces 300 ms late each
+ * round, so nearly all the time member 1 has completed the round and member
+ * 0 has not. Failing the round then, as members did for every newcomer,
+ * left member 0 a round behind, to pull a whole state from member 1 (in CI,
+ * with two "baddonor" members, an honest one stopped on it). Now neither
+ * member falls behind, and the three finish with the same parameters. */
+Test(allreduce, a_newcomer_does_not_fail_a_round_another_member_may_have_completed) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  cluster_start_bootstrap(&C, NULL);
+  int peer[3];
+  const char *attack[3] = {"slowconfirm", "none", "none"};
+  for (int i = 0; i < 3; i++) {
+    if (i == 2) {
+      cr_assert(cluster_wait_file(C.node[peer[0]].log, "is taken 300 ms late", 60), "member 0 held nothing: %s",
+                proc_slurp(C.node[peer[0]].log));
+      wait_mid_run(peer[0], "member 0");
+    }
+    char shard[8];
+    snprintf(shard, sizeof shard, "%d/3", i);
+    peer[i] = cluster_start_peer(&C, "--attack", attack[i], "--model", MODEL, "--sync", "allreduce", "--shard", shard,
+                                 "--max-steps", "40", "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers",
+                                 i < 2 ? "2" : "1", "--log-every", "0.05", "--checkpoint", C.node[C.n].ckpt, NULL);
+  }
+  for (int i = 0; i < 3; i++) expect_clean_exit(peer[i]);
+  cr_assert(cluster_log_has(&C, peer[2], "starting from the cluster's state at step"), "the newcomer took no state: %s",
+            proc_slurp(C.node[peer[2]].log));
+  for (int i = 0; i < 2; i++) {
+    cr_assert(!cluster_log_has(&C, peer[i], "all-reduce: the cluster is at step"), "member %d fell behind: %s", i,
+              proc_slurp(C.node[peer[i]].log));
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_catchups"), 0, "member %d caught up", i);
+  }
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_members"), 3, "member %d's last ring: %s", i,
+                 proc_slurp(C.node[peer[i]].log));
+    cr_assert_eq(cluster_result(&C, peer[i], "steps"), 40);
+  }
+  expect_same_params(peer, 3);
+}
+
 /* The step node i serves on /metrics (published about once a second), or
  * -1 when it has none yet. */
 static long long metrics_step(int i) {
@@ -322,7 +364,9 @@ Test(allreduce, a_member_left_behind_refuses_poisoned_states_and_stops) {
   cr_assert(cluster_log_has(&C, peer[2], "all-reduce: refused the state pulled at step"), "%s", proc_slurp(log));
   cr_assert(cluster_log_has(&C, peer[2], "the 2 states pulled to catch up were refused"), "%s", proc_slurp(log));
   cr_assert(!cluster_log_has(&C, peer[2], "all-reduce: now at step"), "it took a poisoned state: %s", proc_slurp(log));
-  for (int i = 0; i < 2; i++) cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d stopped too", i);
+  for (int i = 0; i < 2; i++)
+    cr_assert_eq(waitpid(C.node[peer[i]].pid, NULL, WNOHANG), 0, "peer %d stopped too: %s", i,
+                 proc_slurp(C.node[peer[i]].log));
 }
 
 /* Two members left behind at once, beside one "baddonor": each refuses its
