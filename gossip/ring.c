@@ -284,18 +284,18 @@ static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool cre
   return e;
 }
 
-/* Whether another member may hold the round's whole result already: some
- * piece of ours of the last phase that every result needs went out (the
- * reduce-scatter's last, which completes a segment at our successor; a
- * gather's first, our own block). Until then nobody can complete the
- * round, and failing it on purpose (to take a newcomer in) leaves every
- * member at this step. After, it could leave us a round behind members
- * that completed it, and a member a round behind must pull a whole state
- * from one of them, trusting that member: the newcomer waits for the next
- * round instead (catching up itself if the cluster moved on). */
+/* Whether another member may hold the round's whole result already: a
+ * piece that only we held went out (our fully reduced segment, phase n − 1,
+ * the all-gather's first; a gather's phase 0, our own block). Until then
+ * nobody else can complete the round, and failing it on purpose (to take a
+ * newcomer in) leaves every member at this step. After, it could leave us
+ * a round behind members that completed it, and a member a round behind
+ * must pull a whole state from one of them, trusting that member: the
+ * newcomer waits for the next round instead (catching up itself if the
+ * cluster moved on). */
 static bool others_may_complete(const struct gossip_ring *r) {
   if (r->n < 2 || !r->send) return false;
-  uint32_t p = gathering(r) ? 0 : (uint32_t)r->n - 2;
+  uint32_t p = gathering(r) ? 0 : (uint32_t)r->n - 1;
   for (uint32_t j = 0; j < r->pieces; j++)
     if (r->send[p * r->pieces + j].state != RING_IO_NONE) return true;
   return false;
