@@ -48,11 +48,13 @@
  *             its transfers unfinished. It logs the partner first. A test
  *             that kills it then kills a member mid-exchange, for certain.
  *   slowconfirm all-reduce: the confirmations that its pieces of a round's
- *             last phase were delivered are taken in TEST_SLOW_CONFIRM_MS
- *             late (ring.c holds them), so it stays in each round that long
- *             after its successor, which got everything, completed it: the
- *             window in which failing the round would leave it a round
- *             behind (ring.c, others_may_complete).
+ *             last phase were delivered are taken TEST_SLOW_CONFIRM_MS late
+ *             (ring.c holds them; at once when their connection closes, as
+ *             a real confirmation comes before the close), so it stays in
+ *             each round that long after its successor, which got
+ *             everything, completed it: the window in which failing the
+ *             round would leave it a round behind (ring.c,
+ *             others_may_complete).
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
