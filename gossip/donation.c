@@ -112,8 +112,8 @@ static void on_ready(net_t *n, void *arg, int status) {
 }
 
 /* Takes the slot for a request on `c`; false when it is not free (a
- * donation in progress). `params_only` is set before the slot turns WANT:
- * the training thread reads it then. */
+ * donation in progress). `params_only` and `catch_up` are set before the
+ * slot turns WANT: the training thread reads them then. */
 static bool take_slot(struct gossip *g, net_conn_t *c, bool params_only, bool catch_up) {
   struct gossip_donation *d = &g->don;
   int expected = SLOT_IDLE;
@@ -122,6 +122,7 @@ static bool take_slot(struct gossip *g, net_conn_t *c, bool params_only, bool ca
   atomic_store(&d->catch_up, catch_up);
   if (!atomic_compare_exchange_strong(&d->state, &expected, SLOT_WANT)) {
     atomic_store(&d->params_only, false);
+    atomic_store(&d->catch_up, false);
     return false;
   }
   d->conn = c;
