@@ -38,24 +38,37 @@ static struct net_txframe *frame_alloc(size_t cap) {
   return f;
 }
 
+/* A chunk frame goes back to its net's pool while there is room and the
+ * net is not closing (net_frame_pool_free empties it then). */
 static void frame_release(struct net_conn *c, struct net_txframe *f) {
-  if (f->pooled && c->state != CONN_CLOSED && c->pool_n < NET_BULK_WINDOW_CHUNKS + 1) {
-    f->next = c->pool;
-    c->pool = f;
-    c->pool_n++;
+  net_t *n = c->net;
+  if (f->pooled && !n->closing && n->frame_pool_n < NET_FRAME_POOL_MAX) {
+    f->next = n->frame_pool;
+    n->frame_pool = f;
+    n->frame_pool_n++;
     return;
   }
   free(f);
 }
 
+void net_frame_pool_free(net_t *n) {
+  while (n->frame_pool) {
+    struct net_txframe *f = n->frame_pool;
+    n->frame_pool = f->next;
+    free(f);
+  }
+  n->frame_pool_n = 0;
+}
+
 /* A frame buffer for a bulk frame of `size` bytes. */
 static struct net_txframe *chunk_frame_get(struct net_conn *c, size_t size) {
   struct net_txframe *f;
-  size_t cap = c->net->chunk_frame_cap;
-  if (size <= cap && c->pool) {
-    f = c->pool;
-    c->pool = f->next;
-    c->pool_n--;
+  net_t *n = c->net;
+  size_t cap = n->chunk_frame_cap;
+  if (size <= cap && n->frame_pool) {
+    f = n->frame_pool;
+    n->frame_pool = f->next;
+    n->frame_pool_n--;
     f->next = NULL;
   } else if (size <= cap) {
     f = frame_alloc(cap);
@@ -151,11 +164,6 @@ static void finish(struct net_conn *c) {
     net_dial_cb cb = c->dial_cb;
     c->dial_cb = NULL;
     cb(n, NULL, c->close_status ? c->close_status : RUMOR_ECANCELED, c->close_detail, c->dial_arg);
-  }
-  while (c->pool) {
-    struct net_txframe *f = c->pool;
-    c->pool = f->next;
-    free(f);
   }
   free(c->stage);
   net_sess_free(&c->sess);

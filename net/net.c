@@ -422,6 +422,7 @@ int net_call(net_t *n, net_call_fn fn, void *arg) {
 
 void net_stats_get(const net_t *n, struct net_stats *s) {
   *s = n->stats;
+  s->spare_frame_bytes = (uint64_t)n->frame_pool_n * n->chunk_frame_cap;
   s->conns_open = 0;
   for (const struct net_conn *c = n->conns; c; c = c->next) {
     struct net_conn_stats cs;
@@ -441,6 +442,7 @@ static void maybe_finish(net_t *n) {
   void (*cb)(void *) = n->close_cb;
   void *arg = n->close_arg;
   if (cb) cb(arg);
+  net_frame_pool_free(n);
   net_keyring_wipe(&n->kr);
   pthread_mutex_destroy(&n->call_mu);
   free(n);

@@ -553,6 +553,8 @@ struct net_stats {
   uint64_t relay_holds;       /* a relay: times it stopped reading a peer (rate cap, full queue) */
   uint64_t relayed_open;      /* our open connections that run over a relay */
   struct net_conn_stats relayed; /* the part of `total` that ran over relays */
+  uint64_t spare_frame_bytes;    /* outbound chunk buffers kept for reuse, shared by every connection: at
+                                    most 9 chunk frames (net_impl.h, NET_FRAME_POOL_MAX) */
 };
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s);
 void net_stats_get(const net_t *n, struct net_stats *s);

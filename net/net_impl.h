@@ -110,6 +110,11 @@ enum net_bulk_result {
 #define NET_BULK_CHUNK_MAX (16u << 20) /* receiver's cap on one chunk's payload */
 #define NET_BULK_CHUNK_MIN 4096
 #define NET_BULK_WINDOW_CHUNKS 4   /* outbound chunk frames in flight per connection */
+/* Spare full-size chunk frames a net keeps for reuse, shared by all its
+ * connections: two connections' windows and one. Kept per connection, they
+ * grew with every partner ever sent a transfer (5 MiB each at the default
+ * chunk) until that connection closed. */
+#define NET_FRAME_POOL_MAX (2 * NET_BULK_WINDOW_CHUNKS + 1)
 #define NET_RX_STAGE_BYTES (64u << 10)
 #define NET_RX_DIRECT_MIN (16u << 10) /* body bytes read straight into place */
 

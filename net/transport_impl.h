@@ -105,8 +105,6 @@ struct net_conn {
   struct net_tx_bulk *wait_head;         /* sent completely, waiting for the RESULT */
   struct net_tx_bulk *zombie_head;       /* finished, waiting for their worker jobs */
   bool rx_paused;        /* reading stopped while received chunks are on workers */
-  struct net_txframe *pool;
-  unsigned pool_n;
   uint64_t next_tx_id;
   /* closing */
   int close_status;
@@ -164,6 +162,8 @@ struct net {
   void *close_arg;
   size_t chunk_frame_cap; /* frame bytes of one full outbound bulk chunk */
   size_t bulk_window;     /* outbound bytes a bulk transfer may have queued */
+  struct net_txframe *frame_pool; /* spare frames of chunk_frame_cap bytes (loop thread; conn.c) */
+  unsigned frame_pool_n;          /* at most NET_FRAME_POOL_MAX */
   struct net_relay_link *rlinks; /* carriers this net dialed, by relay address (relay.c) */
   uv_timer_t relay_timer;        /* a relay: refills rate budgets and releases held readers */
   bool relay_timer_on;
@@ -184,6 +184,8 @@ void net_conn_on_handle_closed(uv_handle_t *h);
 /* Drops one reference (a handle closed, a request finished); frees at zero. */
 void net_conn_unref(struct net_conn *c);
 void net_conn_set_name(struct net_conn *c);
+/* Frees the net's spare chunk frames (when it is freed). */
+void net_frame_pool_free(net_t *n);
 void *net_alloc_aligned(size_t n);
 /* Queues a frame (sealed when it leaves the control queue) if the queue
  * stays within `limit` bytes: -ENOBUFS otherwise, -ENOTCONN after our BYE.

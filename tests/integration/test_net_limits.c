@@ -327,6 +327,63 @@ Test(net_limits, a_receiver_that_stops_reading_does_not_grow_the_senders_queue_p
   finish();
 }
 
+/* ---- spare send buffers ------------------------------------------------------------------ */
+
+#define SPARE_PARTNERS 8
+
+/* A peer sends transfers to many partners over a run (gossip partners,
+ * ring neighbours after every re-formation, state pulls). The full-size
+ * chunk buffers it keeps for reuse are the net's, not each connection's:
+ * kept per connection they grew by a window (4-5 MiB) with every partner
+ * ever sent to, until that connection closed. */
+Test(net_limits, spare_send_buffers_stay_bounded_however_many_partners_a_net_sends_to, .init = setup,
+     .timeout = 60) {
+  static struct tpeer partners[SPARE_PARTNERS];
+  net_conn_t *conns[SPARE_PARTNERS];
+  const uint64_t n = 8u << 20 >> 2; /* 8 MB: 8 chunks of the default 1 MiB */
+  float *src = calloc(n, sizeof(float));
+  for (uint64_t i = 0; i < n; i++) src[i] = (float)i;
+  tpeer_start(&cli, false);
+  for (int i = 0; i < SPARE_PARTNERS; i++) {
+    tpeer_setup(&partners[i], "partner");
+    tpeer_start(&partners[i], true);
+    partners[i].rx_buf = malloc(n * sizeof(float));
+    partners[i].rx_cap = n;
+    tpeer_dial_port(&cli, net_listen_port(partners[i].net));
+    RUN_UNTIL(cli.dial_ok == i + 1 && partners[i].accepted == 1, 5);
+    cr_assert_eq(cli.dial_ok, i + 1, "dial %d: %s", i, cli.dial_detail);
+    conns[i] = cli.conn;
+  }
+  /* Warm up (worker threads, their arenas, the crypto library), then one
+   * transfer to each partner in turn, every connection kept open. */
+  cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
+  RUN_UNTIL(cli.sent_done == 1 && partners[SPARE_PARTNERS - 1].bulk_done == 1, 10);
+  uint64_t before = heap_in_use();
+  for (int i = 0; i < SPARE_PARTNERS; i++) {
+    cli.conn = conns[i];
+    cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
+    RUN_UNTIL(cli.sent_done == i + 2 && partners[i].bulk_done >= 1 + (i == SPARE_PARTNERS - 1), 10);
+    cr_assert_eq(cli.sent_status, 0, "transfer %d", i);
+    cr_assert_eq(memcmp(src, partners[i].rx_buf, n * sizeof(float)), 0, "transfer %d arrived", i);
+  }
+  uint64_t after = heap_in_use();
+  struct net_stats st;
+  net_stats_get(cli.net, &st);
+  uint64_t frame = NET_FRAME_OVERHEAD + cli.cfg.bulk_chunk_bytes;
+  cr_log_info("spare frames %llu B; heap growth over %d partners %lld B", (unsigned long long)st.spare_frame_bytes,
+              SPARE_PARTNERS, (long long)(after - before));
+  cr_assert_gt(st.spare_frame_bytes, 0, "frames are kept for reuse");
+  cr_assert_leq(st.spare_frame_bytes, NET_FRAME_POOL_MAX * frame, "at most the net's pool");
+  /* Per connection, the buffers kept would be SPARE_PARTNERS windows (32 MiB and more). */
+  if (!TN_ASAN)
+    cr_assert_lt((int64_t)(after - before), (int64_t)((NET_FRAME_POOL_MAX + 2) * frame),
+                 "heap grew by %lld bytes over %d partners", (long long)(after - before), SPARE_PARTNERS);
+  free(src);
+  struct tpeer *ps[SPARE_PARTNERS + 2] = {&srv, &cli};
+  for (int i = 0; i < SPARE_PARTNERS; i++) ps[i + 2] = &partners[i];
+  tnet_finish(ps, SPARE_PARTNERS + 2);
+}
+
 /* ---- oversized transfers are refused, not fatal ---------------------------------------- */
 
 Test(net_limits, a_transfer_above_the_receivers_limit_is_refused, .init = setup) {
