@@ -534,9 +534,11 @@ summarize() {
 # ---- the benchmark ----------------------------------------------------
 echo "run_id,t,kind,peer,what" > "$out/faults.csv"
 echo "run_id,t,node,process,pid,rss_kb,fds" > "$out/samples.csv"
-echo "job,scheme,run,peers,epochs_or_steps,wall_s,samples,samples_per_s,retained_pct,target_pct,metric,quality_mean,quality_worst,quality_delta,finished,faults,kill,stop,cut,loss,relay,restarts,resumed,resumed_from_prev,checkpoints_lost,crashes,rss_growth_pct,fd_growth,load_avg,timed_out,duration_s,fault_every_s,seed" \
+echo "job,scheme,run,peers,epochs_or_steps,wall_s,samples,samples_per_s,retained_pct,target_pct,metric,quality_mean,quality_worst,quality_delta,finished,faults,kill,stop,cut,loss,relay,restarts,resumed,resumed_from_prev,checkpoints_lost,crashes,rss_growth_pct,fd_growth,load_avg,timed_out,duration_s,fault_every_s,seed,date,cpus" \
   > "$out/bench-chaos.csv"
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+# The CSV's last two columns: the day and the machine (its CPU flags that move crypto).
+csv_machine="$(date -u +%F),$(nproc) x ${cpu//,/ }$(grep -qw avx512f /proc/cpuinfo && echo ' AVX-512')$(grep -qw vaes /proc/cpuinfo && echo ' VAES')"
 say "bench-chaos.sh: $peers peers on test hosts ($backend backend), jobs: $jobs; schemes: $schemes;" \
   "DURATION $duration s, a fault every $every s (kinds:$deck_kinds; SEED $seed), RSS and fds from t=$warmup s;" \
   "$(nproc) CPUs: $cpu"
@@ -619,16 +621,21 @@ for job in $jobs; do
     row "checkpoints lost" "${R[free,lost]}" "${R[chaos,lost]}" 0 "$(verdict "$([ "${R[chaos,lost]}" = 0 ] && echo 1)")"
     row "survivor crashes" "${R[free,crashes]}" "${R[chaos,crashes]}" 0 \
       "$(verdict "$([ "${R[chaos,crashes]}" = 0 ] && [ "${R[free,crashes]}" = 0 ] && echo 1)")"
-    row "RSS growth after warm-up" "max ${R[free,rss_growth]} % (${R[free,rss_node]})" \
-      "max ${R[chaos,rss_growth]} % (${R[chaos,rss_node]})" "< 10 % (flat)" \
-      "$(verdict "$(awk -v a="${R[chaos,rss_growth]}" -v b="${R[free,rss_growth]}" 'BEGIN {print (a == a && a < 10 && b < 10)}')")"
+    # A run that ended within the warm-up has no sample to judge by.
+    rss_cell() { if [ "${R[$1,rss_growth]}" = nan ]; then echo "- (ended in the warm-up)"; else
+      echo "max ${R[$1,rss_growth]} % (${R[$1,rss_node]})"; fi; }
+    rss_verdict=$(verdict "$(awk -v a="${R[chaos,rss_growth]}" -v b="${R[free,rss_growth]}" \
+      'BEGIN {print (a == a && a < 10 && b < 10)}')")
+    [ "${R[chaos,rss_growth]}" = nan ] || [ "${R[free,rss_growth]}" = nan ] &&
+      rss_verdict="not measured: training took less than the warm-up (WARMUP $warmup s)"
+    row "RSS growth after warm-up" "$(rss_cell free)" "$(rss_cell chaos)" "< 10 % (flat)" "$rss_verdict"
     row "fd growth after warm-up" "max ${R[free,fd_growth]}" "max ${R[chaos,fd_growth]}" "(reported)" ""
     row "host load average (1 min)" "${R[free,load]}" "${R[chaos,load]}" "" ""
     [ "${R[chaos,timed_out]}" = 1 ] && say "  the chaos run hit RUN_TIMEOUT ($run_timeout s): the peers left were sent SIGTERM"
     for mode in free chaos; do
       ret=100.0 dq=0
       [ "$mode" = chaos ] && ret=$retained dq=${delta% points}
-      echo "$job,$scheme,$mode,$peers,$work,${R[$mode,wall]},${R[$mode,samples]},${R[$mode,sps]},$ret,$tgt,$metric,${R[$mode,quality]},${R[$mode,qworst]},$dq,${R[$mode,finished]},${R[$mode,nfaults]},${R[$mode,n_kill]},${R[$mode,n_stop]},${R[$mode,n_cut]},${R[$mode,n_loss]},${R[$mode,n_relay]},${R[$mode,restarts]},${R[$mode,resumed]},${R[$mode,fallbacks]},${R[$mode,lost]},${R[$mode,crashes]},${R[$mode,rss_growth]},${R[$mode,fd_growth]},${R[$mode,load]},${R[$mode,timed_out]},$duration,$every,$seed" \
+      echo "$job,$scheme,$mode,$peers,$work,${R[$mode,wall]},${R[$mode,samples]},${R[$mode,sps]},$ret,$tgt,$metric,${R[$mode,quality]},${R[$mode,qworst]},$dq,${R[$mode,finished]},${R[$mode,nfaults]},${R[$mode,n_kill]},${R[$mode,n_stop]},${R[$mode,n_cut]},${R[$mode,n_loss]},${R[$mode,n_relay]},${R[$mode,restarts]},${R[$mode,resumed]},${R[$mode,fallbacks]},${R[$mode,lost]},${R[$mode,crashes]},${R[$mode,rss_growth]},${R[$mode,fd_growth]},${R[$mode,load]},${R[$mode,timed_out]},$duration,$every,$seed,$csv_machine" \
         >> "$out/bench-chaos.csv"
     done
   done
