@@ -268,9 +268,17 @@ static int save_dir(const char *dir, const struct model *m, const struct st_tens
   return rc;
 }
 
+static int save_from(const char *path, const struct model *m, const struct optim *o, const float *params,
+                     const float *state, const struct ckpt_info *info, struct rumor_err *e);
+
 int checkpoint_save(const char *path, const struct model *m, const struct optim *o,
                     const struct ckpt_info *info, struct rumor_err *e) {
   if (strlen(path) > CHECKPOINT_PATH_MAX) return checkpoint_save_host(path, m, o, NULL, info, e); /* its message */
+  /* On the CPU the tensors are host memory already: written from where they
+   * are. A copy of the whole model and state at every save (a peer saves
+   * every few seconds) left the allocator holding ever more of them. */
+  if (tensor_backend_device(m->be) == TENSOR_DEVICE_CPU)
+    return save_from(path, m, o, m->params.data, o ? o->state.data : NULL, info, e);
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);
@@ -285,6 +293,14 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
 
 int checkpoint_save_host(const char *path, const struct model *m, const struct optim *o, const float *host,
                          const struct ckpt_info *info, struct rumor_err *e) {
+  return save_from(path, m, o, host, host ? host + m->nparams : NULL, info, e);
+}
+
+/* checkpoint_save_host with the parameters at `params` and the optimizer
+ * state (per-param parts of m->nparams floats, one after the other) at
+ * `state`. */
+static int save_from(const char *path, const struct model *m, const struct optim *o, const float *params,
+                     const float *state, const struct ckpt_info *info, struct rumor_err *e) {
   /* Every name derived from it (.prev, staging, a directory's files) must
    * fit its buffer: a cut name could unlink the wrong file. */
   if (strlen(path) > CHECKPOINT_PATH_MAX)
@@ -305,7 +321,7 @@ int checkpoint_save_host(const char *path, const struct model *m, const struct o
     const struct model_param *p = &m->table.p[i];
     if (p->unit < m->u0 || p->unit >= m->u1) continue;
     struct st_tensor *t = &ts[nts++];
-    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = p->ndim, .data = host + (p->offset - m->param_base),
+    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = p->ndim, .data = params + (p->offset - m->param_base),
                             .nbytes = (size_t)p->numel * sizeof(float)};
     memcpy(t->shape, p->shape, sizeof t->shape);
     snprintf(t->name, sizeof t->name, "%s", p->name);
@@ -313,7 +329,7 @@ int checkpoint_save_host(const char *path, const struct model *m, const struct o
   size_t nweights = nts;
   for (int s = 0; s < nstate; s++) {
     struct st_tensor *t = &ts[nts++];
-    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = host + P * (1 + s), .nbytes = pbytes};
+    *t = (struct st_tensor){.dtype = TENSOR_F32, .ndim = 1, .shape = {P}, .data = state + P * s, .nbytes = pbytes};
     snprintf(t->name, sizeof t->name, "%s", optim_state_name(o->cfg.kind, s));
   }
   for (size_t i = 0; i < nextra; i++) {

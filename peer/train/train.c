@@ -837,12 +837,17 @@ int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   struct ckpt_extra x = {.n = (size_t)xs->n};
   bool group = t->cfg.dp || t->cfg.tp; /* group_save puts the whole model's together itself */
   if (X && !group) {
-    if (!(host = malloc((size_t)X * sizeof(float))))
-      return rumor_err_set(e, -ENOMEM, "cannot save %s: no memory for the sync scheme's %lld floats", path,
-                           (long long)X);
-    tensor_copy_to_host(&t->extra, 0, host, (size_t)X * sizeof(float));
+    /* Host memory on the CPU: written from where it is (checkpoint_save). */
+    const float *src = t->extra.data;
+    if (tensor_backend_device(t->be) != TENSOR_DEVICE_CPU) {
+      if (!(host = malloc((size_t)X * sizeof(float))))
+        return rumor_err_set(e, -ENOMEM, "cannot save %s: no memory for the sync scheme's %lld floats", path,
+                             (long long)X);
+      tensor_copy_to_host(&t->extra, 0, host, (size_t)X * sizeof(float));
+      src = host;
+    }
     for (int i = 0; i < xs->n; i++)
-      x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, host + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
+      x.t[i] = (struct ckpt_extra_tensor){xs->seg[i].name, src + t->extra_off[i], t->extra_off[i + 1] - t->extra_off[i]};
     info.extra = &x;
   }
   int rc = group ? group_save(t, path, &info, e) : checkpoint_save(path, &t->model, &t->optim, &info, e);
