@@ -813,13 +813,16 @@ static void start_on_loop(net_t *n, void *arg, int status) {
 static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t step, uint64_t hash,
                      uint64_t nonce) {
   struct gossip_ring *r = &g->ring;
-  if (step >= r->pos + 2 && step > r->ahead_step) {
+  if (step >= r->pos + 2) {
     /* It completed step pos + 1, a round we never took part in: the
      * cluster went on without us (a READY for pos + 1 is only a member a
      * little quicker than us). We learn that we are behind as from
-     * RING_AHEAD, which only a READY of ours would have brought. */
-    r->ahead_step = step;
-    memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+     * RING_AHEAD, which only a READY of ours would have brought (whether
+     * or not we knew that step already: see RING_AHEAD below). */
+    if (step > r->ahead_step) {
+      r->ahead_step = step;
+      memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+    }
     if (r->active && !r->failing && step > r->step)
       fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
   }
@@ -868,10 +871,15 @@ void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
   switch (m->type) {
   case GMSG_RING_READY: on_ready(g, c, from, step, hash, nonce); return;
   case GMSG_RING_AHEAD:
-    if (step <= r->pos || step <= r->ahead_step) return;
-    r->ahead_step = step;
-    memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
-    /* The predecessor moved on: what we still wait for from it never comes. */
+    if (step <= r->pos) return;
+    if (step > r->ahead_step) {
+      r->ahead_step = step;
+      memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+    }
+    /* The predecessor moved on: what we still wait for from it never comes.
+     * Even when we knew that step already: another member's answer to a
+     * READY of an earlier attempt (in a ring where it was our predecessor)
+     * brings it first, and that one is no reason to fail this round. */
     if (r->active && !r->failing && step > r->step && same_id(from, pred(r)) && r->recv_left)
       fail(g, true, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
     return;
