@@ -276,7 +276,9 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
   if (strlen(path) > CHECKPOINT_PATH_MAX) return checkpoint_save_host(path, m, o, NULL, info, e); /* its message */
   /* On the CPU the tensors are host memory already: written from where they
    * are. A copy of the whole model and state at every save (a peer saves
-   * every few seconds) left the allocator holding ever more of them. */
+   * every few seconds) was a large allocation again and again, whose freed
+   * blocks glibc kept: all-reduce members' RSS climbed 15-17 % in
+   * tests/bench/bench-chaos.sh without a fault. */
   if (tensor_backend_device(m->be) == TENSOR_DEVICE_CPU)
     return save_from(path, m, o, m->params.data, o ? o->state.data : NULL, info, e);
   int64_t P = m->nparams;
