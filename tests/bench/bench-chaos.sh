@@ -82,7 +82,8 @@
 # SAMPLE_S (2), EPOCHS, STEPS, PEER_ARGS (more options for every peer),
 # RUN_TIMEOUT (per run, default 3 * DURATION + 120 s: then the peers left
 # are sent SIGTERM), OUT (a directory, default bench-chaos: report.txt,
-# bench-chaos.csv, faults.csv, samples.csv (run, t, node, process, pid,
+# bench-chaos.csv (a row per run, ending with the day and the machine),
+# faults.csv, samples.csv (run, t, node, process, pid,
 # rss_kb, fds; node "load": the load average in rss_kb's place) and every
 # process's log under runs/), CKPT_EVERY (steps between checkpoints, instead
 # of CKPT_SECS), RUMOR (the binary; default BUILD_DIR/peer/rumor), DATA (Fashion-
