@@ -279,8 +279,12 @@ int checkpoint_save(const char *path, const struct model *m, const struct optim 
    * every few seconds) was a large allocation again and again, whose freed
    * blocks glibc kept: all-reduce members' RSS climbed 15-17 % in
    * tests/bench/bench-chaos.sh without a fault. */
-  if (tensor_backend_device(m->be) == TENSOR_DEVICE_CPU)
+  if (tensor_backend_device(m->be) == TENSOR_DEVICE_CPU) {
+    /* What the copy's bounds checks said: the tensors hold what is read. */
+    RUMOR_ASSERT(tensor_numel(&m->params) >= m->nparams);
+    RUMOR_ASSERT(!o || tensor_numel(&o->state) >= m->nparams * optim_state_per_param(o->cfg.kind));
     return save_from(path, m, o, m->params.data, o ? o->state.data : NULL, info, e);
+  }
   int64_t P = m->nparams;
   int nstate = o ? optim_state_per_param(o->cfg.kind) : 0;
   size_t pbytes = (size_t)P * sizeof(float);

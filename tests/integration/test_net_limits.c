@@ -358,13 +358,19 @@ Test(net_limits, spare_send_buffers_stay_bounded_however_many_partners_a_net_sen
    * transfer to each partner in turn, every connection kept open. */
   cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
   RUN_UNTIL(cli.sent_done == 1 && partners[SPARE_PARTNERS - 1].bulk_done == 1, 10);
+  cr_assert_eq(cli.sent_done, 1, "the warm-up transfer completed");
+  cr_assert_eq(cli.sent_status, 0, "the warm-up transfer: status %d", cli.sent_status);
   uint64_t before = heap_in_use();
   for (int i = 0; i < SPARE_PARTNERS; i++) {
+    int done = 1 + (i == SPARE_PARTNERS - 1); /* the last partner had the warm-up's too */
+    memset(partners[i].rx_buf, 0xff, n * sizeof(float));
     cli.conn = conns[i];
     cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
-    RUN_UNTIL(cli.sent_done == i + 2 && partners[i].bulk_done >= 1 + (i == SPARE_PARTNERS - 1), 10);
-    cr_assert_eq(cli.sent_status, 0, "transfer %d", i);
-    cr_assert_eq(memcmp(src, partners[i].rx_buf, n * sizeof(float)), 0, "transfer %d arrived", i);
+    RUN_UNTIL(cli.sent_done == i + 2 && partners[i].bulk_done == done, 10);
+    cr_assert_eq(cli.sent_done, i + 2, "transfer %d completed", i);
+    cr_assert_eq(cli.sent_status, 0, "transfer %d: status %d", i, cli.sent_status);
+    cr_assert_eq(partners[i].bulk_ok, done, "transfer %d arrived whole", i);
+    cr_assert_eq(memcmp(src, partners[i].rx_buf, n * sizeof(float)), 0, "transfer %d arrived bit for bit", i);
   }
   uint64_t after = heap_in_use();
   struct net_stats st;
