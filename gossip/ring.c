@@ -809,6 +809,14 @@ static void start_on_loop(net_t *n, void *arg, int status) {
 
 /* ---- messages ---- */
 
+/* `from` is at `step`, past our position: the furthest such member is the
+ * one a catch-up asks first. */
+static void note_ahead(struct gossip_ring *r, const uint8_t *from, uint64_t step) {
+  if (step <= r->ahead_step) return;
+  r->ahead_step = step;
+  memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+}
+
 /* `from`, not in our round or in another view of it, said RING_READY. */
 static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t step, uint64_t hash,
                      uint64_t nonce) {
@@ -819,10 +827,7 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
      * little quicker than us). We learn that we are behind as from
      * RING_AHEAD, which only a READY of ours would have brought (whether
      * or not we knew that step already: see RING_AHEAD below). */
-    if (step > r->ahead_step) {
-      r->ahead_step = step;
-      memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
-    }
+    note_ahead(r, from, step);
     if (r->active && !r->failing && step > r->step)
       fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
   }
@@ -872,10 +877,7 @@ void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
   case GMSG_RING_READY: on_ready(g, c, from, step, hash, nonce); return;
   case GMSG_RING_AHEAD:
     if (step <= r->pos) return;
-    if (step > r->ahead_step) {
-      r->ahead_step = step;
-      memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
-    }
+    note_ahead(r, from, step);
     /* The predecessor moved on: what we still wait for from it never comes.
      * Even when we knew that step already: another member's answer to a
      * READY of an earlier attempt (in a ring where it was our predecessor)
