@@ -104,7 +104,6 @@ static int take_pulled(struct member *mb, struct trainer *t, struct gossip_train
       jr = 1;
     }
   }
-  sync_own_free(&own);
   return jr;
 }
 

@@ -24,7 +24,7 @@ static bool outer_state_only(const struct sync *s) {
 /* Whether the state pulled (at *pos) is taken: a group member's outer
  * state after round min_round − 1, or a whole state at min_step or later
  * that passes the pull policy. */
-static bool take_pulled(struct sync *s, struct sync_own_state *own, const float *buf,
+static bool take_pulled(struct sync *s, struct sync_own_state *own, float *buf,
                         const struct gossip_train_pos *pos, uint64_t min_round, uint64_t min_step, char *why,
                         size_t n) {
   if (outer_state_only(s)) return sync_outer_take(s, buf, pos->step, min_round, why, n);
@@ -93,7 +93,6 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
       break;
     }
   }
-  sync_own_free(&own);
   if (!taken) return rc < 0 ? rc : 0;
   s->ring.catchups++;
   if (outer_state_only(s)) {

@@ -275,26 +275,28 @@ int64_t sync_check_targets(int64_t nparams);
 #define SYNC_PULL_ASKS 2
 double sync_pull_max_loss(double own_loss);
 
-/* The state we would keep while a state is pulled: a copy of it (NULL when
- * there is no memory for one: then only finiteness is checked) and its loss
- * on the check rows (NaN until first needed). */
+/* What a pulled state is compared with: the loss on the check rows of
+ * the state we would keep (NaN until first needed), and of the last one
+ * checked. The state itself is kept in the pulled state's buffer while
+ * that one is tried (sync_pull_take): no copy of it is made. */
 struct sync_own_state {
-  float *state; /* trainer_state_floats */
+  bool check_loss; /* false for a part of a replica (a stage, a group's shard): finiteness only */
   double loss;
   /* The last state sync_pull_take checked: its loss on `rows` check rows
    * (NaN when only finiteness was checked). */
   double pulled_loss;
   int64_t rows;
 };
-/* Keeps the trainer's current state (sync_pull_take compares with it). */
-void sync_own_keep(struct sync_own_state *own, struct trainer *t);
-void sync_own_free(struct sync_own_state *own);
+/* Starts the comparison with the trainer's current state. */
+void sync_own_keep(struct sync_own_state *own, const struct trainer *t);
 /* Loads `pulled` (trainer_state_floats floats) into the trainer unless it
- * fails the policy above against `own` (a stage, which has no loss of its
- * own, checks finiteness only). Returns true when taken; on false the
- * trainer holds `own` again and why[0..n) says what was wrong. The
- * trainer's position is left to the caller. */
-bool sync_pull_take(struct trainer *t, struct sync_own_state *own, const float *pulled, char *why, size_t n);
+ * fails the policy above against the state the trainer had when `own` was
+ * kept (a part of a replica checks finiteness only). Returns true when
+ * taken: `pulled` then holds the trainer's state before (a swap). On false
+ * the trainer holds its own state again, `pulled` the refused one, and
+ * why[0..n) says what was wrong. The trainer's position is left to the
+ * caller. */
+bool sync_pull_take(struct trainer *t, struct sync_own_state *own, float *pulled, char *why, size_t n);
 
 struct sync_config {
   enum sync_kind kind;  /* --sync */

@@ -785,26 +785,55 @@ int64_t trainer_state_extra_at(const struct trainer *t, int i) {
   return t->shard_n + optim_floats(t) + t->extra_off[i];
 }
 
-/* Copies the shard's state to (out) or from (in) host memory. */
-static void shard_state_copy(struct trainer *t, float *out, const float *in) {
-  int64_t P = t->shard_n, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
-  int parts = optim_state_per_param(t->optim.cfg.kind);
-  size_t pb = (size_t)P * sizeof(float);
-  if (out) tensor_copy_to_host(&t->model.params, t->shard_lo, out, pb);
-  else tensor_copy_from_host(&t->model.params, t->shard_lo, in, pb);
-  for (int s = 0; s < parts; s++) {
-    int64_t at = optim_shard_offset(t, s);
-    if (out) tensor_copy_to_host(&t->optim.state, at, out + P * (1 + s), pb);
-    else tensor_copy_from_host(&t->optim.state, at, in + P * (1 + s), pb);
-  }
-  if (X && out) tensor_copy_to_host(&t->extra, 0, out + P + O, (size_t)X * sizeof(float));
-  if (X && !out) tensor_copy_from_host(&t->extra, 0, in + P + O, (size_t)X * sizeof(float));
+/* How shard_state_move moves the shard's state and a host copy of it. */
+enum state_move { STATE_OUT, STATE_IN, STATE_SWAP };
+/* Host floats a swap goes through (cap of them at buf). */
+struct state_bounce {
+  float *buf;
+  int64_t cap;
+};
+#define STATE_SWAP_BOUNCE_FLOATS (256 * 1024) /* 1 MiB: few device copies, nothing like a state's size */
+
+/* n floats at `off` of x and host[0..n): copied out, in, or exchanged
+ * through the bounce buffer. */
+static void state_move_seg(struct tensor *x, int64_t off, float *host, int64_t n, enum state_move how,
+                           const struct state_bounce *b) {
+  size_t bytes = (size_t)n * sizeof(float);
+  if (how == STATE_OUT) tensor_copy_to_host(x, off, host, bytes);
+  else if (how == STATE_IN) tensor_copy_from_host(x, off, host, bytes);
+  else
+    for (int64_t i = 0; i < n; i += b->cap) {
+      size_t k = (size_t)(n - i < b->cap ? n - i : b->cap) * sizeof(float);
+      tensor_copy_to_host(x, off + i, b->buf, k);
+      tensor_copy_from_host(x, off + i, host + i, k);
+      memcpy(host + i, b->buf, k);
+    }
 }
 
-void trainer_copy_state(struct trainer *t, float *out) { shard_state_copy(t, out, NULL); }
+/* The shard's state (trainer_copy_state's layout) and host[0..state_floats):
+ * see enum state_move; `b` only for STATE_SWAP. */
+static void shard_state_move(struct trainer *t, float *host, enum state_move how, const struct state_bounce *b) {
+  int64_t P = t->shard_n, O = optim_floats(t), X = t->extra_off[t->cfg.extra.n];
+  int parts = optim_state_per_param(t->optim.cfg.kind);
+  state_move_seg(&t->model.params, t->shard_lo, host, P, how, b);
+  for (int s = 0; s < parts; s++)
+    state_move_seg(&t->optim.state, optim_shard_offset(t, s), host + P * (1 + s), P, how, b);
+  if (X) state_move_seg(&t->extra, 0, host + P + O, X, how, b);
+}
+
+void trainer_copy_state(struct trainer *t, float *out) { shard_state_move(t, out, STATE_OUT, NULL); }
 
 void trainer_load_state(struct trainer *t, const float *state) {
-  shard_state_copy(t, NULL, state);
+  shard_state_move(t, (float *)state, STATE_IN, NULL); /* STATE_IN only reads it */
+  t->state_pulled = trainer_in_group_comm(t);
+}
+
+void trainer_swap_state(struct trainer *t, float *state) {
+  float small[4096]; /* when not even the bounce buffer can be had */
+  struct state_bounce b = {malloc(STATE_SWAP_BOUNCE_FLOATS * sizeof(float)), STATE_SWAP_BOUNCE_FLOATS};
+  if (!b.buf) b = (struct state_bounce){small, (int64_t)(sizeof small / sizeof small[0])};
+  shard_state_move(t, state, STATE_SWAP, &b);
+  if (b.buf != small) free(b.buf);
   t->state_pulled = trainer_in_group_comm(t);
 }
 

@@ -757,6 +757,11 @@ int64_t trainer_state_extra_at(const struct trainer *t, int i);
 void trainer_copy_state(struct trainer *t, float *out);
 /* Replaces parameters and optimizer state with `state` (state_floats). */
 void trainer_load_state(struct trainer *t, const float *state);
+/* Exchanges parameters and optimizer state with `state` (state_floats):
+ * the trainer takes it and `state` gets the trainer's, through a bounce
+ * buffer of 1 MiB instead of a second copy of the state (a catch-up's
+ * check keeps the state it may go back to this way: sync_pull_take). */
+void trainer_swap_state(struct trainer *t, float *state);
 /* Replaces the parameters with `params` (nparams floats, host) and zeroes
  * the optimizer state and the sync scheme's, as a fresh trainer's. */
 void trainer_load_fresh(struct trainer *t, const float *params);
