@@ -628,6 +628,15 @@ int gossip_ring_init(struct gossip *g, struct rumor_err *e) RUMOR_MUST_CHECK;
 void gossip_ring_free(struct gossip *g);
 /* RING_READY, RING_AHEAD and RING_ABORT. */
 void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+/* `from` said it has completed `step` steps: in a RING_AHEAD (`ready`
+ * false), or in a RING_READY (`ready` true; only one for pos + 2 or later
+ * counts: it completed a round we never took part in). Notes the furthest
+ * member ahead (ahead_step, ahead_id: the one a catch-up asks first) and
+ * returns whether the round in progress must fail: it completed our round,
+ * and it is a READY, or our predecessor's RING_AHEAD while we still wait
+ * for its pieces, whether or not another member told that step first.
+ * Ring state only, no I/O (test_gossip_ring). */
+bool gossip_ring_heard_ahead(struct gossip_ring *r, const uint8_t *from, uint64_t step, bool ready);
 /* A ring piece begins (metadata: round `step`, ring `hash` (which names the
  * round's kind), phase, piece):
  * 0 with *dst and *dst_arg set, or a negative code to refuse it. */

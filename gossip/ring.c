@@ -809,28 +809,29 @@ static void start_on_loop(net_t *n, void *arg, int status) {
 
 /* ---- messages ---- */
 
-/* `from` is at `step`, past our position: the furthest such member is the
- * one a catch-up asks first. */
-static void note_ahead(struct gossip_ring *r, const uint8_t *from, uint64_t step) {
-  if (step <= r->ahead_step) return;
-  r->ahead_step = step;
-  memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+bool gossip_ring_heard_ahead(struct gossip_ring *r, const uint8_t *from, uint64_t step, bool ready) {
+  /* A READY for pos + 1 is only a member a little quicker than us. */
+  if (step <= r->pos + (ready ? 1 : 0)) return false;
+  if (step > r->ahead_step) {
+    r->ahead_step = step;
+    memcpy(r->ahead_id, from, NET_PUBKEY_BYTES);
+  }
+  if (!r->active || r->failing || step <= r->step) return false;
+  /* A READY that far: the cluster went on without us. A RING_AHEAD only
+   * answers a READY of ours: from the predecessor, what we still wait for
+   * from it never comes; from another member it may answer a READY of an
+   * earlier attempt (in a ring where that one was our predecessor), no
+   * reason to fail this round, and the predecessor's own must still fail
+   * it when it follows. */
+  return ready || (same_id(from, pred(r)) && r->recv_left);
 }
 
 /* `from`, not in our round or in another view of it, said RING_READY. */
 static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint64_t step, uint64_t hash,
                      uint64_t nonce) {
   struct gossip_ring *r = &g->ring;
-  if (step >= r->pos + 2) {
-    /* It completed step pos + 1, a round we never took part in: the
-     * cluster went on without us (a READY for pos + 1 is only a member a
-     * little quicker than us). We learn that we are behind as from
-     * RING_AHEAD, which only a READY of ours would have brought (whether
-     * or not we knew that step already: see RING_AHEAD below). */
-    note_ahead(r, from, step);
-    if (r->active && !r->failing && step > r->step)
-      fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
-  }
+  if (gossip_ring_heard_ahead(r, from, step, true))
+    fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
   struct ring_ready *e = ready_of(g, from, true);
   e->step = step;
   e->hash = hash;
@@ -876,13 +877,7 @@ void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
   switch (m->type) {
   case GMSG_RING_READY: on_ready(g, c, from, step, hash, nonce); return;
   case GMSG_RING_AHEAD:
-    if (step <= r->pos) return;
-    note_ahead(r, from, step);
-    /* The predecessor moved on: what we still wait for from it never comes.
-     * Even when we knew that step already: another member's answer to a
-     * READY of an earlier attempt (in a ring where it was our predecessor)
-     * brings it first, and that one is no reason to fail this round. */
-    if (r->active && !r->failing && step > r->step && same_id(from, pred(r)) && r->recv_left)
+    if (gossip_ring_heard_ahead(r, from, step, false))
       fail(g, true, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
     return;
   default: /* GMSG_RING_ABORT */

@@ -1,0 +1,89 @@
+/*
+ * What a member that is ahead means to the all-reduce ring's round
+ * (gossip_ring_heard_ahead), on a hand-made ring of three: us in the
+ * middle, our predecessor and our successor, in a round of step 10 (10
+ * steps completed) with pieces still to come from the predecessor.
+ *
+ * The case found in bench-chaos (a 15 s stall after a relay was killed):
+ * a member that is not our predecessor in this attempt answered a READY of
+ * an earlier attempt, where it was, with RING_AHEAD; that one must not
+ * fail the round, but our predecessor's RING_AHEAD for the same step must,
+ * though the step is known by then. Before the fix it was dropped as
+ * nothing new, and the round waited on the predecessor until its timeout.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "gossip/gossip_impl.h"
+
+static uint8_t ids[3][NET_PUBKEY_BYTES]; /* sorted by key: pred, us, succ */
+static struct gossip_ring r;
+#define PRED ids[0]
+#define SUCC ids[2]
+static uint8_t other[NET_PUBKEY_BYTES]; /* a member outside this attempt's ring */
+
+static void setup(void) {
+  for (int i = 0; i < 3; i++) memset(ids[i], 0x10 * (i + 1), NET_PUBKEY_BYTES);
+  memset(other, 0x77, NET_PUBKEY_BYTES);
+  memset(&r, 0, sizeof r);
+  r.ids = ids;
+  r.n = 3;
+  r.me = 1;
+  r.active = true;
+  r.step = 10;
+  r.pos = 10;
+  r.recv_left = 4;
+}
+
+TestSuite(ring_ahead, .init = setup);
+
+Test(ring_ahead, the_predecessors_ring_ahead_fails_the_round_after_another_member_told_that_step) {
+  cr_assert_not(gossip_ring_heard_ahead(&r, other, 11, false), "another member's RING_AHEAD failed the round");
+  cr_assert_eq(r.ahead_step, 11);
+  cr_assert(memcmp(r.ahead_id, other, NET_PUBKEY_BYTES) == 0);
+  cr_assert(gossip_ring_heard_ahead(&r, PRED, 11, false),
+            "the predecessor's RING_AHEAD for a step already known left the round waiting on it");
+  cr_assert(memcmp(r.ahead_id, other, NET_PUBKEY_BYTES) == 0, "the first member to tell the step is kept");
+}
+
+Test(ring_ahead, a_ring_ahead_fails_the_round_only_from_the_predecessor_we_still_wait_for) {
+  cr_assert_not(gossip_ring_heard_ahead(&r, SUCC, 11, false));
+  cr_assert(memcmp(r.ahead_id, SUCC, NET_PUBKEY_BYTES) == 0);
+  r.recv_left = 0; /* everything of the predecessor's arrived: nothing to wait for */
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 11, false));
+  r.recv_left = 1;
+  r.failing = true; /* failing already */
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 11, false));
+  r.failing = false;
+  r.active = false; /* between rounds: noted for the next catch-up only */
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 12, false));
+  cr_assert_eq(r.ahead_step, 12);
+  cr_assert(memcmp(r.ahead_id, PRED, NET_PUBKEY_BYTES) == 0);
+}
+
+Test(ring_ahead, a_step_not_past_ours_or_not_past_the_round_changes_nothing) {
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 10, false));
+  cr_assert_eq(r.ahead_step, 0, "a member at our own position was noted as ahead");
+  r.pos = 11; /* our own position is that step already */
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 11, false));
+  cr_assert_eq(r.ahead_step, 0);
+  r.pos = 9; /* past our position (noted) but not past the round's step: it has not completed our round */
+  cr_assert_not(gossip_ring_heard_ahead(&r, PRED, 10, false));
+  cr_assert_eq(r.ahead_step, 10);
+}
+
+Test(ring_ahead, the_furthest_member_ahead_is_the_one_kept) {
+  cr_assert_not(gossip_ring_heard_ahead(&r, other, 13, false));
+  cr_assert(gossip_ring_heard_ahead(&r, PRED, 11, false));
+  cr_assert_eq(r.ahead_step, 13);
+  cr_assert(memcmp(r.ahead_id, other, NET_PUBKEY_BYTES) == 0);
+}
+
+Test(ring_ahead, a_ready_two_steps_past_ours_fails_the_round_from_anyone_one_step_past_does_nothing) {
+  cr_assert_not(gossip_ring_heard_ahead(&r, SUCC, 11, true), "a READY for the next step (a quicker member) failed it");
+  cr_assert_eq(r.ahead_step, 0);
+  cr_assert(gossip_ring_heard_ahead(&r, other, 12, true));
+  cr_assert_eq(r.ahead_step, 12);
+  cr_assert(gossip_ring_heard_ahead(&r, SUCC, 12, true), "a second READY for a step already known did not fail it");
+  cr_assert(memcmp(r.ahead_id, other, NET_PUBKEY_BYTES) == 0);
+}
