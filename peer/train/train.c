@@ -830,10 +830,12 @@ void trainer_load_state(struct trainer *t, const float *state) {
 
 void trainer_swap_state(struct trainer *t, float *state) {
   float small[4096]; /* when not even the bounce buffer can be had */
-  struct state_bounce b = {malloc(STATE_SWAP_BOUNCE_FLOATS * sizeof(float)), STATE_SWAP_BOUNCE_FLOATS};
+  /* Page-locked on a GPU: each piece is copied straight by the device. */
+  struct state_bounce b = {tensor_host_alloc(t->be, STATE_SWAP_BOUNCE_FLOATS * sizeof(float)),
+                           STATE_SWAP_BOUNCE_FLOATS};
   if (!b.buf) b = (struct state_bounce){small, (int64_t)(sizeof small / sizeof small[0])};
   shard_state_move(t, state, STATE_SWAP, &b);
-  if (b.buf != small) free(b.buf);
+  if (b.buf != small) tensor_host_free(t->be, b.buf);
   t->state_pulled = trainer_in_group_comm(t);
 }
 

@@ -598,7 +598,7 @@ struct trainer {
   int64_t extra_off[TRAIN_EXTRA_MAX + 1];
   bool replicated_apart; /* tensor-parallel ranks whose replicated moments differ (trainer_group_resync_state) */
   bool agree_steps;      /* trainer_group_agree_steps was called */
-  bool state_pulled;     /* a group process took a pulled state (trainer_load_state) not yet made whole */
+  bool state_pulled;     /* a group process took a pulled state (trainer_load_state, _swap_state) not yet made whole */
   int64_t stage_agreements; /* a pipeline stage's process: pipeline_agree calls so far (their tags) */
   int64_t shard_lo, shard_n; /* the shard: [shard_lo, shard_lo + shard_n) of the flat buffer (trainer_shard_params) */
   struct train_zero zero; /* with cfg.dp */
