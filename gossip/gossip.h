@@ -101,6 +101,12 @@ struct gossip_config {
    * floats each) and a donated state (state_floats floats). */
   float *xch_mine, *xch_theirs, *donor_buf;
   uint32_t exchange_timeout_ms; /* an exchange not done by then is abandoned */
+  /* GOSSIP_SYNC_ALLREDUCE: a round whose ring holds no majority of the
+   * members of the last ring we completed a round with (those that left
+   * since not counted) waits this long for more before going on without
+   * them: a member cut off from the cluster does not train on alone and
+   * race ahead of it (ring.c, "Quorum"). 0: go on at once. */
+  uint32_t quorum_wait_ms;
   uint64_t seed;         /* neighbour choice */
 
   /* Monitoring. */
@@ -113,6 +119,7 @@ struct gossip_config {
    * connections closed. 0: no limit. */
   double max_xch_per_s, max_conn_per_s;
 };
+#define GOSSIP_QUORUM_WAIT_MS 30000 /* gossip_config.quorum_wait_ms's default */
 void gossip_config_default(struct gossip_config *c);
 
 /* Starts the loop thread: listens, joins through the bootstrap list (in the

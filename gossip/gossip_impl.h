@@ -327,6 +327,12 @@ struct gossip_ring {
   /* Between rounds (loop thread). */
   uint64_t pos;      /* steps this member has completed, as far as the loop knows */
   size_t done_members; /* the ring's size in the last round done (logged when it changes) */
+  uint8_t (*done_ids)[NET_PUBKEY_BYTES]; /* that ring's keys (done_members of them; NULL before the first) */
+  /* Quorum (gossip_config.quorum_wait_ms): the round in progress waits for
+   * a majority of done_ids in view before its first READY; since when
+   * (kept across attempts until one has its majority; 0: not waiting). */
+  bool awaiting_quorum;
+  uint64_t quorum_since_ms;
   uint8_t ahead_id[NET_PUBKEY_BYTES];
   uint64_t ahead_step; /* the highest step another member said it had reached (0: none) */
   struct ring_ready *readies;

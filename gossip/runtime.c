@@ -27,6 +27,7 @@ void gossip_config_default(struct gossip_config *c) {
   c->wire = NET_DTYPE_F32;
   c->alpha = 0.5f;
   c->exchange_timeout_ms = 60000;
+  c->quorum_wait_ms = GOSSIP_QUORUM_WAIT_MS;
   c->max_xch_per_s = 100; /* well above an honest partner's rate, even with exchanges every step */
   c->max_conn_per_s = 5;
   c->optimizer = "";

@@ -9,6 +9,7 @@ void gossip_flags_default(struct gossip_flags *f) {
   memset(f, 0, sizeof *f);
   f->every = 1;
   f->exchange_timeout_ms = 60000;
+  f->quorum_wait_ms = GOSSIP_QUORUM_WAIT_MS;
   f->alpha = 0.5;
   f->max_distance = 10.0;
   f->wire = "f32";
@@ -67,6 +68,11 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        0, 1e9},
       {"exchange-timeout-ms", ARG_INT, &f->exchange_timeout_ms, "MS", "abandon an exchange after this long", 10,
        86400000},
+      {"quorum-wait-ms", ARG_INT, &f->quorum_wait_ms, "MS",
+       "--sync allreduce: when fewer than half the members of our last round are in view (cut off from the "
+       "cluster?), wait up to MS for more before going on without them, rather than train on alone and race ahead "
+       "(0: go on at once)",
+       0, 86400000},
       {"no-state-pull", ARG_FLAG, &f->no_state_pull, NULL,
        group ? "start from our own seed instead of a live group's state"
              : "start from our own seed instead of a live peer's state"},
@@ -225,6 +231,7 @@ void gossip_setup_train(const struct gossip_setup *s, struct train_config *tc) {
 void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossip_setup *s, struct gossip_config *c) {
   c->alpha = (float)f->alpha;
   c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
+  c->quorum_wait_ms = (uint32_t)f->quorum_wait_ms;
   c->sketch_k = (int)f->sketch_k;
   c->max_xch_per_s = f->max_xch_rate;
   c->max_conn_per_s = f->max_conn_rate;

@@ -131,8 +131,9 @@ static int spawn_on(int h, const char *cmd, enum timing tm, char *const *args) {
 
 /* A bootstrap on host 1 and `n` peers on hosts 2..n+1, training until told
  * to stop (SIGTERM saves their checkpoint), checkpointing every 20 steps so
- * the drift can be measured while they run. Waits until all train. */
-static void start_cluster(int n, enum timing tm, const char *model, int *peer) {
+ * the drift can be measured while they run, gossiping every 4 steps or, with
+ * `allreduce`, in an all-reduce ring. Waits until all train. */
+static void start_cluster_sync(int n, enum timing tm, const char *model, bool allreduce, int *peer) {
   char *bargs[] = {NULL};
   int b = spawn_on(1, "bootstrap", tm, bargs);
   snprintf(C.boot, sizeof C.boot, "%s", C.node[b].addr);
@@ -142,13 +143,17 @@ static void start_cluster(int n, enum timing tm, const char *model, int *peer) {
     snprintf(shard[i], sizeof shard[i], "%d/%d", i, n);
     char *args[] = {"--bootstrap", C.boot, "--threads", "1", "--log-every", "2", "--model", (char *)model,
                     "--shard", shard[i], "--epochs", "1000", "--batch", "64", "--lr", "0.05", "--no-eval",
-                    "--wait-peers", wait, "--gossip-every", "4", "--checkpoint", C.node[C.n].ckpt,
-                    "--checkpoint-every", "20", NULL};
+                    "--wait-peers", wait, "--checkpoint", C.node[C.n].ckpt, "--checkpoint-every", "20",
+                    allreduce ? "--sync" : "--gossip-every", allreduce ? "allreduce" : "4", NULL};
     peer[i] = spawn_on(i + 2, "peer", tm, args);
   }
   for (int i = 0; i < n; i++)
     cr_assert(cluster_wait_file(C.node[peer[i]].log, "first step", 90), "peer %d did not start training: %s", i,
               proc_slurp(C.node[peer[i]].log));
+}
+
+static void start_cluster(int n, enum timing tm, const char *model, int *peer) {
+  start_cluster_sync(n, tm, model, false, peer);
 }
 
 /* Reads a checkpoint's parameters (a new array) and its step. */
@@ -812,4 +817,79 @@ Test(netfaults, with_outer_overlap_a_slow_link_does_not_stall_the_inner_steps) {
    * ratio would be a timing: a loaded run gave 3.08 s against 5.93 s). */
   cr_assert_lt(overlapped + 0.8, waited, "with --outer-overlap training still waited %.2f s (%.2f s without)",
                overlapped, waited);
+}
+
+/* An all-reduce member cut off from the two others (issue #30's chaos: a
+ * peer cut off for 10 s took 4,850 steps alone, in rings of one, and the
+ * seven others dropped their own state for its after the heal). It waits
+ * for a majority of its last ring instead (--quorum-wait-ms, 30 s by
+ * default, past the cut), completes no round alone, and after the heal
+ * takes the state of the two, who took none; all three end equal. */
+#define QUORUM_CUT_S 8
+
+/* Node i's key as its log names it ("listening on ADDR as KEY... (peer)"):
+ * a static buffer. */
+static const char *node_key(int i) {
+  static char key[64];
+  char *s = proc_slurp(C.node[i].log);
+  const char *p = strstr(s, "listening on ");
+  p = p ? strstr(p, " as ") : NULL;
+  cr_assert(p, "no key in node %d's log", i);
+  snprintf(key, sizeof key, "%.*s", (int)strcspn(p + 4, ". "), p + 4);
+  free(s);
+  return key;
+}
+
+/* Node i logged a line with `a` and `b` at or after `since`. */
+struct line_after {
+  int i;
+  long since;
+  const char *a, *b;
+};
+static bool has_line_after(void *arg) {
+  const struct line_after *l = arg;
+  return first_line_after(l->i, l->since, l->a, l->b) >= 0;
+}
+
+Test(netfaults, an_allreduce_member_cut_off_waits_for_a_quorum_and_then_takes_the_majoritys_state) {
+  const int n = 3, cut = 3; /* host 4: peer 2 */
+  hosts_up(n + 1);
+  int peer[3];
+  setenv("RUMOR_LOG_LEVEL", "info", 1);
+  start_cluster_sync(n, FAST, "mlp:784-64-10", true, peer);
+  struct converged cv = {peer, n, 40, NAN, {0}};
+  cr_assert(cluster_poll(all_converged, &cv, 60), "the members did not train together before the cut");
+  const int lone = peer[cut - 1];
+  long cut_at = cluster_wall_ms_of_day();
+  double cut_t0 = cluster_now();
+  cr_assert_eq(testnet("cut %d", cut + 1), 0);
+  /* The fault hit it: it sees one of the three members of its last round. */
+  cr_assert(cluster_wait_file(C.node[lone].log, "only 1 of the 3 members of our last round in view", QUORUM_CUT_S),
+            "the cut-off member did not wait for a quorum: %s", proc_slurp(C.node[lone].log));
+  sleep_until(cut_t0, QUORUM_CUT_S);
+  int64_t P, lone_step, major_step;
+  free(load_params(C.node[lone].ckpt, &P, &lone_step));
+  free(load_params(C.node[peer[0]].ckpt, &P, &major_step));
+  long heal_at = cluster_wall_ms_of_day();
+  cr_assert_eq(testnet("heal %d", cut + 1), 0);
+  fprintf(stderr, "figure: after a %d s cut the lone member saved step %lld, the two others step %lld\n", QUORUM_CUT_S,
+          (long long)lone_step, (long long)major_step);
+  struct line_after took = {lone, heal_at, "all-reduce: the cluster is at step", "taking the state of"};
+  cr_assert(cluster_poll(has_line_after, &took, 45),
+            "the cut-off member did not take the majority's state after the heal: %s", proc_slurp(C.node[lone].log));
+  /* And trains on with them: rounds of more than one member (below). */
+  struct converged on = {&lone, 1, major_step + 100, NAN, {0}};
+  cr_assert(cluster_poll(all_converged, &on, 30), "the cut-off member did not train on after catching up: %s",
+            proc_slurp(C.node[lone].log));
+  stop_all(peer, n);
+  cr_assert_eq(count_lines_after(lone, cut_at, "done over 1 members", NULL), 0,
+               "the cut-off member completed rounds alone: %s", proc_slurp(C.node[lone].log));
+  /* The two may take each other's state (a step apart when a round fails
+   * as the cut heals), never the cut-off member's. */
+  char lone_key[80];
+  snprintf(lone_key, sizeof lone_key, "taking the state of %.8s", node_key(lone));
+  for (int i = 0; i < n - 1; i++)
+    cr_assert_eq(count_lines_after(peer[i], cut_at, lone_key, NULL), 0,
+                 "member %d took the cut-off member's state: %s", i, proc_slurp(C.node[peer[i]].log));
+  cr_assert_gt(major_step, lone_step, "the two others did not train on through the cut");
 }
