@@ -412,6 +412,15 @@ void gossip_ring_on_close(struct gossip *g, net_conn_t *c) {
   }
 }
 
+/* The ring in view becomes the one the quorum is counted against ("Quorum"
+ * above): a round done over it, or a wait for more that ran out (the
+ * members out of view are then taken for gone). */
+static void quorum_rebase(struct gossip_ring *r) {
+  r->done_members = r->n;
+  r->done_ids = xrealloc(r->done_ids, r->n * NET_PUBKEY_BYTES);
+  memcpy(r->done_ids, r->ids, r->n * NET_PUBKEY_BYTES);
+}
+
 static void maybe_done(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   if (!r->active || r->failing || r->recv_left || r->send_left) return;
@@ -419,9 +428,7 @@ static void maybe_done(struct gossip *g) {
   if (r->n != r->done_members)
     log_info("%s of step %llu done over %zu members (the last before it: over %zu)",
              gathering(r) ? "all-gather" : "all-reduce", (unsigned long long)r->step, r->n, r->done_members);
-  r->done_members = r->n;
-  r->done_ids = xrealloc(r->done_ids, r->n * NET_PUBKEY_BYTES);
-  memcpy(r->done_ids, r->ids, r->n * NET_PUBKEY_BYTES);
+  quorum_rebase(r);
   log_debug("%s of step %llu over %zu members done in %llu ms", gathering(r) ? "all-gather" : "all-reduce",
             (unsigned long long)r->step, r->n, (unsigned long long)(gossip_now_ms(g) - r->started_ms));
   finish(g, GOSSIP_AR_DONE);
@@ -775,13 +782,18 @@ static void take_view(struct gossip *g) {
 }
 
 /* Members of the last ring we completed a round with that have not left
- * (we count, and so do suspect and failed ones: a cut may hide them). */
+ * (we count, and so do suspect and failed ones: a cut may hide them; one
+ * SWIM forgot, long after it left, does not). */
 static size_t quorum_base(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   size_t base = 0;
   for (size_t i = 0; i < r->done_members; i++) {
-    const struct swim_member *m = same_id(r->done_ids[i], g->identity.pk) ? NULL : swim_find(&g->swim, r->done_ids[i]);
-    if (!m || m->info.state != SWIM_LEFT) base++;
+    if (same_id(r->done_ids[i], g->identity.pk)) {
+      base++;
+      continue;
+    }
+    const struct swim_member *m = swim_find(&g->swim, r->done_ids[i]);
+    if (m && m->info.state != SWIM_LEFT) base++;
   }
   return base;
 }
@@ -808,6 +820,7 @@ static bool quorum_ok(struct gossip *g, uint64_t now) {
     log_warn("%s of step %llu: going on with %zu of the %zu members of our last round after waiting %.1f s for "
              "the others",
              what, (unsigned long long)r->step, r->n, base, (double)(now - r->quorum_since_ms) / 1000);
+    quorum_rebase(r); /* a failed attempt now does not wait again; a further shrink does */
     r->quorum_since_ms = 0;
     return true;
   }
@@ -853,6 +866,7 @@ static void start_round(struct gossip *g, uint64_t step, enum ring_kind kind) {
   r->deadline_ms = r->started_ms + g->cfg.exchange_timeout_ms;
   r->pieces = 0; /* no transfers yet: the last round's arrays are for another ring */
   r->recv_left = r->send_left = 0;
+  r->awaiting_quorum = false;
   r->heard_pred = false;
   r->ready_sends = 0;
   if (r->ahead_step > step) {
@@ -865,8 +879,8 @@ static void start_round(struct gossip *g, uint64_t step, enum ring_kind kind) {
 }
 
 /* A round waiting for its quorum, every tick: behind a member that told
- * us of a later step meanwhile (a RING_AHEAD of another attempt's, which
- * fails no round), or the view again. */
+ * us of a later step meanwhile (a RING_AHEAD, which fails no round while
+ * we wait: we sent no READY and receive nothing), or the view again. */
 static void quorum_tick(struct gossip *g, uint64_t now) {
   struct gossip_ring *r = &g->ring;
   if (r->ahead_step > r->step) {

@@ -69,7 +69,7 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
       {"exchange-timeout-ms", ARG_INT, &f->exchange_timeout_ms, "MS", "abandon an exchange after this long", 10,
        86400000},
       {"quorum-wait-ms", ARG_INT, &f->quorum_wait_ms, "MS",
-       "--sync allreduce: when fewer than half the members of our last round are in view (cut off from the "
+       "--sync allreduce: when no majority of the members of our last round is in view (cut off from the "
        "cluster?), wait up to MS for more before going on without them, rather than train on alone and race ahead "
        "(0: go on at once)",
        0, 86400000},

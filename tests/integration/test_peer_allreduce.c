@@ -298,7 +298,9 @@ static long long metrics_step(int i) {
  * (A SIGSTOP from outside can land while one of the others still waits for
  * a piece, or a confirmation, of a round the stopped one completed: that
  * one is then a step behind the other and, when both are "baddonor", can
- * catch up only from the stopped one: seen in CI.) */
+ * catch up only from the stopped one: seen in CI.) With two frozen, the
+ * one left sees no majority of its last ring and waits --quorum-wait-ms
+ * (1 s here, 30 s by default) before going on alone. */
 #define FREEZE_STEP 20 /* gossip/testing.c's TEST_FREEZE_STEP */
 static void leave_behind(int peer[3], const char *attack, const char *max_steps, int frozen) {
   C.bin = RUMOR_TESTING_BIN;
@@ -310,7 +312,7 @@ static void leave_behind(int peer[3], const char *attack, const char *max_steps,
     peer[i] = cluster_start_peer(&C, "--attack", i < going ? attack : "freeze", "--model", MODEL, "--sync",
                                  "allreduce", "--shard", shard[i], "--max-steps", max_steps, "--batch", "16", "--seed",
                                  "7", "--no-eval", "--wait-peers", "3", "--metrics", "127.0.0.1:0", "--checkpoint",
-                                 C.node[C.n].ckpt, NULL);
+                                 C.node[C.n].ckpt, "--quorum-wait-ms", "1000", NULL);
   }
   double t0 = cluster_now();
   for (int i = going; i < 3; i++)
