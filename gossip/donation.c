@@ -83,7 +83,7 @@ static void on_ready(net_t *n, void *arg, int status) {
   struct net_msgbuf meta;
   net_msgbuf_init(&meta, 0, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_uint(&meta, "k", params_only ? GBULK_PARAMS : GBULK_STATE);
-  net_msgbuf_put_uint(&meta, "x", 0); /* key "x", the exchange id every bulk carries: none for a donation */
+  net_msgbuf_put_uint(&meta, "x", GBULK_NO_EXCHANGE_ID);
   net_msgbuf_put_uint(&meta, "step", d->pos.step);
   net_msgbuf_put_uint(&meta, "epoch", d->pos.epoch);
   net_msgbuf_put_uint(&meta, "samples", d->pos.samples);

@@ -68,6 +68,9 @@ _Static_assert(GMSG_JOIN == 1 && GMSG_PING == 4 && GMSG_XCH_REQ == 8 && GMSG_STA
 
 /* Kinds of bulk transfer (the "k" field of the bulk metadata). */
 enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3, GBULK_RING = 4 };
+/* The exchange id ("x") in the metadata of a bulk that belongs to no
+ * exchange (a donation): every bulk carries one, only GBULK_EXCHANGE reads it. */
+#define GBULK_NO_EXCHANGE_ID UINT64_C(0)
 
 #define GOSSIP_STATS_WAITERS 64
 #define GOSSIP_STATS_FRESH_MS 500   /* figures younger than this are answered at once */
