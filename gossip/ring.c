@@ -827,6 +827,15 @@ static bool quorum_ok(struct gossip *g, uint64_t now) {
   return false;
 }
 
+/* Someone already completed the round's step: its round will never come,
+ * and it fails as BEHIND (true). */
+static bool failed_behind(struct gossip *g) {
+  struct gossip_ring *r = &g->ring;
+  if (r->ahead_step <= r->step) return false;
+  fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - r->step));
+  return true;
+}
+
 /* The attempt proper, once the ring in view may run it: its READY goes
  * out, and its pieces as the successor is ready. */
 static void begin_attempt(struct gossip *g) {
@@ -862,18 +871,13 @@ static void start_round(struct gossip *g, uint64_t step, enum ring_kind kind) {
   r->active = true;
   r->failing = false;
   r->why[0] = '\0';
-  r->started_ms = gossip_now_ms(g);
-  r->deadline_ms = r->started_ms + g->cfg.exchange_timeout_ms;
+  r->started_ms = gossip_now_ms(g); /* begin_attempt sets it again, and the deadline */
   r->pieces = 0; /* no transfers yet: the last round's arrays are for another ring */
   r->recv_left = r->send_left = 0;
   r->awaiting_quorum = false;
   r->heard_pred = false;
   r->ready_sends = 0;
-  if (r->ahead_step > step) {
-    /* Someone already completed this step: its round will never come. */
-    fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - step));
-    return;
-  }
+  if (failed_behind(g)) return;
   r->awaiting_quorum = !quorum_ok(g, r->started_ms);
   if (!r->awaiting_quorum) begin_attempt(g);
 }
@@ -882,11 +886,7 @@ static void start_round(struct gossip *g, uint64_t step, enum ring_kind kind) {
  * us of a later step meanwhile (a RING_AHEAD, which fails no round while
  * we wait: we sent no READY and receive nothing), or the view again. */
 static void quorum_tick(struct gossip *g, uint64_t now) {
-  struct gossip_ring *r = &g->ring;
-  if (r->ahead_step > r->step) {
-    fail(g, false, "%llu steps behind the cluster", (unsigned long long)(r->ahead_step - r->step));
-    return;
-  }
+  if (failed_behind(g)) return;
   take_view(g);
   if (quorum_ok(g, now)) begin_attempt(g);
 }
