@@ -107,6 +107,11 @@ struct gossip_config {
    * them: a member cut off from the cluster does not train on alone and
    * race ahead of it (ring.c, "Quorum"). 0: go on at once. */
   uint32_t quorum_wait_ms;
+  /* GOSSIP_SYNC_ALLREDUCE: when, over GOSSIP_PATH_WINDOW_MS of rounds, the
+   * kernel retransmitted at least this fraction of the segments we sent to
+   * the next member, the ring advises us to sit out (gossip_ar_sit_out):
+   * a lossy link paces the whole ring (ring.c, "Sitting out"). 0: never. */
+  float sit_out_loss;
   uint64_t seed;         /* neighbour choice */
 
   /* Monitoring. */
@@ -120,6 +125,8 @@ struct gossip_config {
   double max_xch_per_s, max_conn_per_s;
 };
 #define GOSSIP_QUORUM_WAIT_MS 30000 /* gossip_config.quorum_wait_ms's default */
+#define GOSSIP_SIT_OUT_LOSS 0.02f   /* gossip_config.sit_out_loss's default */
+#define GOSSIP_PATH_WINDOW_MS 2000  /* the window over which sit_out_loss is measured */
 void gossip_config_default(struct gossip_config *c);
 
 /* Starts the loop thread: listens, joins through the bootstrap list (in the
@@ -341,6 +348,18 @@ void gossip_ar_info(gossip_t *g, struct gossip_ar_info *out);
  * were ahead, so that the next rounds run with whoever is there (else
  * every round would fail as behind). Training thread. */
 void gossip_ar_forget_ahead(gossip_t *g);
+
+/* True, once, when the ring advises this member to leave it for a while:
+ * our link to the next member lost at least cfg.sit_out_loss of what we
+ * sent over the last window, so every round went at its pace, and the
+ * ring has members enough left for its quorum without us; `why` says
+ * what was measured. Training thread. */
+bool gossip_ar_sit_out(gossip_t *g, char *why, size_t n);
+/* Out of the ring (true) and back (false): while out, we are not ready
+ * (no ring takes us, no newcomer takes our state, our state is not
+ * offered); back, we are ready again, and the ring re-forms with us.
+ * Training thread. */
+void gossip_ring_away(gossip_t *g, bool away);
 
 /* Our all-gather block: gather_floats words (NULL when gather_floats is 0),
  * written before gossip_ag_start and untouched until the round ends. */

@@ -276,8 +276,11 @@ struct gossip_donation {
 /* While nothing of the predecessor's has arrived, our RING_READY is sent
  * again this often: a READY queued on a link whose dial failed, or on a
  * connection closed under it, is lost, and the predecessor would wait for
- * it until the round's deadline (exchange_timeout_ms). */
-#define RING_READY_RESEND_MS 1000
+ * it until the round's deadline (exchange_timeout_ms); and a predecessor
+ * whose attempt failed spent ours (gossip_ring_spend_ready) and waits for
+ * it again. */
+#define RING_READY_RESEND_MS 250
+#define RING_PATH_MIN_SEGS 1000 /* fewer segments sent in a window: too few to judge the link by */
 
 /* What a round moves (gossip.h): a reduce round sums `count` floats
  * (reduce-scatter then all-gather, 2(n−1) phases); a gather round collects
@@ -338,6 +341,14 @@ struct gossip_ring {
   uint64_t quorum_since_ms;
   uint8_t ahead_id[NET_PUBKEY_BYTES];
   uint64_t ahead_step; /* the highest step another member said it had reached (0: none) */
+  /* Our link to the successor ("Sitting out"): the connection watched, its
+   * kernel counters when the window began, and when that was. */
+  const net_conn_t *path_conn;
+  struct net_tcp_path path_at;
+  uint64_t path_since_ms;
+  /* The advice for the training thread (under lock): sit out, and why. */
+  bool sit_out;
+  char sit_out_why[200];
   struct ring_ready *readies;
   size_t nreadies;
   /* Shared with the training thread, under lock. */
@@ -646,6 +657,14 @@ void gossip_ring_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m
  * for its pieces, whether or not another member told that step first.
  * Ring state only, no I/O (test_gossip_ring). */
 bool gossip_ring_heard_ahead(struct gossip_ring *r, const uint8_t *from, uint64_t step, bool ready);
+/* An attempt ends, failed: the successor's READY it sent on (the stored
+ * one with succ_nonce) is spent, so that the next attempt waits for the
+ * successor's fresh one. Every member of a ring fails together (ABORT),
+ * and the first to retry would otherwise send on the successor's READY of
+ * the attempt that just failed, have its pieces refused ("an earlier
+ * attempt"), fail the ring again and so on: bench-chaos saw all eight
+ * members retry every 100 ms for minutes. Ring state only (test_gossip_ring). */
+void gossip_ring_spend_ready(struct gossip_ring *r);
 /* A ring piece begins (metadata: round `step`, ring `hash` (which names the
  * round's kind), phase, piece):
  * 0 with *dst and *dst_arg set, or a negative code to refuse it. */

@@ -51,6 +51,17 @@
  * it waits, a member ahead still fails the round, so the cut member
  * catches up with the majority as soon as it hears from it.
  *
+ * Sitting out: every piece passes every link, so a round goes at the pace
+ * of the ring's slowest link. A member whose link to its successor loses
+ * packets (the kernel retransmitted at least cfg.sit_out_loss of the
+ * segments it sent there over GOSSIP_PATH_WINDOW_MS of rounds) is advised
+ * to leave the ring for a while (gossip_ar_sit_out), when enough members
+ * remain for the quorum without it: the cluster loses its samples, not
+ * half its speed (measured in bench-chaos: rounds at 45 % of their speed
+ * while one member of eight had 5 % loss). Retransmissions, not timing:
+ * a successor slow to read (a busy CPU) slows our sends as much, but the
+ * fault is not on our link, and its predecessor leaving would not help.
+ *
  * Loop thread, except the functions marked "training thread".
  */
 #include <errno.h>
@@ -267,12 +278,16 @@ static bool in_ring(const struct gossip_ring *r, const uint8_t *id) {
   return bsearch(id, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) != NULL;
 }
 
+/* True when a member is out of the ring in our view: suspect, failed,
+ * left, or no longer ready (it sits out: "Sitting out" above). */
+static bool member_out(const struct swim_member *m) { return m->info.state != SWIM_ALIVE || !m->info.ready; }
+
 /* True when member `id` of the ring is no longer in our view of it:
- * suspect, failed, left or forgotten. */
+ * out (member_out) or forgotten. */
 static bool out_of_view(struct gossip *g, const uint8_t *id) {
   if (same_id(id, g->identity.pk)) return false;
   const struct swim_member *m = swim_find(&g->swim, id);
-  return !m || m->info.state != SWIM_ALIVE;
+  return !m || member_out(m);
 }
 
 /* A member of the round's ring that is no longer in our view, or NULL. */
@@ -280,16 +295,21 @@ static const uint8_t *ring_member_out(struct gossip *g) {
   const struct gossip_ring *r = &g->ring;
   for (size_t i = 0; i < g->swim.nmembers; i++) {
     const struct swim_member *m = &g->swim.members[i];
-    if (m->info.state != SWIM_ALIVE && in_ring(r, m->info.id)) return m->info.id;
+    if (member_out(m) && in_ring(r, m->info.id)) return m->info.id;
   }
+  return NULL;
+}
+
+static struct ring_ready *find_ready(struct gossip_ring *r, const uint8_t *id) {
+  for (size_t i = 0; i < r->nreadies; i++)
+    if (same_id(r->readies[i].id, id)) return &r->readies[i];
   return NULL;
 }
 
 static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool create) {
   struct gossip_ring *r = &g->ring;
-  for (size_t i = 0; i < r->nreadies; i++)
-    if (same_id(r->readies[i].id, id)) return &r->readies[i];
-  if (!create) return NULL;
+  struct ring_ready *found = find_ready(r, id);
+  if (found || !create) return found;
   if (r->nreadies == RING_READY_MAX) r->nreadies = 0; /* a cluster this large starts over: rounds retry */
   struct ring_ready *e = &r->readies[r->nreadies++];
   memcpy(e->id, id, NET_PUBKEY_BYTES);
@@ -356,8 +376,15 @@ static void send_abort(struct gossip *g) {
   }
 }
 
+void gossip_ring_spend_ready(struct gossip_ring *r) {
+  if (r->n < 2 || !r->succ_ready) return;
+  struct ring_ready *e = find_ready(r, succ(r));
+  if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
+  r->succ_ready = false;
+}
+
 /* Fails the round in progress: every transfer canceled, the other members
- * told (`tell`), nothing delivered. */
+ * told (`tell`), the successor's READY spent, nothing delivered. */
 static void fail(struct gossip *g, bool tell, const char *fmt, ...) RUMOR_PRINTF(3, 4);
 static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
   struct gossip_ring *r = &g->ring;
@@ -376,6 +403,7 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
     if (r->recv[k].state == RING_IO_BUSY) (void)net_conn_cancel_recv(r->recv[k].conn, r->recv[k].id);
   }
   r->cancelling = false;
+  gossip_ring_spend_ready(r);
   if (tell) send_abort(g);
   maybe_failed(g);
 }
@@ -385,6 +413,7 @@ void gossip_ring_abandon(struct gossip *g, const char *why) { fail(g, false, "%s
 #ifdef RUMOR_TESTING
 static void release_held(struct gossip *g, uint64_t now);
 #endif
+static void watch_path(struct gossip *g, uint64_t now);
 
 void gossip_ring_on_close(struct gossip *g, net_conn_t *c) {
   struct gossip_ring *r = &g->ring;
@@ -429,6 +458,7 @@ static void maybe_done(struct gossip *g) {
     log_info("%s of step %llu done over %zu members (the last before it: over %zu)",
              gathering(r) ? "all-gather" : "all-reduce", (unsigned long long)r->step, r->n, r->done_members);
   quorum_rebase(r);
+  watch_path(g, gossip_now_ms(g));
   log_debug("%s of step %llu over %zu members done in %llu ms", gathering(r) ? "all-gather" : "all-reduce",
             (unsigned long long)r->step, r->n, (unsigned long long)(gossip_now_ms(g) - r->started_ms));
   finish(g, GOSSIP_AR_DONE);
@@ -498,11 +528,6 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   }
   r->inflight--;
   r->send[k].state = RING_IO_NONE;
-  /* The READY we sent on is spent: the next attempt waits for a fresh one
-   * instead of sending at once on the same (perhaps stale) nonce, which
-   * the successor would refuse again, attempt after attempt. */
-  struct ring_ready *e = ready_of(g, succ(r), false);
-  if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
   fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
   maybe_failed(g); /* a failing round ends with its last callback */
 }
@@ -798,6 +823,52 @@ static size_t quorum_base(struct gossip *g) {
   return base;
 }
 
+/* After a round done: the window of our link to the successor, and the
+ * advice to sit out when it lost too much ("Sitting out" above). */
+static void watch_path(struct gossip *g, uint64_t now) {
+  struct gossip_ring *r = &g->ring;
+  struct net_tcp_path p;
+  if (g->cfg.sit_out_loss <= 0 || r->n < 2 || !r->send_conn || net_conn_tcp_path(r->send_conn, &p)) {
+    r->path_conn = NULL;
+    return;
+  }
+  if (r->send_conn != r->path_conn || p.data_segs_out < r->path_at.data_segs_out ||
+      p.retrans_segs < r->path_at.retrans_segs) { /* another link: a new window */
+    r->path_conn = r->send_conn;
+    r->path_at = p;
+    r->path_since_ms = now;
+    return;
+  }
+  if (now - r->path_since_ms < GOSSIP_PATH_WINDOW_MS) return;
+  uint64_t sent = p.data_segs_out - r->path_at.data_segs_out, again = p.retrans_segs - r->path_at.retrans_segs;
+  double secs = (double)(now - r->path_since_ms) / 1000;
+  r->path_at = p;
+  r->path_since_ms = now;
+  if (sent < RING_PATH_MIN_SEGS) return;
+  double lost = (double)again / (double)sent;
+  log_debug("all-reduce: our link to the next member retransmitted %llu of %llu segments (%.2f %%) in %.1f s",
+            (unsigned long long)again, (unsigned long long)sent, 100 * lost, secs);
+  if (lost < g->cfg.sit_out_loss) return;
+  /* Without us the ring must still hold a majority of its last round's. */
+  if (2 * (r->n - 1) <= quorum_base(g)) return;
+  pthread_mutex_lock(&g->lock);
+  r->sit_out = true;
+  snprintf(r->sit_out_why, sizeof r->sit_out_why,
+           "our link to the next member (%s) retransmitted %.1f %% of the %llu segments we sent in the last %.1f s",
+           net_conn_peer_name(r->send_conn), 100 * lost, (unsigned long long)sent, secs);
+  pthread_mutex_unlock(&g->lock);
+}
+
+bool gossip_ar_sit_out(gossip_t *g, char *why, size_t n) {
+  struct gossip_ring *r = &g->ring;
+  pthread_mutex_lock(&g->lock);
+  bool advised = r->sit_out;
+  r->sit_out = false;
+  if (advised) snprintf(why, n, "%s", r->sit_out_why);
+  pthread_mutex_unlock(&g->lock);
+  return advised;
+}
+
 /* Whether the ring in view may run the round now ("Quorum" above); logs
  * when a wait starts and when it ends. */
 static bool quorum_ok(struct gossip *g, uint64_t now) {
@@ -1014,7 +1085,8 @@ void gossip_ring_tick(struct gossip *g, uint64_t now) {
   if (out) {
     const struct swim_member *m = swim_find(&g->swim, out);
     gossip_member_label(g, out, who, sizeof who);
-    fail(g, true, "%s is %s: the ring re-forms without it", who, m ? swim_state_name(m->info.state) : "gone");
+    const char *state = !m ? "gone" : m->info.state == SWIM_ALIVE ? "away" : swim_state_name(m->info.state);
+    fail(g, true, "%s is %s: the ring re-forms without it", who, state);
     return;
   }
   /* Nothing from the predecessor yet: perhaps our READY never reached it

@@ -28,6 +28,7 @@ void gossip_config_default(struct gossip_config *c) {
   c->alpha = 0.5f;
   c->exchange_timeout_ms = 60000;
   c->quorum_wait_ms = GOSSIP_QUORUM_WAIT_MS;
+  c->sit_out_loss = GOSSIP_SIT_OUT_LOSS;
   c->max_xch_per_s = 100; /* well above an honest partner's rate, even with exchanges every step */
   c->max_conn_per_s = 5;
   c->optimizer = "";
@@ -257,13 +258,38 @@ const char *gossip_self_id(const gossip_t *g) { return g->self_id_text; }
 static void ready_on_loop(net_t *n, void *arg, int status) {
   struct gossip *g = arg;
   if (status) return;
-  swim_set_ready(&g->swim);
+  swim_set_ready(&g->swim, true, false);
   gossip_publish(g);
 }
 
 void gossip_ready(gossip_t *g) {
   atomic_store(&g->ready, true);
   if (net_call(g->net, ready_on_loop, g) != 0) log_warn("cannot announce that we are ready");
+}
+
+struct away_req {
+  struct gossip *g;
+  bool away;
+};
+
+static void away_on_loop(net_t *n, void *arg, int status) {
+  struct away_req *r = arg;
+  if (status == 0) {
+    r->g->ring.path_conn = NULL; /* our link is judged afresh, on rounds after our return */
+    swim_set_ready(&r->g->swim, !r->away, true);
+    gossip_publish(r->g);
+  }
+  free(r);
+}
+
+void gossip_ring_away(gossip_t *g, bool away) {
+  atomic_store(&g->ready, !away);
+  struct away_req *r = xmalloc(sizeof *r);
+  *r = (struct away_req){g, away};
+  if (net_call(g->net, away_on_loop, r) != 0) {
+    free(r);
+    log_warn("cannot tell the ring that we %s", away ? "leave it for a while" : "are back");
+  }
 }
 
 static void finished_on_loop(net_t *n, void *arg, int status) {

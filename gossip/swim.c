@@ -202,11 +202,12 @@ static void heard(struct swim *s, const uint8_t *from, uint64_t now_ms) {
   if (m->info.state == SWIM_SUSPECT || m->info.state == SWIM_DEAD) enqueue(s, &m->info);
 }
 
-void swim_set_ready(struct swim *s) {
-  if (s->self.ready || s->self.state == SWIM_LEFT) return;
-  s->self.ready = true;
+void swim_set_ready(struct swim *s, bool ready, bool at_once) {
+  if (s->self.ready == ready || s->self.state == SWIM_LEFT) return;
+  s->self.ready = ready;
   s->self.incarnation++;
   enqueue(s, &s->self);
+  if (at_once) tell_all(s, &s->self);
 }
 
 void swim_set_addr(struct swim *s, const char *addr) {

@@ -166,8 +166,11 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
  * tells every live member at once that we are alive. */
 void swim_announce(struct swim *s);
 
-/* Marks us ready (see swim_update.ready) with a new incarnation. */
-void swim_set_ready(struct swim *s);
+/* Marks us ready or not (see swim_update.ready) with a new incarnation
+ * (nothing when it is already so); `at_once`: told to every live member
+ * now, not only as the news spreads (an all-reduce ring waits for a
+ * member that sits out until it knows). */
+void swim_set_ready(struct swim *s, bool ready, bool at_once);
 
 /* Changes the address we advertise (a relay's "@HOST:PORT"), with a new
  * incarnation. */

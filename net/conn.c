@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "net/tcp_counters.h"
 #include "net/transport_impl.h"
 
 static const struct net_sess_ops sess_ops;
@@ -711,6 +712,14 @@ static void open_timer_fired(struct net_conn *c) {
     c->verdict_pending = false;
   }
   if (cfg->idle_timeout_ms && now - c->last_activity >= cfg->idle_timeout_ms) {
+    if (dead_limit(c) && !c->tx_head && !c->ctl_bytes && !c->txq_bytes) {
+      /* The peer heartbeats: it is alive, and we merely have had nothing
+       * to say to each other. A BYE, not a cut: a cut tells a gossip
+       * member that the peer died (its membership suspects it at once). */
+      log_debug("net: %s idle for %llu ms: closing", c->name, (unsigned long long)(now - c->last_activity));
+      net_conn_close(c);
+      return;
+    }
     abort_idle(c, now - c->last_activity);
     return;
   }
@@ -1322,6 +1331,17 @@ net_t *net_conn_net(const net_conn_t *c) { return c->net; }
 size_t net_conn_queued_bytes(const net_conn_t *c) { return queued(c); }
 unsigned net_conn_suite(const net_conn_t *c) { return c->suite; }
 bool net_conn_judged_dead(const net_conn_t *c) { return c->judged_dead; }
+
+int net_conn_tcp_path(const net_conn_t *c, struct net_tcp_path *out) {
+  memset(out, 0, sizeof *out);
+  if (c->circ) {
+    if (!c->circ_carrier) return -ENOTCONN; /* its carrier is gone */
+    c = c->circ_carrier;                     /* a circuit: the carrier's socket, to the relay */
+  }
+  uv_os_fd_t fd;
+  if (uv_fileno((const uv_handle_t *)&c->tcp, &fd) != 0) return -ENOTCONN;
+  return net_tcp_counters(fd, &out->data_segs_out, &out->retrans_segs, &out->rtt_us);
+}
 
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s) {
   *s = c->st;

@@ -557,6 +557,17 @@ struct net_stats {
                                     most 9 chunk frames (net_impl.h, NET_FRAME_POOL_MAX) */
 };
 void net_conn_stats_get(const net_conn_t *c, struct net_conn_stats *s);
+/* The kernel's counters for what a connection sends (for a connection over
+ * a relay: its carrier's, the hop to the relay). Counts since the socket
+ * opened; segments, not bytes (a retransmission counts in both). */
+struct net_tcp_path {
+  uint64_t data_segs_out; /* segments with data sent, retransmissions included */
+  uint64_t retrans_segs;  /* of them, retransmissions */
+  uint32_t rtt_us;        /* smoothed round-trip time */
+};
+/* Returns 0, or a negative code (-ENOTCONN: no socket; -ENOTSUP: a kernel
+ * before 4.6). Loop thread. */
+int net_conn_tcp_path(const net_conn_t *c, struct net_tcp_path *out);
 void net_stats_get(const net_t *n, struct net_stats *s);
 
 /* Runs fn(n, arg, 0) on the loop thread, soon. Safe to call from any thread

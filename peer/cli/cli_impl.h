@@ -164,6 +164,7 @@ void net_flags_gossip_config(const struct net_flags *f, const struct net_keys *k
 /* ---- gossip: how a member averages, its defences, its placement (peer and group) ---- */
 
 struct gossip_flags {
+  double sit_out_loss;
   int64_t every, exchange_timeout_ms, quorum_wait_ms, wait_peers, wait_peers_ms, sketch_k;
   int64_t max_local_steps, max_hold_ms; /* bounded drift (average.c's hold; NoLoCo's wait) */
   int64_t finish_wait_ms;               /* exchange on after the last step (sync_finish) */

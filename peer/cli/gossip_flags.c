@@ -10,6 +10,7 @@ void gossip_flags_default(struct gossip_flags *f) {
   f->every = 1;
   f->exchange_timeout_ms = 60000;
   f->quorum_wait_ms = GOSSIP_QUORUM_WAIT_MS;
+  f->sit_out_loss = 100.0 * GOSSIP_SIT_OUT_LOSS;
   f->alpha = 0.5;
   f->max_distance = 10.0;
   f->wire = "f32";
@@ -73,6 +74,11 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "cluster?), wait up to MS for more before going on without them, rather than train on alone and race ahead "
        "(0: go on at once)",
        0, 86400000},
+      {"sit-out-loss", ARG_FLOAT, &f->sit_out_loss, "PCT",
+       "--sync allreduce: when our link to the next member of the ring retransmits PCT % or more of what we send "
+       "(over 2 s), leave the ring for 10 s (twice as long each time it recurs, at most 80 s) so that it does not "
+       "go at our link's pace (0: never; processes of a group never leave)",
+       0, 100},
       {"no-state-pull", ARG_FLAG, &f->no_state_pull, NULL,
        group ? "start from our own seed instead of a live group's state"
              : "start from our own seed instead of a live peer's state"},
@@ -232,6 +238,7 @@ void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossi
   c->alpha = (float)f->alpha;
   c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
   c->quorum_wait_ms = (uint32_t)f->quorum_wait_ms;
+  c->sit_out_loss = s->sync.kind == SYNC_ALLREDUCE && s->sync.outer.kind == OUTER_NONE ? (float)(f->sit_out_loss / 100) : 0;
   c->sketch_k = (int)f->sketch_k;
   c->max_xch_per_s = f->max_xch_rate;
   c->max_conn_per_s = f->max_conn_rate;

@@ -179,6 +179,27 @@ static int take_sum(struct sync *s) {
   return 1;
 }
 
+/* Advised to leave the ring (our link to the next member drops packets):
+ * a whole replica's process is out for SYNC_SIT_OUT_S, twice as long each time it happens again within
+ * SYNC_SIT_OUT_CALM_S of our return (at most SYNC_SIT_OUT_MAX_S), serving
+ * nobody our state meanwhile. Back, our round finds the cluster ahead and
+ * we take a member's state (catch_up), as a restarted member does. */
+static void sit_out(struct sync *s, const char *why) {
+  struct sync_ring *ring = &s->ring;
+  double now = clock_now_s();
+  if (ring->next_out_s <= 0 || now - ring->back_s > SYNC_SIT_OUT_CALM_S) ring->next_out_s = SYNC_SIT_OUT_S;
+  double secs = ring->next_out_s;
+  log_warn("all-reduce: %s: leaving the ring for %.0f s, so that it goes on at the others' pace", why, secs);
+  gossip_ring_away(s->g, true);
+  sync_idle_for(s, secs);
+  gossip_ring_away(s->g, false);
+  ring->back_s = clock_now_s();
+  ring->out_s += ring->back_s - now;
+  ring->sat_out++;
+  ring->next_out_s = secs * 2 < SYNC_SIT_OUT_MAX_S ? secs * 2 : SYNC_SIT_OUT_MAX_S;
+  log_info("all-reduce: back in the ring after %.1f s out", ring->back_s - now);
+}
+
 /* The train_reducer: sums the step's gradient, weighted by rows, over the
  * ring and leaves the mean over every member's rows in model.grads (returns
  * 0). A member left behind takes the state of one ahead and drops its step
@@ -188,6 +209,9 @@ static int take_sum(struct sync *s) {
  * the same shard of other groups (group_reduce_between). */
 static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct sync *s = arg;
+  char why[200];
+  /* A process that holds part of a replica would stall its group: it stays. */
+  if (gossip_ar_sit_out(s->g, why, sizeof why) && !trainer_holds_part(s->t)) sit_out(s, why);
   uint64_t step = (uint64_t)s->t->st.step;
   int rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
   return rc ? rc : take_sum(s);
@@ -222,9 +246,10 @@ static void ar_result(const struct sync *s, const struct gossip_stats *gs, json_
     uint64_t v;
   } ar[] = {{"allreduce_rounds", s->ring.rounds},     {"allreduce_retries", s->ring.retries},
             {"allreduce_catchups", s->ring.catchups}, {"allreduce_skipped", s->ring.skipped},
-            {"allreduce_members", s->ring.members}};
+            {"allreduce_members", s->ring.members},   {"allreduce_sat_out", s->ring.sat_out}};
   for (size_t i = 0; i < sizeof ar / sizeof ar[0]; i++) json_text_set(o, ar[i].key, json_integer((json_int_t)ar[i].v));
   json_text_set(o, "allreduce_s", json_text_real(s->ring.wait_s));
+  json_text_set(o, "allreduce_out_s", json_text_real(s->ring.out_s));
 }
 
 const struct sync_scheme sync_scheme_allreduce = {

@@ -273,6 +273,13 @@ int64_t sync_check_targets(int64_t nparams);
 #define SYNC_PULL_MAX_LOSS_RATIO 2.0
 #define SYNC_PULL_LOSS_SLACK 0.5 /* nats per target */
 #define SYNC_PULL_ASKS 2
+
+/* An all-reduce member whose link drops packets leaves the ring this long
+ * (allreduce.c, sit_out), twice as long when advised again within
+ * SYNC_SIT_OUT_CALM_S of its return, at most SYNC_SIT_OUT_MAX_S. */
+#define SYNC_SIT_OUT_S 10.0
+#define SYNC_SIT_OUT_MAX_S 80.0
+#define SYNC_SIT_OUT_CALM_S 60.0
 double sync_pull_max_loss(double own_loss);
 
 /* What a pulled state is compared with: the loss on the check rows of
@@ -458,6 +465,11 @@ struct sync_ring {
   uint64_t rounds, retries, catchups, skipped;
   double wait_s;  /* time in rounds, from the start of the first attempt to the result */
   size_t members; /* in the last round's ring */
+  /* Sitting out (gossip_ar_sit_out): times, seconds out in all, the next
+   * time's length (doubling while the link stays lossy) and when we were
+   * last back (clock_now_s). */
+  uint64_t sat_out;
+  double out_s, next_out_s, back_s;
 };
 
 /* An outer optimizer's state and figures (outer.c). The device tensors are

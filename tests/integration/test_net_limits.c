@@ -221,9 +221,29 @@ Test(net_limits, unauthenticated_connections_beyond_the_cap_are_refused, .init =
   finish();
 }
 
+/* An idle connection whose peer heartbeats is closed with a BYE: the peer
+ * is alive (bench-chaos: a cut at the 120 s idle limit made a gossip
+ * member suspect a live peer and fail an all-reduce round). */
+Test(net_limits, an_idle_connection_to_a_live_peer_is_closed_gracefully_after_the_idle_timeout, .init = setup) {
+  srv.cfg.idle_timeout_ms = 300;
+  cli.cfg.idle_timeout_ms = 0; /* never */
+  cli.cfg.heartbeat_ms = 100;  /* it PINGs before the limit */
+  start_pair();
+  connect_once();
+  double t0 = clock_now_s();
+  RUN_UNTIL(srv.closed && cli.closed, 5);
+  double dt = clock_now_s() - t0;
+  cr_assert_eq(srv.close_status, 0, "%s", srv.close_detail);
+  cr_assert_eq(cli.close_status, 0, "the other side sees a BYE, not a cut: %s", cli.close_detail);
+  cr_assert(dt > 0.25 && dt < 2.0, "closed after %.2f s", dt);
+  finish();
+}
+
+/* A peer that never PINGs (its heartbeat off) may be gone: cut. */
 Test(net_limits, an_idle_connection_is_closed_after_the_idle_timeout, .init = setup) {
   srv.cfg.idle_timeout_ms = 300;
   cli.cfg.idle_timeout_ms = 0; /* never */
+  cli.cfg.heartbeat_ms = 0;
   start_pair();
   connect_once();
   double t0 = clock_now_s();

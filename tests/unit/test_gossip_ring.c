@@ -87,3 +87,51 @@ Test(ring_ahead, a_ready_two_steps_past_ours_fails_the_round_from_anyone_one_ste
   cr_assert(gossip_ring_heard_ahead(&r, SUCC, 12, true), "a second READY for a step already known did not fail it");
   cr_assert(memcmp(r.ahead_id, other, NET_PUBKEY_BYTES) == 0);
 }
+
+/* gossip_ring_spend_ready: an attempt failed after sending on the
+ * successor's READY; the next must not send on it again (bench-chaos: all
+ * eight members retried every 100 ms for minutes, each first one to retry
+ * sending on its successor's READY of the failed attempt, refused, failing
+ * the ring again). */
+static struct ring_ready readies[2];
+
+static void with_readies(void) {
+  setup();
+  readies[0] = (struct ring_ready){.step = 10, .hash = 0xabc, .nonce = 7};
+  memcpy(readies[0].id, SUCC, NET_PUBKEY_BYTES);
+  readies[1] = (struct ring_ready){.step = 10, .hash = 0xabc, .nonce = 5};
+  memcpy(readies[1].id, PRED, NET_PUBKEY_BYTES);
+  r.readies = readies;
+  r.nreadies = 2;
+  r.hash = 0xabc;
+}
+
+TestSuite(ring_spend, .init = with_readies);
+
+Test(ring_spend, the_successors_ready_an_attempt_sent_on_is_spent_when_it_fails) {
+  r.succ_ready = true;
+  r.succ_nonce = 7;
+  gossip_ring_spend_ready(&r);
+  cr_assert_not(readies[0].step == r.step && readies[0].hash == r.hash,
+                "the next attempt of step %llu would send on the failed one's READY again",
+                (unsigned long long)r.step);
+  cr_assert_not(r.succ_ready);
+  cr_assert_eq(readies[1].step, 10, "the predecessor's READY was touched");
+  cr_assert_eq(readies[1].nonce, 5);
+}
+
+Test(ring_spend, a_ready_the_attempt_did_not_send_on_is_kept) {
+  r.succ_ready = false; /* the successor's READY came after the attempt failed: for the next one */
+  gossip_ring_spend_ready(&r);
+  cr_assert_eq(readies[0].step, 10);
+  cr_assert_eq(readies[0].nonce, 7);
+  r.succ_ready = true;
+  r.succ_nonce = 6; /* sent on an older one; the stored one is newer */
+  gossip_ring_spend_ready(&r);
+  cr_assert_eq(readies[0].step, 10, "the successor's newer READY was spent");
+  r.n = 1; /* a ring of one has no successor */
+  r.succ_ready = true;
+  r.succ_nonce = 7;
+  gossip_ring_spend_ready(&r);
+  cr_assert_eq(readies[0].step, 10);
+}
