@@ -355,10 +355,11 @@ void gossip_ar_forget_ahead(gossip_t *g);
  * ring has members enough left for its quorum without us; `why` says
  * what was measured. Training thread. */
 bool gossip_ar_sit_out(gossip_t *g, char *why, size_t n);
-/* Out of the ring (true) and back (false): while out, we are not ready
- * (no ring takes us, no newcomer takes our state, our state is not
- * offered); back, we are ready again, and the ring re-forms with us.
- * Training thread. */
+/* Out of the ring (true) and back (false): while out, the membership holds
+ * us not ready (no ring takes us, no newcomer picks us to take a state
+ * from), told to every live member at once; back, ready again, and the
+ * ring re-forms with us. Our own readiness (gossip_ready: /healthz,
+ * donations) stays as it is. Training thread. */
 void gossip_ring_away(gossip_t *g, bool away);
 
 /* Our all-gather block: gather_floats words (NULL when gather_floats is 0),

@@ -300,6 +300,7 @@ struct ring_ready {
   uint8_t id[NET_PUBKEY_BYTES];
   uint64_t step, hash, nonce;
   bool answered; /* told RING_AHEAD for this READY */
+  bool spent;    /* a failed attempt sent on it (gossip_ring_spend_ready): not taken again */
 };
 
 struct gossip_ring {

@@ -312,6 +312,7 @@ static struct ring_ready *ready_of(struct gossip *g, const uint8_t *id, bool cre
   if (found || !create) return found;
   if (r->nreadies == RING_READY_MAX) r->nreadies = 0; /* a cluster this large starts over: rounds retry */
   struct ring_ready *e = &r->readies[r->nreadies++];
+  memset(e, 0, sizeof *e); /* a slot reused after a start-over keeps nothing of its last member */
   memcpy(e->id, id, NET_PUBKEY_BYTES);
   return e;
 }
@@ -363,23 +364,38 @@ static void maybe_failed(struct gossip *g) {
   finish(g, r->ahead_step > r->step ? GOSSIP_AR_BEHIND : GOSSIP_AR_FAILED);
 }
 
+static void send_abort_to(struct gossip *g, const uint8_t *id) {
+  struct gossip_ring *r = &g->ring;
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_RING_ABORT, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "step", r->step);
+  net_msgbuf_put_uint(&b, "ring", r->hash);
+  (void)gossip_send(g, id, &b); /* best effort: the others time out otherwise */
+  net_msgbuf_free(&b);
+}
+
 static void send_abort(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
-  for (size_t i = 0; i < r->n; i++) {
-    if (i == r->me) continue;
-    struct net_msgbuf b;
-    net_msgbuf_init(&b, GMSG_RING_ABORT, GOSSIP_PROTO_VERSION);
-    net_msgbuf_put_uint(&b, "step", r->step);
-    net_msgbuf_put_uint(&b, "ring", r->hash);
-    (void)gossip_send(g, r->ids[i], &b); /* best effort: the others time out otherwise */
-    net_msgbuf_free(&b);
-  }
+  for (size_t i = 0; i < r->n; i++)
+    if (i != r->me) send_abort_to(g, r->ids[i]);
+}
+
+/* Whether a piece of this attempt went to the successor (whatever became
+ * of it since). */
+static bool sent_any(const struct gossip_ring *r) {
+  for (uint32_t k = 0; r->send && k < phases(r) * r->pieces; k++)
+    if (r->send[k].state != RING_IO_NONE) return true;
+  return false;
 }
 
 void gossip_ring_spend_ready(struct gossip_ring *r) {
   if (r->n < 2 || !r->succ_ready) return;
   struct ring_ready *e = find_ready(r, succ(r));
-  if (e && e->nonce == r->succ_nonce) e->step = e->hash = 0;
+  if (e && e->nonce == r->succ_nonce) {
+    e->step = e->hash = 0;
+    e->spent = true;    /* the same READY arriving late is not taken again (on_ready) */
+    e->answered = true; /* and wants no RING_AHEAD */
+  }
   r->succ_ready = false;
 }
 
@@ -396,6 +412,7 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
   va_end(ap);
   log_info("%s of step %llu over %zu members failed: %s (nothing applied)", gathering(r) ? "all-gather" : "all-reduce",
            (unsigned long long)r->step, r->n, r->why);
+  bool sent = r->succ_ready && sent_any(r); /* before the cancels below reset them */
   r->cancelling = true;
   uint32_t total = phases(r) * r->pieces;
   for (uint32_t k = 0; k < total; k++) {
@@ -404,7 +421,11 @@ static void fail(struct gossip *g, bool tell, const char *fmt, ...) {
   }
   r->cancelling = false;
   gossip_ring_spend_ready(r);
+  /* Told by another, we tell nobody; but a successor that took pieces of
+   * ours on the READY just spent waits for more of them, and sends no
+   * fresh READY while it has heard from us: it must fail too. */
   if (tell) send_abort(g);
+  else if (sent) send_abort_to(g, succ(r));
   maybe_failed(g);
 }
 
@@ -424,6 +445,7 @@ void gossip_ring_on_close(struct gossip *g, net_conn_t *c) {
    * (pump asks for one again): a link replaced between pieces costs the
    * round nothing. */
   if (r->send_conn == c) r->send_conn = NULL;
+  if (r->path_conn == c) r->path_conn = NULL; /* its address may be reused */
   if (!r->active) return;
   /* Transfers on it have normally ended (with an error) before it closes;
    * one still marked busy could never end, and its connection is about to
@@ -823,6 +845,15 @@ static size_t quorum_base(struct gossip *g) {
   return base;
 }
 
+/* A peer alive in our view but not ready: away, or joining. */
+static bool someone_away(const struct gossip *g) {
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role == SWIM_ROLE_PEER && m->info.state == SWIM_ALIVE && !m->info.ready) return true;
+  }
+  return false;
+}
+
 /* After a round done: the window of our link to the successor, and the
  * advice to sit out when it lost too much ("Sitting out" above). */
 static void watch_path(struct gossip *g, uint64_t now) {
@@ -849,8 +880,11 @@ static void watch_path(struct gossip *g, uint64_t now) {
   log_debug("all-reduce: our link to the next member retransmitted %llu of %llu segments (%.2f %%) in %.1f s",
             (unsigned long long)again, (unsigned long long)sent, 100 * lost, secs);
   if (lost < g->cfg.sit_out_loss) return;
-  /* Without us the ring must still hold a majority of its last round's. */
-  if (2 * (r->n - 1) <= quorum_base(g)) return;
+  /* Without us the ring must still hold a majority of its last round's,
+   * and one member is away at a time: loss on a member's incoming side
+   * shows as its predecessor's retransmissions, and the next predecessor's,
+   * and so on around the ring (a newcomer still joining delays us too). */
+  if (2 * (r->n - 1) <= quorum_base(g) || someone_away(g)) return;
   pthread_mutex_lock(&g->lock);
   r->sit_out = true;
   snprintf(r->sit_out_why, sizeof r->sit_out_why,
@@ -1004,9 +1038,11 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
   if (gossip_ring_heard_ahead(r, from, step, true))
     fail(g, false, "%s is at step %llu already", net_conn_peer_name(c), (unsigned long long)step);
   struct ring_ready *e = ready_of(g, from, true);
+  if (e->spent && e->nonce == nonce) return; /* an attempt that failed, said again: resent, or late */
   e->step = step;
   e->hash = hash;
   e->nonce = nonce;
+  e->spent = false;
   e->answered = step < r->pos;
   if (e->answered) {
     /* We completed that step: it waits for a round that will not come. */

@@ -283,7 +283,6 @@ static void away_on_loop(net_t *n, void *arg, int status) {
 }
 
 void gossip_ring_away(gossip_t *g, bool away) {
-  atomic_store(&g->ready, !away);
   struct away_req *r = xmalloc(sizeof *r);
   *r = (struct away_req){g, away};
   if (net_call(g->net, away_on_loop, r) != 0) {

@@ -192,6 +192,7 @@ static void sit_out(struct sync *s, const char *why) {
   log_warn("all-reduce: %s: leaving the ring for %.0f s, so that it goes on at the others' pace", why, secs);
   gossip_ring_away(s->g, true);
   sync_idle_for(s, secs);
+  if (sync_stopped(s)) return; /* leaving: not back in the ring first */
   gossip_ring_away(s->g, false);
   ring->back_s = clock_now_s();
   ring->out_s += ring->back_s - now;

@@ -6,8 +6,10 @@
  * exchange, no false failure verdict), and a peer stopped for longer than
  * the suspicion time (declared failed, and back with a higher incarnation
  * when it resumes); an all-reduce member cut off from the others (it waits
- * for a quorum, then takes their state). Every test skips, saying why, where test hosts cannot be
- * made (not root, no network namespaces).
+ * for a quorum, then takes their state); an all-reduce member whose link
+ * loses packets (it leaves the ring for a while, then takes the others'
+ * state). Every test skips, saying why, where test hosts cannot be made
+ * (not root, no network namespaces).
  *
  * Figures go to stderr ("figure: ...") for docs/reliability.md. */
 #include <criterion/criterion.h>

@@ -10,6 +10,9 @@
  * fail the round, but our predecessor's RING_AHEAD for the same step must,
  * though the step is known by then. Before the fix it was dropped as
  * nothing new, and the round waited on the predecessor until its timeout.
+ *
+ * And which of the successor's READYs a failed attempt spends
+ * (gossip_ring_spend_ready, the suite ring_spend below).
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -116,6 +119,8 @@ Test(ring_spend, the_successors_ready_an_attempt_sent_on_is_spent_when_it_fails)
                 "the next attempt of step %llu would send on the failed one's READY again",
                 (unsigned long long)r.step);
   cr_assert_not(r.succ_ready);
+  cr_assert(readies[0].spent, "the same READY arriving again would be taken again");
+  cr_assert(readies[0].answered, "a spent READY would be answered with RING_AHEAD");
   cr_assert_eq(readies[1].step, 10, "the predecessor's READY was touched");
   cr_assert_eq(readies[1].nonce, 5);
 }
@@ -125,6 +130,7 @@ Test(ring_spend, a_ready_the_attempt_did_not_send_on_is_kept) {
   gossip_ring_spend_ready(&r);
   cr_assert_eq(readies[0].step, 10);
   cr_assert_eq(readies[0].nonce, 7);
+  cr_assert_not(readies[0].spent);
   r.succ_ready = true;
   r.succ_nonce = 6; /* sent on an older one; the stored one is newer */
   gossip_ring_spend_ready(&r);
