@@ -180,10 +180,12 @@ static int take_sum(struct sync *s) {
 }
 
 /* Advised to leave the ring (our link to the next member drops packets):
- * a whole replica's process is out for SYNC_SIT_OUT_S, twice as long each time it happens again within
- * SYNC_SIT_OUT_CALM_S of our return (at most SYNC_SIT_OUT_MAX_S), serving
- * nobody our state meanwhile. Back, our round finds the cluster ahead and
- * we take a member's state (catch_up), as a restarted member does. */
+ * a whole replica's process is out for SYNC_SIT_OUT_S, twice as long each
+ * time it happens again within SYNC_SIT_OUT_CALM_S of our return (at most
+ * SYNC_SIT_OUT_MAX_S), training nothing (the membership holds us not
+ * ready: no ring takes us, no newcomer picks us as its donor). Back, our
+ * round finds the cluster ahead and we take a member's state (catch_up),
+ * as a restarted member does. */
 static void sit_out(struct sync *s, const char *why) {
   struct sync_ring *ring = &s->ring;
   double now = clock_now_s();
