@@ -243,6 +243,18 @@ static long first_line_after(int i, long since, const char *a, const char *b) {
   return at;
 }
 
+/* Node i's first log line with `a` and `b` (a static buffer; "" when none):
+ * what a failed assertion on count_lines shows. */
+static const char *line_with(int i, const char *a, const char *b) {
+  static char found[512];
+  found[0] = '\0';
+  char *s = proc_slurp(C.node[i].log);
+  for (char *line = strtok(s, "\n"); line && !found[0]; line = strtok(NULL, "\n"))
+    if (strstr(line, a) && (!b || strstr(line, b))) snprintf(found, sizeof found, "%s", line);
+  free(s);
+  return found;
+}
+
 static int count_lines(int i, const char *a, const char *b) {
   char *s = proc_slurp(C.node[i].log);
   int n = 0;
@@ -469,7 +481,8 @@ Test(netfaults, at_100ms_round_trips_and_100mbit_links_exchanges_complete_and_tr
     /* The links really were slow: no exchange of 0.8 MB each way beats a
      * 100 ms round trip at 100 Mbit/s. */
     cr_assert_geq(med, 100, "peer %d's exchanges took %.0f ms: the links were not shaped", i, med);
-    cr_assert_eq(timed_out, 0, "peer %d had exchanges time out", i);
+    cr_assert_eq(timed_out, 0, "peer %d had exchanges time out (%d; the first: %s)", i, timed_out,
+                 line_with(peer[i], "abandoned", "timed out"));
     cr_assert_eq(count_lines(peer[i], "is now failed", NULL), 0, "peer %d declared a live member failed", i);
   }
 }
