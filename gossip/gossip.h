@@ -351,9 +351,9 @@ void gossip_ar_forget_ahead(gossip_t *g);
 
 /* True, once, when the ring advises this member to leave it for a while:
  * our link to the next member lost at least cfg.sit_out_loss of what we
- * sent over the last window, so every round went at its pace, and the
- * ring has members enough left for its quorum without us; `why` says
- * what was measured. Training thread. */
+ * sent over the last window, so every round went at its pace; the ring
+ * has members enough left for its quorum without us; and no other peer
+ * is away or joining. `why` says what was measured. Training thread. */
 bool gossip_ar_sit_out(gossip_t *g, char *why, size_t n);
 /* Out of the ring (true) and back (false): while out, the membership holds
  * us not ready (no ring takes us, no newcomer picks us to take a state
