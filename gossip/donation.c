@@ -48,14 +48,19 @@ void gossip_donor_done(gossip_t *g, const struct gossip_train_pos *pos) {
 
 /* ---- loop thread ---- */
 
-static void send_busy(net_conn_t *c, const char *why, bool fatal) {
+/* `behind`: not busy, but before the step the request asked for ("min"):
+ * the asker looks no further here, and stops when every donor said so. */
+static void send_busy_as(net_conn_t *c, const char *why, bool fatal, bool behind) {
   struct net_msgbuf b;
   net_msgbuf_init(&b, GMSG_STATE_BUSY, GOSSIP_PROTO_VERSION);
   net_msgbuf_put_str(&b, "why", why, strlen(why));
   net_msgbuf_put_bool(&b, "fatal", fatal);
+  if (behind) net_msgbuf_put_bool(&b, "behind", true);
   if (net_conn_send_msg(c, &b)) log_debug("cannot answer a state request from %s", net_conn_peer_name(c));
   net_msgbuf_free(&b);
 }
+
+static void send_busy(net_conn_t *c, const char *why, bool fatal) { send_busy_as(c, why, fatal, false); }
 
 static void on_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   struct gossip *g = arg;
@@ -166,7 +171,7 @@ static void handle_state_req(struct gossip *g, net_conn_t *c, const struct net_m
     char why[96];
     snprintf(why, sizeof why, "at step %llu, before the step %llu asked for", (unsigned long long)g->ring.pos,
              (unsigned long long)min);
-    send_busy(c, why, false);
+    send_busy_as(c, why, false, true);
   } else if (!take_slot(g, c, false, min > 0)) {
     send_busy(c, "already donating", false);
   }

@@ -83,6 +83,12 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3, GBULK_RING = 4 };
  * exchange or pull started on it in the moment before both ends agreed. */
 #define GOSSIP_LINK_RETIRE_MS 30000
 #define GOSSIP_TICK_MS 20
+/* A pull for a later step (a ring member rejoining: sync_ring_rejoin) ends
+ * after this many members said they are not that far: a ring's members are
+ * at one round, one asked after another costs a round trip each (a large
+ * cluster on a slow network would wait seconds to start), and a member
+ * that is further still tells us in the ring (RING_AHEAD). */
+#define GOSSIP_PULL_BEHIND_ENOUGH 3
 
 /* Slot states (gossip.h). The exchange slot's word also counts rounds:
  * word = round << 3 | state, and every IDLE → WANT starts a new round, so a
@@ -205,6 +211,12 @@ struct gossip_join {
   uint8_t prefer[NET_PUBKEY_BYTES];
   bool have_prefer, later;
   uint64_t min_step; /* the step a donor must have reached (0: any); sent in STATE_REQ as "min" */
+  /* Members that answered this pull (min_step > 0) that they are before
+   * min_step: once every donor we could ask has, or GOSSIP_PULL_BEHIND_ENOUGH
+   * of them, nobody is ahead of us as far as we know and the pull ends
+   * (pull_tick). nbehind ids, room for behind_cap. */
+  uint8_t (*behind)[NET_PUBKEY_BYTES];
+  size_t nbehind, behind_cap;
 };
 
 /* ---- exchange (exchange.c) ---- */
@@ -534,6 +546,9 @@ bool gossip_link_dial_backed_off(struct gossip *g, const uint8_t *id, uint64_t n
  * One whose link is in a dial backoff (gossip_link_dial_backed_off) is
  * picked only when no other qualifies. Returns false when there is none. */
 bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bool donors_only);
+/* The ready, alive, reachable peers a state pull could ask, less the
+ * `nskip` in `skip` (backoffs aside: a member backed off is asked later). */
+size_t gossip_count_donors(struct gossip *g, const uint8_t (*skip)[NET_PUBKEY_BYTES], size_t nskip);
 /* The same, among passive peers only (the partners an active peer asks);
  * falls back to any peer when no passive one is free. Once we finished
  * (gossip_finished), partners not known to have finished come first.

@@ -28,6 +28,7 @@ int gossip_join_init(struct gossip *g, const char *bootstrap, struct rumor_err *
 
 void gossip_join_free(struct gossip *g) {
   for (size_t i = 0; i < g->join.nboot; i++) free(g->join.boot[i]);
+  free(g->join.behind);
   memset(&g->join, 0, sizeof g->join);
 }
 
@@ -258,6 +259,22 @@ static void handle_state_busy(struct gossip *g, net_conn_t *c, const struct net_
   if (net_msg_get_str(m, "why", &why, &n)) why = "?", n = 1;
   if (net_msg_get_bool(m, "fatal", &fatal)) fatal = false;
   j->pulling = false;
+  bool behind = false;
+  if (net_msg_get_bool(m, "behind", &behind)) behind = false; /* optional */
+  if (behind && j->min_step) {
+    /* Not busy: only not as far as we need. Another donor at once; pull_tick
+     * ends the pull when none is left. */
+    if (j->nbehind == j->behind_cap) {
+      j->behind_cap = j->behind_cap ? 2 * j->behind_cap : 8;
+      j->behind = xrealloc(j->behind, j->behind_cap * sizeof *j->behind);
+    }
+    memcpy(j->behind[j->nbehind++], j->donor, NET_PUBKEY_BYTES);
+    gossip_back_off(g, j->donor, gossip_now_ms(g) + 1000);
+    j->pull_retry_ms = gossip_now_ms(g);
+    log_debug("donor %s is before step %llu (%.*s)", net_conn_peer_name(c), (unsigned long long)j->min_step, (int)n,
+              why);
+    return;
+  }
   if (fatal) {
     pthread_mutex_lock(&g->lock);
     snprintf(j->error, sizeof j->error, "cannot take a state from this cluster: %s: %.*s", net_conn_peer_addr(c),
@@ -306,8 +323,17 @@ static void pull_tick(struct gossip *g, uint64_t now) {
   }
   if (now < j->pull_retry_ms) return;
   if (swim_count_live(&g->swim, SWIM_ROLE_PEER) == 0) {
-    log_info("no other peer in the cluster: %s",
-             j->later ? "keeping our own state" : "starting from our own initialisation");
+    /* A pull for a later step (a ring member rejoining) asks whether anyone
+     * is ahead: its caller tells what it found. */
+    if (!j->min_step)
+      log_info("no other peer in the cluster: %s",
+               j->later ? "keeping our own state" : "starting from our own initialisation");
+    set_pull_result(g, true);
+    return;
+  }
+  if (j->min_step &&
+      (j->nbehind >= GOSSIP_PULL_BEHIND_ENOUGH || gossip_count_donors(g, j->behind, j->nbehind) == 0)) {
+    log_debug("no member is at step %llu or later: keeping our own state", (unsigned long long)j->min_step);
     set_pull_result(g, true);
     return;
   }
@@ -484,6 +510,7 @@ static void pull_on_loop(net_t *n, void *arg, int status) {
     memcpy(j->prefer, r->from, NET_PUBKEY_BYTES);
     j->have_prefer = r->have_from;
     j->min_step = r->min_step;
+    j->nbehind = 0; /* a new pull: every member may be ahead again */
     j->later = true;
     j->started_ms = gossip_now_ms(g); /* the donor deadline counts from now */
     j->pull_attempts = 0;

@@ -320,6 +320,18 @@ bool gossip_pick_peer(struct gossip *g, uint8_t *out, const uint8_t *exclude, bo
   return pick_member(g, out, exclude, f | PICK_DIALABLE) || pick_member(g, out, exclude, f);
 }
 
+size_t gossip_count_donors(struct gossip *g, const uint8_t (*skip)[NET_PUBKEY_BYTES], size_t nskip) {
+  size_t n = 0;
+  for (size_t i = 0; i < g->swim.nmembers; i++) {
+    const struct swim_member *m = &g->swim.members[i];
+    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE || !m->info.ready || !reachable(g, m)) continue;
+    bool skipped = false;
+    for (size_t k = 0; k < nskip && !skipped; k++) skipped = memcmp(skip[k], m->info.id, NET_PUBKEY_BYTES) == 0;
+    n += !skipped;
+  }
+  return n;
+}
+
 /* Partners in order of preference, each among members that pass `also`. */
 static bool pick_partner_among(struct gossip *g, uint8_t *out, const uint8_t *exclude, unsigned also) {
   /* Finished (gossip_finished): partners that still train first (they are

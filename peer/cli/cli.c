@@ -2,6 +2,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __GLIBC__ /* defined by the headers above */
+#include <malloc.h>
+#endif
 
 #include "peer/cli/cli_impl.h"
 
@@ -53,7 +56,26 @@ static void log_level_from_env(void) {
   unsetenv("RUMOR_LOG_LEVEL");
 }
 
+/* A long-lived peer allocates and frees buffers of a MiB and more under
+ * churn (chunk frames beyond the net's pool, relayed frames' backlogs, the
+ * state swap of a catch-up). glibc's threshold for giving such a buffer
+ * its own mapping slides up to the largest one freed (up to 32 MiB), after
+ * which they come from the arenas and their holes are never handed back:
+ * the resident set grew by steps over a 10-minute chaos run
+ * (tests/bench/bench-chaos.sh). Fixed thresholds: a MiB and more is mapped
+ * and unmapped; what recurs every step (relay pieces of 256 KiB, first
+ * backlogs of 512 KiB) stays in the arenas, whose tops are trimmed past
+ * 4 MiB free rather than at every free. */
+static void tune_malloc(void) {
+#ifdef __GLIBC__
+  /* A tuning only: an allocator that refuses (a sanitizer's) goes on as it is. */
+  (void)mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  (void)mallopt(M_TRIM_THRESHOLD, 4 << 20);
+#endif
+}
+
 int cli_main(int argc, char **argv) {
+  tune_malloc();
   log_level_from_env();
   /* Before any thread exists: every later thread inherits the blocked stop
    * signals, which only the signal thread receives (see util.h). */

@@ -75,13 +75,14 @@ void gossip_flags_specs(struct gossip_flags *f, enum flags_for who, struct arg_s
        "(0: go on at once)",
        0, 86400000},
       {"sit-out-loss", ARG_FLOAT, &f->sit_out_loss, "PCT",
-       "--sync allreduce: when our link to the next member of the ring retransmits PCT % or more of what we send "
+       "--sync allreduce (DiLoCo too): when our link to the next member of the ring retransmits PCT % or more of "
+       "what we send "
        "(over 2 s), leave the ring for 10 s (twice as long when it recurs within a minute of our return, at most 80 "
        "s) so that it does not go at our link's pace (0: never; processes of a group never leave)",
        0, 100},
       {"no-state-pull", ARG_FLAG, &f->no_state_pull, NULL,
        group ? "start from our own seed instead of a live group's state"
-             : "start from our own seed instead of a live peer's state"},
+             : "start from our own seed (or --resume's checkpoint) instead of a live peer's state"},
       {"name", ARG_STR, &f->name, "NAME",
        group ? "label for log lines (default: the group name and stage)" : "label for log lines"},
       {"wait-peers", ARG_INT, &f->wait_peers, "N",
@@ -223,7 +224,8 @@ int gossip_flags_setup(const struct gossip_flags *f, const struct arg_spec *spec
                                    .clip_tau = f->clip_tau,
                                    .max_local_steps = f->max_local_steps,
                                    .max_hold_s = (double)f->max_hold_ms / 1e3,
-                                   .wire = out->wire};
+                                   .wire = out->wire,
+                                   .own_start = f->no_state_pull};
   if (kind != SYNC_GOSSIP) out->sync.every_steps = 0;
   return setup_outer(f, specs, &out->sync, e);
 }
@@ -238,8 +240,7 @@ void gossip_flags_gossip_config(const struct gossip_flags *f, const struct gossi
   c->alpha = (float)f->alpha;
   c->exchange_timeout_ms = (uint32_t)f->exchange_timeout_ms;
   c->quorum_wait_ms = (uint32_t)f->quorum_wait_ms;
-  bool gradient_ring = s->sync.kind == SYNC_ALLREDUCE && s->sync.outer.kind == OUTER_NONE;
-  c->sit_out_loss = gradient_ring ? (float)(f->sit_out_loss / 100) : 0;
+  c->sit_out_loss = s->sync.kind == SYNC_ALLREDUCE ? (float)(f->sit_out_loss / 100) : 0; /* and DiLoCo */
   c->sketch_k = (int)f->sketch_k;
   c->max_xch_per_s = f->max_xch_rate;
   c->max_conn_per_s = f->max_conn_rate;

@@ -36,6 +36,41 @@ static bool take_pulled(struct sync *s, struct sync_own_state *own, float *buf,
   return sync_pull_take(s->t, own, buf, why, n);
 }
 
+/* Pulls states, from `from` first (NULL: any member), until one is taken
+ * (take_pulled; *pos its position): 1, 0 when nobody is left to take one
+ * from (a member that is before min_round says so), or a negative code
+ * (stopped, or every state asked for was refused). */
+static int pull_state(struct sync *s, const uint8_t *from, uint64_t min_round, uint64_t min_step,
+                      struct gossip_train_pos *pos, struct rumor_err *e) {
+  /* The pull lands in the donation buffer: a donation filled from it while
+   * we waited in the ring may still be on its way out; wait for it to end
+   * (no new one is filled until we serve donations again). */
+  while (gossip_donor_sending(s->g)) {
+    if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while catching up");
+    const struct timespec tick = {0, 2 * 1000000};
+    nanosleep(&tick, NULL);
+  }
+  float *buf = gossip_donor_buf(s->g);
+  struct sync_own_state own;
+  sync_own_keep(&own, s->t);
+  char why[200];
+  for (int asked = 1;; asked++) {
+    int rc = gossip_state_pull(s->g, asked == 1 ? from : NULL, min_round, buf, pos, s->cfg.stop, e);
+    if (rc) return rc < 0 ? rc : 0; /* 1: nobody left to take it from, go on with ours */
+    if (take_pulled(s, &own, buf, pos, min_round, min_step, why, sizeof why)) break;
+    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
+             (unsigned long long)pos->step, why);
+    gossip_refuse_donation(s->g, "it gave a state we refused");
+    if (asked == SYNC_PULL_ASKS)
+      return rumor_err_set(e, RUMOR_ECORRUPT,
+                           "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
+                           "(the last: %s)",
+                           (long long)s->t->st.step, SYNC_PULL_ASKS, why);
+  }
+  s->ring.catchups++;
+  return 1;
+}
+
 /* Left behind: takes the state of a member that completed our round (asked
  * first), or of another when that one's state is refused (sync_pull_take);
  * after SYNC_PULL_ASKS refusals the member gives up (it cannot rejoin the
@@ -61,40 +96,10 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   else
     log_info("all-reduce: the cluster is at step %llu and we at %lld: taking the state of %.8s",
              (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
-  /* The pull lands in the donation buffer: a donation filled from it while
-   * we waited in the ring may still be on its way out; wait for it to end
-   * (no new one is filled until we serve donations again). */
-  while (gossip_donor_sending(s->g)) {
-    if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while catching up");
-    const struct timespec tick = {0, 2 * 1000000};
-    nanosleep(&tick, NULL);
-  }
-  float *buf = gossip_donor_buf(s->g);
-  struct sync_own_state own;
-  sync_own_keep(&own, t);
   int64_t step = t->st.step;
-  int rc = 0;
-  bool taken = false;
-  char why[200];
   struct gossip_train_pos pos;
-  for (int asked = 1; !taken; asked++) {
-    rc = gossip_state_pull(s->g, asked == 1 && info ? info->ahead : NULL, min_round, buf, &pos, s->cfg.stop, e);
-    if (rc) break; /* 1: nobody left to take it from, go on with ours */
-    taken = take_pulled(s, &own, buf, &pos, min_round, min_step, why, sizeof why);
-    if (taken) break;
-    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
-             (unsigned long long)pos.step, why);
-    gossip_refuse_donation(s->g, "it gave a state we refused");
-    if (asked == SYNC_PULL_ASKS) {
-      rc = rumor_err_set(e, RUMOR_ECORRUPT,
-                         "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
-                         "(the last: %s)",
-                         (long long)step, SYNC_PULL_ASKS, why);
-      break;
-    }
-  }
-  if (!taken) return rc < 0 ? rc : 0;
-  s->ring.catchups++;
+  int rc = pull_state(s, info ? info->ahead : NULL, min_round, min_step, &pos, e);
+  if (rc != 1) return rc;
   if (outer_state_only(s)) {
     log_info("all-reduce: took the outer state after outer round %llu from a member at step %llu (we were at step "
              "%lld); our round is dropped",
@@ -104,6 +109,20 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
   }
   trainer_take_step(t, (int64_t)pos.step);
   log_info("all-reduce: now at step %llu; our round is dropped", (unsigned long long)pos.step);
+  return 1;
+}
+
+int sync_ring_rejoin(struct sync *s, uint64_t round, uint64_t min_step, const char *when, struct rumor_err *e) {
+  struct trainer *t = s->t;
+  if (!s->g || trainer_holds_part(t) || trainer_done(t)) return 0;
+  int64_t step = t->st.step;
+  struct gossip_train_pos pos;
+  int rc = pull_state(s, NULL, round + 1, min_step, &pos, e);
+  if (rc != 1) return rc;
+  trainer_take_step(t, (int64_t)pos.step);
+  log_info("all-reduce: %s: the ring went on past round %llu; took a member's state at step %llu (we were at step "
+           "%lld) before joining it",
+           when, (unsigned long long)round, (unsigned long long)pos.step, (long long)step);
   return 1;
 }
 
@@ -179,28 +198,33 @@ static int take_sum(struct sync *s) {
   return 1;
 }
 
-/* Advised to leave the ring (our link to the next member drops packets):
- * a whole replica's process is out for SYNC_SIT_OUT_S, twice as long each
- * time it happens again within SYNC_SIT_OUT_CALM_S of our return (at most
- * SYNC_SIT_OUT_MAX_S), training nothing (the membership holds us not
- * ready: no ring takes us, no newcomer picks us as its donor). Back, our
- * round finds the cluster ahead and we take a member's state (catch_up),
- * as a restarted member does. */
-static void sit_out(struct sync *s, const char *why) {
+int sync_ring_rejoin_at_start(struct sync *s, uint64_t round, uint64_t min_step, struct rumor_err *e) {
+  return s->cfg.own_start ? 0 : sync_ring_rejoin(s, round, min_step, "starting", e);
+}
+
+int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct rumor_err *e) {
   struct sync_ring *ring = &s->ring;
+  char why[200];
+  /* A process that holds part of a replica would stall its group: it stays
+   * (the advice is taken all the same). So does one at its last step. */
+  if (!s->g || !gossip_ar_sit_out(s->g, why, sizeof why) || trainer_holds_part(s->t) || trainer_done(s->t)) return 0;
   double now = clock_now_s();
   if (ring->next_out_s <= 0 || now - ring->back_s > SYNC_SIT_OUT_CALM_S) ring->next_out_s = SYNC_SIT_OUT_S;
   double secs = ring->next_out_s;
   log_warn("all-reduce: %s: leaving the ring for %.0f s, so that it goes on at the others' pace", why, secs);
   gossip_ring_away(s->g, true);
   sync_idle_for(s, secs);
-  if (sync_stopped(s)) return; /* leaving: not back in the ring first */
+  /* Leaving: not back in the ring first. */
+  if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while out of the all-reduce ring");
+  int rc = sync_ring_rejoin(s, round, min_step, "back from sitting out", e);
+  if (rc < 0) return rc;
   gossip_ring_away(s->g, false);
   ring->back_s = clock_now_s();
   ring->out_s += ring->back_s - now;
   ring->sat_out++;
   ring->next_out_s = secs * 2 < SYNC_SIT_OUT_MAX_S ? secs * 2 : SYNC_SIT_OUT_MAX_S;
   log_info("all-reduce: back in the ring after %.1f s out", ring->back_s - now);
+  return rc;
 }
 
 /* The train_reducer: sums the step's gradient, weighted by rows, over the
@@ -212,11 +236,9 @@ static void sit_out(struct sync *s, const char *why) {
  * the same shard of other groups (group_reduce_between). */
 static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct sync *s = arg;
-  char why[200];
-  /* A process that holds part of a replica would stall its group: it stays. */
-  if (gossip_ar_sit_out(s->g, why, sizeof why) && !trainer_holds_part(s->t)) sit_out(s, why);
   uint64_t step = (uint64_t)s->t->st.step;
-  int rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
+  int rc = sync_ring_sit_out(s, step, step + 1, e); /* 1: back, with a member's state: our step is dropped */
+  if (rc == 0) rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
   return rc ? rc : take_sum(s);
 }
 
@@ -228,11 +250,15 @@ static int ar_catch_up(void *arg, int64_t step, struct rumor_err *e) {
 }
 
 /* Between groups: a process left behind takes a donor's shard and step
- * (catch_up); its group follows the largest step any process took. */
+ * (catch_up); its group follows the largest step any process took. A whole
+ * replica that starts behind the ring (restarted from its checkpoint, or
+ * the cluster went on while it pulled its first state) takes a member's
+ * state before it is ready (sync_ring_rejoin). */
 static int ar_init(struct sync *s, struct rumor_err *e) {
-  (void)e;
   if (trainer_in_group_comm(s->t)) trainer_group_agree_steps(s->t);
-  return 0;
+  uint64_t step = (uint64_t)s->t->st.step;
+  int rc = sync_ring_rejoin_at_start(s, step, step + 1, e);
+  return rc < 0 ? rc : 0;
 }
 
 static void ar_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {

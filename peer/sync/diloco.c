@@ -213,6 +213,14 @@ static int rounds_at_boundary(struct sync *s, struct rumor_err *e) {
      * round starts, if a newcomer waits). */
     s->donate_state_ok = true;
     sync_idle(s);
+    /* Advised to sit out (our link loses packets): away for a while, then a
+     * member's state when the ring went on meanwhile. */
+    rc = sync_ring_sit_out(s, o->rounds, catch_up_step(s), e);
+    if (rc < 0) return rc;
+    if (rc == 1) {
+      sync_outer_reload(s);
+      continue;
+    }
     /* An outer state taken from a member whose round was in flight: that
      * member waits for us in the round, which runs now (our pseudo-gradient
      * is nothing: the parameters are the anchor), so that we land it where
@@ -262,6 +270,14 @@ static void diloco_plan(const struct sync_config *c, int64_t nparams, struct syn
 static int diloco_init(struct sync *s, struct rumor_err *e) {
   int rc = sync_outer_init(s, e);
   if (rc) return rc;
+  /* Behind the ring (restarted, or it went on while we pulled): a member's
+   * state before we are ready (sync_ring_rejoin). */
+  rc = sync_ring_rejoin_at_start(s, s->outer.rounds, catch_up_step(s), e);
+  if (rc < 0) {
+    sync_outer_free(s);
+    return rc;
+  }
+  if (rc == 1) sync_outer_reload(s);
   s->donate_state_ok = !s->outer.in_flight;
   /* Between groups: a member left behind takes a donor's step (allreduce.c,
    * outer_state_only); its group follows. */
