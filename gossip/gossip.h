@@ -383,13 +383,21 @@ const float *gossip_ag_result(gossip_t *g, size_t *members, size_t *self);
 void gossip_refuse_donation(gossip_t *g, const char *why);
 /* Takes the state of a live peer after joining (an all-reduce member that
  * fell behind): asks `from` first (NULL: any ready peer), then others, as a
- * newcomer does. `min_step` > 0: only a donor at that step or later gives
- * its state (an all-reduce member at an earlier step answers busy: it
- * cannot help one that is behind). Returns 0 with the state in state_buf
- * and *pos, 1 when no other peer is left to take it from, or a negative
+ * newcomer does. `min_step` > 0: only a donor whose ring position is at
+ * that step (round) or later gives its state; one at an earlier step
+ * answers STATE_BUSY "behind" (it cannot help one that is behind), and
+ * once every ready peer, or GOSSIP_PULL_BEHIND_ENOUGH of them, said so the
+ * pull ends. Returns 0 with the state in state_buf and *pos, 1 when no
+ * other peer is left to take it from (or none is that far), or a negative
  * code (stopped, no donor within twice the join timeout). */
 int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float *state_buf,
                       struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The same, from any ready peer, for a member that would rather keep its
+ * own state than wait (a DiLoCo member rejoining its ring): 1 also when no
+ * donor gave one within GOSSIP_PULL_OPTIONAL_MS (its donors busy, or of a
+ * version that answers "busy" where it means "behind"). */
+int gossip_state_pull_ahead(gossip_t *g, uint64_t min_step, float *state_buf, struct gossip_train_pos *pos,
+                            const atomic_int *stop, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* ---- the donation slot (training thread) ---- */
 

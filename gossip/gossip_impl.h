@@ -89,6 +89,8 @@ enum { GBULK_EXCHANGE = 1, GBULK_STATE = 2, GBULK_PARAMS = 3, GBULK_RING = 4 };
  * cluster on a slow network would wait seconds to start), and a member
  * that is further still tells us in the ring (RING_AHEAD). */
 #define GOSSIP_PULL_BEHIND_ENOUGH 3
+/* gossip_state_pull_ahead gives up (keeps our own state) after this long. */
+#define GOSSIP_PULL_OPTIONAL_MS 10000
 
 /* Slot states (gossip.h). The exchange slot's word also counts rounds:
  * word = round << 3 | state, and every IDLE → WANT starts a new round, so a
@@ -211,6 +213,7 @@ struct gossip_join {
   uint8_t prefer[NET_PUBKEY_BYTES];
   bool have_prefer, later;
   uint64_t min_step; /* the step a donor must have reached (0: any); sent in STATE_REQ as "min" */
+  bool optional;     /* gossip_state_pull_ahead: after GOSSIP_PULL_OPTIONAL_MS, keep our own */
   /* Members that answered this pull (min_step > 0) that they are before
    * min_step: once every donor we could ask has, or GOSSIP_PULL_BEHIND_ENOUGH
    * of them, nobody is ahead of us as far as we know and the pull ends
@@ -272,7 +275,7 @@ struct gossip_donation {
    * (gossip_donor_done) travel with the parameters. */
   _Atomic bool params_only;
   /* The request named a "min" step (gossip_state_pull: a ring member left
-   * behind), not a newcomer's join; set with params_only. */
+   * behind or rejoining), not a newcomer's join; set with params_only. */
   _Atomic bool catch_up;
   double norm;
   double *sketch;           /* sketch_k doubles */

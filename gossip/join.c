@@ -263,16 +263,18 @@ static void handle_state_busy(struct gossip *g, net_conn_t *c, const struct net_
   if (net_msg_get_bool(m, "behind", &behind)) behind = false; /* optional */
   if (behind && j->min_step) {
     /* Not busy: only not as far as we need. Another donor at once; pull_tick
-     * ends the pull when none is left. */
-    if (j->nbehind == j->behind_cap) {
+     * ends the pull when none is left. Counted once, asked again or not. */
+    bool known = false;
+    for (size_t k = 0; k < j->nbehind && !known; k++) known = same_id(j->behind[k], j->donor);
+    if (!known && j->nbehind == j->behind_cap) {
       j->behind_cap = j->behind_cap ? 2 * j->behind_cap : 8;
       j->behind = xrealloc(j->behind, j->behind_cap * sizeof *j->behind);
     }
-    memcpy(j->behind[j->nbehind++], j->donor, NET_PUBKEY_BYTES);
+    if (!known) memcpy(j->behind[j->nbehind++], j->donor, NET_PUBKEY_BYTES);
     gossip_back_off(g, j->donor, gossip_now_ms(g) + 1000);
     j->pull_retry_ms = gossip_now_ms(g);
-    log_debug("donor %s is before step %llu (%.*s)", net_conn_peer_name(c), (unsigned long long)j->min_step, (int)n,
-              why);
+    log_debug("donor %s is before ring position %llu (%.*s)", net_conn_peer_name(c), (unsigned long long)j->min_step,
+              (int)n, why);
     return;
   }
   if (fatal) {
@@ -333,7 +335,13 @@ static void pull_tick(struct gossip *g, uint64_t now) {
   }
   if (j->min_step &&
       (j->nbehind >= GOSSIP_PULL_BEHIND_ENOUGH || gossip_count_donors(g, j->behind, j->nbehind) == 0)) {
-    log_debug("no member is at step %llu or later: keeping our own state", (unsigned long long)j->min_step);
+    log_debug("no member is at ring position %llu or later: keeping our own state", (unsigned long long)j->min_step);
+    set_pull_result(g, true);
+    return;
+  }
+  if (j->optional && now - j->started_ms > GOSSIP_PULL_OPTIONAL_MS) {
+    log_info("no member gave a state past ring position %llu within %u ms: keeping our own state",
+             (unsigned long long)j->min_step, GOSSIP_PULL_OPTIONAL_MS);
     set_pull_result(g, true);
     return;
   }
@@ -498,7 +506,7 @@ struct pull_req {
   struct gossip *g;
   float *buf;
   uint8_t from[NET_PUBKEY_BYTES];
-  bool have_from;
+  bool have_from, optional;
   uint64_t min_step;
 };
 
@@ -510,6 +518,7 @@ static void pull_on_loop(net_t *n, void *arg, int status) {
     memcpy(j->prefer, r->from, NET_PUBKEY_BYTES);
     j->have_prefer = r->have_from;
     j->min_step = r->min_step;
+    j->optional = r->optional;
     j->nbehind = 0; /* a new pull: every member may be ahead again */
     j->later = true;
     j->started_ms = gossip_now_ms(g); /* the donor deadline counts from now */
@@ -542,8 +551,8 @@ void gossip_refuse_donation(gossip_t *g, const char *why) {
   if (net_call(g->net, refuse_on_loop, r) != 0) free(r); /* stopping */
 }
 
-int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float *state_buf,
-                      struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) {
+static int pull(gossip_t *g, const uint8_t *from, uint64_t min_step, bool optional, float *state_buf,
+                struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) {
   struct gossip_join *j = &g->join;
   pthread_mutex_lock(&g->lock);
   bool failed = j->failed;
@@ -556,6 +565,7 @@ int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float
   if (from) memcpy(r->from, from, NET_PUBKEY_BYTES);
   r->have_from = from != NULL;
   r->min_step = min_step;
+  r->optional = optional;
   if (net_call(g->net, pull_on_loop, r) != 0) {
     free(r);
     return rumor_err_set(e, RUMOR_ECANCELED, "the gossip runtime is stopping");
@@ -565,4 +575,14 @@ int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float
   j->pull_wanted = false;
   pthread_mutex_unlock(&g->lock);
   return rc;
+}
+
+int gossip_state_pull(gossip_t *g, const uint8_t *from, uint64_t min_step, float *state_buf,
+                      struct gossip_train_pos *pos, const atomic_int *stop, struct rumor_err *e) {
+  return pull(g, from, min_step, false, state_buf, pos, stop, e);
+}
+
+int gossip_state_pull_ahead(gossip_t *g, uint64_t min_step, float *state_buf, struct gossip_train_pos *pos,
+                            const atomic_int *stop, struct rumor_err *e) {
+  return pull(g, NULL, min_step, true, state_buf, pos, stop, e);
 }

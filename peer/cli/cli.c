@@ -66,11 +66,22 @@ static void log_level_from_env(void) {
  * and unmapped; what recurs every step (relay pieces of 256 KiB, first
  * backlogs of 512 KiB) stays in the arenas, whose tops are trimmed past
  * 4 MiB free rather than at every free. */
+#ifdef __GLIBC__
+/* Whether the environment sets glibc's tunable `name` ("mmap_threshold"):
+ * the operator's choice is left alone. */
+static bool malloc_tuned(const char *name, const char *old_var) {
+  const char *t = getenv("GLIBC_TUNABLES");
+  char full[64];
+  snprintf(full, sizeof full, "glibc.malloc.%s=", name);
+  return (t && strstr(t, full)) || getenv(old_var);
+}
+#endif
+
 static void tune_malloc(void) {
 #ifdef __GLIBC__
   /* A tuning only: an allocator that refuses (a sanitizer's) goes on as it is. */
-  (void)mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  (void)mallopt(M_TRIM_THRESHOLD, 4 << 20);
+  if (!malloc_tuned("mmap_threshold", "MALLOC_MMAP_THRESHOLD_")) (void)mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  if (!malloc_tuned("trim_threshold", "MALLOC_TRIM_THRESHOLD_")) (void)mallopt(M_TRIM_THRESHOLD, 4 << 20);
 #endif
 }
 

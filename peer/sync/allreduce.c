@@ -21,6 +21,11 @@ static bool outer_state_only(const struct sync *s) {
   return trainer_in_group_comm(s->t) && s->cfg.outer.kind != OUTER_NONE;
 }
 
+/* How a ring scheme's lines name it. */
+static const char *ring_label(const struct sync *s) {
+  return s->cfg.outer.kind != OUTER_NONE ? "DiLoCo" : "all-reduce";
+}
+
 /* Whether the state pulled (at *pos) is taken: a group member's outer
  * state after round min_round − 1, or a whole state at min_step or later
  * that passes the pull policy. */
@@ -38,9 +43,10 @@ static bool take_pulled(struct sync *s, struct sync_own_state *own, float *buf,
 
 /* Pulls states, from `from` first (NULL: any member), until one is taken
  * (take_pulled; *pos its position): 1, 0 when nobody is left to take one
- * from (a member that is before min_round says so), or a negative code
- * (stopped, or every state asked for was refused). */
-static int pull_state(struct sync *s, const uint8_t *from, uint64_t min_round, uint64_t min_step,
+ * from (a member that is before min_round says so; `optional`: or none
+ * gives one soon, gossip_state_pull's GOSSIP_PULL_OPTIONAL_MS), or a
+ * negative code (stopped, or every state asked for was refused). */
+static int pull_state(struct sync *s, const uint8_t *from, uint64_t min_round, uint64_t min_step, bool optional,
                       struct gossip_train_pos *pos, struct rumor_err *e) {
   /* The pull lands in the donation buffer: a donation filled from it while
    * we waited in the ring may still be on its way out; wait for it to end
@@ -55,17 +61,19 @@ static int pull_state(struct sync *s, const uint8_t *from, uint64_t min_round, u
   sync_own_keep(&own, s->t);
   char why[200];
   for (int asked = 1;; asked++) {
-    int rc = gossip_state_pull(s->g, asked == 1 ? from : NULL, min_round, buf, pos, s->cfg.stop, e);
+    const uint8_t *ask = asked == 1 ? from : NULL;
+    int rc = optional ? gossip_state_pull_ahead(s->g, min_round, buf, pos, s->cfg.stop, e)
+                      : gossip_state_pull(s->g, ask, min_round, buf, pos, s->cfg.stop, e);
     if (rc) return rc < 0 ? rc : 0; /* 1: nobody left to take it from, go on with ours */
     if (take_pulled(s, &own, buf, pos, min_round, min_step, why, sizeof why)) break;
-    log_warn("all-reduce: refused the state pulled at step %llu: %s (a broken or hostile member)",
+    log_warn("%s: refused the state pulled at step %llu: %s (a broken or hostile member)", ring_label(s),
              (unsigned long long)pos->step, why);
     gossip_refuse_donation(s->g, "it gave a state we refused");
     if (asked == SYNC_PULL_ASKS)
       return rumor_err_set(e, RUMOR_ECORRUPT,
-                           "all-reduce: left behind at step %lld, and the %d states pulled to catch up were refused "
+                           "%s: behind the ring at step %lld, and the %d states pulled to catch up were refused "
                            "(the last: %s)",
-                           (long long)s->t->st.step, SYNC_PULL_ASKS, why);
+                           ring_label(s), (long long)s->t->st.step, SYNC_PULL_ASKS, why);
   }
   s->ring.catchups++;
   return 1;
@@ -98,7 +106,7 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
              (unsigned long long)info->ahead_step, (long long)t->st.step, ahead);
   int64_t step = t->st.step;
   struct gossip_train_pos pos;
-  int rc = pull_state(s, info ? info->ahead : NULL, min_round, min_step, &pos, e);
+  int rc = pull_state(s, info ? info->ahead : NULL, min_round, min_step, false, &pos, e);
   if (rc != 1) return rc;
   if (outer_state_only(s)) {
     log_info("all-reduce: took the outer state after outer round %llu from a member at step %llu (we were at step "
@@ -114,13 +122,16 @@ static int catch_up(struct sync *s, const struct gossip_ar_info *info, uint64_t 
 
 int sync_ring_rejoin(struct sync *s, uint64_t round, uint64_t min_step, const char *when, struct rumor_err *e) {
   struct trainer *t = s->t;
-  if (!s->g || trainer_holds_part(t) || trainer_done(t)) return 0;
+  /* Outer rounds only: a gradient ring runs a round every step and moves
+   * on while we pull, so we would be behind again once ready and catch up
+   * in the ring all the same, having cost a donor a second donation. */
+  if (!s->g || s->cfg.outer.kind == OUTER_NONE || trainer_holds_part(t) || trainer_done(t)) return 0;
   int64_t step = t->st.step;
   struct gossip_train_pos pos;
-  int rc = pull_state(s, NULL, round + 1, min_step, &pos, e);
+  int rc = pull_state(s, NULL, round + 1, min_step, true, &pos, e);
   if (rc != 1) return rc;
   trainer_take_step(t, (int64_t)pos.step);
-  log_info("all-reduce: %s: the ring went on past round %llu; took a member's state at step %llu (we were at step "
+  log_info("DiLoCo: %s: the ring went on past outer round %llu; took a member's state at step %llu (we were at step "
            "%lld) before joining it",
            when, (unsigned long long)round, (unsigned long long)pos.step, (long long)step);
   return 1;
@@ -198,10 +209,6 @@ static int take_sum(struct sync *s) {
   return 1;
 }
 
-int sync_ring_rejoin_at_start(struct sync *s, uint64_t round, uint64_t min_step, struct rumor_err *e) {
-  return s->cfg.own_start ? 0 : sync_ring_rejoin(s, round, min_step, "starting", e);
-}
-
 int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct rumor_err *e) {
   struct sync_ring *ring = &s->ring;
   char why[200];
@@ -211,11 +218,11 @@ int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct 
   double now = clock_now_s();
   if (ring->next_out_s <= 0 || now - ring->back_s > SYNC_SIT_OUT_CALM_S) ring->next_out_s = SYNC_SIT_OUT_S;
   double secs = ring->next_out_s;
-  log_warn("all-reduce: %s: leaving the ring for %.0f s, so that it goes on at the others' pace", why, secs);
+  log_warn("%s: %s: leaving the ring for %.0f s, so that it goes on at the others' pace", ring_label(s), why, secs);
   gossip_ring_away(s->g, true);
   sync_idle_for(s, secs);
   /* Leaving: not back in the ring first. */
-  if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while out of the all-reduce ring");
+  if (sync_stopped(s)) return rumor_err_set(e, RUMOR_ECANCELED, "stopped while out of the %s ring", ring_label(s));
   int rc = sync_ring_rejoin(s, round, min_step, "back from sitting out", e);
   if (rc < 0) return rc;
   gossip_ring_away(s->g, false);
@@ -223,7 +230,7 @@ int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct 
   ring->out_s += ring->back_s - now;
   ring->sat_out++;
   ring->next_out_s = secs * 2 < SYNC_SIT_OUT_MAX_S ? secs * 2 : SYNC_SIT_OUT_MAX_S;
-  log_info("all-reduce: back in the ring after %.1f s out", ring->back_s - now);
+  log_info("%s: back in the ring after %.1f s out", ring_label(s), ring->back_s - now);
   return rc;
 }
 
@@ -250,15 +257,11 @@ static int ar_catch_up(void *arg, int64_t step, struct rumor_err *e) {
 }
 
 /* Between groups: a process left behind takes a donor's shard and step
- * (catch_up); its group follows the largest step any process took. A whole
- * replica that starts behind the ring (restarted from its checkpoint, or
- * the cluster went on while it pulled its first state) takes a member's
- * state before it is ready (sync_ring_rejoin). */
+ * (catch_up); its group follows the largest step any process took. */
 static int ar_init(struct sync *s, struct rumor_err *e) {
+  (void)e;
   if (trainer_in_group_comm(s->t)) trainer_group_agree_steps(s->t);
-  uint64_t step = (uint64_t)s->t->st.step;
-  int rc = sync_ring_rejoin_at_start(s, step, step + 1, e);
-  return rc < 0 ? rc : 0;
+  return 0;
 }
 
 static void ar_plan(const struct sync_config *c, int64_t nparams, struct sync_gossip_plan *out) {

@@ -38,7 +38,7 @@ static void encode(struct sync *s) {
   }
   /* Top-k with error feedback: the residual is host-side for the encoder
    * and goes back to the device state after. */
-  float *x = xmalloc((size_t)P * sizeof(float)), *r = xmalloc((size_t)P * sizeof(float));
+  float *x = o->enc, *r = o->enc + P; /* sync_outer_init's */
   tensor_copy_to_host(&o->work, 0, x, (size_t)P * sizeof(float));
   tensor_copy_to_host(&o->residual, 0, r, (size_t)P * sizeof(float));
   /* SparseLoCo: the accumulator decays by the outer momentum, e ← μ·e + Δ,
@@ -51,8 +51,6 @@ static void encode(struct sync *s) {
   h[0] = DILOCO_BLOCK_V1;
   codec_encode(&s->cfg.outer.compress, x, r, (uint64_t)P, (uint8_t *)(h + 1));
   tensor_copy_from_host(&o->residual, 0, r, (size_t)P * sizeof(float));
-  free(x);
-  free(r);
 }
 
 static void fill(struct sync *s, void *arg) {
@@ -185,6 +183,18 @@ static void launch(struct sync *s) {
   if (rc) log_warn("DiLoCo: cannot start round %llu (the runtime is stopping)", (unsigned long long)id);
 }
 
+/* Advised to sit out (our link loses packets): away for a while, then a
+ * member's state when the ring went on meanwhile (sync_ring_sit_out).
+ * Returns its result, the state reloaded when one was taken. */
+static int sit_out(struct sync *s, struct rumor_err *e) {
+  int rc = sync_ring_sit_out(s, s->outer.rounds, catch_up_step(s), e);
+  if (rc == 1) {
+    sync_outer_reload(s);
+    s->donate_state_ok = !s->outer.in_flight;
+  }
+  return rc;
+}
+
 /* A round ends here: the one in flight lands (overlapping), a state may be
  * donated, and the next starts (overlapping) or runs now. A member left
  * behind takes a state from one ahead: when that state is at a round
@@ -215,12 +225,9 @@ static int rounds_at_boundary(struct sync *s, struct rumor_err *e) {
     sync_idle(s);
     /* Advised to sit out (our link loses packets): away for a while, then a
      * member's state when the ring went on meanwhile. */
-    rc = sync_ring_sit_out(s, o->rounds, catch_up_step(s), e);
+    rc = sit_out(s, e);
     if (rc < 0) return rc;
-    if (rc == 1) {
-      sync_outer_reload(s);
-      continue;
-    }
+    if (rc == 1) continue;
     /* An outer state taken from a member whose round was in flight: that
      * member waits for us in the round, which runs now (our pseudo-gradient
      * is nothing: the parameters are the anchor), so that we land it where
@@ -235,6 +242,8 @@ static int rounds_at_boundary(struct sync *s, struct rumor_err *e) {
     rc = round_now(s, e);
     if (rc < 0) return rc;
     if (rc == 1) sync_outer_reload(s);
+    /* Advice taken as the round ends, while its figures are fresh. */
+    if (rc == 0 && (rc = sit_out(s, e)) < 0) return rc;
   }
   return 0;
 }
@@ -272,7 +281,7 @@ static int diloco_init(struct sync *s, struct rumor_err *e) {
   if (rc) return rc;
   /* Behind the ring (restarted, or it went on while we pulled): a member's
    * state before we are ready (sync_ring_rejoin). */
-  rc = sync_ring_rejoin_at_start(s, s->outer.rounds, catch_up_step(s), e);
+  rc = s->cfg.own_start ? 0 : sync_ring_rejoin(s, s->outer.rounds, catch_up_step(s), "starting", e);
   if (rc < 0) {
     sync_outer_free(s);
     return rc;

@@ -96,9 +96,17 @@ int sync_outer_init(struct sync *s, struct rumor_err *e) {
   /* P + 1 floats (a dense contribution), or a top-k block, which is
    * shorter but for its header and a chunk's padding. */
   o->host = malloc(((size_t)P + 8) * sizeof(float));
-  if (!o->host) {
+  /* Top-k's encoder works on the host every round: its two vectors are
+   * kept, not allocated each time (a GPT's would be mapped and faulted in
+   * afresh every round). */
+  o->enc = has_residual(&s->cfg) ? malloc(2 * (size_t)P * sizeof(float)) : NULL;
+  if (!o->host || (has_residual(&s->cfg) && !o->enc)) {
     tensor_free(&o->work);
-    return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB for the outer optimizer", (double)P * 4 / (1 << 20));
+    free(o->host);
+    free(o->enc);
+    o->host = o->enc = NULL;
+    return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB for the outer optimizer",
+                         (double)P * (has_residual(&s->cfg) ? 12 : 4) / (1 << 20));
   }
   o->last_norm = NAN;
   sync_outer_reload(s);
@@ -113,7 +121,8 @@ int sync_outer_init(struct sync *s, struct rumor_err *e) {
 void sync_outer_free(struct sync *s) {
   tensor_free(&s->outer.work);
   free(s->outer.host);
-  s->outer.host = NULL;
+  free(s->outer.enc);
+  s->outer.host = s->outer.enc = NULL;
 }
 
 int64_t sync_outer_landing_steps(const struct outer_config *c) {

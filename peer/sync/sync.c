@@ -110,8 +110,9 @@ static void publish_stats(struct sync *s, double now, bool with_sketch) {
 
 /* Whether a state may go to the pending request while donate_state_ok is
  * false (an overlapped DiLoCo round in flight, which is nearly always): a
- * ring member left behind (a catch-up: its pull names a step) may take a
- * state with the round in flight, whose donor waits in that round for it.
+ * ring member left behind or rejoining (its pull names a step: a catch-up,
+ * sync_ring_rejoin) may take a state with the round in flight, whose donor
+ * waits in that round for it.
  * A group process takes the outer state alone, which a round in flight
  * leaves whole (the anchor and momentum after the rounds applied, the
  * round marked in flight), and runs the round at once (sync_outer_take);

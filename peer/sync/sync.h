@@ -278,8 +278,8 @@ int64_t sync_check_targets(int64_t nparams);
 #define SYNC_PULL_LOSS_SLACK 0.5 /* nats per target */
 #define SYNC_PULL_ASKS 2
 
-/* An all-reduce member whose link drops packets leaves the ring this long
- * (allreduce.c, sit_out), twice as long when advised again within
+/* An all-reduce or DiLoCo member whose link drops packets leaves the ring
+ * this long (allreduce.c, sync_ring_sit_out), twice as long when advised again within
  * SYNC_SIT_OUT_CALM_S of its return, at most SYNC_SIT_OUT_MAX_S. */
 #define SYNC_SIT_OUT_S 10.0
 #define SYNC_SIT_OUT_MAX_S 80.0
@@ -489,6 +489,7 @@ struct sync_outer {
   struct tensor round_meta;       /* the round counters below as floats, for the state kept with the model */
   struct tensor work;             /* (P) scratch on the device: a pseudo-gradient */
   float *host;                    /* (P + 1) scratch on the host (top-k encoding) */
+  float *enc;                     /* top-k: (2P) the pseudo-gradient and the residual on the host, or NULL */
   uint64_t rounds;                /* rounds applied (kept with the model) */
   bool in_flight;                 /* overlap: the round `rounds` was started and is not applied yet */
   bool join_flight;               /* a group process took an outer state whose round `rounds` was in flight at

@@ -64,31 +64,28 @@ typedef void (*sync_fill_fn)(struct sync *s, void *arg);
 int sync_ring_round(struct sync *s, enum sync_round_kind kind, uint64_t id, sync_fill_fn fill, void *arg,
                     uint64_t min_step, struct rumor_err *e) RUMOR_MUST_CHECK;
 
-/* Before a whole replica's process tells the ring it is ready (starting,
- * back from sitting out): when a member's ring position is past `round`
- * (the one we would run next), its state (at min_step or later, passing
- * the pull policy) is taken now, while no ring holds us; otherwise the
- * ring re-forms with us as soon as we are ready, learns we are behind and
- * waits while we catch up. `when` names the moment in the log. Returns 1
- * (taken: the trainer is at the donor's step), 0 (nobody is past it, or a
- * part of a replica, which catches up with its group in the ring), or a
- * negative code. */
+/* Before a DiLoCo member, a whole replica, tells the ring it is ready
+ * (starting, back from sitting out): when a member's ring position is past
+ * outer round `round` (the one we would run next), its state (at min_step
+ * or later, passing the pull policy) is taken now, while no ring holds us;
+ * otherwise the ring re-forms with us as soon as we are ready, learns we
+ * are behind and waits while we catch up. `when` names the moment in the
+ * log. Returns 1 (taken: the trainer is at the donor's step), 0 (nobody is
+ * past it, none answered soon, or it does not apply: a gradient ring, a
+ * part of a replica, a run at its end), or a negative code. */
 int sync_ring_rejoin(struct sync *s, uint64_t round, uint64_t min_step, const char *when,
                      struct rumor_err *e) RUMOR_MUST_CHECK;
-/* sync_ring_rejoin when a ring scheme starts (its init), unless
- * --no-state-pull (cfg.own_start). */
-int sync_ring_rejoin_at_start(struct sync *s, uint64_t round, uint64_t min_step,
-                              struct rumor_err *e) RUMOR_MUST_CHECK;
 /* Takes the ring's advice to sit out (gossip_ar_sit_out; our link to the
  * next member loses packets), for a whole replica's process not at its
  * last step: out for SYNC_SIT_OUT_S, twice as long each time it happens
  * again within SYNC_SIT_OUT_CALM_S of our return (at most
  * SYNC_SIT_OUT_MAX_S), training nothing (the membership holds us not
  * ready: no ring takes us, no newcomer picks us as its donor). Back, a
- * member's state first (sync_ring_rejoin, for `round` and `min_step`),
- * then ready again. Returns 0 (not advised, or back with our own state),
- * 1 (back with a member's: the round we were at is dropped), or a negative
- * code (stopped meanwhile). */
+ * DiLoCo member takes a member's state first (sync_ring_rejoin, for
+ * `round` and `min_step`); then ready again (an all-reduce member's next
+ * round finds the ring ahead and catches up). Returns 0 (not advised, or
+ * back with our own state), 1 (back with a member's: the round we were at
+ * is dropped), or a negative code (stopped meanwhile). */
 int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct rumor_err *e) RUMOR_MUST_CHECK;
 
 /* After a reduce round: the sum (gossip_ar_result: P values and their

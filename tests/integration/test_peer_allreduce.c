@@ -213,47 +213,6 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
   expect_same_params(alive, 3);
 }
 
-/* A member killed and started again from its checkpoint (--resume) is
- * behind the ring, which trained on: it takes a member's state before it
- * tells the ring that it is ready, rather than be taken into a round, be
- * told it is behind and catch up while the others wait for it; and the
- * three finish together with the same parameters. */
-Test(allreduce, a_restarted_member_takes_the_rings_state_before_it_is_ready) {
-  SKIP_WITHOUT_DATA();
-  char *timing[] = {"--suspect-ms", "1000", NULL};
-  cluster_start_bootstrap(&C, timing);
-  int peer[4];
-  char shard[3][8];
-  for (int i = 0; i < 3; i++) {
-    snprintf(shard[i], sizeof shard[i], "%d/3", i);
-    peer[i] = cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", shard[i], "--max-steps",
-                                 "3000", "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", "3",
-                                 "--log-every", "0.05", "--checkpoint", C.node[C.n].ckpt, "--checkpoint-every", "50",
-                                 NULL);
-  }
-  cr_assert(cluster_wait_file(C.node[peer[2]].log, "checkpoint saved to", 60), "peer 2 saved no checkpoint: %s",
-            proc_slurp(C.node[peer[2]].log));
-  wait_mid_run(peer[2], "peer 2");
-  kill(C.node[peer[2]].pid, SIGKILL);
-  int st = cluster_wait(&C, peer[2], 10);
-  cr_assert(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "peer 2 was not killed mid-run (status %d): %s", st,
-            proc_slurp(C.node[peer[2]].log));
-  /* Its two partners train on without it before it comes back. */
-  cr_assert(cluster_wait_log_line(&C, peer[0], "done over 2 members", NULL, 30),
-            "the two others did not go on without the killed member: %s", proc_slurp(C.node[peer[0]].log));
-  peer[3] = cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", "2/3", "--max-steps", "3000",
-                               "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", "1", "--resume",
-                               C.node[peer[2]].ckpt, "--checkpoint", C.node[C.n].ckpt, NULL);
-  cr_assert(cluster_wait_file(C.node[peer[3]].log, "all-reduce: starting: the ring went on past round", 60),
-            "the restarted member did not take the ring's state before joining it: %s",
-            proc_slurp(C.node[peer[3]].log));
-  cr_assert(cluster_log_has(&C, peer[3], "resumed from"), "it did not resume: %s", proc_slurp(C.node[peer[3]].log));
-  int alive[3] = {peer[0], peer[1], peer[3]};
-  for (int i = 0; i < 3; i++) expect_clean_exit(alive[i]);
-  for (int i = 0; i < 3; i++) cr_assert_eq(cluster_result(&C, alive[i], "steps"), 3000);
-  expect_same_params(alive, 3);
-}
-
 /* Every member loses the first RING_READY of each attempt (the testing
  * build's "loseready"): only the repetitions (RING_READY_RESEND_MS, 1 s)
  * reach the predecessors. The rounds complete, each in about a second,
