@@ -56,16 +56,6 @@ static void log_level_from_env(void) {
   unsetenv("RUMOR_LOG_LEVEL");
 }
 
-/* A long-lived peer allocates and frees buffers of a MiB and more under
- * churn (chunk frames beyond the net's pool, relayed frames' backlogs, the
- * state swap of a catch-up). glibc's threshold for giving such a buffer
- * its own mapping slides up to the largest one freed (up to 32 MiB), after
- * which they come from the arenas and their holes are never handed back:
- * the resident set grew by steps over a 10-minute chaos run
- * (tests/bench/bench-chaos.sh). Fixed thresholds: a MiB and more is mapped
- * and unmapped; what recurs every step (relay pieces of 256 KiB, first
- * backlogs of 512 KiB) stays in the arenas, whose tops are trimmed past
- * 4 MiB free rather than at every free. */
 #ifdef __GLIBC__
 /* Whether the environment sets glibc's tunable `name` ("mmap_threshold"):
  * the operator's choice is left alone. */
@@ -77,6 +67,16 @@ static bool malloc_tuned(const char *name, const char *old_var) {
 }
 #endif
 
+/* A long-lived peer allocates and frees buffers of a MiB and more under
+ * churn (chunk frames beyond the net's pool, relayed frames' backlogs, the
+ * state swap of a catch-up). glibc's threshold for giving such a buffer
+ * its own mapping slides up to the largest one freed (up to 32 MiB), after
+ * which they come from the arenas and their holes are never handed back:
+ * the resident set grew by steps over a 10-minute chaos run
+ * (tests/bench/bench-chaos.sh). Fixed thresholds: a MiB and more is mapped
+ * and unmapped; what recurs every step (relay pieces of 256 KiB, first
+ * backlogs of 512 KiB) stays in the arenas, whose tops are trimmed past
+ * 4 MiB free rather than at every free. */
 static void tune_malloc(void) {
 #ifdef __GLIBC__
   /* A tuning only: an allocator that refuses (a sanitizer's) goes on as it is. */
