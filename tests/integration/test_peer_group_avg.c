@@ -498,7 +498,7 @@ Test(group_avg, a_late_diloco_group_refuses_poisoned_outer_states_and_stops) {
   int st = proc_wait(b.pid, 120);
   char *log = proc_slurp(b.log);
   cr_assert(proc_exited_with(st, 1), "the late group should stop (status %d): %s", st, log);
-  cr_assert(strstr(log, "all-reduce: refused the state pulled at step"), "%s", log);
+  cr_assert(strstr(log, "DiLoCo: refused the state pulled at step"), "%s", log);
   cr_assert(strstr(log, "its outer state is not one after"), "%s", log);
   cr_assert(strstr(log, "the 2 states pulled to catch up were refused"), "%s", log);
   cr_assert(!strstr(log, "took the outer state"), "it took a poisoned outer state: %s", log);

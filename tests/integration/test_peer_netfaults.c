@@ -770,7 +770,9 @@ Test(netfaults, stopped_peers_past_the_suspicion_time_are_removed_and_rejoin_wit
       if (i == victim[0] || i == victim[1]) continue;
       long t = first_line_after(peer[i], cont_at, pat[v], "is now alive");
       cr_assert_geq(t, 0, "peer %d did not take resumed peer %d back", i, victim[v]);
-      unsigned long long inc = incarnation_in(peer[i], pat[v], "is now alive (was failed");
+      /* The last "alive" news of it: from failed, or from a suspicion of
+       * the resumed peer with its new incarnation that reached us first. */
+      unsigned long long inc = incarnation_in(peer[i], pat[v], "is now alive (was ");
       fprintf(stderr, "figure: peer %d took the resumed %s back %ld ms after SIGCONT, incarnation %llu -> %llu\n", i,
               v ? "responder" : "initiator", t - cont_at, joined[v], inc);
       cr_assert_gt(inc, joined[v], "peer %d: rejoined peer %d's incarnation %llu is not above %llu", i, victim[v], inc,
