@@ -250,6 +250,18 @@ static void set_pull_result(struct gossip *g, bool first) {
   pthread_mutex_unlock(&g->lock);
 }
 
+/* The donor asked said it is before our pull's min_step: counted once,
+ * however often it is asked. */
+static void note_behind(struct gossip_join *j) {
+  for (size_t k = 0; k < j->nbehind; k++)
+    if (same_id(j->behind[k], j->donor)) return;
+  if (j->nbehind == j->behind_cap) {
+    j->behind_cap = j->behind_cap ? 2 * j->behind_cap : 8;
+    j->behind = xrealloc(j->behind, j->behind_cap * sizeof *j->behind);
+  }
+  memcpy(j->behind[j->nbehind++], j->donor, NET_PUBKEY_BYTES);
+}
+
 static void handle_state_busy(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   struct gossip_join *j = &g->join;
   if (!j->pulling || !same_id(net_conn_peer_key(c), j->donor)) return;
@@ -263,14 +275,8 @@ static void handle_state_busy(struct gossip *g, net_conn_t *c, const struct net_
   if (net_msg_get_bool(m, "behind", &behind)) behind = false; /* optional */
   if (behind && j->min_step) {
     /* Not busy: only not as far as we need. Another donor at once; pull_tick
-     * ends the pull when none is left. Counted once, asked again or not. */
-    bool known = false;
-    for (size_t k = 0; k < j->nbehind && !known; k++) known = same_id(j->behind[k], j->donor);
-    if (!known && j->nbehind == j->behind_cap) {
-      j->behind_cap = j->behind_cap ? 2 * j->behind_cap : 8;
-      j->behind = xrealloc(j->behind, j->behind_cap * sizeof *j->behind);
-    }
-    if (!known) memcpy(j->behind[j->nbehind++], j->donor, NET_PUBKEY_BYTES);
+     * ends the pull when none is left. */
+    note_behind(j);
     gossip_back_off(g, j->donor, gossip_now_ms(g) + 1000);
     j->pull_retry_ms = gossip_now_ms(g);
     log_debug("donor %s is before ring position %llu (%.*s)", net_conn_peer_name(c), (unsigned long long)j->min_step,

@@ -289,6 +289,11 @@ enum pick_filter {
   PICK_DIALABLE = 1 << 3, /* its link is not in a dial backoff (gossip_link_dial_backed_off) */
 };
 
+/* An alive peer we can reach: what every pick and count below asks first. */
+static bool live_reachable_peer(struct gossip *g, const struct swim_member *m) {
+  return m->info.role == SWIM_ROLE_PEER && m->info.state == SWIM_ALIVE && reachable(g, m);
+}
+
 /* A uniformly random alive peer other than `exclude` (may be NULL) that is
  * not backed off, can be reached, and passes `filters` (enum pick_filter). */
 static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, unsigned filters) {
@@ -297,9 +302,9 @@ static bool pick_member(struct gossip *g, uint8_t *out, const uint8_t *exclude, 
   size_t *cand = xmalloc((g->swim.nmembers + 1) * sizeof *cand);
   for (size_t i = 0; i < g->swim.nmembers; i++) {
     const struct swim_member *m = &g->swim.members[i];
-    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE) continue;
+    if (!live_reachable_peer(g, m)) continue;
     if (exclude && memcmp(m->info.id, exclude, NET_PUBKEY_BYTES) == 0) continue;
-    if (gossip_backed_off(g, m->info.id, now) || !reachable(g, m)) continue;
+    if (gossip_backed_off(g, m->info.id, now)) continue;
     if ((filters & PICK_READY) && !m->info.ready) continue;
     if ((filters & PICK_PASSIVE) && peer_rank(g, m->info.id) % 2 == 0) continue;
     if ((filters & PICK_TRAINING) && gossip_guard_finished(g, m->info.id)) continue;
@@ -324,7 +329,7 @@ size_t gossip_count_donors(struct gossip *g, const uint8_t (*skip)[NET_PUBKEY_BY
   size_t n = 0;
   for (size_t i = 0; i < g->swim.nmembers; i++) {
     const struct swim_member *m = &g->swim.members[i];
-    if (m->info.role != SWIM_ROLE_PEER || m->info.state != SWIM_ALIVE || !m->info.ready || !reachable(g, m)) continue;
+    if (!live_reachable_peer(g, m) || !m->info.ready) continue;
     bool skipped = false;
     for (size_t k = 0; k < nskip && !skipped; k++) skipped = memcmp(skip[k], m->info.id, NET_PUBKEY_BYTES) == 0;
     n += !skipped;

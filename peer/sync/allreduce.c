@@ -61,9 +61,8 @@ static int pull_state(struct sync *s, const uint8_t *from, uint64_t min_round, u
   sync_own_keep(&own, s->t);
   char why[200];
   for (int asked = 1;; asked++) {
-    const uint8_t *ask = asked == 1 ? from : NULL;
     int rc = optional ? gossip_state_pull_ahead(s->g, min_round, buf, pos, s->cfg.stop, e)
-                      : gossip_state_pull(s->g, ask, min_round, buf, pos, s->cfg.stop, e);
+                      : gossip_state_pull(s->g, asked == 1 ? from : NULL, min_round, buf, pos, s->cfg.stop, e);
     if (rc) return rc < 0 ? rc : 0; /* 1: nobody left to take it from, go on with ours */
     if (take_pulled(s, &own, buf, pos, min_round, min_step, why, sizeof why)) break;
     log_warn("%s: refused the state pulled at step %llu: %s (a broken or hostile member)", ring_label(s),
@@ -244,7 +243,7 @@ int sync_ring_sit_out(struct sync *s, uint64_t round, uint64_t min_step, struct 
 static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   struct sync *s = arg;
   uint64_t step = (uint64_t)s->t->st.step;
-  int rc = sync_ring_sit_out(s, step, step + 1, e); /* 1: back, with a member's state: our step is dropped */
+  int rc = sync_ring_sit_out(s, step, step + 1, e); /* a gradient ring's member comes back with its own state */
   if (rc == 0) rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
   return rc ? rc : take_sum(s);
 }

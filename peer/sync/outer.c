@@ -99,14 +99,15 @@ int sync_outer_init(struct sync *s, struct rumor_err *e) {
   /* Top-k's encoder works on the host every round: its two vectors are
    * kept, not allocated each time (a GPT's would be mapped and faulted in
    * afresh every round). */
-  o->enc = has_residual(&s->cfg) ? malloc(2 * (size_t)P * sizeof(float)) : NULL;
-  if (!o->host || (has_residual(&s->cfg) && !o->enc)) {
+  bool topk = has_residual(&s->cfg);
+  o->enc = topk ? malloc(2 * (size_t)P * sizeof(float)) : NULL;
+  if (!o->host || (topk && !o->enc)) {
     tensor_free(&o->work);
     free(o->host);
     free(o->enc);
     o->host = o->enc = NULL;
     return rumor_err_set(e, -ENOMEM, "cannot allocate %.1f MiB for the outer optimizer",
-                         (double)P * (has_residual(&s->cfg) ? 12 : 4) / (1 << 20));
+                         (double)P * (topk ? 12 : 4) / (1 << 20));
   }
   o->last_norm = NAN;
   sync_outer_reload(s);

@@ -279,8 +279,9 @@ int64_t sync_check_targets(int64_t nparams);
 #define SYNC_PULL_ASKS 2
 
 /* An all-reduce or DiLoCo member whose link drops packets leaves the ring
- * this long (allreduce.c, sync_ring_sit_out), twice as long when advised again within
- * SYNC_SIT_OUT_CALM_S of its return, at most SYNC_SIT_OUT_MAX_S. */
+ * this long (allreduce.c, sync_ring_sit_out), twice as long when advised
+ * again within SYNC_SIT_OUT_CALM_S of its return, at most
+ * SYNC_SIT_OUT_MAX_S. */
 #define SYNC_SIT_OUT_S 10.0
 #define SYNC_SIT_OUT_MAX_S 80.0
 #define SYNC_SIT_OUT_CALM_S 60.0
