@@ -18,6 +18,7 @@ const char *rumor_strerror(int code) {
   case RUMOR_ECANCELED: return "operation canceled";
   case RUMOR_ETIMEDOUT: return "timed out";
   case RUMOR_ENOTFOUND: return "not found";
+  case RUMOR_EDIVERGED: return "training diverged";
   default: break;
   }
   if (code < 0 && code > -4096) return strerror(-code);

@@ -70,6 +70,7 @@ enum {
   RUMOR_ECANCELED = -10008, /* the operation was abandoned */
   RUMOR_ETIMEDOUT = -10009, /* a deadline passed */
   RUMOR_ENOTFOUND = -10010, /* a named thing does not exist */
+  RUMOR_EDIVERGED = -10011, /* training's loss or parameters became NaN or infinite */
 };
 
 /* Returns a static, human-readable description of `code` (never NULL). */

@@ -892,6 +892,17 @@ int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
   if (!t->cfg.checkpoint) return 0;
   char path[1024];
   checkpoint_path_of(t, path, sizeof path);
+  /* A step whose loss was finite can leave non-finite parameters (its
+   * update overflowed): they are not written over the last good
+   * checkpoint. A process holding a part of a replica saves with its group
+   * (a collective); its group's loss stops it at the next step. The sum of
+   * squares of floats (< 3.5e38 each) in double overflows only if one is
+   * not finite. */
+  if (!trainer_holds_part(t) && !isfinite(tensor_sq_norm(&t->model.params)))
+    return rumor_err_set(e, RUMOR_EDIVERGED,
+                         "training diverged: the parameters after step %lld are NaN or infinite (learning rate %g); "
+                         "not saved over %s, which keeps the last good state: lower --lr or add --grad-clip",
+                         (long long)t->st.step, optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
   return trainer_save(t, path, e);
 }
 
@@ -1155,6 +1166,16 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     t->last_loss = loss;
     t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
   }
+  /* A non-finite loss means the parameters the step started from were
+   * not finite or overflowed the logits: no later step recovers from that.
+   * The run stops before it saves or sends them (partners refuse them
+   * anyway: sync.h), so the last checkpoint stays the last good one. A
+   * dropped batch's loss (rc 1) is not this step's. */
+  if (trainer_has_loss(t) && rc == 0 && !isfinite(loss))
+    return rumor_err_set(e, RUMOR_EDIVERGED,
+                         "training diverged: step %lld's loss is %s (learning rate %g); stopped without saving or "
+                         "sending its parameters: lower --lr or add --grad-clip",
+                         (long long)t->st.step, isnan(loss) ? "NaN" : "infinite", lr);
   if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
   if (epoch_end && (rc = end_epoch(t, e))) return rc;
   if (!epoch_end && t->cfg.eval_every > 0 && t->st.step % t->cfg.eval_every == 0 && (rc = eval_now(t, e))) return rc;

@@ -15,6 +15,7 @@
 #include "peer/train/train.h"
 #include "../support/proc.h"
 #include "../support/cli.h"
+#include "../support/ckpt_params.h"
 #include "../support/fmnist.h"
 
 static char dir[64];
@@ -196,6 +197,28 @@ Test(cli, bad_data_is_reported_not_crashed_on) {
   cli_expect_fail(st, 1, err, "takes 100 inputs", "input width");
   st = rumor(NULL, &err, 60, "train", "--data", d, "--model", "mlp:784-5", NULL);
   cli_expect_fail(st, 1, err, "5 outputs", "output width");
+}
+
+/* A learning rate far too high: the loss becomes NaN within a few steps.
+ * The run stops with an error naming the divergence, and the checkpoint
+ * saved every step keeps the last finite parameters (before, the run
+ * exited 0 and saved NaN). */
+Test(cli, a_diverging_run_stops_and_keeps_its_last_good_checkpoint) {
+  SKIP_WITHOUT_DATA();
+  char ck[256], *out, *err;
+  snprintf(ck, sizeof ck, "%s/diverged.safetensors", dir);
+  int st = rumor(&out, &err, 60, "train", "--model", "mlp:784-64-10", "--lr", "1e4", "--schedule", "constant",
+                 "--max-steps", "100", "--threads", "1", "--log-every", "0", "--no-eval", "--shard", "1/4",
+                 "--checkpoint", ck, "--checkpoint-every", "1", NULL);
+  free(out);
+  cr_assert(strstr(err, "checkpoint saved") != NULL, "no step was saved before the divergence: %s", err);
+  cli_expect_fail(st, 1, err, "training diverged", "a diverging run");
+  int64_t n;
+  float *p = ckpt_params_load(ck, &n);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad += !isfinite(p[i]);
+  free(p);
+  cr_assert_eq(bad, 0, "the kept checkpoint has %lld non-finite parameters of %lld", (long long)bad, (long long)n);
 }
 
 Test(cli, bad_checkpoints_and_devices_are_reported) {
