@@ -629,6 +629,10 @@ bool gossip_join_on_bulk_done(struct gossip *g, net_conn_t *c, uint64_t id, int 
 void gossip_join_on_close(struct gossip *g, net_conn_t *c, int status);
 /* Member `id` failed or left: a pull from it moves on. */
 void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left);
+/* The link to member `id` dropped its queue, its dial having failed
+ * (`why`): a state request to it that waited there is lost, and the pull
+ * asks again (another member, or this one at its next address) at once. */
+void gossip_join_on_link_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* Wakes the training thread's waits (a stop). Any thread. */
 void gossip_join_wake(struct gossip *g);
 

@@ -456,6 +456,19 @@ void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left) 
   j->pull_retry_ms = gossip_now_ms(g);
 }
 
+void gossip_join_on_link_lost(struct gossip *g, const uint8_t *id, const char *why) {
+  struct gossip_join *j = &g->join;
+  if (!j->pulling || j->pull_conn || !same_id(j->donor, id)) return;
+  /* Before, the pull waited for the donor's deadline (the exchange
+   * timeout, a minute): a newcomer that dialed a donor at the address it
+   * had before it moved to a relay sat out that minute. */
+  char who[200];
+  gossip_member_label(g, id, who, sizeof who);
+  log_info("our state request to %s was lost (%s); asking again", who, why);
+  j->pulling = false;
+  j->pull_retry_ms = gossip_now_ms(g) + 200;
+}
+
 /* ---- the loop's entry points ---- */
 
 void gossip_join_tick(struct gossip *g, uint64_t now) {

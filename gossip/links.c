@@ -72,6 +72,31 @@ static net_conn_t *agreed_conn(const struct gossip *g, net_conn_t *a, net_conn_t
   return ours_wins ? ours : (ours == a ? b : a);
 }
 
+static int dial_link(struct gossip *g, struct gossip_link *l);
+static struct gossip_link *addressed_link(struct gossip *g, const uint8_t *id);
+
+/* A link that runs through a relay to a member that advertises a direct
+ * address is dialed directly. A member reaches us through a relay only
+ * when we cannot accept connections, but we can usually dial out: without
+ * this, a link stayed on the relay for the run whenever the member dialed
+ * first (every ring hop, exchange and heartbeat with it then crossed the
+ * relay, at its rate cap, where a direct link was to be had). The direct
+ * connection replaces the relayed one at both ends (agreed_conn prefers it;
+ * the relayed one is retired and closes once idle). A dial that fails backs
+ * off as any does (on_link_dial) and the link stays on the relay; after
+ * GOSSIP_DIRECT_TRIES failures in a row (the member is out of our reach)
+ * no more are made for it. */
+#define GOSSIP_DIRECT_TRIES 3
+static void go_direct(struct gossip *g, struct gossip_link *l) {
+  if (!g->net || !l->conn || !net_conn_relayed(l->conn) || l->dialing || l->dial_failures >= GOSSIP_DIRECT_TRIES)
+    return;
+  uint8_t id[NET_PUBKEY_BYTES];
+  memcpy(id, l->id, sizeof id);
+  if (!(l = addressed_link(g, id)) || l->addr[0] == NET_RELAY_ADDR_PREFIX) return;
+  if (dial_link(g, l) == 0 && l->dialing)
+    log_debug("the link to %s runs through a relay: dialing %s directly", net_conn_peer_name(l->conn), l->addr);
+}
+
 /* `c`, open to `l`'s member, becomes the link's connection unless it has
  * one; when it has, both ends agree on one of the two (agreed_conn) and
  * retire the other (net_conn_retire): nothing new starts on it, exchanges
@@ -85,16 +110,21 @@ static void link_take(struct gossip *g, struct gossip_link *l, net_conn_t *c) {
     /* Messages queued for a dial (under way, or waiting out its backoff)
      * go out now: once the link has a connection no dial is made for them. */
     flush_queue(l);
+    go_direct(g, l);
     return;
   }
   net_conn_t *keep = agreed_conn(g, l->conn, c);
   if (!keep) return; /* c stays open, untracked, as it came (the net's own, or idle in time) */
   net_conn_t *retire = keep == c ? l->conn : c;
-  log_debug("two connections to %s (both ends dialed): keeping %s, retiring %s", net_conn_peer_name(c),
-            net_conn_inbound(keep) ? "theirs" : "ours", net_conn_inbound(retire) ? "theirs" : "ours");
+  if (net_conn_relayed(retire) && !net_conn_relayed(keep))
+    log_info("the link to %s is direct now; the one through the relay is retired", net_conn_peer_name(keep));
+  else
+    log_debug("two connections to %s (both ends dialed): keeping %s, retiring %s", net_conn_peer_name(c),
+              net_conn_inbound(keep) ? "theirs" : "ours", net_conn_inbound(retire) ? "theirs" : "ours");
   l->conn = keep;
   flush_queue(l);
   net_conn_retire(retire, g->link_retire_ms);
+  go_direct(g, l);
 }
 
 void gossip_link_adopt(struct gossip *g, const uint8_t *id, net_conn_t *c) {
@@ -119,6 +149,7 @@ void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool g
     l->dial_failures = 0;
   }
   if (gone && l->conn) net_conn_close(l->conn);
+  else go_direct(g, l); /* its address may have come after its connection through a relay */
 }
 
 /* Drops `l`'s queue, lost because its dial failed (`why`), and tells the

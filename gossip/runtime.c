@@ -248,6 +248,7 @@ static void on_close(net_conn_t *c, int status, const char *detail, void *ud) {
 
 void gossip_on_link_lost(struct gossip *g, const uint8_t *id, const char *why) {
   gossip_xch_on_link_lost(g, id, why);
+  gossip_join_on_link_lost(g, id, why);
 }
 
 const char *gossip_advertised(const gossip_t *g) { return g->advertise; }

@@ -1114,6 +1114,40 @@ static void moe_note(struct trainer *t) {
   for (int x = 0; x < o->experts; x++) o->load[x] = st->choices > 0 ? (double)st->load[x] / (double)st->choices : 0;
 }
 
+#define TRAIN_NONFINITE_MAX 8 /* dropped steps with a non-finite loss in a row before a run stops */
+
+/* After a step with `rows` rows whose loss is `loss` (rc: step_whole's):
+ * stops a diverged run before it saves its parameters or offers them to a
+ * partner (partners refuse non-finite ones anyway: sync.h), so that the
+ * last checkpoint stays the last good one. A step applied with a non-finite
+ * loss (rc 0) left the parameters non-finite: no later step recovers. A
+ * step a reducer dropped (rc 1: a ring's non-finite sum drops it on every
+ * member; or a donated state replaced ours) left them as they were: the run
+ * stops when they are not finite, or after TRAIN_NONFINITE_MAX such steps
+ * in a row (a member whose every batch overflows would otherwise drop
+ * every step of its ring). Returns 0 or RUMOR_EDIVERGED. */
+static int check_finite(struct trainer *t, int rc, int64_t rows, double loss, double lr, struct rumor_err *e) {
+  if (!trainer_has_loss(t) || rows == 0) return 0; /* no loss here, or a batch dropped whole */
+  if (isfinite(loss)) {
+    t->nonfinite_run = 0;
+    return 0;
+  }
+  const char *what = isnan(loss) ? "NaN" : "infinite";
+  if (rc == 1 && ++t->nonfinite_run < TRAIN_NONFINITE_MAX &&
+      (trainer_holds_part(t) || isfinite(tensor_sq_norm(&t->model.params)))) {
+    log_warn("step %lld's loss is %s; its step was dropped (%d in a row)", (long long)t->st.step, what,
+             t->nonfinite_run);
+    return 0;
+  }
+  char before[96] = "";
+  if (t->nonfinite_run > 1)
+    snprintf(before, sizeof before, ", as it was at the %d dropped steps before", t->nonfinite_run - 1);
+  return rumor_err_set(e, RUMOR_EDIVERGED,
+                       "training diverged: step %lld's loss is %s (learning rate %g)%s; stopped before saving its "
+                       "parameters or sending them: lower --lr or add --grad-clip",
+                       (long long)t->st.step, what, lr, before);
+}
+
 int trainer_step(struct trainer *t, struct rumor_err *e) {
   RUMOR_ASSERT(!trainer_done(t));
   if (!t->started) {
@@ -1162,20 +1196,11 @@ int trainer_step(struct trainer *t, struct rumor_err *e) {
     double waited = trainer_is_stage(t) ? t->pipe.cur_wait : 0; /* this step's */
     straggle(t, clock_now_s() - c0 - t->reduce_s - waited);
   }
-  if (trainer_has_loss(t) && !(rc == 1 && isnan(loss))) { /* not a dropped batch's */
+  if (trainer_has_loss(t) && isfinite(loss)) { /* not a dropped batch's (NaN), nor a diverged one's: check_finite */
     t->last_loss = loss;
     t->loss_avg = isnan(t->loss_avg) ? loss : 0.95 * t->loss_avg + 0.05 * loss;
   }
-  /* A non-finite loss means the parameters the step started from were
-   * not finite or overflowed the logits: no later step recovers from that.
-   * The run stops before it saves or sends them (partners refuse them
-   * anyway: sync.h), so the last checkpoint stays the last good one. A
-   * dropped batch's loss (rc 1) is not this step's. */
-  if (trainer_has_loss(t) && rc == 0 && !isfinite(loss))
-    return rumor_err_set(e, RUMOR_EDIVERGED,
-                         "training diverged: step %lld's loss is %s (learning rate %g); stopped without saving or "
-                         "sending its parameters: lower --lr or add --grad-clip",
-                         (long long)t->st.step, isnan(loss) ? "NaN" : "infinite", lr);
+  if ((rc = check_finite(t, rc, rows, loss, lr, e))) return rc;
   if (t->cfg.log_every_s > 0 && clock_now_s() - t->t_last_log >= t->cfg.log_every_s) progress(t, lr);
   if (epoch_end && (rc = end_epoch(t, e))) return rc;
   if (!epoch_end && t->cfg.eval_every > 0 && t->st.step % t->cfg.eval_every == 0 && (rc = eval_now(t, e))) return rc;

@@ -130,6 +130,31 @@ Test(allreduce, one_step_on_three_members_equals_one_step_on_their_three_batches
   free(single);
 }
 
+/* A learning rate far too high: the ring's summed gradient is soon not
+ * finite, which drops the step on every member and leaves the parameters
+ * as they were, so every later step would be dropped too. Each member
+ * stops with "training diverged" (check_finite) instead of dropping every
+ * step to the end and exiting 0, as it did before. */
+Test(allreduce, a_diverged_ring_stops_instead_of_dropping_every_step) {
+  SKIP_WITHOUT_DATA();
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  char shard[2][8];
+  for (int i = 0; i < 2; i++) {
+    snprintf(shard[i], sizeof shard[i], "%d/2", i);
+    peer[i] = cluster_start_peer(&C, "--model", MODEL, "--sync", "allreduce", "--shard", shard[i], "--max-steps",
+                                 "300", "--batch", "16", "--seed", "7", "--no-eval", "--wait-peers", "2", "--lr", "1e4",
+                                 "--schedule", "constant", NULL);
+  }
+  for (int i = 0; i < 2; i++) {
+    int st = cluster_wait(&C, peer[i], 120);
+    char *log = proc_slurp(C.node[peer[i]].log);
+    cr_assert(proc_exited_with(st, 1), "peer %d did not stop with an error (status %d): %s", i, st, log);
+    cr_assert(strstr(log, "training diverged") != NULL, "peer %d does not say it diverged: %s", i, log);
+    free(log);
+  }
+}
+
 /* A SIGSTOPped member stalls the ring until it is declared failed; then the
  * others go on without it and finish together. */
 Test(allreduce, a_sigstopped_member_is_dropped_after_the_failure_timeout) {

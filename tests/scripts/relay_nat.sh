@@ -13,7 +13,8 @@
 set -u
 rumor=$(readlink -f "${1:?usage: $0 RUMOR_BIN SOURCE_DIR NETSIM_BIN [FMNIST_DIR]}")
 src=${2:?usage}
-export TESTNET_NETSIM=$(readlink -f "${3:?usage}")
+TESTNET_NETSIM=$(readlink -f "${3:?usage}")
+export TESTNET_NETSIM
 data=${4:-/usr/share/datasets/fashion-mnist}
 ls "$data"/train-images-idx3-ubyte* >/dev/null 2>&1 || { echo "SKIP: no Fashion-MNIST in $data"; exit 77; }
 command -v nft >/dev/null 2>&1 || { echo "SKIP: no nft (apt-get install nftables)"; exit 77; }
@@ -83,6 +84,12 @@ for i in 3 4; do
   [ "$(result "$i" relayed_bytes)" -gt 0 ] || fail "peer $i sent nothing over the relay"
 done
 grep -q "could not dial us back" "$T/peer2.log" && fail "the public peer was judged unreachable"
+# The NATed peers dial out: a link the public peer opened to one of them
+# through the relay is replaced by their direct dial (links.c, go_direct),
+# so little of the public peer's traffic crosses the relay.
+rb=$(result 2 relayed_bytes) bo=$(result 2 bytes_out)
+awk -v r="${rb:-0}" -v b="${bo:-0}" 'BEGIN { exit !(b > 0 && r * 10 < b) }' ||
+  fail "the public peer sent $rb of its $bo bytes through the relay: its links to the NATed peers did not go direct"
 k3=$(sed -n 's/.*"id":"\(.\{12\}\).*/\1/p' "$T/peer3.out" | head -n 1)
 k4=$(sed -n 's/.*"id":"\(.\{12\}\).*/\1/p' "$T/peer4.out" | head -n 1)
 grep -q " @$boot key=$k4" "$T/peer3.log" || grep -q " @$boot key=$k3" "$T/peer4.log" ||

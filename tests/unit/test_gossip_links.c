@@ -8,6 +8,8 @@
  *   - two members that dial each other at once end on one connection, the
  *     same at both ends: the other is retired and closed once idle, every
  *     message arrives once, and no close is taken for a link's;
+ *   - a link that came through a relay from a member with a direct
+ *     address dials it, goes direct and retires the relayed connection;
  *   - neighbour choice puts a member whose link waits out a dial backoff
  *     last, and picks it when no one else qualifies.
  * Everything polls with deadlines; nothing sleeps. */
@@ -120,11 +122,13 @@ static void net_closed(void *arg) {
 static void on_tick_closed(uv_handle_t *h) { (void)h; }
 
 static void second_member_free(void);
+static void relay_free(void);
 
 /* Closes both nets (and the second member's, when a test made one), then
  * checks that the loop closes clean. */
 static void teardown(void) {
   second_member_free();
+  relay_free();
   net_close(g->net, net_closed, NULL);
   net_close(T.member, net_closed, NULL);
   RUN_UNTIL(T.nets_closed == 2);
@@ -322,6 +326,77 @@ Test(links, members_that_dial_each_other_at_once_agree_on_one_connection) {
   cr_assert_eq(send_seq(M2.g, g->identity.pk, 10), 0);
   RUN_UNTIL(T.our_msgs == 4 && M2.msgs == 4);
   cr_assert_eq(T.our_msgs + M2.msgs, 8, "after the close: %d and %d of 4", T.our_msgs, M2.msgs);
+}
+
+/* ---- a link through a relay: a relay net, and we register with it ---- */
+
+static net_t *relay_net;
+static int relay_status = 1, member_dial_status = 1;
+
+static void relay_closed(void *arg) { *(bool *)arg = true; }
+
+/* Also on a failed assertion's way out (teardown). */
+static void relay_free(void) {
+  if (!relay_net) return;
+  bool closed = false;
+  net_close(relay_net, relay_closed, &closed);
+  RUN_UNTIL(closed);
+  relay_net = NULL;
+}
+
+static void on_registered(net_t *n, int status, const char *detail, void *arg) {
+  (void)n, (void)detail, (void)arg;
+  if (relay_status == 1) relay_status = status;
+}
+
+static void on_member_dialed(net_t *n, net_conn_t *c, int status, const char *detail, void *arg) {
+  (void)n, (void)c, (void)detail, (void)arg;
+  member_dial_status = status;
+}
+
+/* We cannot be dialed (we do not listen: setup) and register with a relay;
+ * the member, which listens, reaches us through it first. The link takes
+ * that relayed connection, then dials the member's own address: the direct
+ * connection becomes the link's, and the relayed one is retired and closes
+ * once idle. Before, the link stayed on the relay for good. */
+Test(links, a_link_that_came_through_a_relay_goes_direct) {
+  struct rumor_err e = {0};
+  struct net_identity relay_id;
+  cr_assert_eq(net_identity_generate(&relay_id), 0);
+  struct net_config c;
+  config(&c, &relay_id);
+  c.relay = true;
+  static const struct net_callbacks none = {0};
+  cr_assert_eq(net_init(&relay_net, &g->loop, &c, &none, NULL, &e), 0, "the relay's net: %s", e.msg);
+  cr_assert_eq(net_listen(relay_net, "127.0.0.1:0", &e), 0, "listen: %s", e.msg);
+  char ra[64], via[80];
+  snprintf(ra, sizeof ra, "127.0.0.1:%d", net_listen_port(relay_net));
+  relay_status = member_dial_status = 1;
+  cr_assert_eq(net_relay_listen(g->net, ra, on_registered, NULL), 0);
+  RUN_UNTIL(relay_status != 1);
+  cr_assert_eq(relay_status, 0, "the relay did not take us: %s", rumor_strerror(relay_status));
+  g->link_retire_ms = 300;
+  struct gossip_link *l = member_link();
+  snprintf(via, sizeof via, "%c%s", NET_RELAY_ADDR_PREFIX, ra);
+  cr_assert_eq(net_dial_peer(T.member, via, g->identity.pk, on_member_dialed, NULL), 0);
+  RUN_UNTIL(member_dial_status != 1);
+  cr_assert_eq(member_dial_status, 0, "the member's dial through the relay: %s", rumor_strerror(member_dial_status));
+  RUN_UNTIL(({
+    l = gossip_link_get(g, T.member_id.pk, false);
+    l->conn && !net_conn_relayed(l->conn) && !l->dialing;
+  }));
+  l = gossip_link_get(g, T.member_id.pk, false);
+  cr_assert(l->conn, "the link has no connection");
+  cr_assert(!net_conn_relayed(l->conn), "the link stayed on the relay");
+  cr_assert(!net_conn_inbound(l->conn), "the direct connection is our dial");
+  /* The relayed one closes once idle; its close is not the link's. */
+  RUN_UNTIL(T.our_closes >= 1);
+  cr_assert_geq(T.our_closes, 1, "the relayed connection was not retired");
+  cr_assert_eq(T.forgot_link, 0, "the retired connection's close was taken for the link's");
+  cr_assert_eq(send_one(1), 0);
+  RUN_UNTIL(T.member_msgs == 1);
+  cr_assert_eq(T.member_msgs, 1, "the direct link carries messages");
+  relay_free();
 }
 
 /* ---- neighbour choice: no network needed, only the member table ---- */
