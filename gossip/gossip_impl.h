@@ -124,6 +124,10 @@ struct gossip_link {
   bool dialing;
   uint64_t next_dial_ms;  /* backoff after failed dials */
   uint32_t dial_failures;
+  /* Dials to move the link off a relay (links.c, go_direct): one under way,
+   * and those that failed since the link last took a relayed connection. */
+  bool direct_dial;
+  uint32_t direct_failures;
   /* Messages waiting for the dial to finish (copied encodings). */
   uint8_t *queue[GOSSIP_LINK_QUEUE];
   size_t queue_len[GOSSIP_LINK_QUEUE];
@@ -201,6 +205,7 @@ struct gossip_join {
   float *pull_buf;
   bool pull_wanted, pull_done, first_peer;
   bool pulling;
+  bool req_queued; /* the request waited in the donor's link queue for a dial (gossip_join_on_link_lost) */
   uint8_t donor[NET_PUBKEY_BYTES];
   uint64_t pull_retry_ms, pull_recv_id;
   uint32_t pull_attempts;
@@ -631,7 +636,8 @@ void gossip_join_on_close(struct gossip *g, net_conn_t *c, int status);
 void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left);
 /* The link to member `id` dropped its queue, its dial having failed
  * (`why`): a state request to it that waited there is lost, and the pull
- * asks again (another member, or this one at its next address) at once. */
+ * asks again 200 ms later (another member, or this one at its next
+ * address). */
 void gossip_join_on_link_lost(struct gossip *g, const uint8_t *id, const char *why);
 /* Wakes the training thread's waits (a stop). Any thread. */
 void gossip_join_wake(struct gossip *g);

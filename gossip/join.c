@@ -381,6 +381,7 @@ static void pull_tick(struct gossip *g, uint64_t now) {
   net_msgbuf_put_uint(&b, "sf", g->cfg.state_floats);
   net_msgbuf_put_str(&b, "opt", g->optimizer, strlen(g->optimizer));
   if (j->min_step) net_msgbuf_put_uint(&b, "min", j->min_step);
+  bool queued = !gossip_link_open(g, donor);
   int rc = gossip_send(g, donor, &b);
   net_msgbuf_free(&b);
   if (rc) {
@@ -388,6 +389,7 @@ static void pull_tick(struct gossip *g, uint64_t now) {
     return;
   }
   j->pulling = true;
+  j->req_queued = queued;
   j->pull_retry_ms = now + g->cfg.exchange_timeout_ms; /* deadline for this donor */
 }
 
@@ -458,7 +460,7 @@ void gossip_join_on_member_gone(struct gossip *g, const uint8_t *id, bool left) 
 
 void gossip_join_on_link_lost(struct gossip *g, const uint8_t *id, const char *why) {
   struct gossip_join *j = &g->join;
-  if (!j->pulling || j->pull_conn || !same_id(j->donor, id)) return;
+  if (!j->pulling || !j->req_queued || j->pull_conn || !same_id(j->donor, id)) return;
   /* Before, the pull waited for the donor's deadline (the exchange
    * timeout, a minute): a newcomer that dialed a donor at the address it
    * had before it moved to a relay sat out that minute. */

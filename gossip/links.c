@@ -84,17 +84,25 @@ static struct gossip_link *addressed_link(struct gossip *g, const uint8_t *id);
  * connection replaces the relayed one at both ends (agreed_conn prefers it;
  * the relayed one is retired and closes once idle). A dial that fails backs
  * off as any does (on_link_dial) and the link stays on the relay; after
- * GOSSIP_DIRECT_TRIES failures in a row (the member is out of our reach)
- * no more are made for it. */
+ * GOSSIP_DIRECT_TRIES failures (the member is out of our reach: a refusal,
+ * no route, another identity, a dial that cannot start) no more are made
+ * until the link takes another relayed connection or the member's address
+ * changes. */
 #define GOSSIP_DIRECT_TRIES 3
 static void go_direct(struct gossip *g, struct gossip_link *l) {
-  if (!g->net || !l->conn || !net_conn_relayed(l->conn) || l->dialing || l->dial_failures >= GOSSIP_DIRECT_TRIES)
+  if (!g->net || g->stopping || !l->conn || !net_conn_relayed(l->conn) || l->dialing ||
+      l->direct_failures >= GOSSIP_DIRECT_TRIES)
     return;
   uint8_t id[NET_PUBKEY_BYTES];
   memcpy(id, l->id, sizeof id);
   if (!(l = addressed_link(g, id)) || l->addr[0] == NET_RELAY_ADDR_PREFIX) return;
-  if (dial_link(g, l) == 0 && l->dialing)
-    log_debug("the link to %s runs through a relay: dialing %s directly", net_conn_peer_name(l->conn), l->addr);
+  if (dial_link(g, l) != 0) {
+    l->direct_failures++; /* could not start: counted as a failure */
+    return;
+  }
+  if (!l->dialing) return; /* its backoff holds: the next take or member update tries again */
+  l->direct_dial = true;
+  log_debug("the link to %s runs through a relay: dialing %s directly", net_conn_peer_name(l->conn), l->addr);
 }
 
 /* `c`, open to `l`'s member, becomes the link's connection unless it has
@@ -105,6 +113,7 @@ static void go_direct(struct gossip *g, struct gossip_link *l) {
  * a different one, and both stay open for the run. */
 static void link_take(struct gossip *g, struct gossip_link *l, net_conn_t *c) {
   if (l->conn == c) return;
+  if (net_conn_relayed(c)) l->direct_failures = 0; /* a new relayed connection: try to leave it again */
   if (!l->conn) {
     l->conn = c;
     /* Messages queued for a dial (under way, or waiting out its backoff)
@@ -116,7 +125,7 @@ static void link_take(struct gossip *g, struct gossip_link *l, net_conn_t *c) {
   net_conn_t *keep = agreed_conn(g, l->conn, c);
   if (!keep) return; /* c stays open, untracked, as it came (the net's own, or idle in time) */
   net_conn_t *retire = keep == c ? l->conn : c;
-  if (net_conn_relayed(retire) && !net_conn_relayed(keep))
+  if (retire == l->conn && net_conn_relayed(retire) && !net_conn_relayed(keep))
     log_info("the link to %s is direct now; the one through the relay is retired", net_conn_peer_name(keep));
   else
     log_debug("two connections to %s (both ends dialed): keeping %s, retiring %s", net_conn_peer_name(c),
@@ -146,7 +155,7 @@ void gossip_link_on_member(struct gossip *g, const struct swim_update *m, bool g
   if (m->addr[0] && strcmp(l->addr, m->addr) != 0) {
     snprintf(l->addr, sizeof l->addr, "%s", m->addr);
     l->next_dial_ms = 0;
-    l->dial_failures = 0;
+    l->dial_failures = l->direct_failures = 0;
   }
   if (gone && l->conn) net_conn_close(l->conn);
   else go_direct(g, l); /* its address may have come after its connection through a relay */
@@ -174,6 +183,9 @@ static void on_link_dial(net_t *n, net_conn_t *c, int status, const char *detail
   struct gossip_link *l = gossip_link_get(g, d->id, true);
   l->dialing = false;
   free(d);
+  bool direct = l->direct_dial;
+  l->direct_dial = false;
+  if (direct && (status < 0 || memcmp(net_conn_peer_key(c), l->id, NET_PUBKEY_BYTES) != 0)) l->direct_failures++;
   char why[160];
   if (status < 0) {
     l->dial_failures++;

@@ -223,6 +223,11 @@ static void suspect_on_close(struct gossip *g, net_conn_t *c, int status, const 
   uint64_t now = gossip_now_ms(g);
   if (!cut || !g->cfg.net.heartbeat_ms || g->stopping || !gossip_joined(g) || now < g->stalled_until_ms) return;
   const uint8_t *id = net_conn_peer_key(c);
+  /* Only the member's link counts: a connection retired beside it (links.c:
+   * a relayed one the member left for a direct one) may fall silent while
+   * the member answers on its link. */
+  const struct gossip_link *l = gossip_link_get(g, id, false);
+  if (!l || l->conn != c) return;
   if (!swim_suspect(&g->swim, id, now)) return;
   char label[200];
   gossip_member_label(g, id, label, sizeof label);

@@ -196,13 +196,26 @@ bool sync_ring_mean(struct sync *s, struct tensor *dst) {
 }
 
 /* The sum arrived: the mean gradient into model.grads. Returns 0, or 1 when
- * it is not finite (every member sees the same sum and drops the step). */
-static int take_sum(struct sync *s) {
+ * it is not finite (every member sees the same sum and drops the step).
+ * After SYNC_NONFINITE_MAX such sums in a row the run has diverged (huge
+ * but finite parameters whose gradients overflow; each member's own loss
+ * may still be finite): every member, seeing the same sums, stops at the
+ * same step with RUMOR_EDIVERGED rather than drop every step to the end. */
+static int take_sum(struct sync *s, struct rumor_err *e) {
   struct trainer *t = s->t;
   struct tensor grads = trainer_shard_grads(t);
-  if (sync_ring_mean(s, &grads)) return 0;
-  log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member",
-           (long long)t->st.step, (double)gossip_ar_result(s->g)[trainer_shard_floats(t)]);
+  if (sync_ring_mean(s, &grads)) {
+    s->ring.nonfinite_run = 0;
+    return 0;
+  }
+  long long step = (long long)t->st.step;
+  if (++s->ring.nonfinite_run >= SYNC_NONFINITE_MAX)
+    return rumor_err_set(e, RUMOR_EDIVERGED,
+                         "training diverged: the ring's summed gradient was not finite at steps %lld to %lld; stopped "
+                         "before saving the parameters: lower --lr or add --grad-clip",
+                         step - SYNC_NONFINITE_MAX + 1, step);
+  log_warn("the summed gradient of step %lld is not finite (or counts %g rows): step dropped on every member", step,
+           (double)gossip_ar_result(s->g)[trainer_shard_floats(t)]);
   s->ring.skipped++;
   trainer_take_step(t, t->st.step + 1);
   return 1;
@@ -245,7 +258,7 @@ static int ar_reduce(void *arg, int64_t rows, struct rumor_err *e) {
   uint64_t step = (uint64_t)s->t->st.step;
   int rc = sync_ring_sit_out(s, step, step + 1, e); /* a gradient ring's member comes back with its own state */
   if (rc == 0) rc = sync_ring_round(s, SYNC_ROUND_REDUCE, step, fill_gradient, &rows, step + 1, e);
-  return rc ? rc : take_sum(s);
+  return rc ? rc : take_sum(s, e);
 }
 
 /* The train_reducer's catch_up: this group process's shard again, from the

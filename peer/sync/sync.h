@@ -127,6 +127,7 @@
 #define CLIP_WARMUP_REL 0.1
 #define CLIP_FLOOR_REL 1e-2  /* the median is taken as at least this times our norm */
 #define CLIP_TAU_MEDIANS 2.0 /* adaptive τ: this many times the median distance */
+#define SYNC_NONFINITE_MAX 8 /* a ring's non-finite gradient sums in a row before the run stops as diverged */
 #define CLIP_OUTLIER 3.0     /* distance > CLIP_OUTLIER·median (adaptive τ, after warm-up): skipped */
 #define CLIP_ID_BYTES 32
 
@@ -472,6 +473,7 @@ struct sync_avg {
 /* Ring rounds (allreduce.c): the gradient all-reduce's and DiLoCo's. */
 struct sync_ring {
   uint64_t rounds, retries, catchups, skipped;
+  unsigned nonfinite_run; /* gradient sums in a row that were not finite (allreduce.c, take_sum) */
   double wait_s;  /* time in rounds, from the start of the first attempt to the result */
   size_t members; /* in the last round's ring */
   /* Sitting out (gossip_ar_sit_out): times, seconds out in all, the next

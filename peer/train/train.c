@@ -861,6 +861,19 @@ void trainer_take_step(struct trainer *t, int64_t step) {
 }
 
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
+  /* Parameters that are not finite (a step's update overflowed: its own
+   * loss was still finite) are never written over the last good state. A
+   * process that saves alone checks its own (a whole replica, a pipeline
+   * stage); a data- or tensor-parallel group saves together (group_save, a
+   * collective) unchecked: its one loss stops all its processes at their
+   * next step. */
+  int64_t bad = t->cfg.dp || t->cfg.tp ? 0 : tensor_count_nonfinite(&t->model.params);
+  if (bad)
+    return rumor_err_set(e, RUMOR_EDIVERGED,
+                         "training diverged: %lld of the parameters after step %lld are NaN or infinite (learning "
+                         "rate %g); not saved over %s, which keeps the last good state: lower --lr or add --grad-clip",
+                         (long long)bad, (long long)t->st.step,
+                         optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
   struct ckpt_info info = make_info(t);
   const struct train_extra_spec *xs = &t->cfg.extra;
   int64_t X = t->extra_off[xs->n];
@@ -892,17 +905,6 @@ int trainer_checkpoint(struct trainer *t, struct rumor_err *e) {
   if (!t->cfg.checkpoint) return 0;
   char path[1024];
   checkpoint_path_of(t, path, sizeof path);
-  /* A step whose loss was finite can leave non-finite parameters (its
-   * update overflowed): they are not written over the last good
-   * checkpoint. A process holding a part of a replica saves with its group
-   * (a collective); its group's loss stops it at the next step. The sum of
-   * squares of floats (< 3.5e38 each) in double overflows only if one is
-   * not finite. */
-  if (!trainer_holds_part(t) && !isfinite(tensor_sq_norm(&t->model.params)))
-    return rumor_err_set(e, RUMOR_EDIVERGED,
-                         "training diverged: the parameters after step %lld are NaN or infinite (learning rate %g); "
-                         "not saved over %s, which keeps the last good state: lower --lr or add --grad-clip",
-                         (long long)t->st.step, optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
   return trainer_save(t, path, e);
 }
 
@@ -1114,38 +1116,23 @@ static void moe_note(struct trainer *t) {
   for (int x = 0; x < o->experts; x++) o->load[x] = st->choices > 0 ? (double)st->load[x] / (double)st->choices : 0;
 }
 
-#define TRAIN_NONFINITE_MAX 8 /* dropped steps with a non-finite loss in a row before a run stops */
-
 /* After a step with `rows` rows whose loss is `loss` (rc: step_whole's):
  * stops a diverged run before it saves its parameters or offers them to a
- * partner (partners refuse non-finite ones anyway: sync.h), so that the
- * last checkpoint stays the last good one. A step applied with a non-finite
- * loss (rc 0) left the parameters non-finite: no later step recovers. A
- * step a reducer dropped (rc 1: a ring's non-finite sum drops it on every
- * member; or a donated state replaced ours) left them as they were: the run
- * stops when they are not finite, or after TRAIN_NONFINITE_MAX such steps
- * in a row (a member whose every batch overflows would otherwise drop
- * every step of its ring). Returns 0 or RUMOR_EDIVERGED. */
+ * partner, so that the last checkpoint stays the last good one. A step
+ * applied with a non-finite loss (rc 0) left the parameters non-finite: no
+ * later step recovers. A step a reducer dropped (rc 1: a ring's sum that
+ * is not finite drops it on every member, and the ring itself stops after
+ * a run of those, allreduce.c; or a donated state replaced ours) left them
+ * as they were: the run stops when they are not finite. A data- or
+ * tensor-parallel group's processes see one loss and stop together.
+ * Returns 0 or RUMOR_EDIVERGED. */
 static int check_finite(struct trainer *t, int rc, int64_t rows, double loss, double lr, struct rumor_err *e) {
-  if (!trainer_has_loss(t) || rows == 0) return 0; /* no loss here, or a batch dropped whole */
-  if (isfinite(loss)) {
-    t->nonfinite_run = 0;
-    return 0;
-  }
-  const char *what = isnan(loss) ? "NaN" : "infinite";
-  if (rc == 1 && ++t->nonfinite_run < TRAIN_NONFINITE_MAX &&
-      (trainer_holds_part(t) || isfinite(tensor_sq_norm(&t->model.params)))) {
-    log_warn("step %lld's loss is %s; its step was dropped (%d in a row)", (long long)t->st.step, what,
-             t->nonfinite_run);
-    return 0;
-  }
-  char before[96] = "";
-  if (t->nonfinite_run > 1)
-    snprintf(before, sizeof before, ", as it was at the %d dropped steps before", t->nonfinite_run - 1);
+  if (!trainer_has_loss(t) || rows == 0 || isfinite(loss)) return 0; /* no loss here, a batch dropped whole, fine */
+  if (rc == 1 && (t->cfg.dp || t->cfg.tp || tensor_count_nonfinite(&t->model.params) == 0)) return 0;
   return rumor_err_set(e, RUMOR_EDIVERGED,
-                       "training diverged: step %lld's loss is %s (learning rate %g)%s; stopped before saving its "
+                       "training diverged: step %lld's loss is %s (learning rate %g); stopped before saving its "
                        "parameters or sending them: lower --lr or add --grad-clip",
-                       (long long)t->st.step, what, lr, before);
+                       (long long)t->st.step, isnan(loss) ? "NaN" : "infinite", lr);
 }
 
 int trainer_step(struct trainer *t, struct rumor_err *e) {

@@ -582,7 +582,6 @@ struct trainer {
 
   double loss_avg;       /* exponential moving average of the training loss (NaN on stages without the loss) */
   double last_loss;
-  int nonfinite_run; /* consecutive dropped steps whose loss was not finite (check_finite) */
   double accuracy, test_loss; /* the last evaluation (NaN on stages without the loss) */
   double eval_seconds;        /* how long the last evaluation took (wall clock) */
   double *epoch_losses;  /* loss_avg at the end of each epoch this run trained (where the loss is) */

@@ -389,9 +389,13 @@ Test(links, a_link_that_came_through_a_relay_goes_direct) {
   cr_assert(l->conn, "the link has no connection");
   cr_assert(!net_conn_relayed(l->conn), "the link stayed on the relay");
   cr_assert(!net_conn_inbound(l->conn), "the direct connection is our dial");
-  /* The relayed one closes once idle; its close is not the link's. */
-  RUN_UNTIL(T.our_closes >= 1);
+  cr_assert_eq(l->direct_failures, 0, "a direct dial failed");
+  /* The relayed one closes once idle (the carrier to the relay and the
+   * direct one stay); its close is not the link's. */
+  RUN_UNTIL(T.our_closes >= 1 && open_conns(g->net) == 2);
   cr_assert_geq(T.our_closes, 1, "the relayed connection was not retired");
+  cr_assert_eq(open_conns(g->net), 2, "%llu connections open, want the relay's carrier and the direct one",
+               (unsigned long long)open_conns(g->net));
   cr_assert_eq(T.forgot_link, 0, "the retired connection's close was taken for the link's");
   cr_assert_eq(send_one(1), 0);
   RUN_UNTIL(T.member_msgs == 1);
