@@ -93,9 +93,8 @@ static void go_direct(struct gossip *g, struct gossip_link *l) {
   if (!g->net || g->stopping || !l->conn || !net_conn_relayed(l->conn) || l->dialing ||
       l->direct_failures >= GOSSIP_DIRECT_TRIES)
     return;
-  uint8_t id[NET_PUBKEY_BYTES];
-  memcpy(id, l->id, sizeof id);
-  if (!(l = addressed_link(g, id)) || l->addr[0] == NET_RELAY_ADDR_PREFIX) return;
+  /* The link exists: addressed_link only fills in its address from SWIM. */
+  if (!addressed_link(g, l->id) || l->addr[0] == NET_RELAY_ADDR_PREFIX) return;
   if (dial_link(g, l) != 0) {
     l->direct_failures++; /* could not start: counted as a failure */
     return;

@@ -127,7 +127,6 @@
 #define CLIP_WARMUP_REL 0.1
 #define CLIP_FLOOR_REL 1e-2  /* the median is taken as at least this times our norm */
 #define CLIP_TAU_MEDIANS 2.0 /* adaptive τ: this many times the median distance */
-#define SYNC_NONFINITE_MAX 8 /* a ring's non-finite gradient sums in a row before the run stops as diverged */
 #define CLIP_OUTLIER 3.0     /* distance > CLIP_OUTLIER·median (adaptive τ, after warm-up): skipped */
 #define CLIP_ID_BYTES 32
 
@@ -278,6 +277,10 @@ int64_t sync_check_targets(int64_t nparams);
 #define SYNC_PULL_MAX_LOSS_RATIO 2.0
 #define SYNC_PULL_LOSS_SLACK 0.5 /* nats per target */
 #define SYNC_PULL_ASKS 2
+
+/* A gradient ring's non-finite sums in a row before its run stops as
+ * diverged (allreduce.c, take_sum). */
+#define SYNC_NONFINITE_MAX 8
 
 /* An all-reduce or DiLoCo member whose link drops packets leaves the ring
  * this long (allreduce.c, sync_ring_sit_out), twice as long when advised

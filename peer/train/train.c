@@ -860,14 +860,18 @@ void trainer_take_step(struct trainer *t, int64_t step) {
   t->st.step = step;
 }
 
+/* This process's parameters that are NaN or infinite, where it saves and
+ * judges them alone (a whole replica, a pipeline stage); 0 for a data- or
+ * tensor-parallel group's process, which saves with its group (group_save,
+ * a collective) and stops with it at the group's one loss. */
+static int64_t own_nonfinite(const struct trainer *t) {
+  return t->cfg.dp || t->cfg.tp ? 0 : tensor_count_nonfinite(&t->model.params);
+}
+
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   /* Parameters that are not finite (a step's update overflowed: its own
-   * loss was still finite) are never written over the last good state. A
-   * process that saves alone checks its own (a whole replica, a pipeline
-   * stage); a data- or tensor-parallel group saves together (group_save, a
-   * collective) unchecked: its one loss stops all its processes at their
-   * next step. */
-  int64_t bad = t->cfg.dp || t->cfg.tp ? 0 : tensor_count_nonfinite(&t->model.params);
+   * loss was still finite) are never written over the last good state. */
+  int64_t bad = own_nonfinite(t);
   if (bad)
     return rumor_err_set(e, RUMOR_EDIVERGED,
                          "training diverged: %lld of the parameters after step %lld are NaN or infinite (learning "
@@ -1123,12 +1127,11 @@ static void moe_note(struct trainer *t) {
  * later step recovers. A step a reducer dropped (rc 1: a ring's sum that
  * is not finite drops it on every member, and the ring itself stops after
  * a run of those, allreduce.c; or a donated state replaced ours) left them
- * as they were: the run stops when they are not finite. A data- or
- * tensor-parallel group's processes see one loss and stop together.
+ * as they were: the run stops when they are not finite (own_nonfinite).
  * Returns 0 or RUMOR_EDIVERGED. */
 static int check_finite(struct trainer *t, int rc, int64_t rows, double loss, double lr, struct rumor_err *e) {
   if (!trainer_has_loss(t) || rows == 0 || isfinite(loss)) return 0; /* no loss here, a batch dropped whole, fine */
-  if (rc == 1 && (t->cfg.dp || t->cfg.tp || tensor_count_nonfinite(&t->model.params) == 0)) return 0;
+  if (rc == 1 && own_nonfinite(t) == 0) return 0;
   return rumor_err_set(e, RUMOR_EDIVERGED,
                        "training diverged: step %lld's loss is %s (learning rate %g); stopped before saving its "
                        "parameters or sending them: lower --lr or add --grad-clip",
