@@ -284,7 +284,9 @@ void gossip_xch_apply_done(gossip_t *g, int status, const char *why);
 /* ---- all-reduce (cfg.sync == GOSSIP_SYNC_ALLREDUCE; training thread) ----
  *
  * One round sums a vector of nparams + 1 floats over every ready peer
- * (alive or suspect, the caller included) along a ring ordered by key:
+ * (alive or suspect, the caller included) along a ring ordered by key
+ * (with each member behind a relay placed after one that accepts
+ * connections: ring.c, view_ring):
  * reduce-scatter then all-gather, each segment cut into pieces of
  * RING_PIECE_FLOATS that flow on as soon as they arrive, so every link of
  * the ring carries data at once. A round is identified by its step and its

@@ -336,7 +336,8 @@ struct gossip_ring {
   bool active, failing;
   uint64_t gen;      /* rounds started: tells a stale callback from the current round's */
   uint64_t step, hash;
-  uint8_t (*ids)[NET_PUBKEY_BYTES]; /* the ring, ordered by key */
+  uint8_t (*ids)[NET_PUBKEY_BYTES];    /* the ring, in ring order (ring.c, view_ring) */
+  uint8_t (*sorted)[NET_PUBKEY_BYTES]; /* the same n keys sorted, for lookups */
   size_t n, me;
   uint64_t nonce;      /* this attempt's, in our RING_READY: pieces for another attempt are refused */
   uint64_t succ_nonce; /* the successor's attempt, from its RING_READY */
@@ -421,7 +422,7 @@ struct gossip_monitoring {
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
                           TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE, TEST_FREEZE_XCH,
-                          TEST_SLOW_CONFIRM };
+                          TEST_SLOW_CONFIRM, TEST_NAN_GRAD };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -779,8 +780,9 @@ void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
 /* How long a last-phase piece's delivery is taken late (slowconfirm; 0: not). */
 uint64_t gossip_testing_confirm_delay_ms(struct gossip *g);
-/* As an all-reduce round of `step` is about to start on the loop thread. */
-void gossip_testing_ring_start(struct gossip *g, uint64_t step);
+/* As an all-reduce round of `step` (`reduce`: a reduce round, whose
+ * contribution is in ring.acc) is about to start on the loop thread. */
+void gossip_testing_ring_start(struct gossip *g, uint64_t step, bool reduce);
 /* As the partner's transfer of an exchange begins (it is accepted). */
 void gossip_testing_xch_receiving(struct gossip *g);
 /* True when an exchange transfer's list of finished members is to be sent

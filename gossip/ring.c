@@ -104,6 +104,7 @@ int gossip_ring_init(struct gossip *g, struct rumor_err *e) {
 void gossip_ring_free(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   free(r->ids);
+  free(r->sorted);
   free(r->done_ids);
   free(r->recv);
   free(r->send);
@@ -233,21 +234,47 @@ static const uint8_t *succ(const struct gossip_ring *r) { return r->ids[wrap(r, 
 
 /* ---- membership ---- */
 
-/* Ready peers that are alive, ourselves included, sorted by key: a new
+/* True for a member that cannot accept connections: it advertises a relay,
+ * "@HOST:PORT", or "@" alone until a relay takes it (relay.c). */
+static bool behind_relay(const char *addr) { return addr[0] == NET_RELAY_ADDR_PREFIX; }
+
+/* Ready peers that are alive, ourselves included, in ring order: a new
  * array (*n entries; the caller frees it). A suspect is left out: it may
  * be dead (its heartbeat stopped, its connection was cut: runtime.c), and
  * a ring with a dead member waits for its deadline; one that is alive
- * refutes within a round trip (swim.c) and the ring re-forms with it. */
+ * refutes within a round trip (swim.c) and the ring re-forms with it.
+ *
+ * The order: members that accept connections ("direct") sorted by key, each
+ * followed by one member reached through a relay, also sorted by key,
+ * while both last; then the rest of the longer list. So no two members
+ * behind relays are neighbours, whose hop would have to cross the relay
+ * (a hop between a direct member and one behind a relay goes direct:
+ * links.c, go_direct), unless more than half the ring is behind relays;
+ * then only as many hops as there are more of them than direct members. With
+ * no member behind a relay it is the keys' order. Every member of one view
+ * computes the same order: the addresses come with the membership, and an
+ * address change (a member moving to a relay) re-forms the ring like a
+ * join, since the order goes into the round's hash. */
 static uint8_t (*view_ring(struct gossip *g, size_t *n))[NET_PUBKEY_BYTES] {
-  uint8_t(*ids)[NET_PUBKEY_BYTES] = xmalloc((g->swim.nmembers + 1) * NET_PUBKEY_BYTES);
-  size_t k = 0;
-  memcpy(ids[k++], g->identity.pk, NET_PUBKEY_BYTES);
-  for (size_t i = 0; i < g->swim.nmembers && k < RING_MAX_MEMBERS; i++) {
+  size_t cap = g->swim.nmembers + 1, ndirect = 0, nrelayed = 0;
+  uint8_t(*direct)[NET_PUBKEY_BYTES] = xmalloc(cap * NET_PUBKEY_BYTES);
+  uint8_t(*relayed)[NET_PUBKEY_BYTES] = xmalloc(cap * NET_PUBKEY_BYTES);
+  memcpy(behind_relay(g->swim.self.addr) ? relayed[nrelayed++] : direct[ndirect++], g->identity.pk, NET_PUBKEY_BYTES);
+  for (size_t i = 0; i < g->swim.nmembers && ndirect + nrelayed < RING_MAX_MEMBERS; i++) {
     const struct swim_member *m = &g->swim.members[i];
     if (m->info.role != SWIM_ROLE_PEER || !m->info.ready || m->info.state != SWIM_ALIVE) continue;
-    memcpy(ids[k++], m->info.id, NET_PUBKEY_BYTES);
+    memcpy(behind_relay(m->info.addr) ? relayed[nrelayed++] : direct[ndirect++], m->info.id, NET_PUBKEY_BYTES);
   }
-  qsort(ids, k, NET_PUBKEY_BYTES, cmp_id);
+  qsort(direct, ndirect, NET_PUBKEY_BYTES, cmp_id);
+  qsort(relayed, nrelayed, NET_PUBKEY_BYTES, cmp_id);
+  uint8_t(*ids)[NET_PUBKEY_BYTES] = xmalloc(cap * NET_PUBKEY_BYTES);
+  size_t k = 0;
+  for (size_t i = 0; i < ndirect || i < nrelayed; i++) {
+    if (i < ndirect) memcpy(ids[k++], direct[i], NET_PUBKEY_BYTES);
+    if (i < nrelayed) memcpy(ids[k++], relayed[i], NET_PUBKEY_BYTES);
+  }
+  free(direct);
+  free(relayed);
   *n = k;
   return ids;
 }
@@ -275,7 +302,7 @@ static uint64_t ring_hash(const struct gossip_ring *r, uint8_t (*ids)[NET_PUBKEY
 }
 
 static bool in_ring(const struct gossip_ring *r, const uint8_t *id) {
-  return bsearch(id, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) != NULL;
+  return bsearch(id, r->sorted, r->n, NET_PUBKEY_BYTES, cmp_id) != NULL;
 }
 
 /* True when a member is out of the ring in our view: suspect, failed,
@@ -823,8 +850,11 @@ static void take_view(struct gossip *g) {
   struct gossip_ring *r = &g->ring;
   free(r->ids);
   r->ids = view_ring(g, &r->n);
-  r->me = (size_t)((uint8_t(*)[NET_PUBKEY_BYTES])bsearch(g->identity.pk, r->ids, r->n, NET_PUBKEY_BYTES, cmp_id) -
-                   r->ids);
+  r->sorted = xrealloc(r->sorted, r->n * NET_PUBKEY_BYTES);
+  memcpy(r->sorted, r->ids, r->n * NET_PUBKEY_BYTES);
+  qsort(r->sorted, r->n, NET_PUBKEY_BYTES, cmp_id);
+  r->me = 0;
+  while (!same_id(r->ids[r->me], g->identity.pk)) r->me++; /* view_ring puts us in */
   r->hash = ring_hash(r, r->ids, r->n);
 }
 
@@ -1007,7 +1037,7 @@ static void start_on_loop(net_t *n, void *arg, int status) {
     return;
   }
 #ifdef RUMOR_TESTING
-  gossip_testing_ring_start(g, step);
+  gossip_testing_ring_start(g, step, kind == RING_REDUCE);
 #endif
   start_round(g, step, kind);
 }

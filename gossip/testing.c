@@ -55,6 +55,9 @@
  *             everything, completed it: the window in which failing the
  *             round would leave it a round behind (ring.c,
  *             others_may_complete).
+ *   nangrad   all-reduce: the first float of its contribution to every
+ *             reduce round is NaN, so that every member's sum is NaN
+ *             while its own parameters stay finite.
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -74,7 +77,7 @@
 
 static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",   "short",
                                     "flood", "loseready", "baddonor", "badfin", "freeze", "freezexch",
-                                    "slowconfirm"};
+                                    "slowconfirm", "nangrad"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -89,7 +92,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad (not '%s')",
                        kind);
 }
 
@@ -107,7 +110,8 @@ uint64_t gossip_testing_confirm_delay_ms(struct gossip *g) {
   return g->test.attack == TEST_SLOW_CONFIRM ? TEST_SLOW_CONFIRM_MS : 0;
 }
 
-void gossip_testing_ring_start(struct gossip *g, uint64_t step) {
+void gossip_testing_ring_start(struct gossip *g, uint64_t step, bool reduce) {
+  if (g->test.attack == TEST_NAN_GRAD && reduce) g->ring.acc[0] = NAN;
   if (g->test.attack != TEST_FREEZE || step != TEST_FREEZE_STEP || g->test.frozen) return;
   g->test.frozen = true;
   log_warn("TESTING ONLY: stopping this process (SIGSTOP) before the all-reduce of step %llu",

@@ -233,6 +233,22 @@ static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct 
   return rc;
 }
 
+/* Refuses (RUMOR_EDIVERGED) to write a whole model whose parameters (the
+ * first n floats of `params`) are not all finite, as trainer_save does for
+ * a process that holds its replica alone. */
+static int check_finite_params(const struct trainer *t, const float *params, int64_t n, const char *path,
+                               struct rumor_err *e) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad += !isfinite(params[i]);
+  if (!bad) return 0;
+  return rumor_err_set(e, RUMOR_EDIVERGED,
+                       "training diverged: %lld of the group's parameters after step %lld are NaN or infinite "
+                       "(learning rate %g); not saved over %s, which keeps the last good state: lower --lr or add "
+                       "--grad-clip",
+                       (long long)bad, (long long)t->st.step,
+                       optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
+}
+
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
   struct model *m = &t->model;
   int parts = 1 + optim_state_per_param(t->optim.cfg.kind);
@@ -268,15 +284,16 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
       view.nparams = P;
       view.param_base = base;
     }
-    rc = checkpoint_save_host(path, &view, &t->optim, whole, &with, e);
+    rc = check_finite_params(t, whole, view.nparams, path, e);
+    if (rc == 0) rc = checkpoint_save_host(path, &view, &t->optim, whole, &with, e);
   }
   free(local);
   free(full);
   for (int i = 0; i < 3; i++) free(keep[i]);
   /* Every member learns whether the file was written: a failed save fails
-   * the whole group, not its first process alone. */
+   * the whole group, not its first process alone (2: it diverged). */
   comm_t *all = t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm;
-  float failed = rc == 0 ? 0.0f : 1.0f;
+  float failed = rc == 0 ? 0.0f : rc == RUMOR_EDIVERGED ? 2.0f : 1.0f;
   struct rumor_err e2 = {0};
   int arc = comm_all_reduce(all, &failed, 1, &e2);
   if (rc) return rc;
@@ -284,6 +301,11 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
     *e = e2;
     return arc;
   }
+  if (failed > 1.5f)
+    return rumor_err_set(e, RUMOR_EDIVERGED,
+                         "training diverged: the group's parameters after step %lld are not all finite; not saved "
+                         "over %s, which keeps the last good state",
+                         (long long)t->st.step, path);
   if (failed > 0) return rumor_err_set(e, -EIO, "the group's first process could not write the checkpoint %s", path);
   return 0;
 }

@@ -863,7 +863,8 @@ void trainer_take_step(struct trainer *t, int64_t step) {
 /* This process's parameters that are NaN or infinite, where it saves and
  * judges them alone (a whole replica, a pipeline stage); 0 for a data- or
  * tensor-parallel group's process, which saves with its group (group_save,
- * a collective) and stops with it at the group's one loss. */
+ * a collective, checks the whole model it puts together) and stops with it
+ * at the group's one loss. */
 static int64_t own_nonfinite(const struct trainer *t) {
   return t->cfg.dp || t->cfg.tp ? 0 : tensor_count_nonfinite(&t->model.params);
 }

@@ -576,7 +576,7 @@ for job in $jobs; do
     # are) sets the epochs or steps for DURATION seconds of training, and
     # the checkpoint interval for one about every CKPT_SECS seconds of a
     # peer's training. EPOCHS / STEPS and CKPT_EVERY, when given, win.
-    if [ "$job" = mlp ]; then work=${EPOCHS:-}; probe_work=2; else work=${STEPS:-}; probe_work=100; fi
+    if [ "$job" = mlp ]; then work=${EPOCHS:-}; probe_work=2; else work=${STEPS:-}; probe_work=500; fi
     ckpt_every=${CKPT_EVERY:-}
     if [ -z "$work" ] || [ -z "$ckpt_every" ]; then
       ckpt_every=1000000

@@ -155,6 +155,38 @@ Test(allreduce, a_diverged_ring_stops_instead_of_dropping_every_step) {
   }
 }
 
+/* A member whose every contribution holds a NaN (parameters finite, so no
+ * member's own check fires): every round's sum is NaN, every member drops
+ * the step, and after SYNC_NONFINITE_MAX (8) such sums in a row all of them
+ * stop at the same step, where they dropped every step to the end before. */
+Test(allreduce, a_ring_whose_sums_stay_non_finite_stops_every_member_at_one_step) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  cluster_start_bootstrap(&C, NULL);
+  int peer[3];
+  for (int i = 0; i < 3; i++) {
+    char shard[8];
+    snprintf(shard, sizeof shard, "%d/3", i);
+    peer[i] = cluster_start_peer(&C, "--attack", i == 2 ? "nangrad" : "none", "--model", MODEL, "--sync",
+                                 "allreduce", "--shard", shard, "--max-steps", "300", "--batch", "16", "--seed", "7",
+                                 "--no-eval", "--wait-peers", "3", NULL);
+  }
+  char first[3][64];
+  for (int i = 0; i < 3; i++) {
+    int st = cluster_wait(&C, peer[i], 120);
+    char *log = proc_slurp(C.node[peer[i]].log);
+    cr_assert(proc_exited_with(st, 1), "member %d did not stop with an error (status %d): %s", i, st, log);
+    const char *p = strstr(log, "the ring's summed gradient was not finite at steps ");
+    cr_assert(p, "member %d does not say that the ring's sums were not finite: %s", i, log);
+    snprintf(first[i], sizeof first[i], "%.40s", p + strlen("the ring's summed gradient was not finite at "));
+    int dropped = 0;
+    for (const char *q = log; (q = strstr(q, "step dropped on every member")) != NULL; q++) dropped++;
+    cr_assert_eq(dropped, 7, "member %d dropped %d steps before it stopped: %s", i, dropped, log);
+    free(log);
+  }
+  for (int i = 1; i < 3; i++) cr_assert_str_eq(first[i], first[0], "members 0 and %d stopped at different steps", i);
+}
+
 /* A SIGSTOPped member stalls the ring until it is declared failed; then the
  * others go on without it and finish together. */
 Test(allreduce, a_sigstopped_member_is_dropped_after_the_failure_timeout) {

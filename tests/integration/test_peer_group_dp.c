@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../support/ckpt_params.h"
 #include "../support/cluster.h"
 #include "../support/fmnist.h"
 #include "peer/train/train.h"
@@ -595,6 +596,42 @@ Test(group_dp, a_pipelined_diloco_group_with_members_resumes_its_outer_state_bit
     safetensors_free(&st);
     double same = max_diff(b, a, &count);
     cr_expect(same == 0, "stage %d resumed is %.3g from the uninterrupted run's (outer state included)", s, same);
+  }
+}
+
+/* A learning rate far too high, in a ZeRO 1 group and in two
+ * tensor-parallel ranks that save every step: the group stops with an error
+ * naming the divergence, and the checkpoint it keeps holds the last finite
+ * parameters. Here the loss turns NaN first (check_finite). A step whose
+ * loss is finite but whose update overflows is refused by group_save
+ * (check_finite_params); no setting of the flags (--lr is at most 1e6)
+ * makes this model's update overflow while its loss stays finite, so that
+ * refusal is not shown here. */
+Test(group_dp, a_diverging_group_stops_and_keeps_its_last_good_checkpoint) {
+  SKIP_WITHOUT_DATA();
+  char id[256];
+  cluster_make_identity(&C, "diverge", id, sizeof id);
+  char *layouts[2][5] = {{"--data-parallel", "2", "--zero", "1", NULL}, {"--tensor-parallel", "2", NULL}};
+  for (int k = 0; k < 2; k++) {
+    char ck[256];
+    snprintf(ck, sizeof ck, "%s/diverged%d.safetensors", C.dir, k);
+    char *common[] = {"--model", "mlp:784-64-10", "--lr", "1e4", "--schedule", "constant", "--max-steps", "100",
+                      "--threads", "1", "--log-every", "0", "--no-eval", "--checkpoint", ck, "--checkpoint-every",
+                      "1", NULL};
+    char *argv[64], *out, *err;
+    argv_cat(argv, 64, (char *[]){"group", "--cluster-key", C.key, "--identity", id, NULL}, layouts[k], common, NULL);
+    int st = cluster_run(&C, argv, 120, &out, &err);
+    cr_assert(proc_exited_with(st, 1), "%s: the group did not stop with an error (status %d): %s", layouts[k][0], st,
+              err);
+    cr_assert(strstr(err, "training diverged") != NULL, "%s: no word of the divergence: %s", layouts[k][0], err);
+    cr_assert(strstr(err, "checkpoint saved") != NULL, "%s: no step was saved before it: %s", layouts[k][0], err);
+    int64_t n, bad = 0;
+    float *p = ckpt_params_load(ck, &n);
+    for (int64_t i = 0; i < n; i++) bad += !isfinite(p[i]);
+    free(p);
+    cr_assert_eq(bad, 0, "%s: the kept checkpoint has %lld non-finite parameters of %lld", layouts[k][0],
+                 (long long)bad, (long long)n);
+    free(out), free(err);
   }
 }
 
