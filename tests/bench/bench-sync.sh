@@ -49,7 +49,11 @@
 # over N members"), and for stopped from the SIGCONT to their first round
 # over all N again ("back"), beside the same with SWIM-only verdicts
 # (allreduce-swim) as a ratio. The promises: out within 2 s of a kill and
-# 1.5 s of a stop, back within a round of the SIGCONT.
+# 1.5 s of a stop, back within a round of the SIGCONT. A member stopped for
+# long is behind and must first take a state ahead (pull and check it); so
+# for stopped also: from the SIGCONT to the end of that catch-up (its log
+# line "all-reduce: now at step", "caught up"), and from there to the
+# first round over all N ("rejoin", in milliseconds, beside a step's).
 #
 #   tests/bench/bench-sync.sh [BUILD_DIR]
 #
@@ -237,13 +241,20 @@ recovery() {
   case $scheme in allreduce*) ;; *) return 0 ;; esac
   [ -s "$d/fault_at" ] || { printf '%-10s %-15s no fault (the run ended first)\n' "$cond" "$scheme" >> "$work/recovery"; return 0; }
   out=$(survivors_after "$d" "done over $((n - 1)) members" "$(cat "$d/fault_at")")
-  back=-
-  [ "$cond" = stopped ] && [ -s "$d/cont_at" ] && back=$(survivors_after "$d" "done over $n members" "$(cat "$d/cont_at")")
+  back=- caught=- rejoin=-
+  if [ "$cond" = stopped ] && [ -s "$d/cont_at" ]; then
+    back=$(survivors_after "$d" "done over $n members" "$(cat "$d/cont_at")")
+    caught=$(first_after "$d/w$n.log" "all-reduce: now at step" "$(cat "$d/cont_at")")
+    [ -n "$caught" ] || caught=-
+    [ "$back" != - ] && [ "$caught" != - ] && rejoin=$(awk -v b="$back" -v c="$caught" 'BEGIN {printf "%.1f", 1000 * (b - c)}')
+  fi
   # A step's mean time over the run, from the survivors' samples a second.
   step_ms=$(for i in $(seq 1 $((n - 1))); do sed -n 's/.*"samples_per_s":\([0-9.]*\).*/\1/p' "$d/w$i.out"; done |
     awk -v b="$batch" '$1 > 0 {s += 1000 * b / $1; k++} END {if (k) printf "%.1f", s / k; else print "-"}')
-  printf '%-10s %-15s %9s %9s %9s\n' "$cond" "$scheme" "$out" "$back" "$step_ms" >> "$work/recovery"
-  echo "  $cond $scheme: out of the survivors' rounds after $out s, back after $back s; a step takes $step_ms ms" >&2
+  printf '%-10s %-15s %9s %9s %9s %9s %9s\n' "$cond" "$scheme" "$out" "$back" "$step_ms" "$caught" "$rejoin" \
+    >> "$work/recovery"
+  echo "  $cond $scheme: out of the survivors' rounds after $out s, back after $back s (caught up after $caught s," \
+    "then $rejoin ms); a step takes $step_ms ms" >&2
 }
 
 # The evaluations (training seconds since the first worker's first step,
@@ -486,7 +497,8 @@ if [ -s "$work/recovery" ]; then
   printf '\nrecovery: killed: from the SIGKILL to the survivors'"'"' first round without worker %d; stopped: from the\n' "$n"
   printf 'SIGSTOP to the same ("out"), and from the SIGCONT (%s s later) to their first round over all %d ("back")\n' \
     "$stop_s" "$n"
-  printf '%-10s %-15s %9s %9s %9s\n' condition scheme "out s" "back s" "step ms"
+  printf '(stopped: "caught up", from the SIGCONT to the end of its catch-up; "rejoin", from there to "back")\n'
+  printf '%-10s %-15s %9s %9s %9s %9s %9s\n' condition scheme "out s" "back s" "step ms" "caught s" "rejoin ms"
   cat "$work/recovery"
   # SWIM-only / heartbeat, per condition and figure.
   awk '$2 == "allreduce" {o[$1] = $3; b[$1] = $4} $2 == "allreduce-swim" {so[$1] = $3; sb[$1] = $4}
