@@ -469,8 +469,14 @@ static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled,
 }
 
 /* How many times the processes of a group that dropped a step take their
- * shards again before they give up on holding shards of one step. */
-#define GROUP_CATCH_UP_TRIES 8
+ * shards again before they give up on holding shards of one step. A late
+ * group's donors may run alone in their rings, a step every few
+ * milliseconds, so each retake can land a step or three past the others'
+ * and they leapfrog: a run of the full suite on a fast machine went
+ * 105/106, 109/110, 112, ... and gave up after 8 tries at 117 to 119. Each
+ * try lands all at one step with a fair chance and costs a pull of one
+ * shard, so 32. */
+#define GROUP_CATCH_UP_TRIES 32
 
 /* After a step some process dropped: the group goes on from one step. When
  * nobody pulled a state (a ring's sum was not finite), that is the next
