@@ -233,22 +233,6 @@ static int gather_extra(struct trainer *t, bool dp_first, bool tp_first, struct 
   return rc;
 }
 
-/* Refuses (RUMOR_EDIVERGED) to write a whole model whose parameters (the
- * first n floats of `params`) are not all finite, as trainer_save does for
- * a process that holds its replica alone. */
-static int check_finite_params(const struct trainer *t, const float *params, int64_t n, const char *path,
-                               struct rumor_err *e) {
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; i++) bad += !isfinite(params[i]);
-  if (!bad) return 0;
-  return rumor_err_set(e, RUMOR_EDIVERGED,
-                       "training diverged: %lld of the group's parameters after step %lld are NaN or infinite "
-                       "(learning rate %g); not saved over %s, which keeps the last good state: lower --lr or add "
-                       "--grad-clip",
-                       (long long)bad, (long long)t->st.step,
-                       optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
-}
-
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) {
   struct model *m = &t->model;
   int parts = 1 + optim_state_per_param(t->optim.cfg.kind);
@@ -267,6 +251,7 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
   struct ckpt_info with = *info; /* its extra: the whole model's, gathered here */
   struct ckpt_extra x = {0};
   float *keep[3] = {NULL, NULL, NULL};
+  int64_t bad = 0; /* the whole model's non-finite parameters, counted by the first process */
   with.extra = NULL;
   if (rc == 0 && t->cfg.extra.n > 0) {
     rc = gather_extra(t, dp_first, tp_first, &x, keep, e);
@@ -284,29 +269,28 @@ int group_save(struct trainer *t, const char *path, const struct ckpt_info *info
       view.nparams = P;
       view.param_base = base;
     }
-    rc = check_finite_params(t, whole, view.nparams, path, e);
-    if (rc == 0) rc = checkpoint_save_host(path, &view, &t->optim, whole, &with, e);
+    /* As trainer_save: non-finite parameters are not written over the
+     * last good state. */
+    for (int64_t i = 0; i < view.nparams; i++) bad += !isfinite(whole[i]);
+    if (bad == 0) rc = checkpoint_save_host(path, &view, &t->optim, whole, &with, e);
   }
   free(local);
   free(full);
   for (int i = 0; i < 3; i++) free(keep[i]);
-  /* Every member learns whether the file was written: a failed save fails
-   * the whole group, not its first process alone (2: it diverged). */
+  /* Every member learns whether the file was written, and why not: a failed
+   * save fails the whole group, not its first process alone. (The count
+   * travels as a float: exact below 2^24.) */
   comm_t *all = t->cfg.tp ? t->cfg.tp->all : t->zero.dp.comm;
-  float failed = rc == 0 ? 0.0f : rc == RUMOR_EDIVERGED ? 2.0f : 1.0f;
+  float failed[2] = {rc == 0 ? 0.0f : 1.0f, (float)bad};
   struct rumor_err e2 = {0};
-  int arc = comm_all_reduce(all, &failed, 1, &e2);
+  int arc = comm_all_reduce(all, failed, 2, &e2);
   if (rc) return rc;
   if (arc) {
     *e = e2;
     return arc;
   }
-  if (failed > 1.5f)
-    return rumor_err_set(e, RUMOR_EDIVERGED,
-                         "training diverged: the group's parameters after step %lld are not all finite; not saved "
-                         "over %s, which keeps the last good state",
-                         (long long)t->st.step, path);
-  if (failed > 0) return rumor_err_set(e, -EIO, "the group's first process could not write the checkpoint %s", path);
+  if (failed[1] > 0) return trainer_refuse_nonfinite(t, (int64_t)failed[1], path, e);
+  if (failed[0] > 0) return rumor_err_set(e, -EIO, "the group's first process could not write the checkpoint %s", path);
   return 0;
 }
 
@@ -472,10 +456,8 @@ static int step_range(struct trainer *t, int64_t *lo, int64_t *hi, bool *pulled,
  * shards again before they give up on holding shards of one step. A late
  * group's donors may run alone in their rings, a step every few
  * milliseconds, so each retake can land a step or three past the others'
- * and they leapfrog: a run of the full suite on a fast machine went
- * 105/106, 109/110, 112, ... and gave up after 8 tries at 117 to 119. Each
- * try lands all at one step with a fair chance and costs a pull of one
- * shard, so 32. */
+ * and they leapfrog (8 tries were once not enough); a try costs one
+ * shard's pull. */
 #define GROUP_CATCH_UP_TRIES 32
 
 /* After a step some process dropped: the group goes on from one step. When

@@ -869,16 +869,19 @@ static int64_t own_nonfinite(const struct trainer *t) {
   return t->cfg.dp || t->cfg.tp ? 0 : tensor_count_nonfinite(&t->model.params);
 }
 
+int trainer_refuse_nonfinite(const struct trainer *t, int64_t bad, const char *path, struct rumor_err *e) {
+  return rumor_err_set(e, RUMOR_EDIVERGED,
+                       "training diverged: %lld of the parameters after step %lld are NaN or infinite (learning "
+                       "rate %g); not saved over %s, which keeps the last good state: lower --lr or add --grad-clip",
+                       (long long)bad, (long long)t->st.step,
+                       optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
+}
+
 int trainer_save(struct trainer *t, const char *path, struct rumor_err *e) {
   /* Parameters that are not finite (a step's update overflowed: its own
    * loss was still finite) are never written over the last good state. */
   int64_t bad = own_nonfinite(t);
-  if (bad)
-    return rumor_err_set(e, RUMOR_EDIVERGED,
-                         "training diverged: %lld of the parameters after step %lld are NaN or infinite (learning "
-                         "rate %g); not saved over %s, which keeps the last good state: lower --lr or add --grad-clip",
-                         (long long)bad, (long long)t->st.step,
-                         optim_lr_at(&t->cfg.optim, t->st.step, t->total_steps), path);
+  if (bad) return trainer_refuse_nonfinite(t, bad, path, e);
   struct ckpt_info info = make_info(t);
   const struct train_extra_spec *xs = &t->cfg.extra;
   int64_t X = t->extra_off[xs->n];

@@ -119,6 +119,9 @@ int group_clip(struct trainer *t, int64_t lo, int64_t hi, comm_t *over, struct r
  * learns whether it was written. `info->extra` is ignored (trainer_save
  * leaves it empty for a group); restore_extra (train.c) reads it back. */
 int group_save(struct trainer *t, const char *path, const struct ckpt_info *info, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* The refusal to save `bad` (> 0) non-finite parameters over `path`
+ * (trainer_save, group_save): sets *e and returns RUMOR_EDIVERGED. */
+int trainer_refuse_nonfinite(const struct trainer *t, int64_t bad, const char *path, struct rumor_err *e);
 /* The buffer this process holds, from the whole model's parameters (and
  * optimizer state, when `state` is not NULL: each part P floats) in host
  * memory: a tensor-parallel rank takes its slices, a ZeRO member its piece

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "../support/cluster.h"
+#include "net/net.h"
 
 static struct cluster C;
 
@@ -186,23 +187,13 @@ Test(peer_relay, all_reduce_rounds_and_rumor_top_work_through_a_relay, .init = s
   cr_assert_gt(cluster_result(&C, peers[2], "relayed_bytes"), 0);
 }
 
-/* The value of a standard base64 digit. */
-static int b64_digit(char ch) {
-  static const char digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  const char *p = strchr(digits, ch);
-  cr_assert(ch && p, "'%c' is not a base64 digit", ch);
-  return (int)(p - digits);
-}
-
-/* Orders two base64 keys as their bytes (the ring's order): comparing the
- * digits' values in turn compares the bits in turn. */
+/* Orders two text keys as their bytes (the ring's order). */
 static int key_order(const void *a, const void *b) {
   const char *x = *(const char *const *)a, *y = *(const char *const *)b;
-  for (int i = 0; i < 43; i++) {
-    int d = b64_digit(x[i]) - b64_digit(y[i]);
-    if (d) return d;
-  }
-  return 0;
+  uint8_t kx[NET_PUBKEY_BYTES], ky[NET_PUBKEY_BYTES];
+  cr_assert_eq(net_pubkey_parse(x, strlen(x), kx), 0, "not a key: '%s'", x);
+  cr_assert_eq(net_pubkey_parse(y, strlen(y), ky), 0, "not a key: '%s'", y);
+  return memcmp(kx, ky, NET_PUBKEY_BYTES);
 }
 
 /* Two members behind the relay whose keys are next to each other among
