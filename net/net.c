@@ -22,6 +22,7 @@
 #define NET_DEFAULT_LINGER_MS 2000
 #define NET_DEFAULT_HEARTBEAT_MS 250
 #define NET_DEFAULT_DEAD_AFTER_MS 1000
+#define NET_DEFAULT_SPARE_DECAY_MS 10000
 #define NET_MAX_MSG_LIMIT (64u << 20)
 
 void net_config_defaults(struct net_config *c) {
@@ -37,6 +38,7 @@ void net_config_defaults(struct net_config *c) {
   c->close_linger_ms = NET_DEFAULT_LINGER_MS;
   c->heartbeat_ms = NET_DEFAULT_HEARTBEAT_MS;
   c->dead_after_ms = NET_DEFAULT_DEAD_AFTER_MS;
+  c->spare_frame_decay_ms = NET_DEFAULT_SPARE_DECAY_MS;
   c->suites = NET_SUITE_AES256GCM | NET_SUITE_CHACHA20POLY1305;
   c->offload = true;
   c->msg_limits.max_depth = NET_MSG_MAX_DEPTH;

@@ -353,6 +353,12 @@ struct net_config {
    * Otherwise dead_after_ms must exceed heartbeat_ms. */
   uint32_t heartbeat_ms;         /* default 250 */
   uint32_t dead_after_ms;        /* default 1000 */
+  /* Spare outbound chunk buffers (net_stats.spare_frame_bytes) that no
+   * transfer needed for a whole window of this many ms are freed: a burst
+   * of transfers at once (a state donation beside a ring round) keeps its
+   * buffers, a MiB each, only until the traffic is back to what it was.
+   * 0 keeps them until net_close (default 10000). */
+  uint32_t spare_frame_decay_ms;
   uint32_t suites;               /* enum net_suite mask allowed (default both) */
   int sock_buf_bytes;            /* SO_SNDBUF/SO_RCVBUF; 0 = the system's (default 0) */
   bool relay;                    /* relay circuits for members that cannot accept connections

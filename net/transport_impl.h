@@ -164,6 +164,8 @@ struct net {
   size_t bulk_window;     /* outbound bytes a bulk transfer may have queued */
   struct net_txframe *frame_pool; /* spare frames of chunk_frame_cap bytes (loop thread; conn.c) */
   unsigned frame_pool_n;          /* at most NET_FRAME_POOL_MAX */
+  unsigned frame_pool_low;        /* the fewest spare frames since frame_pool_since (the decay window) */
+  uint64_t frame_pool_since;      /* uv_now when the window began */
   struct net_relay_link *rlinks; /* carriers this net dialed, by relay address (relay.c) */
   uv_timer_t relay_timer;        /* a relay: refills rate budgets and releases held readers */
   bool relay_timer_on;
@@ -186,6 +188,7 @@ void net_conn_unref(struct net_conn *c);
 void net_conn_set_name(struct net_conn *c);
 /* Frees the net's spare chunk frames (when it is freed). */
 void net_frame_pool_free(net_t *n);
+void net_frame_pool_decay(net_t *n);
 void *net_alloc_aligned(size_t n);
 /* Queues a frame (sealed when it leaves the control queue) if the queue
  * stays within `limit` bytes: -ENOBUFS otherwise, -ENOTCONN after our BYE.

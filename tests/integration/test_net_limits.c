@@ -363,6 +363,7 @@ Test(net_limits, spare_send_buffers_stay_bounded_however_many_partners_a_net_sen
   const uint64_t n = 8u << 20 >> 2; /* 8 MB: 8 chunks of the default 1 MiB */
   float *src = calloc(n, sizeof(float));
   for (uint64_t i = 0; i < n; i++) src[i] = (float)i;
+  cli.cfg.spare_frame_decay_ms = 0; /* the pool's bound, not its decay (the next test) */
   tpeer_start(&cli, false);
   for (int i = 0; i < SPARE_PARTNERS; i++) {
     tpeer_setup(&partners[i], "partner");
@@ -408,6 +409,46 @@ Test(net_limits, spare_send_buffers_stay_bounded_however_many_partners_a_net_sen
   struct tpeer *ps[SPARE_PARTNERS + 2] = {&srv, &cli};
   for (int i = 0; i < SPARE_PARTNERS; i++) ps[i + 2] = &partners[i];
   tnet_finish(ps, SPARE_PARTNERS + 2);
+}
+
+static uint64_t spare_bytes(net_t *n) {
+  struct net_stats st;
+  net_stats_get(n, &st);
+  return st.spare_frame_bytes;
+}
+
+/* Spare buffers that no transfer took for a whole decay window are freed:
+ * a burst of transfers at once (a state donation beside a ring round) held
+ * its buffers, a MiB each, for the rest of the run, and the resident set
+ * of a peer under chaos grew in steps (tests/bench/bench-chaos.sh). */
+Test(net_limits, spare_send_buffers_no_transfer_takes_are_freed_after_the_decay_window, .init = setup,
+     .timeout = 30) {
+  const uint64_t n = 8u << 20 >> 2; /* 8 MB: 8 chunks of the default 1 MiB */
+  float *src = calloc(n, sizeof(float));
+  for (uint64_t i = 0; i < n; i++) src[i] = (float)i;
+  cli.cfg.spare_frame_decay_ms = 500;
+  start_pair();
+  connect_once();
+  srv.rx_buf = malloc(n * sizeof(float));
+  srv.rx_cap = n;
+  cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
+  RUN_UNTIL(cli.sent_done == 1 && srv.bulk_done == 1, 10);
+  cr_assert_eq(cli.sent_status, 0, "the transfer: status %d", cli.sent_status);
+  uint64_t kept = spare_bytes(cli.net);
+  cr_assert_gt(kept, 0, "the transfer's buffers are kept for the next one");
+  /* The connection stays open and idle: its heartbeat timer runs the decay. */
+  RUN_UNTIL(spare_bytes(cli.net) == 0, 5);
+  cr_assert_eq(spare_bytes(cli.net), 0, "%llu spare bytes still kept after 5 s (%llu right after the transfer)",
+               (unsigned long long)spare_bytes(cli.net), (unsigned long long)kept);
+  /* The next transfer allocates afresh and arrives whole. */
+  memset(srv.rx_buf, 0xff, n * sizeof(float));
+  cr_assert_eq(tpeer_send_bulk(&cli, src, n, NET_DTYPE_F32), 0);
+  RUN_UNTIL(cli.sent_done == 2 && srv.bulk_done == 2, 10);
+  cr_assert_eq(cli.sent_status, 0, "the second transfer: status %d", cli.sent_status);
+  cr_assert_eq(memcmp(src, srv.rx_buf, n * sizeof(float)), 0, "the second transfer arrived bit for bit");
+  cr_assert_gt(spare_bytes(cli.net), 0, "its buffers are kept again");
+  free(src);
+  finish();
 }
 
 /* ---- oversized transfers are refused, not fatal ---------------------------------------- */
