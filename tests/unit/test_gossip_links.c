@@ -12,10 +12,17 @@
  *     address dials it, goes direct and retires the relayed connection;
  *   - neighbour choice puts a member whose link waits out a dial backoff
  *     last, and picks it when no one else qualifies.
+ *   - a state request that waited in the link's queue for a dial that was
+ *     refused is asked again at once, not at the donor's deadline; a lost
+ *     dial to another member leaves the pull alone.
  * Everything polls with deadlines; nothing sleeps. */
 #include <criterion/criterion.h>
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "gossip/gossip_impl.h"
 
@@ -456,4 +463,63 @@ Test(links, partners_and_donors_in_a_dial_backoff_come_last) {
   l->next_dial_ms = now;
   count_picks(false, NULL, got);
   cr_assert(got[0] > 0 && got[1] > 0, "after the backoff: %d and %d of %d", got[0], got[1], PICKS);
+}
+
+/* A port on 127.0.0.1 where nothing listens: bound, then let go. */
+static int closed_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+/* A newcomer's pull whose state request waits in the donor's link queue
+ * (join.c, pull_tick): the donor deadline is a minute away, as the
+ * exchange timeout would set it. */
+static void pull_waiting_on(const uint8_t *donor) {
+  struct gossip_join *j = &g->join;
+  j->pulling = true;
+  j->req_queued = true;
+  j->pull_conn = NULL;
+  memcpy(j->donor, donor, NET_PUBKEY_BYTES);
+  j->pull_retry_ms = gossip_now_ms(g) + 60000;
+}
+
+/* The donor's address no longer answers (it moved behind a relay, say): the
+ * dial that was to carry our request is refused and the request is lost
+ * with the link's queue (gossip_on_link_lost). The pull used to wait for
+ * the donor deadline, a minute without a state. */
+Test(links, a_state_request_lost_with_its_links_dial_is_asked_again_at_once) {
+  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
+  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", closed_port());
+  cr_assert_eq(send_one(1), 0, "the request is queued for the dial");
+  pull_waiting_on(T.member_id.pk);
+  uint64_t sent = gossip_now_ms(g);
+  RUN_UNTIL(!g->join.pulling);
+  cr_assert(!g->join.pulling, "the pull still waits for its donor after the dial was refused");
+  cr_assert_leq(g->join.pull_retry_ms, gossip_now_ms(g) + 200, "the next donor is asked %llu ms after the request",
+                (unsigned long long)(g->join.pull_retry_ms - sent));
+  l = gossip_link_get(g, T.member_id.pk, false);
+  cr_assert_eq(l->nqueue, 0, "the queue went with the dial");
+  cr_assert_gt(l->dial_failures, 0);
+}
+
+/* A dial to someone else than the donor fails: the pull goes on waiting for
+ * its donor, whose answer can still come. */
+Test(links, a_lost_dial_to_another_member_leaves_the_pull_alone) {
+  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
+  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", closed_port());
+  cr_assert_eq(send_one(1), 0);
+  struct net_identity other;
+  cr_assert_eq(net_identity_generate(&other), 0);
+  pull_waiting_on(other.pk);
+  uint64_t deadline = g->join.pull_retry_ms;
+  RUN_UNTIL(gossip_link_get(g, T.member_id.pk, false)->dial_failures > 0);
+  cr_assert_gt(gossip_link_get(g, T.member_id.pk, false)->dial_failures, 0, "the dial was refused");
+  cr_assert(g->join.pulling, "a lost dial to another member ended the pull");
+  cr_assert_eq(g->join.pull_retry_ms, deadline, "the donor deadline moved");
 }
