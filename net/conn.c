@@ -65,7 +65,7 @@ void net_frame_pool_free(net_t *n) {
  * spare frames no transfer took in it (the pool's low-water mark): the
  * pool shrinks back to what the traffic of the last window needed. Called
  * when frames are taken and on the connections' timers. */
-void net_frame_pool_decay(net_t *n) {
+static void frame_pool_decay(net_t *n) {
   uint32_t window = n->cfg.spare_frame_decay_ms;
   uint64_t now = uv_now(n->loop);
   if (!window || now - n->frame_pool_since < window) return;
@@ -84,7 +84,7 @@ static struct net_txframe *chunk_frame_get(struct net_conn *c, size_t size) {
   struct net_txframe *f;
   net_t *n = c->net;
   size_t cap = n->chunk_frame_cap;
-  net_frame_pool_decay(n);
+  frame_pool_decay(n);
   if (size <= cap && n->frame_pool) {
     f = n->frame_pool;
     n->frame_pool = f->next;
@@ -772,7 +772,7 @@ static void open_timer_fired(struct net_conn *c) {
 static void on_timer(uv_timer_t *t) {
   struct net_conn *c = t->data;
   const struct net_config *cfg = &c->net->cfg;
-  net_frame_pool_decay(c->net);
+  frame_pool_decay(c->net);
   switch (c->state) {
   case CONN_RESOLVING:
   case CONN_CONNECTING:

@@ -188,7 +188,6 @@ void net_conn_unref(struct net_conn *c);
 void net_conn_set_name(struct net_conn *c);
 /* Frees the net's spare chunk frames (when it is freed). */
 void net_frame_pool_free(net_t *n);
-void net_frame_pool_decay(net_t *n);
 void *net_alloc_aligned(size_t n);
 /* Queues a frame (sealed when it leaves the control queue) if the queue
  * stays within `limit` bytes: -ENOBUFS otherwise, -ENOTCONN after our BYE.
