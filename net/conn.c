@@ -52,13 +52,19 @@ static void frame_release(struct net_conn *c, struct net_txframe *f) {
   free(f);
 }
 
+/* Takes a spare frame off the pool (which must hold one). The window's
+ * low-water mark follows (frame_pool_decay). */
+static struct net_txframe *frame_pool_pop(net_t *n) {
+  struct net_txframe *f = n->frame_pool;
+  n->frame_pool = f->next;
+  f->next = NULL;
+  n->frame_pool_n--;
+  if (n->frame_pool_n < n->frame_pool_low) n->frame_pool_low = n->frame_pool_n;
+  return f;
+}
+
 void net_frame_pool_free(net_t *n) {
-  while (n->frame_pool) {
-    struct net_txframe *f = n->frame_pool;
-    n->frame_pool = f->next;
-    free(f);
-  }
-  n->frame_pool_n = n->frame_pool_low = 0;
+  while (n->frame_pool) free(frame_pool_pop(n));
 }
 
 /* Once a decay window (cfg.spare_frame_decay_ms) has passed, frees the
@@ -69,12 +75,7 @@ static void frame_pool_decay(net_t *n) {
   uint32_t window = n->cfg.spare_frame_decay_ms;
   uint64_t now = uv_now(n->loop);
   if (!window || now - n->frame_pool_since < window) return;
-  for (unsigned k = n->frame_pool_low; k > 0 && n->frame_pool; k--) {
-    struct net_txframe *f = n->frame_pool;
-    n->frame_pool = f->next;
-    n->frame_pool_n--;
-    free(f);
-  }
+  for (unsigned k = n->frame_pool_low; k > 0 && n->frame_pool; k--) free(frame_pool_pop(n));
   n->frame_pool_low = n->frame_pool_n;
   n->frame_pool_since = now;
 }
@@ -86,11 +87,7 @@ static struct net_txframe *chunk_frame_get(struct net_conn *c, size_t size) {
   size_t cap = n->chunk_frame_cap;
   frame_pool_decay(n);
   if (size <= cap && n->frame_pool) {
-    f = n->frame_pool;
-    n->frame_pool = f->next;
-    n->frame_pool_n--;
-    if (n->frame_pool_n < n->frame_pool_low) n->frame_pool_low = n->frame_pool_n;
-    f->next = NULL;
+    f = frame_pool_pop(n);
   } else if (size <= cap) {
     f = frame_alloc(cap);
     f->pooled = true;

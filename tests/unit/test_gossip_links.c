@@ -477,6 +477,14 @@ static int closed_port(void) {
   return ntohs(a.sin_port);
 }
 
+/* A message queued on the member's link, whose address no longer answers:
+ * the dial that is to carry it will be refused. */
+static void queue_for_a_refused_dial(void) {
+  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
+  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", closed_port());
+  cr_assert_eq(send_one(1), 0, "the message is queued for the dial");
+}
+
 /* A newcomer's pull whose state request waits in the donor's link queue
  * (join.c, pull_tick): the donor deadline is a minute away, as the
  * exchange timeout would set it. */
@@ -494,16 +502,14 @@ static void pull_waiting_on(const uint8_t *donor) {
  * with the link's queue (gossip_on_link_lost). The pull used to wait for
  * the donor deadline, a minute without a state. */
 Test(links, a_state_request_lost_with_its_links_dial_is_asked_again_at_once) {
-  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
-  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", closed_port());
-  cr_assert_eq(send_one(1), 0, "the request is queued for the dial");
+  queue_for_a_refused_dial();
   pull_waiting_on(T.member_id.pk);
   uint64_t sent = gossip_now_ms(g);
   RUN_UNTIL(!g->join.pulling);
   cr_assert(!g->join.pulling, "the pull still waits for its donor after the dial was refused");
   cr_assert_leq(g->join.pull_retry_ms, gossip_now_ms(g) + 200, "the next donor is asked %llu ms after the request",
                 (unsigned long long)(g->join.pull_retry_ms - sent));
-  l = gossip_link_get(g, T.member_id.pk, false);
+  const struct gossip_link *l = gossip_link_get(g, T.member_id.pk, false);
   cr_assert_eq(l->nqueue, 0, "the queue went with the dial");
   cr_assert_gt(l->dial_failures, 0);
 }
@@ -511,9 +517,7 @@ Test(links, a_state_request_lost_with_its_links_dial_is_asked_again_at_once) {
 /* A dial to someone else than the donor fails: the pull goes on waiting for
  * its donor, whose answer can still come. */
 Test(links, a_lost_dial_to_another_member_leaves_the_pull_alone) {
-  struct gossip_link *l = gossip_link_get(g, T.member_id.pk, true);
-  snprintf(l->addr, sizeof l->addr, "127.0.0.1:%d", closed_port());
-  cr_assert_eq(send_one(1), 0);
+  queue_for_a_refused_dial();
   struct net_identity other;
   cr_assert_eq(net_identity_generate(&other), 0);
   pull_waiting_on(other.pk);
