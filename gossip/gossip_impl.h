@@ -300,6 +300,7 @@ struct gossip_donation {
  * whose attempt failed spent ours (gossip_ring_spend_ready) and waits for
  * it again. */
 #define RING_READY_RESEND_MS 250
+#define RING_STALE_READY_MAX 4 /* stale successor READYs one attempt outlives (gossip_ring_piece_refused) */
 #define RING_PATH_MIN_SEGS 1000 /* fewer segments sent in a window: too few to judge the link by */
 
 /* What a round moves (gossip.h): a reduce round sums `count` floats
@@ -351,6 +352,10 @@ struct gossip_ring {
   uint64_t ready_sent_ms; /* when our RING_READY of this attempt last went out */
   bool heard_pred;        /* a piece of the predecessor's began arriving in this attempt */
   uint32_t ready_sends;   /* our RING_READYs of this attempt so far */
+  /* Refused pieces (gossip_ring_piece_refused): pieces of ours the
+   * successor confirmed in this attempt, and its READYs we found stale. */
+  uint32_t delivered, stale_readies;
+  uint64_t stale_told; /* the last stale nonce a predecessor sent on, answered with our READY again */
   char why[200];
   /* Between rounds (loop thread). */
   uint64_t pos;      /* steps this member has completed, as far as the loop knows */
@@ -422,7 +427,7 @@ struct gossip_monitoring {
 #ifdef RUMOR_TESTING
 enum gossip_test_attack { TEST_NONE = 0, TEST_NAN, TEST_INF, TEST_SCALE, TEST_SIGNFLIP, TEST_REPLAY, TEST_SHORT,
                           TEST_FLOOD, TEST_LOSE_READY, TEST_BAD_DONOR, TEST_BAD_FIN, TEST_FREEZE, TEST_FREEZE_XCH,
-                          TEST_SLOW_CONFIRM, TEST_NAN_GRAD };
+                          TEST_SLOW_CONFIRM, TEST_NAN_GRAD, TEST_STALE_READY };
 struct gossip_test {
   enum gossip_test_attack attack;
   uint64_t snapshots;
@@ -695,6 +700,19 @@ bool gossip_ring_heard_ahead(struct gossip_ring *r, const uint8_t *from, uint64_
  * attempt"), fail the ring again and so on: bench-chaos saw all eight
  * members retry every 100 ms for minutes. Ring state only (test_gossip_ring). */
 void gossip_ring_spend_ready(struct gossip_ring *r);
+/* The successor refused piece k of ours, sent on its READY with `nonce`
+ * (the refusal comes before any of the piece's data is taken): the slot is
+ * free again. A READY of an earlier attempt arriving after that attempt
+ * failed here is taken by the next one, whose pieces the successor (in a
+ * later attempt already) refuses; failing the ring for it made every member
+ * fail and retry, and the retry met the next late READY: bench-chaos saw
+ * six members retry every 100 ms for 10 s, until the membership changed.
+ * So while the successor has confirmed no piece of this attempt, a refusal
+ * only spends that READY (when it is still the one we send on) and we wait
+ * for the successor's current one; true when the attempt must fail: after
+ * a delivery (what the successor took is lost with its attempt), or after
+ * RING_STALE_READY_MAX stale READYs. Ring state only (test_gossip_ring). */
+bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce);
 /* A ring piece begins (metadata: round `step`, ring `hash` (which names the
  * round's kind), phase, piece):
  * 0 with *dst and *dst_arg set, or a negative code to refuse it. */
@@ -778,6 +796,7 @@ void gossip_testing_tick(struct gossip *g, uint64_t now);
 void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
+bool gossip_testing_stale_ready(struct gossip *g, bool first_of_attempt);
 /* How long a last-phase piece's delivery is taken late (slowconfirm; 0: not). */
 uint64_t gossip_testing_confirm_delay_ms(struct gossip *g);
 /* As an all-reduce round of `step` (`reduce`: a reduce round, whose

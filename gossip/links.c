@@ -118,6 +118,13 @@ static void link_take(struct gossip *g, struct gossip_link *l, net_conn_t *c) {
     /* Messages queued for a dial (under way, or waiting out its backoff)
      * go out now: once the link has a connection no dial is made for them. */
     flush_queue(l);
+    /* Our loop just stalled (check_stall): the news that we are alive went
+     * out on the connections we held, which the members had closed under
+     * us by their heartbeat verdicts; it reached them only as SWIM's
+     * piggybacking went round, ~1 s for the last of eight in bench-chaos,
+     * and the ring re-formed as each one took us back. The new connection
+     * carries it at once. */
+    if (gossip_now_ms(g) < g->stalled_until_ms) swim_tell_self(&g->swim, l->id);
     go_direct(g, l);
     return;
   }

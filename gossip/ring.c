@@ -426,6 +426,15 @@ void gossip_ring_spend_ready(struct gossip_ring *r) {
   r->succ_ready = false;
 }
 
+bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce) {
+  r->send[k].state = RING_IO_NONE;
+  if (r->delivered) return true;
+  if (!r->succ_ready || r->succ_nonce != nonce) return false; /* a newer READY came since: the piece goes again */
+  if (++r->stale_readies > RING_STALE_READY_MAX) return true;
+  gossip_ring_spend_ready(r);
+  return false;
+}
+
 /* Fails the round in progress: every transfer canceled, the other members
  * told (`tell`), the successor's READY spent, nothing delivered. */
 static void fail(struct gossip *g, bool tell, const char *fmt, ...) RUMOR_PRINTF(3, 4);
@@ -515,10 +524,13 @@ static void maybe_done(struct gossip *g) {
 
 /* ---- sending ---- */
 
+static void pump(struct gossip *g);
+
 struct send_ctx {
   struct gossip *g;
   uint64_t gen;
   uint32_t k;
+  uint64_t nonce; /* the successor's attempt it was sent to */
 };
 
 /* Piece k of ours was delivered. */
@@ -527,6 +539,7 @@ static void piece_delivered(struct gossip *g, uint32_t k) {
   r->inflight--;
   r->send[k].state = RING_IO_DONE;
   r->send_left--;
+  r->delivered++;
   maybe_done(g);
   maybe_failed(g); /* a failing round ends with its last callback */
 }
@@ -565,6 +578,7 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   struct gossip *g = sc->g;
   struct gossip_ring *r = &g->ring;
   uint32_t k = sc->k;
+  uint64_t nonce = sc->nonce;
   bool current = r->active && sc->gen == r->gen && r->send[k].state == RING_IO_BUSY && r->send[k].id == id;
   free(sc);
   if (!current) return;
@@ -577,6 +591,13 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   }
   r->inflight--;
   r->send[k].state = RING_IO_NONE;
+  if (status == -ECONNREFUSED && !r->failing && !gossip_ring_piece_refused(r, k, nonce)) {
+    log_debug("all-reduce of step %llu: %s refused a piece sent on a READY of an attempt it has left; waiting "
+              "for its current one",
+              (unsigned long long)r->step, net_conn_peer_name(c));
+    pump(g); /* a READY newer than the refused one may be here already */
+    return;
+  }
   fail(g, true, "sending to %s failed: %s", net_conn_peer_name(c), rumor_strerror(status));
   maybe_failed(g); /* a failing round ends with its last callback */
 }
@@ -621,7 +642,7 @@ static int send_piece(struct gossip *g, uint32_t p, uint32_t j) {
   const uint8_t *mdata = net_msgbuf_data(&meta, &mlen);
   struct send_ctx *sc = xmalloc(sizeof *sc);
   uint32_t k = p * r->pieces + j;
-  *sc = (struct send_ctx){g, r->gen, k};
+  *sc = (struct send_ctx){g, r->gen, k, r->succ_nonce};
   struct net_bulk_send s = {.src = src + lo, .count = hi - lo, .wire = wire,
                             .no_digest = true, .meta = mdata, .meta_len = mlen, .done = on_piece_sent, .arg = sc};
   int rc = net_conn_send_bulk(r->send_conn, &s, &r->send[k].id);
@@ -658,6 +679,9 @@ static void pump(struct gossip *g) {
 
 /* ---- receiving ---- */
 
+static void send_ready(struct gossip *g);
+static const char STALE_ATTEMPT[] = "an earlier attempt";
+
 /* Why piece j of phase p (`count` floats in `wire`) from `from` is
  * refused, or NULL with its index and range in *k, *lo, *hi. Only the
  * predecessor's pieces of the current attempt at the current round (the
@@ -670,7 +694,7 @@ static const char *piece_refusal(const struct gossip_ring *r, const uint8_t *fro
   if (r->awaiting_quorum) return "waiting for a quorum (no READY sent)";
   if (step != r->step) return "another step";
   if (hash != r->hash) return "another ring";
-  if (nonce != r->nonce) return "an earlier attempt";
+  if (nonce != r->nonce) return STALE_ATTEMPT;
   if (!same_id(from, pred(r))) return "not from the previous member";
   if (p >= phases(r) || j >= r->pieces) return "no such piece";
   *k = (uint32_t)p * r->pieces + (uint32_t)j;
@@ -695,6 +719,13 @@ int gossip_ring_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_
   if (why) {
     log_debug("ring piece (step %llu, phase %llu, piece %llu) from %s refused: %s", (unsigned long long)step,
               (unsigned long long)p, (unsigned long long)j, net_conn_peer_name(c), why);
+    /* The predecessor sent on a READY of ours from an attempt that failed
+     * (gossip_ring_piece_refused): our current one goes to it at once,
+     * once per stale nonce, rather than at the next repetition. */
+    if (why == STALE_ATTEMPT && nonce != r->stale_told && same_id(net_conn_peer_key(c), pred(r))) {
+      r->stale_told = nonce;
+      send_ready(g);
+    }
     return -ECONNREFUSED;
   }
   r->recv[k] = (struct ring_io){RING_IO_BUSY, info->id, c};
@@ -768,7 +799,14 @@ static void send_ready(struct gossip *g) {
   net_msgbuf_put_uint(&b, "step", r->step);
   net_msgbuf_put_uint(&b, "ring", r->hash);
   net_msgbuf_put_uint(&b, "n", r->n);
-  net_msgbuf_put_uint(&b, "a", r->nonce);
+  uint64_t nonce = r->nonce;
+#ifdef RUMOR_TESTING
+  if (gossip_testing_stale_ready(g, r->ready_sends == 0)) {
+    nonce = ~r->nonce;
+    log_info("TESTING ONLY: this all-reduce READY names an attempt that is not ours");
+  }
+#endif
+  net_msgbuf_put_uint(&b, "a", nonce);
   r->ready_sent_ms = gossip_now_ms(g);
   r->ready_sends++;
 #ifdef RUMOR_TESTING
@@ -842,6 +880,7 @@ static void transfers_init(struct gossip_ring *r) {
     if (lo == hi) r->send[k].state = RING_IO_DONE, r->send_left--;
   }
   r->inflight = 0;
+  r->delivered = r->stale_readies = 0;
   r->send_conn = NULL;
 }
 

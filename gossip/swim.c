@@ -148,6 +148,12 @@ void swim_announce(struct swim *s) {
   tell_all(s, &s->self);
 }
 
+void swim_tell_self(struct swim *s, const uint8_t *id) {
+  struct swim_member *m = swim_find(s, id);
+  if (m && is_live(m->info.state) && s->self.state != SWIM_LEFT)
+    s->io.send_ping(s->io.ctx, m, s->next_seq++, &s->self, 1);
+}
+
 bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
   if (same_id(u->id, s->self.id)) {
     /* Someone thinks we are suspect, dead or gone: we are not. */

@@ -165,6 +165,10 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
  * owner saw its loop stall: a stopped process): raises our incarnation and
  * tells every live member at once that we are alive. */
 void swim_announce(struct swim *s);
+/* Tells member `id` (when we hold it live) at once what we say of
+ * ourselves: after swim_announce, a member whose connection to us closed
+ * under it (our stop outlived its heartbeat verdict) lost that news. */
+void swim_tell_self(struct swim *s, const uint8_t *id);
 
 /* Marks us ready or not (see swim_update.ready) with a new incarnation
  * (nothing when it is already so); `at_once`: told to every live member

@@ -58,6 +58,11 @@
  *   nangrad   all-reduce: the first float of its contribution to every
  *             reduce round is NaN, so that every member's sum is NaN
  *             while its own parameters stay finite.
+ *   staleready all-reduce: the first RING_READY of each attempt names
+ *             another attempt (a nonce not its own), as a READY of an
+ *             attempt that failed does when it arrives late: the
+ *             predecessor's pieces sent on it are refused, and only
+ *             the READYs after it name the attempt.
  *
  * Loop thread, but gossip_testing_start (in gossip_start).
  */
@@ -77,7 +82,7 @@
 
 static const char *const NAMES[] = {"none",  "nan",   "inf",       "scale",    "signflip", "replay",   "short",
                                     "flood", "loseready", "baddonor", "badfin", "freeze", "freezexch",
-                                    "slowconfirm", "nangrad"};
+                                    "slowconfirm", "nangrad", "staleready"};
 
 int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
   struct gossip_test *t = &g->test;
@@ -92,7 +97,7 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad, staleready (not '%s')",
                        kind);
 }
 
@@ -104,6 +109,10 @@ void gossip_testing_donation(struct gossip *g, float *state, uint64_t n) {
 
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt) {
   return g->test.attack == TEST_LOSE_READY && first_of_attempt;
+}
+
+bool gossip_testing_stale_ready(struct gossip *g, bool first_of_attempt) {
+  return g->test.attack == TEST_STALE_READY && first_of_attempt;
 }
 
 uint64_t gossip_testing_confirm_delay_ms(struct gossip *g) {

@@ -298,6 +298,38 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
   expect_same_params(peer, 2);
 }
 
+/* Every member's first RING_READY of each attempt names another attempt
+ * (the testing build's "staleready"), as a READY of an attempt that failed
+ * does when it arrives after the failure: the predecessor's pieces sent on
+ * it are refused. Failing the round on that refusal failed every attempt,
+ * each meeting the next stale READY (bench-chaos: six members retried every
+ * 100 ms for 10 s). Now the refusal only spends that READY, the refusing
+ * member sends its current one at once, and no round fails. */
+Test(allreduce, a_piece_sent_on_a_stale_ready_is_sent_again_and_no_round_fails) {
+  SKIP_WITHOUT_DATA();
+  C.bin = RUMOR_TESTING_BIN;
+  setenv("RUMOR_LOG_LEVEL", "debug", 1); /* the refusals are logged at debug level */
+  cluster_start_bootstrap(&C, NULL);
+  int peer[2];
+  for (int i = 0; i < 2; i++)
+    peer[i] = cluster_start_peer(&C, "--attack", "staleready", "--model", MODEL, "--sync", "allreduce", "--shard",
+                                 i ? "1/2" : "0/2", "--max-steps", "6", "--batch", "16", "--seed", "7", "--no-eval",
+                                 "--wait-peers", "2", "--checkpoint", C.node[C.n].ckpt, NULL);
+  for (int i = 0; i < 2; i++) {
+    int st = cluster_wait(&C, peer[i], 40);
+    cr_assert(proc_exited_with(st, 0), "peer %d did not finish 6 rounds within 40 s (status %d): %s", i, st,
+              proc_slurp(C.node[peer[i]].log));
+  }
+  for (int i = 0; i < 2; i++) {
+    cr_assert(cluster_log_has(&C, peer[i], "names an attempt that is not ours"), "peer %d sent no stale READY", i);
+    cr_assert(cluster_log_has(&C, peer[i], "refused a piece sent on a READY"), "no piece of peer %d was refused", i);
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_retries"), 0, "peer %d's rounds failed on refusals: %s", i,
+                 proc_slurp(C.node[peer[i]].log));
+    cr_assert_eq(cluster_result(&C, peer[i], "allreduce_rounds"), 6, "peer %d's rounds", i);
+  }
+  expect_same_params(peer, 2);
+}
+
 /* A newcomer that becomes ready while a round is under way comes in at
  * the next round once another member may hold this one's result. Member 0
  * ("slowconfirm") takes the deliveries of its last pieces 300 ms late each

@@ -21,7 +21,7 @@ int main(int argc, char **argv) {
     if (strcmp(argv[i], "--attack") == 0) {
       if (i + 1 >= argc) {
         fprintf(stderr, "rumor-testing: --attack needs a KIND (nan, inf, scale, signflip, replay, short, flood, "
-                        "loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad)\n");
+                        "loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad, staleready)\n");
         return 2;
       }
       setenv("RUMOR_TEST_ATTACK", argv[++i], 1);

@@ -12,7 +12,9 @@
  * nothing new, and the round waited on the predecessor until its timeout.
  *
  * And which of the successor's READYs a failed attempt spends
- * (gossip_ring_spend_ready, the suite ring_spend below).
+ * (gossip_ring_spend_ready, the suite ring_spend below), and what a piece
+ * the successor refused does to the attempt (gossip_ring_piece_refused,
+ * the suite ring_refused).
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -140,4 +142,63 @@ Test(ring_spend, a_ready_the_attempt_did_not_send_on_is_kept) {
   r.succ_nonce = 7;
   gossip_ring_spend_ready(&r);
   cr_assert_eq(readies[0].step, 10);
+}
+
+/* gossip_ring_piece_refused: the successor refused a piece of ours, sent
+ * on its READY with a nonce. A READY of an attempt that failed, arriving
+ * after the failure, is taken by the next attempt; failing the ring for the
+ * refusal made every member retry into the next late READY (bench-chaos:
+ * six members retrying every 100 ms for 10 s). */
+static struct ring_io sends[2];
+
+static void with_sends(void) {
+  with_readies();
+  memset(sends, 0, sizeof sends);
+  r.send = sends;
+  r.pieces = 1;
+  sends[0].state = RING_IO_BUSY;
+  r.succ_ready = true;
+  r.succ_nonce = 7; /* the successor's stored READY (readies[0]) */
+}
+
+TestSuite(ring_refused, .init = with_sends);
+
+Test(ring_refused, a_piece_refused_on_a_stale_ready_spends_it_and_the_attempt_goes_on) {
+  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7), "the attempt failed on a successor's stale READY");
+  cr_assert_eq(sends[0].state, RING_IO_NONE, "the refused piece cannot go again");
+  cr_assert_not(r.succ_ready, "the next pieces would go on the stale READY again");
+  cr_assert(readies[0].spent, "the stale READY arriving again would be taken again");
+  cr_assert_eq(readies[1].nonce, 5, "the predecessor's READY was touched");
+  cr_assert_eq(r.stale_readies, 1);
+}
+
+Test(ring_refused, a_piece_refused_on_an_older_ready_than_the_one_we_hold_goes_again_on_it) {
+  r.succ_nonce = readies[0].nonce = 8; /* the successor's current READY came while the piece was on its way */
+  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7));
+  cr_assert(r.succ_ready, "the successor's current READY was spent for an older one's refusal");
+  cr_assert_not(readies[0].spent);
+  cr_assert_eq(r.stale_readies, 0);
+  cr_assert_eq(sends[0].state, RING_IO_NONE);
+}
+
+Test(ring_refused, a_refusal_after_the_successor_confirmed_a_piece_fails_the_attempt) {
+  r.delivered = 1; /* what it took is lost with the attempt it left */
+  cr_assert(gossip_ring_piece_refused(&r, 0, 7));
+  r.succ_nonce = 8;
+  cr_assert(gossip_ring_piece_refused(&r, 0, 7));
+}
+
+Test(ring_refused, an_attempt_outlives_a_bounded_number_of_stale_readies) {
+  for (uint64_t i = 0; i <= RING_STALE_READY_MAX; i++) {
+    readies[0] = (struct ring_ready){.step = 10, .hash = 0xabc, .nonce = 100 + i};
+    memcpy(readies[0].id, SUCC, NET_PUBKEY_BYTES);
+    r.succ_ready = true;
+    r.succ_nonce = 100 + i;
+    sends[0].state = RING_IO_BUSY;
+    bool failed = gossip_ring_piece_refused(&r, 0, 100 + i);
+    if (i < RING_STALE_READY_MAX)
+      cr_assert_not(failed, "stale READY %llu failed the attempt", (unsigned long long)i + 1);
+    else
+      cr_assert(failed, "a successor refusing every READY kept the attempt waiting");
+  }
 }
