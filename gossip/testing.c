@@ -97,7 +97,8 @@ int gossip_testing_start(struct gossip *g, struct rumor_err *e) {
     }
   return rumor_err_set(e, RUMOR_EFORMAT,
                        "RUMOR_TEST_ATTACK (--attack) must be one of none, nan, inf, scale, signflip, replay, short, "
-                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad, staleready (not '%s')",
+                       "flood, loseready, baddonor, badfin, freeze, freezexch, slowconfirm, nangrad, staleready "
+                       "(not '%s')",
                        kind);
 }
 
