@@ -301,6 +301,7 @@ struct gossip_donation {
  * it again. */
 #define RING_READY_RESEND_MS 250
 #define RING_STALE_READY_MAX 4 /* stale successor READYs one attempt outlives (gossip_ring_piece_refused) */
+#define RING_REFUSED_WAIT_MS 1000 /* then, for the successor's current READY: 4 of its repetitions */
 #define RING_PATH_MIN_SEGS 1000 /* fewer segments sent in a window: too few to judge the link by */
 
 /* What a round moves (gossip.h): a reduce round sums `count` floats
@@ -355,6 +356,7 @@ struct gossip_ring {
   /* Refused pieces (gossip_ring_piece_refused): pieces of ours the
    * successor confirmed in this attempt, and its READYs we found stale. */
   uint32_t delivered, stale_readies;
+  uint64_t refused_ms; /* when a refusal spent the successor's READY (0: no such wait) */
   uint64_t stale_told; /* the last stale nonce a predecessor sent on, answered with our READY again */
   char why[200];
   /* Between rounds (loop thread). */
@@ -709,10 +711,13 @@ void gossip_ring_spend_ready(struct gossip_ring *r);
  * six members retry every 100 ms for 10 s, until the membership changed.
  * So while the successor has confirmed no piece of this attempt, a refusal
  * only spends that READY (when it is still the one we send on) and we wait
- * for the successor's current one; true when the attempt must fail: after
- * a delivery (what the successor took is lost with its attempt), or after
- * RING_STALE_READY_MAX stale READYs. Ring state only (test_gossip_ring). */
-bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce);
+ * for the successor's current one (at most RING_REFUSED_WAIT_MS from
+ * `now_ms`: a successor refusing for another reason, in another view of the
+ * ring, sends none, and the tick fails the attempt); true when the attempt
+ * must fail: after a delivery (what the successor took is lost with its
+ * attempt), or after RING_STALE_READY_MAX stale READYs. Ring state only
+ * (test_gossip_ring). */
+bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce, uint64_t now_ms);
 /* A ring piece begins (metadata: round `step`, ring `hash` (which names the
  * round's kind), phase, piece):
  * 0 with *dst and *dst_arg set, or a negative code to refuse it. */

@@ -426,12 +426,13 @@ void gossip_ring_spend_ready(struct gossip_ring *r) {
   r->succ_ready = false;
 }
 
-bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce) {
+bool gossip_ring_piece_refused(struct gossip_ring *r, uint32_t k, uint64_t nonce, uint64_t now_ms) {
   r->send[k].state = RING_IO_NONE;
   if (r->delivered) return true;
   if (!r->succ_ready || r->succ_nonce != nonce) return false; /* a newer READY came since: the piece goes again */
   if (++r->stale_readies > RING_STALE_READY_MAX) return true;
   gossip_ring_spend_ready(r);
+  r->refused_ms = now_ms;
   return false;
 }
 
@@ -591,7 +592,7 @@ static void on_piece_sent(net_conn_t *c, uint64_t id, int status, void *arg) {
   }
   r->inflight--;
   r->send[k].state = RING_IO_NONE;
-  if (status == -ECONNREFUSED && !r->failing && !gossip_ring_piece_refused(r, k, nonce)) {
+  if (status == -ECONNREFUSED && !r->failing && !gossip_ring_piece_refused(r, k, nonce, gossip_now_ms(g))) {
     log_debug("all-reduce of step %llu: %s refused a piece sent on a READY of an attempt it has left; waiting "
               "for its current one",
               (unsigned long long)r->step, net_conn_peer_name(c));
@@ -881,6 +882,7 @@ static void transfers_init(struct gossip_ring *r) {
   }
   r->inflight = 0;
   r->delivered = r->stale_readies = 0;
+  r->refused_ms = 0;
   r->send_conn = NULL;
 }
 
@@ -1125,6 +1127,7 @@ static void on_ready(struct gossip *g, net_conn_t *c, const uint8_t *from, uint6
     if (same_id(from, succ(r))) {
       r->succ_ready = true;
       r->succ_nonce = nonce; /* a new attempt: pieces already sent to the old one fail, and we start over */
+      r->refused_ms = 0;
       pump(g);
     }
     return;
@@ -1179,6 +1182,11 @@ void gossip_ring_tick(struct gossip *g, uint64_t now) {
   }
   if (now >= r->deadline_ms) {
     fail(g, true, "timed out after %u ms", g->cfg.exchange_timeout_ms);
+    return;
+  }
+  if (r->refused_ms && !r->succ_ready && now >= r->refused_ms + RING_REFUSED_WAIT_MS) {
+    fail(g, true, "the next member refused our pieces and sent no READY for this attempt in %d ms",
+         RING_REFUSED_WAIT_MS);
     return;
   }
   /* A member out of our view (suspect, failed, left): what we still wait

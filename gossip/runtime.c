@@ -231,8 +231,11 @@ static void suspect_on_close(struct gossip *g, net_conn_t *c, int status, const 
   if (!swim_suspect(&g->swim, id, now)) return;
   char label[200];
   gossip_member_label(g, id, label, sizeof label);
-  log_info("member %s is suspected at once: its connection %s (%s)", label,
-           net_conn_judged_dead(c) ? "fell silent" : "was cut", detail);
+  const struct swim_member *m = swim_find(&g->swim, id);
+  log_info("member %s is suspected at once: its connection %s (%s)%s", label,
+           net_conn_judged_dead(c) ? "fell silent" : "was cut", detail,
+           m && m->quiet ? "; we see no majority of the cluster alive (cut off?): our suspicions are told to no one"
+                         : "");
   gossip_publish(g);
 }
 

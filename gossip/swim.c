@@ -181,7 +181,11 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms) {
     notify(s, m, SWIM_ALIVE, true);
     return true;
   }
-  if (!supersedes(u, &m->info)) return false;
+  /* A quiet verdict of ours (swim_member.quiet) yields to the others' word
+   * that the member is alive at the incarnation we judged. */
+  bool unquiet = m->quiet && u->state == SWIM_ALIVE && u->incarnation >= m->info.incarnation;
+  if (!supersedes(u, &m->info) && !unquiet) return false;
+  m->quiet = false;
   enum swim_state old = m->info.state;
   bool was_ready = m->info.ready;
   char addr[SWIM_ADDR_MAX];
@@ -205,6 +209,14 @@ static void heard(struct swim *s, const uint8_t *from, uint64_t now_ms) {
   struct swim_member *m = swim_find(s, from);
   if (!m) return;
   m->last_heard_ms = now_ms;
+  if (m->quiet) { /* our verdict alone, told to no one: it was wrong */
+    enum swim_state old = m->info.state;
+    m->quiet = false;
+    m->info.state = SWIM_ALIVE;
+    m->since_ms = now_ms;
+    notify(s, m, old, false);
+    return;
+  }
   if (m->info.state == SWIM_SUSPECT || m->info.state == SWIM_DEAD) enqueue(s, &m->info);
 }
 
@@ -303,6 +315,47 @@ static void send_indirect(struct swim *s, struct swim_member *target) {
   }
 }
 
+/* ---- minority ----
+ * A member cut off from the others (a partition, a NAT's mapping lost)
+ * loses every connection at once and suspects everyone, then declares
+ * everyone failed after suspect_timeout; when the cut healed, it spread
+ * that news (its replies, its reconnect probes) and the cluster's members
+ * took each other for failed, refuted, and took each other back, the ring
+ * re-forming at each step (bench-chaos: 2-4 s of no training after each
+ * 10 s cut, once a ring of four out of eight). Seeing no majority alive,
+ * we are the likelier one cut off: our verdicts stay here (quiet), the
+ * suspicion held SWIM_QUIET_HOLD times longer before it turns to a quiet
+ * DEAD, and the first word from the member (heard) or of it from others
+ * (swim_apply) ends it. The majority's verdicts on us are what the cluster
+ * acts on, and our refutation what brings us back. A real loss of most of
+ * the cluster at once is judged by the survivors as slowly (their
+ * suspicions held, the ring going on without the suspects meanwhile). */
+
+bool swim_in_minority(const struct swim *s) {
+  size_t known = 1, alive = 1; /* ourselves */
+  for (size_t i = 0; i < s->nmembers; i++) {
+    const struct swim_member *m = &s->members[i];
+    if (m->info.state == SWIM_ALIVE) alive++, known++;
+    else if (m->info.state == SWIM_SUSPECT || (m->info.state == SWIM_DEAD && m->quiet)) known++;
+  }
+  return 2 * alive <= known;
+}
+
+/* Every suspicion we hold becomes quiet, its news taken out of the queue. */
+static void quiet_all(struct swim *s) {
+  for (size_t i = 0; i < s->nmembers; i++) {
+    struct swim_member *m = &s->members[i];
+    if (m->info.state != SWIM_SUSPECT || m->quiet) continue;
+    m->quiet = true;
+    s->quieted++;
+    for (size_t q = 0; q < s->nqueue; q++)
+      if (same_id(s->queue[q].u.id, m->info.id)) {
+        s->queue[q] = s->queue[--s->nqueue];
+        break;
+      }
+  }
+}
+
 bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms) {
   struct swim_member *m = swim_find(s, id);
   if (!m || m->info.state != SWIM_ALIVE) return false;
@@ -310,7 +363,8 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms) {
   u.state = SWIM_SUSPECT;
   s->suspicions++;
   swim_apply(s, &u, now_ms);
-  tell_all(s, &u);
+  if (swim_in_minority(s)) quiet_all(s);
+  else tell_all(s, &u);
   return true;
 }
 
@@ -348,7 +402,7 @@ static void reconnect_probe(struct swim *s, uint64_t now_ms) {
   for (size_t i = 0; i < s->nmembers; i++) {
     struct swim_member *m = &s->members[i];
     if (m->info.state != SWIM_DEAD || pick-- > 0) continue;
-    enqueue(s, &m->info);
+    if (!m->quiet) enqueue(s, &m->info); /* a quiet verdict is ours alone: its ACK (heard) ends it */
     struct swim_update u[SWIM_MAX_PIGGYBACK];
     size_t n = swim_take_updates(s, u, SWIM_MAX_PIGGYBACK);
     s->reconnects++;
@@ -363,10 +417,17 @@ void swim_tick(struct swim *s, uint64_t now_ms) {
   /* Suspicion timeouts and tombstone expiry. */
   for (size_t i = 0; i < s->nmembers;) {
     struct swim_member *m = &s->members[i];
-    if (m->info.state == SWIM_SUSPECT && now_ms - m->since_ms >= s->cfg.suspect_timeout_ms) {
-      struct swim_update u = m->info;
-      u.state = SWIM_DEAD;
-      swim_apply(s, &u, now_ms);
+    uint64_t hold = (uint64_t)s->cfg.suspect_timeout_ms * (m->quiet ? SWIM_QUIET_HOLD : 1);
+    if (m->info.state == SWIM_SUSPECT && now_ms - m->since_ms >= hold) {
+      if (m->quiet) { /* failed here only: still told to no one */
+        m->info.state = SWIM_DEAD;
+        m->since_ms = now_ms;
+        notify(s, m, SWIM_SUSPECT, false);
+      } else {
+        struct swim_update u = m->info;
+        u.state = SWIM_DEAD;
+        swim_apply(s, &u, now_ms);
+      }
     }
     if ((m->info.state == SWIM_DEAD || m->info.state == SWIM_LEFT) && now_ms - m->since_ms >= s->cfg.retention_ms) {
       s->members[i] = s->members[--s->nmembers];

@@ -66,7 +66,17 @@ struct swim_member {
   struct swim_update info;
   uint64_t since_ms;       /* when `info.state` was last set */
   uint64_t last_heard_ms;  /* last message from it (any kind) */
+  /* Our own verdict (SUSPECT, then DEAD), made while we saw no majority of
+   * the cluster alive ("Minority" in swim.c): held here, told to no one,
+   * and dropped as soon as we hear from the member or the others say it is
+   * alive. */
+  bool quiet;
 };
+
+/* A quiet suspicion is declared failed (quietly) after this many
+ * suspect_timeouts: a member cut off for longer than that ends by holding
+ * the others failed, as before. */
+#define SWIM_QUIET_HOLD 6
 
 struct swim_config {
   uint32_t period_ms;          /* protocol period (one probe each) */
@@ -128,7 +138,7 @@ struct swim {
   size_t nqueue, qcap;
 
   /* Counters for monitoring and tests. */
-  uint64_t probes, probes_failed, suspicions, refutations, reconnects, stalls;
+  uint64_t probes, probes_failed, suspicions, refutations, reconnects, stalls, quieted;
 };
 
 /* Starts with only `self` known (state ALIVE). `seed` drives probe order. */
@@ -158,8 +168,14 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms);
  * told at once to every live member, the suspect included, so that one
  * that is only slow refutes; SWIM's own timer declares it failed after
  * suspect_timeout as for any suspicion. Returns false (nothing done) when
- * it is unknown or not ALIVE. */
+ * it is unknown or not ALIVE. When, with it suspect, we see no majority of
+ * the cluster alive, we are the likelier one cut off: this suspicion and
+ * every other we hold become quiet (swim_member.quiet), told to no one. */
 bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
+/* True when we see no majority of the cluster alive: ourselves and the
+ * members we hold ALIVE are at most half of ourselves and the members we
+ * hold ALIVE or SUSPECT, or DEAD by a quiet verdict of ours. */
+bool swim_in_minority(const struct swim *s);
 
 /* We may have been suspected or declared failed without hearing it (our
  * owner saw its loop stall: a stopped process): raises our incarnation and

@@ -164,28 +164,30 @@ static void with_sends(void) {
 TestSuite(ring_refused, .init = with_sends);
 
 Test(ring_refused, a_piece_refused_on_a_stale_ready_spends_it_and_the_attempt_goes_on) {
-  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7), "the attempt failed on a successor's stale READY");
+  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7, 5000), "the attempt failed on a successor's stale READY");
   cr_assert_eq(sends[0].state, RING_IO_NONE, "the refused piece cannot go again");
   cr_assert_not(r.succ_ready, "the next pieces would go on the stale READY again");
   cr_assert(readies[0].spent, "the stale READY arriving again would be taken again");
   cr_assert_eq(readies[1].nonce, 5, "the predecessor's READY was touched");
   cr_assert_eq(r.stale_readies, 1);
+  cr_assert_eq(r.refused_ms, 5000, "the wait for the successor's current READY is not bounded");
 }
 
 Test(ring_refused, a_piece_refused_on_an_older_ready_than_the_one_we_hold_goes_again_on_it) {
   r.succ_nonce = readies[0].nonce = 8; /* the successor's current READY came while the piece was on its way */
-  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7));
+  cr_assert_not(gossip_ring_piece_refused(&r, 0, 7, 5000));
   cr_assert(r.succ_ready, "the successor's current READY was spent for an older one's refusal");
   cr_assert_not(readies[0].spent);
   cr_assert_eq(r.stale_readies, 0);
+  cr_assert_eq(r.refused_ms, 0, "a wait began though a current READY is here");
   cr_assert_eq(sends[0].state, RING_IO_NONE);
 }
 
 Test(ring_refused, a_refusal_after_the_successor_confirmed_a_piece_fails_the_attempt) {
   r.delivered = 1; /* what it took is lost with the attempt it left */
-  cr_assert(gossip_ring_piece_refused(&r, 0, 7));
+  cr_assert(gossip_ring_piece_refused(&r, 0, 7, 5000));
   r.succ_nonce = 8;
-  cr_assert(gossip_ring_piece_refused(&r, 0, 7));
+  cr_assert(gossip_ring_piece_refused(&r, 0, 7, 5000));
 }
 
 Test(ring_refused, an_attempt_outlives_a_bounded_number_of_stale_readies) {
@@ -195,7 +197,7 @@ Test(ring_refused, an_attempt_outlives_a_bounded_number_of_stale_readies) {
     r.succ_ready = true;
     r.succ_nonce = 100 + i;
     sends[0].state = RING_IO_BUSY;
-    bool failed = gossip_ring_piece_refused(&r, 0, 100 + i);
+    bool failed = gossip_ring_piece_refused(&r, 0, 100 + i, 5000);
     if (i < RING_STALE_READY_MAX)
       cr_assert_not(failed, "stale READY %llu failed the attempt", (unsigned long long)i + 1);
     else
