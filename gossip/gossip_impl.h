@@ -463,6 +463,11 @@ struct gossip {
    * connections cut by others are taken as their verdicts on us, not as
    * evidence against them (runtime.c, on_tick and on_close). */
   uint64_t last_tick_ms, stalled_until_ms;
+  /* After a cut of ours (SWIM holds quiet verdicts): when we last asked a
+   * member for its table, and whom (runtime.c, ask_table_after_cut). */
+  uint64_t table_asked_ms;
+  uint8_t table_asked_of[NET_PUBKEY_BYTES];
+  uint64_t quiet_noted; /* swim.quieted when last logged (runtime.c, note_quiet) */
   /* Holding a state: the training thread sets it after joining and
    * building its model (gossip_ready); from then on we exchange and donate. */
   _Atomic bool ready;

@@ -142,6 +142,51 @@ static bool swim_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   }
 }
 
+/* After a cut of ours: the first member we hear from again while SWIM holds
+ * quiet verdicts (swim.c, "minority") is asked for its member table, which
+ * ends at once every verdict of ours it contradicts. Without it our view
+ * came back one member at a time, as each one's SWIM message reached us
+ * through dials left waiting out TCP's SYN backoff since the cut
+ * (bench-chaos: 8 s for the last of seven, while our all-reduce ring, formed
+ * in our partial view, and the others', formed with us, blocked each
+ * other). At most once per second; the answer is taken only from the
+ * member asked. */
+#define GOSSIP_TABLE_ASK_MS 1000
+
+static void ask_table_after_cut(struct gossip *g, net_conn_t *c) {
+  uint64_t now = gossip_now_ms(g);
+  if (!swim_count_quiet(&g->swim) || (g->table_asked_ms && now - g->table_asked_ms < GOSSIP_TABLE_ASK_MS)) return;
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, GMSG_MEMBERS_REQ, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "q", 0);
+  if (net_conn_send_msg(c, &b) == 0) {
+    g->table_asked_ms = now;
+    memcpy(g->table_asked_of, net_conn_peer_key(c), NET_PUBKEY_BYTES);
+  }
+  net_msgbuf_free(&b);
+}
+
+static void on_table(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  if (!g->table_asked_ms || memcmp(net_conn_peer_key(c), g->table_asked_of, NET_PUBKEY_BYTES) != 0) return;
+  memset(g->table_asked_of, 0, NET_PUBKEY_BYTES); /* one answer per question */
+  size_t cap = SWIM_MAX_MEMBERS + 1, before = swim_count_quiet(&g->swim);
+  struct swim_update *tab = xmalloc(cap * sizeof *tab);
+  int n = gossip_get_updates(m, "u", tab, cap);
+  if (n < 0) {
+    log_warn("malformed member table from %s; dropping the connection", net_conn_peer_name(c));
+    free(tab);
+    net_conn_close(c);
+    return;
+  }
+  uint64_t now = gossip_now_ms(g);
+  for (int i = 0; i < n; i++) swim_apply(&g->swim, &tab[i], now);
+  free(tab);
+  size_t after = swim_count_quiet(&g->swim);
+  log_info("back from a cut: the member table of %s ends %zu of our %zu verdicts made while we saw no majority",
+           net_conn_peer_name(c), before - after, before);
+  gossip_publish(g);
+}
+
 static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   struct gossip *g = ud;
   if (m->version != GOSSIP_PROTO_VERSION) {
@@ -158,8 +203,12 @@ static void on_message(net_conn_t *c, const struct net_msg *m, void *ud) {
   case GMSG_ACK:
   case GMSG_LEAVE:
   case GMSG_PING_REQ:
-    if (swim_msg(g, c, m)) return;
+    if (swim_msg(g, c, m)) {
+      ask_table_after_cut(g, c);
+      return;
+    }
     break;
+  case GMSG_MEMBERS: on_table(g, c, m); return;
   case GMSG_XCH_REQ:
   case GMSG_XCH_ACCEPT:
   case GMSG_XCH_REJECT: gossip_xch_on_msg(g, c, m); return;
@@ -211,6 +260,14 @@ static void on_bulk_done(net_conn_t *c, uint64_t id, int status, float *dst, voi
   if (!gossip_xch_on_bulk_done(g, c, id, status)) (void)gossip_join_on_bulk_done(g, c, id, status);
 }
 
+/* Says once when SWIM made suspicions quiet (swim.c, "minority"). */
+static void note_quiet(struct gossip *g) {
+  if (g->swim.quieted == g->quiet_noted) return;
+  g->quiet_noted = g->swim.quieted;
+  log_warn("we see no majority of the cluster alive (cut off?): our suspicions of %zu members are told to no one",
+           swim_count_quiet(&g->swim));
+}
+
 /* A connection cut (a reset, EOF without BYE: the process died) or judged
  * dead by the heartbeat is evidence against its member: SWIM suspects it at
  * once (and tells everyone), so that the ring re-forms without it in a
@@ -231,11 +288,9 @@ static void suspect_on_close(struct gossip *g, net_conn_t *c, int status, const 
   if (!swim_suspect(&g->swim, id, now)) return;
   char label[200];
   gossip_member_label(g, id, label, sizeof label);
-  const struct swim_member *m = swim_find(&g->swim, id);
-  log_info("member %s is suspected at once: its connection %s (%s)%s", label,
-           net_conn_judged_dead(c) ? "fell silent" : "was cut", detail,
-           m && m->quiet ? "; we see no majority of the cluster alive (cut off?): our suspicions are told to no one"
-                         : "");
+  log_info("member %s is suspected at once: its connection %s (%s)", label,
+           net_conn_judged_dead(c) ? "fell silent" : "was cut", detail);
+  note_quiet(g);
   gossip_publish(g);
 }
 
@@ -338,6 +393,7 @@ static void on_tick(uv_timer_t *t) {
     gossip_relay_tick(g, now);
     gossip_join_tick(g, now);
     if (gossip_joined(g)) swim_tick(&g->swim, now);
+    note_quiet(g);
   }
   gossip_links_tick(g, now);
   gossip_xch_tick(g, now);

@@ -341,6 +341,12 @@ bool swim_in_minority(const struct swim *s) {
   return 2 * alive <= known;
 }
 
+size_t swim_count_quiet(const struct swim *s) {
+  size_t n = 0;
+  for (size_t i = 0; i < s->nmembers; i++) n += s->members[i].quiet;
+  return n;
+}
+
 /* Every suspicion we hold becomes quiet, its news taken out of the queue. */
 static void quiet_all(struct swim *s) {
   for (size_t i = 0; i < s->nmembers; i++) {

@@ -176,6 +176,8 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
  * members we hold ALIVE are at most half of ourselves and the members we
  * hold ALIVE or SUSPECT, or DEAD by a quiet verdict of ours. */
 bool swim_in_minority(const struct swim *s);
+/* How many members we hold by a quiet verdict. */
+size_t swim_count_quiet(const struct swim *s);
 
 /* We may have been suspected or declared failed without hearing it (our
  * owner saw its loop stall: a stopped process): raises our incarnation and

@@ -1,7 +1,8 @@
 /* Network faults between peers on separate test hosts (deploy/testnet.sh:
  * network namespaces joined by a switch, with per-host delay, loss, rate
  * and cuts): a host cut off for 30 s and healed (both sides keep training,
- * the drift Ξ returns under its bound), 100 ms round trips over 100 Mbit/s
+ * the drift Ξ returns under its bound, the cut-off peer keeps its verdicts
+ * to itself and takes a member's table after the heal), 100 ms round trips over 100 Mbit/s
  * links (exchanges complete, training proceeds), 1 % loss (no stuck
  * exchange, no false failure verdict), and a peer stopped for longer than
  * the suspicion time (declared failed, and back with a higher incarnation
@@ -385,6 +386,17 @@ Test(netfaults, a_host_cut_off_for_30s_keeps_training_and_drift_returns_under_it
           back_at - heal_at);
   cr_assert_geq(under_at, 0, "the drift stayed at %.4f, above its bound %.2f, %d s after the heal", after,
                 DRIFT_BOUND, HEAL_S);
+  /* Alone, it saw no majority: its verdicts stayed its own, and the first
+   * member it heard from after the heal gave it its table (gossip/swim.c,
+   * "minority"; runtime.c, ask_table_after_cut). */
+  cr_assert_gt(count_lines(peer[cut - 1], "are told to no one", NULL), 0,
+               "the cut-off peer's suspicions were told to the others: %s", proc_slurp(C.node[peer[cut - 1]].log));
+  cr_assert_gt(count_lines(peer[cut - 1], "back from a cut: the member table of", NULL), 0,
+               "the cut-off peer took no member's table after the heal: %s", proc_slurp(C.node[peer[cut - 1]].log));
+  for (int i = 0; i < n - 1; i++)
+    cr_assert_eq(count_lines_after(peer[i], cut_at, "is now failed", NULL),
+                 count_lines_after(peer[i], cut_at, "is now failed", lone_pat),
+                 "peer %d took a member other than the cut-off one for failed: %s", i, proc_slurp(C.node[peer[i]].log));
   fprintf(stderr, "figure: the drift was back under %.2f %ld ms after the heal\n", DRIFT_BOUND, under_at - heal_at);
   stop_all(peer, n);
   double final = rel_drift(peer, n, s2);
