@@ -635,6 +635,10 @@ void gossip_relay_dial_back(struct gossip *g, const uint8_t *id, const char *add
 void gossip_relay_on_reach(struct gossip *g, net_conn_t *c, const struct net_msg *m);
 /* JOIN, JOIN_OK, JOIN_REJECT and STATE_BUSY. */
 void gossip_join_on_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m);
+/* Applies the member table in `m` (key "u": a JOIN reply, a MEMBERS answer)
+ * to SWIM; false, with `what` logged as malformed and the connection
+ * closed, when it does not parse. */
+bool gossip_take_table(struct gossip *g, net_conn_t *c, const struct net_msg *m, const char *what);
 /* The donor's state transfer begins (position from its metadata): returns 0
  * with *dst set, or a negative code to refuse it. */
 int gossip_join_on_bulk_begin(struct gossip *g, net_conn_t *c, const struct net_bulk_info *info,

@@ -146,21 +146,25 @@ static void join_dial_tick(struct gossip *g, uint64_t now) {
   j->retry_ms = now + g->cfg.period_ms * 5; /* JOIN reply deadline before the next address */
 }
 
-static void handle_join_ok(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
-  struct gossip_join *j = &g->join;
-  if (j->joined) return;
+bool gossip_take_table(struct gossip *g, net_conn_t *c, const struct net_msg *m, const char *what) {
   size_t cap = SWIM_MAX_MEMBERS + 1;
   struct swim_update *tab = xmalloc(cap * sizeof *tab);
   int n = gossip_get_updates(m, "u", tab, cap);
   if (n < 0) {
-    log_warn("malformed JOIN reply from %s", net_conn_peer_name(c));
+    log_warn("malformed %s from %s; dropping the connection", what, net_conn_peer_name(c));
     free(tab);
     net_conn_close(c);
-    return;
+    return false;
   }
   uint64_t now = gossip_now_ms(g);
   for (int i = 0; i < n; i++) swim_apply(&g->swim, &tab[i], now);
   free(tab);
+  return true;
+}
+
+static void handle_join_ok(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
+  struct gossip_join *j = &g->join;
+  if (j->joined || !gossip_take_table(g, c, m, "JOIN reply")) return;
   pthread_mutex_lock(&g->lock);
   j->joined = true;
   pthread_cond_broadcast(&g->cond);

@@ -169,18 +169,8 @@ static void ask_table_after_cut(struct gossip *g, net_conn_t *c) {
 static void on_table(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
   if (!g->table_asked_ms || memcmp(net_conn_peer_key(c), g->table_asked_of, NET_PUBKEY_BYTES) != 0) return;
   memset(g->table_asked_of, 0, NET_PUBKEY_BYTES); /* one answer per question */
-  size_t cap = SWIM_MAX_MEMBERS + 1, before = swim_count_quiet(&g->swim);
-  struct swim_update *tab = xmalloc(cap * sizeof *tab);
-  int n = gossip_get_updates(m, "u", tab, cap);
-  if (n < 0) {
-    log_warn("malformed member table from %s; dropping the connection", net_conn_peer_name(c));
-    free(tab);
-    net_conn_close(c);
-    return;
-  }
-  uint64_t now = gossip_now_ms(g);
-  for (int i = 0; i < n; i++) swim_apply(&g->swim, &tab[i], now);
-  free(tab);
+  size_t before = swim_count_quiet(&g->swim);
+  if (!gossip_take_table(g, c, m, "member table")) return;
   size_t after = swim_count_quiet(&g->swim);
   log_info("back from a cut: the member table of %s ends %zu of our %zu verdicts made while we saw no majority",
            net_conn_peer_name(c), before - after, before);
