@@ -511,6 +511,9 @@ uint64_t gossip_derive_sketch_seed(const uint8_t cluster_key[NET_CLUSTER_KEY_BYT
  * Every entry must pass net_addr_check_dial; RUMOR_EFORMAT names the flag
  * and the bad entry. */
 int gossip_split_addrs(const char *list, char **out, size_t max, size_t *n, struct rumor_err *e) RUMOR_MUST_CHECK;
+/* Sends a request of `type` numbered `q` (STATS_REQ, MEMBERS_REQ,
+ * PARAMS_REQ: the answer echoes "q") on `c`: 0 or the send's error. */
+int gossip_send_request(net_conn_t *c, uint64_t type, uint64_t q);
 /* Member updates travel under "u" as an array of [id (bin 32), addr (str),
  * role, state, incarnation, ready (bool)]. */
 void gossip_put_updates(struct net_msgbuf *b, const struct swim_update *u, size_t n);
@@ -810,6 +813,7 @@ void gossip_testing_tick(struct gossip *g, uint64_t now);
 void gossip_testing_donation(struct gossip *g, float *state, uint64_t n);
 /* True when the all-reduce READY about to go out is to be lost instead. */
 bool gossip_testing_lose_ready(struct gossip *g, bool first_of_attempt);
+/* True when the all-reduce READY about to go out names another attempt (staleready). */
 bool gossip_testing_stale_ready(struct gossip *g, bool first_of_attempt);
 /* How long a last-phase piece's delivery is taken late (slowconfirm; 0: not). */
 uint64_t gossip_testing_confirm_delay_ms(struct gossip *g);

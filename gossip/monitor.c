@@ -137,11 +137,7 @@ static void node_fail(struct gossip_monitor *m, size_t i, const char *fmt, ...) 
 }
 
 static void send_simple(net_conn_t *c, uint64_t type, uint64_t q) {
-  struct net_msgbuf b;
-  net_msgbuf_init(&b, type, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_uint(&b, "q", q);
-  int rc = net_conn_send_msg(c, &b);
-  net_msgbuf_free(&b);
+  int rc = gossip_send_request(c, type, q);
   if (rc) log_debug("monitor: cannot send to %s: %s", net_conn_peer_name(c), rumor_strerror(rc));
 }
 

@@ -156,18 +156,14 @@ static bool swim_msg(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
 static void ask_table_after_cut(struct gossip *g, net_conn_t *c) {
   uint64_t now = gossip_now_ms(g);
   if (!swim_count_quiet(&g->swim) || (g->table_asked_ms && now - g->table_asked_ms < GOSSIP_TABLE_ASK_MS)) return;
-  struct net_msgbuf b;
-  net_msgbuf_init(&b, GMSG_MEMBERS_REQ, GOSSIP_PROTO_VERSION);
-  net_msgbuf_put_uint(&b, "q", 0);
-  if (net_conn_send_msg(c, &b) == 0) {
-    g->table_asked_ms = now;
-    memcpy(g->table_asked_of, net_conn_peer_key(c), NET_PUBKEY_BYTES);
-  }
-  net_msgbuf_free(&b);
+  if (gossip_send_request(c, GMSG_MEMBERS_REQ, 0)) return;
+  g->table_asked_ms = now;
+  memcpy(g->table_asked_of, net_conn_peer_key(c), NET_PUBKEY_BYTES);
 }
 
 static void on_table(struct gossip *g, net_conn_t *c, const struct net_msg *m) {
-  if (!g->table_asked_ms || memcmp(net_conn_peer_key(c), g->table_asked_of, NET_PUBKEY_BYTES) != 0) return;
+  /* Only an answer to our question (an all-zero key is nobody's). */
+  if (memcmp(net_conn_peer_key(c), g->table_asked_of, NET_PUBKEY_BYTES) != 0) return;
   memset(g->table_asked_of, 0, NET_PUBKEY_BYTES); /* one answer per question */
   size_t before = swim_count_quiet(&g->swim);
   if (!gossip_take_table(g, c, m, "member table")) return;

@@ -331,7 +331,10 @@ static void send_indirect(struct swim *s, struct swim_member *target) {
  * the cluster at once is judged by the survivors as slowly (their
  * suspicions held, the ring going on without the suspects meanwhile). */
 
-bool swim_in_minority(const struct swim *s) {
+/* True when we see no majority of the cluster alive: ourselves and the
+ * members we hold ALIVE are at most half of ourselves and the members we
+ * hold ALIVE or SUSPECT, or DEAD by a quiet verdict of ours. */
+static bool in_minority(const struct swim *s) {
   size_t known = 1, alive = 1; /* ourselves */
   for (size_t i = 0; i < s->nmembers; i++) {
     const struct swim_member *m = &s->members[i];
@@ -369,7 +372,7 @@ bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms) {
   u.state = SWIM_SUSPECT;
   s->suspicions++;
   swim_apply(s, &u, now_ms);
-  if (swim_in_minority(s)) quiet_all(s);
+  if (in_minority(s)) quiet_all(s);
   else tell_all(s, &u);
   return true;
 }

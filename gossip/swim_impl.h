@@ -172,10 +172,6 @@ bool swim_apply(struct swim *s, const struct swim_update *u, uint64_t now_ms);
  * the cluster alive, we are the likelier one cut off: this suspicion and
  * every other we hold become quiet (swim_member.quiet), told to no one. */
 bool swim_suspect(struct swim *s, const uint8_t *id, uint64_t now_ms);
-/* True when we see no majority of the cluster alive: ourselves and the
- * members we hold ALIVE are at most half of ourselves and the members we
- * hold ALIVE or SUSPECT, or DEAD by a quiet verdict of ours. */
-bool swim_in_minority(const struct swim *s);
 /* How many members we hold by a quiet verdict. */
 size_t swim_count_quiet(const struct swim *s);
 

@@ -131,3 +131,12 @@ int gossip_get_updates(const struct net_msg *m, const char *key, struct swim_upd
   }
   return (int)n;
 }
+
+int gossip_send_request(net_conn_t *c, uint64_t type, uint64_t q) {
+  struct net_msgbuf b;
+  net_msgbuf_init(&b, type, GOSSIP_PROTO_VERSION);
+  net_msgbuf_put_uint(&b, "q", q);
+  int rc = net_conn_send_msg(c, &b);
+  net_msgbuf_free(&b);
+  return rc;
+}

@@ -274,21 +274,29 @@ Test(allreduce, a_killed_member_is_dropped_and_a_newcomer_enters_the_ring) {
  * build's "loseready"): only the repetitions (RING_READY_RESEND_MS, 1 s)
  * reach the predecessors. The rounds complete, each in about a second,
  * instead of each waiting out the exchange timeout (60 s) and failing. */
-Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
-  SKIP_WITHOUT_DATA();
+/* Two members of the testing build, both with `attack`, logging at debug
+ * level (what the attacks' tests look for), run `steps` rounds; both must
+ * finish within 40 s, where one round held to the exchange timeout alone
+ * takes 60. */
+static void two_attacking_members_finish(const char *attack, const char *steps, int peer[2]) {
   C.bin = RUMOR_TESTING_BIN;
-  setenv("RUMOR_LOG_LEVEL", "debug", 1); /* the repetitions are logged at debug level */
+  setenv("RUMOR_LOG_LEVEL", "debug", 1);
   cluster_start_bootstrap(&C, NULL);
-  int peer[2];
   for (int i = 0; i < 2; i++)
-    peer[i] = cluster_start_peer(&C, "--attack", "loseready", "--model", MODEL, "--sync", "allreduce", "--shard",
-                                 i ? "1/2" : "0/2", "--max-steps", "4", "--batch", "16", "--seed", "7", "--no-eval",
+    peer[i] = cluster_start_peer(&C, "--attack", attack, "--model", MODEL, "--sync", "allreduce", "--shard",
+                                 i ? "1/2" : "0/2", "--max-steps", steps, "--batch", "16", "--seed", "7", "--no-eval",
                                  "--wait-peers", "2", "--checkpoint", C.node[C.n].ckpt, NULL);
   for (int i = 0; i < 2; i++) {
-    int st = cluster_wait(&C, peer[i], 40); /* 4 rounds of ~1 s; one timed-out round alone takes 60 */
-    cr_assert(proc_exited_with(st, 0), "peer %d did not finish within 40 s (status %d): %s", i, st,
+    int st = cluster_wait(&C, peer[i], 40);
+    cr_assert(proc_exited_with(st, 0), "peer %d did not finish %s rounds within 40 s (status %d): %s", i, steps, st,
               proc_slurp(C.node[peer[i]].log));
   }
+}
+
+Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
+  SKIP_WITHOUT_DATA();
+  int peer[2];
+  two_attacking_members_finish("loseready", "4", peer); /* 4 rounds of ~1 s */
   for (int i = 0; i < 2; i++) {
     cr_assert(cluster_log_has(&C, peer[i], "lost on purpose"), "peer %d lost no READY", i);
     cr_assert(cluster_log_has(&C, peer[i], "telling it again"), "peer %d sent no READY again", i);
@@ -307,19 +315,8 @@ Test(allreduce, a_lost_ready_is_sent_again_and_the_rounds_complete) {
  * member sends its current one at once, and no round fails. */
 Test(allreduce, a_piece_sent_on_a_stale_ready_is_sent_again_and_no_round_fails) {
   SKIP_WITHOUT_DATA();
-  C.bin = RUMOR_TESTING_BIN;
-  setenv("RUMOR_LOG_LEVEL", "debug", 1); /* the refusals are logged at debug level */
-  cluster_start_bootstrap(&C, NULL);
   int peer[2];
-  for (int i = 0; i < 2; i++)
-    peer[i] = cluster_start_peer(&C, "--attack", "staleready", "--model", MODEL, "--sync", "allreduce", "--shard",
-                                 i ? "1/2" : "0/2", "--max-steps", "6", "--batch", "16", "--seed", "7", "--no-eval",
-                                 "--wait-peers", "2", "--checkpoint", C.node[C.n].ckpt, NULL);
-  for (int i = 0; i < 2; i++) {
-    int st = cluster_wait(&C, peer[i], 40);
-    cr_assert(proc_exited_with(st, 0), "peer %d did not finish 6 rounds within 40 s (status %d): %s", i, st,
-              proc_slurp(C.node[peer[i]].log));
-  }
+  two_attacking_members_finish("staleready", "6", peer);
   for (int i = 0; i < 2; i++) {
     cr_assert(cluster_log_has(&C, peer[i], "names an attempt that is not ours"), "peer %d sent no stale READY", i);
     cr_assert(cluster_log_has(&C, peer[i], "refused a piece sent on a READY"), "no piece of peer %d was refused", i);
